@@ -1,0 +1,1 @@
+"""MLX side: model loading, KV segments, scheduling, batched prefill/decode, sampling."""

@@ -1,0 +1,284 @@
+"""Deterministic demo models: random float32 weights and a real byte-level BPE tokenizer.
+
+Tests, benchmarks and a first `radix-mlx serve` need a model that `mlx_lm.load` accepts
+without downloading anything. The weights are random (from a fixed seed), but every
+file is a standard mlx-lm model directory, so the whole serving path runs for real.
+The same (size, seed, family) always gives byte-identical files, so tests and caches can
+rely on it.
+"""
+
+import importlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import platformdirs
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+FAMILIES = ("llama", "gemma3_text", "qwen3_next")
+
+# Shapes shared by every family; a family maps them onto its own config keys.
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "vocab_size": 2048,
+    },
+    "bench": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "intermediate_size": 2816,
+        "vocab_size": 4096,
+    },
+}
+
+BOS, EOS, PAD, IM_START, IM_END = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|pad|>",
+    "<|im_start|>",
+    "<|im_end|>",
+)
+SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]
+
+# Small enough that a short test prompt already makes the rotating cache wrap.
+SLIDING_WINDOW = 32
+MAX_POSITION_EMBEDDINGS = 8192
+WEIGHT_GAIN = 2.0
+
+CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "<|im_start|>system\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\n"
+    "You may call one or more functions to assist with the user query. "
+    "Function signatures:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools>\n\n"
+    "To call a function, reply with a JSON object inside <tool_call></tool_call> tags: "
+    '{"name": <function-name>, "arguments": <args-json-object>}<|im_end|>\n'
+    "{%- elif messages and messages[0]['role'] == 'system' -%}"
+    "<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if not (loop.first and message['role'] == 'system') -%}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{%- if message['content'] %}{{ message['content'] }}{% endif -%}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- set function = call['function'] if call['function'] is defined else call -%}"
+    '\n<tool_call>\n{"name": "{{ function[\'name\'] }}", "arguments": '
+    "{%- if function['arguments'] is string %} {{ function['arguments'] }}"
+    "{%- else %} {{ function['arguments'] | tojson }}{% endif -%}"
+    "}\n</tool_call>"
+    "{%- endfor -%}"
+    "<|im_end|>\n"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+
+
+def demo_model_path(size: str = "tiny", seed: int = 0) -> Path:
+    """The cached llama demo model for (size, seed), built on first use.
+
+    Concurrent callers may all build; the first rename wins and the others discard theirs.
+    """
+    path = Path(platformdirs.user_cache_dir("radix-mlx")) / "demo-models" / f"{size}-seed{seed}"
+    if not path.is_dir():
+        _build(path, size, seed, "llama", replace=False)
+    return path
+
+
+def build_demo_model(
+    path: str | Path, size: str = "tiny", seed: int = 0, family: str = "llama"
+) -> Path:
+    """Write a complete model directory to `path`, replacing whatever was there."""
+    path = Path(path)
+    _build(path, size, seed, family, replace=True)
+    return path
+
+
+def _build(path: Path, size: str, seed: int, family: str, replace: bool) -> None:
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {list(FAMILIES)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Staging beside the target keeps the final rename on one filesystem, hence atomic.
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    staging.chmod(0o755)  # mkdtemp's 0o700 would hide a shared model from other users
+    try:
+        _write_model(staging, size, seed, family)
+        if replace and path.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+            os.replace(path, retired / path.name)
+            shutil.rmtree(retired)
+        try:
+            os.rename(staging, path)
+        except OSError:
+            if not (path / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_model(directory: Path, size: str, seed: int, family: str) -> None:
+    tokenizer = train_tokenizer(SIZES[size]["vocab_size"])
+    config = model_config(family, size, tokenizer)
+    weights = random_weights(config, seed)
+
+    import mlx.core as mx
+
+    mx.save_safetensors(
+        str(directory / "model.safetensors"),
+        {name: mx.array(value) for name, value in sorted(weights.items())},
+        metadata={"format": "mlx"},
+    )
+    _write_json(directory / "config.json", config)
+    _write_json(directory / "tokenizer_config.json", tokenizer_config(tokenizer))
+    _write_json(
+        directory / "special_tokens_map.json",
+        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD},
+    )
+    (directory / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+
+
+def _write_json(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def corpus_texts() -> list[str]:
+    """The tokenizer's training text, shipped inside the package, in a fixed order."""
+    corpus = resources.files("engine") / "demo_corpus"
+    names = sorted(entry.name for entry in corpus.iterdir() if entry.name.endswith(".txt"))
+    return [(corpus / name).read_text(encoding="utf-8") for name in names]
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE (GPT-2 / Llama-3 style), so any UTF-8 text round-trips exactly."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    documents = [part for text in corpus_texts() for part in text.split("\n---\n")]
+    tokenizer.train_from_iterator(documents, trainer)
+    return tokenizer
+
+
+def tokenizer_config(tokenizer: Tokenizer) -> dict:
+    """What transformers' AutoTokenizer (used by mlx_lm.load) reads next to tokenizer.json."""
+    return {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "added_tokens_decoder": {
+            str(tokenizer.token_to_id(token)): {
+                "content": token,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for token in SPECIAL_TOKENS
+        },
+        "bos_token": BOS,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": EOS,
+        "model_max_length": MAX_POSITION_EMBEDDINGS,
+        "pad_token": PAD,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+
+
+def model_config(family: str, size: str, tokenizer: Tokenizer) -> dict:
+    """An HF-style config.json for `family` with the shape of `size`."""
+    shape = dict(SIZES[size], vocab_size=tokenizer.get_vocab_size())
+    common = {
+        **shape,
+        "model_type": family,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "bos_token_id": tokenizer.token_to_id(BOS),
+        # Both ends: raw completions stop at end-of-text, chat turns at im_end.
+        "eos_token_id": [tokenizer.token_to_id(EOS), tokenizer.token_to_id(IM_END)],
+        "pad_token_id": tokenizer.token_to_id(PAD),
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    if family == "llama":
+        return {**common, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+    if family == "gemma3_text":
+        # Every second layer is global, the others slide: make_cache mixes
+        # RotatingKVCache and KVCache.
+        return {
+            **common,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 10_000.0,
+            "query_pre_attn_scalar": shape["head_dim"],
+            "sliding_window": SLIDING_WINDOW,
+            "sliding_window_pattern": 2,
+        }
+    # qwen3_next: gated-delta recurrent layers (ArraysCache) alternating with attention
+    # (KVCache); dense MLPs only, since experts add nothing to cache behaviour.
+    return {
+        **common,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "full_attention_interval": 2,
+        "linear_num_value_heads": shape["num_attention_heads"],
+        "linear_num_key_heads": shape["num_key_value_heads"],
+        "linear_key_head_dim": shape["head_dim"],
+        "linear_value_head_dim": shape["head_dim"],
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 0,
+        "num_experts_per_tok": 0,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 0,
+        "shared_expert_intermediate_size": 0,
+    }
+
+
+def random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
+    """Weights for mlx-lm's own module tree of `config`, from `seed` alone.
+
+    Matrices come from numpy (bit-stable across platforms) with std 2/sqrt(fan_in): at
+    1/sqrt(fan_in) greedy decoding of the tiny llama often locked onto one token, at 2 it
+    wanders like text should. Vectors (norms, biases, recurrent decay parameters) keep mlx-lm's own init,
+    seeded so that its random ones are reproducible too.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, value in sorted(tree_flatten(model.parameters())):
+        if value.ndim >= 2:
+            fan_in = math.prod(value.shape[1:])
+            sample = rng.standard_normal(value.shape, dtype=np.float32)
+            weights[name] = sample * np.float32(WEIGHT_GAIN / math.sqrt(fan_in))
+        else:
+            weights[name] = np.array(value.astype(mx.float32))
+    return weights

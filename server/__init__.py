@@ -1,0 +1,1 @@
+"""HTTP side: OpenAI-compatible FastAPI app and the radix-mlx CLI."""
