@@ -1,0 +1,121 @@
+"""The MLX data a radix node owns, and how a request's cache is rebuilt from it.
+
+Two kinds of handle, because mlx-lm models keep two kinds of state:
+
+- `KVSegment`: per layer, the keys and values of one node's token span. Used when every
+  layer is a plain `KVCache`; any prefix of a cached sequence can then be reused, so
+  segments split at any token.
+- `CacheSnapshot`: the whole per-layer cache state after the node's last token. Used for
+  sliding-window (rotating), recurrent (arrays) and other caches whose state at an earlier
+  position cannot be recovered from a later one, so snapshots never split.
+
+Both hold owned, evaluated copies: a slice would keep the whole batch buffer alive.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+
+def _owned(x: mx.array) -> mx.array:
+    # mx.contiguous copies a strided or partial view into its own buffer.
+    return mx.contiguous(x)
+
+
+def supports_segments(cache: Sequence[Any]) -> bool:
+    """Whether a model's cache is all plain KV, so prefixes can be shared at any token."""
+    return all(type(c) is KVCache for c in cache)
+
+
+class KVSegment:
+    """Keys and values of one token span, per layer, shaped [1, heads, tokens, dim]."""
+
+    splittable = True
+
+    def __init__(self, keys: list[mx.array], values: list[mx.array]) -> None:
+        self.keys = keys
+        self.values = values
+        self.nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values))
+
+    @property
+    def ntokens(self) -> int:
+        return self.keys[0].shape[2]
+
+    @classmethod
+    def from_cache(cls, cache: Sequence[KVCache], start: int, end: int) -> KVSegment:
+        """Copy tokens [start, end) out of a single-sequence cache."""
+        keys = [_owned(c.keys[..., start:end, :]) for c in cache]
+        values = [_owned(c.values[..., start:end, :]) for c in cache]
+        mx.eval(keys, values)
+        return cls(keys, values)
+
+    def split(self, at: int) -> tuple[KVSegment, KVSegment]:
+        head = KVSegment([_owned(k[..., :at, :]) for k in self.keys],
+                         [_owned(v[..., :at, :]) for v in self.values])
+        tail = KVSegment([_owned(k[..., at:, :]) for k in self.keys],
+                         [_owned(v[..., at:, :]) for v in self.values])
+        mx.eval(head.keys, head.values, tail.keys, tail.values)
+        return head, tail
+
+
+class CacheSnapshot:
+    """The full per-layer cache state after a node's last token."""
+
+    splittable = False
+
+    def __init__(self, cache: list[Any]) -> None:
+        self.cache = cache
+        self.nbytes = sum(c.nbytes for c in cache)
+
+    @classmethod
+    def from_cache(cls, cache: Sequence[Any]) -> CacheSnapshot:
+        snapshot = [_clone(c) for c in cache]
+        mx.eval([c.state for c in snapshot])
+        return cls(snapshot)
+
+    def split(self, at: int) -> tuple[CacheSnapshot, CacheSnapshot]:
+        raise TypeError("a whole-state snapshot cannot be split")
+
+
+def _clone(cache: Any) -> Any:
+    """A cache object that shares no mutable array object with `cache`.
+
+    mlx-lm caches update with `array[...] = x`, which mutates the Python array object in
+    place, so a snapshot must not share array objects with a live cache.
+    """
+    if isinstance(cache, mx.array):
+        return _owned(cache)
+    if isinstance(cache, (list, tuple)):
+        return type(cache)(_clone(v) for v in cache)
+    if not hasattr(cache, "__dict__"):
+        return cache
+    clone = copy.copy(cache)
+    for name, value in vars(cache).items():
+        setattr(clone, name, _clone(value))
+    return clone
+
+
+def assemble(handles: Sequence[KVSegment | CacheSnapshot]) -> list[Any] | None:
+    """A fresh cache holding the state of a matched path, or None for an empty path.
+
+    Segments are concatenated per layer; a snapshot path reuses the deepest snapshot only
+    (it already contains everything before it).
+    """
+    if not handles:
+        return None
+    last = handles[-1]
+    if isinstance(last, CacheSnapshot):
+        return [_clone(c) for c in last.cache]
+    cache = []
+    for layer in range(len(last.keys)):
+        c = KVCache()
+        c.keys = mx.concatenate([h.keys[layer] for h in handles], axis=2)
+        c.values = mx.concatenate([h.values[layer] for h in handles], axis=2)
+        c.offset = c.keys.shape[2]
+        cache.append(c)
+    return cache

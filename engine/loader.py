@@ -1,0 +1,83 @@
+"""Loading a model the way mlx-lm does, plus the facts the scheduler needs about it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load
+
+log = logging.getLogger("radix_mlx.engine")
+
+# Context window used when a model's config names none.
+DEFAULT_CONTEXT_LENGTH = 4096
+_CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length",
+                 "max_sequence_length", "context_length")
+
+# Test-only fault injection: a forward pass whose input contains this token id raises.
+FAULT_TOKEN_ENV = "RADIX_MLX_FAULT_TOKEN_ID"
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    model_id: str
+    context_length: int
+    vocab_size: int
+    weight_bytes: int
+
+
+def model_id_for(path_or_repo: str) -> str:
+    """A local directory is named by its directory name, a hub repo by its repo id."""
+    path = Path(path_or_repo).expanduser()
+    return path.name if path.exists() else path_or_repo
+
+
+def load_model(path_or_repo: str) -> LoadedModel:
+    """Load with mlx-lm. A local directory never touches the network; a hub repo id is
+    downloaded by huggingface_hub, which shows its own progress bar."""
+    local = Path(path_or_repo).expanduser()
+    source = str(local) if local.exists() else path_or_repo
+    model, tokenizer, config = load(source, return_config=True)
+    weight_bytes = sum(v.nbytes for _, v in nn.utils.tree_flatten(model.parameters()))
+    fault_token = os.environ.get(FAULT_TOKEN_ENV)
+    if fault_token:
+        model = FaultInjectingModel(model, int(fault_token))
+    vocab_size = _config_int(config, ("vocab_size",)) or len(tokenizer.vocab)
+    context_length = _config_int(config, _CONTEXT_KEYS) or DEFAULT_CONTEXT_LENGTH
+    return LoadedModel(model, tokenizer, model_id_for(path_or_repo), context_length,
+                       vocab_size, weight_bytes)
+
+
+def _config_int(config: dict[str, Any], keys: tuple[str, ...]) -> int | None:
+    """The first positive integer under one of `keys`, at the top level or in the
+    `text_config` that multimodal configs nest the language model's settings in."""
+    for source in (config, config.get("text_config") or {}):
+        for key in keys:
+            if isinstance(source.get(key), int) and source[key] > 0:
+                return source[key]
+    return None
+
+
+class FaultInjectingModel:
+    """Wraps a model so a forward pass containing one token id fails, to test that a
+    failed forward poisons only the request that caused it."""
+
+    def __init__(self, model: nn.Module, token: int) -> None:
+        self._model = model
+        self._token = token
+
+    def __call__(self, inputs: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        if mx.any(inputs == self._token).item():
+            raise RuntimeError(f"injected fault on token {self._token}")
+        return self._model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)

@@ -1,0 +1,66 @@
+"""Per-request samplers, logits processors and logprobs, built on mlx-lm's.
+
+Greedy requests get no sampler of their own (None), so a batch of greedy requests is
+sampled with one batched argmax instead of one call per row.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+from engine.request import SamplingParams, TokenLogprob
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
+    """A sampler with its own random key, so a seeded request is reproducible whatever
+    else runs in the same batch."""
+    if params.greedy:
+        return None
+    filters: list[Callable[[mx.array], mx.array]] = []
+    if 0.0 < params.top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, params.top_p))
+    if params.min_p > 0.0:
+        filters.append(lambda x: apply_min_p(x, params.min_p))
+    if 0 < params.top_k < vocab_size:
+        filters.append(lambda x: apply_top_k(x, params.top_k))
+    seed = params.seed if params.seed is not None else secrets.randbits(63)
+    key = mx.random.key(seed)
+    inverse_temperature = 1.0 / params.temperature
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, step_key = mx.random.split(key)
+        for apply in filters:
+            logprobs = apply(logprobs)
+        return mx.random.categorical(logprobs * inverse_temperature, key=step_key)
+
+    return sample
+
+
+def make_processors(params: SamplingParams) -> list[Callable[[mx.array, mx.array], mx.array]]:
+    return make_logits_processors(
+        logit_bias=params.logit_bias or None,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty or None,
+        frequency_penalty=params.frequency_penalty or None,
+    )
+
+
+def token_logprobs(
+    logprobs: mx.array, token: int, top: int, decode: Callable[[int], str]
+) -> tuple[TokenLogprob, tuple[TokenLogprob, ...]]:
+    """The sampled token's logprob and the `top` most likely alternatives."""
+    chosen = TokenLogprob(token, decode(token), logprobs[token].item())
+    if top == 0:
+        return chosen, ()
+    ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
+    values = logprobs[ids]
+    order = mx.argsort(-values)
+    ids, values = ids[order].tolist(), values[order].tolist()
+    return chosen, tuple(TokenLogprob(i, decode(i), v) for i, v in zip(ids, values))
