@@ -1,0 +1,259 @@
+"""The engine's public face: lifecycle, submit/cancel, and streams for asyncio callers.
+
+Everything MLX happens in one worker thread (see scheduler.py). Callers on an asyncio
+loop submit requests through a thread-safe inbox and read events from a `RequestStream`
+that the worker feeds with `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from engine.loader import LoadedModel, load_model
+from engine.request import (
+    ContextLengthExceeded,
+    EngineNotReady,
+    Finish,
+    QueueFull,
+    SamplingParams,
+    TokenEvent,
+)
+from engine.scheduler import Request, Scheduler, SchedulerLimits
+
+log = logging.getLogger("radix_mlx.engine")
+
+# The radix tree never gets less than this, whatever the fraction gives.
+MIN_CACHE_BYTES = 64 * 1024 * 1024
+WARMUP_PROMPT_TOKENS = 48
+
+
+class Lifecycle(str, enum.Enum):
+    LOADING = "loading"
+    WARMING_UP = "warming_up"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    cache_bytes: int | None = None
+    cache_fraction: float = 0.5
+    max_batch_size: int = 32
+    prefill_batch_size: int = 8
+    prefill_chunk_tokens: int = 512
+    max_queue: int = 256
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    waiting: int
+    running: int
+    prompt_tokens: int
+    generated_tokens: int
+    cached_tokens: int
+    prefill_tokens: int
+    requests_failed: int
+    steps: int
+    step_seconds: float
+    tree_bytes: int
+    tree_capacity_bytes: int
+    tree_nodes: int
+    tree_tokens: int
+    pinned_bytes: int
+    pinned_tokens: int
+    pending_nodes: int
+    evictions: int
+    cache_hits: int
+    cache_misses: int
+    active_memory_bytes: int
+
+
+class RequestStream:
+    """Async iterator over one request's events: `TokenEvent`s, then one `Finish`.
+
+    Raises the engine's error (e.g. `RequestFailed`) instead of finishing when the
+    engine fails the request."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
+                 engine: Engine) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._engine = engine
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._done = False
+        self._request: Request | None = None
+
+    def push(self, event: object) -> None:
+        """Called from the worker thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the caller's loop is gone; the request is cancelled below
+            self.cancel()
+
+    def cancel(self) -> None:
+        if self._request is not None and not self._request.cancelled:
+            self._engine._scheduler.inbox.put(("cancel", self._request))
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent | Finish:
+        if self._done:
+            raise StopAsyncIteration
+        event = await self._queue.get()
+        if isinstance(event, BaseException):
+            self._done = True
+            raise event
+        if isinstance(event, Finish):
+            self._done = True
+        return event  # type: ignore[return-value]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.state = Lifecycle.LOADING
+        self.load_progress = 0.0
+        self.error: str | None = None
+        self.model_id = config.model
+        self.context_length = 0
+        self.tokenizer = None
+        self._loaded: LoadedModel | None = None
+        self._scheduler: Scheduler | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._ids = itertools.count()
+        self._queued = 0
+        self._queued_lock = threading.Lock()
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load, warm up and serve in the worker thread; returns at once."""
+        self._thread = threading.Thread(target=self._main, name="radix-mlx-engine",
+                                        daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> Lifecycle:
+        self._ready.wait(timeout)
+        return self.state
+
+    def _main(self) -> None:
+        try:
+            loaded = load_model(self.config.model)
+            self._loaded = loaded
+            self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer
+            self.context_length = loaded.context_length
+            self.load_progress = 1.0
+            self.state = Lifecycle.WARMING_UP
+            self._scheduler = Scheduler(loaded, SchedulerLimits(
+                max_batch_size=self.config.max_batch_size,
+                prefill_batch_size=self.config.prefill_batch_size,
+                prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+                cache_bytes=self._cache_budget(loaded),
+            ))
+            self._warm_up()
+        except Exception as error:  # noqa: BLE001 - reported through /health and the CLI
+            log.exception("model failed to load")
+            self.error = f"{type(error).__name__}: {error}"
+            self.state = Lifecycle.FAILED
+            self._ready.set()
+            return
+        self.state = Lifecycle.READY
+        self._ready.set()
+        log.info("ready: %s (context %d, radix budget %.0f MiB)", self.model_id,
+                 self.context_length, self._scheduler.tree.capacity_bytes / 2**20)
+        self._scheduler.run()
+
+    def _cache_budget(self, loaded: LoadedModel) -> int:
+        if self.config.cache_bytes is not None:
+            return self.config.cache_bytes
+        memory = mx.device_info().get("memory_size") or os.sysconf("SC_PAGE_SIZE") * \
+            os.sysconf("SC_PHYS_PAGES")
+        available = memory * self.config.cache_fraction - loaded.weight_bytes
+        return max(int(available), MIN_CACHE_BYTES)
+
+    def _warm_up(self) -> None:
+        """Run the real path once (prefill, a batched decode, a cache hit), so the first
+        user request does not pay for kernel compilation; then forget it."""
+        scheduler = self._scheduler
+        prompt = [t % self._loaded.vocab_size for t in range(1, WARMUP_PROMPT_TOKENS + 1)]
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        for n in range(2):
+            request = Request(f"warmup-{n}", prompt, params, lambda event: None, self._loaded)
+            scheduler.inbox.put(("submit", request))
+        scheduler.run(until_idle=True)
+        scheduler.tree.clear()
+        scheduler.counters.__init__()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Cancel everything and stop the worker."""
+        if self._scheduler is not None:
+            self._scheduler.inbox.put(("stop", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- requests ---------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams) -> RequestStream:
+        """Queue a generation; must be called from a running asyncio loop."""
+        if self.state is not Lifecycle.READY:
+            raise EngineNotReady(self.error or f"the model is {self.state.value}")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) + params.max_tokens > self.context_length:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.context_length} tokens. "
+                f"However, you requested {len(prompt) + params.max_tokens} tokens "
+                f"({len(prompt)} in the prompt, {params.max_tokens} for the completion).")
+        with self._queued_lock:
+            if self._queued >= self.config.max_queue:
+                raise QueueFull(f"{self._queued} requests are already waiting", retry_after=1.0)
+            self._queued += 1
+        stream = RequestStream(f"req-{next(self._ids)}", asyncio.get_running_loop(), self)
+        request = Request(stream.request_id, list(prompt), params,
+                          self._emitter(stream), self._loaded)
+        stream._request = request
+        self._scheduler.inbox.put(("submit", request))
+        return stream
+
+    def _emitter(self, stream: RequestStream):
+        first = True
+
+        def emit(event: object) -> None:
+            nonlocal first
+            if first:
+                first = False
+                with self._queued_lock:
+                    self._queued -= 1
+            stream.push(event)
+
+        return emit
+
+    def stats(self) -> EngineStats:
+        scheduler = self._scheduler
+        if scheduler is None:
+            return EngineStats(**dict.fromkeys(EngineStats.__dataclass_fields__, 0))
+        counters, tree = scheduler.counters, scheduler.tree.stats()
+        return EngineStats(
+            waiting=self._queued, running=len(scheduler.active),
+            prompt_tokens=counters.prompt_tokens, generated_tokens=counters.generated_tokens,
+            cached_tokens=counters.cached_tokens, prefill_tokens=counters.prefill_tokens,
+            requests_failed=counters.requests_failed, steps=counters.steps,
+            step_seconds=counters.step_seconds, tree_bytes=tree.total_bytes,
+            tree_capacity_bytes=tree.capacity_bytes, tree_nodes=tree.nodes,
+            tree_tokens=tree.total_tokens, pinned_bytes=tree.pinned_bytes,
+            pinned_tokens=tree.pinned_tokens, pending_nodes=tree.pending,
+            evictions=tree.evictions, cache_hits=tree.hits, cache_misses=tree.misses,
+            active_memory_bytes=mx.get_active_memory(),
+        )

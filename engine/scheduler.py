@@ -1,0 +1,379 @@
+"""The engine's worker: one thread that owns every MLX call.
+
+Requests wait in `waiting` until admitted. Admission matches the prompt against the radix
+tree, pins the matched path, registers a pending node for the part it will compute (so
+identical new prefixes are computed once), rebuilds the request's cache from the path's
+handles and hands it to mlx-lm's `BatchGenerator`, which does the continuous batching and
+chunked prefill. When a prompt's prefill is done its KV goes into the tree at once; when
+the request ends, the generated tokens' KV follows and the path is unpinned.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.kv import CacheSnapshot, KVSegment, assemble, supports_segments
+from engine.loader import LoadedModel
+from engine.request import Finish, RequestFailed, SamplingParams, TokenEvent
+from engine.sampling import make_processors, make_sampler, token_logprobs
+from engine.text import TextStream
+from radix.tree import InsertStatus, Node, RadixTree
+
+log = logging.getLogger("radix_mlx.engine")
+
+# A request waits for an in-flight prefix only when it would reuse at least this many of
+# its tokens; for a shorter overlap computing alongside is cheaper than queueing behind.
+MIN_SHARED_TO_WAIT = 32
+# After being passed over this many admission rounds a request goes first (no starvation).
+MAX_PASSED_OVER = 8
+
+
+def path_handles(node: Node) -> list[Any]:
+    """The handles from the root down to `node` (junctions without state skipped)."""
+    handles = []
+    while node.parent is not None:
+        if node.handle is not None:
+            handles.append(node.handle)
+        node = node.parent
+    return handles[::-1]
+
+
+class Cancelled(Exception):
+    """Poisons the pending prefix of a request that went away; its waiters retry."""
+
+
+@dataclass
+class SchedulerLimits:
+    max_batch_size: int
+    prefill_batch_size: int
+    prefill_chunk_tokens: int
+    cache_bytes: int
+
+
+@dataclass
+class Counters:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_tokens: int = 0
+    requests_failed: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0
+
+
+class Request:
+    """Engine-side state of one generation."""
+
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
+                 emit: Callable[[object], None], loaded: LoadedModel) -> None:
+        self.id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.emit = emit
+        tokenizer = loaded.tokenizer
+        self.text = TextStream(tokenizer.detokenizer, params.stop)
+        self.sampler = make_sampler(params, loaded.vocab_size)
+        self.processors = make_processors(params)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(tokenizer.eos_token_ids)
+        self.stop_sequences = StopSequences([[t] for t in sorted(stop_ids)] or None)
+        # The tokens fed as this request's prompt: the prompt, or after a failed step the
+        # prompt plus what was generated before it.
+        self.tokens = prompt
+        self.generated: list[int] = []
+        self.cached_tokens: int | None = None  # radix hit at first admission
+        self.node: Node | None = None  # pinned: deepest tree node on this request's path
+        self.depth = 0  # tokens covered by `node`
+        self.pending: Node | None = None  # the prefix this request is computing for others
+        self.uid: int | None = None
+        self.prompt_done = False
+        self.passed_over = 0
+        self.suspect = False  # was in a failed step; runs alone until it succeeds
+        self.cancelled = False
+
+
+class Scheduler:
+    def __init__(self, loaded: LoadedModel, limits: SchedulerLimits) -> None:
+        self.loaded = loaded
+        self.limits = limits
+        self.tree = RadixTree(limits.cache_bytes, free=lambda handle: None)
+        self.segments = supports_segments(make_prompt_cache(loaded.model))
+        self.inbox: queue.SimpleQueue[tuple[str, Request | None]] = queue.SimpleQueue()
+        self.waiting: list[Request] = []
+        self.active: dict[int, Request] = {}
+        self.counters = Counters()
+        self.generator = self._new_generator()
+        self._stopping = False
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.loaded.model,
+            completion_batch_size=self.limits.max_batch_size,
+            prefill_batch_size=self.limits.prefill_batch_size,
+            prefill_step_size=self.limits.prefill_chunk_tokens,
+        )
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def run(self, until_idle: bool = False) -> None:
+        while not self._stopping:
+            idle = not self.active and not self.waiting
+            if idle and until_idle:
+                return
+            self._drain_inbox(block=idle)
+            self._admit()
+            if self.active:
+                self._step()
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                kind, request = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if kind == "submit" or kind == "wake":
+                if request.cancelled:
+                    self._finish_cancelled(request)
+                else:
+                    self.waiting.append(request)
+            elif kind == "cancel":
+                self._cancel(request)
+            elif kind == "stop":
+                self._stop_all()
+
+    # -- admission --------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        if not self.waiting:
+            return
+        suspects = [r for r in self.waiting if r.suspect]
+        if suspects:
+            # Quarantine after a failed step: each member runs alone until it succeeds,
+            # so the request that breaks a forward pass is found and fails by itself.
+            if not self.active:
+                self.waiting.remove(suspects[0])
+                self._start(suspects[0])
+            return
+        room = self.limits.max_batch_size - len(self.active)
+        prefill_room = self.limits.prefill_batch_size - sum(
+            not r.prompt_done for r in self.active.values())
+        for request in self._admission_order():
+            if room <= 0 or prefill_room <= 0:
+                request.passed_over += 1
+                continue
+            self.waiting.remove(request)
+            if self._start(request):
+                room -= 1
+                prefill_room -= 1
+
+    def _admission_order(self) -> list[Request]:
+        """SGLang's cache-aware order: longest cached prefix first, except that requests
+        passed over too often go first, oldest first."""
+        starving = [r for r in self.waiting if r.passed_over >= MAX_PASSED_OVER]
+        rest = [r for r in self.waiting if r.passed_over < MAX_PASSED_OVER]
+        rest.sort(key=lambda r: -getattr(self.tree, "peek", lambda t: 0)(r.tokens[:-1]))
+        return starving + rest
+
+    def _start(self, request: Request) -> bool:
+        """Pin the request's cached prefix and put it in the batch; False if it now waits
+        for another request that is computing the same prefix."""
+        tokens = request.tokens
+        cacheable = tokens[:-1]
+        while True:
+            match = self.tree.match(cacheable)
+            remaining = len(cacheable) - match.length
+            if match.pending is not None and match.pending_shared >= min(
+                    MIN_SHARED_TO_WAIT, remaining):
+                self._wait_for(request, match.pending)
+                return False
+            self.tree.lock(match.node)
+            pending = None
+            if remaining and match.pending is None:
+                outcome = self.tree.insert_pending(match.node, cacheable[match.length:])
+                if outcome.status is InsertStatus.RETRY:
+                    self.tree.unlock(match.node)
+                    continue
+                if outcome.status is InsertStatus.WAIT:
+                    self.tree.unlock(match.node)
+                    self._wait_for(request, outcome.node)
+                    return False
+                if outcome.status is InsertStatus.CREATED:
+                    pending = outcome.node
+            break
+        request.node, request.depth, request.pending = match.node, match.length, pending
+        if request.cached_tokens is None:
+            request.cached_tokens = match.length
+            self.counters.prompt_tokens += len(request.prompt)
+            self.counters.cached_tokens += match.length
+        self.counters.prefill_tokens += len(tokens) - match.length
+        cache = assemble(path_handles(match.node))
+        max_tokens = request.params.max_tokens - len(request.generated)
+        (request.uid,) = self.generator.insert(
+            [tokens[match.length:]],
+            max_tokens=[max_tokens],
+            caches=[cache],
+            all_tokens=[list(tokens[:match.length])],
+            samplers=[request.sampler],
+            logits_processors=[request.processors],
+            stop_sequences=[request.stop_sequences],
+        )
+        request.prompt_done = False
+        self.active[request.uid] = request
+        return True
+
+    def _wait_for(self, request: Request, node: Node) -> None:
+        node.add_done_callback(lambda _: self.inbox.put(("wake", request)))
+
+    # -- one step ---------------------------------------------------------------------
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        try:
+            prompt_responses, token_responses = self.generator.next()
+        except Exception as error:  # noqa: BLE001 - any failure of a forward pass
+            self._recover(error)
+            return
+        self.counters.steps += 1
+        self.counters.step_seconds += time.perf_counter() - started
+        for response in prompt_responses:
+            request = self.active.get(response.uid)
+            if request is not None and response.end_of_segment and not response.end_of_prompt:
+                self._prompt_cached(request)
+        for response in token_responses:
+            request = self.active.get(response.uid)
+            if request is not None:
+                self._on_token(request, response)
+
+    def _prompt_cached(self, request: Request) -> None:
+        """The prompt's KV is computed: share it now, while this request decodes."""
+        request.prompt_done = True
+        end = len(request.tokens) - 1
+        cache, _ = self.generator.extract_cache([request.uid])[request.uid]
+        handle = self._handle(cache, request.depth, end)
+        if request.pending is not None:
+            # The pending node was created pinned for this request: that pin replaces
+            # the one on the node it hangs from.
+            self.tree.finalize(request.pending, handle)
+            self.tree.unlock(request.node)
+            request.node, request.depth = request.pending, end
+            request.pending = None
+        else:
+            node = self.tree.insert(request.node, request.tokens[request.depth:end], handle)
+            self.tree.lock(node)
+            self.tree.unlock(request.node)
+            request.node, request.depth = node, len(node.path_tokens())
+        self.tree.enforce_capacity()
+
+    def _on_token(self, request: Request, response: Any) -> None:
+        token = response.token
+        request.generated.append(token)
+        self.counters.generated_tokens += 1
+        request.suspect = False
+        if response.finish_reason == "stop":  # a stop token: never shown as text
+            self._finish(request, "stop", response.prompt_cache, response.all_tokens, token)
+            return
+        text = request.text.add(token)
+        logprob, top = None, ()
+        if request.params.logprobs is not None:
+            logprob, top = token_logprobs(response.logprobs, token, request.params.logprobs,
+                                          self._decode_token)
+        request.emit(TokenEvent(token, text, logprob, top))
+        if request.text.matched_stop is not None:
+            cache, tokens = self.generator.remove([request.uid], return_prompt_caches=True)[
+                request.uid]
+            self._finish(request, "stop", cache, tokens, request.text.matched_stop)
+        elif response.finish_reason is not None:
+            self._finish(request, response.finish_reason, response.prompt_cache,
+                         response.all_tokens)
+
+    # -- ending -----------------------------------------------------------------------
+
+    def _finish(self, request: Request, reason: str, cache: list[Any] | None,
+                all_tokens: list[int] | None, matched_stop: str | int | None = None) -> None:
+        del self.active[request.uid]
+        self._release(request, cache, all_tokens)
+        tail = "" if matched_stop is not None else request.text.finish()
+        request.emit(Finish(reason, tail, len(request.prompt), len(request.generated),
+                            request.cached_tokens or 0, matched_stop))
+
+    def _release(self, request: Request, cache: list[Any] | None,
+                 all_tokens: list[int] | None) -> None:
+        """Bulk-insert what the cache holds beyond the pinned node, then unpin."""
+        if request.pending is not None:
+            self.tree.poison(request.pending, Cancelled(request.id))
+            request.pending = None
+        if cache is not None and request.prompt_done and len(all_tokens) > request.depth:
+            handle = self._handle(cache, request.depth, len(all_tokens))
+            self.tree.insert(request.node, all_tokens[request.depth:], handle)
+        self.tree.unlock(request.node)
+        request.node = None
+        self.tree.enforce_capacity()
+
+    def _cancel(self, request: Request) -> None:
+        request.cancelled = True
+        if request in self.waiting:
+            self.waiting.remove(request)
+            self._finish_cancelled(request)
+        elif request.uid in self.active and self.active[request.uid] is request:
+            del self.active[request.uid]
+            cache, tokens = self.generator.remove([request.uid], return_prompt_caches=True)[
+                request.uid]
+            self._release(request, cache, tokens)
+            self._finish_cancelled(request)
+        # Otherwise it waits on another request's prefix; the wake-up drops it.
+
+    def _finish_length(self, request: Request) -> None:
+        request.emit(Finish("length", request.text.finish(), len(request.prompt),
+                            len(request.generated), request.cached_tokens or 0))
+
+    def _finish_cancelled(self, request: Request) -> None:
+        request.emit(Finish("cancelled", "", len(request.prompt), len(request.generated),
+                            request.cached_tokens or 0))
+
+    def _recover(self, error: Exception) -> None:
+        """A step failed. Its batch state is unusable, so every member restarts from its
+        tokens (the tree still has their prompts); members run alone until each passes a
+        step, and one that fails alone gets the error."""
+        log.error("step failed: %r; %d request(s) affected", error, len(self.active))
+        victims = list(self.active.values())
+        self.active.clear()
+        self.generator = self._new_generator()
+        for request in victims:
+            if request.pending is not None:
+                self.tree.poison(request.pending, error)
+                request.pending = None
+            self.tree.unlock(request.node)
+            request.node, request.uid = None, None
+            if request.suspect:
+                self.counters.requests_failed += 1
+                request.emit(RequestFailed(f"the model failed on this request: {error}"))
+                continue
+            request.suspect = True
+            request.tokens = request.prompt + request.generated
+            if len(request.generated) >= request.params.max_tokens:
+                self._finish_length(request)
+            else:
+                self.waiting.insert(0, request)
+
+    def _stop_all(self) -> None:
+        for request in list(self.active.values()) + list(self.waiting):
+            self._cancel(request)
+        self._stopping = True
+
+    def _decode_token(self, token: int) -> str:
+        return self.loaded.tokenizer.decode([token])
+
+    def _handle(self, cache: list[Any], start: int, end: int) -> KVSegment | CacheSnapshot:
+        if self.segments:
+            return KVSegment.from_cache(cache, start, end)
+        return CacheSnapshot.from_cache(cache)
