@@ -261,16 +261,17 @@ def model_config(family: str, size: str, tokenizer: Tokenizer) -> dict:
 def random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     """Weights for mlx-lm's own module tree of `config`, from `seed` alone.
 
-    Matrices come from numpy (bit-stable across platforms) with std 2/sqrt(fan_in): at
-    1/sqrt(fan_in) greedy decoding of the tiny llama often locked onto one token, at 2 it
-    wanders like text should. Vectors (norms, biases, recurrent decay parameters) keep mlx-lm's own init,
-    seeded so that its random ones are reproducible too.
+    Everything random comes from numpy (bit-stable across platforms, and no global MLX
+    RNG state is touched, so building inside a running server cannot disturb sampling).
+    Matrices get std 2/sqrt(fan_in): at 1/sqrt(fan_in) greedy decoding of the tiny llama
+    often locked onto one token, at 2 it wanders like text should. Vectors keep mlx-lm's
+    constant init (norms, biases), except the recurrent decay `A_log`, which mlx-lm draws
+    at random and we redraw the same way.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     rng = np.random.default_rng(seed)
     weights = {}
@@ -279,6 +280,8 @@ def random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
             fan_in = math.prod(value.shape[1:])
             sample = rng.standard_normal(value.shape, dtype=np.float32)
             weights[name] = sample * np.float32(WEIGHT_GAIN / math.sqrt(fan_in))
+        elif name.endswith("A_log"):
+            weights[name] = np.log(rng.uniform(0, 16, value.shape)).astype(np.float32)
         else:
             weights[name] = np.array(value.astype(mx.float32))
     return weights

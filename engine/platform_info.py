@@ -1,0 +1,76 @@
+"""Which device and BLAS MLX runs on, and where a fast BLAS is on Linux.
+
+MLX's Linux CPU wheel bundles a reference BLAS that ran float32 GEMM ~40x slower than
+Debian's OpenBLAS on our machines, so the CLI preloads OpenBLAS when MLX would run on the
+CPU, and the server logs what it actually got. Only `describe_platform` imports MLX: the
+preload decision has to be made before MLX is loaded.
+"""
+
+import importlib.metadata
+import os
+import platform
+import sys
+from pathlib import Path
+
+OPT_OUT_ENV = "RADIX_MLX_NO_OPENBLAS"
+CUDA_DISTRIBUTIONS = ("mlx-cuda-13", "mlx-cuda-12")
+
+
+def openblas_library() -> Path | None:
+    """Debian/Ubuntu's pthread OpenBLAS (package libopenblas0-pthread), if installed."""
+    machine = platform.machine()
+    candidate = Path(f"/usr/lib/{machine}-linux-gnu/openblas-pthread/libblas.so.3")
+    return candidate if candidate.is_file() else None
+
+
+def mlx_would_use_cpu() -> bool:
+    """Guess, without importing MLX, whether it will compute on the CPU."""
+    if sys.platform == "darwin":
+        return False
+    has_cuda_backend = any(_is_installed(name) for name in CUDA_DISTRIBUTIONS)
+    return not (has_cuda_backend and Path("/dev/nvidiactl").exists())
+
+
+def openblas_preload_env() -> dict[str, str] | None:
+    """The environment to re-exec with so OpenBLAS is preloaded, or None if not needed."""
+    if sys.platform != "linux" or os.environ.get(OPT_OUT_ENV) == "1":
+        return None
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    library = openblas_library()
+    if "openblas" in preloaded or library is None or not mlx_would_use_cpu():
+        return None
+    return {**os.environ, "LD_PRELOAD": " ".join(filter(None, [str(library), preloaded]))}
+
+
+def describe_platform() -> str:
+    """One line for the startup log: MLX version, device and BLAS in use."""
+    import mlx.core as mx
+
+    device = mx.default_device()
+    if device == mx.gpu:
+        backend = "Metal" if mx.metal.is_available() else "CUDA"
+    else:
+        backend = "CPU"
+    return f"mlx {mx.__version__}, device {device.type.name} ({backend}), BLAS: {_blas_in_use()}"
+
+
+def _blas_in_use() -> str:
+    if sys.platform == "darwin":
+        return "Accelerate"
+    try:
+        mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()}
+    except OSError:
+        return "unknown"
+    # numpy's scipy_openblas has prefixed symbols, so MLX never calls into it.
+    openblas = sorted(p for p in mapped if "openblas" in p and "scipy_openblas" not in p)
+    if openblas:
+        return f"OpenBLAS ({openblas[0]})"
+    return "MLX's bundled reference BLAS (slow: install libopenblas0-pthread, start via radix-mlx)"
+
+
+def _is_installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True

@@ -1,0 +1,69 @@
+"""The `radix-mlx` command line."""
+
+import argparse
+import os
+import sys
+
+from engine.demo_model import FAMILIES, SIZES, build_demo_model
+from engine.platform_info import describe_platform, openblas_preload_env
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `radix-mlx` console script."""
+    if argv is None:
+        _reexec_with_openblas()
+    args = build_parser().parse_args(argv)
+    sys.exit(args.handler(args))
+
+
+def _reexec_with_openblas() -> None:
+    # LD_PRELOAD only takes effect at process start, and MLX must not be loaded yet.
+    env = openblas_preload_env()
+    if env is not None:
+        command = [sys.executable, "-m", "server.cli", *sys.argv[1:]]
+        os.execve(sys.executable, command, env)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radix-mlx",
+        description="OpenAI-compatible MLX inference server with radix prefix caching.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the HTTP server")
+    serve.set_defaults(handler=serve_command)
+
+    demo = commands.add_parser(
+        "make-demo-model",
+        help="write a random-weight model with a real tokenizer (no download)",
+    )
+    demo.add_argument("directory", help="where to write the model (replaced if it exists)")
+    demo.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--family", choices=FAMILIES, default="llama")
+    demo.set_defaults(handler=make_demo_model_command)
+
+    info = commands.add_parser("info", help="print the device and BLAS that MLX uses here")
+    info.set_defaults(handler=info_command)
+    return parser
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    print("radix-mlx serve: not yet implemented", file=sys.stderr)
+    return 2
+
+
+def make_demo_model_command(args: argparse.Namespace) -> int:
+    path = build_demo_model(args.directory, size=args.size, seed=args.seed, family=args.family)
+    print(path)
+    return 0
+
+
+def info_command(args: argparse.Namespace) -> int:
+    print(describe_platform())
+    return 0
+
+
+if __name__ == "__main__":
+    main()
