@@ -1,0 +1,116 @@
+"""Test doubles and an invariant checker for code that uses the radix tree without MLX."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .tree import Node, NodeState, RadixTree
+
+
+class FakeHandle:
+    """A handle that remembers which tokens it stands for and how often it was freed.
+
+    `tokens` is the run it covers and `prefix` the tokens before it on its path, so a
+    split's halves know their place. A snapshot (unsplittable) conventionally covers the
+    whole path: `FakeHandle(path, splittable=False)`.
+    """
+
+    def __init__(
+        self,
+        tokens: Sequence[int],
+        bytes_per_token: int = 1,
+        splittable: bool = True,
+        *,
+        prefix: Sequence[int] = (),
+        ledger: list[FakeHandle] | None = None,
+    ) -> None:
+        self.tokens = tuple(tokens)
+        self.prefix = tuple(prefix)
+        self.bytes_per_token = bytes_per_token
+        self.splittable = splittable
+        self.nbytes = len(self.tokens) * bytes_per_token
+        self.freed = 0
+        self.consumed = False
+        self.ledger = ledger
+        if ledger is not None:
+            ledger.append(self)
+
+    @property
+    def path(self) -> tuple[int, ...]:
+        return self.prefix + self.tokens
+
+    def split(self, at: int) -> tuple[FakeHandle, FakeHandle]:
+        assert self.splittable, "split of an unsplittable handle"
+        assert 0 < at < len(self.tokens), f"split at {at} of {len(self.tokens)} tokens"
+        assert not self.consumed and not self.freed, "split of a dead handle"
+        self.consumed = True
+        kw = {"bytes_per_token": self.bytes_per_token, "ledger": self.ledger}
+        head = FakeHandle(self.tokens[:at], prefix=self.prefix, **kw)
+        tail = FakeHandle(self.tokens[at:], prefix=self.prefix + self.tokens[:at], **kw)
+        return head, tail
+
+    def free(self) -> None:
+        assert not self.consumed, f"free of a handle consumed by split: {self!r}"
+        assert not self.freed, f"double free: {self!r}"
+        self.freed += 1
+
+    def __repr__(self) -> str:
+        kind = "span" if self.splittable else "snapshot"
+        return f"FakeHandle({kind} {self.prefix}+{self.tokens})"
+
+
+def check_invariants(tree: RadixTree) -> list[Node]:
+    """Recompute everything the tree maintains incrementally and compare; returns the
+    non-root nodes. O(nodes): for tests and debugging only."""
+    with tree._mutex:
+        nodes: list[Node] = []
+        total = [0, 0, 0, 0, 0, 0]  # bytes: total, pinned, evictable; then tokens
+        ready = pending = 0
+        stack = [tree.root]
+        while stack:
+            node = stack.pop()
+            for first, child in node.children.items():
+                assert child.parent is node, f"{child!r} has a wrong parent"
+                assert child.tokens and child.tokens[0] == first, f"{child!r} is misfiled"
+                assert child.lock_ref >= 0
+                stack.append(child)
+            if node is tree.root:
+                assert node.lock_ref == 0 and node.handle is None
+                continue
+            nodes.append(node)
+            pins_below = sum(c.lock_ref for c in node.children.values())
+            assert node.lock_ref >= pins_below, f"{node!r} pinned less than its children"
+            if node.state is NodeState.PENDING:
+                assert not node.children and node.handle is None, f"{node!r}"
+                assert node.lock_ref >= 1, f"{node!r} lost its creator's pin"
+                pending += 1
+                continue
+            assert node.state is NodeState.READY, f"{node!r} is in the tree"
+            ready += 1
+            pinned = node.lock_ref > 0
+            for i, amount in ((0, node.nbytes), (3, len(node.tokens))):
+                total[i] += amount
+                total[i + 1 + (not pinned)] += amount
+        listed = list(tree.lru)
+        evictable = [n for n in nodes if _evictable_leaf(n)]
+        assert len(listed) == len(tree.lru) == len({id(n) for n in listed})
+        assert {id(n) for n in listed} == {id(n) for n in evictable}, "LRU != evictable leaves"
+        handles = [id(n.handle) for n in nodes if n.handle is not None]
+        assert len(handles) == len(set(handles)), "a handle is owned twice"
+        s = tree._stats_locked()
+    expected = (total[0], total[1], total[2], total[3], total[4], total[5], ready, pending)
+    actual = (
+        s.total_bytes, s.pinned_bytes, s.evictable_bytes,
+        s.total_tokens, s.pinned_tokens, s.evictable_tokens, s.nodes, s.pending,
+    )
+    assert actual == expected, f"stats {actual} != recomputed {expected}"
+    assert s.evictable_bytes + s.pinned_bytes == s.total_bytes
+    assert s.evictable_tokens + s.pinned_tokens == s.total_tokens
+    return nodes
+
+
+def _evictable_leaf(node: Node) -> bool:
+    return node.state is NodeState.READY and node.lock_ref == 0 and not node.children
+
+
+__all__ = ["FakeHandle", "check_invariants"]

@@ -1,0 +1,732 @@
+"""RadixAttention prefix tree over token ids.
+
+Every cached prompt and completion lives on a path from the root; a node's edge is a run of
+token ids and its handle is the opaque cache data for that run. The tree never looks inside
+a handle: it asks for its size, whether and where it splits, and frees it through a callback.
+
+Two kinds of handle share this tree (one kind per tree):
+
+- splittable handles are spans: a node's handle covers exactly its edge tokens, and the
+  state of a prefix is the concatenation of the handles along its path. Any prefix can be
+  reused, so a match that ends inside an edge splits the node there.
+- unsplittable handles are snapshots: the whole state after the node's last token. Only a
+  node's end can be reused. The tree still splits such nodes for topology; the head then
+  becomes a *junction* with no handle, which a match walks through but never returns.
+
+Concurrency follows the optimistic write path of the seed design: one lock guards topology
+and is held only to inspect or change it. A request that finds its remainder missing
+reserves a PENDING node, computes outside the lock and publishes with `finalize` (or
+`poison` on failure). Requests that reach a PENDING node wait on it (blocking with
+`Node.wait`, or without blocking via `Node.add_done_callback`) and then match again, since
+the topology may have changed while they waited. Handles are freed and callbacks run only
+after the lock is released, because both may do heavy work or re-enter the tree.
+
+Eviction pops least recently used evictable leaves (READY, unpinned, childless) from an
+intrusive doubly linked list in O(1), cascading to parents that become evictable leaves.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = [
+    "Handle",
+    "InsertStatus",
+    "LRUList",
+    "MatchResult",
+    "Node",
+    "NodeState",
+    "PendingResult",
+    "RadixTree",
+    "TreeStats",
+]
+
+log = logging.getLogger("radix_mlx.radix")
+
+
+class Handle(Protocol):
+    """What the tree needs from the cache data a node owns."""
+
+    nbytes: int
+    splittable: bool
+
+    def split(self, at: int) -> tuple[Handle, Handle]:
+        """Return (first `at` tokens, the rest); the tree never frees `self` afterwards."""
+        ...
+
+
+class NodeState(enum.Enum):
+    READY = "ready"
+    PENDING = "pending"
+    POISONED = "poisoned"
+
+
+class _Link:
+    """The intrusive part of an LRU list element; the list's sentinel is a bare `_Link`."""
+
+    __slots__ = ("lru_next", "lru_prev")
+
+    def __init__(self) -> None:
+        self.lru_prev: _Link | None = None
+        self.lru_next: _Link | None = None
+
+
+class Node(_Link):
+    """One edge of the tree and the cache data for it.
+
+    `lock_ref` counts the pins on this node and on every node below it, so a node is
+    pinned exactly when some request still needs its data.
+    """
+
+    __slots__ = (
+        "_callbacks",
+        "_mutex",
+        "children",
+        "error",
+        "handle",
+        "last_access",
+        "lock_ref",
+        "parent",
+        "state",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        tokens: tuple[int, ...],
+        parent: Node | None,
+        handle: Handle | None,
+        state: NodeState,
+        mutex: threading.Lock,
+    ) -> None:
+        super().__init__()
+        self.tokens = tokens
+        self.parent = parent
+        self.children: dict[int, Node] = {}
+        self.handle = handle
+        self.lock_ref = 0
+        self.last_access = 0
+        self.state = state
+        self.error: BaseException | None = None
+        # Only a PENDING node has waiters; None marks "done" for add_done_callback.
+        self._callbacks: list[Callable[[Node], None]] | None = (
+            [] if state is NodeState.PENDING else None
+        )
+        self._mutex = mutex
+
+    @property
+    def nbytes(self) -> int:
+        return self.handle.nbytes if self.handle is not None else 0
+
+    @property
+    def done(self) -> bool:
+        return self.state is not NodeState.PENDING
+
+    def add_done_callback(self, fn: Callable[[Node], None]) -> None:
+        """Call `fn(node)` once the node is READY or POISONED; at once if it already is.
+
+        This is how a single engine loop defers a request instead of sleeping.
+        """
+        with self._mutex:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done; raise the creator's error if the node was poisoned."""
+        finished = threading.Event()
+        self.add_done_callback(lambda _: finished.set())
+        if not finished.wait(timeout):
+            raise TimeoutError(f"pending node not done after {timeout} s")
+        if self.error is not None:
+            raise self.error
+
+    def path_tokens(self) -> tuple[int, ...]:
+        """All tokens from the root to the end of this node."""
+        parts = []
+        node: Node | None = self
+        while node is not None:
+            parts.append(node.tokens)
+            node = node.parent
+        return tuple(itertools.chain.from_iterable(reversed(parts)))
+
+    def __repr__(self) -> str:
+        head = ", ".join(map(str, self.tokens[:6])) + (", ..." if len(self.tokens) > 6 else "")
+        return (
+            f"Node([{head}] len={len(self.tokens)} {self.state.value} "
+            f"lock_ref={self.lock_ref} nbytes={self.nbytes})"
+        )
+
+
+class LRUList:
+    """Intrusive doubly linked list of nodes, least recently used first; O(1) operations."""
+
+    def __init__(self) -> None:
+        self._sentinel = _Link()
+        self._sentinel.lru_prev = self._sentinel.lru_next = self._sentinel
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, node: Node) -> bool:
+        return node.lru_next is not None
+
+    def __iter__(self) -> Iterator[Node]:
+        link = self._sentinel.lru_next
+        while link is not self._sentinel:
+            assert isinstance(link, Node)
+            yield link
+            link = link.lru_next
+
+    def push_mru(self, node: Node) -> None:
+        self._link(node, self._sentinel.lru_prev, self._sentinel)
+
+    def push_lru(self, node: Node) -> None:
+        self._link(node, self._sentinel, self._sentinel.lru_next)
+
+    def remove(self, node: Node) -> None:
+        node.lru_prev.lru_next = node.lru_next
+        node.lru_next.lru_prev = node.lru_prev
+        node.lru_prev = node.lru_next = None
+        self._len -= 1
+
+    def pop_lru(self) -> Node:
+        node = self._sentinel.lru_next
+        assert isinstance(node, Node), "pop from an empty LRU list"
+        self.remove(node)
+        return node
+
+    def _link(self, node: Node, before: _Link, after: _Link) -> None:
+        assert node.lru_next is None, "node is already in the LRU list"
+        node.lru_prev, node.lru_next = before, after
+        before.lru_next = after.lru_prev = node
+        self._len += 1
+
+
+@dataclass
+class MatchResult:
+    """The longest reusable cached prefix of a query."""
+
+    node: Node
+    """Deepest READY node with a handle whose whole path matched (the root if none)."""
+    length: int
+    """Tokens matched: the depth of `node`."""
+    pending: Node | None = None
+    """PENDING node the rest of the query continues into: wait on it, then match again."""
+    pending_shared: int = 0
+    """Query tokens after `length` that the pending node's path covers (0 if none)."""
+
+
+class InsertStatus(enum.Enum):
+    CREATED = "created"
+    """`node` is a new PENDING node, pinned for you: compute it, then finalize or poison."""
+    WAIT = "wait"
+    """`node` is another request's PENDING node on your path: wait on it, then match again."""
+    RETRY = "retry"
+    """The topology changed since your match: match again (`node` is the parent)."""
+    JUNCTION = "junction"
+    """Your tokens end exactly on `node`, a junction without state (snapshot handles only):
+    compute without a reservation and publish with `insert`, which fills the junction."""
+
+
+@dataclass(frozen=True)
+class PendingResult:
+    status: InsertStatus
+    node: Node
+
+    @property
+    def created(self) -> bool:
+        return self.status is InsertStatus.CREATED
+
+
+@dataclass(frozen=True)
+class TreeStats:
+    total_bytes: int
+    evictable_bytes: int
+    pinned_bytes: int
+    total_tokens: int
+    evictable_tokens: int
+    pinned_tokens: int
+    nodes: int
+    """READY nodes, junctions included, root excluded."""
+    pending: int
+    hits: int
+    misses: int
+    hit_tokens: int
+    evictions: int
+    """Nodes evicted."""
+    capacity_bytes: int
+
+
+def _common_prefix(edge: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
+    """Length of the common prefix of `edge` and `tokens[start:]`."""
+    n = min(len(edge), len(tokens) - start)
+    # A whole-edge match is the common case on a hit; compare it at C speed first.
+    if edge[:n] == tokens[start : start + n]:
+        return n
+    i = 0
+    while edge[i] == tokens[start + i]:
+        i += 1
+    return i
+
+
+class RadixTree:
+    """Thread-safe radix tree of cached token prefixes with a byte budget.
+
+    Accounting covers READY nodes only (a PENDING node has no data yet): a node's bytes and
+    edge tokens are *pinned* while `lock_ref > 0` and *evictable* otherwise, so
+    `evictable + pinned == total` at every step. The root never counts and is never evicted.
+    """
+
+    def __init__(self, capacity_bytes: int, free: Callable[[Handle], None]) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._free = free
+        self._mutex = threading.Lock()
+        self._clock = itertools.count(1)
+        self.root = Node((), None, None, NodeState.READY, self._mutex)
+        self.lru = LRUList()
+        self._evictable_bytes = self._pinned_bytes = self._total_bytes = 0
+        self._evictable_tokens = self._pinned_tokens = self._total_tokens = 0
+        self._nodes = self._pending = 0
+        self._hits = self._misses = self._hit_tokens = self._evictions = 0
+
+    # -- reading ---------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int], *, lock: bool = False) -> MatchResult:
+        """Find the longest reusable cached prefix of `tokens` and mark its path used.
+
+        With `lock=True` the result node is pinned in the same critical section, so no
+        other thread can evict it before the caller pins it (caller unlocks).
+        """
+        tokens = tuple(tokens)
+        with self._mutex:
+            path, result = self._walk(tokens, split=True)
+            self._touch(path)
+            if result.length:
+                self._hits += 1
+                self._hit_tokens += result.length
+            else:
+                self._misses += 1
+            if lock:
+                self._inc_lock_ref(result.node)
+        return result
+
+    def peek(self, tokens: Sequence[int]) -> int:
+        """How many tokens `match` would reuse, without splitting, touching the LRU or
+        counting a hit: for ordering a queue by cached prefix."""
+        with self._mutex:
+            return self._walk(tuple(tokens), split=False)[1].length
+
+    def stats(self) -> TreeStats:
+        with self._mutex:
+            return self._stats_locked()
+
+    def _stats_locked(self) -> TreeStats:
+        return TreeStats(
+            total_bytes=self._total_bytes,
+            evictable_bytes=self._evictable_bytes,
+            pinned_bytes=self._pinned_bytes,
+            total_tokens=self._total_tokens,
+            evictable_tokens=self._evictable_tokens,
+            pinned_tokens=self._pinned_tokens,
+            nodes=self._nodes,
+            pending=self._pending,
+            hits=self._hits,
+            misses=self._misses,
+            hit_tokens=self._hit_tokens,
+            evictions=self._evictions,
+            capacity_bytes=self.capacity_bytes,
+        )
+
+    # -- pinning ---------------------------------------------------------------------
+
+    def lock(self, node: Node) -> None:
+        """Pin `node` and its ancestors: none of them can be evicted until `unlock`."""
+        with self._mutex:
+            self._inc_lock_ref(node)
+
+    def unlock(self, node: Node) -> None:
+        """Release one pin taken by `lock` (or by `match(lock=True)` / `insert(lock=True)`)."""
+        with self._mutex:
+            self._dec_lock_ref(node, 1)
+
+    # -- writing ---------------------------------------------------------------------
+
+    def insert_pending(self, parent: Node, tokens: Sequence[int]) -> PendingResult:
+        """Reserve the computation of `tokens` below `parent` without blocking.
+
+        `parent` is the node of a fresh match, pinned by the caller. See `InsertStatus`
+        for the four outcomes. A CREATED node's edge is all of `tokens` unless the walk
+        went through junctions (snapshot handles), which cover a head of them.
+        """
+        tokens = tuple(tokens)
+        if not tokens:
+            raise ValueError("insert_pending needs at least one token")
+        with self._mutex:
+            if not self._attached_parent(parent):  # evicted since the match: pin it next time
+                return PendingResult(InsertStatus.RETRY, parent)
+            node, depth = parent, 0
+            while True:
+                child = node.children.get(tokens[depth])
+                if child is None:
+                    created = self._add_child(node, tokens[depth:], None, NodeState.PENDING)
+                    self._inc_lock_ref(created)
+                    return PendingResult(InsertStatus.CREATED, created)
+                if child.state is NodeState.PENDING:
+                    return PendingResult(InsertStatus.WAIT, child)
+                k = _common_prefix(child.tokens, tokens, depth)
+                # A child whose state a match could have reused means the caller's match
+                # is stale: someone published this prefix meanwhile.
+                if child.handle is not None and (
+                    k == len(child.tokens) or child.handle.splittable
+                ):
+                    return PendingResult(InsertStatus.RETRY, parent)
+                if k < len(child.tokens):
+                    child = self._split(child, k)
+                node, depth = child, depth + k
+                if depth == len(tokens):
+                    return PendingResult(InsertStatus.JUNCTION, node)
+
+    def finalize(self, node: Node, handle: Handle) -> None:
+        """Publish the data of a PENDING node and wake its waiters.
+
+        The node stays pinned by its creator, who unlocks it when done with it.
+        """
+        with self._mutex:
+            if node.state is not NodeState.PENDING:
+                raise ValueError(f"finalize of a {node.state.value} node")
+            node.state = NodeState.READY
+            node.handle = handle
+            node.last_access = next(self._clock)
+            self._pending -= 1
+            self._add_stats(node, +1)
+            self._sync_lru(node)
+            callbacks, node._callbacks = node._callbacks, None
+        self._run_callbacks(node, callbacks)
+
+    def poison(self, node: Node, error: BaseException) -> None:
+        """Fail a PENDING node: remove it, drop its creator's pin, wake waiters with `error`.
+
+        The creator must not unlock the node afterwards (it still unlocks its parent).
+        """
+        with self._mutex:
+            if node.state is not NodeState.PENDING:
+                raise ValueError(f"poison of a {node.state.value} node")
+            node.state = NodeState.POISONED
+            node.error = error
+            self._pending -= 1
+            parent = node.parent
+            del parent.children[node.tokens[0]]
+            node.parent = None
+            pins, node.lock_ref = node.lock_ref, 0
+            self._dec_lock_ref(parent, pins)
+            callbacks, node._callbacks = node._callbacks, None
+        self._run_callbacks(node, callbacks)
+
+    def insert(
+        self, parent: Node, tokens: Sequence[int], handle: Handle, *, lock: bool = False
+    ) -> Node:
+        """Publish `handle`, computed for `tokens` below `parent` (pinned by the caller).
+
+        Parts already cached are kept and the matching head of `handle` is freed; a PENDING
+        node on the way ends the insert and the rest of `handle` is freed. Returns the
+        deepest node now on the path of `tokens`, pinned if `lock=True`.
+        """
+        tokens = tuple(tokens)
+        if not tokens:
+            raise ValueError("insert needs at least one token")
+        garbage: list[Handle] = []
+        with self._mutex:
+            if not self._attached_parent(parent):
+                raise ValueError(f"insert below an evicted node {parent!r}: pin the parent")
+            node = self._insert(parent, tokens, handle, garbage)
+            if lock:
+                self._inc_lock_ref(node)
+        self._free_all(garbage)
+        return node
+
+    # -- eviction --------------------------------------------------------------------
+
+    def evict(self, nbytes: int) -> int:
+        """Free least recently used evictable leaves until `nbytes` are freed or none are
+        left; returns the bytes freed."""
+        return self._evict(nbytes) if nbytes > 0 else 0
+
+    def enforce_capacity(self) -> int:
+        """Evict down to the byte budget; returns the bytes freed."""
+        with self._mutex:
+            excess = self._total_bytes - self.capacity_bytes
+        return self.evict(excess)
+
+    def clear(self) -> int:
+        """Evict everything that is not pinned; returns the bytes freed."""
+        return self._evict(math.inf)
+
+    # -- blocking convenience ----------------------------------------------------------
+
+    def acquire(
+        self, tokens: Sequence[int], compute: Callable[[Node, Sequence[int]], Handle]
+    ) -> Node:
+        """Return a pinned node covering all of `tokens`, computing what is missing once.
+
+        `compute(parent, rest)` builds the handle for `rest` on top of `parent`'s path; it
+        runs outside the lock. Threads that need the same missing prefix wait for the one
+        computing it; if that computation fails they get its error. The caller unlocks
+        the returned node. This is the optimistic write loop, written for blocking threads.
+        """
+        tokens = tuple(tokens)
+        if not tokens:
+            raise ValueError("acquire needs at least one token")
+        while True:
+            m = self.match(tokens, lock=True)
+            if m.length == len(tokens):
+                return m.node
+            try:
+                node = self._acquire_step(m, tokens, compute)
+            finally:
+                self.unlock(m.node)
+            if node is not None:
+                return node
+
+    def _acquire_step(
+        self,
+        m: MatchResult,
+        tokens: tuple[int, ...],
+        compute: Callable[[Node, Sequence[int]], Handle],
+    ) -> Node | None:
+        """One round of `acquire` with `m.node` pinned: a pinned node, or None to retry."""
+        if m.pending is not None:
+            m.pending.wait()
+            return None
+        rest = tokens[m.length :]
+        reserved = self.insert_pending(m.node, rest)
+        if reserved.status is InsertStatus.WAIT:
+            reserved.node.wait()
+            return None
+        if reserved.status is InsertStatus.RETRY:
+            return None
+        if reserved.status is InsertStatus.JUNCTION:
+            return self.insert(m.node, rest, compute(m.node, rest), lock=True)
+        try:
+            handle = compute(m.node, rest)
+        except BaseException as error:
+            self.poison(reserved.node, error)
+            raise
+        self.finalize(reserved.node, handle)
+        return reserved.node
+
+    # -- internals (caller holds the mutex) ----------------------------------------------
+
+    def _attached(self, node: Node) -> bool:
+        return node is self.root or node.parent is not None
+
+    def _attached_parent(self, parent: Node) -> bool:
+        assert parent.state is not NodeState.PENDING, f"{parent!r} cannot be a parent yet"
+        return self._attached(parent)
+
+    def _insert(
+        self, parent: Node, tokens: tuple[int, ...], handle: Handle, garbage: list[Handle]
+    ) -> Node:
+        node, depth = parent, 0
+        while True:
+            child = node.children.get(tokens[depth])
+            if child is None:
+                return self._add_child(node, tokens[depth:], handle, NodeState.READY)
+            if child.state is NodeState.PENDING:
+                garbage.append(handle)
+                return node
+            k = _common_prefix(child.tokens, tokens, depth)
+            if k < len(child.tokens):
+                child = self._split(child, k)
+            node, depth = child, depth + k
+            if depth == len(tokens):
+                if node.handle is None:  # a junction: ours becomes its state
+                    self._add_stats(node, -1)
+                    node.handle = handle
+                    self._add_stats(node, +1)
+                    node.last_access = next(self._clock)
+                else:
+                    garbage.append(handle)
+                return node
+            if handle.splittable:
+                cached, handle = handle.split(k)
+                garbage.append(cached)
+
+    def _walk(self, tokens: tuple[int, ...], split: bool) -> tuple[list[Node], MatchResult]:
+        """The match of `tokens` and the path from the root to its node (root excluded).
+
+        Without `split`, a match ending inside a splittable edge counts the tokens it
+        shares but leaves the edge whole (and `node` is the node above it).
+        """
+        node, depth = self.root, 0
+        path: list[Node] = []
+        result, matched_path = MatchResult(self.root, 0), 0
+        while depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None:
+                break
+            k = _common_prefix(child.tokens, tokens, depth)
+            if child.state is NodeState.PENDING:
+                result.pending, result.pending_shared = child, depth - result.length + k
+                break
+            if k < len(child.tokens):
+                if child.handle is None or not child.handle.splittable:
+                    break
+                if not split:
+                    result.length = depth + k
+                    break
+                child = self._split(child, k)
+            node, depth = child, depth + k
+            path.append(node)
+            # Junctions are walked through but never returned: they hold no state.
+            if node.handle is not None:
+                result.node, result.length, matched_path = node, depth, len(path)
+        return path[:matched_path], result
+
+    def _add_child(
+        self, parent: Node, tokens: tuple[int, ...], handle: Handle | None, state: NodeState
+    ) -> Node:
+        child = Node(tokens, parent, handle, state, self._mutex)
+        child.last_access = next(self._clock)
+        parent.children[tokens[0]] = child
+        if state is NodeState.PENDING:
+            self._pending += 1
+        self._add_stats(child, +1)
+        self._sync_lru(parent)
+        self._sync_lru(child)
+        return child
+
+    def _split(self, node: Node, at: int) -> Node:
+        """Cut `node`'s edge after `at` tokens; the new head node is returned and `node`
+        keeps the tail, so references held to `node` still mean the same position."""
+        if node.handle is None:
+            head_handle, tail_handle = None, None
+        elif node.handle.splittable:
+            head_handle, tail_handle = node.handle.split(at)
+        else:  # a snapshot belongs to the node's end: the head becomes a junction
+            head_handle, tail_handle = None, node.handle
+        self._add_stats(node, -1)
+        head = Node(node.tokens[:at], node.parent, head_handle, NodeState.READY, self._mutex)
+        # The head's subtree holds exactly the tail's pins.
+        head.lock_ref = node.lock_ref
+        head.last_access = node.last_access
+        node.parent.children[node.tokens[0]] = head
+        node.tokens = node.tokens[at:]
+        node.handle = tail_handle
+        node.parent = head
+        head.children[node.tokens[0]] = node
+        self._add_stats(head, +1)
+        self._add_stats(node, +1)
+        return head
+
+    def _touch(self, path: list[Node]) -> None:
+        now = next(self._clock)
+        for node in path:
+            node.last_access = now
+        if path and path[-1] in self.lru:
+            self.lru.remove(path[-1])
+            self.lru.push_mru(path[-1])
+
+    def _inc_lock_ref(self, node: Node) -> None:
+        assert self._attached(node), f"lock of an evicted node {node!r}"
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._add_stats(node, -1)
+                node.lock_ref = 1
+                self._add_stats(node, +1)
+                self._sync_lru(node)
+            else:
+                node.lock_ref += 1
+            node = node.parent
+
+    def _dec_lock_ref(self, node: Node, pins: int) -> None:
+        while node is not self.root:
+            assert node.lock_ref >= pins, f"unlock of an unpinned node {node!r}"
+            if node.lock_ref == pins:
+                self._add_stats(node, -1)
+                node.lock_ref = 0
+                self._add_stats(node, +1)
+                self._sync_lru(node)
+            else:
+                node.lock_ref -= pins
+            node = node.parent
+
+    def _add_stats(self, node: Node, sign: int) -> None:
+        """Add (+1) or remove (-1) a node's bytes and tokens under its current state."""
+        if node.state is not NodeState.READY:
+            return
+        nbytes, ntokens = sign * node.nbytes, sign * len(node.tokens)
+        self._total_bytes += nbytes
+        self._total_tokens += ntokens
+        if node.lock_ref:
+            self._pinned_bytes += nbytes
+            self._pinned_tokens += ntokens
+        else:
+            self._evictable_bytes += nbytes
+            self._evictable_tokens += ntokens
+        self._nodes += sign
+
+    def _evictable_leaf(self, node: Node) -> bool:
+        return (
+            node is not self.root
+            and node.parent is not None
+            and node.state is NodeState.READY
+            and node.lock_ref == 0
+            and not node.children
+        )
+
+    def _sync_lru(self, node: Node) -> None:
+        """Keep `node` in the LRU list exactly while it is an evictable leaf; a node that
+        becomes one is treated as just used."""
+        evictable, listed = self._evictable_leaf(node), node in self.lru
+        if evictable and not listed:
+            self.lru.push_mru(node)
+        elif listed and not evictable:
+            self.lru.remove(node)
+
+    def _evict(self, nbytes: float) -> int:
+        freed = 0
+        garbage: list[Handle] = []
+        with self._mutex:
+            while freed < nbytes and self.lru:
+                node = self.lru.pop_lru()
+                freed += node.nbytes
+                self._add_stats(node, -1)
+                self._evictions += 1
+                if node.handle is not None:
+                    garbage.append(node.handle)
+                    node.handle = None
+                parent = node.parent
+                del parent.children[node.tokens[0]]
+                node.parent = None
+                # A match touches the whole path, so the parent was last used no later
+                # than the child just evicted unless it was matched on its own since;
+                # the LRU end keeps eviction O(1) at the cost of that rare case.
+                if self._evictable_leaf(parent):
+                    self.lru.push_lru(parent)
+        self._free_all(garbage)
+        return freed
+
+    # -- outside the mutex ---------------------------------------------------------------
+
+    def _free_all(self, handles: list[Handle]) -> None:
+        for handle in handles:
+            self._free(handle)
+
+    @staticmethod
+    def _run_callbacks(node: Node, callbacks: list[Callable[[Node], None]]) -> None:
+        # One failing waiter must not keep the others asleep.
+        for fn in callbacks:
+            try:
+                fn(node)
+            except Exception:
+                log.exception("done callback of %r failed", node)

@@ -1,0 +1,527 @@
+"""Specification of the radix tree, one operation at a time, with fake handles."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from radix import InsertStatus, NodeState, RadixTree
+from radix.testing import FakeHandle, check_invariants
+
+BIG = 1 << 30
+
+
+class Tree(RadixTree):
+    """A RadixTree that records frees, refuses double frees and frees under its lock,
+    and checks all invariants after every public call that changes it."""
+
+    def __init__(self, capacity_bytes: int = BIG) -> None:
+        self.freed: list[FakeHandle] = []
+        super().__init__(capacity_bytes, self._record_free)
+
+    def _record_free(self, handle: FakeHandle) -> None:
+        assert not self._mutex.locked(), "free() called under the tree lock"
+        handle.free()
+        self.freed.append(handle)
+
+    def put(self, tokens, splittable: bool = True, bytes_per_token: int = 1):
+        """Insert `tokens` from the root as one handle (a span, or a snapshot of the path)."""
+        handle = FakeHandle(tokens, bytes_per_token, splittable)
+        node = self.insert(self.root, tokens, handle)
+        check_invariants(self)
+        return node
+
+
+def span(tokens, prefix=()) -> FakeHandle:
+    return FakeHandle(tokens, prefix=prefix)
+
+
+def snap(path) -> FakeHandle:
+    return FakeHandle(path, splittable=False)
+
+
+def edges(tree: RadixTree) -> set[tuple[int, ...]]:
+    """Every node's full path, the tree's shape in a comparable form."""
+    return {n.path_tokens() for n in check_invariants(tree)}
+
+
+# -- match ---------------------------------------------------------------------------
+
+
+def test_match_on_empty_tree_is_a_miss_at_the_root():
+    tree = Tree()
+    m = tree.match([1, 2, 3])
+    assert (m.node, m.length, m.pending, m.pending_shared) == (tree.root, 0, None, 0)
+    s = tree.stats()
+    assert (s.hits, s.misses, s.hit_tokens) == (0, 1, 0)
+
+
+def test_match_returns_the_longest_cached_prefix_and_counts_a_hit():
+    tree = Tree()
+    node = tree.put([1, 2, 3])
+    m = tree.match([1, 2, 3, 4, 5])
+    assert (m.node, m.length) == (node, 3)
+    s = tree.stats()
+    assert (s.hits, s.misses, s.hit_tokens) == (1, 0, 3)
+
+
+def test_match_ending_inside_a_splittable_edge_splits_it_there():
+    tree = Tree()
+    tail = tree.put([1, 2, 3, 4], bytes_per_token=10)
+    original = tail.handle
+    m = tree.match([1, 2, 9])
+    assert m.length == 2 and m.node.tokens == (1, 2)
+    assert m.node.children == {3: tail} and tail.parent is m.node and tail.tokens == (3, 4)
+    assert (m.node.handle.tokens, tail.handle.tokens) == ((1, 2), (3, 4))
+    assert original.consumed and not tree.freed
+    s = tree.stats()
+    assert (s.nodes, s.total_bytes, s.total_tokens) == (2, 40, 4)
+    check_invariants(tree)
+
+
+def test_match_ending_where_the_query_ends_splits_too():
+    tree = Tree()
+    tree.put([1, 2, 3, 4])
+    m = tree.match([1, 2, 3])
+    assert m.length == 3 and m.node.tokens == (1, 2, 3)
+    assert edges(tree) == {(1, 2, 3), (1, 2, 3, 4)}
+
+
+def test_match_inside_an_unsplittable_edge_stops_at_the_previous_boundary():
+    tree = Tree()
+    a = tree.put([1, 2], splittable=False)
+    tree.insert(a, [3, 4], snap([1, 2, 3, 4]))
+    m = tree.match([1, 2, 3, 9])
+    assert (m.node, m.length) == (a, 2)
+    assert edges(tree) == {(1, 2), (1, 2, 3, 4)}, "a match never splits a snapshot"
+
+
+def test_match_walks_through_junctions_but_never_returns_one():
+    tree = Tree()
+    tree.put([1, 2, 3, 4], splittable=False)
+    tree.put([1, 2, 5, 6], splittable=False)  # splits the first into junction [1, 2]
+    junction = tree.root.children[1]
+    assert junction.tokens == (1, 2) and junction.handle is None
+    assert tree.match([1, 2, 7]).node is tree.root
+    m = tree.match([1, 2, 5, 6, 7])
+    assert m.length == 4 and m.node.handle.path == (1, 2, 5, 6)
+
+
+def test_match_reports_the_pending_node_the_query_continues_into():
+    tree = Tree()
+    a = tree.put([1, 2])
+    tree.lock(a)
+    r = tree.insert_pending(a, [3, 4, 5])
+    m = tree.match([1, 2, 3, 4, 9])
+    assert (m.node, m.length, m.pending, m.pending_shared) == (a, 2, r.node, 2)
+
+
+def test_match_moves_the_matched_leaf_to_the_most_recently_used_end():
+    tree = Tree()
+    a, b = tree.put([1]), tree.put([2])
+    assert list(tree.lru) == [a, b]
+    tree.match([1])
+    assert list(tree.lru) == [b, a]
+    assert a.last_access > b.last_access
+
+
+def test_match_with_lock_pins_the_result():
+    tree = Tree()
+    a = tree.put([1, 2])
+    m = tree.match([1, 2], lock=True)
+    assert m.node is a and a.lock_ref == 1 and a not in tree.lru
+    tree.unlock(a)
+    assert a.lock_ref == 0 and a in tree.lru
+
+
+# -- lock / unlock ---------------------------------------------------------------------
+
+
+def test_lock_pins_the_whole_path_and_moves_its_bytes_to_pinned():
+    tree = Tree()
+    a = tree.put([1, 2], bytes_per_token=3)
+    b = tree.insert(a, [3], span([3], prefix=[1, 2]))
+    tree.lock(b)
+    assert (a.lock_ref, b.lock_ref, tree.root.lock_ref) == (1, 1, 0)
+    s = tree.stats()
+    assert (s.pinned_bytes, s.evictable_bytes, s.pinned_tokens, s.evictable_tokens) == (7, 0, 3, 0)
+    assert len(tree.lru) == 0
+    check_invariants(tree)
+
+
+def test_unlock_is_the_reverse_and_returns_the_leaf_to_the_lru_as_most_recent():
+    tree = Tree()
+    a, b = tree.put([1]), tree.put([2])
+    tree.lock(a)
+    tree.lock(a)
+    tree.unlock(a)
+    assert a.lock_ref == 1 and list(tree.lru) == [b]
+    tree.unlock(a)
+    assert list(tree.lru) == [b, a]
+    s = tree.stats()
+    assert (s.pinned_bytes, s.evictable_bytes) == (0, 2)
+
+
+def test_unlock_of_an_unpinned_node_is_a_bug():
+    tree = Tree()
+    a = tree.put([1])
+    with pytest.raises(AssertionError):
+        tree.unlock(a)
+
+
+def test_a_split_node_keeps_its_pins_on_both_halves():
+    tree = Tree()
+    tail = tree.put([1, 2, 3])
+    tree.lock(tail)
+    head = tree.match([1]).node
+    assert head.lock_ref == tail.lock_ref == 1
+    tree.unlock(tail)
+    assert head.lock_ref == tail.lock_ref == 0
+    check_invariants(tree)
+
+
+def test_pinned_nodes_survive_eviction():
+    tree = Tree()
+    a = tree.put([1])
+    tree.put([2])
+    tree.lock(a)
+    assert tree.clear() == 1
+    assert edges(tree) == {(1,)} and [h.tokens for h in tree.freed] == [(2,)]
+    tree.unlock(a)
+    assert tree.clear() == 1 and edges(tree) == set()
+
+
+# -- insert_pending / finalize / poison ------------------------------------------------
+
+
+def test_insert_pending_reserves_a_pinned_pending_node_that_holds_no_bytes():
+    tree = Tree()
+    a = tree.put([1, 2])
+    tree.lock(a)
+    r = tree.insert_pending(a, [3, 4])
+    assert r.status is InsertStatus.CREATED and r.created
+    node = r.node
+    assert node.state is NodeState.PENDING and not node.done and node.handle is None
+    assert (node.parent, node.tokens, node.lock_ref, a.lock_ref) == (a, (3, 4), 1, 2)
+    s = tree.stats()
+    assert (s.pending, s.nodes, s.total_tokens, s.pinned_tokens) == (1, 1, 2, 2)
+    check_invariants(tree)
+
+
+def test_insert_pending_on_a_prefix_being_computed_says_wait_on_that_node():
+    tree = Tree()
+    first = tree.insert_pending(tree.root, [1, 2, 3]).node
+    r = tree.insert_pending(tree.root, [1, 2, 7])
+    assert (r.status, r.node) == (InsertStatus.WAIT, first)
+    assert tree.stats().pending == 1
+
+
+def test_insert_pending_after_someone_published_the_prefix_says_retry():
+    tree = Tree()
+    tree.put([1, 2, 3])
+    r = tree.insert_pending(tree.root, [1, 2, 9])  # as if matched before the put
+    assert (r.status, r.node) == (InsertStatus.RETRY, tree.root)
+    assert tree.stats().pending == 0
+
+
+def test_insert_pending_below_a_snapshot_splits_it_and_hangs_under_the_junction():
+    tree = Tree()
+    tree.put([1, 2, 3], splittable=False)
+    r = tree.insert_pending(tree.root, [1, 2, 9])
+    assert r.status is InsertStatus.CREATED
+    junction = r.node.parent
+    assert (junction.tokens, junction.handle, r.node.tokens) == ((1, 2), None, (9,))
+    assert junction.lock_ref == 1
+    check_invariants(tree)
+
+
+def test_insert_pending_ending_on_a_junction_says_fill_it_with_insert():
+    tree = Tree()
+    tree.put([1, 2, 3], splittable=False)
+    tree.put([1, 2, 4], splittable=False)
+    r = tree.insert_pending(tree.root, [1, 2])
+    assert r.status is InsertStatus.JUNCTION and r.node.tokens == (1, 2)
+    filled = tree.insert(tree.root, [1, 2], snap([1, 2]))
+    assert filled is r.node and filled.handle.path == (1, 2)
+    assert tree.match([1, 2, 5]).node is filled
+
+
+def test_finalize_publishes_the_handle_and_wakes_waiters_outside_the_lock():
+    tree = Tree()
+    node = tree.insert_pending(tree.root, [1, 2]).node
+    seen = []
+    node.add_done_callback(lambda n: seen.append((n.state, tree._mutex.locked())))
+    tree.finalize(node, span([1, 2]))
+    assert seen == [(NodeState.READY, False)]
+    assert node.done and node.lock_ref == 1, "the creator still holds its pin"
+    s = tree.stats()
+    assert (s.pending, s.nodes, s.pinned_bytes, s.evictable_bytes) == (0, 1, 2, 0)
+    assert tree.match([1, 2]).node is node
+    tree.unlock(node)
+    assert list(tree.lru) == [node]
+
+
+def test_a_callback_added_after_completion_runs_at_once():
+    tree = Tree()
+    node = tree.insert_pending(tree.root, [1]).node
+    tree.finalize(node, span([1]))
+    seen = []
+    node.add_done_callback(seen.append)
+    assert seen == [node]
+    node.wait(timeout=0)
+
+
+def test_callbacks_may_reenter_the_tree():
+    tree = Tree()
+    node = tree.insert_pending(tree.root, [1]).node
+    results = []
+    node.add_done_callback(lambda n: results.append(tree.match([1]).node))
+    tree.finalize(node, span([1]))
+    assert results == [node]
+
+
+def test_a_failing_callback_does_not_starve_the_others():
+    tree = Tree()
+    node = tree.insert_pending(tree.root, [1]).node
+    seen = []
+    node.add_done_callback(lambda n: 1 / 0)
+    node.add_done_callback(seen.append)
+    tree.finalize(node, span([1]))
+    assert seen == [node]
+
+
+def test_wait_blocks_until_finalize():
+    tree = Tree()
+    node = tree.insert_pending(tree.root, [1]).node
+    with pytest.raises(TimeoutError):
+        node.wait(timeout=0.01)
+    threading.Timer(0.01, tree.finalize, (node, span([1]))).start()
+    node.wait(timeout=5)
+    assert node.state is NodeState.READY
+
+
+def test_poison_removes_the_node_releases_its_pins_and_wakes_waiters_with_the_error():
+    tree = Tree()
+    a = tree.put([1, 2])
+    tree.lock(a)  # the creator's pin from its match
+    node = tree.insert_pending(a, [3]).node
+    errors = []
+    node.add_done_callback(lambda n: errors.append(n.error))
+    boom = RuntimeError("prefill failed")
+    tree.poison(node, boom)
+    assert errors == [boom]
+    assert node.state is NodeState.POISONED and node.parent is None and node.lock_ref == 0
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        node.wait()
+    assert a.children == {} and a.lock_ref == 1
+    tree.unlock(a)  # the creator unlocks only what it locked itself
+    s = tree.stats()
+    assert (s.pending, s.pinned_bytes, s.evictable_bytes) == (0, 0, 2)
+    assert list(tree.lru) == [a]
+    check_invariants(tree)
+
+
+def test_finalize_or_poison_of_a_node_that_is_not_pending_is_a_bug():
+    tree = Tree()
+    node = tree.insert_pending(tree.root, [1]).node
+    tree.poison(node, RuntimeError())
+    with pytest.raises(ValueError):
+        tree.finalize(node, span([1]))
+    with pytest.raises(ValueError):
+        tree.poison(node, RuntimeError())
+
+
+# -- insert ----------------------------------------------------------------------------
+
+
+def test_insert_adds_an_evictable_ready_leaf():
+    tree = Tree()
+    node = tree.put([1, 2, 3], bytes_per_token=2)
+    assert node.state is NodeState.READY and node.lock_ref == 0
+    assert list(tree.lru) == [node]
+    s = tree.stats()
+    assert (s.nodes, s.total_bytes, s.evictable_bytes, s.total_tokens) == (1, 6, 6, 3)
+
+
+def test_insert_keeps_what_is_cached_and_frees_the_overlapping_head_of_the_handle():
+    tree = Tree()
+    a = tree.put([1, 2])
+    node = tree.insert(tree.root, [1, 2, 3, 4], span([1, 2, 3, 4]))
+    assert node.parent is a and node.tokens == (3, 4) and node.handle.tokens == (3, 4)
+    assert [h.tokens for h in tree.freed] == [(1, 2)]
+    assert tree.stats().total_bytes == 4
+
+
+def test_insert_of_a_cached_sequence_frees_the_whole_handle():
+    tree = Tree()
+    a = tree.put([1, 2])
+    duplicate = span([1, 2])
+    assert tree.insert(tree.root, [1, 2], duplicate) is a
+    assert tree.freed == [duplicate]
+
+
+def test_insert_ending_inside_an_edge_splits_it_and_returns_the_head():
+    tree = Tree()
+    tree.put([1, 2, 3])
+    node = tree.insert(tree.root, [1, 2], span([1, 2]))
+    assert node.tokens == (1, 2) and node.handle.tokens == (1, 2)
+    assert edges(tree) == {(1, 2), (1, 2, 3)}
+
+
+def test_insert_diverging_inside_an_edge_splits_it_and_branches():
+    tree = Tree()
+    tree.put([1, 2, 3])
+    node = tree.insert(tree.root, [1, 2, 7, 8], span([1, 2, 7, 8]))
+    assert node.tokens == (7, 8) and node.handle.prefix == (1, 2)
+    assert edges(tree) == {(1, 2), (1, 2, 3), (1, 2, 7, 8)}
+
+
+def test_insert_stops_at_a_pending_node_and_frees_the_rest():
+    tree = Tree()
+    tree.insert_pending(tree.root, [1, 2])
+    handle = span([1, 2, 3])
+    assert tree.insert(tree.root, [1, 2, 3], handle) is tree.root
+    assert tree.freed == [handle]
+
+
+def test_insert_of_a_snapshot_splits_topology_with_a_junction_that_holds_nothing():
+    tree = Tree()
+    first = tree.put([1, 2, 3], splittable=False, bytes_per_token=10)
+    second = tree.put([1, 2, 4, 5], splittable=False, bytes_per_token=10)
+    junction = first.parent
+    assert junction is second.parent and junction.tokens == (1, 2) and junction.handle is None
+    assert first.handle.path == (1, 2, 3) and not tree.freed
+    s = tree.stats()
+    assert (s.nodes, s.total_bytes, s.total_tokens) == (3, 70, 5)
+
+
+def test_insert_with_lock_returns_the_node_pinned():
+    tree = Tree()
+    node = tree.insert(tree.root, [1], span([1]), lock=True)
+    assert node.lock_ref == 1 and tree.stats().pinned_bytes == 1
+
+
+def test_bulk_insert_of_a_generation_below_its_prompt_node():
+    tree = Tree()
+    prompt = tree.acquire([1, 2, 3], lambda parent, rest: span(rest))
+    generated = tree.insert(prompt, [7, 8, 9], span([7, 8, 9], prefix=[1, 2, 3]))
+    tree.unlock(prompt)
+    assert generated.parent is prompt
+    assert tree.match([1, 2, 3, 7, 8, 9, 10]).length == 6
+    assert list(tree.lru) == [generated]
+
+
+def test_empty_token_sequences_are_rejected():
+    tree = Tree()
+    with pytest.raises(ValueError):
+        tree.insert_pending(tree.root, [])
+    with pytest.raises(ValueError):
+        tree.insert(tree.root, [], span([]))
+
+
+# -- eviction --------------------------------------------------------------------------
+
+
+def test_evict_frees_least_recently_used_leaves_first():
+    tree = Tree()
+    a, b, c = tree.put([1]), tree.put([2]), tree.put([3])
+    tree.match([1])
+    assert tree.evict(2) == 2
+    assert [h.tokens for h in tree.freed] == [(2,), (3,)]
+    assert edges(tree) == {(1,)} and a.parent is tree.root
+    assert b.parent is None and c.handle is None, "evicted nodes are detached and empty"
+    assert tree.stats().evictions == 2
+
+
+def test_evict_cascades_to_a_parent_that_becomes_an_evictable_leaf():
+    tree = Tree()
+    parent = tree.put([1, 2])
+    tree.insert(parent, [3], span([3], prefix=[1, 2]))
+    other = tree.put([9])
+    assert list(tree.lru) == [parent.children[3], other]
+    assert tree.evict(1) == 1
+    assert list(tree.lru) == [parent, other], "the exposed parent is evicted next"
+    assert tree.evict(1) == 2
+    assert edges(tree) == {(9,)}
+
+
+def test_evict_stops_once_enough_bytes_are_freed_or_nothing_is_left():
+    tree = Tree()
+    tree.put([1, 2, 3])
+    tree.put([4, 5, 6])
+    assert tree.evict(1) == 3
+    assert tree.evict(100) == 3
+    assert tree.evict(100) == 0
+    assert tree.evict(0) == 0
+
+
+def test_enforce_capacity_evicts_down_to_the_budget():
+    tree = Tree(capacity_bytes=5)
+    for t in range(4):
+        tree.put([t, t, t])
+    assert tree.enforce_capacity() == 9
+    assert tree.stats().total_bytes == 3
+    assert tree.enforce_capacity() == 0
+
+
+def test_clear_evicts_everything_unpinned_including_junctions():
+    tree = Tree()
+    tree.put([1, 2, 3], splittable=False)
+    tree.put([1, 2, 4], splittable=False)
+    assert tree.clear() == 6
+    assert edges(tree) == set() and len(tree.freed) == 2
+    s = tree.stats()
+    assert (s.total_bytes, s.total_tokens, s.nodes, s.evictions) == (0, 0, 0, 3)
+
+
+# -- acquire ---------------------------------------------------------------------------
+
+
+def test_acquire_computes_the_missing_suffix_once_then_hits():
+    tree = Tree()
+    calls = []
+
+    def compute(parent, rest):
+        calls.append((parent.path_tokens(), tuple(rest)))
+        return span(rest, prefix=parent.path_tokens())
+
+    first = tree.acquire([1, 2, 3], compute)
+    tree.unlock(first)
+    second = tree.acquire([1, 2, 3, 4], compute)
+    assert calls == [((), (1, 2, 3)), ((1, 2, 3), (4,))]
+    assert second.parent is first and second.lock_ref == 1 and first.lock_ref == 1
+    tree.unlock(second)
+    assert tree.acquire([1, 2], compute).tokens == (1, 2), "a hit inside an edge splits it"
+    assert len(calls) == 2
+
+
+def test_acquire_poisons_and_reraises_when_compute_fails():
+    tree = Tree()
+    tree.put([1])
+
+    def compute(parent, rest):
+        raise OSError("out of memory")
+
+    with pytest.raises(OSError):
+        tree.acquire([1, 2], compute)
+    s = tree.stats()
+    assert (s.pending, s.pinned_bytes, s.nodes) == (0, 0, 1)
+    check_invariants(tree)
+
+
+def test_acquire_fills_a_junction_for_snapshot_handles():
+    tree = Tree()
+    tree.put([1, 2, 3], splittable=False)
+    node = tree.acquire([1, 2], lambda parent, rest: snap(parent.path_tokens() + tuple(rest)))
+    assert node.tokens == (1, 2) and node.handle.path == (1, 2) and node.lock_ref == 1
+
+
+def test_peek_reports_the_match_length_without_changing_anything():
+    tree = Tree()
+    a, b = tree.put([1, 2, 3, 4]), tree.put([5])
+    before = (edges(tree), list(tree.lru), tree.stats())
+    assert tree.peek([1, 2, 9]) == 2 and tree.peek([1, 2, 3, 4, 5]) == 4
+    assert tree.peek([7]) == 0
+    assert (edges(tree), list(tree.lru), tree.stats()) == before
+    assert list(tree.lru) == [a, b]
