@@ -58,36 +58,58 @@ SLIDING_WINDOW = 32
 MAX_POSITION_EMBEDDINGS = 8192
 WEIGHT_GAIN = 2.0
 
-CHAT_TEMPLATE = (
-    "{%- if tools -%}"
-    "<|im_start|>system\n"
-    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
-    "# Tools\n\n"
-    "You may call one or more functions to assist with the user query. "
-    "Function signatures:\n<tools>\n"
-    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
-    "</tools>\n\n"
-    "To call a function, reply with a JSON object inside <tool_call></tool_call> tags: "
-    '{"name": <function-name>, "arguments": <args-json-object>}<|im_end|>\n'
-    "{%- elif messages and messages[0]['role'] == 'system' -%}"
-    "<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if not (loop.first and message['role'] == 'system') -%}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{%- if message['content'] %}{{ message['content'] }}{% endif -%}"
-    "{%- for call in message.get('tool_calls') or [] -%}"
-    "{%- set function = call['function'] if call['function'] is defined else call -%}"
-    '\n<tool_call>\n{"name": "{{ function[\'name\'] }}", "arguments": '
-    "{%- if function['arguments'] is string %} {{ function['arguments'] }}"
-    "{%- else %} {{ function['arguments'] | tojson }}{% endif -%}"
-    "}\n</tool_call>"
-    "{%- endfor -%}"
-    "<|im_end|>\n"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
-)
+# ChatML, as in Qwen2.5: every literal lives in an expression and every tag trims the
+# layout whitespace around it, so the output does not depend on the renderer's
+# trim_blocks/lstrip_blocks settings.
+CHAT_TEMPLATE = r"""
+{%- macro render_content(content) %}
+    {%- if content is string %}
+        {{- content }}
+    {%- elif content %}
+        {%- for part in content if part.type == 'text' %}
+            {{- part.text }}
+        {%- endfor %}
+    {%- endif %}
+{%- endmacro %}
+{%- set has_system = messages and messages[0].role == 'system' %}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if has_system %}
+        {{- render_content(messages[0].content) + '\n\n' }}
+    {%- endif %}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query. ' }}
+    {{- 'Function signatures:\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' + tool | tojson }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nTo call a function, reply with a JSON object inside <tool_call></tool_call> ' }}
+    {{- 'tags: {"name": <function-name>, "arguments": <args-json-object>}<|im_end|>\n' }}
+{%- elif has_system %}
+    {{- '<|im_start|>system\n' + render_content(messages[0].content) + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if not (loop.first and has_system) %}
+        {{- '<|im_start|>' + message.role + '\n' + render_content(message.content) }}
+        {%- for call in message.tool_calls or [] %}
+            {%- set function = call.function if call.function is defined else call %}
+            {%- if message.content or not loop.first %}
+                {{- '\n' }}
+            {%- endif %}
+            {{- '<tool_call>\n{"name": "' + function.name + '", "arguments": ' }}
+            {%- if function.arguments is string %}
+                {{- function.arguments }}
+            {%- else %}
+                {{- function.arguments | tojson }}
+            {%- endif %}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
 
 
 def demo_model_path(size: str = "tiny", seed: int = 0) -> Path:

@@ -1,0 +1,43 @@
+# Every target installs what it needs into .venv first (once; the stamp makes reruns instant).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.radix-mlx-installed
+
+MODEL ?=
+HOST ?= 127.0.0.1
+PORT ?= 8000
+DEMO_DIR ?= build/demo-model
+SIZE ?= tiny
+
+# MLX's Linux CPU wheel ships a reference BLAS ~40x slower at float32 GEMM than OpenBLAS.
+OPENBLAS := $(wildcard /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3)
+ifneq ($(OPENBLAS),)
+ifneq ($(RADIX_MLX_NO_OPENBLAS),1)
+test bench: export LD_PRELOAD := $(strip $(OPENBLAS) $(LD_PRELOAD))
+endif
+endif
+
+.PHONY: install serve test bench lint demo-model
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+serve: $(STAMP)
+	$(BIN)/radix-mlx serve $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+demo-model: $(STAMP)
+	$(BIN)/radix-mlx make-demo-model $(DEMO_DIR) --size $(SIZE)
