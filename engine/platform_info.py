@@ -27,8 +27,7 @@ def mlx_would_use_cpu() -> bool:
     """Guess, without importing MLX, whether it will compute on the CPU."""
     if sys.platform == "darwin":
         return False
-    has_cuda_backend = any(_is_installed(name) for name in CUDA_DISTRIBUTIONS)
-    return not (has_cuda_backend and Path("/dev/nvidiactl").exists())
+    return not (_installed_libmlx_is_cuda() and Path("/dev/nvidiactl").exists())
 
 
 def openblas_preload_env() -> dict[str, str] | None:
@@ -68,9 +67,17 @@ def _blas_in_use() -> str:
     return "MLX's bundled reference BLAS (slow: install libopenblas0-pthread, start via radix-mlx)"
 
 
-def _is_installed(distribution: str) -> bool:
-    try:
-        importlib.metadata.distribution(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+def _installed_libmlx_is_cuda() -> bool:
+    # mlx-cpu and mlx-cuda-* both ship mlx/lib/libmlx.so and the last one installed wins,
+    # so ask which distribution's recorded size the file on disk has.
+    for name in CUDA_DISTRIBUTIONS:
+        try:
+            files = importlib.metadata.distribution(name).files or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for file in files:
+            if str(file) == "mlx/lib/libmlx.so":
+                located = Path(file.locate())
+                if located.is_file() and located.stat().st_size == file.size:
+                    return True
+    return False
