@@ -1,0 +1,215 @@
+"""Every option of the server in one validated Settings object.
+
+Sources, highest first: command-line flags, RADIX_MLX_<FIELD> environment variables,
+the TOML config file, the defaults below. A service manager starts the server with
+`--config FILE`, so the file is where operators change things; flags and environment
+exist for one-off runs and secrets.
+"""
+
+import argparse
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import platformdirs
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
+
+ENV_PREFIX = "RADIX_MLX_"
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+
+class Settings(BaseModel):
+    """Frozen so that no component can change an option under another's feet."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(
+        None, description="model directory or Hugging Face repo id; none: the built-in demo model"
+    )
+    host: NonEmpty = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
+    api_key: SecretStr | None = Field(
+        None, description="require 'Authorization: Bearer KEY'; prefer the env var or the file"
+    )
+    served_model_names: list[NonEmpty] = Field(
+        [], description="names the model answers to in requests and /v1/models"
+    )
+    cache_bytes: PositiveInt | None = Field(
+        None, description="byte budget of the prefix cache; none: cache_fraction of device memory"
+    )
+    cache_fraction: float = Field(
+        0.5,
+        gt=0,
+        lt=1,
+        description="share of device memory for the cache when cache_bytes is unset",
+    )
+    max_batch_size: PositiveInt = Field(32, description="requests decoded together")
+    prefill_batch_size: PositiveInt = Field(8, description="prompts prefilled together")
+    prefill_chunk_tokens: PositiveInt = Field(
+        512, description="prompt tokens per prefill step, so running decodes keep going"
+    )
+    max_queue: PositiveInt = Field(256, description="waiting requests before answering 429")
+    max_body_bytes: PositiveInt = Field(4 * 1024 * 1024, description="largest request body")
+    cors_origins: list[NonEmpty] = Field([], description="origins allowed by CORS; none: CORS off")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="one of debug, info, warning, error"
+    )
+    log_file: Path | None = Field(
+        None, description="append logs to this file, reopened after rotation; none: stderr"
+    )
+    drain_timeout: float = Field(
+        15.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="seconds running requests get to finish after SIGTERM before they are cut",
+    )
+    default_max_tokens: PositiveInt = Field(512, description="max_tokens when a request omits it")
+    config_file: Path | None = Field(None, description="TOML file read for these settings")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lowercase_level(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+
+class ConfigError(ValueError):
+    """A one-line message naming the source and the option; the CLI prints it and exits."""
+
+
+LIST_FIELDS = ("served_model_names", "cors_origins")
+FLAGS = {
+    "served_model_names": "--served-model-name",
+    "cors_origins": "--cors-origin",
+    "config_file": "--config",
+}
+FILE_KEYS = Settings.model_fields.keys() - {"config_file"}
+
+
+def flag(name: str) -> str:
+    return FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def env_var(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def default_config_path() -> Path:
+    """~/.config/radix-mlx/config.toml on Linux, ~/Library/Application Support/... on macOS."""
+    return Path(platformdirs.user_config_dir("radix-mlx")) / "config.toml"
+
+
+def split_list(value: str) -> list[str]:
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+class _ExtendList(argparse.Action):
+    """Repeatable list flag that also takes comma-separated values."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, [*getattr(namespace, self.dest, []), *split_list(values)])
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting; SUPPRESS keeps absent flags out of the namespace so they
+    do not override the environment or the file."""
+    for name, field in Settings.model_fields.items():
+        default = "none" if field.default in (None, []) else field.default
+        if name == "config_file":
+            default = f"{default_config_path()} if it exists; '' reads no file"
+        repeat = "; repeatable, or comma-separated" if name in LIST_FIELDS else ""
+        help_text = f"{field.description} (env {env_var(name)}; default: {default}{repeat})"
+        parser.add_argument(
+            flag(name),
+            dest=name,
+            default=argparse.SUPPRESS,
+            metavar=flag(name).lstrip("-").replace("-", "_").upper(),
+            action=_ExtendList if name in LIST_FIELDS else "store",
+            help=help_text.replace("%", "%%"),
+        )
+
+
+def load_settings(
+    args: argparse.Namespace | None = None, environ: Mapping[str, str] = os.environ
+) -> Settings:
+    """Merge flags > environment > file > defaults; raise ConfigError on any bad value."""
+    given = vars(args) if args is not None else {}
+    cli = {name: given[name] for name in Settings.model_fields if name in given}
+    env = {
+        name: _from_env(name, environ[env_var(name)])
+        for name in Settings.model_fields
+        if env_var(name) in environ
+    }
+    path = _config_path(cli, env)
+    in_file = _read_file(path) if path is not None else {}
+    sources = (
+        {name: f"file {path}" for name in in_file}
+        | {name: f"env {env_var(name)}" for name in env}
+        | {name: f"flag {flag(name)}" for name in cli}
+    )
+    try:
+        return Settings.model_validate({**in_file, **env, **cli, "config_file": path})
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, sources)) from None
+
+
+def _from_env(name: str, value: str) -> Any:
+    """Lists are comma-separated; an empty value unsets an optional setting."""
+    if name in LIST_FIELDS:
+        return split_list(value)
+    if value == "" and Settings.model_fields[name].default is None:
+        return None
+    return value
+
+
+def _config_path(cli: dict[str, Any], env: dict[str, Any]) -> Path | None:
+    """A named file must exist, an empty name reads none; the default is read if present."""
+    for source, values in (("flag --config", cli), (f"env {env_var('config_file')}", env)):
+        if "config_file" in values:
+            if not values["config_file"]:
+                return None
+            path = Path(values["config_file"]).expanduser()
+            if not path.is_file():
+                raise ConfigError(f"config file {path} (from {source}) does not exist")
+            return path
+    path = default_config_path()
+    return path if path.is_file() else None
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            values = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+    unknown = sorted(values.keys() - FILE_KEYS)
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown option {', '.join(unknown)}")
+    return values
+
+
+def _describe(exc: ValidationError, sources: Mapping[str, str]) -> str:
+    """One line per ValidationError: which option, from where, what is wrong, what was given."""
+    problems = []
+    for error in exc.errors():
+        name = str(error["loc"][0]) if error["loc"] else "settings"
+        where = sources.get(name, "default")
+        got = "" if name == "api_key" else f" (got {error['input']!r})"
+        problems.append(f"invalid {name} from {where}: {error['msg']}{got}")
+    return "; ".join(problems)
