@@ -1,0 +1,105 @@
+"""OpenAI error objects for every failure, with the right status and nothing leaked.
+
+Every error leaves as `{"error": {"message", "type", "param", "code"}}`: our own
+`APIError`s, FastAPI's validation errors (400 instead of FastAPI's 422, as OpenAI does),
+Starlette's routing errors (404/405) and, through the request middleware, unexpected
+exceptions, which become a 500 naming the request id while the traceback stays in the
+server log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from server.protocol import ErrorInfo, ErrorResponse
+
+# How many validation problems one message lists; the rest are counted.
+MAX_LISTED_PROBLEMS = 3
+
+
+class APIError(Exception):
+    """A failure the client should see, as OpenAI's error object with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = dict(headers or {})
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(
+            error=ErrorInfo(
+                message=self.message, type=error_type(self.status), param=self.param,
+                code=self.code,
+            )
+        )
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), self.status, headers=self.headers)
+
+
+def error_type(status: int) -> str:
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """One readable 400 from pydantic's list of problems."""
+    problems = []
+    for error in errors:
+        loc = [str(part) for part in error["loc"] if part != "body"]
+        if error["type"] == "json_invalid":
+            # Its loc is a character position, not a field.
+            position, loc = loc, []
+            message = f"invalid JSON at character {''.join(position)}: {error['ctx']['error']}"
+        elif error["type"] == "value_error":
+            message = str(error["ctx"]["error"])  # our validators' own words
+        else:
+            message = error["msg"]
+        problems.append((loc, f"{'.'.join(loc)}: {message}" if loc else message))
+    message = "; ".join(text for _, text in problems[:MAX_LISTED_PROBLEMS])
+    if len(problems) > MAX_LISTED_PROBLEMS:
+        message += f" (and {len(problems) - MAX_LISTED_PROBLEMS} more)"
+    first_loc = problems[0][0] if problems else []
+    return APIError(400, message, code="invalid_request", param=first_loc[0] if first_loc else None)
+
+
+async def _api_error(request: Request, error: APIError) -> JSONResponse:
+    return error.response()
+
+
+async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    return validation_error(list(error.errors())).response()
+
+
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    return APIError(
+        error.status_code, str(error.detail), code=codes.get(error.status_code),
+        headers=error.headers,
+    ).response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)

@@ -1,0 +1,484 @@
+"""Pydantic models of the OpenAI API surface we serve.
+
+Requests mirror OpenAI's schema (plus vLLM's sampling extensions) and validate
+declaratively: strict types, so `"n": "2"` is a 400 rather than a silent coercion, and
+unknown fields are ignored, as OpenAI does. Responses mirror the shapes the official SDK
+parses. Nothing here knows about the engine beyond `SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from engine.request import SamplingParams
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- shared request pieces ---------------------------------------------------------------
+
+TokenId = Annotated[int, Field(ge=0)]
+# OpenAI keys logit_bias by token id written as a string.
+TokenIdKey = Annotated[str, Field(pattern=r"^\d{1,9}$")]
+LogitBias = Annotated[float, Field(ge=-100, le=100)]
+StopString = Annotated[str, Field(min_length=1)]
+
+
+def shaped_union(kind: Any, what: str, **members: Any) -> Any:
+    """A union validated by just the member that `kind(value)` names, so a bad value gets
+    that member's errors instead of one per member; a value of no known shape gets
+    "must be <what>"."""
+    return Annotated[
+        Union[tuple(Annotated[member, Tag(tag)] for tag, member in members.items())],  # noqa: UP007
+        Discriminator(
+            kind, custom_error_type="invalid_type", custom_error_message=f"must be {what}"
+        ),
+    ]
+
+
+def _str_or_list(value: Any) -> str | None:
+    return "str" if isinstance(value, str) else "list" if isinstance(value, list) else None
+
+
+Stop = shaped_union(
+    _str_or_list, "a string or a list of up to 4 strings",
+    str=StopString, list=Annotated[list[StopString], Field(max_length=4)],
+)
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(RequestModel):
+    """Fields shared by chat and legacy completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=128)
+    seed: int | None = Field(None, ge=0, lt=2**63 - 128)
+    stop: Stop | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[TokenIdKey, LogitBias] | None = None
+    user: str | None = None
+    # Extensions, as in vLLM's server.
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def token_ids(self) -> list[int]:
+        """Every token id the request names, for a range check against the vocabulary."""
+        return [int(key) for key in self.logit_bias or ()] + list(self.stop_token_ids or ())
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+        """The engine's parameters for choice `choice` (which offsets the seed, so the
+        n choices of a seeded request differ from each other yet stay reproducible)."""
+        temperature = 1.0 if self.temperature is None else self.temperature
+        top_p = 1.0 if self.top_p is None else self.top_p
+        if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
+            temperature, top_p = 0.0, 1.0
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=None if self.seed is None else self.seed + choice,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias={int(key): value for key, value in (self.logit_bias or {}).items()},
+            logprobs=logprobs,
+            stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+# -- chat requests -------------------------------------------------------------------------
+
+
+class TextPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+Content = shaped_union(
+    _str_or_list, "a string or a list of text parts", str=str, list=list[TextPart]
+)
+
+
+def content_text(content: Content | None) -> str | None:
+    """Text parts joined the way vLLM joins them, since most templates want a string."""
+    if content is None or isinstance(content, str):
+        return content
+    return "\n".join(part.text for part in content)
+
+
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(RequestModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(RequestModel):
+    role: Literal["system", "developer"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(RequestModel):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(RequestModel):
+    role: Literal["assistant"]
+    content: Content | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ToolMessage(RequestModel):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+Message = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
+
+
+def template_message(message: Message) -> dict[str, Any]:
+    """The dict a Hugging Face chat template expects for `message`."""
+    out = message.model_dump(exclude_none=True)
+    out["content"] = content_text(message.content)
+    if isinstance(message, AssistantMessage) and message.tool_calls:
+        # Templates iterate over arguments as a mapping; OpenAI sends a JSON string.
+        for call in out["tool_calls"]:
+            try:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            except json.JSONDecodeError:
+                pass  # a template that prints arguments verbatim still gets the string
+    return out
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ResponseFormat(RequestModel):
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _only_text(cls, value: str) -> str:
+        # Structured output needs constrained decoding, which the engine does not do.
+        if value != "text":
+            raise ValueError(f"response_format type {value!r} is not supported; only 'text' is")
+        return value
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: dict[str, Any]
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tool_choice is not None and not self.tools:
+            raise ValueError("tool_choice is only allowed when tools are specified")
+        # Forcing a call needs constrained decoding; "auto" lets the model decide.
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            raise ValueError("only tool_choice 'auto' and 'none' are supported")
+        return self
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+
+# -- legacy completion requests ----------------------------------------------------------
+
+def _prompt_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "text"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else 0
+    return "texts" if isinstance(first, str) else "batch" if isinstance(first, list) else "tokens"
+
+
+NonEmptyTokens = Annotated[list[TokenId], Field(min_length=1)]
+Prompt = shaped_union(
+    _prompt_kind, "a string, a list of strings, a list of token ids or a list of those",
+    text=Annotated[str, Field(min_length=1)],
+    texts=Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)],
+    tokens=NonEmptyTokens,
+    batch=Annotated[list[NonEmptyTokens], Field(min_length=1)],
+)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Prompt
+    # OpenAI's default for legacy completions.
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        if value is not None and value > 1:
+            raise ValueError("best_of > 1 is not supported")
+        return value
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompt as a batch: a list of strings or a list of token-id lists."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return self.prompt  # type: ignore[return-value]
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0
+
+
+class Usage(ResponseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(ResponseModel):
+    """The legacy format: parallel lists, alternatives as {token text: logprob}."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class FunctionCallOut(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class ChatMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+    refusal: None = None
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(ResponseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_present(self, handler: Any) -> dict[str, Any]:
+        # A delta carries only what changed: OpenAI omits the other keys.
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "radix-mlx"
+    root: str
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(ResponseModel):
+    error: ErrorInfo
