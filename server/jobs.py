@@ -1,0 +1,233 @@
+"""One HTTP request's engine work: submit prompts x n choices, merge their streams, and
+turn engine events into per-choice deltas both response formats are built from.
+
+A `Job` is always closed in a `finally` by its route, so an engine request never
+outlives the HTTP request that asked for it (client gone, error, or drain deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from engine.engine import Engine
+from engine.request import (
+    ContextLengthExceeded,
+    EngineNotReady,
+    Finish,
+    QueueFull,
+    RequestFailed,
+    SamplingParams,
+    TokenEvent,
+)
+from server.errors import APIError
+from server.metrics import Metrics
+from server.protocol import FinishReason, PromptTokensDetails, ToolCallOut, Usage
+from server.state import Drain
+from server.tools import ToolCallParser
+
+
+@dataclass
+class RequestStats:
+    """What the access log reports about one request."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+@dataclass
+class Delta:
+    """What one engine event adds to choice `index`."""
+
+    index: int
+    text: str = ""
+    tokens: list[TokenEvent] = field(default_factory=list)
+    tool_calls: list[ToolCallOut] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class ChoiceResult:
+    """A whole choice, for non-streaming responses."""
+
+    text: str = ""
+    tokens: list[TokenEvent] = field(default_factory=list)
+    tool_calls: list[ToolCallOut] = field(default_factory=list)
+    finish_reason: FinishReason = "stop"
+
+
+class Job:
+    def __init__(
+        self, engine: Engine, drain: Drain, metrics: Metrics, request_id: str, started_at: float
+    ) -> None:
+        self.engine, self.drain, self.metrics = engine, drain, metrics
+        self.request_id = request_id
+        self.started_at = started_at
+        self.stats = RequestStats()
+        self.n = 1
+        self._streams: list = []
+        self._finishes: dict[int, Finish] = {}
+        self._tokens: Counter[int] = Counter()
+        self._tasks: list[asyncio.Task] = []
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], n: int, params: Callable[[int], SamplingParams]
+    ) -> None:
+        """Queue every choice: choice `p * n + j` is prompt p's j-th, with `params(j)`.
+
+        All or nothing: if the engine refuses one, those already queued are cancelled."""
+        self.n = n
+        try:
+            for prompt in prompts:
+                for j in range(n):
+                    self._streams.append(self.engine.submit(prompt, params(j)))
+        except ContextLengthExceeded as error:
+            self.close()
+            raise APIError(400, str(error), code="context_length_exceeded") from error
+        except QueueFull as error:
+            self.close()
+            raise APIError(
+                429, f"the server is busy: {error}", code="rate_limit_exceeded",
+                headers={"Retry-After": str(max(1, math.ceil(error.retry_after)))},
+            ) from error
+        except EngineNotReady as error:
+            self.close()
+            raise APIError(503, str(error), code="model_not_ready") from error
+        self.drain.jobs.add(self)
+
+    @property
+    def choices(self) -> int:
+        return len(self._streams)
+
+    def cancel(self) -> None:
+        """Stop generating; `events` then ends with an error. Idempotent."""
+        for stream in self._streams:
+            stream.cancel()
+
+    def close(self) -> None:
+        """Cancel and stop reading: the route's last word. Idempotent."""
+        self.cancel()
+        for task in self._tasks:
+            task.cancel()
+        self.drain.jobs.discard(self)
+
+    async def events(self) -> AsyncIterator[tuple[int, TokenEvent | Finish]]:
+        """Every choice's events, interleaved as they arrive."""
+        queue: asyncio.Queue[tuple[int, TokenEvent | Finish | Exception | None]] = asyncio.Queue()
+
+        async def pump(index: int, stream) -> None:
+            try:
+                async for event in stream:
+                    queue.put_nowait((index, event))
+            except Exception as error:  # noqa: BLE001 - re-raised by the reader below
+                queue.put_nowait((index, error))
+            else:
+                queue.put_nowait((index, None))
+
+        self._tasks = [
+            asyncio.create_task(pump(index, stream)) for index, stream in enumerate(self._streams)
+        ]
+        last_token: dict[int, float] = {}
+        open_streams = len(self._streams)
+        while open_streams:
+            index, event = await queue.get()
+            if event is None:
+                open_streams -= 1
+                continue
+            if isinstance(event, RequestFailed):
+                raise APIError(
+                    500, f"the engine failed this request (request id {self.request_id})",
+                    code="engine_error",
+                ) from event
+            if isinstance(event, Exception):
+                raise event
+            if isinstance(event, Finish) and event.reason == "cancelled":
+                continue  # reported below, once every stream has ended
+            if isinstance(event, TokenEvent):
+                self._observe_token(index, last_token)
+            else:
+                self._finish(index, event)
+            yield index, event
+        if len(self._finishes) < self.choices:
+            # A stream ends without a Finish only when cancelled, and only the drain
+            # cancels a job that is still being read.
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+
+    def _observe_token(self, index: int, last_token: dict[int, float]) -> None:
+        now = time.perf_counter()
+        if self.stats.first_token_at is None:
+            self.stats.first_token_at = now
+            self.metrics.ttft.observe(now - self.started_at)
+        if index in last_token:
+            self.metrics.itl.observe(now - last_token[index])
+        last_token[index] = now
+        self.stats.last_token_at = now
+        self._tokens[index] += 1
+        self.stats.completion_tokens += 1
+
+    def _finish(self, index: int, finish: Finish) -> None:
+        self._finishes[index] = finish
+        usage = self.usage()
+        self.stats.prompt_tokens = usage.prompt_tokens
+        self.stats.cached_tokens = usage.prompt_tokens_details.cached_tokens
+        # The engine's count replaces the tokens we saw for this choice.
+        self.stats.completion_tokens += finish.completion_tokens - self._tokens[index]
+
+    def usage(self) -> Usage:
+        """Each prompt counts once, whatever n; its cached tokens are the least any of its
+        choices found, i.e. what the cache held before this request computed anything."""
+        prompt = cached = completion = 0
+        for start in range(0, self.choices, self.n):
+            finishes = [self._finishes.get(i) for i in range(start, start + self.n)]
+            finishes = [finish for finish in finishes if finish is not None]
+            if finishes:
+                prompt += finishes[0].prompt_tokens
+                cached += min(finish.cached_tokens for finish in finishes)
+                completion += sum(finish.completion_tokens for finish in finishes)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+
+async def deltas(
+    job: Job, tool_parser: Callable[[], ToolCallParser] | None = None
+) -> AsyncIterator[Delta]:
+    """The job's events as deltas, with tool calls split out of the text when asked."""
+    parsers: dict[int, ToolCallParser] = {}
+    async for index, event in job.events():
+        delta = Delta(index, event.text)
+        if isinstance(event, TokenEvent):
+            delta.tokens.append(event)
+        if tool_parser is not None:
+            parser = parsers.setdefault(index, tool_parser())
+            delta.text, delta.tool_calls = parser.feed(delta.text)
+            if isinstance(event, Finish):
+                rest, calls = parser.close()
+                delta.text += rest
+                delta.tool_calls += calls
+        if isinstance(event, Finish):
+            called = index in parsers and parsers[index].calls > 0
+            delta.finish_reason = (
+                "tool_calls" if called and event.reason == "stop" else event.reason
+            )
+        yield delta
+
+
+async def collect(job: Job, stream: AsyncIterator[Delta]) -> list[ChoiceResult]:
+    results = [ChoiceResult() for _ in range(job.choices)]
+    async for delta in stream:
+        result = results[delta.index]
+        result.text += delta.text
+        result.tokens += delta.tokens
+        result.tool_calls += delta.tool_calls
+        if delta.finish_reason is not None:
+            result.finish_reason = delta.finish_reason
+    return results

@@ -1,0 +1,95 @@
+"""Prometheus text exposition, by hand: a few counters and histograms the server
+observes, plus the engine's own counters and gauges read at scrape time.
+
+Everything is touched from the event loop only, so no locking is needed.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+
+from engine.engine import EngineStats
+
+PREFIX = "radix_mlx"
+
+# (EngineStats field, metric name, type, help). Counters get the `_total` suffix.
+ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("waiting", "queue_depth", "gauge", "Requests submitted and not yet started."),
+    ("running", "running_requests", "gauge", "Requests in the running batch."),
+    ("prompt_tokens", "prompt_tokens", "counter", "Prompt tokens of finished prefills."),
+    ("cached_tokens", "cached_tokens", "counter", "Prompt tokens served from the radix cache."),
+    ("prefill_tokens", "prefill_tokens", "counter", "Prompt tokens computed by prefill."),
+    ("generated_tokens", "generated_tokens", "counter", "Tokens generated."),
+    ("requests_failed", "engine_requests_failed", "counter", "Requests the engine failed."),
+    ("steps", "engine_steps", "counter", "Engine scheduler steps."),
+    ("step_seconds", "engine_step_seconds", "counter", "Seconds spent in engine steps."),
+    ("tree_bytes", "tree_bytes", "gauge", "Bytes of KV held by the radix tree."),
+    ("tree_capacity_bytes", "tree_capacity_bytes", "gauge", "The radix tree's byte budget."),
+    ("tree_nodes", "tree_nodes", "gauge", "Nodes in the radix tree."),
+    ("tree_tokens", "tree_tokens", "gauge", "Tokens held by the radix tree."),
+    ("pinned_bytes", "tree_pinned_bytes", "gauge", "Tree bytes pinned by running requests."),
+    ("pinned_tokens", "tree_pinned_tokens", "gauge", "Tree tokens pinned by running requests."),
+    ("pending_nodes", "tree_pending_nodes", "gauge", "Tree nodes still being computed."),
+    ("evictions", "tree_evictions", "counter", "Radix tree nodes evicted."),
+    ("cache_hits", "cache_hits", "counter", "Radix matches that reused cached tokens."),
+    ("cache_misses", "cache_misses", "counter", "Radix matches that found nothing."),
+    ("active_memory_bytes", "active_memory_bytes", "gauge", "MLX active memory."),
+)
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Histogram:
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.help, self.buckets = f"{PREFIX}_{name}", help_text, buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for bound, count in zip((*self.buckets, "+Inf"), self.counts):
+            cumulative += count
+            lines.append(f'{self.name}_bucket{{le="{bound}"}} {cumulative}')
+        lines += [f"{self.name}_sum {self.sum}", f"{self.name}_count {cumulative}"]
+        return lines
+
+
+class Metrics:
+    """The server-side series; `render` adds the engine's at scrape time."""
+
+    def __init__(self) -> None:
+        self.requests: Counter[tuple[str, int]] = Counter()
+        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = Histogram("inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        self.requests[(endpoint, status)] += 1
+
+    def render(self, stats: EngineStats, state: str, load_progress: float) -> str:
+        name = f"{PREFIX}_http_requests_total"
+        lines = [f"# HELP {name} HTTP requests by endpoint and status.", f"# TYPE {name} counter"]
+        for (endpoint, status), count in sorted(self.requests.items()):
+            lines.append(f'{name}{{endpoint="{endpoint}",status="{status}"}} {count}')
+        lines += self.ttft.render() + self.itl.render()
+        for field, metric, kind, help_text in ENGINE_METRICS:
+            metric = f"{PREFIX}_{metric}{'_total' if kind == 'counter' else ''}"
+            lines += [
+                f"# HELP {metric} {help_text}",
+                f"# TYPE {metric} {kind}",
+                f"{metric} {getattr(stats, field)}",
+            ]
+        name = f"{PREFIX}_model_state"
+        lines += [f"# HELP {name} 1 for the engine's current lifecycle state.",
+                  f"# TYPE {name} gauge", f'{name}{{state="{state}"}} 1']
+        name = f"{PREFIX}_model_load_progress"
+        lines += [f"# HELP {name} Model loading progress, 0 to 1.",
+                  f"# TYPE {name} gauge", f"{name} {load_progress}"]
+        return "\n".join(lines) + "\n"
+

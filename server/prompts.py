@@ -1,0 +1,58 @@
+"""Requests into prompt token ids: chat through the model's own chat template, legacy
+prompts by encoding (or taking token ids as given, after a range check)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from jinja2 import TemplateError
+
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest, CompletionRequest, template_message
+
+
+def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
+    """A token id the model has no embedding for would fail inside the engine."""
+    bad = [token for token in token_ids if token >= vocab_size]
+    if bad:
+        raise APIError(
+            400, f"token id {bad[0]} is out of range for a vocabulary of {vocab_size}",
+            code="invalid_request", param=param,
+        )
+
+
+def chat_prompt(tokenizer: Any, request: ChatCompletionRequest) -> list[int]:
+    if not tokenizer.has_chat_template:
+        raise APIError(
+            400, "this model has no chat template; use /v1/completions", code="invalid_request",
+            param="messages",
+        )
+    options = {
+        **(request.chat_template_kwargs or {}),
+        "tools": request.template_tools,
+        "add_generation_prompt": True,
+        "tokenize": True,
+    }
+    try:
+        prompt = tokenizer.apply_chat_template(
+            [template_message(message) for message in request.messages], **options
+        )
+    except (TemplateError, ValueError) as error:
+        # Templates reject what they cannot render (e.g. roles that do not alternate).
+        raise APIError(
+            400, f"the chat template rejected the messages: {error}", code="invalid_request",
+            param="messages",
+        ) from error
+    return list(prompt)
+
+
+def completion_prompts(tokenizer: Any, request: CompletionRequest) -> list[list[int]]:
+    prompts = request.prompts
+    if isinstance(prompts[0], str):
+        encoded = [tokenizer.encode(prompt) for prompt in prompts]
+        if not all(encoded):
+            raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+        return encoded
+    check_token_ids((token for prompt in prompts for token in prompt), len(tokenizer), "prompt")
+    return [list(prompt) for prompt in prompts]

@@ -1,0 +1,87 @@
+"""What the routes and middleware share: the engine, settings, metrics and drain state."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from engine.engine import Engine, Lifecycle
+from server.config import Settings
+from server.errors import APIError
+from server.metrics import Metrics
+
+if TYPE_CHECKING:
+    from server.jobs import Job
+
+
+# After the deadline's cancellations, how long responses get to end before we stop anyway.
+CANCEL_GRACE_SECONDS = 2.0
+
+
+class Drain:
+    """Graceful shutdown: once begun, new requests get 503 while in-flight ones run until
+    they finish or the deadline passes, when their engine requests are cancelled, which
+    ends their responses (with an error) within a few engine steps."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.inflight = 0
+        self.jobs: set[Job] = set()
+        self._deadline = 0.0
+
+    def begin(self, timeout: float) -> None:
+        self.draining = True
+        self._deadline = time.monotonic() + timeout
+
+    def finished(self) -> bool:
+        """Polled by the server loop after `begin`: True once it may stop."""
+        now = time.monotonic()
+        if self.inflight == 0 or now > self._deadline + CANCEL_GRACE_SECONDS:
+            return True
+        if now > self._deadline:
+            for job in list(self.jobs):
+                job.cancel()
+        return False
+
+
+@dataclass
+class ServerState:
+    settings: Settings
+    engine: Engine
+    metrics: Metrics = field(default_factory=Metrics)
+    drain: Drain = field(default_factory=Drain)
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    def model_ids(self) -> list[str]:
+        """The served model id first, then its aliases."""
+        return list(dict.fromkeys([self.engine.model_id, *self.settings.served_model_names]))
+
+    def check_model(self, model: str | None) -> str:
+        """The name to answer with; another model's name is a 404 (and never a load)."""
+        ids = self.model_ids()
+        if model is None:
+            return ids[0]
+        if model not in ids:
+            raise APIError(
+                404, f"The model '{model}' does not exist; this server serves {ids}.",
+                code="model_not_found", param="model",
+            )
+        return model
+
+    def ready_tokenizer(self) -> Any:
+        """The tokenizer once the model is ready; 503 before (or after a failed load)."""
+        engine = self.engine
+        if engine.state is Lifecycle.READY:
+            return engine.tokenizer
+        if engine.state is Lifecycle.FAILED:
+            message = f"the model failed to load: {engine.error}"
+        else:
+            message = f"the model is {engine.state.value} ({engine.load_progress:.0%} loaded)"
+        raise APIError(503, message, code="model_not_ready")
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
