@@ -1,0 +1,32 @@
+"""The ASGI application: routes, error handlers and middleware around one engine."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from engine.engine import Engine
+from server.config import Settings
+from server.errors import install_error_handlers
+from server.middleware import RequestMiddleware
+from server.routes import api, probes
+from server.state import ServerState
+
+
+def create_app(settings: Settings, engine: Engine) -> FastAPI:
+    """The app serving `engine`, which the caller starts and shuts down."""
+    app = FastAPI(
+        title="radix-mlx", docs_url=None, redoc_url=None, openapi_url=None,
+    )
+    app.state.server = state = ServerState(settings, engine)
+    app.include_router(api)
+    app.include_router(probes)
+    install_error_handlers(app)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type", "x-request-id"],
+        )
+    # Added last, so outermost: it sees (and logs) every request, CORS preflights too.
+    app.add_middleware(RequestMiddleware, state=state)
+    return app

@@ -1,0 +1,103 @@
+"""The `serve` process: logging, the engine (loading in the background so /health answers
+at once), and uvicorn with a drain on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from logging.handlers import WatchedFileHandler
+from types import FrameType
+
+import uvicorn
+
+from engine.demo_model import demo_model_path
+from engine.engine import Engine, EngineConfig
+from engine.platform_info import describe_platform
+from server.app import create_app
+from server.config import ConfigError, Settings, load_settings
+from server.state import Drain
+
+log = logging.getLogger("radix_mlx.server")
+
+# Largest request head (request line + headers) h11 buffers before refusing it.
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains instead of closing at once:
+    new requests get 503 (load balancers see /health go 503 too), in-flight ones get up to
+    `timeout` seconds, then whatever is left is cancelled and the process exits 0.
+    A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain, timeout: float) -> None:
+        super().__init__(config)
+        self._drain, self._timeout = drain, timeout
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recording the signal (as uvicorn does) keeps it from being re-raised after
+        # shutdown, which would make a clean drain exit with "killed by SIGTERM".
+        if self._drain.draining:
+            self.should_exit = self.force_exit = True
+            return
+        log.info("draining: refusing new requests, waiting up to %.0f s for %d in flight",
+                 self._timeout, self._drain.inflight)
+        self._drain.begin(self._timeout)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain.draining and self._drain.finished():
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def configure_logging(settings: Settings) -> None:
+    handler = (WatchedFileHandler(settings.log_file) if settings.log_file is not None
+               else logging.StreamHandler(sys.stderr))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    return EngineConfig(
+        model=settings.model or str(demo_model_path()),
+        cache_bytes=settings.cache_bytes,
+        cache_fraction=settings.cache_fraction,
+        max_batch_size=settings.max_batch_size,
+        prefill_batch_size=settings.prefill_batch_size,
+        prefill_chunk_tokens=settings.prefill_chunk_tokens,
+        max_queue=settings.max_queue,
+    )
+
+
+def run(settings: Settings) -> None:
+    """Serve until SIGTERM/SIGINT, then drain and return."""
+    configure_logging(settings)
+    log.info("%s", describe_platform())
+    engine = Engine(engine_config(settings))
+    engine.start()
+    app = create_app(settings, engine)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        http="h11",  # its event-size limit is our header limit
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        log_config=None,  # keep the logging configured above
+        access_log=False,  # radix_mlx.access writes a richer line
+        timeout_graceful_shutdown=settings.drain_timeout,
+    )
+    try:
+        DrainingServer(config, app.state.server.drain, settings.drain_timeout).run()
+    finally:
+        engine.shutdown()
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """`radix-mlx serve` and `python -m server`: settings from flags, env and file."""
+    try:
+        settings = load_settings(args)
+    except ConfigError as error:
+        print(f"radix-mlx serve: {error}", file=sys.stderr)
+        return 2
+    run(settings)
+    return 0
