@@ -1,0 +1,49 @@
+"""Real server processes on the tiny demo model, shared by tests.
+
+Each fixture starts one process on a free 127.0.0.1 port and waits for /health to say
+ready; a start costs a few seconds, so they are session- or module-scoped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.server.support import ALIAS, API_KEY, ServerProcess, start_server
+
+
+@pytest.fixture(scope="session")
+def server(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """The main server: API key required, one alias, default limits."""
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    process = start_server(
+        demo_model_dir, log_path, "--api-key", API_KEY, "--served-model-name", ALIAS
+    )
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def model_id(demo_model_dir: Path) -> str:
+    return demo_model_dir.name
+
+
+@pytest.fixture(scope="session")
+def headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="session")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture
+def async_client(server: ServerProcess) -> openai.AsyncOpenAI:
+    # Per test: an async client is bound to the event loop it first runs on.
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)

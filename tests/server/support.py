@@ -1,0 +1,80 @@
+"""Starting real server processes (`python -m server`) for the tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from engine.platform_info import openblas_library
+
+API_KEY = "test-key-123"
+ALIAS = "demo-alias"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 120.0
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled series of /metrics, by name."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {
+            name: float(value)
+            for name, _, value in (line.partition(" ") for line in text.splitlines())
+            if not name.startswith("#") and "{" not in name
+        }
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+        return self.process.wait(timeout=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(model_dir: Path, log_path: Path, *flags: str) -> ServerProcess:
+    port = _free_port()
+    # Settings from the developer's environment must not leak into the tests.
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RADIX_MLX_")}
+    blas = openblas_library()
+    if blas is not None:
+        env["LD_PRELOAD"] = str(blas)
+    command = [
+        sys.executable, "-m", "server", "--model", str(model_dir), "--port", str(port),
+        "--config", "", "--cache-bytes", str(256 * 2**20), *flags,
+    ]
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server not ready after {START_TIMEOUT} s:\n{server.log()}")

@@ -1,0 +1,222 @@
+"""The OpenAI API end to end: the official SDK (sync and async, streaming and not) and
+raw HTTP against a real server process on the tiny demo model."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+import openai
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from tests.server.support import ALIAS, ServerProcess
+
+# Random weights rarely emit EOS, but a test that counts tokens must not depend on luck.
+NO_EOS = {"ignore_eos": True}
+
+
+def _messages(text: str = "Say something.") -> list[dict]:
+    return [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": text}]},
+    ]
+
+
+def test_models_lists_the_model_and_its_alias(client: openai.OpenAI, model_id: str) -> None:
+    assert [model.id for model in client.models.list()] == [model_id, ALIAS]
+    assert client.models.retrieve(ALIAS).id == ALIAS
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.models.retrieve("gpt-4o")
+    assert raised.value.code == "model_not_found"
+
+
+def test_chat_response_shape_usage_and_logprobs(client: openai.OpenAI, model_id: str) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=model_id, messages=_messages(), max_tokens=6, n=2, logprobs=True,
+        top_logprobs=2, extra_body=NO_EOS,
+    )
+    body = raw.http_response.json()
+    response = ChatCompletion.model_validate(body)  # the SDK's own schema
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert [choice.index for choice in response.choices] == [0, 1]
+    for choice in response.choices:
+        assert choice.finish_reason == "length"
+        assert choice.message.role == "assistant"
+        assert isinstance(choice.message.content, str)
+        assert len(choice.logprobs.content) == 6
+        for token in choice.logprobs.content:
+            assert token.logprob <= 0 and len(token.top_logprobs) == 2
+            assert bytes(token.bytes).decode("utf-8", "replace") == token.token
+    usage = response.usage
+    assert usage.completion_tokens == 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert 0 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+
+
+def test_chat_stream_matches_non_stream(client: openai.OpenAI, model_id: str) -> None:
+    options = {
+        "model": ALIAS, "messages": _messages("Stream it."), "max_completion_tokens": 8,
+        "temperature": 0, "extra_body": NO_EOS,
+    }
+    whole = client.chat.completions.create(**options)
+    chunks = list(client.chat.completions.create(
+        **options, stream=True, stream_options={"include_usage": True}
+    ))
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk.model_dump())
+        assert chunk.id == chunks[0].id and chunk.object == "chat.completion.chunk"
+        assert chunk.model == ALIAS
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *body, last = chunks
+    assert all(chunk.usage is None for chunk in body)
+    assert last.choices == []
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert last.usage.completion_tokens == whole.usage.completion_tokens == 8
+    # The same prompt again: all but its last token came from the radix cache.
+    assert last.usage.prompt_tokens_details.cached_tokens == last.usage.prompt_tokens - 1
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in body) == (
+        whole.choices[0].message.content
+    )
+    assert [chunk.choices[0].finish_reason for chunk in body][-1] == "length"
+
+
+def test_completions_batch_indexes_prompts_times_n(client: openai.OpenAI, model_id: str) -> None:
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    raw = client.completions.with_raw_response.create(
+        model=model_id, prompt=prompts, n=2, max_tokens=5, logprobs=2, extra_body=NO_EOS,
+    )
+    response = Completion.model_validate(raw.http_response.json())
+    assert response.object == "text_completion" and response.id.startswith("cmpl-")
+    assert [choice.index for choice in response.choices] == [0, 1, 2, 3]
+    for choice in response.choices:
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
+        assert all(len(top) <= 2 for top in logprobs.top_logprobs)
+        assert logprobs.text_offset == sorted(logprobs.text_offset)
+    assert response.usage.prompt_tokens == 7
+    assert response.usage.completion_tokens == 20
+    assert response.usage.total_tokens == 27
+
+
+async def test_async_completion_stream_matches_non_stream(
+    async_client: openai.AsyncOpenAI, model_id: str
+) -> None:
+    options = {"model": model_id, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
+                   "extra_body": NO_EOS}
+    whole = await async_client.completions.create(**options)
+    stream = await async_client.completions.create(
+        **options, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk async for chunk in stream]
+    *body, last = chunks
+    assert "".join(chunk.choices[0].text for chunk in body) == whole.choices[0].text
+    assert body[-1].choices[0].finish_reason == "length"
+    assert last.choices == [] and last.usage.completion_tokens == 8
+
+
+def test_shared_prefix_reports_cached_tokens(client: openai.OpenAI, model_id: str) -> None:
+    # Unique per run, so nothing but the first request below can have cached it.
+    system = f"Session {uuid.uuid4().hex}. " + "Follow the house style guide closely. " * 30
+    usages = []
+    for question in ("What is a radix tree?", "What is a prefix cache?"):
+        response = client.chat.completions.create(
+            model=model_id, max_tokens=2,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        )
+        usages.append(response.usage)
+    first, second = usages
+    assert first.prompt_tokens_details.cached_tokens < 10
+    assert second.prompt_tokens_details.cached_tokens > 150
+
+
+async def test_sixteen_concurrent_streams(async_client: openai.AsyncOpenAI, model_id: str) -> None:
+    async def one(i: int) -> tuple[str, openai.types.CompletionUsage]:
+        stream = await async_client.chat.completions.create(
+            model=model_id, messages=_messages(f"Request {i}."), max_tokens=12, stream=True,
+            stream_options={"include_usage": True}, extra_body=NO_EOS,
+        )
+        chunks = [chunk async for chunk in stream]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        return finish, chunks[-1].usage
+
+    results = await asyncio.gather(*(one(i) for i in range(16)))
+    prompt_tokens = {usage.prompt_tokens for _, usage in results}
+    assert len(prompt_tokens) <= 2  # "Request 9." and "Request 10." may tokenize differently
+    for finish, usage in results:
+        assert finish == "length" and usage.completion_tokens == 12
+        assert usage.total_tokens == usage.prompt_tokens + 12
+
+
+def test_seed_makes_sampling_reproducible(client: openai.OpenAI, model_id: str) -> None:
+    options = {
+        "model": model_id, "prompt": "The weather", "max_tokens": 8, "temperature": 1.0,
+        "seed": 7, "n": 2, "extra_body": NO_EOS,
+    }
+    first = client.completions.create(**options)
+    second = client.completions.create(**options)
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert first.choices[0].text != first.choices[1].text  # seed + i per choice
+
+
+def test_stop_string_ends_the_choice(client: openai.OpenAI, model_id: str) -> None:
+    options = {"model": model_id, "prompt": [3, 4, 5, 6], "temperature": 0, "extra_body": NO_EOS}
+    text = client.completions.create(**options, max_tokens=24).choices[0].text
+    stop = text[len(text) // 2:][:3]
+    stopped = client.completions.create(**options, max_tokens=24, stop=[stop]).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[: text.index(stop)]
+
+
+def test_logit_bias_forces_a_token(client: openai.OpenAI, model_id: str) -> None:
+    response = client.completions.create(
+        model=model_id, prompt=[3, 4, 5], max_tokens=4, temperature=0, logprobs=0,
+        logit_bias={"300": 100}, extra_body=NO_EOS,
+    )
+    tokens = response.choices[0].logprobs.tokens
+    assert len(tokens) == 4 and len(set(tokens)) == 1
+
+
+def test_tools_are_rendered_into_the_prompt(client: openai.OpenAI, model_id: str) -> None:
+    tools = [{
+        "type": "function",
+        "function": {
+            "name": "get_weather", "description": "Weather for a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }]
+    messages = _messages("Weather in Paris?")
+
+    def prompt_tokens(**options) -> int:
+        response = client.chat.completions.create(
+            model=model_id, messages=messages, max_tokens=2, **options
+        )
+        assert response.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        return response.usage.prompt_tokens
+
+    plain = prompt_tokens()
+    assert prompt_tokens(tools=tools) > plain + 20
+    assert prompt_tokens(tools=tools, tool_choice="none") == plain
+
+
+def test_assistant_tool_calls_in_history_render(client: openai.OpenAI, model_id: str) -> None:
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        }]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    response = client.chat.completions.create(model=model_id, messages=messages, max_tokens=2)
+    assert response.usage.prompt_tokens > 20
+
+
+def test_unknown_fields_are_ignored(server: ServerProcess, headers: dict[str, str]) -> None:
+    response = httpx.post(
+        f"{server.url}/v1/completions", headers=headers, timeout=30,
+        json={"prompt": "Hi", "max_tokens": 1, "frobnicate": True, "metadata": {"a": "b"}},
+    )
+    assert response.status_code == 200, response.text

@@ -1,0 +1,128 @@
+"""Bad input gets OpenAI's error object with the right status, and harms nobody: the
+server answers a normal request right after every case."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.support import API_KEY, ServerProcess
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HELLO = [{"role": "user", "content": "Hello"}]
+BIG = 4 * 1024 * 1024 + 1  # one byte over the default max_body_bytes
+
+
+def chat(**fields: Any) -> dict:
+    return {"json": {"messages": HELLO, "max_tokens": 2, **fields}}
+
+
+def completion(**fields: Any) -> dict:
+    return {"json": {"prompt": "Hello", "max_tokens": 2, **fields}}
+
+
+def _chunks() -> Iterator[bytes]:
+    # A generator body makes httpx send it chunked, with no Content-Length to check.
+    for _ in range(BIG // 65536 + 1):
+        yield b" " * 65536
+
+
+# (case, method, path, request options, status, error code, error param)
+CASES = [
+    ("bad json", "POST", CHAT, {"content": b'{"messages": ['}, 400, "invalid_request", None),
+    ("body not an object", "POST", CHAT, {"json": [1, 2]}, 400, "invalid_request", None),
+    ("wrong type", "POST", CHAT, chat(n="2"), 400, "invalid_request", "n"),
+    ("bool for int", "POST", CHAT, chat(max_tokens=True), 400, "invalid_request", "max_tokens"),
+    ("temperature > 2", "POST", CHAT, chat(temperature=2.5), 400, "invalid_request",
+     "temperature"),
+    ("top_p > 1", "POST", CHAT, chat(top_p=1.5), 400, "invalid_request", "top_p"),
+    ("penalty < -2", "POST", CHAT, chat(presence_penalty=-3), 400, "invalid_request",
+     "presence_penalty"),
+    ("top_logprobs > 20", "POST", CHAT, chat(logprobs=True, top_logprobs=21), 400,
+     "invalid_request", "top_logprobs"),
+    ("top_logprobs without logprobs", "POST", CHAT, chat(top_logprobs=2), 400,
+     "invalid_request", None),
+    ("logit_bias > 100", "POST", CHAT, chat(logit_bias={"5": 101}), 400, "invalid_request",
+     "logit_bias"),
+    ("logit_bias key", "POST", CHAT, chat(logit_bias={"a": 1}), 400, "invalid_request",
+     "logit_bias"),
+    ("logit_bias token out of vocab", "POST", CHAT, chat(logit_bias={"999999": 1}), 400,
+     "invalid_request", "logit_bias"),
+    ("five stop strings", "POST", CHAT, chat(stop=list("abcde")), 400, "invalid_request",
+     "stop"),
+    ("n = 0", "POST", CHAT, chat(n=0), 400, "invalid_request", "n"),
+    ("max_tokens = 0", "POST", CHAT, chat(max_tokens=0), 400, "invalid_request", "max_tokens"),
+    ("empty messages", "POST", CHAT, {"json": {"messages": []}}, 400, "invalid_request",
+     "messages"),
+    ("missing messages", "POST", CHAT, {"json": {"model": "x"}}, 400, "invalid_request",
+     "messages"),
+    ("unknown role", "POST", CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400,
+     "invalid_request", "messages"),
+    ("image content", "POST", CHAT,
+     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     400, "invalid_request", "messages"),
+    ("json response_format", "POST", CHAT, chat(response_format={"type": "json_object"}), 400,
+     "invalid_request", "response_format"),
+    ("required tool_choice", "POST", CHAT,
+     chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"),
+     400, "invalid_request", None),
+    ("stream_options without stream", "POST", CHAT,
+     chat(stream_options={"include_usage": True}), 400, "invalid_request", None),
+    ("context length", "POST", CHAT, chat(max_tokens=10**6), 400, "context_length_exceeded",
+     None),
+    ("prompt of wrong shape", "POST", COMPLETIONS, completion(prompt={"a": 1}), 400,
+     "invalid_request", "prompt"),
+    ("negative token id", "POST", COMPLETIONS, completion(prompt=[1, -2]), 400,
+     "invalid_request", "prompt"),
+    ("token id out of vocab", "POST", COMPLETIONS, completion(prompt=[1, 10**6]), 400,
+     "invalid_request", "prompt"),
+    ("echo", "POST", COMPLETIONS, completion(echo=True), 400, "invalid_request", "echo"),
+    ("suffix", "POST", COMPLETIONS, completion(suffix="x"), 400, "invalid_request", "suffix"),
+    ("best_of", "POST", COMPLETIONS, completion(best_of=3), 400, "invalid_request", "best_of"),
+    ("unknown model", "POST", CHAT, chat(model="gpt-4o"), 404, "model_not_found", "model"),
+    ("unknown model card", "GET", "/v1/models/gpt-4o", {}, 404, "model_not_found", "model"),
+    ("unknown route", "GET", "/v1/engines", {}, 404, "not_found", None),
+    ("wrong method", "GET", CHAT, {}, 405, "method_not_allowed", None),
+    ("body too large", "POST", CHAT, {"content": b" " * BIG}, 413, "request_too_large", None),
+    ("chunked body too large", "POST", CHAT, {"content": _chunks()}, 413, "request_too_large",
+     None),
+    ("missing key", "POST", CHAT, {**chat(), "headers": {}}, 401, "invalid_api_key", None),
+    ("wrong key", "POST", CHAT, {**chat(), "headers": {"Authorization": "Bearer nope"}}, 401,
+     "invalid_api_key", None),
+    ("not bearer", "GET", "/v1/models", {"headers": {"Authorization": API_KEY}}, 401,
+     "invalid_api_key", None),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "options", "status", "code", "param"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_bad_request(
+    server: ServerProcess, headers: dict[str, str], method: str, path: str, options: dict,
+    status: int, code: str, param: str | None,
+) -> None:
+    options = {"headers": headers, **options}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        response = http.request(method, path, **options)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert (error["code"], error["param"]) == (code, param), error
+        assert error["message"] and "Traceback" not in response.text
+        assert API_KEY not in response.text
+        if status == 401:
+            assert response.headers["www-authenticate"] == "Bearer"
+        # The server is unharmed.
+        ok = http.post(COMPLETIONS, headers=headers, json={"prompt": "Hi", "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+
+
+def test_probes_need_no_key(server: ServerProcess) -> None:
+    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ready"
+    assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 200
