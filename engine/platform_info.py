@@ -42,15 +42,13 @@ def openblas_preload_env() -> dict[str, str] | None:
 
 
 def describe_platform() -> str:
-    """One line for the startup log: MLX version, device and BLAS in use."""
+    """One line for the startup log: MLX version, device, and on the CPU the BLAS in use."""
     import mlx.core as mx
 
-    device = mx.default_device()
-    if device == mx.gpu:
+    if mx.default_device() == mx.gpu:
         backend = "Metal" if mx.metal.is_available() else "CUDA"
-    else:
-        backend = "CPU"
-    return f"mlx {mx.__version__}, device {device.type.name} ({backend}), BLAS: {_blas_in_use()}"
+        return f"mlx {mx.__version__}, device gpu ({backend})"
+    return f"mlx {mx.__version__}, device cpu, BLAS: {_blas_in_use()}"
 
 
 def _blas_in_use() -> str:

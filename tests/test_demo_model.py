@@ -1,6 +1,9 @@
 """The demo model is what every other test and a first `radix-mlx serve` run on."""
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -11,6 +14,7 @@ from mlx_lm.utils import load_tokenizer
 
 from engine import demo_model
 from engine.demo_model import IM_END, IM_START, SLIDING_WINDOW, build_demo_model
+from engine.platform_info import OPT_OUT_ENV, openblas_library
 
 ROUND_TRIP_TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -125,6 +129,24 @@ def test_different_seed_gives_different_weights(demo_model_dir: Path, tmp_path: 
     assert other["tokenizer.json"] == same["tokenizer.json"]
 
 
+def test_cli_build_in_a_fresh_process_is_identical(demo_model_dir: Path, tmp_path: Path) -> None:
+    # A new process gets new hash seeds (Python's and the Rust tokenizer trainer's).
+    target = tmp_path / "cli-model"
+    _cli("make-demo-model", str(target), "--size", "tiny", "--seed", "0")
+    assert _file_bytes(target) == _file_bytes(demo_model_dir)
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or openblas_library() is None, reason="needs Debian's OpenBLAS"
+)
+def test_cli_preloads_openblas_on_linux_cpu() -> None:
+    env = {
+        key: value for key, value in os.environ.items() if key not in ("LD_PRELOAD", OPT_OUT_ENV)
+    }
+    assert "BLAS: OpenBLAS" in _cli("info", env=env)
+    assert "reference BLAS" in _cli("info", env={**env, OPT_OUT_ENV: "1"})
+
+
 def test_rebuild_replaces_existing_directory(tmp_path: Path) -> None:
     target = tmp_path / "model"
     target.mkdir()
@@ -198,3 +220,8 @@ def test_family_loads_and_generates(demo_model_family, family: str, cache_types:
 
 def _file_bytes(directory: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> str:
+    command = [sys.executable, "-m", "server.cli", *args]
+    return subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
