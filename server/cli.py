@@ -6,6 +6,7 @@ import sys
 
 from engine.demo_model import FAMILIES, SIZES, build_demo_model
 from engine.platform_info import describe_platform, openblas_preload_env
+from server.config import add_serve_arguments
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the HTTP server")
+    add_serve_arguments(serve)
     serve.set_defaults(handler=serve_command)
 
     demo = commands.add_parser(
@@ -50,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    print("radix-mlx serve: not yet implemented", file=sys.stderr)
-    return 2
+    from server.serve import serve_command as serve  # imports MLX, so only when serving
+
+    return serve(args)
 
 
 def make_demo_model_command(args: argparse.Namespace) -> int:
