@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 from .tree import Node, NodeState, RadixTree
 
+__all__ = ["FakeHandle", "check_invariants"]
+
 
 class FakeHandle:
     """A handle that remembers which tokens it stands for and how often it was freed.
@@ -59,13 +61,24 @@ class FakeHandle:
         return f"FakeHandle({kind} {self.prefix}+{self.tokens})"
 
 
+_COUNTED = (
+    "total_bytes",
+    "pinned_bytes",
+    "evictable_bytes",
+    "total_tokens",
+    "pinned_tokens",
+    "evictable_tokens",
+    "nodes",
+    "pending",
+)
+
+
 def check_invariants(tree: RadixTree) -> list[Node]:
     """Recompute everything the tree maintains incrementally and compare; returns the
     non-root nodes. O(nodes): for tests and debugging only."""
     with tree._mutex:
         nodes: list[Node] = []
-        total = [0, 0, 0, 0, 0, 0]  # bytes: total, pinned, evictable; then tokens
-        ready = pending = 0
+        counted = dict.fromkeys(_COUNTED, 0)
         stack = [tree.root]
         while stack:
             node = stack.pop()
@@ -81,16 +94,16 @@ def check_invariants(tree: RadixTree) -> list[Node]:
             pins_below = sum(c.lock_ref for c in node.children.values())
             assert node.lock_ref >= pins_below, f"{node!r} pinned less than its children"
             if node.state is NodeState.PENDING:
-                assert not node.children and node.handle is None, f"{node!r}"
-                assert node.lock_ref >= 1, f"{node!r} lost its creator's pin"
-                pending += 1
+                assert node.handle is None, f"{node!r}"
+                assert node.lock_ref > pins_below, f"{node!r} lost its creator's pin"
+                counted["pending"] += 1
                 continue
             assert node.state is NodeState.READY, f"{node!r} is in the tree"
-            ready += 1
-            pinned = node.lock_ref > 0
-            for i, amount in ((0, node.nbytes), (3, len(node.tokens))):
-                total[i] += amount
-                total[i + 1 + (not pinned)] += amount
+            counted["nodes"] += 1
+            kind = "pinned" if node.lock_ref else "evictable"
+            for unit, amount in (("bytes", node.nbytes), ("tokens", len(node.tokens))):
+                counted[f"total_{unit}"] += amount
+                counted[f"{kind}_{unit}"] += amount
         listed = list(tree.lru)
         evictable = [n for n in nodes if _evictable_leaf(n)]
         assert len(listed) == len(tree.lru) == len({id(n) for n in listed})
@@ -98,12 +111,8 @@ def check_invariants(tree: RadixTree) -> list[Node]:
         handles = [id(n.handle) for n in nodes if n.handle is not None]
         assert len(handles) == len(set(handles)), "a handle is owned twice"
         s = tree._stats_locked()
-    expected = (total[0], total[1], total[2], total[3], total[4], total[5], ready, pending)
-    actual = (
-        s.total_bytes, s.pinned_bytes, s.evictable_bytes,
-        s.total_tokens, s.pinned_tokens, s.evictable_tokens, s.nodes, s.pending,
-    )
-    assert actual == expected, f"stats {actual} != recomputed {expected}"
+    actual = {name: getattr(s, name) for name in _COUNTED}
+    assert actual == counted, f"stats {actual} != recomputed {counted}"
     assert s.evictable_bytes + s.pinned_bytes == s.total_bytes
     assert s.evictable_tokens + s.pinned_tokens == s.total_tokens
     return nodes
@@ -111,6 +120,3 @@ def check_invariants(tree: RadixTree) -> list[Node]:
 
 def _evictable_leaf(node: Node) -> bool:
     return node.state is NodeState.READY and node.lock_ref == 0 and not node.children
-
-
-__all__ = ["FakeHandle", "check_invariants"]

@@ -103,7 +103,6 @@ class Node(_Link):
         tokens: tuple[int, ...],
         parent: Node | None,
         handle: Handle | None,
-        state: NodeState,
         mutex: threading.Lock,
     ) -> None:
         super().__init__()
@@ -113,12 +112,10 @@ class Node(_Link):
         self.handle = handle
         self.lock_ref = 0
         self.last_access = 0
-        self.state = state
+        self.state = NodeState.READY
         self.error: BaseException | None = None
         # Only a PENDING node has waiters; None marks "done" for add_done_callback.
-        self._callbacks: list[Callable[[Node], None]] | None = (
-            [] if state is NodeState.PENDING else None
-        )
+        self._callbacks: list[Callable[[Node], None]] | None = None
         self._mutex = mutex
 
     @property
@@ -233,9 +230,6 @@ class InsertStatus(enum.Enum):
     """`node` is another request's PENDING node on your path: wait on it, then match again."""
     RETRY = "retry"
     """The topology changed since your match: match again (`node` is the parent)."""
-    JUNCTION = "junction"
-    """Your tokens end exactly on `node`, a junction without state (snapshot handles only):
-    compute without a reservation and publish with `insert`, which fills the junction."""
 
 
 @dataclass(frozen=True)
@@ -292,7 +286,7 @@ class RadixTree:
         self._free = free
         self._mutex = threading.Lock()
         self._clock = itertools.count(1)
-        self.root = Node((), None, None, NodeState.READY, self._mutex)
+        self.root = Node((), None, None, self._mutex)
         self.lru = LRUList()
         self._evictable_bytes = self._pinned_bytes = self._total_bytes = 0
         self._evictable_tokens = self._pinned_tokens = self._total_tokens = 0
@@ -350,7 +344,12 @@ class RadixTree:
     # -- pinning ---------------------------------------------------------------------
 
     def lock(self, node: Node) -> None:
-        """Pin `node` and its ancestors: none of them can be evicted until `unlock`."""
+        """Pin `node` and its ancestors: none of them can be evicted until `unlock`.
+
+        `node` holds state (a `match` or `insert` result) or is the root: a junction may
+        be reserved and replaced, so it is never pinned on its own.
+        """
+        assert node is self.root or node.handle is not None, f"lock of a junction {node!r}"
         with self._mutex:
             self._inc_lock_ref(node)
 
@@ -365,8 +364,9 @@ class RadixTree:
         """Reserve the computation of `tokens` below `parent` without blocking.
 
         `parent` is the node of a fresh match, pinned by the caller. See `InsertStatus`
-        for the four outcomes. A CREATED node's edge is all of `tokens` unless the walk
-        went through junctions (snapshot handles), which cover a head of them.
+        for the three outcomes. A CREATED node's edge is all of `tokens`, except with
+        snapshot handles, where the walk may pass junctions that cover a head of them, and
+        the reservation may be an existing junction (which keeps its children).
         """
         tokens = tuple(tokens)
         if not tokens:
@@ -378,23 +378,20 @@ class RadixTree:
             while True:
                 child = node.children.get(tokens[depth])
                 if child is None:
-                    created = self._add_child(node, tokens[depth:], None, NodeState.PENDING)
-                    self._inc_lock_ref(created)
-                    return PendingResult(InsertStatus.CREATED, created)
+                    created = self._add_child(node, tokens[depth:], None)
+                    return PendingResult(InsertStatus.CREATED, self._reserve(created))
                 if child.state is NodeState.PENDING:
                     return PendingResult(InsertStatus.WAIT, child)
                 k = _common_prefix(child.tokens, tokens, depth)
                 # A child whose state a match could have reused means the caller's match
                 # is stale: someone published this prefix meanwhile.
-                if child.handle is not None and (
-                    k == len(child.tokens) or child.handle.splittable
-                ):
+                if child.handle is not None and (k == len(child.tokens) or child.handle.splittable):
                     return PendingResult(InsertStatus.RETRY, parent)
                 if k < len(child.tokens):
                     child = self._split(child, k)
                 node, depth = child, depth + k
-                if depth == len(tokens):
-                    return PendingResult(InsertStatus.JUNCTION, node)
+                if depth == len(tokens):  # the tokens end on a junction: reserve filling it
+                    return PendingResult(InsertStatus.CREATED, self._reserve(node))
 
     def finalize(self, node: Node, handle: Handle) -> None:
         """Publish the data of a PENDING node and wake its waiters.
@@ -416,7 +413,8 @@ class RadixTree:
     def poison(self, node: Node, error: BaseException) -> None:
         """Fail a PENDING node: remove it, drop its creator's pin, wake waiters with `error`.
 
-        The creator must not unlock the node afterwards (it still unlocks its parent).
+        A reserved junction leaves a fresh junction in its place, for its children. The
+        creator must not unlock the node afterwards (it still unlocks its parent).
         """
         with self._mutex:
             if node.state is not NodeState.PENDING:
@@ -425,10 +423,20 @@ class RadixTree:
             node.error = error
             self._pending -= 1
             parent = node.parent
-            del parent.children[node.tokens[0]]
-            node.parent = None
-            pins, node.lock_ref = node.lock_ref, 0
-            self._dec_lock_ref(parent, pins)
+            pins_below = sum(child.lock_ref for child in node.children.values())
+            own_pins = node.lock_ref - pins_below
+            if node.children:
+                junction = Node(node.tokens, parent, None, self._mutex)
+                junction.children, node.children = node.children, {}
+                for child in junction.children.values():
+                    child.parent = junction
+                junction.lock_ref, junction.last_access = pins_below, node.last_access
+                parent.children[node.tokens[0]] = junction
+                self._add_stats(junction, +1)
+            else:
+                del parent.children[node.tokens[0]]
+            node.parent, node.lock_ref = None, 0
+            self._dec_lock_ref(parent, own_pins)
             callbacks, node._callbacks = node._callbacks, None
         self._run_callbacks(node, callbacks)
 
@@ -439,7 +447,8 @@ class RadixTree:
 
         Parts already cached are kept and the matching head of `handle` is freed; a PENDING
         node on the way ends the insert and the rest of `handle` is freed. Returns the
-        deepest node now on the path of `tokens`, pinned if `lock=True`.
+        deepest node on the path of `tokens` that holds state (else `parent`), pinned if
+        `lock=True`.
         """
         tokens = tuple(tokens)
         if not tokens:
@@ -514,8 +523,6 @@ class RadixTree:
             return None
         if reserved.status is InsertStatus.RETRY:
             return None
-        if reserved.status is InsertStatus.JUNCTION:
-            return self.insert(m.node, rest, compute(m.node, rest), lock=True)
         try:
             handle = compute(m.node, rest)
         except BaseException as error:
@@ -540,9 +547,11 @@ class RadixTree:
         while True:
             child = node.children.get(tokens[depth])
             if child is None:
-                return self._add_child(node, tokens[depth:], handle, NodeState.READY)
+                return self._add_child(node, tokens[depth:], handle)
             if child.state is NodeState.PENDING:
                 garbage.append(handle)
+                while node is not parent and node.handle is None:  # junctions hold nothing
+                    node = node.parent
                 return node
             k = _common_prefix(child.tokens, tokens, depth)
             if k < len(child.tokens):
@@ -592,18 +601,26 @@ class RadixTree:
                 result.node, result.length, matched_path = node, depth, len(path)
         return path[:matched_path], result
 
-    def _add_child(
-        self, parent: Node, tokens: tuple[int, ...], handle: Handle | None, state: NodeState
-    ) -> Node:
-        child = Node(tokens, parent, handle, state, self._mutex)
+    def _add_child(self, parent: Node, tokens: tuple[int, ...], handle: Handle | None) -> Node:
+        child = Node(tokens, parent, handle, self._mutex)
         child.last_access = next(self._clock)
         parent.children[tokens[0]] = child
-        if state is NodeState.PENDING:
-            self._pending += 1
         self._add_stats(child, +1)
         self._sync_lru(parent)
         self._sync_lru(child)
         return child
+
+    def _reserve(self, junction: Node) -> Node:
+        """Turn a junction into its creator's PENDING reservation, pinned for the creator.
+
+        Until finalize or poison, matches stop at it and its waiters queue on it.
+        """
+        self._add_stats(junction, -1)
+        junction.state = NodeState.PENDING
+        junction._callbacks = []
+        self._pending += 1
+        self._inc_lock_ref(junction)
+        return junction
 
     def _split(self, node: Node, at: int) -> Node:
         """Cut `node`'s edge after `at` tokens; the new head node is returned and `node`
@@ -615,7 +632,7 @@ class RadixTree:
         else:  # a snapshot belongs to the node's end: the head becomes a junction
             head_handle, tail_handle = None, node.handle
         self._add_stats(node, -1)
-        head = Node(node.tokens[:at], node.parent, head_handle, NodeState.READY, self._mutex)
+        head = Node(node.tokens[:at], node.parent, head_handle, self._mutex)
         # The head's subtree holds exactly the tail's pins.
         head.lock_ref = node.lock_ref
         head.last_access = node.last_access

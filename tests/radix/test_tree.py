@@ -236,15 +236,35 @@ def test_insert_pending_below_a_snapshot_splits_it_and_hangs_under_the_junction(
     check_invariants(tree)
 
 
-def test_insert_pending_ending_on_a_junction_says_fill_it_with_insert():
+def test_insert_pending_ending_on_a_junction_reserves_the_junction_itself():
     tree = Tree()
     tree.put([1, 2, 3], splittable=False)
     tree.put([1, 2, 4], splittable=False)
+    junction = tree.root.children[1]
     r = tree.insert_pending(tree.root, [1, 2])
-    assert r.status is InsertStatus.JUNCTION and r.node.tokens == (1, 2)
-    filled = tree.insert(tree.root, [1, 2], snap([1, 2]))
-    assert filled is r.node and filled.handle.path == (1, 2)
-    assert tree.match([1, 2, 5]).node is filled
+    assert (r.status, r.node) == (InsertStatus.CREATED, junction)
+    assert junction.state is NodeState.PENDING and len(junction.children) == 2
+    assert tree.match([1, 2, 3]).pending is junction, "matches stop at a reservation"
+    tree.finalize(junction, snap([1, 2]))
+    assert tree.match([1, 2, 5]).node is junction
+    assert tree.match([1, 2, 3]).length == 3
+    check_invariants(tree)
+
+
+def test_poison_of_a_reserved_junction_leaves_a_fresh_junction_for_its_children():
+    tree = Tree()
+    deeper = tree.put([1, 2, 3], splittable=False)
+    tree.put([1, 2, 4], splittable=False)
+    tree.lock(deeper)
+    junction = tree.insert_pending(tree.root, [1, 2]).node
+    assert junction.lock_ref == 2
+    tree.poison(junction, RuntimeError("failed"))
+    assert junction.state is NodeState.POISONED and junction.parent is None
+    fresh = deeper.parent
+    assert fresh is not junction and fresh.tokens == (1, 2) and fresh.handle is None
+    assert fresh.state is NodeState.READY and fresh.lock_ref == 1 and len(fresh.children) == 2
+    assert tree.match([1, 2, 3]).node is deeper
+    check_invariants(tree)
 
 
 def test_finalize_publishes_the_handle_and_wakes_waiters_outside_the_lock():
