@@ -71,6 +71,8 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
             # Its loc is a character position, not a field.
             position, loc = loc, []
             message = f"invalid JSON at character {''.join(position)}: {error['ctx']['error']}"
+        elif error["type"] == "model_attributes_type" and not loc:
+            message = "the body must be a JSON object (sent as Content-Type: application/json)"
         elif error["type"] == "value_error":
             message = str(error["ctx"]["error"])  # our validators' own words
         else:

@@ -8,6 +8,7 @@ untouched and the log line is written when the stream really ends.
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 
@@ -23,6 +24,7 @@ log = logging.getLogger("radix_mlx.server")
 ENDPOINTS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
 })
+REQUEST_ID = re.compile(r"[\w.:-]{1,64}", re.ASCII)
 # Load balancers keep probing while we drain; everything else is refused.
 PROBES = frozenset({"/health", "/metrics"})
 
@@ -38,7 +40,10 @@ class RequestMiddleware:
             return
         started_at = time.perf_counter()
         headers = dict(scope["headers"])
-        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:64] or uuid.uuid4().hex
+        # A caller's id is kept for tracing if it is safe to print in a log line.
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1")
+        if not REQUEST_ID.fullmatch(request_id):
+            request_id = uuid.uuid4().hex
         scope.setdefault("state", {}).update(request_id=request_id, started_at=started_at)
         status = 500
         response_started = False

@@ -75,7 +75,8 @@ class SamplingRequest(RequestModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1, le=128)
-    seed: int | None = Field(None, ge=0, lt=2**63 - 128)
+    # MLX seeds are unsigned 64-bit; choice i of n uses seed + i.
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -97,10 +98,6 @@ class SamplingRequest(RequestModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
-
-    def token_ids(self) -> list[int]:
-        """Every token id the request names, for a range check against the vocabulary."""
-        return [int(key) for key in self.logit_bias or ()] + list(self.stop_token_ids or ())
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
         """The engine's parameters for choice `choice` (which offsets the seed, so the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Coroutine, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
@@ -55,19 +56,18 @@ def _model_card(state: ServerState, name: str) -> ModelCard:
 @api.post("/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = server_state(request)
-    model = state.check_model(body.model)
     tokenizer = state.ready_tokenizer()
+    model = state.check_model(body.model)
     prompt = chat_prompt(tokenizer, body)
     max_tokens = body.completion_limit or max(
         1, min(state.settings.default_max_tokens, state.engine.context_length - len(prompt))
     )
     tool_parser = None
     if body.template_tools and tokenizer.has_tool_calling:
-        def tool_parser() -> ToolCallParser:
-            return ToolCallParser(
-                tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser,
-                body.template_tools,
-            )
+        tool_parser = partial(
+            ToolCallParser, tokenizer.tool_call_start, tokenizer.tool_call_end,
+            tokenizer.tool_parser, body.template_tools,
+        )
     job = _submit(request, state, body, [prompt], max_tokens, body.engine_logprobs)
     fmt = ChatFormat(f"chatcmpl-{job.request_id}", model, body.logprobs)
     return await _respond(request, job, fmt, deltas(job, tool_parser), body)
@@ -76,8 +76,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 @api.post("/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = server_state(request)
+    tokenizer = state.ready_tokenizer()
     model = state.check_model(body.model)
-    prompts = completion_prompts(state.ready_tokenizer(), body)
+    prompts = completion_prompts(tokenizer, body)
     job = _submit(request, state, body, prompts, body.max_tokens, body.logprobs)
     fmt = CompletionFormat(f"cmpl-{job.request_id}", model, body.logprobs is not None)
     return await _respond(request, job, fmt, deltas(job), body)
@@ -91,7 +92,16 @@ def _submit(
     max_tokens: int,
     logprobs: int | None,
 ) -> Job:
-    check_token_ids(body.token_ids(), len(state.engine.tokenizer), "logit_bias")
+    vocab_size = len(state.engine.tokenizer)
+    check_token_ids(map(int, body.logit_bias or ()), vocab_size, "logit_bias")
+    check_token_ids(body.stop_token_ids or (), vocab_size, "stop_token_ids")
+    choices = len(prompts) * body.n
+    if choices > state.settings.max_queue:
+        # All are queued at once, so the engine would refuse this request every time.
+        raise APIError(
+            400, f"{choices} choices (prompts x n) exceed this server's queue of "
+            f"{state.settings.max_queue}", code="invalid_request", param="n",
+        )
     job = Job(state.engine, state.drain, state.metrics, request.state.request_id,
               request.state.started_at)
     request.state.stats = job.stats
