@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.loader import LoadedModel, load_model
+from engine.loader import LoadedModel, load_model, model_id_for
 from engine.request import (
     ContextLengthExceeded,
     EngineNotReady,
@@ -125,13 +125,14 @@ class Engine:
         self.state = Lifecycle.LOADING
         self.load_progress = 0.0
         self.error: str | None = None
-        self.model_id = config.model
+        self.model_id = model_id_for(config.model)
         self.context_length = 0
         self.tokenizer = None
         self._loaded: LoadedModel | None = None
         self._scheduler: Scheduler | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self._stopped = threading.Event()
         self._ids = itertools.count()
         self._queued = 0
         self._queued_lock = threading.Lock()
@@ -174,6 +175,11 @@ class Engine:
         log.info("ready: %s (context %d, radix budget %.0f MiB)", self.model_id,
                  self.context_length, self._scheduler.tree.capacity_bytes / 2**20)
         self._scheduler.run()
+        self._stopped.set()
+        # Never return: when this thread ends, MLX's thread-local compile cache is
+        # destroyed and needs the GIL; if that races with interpreter shutdown the process
+        # aborts. A daemon thread parked here is simply discarded at exit.
+        threading.Event().wait()
 
     def _cache_budget(self, loaded: LoadedModel) -> int:
         if self.config.cache_bytes is not None:
@@ -198,10 +204,9 @@ class Engine:
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Cancel everything and stop the worker."""
-        if self._scheduler is not None:
+        if self._scheduler is not None and self.state is Lifecycle.READY:
             self._scheduler.inbox.put(("stop", None))
-        if self._thread is not None:
-            self._thread.join(timeout)
+            self._stopped.wait(timeout)
 
     # -- requests ---------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -79,7 +80,7 @@ class Request:
         self.params = params
         self.emit = emit
         tokenizer = loaded.tokenizer
-        self.text = TextStream(tokenizer.detokenizer, params.stop)
+        self.text = TextStream(tokenizer, prompt, params.stop)
         self.sampler = make_sampler(params, loaded.vocab_size)
         self.processors = make_processors(params)
         stop_ids = set(params.stop_token_ids)
@@ -133,6 +134,7 @@ class Scheduler:
             self._admit()
             if self.active:
                 self._step()
+        mx.synchronize(self.generator.stream)
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -181,7 +183,7 @@ class Scheduler:
         passed over too often go first, oldest first."""
         starving = [r for r in self.waiting if r.passed_over >= MAX_PASSED_OVER]
         rest = [r for r in self.waiting if r.passed_over < MAX_PASSED_OVER]
-        rest.sort(key=lambda r: -getattr(self.tree, "peek", lambda t: 0)(r.tokens[:-1]))
+        rest.sort(key=lambda r: -self.tree.peek(r.tokens[:-1]))
         return starving + rest
 
     def _start(self, request: Request) -> bool:
