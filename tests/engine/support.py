@@ -1,0 +1,68 @@
+"""Helpers for engine tests: a reference generator and small async drivers."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from engine.engine import Engine, EngineConfig, EngineStats
+from engine.request import Finish, SamplingParams, TokenEvent
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    text: str
+    finish: Finish
+    events: list[TokenEvent]
+
+
+class Reference:
+    """mlx-lm's own single-sequence greedy generation, the ground truth."""
+
+    def __init__(self, path: str) -> None:
+        self.model, self.tokenizer = load(path)
+
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        tokens = []
+        for token, _ in generate_step(mx.array(prompt), self.model, max_tokens=max_tokens):
+            if token in self.tokenizer.eos_token_ids:
+                break
+            tokens.append(token)
+        return tokens
+
+
+async def complete(engine: Engine, prompt: list[int], max_tokens: int = 16,
+                   **options) -> Completion:
+    options.setdefault("temperature", 0.0)
+    stream = engine.submit(prompt, SamplingParams(max_tokens=max_tokens, **options))
+    events: list[TokenEvent] = []
+    async for event in stream:
+        if isinstance(event, Finish):
+            text = "".join(e.text for e in events) + event.text
+            return Completion([e.token for e in events], text, event, events)
+        events.append(event)
+    raise AssertionError("stream ended without a Finish")
+
+
+async def settled(engine: Engine, timeout: float = 10.0) -> EngineStats:
+    """Stats once nothing runs or waits: cancellations are processed asynchronously."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        stats = engine.stats()
+        if stats.running == 0 and stats.waiting == 0 and stats.pinned_bytes == 0:
+            return stats
+        if asyncio.get_running_loop().time() > deadline:
+            return stats
+        await asyncio.sleep(0.02)
+
+
+def start_engine(path: str, **config) -> Engine:
+    engine = Engine(EngineConfig(model=path, **config))
+    engine.start()
+    assert engine.wait_ready(120) == "ready", engine.error
+    return engine

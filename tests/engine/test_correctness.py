@@ -1,0 +1,85 @@
+"""Greedy output is token-identical to mlx-lm's, whatever the radix cache did.
+
+Run for a plain-KV family (llama), a sliding-window family (gemma3_text: rotating and
+plain caches) and a hybrid recurrent family (qwen3_next: arrays and plain caches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.engine.support import complete
+
+pytestmark = __import__("pytest").mark.asyncio(loop_scope="module")
+
+
+def encode(engine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def test_cold_cache(engine, reference):
+    prompt = encode(engine, "A cold prompt about rivers, valleys and the sea. " * 3)
+    result = await complete(engine, prompt, 24)
+    assert result.tokens == reference.greedy(prompt, 24)
+    assert result.finish.cached_tokens == 0
+
+
+async def test_full_hit_reuses_all_but_the_last_prompt_token(engine, reference):
+    prompt = encode(engine, "The same question, asked twice, about lighthouses. " * 3)
+    first = await complete(engine, prompt, 24)
+    second = await complete(engine, prompt, 24)
+    assert first.tokens == second.tokens == reference.greedy(prompt, 24)
+    assert second.finish.cached_tokens == len(prompt) - 1
+
+
+async def test_partial_hit_splits_a_node(engine, reference):
+    shared = encode(engine, "Shared system prompt: you answer briefly and kindly. " * 2)
+    first = shared + encode(engine, " What is a comet?")
+    second = shared + encode(engine, " Why is the sky blue?")
+    await complete(engine, first, 8)
+    before = engine.stats()
+    result = await complete(engine, second, 24)
+    assert result.tokens == reference.greedy(second, 24)
+    if engine_segments(engine):
+        # Plain KV splits the first prompt's node at the shared boundary.
+        assert result.finish.cached_tokens >= len(shared) - 1
+        assert engine.stats().tree_nodes > before.tree_nodes
+    else:
+        # Snapshots only reuse whole nodes; the shared head was never a node end.
+        assert result.finish.cached_tokens == 0
+
+
+async def test_generated_tokens_are_cached_for_the_next_turn(engine, reference):
+    prompt = encode(engine, "Turn one of a conversation about gardens. ")
+    first = await complete(engine, prompt, 12, ignore_eos=True)
+    follow_up = prompt + first.tokens + encode(engine, " And turn two?")
+    result = await complete(engine, follow_up, 12)
+    assert result.tokens == reference.greedy(follow_up, 12)
+    assert result.finish.cached_tokens >= len(prompt) + len(first.tokens) - 1
+
+
+async def test_batched_beside_requests_of_other_lengths(engine, reference):
+    prompts = [encode(engine, text) for text in (
+        "x",
+        "A medium length prompt about trains and stations.",
+        "A much longer prompt that goes on about mountains, glaciers and weather. " * 6,
+        "Another one, about music.",
+        "A much longer prompt that goes on about mountains, glaciers and weather. " * 3,
+    )]
+    results = await asyncio.gather(*(complete(engine, p, 20) for p in prompts))
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == reference.greedy(prompt, 20)
+
+
+async def test_n_copies_share_one_prefill(engine, reference):
+    prompt = encode(engine, "Four samples of one brand new prompt about owls. " * 4)
+    before = engine.stats().prefill_tokens
+    results = await asyncio.gather(*(complete(engine, prompt, 16) for _ in range(4)))
+    expected = reference.greedy(prompt, 16)
+    assert all(r.tokens == expected for r in results)
+    # The prompt is computed once; each other copy only runs its last token.
+    assert engine.stats().prefill_tokens - before == len(prompt) + 3
+
+
+def engine_segments(engine) -> bool:
+    return engine._scheduler.segments
