@@ -36,18 +36,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = [
-    "Handle",
-    "InsertStatus",
-    "LRUList",
-    "MatchResult",
-    "Node",
-    "NodeState",
-    "PendingResult",
-    "RadixTree",
-    "TreeStats",
-]
-
 log = logging.getLogger("radix_mlx.radix")
 
 
@@ -149,10 +137,11 @@ class Node(_Link):
     def path_tokens(self) -> tuple[int, ...]:
         """All tokens from the root to the end of this node."""
         parts = []
-        node: Node | None = self
-        while node is not None:
-            parts.append(node.tokens)
-            node = node.parent
+        with self._mutex:  # a concurrent split rewrites tokens and parent together
+            node: Node | None = self
+            while node is not None:
+                parts.append(node.tokens)
+                node = node.parent
         return tuple(itertools.chain.from_iterable(reversed(parts)))
 
     def __repr__(self) -> str:

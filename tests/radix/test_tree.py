@@ -163,6 +163,14 @@ def test_unlock_is_the_reverse_and_returns_the_leaf_to_the_lru_as_most_recent():
     assert (s.pinned_bytes, s.evictable_bytes) == (0, 2)
 
 
+def test_a_junction_cannot_be_pinned_on_its_own():
+    tree = Tree()
+    tree.put([1, 2, 3], splittable=False)
+    tree.put([1, 2, 4], splittable=False)
+    with pytest.raises(AssertionError):
+        tree.lock(tree.root.children[1])
+
+
 def test_unlock_of_an_unpinned_node_is_a_bug():
     tree = Tree()
     a = tree.put([1])
@@ -223,6 +231,14 @@ def test_insert_pending_after_someone_published_the_prefix_says_retry():
     r = tree.insert_pending(tree.root, [1, 2, 9])  # as if matched before the put
     assert (r.status, r.node) == (InsertStatus.RETRY, tree.root)
     assert tree.stats().pending == 0
+
+
+def test_insert_pending_below_a_node_evicted_since_the_match_says_retry():
+    tree = Tree()
+    a = tree.put([1, 2])
+    tree.clear()
+    r = tree.insert_pending(a, [3])
+    assert (r.status, r.node) == (InsertStatus.RETRY, a)
 
 
 def test_insert_pending_below_a_snapshot_splits_it_and_hangs_under_the_junction():
