@@ -18,6 +18,14 @@ SYSTEMS = [tuple(range(100 * s, 100 * s + 8)) for s in range(3)]
 USERS = [tuple(range(1000 + 10 * u, 1000 + 10 * u + 4)) for u in range(4)]
 
 
+ROUNDS = 150
+
+
+def tail(rng: random.Random) -> tuple[int, ...]:
+    """A short, often repeated continuation, so requests also branch below the users."""
+    return tuple(rng.randrange(3) for _ in range(rng.randint(0, 3)))
+
+
 class InjectedFailure(Exception):
     pass
 
@@ -121,8 +129,8 @@ def test_racing_requests_compute_every_prefix_exactly_once(splittable):
 
     def requests(i: int) -> None:
         rng = random.Random(i)
-        for _ in range(60):
-            tokens = rng.choice(SYSTEMS) + rng.choice(USERS)[: rng.randint(1, 4)]
+        for _ in range(ROUNDS):
+            tokens = rng.choice(SYSTEMS) + rng.choice(USERS)[: rng.randint(1, 4)] + tail(rng)
             requested.add(tokens)
             if rng.random() < 0.5:
                 node = h.tree.acquire(tokens, h.compute)
@@ -150,8 +158,8 @@ def test_failures_and_eviction_under_contention_leave_nothing_pending_or_pinned(
 
     def requests(i: int) -> None:
         rng = random.Random(i)
-        for _ in range(60):
-            tokens = rng.choice(SYSTEMS)[: rng.randint(4, 8)] + rng.choice(USERS)
+        for _ in range(ROUNDS):
+            tokens = rng.choice(SYSTEMS)[: rng.randint(4, 8)] + rng.choice(USERS) + tail(rng)
             try:
                 node = h.tree.acquire(tokens, h.compute)
             except InjectedFailure as error:
