@@ -111,6 +111,7 @@ class Scheduler:
         self.inbox: queue.SimpleQueue[tuple[str, Request | None]] = queue.SimpleQueue()
         self.waiting: list[Request] = []
         self.active: dict[int, Request] = {}
+        self.parked: set[Request] = set()  # waiting for another request's prefix
         self.counters = Counters()
         self.generator = self._new_generator()
         self._stopping = False
@@ -127,10 +128,10 @@ class Scheduler:
 
     def run(self, until_idle: bool = False) -> None:
         while not self._stopping:
-            idle = not self.active and not self.waiting
-            if idle and until_idle:
+            idle = not self.active and not self.waiting and not self.parked
+            if idle and until_idle and self.inbox.empty():
                 return
-            self._drain_inbox(block=idle)
+            self._drain_inbox(block=idle and not until_idle)
             self._admit()
             if self.active:
                 self._step()
@@ -143,11 +144,9 @@ class Scheduler:
             except queue.Empty:
                 return
             block = False
-            if kind == "submit" or kind == "wake":
-                if request.cancelled:
-                    self._finish_cancelled(request)
-                else:
-                    self.waiting.append(request)
+            if kind == "submit" or (kind == "wake" and request in self.parked):
+                self.parked.discard(request)
+                self.waiting.append(request)
             elif kind == "cancel":
                 self._cancel(request)
             elif kind == "stop":
@@ -234,6 +233,7 @@ class Scheduler:
         return True
 
     def _wait_for(self, request: Request, node: Node) -> None:
+        self.parked.add(request)
         node.add_done_callback(lambda _: self.inbox.put(("wake", request)))
 
     # -- one step ---------------------------------------------------------------------
@@ -323,8 +323,10 @@ class Scheduler:
 
     def _cancel(self, request: Request) -> None:
         request.cancelled = True
-        if request in self.waiting:
-            self.waiting.remove(request)
+        if request in self.waiting or request in self.parked:
+            if request in self.waiting:
+                self.waiting.remove(request)
+            self.parked.discard(request)
             self._finish_cancelled(request)
         elif request.uid in self.active and self.active[request.uid] is request:
             del self.active[request.uid]
@@ -332,7 +334,6 @@ class Scheduler:
                 request.uid]
             self._release(request, cache, tokens)
             self._finish_cancelled(request)
-        # Otherwise it waits on another request's prefix; the wake-up drops it.
 
     def _finish_length(self, request: Request) -> None:
         request.emit(Finish("length", request.text.finish(), len(request.prompt),
@@ -368,7 +369,7 @@ class Scheduler:
                 self.waiting.insert(0, request)
 
     def _stop_all(self) -> None:
-        for request in list(self.active.values()) + list(self.waiting):
+        for request in [*self.active.values(), *self.waiting, *self.parked]:
             self._cancel(request)
         self._stopping = True
 

@@ -1,0 +1,207 @@
+"""Sharing, memory budget, cancellation and failure isolation, on the plain-KV model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.loader import FAULT_TOKEN_ENV
+from engine.request import RequestFailed, TokenEvent
+from tests.engine.support import Reference, complete, settled, start_engine
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest.fixture(scope="module")
+def llama_dir(family_model_dir) -> str:
+    return family_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir) -> Reference:
+    return Reference(llama_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    engine = start_engine(llama_dir, cache_bytes=1 << 30)
+    yield engine
+    engine.shutdown()
+
+
+def random_prompt(seed: int, length: int, vocab: int = 2000) -> list[int]:
+    # Ids above the special tokens, spread so prompts with different seeds share nothing.
+    return [10 + (seed * 7919 + i * 104729) % (vocab - 10) for i in range(length)]
+
+
+async def test_thundering_herd_computes_a_new_prefix_once(engine, reference):
+    prefix = random_prompt(1, 1024)
+    prompts = [prefix + random_prompt(100 + i, 8) for i in range(8)]
+    before = engine.stats().prefill_tokens
+    results = await asyncio.gather(*(complete(engine, p, 8) for p in prompts))
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == reference.greedy(prompt, 8)
+    # One request prefills the prefix with its suffix; the other seven wait for it and
+    # prefill only their own 8 tokens.
+    assert engine.stats().prefill_tokens - before == 1024 + 8 * 8
+    assert sorted(r.finish.cached_tokens for r in results)[1:] == [1024] * 7
+
+
+async def test_cancel_mid_decode_releases_everything(engine):
+    stream = engine.submit(random_prompt(2, 64), _greedy(max_tokens=4000))
+    seen = 0
+    async for event in stream:
+        if isinstance(event, TokenEvent):
+            seen += 1
+            if seen == 3:
+                stream.cancel()
+    assert event.reason == "cancelled"
+    assert 3 <= event.completion_tokens < 4000
+    stats = await settled(engine)
+    assert (stats.running, stats.waiting, stats.pinned_bytes, stats.pending_nodes) == (0, 0, 0, 0)
+
+
+async def test_cancel_while_waiting_for_a_shared_prefix(engine, reference):
+    prefix = random_prompt(3, 600)
+    first = asyncio.create_task(complete(engine, prefix + [11], 4))
+    await asyncio.sleep(0)
+    waiter = engine.submit(prefix + [12], _greedy(max_tokens=4))
+    waiter.cancel()
+    events = [event async for event in waiter]
+    assert events[-1].reason == "cancelled"
+    assert (await first).tokens == reference.greedy(prefix + [11], 4)
+    stats = await settled(engine)
+    assert (stats.running, stats.pinned_bytes, stats.pending_nodes) == (0, 0, 0)
+
+
+async def test_tiny_budget_stays_bounded_and_correct(llama_dir, reference):
+    # ~512 bytes per token on the tiny model: room for about 80 cached tokens.
+    budget = 40_000
+    engine = start_engine(llama_dir, cache_bytes=budget, max_batch_size=4)
+    try:
+        scheduler = engine._scheduler
+        step, after_steps = scheduler._step, []
+
+        def observed_step():
+            # Runs on the worker thread, so it sees the tree between steps, never mid-update.
+            step()
+            after_steps.append(scheduler.tree.stats())
+
+        scheduler._step = observed_step
+        prompts = [random_prompt(200 + i, 40 + i) for i in range(12)]
+        tasks = [asyncio.create_task(complete(engine, p, 6)) for p in prompts]
+        await asyncio.gather(*tasks)
+        # Pinned paths of running requests may exceed the budget; nothing else may.
+        assert all(s.total_bytes <= max(budget, s.pinned_bytes) for s in after_steps)
+        assert any(s.pinned_bytes for s in after_steps)
+        for prompt, task in zip(prompts, tasks):
+            assert task.result().tokens == reference.greedy(prompt, 6)
+        stats = await settled(engine)
+        assert stats.pinned_bytes == 0
+        assert stats.tree_bytes <= budget
+        assert stats.evictions > 0
+        assert engine._scheduler.tree.clear() >= 0
+        assert engine.stats().tree_bytes == 0
+    finally:
+        engine.shutdown()
+
+
+async def test_sampling_with_a_seed_is_reproducible(engine):
+    prompt = random_prompt(4, 32)
+    options = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "min_p": 0.01, "seed": 1234}
+    first = await complete(engine, prompt, 24, **options)
+    second = await complete(engine, prompt, 24, **options)
+    other = await complete(engine, prompt, 24, **{**options, "seed": 99})
+    assert first.tokens == second.tokens
+    assert first.tokens != other.tokens
+
+
+async def test_logit_bias_forces_a_token(engine):
+    result = await complete(engine, random_prompt(5, 16), 5, logit_bias={777: 100.0},
+                            ignore_eos=True)
+    assert result.tokens == [777] * 5
+
+
+async def test_penalties_push_back_a_repeated_token(engine):
+    # A bias makes greedy decoding repeat one token; penalties on repeats break the run.
+    prompt, bias = random_prompt(6, 16), {777: 12.0}
+    plain = await complete(engine, prompt, 24, logit_bias=bias, ignore_eos=True)
+    assert plain.tokens == [777] * 24
+    for penalty in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
+                    {"repetition_penalty": 4.0}):
+        penalised = await complete(engine, prompt, 24, logit_bias=bias, ignore_eos=True,
+                                   **penalty)
+        assert penalised.tokens.count(777) < 24, penalty
+
+
+async def test_logprobs_report_the_chosen_token_and_sorted_alternatives(engine):
+    result = await complete(engine, random_prompt(7, 16), 6, logprobs=3)
+    for event in result.events:
+        assert event.logprob.token == event.token
+        values = [alt.logprob for alt in event.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        # Greedy: the chosen token is the most likely one.
+        assert event.logprob.logprob == pytest.approx(values[0])
+
+
+async def test_stop_string_is_never_emitted(engine):
+    prompt = random_prompt(8, 16)
+    free = await complete(engine, prompt, 24, ignore_eos=True)
+    stop = free.text[len(free.text) // 2: len(free.text) // 2 + 3]
+    stopped = await complete(engine, prompt, 24, stop=(stop,), ignore_eos=True)
+    assert stopped.finish.reason == "stop"
+    assert stopped.finish.matched_stop == stop
+    assert stopped.text == free.text[: free.text.index(stop)]
+
+
+async def test_stop_token_id_ends_the_stream(engine):
+    prompt = random_prompt(9, 16)
+    free = await complete(engine, prompt, 16, ignore_eos=True)
+    stop_token = free.tokens[5]
+    stopped = await complete(engine, prompt, 16, stop_token_ids=(stop_token,), ignore_eos=True)
+    assert stopped.finish.reason == "stop"
+    assert stopped.finish.matched_stop == stop_token
+    assert stopped.tokens == free.tokens[: free.tokens.index(stop_token)]
+
+
+async def test_max_tokens_ends_with_length(engine):
+    result = await complete(engine, random_prompt(10, 8), 7, ignore_eos=True)
+    assert (result.finish.reason, result.finish.completion_tokens, len(result.tokens)) == (
+        "length", 7, 7)
+
+
+async def test_prompt_beyond_the_context_is_refused(engine):
+    from engine.request import ContextLengthExceeded
+
+    with pytest.raises(ContextLengthExceeded):
+        engine.submit([11] * 100, _greedy(max_tokens=engine.context_length))
+
+
+async def test_a_failing_forward_fails_only_its_request(llama_dir, reference, monkeypatch):
+    good = [random_prompt(300 + i, 30 + 5 * i) for i in range(4)]
+    expected = [reference.greedy(prompt, 12) for prompt in good]
+    # A token no good request ever feeds to the model, as prompt or as output.
+    used = {t for tokens in good + expected for t in tokens}
+    fault = next(t for t in range(1000, 2000) if t not in used)
+    monkeypatch.setenv(FAULT_TOKEN_ENV, str(fault))
+    engine = start_engine(llama_dir, cache_bytes=1 << 30)
+    try:
+        bad = random_prompt(400, 30) + [fault] + random_prompt(401, 4)
+        good_tasks = [asyncio.create_task(complete(engine, p, 12)) for p in good]
+        with pytest.raises(RequestFailed):
+            await complete(engine, bad, 12)
+        assert [(await task).tokens for task in good_tasks] == expected
+        stats = await settled(engine)
+        assert stats.requests_failed == 1
+        assert (stats.running, stats.pinned_bytes, stats.pending_nodes) == (0, 0, 0)
+        # The engine keeps serving.
+        assert (await complete(engine, good[0], 12)).tokens == expected[0]
+    finally:
+        engine.shutdown()
+
+
+def _greedy(**options):
+    from engine.request import SamplingParams
+
+    return SamplingParams(temperature=0.0, **options)
