@@ -16,7 +16,7 @@ from engine.engine import Engine, EngineConfig
 from engine.platform_info import describe_platform
 from server.app import create_app
 from server.config import ConfigError, Settings, load_settings
-from server.state import Drain
+from server.state import CANCEL_GRACE_SECONDS, Drain
 
 log = logging.getLogger("radix_mlx.server")
 
@@ -84,7 +84,10 @@ def run(settings: Settings) -> None:
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         log_config=None,  # keep the logging configured above
         access_log=False,  # radix_mlx.access writes a richer line
-        timeout_graceful_shutdown=settings.drain_timeout,
+        # The drain above already waited for in-flight requests; uvicorn only closes
+        # connections, so the whole stop stays within drain_timeout plus a few seconds
+        # (the service files allow drain_timeout + 5 s before SIGKILL).
+        timeout_graceful_shutdown=CANCEL_GRACE_SECONDS,
     )
     try:
         DrainingServer(config, app.state.server.drain, settings.drain_timeout).run()
