@@ -51,8 +51,12 @@ class DrainingServer(uvicorn.Server):
 
 
 def configure_logging(settings: Settings) -> None:
-    handler = (WatchedFileHandler(settings.log_file) if settings.log_file is not None
-               else logging.StreamHandler(sys.stderr))
+    if settings.log_file is not None:
+        # launchd creates no directories for us; a missing one must not stop the service.
+        settings.log_file.parent.mkdir(parents=True, exist_ok=True)
+        handler: logging.Handler = WatchedFileHandler(settings.log_file)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
 
