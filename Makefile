@@ -18,7 +18,9 @@ test bench: export LD_PRELOAD := $(strip $(OPENBLAS) $(LD_PRELOAD))
 endif
 endif
 
-.PHONY: install serve test bench lint demo-model
+SERVICE := deploy/$(if $(filter Darwin,$(shell uname -s)),launchd,systemd)/radix-mlx-service
+
+.PHONY: install serve test bench lint demo-model install-service uninstall-service
 
 install: $(STAMP)
 
@@ -41,3 +43,9 @@ lint: $(STAMP)
 
 demo-model: $(STAMP)
 	$(BIN)/radix-mlx make-demo-model $(DEMO_DIR) --size $(SIZE)
+
+install-service: $(STAMP)
+	$(SERVICE) install
+
+uninstall-service:
+	$(SERVICE) uninstall
