@@ -51,6 +51,7 @@ class EngineConfig:
     max_batch_size: int = 32
     prefill_batch_size: int = 8
     prefill_chunk_tokens: int = 512
+    max_tokens_in_flight: int = 131072
     max_queue: int = 256
 
 
@@ -161,10 +162,11 @@ class Engine:
                 max_batch_size=self.config.max_batch_size,
                 prefill_batch_size=self.config.prefill_batch_size,
                 prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+                max_tokens_in_flight=self.config.max_tokens_in_flight,
                 cache_bytes=self._cache_budget(loaded),
             ))
             self._warm_up()
-        except Exception as error:  # noqa: BLE001 - reported through /health and the CLI
+        except Exception as error:
             log.exception("model failed to load")
             self.error = f"{type(error).__name__}: {error}"
             self.state = Lifecycle.FAILED

@@ -56,6 +56,7 @@ class SchedulerLimits:
     max_batch_size: int
     prefill_batch_size: int
     prefill_chunk_tokens: int
+    max_tokens_in_flight: int
     cache_bytes: int
 
 
@@ -100,6 +101,11 @@ class Request:
         self.passed_over = 0
         self.suspect = False  # was in a failed step; runs alone until it succeeds
         self.cancelled = False
+
+    @property
+    def tokens_reserved(self) -> int:
+        """The most KV this request can hold: its prompt plus every token it may add."""
+        return len(self.prompt) + self.params.max_tokens
 
 
 class Scheduler:
@@ -168,14 +174,19 @@ class Scheduler:
         room = self.limits.max_batch_size - len(self.active)
         prefill_room = self.limits.prefill_batch_size - sum(
             not r.prompt_done for r in self.active.values())
+        token_room = self.limits.max_tokens_in_flight - sum(
+            r.tokens_reserved for r in self.active.values())
         for request in self._admission_order():
-            if room <= 0 or prefill_room <= 0:
+            # A request bigger than the whole limit still runs, alone.
+            fits = request.tokens_reserved <= token_room or not self.active
+            if room <= 0 or prefill_room <= 0 or not fits:
                 request.passed_over += 1
                 continue
             self.waiting.remove(request)
             if self._start(request):
                 room -= 1
                 prefill_room -= 1
+                token_room -= request.tokens_reserved
 
     def _admission_order(self) -> list[Request]:
         """SGLang's cache-aware order: longest cached prefix first, except that requests

@@ -59,6 +59,10 @@ class Settings(BaseModel):
     prefill_chunk_tokens: PositiveInt = Field(
         512, description="prompt tokens per prefill step, so running decodes keep going"
     )
+    max_tokens_in_flight: PositiveInt = Field(
+        131072,
+        description="prompt + max_tokens summed over running requests; bounds KV memory",
+    )
     max_queue: PositiveInt = Field(256, description="waiting requests before answering 429")
     max_body_bytes: PositiveInt = Field(4 * 1024 * 1024, description="largest request body")
     cors_origins: list[NonEmpty] = Field([], description="origins allowed by CORS; none: CORS off")

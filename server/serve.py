@@ -69,6 +69,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_batch_size=settings.max_batch_size,
         prefill_batch_size=settings.prefill_batch_size,
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
+        max_tokens_in_flight=settings.max_tokens_in_flight,
         max_queue=settings.max_queue,
     )
 

@@ -107,6 +107,26 @@ async def test_tiny_budget_stays_bounded_and_correct(llama_dir, reference):
         engine.shutdown()
 
 
+async def test_tokens_in_flight_limit_bounds_the_batch(llama_dir, reference):
+    engine = start_engine(llama_dir, cache_bytes=1 << 30, max_tokens_in_flight=130)
+    try:
+        scheduler = engine._scheduler
+        step, reserved = scheduler._step, []
+
+        def observed_step():
+            reserved.append(sum(r.tokens_reserved for r in scheduler.active.values()))
+            step()
+
+        scheduler._step = observed_step
+        prompts = [random_prompt(500 + i, 40) for i in range(4)]
+        results = await asyncio.gather(*(complete(engine, p, 20) for p in prompts))
+        assert [r.tokens for r in results] == [reference.greedy(p, 20) for p in prompts]
+        # Two requests of 60 tokens fit in 130, a third never joins them.
+        assert max(reserved) == 120
+    finally:
+        engine.shutdown()
+
+
 async def test_sampling_with_a_seed_is_reproducible(engine):
     prompt = random_prompt(4, 32)
     options = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "min_p": 0.01, "seed": 1234}
