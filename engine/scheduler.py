@@ -174,23 +174,32 @@ class Scheduler:
         room = self.limits.max_batch_size - len(self.active)
         prefill_room = self.limits.prefill_batch_size - sum(
             not r.prompt_done for r in self.active.values())
+        if room <= 0 or prefill_room <= 0:
+            return
         token_room = self.limits.max_tokens_in_flight - sum(
             r.tokens_reserved for r in self.active.values())
+        admitted = 0
         for request in self._admission_order():
+            if room <= 0 or prefill_room <= 0:
+                break
             # A request bigger than the whole limit still runs, alone.
-            fits = request.tokens_reserved <= token_room or not self.active
-            if room <= 0 or prefill_room <= 0 or not fits:
-                request.passed_over += 1
+            if request.tokens_reserved > token_room and self.active:
+                if request.passed_over >= MAX_PASSED_OVER:
+                    break  # admit nobody past it, so the batch drains until it fits
                 continue
             self.waiting.remove(request)
             if self._start(request):
+                admitted += 1
                 room -= 1
                 prefill_room -= 1
                 token_room -= request.tokens_reserved
+        if admitted:
+            for request in self.waiting:
+                request.passed_over += 1
 
     def _admission_order(self) -> list[Request]:
         """SGLang's cache-aware order: longest cached prefix first, except that requests
-        passed over too often go first, oldest first."""
+        passed over in too many rounds go first, oldest first."""
         starving = [r for r in self.waiting if r.passed_over >= MAX_PASSED_OVER]
         rest = [r for r in self.waiting if r.passed_over < MAX_PASSED_OVER]
         rest.sort(key=lambda r: -self.tree.peek(r.tokens[:-1]))
