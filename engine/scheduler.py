@@ -138,9 +138,12 @@ class Scheduler:
             if idle and until_idle and self.inbox.empty():
                 return
             self._drain_inbox(block=idle and not until_idle)
-            self._admit()
-            if self.active:
-                self._step()
+            try:
+                self._admit()
+                if self.active:
+                    self._step()
+            except Exception as error:  # noqa: BLE001 - the engine must outlive any step
+                self._recover(error)
         mx.synchronize(self.generator.stream)
 
     def _drain_inbox(self, block: bool) -> None:
@@ -169,7 +172,7 @@ class Scheduler:
             # so the request that breaks a forward pass is found and fails by itself.
             if not self.active:
                 self.waiting.remove(suspects[0])
-                self._start(suspects[0])
+                self._try_start(suspects[0])
             return
         room = self.limits.max_batch_size - len(self.active)
         prefill_room = self.limits.prefill_batch_size - sum(
@@ -188,7 +191,7 @@ class Scheduler:
                     break  # admit nobody past it, so the batch drains until it fits
                 continue
             self.waiting.remove(request)
-            if self._start(request):
+            if self._try_start(request):
                 admitted += 1
                 room -= 1
                 prefill_room -= 1
@@ -204,6 +207,24 @@ class Scheduler:
         rest = [r for r in self.waiting if r.passed_over < MAX_PASSED_OVER]
         rest.sort(key=lambda r: -self.tree.peek(r.tokens[:-1]))
         return starving + rest
+
+    def _try_start(self, request: Request) -> bool:
+        """`_start`, except that a failure (say, no memory to rebuild the cache) fails
+        this request alone and releases what it held."""
+        try:
+            return self._start(request)
+        except Exception as error:  # reported to the request
+            log.exception("admitting %s failed", request.id)
+            if request.uid is not None:
+                self.active.pop(request.uid, None)
+            if request.pending is not None:
+                self.tree.poison(request.pending, error)
+                request.pending = None
+            if request.node is not None:
+                self.tree.unlock(request.node)
+                request.node = None
+            self._fail(request, error)
+            return False
 
     def _start(self, request: Request) -> bool:
         """Pin the request's cached prefix and put it in the batch; False if it now waits
@@ -260,11 +281,7 @@ class Scheduler:
 
     def _step(self) -> None:
         started = time.perf_counter()
-        try:
-            prompt_responses, token_responses = self.generator.next()
-        except Exception as error:  # noqa: BLE001 - any failure of a forward pass
-            self._recover(error)
-            return
+        prompt_responses, token_responses = self.generator.next()
         self.counters.steps += 1
         self.counters.step_seconds += time.perf_counter() - started
         for response in prompt_responses:
@@ -378,8 +395,7 @@ class Scheduler:
             self.tree.unlock(request.node)
             request.node, request.uid = None, None
             if request.suspect:
-                self.counters.requests_failed += 1
-                request.emit(RequestFailed(f"the model failed on this request: {error}"))
+                self._fail(request, error)
                 continue
             request.suspect = True
             request.tokens = request.prompt + request.generated
@@ -387,6 +403,10 @@ class Scheduler:
                 self._finish_length(request)
             else:
                 self.waiting.insert(0, request)
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        self.counters.requests_failed += 1
+        request.emit(RequestFailed(f"the engine failed this request: {error}"))
 
     def _stop_all(self) -> None:
         for request in [*self.active.values(), *self.waiting, *self.parked]:
