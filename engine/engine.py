@@ -228,24 +228,16 @@ class Engine:
                 raise QueueFull(f"{self._queued} requests are already waiting", retry_after=1.0)
             self._queued += 1
         stream = RequestStream(f"req-{next(self._ids)}", asyncio.get_running_loop(), self)
-        request = Request(stream.request_id, list(prompt), params,
-                          self._emitter(stream), self._loaded)
+        request = Request(stream.request_id, list(prompt), params, stream.push, self._loaded,
+                          on_dequeue=self._dequeued)
         stream._request = request
         self._scheduler.inbox.put(("submit", request))
         return stream
 
-    def _emitter(self, stream: RequestStream):
-        first = True
-
-        def emit(event: object) -> None:
-            nonlocal first
-            if first:
-                first = False
-                with self._queued_lock:
-                    self._queued -= 1
-            stream.push(event)
-
-        return emit
+    def _dequeued(self) -> None:
+        """A request left the queue: admitted to the batch, or ended before that."""
+        with self._queued_lock:
+            self._queued -= 1
 
     def stats(self) -> EngineStats:
         scheduler = self._scheduler

@@ -75,11 +75,13 @@ class Request:
     """Engine-side state of one generation."""
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
-                 emit: Callable[[object], None], loaded: LoadedModel) -> None:
+                 emit: Callable[[object], None], loaded: LoadedModel,
+                 on_dequeue: Callable[[], None] | None = None) -> None:
         self.id = request_id
         self.prompt = prompt
         self.params = params
-        self.emit = emit
+        self._emit = emit
+        self._on_dequeue = on_dequeue
         tokenizer = loaded.tokenizer
         self.text = TextStream(tokenizer, prompt, params.stop)
         self.sampler = make_sampler(params, loaded.vocab_size)
@@ -101,6 +103,16 @@ class Request:
         self.passed_over = 0
         self.suspect = False  # was in a failed step; runs alone until it succeeds
         self.cancelled = False
+
+    def dequeue(self) -> None:
+        """Report, once, that this request no longer counts against the queue limit."""
+        if self._on_dequeue is not None:
+            on_dequeue, self._on_dequeue = self._on_dequeue, None
+            on_dequeue()
+
+    def emit(self, event: object) -> None:
+        self.dequeue()  # a request that ends before admission leaves the queue too
+        self._emit(event)
 
     @property
     def tokens_reserved(self) -> int:
@@ -271,6 +283,7 @@ class Scheduler:
         )
         request.prompt_done = False
         self.active[request.uid] = request
+        request.dequeue()
         return True
 
     def _wait_for(self, request: Request, node: Node) -> None:

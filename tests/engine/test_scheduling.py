@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from engine.loader import FAULT_TOKEN_ENV
-from engine.request import RequestFailed, TokenEvent
+from engine.request import QueueFull, RequestFailed, TokenEvent
 from tests.engine.support import Reference, complete, settled, start_engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -123,6 +123,24 @@ async def test_tokens_in_flight_limit_bounds_the_batch(llama_dir, reference):
         assert [r.tokens for r in results] == [reference.greedy(p, 20) for p in prompts]
         # Two requests of 60 tokens fit in 130, a third never joins them.
         assert max(reserved) == 120
+    finally:
+        engine.shutdown()
+
+
+async def test_queue_limit_counts_only_requests_not_yet_admitted(llama_dir):
+    engine = start_engine(llama_dir, cache_bytes=1 << 30, max_batch_size=1, max_queue=2)
+    try:
+        running = engine.submit(random_prompt(600, 16), _greedy(max_tokens=4000, ignore_eos=True))
+        assert isinstance(await anext(running), TokenEvent)  # admitted: no longer queued
+        queued = [asyncio.create_task(complete(engine, random_prompt(601 + i, 16), 4))
+                  for i in range(2)]
+        await asyncio.sleep(0)
+        assert engine.stats().waiting == 2
+        with pytest.raises(QueueFull):
+            engine.submit(random_prompt(603, 16), _greedy(max_tokens=4))
+        running.cancel()
+        assert all(r.finish.reason == "length" for r in await asyncio.gather(*queued))
+        assert (await settled(engine)).waiting == 0
     finally:
         engine.shutdown()
 
