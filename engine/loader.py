@@ -44,6 +44,9 @@ def load_model(path_or_repo: str) -> LoadedModel:
     """Load with mlx-lm. A local directory never touches the network; a hub repo id is
     downloaded by huggingface_hub, which shows its own progress bar."""
     local = Path(path_or_repo).expanduser()
+    if not local.exists() and path_or_repo.startswith(("/", ".", "~")):
+        # No repo id starts so: without this, the hub reports an invalid repo id.
+        raise FileNotFoundError(f"no model directory at {local}")
     source = str(local) if local.exists() else path_or_repo
     model, tokenizer, config = load(source, return_config=True)
     weight_bytes = sum(v.nbytes for _, v in nn.utils.tree_flatten(model.parameters()))

@@ -12,7 +12,7 @@ from types import FrameType
 import uvicorn
 
 from engine.demo_model import demo_model_path
-from engine.engine import Engine, EngineConfig
+from engine.engine import Engine, EngineConfig, Lifecycle
 from engine.platform_info import describe_platform
 from server.app import create_app
 from server.config import ConfigError, Settings, load_settings
@@ -28,11 +28,13 @@ class DrainingServer(uvicorn.Server):
     """uvicorn, except that the first SIGTERM/SIGINT drains instead of closing at once:
     new requests get 503 (load balancers see /health go 503 too), in-flight ones get up to
     `timeout` seconds, then whatever is left is cancelled and the process exits 0.
-    A second signal stops at once."""
+    A second signal stops at once. A model that fails to load stops it too."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, timeout: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, drain: Drain, timeout: float, engine: Engine
+    ) -> None:
         super().__init__(config)
-        self._drain, self._timeout = drain, timeout
+        self._drain, self._timeout, self._engine = drain, timeout, engine
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recording the signal (as uvicorn does) keeps it from being re-raised after
@@ -46,6 +48,9 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain.draining and self._drain.finished():
+            self.should_exit = True
+        # Answering 503 forever would hide the failure from a service manager.
+        if self._engine.state is Lifecycle.FAILED:
             self.should_exit = True
         return await super().on_tick(counter)
 
@@ -74,8 +79,9 @@ def engine_config(settings: Settings) -> EngineConfig:
     )
 
 
-def run(settings: Settings) -> None:
-    """Serve until SIGTERM/SIGINT, then drain and return."""
+def run(settings: Settings) -> int:
+    """Serve until SIGTERM/SIGINT, then drain; the exit status: 1 if the model failed to
+    load, with the reason as stderr's last line, else 0."""
     configure_logging(settings)
     log.info("%s", describe_platform())
     engine = Engine(engine_config(settings))
@@ -95,9 +101,13 @@ def run(settings: Settings) -> None:
         timeout_graceful_shutdown=CANCEL_GRACE_SECONDS,
     )
     try:
-        DrainingServer(config, app.state.server.drain, settings.drain_timeout).run()
+        DrainingServer(config, app.state.server.drain, settings.drain_timeout, engine).run()
     finally:
         engine.shutdown()
+    if engine.state is Lifecycle.FAILED:
+        print(f"radix-mlx serve: the model failed to load: {engine.error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -107,5 +117,4 @@ def serve_command(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"radix-mlx serve: {error}", file=sys.stderr)
         return 2
-    run(settings)
-    return 0
+    return run(settings)
