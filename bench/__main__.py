@@ -1,5 +1,168 @@
-"""Placeholder until the benchmark lands; `make bench` runs this."""
+"""`python -m bench` / `make bench`: radix-mlx and mlx-lm's server, side by side.
 
+Starts each server in turn on the same model (one at a time: they would fight over the
+cores or the GPU), warms it up, runs the same seeded workloads against it through a
+streaming client, stops it, then times bare `mlx_lm.stream_generate` for the engine
+overhead figure, and writes results.json, results.md and plots to
+bench/results/<hardware>/<model>/. The bench process itself never imports MLX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
 import sys
+from pathlib import Path
 
-sys.exit("bench: not yet implemented")
+import httpx
+
+from bench import hardware, report
+from bench.client import run_workload
+from bench.servers import SPECS, RunningServer, running, scrape_active_memory
+from bench.workloads import QUICK, Shapes, Workload, build_all, build_warm_up
+from engine.platform_info import mlx_would_use_cpu, openblas_preload_env
+
+RESULTS = Path(__file__).parent / "results"
+METRICS_POLL_SECONDS = 0.5
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path,
+                        help="model directory (default: the 143M float32 'bench' demo model)")
+    parser.add_argument("--servers", default=",".join(SPECS),
+                        help=f"comma-separated, from {sorted(SPECS)}")
+    parser.add_argument("--quick", action="store_true", help="toy sizes, for a smoke run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="results folder "
+                        "(default: bench/results/<hardware>/<model>)")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib)")
+    parser.add_argument("--no-raw", action="store_true",
+                        help="skip the bare mlx_lm.stream_generate baseline")
+    for field in dataclasses.fields(Shapes):
+        parser.add_argument("--" + field.name.replace("_", "-"), type=int,
+                            help=f"default {field.default}, --quick {getattr(QUICK, field.name)}")
+    return parser.parse_args(argv)
+
+
+def shapes_from(args: argparse.Namespace) -> Shapes:
+    base = QUICK if args.quick else Shapes()
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Shapes)
+             if getattr(args, f.name) is not None}
+    return dataclasses.replace(base, **given)
+
+
+def bench_model(env: dict[str, str]) -> Path:
+    """The cached `bench` demo model, built in a child so this process stays MLX-free."""
+    code = "from engine.demo_model import demo_model_path; print(demo_model_path('bench'))"
+    result = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                            capture_output=True, text=True)
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+def describe_model(model: Path) -> dict:
+    config = json.loads((model / "config.json").read_text())
+    dtype = config.get("torch_dtype", "float32")
+    size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    params = size / {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    return {
+        "name": model.name,
+        "path": str(model),
+        "description": (
+            f"{config['model_type']}, hidden {config['hidden_size']}, "
+            f"{config['num_hidden_layers']} layers, {config['num_attention_heads']} heads, "
+            f"{config['num_key_value_heads']} KV heads, MLP {config['intermediate_size']}, "
+            f"vocab {config['vocab_size']}, {dtype}, ~{params / 1e6:.0f}M parameters, "
+            "random weights"),
+    }
+
+
+async def poll_active_memory(base_url: str, peak: list[int]) -> None:
+    """Keep the highest MLX active memory seen in peak[0] until cancelled."""
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while True:
+            value = await scrape_active_memory(client, base_url)
+            if value is not None:
+                peak[0] = max(peak[0], value)
+            await asyncio.sleep(METRICS_POLL_SECONDS)
+
+
+async def measure(server: RunningServer, warm_up: Workload,
+                  workloads: list[Workload]) -> tuple[dict, dict]:
+    """(summaries, per-request records) by workload, after an untimed warm-up."""
+    extra = server.spec.extra
+    await run_workload(server.base_url, warm_up, extra)
+    summaries, records = {}, {}
+    for workload in workloads:
+        print(f"  {server.spec.name}: {workload.name} ...", file=sys.stderr, flush=True)
+        server.sampler.take_peak()
+        peak = [0]
+        poller = asyncio.create_task(poll_active_memory(server.base_url, peak)) \
+            if server.spec.metrics else None
+        try:
+            run = await run_workload(server.base_url, workload, extra)
+        finally:
+            if poller is not None:
+                poller.cancel()
+        summaries[workload.name] = report.summarize(
+            run, server.sampler.take_peak(), peak[0] if poller is not None else None)
+        records[workload.name] = [r.as_dict() for r in run.requests]
+        print(f"    {json.dumps({k: v for k, v in summaries[workload.name].items()})}",
+              file=sys.stderr, flush=True)
+    return summaries, records
+
+
+def raw_decode(model: Path, shapes: Shapes, env: dict[str, str]) -> dict:
+    argv = [sys.executable, "-m", "bench.raw_decode", str(model),
+            "--prompt-tokens", str(shapes.decode_prompt_tokens),
+            "--max-tokens", str(shapes.decode_output_tokens),
+            "--repeats", str(shapes.decode_repeats)]
+    result = subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    shapes = shapes_from(args)
+    env = openblas_preload_env() or dict(os.environ)
+    model = (args.model or bench_model(env)).resolve()
+    device = "cpu" if mlx_would_use_cpu() else "gpu"
+    out = args.out or RESULTS / hardware.tag(device) / model.name
+    workloads = build_all(model, shapes, args.seed)
+    warm_up = build_warm_up(model, shapes, args.seed)
+    results: dict = {
+        "command": shlex.join(["python", "-m", "bench", *(argv or sys.argv[1:])]),
+        "hardware": hardware.describe(device),
+        "model": describe_model(model),
+        "shapes": shapes.as_dict(),
+        "seed": args.seed,
+        "workloads": [w.name for w in workloads],
+        "servers": {},
+    }
+    smi = hardware.nvidia_smi()
+    if smi:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "nvidia-smi.txt").write_text(smi)
+    for name in args.servers.split(","):
+        spec = SPECS[name]
+        print(f"bench: starting {name} on {model}", file=sys.stderr, flush=True)
+        with running(spec, model, env, out / "logs" / f"{name}.log") as server:
+            summaries, records = asyncio.run(measure(server, warm_up, workloads))
+            argv_used = server.argv
+        results["servers"][name] = {"argv": argv_used, "notes": spec.notes,
+                                    "workloads": summaries, "requests": records}
+    if not args.no_raw:
+        print("bench: bare mlx_lm.stream_generate", file=sys.stderr, flush=True)
+        results["raw_decode"] = raw_decode(model, shapes, env)
+    report.write(results, out, plots=not args.no_plots)
+    print((out / "results.md").read_text())
+    print(f"bench: wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""An async OpenAI-compatible streaming client that times every request.
+
+Plain httpx and SSE parsing rather than an SDK: the timings are of bytes arriving, and
+the same code reads both servers' streams. TTFT is the first chunk carrying text; token
+counts come from the final usage chunk (`stream_options.include_usage`), since a server
+may pack several tokens into one chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+
+from bench.workloads import Conversation, Workload
+
+TIMEOUT = httpx.Timeout(1800.0, connect=10.0)
+
+
+@dataclass
+class RequestResult:
+    conversation: int
+    turn: int
+    start: float  # seconds since the workload started
+    ttft: float
+    latency: float
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None  # None: the server did not report it
+    text: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class WorkloadRun:
+    name: str
+    wall_seconds: float
+    requests: list[RequestResult]
+
+
+class StreamError(RuntimeError):
+    """A request failed: the benchmark stops rather than report numbers without it."""
+
+
+async def chat(client: httpx.AsyncClient, base_url: str, messages: list[dict[str, str]],
+               max_tokens: int, extra: dict) -> tuple[float, float, dict, str]:
+    """One streamed chat completion: (ttft, latency, usage, text)."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, **extra}
+    started = time.perf_counter()
+    first = None
+    usage: dict = {}
+    parts: list[str] = []
+    async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise StreamError(f"HTTP {response.status_code}: {(await response.aread())[:500]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise StreamError(f"server error: {chunk['error']}")
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or ():
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    first = first or time.perf_counter()
+                    parts.append(content)
+    ended = time.perf_counter()
+    return (first or ended) - started, ended - started, usage, "".join(parts)
+
+
+async def run_conversation(client: httpx.AsyncClient, base_url: str, index: int,
+                           conversation: Conversation, max_tokens: int, extra: dict,
+                           t0: float) -> list[RequestResult]:
+    messages = [{"role": "system", "content": conversation.system}] if conversation.system \
+        else []
+    results = []
+    for turn, user in enumerate(conversation.user_turns):
+        messages.append({"role": "user", "content": user})
+        start = time.perf_counter() - t0
+        ttft, latency, usage, text = await chat(client, base_url, messages, max_tokens,
+                                                extra)
+        messages.append({"role": "assistant", "content": text})
+        details = usage.get("prompt_tokens_details") or {}
+        results.append(RequestResult(
+            conversation=index, turn=turn, start=start, ttft=ttft, latency=latency,
+            prompt_tokens=usage.get("prompt_tokens", 0),
+            completion_tokens=usage.get("completion_tokens", 0),
+            cached_tokens=details.get("cached_tokens"), text=text,
+        ))
+    return results
+
+
+async def run_workload(base_url: str, workload: Workload, extra: dict) -> WorkloadRun:
+    """Conversations in list order through `concurrency` workers; turns in sequence."""
+    pending = list(enumerate(workload.conversations))[::-1]
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=workload.concurrency + 4)
+    async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def worker() -> None:
+            while pending:
+                index, conversation = pending.pop()
+                results.extend(await run_conversation(
+                    client, base_url, index, conversation, workload.max_tokens, extra, t0))
+
+        await asyncio.gather(*(worker() for _ in range(workload.concurrency)))
+        wall = time.perf_counter() - t0
+    results.sort(key=lambda r: (r.conversation, r.turn))
+    return WorkloadRun(workload.name, wall, results)

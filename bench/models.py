@@ -1,0 +1,96 @@
+"""Random-weight Llama models shaped like Llama 3.2 1B and Llama 3.1 8B, for GPU runs.
+
+    python -m bench.models DIR --shape llama-1b [--dtype bfloat16] [--seed 0]
+
+The demo tokenizer (a ~4k-token BPE), so the vocabulary is far smaller than the real
+models' 128k; everything else (hidden size, layers, heads, KV heads, MLP) is theirs.
+Weights are drawn with MLX on the device in the target dtype: an 8B model drawn in numpy
+float32 (as `engine.demo_model` does for its small models) would take minutes and 32 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+from pathlib import Path
+
+from engine.demo_model import (
+    BOS,
+    EOS,
+    PAD,
+    WEIGHT_GAIN,
+    model_config,
+    tokenizer_config,
+    train_tokenizer,
+)
+
+SHAPES: dict[str, dict[str, int]] = {
+    "llama-1b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 8192,
+    },
+    "llama-8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 14336,
+    },
+}
+VOCAB_SIZE = 4096
+
+
+def build(directory: Path, shape: str, dtype: str = "bfloat16", seed: int = 0) -> Path:
+    """Write an mlx-lm model directory (replacing `directory`) and return it."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    tokenizer = train_tokenizer(VOCAB_SIZE)
+    config = {**model_config("llama", "bench", tokenizer), **SHAPES[shape],
+              "torch_dtype": dtype}
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx_dtype = getattr(mx, dtype)
+    mx.random.seed(seed)
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        if value.ndim >= 2:
+            scale = WEIGHT_GAIN / math.sqrt(math.prod(value.shape[1:]))
+            value = mx.random.normal(value.shape, dtype=mx_dtype) * scale
+        weights[name] = value.astype(mx_dtype)
+        mx.eval(weights[name])
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights,
+                        metadata={"format": "mlx"})
+    files = {
+        "config.json": config,
+        "tokenizer_config.json": tokenizer_config(tokenizer),
+        "special_tokens_map.json": {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD},
+    }
+    for filename, value in files.items():
+        (directory / filename).write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+    (directory / "tokenizer.json").write_text(tokenizer.to_str(pretty=True))
+    return directory
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16",
+                                                                 "float32"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(build(args.directory, args.shape, args.dtype, args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""Turning timed requests into the numbers, ratios, Markdown and plots of a results folder.
+
+    python -m bench.report bench/results/<tag>/<model>/results.json   # re-render md + png
+
+Everything compared comes from the same run. Throughput counts the tokens each server
+says it generated (mlx-lm's may stop early at EOS), so rates are of actual work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from bench.client import RequestResult, WorkloadRun
+
+OURS, THEIRS = "radix-mlx", "mlx-lm"
+
+# (summary key, label, better when higher, format)
+METRICS = (
+    ("output_tok_s", "output tok/s", True, "{:.1f}"),
+    ("requests_s", "requests/s", True, "{:.2f}"),
+    ("ttft_p50", "TTFT p50 (s)", False, "{:.3f}"),
+    ("ttft_p99", "TTFT p99 (s)", False, "{:.3f}"),
+    ("itl_p50", "ITL p50 (ms)", False, "{:.1f}"),
+    ("cache_fraction", "prompt tokens from cache", True, "{:.0%}"),
+    ("peak_rss_mib", "peak RSS (MiB)", False, "{:.0f}"),
+    ("peak_active_mib", "peak MLX active (MiB)", False, "{:.0f}"),
+)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def itl(r: RequestResult) -> float:
+    return (r.latency - r.ttft) / (r.completion_tokens - 1)
+
+
+def summarize(run: WorkloadRun, peak_rss: int, peak_active: int | None) -> dict:
+    """The per-workload numbers. ITL is each request's mean time per token after the first,
+    (latency - TTFT) / (tokens - 1) (SGLang's TPOT): a server that sends tokens in bursts
+    gets no credit for the burst's tiny gaps."""
+    reqs = run.requests
+    ttfts = [r.ttft for r in reqs]
+    itls = [itl(r) * 1000 for r in reqs if r.completion_tokens > 1]
+    output = sum(r.completion_tokens for r in reqs)
+    prompt = sum(r.prompt_tokens for r in reqs)
+    cached = None if any(r.cached_tokens is None for r in reqs) else sum(
+        r.cached_tokens for r in reqs)
+    summary = {
+        "requests": len(reqs),
+        "wall_seconds": run.wall_seconds,
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
+        "itl_p50": percentile(itls, 50),
+        "output_tokens": output,
+        "output_tok_s": output / run.wall_seconds,
+        "requests_s": len(reqs) / run.wall_seconds,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "cache_fraction": None if cached is None or not prompt else cached / prompt,
+        "peak_rss_mib": peak_rss / 2**20,
+        "peak_active_mib": None if peak_active is None else peak_active / 2**20,
+    }
+    if run.name == "long_context" and len(reqs) > 1:
+        summary["ttft_cold"] = reqs[0].ttft
+        summary["ttft_warm_p50"] = percentile([r.ttft for r in reqs[1:]], 50)
+        summary["warm_uncached_tokens"] = float(np.mean(
+            [r.prompt_tokens - (r.cached_tokens or 0) for r in reqs[1:]]))
+        summary["cold_prompt_tokens"] = reqs[0].prompt_tokens
+    if run.name == "single_stream":
+        summary["decode_tok_s"] = float(np.median(
+            [1 / itl(r) for r in reqs if r.completion_tokens > 1]))
+    return summary
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def targets(results: dict) -> list[dict]:
+    """The issue's targets, evaluated on this run (reported, never asserted)."""
+    ours = results["servers"].get(OURS, {}).get("workloads", {})
+    theirs = results["servers"].get(THEIRS, {}).get("workloads", {})
+
+    def both(workload: str, key: str) -> float | None:
+        if workload not in ours or workload not in theirs:
+            return None
+        return ratio(ours[workload].get(key), theirs[workload].get(key))
+
+    rows = [
+        ("shared-prefix output tok/s vs mlx-lm", both("shared_prefix", "output_tok_s"),
+         ">= 2.0", lambda v: v >= 2.0),
+        ("multi-turn TTFT p50 vs mlx-lm", both("multi_turn", "ttft_p50"),
+         "<= 0.5", lambda v: v <= 0.5),
+        ("no-share output tok/s vs mlx-lm", both("no_share", "output_tok_s"),
+         ">= 0.9", lambda v: v >= 0.9),
+    ]
+    lc, single = ours.get("long_context", {}), ours.get("single_stream", {})
+    if lc.get("ttft_cold") and single.get("decode_tok_s"):
+        # One decode step plus the uncached tokens at the cold request's prefill rate.
+        bound = 1 / single["decode_tok_s"] + (
+            lc["warm_uncached_tokens"] * lc["ttft_cold"] / lc["cold_prompt_tokens"])
+        rows.append(("long-context warm TTFT / (decode step + uncached prefill)",
+                     lc["ttft_warm_p50"] / bound, "<= 2.0", lambda v: v <= 2.0))
+    raw = results.get("raw_decode", {}).get("decode_tok_s")
+    rows.append(("single-stream decode tok/s vs raw mlx_lm.stream_generate",
+                 ratio(single.get("decode_tok_s"), raw), ">= 0.95", lambda v: v >= 0.95))
+    return [{"target": name, "value": value, "goal": goal,
+             "met": None if value is None else check(value)}
+            for name, value, goal, check in rows]
+
+
+def ratio_table(results: dict) -> dict:
+    ours = results["servers"].get(OURS, {}).get("workloads", {})
+    theirs = results["servers"].get(THEIRS, {}).get("workloads", {})
+    return {
+        workload: {key: ratio(ours[workload].get(key), theirs[workload].get(key))
+                   for key, *_ in METRICS if key not in ("cache_fraction", "peak_active_mib")}
+        for workload in ours if workload in theirs
+    }
+
+
+def fmt(value: float | None, pattern: str) -> str:
+    return "n/a" if value is None else pattern.format(value)
+
+
+def markdown(results: dict) -> str:
+    model, hw = results["model"], results["hardware"]
+    lines = [
+        f"# radix-mlx vs mlx-lm: {model['name']} on {hw['tag']}",
+        "",
+        f"Model: {model['description']}. Hardware: {hw['cpu']} ({hw['cpu_count']} cores)"
+        + (f", {', '.join(hw['gpus'])}" if hw["gpus"] else "") + f"; device {hw['device']}.",
+        f"Command: `{results['command']}`",
+        "",
+        "## Per server and workload",
+        "",
+        "| workload | server | " + " | ".join(label for _, label, *_ in METRICS) + " |",
+        "|---|---|" + "---:|" * len(METRICS),
+    ]
+    for workload in results["workloads"]:
+        for server, data in results["servers"].items():
+            summary = data["workloads"].get(workload)
+            if summary:
+                cells = [fmt(summary.get(key), pattern) for key, _, _, pattern in METRICS]
+                lines.append(f"| {workload} | {server} | " + " | ".join(cells) + " |")
+    ratios = results.get("ratios", {})
+    if ratios:
+        keys = next(iter(ratios.values())).keys()
+        labels = {key: label for key, label, *_ in METRICS}
+        lines += ["", f"## Ratios ({OURS} / {THEIRS})", "",
+                  "| workload | " + " | ".join(labels[k] for k in keys) + " |",
+                  "|---|" + "---:|" * len(keys)]
+        for workload, row in ratios.items():
+            lines.append(f"| {workload} | " + " | ".join(
+                fmt(row[k], "{:.2f}x") for k in keys) + " |")
+    lines += ["", "## Targets", "", "| target | value | goal | met |", "|---|---:|---|---|"]
+    for row in results.get("targets", []):
+        met = {True: "yes", False: "no", None: "n/a"}[row["met"]]
+        lines.append(f"| {row['target']} | {fmt(row['value'], '{:.2f}')} | {row['goal']} "
+                     f"| {met} |")
+    lc = {name: data["workloads"].get("long_context", {})
+          for name, data in results["servers"].items()}
+    lines += ["", "## Long context: cold and warm TTFT", "",
+              "| server | cold TTFT (s) | warm TTFT p50 (s) |", "|---|---:|---:|"]
+    for server, summary in lc.items():
+        lines.append(f"| {server} | {fmt(summary.get('ttft_cold'), '{:.3f}')} | "
+                     f"{fmt(summary.get('ttft_warm_p50'), '{:.3f}')} |")
+    lines += ["", "## Single-stream decode (engine overhead)", "",
+              "| path | decode tok/s |", "|---|---:|"]
+    for server, data in results["servers"].items():
+        rate = data["workloads"].get("single_stream", {}).get("decode_tok_s")
+        lines.append(f"| {server} server | {fmt(rate, '{:.1f}')} |")
+    raw = results.get("raw_decode", {}).get("decode_tok_s")
+    lines.append(f"| raw mlx_lm.stream_generate | {fmt(raw, '{:.1f}')} |")
+    lines += ["", "## Servers", ""]
+    for server, data in results["servers"].items():
+        lines.append(f"- {server}: `{' '.join(data['argv'][1:])}`; {data['notes']}")
+    lines += ["", "## Shapes", "", "```", json.dumps(results["shapes"], indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict, directory: Path) -> list[Path]:
+    """Grouped bars per workload: throughput, TTFT p50 (p99 as a tick), peak RSS."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = [w for w in results["workloads"] if w != "single_stream"]
+    servers = list(results["servers"])
+    title = f"{results['model']['name']} on {results['hardware']['tag']}"
+    written = []
+    for key, label, filename, log in (
+        ("output_tok_s", "output tokens/s (higher is better)", "throughput.png", False),
+        ("ttft_p50", "TTFT p50, p99 tick (s, lower is better)", "ttft.png", True),
+        ("peak_rss_mib", "peak RSS of server tree (MiB)", "memory.png", False),
+    ):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        width = 0.8 / len(servers)
+        x = np.arange(len(workloads))
+        for i, server in enumerate(servers):
+            data = results["servers"][server]["workloads"]
+            values = [data.get(w, {}).get(key) or 0 for w in workloads]
+            ax.bar(x + i * width, values, width, label=server)
+            if key == "ttft_p50":
+                p99 = [data.get(w, {}).get("ttft_p99") or 0 for w in workloads]
+                ax.scatter(x + i * width, p99, marker="_", s=300, color="black")
+        ax.set_xticks(x + width * (len(servers) - 1) / 2, workloads)
+        ax.set_ylabel(label)
+        ax.set_title(title)
+        if log:
+            ax.set_yscale("log")
+        ax.legend()
+        fig.tight_layout()
+        path = directory / filename
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write(results: dict, directory: Path, plots: bool = True) -> None:
+    """results.json, results.md and (unless told not to) the PNG plots."""
+    results["ratios"] = ratio_table(results)
+    results["targets"] = targets(results)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (directory / "results.md").write_text(markdown(results))
+    if plots:
+        plot(results, directory)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Re-render results.md and plots.")
+    parser.add_argument("results", type=Path, help="a results.json")
+    args = parser.parse_args()
+    write(json.loads(args.results.read_text()), args.results.parent)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Starting, watching and stopping the servers under test.
+
+Each server runs in its own process group on a free 127.0.0.1 port, so stopping it takes
+every child with it; `running` guarantees the stop on every exit path. While it runs, a
+thread samples the RSS of its whole process tree every 100 ms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+SAMPLE_SECONDS = 0.1
+STOP_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    module: str  # run as `python -m module --model DIR --host 127.0.0.1 --port P`
+    extra: dict  # request fields this server understands and the other may not
+    metrics: bool  # serves radix-mlx's Prometheus /metrics
+    notes: str
+
+
+RADIX = ServerSpec(
+    name="radix-mlx",
+    module="server",
+    extra={"ignore_eos": True},
+    metrics=True,
+    notes="defaults: max_batch_size 32, prefill_batch_size 8, prefill_chunk_tokens 512, "
+          "radix cache 0.5 of memory minus weights; ignore_eos sent",
+)
+MLX_LM = ServerSpec(
+    name="mlx-lm",
+    module="mlx_lm.server",
+    extra={},
+    metrics=False,
+    notes="defaults: decode_concurrency 32, prompt_concurrency 8, prefill_step_size 2048, "
+          "prompt_cache_size 10 sequences, no byte limit; no ignore_eos (stops at EOS)",
+)
+SPECS = {spec.name: spec for spec in (RADIX, MLX_LM)}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MemorySampler(threading.Thread):
+    """Peak RSS of a process and its descendants, sampled every 100 ms."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(name="rss-sampler", daemon=True)
+        self.process = psutil.Process(pid)
+        self.peak = 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(SAMPLE_SECONDS):
+            self.peak = max(self.peak, self.sample())
+
+    def sample(self) -> int:
+        total = 0
+        with contextlib.suppress(psutil.Error):
+            for process in [self.process, *self.process.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    total += process.memory_info().rss
+        return total
+
+    def take_peak(self) -> int:
+        """The peak since the last call; the next interval starts at the current RSS."""
+        current = self.sample()
+        peak, self.peak = max(self.peak, current), current
+        return peak
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+@dataclass
+class RunningServer:
+    spec: ServerSpec
+    base_url: str
+    process: subprocess.Popen
+    sampler: MemorySampler
+    argv: list[str]
+
+
+def wait_healthy(process: subprocess.Popen, base_url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} before it was ready")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.25)
+    raise TimeoutError(f"server at {base_url} not healthy after {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def running(spec: ServerSpec, model: Path, env: dict[str, str], log_path: Path,
+            ready_timeout: float = 900.0) -> Iterator[RunningServer]:
+    """Start `spec` on `model`, yield once /health is 200, and always stop it."""
+    port = free_port()
+    argv = [sys.executable, "-m", spec.module, "--model", str(model),
+            "--host", "127.0.0.1", "--port", str(port)]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    sampler = MemorySampler(process.pid)
+    sampler.start()
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_healthy(process, base_url, ready_timeout)
+        yield RunningServer(spec, base_url, process, sampler, argv)
+    finally:
+        sampler.stop()
+        stop(process)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM the process group, then SIGKILL whatever is left after a grace period."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(STOP_SECONDS)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+async def scrape_active_memory(client: httpx.AsyncClient, base_url: str) -> int | None:
+    """radix-mlx's MLX active memory gauge from /metrics, or None if unavailable."""
+    try:
+        text = (await client.get(f"{base_url}/metrics")).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("radix_mlx_active_memory_bytes "):
+            return int(float(line.split()[1]))
+    return None

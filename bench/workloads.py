@@ -1,0 +1,157 @@
+"""The benchmark's workloads, generated from a seed so every server gets identical work.
+
+Text is random words from the demo tokenizer's training corpus, cut to a token count with
+the model's own tokenizer, so lengths are what the shapes say whatever the model. Each
+workload is a list of conversations: a conversation's turns run one after another (each
+reply is fed back into the next turn), conversations run side by side up to the
+workload's concurrency, in list order.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from engine.demo_model import corpus_texts
+
+
+@dataclass(frozen=True)
+class Conversation:
+    system: str | None
+    user_turns: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    conversations: tuple[Conversation, ...]
+    concurrency: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Every size the workloads take; the CLI exposes each one as a flag."""
+
+    sp_groups: int = 4
+    sp_prompts_per_group: int = 4
+    sp_system_tokens: int = 1000
+    sp_question_tokens: int = 30
+    sp_output_tokens: int = 32
+    sp_concurrency: int = 8
+    mt_conversations: int = 4
+    mt_turns: int = 4
+    mt_system_tokens: int = 200
+    mt_user_tokens: int = 100
+    mt_output_tokens: int = 32
+    ns_prompts: int = 8
+    ns_prompt_tokens: int = 512
+    ns_output_tokens: int = 32
+    ns_concurrency: int = 8
+    lc_document_tokens: int = 2000
+    lc_questions: int = 4
+    lc_question_tokens: int = 30
+    lc_output_tokens: int = 16
+    decode_prompt_tokens: int = 64
+    decode_output_tokens: int = 128
+    decode_repeats: int = 3
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+QUICK = Shapes(
+    sp_groups=2, sp_prompts_per_group=2, sp_system_tokens=200, sp_question_tokens=16,
+    sp_output_tokens=8, sp_concurrency=4, mt_conversations=2, mt_turns=2,
+    mt_system_tokens=64, mt_user_tokens=32, mt_output_tokens=8, ns_prompts=4,
+    ns_prompt_tokens=96, ns_output_tokens=8, ns_concurrency=4, lc_document_tokens=400,
+    lc_questions=2, lc_question_tokens=16, lc_output_tokens=8, decode_prompt_tokens=32,
+    decode_output_tokens=16, decode_repeats=1,
+)
+
+
+class TextSource:
+    """Random corpus words cut to an exact token count of the served model's tokenizer."""
+
+    def __init__(self, model_dir: Path, seed: int) -> None:
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.words = sorted({w for text in corpus_texts() for w in re.findall(r"[A-Za-z]+", text)})
+        self.rng = random.Random(seed)
+
+    def text(self, tokens: int) -> str:
+        # Words average over one token each, so `tokens` words always suffice.
+        words = " ".join(self.rng.choice(self.words) for _ in range(tokens + 8))
+        ids = self.tokenizer.encode(words, add_special_tokens=False).ids[:tokens]
+        return self.tokenizer.decode(ids).strip()
+
+
+def shared_prefix(source: TextSource, s: Shapes) -> Workload:
+    """SGLang's generated-shared-prefix: groups of prompts behind one long system prompt,
+    all sent at once in a shuffled order (so groups interleave, as real traffic does)."""
+    conversations = []
+    for _ in range(s.sp_groups):
+        system = source.text(s.sp_system_tokens)
+        conversations += [
+            Conversation(system, (source.text(s.sp_question_tokens),))
+            for _ in range(s.sp_prompts_per_group)
+        ]
+    source.rng.shuffle(conversations)
+    return Workload("shared_prefix", tuple(conversations), s.sp_concurrency, s.sp_output_tokens)
+
+
+def multi_turn(source: TextSource, s: Shapes) -> Workload:
+    """Chats whose every turn resends the whole history: all conversations at once."""
+    conversations = tuple(
+        Conversation(source.text(s.mt_system_tokens),
+                     tuple(source.text(s.mt_user_tokens) for _ in range(s.mt_turns)))
+        for _ in range(s.mt_conversations)
+    )
+    return Workload("multi_turn", conversations, s.mt_conversations, s.mt_output_tokens)
+
+
+def no_share(source: TextSource, s: Shapes) -> Workload:
+    """Distinct prompts: what caching costs when it cannot help."""
+    conversations = tuple(
+        Conversation(None, (source.text(s.ns_prompt_tokens),)) for _ in range(s.ns_prompts)
+    )
+    return Workload("no_share", conversations, s.ns_concurrency, s.ns_output_tokens)
+
+
+def long_context(source: TextSource, s: Shapes) -> Workload:
+    """One long document, questions one at a time: the first is cold, the rest warm."""
+    document = source.text(s.lc_document_tokens)
+    conversations = tuple(
+        Conversation(document, (source.text(s.lc_question_tokens),))
+        for _ in range(s.lc_questions)
+    )
+    return Workload("long_context", conversations, 1, s.lc_output_tokens)
+
+
+def single_stream(source: TextSource, s: Shapes) -> Workload:
+    """One short prompt, a long reply, alone: decode speed with nothing else running."""
+    conversations = tuple(
+        Conversation(None, (source.text(s.decode_prompt_tokens),))
+        for _ in range(s.decode_repeats)
+    )
+    return Workload("single_stream", conversations, 1, s.decode_output_tokens)
+
+
+def warm_up(source: TextSource, s: Shapes) -> Workload:
+    """Untimed: one long prompt and a small batch, so kernels compile before timing."""
+    long = Conversation(None, (source.text(max(s.sp_system_tokens, 64)),))
+    short = tuple(Conversation(None, (source.text(32),)) for _ in range(4))
+    return Workload("warm_up", (long, *short), 4, 8)
+
+
+def build_all(model_dir: Path, shapes: Shapes, seed: int) -> list[Workload]:
+    """The timed workloads, each from its own seed so no two share text by accident."""
+    makers = (shared_prefix, multi_turn, no_share, long_context, single_stream)
+    return [make(TextSource(model_dir, seed + i), shapes) for i, make in enumerate(makers)]
+
+
+def build_warm_up(model_dir: Path, shapes: Shapes, seed: int) -> Workload:
+    return warm_up(TextSource(model_dir, seed + 1000), shapes)

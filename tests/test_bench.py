@@ -1,0 +1,55 @@
+"""Smoke test of the benchmark harness: every workload at toy sizes against one radix-mlx
+server on the tiny demo model. Checks the shape of the results, never a timing."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("psutil")
+
+from bench.__main__ import main
+from bench.workloads import QUICK, build_all
+
+TOY = ["--sp-groups", "2", "--sp-prompts-per-group", "2", "--sp-system-tokens", "64",
+       "--mt-turns", "2", "--lc-document-tokens", "128", "--decode-output-tokens", "8"]
+
+
+def test_workloads_are_seeded_and_sized(demo_model_dir: Path) -> None:
+    first, again = (build_all(demo_model_dir, QUICK, seed=3) for _ in range(2))
+    assert first == again
+    names = [w.name for w in first]
+    assert names == ["shared_prefix", "multi_turn", "no_share", "long_context", "single_stream"]
+    shared = first[0]
+    assert len(shared.conversations) == QUICK.sp_groups * QUICK.sp_prompts_per_group
+    assert len({c.system for c in shared.conversations}) == QUICK.sp_groups
+    assert len(first[1].conversations[0].user_turns) == QUICK.mt_turns
+    assert len({c.system for c in first[3].conversations}) == 1
+
+
+def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
+    main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-raw",
+          "--no-plots", "--out", str(tmp_path), *TOY])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (tmp_path / "results.md").read_text().startswith("# radix-mlx vs mlx-lm")
+    server = results["servers"]["radix-mlx"]
+    assert set(server["workloads"]) == set(results["workloads"])
+    for name, summary in server["workloads"].items():
+        requests = server["requests"][name]
+        assert summary["requests"] == len(requests) > 0
+        assert summary["output_tokens"] == sum(r["completion_tokens"] for r in requests)
+        assert all(r["ttft"] <= r["latency"] for r in requests)
+        assert summary["peak_rss_mib"] > 0 and summary["peak_active_mib"] > 0
+        assert 0 <= summary["cache_fraction"] <= 1
+    # ignore_eos: every request generates exactly max_tokens.
+    assert {r["completion_tokens"] for r in server["requests"]["no_share"]} == {
+        QUICK.ns_output_tokens}
+    shared = server["workloads"]["shared_prefix"]
+    assert shared["cached_tokens"] >= 64  # the second prompt of a group reuses the first's
+    multi = server["requests"]["multi_turn"]
+    assert all(r["cached_tokens"] > 0 for r in multi if r["turn"] > 0)
+    long = server["workloads"]["long_context"]
+    assert long["ttft_cold"] > 0 and long["ttft_warm_p50"] > 0
+    assert server["workloads"]["single_stream"]["decode_tok_s"] > 0
+    assert results["ratios"] == {}
+    assert [t["met"] for t in results["targets"]][:3] == [None, None, None]
