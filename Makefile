@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.radix-mlx-installed
+BENCH_STAMP := $(VENV)/.radix-mlx-bench-installed
 
 MODEL ?=
 HOST ?= 127.0.0.1
@@ -35,8 +36,13 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-bench: $(STAMP)
-	$(BIN)/python -m bench
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[test,bench]"
+	touch $@
+
+# BENCH_ARGS: e.g. --quick, --model DIR, --servers radix-mlx (python -m bench --help).
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m bench $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
