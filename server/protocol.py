@@ -89,7 +89,9 @@ class SamplingRequest(RequestModel):
     # Extensions, as in vLLM's server.
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    # Seen tokens' logits are divided by it: a float32 zero (e.g. 5e-324) made them infinite
+    # and the logprobs NaN. At 0.01 they are already multiplied by 100.
+    repetition_penalty: float | None = Field(None, ge=0.01, le=10)
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
 
