@@ -293,14 +293,22 @@ Prompt = shaped_union(
 )
 
 
+LEGACY_MAX_TOKENS = 16
+
+
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    # OpenAI's default for legacy completions.
-    max_tokens: int | None = Field(16, ge=1)
+    # OpenAI's default for legacy completions, also when null is sent.
+    max_tokens: int | None = Field(LEGACY_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_means_default(cls, value: int | None) -> int:
+        return LEGACY_MAX_TOKENS if value is None else value
 
     @field_validator("echo")
     @classmethod
