@@ -480,6 +480,15 @@ class ModelList(ResponseModel):
     data: list[ModelCard]
 
 
+class Health(ResponseModel):
+    """/health: 200 when ready, the same body with 503 otherwise."""
+
+    status: Literal["loading", "warming_up", "ready", "failed", "draining"]
+    model: str
+    progress: float | None = None
+    error: str | None = None
+
+
 class ErrorInfo(ResponseModel):
     message: str
     type: str

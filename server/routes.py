@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
@@ -19,8 +20,13 @@ from server.formats import ChatFormat, CompletionFormat, Format
 from server.jobs import Delta, Job, collect, deltas
 from server.prompts import chat_prompt, check_token_ids, completion_prompts
 from server.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    Health,
     ModelCard,
     ModelList,
     SamplingRequest,
@@ -33,7 +39,49 @@ T = TypeVar("T")
 # nginx's "client closed request": logged for a non-streaming request whose client left.
 CLIENT_CLOSED = 499
 
-api = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+# What the OpenAPI schema declares: every /v1 failure is OpenAI's error object. "4XX"
+# covers the rest (e.g. 405) and keeps FastAPI from declaring a 422 we never send.
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in {
+        400: "Invalid request, or prompt + max_tokens over the context window.",
+        401: "Missing or wrong API key.",
+        404: "Unknown model.",
+        413: "Body over the server's max_body_bytes.",
+        429: "Queue full; retry after Retry-After seconds.",
+        500: "The engine failed this request; the message names the request id.",
+        503: "The model is loading or failed to load, or the server is shutting down.",
+        "4XX": "Any other client error.",
+    }.items()
+}
+
+
+def _inline(model: type[BaseModel]) -> dict[str, Any]:
+    """`model`'s JSON schema with its definitions inlined: nothing else refers to them."""
+    schema = model.model_json_schema(mode="serialization")
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return resolve(defs[node["$ref"].rsplit("/", 1)[1]])
+            return {key: resolve(value) for key, value in node.items()}
+        return [resolve(item) for item in node] if isinstance(node, list) else node
+
+    return resolve(schema)
+
+
+def _events(chunk: type[BaseModel]) -> dict[str, Any]:
+    """A stream's events: `chunk`s, an error object (a failure after the status line was
+    sent), then `[DONE]`."""
+    data = {"type": "string", "contentMediaType": "application/json",
+            "contentSchema": {"anyOf": [_inline(chunk), _inline(ErrorResponse)]}}
+    event = {"type": "object", "required": ["data"],
+             "properties": {"data": {"anyOf": [{"const": "[DONE]"}, data]}}}
+    return {"text/event-stream": {"schema": event}}
+
+
+api = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=ERRORS)
 probes = APIRouter()
 
 
@@ -53,7 +101,8 @@ def _model_card(state: ServerState, name: str) -> ModelCard:
     return ModelCard(id=name, created=state.started, root=state.engine.model_id)
 
 
-@api.post("/chat/completions")
+@api.post("/chat/completions", responses={
+    200: {"model": ChatCompletionResponse, "content": _events(ChatCompletionChunk)}})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = server_state(request)
     tokenizer = state.ready_tokenizer()
@@ -73,7 +122,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return await _respond(request, job, fmt, deltas(job, tool_parser), body)
 
 
-@api.post("/completions")
+@api.post("/completions", responses={
+    200: {"model": CompletionResponse, "content": _events(CompletionResponse)}})
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = server_state(request)
     tokenizer = state.ready_tokenizer()
@@ -179,7 +229,7 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-@probes.get("/health")
+@probes.get("/health", responses={200: {"model": Health}, 503: {"model": Health}})
 async def health(request: Request) -> JSONResponse:
     state = server_state(request)
     engine = state.engine
@@ -194,7 +244,7 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, 200 if ready else 503)
 
 
-@probes.get("/metrics")
+@probes.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> PlainTextResponse:
     state = server_state(request)
     engine = state.engine
