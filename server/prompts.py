@@ -3,13 +3,22 @@ prompts by encoding (or taking token ids as given, after a range check)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
 from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
 
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest, template_message
+
+# apply_chat_template's own options, which chat_template_kwargs must not set: they are no
+# template variables, and would let a client swap in any template (a Jinja loop of 10^10
+# steps froze the event loop), ask for tensors (a 500) or pad its prompt to any length.
+TEMPLATE_OPTIONS = frozenset(
+    inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+) - {"self", "conversation", "kwargs"}
 
 
 def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
@@ -28,8 +37,15 @@ def chat_prompt(tokenizer: Any, request: ChatCompletionRequest) -> list[int]:
             400, "this model has no chat template; use /v1/completions", code="invalid_request",
             param="messages",
         )
+    variables = request.chat_template_kwargs or {}
+    reserved = sorted(TEMPLATE_OPTIONS.intersection(variables))
+    if reserved:
+        raise APIError(
+            400, f"chat_template_kwargs sets template variables only, not {reserved[0]!r}",
+            code="invalid_request", param="chat_template_kwargs",
+        )
     options = {
-        **(request.chat_template_kwargs or {}),
+        **variables,
         "tools": request.template_tools,
         "add_generation_prompt": True,
         "tokenize": True,
