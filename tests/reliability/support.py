@@ -1,0 +1,170 @@
+"""Server processes for the reliability tests, with the environment they need (the fault
+token), and what the tests read from them afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tokenizers import Tokenizer
+
+from engine.demo_model import PAD
+from engine.engine import Engine, EngineConfig
+from engine.loader import FAULT_TOKEN_ENV
+from engine.platform_info import openblas_library
+from server.app import create_app
+from server.config import Settings
+from tests.server.support import REPO_ROOT, START_TIMEOUT, ServerProcess, _free_port
+
+API_KEY = "reliability-key-7f3a9c"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# Small enough that a few dozen requests overflow it, so eviction runs during the storm.
+CACHE_BYTES = 2 * 2**20
+MAX_BODY_BYTES = 256 * 1024
+
+
+def app_schema() -> dict[str, Any]:
+    """The OpenAPI document of the app the server runs (which does not publish it)."""
+    engine = Engine(EngineConfig(model="unused"))  # never started: the schema needs no model
+    return create_app(Settings(), engine).openapi()
+
+
+def server_command(model: Path | str, port: int, *flags: str) -> list[str]:
+    return [
+        sys.executable, "-m", "server", "--model", str(model), "--port", str(port),
+        "--config", "", "--api-key", API_KEY, *flags,
+    ]
+
+
+def server_env(extra: Mapping[str, str] = {}) -> dict[str, str]:
+    """This process's environment without the developer's RADIX_MLX_* settings."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RADIX_MLX_")}
+    blas = openblas_library()
+    if blas is not None:
+        env["LD_PRELOAD"] = str(blas)
+    return {**env, **extra}
+
+
+def launch(model_dir: Path, log_path: Path, *flags: str,
+           env: Mapping[str, str] = {}) -> ServerProcess:
+    """A ready server with an API key, its stdout and stderr (the whole log) in `log_path`;
+    the caller stops it."""
+    port = _free_port()
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            server_command(model_dir, port, *flags), cwd=REPO_ROOT, env=server_env(env),
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+    server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + START_TIMEOUT
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+            try:
+                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                    return server
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready after {START_TIMEOUT} s:\n{server.log()}")
+    except BaseException:
+        stop(server)
+        raise
+
+
+def stop(server: ServerProcess) -> None:
+    """SIGTERM (the drain), and SIGKILL if that does not end it: nothing outlives a test."""
+    try:
+        server.stop()
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+            server.process.wait()
+
+
+def fault_token(model_dir: Path) -> int:
+    """The padding token: never in a text prompt, so only requests that send it by id hit
+    the injected fault (others keep the model from generating it with a logit bias)."""
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id(PAD)
+
+
+def fault_env(model_dir: Path) -> dict[str, str]:
+    return {FAULT_TOKEN_ENV: str(fault_token(model_dir))}
+
+
+def wait_idle(server: ServerProcess, timeout: float = 60.0) -> dict[str, float]:
+    """/metrics once nothing runs, waits or is pinned (or the timeout passed: the caller's
+    assertions then say what was left)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = server.metrics()
+        busy = (metrics["radix_mlx_running_requests"], metrics["radix_mlx_queue_depth"],
+                metrics["radix_mlx_tree_pinned_bytes"], metrics["radix_mlx_tree_pending_nodes"])
+        if not any(busy) or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.1)
+
+
+@dataclass
+class Outcome:
+    """One request's end as the client saw it: status, the text of choice 0 (whole or
+    streamed), and the error object if one came (as the body or as a stream event)."""
+
+    status: int
+    text: str = ""
+    error: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+def choice_text(choice: Mapping[str, Any]) -> str:
+    """Choice 0's text in any of the four shapes (chat or legacy, whole or chunk)."""
+    if "text" in choice:
+        return choice["text"]
+    message = choice.get("message") or choice.get("delta") or {}
+    return message.get("content") or ""
+
+
+async def call(client: httpx.AsyncClient, path: str, body: Mapping[str, Any],
+               headers: Mapping[str, str] = AUTH) -> Outcome:
+    """POST `body`, reading a stream to its end when it asks for one."""
+    if not body.get("stream"):
+        response = await client.post(path, json=body, headers=headers)
+        data = response.json()
+        if response.status_code != 200:
+            return Outcome(response.status_code, error=data.get("error"),
+                           headers=response.headers)
+        choice = data["choices"][0]
+        return Outcome(200, choice_text(choice), None, choice["finish_reason"],
+                       response.headers)
+    async with client.stream("POST", path, json=body, headers=headers) as response:
+        if response.status_code != 200:
+            data = json.loads(await response.aread())
+            return Outcome(response.status_code, error=data.get("error"),
+                           headers=response.headers)
+        outcome = Outcome(200, headers=response.headers)
+        async for line in response.aiter_lines():
+            read_event(outcome, line)
+        return outcome
+
+
+def read_event(outcome: Outcome, line: str) -> None:
+    """Add one SSE line's text, finish reason or error to `outcome`."""
+    payload = line.removeprefix("data: ")
+    if not line.startswith("data: ") or payload == "[DONE]":
+        return
+    event = json.loads(payload)
+    if "error" in event:
+        outcome.error = event["error"]
+    for choice in event.get("choices", ()):
+        outcome.text += choice_text(choice)
+        outcome.finish_reason = choice.get("finish_reason") or outcome.finish_reason

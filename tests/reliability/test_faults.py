@@ -1,0 +1,145 @@
+"""The server's own failures: a forward pass that raises fails only the request that
+caused it, a model that cannot load ends the process with the reason, and a full queue
+answers 429 instead of dropping anyone."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.reliability.support import (
+    AUTH,
+    Outcome,
+    call,
+    fault_token,
+    launch,
+    read_event,
+    server_command,
+    server_env,
+    stop,
+    wait_idle,
+)
+from tests.server.support import REPO_ROOT, START_TIMEOUT, ServerProcess, _free_port
+
+FAILED_LOAD = "radix-mlx serve: the model failed to load: "
+
+
+def _no_fault(model_dir: Path) -> dict[str, dict[str, int]]:
+    return {"logit_bias": {str(fault_token(model_dir)): -100}}
+
+
+@pytest.mark.parametrize("case", ["missing directory", "corrupt weights"])
+def test_a_model_that_cannot_load_exits_non_zero_with_the_reason(
+    case: str, demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """A service manager must see the failure (and restart or report it), not a process
+    that answers 503 forever; the reason is stderr's last line."""
+    model = tmp_path / "broken-model"
+    if case == "corrupt weights":
+        shutil.copytree(demo_model_dir, model)
+        (model / "model.safetensors").write_bytes(b"\0not safetensors")
+    result = subprocess.run(
+        server_command(model, _free_port()), cwd=REPO_ROOT, env=server_env(),
+        capture_output=True, text=True, timeout=START_TIMEOUT, check=False,
+    )
+    assert result.returncode == 1
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(FAILED_LOAD), result.stderr
+    if case == "missing directory":
+        assert last_line == f"{FAILED_LOAD}FileNotFoundError: no model directory at {model}"
+
+
+async def test_a_failing_forward_fails_only_its_own_request(
+    hardened: ServerProcess, demo_model_dir: Path
+) -> None:
+    """Requests decoding beside the faulty one restart from their tokens and end with
+    exactly the text they get alone; the faulty one gets a 500 naming its request id."""
+    normal = [
+        {"prompt": f"Request {i} shares the batch.", "max_tokens": 48, "temperature": 0,
+         "ignore_eos": True, "stream": True, **_no_fault(demo_model_dir)}
+        for i in range(4)
+    ]
+    faulty = {"prompt": [5, 6, fault_token(demo_model_dir), 7], "max_tokens": 4}
+    async with httpx.AsyncClient(base_url=hardened.url, timeout=60) as client:
+        alone = [await call(client, "/v1/completions", body) for body in normal]
+        failed_before = hardened.metrics()["radix_mlx_engine_requests_failed_total"]
+
+        async def normal_request(body: dict, started: asyncio.Event) -> Outcome:
+            async with client.stream("POST", "/v1/completions", json=body,
+                                     headers=AUTH) as response:
+                outcome = Outcome(response.status_code)
+                lines = response.aiter_lines()
+                read_event(outcome, await anext(lines))
+                started.set()
+                async for line in lines:
+                    read_event(outcome, line)
+            return outcome
+
+        events = [asyncio.Event() for _ in normal]
+        running = [asyncio.create_task(normal_request(body, event))
+                   for body, event in zip(normal, events)]
+        await asyncio.gather(*(event.wait() for event in events))
+        # Every normal request is decoding now: the fault hits their batch.
+        fault = await client.post("/v1/completions", json=faulty, headers=AUTH)
+        together = await asyncio.gather(*running)
+        stream_fault = await call(client, "/v1/completions", {**faulty, "stream": True})
+
+    assert fault.status_code == 500
+    error = fault.json()["error"]
+    assert error["type"] == "server_error" and error["code"] == "engine_error"
+    assert fault.headers["x-request-id"] in error["message"]
+    assert stream_fault.status == 200 and stream_fault.error["code"] == "engine_error"
+    assert [(o.status, o.text) for o in together] == [(o.status, o.text) for o in alone]
+    metrics = wait_idle(hardened)
+    assert metrics["radix_mlx_engine_requests_failed_total"] == failed_before + 2
+    assert metrics["radix_mlx_running_requests"] == metrics["radix_mlx_tree_pinned_bytes"] == 0
+
+
+@pytest.fixture(scope="module")
+def one_slot(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """One running request at a time and two waiting: easy to fill."""
+    server = launch(
+        demo_model_dir, tmp_path_factory.mktemp("one-slot") / "server.log",
+        "--max-batch-size", "1", "--max-queue", "2",
+    )
+    yield server
+    stop(server)
+
+
+async def test_a_full_queue_answers_429_and_drops_nothing(one_slot: ServerProcess) -> None:
+    """While one long request holds the only slot, a burst finds the queue full: each
+    request gets either its whole answer or a 429 with Retry-After."""
+    hog = {"prompt": "Hold the slot.", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    burst = {"prompt": "Wait in line.", "max_tokens": 8, "ignore_eos": True}
+    async with (
+        httpx.AsyncClient(base_url=one_slot.url, timeout=120) as client,
+        client.stream("POST", "/v1/completions", json=hog, headers=AUTH) as holding,
+    ):
+        hog_outcome = Outcome(holding.status_code)
+        lines = holding.aiter_lines()
+        read_event(hog_outcome, await anext(lines))  # the hog decodes: the slot is taken
+
+        async def read_hog() -> None:
+            async for line in lines:
+                read_event(hog_outcome, line)
+
+        _, *answers = await asyncio.gather(read_hog(), *(
+            client.post("/v1/completions", json=burst, headers=AUTH) for _ in range(12)))
+    statuses = sorted(response.status_code for response in answers)
+    assert set(statuses) == {200, 429}, statuses
+    for response in answers:
+        if response.status_code == 429:
+            assert int(response.headers["retry-after"]) >= 1
+            assert response.json()["error"]["code"] == "rate_limit_exceeded"
+        else:
+            assert response.json()["usage"]["completion_tokens"] == burst["max_tokens"]
+    assert hog_outcome.finish_reason == "length"
+    assert wait_idle(one_slot)["radix_mlx_running_requests"] == 0

@@ -1,0 +1,267 @@
+"""The HTTP surface as an attacker sees it: no /v1 route without the key, no request
+field that reaches the filesystem, the network or the model loader, bounded request
+sizes, and a key that never shows up in a response or a log line."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from engine.engine import Engine, Lifecycle
+from server.app import create_app
+from server.config import Settings
+from server.serve import engine_config
+from tests.reliability.support import API_KEY, AUTH, MAX_BODY_BYTES, app_schema, fault_token
+from tests.server.support import ServerProcess
+
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+def v1_operations() -> list[tuple[str, str]]:
+    """(method, path) of every /v1 operation the schema declares."""
+    return [
+        (method.upper(), path)
+        for path, operations in app_schema()["paths"].items() if path.startswith("/v1/")
+        for method in operations
+    ]
+
+
+def takes_model(method: str, path: str) -> bool:
+    return method == "POST" or "{model}" in path
+
+
+def request_for(method: str, path: str, model: str) -> dict[str, Any]:
+    """httpx.request arguments for an otherwise valid call of the operation."""
+    body = {"model": model, "max_tokens": 2}
+    if path == "/v1/chat/completions":
+        body["messages"] = HELLO
+    elif path == "/v1/completions":
+        body["prompt"] = "Hello"
+    url = path.replace("{model}", quote(model, safe=""))  # so "../x" stays a model name
+    return {"method": method, "url": url, "json": body} if method == "POST" else {
+        "method": method, "url": url}
+
+
+BAD_CREDENTIALS = {
+    "none": {},
+    "empty bearer": {"Authorization": "Bearer"},
+    "wrong key": {"Authorization": "Bearer not-the-key"},
+    "key prefix": {"Authorization": f"Bearer {API_KEY[:-1]}"},
+    "key plus suffix": {"Authorization": f"Bearer {API_KEY}0"},
+    "basic scheme": {"Authorization": f"Basic {API_KEY}"},
+    "no scheme": {"Authorization": API_KEY},
+    "other header": {"X-API-Key": API_KEY},
+}
+
+
+@pytest.mark.parametrize(("method", "path"), v1_operations())
+@pytest.mark.parametrize("credentials", BAD_CREDENTIALS.values(), ids=BAD_CREDENTIALS.keys())
+def test_every_v1_operation_refuses_a_missing_or_wrong_key(
+    hardened: ServerProcess, demo_model_dir: Path, method: str, path: str,
+    credentials: dict[str, str],
+) -> None:
+    with httpx.Client(base_url=hardened.url, headers=credentials, timeout=30) as http:
+        response = http.request(**request_for(method, path, demo_model_dir.name))
+    assert response.status_code == 401
+    assert response.headers["www-authenticate"] == "Bearer"
+    assert response.json()["error"]["code"] == "invalid_api_key"
+    assert API_KEY not in response.text
+
+
+@pytest.mark.parametrize(("method", "path"), v1_operations())
+def test_every_v1_operation_serves_the_right_key(
+    hardened: ServerProcess, demo_model_dir: Path, method: str, path: str
+) -> None:
+    with httpx.Client(base_url=hardened.url, headers=AUTH, timeout=30) as http:
+        response = http.request(**request_for(method, path, demo_model_dir.name))
+    assert response.status_code == 200, response.text
+
+
+# -- no request field reaches the filesystem, the network or the loader ------------------
+
+HOSTILE_MODELS = [
+    "/etc/passwd", "../x", "../../../../etc/shadow", "~/.ssh/id_rsa", "file:///etc/passwd",
+    "http://169.254.169.254/latest/meta-data", "mlx-community/Qwen2.5-0.5B-Instruct-4bit",
+    "tiny-seed0/../tiny-seed0",
+]
+# What Python audits when code opens files, lists directories, connects or runs programs.
+WATCHED_EVENTS = ("open", "os.listdir", "os.scandir", "os.remove", "os.rename", "os.mkdir",
+                  "shutil.", "socket.connect", "socket.getaddrinfo", "socket.bind",
+                  "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.fork")
+
+
+class SideEffects:
+    """Records the watched audit events and stat calls while `watching`. Audit hooks
+    cannot be removed, so the hook stays and only records inside the block."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, tuple]] = []
+        self.active = False
+        sys.addaudithook(self._audit)
+
+    def _audit(self, event: str, args: tuple) -> None:
+        if self.active and event.startswith(WATCHED_EVENTS):
+            self.events.append((event, args))
+
+    @contextmanager
+    def watching(self, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, tuple]]]:
+        # Existence checks are stats, which Python does not audit.
+        for name in ("stat", "lstat", "access"):
+            monkeypatch.setattr(os, name, self._recording(name, getattr(os, name)))
+        self.events.clear()
+        self.active = True
+        try:
+            yield self.events
+        finally:
+            self.active = False
+            monkeypatch.undo()
+
+    def _recording(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def record(*args: Any, **kwargs: Any) -> Any:
+            if self.active:
+                self.events.append((f"os.{name}", args))
+            return function(*args, **kwargs)
+
+        return record
+
+
+@pytest.fixture(scope="module")
+def in_process(demo_model_dir: Path) -> Iterator[tuple[FastAPI, SideEffects]]:
+    """The app on a real engine in this process, where its side effects can be watched."""
+    settings = Settings(model=str(demo_model_dir), api_key=API_KEY, cache_bytes=2**20)
+    engine = Engine(engine_config(settings))
+    engine.start()
+    assert engine.wait_ready(120) is Lifecycle.READY, engine.error
+    yield create_app(settings, engine), SideEffects()
+    engine.shutdown()
+
+
+@pytest.mark.parametrize(("method", "path"),
+                         [operation for operation in v1_operations() if takes_model(*operation)])
+async def test_no_model_name_reaches_the_filesystem_network_or_loader(
+    in_process: tuple[FastAPI, SideEffects], monkeypatch: pytest.MonkeyPatch,
+    demo_model_dir: Path, method: str, path: str,
+) -> None:
+    app, side_effects = in_process
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://app", headers=AUTH,
+                                 timeout=60) as client:
+        # Warm: lazy imports on the error path would otherwise count as file reads.
+        served = request_for(method, path, demo_model_dir.name)
+        assert (await client.request(**served)).status_code == 200
+        await client.request(**request_for(method, path, "unknown"))
+        for model in HOSTILE_MODELS:
+            with side_effects.watching(monkeypatch) as events:
+                response = await client.request(**request_for(method, path, model))
+            assert response.status_code == 404, (model, response.text)
+            assert response.json()["error"]["code"] == "model_not_found"
+            assert events == [], model
+
+
+CHAT_TEMPLATE_OPTIONS = {
+    "template swapped for a loop of 10^10 steps": {
+        "chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}"
+                         "{% endfor %}{% endfor %}"},
+    "template that includes a file": {"chat_template": "{% include '/etc/passwd' %}"},
+    "tensors": {"return_tensors": "np"},
+    "tokenizer options": {"tokenizer_kwargs": {"add_special_tokens": 5}},
+    "padding to any length": {"padding": "max_length", "max_length": 10**6},
+}
+
+
+@pytest.mark.parametrize("variables", CHAT_TEMPLATE_OPTIONS.values(),
+                         ids=CHAT_TEMPLATE_OPTIONS.keys())
+def test_chat_template_kwargs_set_template_variables_only(
+    hardened: ServerProcess, variables: dict[str, Any]
+) -> None:
+    """They are passed to the model's own template; apply_chat_template's options are not
+    theirs to set (any Jinja template would freeze the event loop with one request)."""
+    body = {"messages": HELLO, "max_tokens": 2, "chat_template_kwargs": variables}
+    with httpx.Client(base_url=hardened.url, headers=AUTH, timeout=30) as http:
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "chat_template_kwargs"
+        variable = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+        assert http.post("/v1/chat/completions", json=variable).status_code == 200
+
+
+# -- size limits ---------------------------------------------------------------------------
+
+
+def raw_exchange(url: str, request: bytes, piece: int | None = None) -> bytes:
+    """Send raw bytes (in pieces of `piece` bytes, if given) and return the response's
+    status line; a server that hangs instead of answering fails on the socket timeout."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        try:
+            for start in range(0, len(request), piece or len(request)):
+                sock.sendall(request[start:start + (piece or len(request))])
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused while we were still sending: the answer is already waiting
+        return sock.makefile("rb").readline()
+
+
+HEAD = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
+KIB = 1024
+# h11 buffers at most 64 KiB of an incomplete request head (uvicorn's setting in serve.py);
+# a head that arrives within one socket read (up to ~128 KiB on loopback) is parsed whole.
+OVERSIZED = {
+    "one 256 KiB header": (HEAD + b"\r\nX-Big: " + b"a" * 256 * KIB + b"\r\n\r\n", None),
+    "100 KiB header in 8 KiB pieces": (
+        HEAD + b"\r\nX-Big: " + b"a" * 100 * KIB + b"\r\n\r\n", 8 * KIB),
+    "30000 headers": (
+        HEAD + b"\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(30000)) + b"\r\n", None),
+    "256 KiB path": (b"GET /" + b"a" * 256 * KIB + b" HTTP/1.1\r\nHost: x\r\n\r\n", None),
+    "body over the limit": (
+        HEAD.replace(b"GET /v1/models", b"POST /v1/completions")
+        + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        % (MAX_BODY_BYTES + 1) + b" " * (MAX_BODY_BYTES + 1), None),
+}
+
+
+@pytest.mark.parametrize(("request_bytes", "piece"), OVERSIZED.values(), ids=OVERSIZED.keys())
+def test_oversized_requests_are_refused_not_hung(
+    hardened: ServerProcess, request_bytes: bytes, piece: int | None
+) -> None:
+    status_line = raw_exchange(hardened.url, request_bytes, piece)
+    assert status_line.startswith((b"HTTP/1.1 400", b"HTTP/1.1 413")), status_line
+    assert httpx.get(f"{hardened.url}/v1/models", headers=AUTH, timeout=30).status_code == 200
+
+
+# -- the key stays secret ------------------------------------------------------------------
+
+
+def test_request_ids_cannot_forge_log_lines(hardened: ServerProcess) -> None:
+    response = httpx.get(f"{hardened.url}/v1/models", timeout=30,
+                         headers={**AUTH, "X-Request-Id": "a\x1b[2K fake 200 line"})
+    assert "fake" not in response.headers["x-request-id"]
+    assert "fake 200 line" not in hardened.log()
+
+
+def test_the_key_never_appears_in_responses_or_logs(
+    hardened: ServerProcess, demo_model_dir: Path
+) -> None:
+    """After right, wrong and failing requests (this module's and a traceback's worth),
+    neither a response nor the server's whole log holds the key."""
+    faulty = {"prompt": [fault_token(demo_model_dir)], "max_tokens": 2}
+    with httpx.Client(base_url=hardened.url, timeout=30) as http:
+        texts = [
+            http.post("/v1/completions", json=faulty, headers=AUTH).text,
+            http.get("/v1/models", headers={"Authorization": f"Basic {API_KEY}"}).text,
+            http.get("/v1/models", headers={"Authorization": f"Bearer {API_KEY}x"}).text,
+            http.get("/metrics").text,
+            http.get("/health").text,
+        ]
+    assert "internal" not in texts[0] and "engine_error" in texts[0]
+    for text in [*texts, hardened.log()]:
+        assert API_KEY not in text
