@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="results folder "
                         "(default: bench/results/<hardware>/<model>)")
+    for spec in SPECS.values():
+        parser.add_argument(f"--{spec.name}-args", default="", metavar="FLAGS",
+                            help=f"extra flags for {spec.name}'s server (default: none)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib)")
     parser.add_argument("--no-raw", action="store_true",
                         help="skip the bare mlx_lm.stream_generate baseline")
@@ -151,11 +154,13 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.servers.split(","):
         spec = SPECS[name]
         print(f"bench: starting {name} on {model}", file=sys.stderr, flush=True)
-        with running(spec, model, env, out / "logs" / f"{name}.log") as server:
+        extra_args = shlex.split(getattr(args, f"{name.replace('-', '_')}_args"))
+        with running(spec, model, env, out / "logs" / f"{name}.log", extra_args) as server:
             summaries, records = asyncio.run(measure(server, warm_up, workloads))
-            argv_used = server.argv
+            argv_used, died = server.argv, server.process.poll()
         results["servers"][name] = {"argv": argv_used, "notes": spec.notes,
-                                    "workloads": summaries, "requests": records}
+                                    "workloads": summaries, "requests": records,
+                                    "exit_code_during_run": died}
     if not args.no_raw:
         print("bench: bare mlx_lm.stream_generate", file=sys.stderr, flush=True)
         results["raw_decode"] = raw_decode(model, shapes, env)

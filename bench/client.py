@@ -31,6 +31,7 @@ class RequestResult:
     completion_tokens: int
     cached_tokens: int | None  # None: the server did not report it
     text: str
+    error: str | None = None  # the request failed; its numbers are not counted
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -44,7 +45,7 @@ class WorkloadRun:
 
 
 class StreamError(RuntimeError):
-    """A request failed: the benchmark stops rather than report numbers without it."""
+    """The server answered with an error status or an error event."""
 
 
 async def chat(client: httpx.AsyncClient, base_url: str, messages: list[dict[str, str]],
@@ -87,8 +88,14 @@ async def run_conversation(client: httpx.AsyncClient, base_url: str, index: int,
     for turn, user in enumerate(conversation.user_turns):
         messages.append({"role": "user", "content": user})
         start = time.perf_counter() - t0
-        ttft, latency, usage, text = await chat(client, base_url, messages, max_tokens,
-                                                extra)
+        try:
+            ttft, latency, usage, text = await chat(client, base_url, messages, max_tokens,
+                                                    extra)
+        except (httpx.HTTPError, StreamError) as error:
+            # Counted and reported; the conversation cannot go on without this reply.
+            results.append(RequestResult(index, turn, start, 0.0, 0.0, 0, 0, None, "",
+                                         f"{type(error).__name__}: {error}"))
+            break
         messages.append({"role": "assistant", "content": text})
         details = usage.get("prompt_tokens_details") or {}
         results.append(RequestResult(

@@ -20,6 +20,7 @@ OURS, THEIRS = "radix-mlx", "mlx-lm"
 
 # (summary key, label, better when higher, format)
 METRICS = (
+    ("errors", "failed requests", False, "{:d}"),
     ("output_tok_s", "output tok/s", True, "{:.1f}"),
     ("requests_s", "requests/s", True, "{:.2f}"),
     ("ttft_p50", "TTFT p50 (s)", False, "{:.3f}"),
@@ -29,6 +30,8 @@ METRICS = (
     ("peak_rss_mib", "peak RSS (MiB)", False, "{:.0f}"),
     ("peak_active_mib", "peak MLX active (MiB)", False, "{:.0f}"),
 )
+
+RATIO_KEYS = ("output_tok_s", "requests_s", "ttft_p50", "ttft_p99", "itl_p50", "peak_rss_mib")
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -43,7 +46,7 @@ def summarize(run: WorkloadRun, peak_rss: int, peak_active: int | None) -> dict:
     """The per-workload numbers. ITL is each request's mean time per token after the first,
     (latency - TTFT) / (tokens - 1) (SGLang's TPOT): a server that sends tokens in bursts
     gets no credit for the burst's tiny gaps."""
-    reqs = run.requests
+    reqs = [r for r in run.requests if r.error is None]
     ttfts = [r.ttft for r in reqs]
     itls = [itl(r) * 1000 for r in reqs if r.completion_tokens > 1]
     output = sum(r.completion_tokens for r in reqs)
@@ -52,6 +55,7 @@ def summarize(run: WorkloadRun, peak_rss: int, peak_active: int | None) -> dict:
         r.cached_tokens for r in reqs)
     summary = {
         "requests": len(reqs),
+        "errors": len(run.requests) - len(reqs),
         "wall_seconds": run.wall_seconds,
         "ttft_p50": percentile(ttfts, 50),
         "ttft_p99": percentile(ttfts, 99),
@@ -65,13 +69,13 @@ def summarize(run: WorkloadRun, peak_rss: int, peak_active: int | None) -> dict:
         "peak_rss_mib": peak_rss / 2**20,
         "peak_active_mib": None if peak_active is None else peak_active / 2**20,
     }
-    if run.name == "long_context" and len(reqs) > 1:
+    if run.name == "long_context" and len(reqs) > 1 and reqs[0] is run.requests[0]:
         summary["ttft_cold"] = reqs[0].ttft
         summary["ttft_warm_p50"] = percentile([r.ttft for r in reqs[1:]], 50)
         summary["warm_uncached_tokens"] = float(np.mean(
             [r.prompt_tokens - (r.cached_tokens or 0) for r in reqs[1:]]))
         summary["cold_prompt_tokens"] = reqs[0].prompt_tokens
-    if run.name == "single_stream":
+    if run.name == "single_stream" and reqs:
         summary["decode_tok_s"] = float(np.median(
             [1 / itl(r) for r in reqs if r.completion_tokens > 1]))
     return summary
@@ -119,7 +123,7 @@ def ratio_table(results: dict) -> dict:
     theirs = results["servers"].get(THEIRS, {}).get("workloads", {})
     return {
         workload: {key: ratio(ours[workload].get(key), theirs[workload].get(key))
-                   for key, *_ in METRICS if key not in ("cache_fraction", "peak_active_mib")}
+                   for key in RATIO_KEYS}
         for workload in ours if workload in theirs
     }
 
@@ -179,7 +183,9 @@ def markdown(results: dict) -> str:
     lines.append(f"| raw mlx_lm.stream_generate | {fmt(raw, '{:.1f}')} |")
     lines += ["", "## Servers", ""]
     for server, data in results["servers"].items():
-        lines.append(f"- {server}: `{' '.join(data['argv'][1:])}`; {data['notes']}")
+        died = data.get("exit_code_during_run")
+        lines.append(f"- {server}: `{' '.join(data['argv'][1:])}`; {data['notes']}"
+                     + ("" if died is None else f"; EXITED with code {died} during the run"))
     lines += ["", "## Shapes", "", "```", json.dumps(results["shapes"], indent=1), "```", ""]
     return "\n".join(lines)
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,11 +114,12 @@ def wait_healthy(process: subprocess.Popen, base_url: str, timeout: float) -> No
 
 @contextlib.contextmanager
 def running(spec: ServerSpec, model: Path, env: dict[str, str], log_path: Path,
-            ready_timeout: float = 900.0) -> Iterator[RunningServer]:
+            extra_args: Sequence[str] = (), ready_timeout: float = 900.0,
+            ) -> Iterator[RunningServer]:
     """Start `spec` on `model`, yield once /health is 200, and always stop it."""
     port = free_port()
     argv = [sys.executable, "-m", spec.module, "--model", str(model),
-            "--host", "127.0.0.1", "--port", str(port)]
+            "--host", "127.0.0.1", "--port", str(port), *extra_args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
