@@ -179,10 +179,11 @@ class Scheduler:
         if not self.waiting:
             return
         suspects = [r for r in self.waiting if r.suspect]
-        if suspects:
+        if suspects or any(r.suspect for r in self.active.values()):
             # Quarantine after a failed step: each member runs alone until it succeeds,
             # so the request that breaks a forward pass is found and fails by itself.
-            if not self.active:
+            # That holds for the last one too: a newcomer beside it could fail it.
+            if suspects and not self.active:
                 self.waiting.remove(suspects[0])
                 self._try_start(suspects[0])
             return
