@@ -94,7 +94,7 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
 
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
-    codes = {404: "not_found", 405: "method_not_allowed"}
+    codes = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
     return APIError(
         error.status_code, str(error.detail), code=codes.get(error.status_code),
         headers=error.headers,
