@@ -21,7 +21,7 @@ endif
 
 SERVICE := deploy/$(if $(filter Darwin,$(shell uname -s)),launchd,systemd)/radix-mlx-service
 
-.PHONY: install serve test bench lint demo-model install-service uninstall-service
+.PHONY: install serve test bench lint demo-model soak install-service uninstall-service
 
 install: $(STAMP)
 
@@ -43,6 +43,11 @@ $(BENCH_STAMP): $(STAMP)
 # BENCH_ARGS: e.g. --quick, --model DIR, --servers radix-mlx (python -m bench --help).
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
+
+# The load test with faults, for SOAK_MINUTES; prints its figures, exits 1 on a failure.
+SOAK_MINUTES ?= 5
+soak: $(STAMP)
+	$(BIN)/python -m tests.reliability.soak --minutes $(SOAK_MINUTES)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -10,14 +10,14 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import httpx
 from tokenizers import Tokenizer
 
-from engine.demo_model import PAD
-from engine.engine import Engine, EngineConfig
+from engine.engine import WARMUP_PROMPT_TOKENS, Engine, EngineConfig
 from engine.loader import FAULT_TOKEN_ENV
 from engine.platform_info import openblas_library
 from server.app import create_app
@@ -92,9 +92,14 @@ def stop(server: ServerProcess) -> None:
 
 
 def fault_token(model_dir: Path) -> int:
-    """The padding token: never in a text prompt, so only requests that send it by id hit
-    the injected fault (others keep the model from generating it with a logit bias)."""
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id(PAD)
+    """A token id that the prompts of these tests never contain: not in the demo corpus
+    they are drawn from (nor among the engine's warm-up ids, 1 to 48). Requests that are
+    not meant to fail keep the model from generating it with a logit bias."""
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    corpus = resources.files("engine").joinpath("demo_corpus")
+    used = {token for text in corpus.iterdir() if text.name.endswith(".txt")
+            for token in tokenizer.encode(text.read_text()).ids}
+    return max(set(range(WARMUP_PROMPT_TOKENS + 1, tokenizer.get_vocab_size())) - used)
 
 
 def fault_env(model_dir: Path) -> dict[str, str]:

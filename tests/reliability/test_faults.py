@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from engine.engine import Engine, EngineConfig, Lifecycle
+from engine.loader import FAULT_TOKEN_ENV
+from engine.request import Finish, RequestFailed, SamplingParams, TokenEvent
 from tests.reliability.support import (
     AUTH,
     Outcome,
@@ -99,6 +102,53 @@ async def test_a_failing_forward_fails_only_its_own_request(
     metrics = wait_idle(hardened)
     assert metrics["radix_mlx_engine_requests_failed_total"] == failed_before + 2
     assert metrics["radix_mlx_running_requests"] == metrics["radix_mlx_tree_pinned_bytes"] == 0
+
+
+async def _tokens(engine: Engine, prompt: list[int], params: SamplingParams,
+                  then: Callable[[int], None] = lambda count: None) -> list[int]:
+    """The generated tokens, calling `then` with the count after each; raises
+    RequestFailed if the engine fails the request."""
+    tokens = []
+    async for event in engine.submit(prompt, params):
+        if isinstance(event, TokenEvent):
+            tokens.append(event.token)
+            then(len(tokens))
+        assert not isinstance(event, Finish) or event.reason != "cancelled"
+    return tokens
+
+
+async def test_a_request_in_quarantine_runs_alone_until_it_passes_a_step(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a failed step each of its requests reruns alone, to find the culprit. The
+    last one to rerun must stay alone until it has passed a step too: a faulty newcomer
+    admitted beside it would fail the step again and get the innocent one failed."""
+    fault = fault_token(demo_model_dir)
+    monkeypatch.setenv(FAULT_TOKEN_ENV, str(fault))
+    # Tiny prefill chunks: rerunning the innocent request's 400 generated tokens (only its
+    # prompt is in the tree) takes 200 steps, a wide window for the newcomer.
+    engine = Engine(EngineConfig(model=str(demo_model_dir), prefill_chunk_tokens=2))
+    engine.start()
+    try:
+        assert engine.wait_ready(120) is Lifecycle.READY, engine.error
+        innocent = [50 + i * 7 % 1900 for i in range(32)]
+        long = SamplingParams(max_tokens=450, temperature=0.0, ignore_eos=True,
+                              logit_bias={fault: -100})
+        faulty, short = [51, fault, 52], SamplingParams(max_tokens=2, temperature=0.0)
+        decoding = asyncio.Event()
+        running = asyncio.create_task(_tokens(
+            engine, innocent, long, lambda count: count == 400 and decoding.set()))
+        await decoding.wait()
+        # Joins the innocent one's batch: the step fails, both rerun alone, this first.
+        with pytest.raises(RequestFailed):
+            await _tokens(engine, faulty, short)
+        # Arrives while the innocent one reruns alone.
+        with pytest.raises(RequestFailed):
+            await _tokens(engine, faulty, short)
+        assert await running == await _tokens(engine, innocent, long)
+        assert engine.stats().requests_failed == 2
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")
