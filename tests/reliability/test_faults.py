@@ -1,6 +1,7 @@
 """The server's own failures: a forward pass that raises fails only the request that
-caused it, a model that cannot load ends the process with the reason, and a full queue
-answers 429 instead of dropping anyone."""
+caused it (also while the engine is still finding out which one did), a model that cannot
+load ends the process with the reason, and a full queue answers 429 instead of dropping
+anyone."""
 
 from __future__ import annotations
 
