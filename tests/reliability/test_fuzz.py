@@ -51,7 +51,9 @@ def openai_error_object(ctx: schemathesis.CheckContext, response: schemathesis.R
 def fuzzed(
     demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    server = launch(demo_model_dir, tmp_path_factory.mktemp("fuzzed") / "server.log")
+    # A chat request that names no limit gets the server's default, here as small.
+    server = launch(demo_model_dir, tmp_path_factory.mktemp("fuzzed") / "server.log",
+                    "--default-max-tokens", str(CAPS["max_tokens"]))
     yield server
     stop(server)
 
