@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,8 +22,16 @@ from engine.engine import Engine, Lifecycle
 from server.app import create_app
 from server.config import Settings
 from server.serve import engine_config
-from tests.reliability.support import API_KEY, AUTH, MAX_BODY_BYTES, app_schema, fault_token
-from tests.server.support import ServerProcess
+from tests.reliability.support import (
+    API_KEY,
+    AUTH,
+    MAX_BODY_BYTES,
+    app_schema,
+    fault_token,
+    server_command,
+    server_env,
+)
+from tests.server.support import REPO_ROOT, START_TIMEOUT, ServerProcess
 
 HELLO = [{"role": "user", "content": "Hello"}]
 
@@ -265,3 +274,13 @@ def test_the_key_never_appears_in_responses_or_logs(
     assert "internal" not in texts[0] and "engine_error" in texts[0]
     for text in [*texts, hardened.log()]:
         assert API_KEY not in text
+
+
+def test_a_configuration_error_does_not_print_the_key(demo_model_dir: Path) -> None:
+    """The one-line reason names the bad option and its value, never the key's."""
+    command = [*server_command(demo_model_dir, 0), "--log-level", "loud"]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=server_env(), capture_output=True,
+                            text=True, timeout=START_TIMEOUT, check=False)
+    assert result.returncode == 2
+    assert "invalid port" in result.stderr and "invalid log_level" in result.stderr
+    assert API_KEY not in result.stdout + result.stderr
