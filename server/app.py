@@ -6,6 +6,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from engine.engine import Engine
+from server.auth import APIKeyMiddleware
 from server.config import Settings
 from server.errors import install_error_handlers
 from server.middleware import RequestMiddleware
@@ -22,6 +23,8 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
     app.include_router(api)
     app.include_router(probes)
     install_error_handlers(app)
+    if settings.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, key=settings.api_key)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],

@@ -1,28 +1,39 @@
 """Bearer API key for the /v1 routes, when one is configured.
 
-The probes (/health, /metrics) stay open so load balancers and Prometheus need no secret.
+A pure ASGI layer rather than a route dependency, so a request without the key is
+refused before its body is parsed: an unauthenticated client learns nothing about its
+input. It sits inside CORS, so browsers can read the 401, and lets CORS preflights
+(which never carry credentials) through. The probes (/health, /metrics) stay open so
+load balancers and Prometheus need no secret.
 """
 
 from __future__ import annotations
 
 import hmac
 
-from fastapi import Request
+from pydantic import SecretStr
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.errors import APIError
-from server.state import server_state
 
 
-async def require_api_key(request: Request) -> None:
-    key = server_state(request).settings.api_key
-    if key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    # Constant time, so response timing does not reveal how much of a guess was right.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        token.strip().encode(), key.get_secret_value().encode()
-    ):
-        raise APIError(
-            401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
-        )
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, key: SecretStr) -> None:
+        self.app = app
+        self._key = key.get_secret_value().encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and scope["path"].startswith("/v1")
+                and scope["method"] != "OPTIONS" and not self._authorized(scope)):
+            await APIError(
+                401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+            ).response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        # Constant time, so response timing does not reveal how much of a guess was right.
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)

@@ -7,14 +7,13 @@ from collections.abc import AsyncIterator, Coroutine, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.engine import Lifecycle
-from server.auth import require_api_key
 from server.errors import APIError
 from server.formats import ChatFormat, CompletionFormat, Format
 from server.jobs import Delta, Job, collect, deltas
@@ -81,7 +80,7 @@ def _events(chunk: type[BaseModel]) -> dict[str, Any]:
     return {"text/event-stream": {"schema": event}}
 
 
-api = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=ERRORS)
+api = APIRouter(prefix="/v1", responses=ERRORS)
 probes = APIRouter()
 
 

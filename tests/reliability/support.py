@@ -4,8 +4,6 @@ token), and what the tests read from them afterwards."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -19,10 +17,9 @@ from tokenizers import Tokenizer
 
 from engine.engine import WARMUP_PROMPT_TOKENS, Engine, EngineConfig
 from engine.loader import FAULT_TOKEN_ENV
-from engine.platform_info import openblas_library
 from server.app import create_app
 from server.config import Settings
-from tests.server.support import REPO_ROOT, START_TIMEOUT, ServerProcess, _free_port
+from tests.server.support import ServerProcess, start_server
 
 API_KEY = "reliability-key-7f3a9c"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -44,41 +41,11 @@ def server_command(model: Path | str, port: int, *flags: str) -> list[str]:
     ]
 
 
-def server_env(extra: Mapping[str, str] = {}) -> dict[str, str]:
-    """This process's environment without the developer's RADIX_MLX_* settings."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("RADIX_MLX_")}
-    blas = openblas_library()
-    if blas is not None:
-        env["LD_PRELOAD"] = str(blas)
-    return {**env, **extra}
-
-
 def launch(model_dir: Path, log_path: Path, *flags: str,
            env: Mapping[str, str] = {}) -> ServerProcess:
     """A ready server with an API key, its stdout and stderr (the whole log) in `log_path`;
     the caller stops it."""
-    port = _free_port()
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            server_command(model_dir, port, *flags), cwd=REPO_ROOT, env=server_env(env),
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-    server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + START_TIMEOUT
-    try:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
-            try:
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    return server
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not ready after {START_TIMEOUT} s:\n{server.log()}")
-    except BaseException:
-        stop(server)
-        raise
+    return start_server(model_dir, log_path, "--api-key", API_KEY, *flags, env=env)
 
 
 def stop(server: ServerProcess) -> None:

@@ -25,11 +25,10 @@ from tests.reliability.support import (
     launch,
     read_event,
     server_command,
-    server_env,
     stop,
     wait_idle,
 )
-from tests.server.support import REPO_ROOT, START_TIMEOUT, ServerProcess, _free_port
+from tests.server.support import REPO_ROOT, START_TIMEOUT, ServerProcess, _free_port, server_env
 
 FAILED_LOAD = "radix-mlx serve: the model failed to load: "
 

@@ -29,9 +29,8 @@ from tests.reliability.support import (
     app_schema,
     fault_token,
     server_command,
-    server_env,
 )
-from tests.server.support import REPO_ROOT, START_TIMEOUT, ServerProcess
+from tests.server.support import REPO_ROOT, START_TIMEOUT, ServerProcess, server_env
 
 HELLO = [{"role": "user", "content": "Hello"}]
 
@@ -85,6 +84,16 @@ def test_every_v1_operation_refuses_a_missing_or_wrong_key(
     assert response.headers["www-authenticate"] == "Bearer"
     assert response.json()["error"]["code"] == "invalid_api_key"
     assert API_KEY not in response.text
+
+
+@pytest.mark.parametrize("body", [b"{bad", b"\xff\xfe", b'{"model": 3}'],
+                         ids=["bad json", "not utf-8", "wrong types"])
+def test_the_key_is_checked_before_the_body_is_read(hardened: ServerProcess, body: bytes) -> None:
+    # An unauthenticated client learns nothing about its input, not even that it is bad.
+    response = httpx.post(f"{hardened.url}/v1/chat/completions", content=body, timeout=30,
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
 
 
 @pytest.mark.parametrize(("method", "path"), v1_operations())

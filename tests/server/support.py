@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,20 +51,28 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model_dir: Path, log_path: Path, *flags: str) -> ServerProcess:
-    port = _free_port()
-    # Settings from the developer's environment must not leak into the tests.
+def server_env(extra: Mapping[str, str] = {}) -> dict[str, str]:
+    """This process's environment without the developer's RADIX_MLX_* settings (they must
+    not leak into the tests), with OpenBLAS, plus `extra`."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("RADIX_MLX_")}
     blas = openblas_library()
     if blas is not None:
         env["LD_PRELOAD"] = str(blas)
+    return {**env, **extra}
+
+
+def start_server(
+    model_dir: Path, log_path: Path, *flags: str, env: Mapping[str, str] = {}
+) -> ServerProcess:
+    """A ready server on a free port; stopped again if it does not become ready."""
+    port = _free_port()
     command = [
         sys.executable, "-m", "server", "--model", str(model_dir), "--port", str(port),
         "--config", "", "--cache-bytes", str(256 * 2**20), *flags,
     ]
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            command, cwd=REPO_ROOT, env=server_env(env), stdout=log, stderr=subprocess.STDOUT
         )
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + START_TIMEOUT
