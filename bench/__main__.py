@@ -68,6 +68,16 @@ def bench_model(env: dict[str, str]) -> Path:
     return Path(result.stdout.strip().splitlines()[-1])
 
 
+def git_revision() -> str | None:
+    """HEAD, with '+dirty' when the checkout has changes (the numbers are of that code)."""
+    run = [subprocess.run(["git", *cmd], capture_output=True, text=True, check=False,
+                          cwd=Path(__file__).parent)
+           for cmd in (["rev-parse", "HEAD"], ["status", "--porcelain", "--untracked-files=no"])]
+    if run[0].returncode != 0:
+        return None
+    return run[0].stdout.strip() + ("+dirty" if run[1].stdout.strip() else "")
+
+
 def describe_model(model: Path) -> dict:
     config = json.loads((model / "config.json").read_text())
     dtype = config.get("torch_dtype", "float32")
@@ -140,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     warm_up = build_warm_up(model, shapes, args.seed)
     results: dict = {
         "command": shlex.join(["python", "-m", "bench", *(argv or sys.argv[1:])]),
+        "git": git_revision(),
         "hardware": hardware.describe(device),
         "model": describe_model(model),
         "shapes": shapes.as_dict(),

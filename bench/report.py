@@ -139,7 +139,7 @@ def markdown(results: dict) -> str:
         "",
         f"Model: {model['description']}. Hardware: {hw['cpu']} ({hw['cpu_count']} cores)"
         + (f", {', '.join(hw['gpus'])}" if hw["gpus"] else "") + f"; device {hw['device']}.",
-        f"Command: `{results['command']}`",
+        f"Command: `{results['command']}` (code: {results.get('git') or 'unknown'})",
         "",
         "## Per server and workload",
         "",
