@@ -1,8 +1,10 @@
 """`python -m bench` / `make bench`: radix-mlx and mlx-lm's server, side by side.
 
-Starts each server in turn on the same model (one at a time: they would fight over the
-cores or the GPU), warms it up, runs the same seeded workloads against it through a
-streaming client, stops it, then times bare `mlx_lm.stream_generate` for the engine
+For each workload, starts each server in turn on the same model (one at a time: they
+would fight over the cores or the GPU), warms it up, runs the seeded workload against it
+through a streaming client and stops it. Fresh starts keep one workload's cache out of
+the next, and alternating keeps the two measurements of a ratio close in time on a
+machine whose load drifts. Then it times bare `mlx_lm.stream_generate` for the engine
 overhead figure, and writes results.json, results.md and plots to
 bench/results/<hardware>/<model>/. The bench process itself never imports MLX.
 """
@@ -44,6 +46,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for spec in SPECS.values():
         parser.add_argument(f"--{spec.name}-args", default="", metavar="FLAGS",
                             help=f"extra flags for {spec.name}'s server (default: none)")
+    parser.add_argument("--restart-per-workload", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="a fresh start of each server per workload, servers alternating, "
+                             "so caches start empty and each ratio is measured minutes apart "
+                             "at most (default); --no-restart-per-workload: one start each")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib)")
     parser.add_argument("--no-raw", action="store_true",
                         help="skip the bare mlx_lm.stream_generate baseline")
@@ -139,6 +146,26 @@ def raw_decode(model: Path, shapes: Shapes, env: dict[str, str]) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def run_server(results: dict, name: str, args: argparse.Namespace, model: Path,
+               env: dict[str, str], out: Path, warm_up: Workload,
+               workloads: list[Workload]) -> None:
+    """Start one server, measure `workloads` on it, stop it, merge into `results`."""
+    spec = SPECS[name]
+    label = name if len(workloads) > 1 else f"{name}-{workloads[0].name}"
+    print(f"bench: starting {label} on {model}", file=sys.stderr, flush=True)
+    extra_args = shlex.split(getattr(args, f"{name.replace('-', '_')}_args"))
+    with running(spec, model, env, out / "logs" / f"{label}.log", extra_args) as server:
+        summaries, records = asyncio.run(measure(server, warm_up, workloads))
+        died = server.process.poll()
+    entry = results["servers"].setdefault(name, {
+        "argv": server.argv, "notes": spec.notes, "workloads": {}, "requests": {},
+        "exit_code_during_run": None})
+    entry["workloads"].update(summaries)
+    entry["requests"].update(records)
+    if died is not None:
+        entry["exit_code_during_run"] = died
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     shapes = shapes_from(args)
@@ -162,16 +189,10 @@ def main(argv: list[str] | None = None) -> None:
     if smi:
         out.mkdir(parents=True, exist_ok=True)
         (out / "nvidia-smi.txt").write_text(smi)
-    for name in args.servers.split(","):
-        spec = SPECS[name]
-        print(f"bench: starting {name} on {model}", file=sys.stderr, flush=True)
-        extra_args = shlex.split(getattr(args, f"{name.replace('-', '_')}_args"))
-        with running(spec, model, env, out / "logs" / f"{name}.log", extra_args) as server:
-            summaries, records = asyncio.run(measure(server, warm_up, workloads))
-            argv_used, died = server.argv, server.process.poll()
-        results["servers"][name] = {"argv": argv_used, "notes": spec.notes,
-                                    "workloads": summaries, "requests": records,
-                                    "exit_code_during_run": died}
+    rounds = [[w] for w in workloads] if args.restart_per_workload else [workloads]
+    for batch in rounds:
+        for name in args.servers.split(","):
+            run_server(results, name, args, model, env, out, warm_up, batch)
     if not args.no_raw:
         print("bench: bare mlx_lm.stream_generate", file=sys.stderr, flush=True)
         results["raw_decode"] = raw_decode(model, shapes, env)
