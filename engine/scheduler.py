@@ -37,6 +37,20 @@ MIN_SHARED_TO_WAIT = 32
 MAX_PASSED_OVER = 8
 
 
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix, by bisection on C-speed list comparisons."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while high - low > 1:  # a[:low] == b[:low] and a[:high] != b[:high]
+        mid = (low + high) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
 def path_handles(node: Node) -> list[Any]:
     """The handles from the root down to `node` (junctions without state skipped)."""
     handles = []
@@ -102,6 +116,11 @@ class Request:
         self.prompt_done = False
         self.passed_over = 0
         self.suspect = False  # was in a failed step; runs alone until it succeeds
+        # Computing its prompt without a reservation (another request's pending prefix
+        # blocked one): requests sharing that prompt wait in `followers` until it is in
+        # the tree, instead of computing it again (SGLang's in-batch prefix sharing).
+        self.publishing = False
+        self.followers: list[Request] = []
         self.cancelled = False
 
     def dequeue(self) -> None:
@@ -168,6 +187,8 @@ class Scheduler:
             if kind == "submit" or (kind == "wake" and request in self.parked):
                 self.parked.discard(request)
                 self.waiting.append(request)
+            elif kind == "publish":
+                self._republish(request)
             elif kind == "cancel":
                 self._cancel(request)
             elif kind == "stop":
@@ -251,6 +272,10 @@ class Scheduler:
                     MIN_SHARED_TO_WAIT, remaining):
                 self._wait_for(request, match.pending)
                 return False
+            if (leader := self._leader_for(cacheable, match)) is not None:
+                self.parked.add(request)
+                leader.followers.append(request)
+                return False
             self.tree.lock(match.node)
             pending = None
             if remaining and match.pending is None:
@@ -266,6 +291,7 @@ class Scheduler:
                     pending = outcome.node
             break
         request.node, request.depth, request.pending = match.node, match.length, pending
+        request.publishing = pending is None and remaining > 0
         if request.cached_tokens is None:
             request.cached_tokens = match.length
             self.counters.prompt_tokens += len(request.prompt)
@@ -286,6 +312,23 @@ class Scheduler:
         self.active[request.uid] = request
         request.dequeue()
         return True
+
+    def _leader_for(self, cacheable: list[int], match: Any) -> Request | None:
+        """A running request, computing its prompt without a reservation, that would give
+        this one at least as much as a pending prefix is worth waiting for."""
+        remaining = len(cacheable) - match.length
+        for leader in self.active.values():
+            if leader.publishing:
+                shared = common_prefix_length(cacheable, leader.tokens[:-1]) - match.length
+                if shared >= min(MIN_SHARED_TO_WAIT, remaining):
+                    return leader
+        return None
+
+    def _wake_followers(self, request: Request) -> None:
+        request.publishing = False
+        for follower in request.followers:
+            self.inbox.put(("wake", follower))
+        request.followers.clear()
 
     def _wait_for(self, request: Request, node: Node) -> None:
         self.parked.add(request)
@@ -321,10 +364,29 @@ class Scheduler:
             request.node, request.depth = request.pending, end
             request.pending = None
         else:
-            node = self.tree.insert(request.node, request.tokens[request.depth:end], handle)
-            self.tree.lock(node)
-            self.tree.unlock(request.node)
-            request.node, request.depth = node, len(node.path_tokens())
+            self._publish(request, handle, end)
+        self.tree.enforce_capacity()
+
+    def _publish(self, request: Request, handle: KVSegment | CacheSnapshot, end: int) -> None:
+        """Insert the prompt computed without a reservation. If another request's pending
+        prefix is in the way, the part past it is dropped; retry once that prefix is done
+        (the request still holds its whole cache while it decodes)."""
+        node = self.tree.insert(request.node, request.tokens[request.depth:end], handle)
+        self.tree.lock(node)
+        self.tree.unlock(request.node)
+        request.node, request.depth = node, len(node.path_tokens())
+        blocker = self.tree.match(request.tokens[:end]).pending if request.depth < end else None
+        if blocker is None:
+            self._wake_followers(request)
+        else:
+            blocker.add_done_callback(lambda _: self.inbox.put(("publish", request)))
+
+    def _republish(self, request: Request) -> None:
+        if request.uid not in self.active or self.active[request.uid] is not request:
+            return  # it ended meanwhile; _release published what it could
+        end = len(request.tokens) - 1
+        cache, _ = self.generator.extract_cache([request.uid])[request.uid]
+        self._publish(request, self._handle(cache, request.depth, end), end)
         self.tree.enforce_capacity()
 
     def _on_token(self, request: Request, response: Any) -> None:
@@ -371,6 +433,7 @@ class Scheduler:
         self.tree.unlock(request.node)
         request.node = None
         self.tree.enforce_capacity()
+        self._wake_followers(request)
 
     def _cancel(self, request: Request) -> None:
         request.cancelled = True
@@ -408,6 +471,7 @@ class Scheduler:
                 request.pending = None
             self.tree.unlock(request.node)
             request.node, request.uid = None, None
+            self._wake_followers(request)
             if request.suspect:
                 self._fail(request, error)
                 continue

@@ -48,6 +48,22 @@ async def test_thundering_herd_computes_a_new_prefix_once(engine, reference):
     assert sorted(r.finish.cached_tokens for r in results)[1:] == [1024] * 7
 
 
+async def test_prompts_diverging_after_a_short_header_are_each_computed_once(engine, reference):
+    # Two system prompts behind one chat-template header: while the first group's prompt
+    # is pending, the second group's computes without a reservation, and its followers
+    # wait for it instead of computing it again.
+    header = random_prompt(20, 5)
+    systems = [random_prompt(21 + g, 200) for g in range(2)]
+    prompts = [header + systems[g] + random_prompt(30 + i, 10) for i, g in
+               enumerate([0, 1, 1, 0, 1])]
+    before = engine.stats().prefill_tokens
+    results = await asyncio.gather(*(complete(engine, p, 6) for p in prompts))
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == reference.greedy(prompt, 6)
+    # Each group's header + system prompt once, then only each question.
+    assert engine.stats().prefill_tokens - before == 2 * 205 + 5 * 10
+
+
 async def test_cancel_mid_decode_releases_everything(engine):
     stream = engine.submit(random_prompt(2, 64), _greedy(max_tokens=4000))
     seen = 0
