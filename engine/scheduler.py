@@ -33,6 +33,8 @@ log = logging.getLogger("radix_mlx.engine")
 # A request waits for an in-flight prefix only when it would reuse at least this many of
 # its tokens; for a shorter overlap computing alongside is cheaper than queueing behind.
 MIN_SHARED_TO_WAIT = 32
+# Prefill tokens per step while nothing decodes (mlx-lm's default step).
+IDLE_PREFILL_CHUNK = 2048
 # After being passed over this many admission rounds a request goes first (no starvation).
 MAX_PASSED_OVER = 8
 
@@ -158,7 +160,7 @@ class Scheduler:
             self.loaded.model,
             completion_batch_size=self.limits.max_batch_size,
             prefill_batch_size=self.limits.prefill_batch_size,
-            prefill_step_size=self.limits.prefill_chunk_tokens,
+            prefill_step_size=max(IDLE_PREFILL_CHUNK, self.limits.prefill_chunk_tokens),
         )
 
     # -- the loop ---------------------------------------------------------------------
@@ -338,6 +340,12 @@ class Scheduler:
 
     def _step(self) -> None:
         started = time.perf_counter()
+        # Small prefill chunks keep running streams flowing; with no stream to keep
+        # flowing, big chunks finish a prompt sooner (fewer, better-shaped steps).
+        decoding = any(r.prompt_done for r in self.active.values())
+        self.generator.prefill_step_size = (
+            self.limits.prefill_chunk_tokens if decoding
+            else max(IDLE_PREFILL_CHUNK, self.limits.prefill_chunk_tokens))
         prompt_responses, token_responses = self.generator.next()
         self.counters.steps += 1
         self.counters.step_seconds += time.perf_counter() - started
