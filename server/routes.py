@@ -106,7 +106,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = server_state(request)
     tokenizer = state.ready_tokenizer()
     model = state.check_model(body.model)
-    prompt = chat_prompt(tokenizer, body)
+    # Rendering and tokenizing a long conversation takes milliseconds: off the event loop,
+    # so streams in flight keep flowing meanwhile.
+    prompt = await asyncio.to_thread(chat_prompt, tokenizer, body)
     max_tokens = body.completion_limit or max(
         1, min(state.settings.default_max_tokens, state.engine.context_length - len(prompt))
     )
@@ -127,7 +129,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = server_state(request)
     tokenizer = state.ready_tokenizer()
     model = state.check_model(body.model)
-    prompts = completion_prompts(tokenizer, body)
+    prompts = await asyncio.to_thread(completion_prompts, tokenizer, body)
     job = _submit(request, state, body, prompts, body.max_tokens, body.logprobs)
     fmt = CompletionFormat(f"cmpl-{job.request_id}", model, body.logprobs is not None)
     return await _respond(request, job, fmt, deltas(job), body)
