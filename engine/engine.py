@@ -27,7 +27,7 @@ from engine.request import (
     SamplingParams,
     TokenEvent,
 )
-from engine.scheduler import Request, Scheduler, SchedulerLimits
+from engine.scheduler import Counters, Request, Scheduler, SchedulerLimits
 
 log = logging.getLogger("radix_mlx.engine")
 
@@ -202,7 +202,7 @@ class Engine:
             scheduler.inbox.put(("submit", request))
         scheduler.run(until_idle=True)
         scheduler.tree.clear()
-        scheduler.counters.__init__()
+        scheduler.counters = Counters()
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Cancel everything and stop the worker."""

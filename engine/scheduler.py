@@ -152,6 +152,7 @@ class Scheduler:
         self.active: dict[int, Request] = {}
         self.parked: set[Request] = set()  # waiting for another request's prefix
         self.counters = Counters()
+        self._idle_chunk = max(IDLE_PREFILL_CHUNK, limits.prefill_chunk_tokens)
         self.generator = self._new_generator()
         self._stopping = False
 
@@ -160,7 +161,7 @@ class Scheduler:
             self.loaded.model,
             completion_batch_size=self.limits.max_batch_size,
             prefill_batch_size=self.limits.prefill_batch_size,
-            prefill_step_size=max(IDLE_PREFILL_CHUNK, self.limits.prefill_chunk_tokens),
+            prefill_step_size=self._idle_chunk,
         )
 
     # -- the loop ---------------------------------------------------------------------
@@ -344,8 +345,7 @@ class Scheduler:
         # flowing, big chunks finish a prompt sooner (fewer, better-shaped steps).
         decoding = any(r.prompt_done for r in self.active.values())
         self.generator.prefill_step_size = (
-            self.limits.prefill_chunk_tokens if decoding
-            else max(IDLE_PREFILL_CHUNK, self.limits.prefill_chunk_tokens))
+            self.limits.prefill_chunk_tokens if decoding else self._idle_chunk)
         prompt_responses, token_responses = self.generator.next()
         self.counters.steps += 1
         self.counters.step_seconds += time.perf_counter() - started
@@ -426,8 +426,7 @@ class Scheduler:
         del self.active[request.uid]
         self._release(request, cache, all_tokens)
         tail = "" if matched_stop is not None else request.text.finish()
-        request.emit(Finish(reason, tail, len(request.prompt), len(request.generated),
-                            request.cached_tokens or 0, matched_stop))
+        self._emit_finish(request, reason, tail, matched_stop)
 
     def _release(self, request: Request, cache: list[Any] | None,
                  all_tokens: list[int] | None) -> None:
@@ -457,13 +456,14 @@ class Scheduler:
             self._release(request, cache, tokens)
             self._finish_cancelled(request)
 
-    def _finish_length(self, request: Request) -> None:
-        request.emit(Finish("length", request.text.finish(), len(request.prompt),
-                            len(request.generated), request.cached_tokens or 0))
-
     def _finish_cancelled(self, request: Request) -> None:
-        request.emit(Finish("cancelled", "", len(request.prompt), len(request.generated),
-                            request.cached_tokens or 0))
+        self._emit_finish(request, "cancelled", "")
+
+    @staticmethod
+    def _emit_finish(request: Request, reason: str, tail: str,
+                     matched_stop: str | int | None = None) -> None:
+        request.emit(Finish(reason, tail, len(request.prompt), len(request.generated),
+                            request.cached_tokens or 0, matched_stop))
 
     def _recover(self, error: Exception) -> None:
         """A step failed. Its batch state is unusable, so every member restarts from its
@@ -486,7 +486,7 @@ class Scheduler:
             request.suspect = True
             request.tokens = request.prompt + request.generated
             if len(request.generated) >= request.params.max_tokens:
-                self._finish_length(request)
+                self._emit_finish(request, "length", request.text.finish())
             else:
                 self.waiting.insert(0, request)
 
