@@ -103,19 +103,34 @@ def _clone(cache: Any) -> Any:
 def assemble(handles: Sequence[KVSegment | CacheSnapshot]) -> list[Any] | None:
     """A fresh cache holding the state of a matched path, or None for an empty path.
 
-    Segments are concatenated per layer; a snapshot path reuses the deepest snapshot only
-    (it already contains everything before it).
+    Segments are copied per layer into one buffer with room to grow; a snapshot path
+    reuses the deepest snapshot only (it already contains everything before it).
     """
     if not handles:
         return None
     last = handles[-1]
     if isinstance(last, CacheSnapshot):
         return [_clone(c) for c in last.cache]
-    cache = []
-    for layer in range(len(last.keys)):
-        c = KVCache()
-        c.keys = mx.concatenate([h.keys[layer] for h in handles], axis=2)
-        c.values = mx.concatenate([h.values[layer] for h in handles], axis=2)
-        c.offset = c.keys.shape[2]
-        cache.append(c)
+    return [presized_kv([h.keys[layer] for h in handles], [h.values[layer] for h in handles])
+            for layer in range(len(last.keys))]
+
+
+def presized_kv(keys: Sequence[mx.array], values: Sequence[mx.array]) -> KVCache:
+    """A KVCache holding the concatenation of `keys`/`values` (each [1, heads, tokens,
+    dim]) in a buffer rounded up to whole cache steps with room for one more token, so
+    the next tokens are written in place instead of reallocating the buffer. (A buffer of
+    whole steps also keeps CUDA's cuDNN decode kernel usable.)"""
+    length = sum(k.shape[2] for k in keys)
+    capacity = -(-(length + 1) // KVCache.step) * KVCache.step
+    cache = KVCache()
+    cache.keys = mx.zeros((*keys[0].shape[:2], capacity, keys[0].shape[3]), keys[0].dtype)
+    cache.values = mx.zeros((*values[0].shape[:2], capacity, values[0].shape[3]),
+                            values[0].dtype)
+    start = 0
+    for k, v in zip(keys, values):
+        end = start + k.shape[2]
+        cache.keys[..., start:end, :] = k
+        cache.values[..., start:end, :] = v
+        start = end
+    cache.offset = length
     return cache

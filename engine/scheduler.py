@@ -3,13 +3,14 @@
 Requests wait in `waiting` until admitted. Admission matches the prompt against the radix
 tree, pins the matched path, registers a pending node for the part it will compute (so
 identical new prefixes are computed once), rebuilds the request's cache from the path's
-handles and hands it to mlx-lm's `BatchGenerator`, which does the continuous batching and
-chunked prefill. When a prompt's prefill is done its KV goes into the tree at once; when
-the request ends, the generated tokens' KV follows and the path is unpinned.
+handles and hands it to the `Generator` (generator.py), which prefills it in chunks and
+then decodes it in the batch. When a prompt's prefill is done its KV goes into the tree at
+once; when the request ends, the generated tokens' KV follows and the path is unpinned.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import time
@@ -18,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine.generator import Generator, Output, Sequence
 from engine.kv import CacheSnapshot, KVSegment, assemble, supports_segments
 from engine.loader import LoadedModel
 from engine.request import Finish, RequestFailed, SamplingParams, TokenEvent
@@ -33,8 +34,12 @@ log = logging.getLogger("radix_mlx.engine")
 # A request waits for an in-flight prefix only when it would reuse at least this many of
 # its tokens; for a shorter overlap computing alongside is cheaper than queueing behind.
 MIN_SHARED_TO_WAIT = 32
-# Prefill tokens per step while nothing decodes (mlx-lm's default step).
-IDLE_PREFILL_CHUNK = 2048
+# Prefill tokens per step on a GPU while nothing decodes (mlx-lm's default step): fused
+# attention costs no more in one big chunk, and every chunk has a fixed cost (a 2000-token
+# prompt took 11.5 ms in one chunk and 28 ms in 512s on an H100). MLX's CPU attention
+# materializes every query-key score, so there the configured, smaller chunk is cheaper
+# (a 1042-token prompt took 5.9 s in one chunk and 4.4 s in 512s on 2 cores).
+GPU_IDLE_PREFILL_CHUNK = 2048
 # After being passed over this many admission rounds a request goes first (no starvation).
 MAX_PASSED_OVER = 8
 
@@ -105,7 +110,7 @@ class Request:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(tokenizer.eos_token_ids)
-        self.stop_sequences = StopSequences([[t] for t in sorted(stop_ids)] or None)
+        self.stop_ids = frozenset(stop_ids)
         # The tokens fed as this request's prompt: the prompt, or after a failed step the
         # prompt plus what was generated before it.
         self.tokens = prompt
@@ -115,6 +120,7 @@ class Request:
         self.depth = 0  # tokens covered by `node`
         self.pending: Node | None = None  # the prefix this request is computing for others
         self.uid: int | None = None
+        self.sequence: Sequence | None = None  # the generator's side, while admitted
         self.prompt_done = False
         self.passed_over = 0
         self.suspect = False  # was in a failed step; runs alone until it succeeds
@@ -152,17 +158,12 @@ class Scheduler:
         self.active: dict[int, Request] = {}
         self.parked: set[Request] = set()  # waiting for another request's prefix
         self.counters = Counters()
-        self._idle_chunk = max(IDLE_PREFILL_CHUNK, limits.prefill_chunk_tokens)
-        self.generator = self._new_generator()
+        self._idle_chunk = limits.prefill_chunk_tokens
+        if mx.default_device() == mx.gpu:
+            self._idle_chunk = max(GPU_IDLE_PREFILL_CHUNK, limits.prefill_chunk_tokens)
+        self.generator = Generator(loaded.model)
+        self._uids = itertools.count()
         self._stopping = False
-
-    def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
-            self.loaded.model,
-            completion_batch_size=self.limits.max_batch_size,
-            prefill_batch_size=self.limits.prefill_batch_size,
-            prefill_step_size=self._idle_chunk,
-        )
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -178,7 +179,7 @@ class Scheduler:
                     self._step()
             except Exception as error:  # noqa: BLE001 - the engine must outlive any step
                 self._recover(error)
-        mx.synchronize(self.generator.stream)
+        mx.synchronize()
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -300,17 +301,13 @@ class Scheduler:
             self.counters.prompt_tokens += len(request.prompt)
             self.counters.cached_tokens += match.length
         self.counters.prefill_tokens += len(tokens) - match.length
-        cache = assemble(path_handles(match.node))
-        max_tokens = request.params.max_tokens - len(request.generated)
-        (request.uid,) = self.generator.insert(
-            [tokens[match.length:]],
-            max_tokens=[max_tokens],
-            caches=[cache],
-            all_tokens=[list(tokens[:match.length])],
-            samplers=[request.sampler],
-            logits_processors=[request.processors],
-            stop_sequences=[request.stop_sequences],
-        )
+        cache = assemble(path_handles(match.node)) or make_prompt_cache(self.loaded.model)
+        request.uid = next(self._uids)
+        request.sequence = Sequence(
+            request.uid, cache, tokens=tokens[:match.length], pending=tokens[match.length:],
+            sampler=request.sampler, processors=request.processors,
+            wants_logprobs=request.params.logprobs is not None)
+        self.generator.add(request.sequence)
         request.prompt_done = False
         self.active[request.uid] = request
         request.dequeue()
@@ -341,38 +338,42 @@ class Scheduler:
 
     def _step(self) -> None:
         started = time.perf_counter()
-        # Small prefill chunks keep running streams flowing; with no stream to keep
-        # flowing, big chunks finish a prompt sooner (fewer, better-shaped steps).
-        decoding = any(r.prompt_done for r in self.active.values())
-        self.generator.prefill_step_size = (
-            self.limits.prefill_chunk_tokens if decoding else self._idle_chunk)
-        prompt_responses, token_responses = self.generator.next()
+        for output in self.generator.decode():
+            request = self.active.get(output.uid)
+            if request is not None:
+                self._on_token(request, output)
+        if self.generator.prefilling:
+            # Small prefill chunks keep running streams flowing; with no stream to keep
+            # flowing, big chunks finish a prompt sooner (fewer, better-shaped steps).
+            result = self.generator.prefill(self.limits.prefill_chunk_tokens
+                                            if self.generator.decoding else self._idle_chunk)
+            for sequence, error in result.failed:
+                request = self.active.pop(sequence.uid)
+                log.error("prefill of %s failed: %r", request.id, error)
+                self._release(request, None)
+                self._fail(request, error)
+            for sequence in result.done:
+                self._prompt_cached(self.active[sequence.uid])
         self.counters.steps += 1
         self.counters.step_seconds += time.perf_counter() - started
-        for response in prompt_responses:
-            request = self.active.get(response.uid)
-            if request is not None and response.end_of_segment and not response.end_of_prompt:
-                self._prompt_cached(request)
-        for response in token_responses:
-            request = self.active.get(response.uid)
-            if request is not None:
-                self._on_token(request, response)
 
     def _prompt_cached(self, request: Request) -> None:
-        """The prompt's KV is computed: share it now, while this request decodes."""
+        """The prompt's KV (all but its last token) is computed: share it now, while this
+        request goes on to decode."""
         request.prompt_done = True
         end = len(request.tokens) - 1
-        cache, _ = self.generator.extract_cache([request.uid])[request.uid]
-        handle = self._handle(cache, request.depth, end)
+        cache = request.sequence.cache
         if request.pending is not None:
             # The pending node was created pinned for this request: that pin replaces
             # the one on the node it hangs from.
-            self.tree.finalize(request.pending, handle)
+            self.tree.finalize(request.pending, self._handle(cache, request.depth, end))
             self.tree.unlock(request.node)
             request.node, request.depth = request.pending, end
             request.pending = None
+        elif end > request.depth:
+            self._publish(request, self._handle(cache, request.depth, end), end)
         else:
-            self._publish(request, handle, end)
+            self._wake_followers(request)
         self.tree.enforce_capacity()
 
     def _publish(self, request: Request, handle: KVSegment | CacheSnapshot, end: int) -> None:
@@ -392,53 +393,53 @@ class Scheduler:
     def _republish(self, request: Request) -> None:
         if request.uid not in self.active or self.active[request.uid] is not request:
             return  # it ended meanwhile; _release published what it could
+        if not self.segments:
+            # A snapshot is of the whole state, which is past the prompt by now.
+            self._wake_followers(request)
+            return
         end = len(request.tokens) - 1
-        cache, _ = self.generator.extract_cache([request.uid])[request.uid]
+        cache = self.generator.cache_of(request.sequence)
         self._publish(request, self._handle(cache, request.depth, end), end)
         self.tree.enforce_capacity()
 
-    def _on_token(self, request: Request, response: Any) -> None:
-        token = response.token
+    def _on_token(self, request: Request, output: Output) -> None:
+        token = output.token
         request.generated.append(token)
         self.counters.generated_tokens += 1
         request.suspect = False
-        if response.finish_reason == "stop":  # a stop token: never shown as text
-            self._finish(request, "stop", response.prompt_cache, response.all_tokens, token)
+        if token in request.stop_ids:  # a stop token: never shown as text
+            self._finish(request, "stop", token)
             return
         text = request.text.add(token)
         logprob, top = None, ()
         if request.params.logprobs is not None:
-            logprob, top = token_logprobs(response.logprobs, token, request.params.logprobs,
+            logprob, top = token_logprobs(output.logprobs, token, request.params.logprobs,
                                           self._decode_token)
         request.emit(TokenEvent(token, text, logprob, top))
         if request.text.matched_stop is not None:
-            cache, tokens = self.generator.remove([request.uid], return_prompt_caches=True)[
-                request.uid]
-            self._finish(request, "stop", cache, tokens, request.text.matched_stop)
-        elif response.finish_reason is not None:
-            self._finish(request, response.finish_reason, response.prompt_cache,
-                         response.all_tokens)
+            self._finish(request, "stop", request.text.matched_stop)
+        elif len(request.generated) >= request.params.max_tokens:
+            self._finish(request, "length")
 
     # -- ending -----------------------------------------------------------------------
 
-    def _finish(self, request: Request, reason: str, cache: list[Any] | None,
-                all_tokens: list[int] | None, matched_stop: str | int | None = None) -> None:
+    def _finish(self, request: Request, reason: str,
+                matched_stop: str | int | None = None) -> None:
         del self.active[request.uid]
-        self._release(request, cache, all_tokens)
+        self._release(request, self.generator.remove([request.uid])[request.uid])
         tail = "" if matched_stop is not None else request.text.finish()
         self._emit_finish(request, reason, tail, matched_stop)
 
-    def _release(self, request: Request, cache: list[Any] | None,
-                 all_tokens: list[int] | None) -> None:
+    def _release(self, request: Request, sequence: Sequence | None) -> None:
         """Bulk-insert what the cache holds beyond the pinned node, then unpin."""
         if request.pending is not None:
             self.tree.poison(request.pending, Cancelled(request.id))
             request.pending = None
-        if cache is not None and request.prompt_done and len(all_tokens) > request.depth:
-            handle = self._handle(cache, request.depth, len(all_tokens))
-            self.tree.insert(request.node, all_tokens[request.depth:], handle)
+        if sequence is not None and request.prompt_done and len(sequence.tokens) > request.depth:
+            handle = self._handle(sequence.cache, request.depth, len(sequence.tokens))
+            self.tree.insert(request.node, sequence.tokens[request.depth:], handle)
         self.tree.unlock(request.node)
-        request.node = None
+        request.node, request.sequence = None, None
         self.tree.enforce_capacity()
         self._wake_followers(request)
 
@@ -451,9 +452,7 @@ class Scheduler:
             self._finish_cancelled(request)
         elif request.uid in self.active and self.active[request.uid] is request:
             del self.active[request.uid]
-            cache, tokens = self.generator.remove([request.uid], return_prompt_caches=True)[
-                request.uid]
-            self._release(request, cache, tokens)
+            self._release(request, self.generator.remove([request.uid])[request.uid])
             self._finish_cancelled(request)
 
     def _finish_cancelled(self, request: Request) -> None:
@@ -472,13 +471,13 @@ class Scheduler:
         log.error("step failed: %r; %d request(s) affected", error, len(self.active))
         victims = list(self.active.values())
         self.active.clear()
-        self.generator = self._new_generator()
+        self.generator = Generator(self.loaded.model)
         for request in victims:
             if request.pending is not None:
                 self.tree.poison(request.pending, error)
                 request.pending = None
             self.tree.unlock(request.node)
-            request.node, request.uid = None, None
+            request.node, request.uid, request.sequence = None, None, None
             self._wake_followers(request)
             if request.suspect:
                 self._fail(request, error)

@@ -1,0 +1,285 @@
+"""Continuous batching on mlx-lm models: each prompt is prefilled alone, in chunks, on its
+own cache; then it joins the decode batch, which runs one forward per step for all.
+
+Why not mlx-lm's `BatchGenerator`: it prefills prompts together, right-padded to the
+longest prompt and left-padded to the longest cached prefix, so a 40-token question
+batched beside a fresh 1000-token prompt costs a 1000-token prefill (on the 2-core CPU,
+three 1043-token prompts beside two cache hits took 42 s instead of 19 s). And it decodes
+even a lone sequence through a batch cache with a padding mask: 3.3 ms per step instead of
+mlx_lm.generate's 2.1 ms on an H100 (Llama-1B shape). Here a prompt costs its own tokens,
+and a batch of one decodes exactly as mlx_lm.generate does.
+
+Decoding is pipelined like mlx_lm.generate: step n+1 is queued on the device before the
+tokens of step n are read back, so building the next graph overlaps the device's work.
+A sequence's cache always holds exactly the KV (or state) of `Sequence.tokens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx import nn
+from mlx_lm.generate import _merge_caches
+from mlx_lm.models.cache import BatchKVCache
+
+from engine.kv import presized_kv
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+# Free MLX's buffer cache this often, as mlx_lm.generate does, so memory does not creep.
+CLEAR_CACHE_STEPS = 256
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation's model-side state."""
+
+    uid: int
+    cache: list[Any]  # per layer; this sequence's own until it joins the batch
+    tokens: list[int]  # what the cache holds
+    pending: list[int]  # prompt tokens still to feed; the last one yields the first logits
+    sampler: Sampler | None  # None: greedy
+    processors: list[LogitsProcessor]
+    wants_logprobs: bool
+    context: mx.array | None = None  # the token history processors see
+    logprobs: mx.array | None = field(default=None, repr=False)  # of the token being fed
+
+
+@dataclass(frozen=True)
+class Output:
+    """A token sampled for sequence `uid`, with its distribution when asked for."""
+
+    uid: int
+    token: int
+    logprobs: mx.array | None
+
+
+def _row_cache(cache: list[Any], row: int) -> list[Any]:
+    """Row `row` of a batch cache as a single-sequence cache."""
+    single = []
+    for layer in cache:
+        if isinstance(layer, BatchKVCache):
+            padding = layer.left_padding[row].item()
+            single.append(presized_kv([layer.keys[row:row + 1, :, padding:layer._idx]],
+                                      [layer.values[row:row + 1, :, padding:layer._idx]]))
+        else:
+            single.append(layer.extract(row))
+    return single
+
+
+def _keep_rows(cache: list[Any], keep: list[int]) -> None:
+    """Drop every row not in `keep` from a batch cache, in place.
+
+    BatchKVCache's own `filter` gathers rows with an index array, which took 11 ms for 17
+    rows of 2000 tokens on an H100; copying runs of kept rows as slices took 1.4 ms."""
+    runs: list[tuple[int, int]] = []
+    for row in keep:
+        if runs and runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], row + 1)
+        else:
+            runs.append((row, row + 1))
+    for layer in cache:
+        if not isinstance(layer, BatchKVCache) or layer.keys is None:
+            layer.filter(keep)
+            continue
+        layer.keys = mx.concatenate([layer.keys[a:b] for a, b in runs])
+        layer.values = mx.concatenate([layer.values[a:b] for a, b in runs])
+        layer.offset = mx.concatenate([layer.offset[a:b] for a, b in runs])
+        layer.left_padding = mx.concatenate([layer.left_padding[a:b] for a, b in runs])
+        trim = min(layer.left_padding.tolist())
+        if trim > 0:  # every row starts later: drop the shared padding
+            layer.keys = layer.keys[..., trim:, :]
+            layer.values = layer.values[..., trim:, :]
+            layer._idx -= trim
+            layer.left_padding -= trim
+
+
+@dataclass
+class PrefillResult:
+    # Their cache now holds the prompt but its last token, which they feed when they join
+    # the batch at the next `decode`.
+    done: list[Sequence] = field(default_factory=list)
+    # A prefill chunk raised: only that sequence failed, and it is out of the generator.
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
+
+
+class Generator:
+    """Sequences being prefilled, one chunk budget per call, and a decode batch."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.prefilling: list[Sequence] = []  # in the order their chunks are computed
+        self.ready: list[Sequence] = []  # prompt computed but its last token; joins next
+        self.rows: list[Sequence] = []  # the decode batch, in the order of its cache rows
+        self.cache: list[Any] | None = None  # the batch's; a lone row's own cache when B=1
+        self.inputs: mx.array | None = None  # (B,) tokens to feed next: sampled, lazy
+        # On a GPU the next step is queued before the last one's tokens are read, so the
+        # host builds graphs while the device computes. MLX's CPU backend computes inside
+        # async_eval, so there queuing first would only delay every token by a step.
+        self.pipelined = mx.default_device() == mx.gpu
+        self._steps = 0
+
+    def __len__(self) -> int:
+        return len(self.prefilling) + len(self.ready) + len(self.rows)
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.rows or self.ready)
+
+    def add(self, sequence: Sequence) -> None:
+        if not sequence.pending:
+            raise ValueError("a sequence needs at least one prompt token to feed")
+        if sequence.processors:
+            sequence.context = mx.array(sequence.tokens + sequence.pending[:-1], mx.uint32)
+        self.prefilling.append(sequence)
+
+    # -- steps ------------------------------------------------------------------------
+
+    def decode(self) -> list[Output]:
+        """Join the sequences whose prompt is computed, and run one decode step. Returns
+        the tokens sampled by the previous step (or, for a sequence that just joined, its
+        first token)."""
+        for sequence in self.ready:
+            self._join(sequence)
+        self.ready = []
+        if not self.rows:
+            return []
+        self._steps += 1
+        if self._steps % CLEAR_CACHE_STEPS == 0:
+            mx.clear_cache()
+        return self._decode()
+
+    def prefill(self, budget: int) -> PrefillResult:
+        """Feed up to `budget` prompt tokens, in chunks, to the sequences in order."""
+        result = PrefillResult()
+        for sequence in list(self.prefilling):
+            count = min(len(sequence.pending) - 1, budget)
+            if count > 0:
+                chunk = sequence.pending[:count]
+                try:
+                    self.model(mx.array([chunk]), cache=sequence.cache)
+                except Exception as error:  # noqa: BLE001 - only this sequence's cache is touched
+                    self.prefilling.remove(sequence)
+                    result.failed.append((sequence, error))
+                    continue
+                mx.async_eval([c.state for c in sequence.cache])
+                sequence.tokens += chunk
+                del sequence.pending[:count]
+                budget -= count
+            if len(sequence.pending) == 1:
+                self.prefilling.remove(sequence)
+                self.ready.append(sequence)
+                result.done.append(sequence)
+            if budget <= 0:
+                break
+        mx.clear_cache()  # a prompt's activations are large and rarely reused as they are
+        return result
+
+    def _join(self, sequence: Sequence) -> None:
+        """Feed the prompt's last token alone (as mlx_lm.generate does), sample the first
+        token, and add the sequence to the decode batch."""
+        token = sequence.pending.pop()
+        logits = self.model(mx.array([[token]]), cache=sequence.cache)[:, -1, :]
+        sequence.tokens.append(token)
+        if sequence.processors:
+            sequence.context = mx.concatenate([sequence.context, mx.array([token], mx.uint32)])
+        first, logprobs = self._sample([sequence], logits)
+        sequence.logprobs = logprobs[0]
+        if not self.rows:
+            self.cache = sequence.cache
+            self.inputs = first
+        else:
+            joining = _merge_caches([sequence.cache])
+            if len(self.rows) == 1:
+                self.cache = _merge_caches([self.cache])
+            for layer, new in zip(self.cache, joining):
+                layer.extend(new)
+            self.inputs = mx.concatenate([self.inputs, first])
+        sequence.cache = []  # the batch owns it now
+        self.rows.append(sequence)
+
+    def _decode(self) -> list[Output]:
+        fed = self.inputs
+        logits = self.model(fed[:, None], cache=self.cache)[:, -1, :]
+        for i, row in enumerate(self.rows):
+            if row.processors:
+                row.context = mx.concatenate([row.context, fed[i:i + 1]])
+        sampled, logprobs = self._sample(self.rows, logits)
+        if self.pipelined:
+            mx.async_eval(sampled, *(lp for lp in logprobs if lp is not None))
+        tokens = fed.tolist()  # sampled by the previous step
+        outputs = []
+        for row, token, next_logprobs in zip(self.rows, tokens, logprobs):
+            outputs.append(Output(row.uid, token, row.logprobs))
+            row.tokens.append(token)
+            row.logprobs = next_logprobs
+        self.inputs = sampled
+        return outputs
+
+    @staticmethod
+    def _sample(rows: list[Sequence], logits: mx.array) -> tuple[mx.array, list[mx.array | None]]:
+        """The next token of each row, and each row's log-distribution where it is wanted
+        (asked for, or needed by its sampler). All-greedy batches take one argmax."""
+        if any(r.processors for r in rows):
+            logits = mx.concatenate([
+                _apply(r.processors, r.context, logits[i:i + 1]) for i, r in enumerate(rows)])
+        needs = [r.wants_logprobs or r.sampler is not None for r in rows]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if any(needs) else None
+        if all(r.sampler is None for r in rows):
+            sampled = mx.argmax(logits, axis=-1)
+        else:
+            sampled = mx.concatenate([
+                mx.argmax(logits[i:i + 1], axis=-1) if r.sampler is None
+                else r.sampler(logprobs[i:i + 1]) for i, r in enumerate(rows)])
+        per_row = [logprobs[i] if r.wants_logprobs else None for i, r in enumerate(rows)]
+        return sampled.astype(mx.uint32), per_row
+
+    # -- leaving ----------------------------------------------------------------------
+
+    def remove(self, uids: Iterable[int]) -> dict[int, Sequence]:
+        """Take sequences out, each with its own cache holding exactly its `tokens`."""
+        wanted = set(uids)
+        removed = {}
+        for group in (self.prefilling, self.ready):
+            for sequence in [s for s in group if s.uid in wanted]:
+                group.remove(sequence)
+                removed[sequence.uid] = sequence
+        leaving = [i for i, row in enumerate(self.rows) if row.uid in wanted]
+        if leaving:
+            for i in leaving:
+                row = self.rows[i]
+                row.cache = self.cache if len(self.rows) == 1 else _row_cache(self.cache, i)
+                removed[row.uid] = row
+            keep = [i for i in range(len(self.rows)) if i not in set(leaving)]
+            self._keep(keep)
+        return removed
+
+    def _keep(self, keep: list[int]) -> None:
+        rows = [self.rows[i] for i in keep]
+        if not rows:
+            self.cache, self.inputs = None, None
+        elif len(rows) == 1:
+            self.cache = _row_cache(self.cache, keep[0]) if len(self.rows) > 1 else self.cache
+            self.inputs = self.inputs[keep[0]:keep[0] + 1]
+        else:
+            _keep_rows(self.cache, keep)
+            self.inputs = self.inputs[mx.array(keep)]
+        self.rows = rows
+
+    def cache_of(self, sequence: Sequence) -> list[Any]:
+        """The single-sequence cache holding `sequence.tokens` (a copy for a batch row)."""
+        if sequence in self.rows:
+            if len(self.rows) == 1:
+                return self.cache
+            return _row_cache(self.cache, self.rows.index(sequence))
+        return sequence.cache
+
+
+def _apply(processors: list[LogitsProcessor], context: mx.array, logits: mx.array) -> mx.array:
+    for processor in processors:
+        logits = processor(context, logits)
+    return logits
