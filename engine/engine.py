@@ -192,13 +192,15 @@ class Engine:
         return max(int(available), MIN_CACHE_BYTES)
 
     def _warm_up(self) -> None:
-        """Run the real path once (prefill, a batched decode, a cache hit), so the first
-        user request does not pay for kernel compilation; then forget it."""
+        """Run the real path once, so the first user requests do not pay for kernel
+        compilation: a prefill, cache hits that join a running batch (one row, then two,
+        then three) and rows leaving it in turn; then forget it."""
         scheduler = self._scheduler
         prompt = [t % self._loaded.vocab_size for t in range(1, WARMUP_PROMPT_TOKENS + 1)]
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        for n in range(2):
-            request = Request(f"warmup-{n}", prompt, params, lambda event: None, self._loaded)
+        for n, max_tokens in enumerate((8, 4, 2)):
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            request = Request(f"warmup-{n}", prompt + prompt[:4 * n], params,
+                              lambda event: None, self._loaded)
             scheduler.inbox.put(("submit", request))
         scheduler.run(until_idle=True)
         scheduler.tree.clear()
