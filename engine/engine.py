@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine.loader import LoadedModel, load_model, model_id_for
+from engine.platform_info import apply_mlx_env_defaults
 from engine.request import (
     ContextLengthExceeded,
     EngineNotReady,
@@ -122,6 +123,7 @@ class RequestStream:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
+        apply_mlx_env_defaults()
         self.config = config
         self.state = Lifecycle.LOADING
         self.load_progress = 0.0

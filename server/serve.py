@@ -83,8 +83,8 @@ def run(settings: Settings) -> int:
     """Serve until SIGTERM/SIGINT, then drain; the exit status: 1 if the model failed to
     load, with the reason as stderr's last line, else 0."""
     configure_logging(settings)
-    log.info("%s", describe_platform())
     engine = Engine(engine_config(settings))
+    log.info("%s", describe_platform())
     engine.start()
     app = create_app(settings, engine)
     config = uvicorn.Config(

@@ -14,7 +14,12 @@ from mlx_lm.utils import load_tokenizer
 
 from engine import demo_model
 from engine.demo_model import IM_END, IM_START, SLIDING_WINDOW, build_demo_model
-from engine.platform_info import OPT_OUT_ENV, openblas_library
+from engine.platform_info import (
+    CUDNN_ATTENTION_ENV,
+    OPT_OUT_ENV,
+    apply_mlx_env_defaults,
+    openblas_library,
+)
 
 ROUND_TRIP_TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -145,6 +150,15 @@ def test_cli_preloads_openblas_on_linux_cpu() -> None:
     }
     assert "BLAS: OpenBLAS" in _cli("info", env=env)
     assert "reference BLAS" in _cli("info", env={**env, OPT_OUT_ENV: "1"})
+
+
+def test_mlx_env_defaults_keep_what_the_operator_set(monkeypatch) -> None:
+    monkeypatch.delenv(CUDNN_ATTENTION_ENV, raising=False)
+    apply_mlx_env_defaults()
+    assert os.environ[CUDNN_ATTENTION_ENV] == "0"
+    monkeypatch.setenv(CUDNN_ATTENTION_ENV, "1")
+    apply_mlx_env_defaults()
+    assert os.environ[CUDNN_ATTENTION_ENV] == "1"
 
 
 def test_rebuild_replaces_existing_directory(tmp_path: Path) -> None:
