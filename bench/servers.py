@@ -40,8 +40,8 @@ RADIX = ServerSpec(
     module="server",
     extra={"ignore_eos": True},
     metrics=True,
-    notes="defaults: max_batch_size 32, prefill_batch_size 8, prefill_chunk_tokens 512, "
-          "radix cache 0.5 of memory minus weights; ignore_eos sent",
+    notes="defaults: max_batch_size 32, prefill_batch_size 8, prefill_chunk_tokens 2048 on a "
+          "GPU and 512 on the CPU, radix cache 0.5 of memory minus weights; ignore_eos sent",
 )
 MLX_LM = ServerSpec(
     name="mlx-lm",

@@ -51,7 +51,7 @@ class EngineConfig:
     cache_fraction: float = 0.5
     max_batch_size: int = 32
     prefill_batch_size: int = 8
-    prefill_chunk_tokens: int = 512
+    prefill_chunk_tokens: int | None = None  # None: the device's default
     max_tokens_in_flight: int = 131072
     max_queue: int = 256
 

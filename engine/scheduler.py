@@ -34,12 +34,13 @@ log = logging.getLogger("radix_mlx.engine")
 # A request waits for an in-flight prefix only when it would reuse at least this many of
 # its tokens; for a shorter overlap computing alongside is cheaper than queueing behind.
 MIN_SHARED_TO_WAIT = 32
-# Prefill tokens per step on a GPU while nothing decodes (mlx-lm's default step): fused
-# attention costs no more in one big chunk, and every chunk has a fixed cost (a 2000-token
-# prompt took 11.5 ms in one chunk and 28 ms in 512s on an H100). MLX's CPU attention
-# materializes every query-key score, so there the configured, smaller chunk is cheaper
-# (a 1042-token prompt took 5.9 s in one chunk and 4.4 s in 512s on 2 cores).
-GPU_IDLE_PREFILL_CHUNK = 2048
+# Prompt tokens per step, unless configured. On a GPU every chunk has a fixed cost (a
+# 2000-token prompt took 11.5 ms in one chunk and 28 ms in 512s on an H100), so chunks are
+# big (mlx-lm's default step) and decodes stall for a few ms. MLX's CPU attention
+# materializes every query-key score, so smaller chunks cost less in all (a 1042-token
+# prompt took 5.9 s in one chunk and 4.4 s in 512s on 2 cores) and stall decodes less.
+GPU_PREFILL_CHUNK = 2048
+CPU_PREFILL_CHUNK = 512
 # After being passed over this many admission rounds a request goes first (no starvation).
 MAX_PASSED_OVER = 8
 
@@ -76,7 +77,7 @@ class Cancelled(Exception):
 class SchedulerLimits:
     max_batch_size: int
     prefill_batch_size: int
-    prefill_chunk_tokens: int
+    prefill_chunk_tokens: int | None  # None: the device's default
     max_tokens_in_flight: int
     cache_bytes: int
 
@@ -158,9 +159,11 @@ class Scheduler:
         self.active: dict[int, Request] = {}
         self.parked: set[Request] = set()  # waiting for another request's prefix
         self.counters = Counters()
-        self._idle_chunk = limits.prefill_chunk_tokens
-        if mx.default_device() == mx.gpu:
-            self._idle_chunk = max(GPU_IDLE_PREFILL_CHUNK, limits.prefill_chunk_tokens)
+        gpu = mx.default_device() == mx.gpu
+        self._chunk = limits.prefill_chunk_tokens or (GPU_PREFILL_CHUNK if gpu else
+                                                      CPU_PREFILL_CHUNK)
+        # With nothing decoding there is no stream to keep smooth.
+        self._idle_chunk = max(GPU_PREFILL_CHUNK, self._chunk) if gpu else self._chunk
         self.generator = Generator(loaded.model)
         self._uids = itertools.count()
         self._stopping = False
@@ -345,8 +348,8 @@ class Scheduler:
         if self.generator.prefilling:
             # Small prefill chunks keep running streams flowing; with no stream to keep
             # flowing, big chunks finish a prompt sooner (fewer, better-shaped steps).
-            result = self.generator.prefill(self.limits.prefill_chunk_tokens
-                                            if self.generator.decoding else self._idle_chunk)
+            result = self.generator.prefill(self._chunk if self.generator.decoding
+                                            else self._idle_chunk)
             for sequence, error in result.failed:
                 request = self.active.pop(sequence.uid)
                 log.error("prefill of %s failed: %r", request.id, error)

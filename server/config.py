@@ -55,9 +55,13 @@ class Settings(BaseModel):
         description="share of device memory for the cache when cache_bytes is unset",
     )
     max_batch_size: PositiveInt = Field(32, description="requests decoded together")
-    prefill_batch_size: PositiveInt = Field(8, description="prompts prefilled together")
-    prefill_chunk_tokens: PositiveInt = Field(
-        512, description="prompt tokens per prefill step, so running decodes keep going"
+    prefill_batch_size: PositiveInt = Field(
+        8, description="prompts admitted to prefill at a time (each is computed in turn)"
+    )
+    prefill_chunk_tokens: PositiveInt | None = Field(
+        None,
+        description="prompt tokens per step while other requests decode (fewer keeps "
+        "their streams smoother); none: 2048 on a GPU, 512 on the CPU",
     )
     max_tokens_in_flight: PositiveInt = Field(
         131072,

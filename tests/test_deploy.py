@@ -193,7 +193,7 @@ def test_example_config_documents_every_option_and_is_valid(tmp_path: Path) -> N
     assert tomllib.loads(path.read_text())
     settings = load_settings(None, environ={"RADIX_MLX_CONFIG_FILE": str(path)})
     defaults = Settings()
-    for name in ("drain_timeout", "max_queue", "prefill_chunk_tokens", "log_level", "port"):
+    for name in ("drain_timeout", "max_queue", "max_batch_size", "log_level", "port"):
         assert getattr(settings, name) == getattr(defaults, name), name
 
 
