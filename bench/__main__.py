@@ -26,7 +26,7 @@ import httpx
 from bench import hardware, report
 from bench.client import run_workload
 from bench.servers import SPECS, RunningServer, running, scrape_active_memory
-from bench.workloads import QUICK, Shapes, Workload, build_all, build_warm_up
+from bench.workloads import QUICK, WORKLOADS, Shapes, Workload, build_all, build_warm_up
 from engine.platform_info import mlx_would_use_cpu, openblas_preload_env
 
 RESULTS = Path(__file__).parent / "results"
@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="model directory (default: the 143M float32 'bench' demo model)")
     parser.add_argument("--servers", default=",".join(SPECS),
                         help=f"comma-separated, from {sorted(SPECS)}")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated, from {list(WORKLOADS)}")
     parser.add_argument("--quick", action="store_true", help="toy sizes, for a smoke run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="results folder "
@@ -57,7 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for field in dataclasses.fields(Shapes):
         parser.add_argument("--" + field.name.replace("_", "-"), type=int,
                             help=f"default {field.default}, --quick {getattr(QUICK, field.name)}")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if unknown:
+        parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
+    return args
 
 
 def shapes_from(args: argparse.Namespace) -> Shapes:
@@ -173,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     model = (args.model or bench_model(env)).resolve()
     device = "cpu" if mlx_would_use_cpu() else "gpu"
     out = args.out or RESULTS / hardware.tag(device) / model.name
-    workloads = build_all(model, shapes, args.seed)
+    wanted = args.workloads.split(",")
+    workloads = [w for w in build_all(model, shapes, args.seed) if w.name in wanted]
     warm_up = build_warm_up(model, shapes, args.seed)
     results: dict = {
         "command": shlex.join(["python", "-m", "bench", *(argv or sys.argv[1:])]),

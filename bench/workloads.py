@@ -147,10 +147,14 @@ def warm_up(source: TextSource, s: Shapes) -> Workload:
     return Workload("warm_up", (long, *short), 4, 8)
 
 
+WORKLOADS = {make.__name__: make for make in (
+    shared_prefix, multi_turn, no_share, long_context, single_stream)}
+
+
 def build_all(model_dir: Path, shapes: Shapes, seed: int) -> list[Workload]:
     """The timed workloads, each from its own seed so no two share text by accident."""
-    makers = (shared_prefix, multi_turn, no_share, long_context, single_stream)
-    return [make(TextSource(model_dir, seed + i), shapes) for i, make in enumerate(makers)]
+    return [make(TextSource(model_dir, seed + i), shapes)
+            for i, make in enumerate(WORKLOADS.values())]
 
 
 def build_warm_up(model_dir: Path, shapes: Shapes, seed: int) -> Workload:

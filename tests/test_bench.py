@@ -53,3 +53,13 @@ def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
     assert server["workloads"]["single_stream"]["decode_tok_s"] > 0
     assert results["ratios"] == {}
     assert [t["met"] for t in results["targets"]][:3] == [None, None, None]
+
+
+def test_workloads_flag_runs_only_those(demo_model_dir: Path, tmp_path: Path) -> None:
+    main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-raw",
+          "--no-plots", "--out", str(tmp_path), "--workloads", "single_stream", *TOY])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["workloads"] == ["single_stream"]
+    assert set(results["servers"]["radix-mlx"]["workloads"]) == {"single_stream"}
+    with pytest.raises(SystemExit):
+        main(["--workloads", "single_stream,nope"])
