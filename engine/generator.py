@@ -123,9 +123,6 @@ class Generator:
         self.pipelined = mx.default_device() == mx.gpu
         self._steps = 0
 
-    def __len__(self) -> int:
-        return len(self.prefilling) + len(self.ready) + len(self.rows)
-
     @property
     def decoding(self) -> bool:
         return bool(self.rows or self.ready)

@@ -1,0 +1,67 @@
+"""The generator's own guarantees, below the scheduler: a batch of one decodes on the
+sequence's plain cache, and whatever leaves the batch takes a cache holding exactly its
+tokens, the same keys and values a fresh prefill of those tokens gives."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+
+from engine.generator import Generator, Sequence
+
+
+@pytest.fixture(scope="module")
+def model(family_model_dir):
+    return load(family_model_dir("llama"))[0]
+
+
+def sequence(model, uid: int, prompt: list[int]) -> Sequence:
+    return Sequence(uid, make_prompt_cache(model), tokens=[], pending=list(prompt),
+                    sampler=None, processors=[], wants_logprobs=False)
+
+
+def run_until_decoding(generator: Generator, *sequences: Sequence) -> None:
+    for s in sequences:
+        generator.add(s)
+    while generator.prefilling:
+        generator.prefill(64)
+    generator.decode()
+
+
+def assert_cache_holds(model, cache: list, tokens: list[int]) -> None:
+    fresh = make_prompt_cache(model)
+    model(mx.array([tokens]), cache=fresh)
+    for got, want in zip(cache, fresh):
+        assert got.offset == len(tokens)
+        keys, _ = got.state[:2]
+        assert mx.allclose(keys[..., :len(tokens), :], want.keys[..., :len(tokens), :],
+                           atol=1e-4).item()
+
+
+def test_a_lone_sequence_decodes_on_its_plain_cache(model) -> None:
+    generator = Generator(model)
+    first = sequence(model, 0, list(range(10, 40)))
+    run_until_decoding(generator, first)
+    assert type(generator.cache[0]) is KVCache
+    run_until_decoding(generator, sequence(model, 1, list(range(50, 60))))
+    assert type(generator.cache[0]) is BatchKVCache
+    generator.remove([1])
+    assert type(generator.cache[0]) is KVCache
+    assert generator.rows == [first]
+
+
+def test_leaving_sequences_take_exactly_their_tokens(model) -> None:
+    generator = Generator(model)
+    prompts = [list(range(10, 10 + n)) for n in (5, 23, 40)]
+    sequences = [sequence(model, uid, p) for uid, p in enumerate(prompts)]
+    run_until_decoding(generator, *sequences)
+    for _ in range(3):
+        generator.decode()
+    for uid in (1, 0, 2):  # from the middle of a batch of three, then two, then one
+        left = generator.remove([uid])[uid]
+        assert left.tokens[:len(prompts[uid])] == prompts[uid]
+        assert_cache_holds(model, left.cache, left.tokens)
+        generator.decode()
+    assert generator.rows == [] and generator.cache is None
