@@ -59,11 +59,15 @@ class Output:
 
 
 def _row_cache(cache: list[Any], row: int) -> list[Any]:
-    """Row `row` of a batch cache as a single-sequence cache."""
+    """Row `row` of a batch cache as a single-sequence cache. Plain KV layers are copied
+    into a presized buffer (`BatchKVCache.extract` gives an exact-size one, which the next
+    token reallocates); every such layer has the same padding, so it is read back once."""
+    padding = None
     single = []
     for layer in cache:
         if isinstance(layer, BatchKVCache):
-            padding = layer.left_padding[row].item()
+            if padding is None:
+                padding = layer.left_padding[row].item()
             single.append(presized_kv([layer.keys[row:row + 1, :, padding:layer._idx]],
                                       [layer.values[row:row + 1, :, padding:layer._idx]]))
         else:
@@ -82,6 +86,7 @@ def _keep_rows(cache: list[Any], keep: list[int]) -> None:
             runs[-1] = (runs[-1][0], row + 1)
         else:
             runs.append((row, row + 1))
+    trim = None  # every plain KV layer has the same padding: read it back once
     for layer in cache:
         if not isinstance(layer, BatchKVCache) or layer.keys is None:
             layer.filter(keep)
@@ -90,7 +95,8 @@ def _keep_rows(cache: list[Any], keep: list[int]) -> None:
         layer.values = mx.concatenate([layer.values[a:b] for a, b in runs])
         layer.offset = mx.concatenate([layer.offset[a:b] for a, b in runs])
         layer.left_padding = mx.concatenate([layer.left_padding[a:b] for a, b in runs])
-        trim = min(layer.left_padding.tolist())
+        if trim is None:
+            trim = min(layer.left_padding.tolist())
         if trim > 0:  # every row starts later: drop the shared padding
             layer.keys = layer.keys[..., trim:, :]
             layer.values = layer.values[..., trim:, :]
@@ -256,8 +262,7 @@ class Generator:
                 row = self.rows[i]
                 row.cache = self.cache if len(self.rows) == 1 else _row_cache(self.cache, i)
                 removed[row.uid] = row
-            keep = [i for i in range(len(self.rows)) if i not in set(leaving)]
-            self._keep(keep)
+            self._keep([i for i in range(len(self.rows)) if self.rows[i].uid not in wanted])
         return removed
 
     def _keep(self, keep: list[int]) -> None:
