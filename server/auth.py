@@ -1,10 +1,11 @@
-"""Bearer API key for the /v1 routes, when one is configured.
+"""Bearer API key for every route but /health, when one is configured.
 
 A pure ASGI layer rather than a route dependency, so a request without the key is
 refused before its body is parsed: an unauthenticated client learns nothing about its
 input. It sits inside CORS, so browsers can read the 401, and lets CORS preflights
-(which never carry credentials) through. The probes (/health, /metrics) stay open so
-load balancers and Prometheus need no secret.
+(which never carry credentials) through. Only /health stays open, so load balancers and
+service managers need no secret; /metrics tells how busy the server is and what it
+caches, so Prometheus scrapes it with the key (`authorization` in its scrape config).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.errors import APIError
 
+OPEN_PATHS = frozenset({"/health"})
+
 
 class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, key: SecretStr) -> None:
@@ -23,7 +26,7 @@ class APIKeyMiddleware:
         self._key = key.get_secret_value().encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope["path"].startswith("/v1")
+        if (scope["type"] == "http" and scope["path"] not in OPEN_PATHS
                 and scope["method"] != "OPTIONS" and not self._authorized(scope)):
             await APIError(
                 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",

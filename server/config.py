@@ -22,6 +22,7 @@ from pydantic import (
     SecretStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 ENV_PREFIX = "RADIX_MLX_"
@@ -70,6 +71,12 @@ class Settings(BaseModel):
     max_queue: PositiveInt = Field(256, description="waiting requests before answering 429")
     max_body_bytes: PositiveInt = Field(4 * 1024 * 1024, description="largest request body")
     cors_origins: list[NonEmpty] = Field([], description="origins allowed by CORS; none: CORS off")
+    ssl_certfile: Path | None = Field(
+        None, description="serve HTTPS with this PEM certificate (chain); needs ssl_keyfile"
+    )
+    ssl_keyfile: Path | None = Field(
+        None, description="the PEM private key of ssl_certfile (keep it private)"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="one of debug, info, warning, error"
     )
@@ -84,6 +91,24 @@ class Settings(BaseModel):
     )
     default_max_tokens: PositiveInt = Field(512, description="max_tokens when a request omits it")
     config_file: Path | None = Field(None, description="TOML file read for these settings")
+
+    @field_validator("ssl_certfile", "ssl_keyfile")
+    @classmethod
+    def _readable_file(cls, path: Path | None) -> Path | None:
+        # Checked here, so a typo stops the start with its name instead of a TLS traceback.
+        if path is not None and not path.expanduser().is_file():
+            raise ValueError("no such file")
+        return None if path is None else path.expanduser()
+
+    @model_validator(mode="after")
+    def _tls_needs_both_files(self) -> "Settings":
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile must be set together")
+        return self
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile is not None else "http"
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -218,6 +243,7 @@ def _describe(exc: ValidationError, sources: Mapping[str, str]) -> str:
     for error in exc.errors():
         name = str(error["loc"][0]) if error["loc"] else "settings"
         where = sources.get(name, "default")
-        got = "" if name == "api_key" else f" (got {error['input']!r})"
+        # A settings-wide error's input is every setting, the API key included.
+        got = "" if name in ("api_key", "settings") else f" (got {error['input']!r})"
         problems.append(f"invalid {name} from {where}: {error['msg']}{got}")
     return "; ".join(problems)

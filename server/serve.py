@@ -99,6 +99,8 @@ def run(settings: Settings) -> int:
         # connections, so the whole stop stays within drain_timeout plus a few seconds
         # (the service files allow drain_timeout + 5 s before SIGKILL).
         timeout_graceful_shutdown=CANCEL_GRACE_SECONDS,
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
     )
     try:
         DrainingServer(config, app.state.server.drain, settings.drain_timeout, engine).run()

@@ -38,7 +38,7 @@ def health_url(config_path: Path) -> str:
     """Where `radix-mlx-service status` probes the server: a wildcard bind answers locally."""
     settings = service_settings(config_path)
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(settings.host, settings.host)
-    return f"http://{f'[{host}]' if ':' in host else host}:{settings.port}/health"
+    return f"{settings.scheme}://{f'[{host}]' if ':' in host else host}:{settings.port}/health"
 
 
 def render_launchd(

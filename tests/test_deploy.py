@@ -179,8 +179,14 @@ def test_a_bad_config_stops_rendering(install: dict[str, Path]) -> None:
         systemd_unit(install)
 
 
-def test_health_url_follows_the_config(install: dict[str, Path]) -> None:
+def test_health_url_follows_the_config(install: dict[str, Path], tmp_path: Path) -> None:
     assert health_url(install["config"]) == "http://127.0.0.1:8123/health"
+    for name in ("cert.pem", "key.pem"):
+        (tmp_path / name).touch()
+    with install["config"].open("a") as config:
+        config.write(f'ssl_certfile = "{tmp_path / "cert.pem"}"\n'
+                     f'ssl_keyfile = "{tmp_path / "key.pem"}"\n')
+    assert health_url(install["config"]) == "https://127.0.0.1:8123/health"
 
 
 def test_example_config_documents_every_option_and_is_valid(tmp_path: Path) -> None:
@@ -188,6 +194,10 @@ def test_example_config_documents_every_option_and_is_valid(tmp_path: Path) -> N
     assignments = re.findall(r"^# (\w+ = .*)$", text, flags=re.MULTILINE)
     names = [line.split(" = ")[0] for line in assignments]
     assert sorted(names) == sorted(Settings.model_fields.keys() - {"config_file"})
+    # The TLS files must exist to validate: stand-ins for the example's paths.
+    for name in ("ssl_certfile", "ssl_keyfile"):
+        (tmp_path / name).touch()
+        assignments[names.index(name)] = f'{name} = "{tmp_path / name}"'
     path = tmp_path / "all.toml"
     path.write_text("\n".join(assignments))
     assert tomllib.loads(path.read_text())
@@ -260,7 +270,7 @@ def test_launchd_script_installs_and_uninstalls(install: dict[str, Path], tmp_pa
     log = calls.read_text()
     assert f"launchctl kickstart -k gui/{uid}/dev.radix-mlx.server" in log
     assert f"launchctl print gui/{uid}/dev.radix-mlx.server" in log
-    assert "curl -sS --max-time 5 http://127.0.0.1:8123/health" in log
+    assert "curl -sS --insecure --max-time 5 http://127.0.0.1:8123/health" in log
     assert f"launchctl bootout gui/{uid}/dev.radix-mlx.server" in log
     assert not plist_path.exists()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -26,13 +27,17 @@ class ServerProcess:
     url: str
     process: subprocess.Popen
     log_path: Path
+    api_key: str | None = None
+    verify: ssl.SSLContext | bool = True  # trusts a TLS server's own certificate
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled series of /metrics, by name."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        text = httpx.get(f"{self.url}/metrics", headers=headers, verify=self.verify,
+                         timeout=10).text
         return {
             name: float(value)
             for name, _, value in (line.partition(" ") for line in text.splitlines())
@@ -74,13 +79,20 @@ def start_server(
         process = subprocess.Popen(
             command, cwd=REPO_ROOT, env=server_env(env), stdout=log, stderr=subprocess.STDOUT
         )
-    server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
+    def flag(name: str) -> str | None:
+        return flags[flags.index(name) + 1] if name in flags else None
+
+    certfile = flag("--ssl-certfile")
+    server = ServerProcess(f"{'https' if certfile else 'http'}://127.0.0.1:{port}", process,
+                           log_path, flag("--api-key"),
+                           ssl.create_default_context(cafile=certfile) if certfile else True)
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+            health = httpx.get(f"{server.url}/health", verify=server.verify, timeout=2)
+            if health.status_code == 200:
                 return server
         except httpx.TransportError:
             pass

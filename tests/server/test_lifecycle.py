@@ -65,7 +65,7 @@ def test_health_metrics_and_access_log(server: ServerProcess, headers: dict[str,
         json={"prompt": [7, 8, 9], "max_tokens": 3, "ignore_eos": True},
     )
     assert response.headers["x-request-id"] == "trace-me-42"
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = httpx.get(f"{server.url}/metrics", headers=headers, timeout=10).text
     for series in (
         'radix_mlx_http_requests_total{endpoint="/v1/completions",status="200"}',
         "radix_mlx_time_to_first_token_seconds_bucket",
