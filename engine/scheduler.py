@@ -27,7 +27,7 @@ from engine.loader import LoadedModel
 from engine.request import Finish, RequestFailed, SamplingParams, TokenEvent
 from engine.sampling import make_processors, make_sampler, token_logprobs
 from engine.text import TextStream
-from radix.tree import InsertStatus, Node, RadixTree
+from radix.tree import Node, RadixTree, ReserveStatus
 
 log = logging.getLogger("radix_mlx.engine")
 
@@ -262,7 +262,7 @@ class Scheduler:
                 self.tree.poison(request.pending, error)
                 request.pending = None
             if request.node is not None:
-                self.tree.unlock(request.node)
+                self.tree.unpin(request.node)
                 request.node = None
             self._fail(request, error)
             return False
@@ -275,26 +275,26 @@ class Scheduler:
         while True:
             match = self.tree.match(cacheable)
             remaining = len(cacheable) - match.length
-            if match.pending is not None and match.pending_shared >= min(
+            if match.in_flight is not None and match.in_flight_shared >= min(
                     MIN_SHARED_TO_WAIT, remaining):
-                self._wait_for(request, match.pending)
+                self._wait_for(request, match.in_flight)
                 return False
             if (leader := self._leader_for(cacheable, match)) is not None:
                 self.parked.add(request)
                 leader.followers.append(request)
                 return False
-            self.tree.lock(match.node)
+            self.tree.pin(match.node)
             pending = None
-            if remaining and match.pending is None:
-                outcome = self.tree.insert_pending(match.node, cacheable[match.length:])
-                if outcome.status is InsertStatus.RETRY:
-                    self.tree.unlock(match.node)
+            if remaining and match.in_flight is None:
+                outcome = self.tree.reserve(match.node, cacheable[match.length:])
+                if outcome.status is ReserveStatus.RETRY:
+                    self.tree.unpin(match.node)
                     continue
-                if outcome.status is InsertStatus.WAIT:
-                    self.tree.unlock(match.node)
+                if outcome.status is ReserveStatus.WAIT:
+                    self.tree.unpin(match.node)
                     self._wait_for(request, outcome.node)
                     return False
-                if outcome.status is InsertStatus.CREATED:
+                if outcome.status is ReserveStatus.CREATED:
                     pending = outcome.node
             break
         request.node, request.depth, request.pending = match.node, match.length, pending
@@ -370,7 +370,7 @@ class Scheduler:
             # The pending node was created pinned for this request: that pin replaces
             # the one on the node it hangs from.
             self.tree.finalize(request.pending, self._handle(cache, request.depth, end))
-            self.tree.unlock(request.node)
+            self.tree.unpin(request.node)
             request.node, request.depth = request.pending, end
             request.pending = None
         elif end > request.depth:
@@ -384,10 +384,10 @@ class Scheduler:
         prefix is in the way, the part past it is dropped; retry once that prefix is done
         (the request still holds its whole cache while it decodes)."""
         node = self.tree.insert(request.node, request.tokens[request.depth:end], handle)
-        self.tree.lock(node)
-        self.tree.unlock(request.node)
+        self.tree.pin(node)
+        self.tree.unpin(request.node)
         request.node, request.depth = node, len(node.path_tokens())
-        blocker = self.tree.match(request.tokens[:end]).pending if request.depth < end else None
+        blocker = self.tree.match(request.tokens[:end]).in_flight if request.depth < end else None
         if blocker is None:
             self._wake_followers(request)
         else:
@@ -441,7 +441,7 @@ class Scheduler:
         if sequence is not None and request.prompt_done and len(sequence.tokens) > request.depth:
             handle = self._handle(sequence.cache, request.depth, len(sequence.tokens))
             self.tree.insert(request.node, sequence.tokens[request.depth:], handle)
-        self.tree.unlock(request.node)
+        self.tree.unpin(request.node)
         request.node, request.sequence = None, None
         self.tree.enforce_capacity()
         self._wake_followers(request)
@@ -479,7 +479,7 @@ class Scheduler:
             if request.pending is not None:
                 self.tree.poison(request.pending, error)
                 request.pending = None
-            self.tree.unlock(request.node)
+            self.tree.unpin(request.node)
             request.node, request.uid, request.sequence = None, None, None
             self._wake_followers(request)
             if request.suspect:
