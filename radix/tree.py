@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from radix.stats import stat
+
 log = logging.getLogger("radix_mlx.radix")
 
 
@@ -230,21 +232,29 @@ class ReserveResult:
 
 @dataclass(frozen=True)
 class TreeStats:
-    total_bytes: int
-    evictable_bytes: int
-    pinned_bytes: int
-    total_tokens: int
-    evictable_tokens: int
-    pinned_tokens: int
-    nodes: int
-    """READY nodes, junctions included, root excluded."""
-    pending: int
-    hits: int
-    misses: int
-    hit_tokens: int
-    evictions: int
-    """Nodes evicted."""
-    capacity_bytes: int
+    """The tree's accounting, in bytes and tokens of READY nodes, and its counters."""
+
+    total_bytes: int = stat("gauge", "Bytes of KV held by the radix tree.", name="tree_bytes")
+    evictable_bytes: int = stat("gauge", "Tree bytes no running request pins.",
+                                name="tree_evictable_bytes")
+    pinned_bytes: int = stat("gauge", "Tree bytes pinned by running requests.",
+                             name="tree_pinned_bytes")
+    total_tokens: int = stat("gauge", "Tokens held by the radix tree.", name="tree_tokens")
+    evictable_tokens: int = stat("gauge", "Tree tokens no running request pins.",
+                                 name="tree_evictable_tokens")
+    pinned_tokens: int = stat("gauge", "Tree tokens pinned by running requests.",
+                              name="tree_pinned_tokens")
+    nodes: int = stat("gauge", "Nodes in the radix tree (junctions included).",
+                      name="tree_nodes")
+    pending: int = stat("gauge", "Tree nodes reserved and still being computed.",
+                        name="tree_pending_nodes")
+    hits: int = stat("counter", "Radix matches that reused cached tokens.", name="cache_hits")
+    misses: int = stat("counter", "Radix matches that found nothing.", name="cache_misses")
+    hit_tokens: int = stat("counter", "Tokens reused by radix matches.",
+                           name="cache_hit_tokens")
+    evictions: int = stat("counter", "Radix tree nodes evicted.", name="tree_evictions")
+    capacity_bytes: int = stat("gauge", "The radix tree's byte budget.",
+                               name="tree_capacity_bytes")
 
 
 def _common_prefix(edge: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
