@@ -1,124 +1,45 @@
-"""The engine's public face: lifecycle, submit/cancel, and streams for asyncio callers.
+"""The engine: lifecycle, submit/cancel and stats for asyncio callers.
 
 Everything MLX happens in one worker thread (see scheduler.py). Callers on an asyncio
 loop submit requests through a thread-safe inbox and read events from a `RequestStream`
-that the worker feeds with `loop.call_soon_threadsafe`.
+that the worker feeds with `loop.call_soon_threadsafe`. The types callers see are in
+api.py, which imports no MLX.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 
 import mlx.core as mx
 
+from engine.admission import SchedulerLimits
+from engine.api import (
+    ContextLengthExceeded,
+    EngineConfig,
+    EngineNotReady,
+    EngineStats,
+    Lifecycle,
+    QueueFull,
+    RequestStream,
+    SamplingParams,
+    SchedulerCounters,
+)
 from engine.loader import LoadedModel, load_model, model_id_for
 from engine.platform_info import apply_mlx_env_defaults
-from engine.request import (
-    ContextLengthExceeded,
-    EngineNotReady,
-    Finish,
-    QueueFull,
-    SamplingParams,
-    TokenEvent,
-)
-from engine.scheduler import Counters, Request, Scheduler, SchedulerLimits
+from engine.scheduler import Cancel, Scheduler, Stop, Submit
+from engine.tokenizer import ModelTokenizer
 
 log = logging.getLogger("radix_mlx.engine")
 
 # The radix tree never gets less than this, whatever the fraction gives.
 MIN_CACHE_BYTES = 64 * 1024 * 1024
 WARMUP_PROMPT_TOKENS = 48
-
-
-class Lifecycle(str, enum.Enum):
-    LOADING = "loading"
-    WARMING_UP = "warming_up"
-    READY = "ready"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str
-    cache_bytes: int | None = None
-    cache_fraction: float = 0.5
-    max_batch_size: int = 32
-    prefill_batch_size: int = 8
-    prefill_chunk_tokens: int | None = None  # None: the device's default
-    max_tokens_in_flight: int = 131072
-    max_queue: int = 256
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    waiting: int
-    running: int
-    prompt_tokens: int
-    generated_tokens: int
-    cached_tokens: int
-    prefill_tokens: int
-    requests_failed: int
-    steps: int
-    step_seconds: float
-    tree_bytes: int
-    tree_capacity_bytes: int
-    tree_nodes: int
-    tree_tokens: int
-    pinned_bytes: int
-    pinned_tokens: int
-    pending_nodes: int
-    evictions: int
-    cache_hits: int
-    cache_misses: int
-    active_memory_bytes: int
-
-
-class RequestStream:
-    """Async iterator over one request's events: `TokenEvent`s, then one `Finish`.
-
-    Raises the engine's error (e.g. `RequestFailed`) instead of finishing when the
-    engine fails the request."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
-                 engine: Engine) -> None:
-        self.request_id = request_id
-        self._loop = loop
-        self._engine = engine
-        self._queue: asyncio.Queue[object] = asyncio.Queue()
-        self._done = False
-        self._request: Request | None = None
-
-    def push(self, event: object) -> None:
-        """Called from the worker thread."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-        except RuntimeError:  # the caller's loop is gone; the request is cancelled below
-            self.cancel()
-
-    def cancel(self) -> None:
-        if self._request is not None and not self._request.cancelled:
-            self._engine._scheduler.inbox.put(("cancel", self._request))
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> TokenEvent | Finish:
-        if self._done:
-            raise StopAsyncIteration
-        event = await self._queue.get()
-        if isinstance(event, BaseException):
-            self._done = True
-            raise event
-        if isinstance(event, Finish):
-            self._done = True
-        return event  # type: ignore[return-value]
 
 
 class Engine:
@@ -130,7 +51,7 @@ class Engine:
         self.error: str | None = None
         self.model_id = model_id_for(config.model)
         self.context_length = 0
-        self.tokenizer = None
+        self.tokenizer: ModelTokenizer | None = None
         self._loaded: LoadedModel | None = None
         self._scheduler: Scheduler | None = None
         self._thread: threading.Thread | None = None
@@ -201,17 +122,17 @@ class Engine:
         prompt = [t % self._loaded.vocab_size for t in range(1, WARMUP_PROMPT_TOKENS + 1)]
         for n, max_tokens in enumerate((8, 4, 2)):
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            request = Request(f"warmup-{n}", prompt + prompt[:4 * n], params,
-                              lambda event: None, self._loaded)
-            scheduler.inbox.put(("submit", request))
+            generation = scheduler.new_generation(f"warmup-{n}", prompt + prompt[:4 * n],
+                                                  params, lambda event: None)
+            scheduler.inbox.put(Submit(generation))
         scheduler.run(until_idle=True)
         scheduler.tree.clear()
-        scheduler.counters = Counters()
+        scheduler.counters = SchedulerCounters()
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Cancel everything and stop the worker."""
         if self._scheduler is not None and self.state is Lifecycle.READY:
-            self._scheduler.inbox.put(("stop", None))
+            self._scheduler.inbox.put(Stop())
             self._stopped.wait(timeout)
 
     # -- requests ---------------------------------------------------------------------
@@ -231,12 +152,18 @@ class Engine:
             if self._queued >= self.config.max_queue:
                 raise QueueFull(f"{self._queued} requests are already waiting", retry_after=1.0)
             self._queued += 1
-        stream = RequestStream(f"req-{next(self._ids)}", asyncio.get_running_loop(), self)
-        request = Request(stream.request_id, list(prompt), params, stream.push, self._loaded,
-                          on_dequeue=self._dequeued)
-        stream._request = request
-        self._scheduler.inbox.put(("submit", request))
+        stream = RequestStream(f"req-{next(self._ids)}", asyncio.get_running_loop(),
+                               self.cancel)
+        generation = self._scheduler.new_generation(stream.request_id, list(prompt), params,
+                                                    stream.push, on_dequeue=self._dequeued)
+        self._scheduler.inbox.put(Submit(generation))
         return stream
+
+    def cancel(self, request_id: str) -> None:
+        """End a request early: its stream ends with a "cancelled" Finish within a step
+        (nothing happens if it has ended already). Safe from any thread."""
+        if self._scheduler is not None:
+            self._scheduler.inbox.put(Cancel(request_id))
 
     def _dequeued(self) -> None:
         """A request left the queue: admitted to the batch, or ended before that."""
@@ -246,17 +173,9 @@ class Engine:
     def stats(self) -> EngineStats:
         scheduler = self._scheduler
         if scheduler is None:
-            return EngineStats(**dict.fromkeys(EngineStats.__dataclass_fields__, 0))
-        counters, tree = scheduler.counters, scheduler.tree.stats()
+            return EngineStats()
         return EngineStats(
-            waiting=self._queued, running=len(scheduler.active),
-            prompt_tokens=counters.prompt_tokens, generated_tokens=counters.generated_tokens,
-            cached_tokens=counters.cached_tokens, prefill_tokens=counters.prefill_tokens,
-            requests_failed=counters.requests_failed, steps=counters.steps,
-            step_seconds=counters.step_seconds, tree_bytes=tree.total_bytes,
-            tree_capacity_bytes=tree.capacity_bytes, tree_nodes=tree.nodes,
-            tree_tokens=tree.total_tokens, pinned_bytes=tree.pinned_bytes,
-            pinned_tokens=tree.pinned_tokens, pending_nodes=tree.pending,
-            evictions=tree.evictions, cache_hits=tree.hits, cache_misses=tree.misses,
+            waiting=self._queued, running=len(scheduler.running),
             active_memory_bytes=mx.get_active_memory(),
+            counters=replace(scheduler.counters), tree=scheduler.tree.stats(),
         )

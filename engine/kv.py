@@ -10,6 +10,9 @@ Two kinds of handle, because mlx-lm models keep two kinds of state:
   position cannot be recovered from a later one, so snapshots never split.
 
 Both hold owned, evaluated copies: a slice would keep the whole batch buffer alive.
+
+`KVStore` is the one place handles are made (`handle`), freed (`free`, the tree's
+callback) and assembled into a request's cache (`assemble`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx import nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from radix.tree import Node
 
 
 def _owned(x: mx.array) -> mx.array:
@@ -134,3 +140,35 @@ def presized_kv(keys: Sequence[mx.array], values: Sequence[mx.array]) -> KVCache
         start = end
     cache.offset = length
     return cache
+
+
+class KVStore:
+    """Where the scheduler's KV handles come from and go to, for one model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.segments = supports_segments(make_prompt_cache(model))
+
+    def handle(self, cache: list[Any], start: int, end: int) -> KVSegment | CacheSnapshot:
+        """The handle of tokens [start, end) of a single-sequence cache (a snapshot covers
+        everything the cache holds, which must then end at `end`)."""
+        if self.segments:
+            return KVSegment.from_cache(cache, start, end)
+        return CacheSnapshot.from_cache(cache)
+
+    def free(self, handle: KVSegment | CacheSnapshot) -> None:
+        """The tree dropped `handle`; its arrays go when the last reference does."""
+
+    def assemble(self, node: Node) -> list[Any]:
+        """A fresh cache holding the state of the path from the root down to `node`."""
+        return assemble(path_handles(node)) or make_prompt_cache(self.model)
+
+
+def path_handles(node: Node) -> list[Any]:
+    """The handles from the root down to `node` (junctions without state skipped)."""
+    handles = []
+    while node.parent is not None:
+        if node.handle is not None:
+            handles.append(node.handle)
+        node = node.parent
+    return handles[::-1]

@@ -10,8 +10,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load
+
+from engine.tokenizer import ModelTokenizer
 
 log = logging.getLogger("radix_mlx.engine")
 
@@ -27,7 +28,7 @@ FAULT_TOKEN_ENV = "RADIX_MLX_FAULT_TOKEN_ID"
 @dataclass
 class LoadedModel:
     model: nn.Module
-    tokenizer: TokenizerWrapper
+    tokenizer: ModelTokenizer
     model_id: str
     context_length: int
     vocab_size: int
@@ -55,7 +56,7 @@ def load_model(path_or_repo: str) -> LoadedModel:
         model = FaultInjectingModel(model, int(fault_token))
     vocab_size = _config_int(config, ("vocab_size",)) or len(tokenizer.vocab)
     context_length = _config_int(config, _CONTEXT_KEYS) or DEFAULT_CONTEXT_LENGTH
-    return LoadedModel(model, tokenizer, model_id_for(path_or_repo), context_length,
+    return LoadedModel(model, ModelTokenizer(tokenizer), model_id_for(path_or_repo), context_length,
                        vocab_size, weight_bytes)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from engine.request import SamplingParams, TokenLogprob
+from engine.api import SamplingParams, TokenLogprob
 
 Sampler = Callable[[mx.array], mx.array]
 

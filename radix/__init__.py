@@ -2,24 +2,24 @@
 
 from .tree import (
     Handle,
-    InsertStatus,
     LRUList,
     MatchResult,
     Node,
     NodeState,
-    PendingResult,
     RadixTree,
+    ReserveResult,
+    ReserveStatus,
     TreeStats,
 )
 
 __all__ = [
     "Handle",
-    "InsertStatus",
     "LRUList",
     "MatchResult",
     "Node",
     "NodeState",
-    "PendingResult",
     "RadixTree",
+    "ReserveResult",
+    "ReserveStatus",
     "TreeStats",
 ]

@@ -85,22 +85,22 @@ def check_invariants(tree: RadixTree) -> list[Node]:
             for first, child in node.children.items():
                 assert child.parent is node, f"{child!r} has a wrong parent"
                 assert child.tokens and child.tokens[0] == first, f"{child!r} is misfiled"
-                assert child.lock_ref >= 0
+                assert child.pins >= 0
                 stack.append(child)
             if node is tree.root:
-                assert node.lock_ref == 0 and node.handle is None
+                assert node.pins == 0 and node.handle is None
                 continue
             nodes.append(node)
-            pins_below = sum(c.lock_ref for c in node.children.values())
-            assert node.lock_ref >= pins_below, f"{node!r} pinned less than its children"
+            pins_below = sum(c.pins for c in node.children.values())
+            assert node.pins >= pins_below, f"{node!r} pinned less than its children"
             if node.state is NodeState.PENDING:
                 assert node.handle is None, f"{node!r}"
-                assert node.lock_ref > pins_below, f"{node!r} lost its creator's pin"
+                assert node.pins > pins_below, f"{node!r} lost its creator's pin"
                 counted["pending"] += 1
                 continue
             assert node.state is NodeState.READY, f"{node!r} is in the tree"
             counted["nodes"] += 1
-            kind = "pinned" if node.lock_ref else "evictable"
+            kind = "pinned" if node.pins else "evictable"
             for unit, amount in (("bytes", node.nbytes), ("tokens", len(node.tokens))):
                 counted[f"total_{unit}"] += amount
                 counted[f"{kind}_{unit}"] += amount
@@ -119,4 +119,4 @@ def check_invariants(tree: RadixTree) -> list[Node]:
 
 
 def _evictable_leaf(node: Node) -> bool:
-    return node.state is NodeState.READY and node.lock_ref == 0 and not node.children
+    return node.state is NodeState.READY and node.pins == 0 and not node.children

@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from radix.stats import stat
+
 log = logging.getLogger("radix_mlx.radix")
 
 
@@ -69,7 +71,7 @@ class _Link:
 class Node(_Link):
     """One edge of the tree and the cache data for it.
 
-    `lock_ref` counts the pins on this node and on every node below it, so a node is
+    `pins` counts the pins on this node and on every node below it, so a node is
     pinned exactly when some request still needs its data.
     """
 
@@ -80,8 +82,8 @@ class Node(_Link):
         "error",
         "handle",
         "last_access",
-        "lock_ref",
         "parent",
+        "pins",
         "state",
         "tokens",
     )
@@ -98,7 +100,7 @@ class Node(_Link):
         self.parent = parent
         self.children: dict[int, Node] = {}
         self.handle = handle
-        self.lock_ref = 0
+        self.pins = 0
         self.last_access = 0
         self.state = NodeState.READY
         self.error: BaseException | None = None
@@ -148,7 +150,7 @@ class Node(_Link):
         head = ", ".join(map(str, self.tokens[:6])) + (", ..." if len(self.tokens) > 6 else "")
         return (
             f"Node([{head}] len={len(self.tokens)} {self.state.value} "
-            f"lock_ref={self.lock_ref} nbytes={self.nbytes})"
+            f"pins={self.pins} nbytes={self.nbytes})"
         )
 
 
@@ -206,13 +208,14 @@ class MatchResult:
     """Deepest READY node with a handle whose whole path matched (the root if none)."""
     length: int
     """Tokens matched: the depth of `node`."""
-    pending: Node | None = None
-    """PENDING node the rest of the query continues into: wait on it, then match again."""
-    pending_shared: int = 0
-    """Query tokens after `length` that the pending node's path covers (0 if none)."""
+    in_flight: Node | None = None
+    """Another request's reservation (a PENDING node) the rest of the query continues
+    into: wait on it, then match again."""
+    in_flight_shared: int = 0
+    """Query tokens after `length` that the in-flight node's path covers (0 if none)."""
 
 
-class InsertStatus(enum.Enum):
+class ReserveStatus(enum.Enum):
     CREATED = "created"
     """`node` is a new PENDING node, pinned for you: compute it, then finalize or poison."""
     WAIT = "wait"
@@ -222,32 +225,36 @@ class InsertStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
-class PendingResult:
-    status: InsertStatus
+class ReserveResult:
+    status: ReserveStatus
     node: Node
-
-    @property
-    def created(self) -> bool:
-        return self.status is InsertStatus.CREATED
 
 
 @dataclass(frozen=True)
 class TreeStats:
-    total_bytes: int
-    evictable_bytes: int
-    pinned_bytes: int
-    total_tokens: int
-    evictable_tokens: int
-    pinned_tokens: int
-    nodes: int
-    """READY nodes, junctions included, root excluded."""
-    pending: int
-    hits: int
-    misses: int
-    hit_tokens: int
-    evictions: int
-    """Nodes evicted."""
-    capacity_bytes: int
+    """The tree's accounting, in bytes and tokens of READY nodes, and its counters."""
+
+    total_bytes: int = stat("gauge", "Bytes of KV held by the radix tree.", name="tree_bytes")
+    evictable_bytes: int = stat("gauge", "Tree bytes no running request pins.",
+                                name="tree_evictable_bytes")
+    pinned_bytes: int = stat("gauge", "Tree bytes pinned by running requests.",
+                             name="tree_pinned_bytes")
+    total_tokens: int = stat("gauge", "Tokens held by the radix tree.", name="tree_tokens")
+    evictable_tokens: int = stat("gauge", "Tree tokens no running request pins.",
+                                 name="tree_evictable_tokens")
+    pinned_tokens: int = stat("gauge", "Tree tokens pinned by running requests.",
+                              name="tree_pinned_tokens")
+    nodes: int = stat("gauge", "Nodes in the radix tree (junctions included).",
+                      name="tree_nodes")
+    pending: int = stat("gauge", "Tree nodes reserved and still being computed.",
+                        name="tree_pending_nodes")
+    hits: int = stat("counter", "Radix matches that reused cached tokens.", name="cache_hits")
+    misses: int = stat("counter", "Radix matches that found nothing.", name="cache_misses")
+    hit_tokens: int = stat("counter", "Tokens reused by radix matches.",
+                           name="cache_hit_tokens")
+    evictions: int = stat("counter", "Radix tree nodes evicted.", name="tree_evictions")
+    capacity_bytes: int = stat("gauge", "The radix tree's byte budget.",
+                               name="tree_capacity_bytes")
 
 
 def _common_prefix(edge: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
@@ -266,7 +273,7 @@ class RadixTree:
     """Thread-safe radix tree of cached token prefixes with a byte budget.
 
     Accounting covers READY nodes only (a PENDING node has no data yet): a node's bytes and
-    edge tokens are *pinned* while `lock_ref > 0` and *evictable* otherwise, so
+    edge tokens are *pinned* while `pins > 0` and *evictable* otherwise, so
     `evictable + pinned == total` at every step. The root never counts and is never evicted.
     """
 
@@ -284,11 +291,11 @@ class RadixTree:
 
     # -- reading ---------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int], *, lock: bool = False) -> MatchResult:
+    def match(self, tokens: Sequence[int], *, pin: bool = False) -> MatchResult:
         """Find the longest reusable cached prefix of `tokens` and mark its path used.
 
-        With `lock=True` the result node is pinned in the same critical section, so no
-        other thread can evict it before the caller pins it (caller unlocks).
+        With `pin=True` the result node is pinned in the same critical section, so no
+        other thread can evict it before the caller pins it (caller unpins).
         """
         tokens = tuple(tokens)
         with self._mutex:
@@ -299,8 +306,8 @@ class RadixTree:
                 self._hit_tokens += result.length
             else:
                 self._misses += 1
-            if lock:
-                self._inc_lock_ref(result.node)
+            if pin:
+                self._pin_path(result.node)
         return result
 
     def peek(self, tokens: Sequence[int]) -> int:
@@ -332,60 +339,60 @@ class RadixTree:
 
     # -- pinning ---------------------------------------------------------------------
 
-    def lock(self, node: Node) -> None:
-        """Pin `node` and its ancestors: none of them can be evicted until `unlock`.
+    def pin(self, node: Node) -> None:
+        """Pin `node` and its ancestors: none of them can be evicted until `unpin`.
 
         `node` holds state (a `match` or `insert` result) or is the root: a junction may
         be reserved and replaced, so it is never pinned on its own.
         """
-        assert node is self.root or node.handle is not None, f"lock of a junction {node!r}"
+        assert node is self.root or node.handle is not None, f"pin of a junction {node!r}"
         with self._mutex:
-            self._inc_lock_ref(node)
+            self._pin_path(node)
 
-    def unlock(self, node: Node) -> None:
-        """Release one pin taken by `lock` (or by `match(lock=True)` / `insert(lock=True)`)."""
+    def unpin(self, node: Node) -> None:
+        """Release one pin taken by `pin` (or by `match(pin=True)` / `insert(pin=True)`)."""
         with self._mutex:
-            self._dec_lock_ref(node, 1)
+            self._unpin_path(node, 1)
 
     # -- writing ---------------------------------------------------------------------
 
-    def insert_pending(self, parent: Node, tokens: Sequence[int]) -> PendingResult:
+    def reserve(self, parent: Node, tokens: Sequence[int]) -> ReserveResult:
         """Reserve the computation of `tokens` below `parent` without blocking.
 
-        `parent` is the node of a fresh match, pinned by the caller. See `InsertStatus`
+        `parent` is the node of a fresh match, pinned by the caller. See `ReserveStatus`
         for the three outcomes. A CREATED node's edge is all of `tokens`, except with
         snapshot handles, where the walk may pass junctions that cover a head of them, and
         the reservation may be an existing junction (which keeps its children).
         """
         tokens = tuple(tokens)
         if not tokens:
-            raise ValueError("insert_pending needs at least one token")
+            raise ValueError("reserve needs at least one token")
         with self._mutex:
             if not self._attached_parent(parent):  # evicted since the match: pin it next time
-                return PendingResult(InsertStatus.RETRY, parent)
+                return ReserveResult(ReserveStatus.RETRY, parent)
             node, depth = parent, 0
             while True:
                 child = node.children.get(tokens[depth])
                 if child is None:
                     created = self._add_child(node, tokens[depth:], None)
-                    return PendingResult(InsertStatus.CREATED, self._reserve(created))
+                    return ReserveResult(ReserveStatus.CREATED, self._mark_pending(created))
                 if child.state is NodeState.PENDING:
-                    return PendingResult(InsertStatus.WAIT, child)
+                    return ReserveResult(ReserveStatus.WAIT, child)
                 k = _common_prefix(child.tokens, tokens, depth)
                 # A child whose state a match could have reused means the caller's match
                 # is stale: someone published this prefix meanwhile.
                 if child.handle is not None and (k == len(child.tokens) or child.handle.splittable):
-                    return PendingResult(InsertStatus.RETRY, parent)
+                    return ReserveResult(ReserveStatus.RETRY, parent)
                 if k < len(child.tokens):
                     child = self._split(child, k)
                 node, depth = child, depth + k
                 if depth == len(tokens):  # the tokens end on a junction: reserve filling it
-                    return PendingResult(InsertStatus.CREATED, self._reserve(node))
+                    return ReserveResult(ReserveStatus.CREATED, self._mark_pending(node))
 
     def finalize(self, node: Node, handle: Handle) -> None:
         """Publish the data of a PENDING node and wake its waiters.
 
-        The node stays pinned by its creator, who unlocks it when done with it.
+        The node stays pinned by its creator, who unpins it when done with it.
         """
         with self._mutex:
             if node.state is not NodeState.PENDING:
@@ -403,7 +410,7 @@ class RadixTree:
         """Fail a PENDING node: remove it, drop its creator's pin, wake waiters with `error`.
 
         A reserved junction leaves a fresh junction in its place, for its children. The
-        creator must not unlock the node afterwards (it still unlocks its parent).
+        creator must not unpin the node afterwards (it still unpins its parent).
         """
         with self._mutex:
             if node.state is not NodeState.PENDING:
@@ -412,32 +419,32 @@ class RadixTree:
             node.error = error
             self._pending -= 1
             parent = node.parent
-            pins_below = sum(child.lock_ref for child in node.children.values())
-            own_pins = node.lock_ref - pins_below
+            pins_below = sum(child.pins for child in node.children.values())
+            own_pins = node.pins - pins_below
             if node.children:
                 junction = Node(node.tokens, parent, None, self._mutex)
                 junction.children, node.children = node.children, {}
                 for child in junction.children.values():
                     child.parent = junction
-                junction.lock_ref, junction.last_access = pins_below, node.last_access
+                junction.pins, junction.last_access = pins_below, node.last_access
                 parent.children[node.tokens[0]] = junction
                 self._add_stats(junction, +1)
             else:
                 del parent.children[node.tokens[0]]
-            node.parent, node.lock_ref = None, 0
-            self._dec_lock_ref(parent, own_pins)
+            node.parent, node.pins = None, 0
+            self._unpin_path(parent, own_pins)
             callbacks, node._callbacks = node._callbacks, None
         self._run_callbacks(node, callbacks)
 
     def insert(
-        self, parent: Node, tokens: Sequence[int], handle: Handle, *, lock: bool = False
+        self, parent: Node, tokens: Sequence[int], handle: Handle, *, pin: bool = False
     ) -> Node:
         """Publish `handle`, computed for `tokens` below `parent` (pinned by the caller).
 
         Parts already cached are kept and the matching head of `handle` is freed; a PENDING
         node on the way ends the insert and the rest of `handle` is freed. Returns the
         deepest node on the path of `tokens` that holds state (else `parent`), pinned if
-        `lock=True`.
+        `pin=True`.
         """
         tokens = tuple(tokens)
         if not tokens:
@@ -447,8 +454,8 @@ class RadixTree:
             if not self._attached_parent(parent):
                 raise ValueError(f"insert below an evicted node {parent!r}: pin the parent")
             node = self._insert(parent, tokens, handle, garbage)
-            if lock:
-                self._inc_lock_ref(node)
+            if pin:
+                self._pin_path(node)
         self._free_all(garbage)
         return node
 
@@ -478,20 +485,20 @@ class RadixTree:
 
         `compute(parent, rest)` builds the handle for `rest` on top of `parent`'s path; it
         runs outside the lock. Threads that need the same missing prefix wait for the one
-        computing it; if that computation fails they get its error. The caller unlocks
+        computing it; if that computation fails they get its error. The caller unpins
         the returned node. This is the optimistic write loop, written for blocking threads.
         """
         tokens = tuple(tokens)
         if not tokens:
             raise ValueError("acquire needs at least one token")
         while True:
-            m = self.match(tokens, lock=True)
+            m = self.match(tokens, pin=True)
             if m.length == len(tokens):
                 return m.node
             try:
                 node = self._acquire_step(m, tokens, compute)
             finally:
-                self.unlock(m.node)
+                self.unpin(m.node)
             if node is not None:
                 return node
 
@@ -502,15 +509,15 @@ class RadixTree:
         compute: Callable[[Node, Sequence[int]], Handle],
     ) -> Node | None:
         """One round of `acquire` with `m.node` pinned: a pinned node, or None to retry."""
-        if m.pending is not None:
-            m.pending.wait()
+        if m.in_flight is not None:
+            m.in_flight.wait()
             return None
         rest = tokens[m.length :]
-        reserved = self.insert_pending(m.node, rest)
-        if reserved.status is InsertStatus.WAIT:
+        reserved = self.reserve(m.node, rest)
+        if reserved.status is ReserveStatus.WAIT:
             reserved.node.wait()
             return None
-        if reserved.status is InsertStatus.RETRY:
+        if reserved.status is ReserveStatus.RETRY:
             return None
         try:
             handle = compute(m.node, rest)
@@ -574,7 +581,7 @@ class RadixTree:
                 break
             k = _common_prefix(child.tokens, tokens, depth)
             if child.state is NodeState.PENDING:
-                result.pending, result.pending_shared = child, depth - result.length + k
+                result.in_flight, result.in_flight_shared = child, depth - result.length + k
                 break
             if k < len(child.tokens):
                 if child.handle is None or not child.handle.splittable:
@@ -599,7 +606,7 @@ class RadixTree:
         self._sync_lru(child)
         return child
 
-    def _reserve(self, junction: Node) -> Node:
+    def _mark_pending(self, junction: Node) -> Node:
         """Turn a junction into its creator's PENDING reservation, pinned for the creator.
 
         Until finalize or poison, matches stop at it and its waiters queue on it.
@@ -608,7 +615,7 @@ class RadixTree:
         junction.state = NodeState.PENDING
         junction._callbacks = []
         self._pending += 1
-        self._inc_lock_ref(junction)
+        self._pin_path(junction)
         return junction
 
     def _split(self, node: Node, at: int) -> Node:
@@ -623,7 +630,7 @@ class RadixTree:
         self._add_stats(node, -1)
         head = Node(node.tokens[:at], node.parent, head_handle, self._mutex)
         # The head's subtree holds exactly the tail's pins.
-        head.lock_ref = node.lock_ref
+        head.pins = node.pins
         head.last_access = node.last_access
         node.parent.children[node.tokens[0]] = head
         node.tokens = node.tokens[at:]
@@ -642,28 +649,28 @@ class RadixTree:
             self.lru.remove(path[-1])
             self.lru.push_mru(path[-1])
 
-    def _inc_lock_ref(self, node: Node) -> None:
-        assert self._attached(node), f"lock of an evicted node {node!r}"
+    def _pin_path(self, node: Node) -> None:
+        assert self._attached(node), f"pin of an evicted node {node!r}"
         while node is not self.root:
-            if node.lock_ref == 0:
+            if node.pins == 0:
                 self._add_stats(node, -1)
-                node.lock_ref = 1
+                node.pins = 1
                 self._add_stats(node, +1)
                 self._sync_lru(node)
             else:
-                node.lock_ref += 1
+                node.pins += 1
             node = node.parent
 
-    def _dec_lock_ref(self, node: Node, pins: int) -> None:
+    def _unpin_path(self, node: Node, pins: int) -> None:
         while node is not self.root:
-            assert node.lock_ref >= pins, f"unlock of an unpinned node {node!r}"
-            if node.lock_ref == pins:
+            assert node.pins >= pins, f"unpin of an unpinned node {node!r}"
+            if node.pins == pins:
                 self._add_stats(node, -1)
-                node.lock_ref = 0
+                node.pins = 0
                 self._add_stats(node, +1)
                 self._sync_lru(node)
             else:
-                node.lock_ref -= pins
+                node.pins -= pins
             node = node.parent
 
     def _add_stats(self, node: Node, sign: int) -> None:
@@ -673,7 +680,7 @@ class RadixTree:
         nbytes, ntokens = sign * node.nbytes, sign * len(node.tokens)
         self._total_bytes += nbytes
         self._total_tokens += ntokens
-        if node.lock_ref:
+        if node.pins:
             self._pinned_bytes += nbytes
             self._pinned_tokens += ntokens
         else:
@@ -686,7 +693,7 @@ class RadixTree:
             node is not self.root
             and node.parent is not None
             and node.state is NodeState.READY
-            and node.lock_ref == 0
+            and node.pins == 0
             and not node.children
         )
 

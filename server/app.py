@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from engine.engine import Engine
 from server.auth import APIKeyMiddleware
 from server.config import Settings
 from server.errors import install_error_handlers
 from server.middleware import RequestMiddleware
 from server.routes import api, probes
 from server.state import ServerState
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 
 def create_app(settings: Settings, engine: Engine) -> FastAPI:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from engine.request import TokenEvent, TokenLogprob
+from engine.api import TokenEvent, TokenLogprob
 from server.jobs import ChoiceResult, Delta
 from server.protocol import (
     ChatChoice,

@@ -13,9 +13,9 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.engine import Engine
-from engine.request import (
+from engine.api import (
     ContextLengthExceeded,
     EngineNotReady,
     Finish,
@@ -29,6 +29,9 @@ from server.metrics import Metrics
 from server.protocol import FinishReason, PromptTokensDetails, ToolCallOut, Usage
 from server.state import Drain
 from server.tools import ToolCallParser
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 
 @dataclass

@@ -8,34 +8,26 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
+from collections.abc import Iterator
+from dataclasses import fields, is_dataclass
 
-from engine.engine import EngineStats
+from engine.api import EngineStats
 
 PREFIX = "radix_mlx"
 
-# (EngineStats field, metric name, type, help). Counters get the `_total` suffix.
-ENGINE_METRICS: tuple[tuple[str, str, str, str], ...] = (
-    ("waiting", "queue_depth", "gauge", "Requests submitted and not yet started."),
-    ("running", "running_requests", "gauge", "Requests in the running batch."),
-    ("prompt_tokens", "prompt_tokens", "counter", "Prompt tokens of finished prefills."),
-    ("cached_tokens", "cached_tokens", "counter", "Prompt tokens served from the radix cache."),
-    ("prefill_tokens", "prefill_tokens", "counter", "Prompt tokens computed by prefill."),
-    ("generated_tokens", "generated_tokens", "counter", "Tokens generated."),
-    ("requests_failed", "engine_requests_failed", "counter", "Requests the engine failed."),
-    ("steps", "engine_steps", "counter", "Engine scheduler steps."),
-    ("step_seconds", "engine_step_seconds", "counter", "Seconds spent in engine steps."),
-    ("tree_bytes", "tree_bytes", "gauge", "Bytes of KV held by the radix tree."),
-    ("tree_capacity_bytes", "tree_capacity_bytes", "gauge", "The radix tree's byte budget."),
-    ("tree_nodes", "tree_nodes", "gauge", "Nodes in the radix tree."),
-    ("tree_tokens", "tree_tokens", "gauge", "Tokens held by the radix tree."),
-    ("pinned_bytes", "tree_pinned_bytes", "gauge", "Tree bytes pinned by running requests."),
-    ("pinned_tokens", "tree_pinned_tokens", "gauge", "Tree tokens pinned by running requests."),
-    ("pending_nodes", "tree_pending_nodes", "gauge", "Tree nodes still being computed."),
-    ("evictions", "tree_evictions", "counter", "Radix tree nodes evicted."),
-    ("cache_hits", "cache_hits", "counter", "Radix matches that reused cached tokens."),
-    ("cache_misses", "cache_misses", "counter", "Radix matches that found nothing."),
-    ("active_memory_bytes", "active_memory_bytes", "gauge", "MLX active memory."),
-)
+
+
+def engine_metrics(stats: object) -> Iterator[tuple[str, str, str, float]]:
+    """(name, kind, help, value) of every described field of `stats`, nested dataclasses
+    included: the stats dataclasses say themselves what they export (radix/stats.py)."""
+    for item in fields(stats):
+        value = getattr(stats, item.name)
+        if is_dataclass(value):
+            yield from engine_metrics(value)
+        elif "kind" in item.metadata:
+            meta = item.metadata
+            yield meta["name"] or item.name, meta["kind"], meta["help"], value
+
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -78,13 +70,9 @@ class Metrics:
         for (endpoint, status), count in sorted(self.requests.items()):
             lines.append(f'{name}{{endpoint="{endpoint}",status="{status}"}} {count}')
         lines += self.ttft.render() + self.itl.render()
-        for field, metric, kind, help_text in ENGINE_METRICS:
+        for metric, kind, help_text, value in engine_metrics(stats):
             metric = f"{PREFIX}_{metric}{'_total' if kind == 'counter' else ''}"
-            lines += [
-                f"# HELP {metric} {help_text}",
-                f"# TYPE {metric} {kind}",
-                f"{metric} {getattr(stats, field)}",
-            ]
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}", f"{metric} {value}"]
         name = f"{PREFIX}_model_state"
         lines += [f"# HELP {name} 1 for the engine's current lifecycle state.",
                   f"# TYPE {name} gauge", f'{name}{{state="{state}"}} 1']

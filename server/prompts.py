@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
-from typing import Any
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from engine.tokenizer import ModelTokenizer
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest, template_message
 
@@ -31,7 +31,7 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> No
         )
 
 
-def chat_prompt(tokenizer: Any, request: ChatCompletionRequest) -> list[int]:
+def chat_prompt(tokenizer: ModelTokenizer, request: ChatCompletionRequest) -> list[int]:
     if not tokenizer.has_chat_template:
         raise APIError(
             400, "this model has no chat template; use /v1/completions", code="invalid_request",
@@ -44,15 +44,10 @@ def chat_prompt(tokenizer: Any, request: ChatCompletionRequest) -> list[int]:
             400, f"chat_template_kwargs sets template variables only, not {reserved[0]!r}",
             code="invalid_request", param="chat_template_kwargs",
         )
-    options = {
-        **variables,
-        "tools": request.template_tools,
-        "add_generation_prompt": True,
-        "tokenize": True,
-    }
     try:
-        prompt = tokenizer.apply_chat_template(
-            [template_message(message) for message in request.messages], **options
+        prompt = tokenizer.chat_prompt(
+            [template_message(message) for message in request.messages],
+            request.template_tools, variables,
         )
     except (TemplateError, ValueError) as error:
         # Templates reject what they cannot render (e.g. roles that do not alternate).
@@ -60,15 +55,17 @@ def chat_prompt(tokenizer: Any, request: ChatCompletionRequest) -> list[int]:
             400, f"the chat template rejected the messages: {error}", code="invalid_request",
             param="messages",
         ) from error
-    return list(prompt)
+    return prompt
 
 
-def completion_prompts(tokenizer: Any, request: CompletionRequest) -> list[list[int]]:
+def completion_prompts(tokenizer: ModelTokenizer, request: CompletionRequest) -> list[list[int]]:
     prompts = request.prompts
     if isinstance(prompts[0], str):
         encoded = [tokenizer.encode(prompt) for prompt in prompts]
         if not all(encoded):
             raise APIError(400, "the prompt encodes to no tokens", param="prompt")
         return encoded
-    check_token_ids((token for prompt in prompts for token in prompt), len(tokenizer), "prompt")
+    check_token_ids(
+        (token for prompt in prompts for token in prompt), tokenizer.vocab_size, "prompt"
+    )
     return [list(prompt) for prompt in prompts]

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine.request import SamplingParams
+from engine.api import SamplingParams
 
 
 class RequestModel(BaseModel):

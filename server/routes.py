@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.engine import Lifecycle
+from engine.api import Lifecycle
 from server.errors import APIError
 from server.formats import ChatFormat, CompletionFormat, Format
 from server.jobs import Delta, Job, collect, deltas
@@ -113,10 +113,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         1, min(state.settings.default_max_tokens, state.engine.context_length - len(prompt))
     )
     tool_parser = None
-    if body.template_tools and tokenizer.has_tool_calling:
+    calls = tokenizer.tool_calls
+    if body.template_tools and calls is not None:
         tool_parser = partial(
-            ToolCallParser, tokenizer.tool_call_start, tokenizer.tool_call_end,
-            tokenizer.tool_parser, body.template_tools,
+            ToolCallParser, calls.start, calls.end, calls.parse, body.template_tools
         )
     job = _submit(request, state, body, [prompt], max_tokens, body.engine_logprobs)
     fmt = ChatFormat(f"chatcmpl-{job.request_id}", model, body.logprobs)
@@ -143,7 +143,7 @@ def _submit(
     max_tokens: int,
     logprobs: int | None,
 ) -> Job:
-    vocab_size = len(state.engine.tokenizer)
+    vocab_size = state.engine.tokenizer.vocab_size
     check_token_ids(map(int, body.logit_bias or ()), vocab_size, "logit_bias")
     check_token_ids(body.stop_token_ids or (), vocab_size, "stop_token_ids")
     choices = len(prompts) * body.n

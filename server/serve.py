@@ -11,8 +11,9 @@ from types import FrameType
 
 import uvicorn
 
+from engine.api import EngineConfig, Lifecycle
 from engine.demo_model import demo_model_path
-from engine.engine import Engine, EngineConfig, Lifecycle
+from engine.engine import Engine
 from engine.platform_info import describe_platform
 from server.app import create_app
 from server.config import ConfigError, Settings, load_settings

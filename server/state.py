@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
-from engine.engine import Engine, Lifecycle
+from engine.api import Lifecycle
 from server.config import Settings
 from server.errors import APIError
 from server.metrics import Metrics
 
 if TYPE_CHECKING:
+    from engine.engine import Engine
+    from engine.tokenizer import ModelTokenizer
     from server.jobs import Job
 
 
@@ -71,7 +73,7 @@ class ServerState:
             )
         return model
 
-    def ready_tokenizer(self) -> Any:
+    def ready_tokenizer(self) -> ModelTokenizer:
         """The tokenizer once the model is ready; 503 before (or after a failed load)."""
         engine = self.engine
         if engine.state is Lifecycle.READY:

@@ -9,8 +9,8 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from engine.engine import Engine, EngineConfig, EngineStats
-from engine.request import Finish, SamplingParams, TokenEvent
+from engine.api import EngineConfig, EngineStats, Finish, SamplingParams, TokenEvent
+from engine.engine import Engine
 
 
 @dataclass
@@ -54,7 +54,7 @@ async def settled(engine: Engine, timeout: float = 10.0) -> EngineStats:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         stats = engine.stats()
-        if stats.running == 0 and stats.waiting == 0 and stats.pinned_bytes == 0:
+        if stats.running == 0 and stats.waiting == 0 and stats.tree.pinned_bytes == 0:
             return stats
         if asyncio.get_running_loop().time() > deadline:
             return stats

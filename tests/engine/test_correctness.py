@@ -14,7 +14,7 @@ pytestmark = __import__("pytest").mark.asyncio(loop_scope="module")
 
 
 def encode(engine, text: str) -> list[int]:
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+    return engine.tokenizer.encode(text, special_tokens=False)
 
 
 async def test_cold_cache(engine, reference):
@@ -43,7 +43,7 @@ async def test_partial_hit_splits_a_node(engine, reference):
     if engine_segments(engine):
         # Plain KV splits the first prompt's node at the shared boundary.
         assert result.finish.cached_tokens >= len(shared) - 1
-        assert engine.stats().tree_nodes > before.tree_nodes
+        assert engine.stats().tree.nodes > before.tree.nodes
     else:
         # Snapshots only reuse whole nodes; the shared head was never a node end.
         assert result.finish.cached_tokens == 0
@@ -73,13 +73,13 @@ async def test_batched_beside_requests_of_other_lengths(engine, reference):
 
 async def test_n_copies_share_one_prefill(engine, reference):
     prompt = encode(engine, "Four samples of one brand new prompt about owls. " * 4)
-    before = engine.stats().prefill_tokens
+    before = engine.stats().counters.prefill_tokens
     results = await asyncio.gather(*(complete(engine, prompt, 16) for _ in range(4)))
     expected = reference.greedy(prompt, 16)
     assert all(r.tokens == expected for r in results)
     # The prompt is computed once; each other copy only runs its last token.
-    assert engine.stats().prefill_tokens - before == len(prompt) + 3
+    assert engine.stats().counters.prefill_tokens - before == len(prompt) + 3
 
 
 def engine_segments(engine) -> bool:
-    return engine._scheduler.segments
+    return engine._scheduler.kv.segments

@@ -9,7 +9,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from engine.generator import Generator, Sequence
+from engine.generator import Generator, SequenceState
 
 
 @pytest.fixture(scope="module")
@@ -17,12 +17,12 @@ def model(family_model_dir):
     return load(family_model_dir("llama"))[0]
 
 
-def sequence(model, uid: int, prompt: list[int]) -> Sequence:
-    return Sequence(uid, make_prompt_cache(model), tokens=[], pending=list(prompt),
+def sequence(model, uid: int, prompt: list[int]) -> SequenceState:
+    return SequenceState(uid, make_prompt_cache(model), tokens=[], unfed=list(prompt),
                     sampler=None, processors=[], wants_logprobs=False)
 
 
-def run_until_decoding(generator: Generator, *sequences: Sequence) -> None:
+def run_until_decoding(generator: Generator, *sequences: SequenceState) -> None:
     for s in sequences:
         generator.add(s)
     while generator.prefilling:

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from engine.api import QueueFull, RequestFailed, TokenEvent
 from engine.loader import FAULT_TOKEN_ENV
-from engine.request import QueueFull, RequestFailed, TokenEvent
 from tests.engine.support import Reference, complete, settled, start_engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -38,13 +38,13 @@ def random_prompt(seed: int, length: int, vocab: int = 2000) -> list[int]:
 async def test_thundering_herd_computes_a_new_prefix_once(engine, reference):
     prefix = random_prompt(1, 1024)
     prompts = [prefix + random_prompt(100 + i, 8) for i in range(8)]
-    before = engine.stats().prefill_tokens
+    before = engine.stats().counters.prefill_tokens
     results = await asyncio.gather(*(complete(engine, p, 8) for p in prompts))
     for prompt, result in zip(prompts, results):
         assert result.tokens == reference.greedy(prompt, 8)
     # One request prefills the prefix with its suffix; the other seven wait for it and
     # prefill only their own 8 tokens.
-    assert engine.stats().prefill_tokens - before == 1024 + 8 * 8
+    assert engine.stats().counters.prefill_tokens - before == 1024 + 8 * 8
     assert sorted(r.finish.cached_tokens for r in results)[1:] == [1024] * 7
 
 
@@ -56,12 +56,12 @@ async def test_prompts_diverging_after_a_short_header_are_each_computed_once(eng
     systems = [random_prompt(21 + g, 200) for g in range(2)]
     prompts = [header + systems[g] + random_prompt(30 + i, 10) for i, g in
                enumerate([0, 1, 1, 0, 1])]
-    before = engine.stats().prefill_tokens
+    before = engine.stats().counters.prefill_tokens
     results = await asyncio.gather(*(complete(engine, p, 6) for p in prompts))
     for prompt, result in zip(prompts, results):
         assert result.tokens == reference.greedy(prompt, 6)
     # Each group's header + system prompt once, then only each question.
-    assert engine.stats().prefill_tokens - before == 2 * 205 + 5 * 10
+    assert engine.stats().counters.prefill_tokens - before == 2 * 205 + 5 * 10
 
 
 async def test_cancel_mid_decode_releases_everything(engine):
@@ -75,7 +75,7 @@ async def test_cancel_mid_decode_releases_everything(engine):
     assert event.reason == "cancelled"
     assert 3 <= event.completion_tokens < 4000
     stats = await settled(engine)
-    assert (stats.running, stats.waiting, stats.pinned_bytes, stats.pending_nodes) == (0, 0, 0, 0)
+    assert (stats.running, stats.waiting, stats.tree.pinned_bytes, stats.tree.pending) == (0, 0, 0, 0)
 
 
 async def test_cancel_while_waiting_for_a_shared_prefix(engine, reference):
@@ -88,7 +88,7 @@ async def test_cancel_while_waiting_for_a_shared_prefix(engine, reference):
     assert events[-1].reason == "cancelled"
     assert (await first).tokens == reference.greedy(prefix + [11], 4)
     stats = await settled(engine)
-    assert (stats.running, stats.pinned_bytes, stats.pending_nodes) == (0, 0, 0)
+    assert (stats.running, stats.tree.pinned_bytes, stats.tree.pending) == (0, 0, 0)
 
 
 async def test_tiny_budget_stays_bounded_and_correct(llama_dir, reference):
@@ -114,11 +114,11 @@ async def test_tiny_budget_stays_bounded_and_correct(llama_dir, reference):
         for prompt, task in zip(prompts, tasks):
             assert task.result().tokens == reference.greedy(prompt, 6)
         stats = await settled(engine)
-        assert stats.pinned_bytes == 0
-        assert stats.tree_bytes <= budget
-        assert stats.evictions > 0
+        assert stats.tree.pinned_bytes == 0
+        assert stats.tree.total_bytes <= budget
+        assert stats.tree.evictions > 0
         assert engine._scheduler.tree.clear() >= 0
-        assert engine.stats().tree_bytes == 0
+        assert engine.stats().tree.total_bytes == 0
     finally:
         engine.shutdown()
 
@@ -130,7 +130,7 @@ async def test_tokens_in_flight_limit_bounds_the_batch(llama_dir, reference):
         step, reserved = scheduler._step, []
 
         def observed_step():
-            reserved.append(sum(r.tokens_reserved for r in scheduler.active.values()))
+            reserved.append(sum(r.tokens_reserved for r in scheduler.running.values()))
             step()
 
         scheduler._step = observed_step
@@ -226,7 +226,7 @@ async def test_max_tokens_ends_with_length(engine):
 
 
 async def test_prompt_beyond_the_context_is_refused(engine):
-    from engine.request import ContextLengthExceeded
+    from engine.api import ContextLengthExceeded
 
     with pytest.raises(ContextLengthExceeded):
         engine.submit([11] * 100, _greedy(max_tokens=engine.context_length))
@@ -247,8 +247,8 @@ async def test_a_failing_forward_fails_only_its_request(llama_dir, reference, mo
             await complete(engine, bad, 12)
         assert [(await task).tokens for task in good_tasks] == expected
         stats = await settled(engine)
-        assert stats.requests_failed == 1
-        assert (stats.running, stats.pinned_bytes, stats.pending_nodes) == (0, 0, 0)
+        assert stats.counters.requests_failed == 1
+        assert (stats.running, stats.tree.pinned_bytes, stats.tree.pending) == (0, 0, 0)
         # The engine keeps serving.
         assert (await complete(engine, good[0], 12)).tokens == expected[0]
     finally:
@@ -256,6 +256,6 @@ async def test_a_failing_forward_fails_only_its_request(llama_dir, reference, mo
 
 
 def _greedy(**options):
-    from engine.request import SamplingParams
+    from engine.api import SamplingParams
 
     return SamplingParams(temperature=0.0, **options)

@@ -19,7 +19,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from radix import InsertStatus, Node, NodeState, RadixTree
+from radix import Node, NodeState, RadixTree, ReserveStatus
 from radix.testing import FakeHandle, check_invariants
 
 CAPACITY = 16
@@ -57,7 +57,7 @@ class TreeMachine(RuleBasedStateMachine):
         self.pins: list[Node] = []
 
     def _free(self, handle: FakeHandle) -> None:
-        assert not self.tree._mutex.locked(), "free() under the tree lock"
+        assert not self.tree._mutex.locked(), "free() under the tree pin"
         handle.free()  # asserts it is the first free of a live handle
 
     # -- model ---------------------------------------------------------------------------
@@ -89,46 +89,46 @@ class TreeMachine(RuleBasedStateMachine):
         ]
         return min(on_path, key=lambda r: r.start, default=None)
 
-    def _match(self, tokens: tuple[int, ...], lock: bool):
+    def _match(self, tokens: tuple[int, ...], pin: bool):
         expected = self._expected_length(tokens)
         assert self.tree.peek(tokens) == expected
-        m = self.tree.match(tokens, lock=lock)
+        m = self.tree.match(tokens, pin=pin)
         assert m.length == expected
         assert m.node.path_tokens() == tokens[:expected]
         assert m.node is self.tree.root or m.node.handle is not None
         r = self._pending_on(tokens)
-        assert m.pending is (r.node if r else None)
+        assert m.in_flight is (r.node if r else None)
         if r is not None:
             shared = 0
             while r.start + shared < min(len(r.path), len(tokens)) and (
                 r.path[r.start + shared] == tokens[r.start + shared]
             ):
                 shared += 1
-            assert m.pending_shared == r.start - expected + shared
-        if lock:
+            assert m.in_flight_shared == r.start - expected + shared
+        if pin:
             self.pins.append(m.node)
         return m
 
     # -- rules ---------------------------------------------------------------------------
 
-    @rule(tokens=tokens_st, lock=st.booleans())
-    def match(self, tokens, lock):
-        self._match(tokens, lock)
+    @rule(tokens=tokens_st, pin=st.booleans())
+    def match(self, tokens, pin):
+        self._match(tokens, pin)
 
     @rule(target=reservations, tokens=tokens_st)
     def reserve(self, tokens):
         """The engine's admission: match pinned, then reserve the rest or wait."""
-        m = self._match(tokens, lock=True)
+        m = self._match(tokens, pin=True)
         return self._reserve(m, tokens)
 
     @rule(target=reservations, tokens=tokens_st, published=tokens_st)
     def reserve_after_a_stale_match(self, tokens, published):
         """Someone publishes between our match and our reservation: we must retry."""
-        m = self._match(tokens, lock=True)
-        self._insert(self.tree.root, (), published, lock=False)
+        m = self._match(tokens, pin=True)
+        self._insert(self.tree.root, (), published, pin=False)
         if self._expected_length(tokens) > m.length:
-            assert self.tree.insert_pending(m.node, tokens[m.length :]).status is (
-                InsertStatus.RETRY
+            assert self.tree.reserve(m.node, tokens[m.length :]).status is (
+                ReserveStatus.RETRY
             )
             return None
         return self._reserve(m, tokens)
@@ -136,13 +136,13 @@ class TreeMachine(RuleBasedStateMachine):
     def _reserve(self, m, tokens) -> Reservation | None:
         if m.length == len(tokens):
             return None
-        r = self.tree.insert_pending(m.node, tokens[m.length :])
-        if m.pending is not None:
-            assert (r.status, r.node) == (InsertStatus.WAIT, m.pending)
+        r = self.tree.reserve(m.node, tokens[m.length :])
+        if m.in_flight is not None:
+            assert (r.status, r.node) == (ReserveStatus.WAIT, m.in_flight)
             self.pending[id(r.node)].add_waiter(self.tree)
             return None
         assert r.node.path_tokens() == tokens
-        assert r.status is InsertStatus.CREATED and r.node.state is NodeState.PENDING
+        assert r.status is ReserveStatus.CREATED and r.node.state is NodeState.PENDING
         reservation = Reservation(r.node)
         self.pending[id(r.node)] = reservation
         return reservation
@@ -156,7 +156,7 @@ class TreeMachine(RuleBasedStateMachine):
         if fail:
             error = RuntimeError("injected")
             self.tree.poison(node, error)
-            assert node.parent is None and node.lock_ref == 0
+            assert node.parent is None and node.pins == 0
             assert reservation.woken == [(NodeState.POISONED, error, False)] * reservation.waiters
             return
         prefix = reservation.path[: reservation.start]
@@ -166,23 +166,23 @@ class TreeMachine(RuleBasedStateMachine):
         self.pins.append(node)  # the creator's pin, now on a READY node
         assert reservation.woken == [(NodeState.READY, None, False)] * reservation.waiters
 
-    @rule(tokens=tokens_st, lock=st.booleans(), from_root=st.booleans())
-    def insert(self, tokens, lock, from_root):
+    @rule(tokens=tokens_st, pin=st.booleans(), from_root=st.booleans())
+    def insert(self, tokens, pin, from_root):
         """Publish a computed sequence (a generation, or a prompt computed unreserved),
         below its match or from the root over what is already cached."""
-        m = self._match(tokens, lock=True)
+        m = self._match(tokens, pin=True)
         if from_root:
-            self._insert(self.tree.root, (), tokens, lock)
+            self._insert(self.tree.root, (), tokens, pin)
         elif m.length < len(tokens):
-            self._insert(m.node, tokens[: m.length], tokens[m.length :], lock)
-        self.tree.unlock(m.node)
+            self._insert(m.node, tokens[: m.length], tokens[m.length :], pin)
+        self.tree.unpin(m.node)
         self.pins.remove(m.node)
 
-    def _insert(self, parent: Node, prefix: tuple, tokens: tuple, lock: bool) -> None:
+    def _insert(self, parent: Node, prefix: tuple, tokens: tuple, pin: bool) -> None:
         path = prefix + tokens
         blocked = self._pending_on(path)
         handle = self._handle(prefix, tokens)
-        node = self.tree.insert(parent, tokens, handle, lock=lock)
+        node = self.tree.insert(parent, tokens, handle, pin=pin)
         if blocked is None:
             assert node.path_tokens() == path
             self.matchable |= self._reusable(handle)
@@ -192,21 +192,21 @@ class TreeMachine(RuleBasedStateMachine):
             assert reached == path[: len(reached)]
             assert node is parent or node.handle is not None
             assert handle.freed or handle.consumed
-        if lock:
+        if pin:
             self.pins.append(node)
 
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
-    def relock(self, data):
+    def repin(self, data):
         node = data.draw(st.sampled_from(self.pins))
-        self.tree.lock(node)
+        self.tree.pin(node)
         self.pins.append(node)
 
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
-    def unlock(self, data):
+    def unpin(self, data):
         node = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
-        self.tree.unlock(node)
+        self.tree.unpin(node)
 
     @rule(nbytes=st.integers(0, 20))
     def evict(self, nbytes):
@@ -247,14 +247,14 @@ class TreeMachine(RuleBasedStateMachine):
         if not hasattr(self, "tree"):
             return
         nodes = check_invariants(self.tree)
-        # lock_ref counts every pin at or below a node: ours plus each creator's.
+        # pins counts every pin at or below a node: ours plus each creator's.
         expected: dict[int, int] = {}
         for pinned in self.pins + [r.node for r in self.pending.values()]:
             node = pinned
             while node is not self.tree.root:
                 expected[id(node)] = expected.get(id(node), 0) + 1
                 node = node.parent
-        assert {id(n): n.lock_ref for n in nodes if n.lock_ref} == expected
+        assert {id(n): n.pins for n in nodes if n.pins} == expected
         # Every handle ever made is in the tree, freed once, or consumed by a split.
         in_tree = {id(n.handle) for n in nodes if n.handle is not None}
         live = {id(h) for h in self.ledger if not h.freed and not h.consumed}
@@ -273,7 +273,7 @@ class TreeMachine(RuleBasedStateMachine):
         for reservation in list(self.pending.values()):
             self.tree.poison(reservation.node, RuntimeError("teardown"))
         for node in self.pins:
-            self.tree.unlock(node)
+            self.tree.unpin(node)
         self.pending.clear()
         self.pins.clear()
         self.tree.clear()

@@ -59,15 +59,15 @@ class Harness:
         callback, and when it fires match again."""
         tree = self.tree
         while True:
-            m = tree.match(tokens, lock=True)
+            m = tree.match(tokens, pin=True)
             if m.length == len(tokens):
                 return m.node
-            if m.pending is None:
-                tree.unlock(m.node)
+            if m.in_flight is None:
+                tree.unpin(m.node)
                 return tree.acquire(tokens, self.compute)
-            tree.unlock(m.node)
+            tree.unpin(m.node)
             woken: queue.SimpleQueue = queue.SimpleQueue()
-            m.pending.add_done_callback(woken.put)
+            m.in_flight.add_done_callback(woken.put)
             node = woken.get(timeout=10)  # raises queue.Empty if never woken
             assert node.state in (NodeState.READY, NodeState.POISONED)
 
@@ -75,7 +75,7 @@ class Harness:
         nodes = check_invariants(self.tree)
         s = self.tree.stats()
         assert (s.pending, s.pinned_bytes, s.pinned_tokens) == (0, 0, 0)
-        assert all(n.lock_ref == 0 for n in nodes), "a pin leaked"
+        assert all(n.pins == 0 for n in nodes), "a pin leaked"
         in_tree = {id(n.handle) for n in nodes if n.handle is not None}
         live = {id(h) for h in self.ledger if not h.freed and not h.consumed}
         assert in_tree == live, "a handle leaked or was freed while in the tree"
@@ -114,7 +114,7 @@ def test_a_thundering_herd_computes_once_and_everyone_else_hits(splittable):
         start.wait()
         node = h.tree.acquire(tokens, h.compute)
         got.append(node)
-        h.tree.unlock(node)
+        h.tree.unpin(node)
 
     run_threads(request)
     assert len(set(map(id, got))) == 1 and got[0].path_tokens() == tokens
@@ -136,8 +136,8 @@ def test_racing_requests_compute_every_prefix_exactly_once(splittable):
                 node = h.tree.acquire(tokens, h.compute)
             else:
                 node = h.acquire_with_callbacks(tokens)
-            assert node.path_tokens() == tokens and node.lock_ref > 0
-            h.tree.unlock(node)
+            assert node.path_tokens() == tokens and node.pins > 0
+            h.tree.unpin(node)
 
     run_threads(requests)
     duplicates = [p for p, n in Counter(h.computed).items() if n > 1]
@@ -177,7 +177,7 @@ def test_failures_and_eviction_under_contention_leave_nothing_pending_or_pinned(
                     else FakeHandle(tokens + generated, splittable=False, ledger=h.ledger)
                 )
                 h.tree.insert(node, generated, handle)
-            h.tree.unlock(node)
+            h.tree.unpin(node)
             h.tree.enforce_capacity()
 
     def evictor() -> None:
@@ -200,7 +200,7 @@ def test_failures_and_eviction_under_contention_leave_nothing_pending_or_pinned(
 
 def test_every_waiter_of_a_failed_computation_gets_the_error():
     tree = RadixTree(1 << 30, FakeHandle.free)
-    node = tree.insert_pending(tree.root, [1, 2, 3]).node
+    node = tree.reserve(tree.root, [1, 2, 3]).node
     errors = []
     start = threading.Barrier(THREADS + 1)
 

@@ -6,14 +6,14 @@ import threading
 
 import pytest
 
-from radix import InsertStatus, NodeState, RadixTree
+from radix import NodeState, RadixTree, ReserveStatus
 from radix.testing import FakeHandle, check_invariants
 
 BIG = 1 << 30
 
 
 class Tree(RadixTree):
-    """A RadixTree that records frees, refuses double frees and frees under its lock,
+    """A RadixTree that records frees, refuses double frees and frees under its pin,
     and checks all invariants after every public call that changes it."""
 
     def __init__(self, capacity_bytes: int = BIG) -> None:
@@ -21,7 +21,7 @@ class Tree(RadixTree):
         super().__init__(capacity_bytes, self._record_free)
 
     def _record_free(self, handle: FakeHandle) -> None:
-        assert not self._mutex.locked(), "free() called under the tree lock"
+        assert not self._mutex.locked(), "free() called under the tree pin"
         handle.free()
         self.freed.append(handle)
 
@@ -52,7 +52,7 @@ def edges(tree: RadixTree) -> set[tuple[int, ...]]:
 def test_match_on_empty_tree_is_a_miss_at_the_root():
     tree = Tree()
     m = tree.match([1, 2, 3])
-    assert (m.node, m.length, m.pending, m.pending_shared) == (tree.root, 0, None, 0)
+    assert (m.node, m.length, m.in_flight, m.in_flight_shared) == (tree.root, 0, None, 0)
     s = tree.stats()
     assert (s.hits, s.misses, s.hit_tokens) == (0, 1, 0)
 
@@ -111,10 +111,10 @@ def test_match_walks_through_junctions_but_never_returns_one():
 def test_match_reports_the_pending_node_the_query_continues_into():
     tree = Tree()
     a = tree.put([1, 2])
-    tree.lock(a)
-    r = tree.insert_pending(a, [3, 4, 5])
+    tree.pin(a)
+    r = tree.reserve(a, [3, 4, 5])
     m = tree.match([1, 2, 3, 4, 9])
-    assert (m.node, m.length, m.pending, m.pending_shared) == (a, 2, r.node, 2)
+    assert (m.node, m.length, m.in_flight, m.in_flight_shared) == (a, 2, r.node, 2)
 
 
 def test_match_moves_the_matched_leaf_to_the_most_recently_used_end():
@@ -126,38 +126,38 @@ def test_match_moves_the_matched_leaf_to_the_most_recently_used_end():
     assert a.last_access > b.last_access
 
 
-def test_match_with_lock_pins_the_result():
+def test_match_with_pin_pins_the_result():
     tree = Tree()
     a = tree.put([1, 2])
-    m = tree.match([1, 2], lock=True)
-    assert m.node is a and a.lock_ref == 1 and a not in tree.lru
-    tree.unlock(a)
-    assert a.lock_ref == 0 and a in tree.lru
+    m = tree.match([1, 2], pin=True)
+    assert m.node is a and a.pins == 1 and a not in tree.lru
+    tree.unpin(a)
+    assert a.pins == 0 and a in tree.lru
 
 
-# -- lock / unlock ---------------------------------------------------------------------
+# -- pin / unpin ---------------------------------------------------------------------
 
 
-def test_lock_pins_the_whole_path_and_moves_its_bytes_to_pinned():
+def test_pin_pins_the_whole_path_and_moves_its_bytes_to_pinned():
     tree = Tree()
     a = tree.put([1, 2], bytes_per_token=3)
     b = tree.insert(a, [3], span([3], prefix=[1, 2]))
-    tree.lock(b)
-    assert (a.lock_ref, b.lock_ref, tree.root.lock_ref) == (1, 1, 0)
+    tree.pin(b)
+    assert (a.pins, b.pins, tree.root.pins) == (1, 1, 0)
     s = tree.stats()
     assert (s.pinned_bytes, s.evictable_bytes, s.pinned_tokens, s.evictable_tokens) == (7, 0, 3, 0)
     assert len(tree.lru) == 0
     check_invariants(tree)
 
 
-def test_unlock_is_the_reverse_and_returns_the_leaf_to_the_lru_as_most_recent():
+def test_unpin_is_the_reverse_and_returns_the_leaf_to_the_lru_as_most_recent():
     tree = Tree()
     a, b = tree.put([1]), tree.put([2])
-    tree.lock(a)
-    tree.lock(a)
-    tree.unlock(a)
-    assert a.lock_ref == 1 and list(tree.lru) == [b]
-    tree.unlock(a)
+    tree.pin(a)
+    tree.pin(a)
+    tree.unpin(a)
+    assert a.pins == 1 and list(tree.lru) == [b]
+    tree.unpin(a)
     assert list(tree.lru) == [b, a]
     s = tree.stats()
     assert (s.pinned_bytes, s.evictable_bytes) == (0, 2)
@@ -168,24 +168,24 @@ def test_a_junction_cannot_be_pinned_on_its_own():
     tree.put([1, 2, 3], splittable=False)
     tree.put([1, 2, 4], splittable=False)
     with pytest.raises(AssertionError):
-        tree.lock(tree.root.children[1])
+        tree.pin(tree.root.children[1])
 
 
-def test_unlock_of_an_unpinned_node_is_a_bug():
+def test_unpin_of_an_unpinned_node_is_a_bug():
     tree = Tree()
     a = tree.put([1])
     with pytest.raises(AssertionError):
-        tree.unlock(a)
+        tree.unpin(a)
 
 
 def test_a_split_node_keeps_its_pins_on_both_halves():
     tree = Tree()
     tail = tree.put([1, 2, 3])
-    tree.lock(tail)
+    tree.pin(tail)
     head = tree.match([1]).node
-    assert head.lock_ref == tail.lock_ref == 1
-    tree.unlock(tail)
-    assert head.lock_ref == tail.lock_ref == 0
+    assert head.pins == tail.pins == 1
+    tree.unpin(tail)
+    assert head.pins == tail.pins == 0
     check_invariants(tree)
 
 
@@ -193,74 +193,74 @@ def test_pinned_nodes_survive_eviction():
     tree = Tree()
     a = tree.put([1])
     tree.put([2])
-    tree.lock(a)
+    tree.pin(a)
     assert tree.clear() == 1
     assert edges(tree) == {(1,)} and [h.tokens for h in tree.freed] == [(2,)]
-    tree.unlock(a)
+    tree.unpin(a)
     assert tree.clear() == 1 and edges(tree) == set()
 
 
-# -- insert_pending / finalize / poison ------------------------------------------------
+# -- reserve / finalize / poison ------------------------------------------------
 
 
-def test_insert_pending_reserves_a_pinned_pending_node_that_holds_no_bytes():
+def test_reserve_reserves_a_pinned_pending_node_that_holds_no_bytes():
     tree = Tree()
     a = tree.put([1, 2])
-    tree.lock(a)
-    r = tree.insert_pending(a, [3, 4])
-    assert r.status is InsertStatus.CREATED and r.created
+    tree.pin(a)
+    r = tree.reserve(a, [3, 4])
+    assert r.status is ReserveStatus.CREATED
     node = r.node
     assert node.state is NodeState.PENDING and not node.done and node.handle is None
-    assert (node.parent, node.tokens, node.lock_ref, a.lock_ref) == (a, (3, 4), 1, 2)
+    assert (node.parent, node.tokens, node.pins, a.pins) == (a, (3, 4), 1, 2)
     s = tree.stats()
     assert (s.pending, s.nodes, s.total_tokens, s.pinned_tokens) == (1, 1, 2, 2)
     check_invariants(tree)
 
 
-def test_insert_pending_on_a_prefix_being_computed_says_wait_on_that_node():
+def test_reserve_on_a_prefix_being_computed_says_wait_on_that_node():
     tree = Tree()
-    first = tree.insert_pending(tree.root, [1, 2, 3]).node
-    r = tree.insert_pending(tree.root, [1, 2, 7])
-    assert (r.status, r.node) == (InsertStatus.WAIT, first)
+    first = tree.reserve(tree.root, [1, 2, 3]).node
+    r = tree.reserve(tree.root, [1, 2, 7])
+    assert (r.status, r.node) == (ReserveStatus.WAIT, first)
     assert tree.stats().pending == 1
 
 
-def test_insert_pending_after_someone_published_the_prefix_says_retry():
+def test_reserve_after_someone_published_the_prefix_says_retry():
     tree = Tree()
     tree.put([1, 2, 3])
-    r = tree.insert_pending(tree.root, [1, 2, 9])  # as if matched before the put
-    assert (r.status, r.node) == (InsertStatus.RETRY, tree.root)
+    r = tree.reserve(tree.root, [1, 2, 9])  # as if matched before the put
+    assert (r.status, r.node) == (ReserveStatus.RETRY, tree.root)
     assert tree.stats().pending == 0
 
 
-def test_insert_pending_below_a_node_evicted_since_the_match_says_retry():
+def test_reserve_below_a_node_evicted_since_the_match_says_retry():
     tree = Tree()
     a = tree.put([1, 2])
     tree.clear()
-    r = tree.insert_pending(a, [3])
-    assert (r.status, r.node) == (InsertStatus.RETRY, a)
+    r = tree.reserve(a, [3])
+    assert (r.status, r.node) == (ReserveStatus.RETRY, a)
 
 
-def test_insert_pending_below_a_snapshot_splits_it_and_hangs_under_the_junction():
+def test_reserve_below_a_snapshot_splits_it_and_hangs_under_the_junction():
     tree = Tree()
     tree.put([1, 2, 3], splittable=False)
-    r = tree.insert_pending(tree.root, [1, 2, 9])
-    assert r.status is InsertStatus.CREATED
+    r = tree.reserve(tree.root, [1, 2, 9])
+    assert r.status is ReserveStatus.CREATED
     junction = r.node.parent
     assert (junction.tokens, junction.handle, r.node.tokens) == ((1, 2), None, (9,))
-    assert junction.lock_ref == 1
+    assert junction.pins == 1
     check_invariants(tree)
 
 
-def test_insert_pending_ending_on_a_junction_reserves_the_junction_itself():
+def test_reserve_ending_on_a_junction_reserves_the_junction_itself():
     tree = Tree()
     tree.put([1, 2, 3], splittable=False)
     tree.put([1, 2, 4], splittable=False)
     junction = tree.root.children[1]
-    r = tree.insert_pending(tree.root, [1, 2])
-    assert (r.status, r.node) == (InsertStatus.CREATED, junction)
+    r = tree.reserve(tree.root, [1, 2])
+    assert (r.status, r.node) == (ReserveStatus.CREATED, junction)
     assert junction.state is NodeState.PENDING and len(junction.children) == 2
-    assert tree.match([1, 2, 3]).pending is junction, "matches stop at a reservation"
+    assert tree.match([1, 2, 3]).in_flight is junction, "matches stop at a reservation"
     tree.finalize(junction, snap([1, 2]))
     assert tree.match([1, 2, 5]).node is junction
     assert tree.match([1, 2, 3]).length == 3
@@ -271,36 +271,36 @@ def test_poison_of_a_reserved_junction_leaves_a_fresh_junction_for_its_children(
     tree = Tree()
     deeper = tree.put([1, 2, 3], splittable=False)
     tree.put([1, 2, 4], splittable=False)
-    tree.lock(deeper)
-    junction = tree.insert_pending(tree.root, [1, 2]).node
-    assert junction.lock_ref == 2
+    tree.pin(deeper)
+    junction = tree.reserve(tree.root, [1, 2]).node
+    assert junction.pins == 2
     tree.poison(junction, RuntimeError("failed"))
     assert junction.state is NodeState.POISONED and junction.parent is None
     fresh = deeper.parent
     assert fresh is not junction and fresh.tokens == (1, 2) and fresh.handle is None
-    assert fresh.state is NodeState.READY and fresh.lock_ref == 1 and len(fresh.children) == 2
+    assert fresh.state is NodeState.READY and fresh.pins == 1 and len(fresh.children) == 2
     assert tree.match([1, 2, 3]).node is deeper
     check_invariants(tree)
 
 
 def test_finalize_publishes_the_handle_and_wakes_waiters_outside_the_lock():
     tree = Tree()
-    node = tree.insert_pending(tree.root, [1, 2]).node
+    node = tree.reserve(tree.root, [1, 2]).node
     seen = []
     node.add_done_callback(lambda n: seen.append((n.state, tree._mutex.locked())))
     tree.finalize(node, span([1, 2]))
     assert seen == [(NodeState.READY, False)]
-    assert node.done and node.lock_ref == 1, "the creator still holds its pin"
+    assert node.done and node.pins == 1, "the creator still holds its pin"
     s = tree.stats()
     assert (s.pending, s.nodes, s.pinned_bytes, s.evictable_bytes) == (0, 1, 2, 0)
     assert tree.match([1, 2]).node is node
-    tree.unlock(node)
+    tree.unpin(node)
     assert list(tree.lru) == [node]
 
 
 def test_a_callback_added_after_completion_runs_at_once():
     tree = Tree()
-    node = tree.insert_pending(tree.root, [1]).node
+    node = tree.reserve(tree.root, [1]).node
     tree.finalize(node, span([1]))
     seen = []
     node.add_done_callback(seen.append)
@@ -310,7 +310,7 @@ def test_a_callback_added_after_completion_runs_at_once():
 
 def test_callbacks_may_reenter_the_tree():
     tree = Tree()
-    node = tree.insert_pending(tree.root, [1]).node
+    node = tree.reserve(tree.root, [1]).node
     results = []
     node.add_done_callback(lambda n: results.append(tree.match([1]).node))
     tree.finalize(node, span([1]))
@@ -319,7 +319,7 @@ def test_callbacks_may_reenter_the_tree():
 
 def test_a_failing_callback_does_not_starve_the_others():
     tree = Tree()
-    node = tree.insert_pending(tree.root, [1]).node
+    node = tree.reserve(tree.root, [1]).node
     seen = []
     node.add_done_callback(lambda n: 1 / 0)
     node.add_done_callback(seen.append)
@@ -329,7 +329,7 @@ def test_a_failing_callback_does_not_starve_the_others():
 
 def test_wait_blocks_until_finalize():
     tree = Tree()
-    node = tree.insert_pending(tree.root, [1]).node
+    node = tree.reserve(tree.root, [1]).node
     with pytest.raises(TimeoutError):
         node.wait(timeout=0.01)
     threading.Timer(0.01, tree.finalize, (node, span([1]))).start()
@@ -340,18 +340,18 @@ def test_wait_blocks_until_finalize():
 def test_poison_removes_the_node_releases_its_pins_and_wakes_waiters_with_the_error():
     tree = Tree()
     a = tree.put([1, 2])
-    tree.lock(a)  # the creator's pin from its match
-    node = tree.insert_pending(a, [3]).node
+    tree.pin(a)  # the creator's pin from its match
+    node = tree.reserve(a, [3]).node
     errors = []
     node.add_done_callback(lambda n: errors.append(n.error))
     boom = RuntimeError("prefill failed")
     tree.poison(node, boom)
     assert errors == [boom]
-    assert node.state is NodeState.POISONED and node.parent is None and node.lock_ref == 0
+    assert node.state is NodeState.POISONED and node.parent is None and node.pins == 0
     with pytest.raises(RuntimeError, match="prefill failed"):
         node.wait()
-    assert a.children == {} and a.lock_ref == 1
-    tree.unlock(a)  # the creator unlocks only what it locked itself
+    assert a.children == {} and a.pins == 1
+    tree.unpin(a)  # the creator unpins only what it pinned itself
     s = tree.stats()
     assert (s.pending, s.pinned_bytes, s.evictable_bytes) == (0, 0, 2)
     assert list(tree.lru) == [a]
@@ -360,7 +360,7 @@ def test_poison_removes_the_node_releases_its_pins_and_wakes_waiters_with_the_er
 
 def test_finalize_or_poison_of_a_node_that_is_not_pending_is_a_bug():
     tree = Tree()
-    node = tree.insert_pending(tree.root, [1]).node
+    node = tree.reserve(tree.root, [1]).node
     tree.poison(node, RuntimeError())
     with pytest.raises(ValueError):
         tree.finalize(node, span([1]))
@@ -374,7 +374,7 @@ def test_finalize_or_poison_of_a_node_that_is_not_pending_is_a_bug():
 def test_insert_adds_an_evictable_ready_leaf():
     tree = Tree()
     node = tree.put([1, 2, 3], bytes_per_token=2)
-    assert node.state is NodeState.READY and node.lock_ref == 0
+    assert node.state is NodeState.READY and node.pins == 0
     assert list(tree.lru) == [node]
     s = tree.stats()
     assert (s.nodes, s.total_bytes, s.evictable_bytes, s.total_tokens) == (1, 6, 6, 3)
@@ -415,7 +415,7 @@ def test_insert_diverging_inside_an_edge_splits_it_and_branches():
 
 def test_insert_stops_at_a_pending_node_and_frees_the_rest():
     tree = Tree()
-    tree.insert_pending(tree.root, [1, 2])
+    tree.reserve(tree.root, [1, 2])
     handle = span([1, 2, 3])
     assert tree.insert(tree.root, [1, 2, 3], handle) is tree.root
     assert tree.freed == [handle]
@@ -432,17 +432,17 @@ def test_insert_of_a_snapshot_splits_topology_with_a_junction_that_holds_nothing
     assert (s.nodes, s.total_bytes, s.total_tokens) == (3, 70, 5)
 
 
-def test_insert_with_lock_returns_the_node_pinned():
+def test_insert_with_pin_returns_the_node_pinned():
     tree = Tree()
-    node = tree.insert(tree.root, [1], span([1]), lock=True)
-    assert node.lock_ref == 1 and tree.stats().pinned_bytes == 1
+    node = tree.insert(tree.root, [1], span([1]), pin=True)
+    assert node.pins == 1 and tree.stats().pinned_bytes == 1
 
 
 def test_bulk_insert_of_a_generation_below_its_prompt_node():
     tree = Tree()
     prompt = tree.acquire([1, 2, 3], lambda parent, rest: span(rest))
     generated = tree.insert(prompt, [7, 8, 9], span([7, 8, 9], prefix=[1, 2, 3]))
-    tree.unlock(prompt)
+    tree.unpin(prompt)
     assert generated.parent is prompt
     assert tree.match([1, 2, 3, 7, 8, 9, 10]).length == 6
     assert list(tree.lru) == [generated]
@@ -451,7 +451,7 @@ def test_bulk_insert_of_a_generation_below_its_prompt_node():
 def test_empty_token_sequences_are_rejected():
     tree = Tree()
     with pytest.raises(ValueError):
-        tree.insert_pending(tree.root, [])
+        tree.reserve(tree.root, [])
     with pytest.raises(ValueError):
         tree.insert(tree.root, [], span([]))
 
@@ -523,11 +523,11 @@ def test_acquire_computes_the_missing_suffix_once_then_hits():
         return span(rest, prefix=parent.path_tokens())
 
     first = tree.acquire([1, 2, 3], compute)
-    tree.unlock(first)
+    tree.unpin(first)
     second = tree.acquire([1, 2, 3, 4], compute)
     assert calls == [((), (1, 2, 3)), ((1, 2, 3), (4,))]
-    assert second.parent is first and second.lock_ref == 1 and first.lock_ref == 1
-    tree.unlock(second)
+    assert second.parent is first and second.pins == 1 and first.pins == 1
+    tree.unpin(second)
     assert tree.acquire([1, 2], compute).tokens == (1, 2), "a hit inside an edge splits it"
     assert len(calls) == 2
 
@@ -550,7 +550,7 @@ def test_acquire_fills_a_junction_for_snapshot_handles():
     tree = Tree()
     tree.put([1, 2, 3], splittable=False)
     node = tree.acquire([1, 2], lambda parent, rest: snap(parent.path_tokens() + tuple(rest)))
-    assert node.tokens == (1, 2) and node.handle.path == (1, 2) and node.lock_ref == 1
+    assert node.tokens == (1, 2) and node.handle.path == (1, 2) and node.pins == 1
 
 
 def test_peek_reports_the_match_length_without_changing_anything():

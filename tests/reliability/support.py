@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 from tokenizers import Tokenizer
 
-from engine.engine import WARMUP_PROMPT_TOKENS, Engine, EngineConfig
+from engine.api import EngineConfig
+from engine.engine import WARMUP_PROMPT_TOKENS, Engine
 from engine.loader import FAULT_TOKEN_ENV
 from server.app import create_app
 from server.config import Settings

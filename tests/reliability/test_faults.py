@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.engine import Engine, EngineConfig, Lifecycle
+from engine.api import EngineConfig, Finish, Lifecycle, RequestFailed, SamplingParams, TokenEvent
+from engine.engine import Engine
 from engine.loader import FAULT_TOKEN_ENV
-from engine.request import Finish, RequestFailed, SamplingParams, TokenEvent
 from tests.reliability.support import (
     AUTH,
     Outcome,
@@ -146,7 +146,7 @@ async def test_a_request_in_quarantine_runs_alone_until_it_passes_a_step(
         with pytest.raises(RequestFailed):
             await _tokens(engine, faulty, short)
         assert await running == await _tokens(engine, innocent, long)
-        assert engine.stats().requests_failed == 2
+        assert engine.stats().counters.requests_failed == 2
     finally:
         engine.shutdown()
 

@@ -18,7 +18,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from engine.engine import Engine, Lifecycle
+from engine.api import Lifecycle
+from engine.engine import Engine
 from server.app import create_app
 from server.config import Settings
 from server.serve import engine_config

@@ -1,0 +1,68 @@
+"""Who joins the running batch next: the admission policy, apart from its mechanics.
+
+Cache-aware order (SGLang's): the longest cached prefix first, so shared prefixes are
+reused while they are still in the tree; a request passed over in `MAX_PASSED_OVER`
+rounds goes first, oldest first, so none starves. Limits: batch rows, prompts being
+prefilled at once, and the KV the batch may come to hold (`tokens_reserved`). After a
+failed step, suspects run one at a time (quarantine) so the request that breaks a forward
+pass is found and fails alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from engine.generation import Generation
+
+# After being passed over this many admission rounds a request goes first (no starvation).
+MAX_PASSED_OVER = 8
+
+
+@dataclass
+class SchedulerLimits:
+    max_batch_size: int
+    prefill_batch_size: int
+    prefill_chunk_tokens: int | None  # None: the device's default
+    max_tokens_in_flight: int
+    cache_bytes: int
+
+
+def admit(waiting: list[Generation], running: Collection[Generation],
+          limits: SchedulerLimits, cached_length: Callable[[Generation], int],
+          start: Callable[[Generation], bool]) -> None:
+    """Take requests off `waiting` and `start` them, in policy order, while the limits
+    allow; `start` returns whether one joined the batch (it may wait for a shared prefix
+    instead) and `running` grows with each that did."""
+    if any(g.suspect for g in (*waiting, *running)):
+        suspects = [g for g in waiting if g.suspect]
+        # The last suspect too runs alone: a newcomer beside it could fail it.
+        if suspects and not running:
+            waiting.remove(suspects[0])
+            start(suspects[0])
+        return
+    started = 0
+    for generation in _order(waiting, cached_length):
+        room = limits.max_batch_size - len(running)
+        prefill_room = limits.prefill_batch_size - sum(not g.prompt_done for g in running)
+        if room <= 0 or prefill_room <= 0:
+            break
+        token_room = limits.max_tokens_in_flight - sum(g.tokens_reserved for g in running)
+        # A request bigger than the whole limit still runs, alone.
+        if generation.tokens_reserved > token_room and running:
+            if generation.passed_over >= MAX_PASSED_OVER:
+                break  # admit nobody past it, so the batch drains until it fits
+            continue
+        waiting.remove(generation)
+        started += start(generation)
+    if started:
+        for generation in waiting:
+            generation.passed_over += 1
+
+
+def _order(waiting: list[Generation], cached_length: Callable[[Generation], int]
+           ) -> list[Generation]:
+    starving = [g for g in waiting if g.passed_over >= MAX_PASSED_OVER]
+    rest = sorted((g for g in waiting if g.passed_over < MAX_PASSED_OVER),
+                  key=lambda g: -cached_length(g))
+    return starving + rest

@@ -1,0 +1,191 @@
+"""The engine's public API, importable without MLX: what crosses the boundary between the
+engine and its callers.
+
+The server builds an `EngineConfig`, watches the engine's `Lifecycle`, builds a
+`SamplingParams` per request, calls `Engine.submit` and reads `TokenEvent`s followed by one
+`Finish` from the returned `RequestStream`; `Engine.cancel` ends a request early, and
+`Engine.stats` gives an `EngineStats` for /metrics. The engine itself (engine.py) imports
+MLX; nothing here does, so the server's own modules import only this one and
+engine/tokenizer.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from radix.stats import stat
+from radix.tree import TreeStats
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+class Lifecycle(str, enum.Enum):
+    LOADING = "loading"
+    WARMING_UP = "warming_up"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    cache_bytes: int | None = None
+    cache_fraction: float = 0.5
+    max_batch_size: int = 32
+    prefill_batch_size: int = 8
+    prefill_chunk_tokens: int | None = None  # None: the device's default
+    max_tokens_in_flight: int = 131072
+    max_queue: int = 256
+
+
+@dataclass
+class SchedulerCounters:
+    """What the scheduler counts as it works; described for /metrics in one place."""
+
+    prompt_tokens: int = stat("counter", "Prompt tokens of finished prefills.")
+    cached_tokens: int = stat("counter", "Prompt tokens served from the radix cache.")
+    prefill_tokens: int = stat("counter", "Prompt tokens computed by prefill.")
+    generated_tokens: int = stat("counter", "Tokens generated.")
+    requests_failed: int = stat("counter", "Requests the engine failed.",
+                                name="engine_requests_failed")
+    steps: int = stat("counter", "Engine scheduler steps.", name="engine_steps")
+    step_seconds: float = stat("counter", "Seconds spent in engine steps.", default=0.0,
+                               name="engine_step_seconds")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /metrics: the queue, the scheduler's counters and the tree's own
+    stats, composed rather than copied, so a new counter is added in one place (its
+    dataclass, with its `stat` description) and reaches /metrics by itself."""
+
+    waiting: int = stat("gauge", "Requests submitted and not yet started.",
+                        name="queue_depth")
+    running: int = stat("gauge", "Requests in the running batch.", name="running_requests")
+    active_memory_bytes: int = stat("gauge", "MLX active memory.")
+    counters: SchedulerCounters = field(default_factory=SchedulerCounters)
+    tree: TreeStats = field(default_factory=TreeStats)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding options, already validated by the caller."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # None: no logprobs. 0..20: the sampled token's logprob plus that many alternatives.
+    logprobs: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token and the text it made visible (may be empty while a
+    multi-byte character or a possible stop string is held back)."""
+
+    token: int
+    text: str
+    logprob: TokenLogprob | None = None
+    top_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The last event of every successful stream."""
+
+    reason: FinishReason
+    text: str  # any held-back text released at the end
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    # Stop string or stop token id that ended the stream, if any.
+    matched_stop: str | int | None = None
+
+
+class EngineError(Exception):
+    """Base class of the errors the engine reports to callers."""
+
+
+class EngineNotReady(EngineError):
+    """The model is still loading or failed to load."""
+
+
+class QueueFull(EngineError):
+    """Too many requests are waiting; the caller should retry later."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ContextLengthExceeded(EngineError):
+    """prompt + max_tokens does not fit in the model's context window."""
+
+
+class RequestFailed(EngineError):
+    """The engine failed this one request (for example its forward pass raised)."""
+
+
+class RequestStream:
+    """Async iterator over one request's events: `TokenEvent`s, then one `Finish`.
+
+    Raises the engine's error (e.g. `RequestFailed`) instead of finishing when the
+    engine fails the request. Events arrive from the engine's thread through `push`."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
+                 cancel: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._cancel = cancel
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._done = False
+
+    def push(self, event: object) -> None:
+        """Called from the engine's thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the caller's loop is gone: nobody reads this any more
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Ask the engine to end this request (a no-op once it has ended)."""
+        self._cancel(self.request_id)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent | Finish:
+        if self._done:
+            raise StopAsyncIteration
+        event = await self._queue.get()
+        if isinstance(event, BaseException):
+            self._done = True
+            raise event
+        if isinstance(event, Finish):
+            self._done = True
+        return event  # type: ignore[return-value]

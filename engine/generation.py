@@ -1,0 +1,105 @@
+"""One request's engine-side state: how it samples, what it has generated, its text, its
+hold on the radix tree, and what a generated token does to it.
+
+`Generation.__init__` is where a request's sampling is set up (sampler, logits
+processors, stop tokens); `Generation.accept` is where each generated token is taken in
+(stop tokens, text, stop strings, max_tokens). A per-request constraint belongs in those
+two places.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine.api import Finish, FinishReason, RequestFailed, SamplingParams, TokenEvent
+from engine.generator import SequenceState
+from engine.sampling import make_processors, make_sampler, token_logprobs
+from engine.text import TextStream
+from engine.tokenizer import ModelTokenizer
+from engine.tree_hold import TreeHold
+from radix.tree import RadixTree
+
+
+class Generation:
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
+                 emit: Callable[[object], None], tokenizer: ModelTokenizer, vocab_size: int,
+                 tree: RadixTree, on_dequeue: Callable[[], None] | None = None) -> None:
+        self.id = request_id
+        self.prompt = prompt
+        self.params = params
+        self._emit = emit
+        self._on_dequeue = on_dequeue
+        self._tokenizer = tokenizer
+        self.text = TextStream(tokenizer, prompt, params.stop)
+        self.sampler = make_sampler(params, vocab_size)
+        self.processors = make_processors(params)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= tokenizer.eos_token_ids
+        self.stop_ids = frozenset(stop_ids)
+        # The tokens fed as this request's prompt: the prompt, or after a failed step the
+        # prompt plus what was generated before it.
+        self.tokens = prompt
+        self.generated: list[int] = []
+        self.cached_tokens: int | None = None  # radix hit at first admission
+        self.hold = TreeHold(tree)
+        self.sequence: SequenceState | None = None  # the generator's side, while running
+        self.prompt_done = False
+        self.passed_over = 0  # admission rounds that started others but not this one
+        self.suspect = False  # was in a failed step; runs alone until it succeeds
+        # Computing its prompt without a reservation: requests sharing it follow it (see
+        # scheduler.py, "Sharing a prefix being computed").
+        self.publishing = False
+        self.followers: list[Generation] = []
+
+    @property
+    def tokens_reserved(self) -> int:
+        """The most KV this request can hold: its prompt plus every token it may add."""
+        return len(self.prompt) + self.params.max_tokens
+
+    @property
+    def cacheable(self) -> list[int]:
+        """The tokens whose KV can come from the tree: all but the last, which must run to
+        give the first logits."""
+        return self.tokens[:-1]
+
+    # -- events -----------------------------------------------------------------------
+
+    def dequeue(self) -> None:
+        """Report, once, that this request no longer counts against the queue limit."""
+        if self._on_dequeue is not None:
+            on_dequeue, self._on_dequeue = self._on_dequeue, None
+            on_dequeue()
+
+    def emit(self, event: object) -> None:
+        self.dequeue()  # a request that ends before admission leaves the queue too
+        self._emit(event)
+
+    def accept(self, token: int, logprobs: Any) -> tuple[FinishReason, str | int | None] | None:
+        """Take in a generated token (with its log-distribution, when asked for) and emit
+        what it shows; returns (reason, matched stop) when it ends the generation."""
+        self.generated.append(token)
+        self.suspect = False
+        if token in self.stop_ids:  # a stop token: never shown as text
+            return "stop", token
+        text = self.text.add(token)
+        logprob, top = None, ()
+        if self.params.logprobs is not None:
+            logprob, top = token_logprobs(logprobs, token, self.params.logprobs,
+                                          lambda t: self._tokenizer.decode([t]))
+        self.emit(TokenEvent(token, text, logprob, top))
+        if self.text.matched_stop is not None:
+            return "stop", self.text.matched_stop
+        if len(self.generated) >= self.params.max_tokens:
+            return "length", None
+        return None
+
+    def finish(self, reason: FinishReason, matched_stop: str | int | None = None) -> None:
+        """Emit the last event; text still held back is released unless a stop matched."""
+        tail = "" if matched_stop is not None or reason == "cancelled" else self.text.finish()
+        self.emit(Finish(reason, tail, len(self.prompt), len(self.generated),
+                         self.cached_tokens or 0, matched_stop))
+
+    def fail(self, error: Exception) -> None:
+        self.emit(RequestFailed(f"the engine failed this request: {error}"))
