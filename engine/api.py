@@ -40,6 +40,7 @@ class EngineConfig:
     prefill_chunk_tokens: int | None = None  # None: the device's default
     max_tokens_in_flight: int = 131072
     max_queue: int = 256
+    memory_limit_bytes: int | None = None  # None: the device's (engine/memory.py)
 
 
 @dataclass
@@ -67,6 +68,11 @@ class EngineStats:
                         name="queue_depth")
     running: int = stat("gauge", "Requests in the running batch.", name="running_requests")
     active_memory_bytes: int = stat("gauge", "MLX active memory.")
+    memory_limit_bytes: int = stat(
+        "gauge", "Memory planned for weights, prefix cache, activations and running KV.")
+    kv_token_capacity: int = stat(
+        "gauge", "Prompt + max_tokens of running requests that the memory plan holds.")
+    tokens_in_flight: int = stat("gauge", "Prompt + max_tokens of the running requests.")
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     tree: TreeStats = field(default_factory=TreeStats)
 

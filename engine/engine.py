@@ -30,15 +30,15 @@ from engine.api import (
     SamplingParams,
     SchedulerCounters,
 )
+from engine.kv import kv_bytes_per_token
 from engine.loader import LoadedModel, load_model, model_id_for
+from engine.memory import CPU_MEMORY_FRACTION, MemoryPlan, describe, headroom, plan_memory
 from engine.platform_info import apply_mlx_env_defaults
-from engine.scheduler import Cancel, Scheduler, Stop, Submit
+from engine.scheduler import CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK, Cancel, Scheduler, Stop, Submit
 from engine.tokenizer import ModelTokenizer
 
 log = logging.getLogger("radix_mlx.engine")
 
-# The radix tree never gets less than this, whatever the fraction gives.
-MIN_CACHE_BYTES = 64 * 1024 * 1024
 WARMUP_PROMPT_TOKENS = 48
 
 
@@ -51,6 +51,7 @@ class Engine:
         self.error: str | None = None
         self.model_id = model_id_for(config.model)
         self.context_length = 0
+        self.memory: MemoryPlan | None = None
         self.tokenizer: ModelTokenizer | None = None
         self._loaded: LoadedModel | None = None
         self._scheduler: Scheduler | None = None
@@ -81,12 +82,15 @@ class Engine:
             self.context_length = loaded.context_length
             self.load_progress = 1.0
             self.state = Lifecycle.WARMING_UP
+            self.memory = self._plan_memory(loaded)
+            log.info("%s", describe(self.memory))
             self._scheduler = Scheduler(loaded, SchedulerLimits(
                 max_batch_size=self.config.max_batch_size,
                 prefill_batch_size=self.config.prefill_batch_size,
                 prefill_chunk_tokens=self.config.prefill_chunk_tokens,
-                max_tokens_in_flight=self.config.max_tokens_in_flight,
-                cache_bytes=self._cache_budget(loaded),
+                max_tokens_in_flight=min(self.config.max_tokens_in_flight,
+                                         self.memory.kv_tokens),
+                cache_bytes=self.memory.cache_bytes,
             ))
             self._warm_up()
         except Exception as error:
@@ -106,13 +110,27 @@ class Engine:
         # aborts. A daemon thread parked here is simply discarded at exit.
         threading.Event().wait()
 
-    def _cache_budget(self, loaded: LoadedModel) -> int:
-        if self.config.cache_bytes is not None:
-            return self.config.cache_bytes
-        memory = mx.device_info().get("memory_size") or os.sysconf("SC_PAGE_SIZE") * \
-            os.sysconf("SC_PHYS_PAGES")
-        available = memory * self.config.cache_fraction - loaded.weight_bytes
-        return max(int(available), MIN_CACHE_BYTES)
+    def _plan_memory(self, loaded: LoadedModel) -> MemoryPlan:
+        """Plan weights + prefix cache + running KV under the device's limit and tell MLX
+        that limit; on a Mac also keep that much wired, as mlx-lm's server does, so the
+        model is not paged out between requests."""
+        info = mx.device_info()
+        working_set = info.get("max_recommended_working_set_size")
+        limit = self.config.memory_limit_bytes or working_set or int(
+            CPU_MEMORY_FRACTION * (info.get("memory_size") or
+                                   os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")))
+        gpu = mx.default_device() == mx.gpu
+        chunk = max(self.config.prefill_chunk_tokens or 0,
+                    GPU_PREFILL_CHUNK if gpu else CPU_PREFILL_CHUNK)
+        plan = plan_memory(
+            limit_bytes=limit, weight_bytes=loaded.weight_bytes,
+            kv_bytes_per_token=kv_bytes_per_token(loaded.model),
+            headroom_bytes=headroom(chunk, loaded.vocab_size),
+            cache_bytes=self.config.cache_bytes, cache_fraction=self.config.cache_fraction)
+        mx.set_memory_limit(limit)
+        if working_set is not None:
+            mx.set_wired_limit(min(limit, working_set))
+        return plan
 
     def _warm_up(self) -> None:
         """Run the real path once, so the first user requests do not pay for kernel
@@ -143,10 +161,16 @@ class Engine:
             raise EngineNotReady(self.error or f"the model is {self.state.value}")
         if not prompt:
             raise ValueError("the prompt is empty")
-        if len(prompt) + params.max_tokens > self.context_length:
+        requested = len(prompt) + params.max_tokens
+        if requested > self.context_length:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {self.context_length} tokens. "
-                f"However, you requested {len(prompt) + params.max_tokens} tokens "
+                f"However, you requested {requested} tokens "
+                f"({len(prompt)} in the prompt, {params.max_tokens} for the completion).")
+        if requested > self.memory.kv_tokens:
+            raise ContextLengthExceeded(
+                f"This server's memory holds the KV of {self.memory.kv_tokens} tokens at "
+                f"most (memory_limit_bytes). However, you requested {requested} tokens "
                 f"({len(prompt)} in the prompt, {params.max_tokens} for the completion).")
         with self._queued_lock:
             if self._queued >= self.config.max_queue:
@@ -177,5 +201,8 @@ class Engine:
         return EngineStats(
             waiting=self._queued, running=len(scheduler.running),
             active_memory_bytes=mx.get_active_memory(),
+            memory_limit_bytes=self.memory.limit_bytes,
+            kv_token_capacity=self.memory.kv_tokens,
+            tokens_in_flight=sum(g.tokens_reserved for g in scheduler.running.values()),
             counters=replace(scheduler.counters), tree=scheduler.tree.stats(),
         )

@@ -68,6 +68,12 @@ class Settings(BaseModel):
         131072,
         description="prompt + max_tokens summed over running requests; bounds KV memory",
     )
+    memory_limit_bytes: PositiveInt | None = Field(
+        None,
+        description="memory planned for weights + prefix cache + activations + running "
+        "requests' KV (prompt + max_tokens each); none: the device's recommended working "
+        "set on a Mac, 90% of memory elsewhere",
+    )
     max_queue: PositiveInt = Field(256, description="waiting requests before answering 429")
     max_body_bytes: PositiveInt = Field(4 * 1024 * 1024, description="largest request body")
     cors_origins: list[NonEmpty] = Field([], description="origins allowed by CORS; none: CORS off")

@@ -76,6 +76,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         prefill_batch_size=settings.prefill_batch_size,
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
         max_tokens_in_flight=settings.max_tokens_in_flight,
+        memory_limit_bytes=settings.memory_limit_bytes,
         max_queue=settings.max_queue,
     )
 

@@ -1,0 +1,55 @@
+"""The memory plan: weights + prefix cache + headroom + running KV under one limit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.memory import (
+    BASE_HEADROOM_BYTES,
+    MIN_CACHE_BYTES,
+    MemoryPlanError,
+    documented_table,
+    headroom,
+    plan_memory,
+)
+
+GIB = 2**30
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "memory.md"
+
+
+def test_the_kv_gets_what_weights_cache_and_headroom_leave() -> None:
+    plan = plan_memory(limit_bytes=48 * GIB, weight_bytes=4 * GIB, kv_bytes_per_token=1024,
+                       headroom_bytes=2 * GIB, cache_bytes=10 * GIB)
+    assert plan.kv_bytes == 32 * GIB
+    assert plan.kv_tokens == 32 * GIB // 1024
+
+
+def test_the_cache_takes_its_fraction_of_the_limit_less_the_weights() -> None:
+    plan = plan_memory(limit_bytes=40 * GIB, weight_bytes=4 * GIB, kv_bytes_per_token=1024,
+                       headroom_bytes=GIB, cache_fraction=0.25)
+    assert plan.cache_bytes == 6 * GIB
+    assert plan.kv_bytes == 29 * GIB
+
+
+def test_big_weights_leave_the_cache_its_minimum() -> None:
+    plan = plan_memory(limit_bytes=48 * GIB, weight_bytes=40 * GIB, kv_bytes_per_token=1024,
+                       headroom_bytes=GIB)
+    assert plan.cache_bytes == MIN_CACHE_BYTES
+    assert plan.kv_bytes == 7 * GIB - MIN_CACHE_BYTES
+
+
+def test_a_model_that_leaves_no_room_for_kv_is_refused_with_the_numbers() -> None:
+    with pytest.raises(MemoryPlanError, match=r"weights take 47\.0 GiB"):
+        plan_memory(limit_bytes=48 * GIB, weight_bytes=47 * GIB, kv_bytes_per_token=1024,
+                    headroom_bytes=GIB)
+
+
+def test_headroom_grows_with_the_prefill_chunk_and_the_vocabulary() -> None:
+    assert headroom(2048, 128256) == BASE_HEADROOM_BYTES + 8 * 2048 * 128256
+    assert headroom(512, 2048) < headroom(2048, 2048) < headroom(2048, 128256)
+
+
+def test_the_documented_mac_studio_table_is_what_the_code_computes() -> None:
+    assert documented_table() in DOCS.read_text()
