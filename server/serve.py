@@ -12,8 +12,9 @@ from types import FrameType
 import uvicorn
 
 from engine.api import EngineConfig, Lifecycle
-from engine.demo_model import demo_model_path
 from engine.engine import Engine
+from engine.gguf import GGUFError
+from engine.model_source import resolve_model
 from engine.platform_info import describe_platform
 from server.app import create_app
 from server.config import ConfigError, Settings, load_settings
@@ -67,9 +68,9 @@ def configure_logging(settings: Settings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
 
 
-def engine_config(settings: Settings) -> EngineConfig:
+def engine_config(settings: Settings, model: str) -> EngineConfig:
     return EngineConfig(
-        model=settings.model or str(demo_model_path()),
+        model=model,
         cache_bytes=settings.cache_bytes,
         cache_fraction=settings.cache_fraction,
         max_batch_size=settings.max_batch_size,
@@ -83,10 +84,16 @@ def engine_config(settings: Settings) -> EngineConfig:
 
 def run(settings: Settings) -> int:
     """Serve until SIGTERM/SIGINT, then drain; the exit status: 1 if the model failed to
-    load, with the reason as stderr's last line, else 0."""
+    load, with the reason as stderr's last line, else 0. A GGUF file is checked and
+    converted before any port opens."""
     configure_logging(settings)
-    engine = Engine(engine_config(settings))
     log.info("%s", describe_platform())
+    try:
+        model = resolve_model(settings.model, settings.gguf_dtype)
+    except GGUFError as error:
+        print(f"radix-mlx serve: {error}", file=sys.stderr)
+        return 1
+    engine = Engine(engine_config(settings, model))
     engine.start()
     app = create_app(settings, engine)
     config = uvicorn.Config(

