@@ -22,10 +22,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
-from mlx_lm.generate import _merge_caches
-from mlx_lm.models.cache import BatchKVCache
 
-from engine.kv import presized_kv
+from engine.mlx_lm_internals import keep_rows, merge_caches, row_cache
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -56,52 +54,6 @@ class Output:
     uid: int
     token: int
     logprobs: mx.array | None
-
-
-def _row_cache(cache: list[Any], row: int) -> list[Any]:
-    """Row `row` of a batch cache as a single-sequence cache. Plain KV layers are copied
-    into a presized buffer (`BatchKVCache.extract` gives an exact-size one, which the next
-    token reallocates); every such layer has the same padding, so it is read back once."""
-    padding = None
-    single = []
-    for layer in cache:
-        if isinstance(layer, BatchKVCache):
-            if padding is None:
-                padding = layer.left_padding[row].item()
-            single.append(presized_kv([layer.keys[row:row + 1, :, padding:layer._idx]],
-                                      [layer.values[row:row + 1, :, padding:layer._idx]]))
-        else:
-            single.append(layer.extract(row))
-    return single
-
-
-def _keep_rows(cache: list[Any], keep: list[int]) -> None:
-    """Drop every row not in `keep` from a batch cache, in place.
-
-    BatchKVCache's own `filter` gathers rows with an index array, which took 11 ms for 17
-    rows of 2000 tokens on an H100; copying runs of kept rows as slices took 1.4 ms."""
-    runs: list[tuple[int, int]] = []
-    for row in keep:
-        if runs and runs[-1][1] == row:
-            runs[-1] = (runs[-1][0], row + 1)
-        else:
-            runs.append((row, row + 1))
-    trim = None  # every plain KV layer has the same padding: read it back once
-    for layer in cache:
-        if not isinstance(layer, BatchKVCache) or layer.keys is None:
-            layer.filter(keep)
-            continue
-        layer.keys = mx.concatenate([layer.keys[a:b] for a, b in runs])
-        layer.values = mx.concatenate([layer.values[a:b] for a, b in runs])
-        layer.offset = mx.concatenate([layer.offset[a:b] for a, b in runs])
-        layer.left_padding = mx.concatenate([layer.left_padding[a:b] for a, b in runs])
-        if trim is None:
-            trim = min(layer.left_padding.tolist())
-        if trim > 0:  # every row starts later: drop the shared padding
-            layer.keys = layer.keys[..., trim:, :]
-            layer.values = layer.values[..., trim:, :]
-            layer._idx -= trim
-            layer.left_padding -= trim
 
 
 @dataclass
@@ -201,9 +153,9 @@ class Generator:
             self.cache = sequence.cache
             self.inputs = first
         else:
-            joining = _merge_caches([sequence.cache])
+            joining = merge_caches([sequence.cache])
             if len(self.rows) == 1:
-                self.cache = _merge_caches([self.cache])
+                self.cache = merge_caches([self.cache])
             for layer, new in zip(self.cache, joining):
                 layer.extend(new)
             self.inputs = mx.concatenate([self.inputs, first])
@@ -260,7 +212,7 @@ class Generator:
         if leaving:
             for i in leaving:
                 row = self.rows[i]
-                row.cache = self.cache if len(self.rows) == 1 else _row_cache(self.cache, i)
+                row.cache = self.cache if len(self.rows) == 1 else row_cache(self.cache, i)
                 removed[row.uid] = row
             self._keep([i for i in range(len(self.rows)) if self.rows[i].uid not in wanted])
         return removed
@@ -270,10 +222,10 @@ class Generator:
         if not rows:
             self.cache, self.inputs = None, None
         elif len(rows) == 1:
-            self.cache = _row_cache(self.cache, keep[0]) if len(self.rows) > 1 else self.cache
+            self.cache = row_cache(self.cache, keep[0]) if len(self.rows) > 1 else self.cache
             self.inputs = self.inputs[keep[0]:keep[0] + 1]
         else:
-            _keep_rows(self.cache, keep)
+            keep_rows(self.cache, keep)
             self.inputs = self.inputs[mx.array(keep)]
         self.rows = rows
 
@@ -282,7 +234,7 @@ class Generator:
         if sequence in self.rows:
             if len(self.rows) == 1:
                 return self.cache
-            return _row_cache(self.cache, self.rows.index(sequence))
+            return row_cache(self.cache, self.rows.index(sequence))
         return sequence.cache
 
 

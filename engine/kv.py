@@ -17,7 +17,6 @@ callback) and assembled into a request's cache (`assemble`).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,17 +24,15 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from engine.mlx_lm_internals import (
+    cache_arrays,
+    clone_cache,
+    kv_span,
+    owned,
+    presized_kv,
+    supports_segments,
+)
 from radix.tree import Node
-
-
-def _owned(x: mx.array) -> mx.array:
-    # mx.contiguous copies a strided or partial view into its own buffer.
-    return mx.contiguous(x)
-
-
-def supports_segments(cache: Sequence[Any]) -> bool:
-    """Whether a model's cache is all plain KV, so prefixes can be shared at any token."""
-    return all(type(c) is KVCache for c in cache)
 
 
 class KVSegment:
@@ -55,16 +52,15 @@ class KVSegment:
     @classmethod
     def from_cache(cls, cache: Sequence[KVCache], start: int, end: int) -> KVSegment:
         """Copy tokens [start, end) out of a single-sequence cache."""
-        keys = [_owned(c.keys[..., start:end, :]) for c in cache]
-        values = [_owned(c.values[..., start:end, :]) for c in cache]
+        keys, values = zip(*(kv_span(layer, start, end) for layer in cache))
         mx.eval(keys, values)
-        return cls(keys, values)
+        return cls(list(keys), list(values))
 
     def split(self, at: int) -> tuple[KVSegment, KVSegment]:
-        head = KVSegment([_owned(k[..., :at, :]) for k in self.keys],
-                         [_owned(v[..., :at, :]) for v in self.values])
-        tail = KVSegment([_owned(k[..., at:, :]) for k in self.keys],
-                         [_owned(v[..., at:, :]) for v in self.values])
+        head = KVSegment([owned(k[..., :at, :]) for k in self.keys],
+                         [owned(v[..., :at, :]) for v in self.values])
+        tail = KVSegment([owned(k[..., at:, :]) for k in self.keys],
+                         [owned(v[..., at:, :]) for v in self.values])
         mx.eval(head.keys, head.values, tail.keys, tail.values)
         return head, tail
 
@@ -80,30 +76,12 @@ class CacheSnapshot:
 
     @classmethod
     def from_cache(cls, cache: Sequence[Any]) -> CacheSnapshot:
-        snapshot = [_clone(c) for c in cache]
-        mx.eval([c.state for c in snapshot])
+        snapshot = clone_cache(cache)
+        mx.eval(cache_arrays(snapshot))
         return cls(snapshot)
 
     def split(self, at: int) -> tuple[CacheSnapshot, CacheSnapshot]:
         raise TypeError("a whole-state snapshot cannot be split")
-
-
-def _clone(cache: Any) -> Any:
-    """A cache object that shares no mutable array object with `cache`.
-
-    mlx-lm caches update with `array[...] = x`, which mutates the Python array object in
-    place, so a snapshot must not share array objects with a live cache.
-    """
-    if isinstance(cache, mx.array):
-        return _owned(cache)
-    if isinstance(cache, (list, tuple)):
-        return type(cache)(_clone(v) for v in cache)
-    if not hasattr(cache, "__dict__"):
-        return cache
-    clone = copy.copy(cache)
-    for name, value in vars(cache).items():
-        setattr(clone, name, _clone(value))
-    return clone
 
 
 def assemble(handles: Sequence[KVSegment | CacheSnapshot]) -> list[Any] | None:
@@ -116,30 +94,9 @@ def assemble(handles: Sequence[KVSegment | CacheSnapshot]) -> list[Any] | None:
         return None
     last = handles[-1]
     if isinstance(last, CacheSnapshot):
-        return [_clone(c) for c in last.cache]
+        return clone_cache(last.cache)
     return [presized_kv([h.keys[layer] for h in handles], [h.values[layer] for h in handles])
             for layer in range(len(last.keys))]
-
-
-def presized_kv(keys: Sequence[mx.array], values: Sequence[mx.array]) -> KVCache:
-    """A KVCache holding the concatenation of `keys`/`values` (each [1, heads, tokens,
-    dim]) in a buffer rounded up to whole cache steps with room for one more token, so
-    the next tokens are written in place instead of reallocating the buffer. (A buffer of
-    whole steps also keeps CUDA's cuDNN decode kernel usable.)"""
-    length = sum(k.shape[2] for k in keys)
-    capacity = -(-(length + 1) // KVCache.step) * KVCache.step
-    cache = KVCache()
-    cache.keys = mx.zeros((*keys[0].shape[:2], capacity, keys[0].shape[3]), keys[0].dtype)
-    cache.values = mx.zeros((*values[0].shape[:2], capacity, values[0].shape[3]),
-                            values[0].dtype)
-    start = 0
-    for k, v in zip(keys, values):
-        end = start + k.shape[2]
-        cache.keys[..., start:end, :] = k
-        cache.values[..., start:end, :] = v
-        start = end
-    cache.offset = length
-    return cache
 
 
 def kv_bytes_per_token(model: nn.Module) -> int:

@@ -27,19 +27,19 @@ class TextStream:
         self._read_offset = len(self._tokens)
         self._stop = tuple(s for s in stop if s)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
-        self._pending = ""  # decoded but not yet emitted
+        self._held = ""  # decoded, not yet emitted (a stop string may start in it)
         self.matched_stop: str | None = None
 
     def add(self, token: int) -> str:
         """Feed one token; return the text that is now safe to emit. After a stop string
         matched, `matched_stop` is set and the text before it is returned."""
         self._tokens.append(token)
-        self._pending += self._new_text()
+        self._held += self._new_text()
         return self._release(final=False)
 
     def finish(self) -> str:
         """Release everything still held back (the stream ended without a stop string)."""
-        self._pending += self._new_text(final=True)
+        self._held += self._new_text(final=True)
         return self._release(final=True)
 
     def _new_text(self, final: bool = False) -> str:
@@ -55,12 +55,12 @@ class TextStream:
 
     def _release(self, final: bool) -> str:
         if self._stop:
-            hits = [(i, s) for s in self._stop if (i := self._pending.find(s)) >= 0]
+            hits = [(i, s) for s in self._stop if (i := self._held.find(s)) >= 0]
             if hits:
                 index, self.matched_stop = min(hits)
-                text, self._pending = self._pending[:index], ""
+                text, self._held = self._held[:index], ""
                 return text
         keep = 0 if final else self._hold
-        cut = max(len(self._pending) - keep, 0)
-        text, self._pending = self._pending[:cut], self._pending[cut:]
+        cut = max(len(self._held) - keep, 0)
+        text, self._held = self._held[:cut], self._held[cut:]
         return text

@@ -27,44 +27,44 @@ class ToolCallParser:
     def __init__(self, start: str, end: str, parse: ToolParser, tools: list[dict]) -> None:
         self._start, self._end = start, end
         self._parse, self._tools = parse, tools
-        self._pending = ""
+        self._unparsed = ""
         self._in_call = False
         self.calls = 0
 
     def feed(self, text: str) -> tuple[str, list[ToolCallOut]]:
         """Content that is safe to show now, and the calls completed by `text`."""
-        self._pending += text
+        self._unparsed += text
         content: list[str] = []
         calls: list[ToolCallOut] = []
         while True:
             if self._in_call:
-                at = self._pending.find(self._end)
+                at = self._unparsed.find(self._end)
                 if at < 0:
                     break
-                body, self._pending = self._pending[:at], self._pending[at + len(self._end):]
+                body, self._unparsed = self._unparsed[:at], self._unparsed[at + len(self._end):]
                 self._in_call = False
                 parsed = self._parse_call(body)
                 if parsed is None:  # keep what the model said rather than drop it
                     content.append(self._start + body + self._end)
                 calls.extend(parsed or ())
             else:
-                at = self._pending.find(self._start)
+                at = self._unparsed.find(self._start)
                 if at < 0:
                     # Hold back a tail that may be the first part of a start marker.
-                    keep = _marker_prefix_length(self._pending, self._start)
-                    cut = len(self._pending) - keep
-                    content.append(self._pending[:cut])
-                    self._pending = self._pending[cut:]
+                    keep = _marker_prefix_length(self._unparsed, self._start)
+                    cut = len(self._unparsed) - keep
+                    content.append(self._unparsed[:cut])
+                    self._unparsed = self._unparsed[cut:]
                     break
-                content.append(self._pending[:at])
-                self._pending = self._pending[at + len(self._start):]
+                content.append(self._unparsed[:at])
+                self._unparsed = self._unparsed[at + len(self._start):]
                 self._in_call = True
         return "".join(content), calls
 
     def close(self) -> tuple[str, list[ToolCallOut]]:
         """Flush at the end of the choice. Models often stop at EOS without writing the
         end marker, so an unterminated call is still parsed when it parses."""
-        rest, self._pending = self._pending, ""
+        rest, self._unparsed = self._unparsed, ""
         if not self._in_call:
             return rest, []
         self._in_call = False
