@@ -45,10 +45,6 @@ class KVSegment:
         self.values = values
         self.nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values))
 
-    @property
-    def ntokens(self) -> int:
-        return self.keys[0].shape[2]
-
     @classmethod
     def from_cache(cls, cache: Sequence[KVCache], start: int, end: int) -> KVSegment:
         """Copy tokens [start, end) out of a single-sequence cache."""

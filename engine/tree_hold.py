@@ -32,10 +32,6 @@ class TreeHold:
         self.depth = 0  # tokens covered by `node`
         self.reservation: Node | None = None  # the part this request computes for others
 
-    @property
-    def held(self) -> bool:
-        return self.node is not None
-
     def start(self, match: MatchResult, tokens: Sequence[int]) -> ReserveResult | None:
         """Pin `match.node` and, unless someone is computing it already (`match.in_flight`),
         reserve the rest of `tokens`. None once held; otherwise the tree's answer and

@@ -112,10 +112,6 @@ class Node(_Link):
     def nbytes(self) -> int:
         return self.handle.nbytes if self.handle is not None else 0
 
-    @property
-    def done(self) -> bool:
-        return self.state is not NodeState.PENDING
-
     def add_done_callback(self, fn: Callable[[Node], None]) -> None:
         """Call `fn(node)` once the node is READY or POISONED; at once if it already is.
 
@@ -475,57 +471,6 @@ class RadixTree:
     def clear(self) -> int:
         """Evict everything that is not pinned; returns the bytes freed."""
         return self._evict(math.inf)
-
-    # -- blocking convenience ----------------------------------------------------------
-
-    def acquire(
-        self, tokens: Sequence[int], compute: Callable[[Node, Sequence[int]], Handle]
-    ) -> Node:
-        """Return a pinned node covering all of `tokens`, computing what is missing once.
-
-        `compute(parent, rest)` builds the handle for `rest` on top of `parent`'s path; it
-        runs outside the lock. Threads that need the same missing prefix wait for the one
-        computing it; if that computation fails they get its error. The caller unpins
-        the returned node. This is the optimistic write loop, written for blocking threads.
-        """
-        tokens = tuple(tokens)
-        if not tokens:
-            raise ValueError("acquire needs at least one token")
-        while True:
-            m = self.match(tokens, pin=True)
-            if m.length == len(tokens):
-                return m.node
-            try:
-                node = self._acquire_step(m, tokens, compute)
-            finally:
-                self.unpin(m.node)
-            if node is not None:
-                return node
-
-    def _acquire_step(
-        self,
-        m: MatchResult,
-        tokens: tuple[int, ...],
-        compute: Callable[[Node, Sequence[int]], Handle],
-    ) -> Node | None:
-        """One round of `acquire` with `m.node` pinned: a pinned node, or None to retry."""
-        if m.in_flight is not None:
-            m.in_flight.wait()
-            return None
-        rest = tokens[m.length :]
-        reserved = self.reserve(m.node, rest)
-        if reserved.status is ReserveStatus.WAIT:
-            reserved.node.wait()
-            return None
-        if reserved.status is ReserveStatus.RETRY:
-            return None
-        try:
-            handle = compute(m.node, rest)
-        except BaseException as error:
-            self.poison(reserved.node, error)
-            raise
-        self.finalize(reserved.node, handle)
-        return reserved.node
 
     # -- internals (caller holds the mutex) ----------------------------------------------
 

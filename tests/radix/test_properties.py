@@ -20,7 +20,7 @@ from hypothesis.stateful import (
 )
 
 from radix import Node, NodeState, RadixTree, ReserveStatus
-from radix.testing import FakeHandle, check_invariants
+from tests.radix.support import FakeHandle, check_invariants
 
 CAPACITY = 16
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=6).map(tuple)

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from radix import NodeState, RadixTree
-from radix.testing import FakeHandle, check_invariants
+from tests.radix.support import FakeHandle, acquire, check_invariants
 
 THREADS = 8
 SYSTEMS = [tuple(range(100 * s, 100 * s + 8)) for s in range(3)]
@@ -64,7 +64,7 @@ class Harness:
                 return m.node
             if m.in_flight is None:
                 tree.unpin(m.node)
-                return tree.acquire(tokens, self.compute)
+                return acquire(tree, tokens, self.compute)
             tree.unpin(m.node)
             woken: queue.SimpleQueue = queue.SimpleQueue()
             m.in_flight.add_done_callback(woken.put)
@@ -112,7 +112,7 @@ def test_a_thundering_herd_computes_once_and_everyone_else_hits(splittable):
 
     def request(i: int) -> None:
         start.wait()
-        node = h.tree.acquire(tokens, h.compute)
+        node = acquire(h.tree, tokens, h.compute)
         got.append(node)
         h.tree.unpin(node)
 
@@ -133,7 +133,7 @@ def test_racing_requests_compute_every_prefix_exactly_once(splittable):
             tokens = rng.choice(SYSTEMS) + rng.choice(USERS)[: rng.randint(1, 4)] + tail(rng)
             requested.add(tokens)
             if rng.random() < 0.5:
-                node = h.tree.acquire(tokens, h.compute)
+                node = acquire(h.tree, tokens, h.compute)
             else:
                 node = h.acquire_with_callbacks(tokens)
             assert node.path_tokens() == tokens and node.pins > 0
@@ -161,7 +161,7 @@ def test_failures_and_eviction_under_contention_leave_nothing_pending_or_pinned(
         for _ in range(ROUNDS):
             tokens = rng.choice(SYSTEMS)[: rng.randint(4, 8)] + rng.choice(USERS) + tail(rng)
             try:
-                node = h.tree.acquire(tokens, h.compute)
+                node = acquire(h.tree, tokens, h.compute)
             except InjectedFailure as error:
                 # Ours, or that of a request we waited on because it shared our prefix.
                 assert tokens[0] == error.args[0][0]

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from radix import NodeState, RadixTree, ReserveStatus
-from radix.testing import FakeHandle, check_invariants
+from tests.radix.support import FakeHandle, acquire, check_invariants
 
 BIG = 1 << 30
 
@@ -210,7 +210,7 @@ def test_reserve_reserves_a_pinned_pending_node_that_holds_no_bytes():
     r = tree.reserve(a, [3, 4])
     assert r.status is ReserveStatus.CREATED
     node = r.node
-    assert node.state is NodeState.PENDING and not node.done and node.handle is None
+    assert node.state is NodeState.PENDING and node.handle is None
     assert (node.parent, node.tokens, node.pins, a.pins) == (a, (3, 4), 1, 2)
     s = tree.stats()
     assert (s.pending, s.nodes, s.total_tokens, s.pinned_tokens) == (1, 1, 2, 2)
@@ -290,7 +290,7 @@ def test_finalize_publishes_the_handle_and_wakes_waiters_outside_the_lock():
     node.add_done_callback(lambda n: seen.append((n.state, tree._mutex.locked())))
     tree.finalize(node, span([1, 2]))
     assert seen == [(NodeState.READY, False)]
-    assert node.done and node.pins == 1, "the creator still holds its pin"
+    assert node.state is NodeState.READY and node.pins == 1, "the creator still holds its pin"
     s = tree.stats()
     assert (s.pending, s.nodes, s.pinned_bytes, s.evictable_bytes) == (0, 1, 2, 0)
     assert tree.match([1, 2]).node is node
@@ -440,7 +440,7 @@ def test_insert_with_pin_returns_the_node_pinned():
 
 def test_bulk_insert_of_a_generation_below_its_prompt_node():
     tree = Tree()
-    prompt = tree.acquire([1, 2, 3], lambda parent, rest: span(rest))
+    prompt = acquire(tree, [1, 2, 3], lambda parent, rest: span(rest))
     generated = tree.insert(prompt, [7, 8, 9], span([7, 8, 9], prefix=[1, 2, 3]))
     tree.unpin(prompt)
     assert generated.parent is prompt
@@ -522,13 +522,13 @@ def test_acquire_computes_the_missing_suffix_once_then_hits():
         calls.append((parent.path_tokens(), tuple(rest)))
         return span(rest, prefix=parent.path_tokens())
 
-    first = tree.acquire([1, 2, 3], compute)
+    first = acquire(tree, [1, 2, 3], compute)
     tree.unpin(first)
-    second = tree.acquire([1, 2, 3, 4], compute)
+    second = acquire(tree, [1, 2, 3, 4], compute)
     assert calls == [((), (1, 2, 3)), ((1, 2, 3), (4,))]
     assert second.parent is first and second.pins == 1 and first.pins == 1
     tree.unpin(second)
-    assert tree.acquire([1, 2], compute).tokens == (1, 2), "a hit inside an edge splits it"
+    assert acquire(tree, [1, 2], compute).tokens == (1, 2), "a hit inside an edge splits it"
     assert len(calls) == 2
 
 
@@ -540,7 +540,7 @@ def test_acquire_poisons_and_reraises_when_compute_fails():
         raise OSError("out of memory")
 
     with pytest.raises(OSError):
-        tree.acquire([1, 2], compute)
+        acquire(tree, [1, 2], compute)
     s = tree.stats()
     assert (s.pending, s.pinned_bytes, s.nodes) == (0, 0, 1)
     check_invariants(tree)
@@ -549,7 +549,7 @@ def test_acquire_poisons_and_reraises_when_compute_fails():
 def test_acquire_fills_a_junction_for_snapshot_handles():
     tree = Tree()
     tree.put([1, 2, 3], splittable=False)
-    node = tree.acquire([1, 2], lambda parent, rest: snap(parent.path_tokens() + tuple(rest)))
+    node = acquire(tree, [1, 2], lambda parent, rest: snap(parent.path_tokens() + tuple(rest)))
     assert node.tokens == (1, 2) and node.handle.path == (1, 2) and node.pins == 1
 
 

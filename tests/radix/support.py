@@ -1,12 +1,11 @@
-"""Test doubles and an invariant checker for code that uses the radix tree without MLX."""
+"""Test doubles, an invariant checker, and `acquire` (the optimistic write loop for
+blocking threads) for tests that use the radix tree without MLX."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from .tree import Node, NodeState, RadixTree
-
-__all__ = ["FakeHandle", "check_invariants"]
+from radix.tree import Handle, MatchResult, Node, NodeState, RadixTree, ReserveStatus
 
 
 class FakeHandle:
@@ -120,3 +119,54 @@ def check_invariants(tree: RadixTree) -> list[Node]:
 
 def _evictable_leaf(node: Node) -> bool:
     return node.state is NodeState.READY and node.pins == 0 and not node.children
+
+
+def acquire(
+    tree: RadixTree, tokens: Sequence[int], compute: Callable[[Node, Sequence[int]], Handle]
+) -> Node:
+    """A pinned node covering all of `tokens`, computing what is missing once.
+
+    `compute(parent, rest)` builds the handle for `rest` on top of `parent`'s path; it
+    runs outside the tree's lock. Threads that need the same missing prefix wait for the
+    one computing it; if that computation fails they get its error. The caller unpins the
+    returned node. This is the engine's write path, written for blocking threads.
+    """
+    tokens = tuple(tokens)
+    if not tokens:
+        raise ValueError("acquire needs at least one token")
+    while True:
+        m = tree.match(tokens, pin=True)
+        if m.length == len(tokens):
+            return m.node
+        try:
+            node = _acquire_step(tree, m, tokens, compute)
+        finally:
+            tree.unpin(m.node)
+        if node is not None:
+            return node
+
+
+def _acquire_step(
+    tree: RadixTree,
+    m: MatchResult,
+    tokens: tuple[int, ...],
+    compute: Callable[[Node, Sequence[int]], Handle],
+) -> Node | None:
+    """One round of `acquire` with `m.node` pinned: a pinned node, or None to retry."""
+    if m.in_flight is not None:
+        m.in_flight.wait()
+        return None
+    rest = tokens[m.length :]
+    reserved = tree.reserve(m.node, rest)
+    if reserved.status is ReserveStatus.WAIT:
+        reserved.node.wait()
+        return None
+    if reserved.status is ReserveStatus.RETRY:
+        return None
+    try:
+        handle = compute(m.node, rest)
+    except BaseException as error:
+        tree.poison(reserved.node, error)
+        raise
+    tree.finalize(reserved.node, handle)
+    return reserved.node
