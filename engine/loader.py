@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 from mlx import nn
 from mlx_lm.utils import load
 
@@ -20,9 +18,6 @@ log = logging.getLogger("radix_mlx.engine")
 DEFAULT_CONTEXT_LENGTH = 4096
 _CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length",
                  "max_sequence_length", "context_length")
-
-# Test-only fault injection: a forward pass whose input contains this token id raises.
-FAULT_TOKEN_ENV = "RADIX_MLX_FAULT_TOKEN_ID"
 
 
 @dataclass
@@ -51,9 +46,6 @@ def load_model(path_or_repo: str) -> LoadedModel:
     source = str(local) if local.exists() else path_or_repo
     model, tokenizer, config = load(source, return_config=True)
     weight_bytes = sum(v.nbytes for _, v in nn.utils.tree_flatten(model.parameters()))
-    fault_token = os.environ.get(FAULT_TOKEN_ENV)
-    if fault_token:
-        model = FaultInjectingModel(model, int(fault_token))
     vocab_size = _config_int(config, ("vocab_size",)) or len(tokenizer.vocab)
     context_length = _config_int(config, _CONTEXT_KEYS) or DEFAULT_CONTEXT_LENGTH
     return LoadedModel(model, ModelTokenizer(tokenizer), model_id_for(path_or_repo), context_length,
@@ -68,20 +60,3 @@ def _config_int(config: dict[str, Any], keys: tuple[str, ...]) -> int | None:
             if isinstance(source.get(key), int) and source[key] > 0:
                 return source[key]
     return None
-
-
-class FaultInjectingModel:
-    """Wraps a model so a forward pass containing one token id fails, to test that a
-    failed forward poisons only the request that caused it."""
-
-    def __init__(self, model: nn.Module, token: int) -> None:
-        self._model = model
-        self._token = token
-
-    def __call__(self, inputs: mx.array, *args: Any, **kwargs: Any) -> mx.array:
-        if mx.any(inputs == self._token).item():
-            raise RuntimeError(f"injected fault on token {self._token}")
-        return self._model(inputs, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)

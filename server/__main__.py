@@ -1,11 +1,7 @@
-"""`python -m server [flags]`: the same as `radix-mlx serve [flags]`."""
+"""`python -m server [flags]`: `radix-mlx serve [flags]`, through the same code path."""
 
-import argparse
 import sys
 
-from server.config import add_serve_arguments
-from server.serve import serve_command
+from server.cli import run
 
-parser = argparse.ArgumentParser(prog="python -m server", description="Run the HTTP server.")
-add_serve_arguments(parser)
-sys.exit(serve_command(parser.parse_args()))
+run(["serve", *sys.argv[1:]])

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def create_app(settings: Settings, engine: Engine) -> FastAPI:
     """The app serving `engine`, which the caller starts and shuts down."""
     app = FastAPI(
-        title="radix-mlx", docs_url=None, redoc_url=None, openapi_url=None,
+        title="radix-mlx", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
     )
     app.state.server = state = ServerState(settings, engine)
     app.include_router(api)

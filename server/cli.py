@@ -10,20 +10,24 @@ from engine.platform_info import describe_platform, openblas_preload_env
 from server.config import Settings, add_serve_arguments
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of the `radix-mlx` console script."""
-    if argv is None:
-        _reexec_with_openblas()
+def main() -> None:
+    """The `radix-mlx` console script and `python -m server.cli`."""
+    run(sys.argv[1:])
+
+
+def run(argv: list[str]) -> None:
+    """Run the command `argv` names, and exit with its status: the one way every entry
+    point (`radix-mlx`, `python -m server`) starts, OpenBLAS included."""
+    _reexec_with_openblas()
     args = build_parser().parse_args(argv)
     sys.exit(args.handler(args))
 
 
 def _reexec_with_openblas() -> None:
-    # LD_PRELOAD only takes effect at process start, and MLX must not be loaded yet.
+    # LD_PRELOAD only takes effect at process start: run this same command line again.
     env = openblas_preload_env()
     if env is not None:
-        command = [sys.executable, "-m", "server.cli", *sys.argv[1:]]
-        os.execve(sys.executable, command, env)
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def build_parser() -> argparse.ArgumentParser:

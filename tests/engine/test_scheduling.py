@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from engine.api import QueueFull, RequestFailed, TokenEvent
-from engine.loader import FAULT_TOKEN_ENV
 from tests.engine.support import Reference, complete, settled, start_engine
+from tests.faults import faulty_loader
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -238,7 +238,7 @@ async def test_a_failing_forward_fails_only_its_request(llama_dir, reference, mo
     # A token no good request ever feeds to the model, as prompt or as output.
     used = {t for tokens in good + expected for t in tokens}
     fault = next(t for t in range(1000, 2000) if t not in used)
-    monkeypatch.setenv(FAULT_TOKEN_ENV, str(fault))
+    monkeypatch.setattr("engine.engine.load_model", faulty_loader(fault))
     engine = start_engine(llama_dir, cache_bytes=1 << 30)
     try:
         bad = random_prompt(400, 30) + [fault] + random_prompt(401, 4)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.support import CACHE_BYTES, MAX_BODY_BYTES, fault_env, launch, stop
+from tests.reliability.support import CACHE_BYTES, MAX_BODY_BYTES, fault_token, launch, stop
 from tests.server.support import ServerProcess
 
 
@@ -21,7 +21,7 @@ def hardened(
     server = launch(
         demo_model_dir, tmp_path_factory.mktemp("hardened") / "server.log",
         "--cache-bytes", str(CACHE_BYTES), "--max-body-bytes", str(MAX_BODY_BYTES),
-        env=fault_env(demo_model_dir),
+        fault_token=fault_token(demo_model_dir),
     )
     yield server
     stop(server)

@@ -35,7 +35,6 @@ from tests.reliability.storm import (
 from tests.reliability.support import (
     CACHE_BYTES,
     MAX_BODY_BYTES,
-    fault_env,
     fault_token,
     launch,
     stop,
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "server.log"
         server = launch(model, log, "--cache-bytes", str(CACHE_BYTES),
-                        "--max-body-bytes", str(MAX_BODY_BYTES), env=fault_env(model))
+                        "--max-body-bytes", str(MAX_BODY_BYTES), fault_token=fault_token(model))
         try:
             return soak(server, model, args)
         finally:

@@ -17,7 +17,6 @@ from tokenizers import Tokenizer
 
 from engine.api import EngineConfig
 from engine.engine import WARMUP_PROMPT_TOKENS, Engine
-from engine.loader import FAULT_TOKEN_ENV
 from server.app import create_app
 from server.config import Settings
 from tests.server.support import ServerProcess, start_server
@@ -30,7 +29,7 @@ MAX_BODY_BYTES = 256 * 1024
 
 
 def app_schema() -> dict[str, Any]:
-    """The OpenAPI document of the app the server runs (which does not publish it)."""
+    """The OpenAPI document the server serves at /openapi.json, built in this process."""
     engine = Engine(EngineConfig(model="unused"))  # never started: the schema needs no model
     return create_app(Settings(), engine).openapi()
 
@@ -42,11 +41,12 @@ def server_command(model: Path | str, port: int, *flags: str) -> list[str]:
     ]
 
 
-def launch(model_dir: Path, log_path: Path, *flags: str,
-           env: Mapping[str, str] = {}) -> ServerProcess:
+def launch(model_dir: Path, log_path: Path, *flags: str, env: Mapping[str, str] = {},
+           fault_token: int | None = None) -> ServerProcess:
     """A ready server with an API key, its stdout and stderr (the whole log) in `log_path`;
     the caller stops it."""
-    return start_server(model_dir, log_path, "--api-key", API_KEY, *flags, env=env)
+    return start_server(model_dir, log_path, "--api-key", API_KEY, *flags, env=env,
+                        fault_token=fault_token)
 
 
 def stop(server: ServerProcess) -> None:
@@ -68,10 +68,6 @@ def fault_token(model_dir: Path) -> int:
     used = {token for text in corpus.iterdir() if text.name.endswith(".txt")
             for token in tokenizer.encode(text.read_text()).ids}
     return max(set(range(WARMUP_PROMPT_TOKENS + 1, tokenizer.get_vocab_size())) - used)
-
-
-def fault_env(model_dir: Path) -> dict[str, str]:
-    return {FAULT_TOKEN_ENV: str(fault_token(model_dir))}
 
 
 def wait_idle(server: ServerProcess, timeout: float = 60.0) -> dict[str, float]:

@@ -17,8 +17,8 @@ import pytest
 
 from engine.api import EngineConfig, Finish, Lifecycle, RequestFailed, SamplingParams, TokenEvent
 from engine.engine import Engine
-from engine.loader import FAULT_TOKEN_ENV
 from tests.engine.gguf_files import UNSERVABLE, unservable_gguf
+from tests.faults import faulty_loader
 from tests.reliability.support import (
     AUTH,
     Outcome,
@@ -157,7 +157,7 @@ async def test_a_request_in_quarantine_runs_alone_until_it_passes_a_step(
     last one to rerun must stay alone until it has passed a step too: a faulty newcomer
     admitted beside it would fail the step again and get the innocent one failed."""
     fault = fault_token(demo_model_dir)
-    monkeypatch.setenv(FAULT_TOKEN_ENV, str(fault))
+    monkeypatch.setattr("engine.engine.load_model", faulty_loader(fault))
     # Tiny prefill chunks: rerunning the innocent request's 400 generated tokens (only its
     # prompt is in the tree) takes 200 steps, a wide window for the newcomer.
     engine = Engine(EngineConfig(model=str(demo_model_dir), prefill_chunk_tokens=2))

@@ -67,12 +67,15 @@ def server_env(extra: Mapping[str, str] = {}) -> dict[str, str]:
 
 
 def start_server(
-    model_dir: Path, log_path: Path, *flags: str, env: Mapping[str, str] = {}
+    model_dir: Path, log_path: Path, *flags: str, env: Mapping[str, str] = {},
+    fault_token: int | None = None,
 ) -> ServerProcess:
-    """A ready server on a free port; stopped again if it does not become ready."""
+    """A ready server on a free port; stopped again if it does not become ready. With a
+    `fault_token`, every forward pass that feeds it fails (tests/faults.py)."""
     port = _free_port()
+    entry = ["server"] if fault_token is None else ["tests.faults", str(fault_token)]
     command = [
-        sys.executable, "-m", "server", "--model", str(model_dir), "--port", str(port),
+        sys.executable, "-m", *entry, "--model", str(model_dir), "--port", str(port),
         "--config", "", "--cache-bytes", str(256 * 2**20), *flags,
     ]
     with log_path.open("w") as log:
