@@ -47,7 +47,6 @@ class Engine:
         apply_mlx_env_defaults()
         self.config = config
         self.state = Lifecycle.LOADING
-        self.load_progress = 0.0
         self.error: str | None = None
         self.model_id = model_id_for(config.model)
         self.context_length = 0
@@ -80,7 +79,6 @@ class Engine:
             self._loaded = loaded
             self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer
             self.context_length = loaded.context_length
-            self.load_progress = 1.0
             self.state = Lifecycle.WARMING_UP
             self.memory = self._plan_memory(loaded)
             log.info("%s", describe(self.memory))

@@ -1,25 +1,47 @@
-"""Prometheus text exposition, by hand: a few counters and histograms the server
-observes, plus the engine's own counters and gauges read at scrape time.
+"""/metrics with prometheus_client: the series the server observes (HTTP requests, time
+to first token, time between tokens), the engine's stats read at scrape time by a custom
+collector, and the process's own (CPU, memory, open files) from prometheus_client.
 
-Everything is touched from the event loop only, so no locking is needed.
+The engine's stats describe themselves (radix/stats.py): the collector walks them, so a
+new engine or tree counter reaches /metrics without an edit here. Each app has its own
+registry, so two apps in one process (tests) do not share series.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import fields, is_dataclass
+from typing import TYPE_CHECKING
 
-from engine.api import EngineStats
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 PREFIX = "radix_mlx"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+# A `_created` timestamp per counter and histogram doubles the series for no use here.
+disable_created_metrics()
 
 
 def engine_metrics(stats: object) -> Iterator[tuple[str, str, str, float]]:
     """(name, kind, help, value) of every described field of `stats`, nested dataclasses
-    included: the stats dataclasses say themselves what they export (radix/stats.py)."""
+    included."""
     for item in fields(stats):
         value = getattr(stats, item.name)
         if is_dataclass(value):
@@ -29,55 +51,38 @@ def engine_metrics(stats: object) -> Iterator[tuple[str, str, str, float]]:
             yield meta["name"] or item.name, meta["kind"], meta["help"], value
 
 
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+class EngineCollector(Collector):
+    """The engine's stats and lifecycle state, read when /metrics is scraped."""
 
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
 
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
-        self.name, self.help, self.buckets = f"{PREFIX}_{name}", help_text, buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, count in zip((*self.buckets, "+Inf"), self.counts):
-            cumulative += count
-            lines.append(f'{self.name}_bucket{{le="{bound}"}} {cumulative}')
-        lines += [f"{self.name}_sum {self.sum}", f"{self.name}_count {cumulative}"]
-        return lines
+    def collect(self) -> Iterator[Metric]:
+        for name, kind, help_text, value in engine_metrics(self._engine.stats()):
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(f"{PREFIX}_{name}", help_text, value=value)
+        state = GaugeMetricFamily(f"{PREFIX}_model_state",
+                                  "1 for the engine's current lifecycle state.", labels=["state"])
+        state.add_metric([self._engine.state.value], 1)
+        yield state
 
 
 class Metrics:
-    """The server-side series; `render` adds the engine's at scrape time."""
-
-    def __init__(self) -> None:
-        self.requests: Counter[tuple[str, int]] = Counter()
-        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = Histogram("inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(f"{PREFIX}_http_requests", "HTTP requests by endpoint and status.",
+                                ["endpoint", "status"], registry=self.registry)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Time to first token.",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Time between tokens.",
+                             buckets=ITL_BUCKETS, registry=self.registry)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        self.registry.register(EngineCollector(engine))
 
     def count_request(self, endpoint: str, status: int) -> None:
-        self.requests[(endpoint, status)] += 1
+        self.requests.labels(endpoint, str(status)).inc()
 
-    def render(self, stats: EngineStats, state: str, load_progress: float) -> str:
-        name = f"{PREFIX}_http_requests_total"
-        lines = [f"# HELP {name} HTTP requests by endpoint and status.", f"# TYPE {name} counter"]
-        for (endpoint, status), count in sorted(self.requests.items()):
-            lines.append(f'{name}{{endpoint="{endpoint}",status="{status}"}} {count}')
-        lines += self.ttft.render() + self.itl.render()
-        for metric, kind, help_text, value in engine_metrics(stats):
-            metric = f"{PREFIX}_{metric}{'_total' if kind == 'counter' else ''}"
-            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}", f"{metric} {value}"]
-        name = f"{PREFIX}_model_state"
-        lines += [f"# HELP {name} 1 for the engine's current lifecycle state.",
-                  f"# TYPE {name} gauge", f'{name}{{state="{state}"}} 1']
-        name = f"{PREFIX}_model_load_progress"
-        lines += [f"# HELP {name} Model loading progress, 0 to 1.",
-                  f"# TYPE {name} gauge", f"{name} {load_progress}"]
-        return "\n".join(lines) + "\n"
-
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every series."""
+        return generate_latest(self.registry)

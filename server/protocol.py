@@ -485,7 +485,6 @@ class Health(ResponseModel):
 
     status: Literal["loading", "warming_up", "ready", "failed", "draining"]
     model: str
-    progress: float | None = None
     error: str | None = None
 
 

@@ -17,6 +17,7 @@ from engine.api import Lifecycle
 from server.errors import APIError
 from server.formats import ChatFormat, CompletionFormat, Format
 from server.jobs import Delta, Job, collect, deltas
+from server.metrics import CONTENT_TYPE
 from server.prompts import chat_prompt, check_token_ids, completion_prompts
 from server.protocol import (
     ChatCompletionChunk,
@@ -235,8 +236,6 @@ async def health(request: Request) -> JSONResponse:
     state = server_state(request)
     engine = state.engine
     body: dict[str, object] = {"status": engine.state.value, "model": engine.model_id}
-    if engine.state is Lifecycle.LOADING:
-        body["progress"] = engine.load_progress
     if engine.state is Lifecycle.FAILED:
         body["error"] = engine.error
     if state.drain.draining:
@@ -246,8 +245,5 @@ async def health(request: Request) -> JSONResponse:
 
 
 @probes.get("/metrics", response_class=PlainTextResponse)
-async def metrics(request: Request) -> PlainTextResponse:
-    state = server_state(request)
-    engine = state.engine
-    text = state.metrics.render(engine.stats(), engine.state.value, engine.load_progress)
-    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+async def metrics(request: Request) -> Response:
+    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -53,9 +53,12 @@ class Drain:
 class ServerState:
     settings: Settings
     engine: Engine
-    metrics: Metrics = field(default_factory=Metrics)
+    metrics: Metrics = field(init=False)
     drain: Drain = field(default_factory=Drain)
     started: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.engine)
 
     def model_ids(self) -> list[str]:
         """The served model id first, then its aliases."""
@@ -81,7 +84,7 @@ class ServerState:
         if engine.state is Lifecycle.FAILED:
             message = f"the model failed to load: {engine.error}"
         else:
-            message = f"the model is {engine.state.value} ({engine.load_progress:.0%} loaded)"
+            message = f"the model is {engine.state.value}"
         raise APIError(503, message, code="model_not_ready")
 
 

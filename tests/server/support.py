@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.platform_info import openblas_library
 
@@ -34,14 +35,15 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
     def metrics(self) -> dict[str, float]:
-        """Unlabelled series of /metrics, by name."""
+        """Unlabelled series of /metrics, by name, read with prometheus_client's parser."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         text = httpx.get(f"{self.url}/metrics", headers=headers, verify=self.verify,
                          timeout=10).text
         return {
-            name: float(value)
-            for name, _, value in (line.partition(" ") for line in text.splitlines())
-            if not name.startswith("#") and "{" not in name
+            sample.name: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if not sample.labels
         }
 
     def stop(self) -> int:
