@@ -96,8 +96,8 @@ class Generation:
         return None
 
     def finish(self, reason: FinishReason, matched_stop: str | int | None = None) -> None:
-        """Emit the last event; text still held back is released unless a stop matched."""
-        tail = "" if matched_stop is not None or reason == "cancelled" else self.text.finish()
+        """Emit the last event, with any text still held back (none after a cancel)."""
+        tail = "" if reason == "cancelled" else self.text.finish()
         self.emit(Finish(reason, tail, len(self.prompt), len(self.generated),
                          self.cached_tokens or 0, matched_stop))
 

@@ -54,10 +54,8 @@ class ModelTokenizer:
                                             tuple(wrapper.think_start_tokens),
                                             tuple(wrapper.think_end_tokens))
 
-    @property
-    def backend(self) -> Any:
-        """The Hugging Face tokenizer underneath, for the engine's detokenizer."""
-        return self._wrapper._tokenizer
+        # The Rust tokenizer under a Hugging Face "fast" tokenizer; None for others.
+        self.fast: Any = getattr(wrapper, "backend_tokenizer", None)
 
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `special_tokens` adds what the tokenizer adds to a whole

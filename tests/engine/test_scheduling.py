@@ -219,6 +219,19 @@ async def test_stop_token_id_ends_the_stream(engine):
     assert stopped.tokens == free.tokens[: free.tokens.index(stop_token)]
 
 
+async def test_a_stop_token_releases_text_held_for_a_stop_string(engine):
+    """Text held back in case it starts a stop string is still shown when a stop token,
+    not a stop string, ends the stream."""
+    prompt = random_prompt(10, 16)
+    free = await complete(engine, prompt, 12, ignore_eos=True)
+    end = next(i for i in range(4, 12) if free.tokens[i] not in free.tokens[:i])
+    never = "\x00" * 8  # holds back the last 7 characters until the stream ends
+    stopped = await complete(engine, prompt, 12, stop=(never,),
+                             stop_token_ids=(free.tokens[end],), ignore_eos=True)
+    assert stopped.finish.matched_stop == free.tokens[end]
+    assert stopped.text == engine.tokenizer.decode(free.tokens[:end], skip_special_tokens=True)
+
+
 async def test_max_tokens_ends_with_length(engine):
     result = await complete(engine, random_prompt(10, 8), 7, ignore_eos=True)
     assert (result.finish.reason, result.finish.completion_tokens, len(result.tokens)) == (
