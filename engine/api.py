@@ -107,6 +107,7 @@ class TokenLogprob:
     token: int
     text: str
     logprob: float
+    bytes: bytes  # the token's own bytes: part of a character where it holds only part
 
 
 @dataclass(frozen=True)

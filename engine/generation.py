@@ -87,7 +87,7 @@ class Generation:
         logprob, top = None, ()
         if self.params.logprobs is not None:
             logprob, top = token_logprobs(logprobs, token, self.params.logprobs,
-                                          lambda t: self._tokenizer.decode([t]))
+                                          self._tokenizer)
         self.emit(TokenEvent(token, text, logprob, top))
         if self.text.matched_stop is not None:
             return "stop", self.text.matched_stop

@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from engine.api import SamplingParams, TokenLogprob
+from engine.tokenizer import ModelTokenizer
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -53,14 +54,19 @@ def make_processors(params: SamplingParams) -> list[Callable[[mx.array, mx.array
 
 
 def token_logprobs(
-    logprobs: mx.array, token: int, top: int, decode: Callable[[int], str]
+    logprobs: mx.array, token: int, top: int, tokenizer: ModelTokenizer
 ) -> tuple[TokenLogprob, tuple[TokenLogprob, ...]]:
     """The sampled token's logprob and the `top` most likely alternatives."""
-    chosen = TokenLogprob(token, decode(token), logprobs[token].item())
+
+    def scored(token: int, logprob: float) -> TokenLogprob:
+        return TokenLogprob(token, tokenizer.decode([token]), logprob,
+                            tokenizer.token_bytes(token))
+
+    chosen = scored(token, logprobs[token].item())
     if top == 0:
         return chosen, ()
     ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
     values = logprobs[ids]
     order = mx.argsort(-values)
     ids, values = ids[order].tolist(), values[order].tolist()
-    return chosen, tuple(TokenLogprob(i, decode(i), v) for i, v in zip(ids, values))
+    return chosen, tuple(scored(i, v) for i, v in zip(ids, values))

@@ -8,6 +8,8 @@ wrapper or a Hugging Face tokenizer itself. It imports nothing from MLX or mlx-l
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +58,18 @@ class ModelTokenizer:
 
         # The Rust tokenizer under a Hugging Face "fast" tokenizer; None for others.
         self.fast: Any = getattr(wrapper, "backend_tokenizer", None)
+        self._piece_bytes = _piece_reader(self.fast)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes token `token` stands for: for a token holding part of a UTF-8
+        character, that part (decoding it alone gives U+FFFD instead)."""
+        piece = self.fast.id_to_token(token) if self._piece_bytes is not None else None
+        if piece is not None:
+            try:
+                return self._piece_bytes(piece)
+            except KeyError:  # an added token (e.g. <|im_end|>) is stored as its text
+                pass
+        return self.decode([token]).encode("utf-8")
 
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `special_tokens` adds what the tokenizer adds to a whole
@@ -76,3 +90,37 @@ class ModelTokenizer:
         return list(self._wrapper.apply_chat_template(
             messages, **(variables or {}), tools=tools, add_generation_prompt=True,
             tokenize=True))
+
+
+def _piece_reader(fast: Any) -> Callable[[str], bytes] | None:
+    """How a vocabulary piece maps to bytes, for the two decoders that store bytes in
+    pieces: byte-level BPE (GPT-2, Llama 3, Qwen) and SentencePiece with byte fallback."""
+    if fast is None:
+        return None
+    decoder = json.loads(fast.to_str()).get("decoder") or {}
+    if decoder.get("type") == "ByteLevel":
+        byte_of = _gpt2_byte_decoder()
+        return lambda piece: bytes(byte_of[char] for char in piece)
+    steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    if any(step.get("type") == "ByteFallback" for step in steps):
+        return _sentencepiece_bytes
+    return None
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _sentencepiece_bytes(piece: str) -> bytes:
+    if match := _BYTE_PIECE.fullmatch(piece):
+        return bytes([int(match[1], 16)])
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: each byte is stored as a printable
+    character (printable ASCII and Latin-1 as themselves, the rest from U+0100 up)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    shifted = [byte for byte in range(256) if byte not in kept]
+    return {**{chr(byte): byte for byte in kept},
+            **{chr(256 + i): byte for i, byte in enumerate(shifted)}}

@@ -33,7 +33,7 @@ from server.protocol import (
 
 def _top(logprob: TokenLogprob) -> TopLogprob:
     return TopLogprob(
-        token=logprob.text, logprob=logprob.logprob, bytes=list(logprob.text.encode("utf-8"))
+        token=logprob.text, logprob=logprob.logprob, bytes=list(logprob.bytes)
     )
 
 

@@ -11,6 +11,7 @@ import openai
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from tokenizers import Tokenizer
 
 from tests.server.support import ALIAS, ServerProcess
 
@@ -49,11 +50,29 @@ def test_chat_response_shape_usage_and_logprobs(client: openai.OpenAI, model_id:
         assert len(choice.logprobs.content) == 6
         for token in choice.logprobs.content:
             assert token.logprob <= 0 and len(token.top_logprobs) == 2
-            assert bytes(token.bytes).decode("utf-8", "replace") == token.token
+            if "\ufffd" not in token.token:  # a whole character or more
+                assert bytes(token.bytes) == token.token.encode("utf-8")
     usage = response.usage
     assert usage.completion_tokens == 12
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert 0 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+
+
+def test_logprob_bytes_are_the_tokens_own(client: openai.OpenAI, model_id: str,
+                                         demo_model_dir) -> None:
+    """A token that holds part of a character reports those bytes, not U+FFFD's: joined,
+    the bytes of a character's tokens give the character."""
+    tokenizer = Tokenizer.from_file(str(demo_model_dir / "tokenizer.json"))
+    emoji = " \U0001f600"
+    first = tokenizer.encode(emoji, add_special_tokens=False).ids[0]
+    response = client.chat.completions.create(
+        model=model_id, messages=_messages(), max_tokens=1, logprobs=True,
+        logit_bias={str(first): 100},
+    )
+    token = response.choices[0].logprobs.content[0]
+    assert token.token == tokenizer.decode([first])
+    assert 0 < len(token.bytes) < len(emoji.encode()) and emoji.encode().startswith(
+        bytes(token.bytes))
 
 
 def test_chat_stream_matches_non_stream(client: openai.OpenAI, model_id: str) -> None:
