@@ -33,7 +33,7 @@ class Generation:
         self._tokenizer = tokenizer
         self.text = TextStream(tokenizer, prompt, params.stop)
         self.sampler = make_sampler(params, vocab_size)
-        self.processors = make_processors(params)
+        self.processors = make_processors(params, len(prompt))
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= tokenizer.eos_token_ids

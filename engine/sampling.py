@@ -16,6 +16,8 @@ from engine.api import SamplingParams, TokenLogprob
 from engine.tokenizer import ModelTokenizer
 
 Sampler = Callable[[mx.array], mx.array]
+# (the tokens so far, prompt included; logits) -> logits
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
 def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
@@ -44,13 +46,30 @@ def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
     return sample
 
 
-def make_processors(params: SamplingParams) -> list[Callable[[mx.array, mx.array], mx.array]]:
-    return make_logits_processors(
-        logit_bias=params.logit_bias or None,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty or None,
-        frequency_penalty=params.frequency_penalty or None,
-    )
+def make_processors(params: SamplingParams, prompt_length: int) -> list[LogitsProcessor]:
+    """logit_bias and repetition_penalty as mlx-lm applies them; presence and frequency
+    penalties as OpenAI defines them (see `openai_penalties`)."""
+    processors = make_logits_processors(
+        logit_bias=params.logit_bias or None, repetition_penalty=params.repetition_penalty)
+    if params.presence_penalty or params.frequency_penalty:
+        processors.append(openai_penalties(params.presence_penalty, params.frequency_penalty,
+                                           prompt_length))
+    return processors
+
+
+def openai_penalties(presence: float, frequency: float, prompt_length: int) -> LogitsProcessor:
+    """OpenAI's presence and frequency penalties: over every token generated so far (the
+    prompt does not count), `logit[t] -= frequency * count[t] + presence * (count[t] > 0)`.
+    (mlx-lm's own count the last 20 tokens, prompt included.)"""
+
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
+        generated = tokens[prompt_length:]
+        if generated.size == 0:
+            return logits
+        counts = mx.zeros((logits.shape[-1],), logits.dtype).at[generated].add(1)
+        return logits - (frequency * counts + presence * (counts > 0))
+
+    return process
 
 
 def token_logprobs(

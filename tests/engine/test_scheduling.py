@@ -189,6 +189,23 @@ async def test_penalties_push_back_a_repeated_token(engine):
         assert penalised.tokens.count(777) < 24, penalty
 
 
+async def test_presence_and_frequency_penalties_count_generated_tokens_only(engine):
+    """OpenAI's definition: the prompt does not count, so a token the prompt repeats is
+    not pushed back before the model generates it."""
+    prompt, bias = random_prompt(6, 16) + [777] * 16, {777: 12.0}
+    first = await complete(engine, prompt, 1, logit_bias=bias, presence_penalty=2.0,
+                           frequency_penalty=2.0)
+    assert first.tokens == [777]
+
+
+async def test_the_frequency_penalty_counts_every_generated_token(engine):
+    """No window: after 40 repeats the penalty is 2 x 40 and still growing, so the
+    strongest bias gives way before 64 tokens (counting the last 20 only, it never did)."""
+    result = await complete(engine, random_prompt(6, 16), 64, logit_bias={777: 100.0},
+                            frequency_penalty=2.0, ignore_eos=True)
+    assert result.tokens[:40] == [777] * 40 and result.tokens.count(777) < 64
+
+
 async def test_logprobs_report_the_chosen_token_and_sorted_alternatives(engine):
     result = await complete(engine, random_prompt(7, 16), 6, logprobs=3)
     for event in result.events:
