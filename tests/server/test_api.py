@@ -229,8 +229,23 @@ def test_assistant_tool_calls_in_history_render(client: openai.OpenAI, model_id:
         }]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
-    response = client.chat.completions.create(model=model_id, messages=messages, max_tokens=2)
+    response = client.chat.completions.create(
+        model=model_id, messages=messages, max_tokens=8, temperature=0, extra_body=NO_EOS
+    )
     assert response.usage.prompt_tokens > 20
+    # The demo template renders the call with its arguments as a mapping (OpenAI sends a
+    # JSON string), then the tool's answer: the same prompt, as text, gives the same
+    # prompt tokens and the same greedy reply.
+    rendered = (
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        "<|im_end|>\n<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n"
+    )
+    completion = client.completions.create(
+        model=model_id, prompt=rendered, max_tokens=8, temperature=0, extra_body=NO_EOS
+    )
+    assert completion.usage.prompt_tokens == response.usage.prompt_tokens
+    assert completion.choices[0].text == response.choices[0].message.content
 
 
 def test_unknown_fields_are_ignored(server: ServerProcess, headers: dict[str, str]) -> None:
