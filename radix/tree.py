@@ -13,7 +13,7 @@ Two kinds of handle share this tree (one kind per tree):
   node's end can be reused. The tree still splits such nodes for topology; the head then
   becomes a *junction* with no handle, which a match walks through but never returns.
 
-Concurrency follows the optimistic write path of the seed design: one lock guards topology
+Concurrency is optimistic (docs/ARCHITECTURE.md): one lock guards topology
 and is held only to inspect or change it. A request that finds its remainder missing
 reserves a PENDING node, computes outside the lock and publishes with `finalize` (or
 `poison` on failure). Requests that reach a PENDING node wait on it (blocking with
