@@ -36,17 +36,18 @@ import itertools
 import logging
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from engine.admission import SchedulerLimits, admit
-from engine.api import SchedulerCounters
+from engine.api import SamplingParams, SchedulerCounters
 from engine.generation import Generation
 from engine.generator import Generator, Output, SequenceState
 from engine.kv import KVStore
 from engine.loader import LoadedModel
-from engine.tree_hold import common_prefix_length
+from engine.tree_hold import HandleOf
 from radix.tree import MatchResult, Node, RadixTree, ReserveStatus
 
 log = logging.getLogger("radix_mlx.engine")
@@ -61,6 +62,20 @@ MIN_SHARED_TO_WAIT = 32
 # prompt took 5.9 s in one chunk and 4.4 s in 512s on 2 cores) and stall decodes less.
 GPU_PREFILL_CHUNK = 2048
 CPU_PREFILL_CHUNK = 512
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix, by bisection on C-speed list comparisons."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while high - low > 1:  # a[:low] == b[:low] and a[:high] != b[:high]
+        mid = (low + high) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 # -- the inbox: what other threads (and tree callbacks) ask of the worker ------------------
@@ -118,8 +133,10 @@ class Scheduler:
         self._uids = itertools.count()
         self._stopping = False
 
-    def new_generation(self, request_id: str, prompt: list[int], params, emit,
-                       on_dequeue=None) -> Generation:
+    def new_generation(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       emit: Callable[[object], None],
+                       on_dequeue: Callable[[], None] | None = None) -> Generation:
+        """A generation for this model and tree; the caller submits it (`Submit`)."""
         return Generation(request_id, prompt, params, emit, self.loaded.tokenizer,
                           self.loaded.vocab_size, self.tree, on_dequeue)
 
@@ -277,14 +294,16 @@ class Scheduler:
 
     def _publish(self, generation: Generation, cache: list) -> None:
         tokens = generation.tokens
-        blocker = generation.hold.publish(
-            tokens, len(tokens) - 1, lambda start, end: self.kv.handle(cache, start, end))
+        blocker = generation.hold.publish(tokens, len(tokens) - 1, self._handle_of(cache))
         if blocker is None:
             self._wake_followers(generation)
         else:
             # Another's reservation cut the insert short; this generation still holds its
             # whole cache while it decodes, so the rest follows once that one is done.
             blocker.add_done_callback(lambda _: self.inbox.put(Republish(generation)))
+
+    def _handle_of(self, cache: list) -> HandleOf:
+        return lambda start, end: self.kv.handle(cache, start, end)
 
     def _republish(self, generation: Generation) -> None:
         sequence = generation.sequence
@@ -315,11 +334,9 @@ class Scheduler:
 
     def _release(self, generation: Generation, sequence: SequenceState | None) -> None:
         """Share what `sequence`'s cache holds beyond the tree, then let go."""
-        handle_of = None
-        if sequence is not None and generation.prompt_done:
-            cache = sequence.cache
-            handle_of = lambda start, end: self.kv.handle(cache, start, end)
-        generation.hold.release(sequence.tokens if sequence else (), handle_of)
+        computed = sequence is not None and generation.prompt_done
+        generation.hold.release(sequence.tokens if sequence else (),
+                                self._handle_of(sequence.cache) if computed else None)
         generation.sequence = None
         self._wake_followers(generation)
 

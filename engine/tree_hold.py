@@ -93,17 +93,3 @@ class TreeHold:
             self.tree.unpin(self.node)
         self.node, self.depth = None, 0
         self.tree.enforce_capacity()
-
-
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix, by bisection on C-speed list comparisons."""
-    low, high = 0, min(len(a), len(b))
-    if a[:high] == b[:high]:
-        return high
-    while high - low > 1:  # a[:low] == b[:low] and a[:high] != b[:high]
-        mid = (low + high) // 2
-        if a[:mid] == b[:mid]:
-            low = mid
-        else:
-            high = mid
-    return low
