@@ -83,10 +83,10 @@ def test_health_metrics_and_access_log(server: ServerProcess, headers: dict[str,
     assert "prompt=3" in line and "completion=3" in line and "ttft_ms=" in line
 
 
-def test_the_openapi_document_is_served(server: ServerProcess) -> None:
+def test_the_openapi_document_is_served(server: ServerProcess, headers: dict[str, str]) -> None:
     """Users (and client generators) get the API's schema, errors in OpenAI's shape
-    included, without a key: it is no secret."""
-    document = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+    included."""
+    document = httpx.get(f"{server.url}/openapi.json", headers=headers, timeout=10).json()
     chat = document["paths"]["/v1/chat/completions"]["post"]
     assert "ChatCompletionRequest" in document["components"]["schemas"]
     assert {"200", "400", "429", "503"} <= set(chat["responses"])
