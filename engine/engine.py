@@ -30,9 +30,9 @@ from engine.api import (
     SamplingParams,
     SchedulerCounters,
 )
-from engine.kv import kv_bytes_per_token
 from engine.loader import LoadedModel, load_model, model_id_for
 from engine.memory import CPU_MEMORY_FRACTION, MemoryPlan, describe, headroom, plan_memory
+from engine.mlx_lm_internals import kv_bytes_per_token
 from engine.platform_info import apply_mlx_env_defaults
 from engine.scheduler import CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK, Cancel, Scheduler, Stop, Submit
 from engine.tokenizer import ModelTokenizer

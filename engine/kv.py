@@ -95,20 +95,6 @@ def assemble(handles: Sequence[KVSegment | CacheSnapshot]) -> list[Any] | None:
             for layer in range(len(last.keys))]
 
 
-def kv_bytes_per_token(model: nn.Module) -> int:
-    """What one more token adds to a request's cache, measured on a one-token forward.
-    Sliding-window layers count as if they kept every token (an overestimate, on the safe
-    side); recurrent state does not grow with tokens and counts nothing."""
-    cache = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=cache)
-    total = 0
-    for layer in cache:
-        for array in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(array, mx.array):
-                total += array[..., :1, :].nbytes
-    return total
-
-
 class KVStore:
     """Where the scheduler's KV handles come from and go to, for one model."""
 

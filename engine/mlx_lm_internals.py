@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+from mlx import nn
 from mlx_lm.generate import _merge_caches
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 
 def owned(x: mx.array) -> mx.array:
@@ -122,3 +123,17 @@ def presized_kv(keys: Sequence[mx.array], values: Sequence[mx.array]) -> KVCache
         start = end
     cache.offset = length
     return cache
+
+
+def kv_bytes_per_token(model: nn.Module) -> int:
+    """What one more token adds to a request's cache, measured on a one-token forward.
+    Sliding-window layers count as if they kept every token (an overestimate, on the safe
+    side); recurrent state does not grow with tokens and counts nothing."""
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    total = 0
+    for layer in cache:
+        for array in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(array, mx.array):
+                total += array[..., :1, :].nbytes
+    return total
