@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import mlx_lm
@@ -20,6 +21,7 @@ from engine.platform_info import (
     apply_mlx_env_defaults,
     openblas_library,
 )
+from tests.server.support import _free_port
 
 ROUND_TRIP_TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -150,6 +152,30 @@ def test_cli_preloads_openblas_on_linux_cpu() -> None:
     }
     assert "BLAS: OpenBLAS" in _cli("info", env=env)
     assert "reference BLAS" in _cli("info", env={**env, OPT_OUT_ENV: "1"})
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or openblas_library() is None, reason="needs Debian's OpenBLAS"
+)
+def test_python_m_server_preloads_openblas_like_radix_mlx_serve(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """`python -m server` starts through the same code path as `radix-mlx serve`."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("LD_PRELOAD", OPT_OUT_ENV) and not key.startswith("RADIX_MLX_")}
+    log_path = tmp_path / "server.log"
+    command = [sys.executable, "-m", "server", "--model", str(demo_model_dir), "--port",
+               str(_free_port()), "--config", ""]
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "BLAS:" not in log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    assert "BLAS: OpenBLAS" in log_path.read_text()
 
 
 def test_mlx_env_defaults_keep_what_the_operator_set(monkeypatch) -> None:
