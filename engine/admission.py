@@ -33,7 +33,7 @@ def admit(waiting: list[Generation], running: Collection[Generation],
           start: Callable[[Generation], bool]) -> None:
     """Take requests off `waiting` and `start` them, in policy order, while the limits
     allow; `start` returns whether one joined the batch (it may wait for a shared prefix
-    instead) and `running` grows with each that did."""
+    instead), and `running` (a live view) grows with each that did."""
     if any(g.suspect for g in (*waiting, *running)):
         suspects = [g for g in waiting if g.suspect]
         # The last suspect too runs alone: a newcomer beside it could fail it.
@@ -41,20 +41,23 @@ def admit(waiting: list[Generation], running: Collection[Generation],
             waiting.remove(suspects[0])
             start(suspects[0])
         return
+    room = min(limits.max_batch_size - len(running),
+               limits.prefill_batch_size - sum(not g.prompt_done for g in running))
+    token_room = limits.max_tokens_in_flight - sum(g.tokens_reserved for g in running)
     started = 0
     for generation in _order(waiting, cached_length):
-        room = limits.max_batch_size - len(running)
-        prefill_room = limits.prefill_batch_size - sum(not g.prompt_done for g in running)
-        if room <= 0 or prefill_room <= 0:
+        if room <= 0:
             break
-        token_room = limits.max_tokens_in_flight - sum(g.tokens_reserved for g in running)
         # A request bigger than the whole limit still runs, alone.
         if generation.tokens_reserved > token_room and running:
             if generation.passed_over >= MAX_PASSED_OVER:
                 break  # admit nobody past it, so the batch drains until it fits
             continue
         waiting.remove(generation)
-        started += start(generation)
+        if start(generation):
+            started += 1
+            room -= 1
+            token_room -= generation.tokens_reserved
     if started:
         for generation in waiting:
             generation.passed_over += 1
