@@ -95,9 +95,9 @@ class ModelTokenizer:
 def _piece_reader(fast: Any) -> Callable[[str], bytes] | None:
     """How a vocabulary piece maps to bytes, for the two decoders that store bytes in
     pieces: byte-level BPE (GPT-2, Llama 3, Qwen) and SentencePiece with byte fallback."""
-    if fast is None:
+    if fast is None or fast.decoder is None:
         return None
-    decoder = json.loads(fast.to_str()).get("decoder") or {}
+    decoder = json.loads(fast.decoder.__getstate__())  # the decoder's own JSON
     if decoder.get("type") == "ByteLevel":
         byte_of = _gpt2_byte_decoder()
         return lambda piece: bytes(byte_of[char] for char in piece)

@@ -7,7 +7,10 @@ from __future__ import annotations
 import copy
 
 import pytest
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
 
 from engine.text import TextStream
 from engine.tokenizer import ModelTokenizer
@@ -76,3 +79,26 @@ def test_the_earliest_of_several_stop_strings_wins(tokenizer) -> None:
     text_stream, chunks = stream(tokenizer, " hello world", stop=("world", "llo"))
     assert "".join(chunks) == " he" and text_stream.matched_stop == "llo"
     assert text_stream.add(tokenizer.encode("!", special_tokens=False)[0]) == ""
+
+
+def test_token_bytes_are_the_pieces_own_bytes(demo_model_dir) -> None:
+    """Logprob bytes: joined, a character's tokens give its UTF-8 bytes, though each
+    alone decodes to U+FFFD; an added token is its text."""
+    tokenizer = ModelTokenizer(load_tokenizer(demo_model_dir))
+    tokens = tokenizer.encode(f" {EMOJI}", special_tokens=False)
+    assert [tokenizer.decode([t]) for t in tokens][1:] == ["\ufffd", "\ufffd"]
+    assert [tokenizer.token_bytes(t) for t in tokens] == [b" \xf0\x9f", b"\x98", b"\x80"]
+    im_end = tokenizer.encode("<|im_end|>", special_tokens=False)
+    assert [tokenizer.token_bytes(t) for t in im_end] == [b"<|im_end|>"]
+
+
+def test_sentencepiece_byte_pieces_are_their_byte() -> None:
+    """A SentencePiece-style vocabulary with byte fallback (Llama 2, Mistral, Gemma)."""
+    vocab = {"<unk>": 0, "<0xF0>": 1, "<0x9F>": 2, "\u2581hi": 3}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True,
+                                   unk_token="<unk>"))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = ModelTokenizer(TokenizerWrapper(PreTrainedTokenizerFast(
+        tokenizer_object=backend)))
+    assert [tokenizer.token_bytes(t) for t in (1, 2, 3)] == [b"\xf0", b"\x9f", b" hi"]
