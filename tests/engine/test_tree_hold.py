@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
 from engine.tree_hold import TreeHold
-from radix import NodeState, RadixTree, ReserveStatus
+from radix import Node, NodeState, RadixTree, ReserveStatus
 from tests.radix.support import FakeHandle, check_invariants
 
 PROMPT = (1, 2, 3, 4, 5, 6)
@@ -18,14 +20,25 @@ def handles_of(tokens: Sequence[int]):
     return lambda start, end: FakeHandle(tokens[start:end], prefix=tokens[:start])
 
 
+@pytest.fixture
+def tree() -> RadixTree:
+    return RadixTree(1 << 20, FakeHandle.free)
+
+
+def watch(node: Node) -> list[Node]:
+    """Gets `node` once it is done: READY, or POISONED with its error."""
+    done: list[Node] = []
+    node.add_done_callback(done.append)
+    return done
+
+
 def started(tree: RadixTree, tokens: Sequence[int] = PROMPT) -> TreeHold:
     hold = TreeHold(tree)
     assert hold.start(tree.match(tokens), tokens) is None
     return hold
 
 
-def test_a_cold_start_pins_the_root_and_reserves_the_whole_prompt() -> None:
-    tree = RadixTree(1 << 20, FakeHandle.free)
+def test_a_cold_start_pins_the_root_and_reserves_the_whole_prompt(tree: RadixTree) -> None:
     hold = started(tree)
     assert (hold.node, hold.depth) == (tree.root, 0)
     assert hold.reservation.state is NodeState.PENDING and hold.reservation.tokens == PROMPT
@@ -33,20 +46,17 @@ def test_a_cold_start_pins_the_root_and_reserves_the_whole_prompt() -> None:
     check_invariants(tree)
 
 
-def test_publish_finalizes_the_reservation_and_wakes_its_waiters() -> None:
-    tree = RadixTree(1 << 20, FakeHandle.free)
+def test_publish_finalizes_the_reservation_and_wakes_its_waiters(tree: RadixTree) -> None:
     hold = started(tree)
-    woken = []
-    hold.reservation.add_done_callback(lambda node: woken.append(node.state))
+    done = watch(hold.reservation)
     assert hold.publish(PROMPT, len(PROMPT), handles_of(PROMPT)) is None
-    assert woken == [NodeState.READY] and hold.reservation is None
+    assert [node.state for node in done] == [NodeState.READY] and hold.reservation is None
     assert hold.depth == len(PROMPT) and hold.node.handle.path == PROMPT
     assert tree.stats().pinned_tokens == len(PROMPT)
     check_invariants(tree)
 
 
-def test_release_inserts_what_was_generated_and_unpins_everything() -> None:
-    tree = RadixTree(1 << 20, FakeHandle.free)
+def test_release_inserts_what_was_generated_and_unpins_everything(tree: RadixTree) -> None:
     hold = started(tree)
     hold.publish(PROMPT, len(PROMPT), handles_of(PROMPT))
     everything = (*PROMPT, 7, 8)
@@ -58,31 +68,26 @@ def test_release_inserts_what_was_generated_and_unpins_everything() -> None:
     check_invariants(tree)
 
 
-def test_release_before_the_prompt_was_computed_gives_its_reservation_up() -> None:
-    tree = RadixTree(1 << 20, FakeHandle.free)
+def test_release_before_the_prompt_was_computed_gives_its_reservation_up(tree: RadixTree) -> None:
     hold = started(tree)
-    woken = []
-    hold.reservation.add_done_callback(lambda node: woken.append(node.state))
+    done = watch(hold.reservation)
     hold.release((), None)
-    assert woken == [NodeState.POISONED]
+    assert [node.state for node in done] == [NodeState.POISONED]
     assert tree.stats().total_tokens == tree.stats().pending == 0
     check_invariants(tree)
 
 
-def test_abandon_hands_its_error_to_the_waiters_and_shares_nothing() -> None:
-    tree = RadixTree(1 << 20, FakeHandle.free)
+def test_abandon_hands_its_error_to_the_waiters_and_shares_nothing(tree: RadixTree) -> None:
     hold = started(tree)
-    errors = []
-    hold.reservation.add_done_callback(lambda node: errors.append(node.error))
+    done = watch(hold.reservation)
     failure = RuntimeError("forward pass failed")
     hold.abandon(failure)
-    assert errors == [failure]
+    assert [node.error for node in done] == [failure]
     assert (tree.stats().total_tokens, tree.stats().pinned_bytes) == (0, 0)
     check_invariants(tree)
 
 
-def test_a_prefix_someone_is_computing_is_not_reserved_twice() -> None:
-    tree = RadixTree(1 << 20, FakeHandle.free)
+def test_a_prefix_someone_is_computing_is_not_reserved_twice(tree: RadixTree) -> None:
     first = started(tree)
     second = TreeHold(tree)
     match = tree.match(PROMPT)
@@ -92,8 +97,7 @@ def test_a_prefix_someone_is_computing_is_not_reserved_twice() -> None:
     check_invariants(tree)
 
 
-def test_a_stale_match_holds_nothing_and_says_wait() -> None:
-    tree = RadixTree(1 << 20, FakeHandle.free)
+def test_a_stale_match_holds_nothing_and_says_wait(tree: RadixTree) -> None:
     stale = tree.match(PROMPT)
     first = started(tree)
     second = TreeHold(tree)
