@@ -109,10 +109,11 @@ def test_a_stale_match_holds_nothing_and_says_wait(tree: RadixTree) -> None:
     check_invariants(tree)
 
 
-def test_publishing_into_anothers_reservation_stops_short_and_names_it() -> None:
+def test_publishing_into_anothers_reservation_stops_short_and_names_it(
+    tree: RadixTree,
+) -> None:
     """Computed without a reservation, a prompt whose path runs into another's
     reservation is published up to it; the rest follows once that one is done."""
-    tree = RadixTree(1 << 20, FakeHandle.free)
     other = started(tree, (1, 2, 3, 9, 9))
     longer = (*PROMPT, 7)
     hold = TreeHold(tree)
