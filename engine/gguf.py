@@ -5,7 +5,8 @@ it once into the mlx-lm model directory it describes (config.json, model.safeten
 tokenizer.json, tokenizer_config.json), cached per file and dtype, so the rest of the
 engine loads it like any other model and the second start is instant.
 
-- Config: llama.cpp's `<arch>.*` keys mapped onto mlx-lm's config of the same family.
+- Config: llama.cpp's `<arch>.*` keys mapped onto mlx-lm's config of the same family
+  (llama, qwen2, qwen3, gemma3 with its sliding-window layers).
   llama.cpp permutes the Q/K rows of llama-family files for interleaved RoPE; instead
   of undoing it we set `rope_traditional` (interleaved), which gives the same scores.
 - Weights: `mx.load` reads a file whose tensors are all F32/F16/Q4_0/Q4_1/Q8_0 as MLX
@@ -14,7 +15,9 @@ engine loads it like any other model and the second start is instant.
   dequantizes everything; "native" keeps MLX-native quantization as it is and
   re-quantizes the others with MLX at (at least) their own bit width.
 - Tokenizer: a `tokenizers` byte-level BPE from the file's tokens and merges, split the
-  way llama.cpp splits for the file's `tokenizer.ggml.pre`, its control tokens special.
+  way llama.cpp splits for the file's `tokenizer.ggml.pre`, its control tokens special;
+  a SentencePiece vocabulary (Gemma, Mistral-style llama) through transformers' GGUF
+  tokenizer converter.
 
 A file that is not GGUF, is truncated, or describes something we cannot run raises
 `GGUFError` with a one-line reason, before anything is written.
@@ -26,7 +29,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +94,34 @@ LAYER_TENSORS = {
 }
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                   "output": "lm_head"}
-# The architectures whose mlx-lm model takes exactly the tensors above (qwen2 adds
-# q/k/v biases, qwen3 q/k norms), and whether the file's Q/K rows are permuted.
-ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one llama.cpp architecture maps onto an mlx-lm model."""
+
+    model_type: str
+    # llama.cpp permutes llama's Q/K rows for interleaved RoPE; interleaved (traditional)
+    # RoPE on the permuted rows gives the same attention scores as undoing it.
+    rope_traditional: bool = False
+    # Gemma computes x * (1 + w) in its norms; llama.cpp's converter stores 1 + w.
+    norm_offset: float = 0.0
+    layer_tensors: dict[str, str] = field(default_factory=lambda: LAYER_TENSORS)
+
+
+ARCHITECTURES = {
+    "llama": Architecture("llama", rope_traditional=True),
+    "qwen2": Architecture("qwen2"),
+    "qwen3": Architecture("qwen3"),
+    "gemma3": Architecture("gemma3_text", norm_offset=1.0, layer_tensors={
+        **LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm"}),
+}
+# llama.cpp's fixed Gemma 3 settings (llama-model.cpp): every 6th layer is global, the
+# sliding ones use RoPE base 10000, and the 62-layer 27B scales queries by hidden/heads.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 
 class GGUFError(ValueError):
@@ -112,6 +140,24 @@ class GGUFFile:
 
     def arch(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    @property
+    def mapping(self) -> Architecture:
+        return ARCHITECTURES[self.architecture]
+
+    def mlx_name(self, name: str) -> str | None:
+        """The mlx-lm name of a GGUF tensor; None for one this architecture does not have."""
+        stem, _, suffix = name.rpartition(".")
+        if suffix not in ("weight", "bias"):
+            return None
+        if stem in GLOBAL_TENSORS:
+            return f"{GLOBAL_TENSORS[stem]}.{suffix}"
+        block, _, tensor = stem.partition(".")
+        layer, _, tensor = tensor.partition(".")
+        layer_tensors = self.mapping.layer_tensors
+        if block != "blk" or not layer.isdigit() or tensor not in layer_tensors:
+            return None
+        return f"model.layers.{layer}.{layer_tensors[tensor]}.{suffix}"
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
@@ -146,30 +192,17 @@ def _check_supported(gguf: GGUFFile) -> None:
         raise GGUFError(f"{gguf.path}: architecture {architecture!r} is not supported "
                         f"(supported: {', '.join(ARCHITECTURES)})")
     tokenizer = gguf.metadata.get("tokenizer.ggml.model")
-    if tokenizer != "gpt2":
+    if tokenizer not in ("gpt2", "llama"):
         raise GGUFError(f"{gguf.path}: tokenizer model {tokenizer!r} is not supported "
-                        "(supported: gpt2, byte-level BPE)")
+                        "(supported: gpt2, a byte-level BPE; llama, a SentencePiece BPE)")
     pre = gguf.metadata.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZER_SPLITS:
+    if tokenizer == "gpt2" and pre not in PRE_TOKENIZER_SPLITS:
         raise GGUFError(f"{gguf.path}: pre-tokenizer {pre!r} is not supported "
                         f"(supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))})")
     for tensor in gguf.tensors:
-        if _mlx_name(tensor.name) is None:
+        if gguf.mlx_name(tensor.name) is None:
             raise GGUFError(f"{gguf.path}: tensor {tensor.name!r} is not supported "
                             f"for architecture {architecture!r}")
-
-
-def _mlx_name(name: str) -> str | None:
-    stem, _, suffix = name.rpartition(".")
-    if suffix not in ("weight", "bias"):
-        return None
-    if stem in GLOBAL_TENSORS:
-        return f"{GLOBAL_TENSORS[stem]}.{suffix}"
-    block, _, tensor = stem.partition(".")
-    layer, _, tensor = tensor.partition(".")
-    if block != "blk" or not layer.isdigit() or tensor not in LAYER_TENSORS:
-        return None
-    return f"model.layers.{layer}.{LAYER_TENSORS[tensor]}.{suffix}"
 
 
 # -- config ---------------------------------------------------------------------------
@@ -181,7 +214,7 @@ def model_config(gguf: GGUFFile) -> dict[str, Any]:
     hidden = int(gguf.arch("embedding_length"))
     tokens = gguf.metadata["tokenizer.ggml.tokens"]
     config: dict[str, Any] = {
-        "model_type": gguf.architecture,
+        "model_type": gguf.mapping.model_type,
         "hidden_size": hidden,
         "num_hidden_layers": int(gguf.arch("block_count")),
         "intermediate_size": int(gguf.arch("feed_forward_length")),
@@ -190,7 +223,7 @@ def model_config(gguf: GGUFFile) -> dict[str, Any]:
         "head_dim": int(gguf.arch("attention.key_length", hidden // heads)),
         "rms_norm_eps": _float32(gguf.arch("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": _float32(gguf.arch("rope.freq_base", 10000.0)),
-        "rope_traditional": ARCHITECTURES[gguf.architecture],
+        "rope_traditional": gguf.mapping.rope_traditional,
         "max_position_embeddings": int(gguf.arch("context_length", 4096)),
         "vocab_size": len(tokens),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in gguf.tensors),
@@ -207,6 +240,14 @@ def model_config(gguf: GGUFFile) -> dict[str, Any]:
     bos = gguf.metadata.get("tokenizer.ggml.bos_token_id")
     if bos is not None:
         config["bos_token_id"] = int(bos)
+    if gguf.architecture == "gemma3":
+        config |= {
+            "sliding_window": int(gguf.arch("attention.sliding_window")),
+            "sliding_window_pattern": GEMMA3_SLIDING_WINDOW_PATTERN,
+            "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+            "query_pre_attn_scalar": hidden // heads if config["num_hidden_layers"] == 62
+            else config["head_dim"],
+        }
     return config
 
 
@@ -226,7 +267,24 @@ def _eos_token_ids(gguf: GGUFFile) -> list[int]:
 
 
 def build_tokenizer(gguf: GGUFFile) -> Tokenizer:
-    """The byte-level BPE the file describes, splitting text the way llama.cpp does."""
+    """The file's tokenizer, adding BOS when the file says to."""
+    meta = gguf.metadata
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    if meta["tokenizer.ggml.model"] == "llama":
+        tokenizer = _sentencepiece_bpe(gguf)
+    else:
+        tokenizer = _byte_level_bpe(gguf)
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+            special_tokens=[(tokens[bos], int(bos))])
+    return tokenizer
+
+
+def _byte_level_bpe(gguf: GGUFFile) -> Tokenizer:
+    """A byte-level BPE (GPT-2 style) splitting text the way llama.cpp does for the file's
+    `tokenizer.ggml.pre`; control tokens special, user-defined ones added whole."""
     meta = gguf.metadata
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     pre = meta.get("tokenizer.ggml.pre", "default")
@@ -240,6 +298,7 @@ def build_tokenizer(gguf: GGUFFile) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     token_types = meta.get("tokenizer.ggml.token_type") or [0] * len(tokens)
     tokenizer.add_special_tokens([
         AddedToken(token, special=True, normalized=False)
@@ -249,13 +308,26 @@ def build_tokenizer(gguf: GGUFFile) -> Tokenizer:
         AddedToken(token, special=False, normalized=False)
         for token, kind in zip(tokens, token_types) if kind == USER_DEFINED
     ])
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-            special_tokens=[(tokens[bos], int(bos))])
-    else:
-        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tokenizer
+
+
+def _sentencepiece_bpe(gguf: GGUFFile) -> Tokenizer:
+    """A SentencePiece BPE (Llama 2, Mistral, Gemma), built by transformers' GGUF tokenizer
+    converter, which knows each family's quirks (Gemma's merge order and respelled
+    spaces, Llama's prefix space); merges are derived from the scores."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            convert_gguf_tokenizer,
+        )
+    except ImportError:
+        raise GGUFError(f"{gguf.path}: a SentencePiece tokenizer needs the GGUF tokenizer "
+                        "converter of transformers 5") from None
+    keys = {"tokenizer_type": "model", "tokens": "tokens", "scores": "scores",
+            "token_type": "token_type", "merges": "merges", "pre_tokenizer_type": "pre",
+            "add_prefix_space": "add_space_prefix"}
+    fields = {name: gguf.metadata[f"tokenizer.ggml.{key}"] for name, key in keys.items()
+              if f"tokenizer.ggml.{key}" in gguf.metadata}
+    tokenizer, _ = convert_gguf_tokenizer(gguf.architecture, fields)
     return tokenizer
 
 
@@ -303,8 +375,9 @@ def convert_weights(gguf: GGUFFile, dtype: str) -> tuple[dict[str, mx.array], di
     layers: dict[str, dict[str, int]] = {}
     mlx_loaded = _mlx_load(gguf) if all(t.tensor_type in MLX_NATIVE_BITS
                                         for t in gguf.tensors) else None
+    norm_offset = gguf.mapping.norm_offset
     for tensor in gguf.tensors:
-        name = _mlx_name(tensor.name)
+        name = gguf.mlx_name(tensor.name)
         base = name.removesuffix(".weight")
         kind = tensor.tensor_type
         if mlx_loaded is not None and MLX_NATIVE_BITS[kind] is not None:
@@ -323,6 +396,8 @@ def convert_weights(gguf: GGUFFile, dtype: str) -> tuple[dict[str, mx.array], di
             value = mlx_loaded[tensor.name]
         else:
             value = mx.array(_dequantized(tensor))
+        if norm_offset and tensor.name.endswith("norm.weight"):
+            value = value - norm_offset
         if not native:
             weights[name] = value.astype(getattr(mx, dtype))
         elif kind in FLOAT_TYPES:
