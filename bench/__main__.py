@@ -1,12 +1,14 @@
 """`python -m bench` / `make bench`: radix-mlx and mlx-lm's server, side by side.
 
-For each workload, starts each server in turn on the same model (one at a time: they
+For each model (by default the random-weight 'bench' shape and the real default model,
+SmolLM2-135M-Instruct) and each workload, starts each server in turn on the same model (one at a time: they
 would fight over the cores or the GPU), warms it up, runs the seeded workload against it
 through a streaming client and stops it. Fresh starts keep one workload's cache out of
 the next, and alternating keeps the two measurements of a ratio close in time on a
 machine whose load drifts. Then it times bare `mlx_lm.stream_generate` for the engine
 overhead figure, and writes results.json, results.md and plots to
-bench/results/<hardware>/<model>/. The bench process itself never imports MLX.
+bench/results/<hardware>/<model>/, one folder per model. The bench process itself never
+imports MLX.
 """
 
 from __future__ import annotations
@@ -35,16 +37,19 @@ METRICS_POLL_SECONDS = 0.5
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path,
-                        help="model directory (default: the 143M float32 'bench' demo model)")
+    parser.add_argument("--model", action="append", dest="models", metavar="MODEL",
+                        help="model directory or .gguf file, repeatable (default: the 143M "
+                             "float32 'bench' demo model, then the real default model, "
+                             "SmolLM2-135M-Instruct, as radix-mlx serve converts it; with "
+                             "--quick only the real one)")
     parser.add_argument("--servers", default=",".join(SPECS),
                         help=f"comma-separated, from {sorted(SPECS)}")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"comma-separated, from {list(WORKLOADS)}")
     parser.add_argument("--quick", action="store_true", help="toy sizes, for a smoke run")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="results folder "
-                        "(default: bench/results/<hardware>/<model>)")
+    parser.add_argument("--out", type=Path, help="results folder, with one subfolder per "
+                        "model when there are several (default: bench/results/<hardware>)")
     for spec in SPECS.values():
         parser.add_argument(f"--{spec.name}-args", default="", metavar="FLAGS",
                             help=f"extra flags for {spec.name}'s server (default: none)")
@@ -73,12 +78,22 @@ def shapes_from(args: argparse.Namespace) -> Shapes:
     return dataclasses.replace(base, **given)
 
 
-def bench_model(env: dict[str, str]) -> Path:
-    """The cached `bench` demo model, built in a child so this process stays MLX-free."""
-    code = "from engine.demo_model import demo_model_path; print(demo_model_path('bench'))"
-    result = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+def model_dirs(models: list[str] | None, env: dict[str, str], quick: bool = False) -> list[Path]:
+    """The directories to bench: a .gguf converted (and cached) as `radix-mlx serve`
+    converts it; none given: the cached `bench` demo model and the default real model
+    (only the latter when quick, to keep a smoke run short). Resolved in a child so this
+    process stays MLX-free."""
+    code = ("import sys\n"
+            "from engine.demo_model import demo_model_path\n"
+            "from engine.model_source import resolve_model\n"
+            "for model in sys.argv[1:]:\n"
+            "    print(demo_model_path('bench') if model == 'bench' else "
+            "resolve_model(model or None))\n")
+    default = [""] if quick else ["bench", ""]
+    given = [str(Path(m).expanduser().resolve()) for m in models or []] or default
+    result = subprocess.run([sys.executable, "-c", code, *given], env=env, check=True,
                             capture_output=True, text=True)
-    return Path(result.stdout.strip().splitlines()[-1])
+    return [Path(line) for line in result.stdout.strip().splitlines()]
 
 
 def git_revision() -> str | None:
@@ -93,9 +108,13 @@ def git_revision() -> str | None:
 
 def describe_model(model: Path) -> dict:
     config = json.loads((model / "config.json").read_text())
-    dtype = config.get("torch_dtype", "float32")
+    gguf = config.get("gguf")
+    dtype = gguf["dtype"] if gguf else config.get("torch_dtype", "float32")
     size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     params = size / {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    weights = f"the weights of {gguf['file']}" if gguf else "random weights"
+    size_text = f"{size / 2**20:.0f} MiB" if "quantization" in config else \
+        f"~{params / 1e6:.0f}M parameters"
     return {
         "name": model.name,
         "path": str(model),
@@ -103,8 +122,7 @@ def describe_model(model: Path) -> dict:
             f"{config['model_type']}, hidden {config['hidden_size']}, "
             f"{config['num_hidden_layers']} layers, {config['num_attention_heads']} heads, "
             f"{config['num_key_value_heads']} KV heads, MLP {config['intermediate_size']}, "
-            f"vocab {config['vocab_size']}, {dtype}, ~{params / 1e6:.0f}M parameters, "
-            "random weights"),
+            f"vocab {config['vocab_size']}, {dtype}, {size_text}, {weights}"),
     }
 
 
@@ -174,11 +192,19 @@ def run_server(results: dict, name: str, args: argparse.Namespace, model: Path,
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    shapes = shapes_from(args)
     env = openblas_preload_env() or dict(os.environ)
-    model = (args.model or bench_model(env)).resolve()
+    models = model_dirs(args.models, env, args.quick)
     device = "cpu" if mlx_would_use_cpu() else "gpu"
-    out = args.out or RESULTS / hardware.tag(device) / model.name
+    for model in models:
+        out = (args.out or RESULTS / hardware.tag(device)) / model.name
+        if args.out and len(models) == 1:
+            out = args.out
+        bench_model(args, model, device, env, out, argv)
+
+
+def bench_model(args: argparse.Namespace, model: Path, device: str, env: dict[str, str],
+                out: Path, argv: list[str] | None) -> None:
+    shapes = shapes_from(args)
     wanted = args.workloads.split(",")
     workloads = [w for w in build_all(model, shapes, args.seed) if w.name in wanted]
     warm_up = build_warm_up(model, shapes, args.seed)

@@ -2,14 +2,16 @@
 server on the tiny demo model. Checks the shape of the results, never a timing."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("psutil")
 
-from bench.__main__ import main
+from bench.__main__ import describe_model, main, model_dirs
 from bench.workloads import QUICK, build_all
+from tests.engine.gguf_files import write_demo_gguf
 
 TOY = ["--sp-groups", "2", "--sp-prompts-per-group", "2", "--sp-system-tokens", "64",
        "--mt-turns", "2", "--lc-document-tokens", "128", "--decode-output-tokens", "8"]
@@ -63,3 +65,12 @@ def test_workloads_flag_runs_only_those(demo_model_dir: Path, tmp_path: Path) ->
     assert set(results["servers"]["radix-mlx"]["workloads"]) == {"single_stream"}
     with pytest.raises(SystemExit):
         main(["--workloads", "single_stream,nope"])
+
+
+def test_a_gguf_model_is_benched_as_serve_converts_it(demo_model_dir: Path, tmp_path: Path):
+    write_demo_gguf(demo_model_dir, tmp_path / "tiny.gguf")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    [model] = model_dirs([str(tmp_path / "tiny.gguf")], env)
+    assert model.name == "tiny" and model.is_relative_to(tmp_path / "cache")
+    description = describe_model(model)["description"]
+    assert "float32" in description and description.endswith("the weights of tiny.gguf")
