@@ -30,7 +30,7 @@ def default_model_file() -> Path:
 def is_gguf_source(model: str) -> bool:
     """mlx-lm models are directories or repo ids; a file (or a *.gguf name) is a GGUF."""
     path = Path(model).expanduser()
-    return path.suffix.lower() == ".gguf" or path.is_file()
+    return path.is_file() or (path.suffix.lower() == ".gguf" and not path.is_dir())
 
 
 def resolve_model(model: str | None, gguf_dtype: str = "auto") -> str:
