@@ -19,17 +19,43 @@ LAYER_NAMES = {
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
                 "lm_head": "output"}
 
 
 def gguf_name(name: str) -> str:
-    stem = name.removesuffix(".weight")
+    stem, _, suffix = name.rpartition(".")
     if stem in GLOBAL_NAMES:
-        return f"{GLOBAL_NAMES[stem]}.weight"
+        return f"{GLOBAL_NAMES[stem]}.{suffix}"
     _, _, layer, rest = stem.split(".", 3)
-    return f"blk.{layer}.{LAYER_NAMES[rest]}.weight"
+    return f"blk.{layer}.{LAYER_NAMES[rest]}.{suffix}"
+
+
+def demo_variant(model_dir: Path, out: Path, family: str) -> Path:
+    """The llama demo model as a qwen2 (q/k/v biases) or qwen3 (q/k norms) model: the same
+    weights plus that family's extra tensors, drawn from a fixed seed."""
+    config = json.loads((model_dir / "config.json").read_text())
+    weights = dict(mx.load(str(model_dir / "model.safetensors")))
+    rng = np.random.default_rng(0)
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}.self_attn"
+        if family == "qwen2":
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                rows = weights[f"{prefix}.{proj}.weight"].shape[0]
+                weights[f"{prefix}.{proj}.bias"] = mx.array(
+                    rng.normal(0, 0.5, rows).astype(np.float32))
+        else:
+            for norm in ("q_norm", "k_norm"):
+                weights[f"{prefix}.{norm}.weight"] = mx.array(
+                    rng.uniform(0.5, 1.5, config["head_dim"]).astype(np.float32))
+    out.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (out / name).write_bytes((model_dir / name).read_bytes())
+    (out / "config.json").write_text(json.dumps(dict(config, model_type=family)))
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    return out
 
 
 def permute_for_interleaved_rope(weight: np.ndarray, heads: int) -> np.ndarray:

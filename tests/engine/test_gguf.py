@@ -19,7 +19,12 @@ from mlx_lm.utils import load_tokenizer
 
 from engine import gguf
 from engine.gguf import GGUFError, cached_model_dir, convert, read_gguf
-from tests.engine.gguf_files import UNSERVABLE, unservable_gguf, write_demo_gguf
+from tests.engine.gguf_files import (
+    UNSERVABLE,
+    demo_variant,
+    unservable_gguf,
+    write_demo_gguf,
+)
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog in 2024.",
@@ -50,6 +55,18 @@ def test_a_llama_gguf_computes_what_the_model_it_came_from_does(demo_model_dir, 
             == original_tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     assert (greedy_tokens(converted, "The lighthouse keeper")
             == greedy_tokens(demo_model_dir, "The lighthouse keeper"))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_ggufs_compute_what_their_models_do(family, demo_model_dir, tmp_path):
+    """No Q/K permutation here (llama.cpp runs Qwen with NeoX RoPE), plus each family's
+    own tensors: qwen2's q/k/v biases, qwen3's q/k norms."""
+    model_dir = demo_variant(demo_model_dir, tmp_path / family, family)
+    write_demo_gguf(model_dir, tmp_path / f"{family}.gguf", architecture=family)
+    converted = convert(tmp_path / f"{family}.gguf", tmp_path / "converted", "float32")
+    assert json.loads((converted / "config.json").read_text())["model_type"] == family
+    assert (greedy_tokens(converted, "The lighthouse keeper")
+            == greedy_tokens(model_dir, "The lighthouse keeper"))
 
 
 def test_types_mlx_cannot_read_are_dequantized_with_the_gguf_package(demo_model_dir, tmp_path):
