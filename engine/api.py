@@ -5,8 +5,8 @@ The server builds an `EngineConfig`, watches the engine's `Lifecycle`, builds a
 `SamplingParams` per request, calls `Engine.submit` and reads `TokenEvent`s followed by one
 `Finish` from the returned `RequestStream`; `Engine.cancel` ends a request early, and
 `Engine.stats` gives an `EngineStats` for /metrics. The engine itself (engine.py) imports
-MLX; nothing here does, so the server's own modules import only this one and
-engine/tokenizer.py.
+MLX; nothing here does, so the server's own modules import only this one,
+engine/tokenizer.py and engine/constraints.py (the grammars of `SamplingParams.constraint`).
 """
 
 from __future__ import annotations
@@ -78,6 +78,27 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """A grammar the generated text must follow (structured output, forced tool calls).
+
+    Build one with `engine.constraints` (json_object, json_schema, tool_calls) rather
+    than by hand. The engine masks every token the grammar does not allow, from the
+    first generated token on, allows EOS only where the grammar accepts, and ends the
+    request with finish reason "stop" once the grammar is complete.
+    """
+
+    # llguidance's serialized grammar (what `LLMatcher.grammar_from_*` return); equal
+    # grammars share one compiled copy in the engine.
+    grammar: str
+    # Text the model writes freely before the grammar applies: the grammar starts right
+    # after the first time the generated tokens contain this marker's tokens (e.g. the
+    # end-of-thinking "</think>" of a reasoning model). None: from the first token. Leave
+    # it None when the prompt already closed the reasoning (a template that renders
+    # "<think></think>" when thinking is off), or the grammar would never start.
+    after: str | None = None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding options, already validated by the caller."""
 
@@ -96,6 +117,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:

@@ -37,7 +37,8 @@ def test_the_servers_protocol_and_routes_import_without_mlx():
 
 
 def test_the_engine_api_and_the_radix_tree_import_without_mlx():
-    result = imports_without_mlx("engine.api", "engine.tokenizer", "engine.tree_hold", "radix")
+    result = imports_without_mlx("engine.api", "engine.tokenizer", "engine.tree_hold",
+                                 "engine.constraints", "radix")
     assert result.returncode == 0, result.stderr
 
 

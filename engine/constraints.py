@@ -1,0 +1,167 @@
+"""The grammars behind structured output and forced tool calls, as `Constraint`s.
+
+The server builds a constraint here and passes it in `SamplingParams.constraint`:
+
+    json_object()                            response_format {"type": "json_object"}
+    json_schema(schema, strict)              response_format {"type": "json_schema", ...}
+    tool_calls(tools, parallel=p)            tool_choice "required": a call of any tool
+    tool_calls(tools, name="f", parallel=p)  tool_choice {"type": "function", ... "f"}
+
+with p = parallel_tool_calls (several calls, one after another, or exactly one). Pass the
+model format's call markers as `call_format` (default: Hermes/Qwen's <tool_call>...).
+The generated text then parses with mlx-lm's `json_tools` parser between the markers.
+
+For a reasoning model, set the end-of-thinking marker on the result
+(`dataclasses.replace(constraint, after="</think>")`): the thinking stays free and the
+grammar applies to the answer after it.
+
+A schema that cannot be enforced raises `UnsupportedSchema`, whose `keyword` names the
+JSON Schema keyword at fault (the server answers 400 with it). `strict` has OpenAI's
+meaning: True asks for exact adherence, so a keyword the grammar engine cannot enforce
+("not", "if", "uniqueItems", an unknown "format", ...) is refused; False enforces what it
+can and ignores such keywords. A malformed schema is refused either way.
+
+JSON is generated in one fixed layout, json.dumps's default (", " and ": " separators, no
+newlines): a layout with optional whitespace lets a small model pad its output with
+blanks until max_tokens (a known failure of grammar-constrained decoding), and this one is
+how models write tool calls in the Hermes/Qwen format ({"name": ..., "arguments": ...}).
+
+No MLX here; the grammars are llguidance's (see engine/grammar.py for the choice).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llguidance import LLMatcher
+
+from engine.api import Constraint
+
+# llguidance's JSON compile options for every schema here; see the module docstring.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class UnsupportedSchema(ValueError):
+    """A JSON Schema the engine cannot enforce; `keyword` names the culprit if known."""
+
+    def __init__(self, message: str, keyword: str | None = None) -> None:
+        super().__init__(message)
+        self.keyword = keyword
+
+
+@dataclass(frozen=True)
+class FunctionTool:
+    """A function the model may call: OpenAI's `tools[].function` (name, parameters,
+    strict). `parameters` None means the function takes no arguments."""
+
+    name: str
+    parameters: Mapping[str, Any] | None = None
+    strict: bool = False
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How the model's format writes a call: `start` + {"name": ..., "arguments": {...}}
+    + `end`, and `separator` between parallel calls. The default is Hermes/Qwen's, which
+    mlx-lm's `json_tools` parser reads (it strips the whitespace around the JSON)."""
+
+    start: str = "<tool_call>\n"
+    end: str = "\n</tool_call>"
+    separator: str = "\n"
+
+
+HERMES = ToolCallFormat()
+
+
+def json_object() -> Constraint:
+    """Any JSON object."""
+    return json_schema({"type": "object"}, strict=True)
+
+
+def json_schema(schema: Mapping[str, Any], strict: bool = False) -> Constraint:
+    """JSON that validates against `schema`."""
+    grammar = _grammar_from_schema(schema, strict)
+    _validate(grammar)
+    return Constraint(grammar)
+
+
+def tool_calls(tools: Sequence[FunctionTool], name: str | None = None, parallel: bool = False,
+               call_format: ToolCallFormat = HERMES) -> Constraint:
+    """One call (several in a row if `parallel`) of the function `name`, or of any of
+    `tools` when `name` is None, whose arguments validate against its parameters."""
+    if name is not None:
+        tools = [tool for tool in tools if tool.name == name]
+        if not tools:
+            raise ValueError(f"no function named {name!r} among the tools")
+    if not tools:
+        raise ValueError("tool calls need at least one function")
+    rules = [f"start: call ({_literal(call_format.separator)} call)*" if parallel
+             else "start: call",
+             f"call: {_literal(call_format.start)} body {_literal(call_format.end)}",
+             "body: " + " | ".join(f"tool_{i}" for i in range(len(tools)))]
+    for i, tool in enumerate(tools):
+        parameters = tool.parameters if tool.parameters is not None else {
+            "type": "object", "properties": {}, "additionalProperties": False}
+        # The arguments are a JSON document of their own, so the parameters' "$ref"s
+        # resolve against the parameters as they would for any validator.
+        arguments = json.dumps(_with_layout(parameters, tool.strict), ensure_ascii=False)
+        head = '{"name": ' + json.dumps(tool.name, ensure_ascii=False) + ', "arguments": '
+        rules.append(f"tool_{i}: {_literal(head)} arguments_{i} {_literal('}')}")
+        rules.append(f"arguments_{i}: %json {arguments}")
+        try:
+            _validate(_grammar_from_schema(parameters, tool.strict))
+        except UnsupportedSchema as error:
+            raise UnsupportedSchema(f"function {tool.name!r}: {error}", error.keyword) from None
+    grammar = LLMatcher.grammar_from_lark("\n".join(rules))
+    _validate(grammar)
+    return Constraint(grammar)
+
+
+def _with_layout(schema: Mapping[str, Any], strict: bool) -> dict[str, Any]:
+    if not isinstance(schema, Mapping):
+        raise UnsupportedSchema("a JSON Schema must be an object")
+    options = {**(schema.get("x-guidance") or {}), **JSON_LAYOUT, "lenient": not strict}
+    return {**schema, "x-guidance": options}
+
+
+def _grammar_from_schema(schema: Mapping[str, Any], strict: bool) -> str:
+    try:
+        return LLMatcher.grammar_from_json_schema(
+            json.dumps(_with_layout(schema, strict), ensure_ascii=False))
+    except (TypeError, ValueError) as error:
+        raise UnsupportedSchema(f"invalid JSON Schema: {error}") from None
+
+
+def _validate(grammar: str) -> None:
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        message = messages[0] if messages else "invalid grammar"
+        raise UnsupportedSchema(f"the schema cannot be enforced: {message}",
+                                _keyword_in(message))
+
+
+# How llguidance names the keyword at fault in its errors.
+_KEYWORD_PATTERNS = (
+    (re.compile(r'Unimplemented keys: \["([^"]+)"'), None),
+    (re.compile(r"Unknown format"), "format"),
+    (re.compile(r"Invalid type"), "type"),
+    (re.compile(r"oneOf"), "oneOf"),
+    (re.compile(r"\$ref|reference|Pointer", re.IGNORECASE), "$ref"),
+    (re.compile(r"pattern|regex", re.IGNORECASE), "pattern"),
+)
+
+
+def _keyword_in(message: str) -> str | None:
+    for pattern, keyword in _KEYWORD_PATTERNS:
+        if match := pattern.search(message):
+            return keyword or match.group(1)
+    return None
+
+
+def _literal(text: str) -> str:
+    """A Lark string literal matching `text` exactly."""
+    return json.dumps(text, ensure_ascii=False)
