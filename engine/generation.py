@@ -3,8 +3,9 @@ hold on the radix tree, and what a generated token does to it.
 
 `Generation.__init__` is where a request's sampling is set up (sampler, logits
 processors, stop tokens); `Generation.accept` is where each generated token is taken in
-(stop tokens, text, stop strings, max_tokens). A per-request constraint belongs in those
-two places.
+(its constraint, stop tokens, text, stop strings, max_tokens). The constraint's matcher
+lives with the generator's sequence (the generator feeds it every token before masking
+the next); the scheduler builds it at each admission (`Grammars.state`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from engine.api import Finish, FinishReason, RequestFailed, SamplingParams, TokenEvent
 from engine.generator import SequenceState
+from engine.grammar import ConstraintFailed
 from engine.sampling import make_processors, make_sampler, token_logprobs
 from engine.text import TextStream
 from engine.tokenizer import ModelTokenizer
@@ -78,7 +80,11 @@ class Generation:
 
     def accept(self, token: int, logprobs: Any) -> tuple[FinishReason, str | int | None] | None:
         """Take in a generated token (with its log-distribution, when asked for) and emit
-        what it shows; returns (reason, matched stop) when it ends the generation."""
+        what it shows; returns (reason, matched stop) when it ends the generation. Raises
+        ConstraintFailed when the constraint's matcher failed at this token."""
+        grammar = self.sequence.grammar
+        if grammar is not None and grammar.error is not None:
+            raise ConstraintFailed(f"the output constraint failed: {grammar.error}")
         self.generated.append(token)
         self.suspect = False
         if token in self.stop_ids:  # a stop token: never shown as text
@@ -91,6 +97,8 @@ class Generation:
         self.emit(TokenEvent(token, text, logprob, top))
         if self.text.matched_stop is not None:
             return "stop", self.text.matched_stop
+        if grammar is not None and grammar.done:  # the grammar allows nothing more
+            return "stop", None
         if len(self.generated) >= self.params.max_tokens:
             return "length", None
         return None

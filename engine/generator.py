@@ -11,6 +11,9 @@ and a batch of one decodes exactly as mlx_lm.generate does.
 
 Decoding is pipelined like mlx_lm.generate: step n+1 is queued on the device before the
 tokens of step n are read back, so building the next graph overlaps the device's work.
+A constrained row's mask for step n+1 needs token n, so a batch with one is read back
+before step n+1 is sampled; the mask is computed on the CPU while the device runs step
+n+1's forward pass, and only the sampling waits for it (`_constrain`).
 A sequence's cache always holds exactly the KV (or state) of `SequenceState.tokens`.
 """
 
@@ -21,8 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx import nn
 
+from engine.grammar import GrammarState, apply_masks, masks
 from engine.mlx_lm_internals import keep_rows, merge_caches, row_cache
 
 Sampler = Callable[[mx.array], mx.array]
@@ -44,6 +49,7 @@ class SequenceState:
     processors: list[LogitsProcessor]
     wants_logprobs: bool
     context: mx.array | None = None  # the token history processors see
+    grammar: GrammarState | None = None  # the output constraint; it takes in every token
     logprobs: mx.array | None = field(default=None, repr=False)  # of the token being fed
 
 
@@ -145,7 +151,8 @@ class Generator:
         sequence.tokens.append(token)
         if sequence.processors:
             sequence.context = mx.concatenate([sequence.context, mx.array([token], mx.uint32)])
-        first, logprobs = self._sample([sequence], logits)
+        mask = self._constrain([sequence], None, logits)[1] if sequence.grammar else None
+        first, logprobs = self._sample([sequence], logits, mask)
         if self.pipelined:  # on its own, so reading it does not wait for the next step
             mx.async_eval(first)
         sequence.logprobs = logprobs[0]
@@ -168,10 +175,14 @@ class Generator:
         for i, row in enumerate(self.rows):
             if row.processors:
                 row.context = mx.concatenate([row.context, fed[i:i + 1]])
-        sampled, logprobs = self._sample(self.rows, logits)
+        tokens = mask = None  # the tokens sampled by the previous step
+        if any(row.grammar is not None for row in self.rows):
+            tokens, mask = self._constrain(self.rows, fed, logits)
+        sampled, logprobs = self._sample(self.rows, logits, mask)
         if self.pipelined:
             mx.async_eval(sampled, *(lp for lp in logprobs if lp is not None))
-        tokens = fed.tolist()  # sampled by the previous step
+        if tokens is None:
+            tokens = fed.tolist()
         outputs = []
         for row, token, next_logprobs in zip(self.rows, tokens, logprobs):
             outputs.append(Output(row.uid, token, row.logprobs))
@@ -180,21 +191,45 @@ class Generator:
         self.inputs = sampled
         return outputs
 
+    def _constrain(self, rows: list[SequenceState], fed: mx.array | None, logits: mx.array
+                   ) -> tuple[list[int] | None, np.ndarray | None]:
+        """Start the forward pass that gives `logits`, and meanwhile let each constrained
+        row take in the token it was fed (None: none sampled yet) and compute its mask.
+        Returns the fed tokens and the masks."""
+        if self.pipelined or fed is None:
+            mx.async_eval(logits)
+            tokens = fed.tolist() if fed is not None else None
+        else:  # MLX's CPU backend signals an array only once its whole evaluation is done
+            tokens = fed.tolist()
+            mx.async_eval(logits)
+        return tokens, masks([row.grammar for row in rows], tokens)
+
     @staticmethod
-    def _sample(rows: list[SequenceState], logits: mx.array) -> tuple[mx.array, list[mx.array | None]]:
+    def _sample(rows: list[SequenceState], logits: mx.array, mask: np.ndarray | None = None
+                ) -> tuple[mx.array, list[mx.array | None]]:
         """The next token of each row, and each row's log-distribution where it is wanted
-        (asked for, or needed by its sampler). All-greedy batches take one argmax."""
+        (asked for, or needed by its sampler). All-greedy batches take one argmax.
+
+        A row's reported logprobs are the model's (after the request's own penalties and
+        logit_bias), not renormalized over what its grammar allows, as OpenAI reports them:
+        they say how likely the model found each token. Its token is sampled from the
+        masked distribution."""
         if any(r.processors for r in rows):
             logits = mx.concatenate([
                 _apply(r.processors, r.context, logits[i:i + 1]) for i, r in enumerate(rows)])
         needs = [r.wants_logprobs or r.sampler is not None for r in rows]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if any(needs) else None
+        allowed = logprobs
+        if mask is not None:
+            logits = apply_masks(logits, mask)
+            if any(r.sampler is not None for r in rows):
+                allowed = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if all(r.sampler is None for r in rows):
             sampled = mx.argmax(logits, axis=-1)
         else:
             sampled = mx.concatenate([
                 mx.argmax(logits[i:i + 1], axis=-1) if r.sampler is None
-                else r.sampler(logprobs[i:i + 1]) for i, r in enumerate(rows)])
+                else r.sampler(allowed[i:i + 1]) for i, r in enumerate(rows)])
         per_row = [logprobs[i] if r.wants_logprobs else None for i, r in enumerate(rows)]
         return sampled.astype(mx.uint32), per_row
 

@@ -45,6 +45,7 @@ from engine.admission import SchedulerLimits, admit
 from engine.api import SamplingParams, SchedulerCounters
 from engine.generation import Generation
 from engine.generator import Generator, Output, SequenceState
+from engine.grammar import ConstraintFailed, Grammars
 from engine.kv import KVStore
 from engine.loader import LoadedModel
 from engine.tree_hold import HandleOf
@@ -130,6 +131,7 @@ class Scheduler:
         # With nothing decoding there is no stream to keep smooth.
         self._idle_chunk = max(GPU_PREFILL_CHUNK, self._chunk) if gpu else self._chunk
         self.generator = Generator(loaded.model)
+        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size)
         self._uids = itertools.count()
         self._stopping = False
 
@@ -198,6 +200,9 @@ class Scheduler:
         """Hold the generation's cached prefix and put it in the batch; False if it now
         waits for a prefix being computed by another request."""
         cacheable = generation.cacheable
+        # Built anew at every admission, over what was generated before a failed step.
+        constraint = generation.params.constraint
+        grammar = self.grammars.state(constraint, generation.generated) if constraint else None
         while True:
             match = self.tree.match(cacheable)
             if (node := self._shared_in_flight(cacheable, match)) is not None:
@@ -225,7 +230,7 @@ class Scheduler:
             next(self._uids), self.kv.assemble(hold.node), tokens=tokens[:hold.depth],
             unfed=tokens[hold.depth:], sampler=generation.sampler,
             processors=generation.processors,
-            wants_logprobs=generation.params.logprobs is not None)
+            wants_logprobs=generation.params.logprobs is not None, grammar=grammar)
         generation.sequence = sequence
         self.generator.add(sequence)
         generation.prompt_done = False
@@ -317,7 +322,14 @@ class Scheduler:
 
     def _on_token(self, generation: Generation, output: Output) -> None:
         self.counters.generated_tokens += 1
-        ended = generation.accept(output.token, output.logprobs)
+        try:
+            ended = generation.accept(output.token, output.logprobs)
+        except ConstraintFailed as error:
+            sequence = generation.sequence
+            del self.running[sequence.uid]
+            self._release(generation, self.generator.remove([sequence.uid])[sequence.uid])
+            self._fail(generation, error)
+            return
         if ended is not None:
             self._end(generation, *ended)
 

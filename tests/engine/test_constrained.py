@@ -1,0 +1,226 @@
+"""Constrained decoding in the engine, on the tiny random-weights model.
+
+Its weights are random, so whatever structure its output has comes from the grammar
+alone: a strong test that the mask is applied at every step, from the first token on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import pytest
+from llguidance import LLMatcher
+from mlx_lm.tool_parsers import json_tools
+
+from engine.api import Constraint, RequestFailed, SamplingParams, TokenEvent
+from engine.constraints import FunctionTool, json_object, json_schema, tool_calls
+from tests.engine.support import Reference, complete, settled, start_engine
+from tests.faults import faulty_loader
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "admin": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "admin"],
+    "additionalProperties": False,
+}
+WEATHER = FunctionTool("get_weather", {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 16},
+                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False})
+CLOCK = FunctionTool("get_time", {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
+    "required": ["zone"], "additionalProperties": False})
+
+
+def lark(grammar: str, after: str | None = None) -> Constraint:
+    return Constraint(LLMatcher.grammar_from_lark(grammar), after)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(family_model_dir) -> str:
+    return family_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir) -> Reference:
+    return Reference(llama_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    engine = start_engine(llama_dir, cache_bytes=1 << 30)
+    yield engine
+    engine.shutdown()
+
+
+def prompt_of(engine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text, special_tokens=False)
+
+
+async def test_greedy_output_validates_against_the_schema(engine):
+    result = await complete(engine, prompt_of(engine, "Describe a user as JSON."), 120,
+                            constraint=json_schema(PERSON, strict=True))
+    jsonschema.validate(json.loads(result.text), PERSON)
+    assert result.finish.reason == "stop"
+
+
+async def test_sampled_output_validates_too(engine):
+    for seed in range(3):
+        result = await complete(engine, prompt_of(engine, "A user, sampled."), 120,
+                                temperature=1.0, seed=seed,
+                                constraint=json_schema(PERSON, strict=True))
+        jsonschema.validate(json.loads(result.text), PERSON)
+
+
+async def test_json_object_is_an_object(engine):
+    result = await complete(engine, prompt_of(engine, "Any JSON object."), 60,
+                            constraint=json_schema({
+                                "type": "object", "additionalProperties": {
+                                    "type": "string", "maxLength": 6}, "maxProperties": 2}))
+    assert isinstance(json.loads(result.text), dict)
+    assert json_object().grammar  # the builder the server uses for json_object
+
+
+@pytest.mark.parametrize("name", [None, "get_time"])
+async def test_forced_tool_call_is_valid(engine, name):
+    tools = [WEATHER, CLOCK]
+    result = await complete(engine, prompt_of(engine, "Call a tool."), 80,
+                            constraint=tool_calls(tools, name=name))
+    assert result.finish.reason == "stop"
+    start, end = json_tools.tool_call_start, json_tools.tool_call_end
+    assert result.text.startswith(start) and result.text.endswith(end)
+    call = json_tools.parse_tool_call(result.text[len(start):-len(end)])
+    tool = {t.name: t for t in tools}[call["name"]]
+    assert name is None or call["name"] == name
+    jsonschema.validate(call["arguments"], tool.parameters)
+
+
+async def test_parallel_tool_calls_are_each_valid(engine):
+    result = await complete(engine, prompt_of(engine, "Call tools."), 200,
+                            constraint=tool_calls([WEATHER, CLOCK], parallel=True))
+    start, end = json_tools.tool_call_start, json_tools.tool_call_end
+    calls = [json_tools.parse_tool_call(part.split(end)[0])
+             for part in result.text.split(start)[1:]]
+    assert calls and all(c["name"] in ("get_weather", "get_time") for c in calls)
+
+
+async def test_the_mask_applies_from_the_first_token_and_completion_stops(engine):
+    prompt = prompt_of(engine, "Say the words.")
+    free = await complete(engine, prompt, 8, ignore_eos=True)
+    assert not free.text.startswith("hello")
+    forced = await complete(engine, prompt, 50, constraint=lark('start: "hello world"'))
+    assert forced.text == "hello world"
+    assert (forced.finish.reason, forced.finish.matched_stop) == ("stop", None)
+    assert forced.finish.completion_tokens == len(forced.tokens) < 50
+
+
+async def test_eos_only_where_the_grammar_accepts(engine):
+    eos = min(engine.tokenizer.eos_token_ids)
+    pushed = await complete(engine, prompt_of(engine, "Letters."), 30,
+                            constraint=lark('start: "ab" "c"*'), logit_bias={eos: 100.0})
+    # EOS is the model's favourite by far, but only allowed once "ab" is complete.
+    assert pushed.text == "ab"
+    assert (pushed.finish.reason, pushed.finish.matched_stop) == ("stop", eos)
+
+
+async def test_free_rows_beside_constrained_ones_keep_their_greedy_output(engine, reference):
+    free = [prompt_of(engine, text) for text in (
+        "A free prompt about trains.", "Another, about the sea and its tides.", "x")]
+    constrained = [prompt_of(engine, f"Constrained prompt number {i}.") for i in range(3)]
+    results = await asyncio.gather(
+        *(complete(engine, p, 20) for p in free),
+        *(complete(engine, p, 120, constraint=json_schema(PERSON, strict=True))
+          for p in constrained))
+    for prompt, result in zip(free, results):
+        assert result.tokens == reference.greedy(prompt, 20)
+    for result in results[len(free):]:
+        jsonschema.validate(json.loads(result.text), PERSON)
+
+
+async def test_reasoning_is_free_until_the_marker(engine):
+    prompt = prompt_of(engine, "Think first, then answer.")
+    free = await complete(engine, prompt, 12, ignore_eos=True)
+    # A marker the free output writes as its 4th token, on its own.
+    at, marker = next((i, engine.tokenizer.decode([t])) for i, t in enumerate(free.tokens)
+                      if i >= 3 and prompt_of(engine, engine.tokenizer.decode([t])) == [t])
+    result = await complete(engine, prompt, 60, constraint=lark('start: "yes" | "no"', marker))
+    assert result.tokens[:at + 1] == free.tokens[:at + 1]
+    answer = engine.tokenizer.decode(result.tokens[at + 1:])
+    assert answer in ("yes", "no")
+    assert result.finish.reason == "stop"
+
+
+async def test_logprobs_are_the_models_not_the_masks(engine):
+    prompt = prompt_of(engine, "Logprobs, please.")
+    free = await complete(engine, prompt, 1, logprobs=5)
+    forced = await complete(engine, prompt, 20, logprobs=5, constraint=lark('start: "{}"'))
+    # The first constrained step reports the model's own distribution (the same top 5 as
+    # without the grammar), while its token is the one the grammar allowed.
+    assert forced.events[0].top_logprobs == free.events[0].top_logprobs
+    assert forced.text == "{}"
+    first = forced.events[0].logprob
+    assert first.token == forced.tokens[0] and first.logprob <= free.events[0].logprob.logprob
+
+
+async def test_an_invalid_grammar_fails_only_its_request(engine, reference):
+    prompt = prompt_of(engine, "Fine request.")
+    good = asyncio.create_task(complete(engine, prompt, 10))
+    with pytest.raises(RequestFailed, match="invalid grammar"):
+        await complete(engine, prompt_of(engine, "Bad grammar."), 10,
+                       constraint=lark("start: undefined_rule"))
+    assert (await good).tokens == reference.greedy(prompt, 10)
+    stats = await settled(engine)
+    assert (stats.running, stats.tree.pinned_bytes, stats.tree.pending) == (0, 0, 0)
+
+
+async def test_cancel_mid_constraint_releases_everything(engine):
+    stream = engine.submit(prompt_of(engine, "An endless list."), SamplingParams(
+        max_tokens=2000, temperature=0.0, constraint=json_schema({
+            "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}})))
+    seen = 0
+    async for event in stream:
+        if isinstance(event, TokenEvent):
+            seen += 1
+            if seen == 3:
+                stream.cancel()
+    assert event.reason == "cancelled"
+    stats = await settled(engine)
+    assert (stats.running, stats.waiting, stats.tree.pinned_bytes, stats.tree.pending) == (
+        0, 0, 0, 0)
+
+
+async def test_a_failed_step_rebuilds_the_constraint(llama_dir, reference, engine, monkeypatch,
+                                                     caplog):
+    """A step that fails restarts every row from its tokens; a constrained row's matcher
+    is rebuilt over what it had generated and ends exactly as without the failure."""
+    constraint = json_schema(PERSON, strict=True)
+    prompt = prompt_of(engine, "Describe a user as JSON, again.")
+    expected = await complete(engine, prompt, 120, constraint=constraint)
+    other = prompt_of(engine, "An unconstrained neighbour.")
+    free = reference.greedy(other, 12)
+    # The neighbour's 4th token breaks the forward pass of the batch it is fed in.
+    fault = next(t for t in free[3:] if t not in prompt + expected.tokens + other
+                 and free.index(t) >= 3)
+    monkeypatch.setattr("engine.engine.load_model", faulty_loader(fault))
+    faulty = start_engine(llama_dir, cache_bytes=1 << 30)
+    try:
+        constrained = asyncio.create_task(complete(faulty, prompt, 120, constraint=constraint))
+        with pytest.raises(RequestFailed):
+            await complete(faulty, other, 12)
+        assert (await constrained).tokens == expected.tokens
+        assert "step failed" in caplog.text  # both were in the batch that failed
+        stats = await settled(faulty)
+        assert (stats.running, stats.tree.pinned_bytes, stats.tree.pending) == (0, 0, 0)
+    finally:
+        faulty.shutdown()
+
