@@ -6,9 +6,9 @@ would fight over the cores or the GPU), warms it up, runs the seeded workload ag
 through a streaming client and stops it. Fresh starts keep one workload's cache out of
 the next, and alternating keeps the two measurements of a ratio close in time on a
 machine whose load drifts. Then it times bare `mlx_lm.stream_generate` for the engine
-overhead figure, and writes results.json, results.md and plots to
-bench/results/<hardware>/<model>/, one folder per model. The bench process itself never
-imports MLX.
+overhead figure and constrained vs free decoding on one engine (bench/structured.py), and
+writes results.json, results.md and plots to bench/results/<hardware>/<model>/, one folder
+per model. The bench process itself never imports MLX.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib)")
     parser.add_argument("--no-raw", action="store_true",
                         help="skip the bare mlx_lm.stream_generate baseline")
+    parser.add_argument("--no-structured", action="store_true",
+                        help="skip constrained vs free decoding (bench/structured.py)")
     for field in dataclasses.fields(Shapes):
         parser.add_argument("--" + field.name.replace("_", "-"), type=int,
                             help=f"default {field.default}, --quick {getattr(QUICK, field.name)}")
@@ -161,11 +163,9 @@ async def measure(server: RunningServer, warm_up: Workload,
     return summaries, records
 
 
-def raw_decode(model: Path, shapes: Shapes, env: dict[str, str]) -> dict:
-    argv = [sys.executable, "-m", "bench.raw_decode", str(model),
-            "--prompt-tokens", str(shapes.decode_prompt_tokens),
-            "--max-tokens", str(shapes.decode_output_tokens),
-            "--repeats", str(shapes.decode_repeats)]
+def child_json(module: str, model: Path, env: dict[str, str], *args: object) -> dict:
+    """Run `python -m module MODEL args...` and read the JSON object it prints last."""
+    argv = [sys.executable, "-m", module, str(model), *map(str, args)]
     result = subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -228,7 +228,15 @@ def bench_model(args: argparse.Namespace, model: Path, device: str, env: dict[st
             run_server(results, name, args, model, env, out, warm_up, batch)
     if not args.no_raw:
         print("bench: bare mlx_lm.stream_generate", file=sys.stderr, flush=True)
-        results["raw_decode"] = raw_decode(model, shapes, env)
+        results["raw_decode"] = child_json(
+            "bench.raw_decode", model, env, "--prompt-tokens", shapes.decode_prompt_tokens,
+            "--max-tokens", shapes.decode_output_tokens, "--repeats", shapes.decode_repeats)
+    if not args.no_structured:
+        print("bench: constrained vs free decoding", file=sys.stderr, flush=True)
+        results["structured"] = child_json(
+            "bench.structured", model, env, "--prompt-tokens", shapes.so_prompt_tokens,
+            "--max-tokens", shapes.so_output_tokens, "--repeats", shapes.so_repeats,
+            "--seed", args.seed)
     report.write(results, out, plots=not args.no_plots)
     print((out / "results.md").read_text())
     print(f"bench: wrote {out}", file=sys.stderr)

@@ -113,6 +113,9 @@ def targets(results: dict) -> list[dict]:
     raw = results.get("raw_decode", {}).get("decode_tok_s")
     rows.append(("single-stream decode tok/s vs raw mlx_lm.stream_generate",
                  ratio(single.get("decode_tok_s"), raw), ">= 0.95", lambda v: v >= 0.95))
+    for batch, rates in results.get("structured", {}).get("decode", {}).items():
+        rows.append((f"constrained vs free decode tok/s, batch {batch}", rates["ratio"],
+                     ">= 0.9", lambda v: v >= 0.9))
     return [{"target": name, "value": value, "goal": goal,
              "met": None if value is None else check(value)}
             for name, value, goal, check in rows]
@@ -181,6 +184,7 @@ def markdown(results: dict) -> str:
         lines.append(f"| {server} server | {fmt(rate, '{:.1f}')} |")
     raw = results.get("raw_decode", {}).get("decode_tok_s")
     lines.append(f"| raw mlx_lm.stream_generate | {fmt(raw, '{:.1f}')} |")
+    lines += structured_markdown(results.get("structured"))
     lines += ["", "## Servers", ""]
     for server, data in results["servers"].items():
         died = data.get("exit_code_during_run")
@@ -188,6 +192,27 @@ def markdown(results: dict) -> str:
                      + ("" if died is None else f"; EXITED with code {died} during the run"))
     lines += ["", "## Shapes", "", "```", json.dumps(results["shapes"], indent=1), "```", ""]
     return "\n".join(lines)
+
+
+def structured_markdown(structured: dict | None) -> list[str]:
+    """Constrained vs free decoding on one engine, and what its grammars cost to build."""
+    if not structured:
+        return []
+    shape = (f"Greedy, {structured['prompt_tokens']}-token prompts, "
+             f"{structured['max_tokens']} tokens each; steady-state batch rate.")
+    lines = ["", "## Structured output: constrained vs free decoding (one engine)", "", shape,
+             "", "| batch | free tok/s | constrained tok/s | ratio |", "|---:|---:|---:|---:|"]
+    for batch, rates in structured["decode"].items():
+        lines.append(f"| {batch} | {rates['free_tok_s']:.1f} | "
+                     f"{rates['constrained_tok_s']:.1f} | {rates['ratio']:.2f} |")
+    compile_times = structured["compile"]
+    once = compile_times["tokenizer_seconds"] * 1e3
+    lines += ["", f"The grammar engine's copy of the tokenizer (once per model): {once:.1f} ms.",
+              "", "| grammar | build (server, ms) | compile (engine, ms) |", "|---|---:|---:|"]
+    for name, times in compile_times["grammars"].items():
+        lines.append(f"| {name} | {times['build_seconds'] * 1e3:.2f} | "
+                     f"{times['compile_seconds'] * 1e3:.2f} |")
+    return lines
 
 
 def plot(results: dict, directory: Path) -> list[Path]:

@@ -59,6 +59,9 @@ class Shapes:
     decode_prompt_tokens: int = 64
     decode_output_tokens: int = 128
     decode_repeats: int = 3
+    so_prompt_tokens: int = 64
+    so_output_tokens: int = 128
+    so_repeats: int = 2
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -70,7 +73,8 @@ QUICK = Shapes(
     mt_system_tokens=64, mt_user_tokens=32, mt_output_tokens=8, ns_prompts=4,
     ns_prompt_tokens=96, ns_output_tokens=8, ns_concurrency=4, lc_document_tokens=400,
     lc_questions=2, lc_question_tokens=16, lc_output_tokens=8, decode_prompt_tokens=32,
-    decode_output_tokens=16, decode_repeats=1,
+    decode_output_tokens=16, decode_repeats=1, so_prompt_tokens=32, so_output_tokens=32,
+    so_repeats=1,
 )
 
 

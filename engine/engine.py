@@ -30,6 +30,7 @@ from engine.api import (
     SamplingParams,
     SchedulerCounters,
 )
+from engine.constraints import json_object
 from engine.loader import LoadedModel, load_model, model_id_for
 from engine.memory import CPU_MEMORY_FRACTION, MemoryPlan, describe, headroom, plan_memory
 from engine.mlx_lm_internals import kv_bytes_per_token
@@ -133,11 +134,13 @@ class Engine:
     def _warm_up(self) -> None:
         """Run the real path once, so the first user requests do not pay for kernel
         compilation: a prefill, cache hits that join a running batch (one row, then two,
-        then three) and rows leaving it in turn; then forget it."""
+        then three) and rows leaving it in turn, the second one under a grammar (which
+        also converts the tokenizer for the grammar engine); then forget it."""
         scheduler = self._scheduler
         prompt = [t % self._loaded.vocab_size for t in range(1, WARMUP_PROMPT_TOKENS + 1)]
         for n, max_tokens in enumerate((8, 4, 2)):
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                    constraint=json_object() if n == 1 else None)
             generation = scheduler.new_generation(f"warmup-{n}", prompt + prompt[:4 * n],
                                                   params, lambda event: None)
             scheduler.inbox.put(Submit(generation))

@@ -55,11 +55,23 @@ def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
     assert server["workloads"]["single_stream"]["decode_tok_s"] > 0
     assert results["ratios"] == {}
     assert [t["met"] for t in results["targets"]][:3] == [None, None, None]
+    # Constrained vs free decoding on one engine, at batch 1 and 16, and compile times.
+    structured = results["structured"]
+    assert set(structured["decode"]) == {"1", "16"}
+    for rates in structured["decode"].values():
+        assert rates["free_tok_s"] > 0 and rates["constrained_tok_s"] > 0
+        assert rates["ratio"] == rates["constrained_tok_s"] / rates["free_tok_s"]
+    assert set(structured["compile"]["grammars"]) == {
+        "json_object", "records_schema", "tool_call_3_tools"}
+    assert "constrained vs free decode tok/s, batch 16" in {
+        t["target"] for t in results["targets"]}
+    assert "## Structured output" in (tmp_path / "results.md").read_text()
 
 
 def test_workloads_flag_runs_only_those(demo_model_dir: Path, tmp_path: Path) -> None:
     main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-raw",
-          "--no-plots", "--out", str(tmp_path), "--workloads", "single_stream", *TOY])
+          "--no-plots", "--no-structured", "--out", str(tmp_path), "--workloads",
+          "single_stream", *TOY])
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["workloads"] == ["single_stream"]
     assert set(results["servers"]["radix-mlx"]["workloads"]) == {"single_stream"}
