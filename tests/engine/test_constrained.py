@@ -106,12 +106,17 @@ async def test_forced_tool_call_is_valid(engine, name):
 
 
 async def test_parallel_tool_calls_are_each_valid(engine):
-    result = await complete(engine, prompt_of(engine, "Call tools."), 200,
-                            constraint=tool_calls([WEATHER, CLOCK], parallel=True))
+    tools = {t.name: t for t in (WEATHER, CLOCK)}
+    result = await complete(engine, prompt_of(engine, "Call tools."), 300,
+                            constraint=tool_calls(list(tools.values()), parallel=True))
     start, end = json_tools.tool_call_start, json_tools.tool_call_end
-    calls = [json_tools.parse_tool_call(part.split(end)[0])
-             for part in result.text.split(start)[1:]]
-    assert calls and all(c["name"] in ("get_weather", "get_time") for c in calls)
+    parts = result.text.split(start)[1:]
+    if result.finish.reason == "length":  # the last call may be cut short
+        parts = parts[:-1]
+    assert parts
+    for part in parts:
+        call = json_tools.parse_tool_call(part.split(end)[0])
+        jsonschema.validate(call["arguments"], tools[call["name"]].parameters)
 
 
 async def test_the_mask_applies_from_the_first_token_and_completion_stops(engine):
