@@ -229,3 +229,31 @@ async def test_a_failed_step_rebuilds_the_constraint(llama_dir, reference, engin
     finally:
         faulty.shutdown()
 
+
+
+@pytest.fixture(scope="module")
+def real_engine(real_model_dir):
+    engine = start_engine(str(real_model_dir), cache_bytes=1 << 30)
+    yield engine
+    engine.shutdown()
+
+
+async def test_real_model_answers_in_the_schema_and_calls_the_forced_tool(real_engine):
+    """SmolLM2-135M-Instruct, the default model: a structured answer and a forced call."""
+    city = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24}},
+        "required": ["city", "country"], "additionalProperties": False}
+    chat = real_engine.tokenizer.chat_prompt
+    answer, call = await asyncio.gather(
+        complete(real_engine, chat([{"role": "user", "content":
+                                     "What is the capital of France? Answer in JSON."}]),
+                 40, constraint=json_schema(city, strict=True)),
+        complete(real_engine, chat([{"role": "user", "content": "What's the weather in Paris?"}]),
+                 40, constraint=tool_calls([WEATHER, CLOCK], name="get_weather")))
+    parsed = json.loads(answer.text)
+    jsonschema.validate(parsed, city)
+    assert "Paris" in parsed["city"]
+    start, end = json_tools.tool_call_start, json_tools.tool_call_end
+    arguments = json_tools.parse_tool_call(call.text[len(start):-len(end)])["arguments"]
+    jsonschema.validate(arguments, WEATHER.parameters)
+    assert "Paris" in arguments["city"]
