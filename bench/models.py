@@ -1,9 +1,13 @@
-"""Random-weight Llama models shaped like Llama 3.2 1B and Llama 3.1 8B, for GPU runs.
+"""Random-weight Llama models shaped like Llama 3.2 1B, Llama 3.1 8B or SmolLM2-135M, for
+GPU runs.
 
-    python -m bench.models DIR --shape llama-1b [--dtype bfloat16] [--seed 0]
+    python -m bench.models DIR --shape llama-1b [--dtype bfloat16] [--seed 0] \
+        [--tokenizer-from MODEL_DIR]
 
 The demo tokenizer (a ~4k-token BPE), so the vocabulary is far smaller than the real
-models' 128k; everything else (hidden size, layers, heads, KV heads, MLP) is theirs.
+models' 128k, unless --tokenizer-from takes another model's tokenizer (and vocabulary
+size): the default model's, for a 49k vocabulary as grammar masks meet it. Everything
+else (hidden size, layers, heads, KV heads, MLP) is the shape's.
 Weights are drawn with MLX on the device in the target dtype: an 8B model drawn in numpy
 float32 (as `engine.demo_model` does for its small models) would take minutes and 32 GB.
 """
@@ -43,11 +47,21 @@ SHAPES: dict[str, dict[str, int]] = {
         "head_dim": 128,
         "intermediate_size": 14336,
     },
+    "smollm2-135m": {
+        "hidden_size": 576,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "intermediate_size": 1536,
+    },
 }
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 VOCAB_SIZE = 4096
 
 
-def build(directory: Path, shape: str, dtype: str = "bfloat16", seed: int = 0) -> Path:
+def build(directory: Path, shape: str, dtype: str = "bfloat16", seed: int = 0,
+          tokenizer_from: Path | None = None) -> Path:
     """Write an mlx-lm model directory (replacing `directory`) and return it."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -56,6 +70,11 @@ def build(directory: Path, shape: str, dtype: str = "bfloat16", seed: int = 0) -
     tokenizer = train_tokenizer(VOCAB_SIZE)
     config = {**model_config("llama", "bench", tokenizer), **SHAPES[shape],
               "torch_dtype": dtype}
+    if tokenizer_from is not None:
+        theirs = json.loads((tokenizer_from / "config.json").read_text())
+        config.update({key: theirs[key] for key in ("vocab_size", "bos_token_id",
+                                                    "eos_token_id", "pad_token_id")
+                       if key in theirs})
     model = llama.Model(llama.ModelArgs.from_dict(config))
     mx_dtype = getattr(mx, dtype)
     mx.random.seed(seed)
@@ -78,6 +97,10 @@ def build(directory: Path, shape: str, dtype: str = "bfloat16", seed: int = 0) -
     for filename, value in files.items():
         (directory / filename).write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
     (directory / "tokenizer.json").write_text(tokenizer.to_str(pretty=True))
+    if tokenizer_from is not None:
+        for filename in TOKENIZER_FILES:
+            if (tokenizer_from / filename).exists():
+                shutil.copy(tokenizer_from / filename, directory / filename)
     return directory
 
 
@@ -88,8 +111,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16",
                                                                  "float32"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer-from", type=Path,
+                        help="a model directory whose tokenizer and vocabulary size to use")
     args = parser.parse_args()
-    print(build(args.directory, args.shape, args.dtype, args.seed))
+    print(build(args.directory, args.shape, args.dtype, args.seed, args.tokenizer_from))
 
 
 if __name__ == "__main__":

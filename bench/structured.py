@@ -1,6 +1,7 @@
 """Structured output: constrained vs free decoding on one engine, and grammar compile times.
 
-    python -m bench.structured MODEL_DIR --prompt-tokens 64 --max-tokens 128 --repeats 2
+    python -m bench.structured MODEL_DIR --prompt-tokens 64 --max-tokens 128 --repeats 2 \
+        [--out bench/results/<hardware>/<model>-structured]
 
 Runs in its own process (started by the benchmark after the servers have stopped, like
 bench.raw_decode) on the engine itself, so both kinds of request share one model, one
@@ -8,7 +9,9 @@ batch loop and one process, and only the grammar differs; HTTP would add the sam
 both. At batch 1 and 16, the same prompts decode free (ignore_eos) and under a JSON Schema
 that cannot complete within max_tokens (a list of at least 64 records), alternating,
 `repeats` times each. A batch's rate is its steady state: tokens emitted while every
-stream of the batch was decoding, over that window. Prints one JSON object.
+stream of the batch was decoding, over that window (the whole span if they never all
+decode at once). Prints one JSON object; with --out,
+also writes it as results.json and results.md there (`make bench` runs it without).
 """
 
 from __future__ import annotations
@@ -16,10 +19,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
+
+from bench import hardware
+from bench.report import structured_markdown
 from bench.workloads import TextSource
 from engine.api import Finish, SamplingParams
 from engine.constraints import FunctionTool, json_object, json_schema, tool_calls
@@ -87,6 +96,8 @@ async def batch_rate(engine: Engine, prompts: list[list[int]], params: SamplingP
 
     runs = await asyncio.gather(*(stream(p) for p in prompts))
     start, end = max(r[0] for r in runs), min(r[-1] for r in runs)
+    if end <= start:  # outputs too short to overlap: the whole span instead
+        start, end = min(r[0] for r in runs), max(r[-1] for r in runs)
     tokens = sum(start < t <= end for r in runs for t in r)
     return tokens / (end - start)
 
@@ -120,6 +131,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="also write results.json and results.md here")
     args = parser.parse_args()
     engine = Engine(EngineConfig(model=str(args.model)))
     engine.start()
@@ -132,6 +144,22 @@ def main() -> None:
     finally:
         engine.shutdown()
     print(json.dumps(result))
+    if args.out:
+        write(result, args.out)
+
+
+def write(result: dict, out: Path) -> None:
+    device = "gpu" if mx.default_device() == mx.gpu else "cpu"
+    result = {"command": shlex.join(["python", "-m", "bench.structured", *sys.argv[1:]]),
+              "hardware": hardware.describe(device), **result}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    hw = result["hardware"]
+    lines = [f"# Structured output on {hw['tag']}", "",
+             f"Hardware: {hw['cpu']} ({hw['cpu_count']} cores)"
+             + (f", {', '.join(hw['gpus'])}" if hw["gpus"] else "") + f"; device {device}.",
+             f"Command: `{result['command']}`", *structured_markdown(result), ""]
+    (out / "results.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":
