@@ -9,7 +9,14 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from engine.api import EngineConfig, EngineStats, Finish, SamplingParams, TokenEvent
+from engine.api import (
+    EngineConfig,
+    EngineStats,
+    Finish,
+    RequestStream,
+    SamplingParams,
+    TokenEvent,
+)
 from engine.engine import Engine
 
 
@@ -47,6 +54,17 @@ async def complete(engine: Engine, prompt: list[int], max_tokens: int = 16,
             return Completion([e.token for e in events], text, event, events)
         events.append(event)
     raise AssertionError("stream ended without a Finish")
+
+
+async def cancel_after(stream: RequestStream, tokens: int) -> Finish:
+    """Read `stream`, cancel it once `tokens` tokens have come, and return its Finish."""
+    seen = 0
+    async for event in stream:
+        if isinstance(event, TokenEvent):
+            seen += 1
+            if seen == tokens:
+                stream.cancel()
+    return event
 
 
 async def settled(engine: Engine, timeout: float = 10.0) -> EngineStats:

@@ -14,9 +14,9 @@ import pytest
 from llguidance import LLMatcher
 from mlx_lm.tool_parsers import json_tools
 
-from engine.api import Constraint, RequestFailed, SamplingParams, TokenEvent
+from engine.api import Constraint, RequestFailed, SamplingParams
 from engine.constraints import FunctionTool, json_object, json_schema, tool_calls
-from tests.engine.support import Reference, complete, settled, start_engine
+from tests.engine.support import cancel_after, complete, settled, start_engine
 from tests.faults import faulty_loader
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -47,20 +47,10 @@ def lark(grammar: str, after: str | None = None) -> Constraint:
 
 
 @pytest.fixture(scope="module")
-def llama_dir(family_model_dir) -> str:
-    return family_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def reference(llama_dir) -> Reference:
-    return Reference(llama_dir)
-
-
-@pytest.fixture(scope="module")
-def engine(llama_dir):
-    engine = start_engine(llama_dir, cache_bytes=1 << 30)
-    yield engine
-    engine.shutdown()
+def family() -> str:
+    """The conftest's `engine` and `reference` on the plain-KV model only: the grammar,
+    not the cache kind, is under test here."""
+    return "llama"
 
 
 def prompt_of(engine, text: str) -> list[int]:
@@ -192,20 +182,14 @@ async def test_cancel_mid_constraint_releases_everything(engine):
     stream = engine.submit(prompt_of(engine, "An endless list."), SamplingParams(
         max_tokens=2000, temperature=0.0, constraint=json_schema({
             "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}})))
-    seen = 0
-    async for event in stream:
-        if isinstance(event, TokenEvent):
-            seen += 1
-            if seen == 3:
-                stream.cancel()
-    assert event.reason == "cancelled"
+    assert (await cancel_after(stream, 3)).reason == "cancelled"
     stats = await settled(engine)
     assert (stats.running, stats.waiting, stats.tree.pinned_bytes, stats.tree.pending) == (
         0, 0, 0, 0)
 
 
-async def test_a_failed_step_rebuilds_the_constraint(llama_dir, reference, engine, monkeypatch,
-                                                     caplog):
+async def test_a_failed_step_rebuilds_the_constraint(family_model_dir, reference, engine,
+                                                     monkeypatch, caplog):
     """A step that fails restarts every row from its tokens; a constrained row's matcher
     is rebuilt over what it had generated and ends exactly as without the failure."""
     constraint = json_schema(PERSON, strict=True)
@@ -217,7 +201,7 @@ async def test_a_failed_step_rebuilds_the_constraint(llama_dir, reference, engin
     fault = next(t for t in free[3:] if t not in prompt + expected.tokens + other
                  and free.index(t) >= 3)
     monkeypatch.setattr("engine.engine.load_model", faulty_loader(fault))
-    faulty = start_engine(llama_dir, cache_bytes=1 << 30)
+    faulty = start_engine(family_model_dir("llama"), cache_bytes=1 << 30)
     try:
         constrained = asyncio.create_task(complete(faulty, prompt, 120, constraint=constraint))
         with pytest.raises(RequestFailed):

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from engine.api import QueueFull, RequestFailed, TokenEvent
-from tests.engine.support import Reference, complete, settled, start_engine
+from tests.engine.support import Reference, cancel_after, complete, settled, start_engine
 from tests.faults import faulty_loader
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -65,13 +65,7 @@ async def test_prompts_diverging_after_a_short_header_are_each_computed_once(eng
 
 
 async def test_cancel_mid_decode_releases_everything(engine):
-    stream = engine.submit(random_prompt(2, 64), _greedy(max_tokens=4000))
-    seen = 0
-    async for event in stream:
-        if isinstance(event, TokenEvent):
-            seen += 1
-            if seen == 3:
-                stream.cancel()
+    event = await cancel_after(engine.submit(random_prompt(2, 64), _greedy(max_tokens=4000)), 3)
     assert event.reason == "cancelled"
     assert 3 <= event.completion_tokens < 4000
     stats = await settled(engine)
