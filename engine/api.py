@@ -53,6 +53,9 @@ class SchedulerCounters:
     generated_tokens: int = stat("counter", "Tokens generated.")
     requests_failed: int = stat("counter", "Requests the engine failed.",
                                 name="engine_requests_failed")
+    constrained_requests: int = stat("counter", "Requests decoded under a grammar "
+                                     "(structured output, forced tool calls).",
+                                     name="engine_constrained_requests")
     steps: int = stat("counter", "Engine scheduler steps.", name="engine_steps")
     step_seconds: float = stat("counter", "Seconds spent in engine steps.", default=0.0,
                                name="engine_step_seconds")

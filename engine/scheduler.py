@@ -224,6 +224,7 @@ class Scheduler:
             generation.cached_tokens = hold.depth
             self.counters.prompt_tokens += len(generation.prompt)
             self.counters.cached_tokens += hold.depth
+            self.counters.constrained_requests += constraint is not None
         tokens = generation.tokens
         self.counters.prefill_tokens += len(tokens) - hold.depth
         sequence = SequenceState(

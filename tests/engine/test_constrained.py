@@ -58,10 +58,12 @@ def prompt_of(engine, text: str) -> list[int]:
 
 
 async def test_greedy_output_validates_against_the_schema(engine):
+    before = engine.stats().counters.constrained_requests
     result = await complete(engine, prompt_of(engine, "Describe a user as JSON."), 120,
                             constraint=json_schema(PERSON, strict=True))
     jsonschema.validate(json.loads(result.text), PERSON)
     assert result.finish.reason == "stop"
+    assert engine.stats().counters.constrained_requests == before + 1
 
 
 async def test_sampled_output_validates_too(engine):
