@@ -8,6 +8,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from server.auth import APIKeyMiddleware
+from server.body_limit import BodyLimitMiddleware
 from server.config import Settings
 from server.errors import install_error_handlers
 from server.middleware import RequestMiddleware
@@ -34,6 +35,7 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
             CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
             allow_headers=["authorization", "content-type", "x-request-id"],
         )
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     # Added last, so outermost: it sees (and logs) every request, CORS preflights too.
     app.add_middleware(RequestMiddleware, state=state)
     return app

@@ -1,7 +1,8 @@
-"""Deltas and finished choices rendered as OpenAI's chat and legacy completion objects.
+"""The neutral events of a generation rendered as OpenAI's chat and legacy completion
+objects.
 
 Both formats answer the same four questions (the chunks that open a stream, the chunk for
-one delta, the closing usage chunk, the whole response), so the routes drive them the
+one event, the closing usage chunk, the whole response), so the routes drive them the
 same way.
 """
 
@@ -11,7 +12,16 @@ from collections import Counter
 from collections.abc import Sequence
 
 from engine.api import TokenEvent, TokenLogprob
-from server.jobs import ChoiceResult, Delta
+from server.events import (
+    ChoiceFinished,
+    ChoiceResult,
+    Event,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArguments,
+    ToolCallStarted,
+)
+from server.events import Usage as NeutralUsage
 from server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -24,7 +34,11 @@ from server.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    FunctionCallDelta,
+    FunctionCallOut,
+    PromptTokensDetails,
     ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     Usage,
     now,
@@ -83,43 +97,53 @@ class Format:
             usage=usage,
         )
 
-    def usage_chunk(self, usage: Usage):
+    def usage_chunk(self, usage: NeutralUsage):
         """The extra last chunk of `stream_options.include_usage`: no choices, usage."""
-        return self._chunk([], usage)
+        return self._chunk([], openai_usage(usage))
+
+
+def openai_usage(usage: NeutralUsage) -> Usage:
+    return Usage(
+        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+    )
 
 
 class ChatFormat(Format):
     chunk_type = ChatCompletionChunk
-
-    def __init__(self, response_id: str, model: str, logprobs: bool) -> None:
-        super().__init__(response_id, model, logprobs)
-        self._tool_calls_sent: Counter[int] = Counter()
 
     def opening_chunks(self, choices: int) -> list[ChatCompletionChunk]:
         """OpenAI opens every choice with the role and empty content."""
         opening = DeltaMessage(role="assistant", content="")
         return [self._chunk([ChatChunkChoice(index=i, delta=opening)]) for i in range(choices)]
 
-    def chunk(self, delta: Delta) -> ChatCompletionChunk | None:
-        logprobs = chat_logprobs(delta.tokens) if self.logprobs and delta.tokens else None
-        if not (delta.text or delta.tool_calls or logprobs or delta.finish_reason):
-            return None
-        sent = self._tool_calls_sent[delta.index]
-        tool_calls = [
-            ToolCallDelta(index=sent + i, **call.model_dump())
-            for i, call in enumerate(delta.tool_calls)
-        ]
-        self._tool_calls_sent[delta.index] += len(tool_calls)
-        return self._chunk([
-            ChatChunkChoice(
-                index=delta.index,
-                delta=DeltaMessage(content=delta.text or None, tool_calls=tool_calls or None),
-                logprobs=logprobs,
-                finish_reason=delta.finish_reason,
-            )
-        ])
+    def chunk(self, event: Event) -> ChatCompletionChunk | None:
+        delta, logprobs, finish_reason = DeltaMessage(), None, None
+        if isinstance(event, TextDelta):
+            if self.logprobs and event.tokens:
+                logprobs = chat_logprobs(event.tokens)
+            elif not event.text:
+                return None
+            delta.content = event.text or None
+        elif isinstance(event, ReasoningDelta):
+            delta.reasoning_content = event.text
+        elif isinstance(event, ToolCallStarted):
+            delta.tool_calls = [ToolCallDelta(
+                index=event.index, id=event.id, type="function",
+                function=FunctionCallDelta(name=event.name, arguments=""),
+            )]
+        elif isinstance(event, ToolCallArguments):
+            delta.tool_calls = [ToolCallDelta(
+                index=event.index, function=FunctionCallDelta(arguments=event.fragment)
+            )]
+        else:
+            finish_reason = event.reason
+        return self._chunk([ChatChunkChoice(
+            index=event.choice, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+        )])
 
-    def response(self, results: list[ChoiceResult], usage: Usage) -> ChatCompletionResponse:
+    def response(self, results: list[ChoiceResult], usage: NeutralUsage) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=self.response_id,
             model=self.model,
@@ -130,14 +154,19 @@ class ChatFormat(Format):
                     message=ChatMessage(
                         # OpenAI gives null content to a reply that is only tool calls.
                         content=result.text or (None if result.tool_calls else ""),
-                        tool_calls=result.tool_calls,
+                        reasoning_content=result.reasoning or None,
+                        tool_calls=[
+                            ToolCallOut(id=call.id, function=FunctionCallOut(
+                                name=call.name, arguments=call.arguments))
+                            for call in result.tool_calls
+                        ],
                     ),
                     logprobs=chat_logprobs(result.tokens) if self.logprobs else None,
                     finish_reason=result.finish_reason,
                 )
                 for i, result in enumerate(results)
             ],
-            usage=usage,
+            usage=openai_usage(usage),
         )
 
 
@@ -152,21 +181,23 @@ class CompletionFormat(Format):
     def opening_chunks(self, choices: int) -> list[CompletionResponse]:
         return []
 
-    def chunk(self, delta: Delta) -> CompletionResponse | None:
+    def chunk(self, event: Event) -> CompletionResponse | None:
+        # Raw prompts have no reasoning or tool calls: text and the finish only.
+        text = event.text if isinstance(event, TextDelta) else ""
+        finish_reason = event.reason if isinstance(event, ChoiceFinished) else None
         logprobs = None
-        if self.logprobs and delta.tokens:
-            logprobs = legacy_logprobs(delta.tokens, self._offsets[delta.index])
-            self._offsets[delta.index] += sum(len(token) for token in logprobs.tokens)
-        if not (delta.text or logprobs or delta.finish_reason):
+        if self.logprobs and isinstance(event, TextDelta) and event.tokens:
+            logprobs = legacy_logprobs(event.tokens, self._offsets[event.choice])
+            self._offsets[event.choice] += sum(len(token) for token in logprobs.tokens)
+        if not (text or logprobs or finish_reason):
             return None
         return self._chunk([
             CompletionChoice(
-                index=delta.index, text=delta.text, logprobs=logprobs,
-                finish_reason=delta.finish_reason,
+                index=event.choice, text=text, logprobs=logprobs, finish_reason=finish_reason,
             )
         ])
 
-    def response(self, results: list[ChoiceResult], usage: Usage) -> CompletionResponse:
+    def response(self, results: list[ChoiceResult], usage: NeutralUsage) -> CompletionResponse:
         return self._chunk(
             [
                 CompletionChoice(
@@ -177,5 +208,5 @@ class CompletionFormat(Format):
                 )
                 for i, result in enumerate(results)
             ],
-            usage,
+            openai_usage(usage),
         )

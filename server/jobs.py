@@ -1,5 +1,5 @@
-"""One HTTP request's engine work: submit prompts x n choices, merge their streams, and
-turn engine events into per-choice deltas both response formats are built from.
+"""One request's engine work: submit prompts x n choices, merge their event streams,
+account usage, and cancel it all when the response ends.
 
 A `Job` is always closed in a `finally` by its route, so an engine request never
 outlives the HTTP request that asked for it (client gone, error, or drain deadline).
@@ -12,7 +12,6 @@ import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.api import (
@@ -24,46 +23,14 @@ from engine.api import (
     SamplingParams,
     TokenEvent,
 )
+from server.access_log import RequestStats
+from server.drain import Drain
 from server.errors import APIError
+from server.events import Usage
 from server.metrics import Metrics
-from server.protocol import FinishReason, PromptTokensDetails, ToolCallOut, Usage
-from server.state import Drain
-from server.tools import ToolCallParser
 
 if TYPE_CHECKING:
     from engine.engine import Engine
-
-
-@dataclass
-class RequestStats:
-    """What the access log reports about one request."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-
-
-@dataclass
-class Delta:
-    """What one engine event adds to choice `index`."""
-
-    index: int
-    text: str = ""
-    tokens: list[TokenEvent] = field(default_factory=list)
-    tool_calls: list[ToolCallOut] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-
-
-@dataclass
-class ChoiceResult:
-    """A whole choice, for non-streaming responses."""
-
-    text: str = ""
-    tokens: list[TokenEvent] = field(default_factory=list)
-    tool_calls: list[ToolCallOut] = field(default_factory=list)
-    finish_reason: FinishReason = "stop"
 
 
 class Job:
@@ -179,7 +146,7 @@ class Job:
         self._finishes[index] = finish
         usage = self.usage()
         self.stats.prompt_tokens = usage.prompt_tokens
-        self.stats.cached_tokens = usage.prompt_tokens_details.cached_tokens
+        self.stats.cached_tokens = usage.cached_tokens
         # The engine's count replaces the tokens we saw for this choice.
         self.stats.completion_tokens += finish.completion_tokens - self._tokens[index]
 
@@ -194,43 +161,9 @@ class Job:
                 prompt += finishes[0].prompt_tokens
                 cached += min(finish.cached_tokens for finish in finishes)
                 completion += sum(finish.completion_tokens for finish in finishes)
-        return Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
-        )
+        return Usage(prompt, completion, cached)
 
-
-async def deltas(
-    job: Job, tool_parser: Callable[[], ToolCallParser] | None = None
-) -> AsyncIterator[Delta]:
-    """The job's events as deltas, with tool calls split out of the text when asked."""
-    parsers: dict[int, ToolCallParser] = {}
-    async for index, event in job.events():
-        delta = Delta(index, event.text)
-        if isinstance(event, TokenEvent):
-            delta.tokens.append(event)
-        if tool_parser is not None:
-            parser = parsers.setdefault(index, tool_parser())
-            delta.text, delta.tool_calls = parser.feed(delta.text)
-            if isinstance(event, Finish):
-                rest, calls = parser.close()
-                delta.text += rest
-                delta.tool_calls += calls
-        if isinstance(event, Finish):
-            called = index in parsers and parsers[index].calls > 0
-            delta.finish_reason = (
-                "tool_calls" if called and event.reason == "stop" else event.reason
-            )
-        yield delta
-
-
-async def collect(job: Job, stream: AsyncIterator[Delta]) -> list[ChoiceResult]:
-    results = [ChoiceResult() for _ in range(job.choices)]
-    async for delta in stream:
-        result = results[delta.index]
-        result.text += delta.text
-        result.tokens += delta.tokens
-        result.tool_calls += delta.tool_calls
-        if delta.finish_reason is not None:
-            result.finish_reason = delta.finish_reason
-    return results
+    def choice_usage(self, index: int) -> Usage:
+        """Choice `index`'s own usage, once it has finished."""
+        finish = self._finishes[index]
+        return Usage(finish.prompt_tokens, finish.completion_tokens, finish.cached_tokens)

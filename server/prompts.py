@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.tokenizer import ModelTokenizer
 from server.errors import APIError
-from server.protocol import ChatCompletionRequest, CompletionRequest, template_message
+from server.generation import GenerationRequest
 
 # apply_chat_template's own options, which chat_template_kwargs must not set: they are no
 # template variables, and would let a client swap in any template (a Jinja loop of 10^10
@@ -31,24 +31,22 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> No
         )
 
 
-def chat_prompt(tokenizer: ModelTokenizer, request: ChatCompletionRequest) -> list[int]:
+def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest) -> list[int]:
     if not tokenizer.has_chat_template:
         raise APIError(
             400, "this model has no chat template; use /v1/completions", code="invalid_request",
             param="messages",
         )
-    variables = request.chat_template_kwargs or {}
+    variables = request.chat_template_kwargs
     reserved = sorted(TEMPLATE_OPTIONS.intersection(variables))
     if reserved:
         raise APIError(
             400, f"chat_template_kwargs sets template variables only, not {reserved[0]!r}",
             code="invalid_request", param="chat_template_kwargs",
         )
+    tools = [tool.template_form() for tool in request.offered_tools] or None
     try:
-        prompt = tokenizer.chat_prompt(
-            [template_message(message) for message in request.messages],
-            request.template_tools, variables,
-        )
+        prompt = tokenizer.chat_prompt(list(request.messages), tools, variables)
     except (TemplateError, ValueError) as error:
         # Templates reject what they cannot render (e.g. roles that do not alternate).
         raise APIError(
@@ -58,7 +56,8 @@ def chat_prompt(tokenizer: ModelTokenizer, request: ChatCompletionRequest) -> li
     return prompt
 
 
-def completion_prompts(tokenizer: ModelTokenizer, request: CompletionRequest) -> list[list[int]]:
+def raw_prompts(tokenizer: ModelTokenizer, request: GenerationRequest) -> list[list[int]]:
+    """Legacy completions' prompts: text is encoded, token ids are taken as given."""
     prompts = request.prompts
     if isinstance(prompts[0], str):
         encoded = [tokenizer.encode(prompt) for prompt in prompts]

@@ -3,12 +3,12 @@
 Requests mirror OpenAI's schema (plus vLLM's sampling extensions) and validate
 declaratively: strict types, so `"n": "2"` is a 400 rather than a silent coercion, and
 unknown fields are ignored, as OpenAI does. Responses mirror the shapes the official SDK
-parses. Nothing here knows about the engine beyond `SamplingParams`.
+parses. Nothing here knows about the engine: `server.openai_adapter` translates these
+requests into the internal `GenerationRequest`.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Annotated, Any, Literal, Union
 
@@ -22,8 +22,6 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
-
-from engine.api import SamplingParams
 
 
 class RequestModel(BaseModel):
@@ -101,35 +99,6 @@ class SamplingRequest(RequestModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
-        """The engine's parameters for choice `choice` (which offsets the seed, so the
-        n choices of a seeded request differ from each other yet stay reproducible)."""
-        temperature = 1.0 if self.temperature is None else self.temperature
-        top_p = 1.0 if self.top_p is None else self.top_p
-        if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
-            temperature, top_p = 0.0, 1.0
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            seed=None if self.seed is None else self.seed + choice,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logit_bias={int(key): value for key, value in (self.logit_bias or {}).items()},
-            logprobs=logprobs,
-            stop=stop,
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-        )
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
 
 # -- chat requests -------------------------------------------------------------------------
 
@@ -142,13 +111,6 @@ class TextPart(RequestModel):
 Content = shaped_union(
     _str_or_list, "a string or a list of text parts", str=str, list=list[TextPart]
 )
-
-
-def content_text(content: Content | None) -> str | None:
-    """Text parts joined the way vLLM joins them, since most templates want a string."""
-    if content is None or isinstance(content, str):
-        return content
-    return "\n".join(part.text for part in content)
 
 
 class FunctionCall(RequestModel):
@@ -190,20 +152,6 @@ class ToolMessage(RequestModel):
 Message = Annotated[
     SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
 ]
-
-
-def template_message(message: Message) -> dict[str, Any]:
-    """The dict a Hugging Face chat template expects for `message`."""
-    out = message.model_dump(exclude_none=True)
-    out["content"] = content_text(message.content)
-    if isinstance(message, AssistantMessage) and message.tool_calls:
-        # Templates iterate over arguments as a mapping; OpenAI sends a JSON string.
-        for call in out["tool_calls"]:
-            try:
-                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-            except json.JSONDecodeError:
-                pass  # a template that prints arguments verbatim still gets the string
-    return out
 
 
 class FunctionDefinition(RequestModel):
@@ -256,20 +204,6 @@ class ChatCompletionRequest(SamplingRequest):
         if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
             raise ValueError("only tool_choice 'auto' and 'none' are supported")
         return self
-
-    @property
-    def completion_limit(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
-    @property
-    def engine_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    @property
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        if not self.tools or self.tool_choice == "none":
-            return None
-        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
 
 # -- legacy completion requests ----------------------------------------------------------
@@ -391,8 +325,26 @@ class ToolCallOut(ResponseModel):
     function: FunctionCallOut
 
 
-class ToolCallDelta(ToolCallOut):
+class FunctionCallDelta(ResponseModel):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCallDelta(ResponseModel):
+    """A streamed call: the first delta of call `index` has its id and name, later ones
+    only the next fragment of its arguments."""
+
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _only_present(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out["function"]["name"] is None:
+            del out["function"]["name"]
+        return {key: value for key, value in out.items() if value is not None}
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -401,6 +353,8 @@ FinishReason = Literal["stop", "length", "tool_calls"]
 class ChatMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # The model's thinking, as vLLM and llama.cpp return it (never part of `content`).
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
     refusal: None = None
 
@@ -425,6 +379,7 @@ class ChatCompletionResponse(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")

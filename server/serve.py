@@ -18,7 +18,7 @@ from engine.model_source import resolve_model
 from engine.platform_info import describe_platform
 from server.app import create_app
 from server.config import ConfigError, Settings, load_settings
-from server.state import CANCEL_GRACE_SECONDS, Drain
+from server.drain import CANCEL_GRACE_SECONDS, Drain
 
 log = logging.getLogger("radix_mlx.server")
 

@@ -10,43 +10,13 @@ from fastapi import Request
 
 from engine.api import Lifecycle
 from server.config import Settings
+from server.drain import Drain
 from server.errors import APIError
 from server.metrics import Metrics
 
 if TYPE_CHECKING:
     from engine.engine import Engine
     from engine.tokenizer import ModelTokenizer
-    from server.jobs import Job
-
-
-# After the deadline's cancellations, how long responses get to end before we stop anyway.
-CANCEL_GRACE_SECONDS = 2.0
-
-
-class Drain:
-    """Graceful shutdown: once begun, new requests get 503 while in-flight ones run until
-    they finish or the deadline passes, when their engine requests are cancelled, which
-    ends their responses (with an error) within a few engine steps."""
-
-    def __init__(self) -> None:
-        self.draining = False
-        self.inflight = 0
-        self.jobs: set[Job] = set()
-        self._deadline = 0.0
-
-    def begin(self, timeout: float) -> None:
-        self.draining = True
-        self._deadline = time.monotonic() + timeout
-
-    def finished(self) -> bool:
-        """Polled by the server loop after `begin`: True once it may stop."""
-        now = time.monotonic()
-        if self.inflight == 0 or now > self._deadline + CANCEL_GRACE_SECONDS:
-            return True
-        if now > self._deadline:
-            for job in list(self.jobs):
-                job.cancel()
-        return False
 
 
 @dataclass

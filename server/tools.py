@@ -1,101 +1,158 @@
-"""Tool calls out of generated text, with the model's own mlx-lm tool parser.
+"""Tool calls out of generated text, streamed as they are written.
 
-mlx-lm's `TokenizerWrapper` knows each model family's tool-call markers
-(`tool_call_start`/`tool_call_end`) and a parser for the text between them; this module
-applies them incrementally, so streamed content never shows a marker and each call is
-emitted whole as soon as its end marker arrives.
+A model writes a call between its format's markers (`tool_call_start`/`tool_call_end`,
+which mlx-lm's `TokenizerWrapper` knows per model family, or the generic format's, see
+`server.generic_tools`). Most formats put `{"name": ..., "arguments": {...}}` between
+them: such a call is streamed, `ToolCallStarted` as soon as its name is complete, then
+the arguments object's text as it arrives. Any other format is parsed whole with the
+family's mlx-lm parser when its end marker arrives. Content never shows a marker.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
-from collections.abc import Callable
-from typing import Any
 
-from server.protocol import FunctionCallOut, ToolCallOut
+from engine.tokenizer import ToolCallFormat
+from server.events import Event, TextDelta, ToolCallArguments, ToolCallStarted
+from server.markers import split_at
 
 log = logging.getLogger("radix_mlx.server")
 
-ToolParser = Callable[[str, Any], Any]
+# The head of a call in the common JSON format, up to the arguments object's `{`.
+JSON_CALL_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ToolCallParser:
-    """Splits one choice's text stream into content and tool calls."""
+    """Splits one choice's answer text into `TextDelta`s and tool-call events."""
 
-    def __init__(self, start: str, end: str, parse: ToolParser, tools: list[dict]) -> None:
-        self._start, self._end = start, end
-        self._parse, self._tools = parse, tools
-        self._unparsed = ""
+    def __init__(self, choice: int, tool_format: ToolCallFormat, tools: list[dict]) -> None:
+        self.choice = choice
+        self._format, self._tools = tool_format, tools
+        self._buffer = ""  # text held back: maybe the start of a marker
         self._in_call = False
+        self._body = ""  # the current call's text so far
+        self._arguments: _JsonValueEnd | None = None  # set while a call's arguments stream
         self.calls = 0
 
-    def feed(self, text: str) -> tuple[str, list[ToolCallOut]]:
-        """Content that is safe to show now, and the calls completed by `text`."""
-        self._unparsed += text
-        content: list[str] = []
-        calls: list[ToolCallOut] = []
+    @property
+    def in_call(self) -> bool:
+        return self._in_call
+
+    def feed(self, text: str) -> list[Event]:
+        """The events `text` completes; a possible marker's beginning is held back."""
+        self._buffer += text
+        events: list[Event] = []
         while True:
+            marker = self._format.end if self._in_call else self._format.start
+            released, self._buffer, found = split_at(self._buffer, marker)
             if self._in_call:
-                at = self._unparsed.find(self._end)
-                if at < 0:
-                    break
-                body, self._unparsed = self._unparsed[:at], self._unparsed[at + len(self._end):]
-                self._in_call = False
-                parsed = self._parse_call(body)
-                if parsed is None:  # keep what the model said rather than drop it
-                    content.append(self._start + body + self._end)
-                calls.extend(parsed or ())
-            else:
-                at = self._unparsed.find(self._start)
-                if at < 0:
-                    # Hold back a tail that may be the first part of a start marker.
-                    keep = _marker_prefix_length(self._unparsed, self._start)
-                    cut = len(self._unparsed) - keep
-                    content.append(self._unparsed[:cut])
-                    self._unparsed = self._unparsed[cut:]
-                    break
-                content.append(self._unparsed[:at])
-                self._unparsed = self._unparsed[at + len(self._start):]
-                self._in_call = True
-        return "".join(content), calls
+                events += self._call_text(released)
+                if found:
+                    events += self._end_call(terminated=True)
+            elif released:
+                events.append(TextDelta(self.choice, released))
+            if not found:
+                return events
+            self._in_call = not self._in_call
 
-    def close(self) -> tuple[str, list[ToolCallOut]]:
+    def close(self) -> list[Event]:
         """Flush at the end of the choice. Models often stop at EOS without writing the
-        end marker, so an unterminated call is still parsed when it parses."""
-        rest, self._unparsed = self._unparsed, ""
+        end marker, so an unterminated call is still a call when it parses."""
+        rest, self._buffer = self._buffer, ""
         if not self._in_call:
-            return rest, []
+            return [TextDelta(self.choice, rest)] if rest else []
         self._in_call = False
-        parsed = self._parse_call(rest)
-        return ("", parsed) if parsed is not None else (self._start + rest, [])
+        return self._call_text(rest) + self._end_call(terminated=False)
 
-    def _parse_call(self, text: str) -> list[ToolCallOut] | None:
+    def _call_text(self, text: str) -> list[Event]:
+        self._body += text
+        if self._arguments is not None:
+            return self._stream_arguments(text)
+        head = JSON_CALL_HEAD.match(self._body)
+        if head is None:
+            return []  # not (yet) the JSON format: parsed whole at the end marker
         try:
-            parsed = self._parse(text, self._tools)
+            name = json.loads(f'"{head.group(1)}"')
+        except json.JSONDecodeError:
+            return []
+        self._arguments = _JsonValueEnd()
+        started = ToolCallStarted(self.choice, self.calls, new_call_id(), name)
+        return [started, *self._stream_arguments(self._body[head.end():])]
+
+    def _stream_arguments(self, text: str) -> list[Event]:
+        assert self._arguments is not None
+        fragment = text[:self._arguments.feed(text)]
+        return [ToolCallArguments(self.choice, self.calls, fragment)] if fragment else []
+
+    def _end_call(self, terminated: bool) -> list[Event]:
+        body, self._body = self._body, ""
+        if self._arguments is not None:
+            self._arguments = None
+            self.calls += 1
+            return []
+        calls = self._parse(body)
+        if calls is None:  # keep what the model said rather than drop it
+            end = self._format.end if terminated else ""
+            return [TextDelta(self.choice, self._format.start + body + end)]
+        events: list[Event] = []
+        for name, arguments, call_id in calls:
+            events.append(ToolCallStarted(self.choice, self.calls, call_id, name))
+            events.append(ToolCallArguments(self.choice, self.calls, arguments))
+            self.calls += 1
+        return events
+
+    def _parse(self, body: str) -> list[tuple[str, str, str]] | None:
+        """(name, arguments JSON, id) of each call in `body`, or None if it does not parse."""
+        try:
+            parsed = self._format.parse(body, self._tools)
             parsed = parsed if isinstance(parsed, list) else [parsed]
-            calls = [_tool_call(call) for call in parsed]
+            calls = []
+            for call in parsed:
+                arguments = call.get("arguments", {})
+                if not isinstance(arguments, str):
+                    arguments = json.dumps(arguments, ensure_ascii=False)
+                calls.append((str(call["name"]), arguments, call.get("id") or new_call_id()))
         except Exception as error:  # noqa: BLE001 - model output must never fail the request
             log.warning("unparseable tool call (%s: %s)", type(error).__name__, error)
             return None
-        self.calls += len(calls)
         return calls
 
 
-def _tool_call(call: dict[str, Any]) -> ToolCallOut:
-    arguments = call.get("arguments", {})
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return ToolCallOut(
-        id=call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
-        function=FunctionCallOut(name=call["name"], arguments=arguments),
-    )
+class _JsonValueEnd:
+    """Finds where a JSON object or array that arrives in pieces ends."""
 
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = self.escaped = self.done = False
 
-def _marker_prefix_length(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
+    def feed(self, text: str) -> int:
+        """How many leading characters of `text` belong to the value."""
+        if self.done:
+            return 0
+        for at, char in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return at + 1
+        return len(text)

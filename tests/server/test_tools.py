@@ -1,5 +1,5 @@
-"""Tool-call splitting with mlx-lm's real JSON tool parser (the random-weight demo model
-never writes a tool call, so the parser is driven with text here)."""
+"""Tool calls split out of streamed text, with mlx-lm's real JSON tool parser (the
+random-weight demo model never writes a tool call, so the parser is driven with text)."""
 
 from __future__ import annotations
 
@@ -7,57 +7,83 @@ import json
 
 from mlx_lm.tool_parsers import json_tools
 
+from engine.tokenizer import ToolCallFormat
+from server.events import Event, TextDelta, ToolCallArguments, ToolCallStarted
 from server.tools import ToolCallParser
 
-
-def _parser() -> ToolCallParser:
-    return ToolCallParser(
-        json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call, []
-    )
+JSON_FORMAT = ToolCallFormat(
+    json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call
+)
 
 
-def _run(pieces: list[str]) -> tuple[str, list]:
-    parser = _parser()
-    content, calls = "", []
+def _run(pieces: list[str], tool_format: ToolCallFormat = JSON_FORMAT) -> list[Event]:
+    parser = ToolCallParser(0, tool_format, [])
+    events: list[Event] = []
     for piece in pieces:
-        text, new = parser.feed(piece)
-        content += text
-        calls += new
-    text, new = parser.close()
-    return content + text, calls + new
+        events += parser.feed(piece)
+    return events + parser.close()
+
+
+def _text(events: list[Event]) -> str:
+    return "".join(event.text for event in events if isinstance(event, TextDelta))
+
+
+def _calls(events: list[Event]) -> list[tuple[str, dict]]:
+    calls: dict[int, list] = {}
+    for event in events:
+        if isinstance(event, ToolCallStarted):
+            calls[event.index] = [event.name, ""]
+        elif isinstance(event, ToolCallArguments):
+            calls[event.index][1] += event.fragment
+    return [(name, json.loads(arguments)) for name, arguments in calls.values()]
 
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
-def test_call_split_into_single_characters() -> None:
-    content, calls = _run(list("Let me check. " + CALL + " Done."))
-    assert content == "Let me check.  Done."
-    assert [(call.function.name, json.loads(call.function.arguments)) for call in calls] == [
-        ("get_weather", {"city": "Paris"})
-    ]
-    assert calls[0].id.startswith("call_") and calls[0].type == "function"
+def test_call_split_into_single_characters_streams_its_arguments() -> None:
+    events = _run(list("Let me check. " + CALL + " Done."))
+    assert _text(events) == "Let me check.  Done."
+    assert _calls(events) == [("get_weather", {"city": "Paris"})]
+    started = [event for event in events if isinstance(event, ToolCallStarted)]
+    assert started[0].id.startswith("call_")
+    fragments = [event for event in events if isinstance(event, ToolCallArguments)]
+    # The name comes first, then the arguments in as many pieces as they arrived.
+    assert events.index(started[0]) < events.index(fragments[0])
+    assert len(fragments) == len('{"city": "Paris"}')
 
 
-def test_two_calls_and_the_count() -> None:
-    parser = _parser()
-    text, calls = parser.feed(CALL + CALL.replace("Paris", "Oslo"))
-    assert text == "" and len(calls) == 2 and parser.calls == 2
+def test_two_calls_are_numbered() -> None:
+    events = _run([CALL + CALL.replace("Paris", "Oslo")])
+    assert _text(events) == ""
+    assert _calls(events) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
+    assert [e.index for e in events if isinstance(e, ToolCallStarted)] == [0, 1]
+
+
+def test_braces_and_markers_inside_argument_strings() -> None:
+    call = '<tool_call>{"name": "f", "arguments": {"s": "}{ \\" </tool"}}</tool_call>'
+    assert _calls(_run(list(call))) == [("f", {"s": '}{ " </tool'})]
 
 
 def test_partial_start_marker_is_held_back_then_released() -> None:
-    parser = _parser()
-    assert parser.feed("a <tool") == ("a ", [])
-    assert parser.feed("box>") == ("<toolbox>", [])
+    parser = ToolCallParser(0, JSON_FORMAT, [])
+    assert parser.feed("a <tool") == [TextDelta(0, "a ")]
+    assert parser.feed("box>") == [TextDelta(0, "<toolbox>")]
 
 
-def test_unterminated_call_is_parsed_at_close() -> None:
-    parser = _parser()
-    assert parser.feed('<tool_call>{"name": "f", "arguments": {}}') == ("", [])
-    text, calls = parser.close()
-    assert text == "" and calls[0].function.name == "f" and calls[0].function.arguments == "{}"
+def test_unterminated_call_is_a_call_at_close() -> None:
+    assert _calls(_run(['<tool_call>{"name": "f", "arguments": {}}'])) == [("f", {})]
+
+
+def test_other_formats_are_parsed_whole_at_the_end_marker() -> None:
+    def parse(text: str, tools: object) -> dict:
+        name, _, city = text.partition(":")
+        return {"name": name, "arguments": {"city": city}}
+
+    events = _run(["x[CALL]get_weather:", "Oslo[/CALL]"], ToolCallFormat("[CALL]", "[/CALL]", parse))
+    assert _text(events) == "x" and _calls(events) == [("get_weather", {"city": "Oslo"})]
 
 
 def test_unparseable_call_stays_as_content() -> None:
-    content, calls = _run(["<tool_call>not json</tool_call> after"])
-    assert content == "<tool_call>not json</tool_call> after" and calls == []
+    events = _run(["<tool_call>not json</tool_call> after"])
+    assert _text(events) == "<tool_call>not json</tool_call> after" and _calls(events) == []

@@ -1,0 +1,41 @@
+"""The one access-log line per request, with what the engine did for it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+access_log = logging.getLogger("radix_mlx.access")
+
+
+@dataclass
+class RequestStats:
+    """What the access log reports about one request; its job fills it in."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+def log_request(
+    request_id: str, method: str, path: str, status: int, started_at: float,
+    stats: RequestStats | None,
+) -> None:
+    end = time.perf_counter()
+    fields = "prompt=- cached=- completion=- ttft_ms=- tok/s=-"
+    if stats is not None:
+        ttft = tok_s = "-"
+        if stats.first_token_at is not None:
+            ttft = f"{(stats.first_token_at - started_at) * 1000:.1f}"
+            decode = (stats.last_token_at or end) - stats.first_token_at
+            if stats.completion_tokens > 1 and decode > 0:
+                tok_s = f"{(stats.completion_tokens - 1) / decode:.1f}"
+        fields = (f"prompt={stats.prompt_tokens} cached={stats.cached_tokens} "
+                  f"completion={stats.completion_tokens} ttft_ms={ttft} tok/s={tok_s}")
+    access_log.info(
+        "%s %s %s %d %s duration_ms=%.1f", request_id, method, path, status, fields,
+        (end - started_at) * 1000,
+    )

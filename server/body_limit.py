@@ -1,0 +1,55 @@
+"""Refusing request bodies over the configured size before anything parses them."""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import APIError
+
+
+class BodyLimitMiddleware:
+    """Reads the whole body up front (it is small by definition) so that an oversized one
+    is refused with a 413 before anything parses it, chunked uploads included; the app
+    then reads it from memory and later `receive`s still report a disconnect."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            receive = await self._buffered(scope, receive)
+        except APIError as error:
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    async def _buffered(self, scope: Scope, receive: Receive) -> Receive:
+        too_large = APIError(
+            413, f"request body is larger than {self.limit} bytes", code="request_too_large"
+        )
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            raise too_large
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return receive
+        messages: list[Message] = []
+        size = 0
+        more_body = True
+        while more_body:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                raise too_large
+            more_body = message.get("more_body", False)
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        return replay

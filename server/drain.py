@@ -1,0 +1,40 @@
+"""Graceful shutdown: the drain state the middleware, the routes' jobs and the server
+loop share."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+# After the deadline's cancellations, how long responses get to end before we stop anyway.
+CANCEL_GRACE_SECONDS = 2.0
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Drain:
+    """Once begun, new requests get 503 while in-flight ones run until they finish or the
+    deadline passes, when their engine work (`jobs`) is cancelled, which ends their
+    responses (with an error) within a few engine steps."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.inflight = 0
+        self.jobs: set[Cancellable] = set()
+        self._deadline = 0.0
+
+    def begin(self, timeout: float) -> None:
+        self.draining = True
+        self._deadline = time.monotonic() + timeout
+
+    def finished(self) -> bool:
+        """Polled by the server loop after `begin`: True once it may stop."""
+        now = time.monotonic()
+        if self.inflight == 0 or now > self._deadline + CANCEL_GRACE_SECONDS:
+            return True
+        if now > self._deadline:
+            for job in list(self.jobs):
+                job.cancel()
+        return False

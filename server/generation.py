@@ -1,0 +1,156 @@
+"""The one request every API front end adapts onto.
+
+OpenAI Chat, OpenAI Responses and Anthropic Messages each validate their own body (one
+pydantic schema per API) and translate it into a `GenerationRequest`. Everything after
+that is written once, in `server.pipeline`: templating and tokenizing, submitting,
+reasoning separation, tool-call parsing, structured output, and the neutral event stream
+(`server.events`) that each front end renders in its own shapes.
+
+Nothing here knows an API's field names: the front end maps them (OpenAI's
+`max_completion_tokens`, Anthropic's `max_tokens`, Responses' `max_output_tokens` all
+become `max_tokens`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engine.api import SamplingParams
+
+# A chat message in the form Hugging Face chat templates take:
+#   {"role": "system" | "user" | "assistant" | "tool", "content": str | None,
+#    "tool_calls": [{"id", "type": "function", "function": {"name", "arguments": dict}}],
+#    "tool_call_id": str, "name": str, "reasoning_content": str}
+# Content is a string (text parts joined by the front end); tool-call arguments are a
+# mapping, since templates iterate over them (a string is kept when it is not JSON).
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class FunctionTool:
+    """A function the model may call: what every API's tool definition comes down to."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema for the arguments object
+    strict: bool | None = None
+
+    def template_form(self) -> dict[str, Any]:
+        """The OpenAI-shaped dict chat templates render tools from."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        function["parameters"] = self.parameters or {"type": "object", "properties": {}}
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class NamedFunction:
+    """tool_choice forcing a call of this one function."""
+
+    name: str
+
+
+# none: never call (tools are not even shown to the model); auto: the model decides;
+# required: at least one call, of any tool; NamedFunction: exactly that tool.
+ToolChoice = Literal["none", "auto", "required"] | NamedFunction
+
+
+@dataclass(frozen=True)
+class TextOutput:
+    """Free text: no constraint on the answer."""
+
+
+@dataclass(frozen=True)
+class JsonObjectOutput:
+    """Any valid JSON object (OpenAI's `json_object`)."""
+
+
+@dataclass(frozen=True)
+class JsonSchemaOutput:
+    """A JSON value valid against `schema` (OpenAI's `json_schema`)."""
+
+    name: str
+    schema: dict[str, Any]
+    strict: bool = False
+
+
+OutputFormat = TextOutput | JsonObjectOutput | JsonSchemaOutput
+TEXT = TextOutput()
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick tokens; API-neutral defaults (OpenAI's temperature 1, no penalties)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+        """The engine's parameters for choice `choice` (which offsets the seed, so the
+        n choices of a seeded request differ from each other yet stay reproducible)."""
+        temperature, top_p = self.temperature, self.top_p
+        if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
+            temperature, top_p = 0.0, 1.0
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=None if self.seed is None else self.seed + choice,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
+            logprobs=logprobs,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request, whatever API it came through.
+
+    Exactly one of `messages` (a chat, rendered with the model's template) and `prompts`
+    (raw prompts, as text or token ids; one generation each: legacy completions) is set.
+    Tools, tool_choice and reasoning apply to chats only.
+    """
+
+    messages: tuple[Message, ...] = ()
+    prompts: tuple[str | tuple[int, ...], ...] = ()
+    tools: tuple[FunctionTool, ...] = ()
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    output: OutputFormat = TEXT
+    sampling: Sampling = Sampling()
+    max_tokens: int | None = None  # None: the server's default, within the context window
+    n: int = 1  # choices per prompt
+    # None: no logprobs; k: each content token's logprob plus its k likeliest alternatives.
+    logprobs: int | None = None
+    stream: bool = False
+    include_usage: bool = False  # a streamed response ends with the usage
+    # Template variables, e.g. {"enable_thinking": False}.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_chat(self) -> bool:
+        return bool(self.messages)
+
+    @property
+    def offered_tools(self) -> tuple[FunctionTool, ...]:
+        """The tools the model is shown: none when tool_choice is "none"."""
+        return () if self.tool_choice == "none" else self.tools

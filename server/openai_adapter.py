@@ -1,0 +1,118 @@
+"""OpenAI's Chat Completions and legacy Completions requests as `GenerationRequest`s.
+
+The schema lives in `server.protocol`; this module only maps its fields onto the
+internal request (`server.generation`), which the shared pipeline runs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from server.generation import (
+    TEXT,
+    FunctionTool,
+    GenerationRequest,
+    Message,
+    NamedFunction,
+    Sampling,
+    ToolChoice,
+)
+from server.protocol import (
+    AssistantMessage,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Content,
+    NamedToolChoice,
+    SamplingRequest,
+)
+from server.protocol import Message as ChatMessage
+
+
+def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
+    return GenerationRequest(
+        messages=tuple(template_message(message) for message in body.messages),
+        tools=tuple(
+            FunctionTool(
+                tool.function.name, tool.function.description, tool.function.parameters,
+                tool.function.strict,
+            )
+            for tool in body.tools or ()
+        ),
+        tool_choice=_tool_choice(body.tool_choice),
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        output=TEXT,
+        sampling=sampling(body),
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        n=body.n,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        stream=body.stream,
+        include_usage=_include_usage(body),
+        chat_template_kwargs=body.chat_template_kwargs or {},
+    )
+
+
+def completion_request(body: CompletionRequest) -> GenerationRequest:
+    prompts = body.prompts
+    return GenerationRequest(
+        prompts=tuple(prompt if isinstance(prompt, str) else tuple(prompt) for prompt in prompts),
+        sampling=sampling(body),
+        max_tokens=body.max_tokens,
+        n=body.n,
+        logprobs=body.logprobs,
+        stream=body.stream,
+        include_usage=_include_usage(body),
+    )
+
+
+def sampling(body: SamplingRequest) -> Sampling:
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    return Sampling(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        seed=body.seed,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias={int(key): value for key, value in (body.logit_bias or {}).items()},
+        stop=stop,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+    )
+
+
+def content_text(content: Content | None) -> str | None:
+    """Text parts joined the way vLLM joins them, since most templates want a string."""
+    if content is None or isinstance(content, str):
+        return content
+    return "\n".join(part.text for part in content)
+
+
+def template_message(message: ChatMessage) -> Message:
+    """The dict a Hugging Face chat template expects for `message`."""
+    out = message.model_dump(exclude_none=True)
+    out["content"] = content_text(message.content)
+    if isinstance(message, AssistantMessage) and message.tool_calls:
+        # Templates iterate over arguments as a mapping; OpenAI sends a JSON string.
+        for call in out["tool_calls"]:
+            call["function"]["arguments"] = _arguments(call["function"]["arguments"])
+    return out
+
+
+def _arguments(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments  # a template that prints arguments verbatim still gets the string
+
+
+def _tool_choice(choice: str | NamedToolChoice | None) -> ToolChoice:
+    if isinstance(choice, NamedToolChoice):
+        return NamedFunction(str(choice.function.get("name", "")))
+    return choice or "auto"  # type: ignore[return-value]
+
+
+def _include_usage(body: SamplingRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage

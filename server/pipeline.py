@@ -1,0 +1,179 @@
+"""Running a `GenerationRequest`, once for every API front end.
+
+`start` renders and tokenizes the prompt (the model's chat template, or raw prompts),
+checks what the engine would refuse, and submits every choice. The returned `Generation`
+turns the engine's tokens into the neutral events of `server.events`: reasoning split
+from the answer, tool calls parsed out of it, logprobs attached to the answer's tokens.
+A front end renders those events (streamed, or folded by `events.collect`) and closes the
+generation in a `finally`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from engine.api import Finish, TokenEvent
+from engine.tokenizer import ModelTokenizer
+from server.errors import APIError
+from server.events import ChoiceFinished, Event, ReasoningDelta, TextDelta, Usage
+from server.generation import GenerationRequest
+from server.jobs import Job
+from server.prompts import chat_prompt, check_token_ids, raw_prompts
+from server.reasoning import ReasoningSplitter
+from server.state import ServerState
+from server.tools import ToolCallParser
+
+
+class ChoiceDecoder:
+    """One choice's text into events: reasoning first split off, then tool calls."""
+
+    def __init__(
+        self,
+        choice: int,
+        reasoning: ReasoningSplitter | None,
+        tools: ToolCallParser | None,
+        logprobs: bool,
+    ) -> None:
+        self.choice = choice
+        self._reasoning, self._tools, self._logprobs = reasoning, tools, logprobs
+
+    def token(self, event: TokenEvent) -> list[Event]:
+        answering = self._answering()
+        events = self._text(event.text, close=False)
+        if self._logprobs and event.logprob is not None and answering and self._answering():
+            # OpenAI's logprobs cover the answer's tokens, not thinking or tool calls.
+            at = next((i for i, e in enumerate(events) if isinstance(e, TextDelta)), None)
+            if at is None:
+                events.append(TextDelta(self.choice, "", (event,)))
+            else:
+                events[at] = TextDelta(self.choice, events[at].text, (event,))
+        return events
+
+    def finish(self, finish: Finish, usage: Usage) -> list[Event]:
+        events = self._text(finish.text, close=True)
+        called = self._tools is not None and self._tools.calls > 0
+        reason = "tool_calls" if called and finish.reason == "stop" else finish.reason
+        assert reason != "cancelled"  # the job reports cancellation as an error
+        events.append(ChoiceFinished(self.choice, reason, usage, finish.matched_stop))
+        return events
+
+    def _answering(self) -> bool:
+        in_reasoning = self._reasoning is not None and self._reasoning.inside
+        return not in_reasoning and not (self._tools is not None and self._tools.in_call)
+
+    def _text(self, text: str, close: bool) -> list[Event]:
+        events: list[Event] = []
+        answer = text
+        if self._reasoning is not None:
+            reasoning, answer = self._reasoning.feed(text)
+            if close:
+                rest_reasoning, rest_answer = self._reasoning.close()
+                reasoning, answer = reasoning + rest_reasoning, answer + rest_answer
+            if reasoning:
+                events.append(ReasoningDelta(self.choice, reasoning))
+        if self._tools is None:
+            if answer:
+                events.append(TextDelta(self.choice, answer))
+            return events
+        events += self._tools.feed(answer)
+        if close:
+            events += self._tools.close()
+        return events
+
+
+class Generation:
+    """A submitted request: its engine job and one decoder per choice."""
+
+    def __init__(self, request: GenerationRequest, job: Job, decoders: list[ChoiceDecoder]):
+        self.request, self.job, self._decoders = request, job, decoders
+
+    @property
+    def choices(self) -> int:
+        return self.job.choices
+
+    @property
+    def request_id(self) -> str:
+        return self.job.request_id
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every choice's events, interleaved as they arrive. Raises `APIError` if the
+        engine fails the request or the server drains it away."""
+        async for index, event in self.job.events():
+            decoder = self._decoders[index]
+            if isinstance(event, TokenEvent):
+                events = decoder.token(event)
+            else:
+                events = decoder.finish(event, self.job.choice_usage(index))
+            for out in events:
+                yield out
+
+    def usage(self) -> Usage:
+        """The whole request's usage so far (each prompt counted once, whatever n)."""
+        return self.job.usage()
+
+    def close(self) -> None:
+        """Cancel whatever still runs. Idempotent; every front end calls it in a finally."""
+        self.job.close()
+
+
+async def start(http: Request, state: ServerState, request: GenerationRequest) -> Generation:
+    """Render, tokenize, check and submit `request`; 4xx/5xx as `APIError`s."""
+    tokenizer = state.ready_tokenizer()
+    if request.is_chat:
+        # Rendering and tokenizing a long conversation takes milliseconds: off the event
+        # loop, so streams in flight keep flowing meanwhile.
+        prompts = [await asyncio.to_thread(chat_prompt, tokenizer, request)]
+    else:
+        prompts = await asyncio.to_thread(raw_prompts, tokenizer, request)
+    vocab_size = tokenizer.vocab_size
+    sampling = request.sampling
+    check_token_ids(sampling.logit_bias, vocab_size, "logit_bias")
+    check_token_ids(sampling.stop_token_ids, vocab_size, "stop_token_ids")
+    choices = len(prompts) * request.n
+    if choices > state.settings.max_queue:
+        # All are queued at once, so the engine would refuse this request every time.
+        raise APIError(
+            400, f"{choices} choices (prompts x n) exceed this server's queue of "
+            f"{state.settings.max_queue}", code="invalid_request", param="n",
+        )
+    max_tokens = request.max_tokens or max(1, min(
+        state.settings.default_max_tokens,
+        state.engine.context_length - max(map(len, prompts)),
+    ))
+    job = Job(state.engine, state.drain, state.metrics, http.state.request_id,
+              http.state.started_at)
+    http.state.stats = job.stats
+    job.submit(prompts, request.n,
+               lambda choice: sampling.params(max_tokens, request.logprobs, choice))
+    decoders = [
+        _decoder(tokenizer, request, prompts[choice // request.n], choice)
+        for choice in range(choices)
+    ]
+    return Generation(request, job, decoders)
+
+
+def _decoder(
+    tokenizer: ModelTokenizer, request: GenerationRequest, prompt: list[int], choice: int
+) -> ChoiceDecoder:
+    reasoning = tools = None
+    thinking = tokenizer.thinking
+    if request.is_chat and thinking is not None:
+        inside = _rfind(prompt, thinking.start_tokens) > _rfind(prompt, thinking.end_tokens)
+        reasoning = ReasoningSplitter(thinking.start, thinking.end, inside)
+    if request.offered_tools and tokenizer.tool_calls is not None:
+        tools = ToolCallParser(
+            choice, tokenizer.tool_calls,
+            [tool.template_form() for tool in request.offered_tools],
+        )
+    return ChoiceDecoder(choice, reasoning, tools, request.logprobs is not None)
+
+
+def _rfind(tokens: list[int], marker: tuple[int, ...]) -> int:
+    """Where `marker` last occurs in `tokens`, or -1."""
+    for at in range(len(tokens) - len(marker), -1, -1):
+        if tuple(tokens[at:at + len(marker)]) == marker:
+            return at
+    return -1

@@ -1,0 +1,57 @@
+"""Ending a generation's HTTP response cleanly, for every front end: an SSE response
+that closes its generation however it ends, and a non-streaming wait that notices a
+client that went away."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
+
+from fastapi import Request
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.types import Receive, Scope, Send
+
+from server.pipeline import Generation
+
+T = TypeVar("T")
+
+# nginx's "client closed request": logged for a non-streaming request whose client left.
+CLIENT_CLOSED = 499
+
+
+class GenerationEventSource(EventSourceResponse):
+    """An SSE response that closes its generation however the response ends: finished,
+    failed, or cut short by a client disconnect (even before the first event)."""
+
+    def __init__(
+        self, generation: Generation, events: AsyncIterator[str | ServerSentEvent]
+    ) -> None:
+        super().__init__(events)
+        self.generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()
+
+
+async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """`work`'s result, or None if the client disconnects first: Starlette does not cancel
+    a handler whose client went away, so we watch for it ourselves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() else None
+
+
+async def _disconnect(request: Request) -> None:
+    # The body is read already, so the next message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
