@@ -80,45 +80,11 @@ OutputFormat = TextOutput | JsonObjectOutput | JsonSchemaOutput
 TEXT = TextOutput()
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """How to pick tokens; API-neutral defaults (OpenAI's temperature 1, no penalties)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
-        """The engine's parameters for choice `choice` (which offsets the seed, so the
-        n choices of a seeded request differ from each other yet stay reproducible)."""
-        temperature, top_p = self.temperature, self.top_p
-        if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
-            temperature, top_p = 0.0, 1.0
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=None if self.seed is None else self.seed + choice,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logit_bias=self.logit_bias,
-            logprobs=logprobs,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-        )
+def sampling(**knobs: Any) -> SamplingParams:
+    """A request's sampling knobs (temperature, top_p, stop, seed, penalties, ...): the
+    engine's `SamplingParams`, whose `max_tokens` and `logprobs` the pipeline sets from
+    the request's own fields (and whose seed it offsets per choice)."""
+    return SamplingParams(max_tokens=0, **knobs)
 
 
 @dataclass(frozen=True)
@@ -136,7 +102,7 @@ class GenerationRequest:
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
     output: OutputFormat = TEXT
-    sampling: Sampling = Sampling()
+    sampling: SamplingParams = field(default_factory=sampling)
     max_tokens: int | None = None  # None: the server's default, within the context window
     n: int = 1  # choices per prompt
     # None: no logprobs; k: each content token's logprob plus its k likeliest alternatives.

@@ -9,14 +9,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engine.api import SamplingParams
 from server.generation import (
     TEXT,
     FunctionTool,
     GenerationRequest,
     Message,
     NamedFunction,
-    Sampling,
     ToolChoice,
+    sampling,
 )
 from server.protocol import (
     AssistantMessage,
@@ -42,7 +43,7 @@ def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls is not False,
         output=TEXT,
-        sampling=sampling(body),
+        sampling=sampling_knobs(body),
         max_tokens=body.max_completion_tokens or body.max_tokens,
         n=body.n,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
@@ -56,7 +57,7 @@ def completion_request(body: CompletionRequest) -> GenerationRequest:
     prompts = body.prompts
     return GenerationRequest(
         prompts=tuple(prompt if isinstance(prompt, str) else tuple(prompt) for prompt in prompts),
-        sampling=sampling(body),
+        sampling=sampling_knobs(body),
         max_tokens=body.max_tokens,
         n=body.n,
         logprobs=body.logprobs,
@@ -65,9 +66,9 @@ def completion_request(body: CompletionRequest) -> GenerationRequest:
     )
 
 
-def sampling(body: SamplingRequest) -> Sampling:
+def sampling_knobs(body: SamplingRequest) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    return Sampling(
+    return sampling(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Request
 
-from engine.api import Finish, TokenEvent
+from engine.api import Finish, SamplingParams, TokenEvent
 from engine.tokenizer import ModelTokenizer
 from server.errors import APIError
 from server.events import ChoiceFinished, Event, ReasoningDelta, TextDelta, Usage
@@ -146,13 +147,27 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
     job = Job(state.engine, state.drain, state.metrics, http.state.request_id,
               http.state.started_at)
     http.state.stats = job.stats
-    job.submit(prompts, request.n,
-               lambda choice: sampling.params(max_tokens, request.logprobs, choice))
+    job.submit(prompts, request.n, lambda choice: _choice_params(request, max_tokens, choice))
     decoders = [
         _decoder(tokenizer, request, prompts[choice // request.n], choice)
         for choice in range(choices)
     ]
     return Generation(request, job, decoders)
+
+
+def _choice_params(request: GenerationRequest, max_tokens: int, choice: int) -> SamplingParams:
+    """The engine's parameters for choice `choice` (which offsets the seed, so the n
+    choices of a seeded request differ from each other yet stay reproducible)."""
+    knobs = request.sampling
+    greedy = knobs.top_p == 0.0  # only the most likely token survives: that is greedy
+    return replace(
+        knobs,
+        max_tokens=max_tokens,
+        logprobs=request.logprobs,
+        seed=None if knobs.seed is None else knobs.seed + choice,
+        temperature=0.0 if greedy else knobs.temperature,
+        top_p=1.0 if greedy else knobs.top_p,
+    )
 
 
 def _decoder(
