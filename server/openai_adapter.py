@@ -14,8 +14,11 @@ from server.generation import (
     TEXT,
     FunctionTool,
     GenerationRequest,
+    JsonObjectOutput,
+    JsonSchemaOutput,
     Message,
     NamedFunction,
+    OutputFormat,
     ToolChoice,
     sampling,
 )
@@ -24,8 +27,11 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Content,
+    JsonObjectFormat,
+    JsonSchemaFormat,
     NamedToolChoice,
     SamplingRequest,
+    StructuredOutputRequest,
 )
 from server.protocol import Message as ChatMessage
 
@@ -42,7 +48,7 @@ def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
         ),
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls is not False,
-        output=TEXT,
+        output=output_format(body),
         sampling=sampling_knobs(body),
         max_tokens=body.max_completion_tokens or body.max_tokens,
         n=body.n,
@@ -57,6 +63,7 @@ def completion_request(body: CompletionRequest) -> GenerationRequest:
     prompts = body.prompts
     return GenerationRequest(
         prompts=tuple(prompt if isinstance(prompt, str) else tuple(prompt) for prompt in prompts),
+        output=output_format(body),
         sampling=sampling_knobs(body),
         max_tokens=body.max_tokens,
         n=body.n,
@@ -64,6 +71,16 @@ def completion_request(body: CompletionRequest) -> GenerationRequest:
         stream=body.stream,
         include_usage=_include_usage(body),
     )
+
+
+def output_format(body: StructuredOutputRequest) -> OutputFormat:
+    response_format = body.response_format
+    if isinstance(response_format, JsonObjectFormat):
+        return JsonObjectOutput()
+    if isinstance(response_format, JsonSchemaFormat):
+        schema = response_format.json_schema
+        return JsonSchemaOutput(schema.name, schema.json_schema, bool(schema.strict))
+    return TEXT
 
 
 def sampling_knobs(body: SamplingRequest) -> SamplingParams:
@@ -111,7 +128,7 @@ def _arguments(arguments: str) -> Any:
 
 def _tool_choice(choice: str | NamedToolChoice | None) -> ToolChoice:
     if isinstance(choice, NamedToolChoice):
-        return NamedFunction(str(choice.function.get("name", "")))
+        return NamedFunction(choice.function.name)
     return choice or "auto"  # type: ignore[return-value]
 
 

@@ -16,8 +16,9 @@ from dataclasses import replace
 
 from fastapi import Request
 
-from engine.api import Finish, SamplingParams, TokenEvent
-from engine.tokenizer import ModelTokenizer
+from engine.api import Constraint, Finish, SamplingParams, TokenEvent
+from engine.tokenizer import ModelTokenizer, ThinkingMarkers, ToolCallFormat
+from server import generic_tools
 from server.errors import APIError
 from server.events import ChoiceFinished, Event, ReasoningDelta, TextDelta, Usage
 from server.generation import GenerationRequest
@@ -25,6 +26,7 @@ from server.jobs import Job
 from server.prompts import chat_prompt, check_token_ids, raw_prompts
 from server.reasoning import ReasoningSplitter
 from server.state import ServerState
+from server.structured import forces_call, output_constraint
 from server.tools import ToolCallParser
 
 
@@ -123,10 +125,12 @@ class Generation:
 async def start(http: Request, state: ServerState, request: GenerationRequest) -> Generation:
     """Render, tokenize, check and submit `request`; 4xx/5xx as `APIError`s."""
     tokenizer = state.ready_tokenizer()
+    tool_format = _tool_format(tokenizer, request)
     if request.is_chat:
         # Rendering and tokenizing a long conversation takes milliseconds: off the event
         # loop, so streams in flight keep flowing meanwhile.
-        prompts = [await asyncio.to_thread(chat_prompt, tokenizer, request)]
+        generic = tool_format is generic_tools.FORMAT
+        prompts = [await asyncio.to_thread(chat_prompt, tokenizer, request, generic)]
     else:
         prompts = await asyncio.to_thread(raw_prompts, tokenizer, request)
     vocab_size = tokenizer.vocab_size
@@ -144,18 +148,72 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
         state.settings.default_max_tokens,
         state.engine.context_length - max(map(len, prompts)),
     ))
+    # Compiling a grammar takes milliseconds too (cached by schema in the engine).
+    thinking = [_thinking(tokenizer.thinking, prompt) for prompt in prompts]
+    constraints = [
+        await asyncio.to_thread(output_constraint, request, tool_format, after)
+        for _, after in thinking
+    ]
     job = Job(state.engine, state.drain, state.metrics, http.state.request_id,
               http.state.started_at)
     http.state.stats = job.stats
-    job.submit(prompts, request.n, lambda choice: _choice_params(request, max_tokens, choice))
-    decoders = [
-        _decoder(tokenizer, request, prompts[choice // request.n], choice)
-        for choice in range(choices)
-    ]
+    job.submit(prompts, request.n, lambda choice: _choice_params(
+        request, max_tokens, choice, constraints[choice // request.n]))
+    decoders = []
+    for choice in range(choices):
+        inside, _ = thinking[choice // request.n]
+        reasoning = None
+        if request.is_chat and tokenizer.thinking is not None:
+            markers = tokenizer.thinking
+            reasoning = ReasoningSplitter(markers.start, markers.end, inside)
+        tools = None
+        if request.offered_tools:
+            tools = ToolCallParser(
+                choice, tool_format, [tool.template_form() for tool in request.offered_tools]
+            )
+        decoders.append(ChoiceDecoder(choice, reasoning, tools, request.logprobs is not None))
     return Generation(request, job, decoders)
 
 
-def _choice_params(request: GenerationRequest, max_tokens: int, choice: int) -> SamplingParams:
+def _tool_format(tokenizer: ModelTokenizer, request: GenerationRequest) -> ToolCallFormat:
+    """How this request's tool calls are written: the model's own format, or the generic
+    one when its template has none. A forced call is JSON between the format's markers
+    (that is what the grammar writes), so it is read as JSON whatever the family."""
+    model_format = tokenizer.tool_calls
+    if model_format is None:
+        return generic_tools.FORMAT
+    if forces_call(request):
+        return replace(model_format, parse=generic_tools.FORMAT.parse)
+    return model_format
+
+
+# A template that closes the thinking block for the model (thinking off) puts the end
+# marker right at the end of the generation prompt, at most this many tokens before it.
+CLOSED_THINKING_TAIL = 4
+
+
+def _thinking(markers: ThinkingMarkers | None, prompt: list[int]) -> tuple[bool, str | None]:
+    """(does the prompt leave the model inside a thinking block, the marker a grammar
+    must wait for: None when the model will not think first)."""
+    if markers is None:
+        return False, None
+    last_end = _rfind(prompt, markers.end_tokens)
+    inside = _rfind(prompt, markers.start_tokens) > last_end
+    closed = not inside and last_end >= len(prompt) - CLOSED_THINKING_TAIL
+    return inside, None if closed else markers.end
+
+
+def _rfind(tokens: list[int], marker: tuple[int, ...]) -> int:
+    """Where `marker` last occurs in `tokens`, or -1."""
+    for at in range(len(tokens) - len(marker), -1, -1):
+        if tuple(tokens[at:at + len(marker)]) == marker:
+            return at
+    return -1
+
+
+def _choice_params(
+    request: GenerationRequest, max_tokens: int, choice: int, constraint: Constraint | None
+) -> SamplingParams:
     """The engine's parameters for choice `choice` (which offsets the seed, so the n
     choices of a seeded request differ from each other yet stay reproducible)."""
     knobs = request.sampling
@@ -167,28 +225,7 @@ def _choice_params(request: GenerationRequest, max_tokens: int, choice: int) -> 
         seed=None if knobs.seed is None else knobs.seed + choice,
         temperature=0.0 if greedy else knobs.temperature,
         top_p=1.0 if greedy else knobs.top_p,
+        constraint=constraint,
+        # Stop sequences end free text; a constrained reply ends where its grammar does.
+        stop=() if constraint is not None else knobs.stop,
     )
-
-
-def _decoder(
-    tokenizer: ModelTokenizer, request: GenerationRequest, prompt: list[int], choice: int
-) -> ChoiceDecoder:
-    reasoning = tools = None
-    thinking = tokenizer.thinking
-    if request.is_chat and thinking is not None:
-        inside = _rfind(prompt, thinking.start_tokens) > _rfind(prompt, thinking.end_tokens)
-        reasoning = ReasoningSplitter(thinking.start, thinking.end, inside)
-    if request.offered_tools and tokenizer.tool_calls is not None:
-        tools = ToolCallParser(
-            choice, tokenizer.tool_calls,
-            [tool.template_form() for tool in request.offered_tools],
-        )
-    return ChoiceDecoder(choice, reasoning, tools, request.logprobs is not None)
-
-
-def _rfind(tokens: list[int], marker: tuple[int, ...]) -> int:
-    """Where `marker` last occurs in `tokens`, or -1."""
-    for at in range(len(tokens) - len(marker), -1, -1):
-        if tuple(tokens[at:at + len(marker)]) == marker:
-            return at
-    return -1

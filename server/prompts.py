@@ -10,6 +10,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from engine.tokenizer import ModelTokenizer
+from server import generic_tools as generic
 from server.errors import APIError
 from server.generation import GenerationRequest
 
@@ -31,7 +32,11 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> No
         )
 
 
-def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest) -> list[int]:
+def chat_prompt(
+    tokenizer: ModelTokenizer, request: GenerationRequest, generic_tools: bool
+) -> list[int]:
+    """The prompt through the model's chat template. `generic_tools`: its template has no
+    tool format, so tools and tool turns are rewritten for it (`server.generic_tools`)."""
     if not tokenizer.has_chat_template:
         raise APIError(
             400, "this model has no chat template; use /v1/completions", code="invalid_request",
@@ -44,9 +49,13 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest) -> list[i
             400, f"chat_template_kwargs sets template variables only, not {reserved[0]!r}",
             code="invalid_request", param="chat_template_kwargs",
         )
-    tools = [tool.template_form() for tool in request.offered_tools] or None
+    messages, tools = list(request.messages), request.offered_tools
+    if generic_tools:
+        messages, tools = generic.rewrite(request.messages, tools, request.tool_choice), ()
     try:
-        prompt = tokenizer.chat_prompt(list(request.messages), tools, variables)
+        prompt = tokenizer.chat_prompt(
+            messages, [tool.template_form() for tool in tools] or None, variables
+        )
     except (TemplateError, ValueError) as error:
         # Templates reject what they cannot render (e.g. roles that do not alternate).
         raise APIError(

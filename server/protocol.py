@@ -141,6 +141,9 @@ class AssistantMessage(RequestModel):
     content: Content | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # An earlier turn's thinking, as vLLM takes it back; templates decide whether to
+    # render it (Qwen3's keeps only the current turn's).
+    reasoning_content: str | None = None
 
 
 class ToolMessage(RequestModel):
@@ -166,24 +169,48 @@ class Tool(RequestModel):
     function: FunctionDefinition
 
 
-class ResponseFormat(RequestModel):
-    type: str
+class TextFormat(RequestModel):
+    type: Literal["text"]
 
-    @field_validator("type")
-    @classmethod
-    def _only_text(cls, value: str) -> str:
-        # Structured output needs constrained decoding, which the engine does not do.
-        if value != "text":
-            raise ValueError(f"response_format type {value!r} is not supported; only 'text' is")
-        return value
+
+class JsonObjectFormat(RequestModel):
+    type: Literal["json_object"]
+
+
+class JsonSchema(RequestModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(RequestModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
+
+
+class FunctionName(RequestModel):
+    name: str
 
 
 class NamedToolChoice(RequestModel):
     type: Literal["function"]
-    function: dict[str, Any]
+    function: FunctionName
 
 
-class ChatCompletionRequest(SamplingRequest):
+class StructuredOutputRequest(SamplingRequest):
+    """Fields shared by chat and legacy completions on top of sampling: the output format."""
+
+    response_format: ResponseFormat | None = None
+
+
+class ChatCompletionRequest(StructuredOutputRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -191,7 +218,6 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -200,9 +226,10 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.tool_choice is not None and not self.tools:
             raise ValueError("tool_choice is only allowed when tools are specified")
-        # Forcing a call needs constrained decoding; "auto" lets the model decide.
-        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
-            raise ValueError("only tool_choice 'auto' and 'none' are supported")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {tool.function.name for tool in self.tools or ()}:
+                raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
         return self
 
 
@@ -230,7 +257,7 @@ Prompt = shaped_union(
 LEGACY_MAX_TOKENS = 16
 
 
-class CompletionRequest(SamplingRequest):
+class CompletionRequest(StructuredOutputRequest):
     prompt: Prompt
     # OpenAI's default for legacy completions, also when null is sent.
     max_tokens: int | None = Field(LEGACY_MAX_TOKENS, ge=1)

@@ -1,0 +1,91 @@
+"""Tool calling for models whose chat template has no tool format.
+
+SmolLM2-135M-Instruct, the default model, is one: its template ignores `tools` and has no
+role for tool results. Like llama.cpp's generic format, the server then writes the tools
+into the system message itself and asks for calls in the Hermes/Qwen shape, which is what
+the constrained decoder forces when a call is required:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+The conversation is rewritten so the template needs nothing but system, user and
+assistant turns: an assistant turn's earlier calls become that text in its content, and
+tool results become a user turn of `<tool_response>` blocks (consecutive results share
+one turn, so roles still alternate).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.tokenizer import ToolCallFormat
+from server.generation import FunctionTool, Message, NamedFunction, ToolChoice
+
+START, END = "<tool_call>", "</tool_call>"
+
+
+def _parse(text: str, tools: Any = None) -> Any:
+    return json.loads(text.strip())
+
+
+FORMAT = ToolCallFormat(START, END, _parse)
+
+
+def instructions(tools: tuple[FunctionTool, ...], tool_choice: ToolChoice) -> str:
+    """The system-message section that describes the tools and the call format."""
+    listing = "\n".join(
+        json.dumps(tool.template_form(), ensure_ascii=False) for tool in tools
+    )
+    text = (
+        "# Tools\n\nYou may call one or more functions to help with the user's request. "
+        f"The functions, with their parameters as JSON Schema:\n<tools>\n{listing}\n</tools>\n\n"
+        "To call a function, reply with its name and arguments as a JSON object inside "
+        f'{START}{END} tags:\n{START}\n{{"name": <function-name>, "arguments": '
+        f"<args-json-object>}}\n{END}"
+    )
+    if isinstance(tool_choice, NamedFunction):
+        text += f"\n\nCall the function {tool_choice.name} now."
+    elif tool_choice == "required":
+        text += "\n\nCall one of the functions now."
+    return text
+
+
+def render_call(name: str, arguments: Any) -> str:
+    return f"{START}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{END}"
+
+
+def rewrite(
+    messages: tuple[Message, ...], tools: tuple[FunctionTool, ...], tool_choice: ToolChoice
+) -> list[Message]:
+    """`messages` for a template without tools: the tool section (if any tools are
+    offered) in the system message, earlier calls and results as text."""
+    out: list[Message] = []
+    results_turn: Message | None = None  # the user turn collecting consecutive results
+    for message in messages:
+        if message["role"] == "tool":
+            block = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
+            if results_turn is None:
+                results_turn = {"role": "user", "content": block}
+                out.append(results_turn)
+            else:
+                results_turn["content"] += "\n" + block
+            continue
+        results_turn = None
+        calls = [
+            render_call(call["function"]["name"], call["function"]["arguments"])
+            for call in message.get("tool_calls") or ()
+        ]
+        message = {key: value for key, value in message.items() if key != "tool_calls"}
+        if calls:
+            message["content"] = "\n".join(filter(None, [message.get("content"), *calls]))
+        out.append(message)
+    if not tools:
+        return out
+    section = instructions(tools, tool_choice)
+    if out and out[0]["role"] == "system":
+        out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{section}".lstrip()}
+    else:
+        out.insert(0, {"role": "system", "content": section})
+    return out
