@@ -1,0 +1,52 @@
+"""The generic tool format for templates without one: what the template is given."""
+
+from __future__ import annotations
+
+import json
+
+from server.generation import FunctionTool, NamedFunction
+from server.generic_tools import FORMAT, rewrite
+
+WEATHER = FunctionTool("get_weather", "The forecast.", {"type": "object", "properties": {}})
+HISTORY = (
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Paris and Oslo?"},
+    {"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"id": "a", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": city}}}
+        for city in ("Paris", "Oslo")]},
+    {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "b", "content": "rain"},
+)
+
+
+def test_tools_join_the_system_message_and_turns_become_text() -> None:
+    system, user, assistant, results = rewrite(HISTORY, (WEATHER,), "auto")
+    assert system["role"] == "system" and system["content"].startswith("Be brief.\n\n# Tools")
+    assert json.dumps(WEATHER.template_form()) in system["content"]
+    assert user == HISTORY[1]
+    assert assistant == {"role": "assistant", "content": (
+        'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+        "</tool_call>")}
+    # Consecutive results share one user turn, so roles keep alternating.
+    assert results == {"role": "user", "content": (
+        "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response>")}
+
+
+def test_a_forced_function_is_named_and_no_system_message_is_made_one() -> None:
+    [system, user] = rewrite(HISTORY[1:2], (WEATHER,), NamedFunction("get_weather"))
+    assert system["content"].startswith("# Tools")
+    assert system["content"].endswith("Call the function get_weather now.")
+    assert user == HISTORY[1]
+
+
+def test_without_tools_only_the_history_is_rewritten() -> None:
+    assert [m["role"] for m in rewrite(HISTORY, (), "auto")] == [
+        "system", "user", "assistant", "user"]
+    assert rewrite(HISTORY[:2], (), "auto") == list(HISTORY[:2])
+
+
+def test_its_calls_parse_back() -> None:
+    call = {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    assert FORMAT.parse(f"\n{json.dumps(call)}\n", None) == call

@@ -1,0 +1,179 @@
+"""Structured output and forced tool calls through the OpenAI API, on the demo model.
+
+Its random weights would never write valid JSON or a tool call by themselves, so every
+parsed object and validating call here is the grammar's doing. The schemas keep to enums,
+booleans and bounded integers, so a complete answer is a few tokens long whatever the
+weights prefer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+
+from tests.server.support import ServerProcess
+
+
+class Weather(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    city: Literal["Paris", "Oslo"]
+    days: int = Field(ge=1, le=7)
+    sunny: bool
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather", "description": "The forecast for a city.",
+        "parameters": Weather.model_json_schema(), "strict": True,
+    },
+}
+CLOCK_TOOL = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
+MESSAGES = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+ROOM = 80  # max_tokens: a constrained answer here is far shorter
+
+
+def test_parse_with_a_pydantic_model(client: openai.OpenAI, model_id: str) -> None:
+    completion = client.chat.completions.parse(
+        model=model_id, messages=MESSAGES, response_format=Weather, max_tokens=ROOM,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Weather)
+
+
+def test_parse_streamed(client: openai.OpenAI, model_id: str) -> None:
+    with client.chat.completions.stream(
+        model=model_id, messages=MESSAGES, response_format=Weather, max_tokens=ROOM,
+    ) as stream:
+        completion = stream.get_final_completion()
+    assert isinstance(completion.choices[0].message.parsed, Weather)
+
+
+def test_n_choices_and_logprobs_of_a_schema(client: openai.OpenAI, model_id: str) -> None:
+    response = client.chat.completions.create(
+        model=model_id, messages=MESSAGES, max_tokens=ROOM, n=2, seed=7, logprobs=True,
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "weather", "strict": True, "schema": Weather.model_json_schema()}},
+    )
+    assert len(response.choices) == 2
+    for choice in response.choices:
+        Weather.model_validate_json(choice.message.content)
+        # The logprobs are the answer's own tokens, as OpenAI reports them.
+        assert "".join(token.token for token in choice.logprobs.content) == (
+            choice.message.content
+        )
+
+
+def test_legacy_completions_take_a_response_format(
+    client: openai.OpenAI, model_id: str
+) -> None:
+    response = client.completions.create(
+        model=model_id, prompt="Weather in Paris:", max_tokens=ROOM,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {
+            "name": "weather", "schema": Weather.model_json_schema()}}},
+    )
+    Weather.model_validate_json(response.choices[0].text)
+
+
+def _calls(message) -> list[tuple[str, dict]]:
+    return [(call.function.name, json.loads(call.function.arguments))
+            for call in message.tool_calls or ()]
+
+
+def test_a_named_function_is_called_with_valid_arguments(
+    client: openai.OpenAI, model_id: str
+) -> None:
+    response = client.chat.completions.create(
+        model=model_id, messages=MESSAGES, max_tokens=ROOM, tools=[CLOCK_TOOL, WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False,
+    )
+    message = response.choices[0].message
+    [(name, arguments)] = _calls(message)
+    assert name == "get_weather" and Weather.model_validate(arguments)
+    assert message.tool_calls[0].id.startswith("call_")
+    assert response.choices[0].finish_reason == "tool_calls"
+    assert message.content is None
+
+
+def test_a_forced_call_streams_its_name_then_its_arguments(
+    client: openai.OpenAI, model_id: str
+) -> None:
+    chunks = list(client.chat.completions.create(
+        model=model_id, messages=MESSAGES, max_tokens=ROOM, tools=[WEATHER_TOOL],
+        tool_choice="required", parallel_tool_calls=False, stream=True,
+    ))
+    deltas = [call for chunk in chunks if chunk.choices
+              for call in chunk.choices[0].delta.tool_calls or ()]
+    first, *rest = deltas
+    assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
+    assert first.function.name == "get_weather" and first.function.arguments == ""
+    assert rest and all(delta.id is None and delta.function.name is None for delta in rest)
+    Weather.model_validate_json("".join(delta.function.arguments for delta in rest))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not any(chunk.choices[0].delta.content for chunk in chunks if chunk.choices)
+
+
+def test_stop_strings_do_not_cut_a_forced_call(client: openai.OpenAI, model_id: str) -> None:
+    # '"' occurs in every call; a stop string applied to it would leave broken JSON.
+    response = client.chat.completions.create(
+        model=model_id, messages=MESSAGES, max_tokens=ROOM, tools=[WEATHER_TOOL],
+        tool_choice="required", parallel_tool_calls=False, stop=['"', "Paris"], n=2,
+    )
+    for choice in response.choices:
+        [(name, arguments)] = _calls(choice.message)
+        assert name == "get_weather" and Weather.model_validate(arguments)
+
+
+def test_max_completion_tokens_bounds_the_answer(client: openai.OpenAI, model_id: str) -> None:
+    response = client.chat.completions.create(
+        model=model_id, messages=MESSAGES, max_completion_tokens=3,
+        response_format={"type": "json_object"},
+    )
+    assert response.usage.completion_tokens <= 3
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_an_unenforceable_schema_is_a_400_naming_the_keyword(
+    client: openai.OpenAI, model_id: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model=model_id, messages=MESSAGES, max_tokens=ROOM,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "tags", "strict": True,
+                "schema": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+            }},
+        )
+    assert "uniqueItems" in raised.value.message
+    assert raised.value.code == "unsupported_schema"
+    assert raised.value.param == "response_format"
+
+
+def test_tool_results_render_for_the_generic_format(
+    server: ServerProcess, headers: dict[str, str], model_id: str
+) -> None:
+    """The demo template has no tool format mlx-lm knows: a whole tool round trip
+    (offered tools, an earlier call, two results) still renders and answers."""
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{i}", "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+            for i, city in enumerate(["Paris", "Oslo"])]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+    ]
+    response = httpx.post(f"{server.url}/v1/chat/completions", headers=headers, timeout=60, json={
+        "model": model_id, "messages": messages, "tools": [WEATHER_TOOL], "max_tokens": 2})
+    assert response.status_code == 200, response.text
