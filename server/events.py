@@ -29,6 +29,8 @@ class Usage:
     completion_tokens: int = 0
     # Prompt tokens the radix cache already held (not computed again).
     cached_tokens: int = 0
+    # Completion tokens spent thinking; None: the model does not reason.
+    reasoning_tokens: int | None = None
 
     @property
     def total_tokens(self) -> int:

@@ -33,6 +33,7 @@ from server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    CompletionTokensDetails,
     DeltaMessage,
     FunctionCallDelta,
     FunctionCallOut,
@@ -107,6 +108,8 @@ def openai_usage(usage: NeutralUsage) -> Usage:
         prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        completion_tokens_details=None if usage.reasoning_tokens is None
+        else CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens),
     )
 
 

@@ -42,10 +42,15 @@ class ChoiceDecoder:
     ) -> None:
         self.choice = choice
         self._reasoning, self._tools, self._logprobs = reasoning, tools, logprobs
+        # Tokens written inside the thinking block, markers included (None: no thinking).
+        self.reasoning_tokens = None if reasoning is None else 0
 
     def token(self, event: TokenEvent) -> list[Event]:
         answering = self._answering()
+        thinking = self._reasoning is not None and self._reasoning.inside
         events = self._text(event.text, close=False)
+        if self._reasoning is not None and (thinking or self._reasoning.inside):
+            self.reasoning_tokens += 1
         if self._logprobs and event.logprob is not None and answering and self._answering():
             # OpenAI's logprobs cover the answer's tokens, not thinking or tool calls.
             at = next((i for i, e in enumerate(events) if isinstance(e, TextDelta)), None)
@@ -60,6 +65,7 @@ class ChoiceDecoder:
         called = self._tools is not None and self._tools.calls > 0
         reason = "tool_calls" if called and finish.reason == "stop" else finish.reason
         assert reason != "cancelled"  # the job reports cancellation as an error
+        usage = replace(usage, reasoning_tokens=self.reasoning_tokens)
         events.append(ChoiceFinished(self.choice, reason, usage, finish.matched_stop))
         return events
 
@@ -115,7 +121,9 @@ class Generation:
 
     def usage(self) -> Usage:
         """The whole request's usage so far (each prompt counted once, whatever n)."""
-        return self.job.usage()
+        counts = [decoder.reasoning_tokens for decoder in self._decoders]
+        reasoning = None if None in counts else sum(counts)
+        return replace(self.job.usage(), reasoning_tokens=reasoning)
 
     def close(self) -> None:
         """Cancel whatever still runs. Idempotent; every front end calls it in a finally."""
@@ -169,7 +177,8 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
         tools = None
         if request.offered_tools:
             tools = ToolCallParser(
-                choice, tool_format, [tool.template_form() for tool in request.offered_tools]
+                choice, tool_format, [tool.template_form() for tool in request.offered_tools],
+                request.parallel_tool_calls,
             )
         decoders.append(ChoiceDecoder(choice, reasoning, tools, request.logprobs is not None))
     return Generation(request, job, decoders)

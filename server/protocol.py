@@ -311,11 +311,17 @@ class PromptTokensDetails(ResponseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(ResponseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # Only for reasoning models: how many completion tokens were thinking.
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(ResponseModel):

@@ -34,9 +34,13 @@ def new_call_id() -> str:
 class ToolCallParser:
     """Splits one choice's answer text into `TextDelta`s and tool-call events."""
 
-    def __init__(self, choice: int, tool_format: ToolCallFormat, tools: list[dict]) -> None:
+    def __init__(
+        self, choice: int, tool_format: ToolCallFormat, tools: list[dict], parallel: bool = True
+    ) -> None:
+        """`parallel` False: at most one call (OpenAI's parallel_tool_calls); any further
+        call the model writes is dropped."""
         self.choice = choice
-        self._format, self._tools = tool_format, tools
+        self._format, self._tools, self._parallel = tool_format, tools, parallel
         self._buffer = ""  # text held back: maybe the start of a marker
         self._in_call = False
         self._body = ""  # the current call's text so far
@@ -74,6 +78,8 @@ class ToolCallParser:
         return self._call_text(rest) + self._end_call(terminated=False)
 
     def _call_text(self, text: str) -> list[Event]:
+        if self._dropping:
+            return []
         self._body += text
         if self._arguments is not None:
             return self._stream_arguments(text)
@@ -93,7 +99,13 @@ class ToolCallParser:
         fragment = text[:self._arguments.feed(text)]
         return [ToolCallArguments(self.choice, self.calls, fragment)] if fragment else []
 
+    @property
+    def _dropping(self) -> bool:
+        return not self._parallel and self.calls > 0
+
     def _end_call(self, terminated: bool) -> list[Event]:
+        if self._dropping:
+            return []
         body, self._body = self._body, ""
         if self._arguments is not None:
             self._arguments = None
@@ -104,7 +116,7 @@ class ToolCallParser:
             end = self._format.end if terminated else ""
             return [TextDelta(self.choice, self._format.start + body + end)]
         events: list[Event] = []
-        for name, arguments, call_id in calls:
+        for name, arguments, call_id in calls[:None if self._parallel else 1]:
             events.append(ToolCallStarted(self.choice, self.calls, call_id, name))
             events.append(ToolCallArguments(self.choice, self.calls, arguments))
             self.calls += 1

@@ -46,8 +46,10 @@ def test_thinking_is_reasoning_content_never_content(client: openai.OpenAI) -> N
     # The template opens the thinking block; the random weights never close it.
     options = {"model": "tiny-thinking", "messages": _messages(), "max_tokens": 6,
                "temperature": 0, "extra_body": NO_EOS}
-    message = client.chat.completions.create(**options).choices[0].message
+    response = client.chat.completions.create(**options)
+    message = response.choices[0].message
     assert message.content == "" and message.reasoning_content
+    assert response.usage.completion_tokens_details.reasoning_tokens == 6
     chunks = list(client.chat.completions.create(**options, stream=True))
     deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
     assert not any(delta.content for delta in deltas)

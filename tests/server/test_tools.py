@@ -16,8 +16,10 @@ JSON_FORMAT = ToolCallFormat(
 )
 
 
-def _run(pieces: list[str], tool_format: ToolCallFormat = JSON_FORMAT) -> list[Event]:
-    parser = ToolCallParser(0, tool_format, [])
+def _run(
+    pieces: list[str], tool_format: ToolCallFormat = JSON_FORMAT, parallel: bool = True
+) -> list[Event]:
+    parser = ToolCallParser(0, tool_format, [], parallel)
     events: list[Event] = []
     for piece in pieces:
         events += parser.feed(piece)
@@ -58,6 +60,11 @@ def test_two_calls_are_numbered() -> None:
     assert _text(events) == ""
     assert _calls(events) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
     assert [e.index for e in events if isinstance(e, ToolCallStarted)] == [0, 1]
+
+
+def test_without_parallel_calls_only_the_first_is_kept() -> None:
+    events = _run(list("a" + CALL + "b" + CALL.replace("Paris", "Oslo") + "c"), parallel=False)
+    assert _calls(events) == [("get_weather", {"city": "Paris"})] and _text(events) == "abc"
 
 
 def test_braces_and_markers_inside_argument_strings() -> None:
