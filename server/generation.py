@@ -100,7 +100,10 @@ class GenerationRequest:
     prompts: tuple[str | tuple[int, ...], ...] = ()
     tools: tuple[FunctionTool, ...] = ()
     tool_choice: ToolChoice = "auto"
-    parallel_tool_calls: bool = True
+    # None: not said. Free choice then allows several calls in a row (OpenAI's default);
+    # a forced call is one call unless this is True, since a small model under a grammar
+    # that allows more tends to repeat its call until max_tokens.
+    parallel_tool_calls: bool | None = None
     output: OutputFormat = TEXT
     sampling: SamplingParams = field(default_factory=sampling)
     max_tokens: int | None = None  # None: the server's default, within the context window

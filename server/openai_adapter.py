@@ -47,7 +47,7 @@ def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
             for tool in body.tools or ()
         ),
         tool_choice=_tool_choice(body.tool_choice),
-        parallel_tool_calls=body.parallel_tool_calls is not False,
+        parallel_tool_calls=body.parallel_tool_calls,
         output=output_format(body),
         sampling=sampling_knobs(body),
         max_tokens=body.max_completion_tokens or body.max_tokens,

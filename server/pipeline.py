@@ -178,10 +178,17 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
         if request.offered_tools:
             tools = ToolCallParser(
                 choice, tool_format, [tool.template_form() for tool in request.offered_tools],
-                request.parallel_tool_calls,
+                parallel=_parallel_calls(request),
             )
         decoders.append(ChoiceDecoder(choice, reasoning, tools, request.logprobs is not None))
     return Generation(request, job, decoders)
+
+
+def _parallel_calls(request: GenerationRequest) -> bool:
+    """May a choice make several calls? (see `GenerationRequest.parallel_tool_calls`)"""
+    if forces_call(request):
+        return request.parallel_tool_calls is True
+    return request.parallel_tool_calls is not False
 
 
 def _tool_format(tokenizer: ModelTokenizer, request: GenerationRequest) -> ToolCallFormat:

@@ -1,7 +1,8 @@
 """The grammar a request's output must follow: forced tool calls and structured output.
 
 - tool_choice "required" or a named function (with tools offered): the reply is one call
-  (or several in a row, with parallel_tool_calls) whose arguments validate against the
+  (several in a row only if parallel_tool_calls is explicitly true: SmolLM2-135M, allowed
+  more, repeated its call until max_tokens) whose arguments validate against the
   function's parameters, written in the request's tool-call format.
 - otherwise a `json_object` / `json_schema` output format: the reply is that JSON. With
   tools offered and tool_choice "auto" the model must stay free to call a tool instead,
@@ -50,7 +51,7 @@ def output_constraint(
             constraint = constraints.tool_calls(
                 [constraints.FunctionTool(tool.name, tool.parameters, bool(tool.strict))
                  for tool in request.offered_tools],
-                name=name, parallel=request.parallel_tool_calls,
+                name=name, parallel=request.parallel_tool_calls is True,
                 call_format=constraints.ToolCallFormat(
                     f"{tool_format.start}\n", f"\n{tool_format.end}", "\n"
                 ),
