@@ -64,8 +64,9 @@ def output_constraint(
             constraint = constraints.json_schema(output.schema, strict=output.strict)
         else:
             return None
-    except constraints.UnsupportedSchema as error:
-        keyword = f" (keyword {error.keyword!r})" if error.keyword else ""
+    except (ValueError, TypeError) as error:  # UnsupportedSchema, or a schema of odd shape
+        keyword = getattr(error, "keyword", None)
+        keyword = f" (keyword {keyword!r})" if keyword else ""
         raise APIError(
             400, f"this server cannot enforce the schema{keyword}: {error}",
             code="unsupported_schema", param=param,
