@@ -156,32 +156,42 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
         state.settings.default_max_tokens,
         state.engine.context_length - max(map(len, prompts)),
     ))
-    # Compiling a grammar takes milliseconds too (cached by schema in the engine).
-    thinking = [_thinking(tokenizer.thinking, prompt) for prompt in prompts]
-    constraints = [
-        await asyncio.to_thread(output_constraint, request, tool_format, after)
-        for _, after in thinking
-    ]
+    # Reasoning applies to chats only; raw prompts are continued as they are.
+    markers = tokenizer.thinking if request.is_chat else None
+    thinking = [_thinking(markers, prompt) for prompt in prompts]
+    # Compiling a grammar takes milliseconds too: off the loop, once per distinct start.
+    constraints = {
+        after: await asyncio.to_thread(output_constraint, request, tool_format, after)
+        for after in {after for _, after in thinking}
+    }
     job = Job(state.engine, state.drain, state.metrics, http.state.request_id,
               http.state.started_at)
     http.state.stats = job.stats
     job.submit(prompts, request.n, lambda choice: _choice_params(
-        request, max_tokens, choice, constraints[choice // request.n]))
-    decoders = []
-    for choice in range(choices):
-        inside, _ = thinking[choice // request.n]
-        reasoning = None
-        if request.is_chat and tokenizer.thinking is not None:
-            markers = tokenizer.thinking
-            reasoning = ReasoningSplitter(markers.start, markers.end, inside)
-        tools = None
-        if request.offered_tools:
-            tools = ToolCallParser(
-                choice, tool_format, [tool.template_form() for tool in request.offered_tools],
-                parallel=_parallel_calls(request),
-            )
-        decoders.append(ChoiceDecoder(choice, reasoning, tools, request.logprobs is not None))
+        request, max_tokens, choice, constraints[thinking[choice // request.n][1]]))
+    decoders = [
+        _decoder(request, markers, thinking[choice // request.n][0], tool_format, choice)
+        for choice in range(choices)
+    ]
     return Generation(request, job, decoders)
+
+
+def _decoder(
+    request: GenerationRequest,
+    markers: ThinkingMarkers | None,
+    inside: bool,
+    tool_format: ToolCallFormat,
+    choice: int,
+) -> ChoiceDecoder:
+    reasoning = tools = None
+    if markers is not None:
+        reasoning = ReasoningSplitter(markers.start, markers.end, inside)
+    if request.offered_tools:
+        tools = ToolCallParser(
+            choice, tool_format, [tool.template_form() for tool in request.offered_tools],
+            parallel=_parallel_calls(request),
+        )
+    return ChoiceDecoder(choice, reasoning, tools, request.logprobs is not None)
 
 
 def _parallel_calls(request: GenerationRequest) -> bool:
