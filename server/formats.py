@@ -155,8 +155,10 @@ class ChatFormat(Format):
                 ChatChoice(
                     index=i,
                     message=ChatMessage(
-                        # OpenAI gives null content to a reply that is only tool calls.
-                        content=result.text or (None if result.tool_calls else ""),
+                        # OpenAI gives null content to a reply that is only tool calls
+                        # (a model may put blank lines around them).
+                        content=None if result.tool_calls and not result.text.strip()
+                        else result.text,
                         reasoning_content=result.reasoning or None,
                         tool_calls=[
                             ToolCallOut(id=call.id, function=FunctionCallOut(
