@@ -1,26 +1,32 @@
 """Tool calling for models whose chat template has no tool format.
 
 SmolLM2-135M-Instruct, the default model, is one: its template ignores `tools` and has no
-role for tool results. Like llama.cpp's generic format, the server then writes the tools
-into the system message itself and asks for calls in the Hermes/Qwen shape, which is what
-the constrained decoder forces when a call is required:
+role for tool results (`template_ignores_tools` finds out by rendering a probe). Like
+llama.cpp's generic format, the server then writes the tools into the system message
+itself and asks for calls in the Hermes/Qwen shape, which is what the constrained decoder
+forces when a call is required:
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-The conversation is rewritten so the template needs nothing but system, user and
-assistant turns: an assistant turn's earlier calls become that text in its content, and
+The same shape is how calls are read from a model whose template does render tools but
+whose family mlx-lm has no tool parser for. The conversation is rewritten (for templates
+that ignore tools only) so the template needs nothing but system, user and assistant
+turns: an assistant turn's earlier calls become that text in its content, and
 tool results become a user turn of `<tool_response>` blocks (consecutive results share
 one turn, so roles still alternate).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
-from engine.tokenizer import ToolCallFormat
+from jinja2 import TemplateError
+
+from engine.tokenizer import ModelTokenizer, ToolCallFormat
 from server.generation import FunctionTool, Message, NamedFunction, ToolChoice
 
 START, END = "<tool_call>", "</tool_call>"
@@ -31,6 +37,21 @@ def _parse(text: str, tools: Any = None) -> Any:
 
 
 FORMAT = ToolCallFormat(START, END, _parse)
+PROBE = FunctionTool("probe", "Shows whether the template renders tools.")
+
+
+@functools.lru_cache(maxsize=8)
+def template_ignores_tools(tokenizer: ModelTokenizer) -> bool:
+    """Does the model's chat template leave `tools` out of the prompt? Rendered once per
+    tokenizer; a template that fails on tools counts as ignoring them."""
+    if tokenizer.tool_calls is not None:
+        return False  # mlx-lm knows the family's tool format, so the template has one
+    messages = [{"role": "user", "content": "?"}]
+    try:
+        return tokenizer.chat_prompt(messages, [PROBE.template_form()]) == (
+            tokenizer.chat_prompt(messages))
+    except (TemplateError, ValueError):
+        return True
 
 
 def instructions(tools: tuple[FunctionTool, ...], tool_choice: ToolChoice) -> str:

@@ -137,8 +137,7 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
     if request.is_chat:
         # Rendering and tokenizing a long conversation takes milliseconds: off the event
         # loop, so streams in flight keep flowing meanwhile.
-        generic = tool_format is generic_tools.FORMAT
-        prompts = [await asyncio.to_thread(chat_prompt, tokenizer, request, generic)]
+        prompts = [await asyncio.to_thread(chat_prompt, tokenizer, request)]
     else:
         prompts = await asyncio.to_thread(raw_prompts, tokenizer, request)
     vocab_size = tokenizer.vocab_size
@@ -203,7 +202,7 @@ def _parallel_calls(request: GenerationRequest) -> bool:
 
 def _tool_format(tokenizer: ModelTokenizer, request: GenerationRequest) -> ToolCallFormat:
     """How this request's tool calls are written: the model's own format, or the generic
-    one when its template has none. A forced call is JSON between the format's markers
+    one when mlx-lm knows none for its family. A forced call is JSON between the format's markers
     (that is what the grammar writes), so it is read as JSON whatever the family."""
     model_format = tokenizer.tool_calls
     if model_format is None:

@@ -32,11 +32,9 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> No
         )
 
 
-def chat_prompt(
-    tokenizer: ModelTokenizer, request: GenerationRequest, generic_tools: bool
-) -> list[int]:
-    """The prompt through the model's chat template. `generic_tools`: its template has no
-    tool format, so tools and tool turns are rewritten for it (`server.generic_tools`)."""
+def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest) -> list[int]:
+    """The prompt through the model's chat template; for a template without a tool format,
+    tools and tool turns are rewritten first (`server.generic_tools`)."""
     if not tokenizer.has_chat_template:
         raise APIError(
             400, "this model has no chat template; use /v1/completions", code="invalid_request",
@@ -50,7 +48,7 @@ def chat_prompt(
             code="invalid_request", param="chat_template_kwargs",
         )
     messages, tools = list(request.messages), request.offered_tools
-    if generic_tools:
+    if generic.template_ignores_tools(tokenizer):
         messages, tools = generic.rewrite(request.messages, tools, request.tool_choice), ()
     try:
         prompt = tokenizer.chat_prompt(

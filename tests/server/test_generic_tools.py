@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+from mlx_lm.tokenizer_utils import load
+
+from engine.tokenizer import ModelTokenizer
 from server.generation import FunctionTool, NamedFunction
-from server.generic_tools import FORMAT, rewrite
+from server.generic_tools import FORMAT, rewrite, template_ignores_tools
 
 WEATHER = FunctionTool("get_weather", "The forecast.", {"type": "object", "properties": {}})
 HISTORY = (
@@ -50,3 +54,11 @@ def test_without_tools_only_the_history_is_rewritten() -> None:
 def test_its_calls_parse_back() -> None:
     call = {"name": "get_weather", "arguments": {"city": "Oslo"}}
     assert FORMAT.parse(f"\n{json.dumps(call)}\n", None) == call
+
+
+def test_the_probe_tells_templates_with_tools_from_those_without(
+    demo_model_dir: Path, real_model_dir: Path
+) -> None:
+    """The demo template renders tools; SmolLM2's ignores them."""
+    assert not template_ignores_tools(ModelTokenizer(load(demo_model_dir)))
+    assert template_ignores_tools(ModelTokenizer(load(real_model_dir)))

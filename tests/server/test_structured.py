@@ -163,8 +163,9 @@ def test_an_unenforceable_schema_is_a_400_naming_the_keyword(
 def test_tool_results_render_for_the_generic_format(
     server: ServerProcess, headers: dict[str, str], model_id: str
 ) -> None:
-    """The demo template has no tool format mlx-lm knows: a whole tool round trip
-    (offered tools, an earlier call, two results) still renders and answers."""
+    """mlx-lm knows no tool parser for the demo template (it renders tools itself, calls
+    are read in the generic format): a whole tool round trip (offered tools, an earlier
+    call, two results) renders and answers."""
     messages = [
         *MESSAGES,
         {"role": "assistant", "content": None, "tool_calls": [
