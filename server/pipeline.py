@@ -219,7 +219,10 @@ CLOSED_THINKING_TAIL = 4
 
 def _thinking(markers: ThinkingMarkers | None, prompt: list[int]) -> tuple[bool, str | None]:
     """(does the prompt leave the model inside a thinking block, the marker a grammar
-    must wait for: None when the model will not think first)."""
+    must wait for: None when the template closed the block for the model). A model whose
+    vocabulary has the markers but which answers without thinking would leave a grammar
+    waiting, so its answer would be unconstrained: mlx-lm's markers are a reasoning
+    family's, which think first (Qwen3 with thinking on, the R1 distills)."""
     if markers is None:
         return False, None
     last_end = _rfind(prompt, markers.end_tokens)
