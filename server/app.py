@@ -14,6 +14,7 @@ from server.errors import install_error_handlers
 from server.middleware import RequestMiddleware
 from server.routes import api, probes
 from server.state import ServerState
+from server.worker_info import worker_info
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -27,6 +28,7 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
     app.state.server = state = ServerState(settings, engine)
     app.include_router(api)
     app.include_router(probes)
+    app.include_router(worker_info)
     install_error_handlers(app)
     if settings.api_key is not None:
         app.add_middleware(APIKeyMiddleware, key=settings.api_key)

@@ -1,0 +1,104 @@
+"""What a cache-aware router asks a worker, beyond /health and the OpenAI routes.
+
+SGLang's router (`sglang-router`, docs/scale-out.md) registers a worker by probing
+/health, then reads /server_info and /model_info (falling back to /get_server_info and
+/get_model_info, the names older routers and vllm-router use): the served model name
+becomes the worker's model id, which the router's /v1/models lists and its per-model
+policies key on. Its power-of-two policy polls /get_load. Answers are SGLang's shapes,
+with the engine's real values; the model must be ready (503 before, like every /v1 route).
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
+
+from server.state import ServerState, server_state
+
+worker_info = APIRouter()
+
+
+class ServerInfo(BaseModel):
+    """SGLang's server_info fields that mean something here."""
+
+    model_path: str
+    served_model_name: str
+    served_model_names: list[str]
+    version: str
+    dp_size: int = 1
+    tp_size: int = 1
+    context_length: int
+    max_req_input_len: int
+    max_running_requests: int
+    max_queued_requests: int
+    max_total_tokens: int  # prompt + max_tokens of running requests the memory plan holds
+    cache_bytes: int  # the radix tree's budget
+
+
+class ModelInfo(BaseModel):
+    model_path: str
+    tokenizer_path: str
+    is_generation: bool = True
+    context_length: int
+    vocab_size: int
+
+
+class WorkerLoad(BaseModel):
+    """One data-parallel rank's load (we have one): requests waiting or running, and the
+    tokens (prompt + max_tokens) the running ones hold, which is what the router sums."""
+
+    dp_rank: int = 0
+    num_reqs: int
+    num_waiting_reqs: int
+    num_running_reqs: int
+    num_tokens: int
+
+
+def _ready(request: Request) -> ServerState:
+    state = server_state(request)
+    state.ready_tokenizer()  # 503 while loading: the router retries registration
+    return state
+
+
+@worker_info.get("/server_info")
+@worker_info.get("/get_server_info")
+async def server_info(request: Request) -> ServerInfo:
+    state = _ready(request)
+    engine = state.engine
+    stats = engine.stats()
+    return ServerInfo(
+        model_path=engine.config.model,
+        served_model_name=state.model_ids()[0],
+        served_model_names=state.model_ids(),
+        version=version("radix-mlx"),
+        context_length=engine.context_length,
+        max_req_input_len=engine.context_length - 1,
+        max_running_requests=engine.config.max_batch_size,
+        max_queued_requests=engine.config.max_queue,
+        max_total_tokens=stats.kv_token_capacity,
+        cache_bytes=stats.tree.capacity_bytes,
+    )
+
+
+@worker_info.get("/model_info")
+@worker_info.get("/get_model_info")
+async def model_info(request: Request) -> ModelInfo:
+    state = _ready(request)
+    engine = state.engine
+    return ModelInfo(
+        model_path=engine.config.model, tokenizer_path=engine.config.model,
+        context_length=engine.context_length, vocab_size=engine.tokenizer.vocab_size,
+    )
+
+
+@worker_info.get("/get_load")
+async def get_load(request: Request) -> list[WorkerLoad]:
+    """The queue and running batch now; answered before the model is ready too (all
+    zeros then), since a load probe must not fail a worker that is still loading."""
+    stats = server_state(request).engine.stats()
+    return [WorkerLoad(
+        num_reqs=stats.waiting + stats.running, num_waiting_reqs=stats.waiting,
+        num_running_reqs=stats.running, num_tokens=stats.tokens_in_flight,
+    )]
