@@ -10,6 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 DEMO_DIR ?= build/demo-model
 SIZE ?= tiny
+N ?= 2
 
 # MLX's Linux CPU wheel ships a reference BLAS ~40x slower at float32 GEMM than OpenBLAS.
 OPENBLAS := $(wildcard /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3)
@@ -21,7 +22,7 @@ endif
 
 SERVICE := deploy/$(if $(filter Darwin,$(shell uname -s)),launchd,systemd)/radix-mlx-service
 
-.PHONY: install serve test test-slow bench lint demo-model soak install-service uninstall-service
+.PHONY: install serve replicas test test-slow bench lint demo-model soak install-service uninstall-service
 
 install: $(STAMP)
 
@@ -46,6 +47,11 @@ $(STAMP): pyproject.toml Makefile
 
 serve: $(STAMP)
 	$(BIN)/radix-mlx serve $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT)
+
+# N workers behind SGLang's cache-aware router on HOST:PORT (docs/scale-out.md); the test
+# extra installed above includes the router (the `replicas` extra).
+replicas: $(STAMP)
+	$(BIN)/radix-mlx replicas --workers $(N) $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

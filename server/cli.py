@@ -8,6 +8,7 @@ from typing import get_args
 from engine.demo_model import FAMILIES, SIZES, build_demo_model
 from engine.platform_info import describe_platform, openblas_preload_env
 from server.config import Settings, add_serve_arguments
+from server.replicas import add_replicas_arguments, replicas_command
 
 
 def main() -> None:
@@ -40,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the HTTP server")
     add_serve_arguments(serve)
     serve.set_defaults(handler=serve_command)
+
+    replicas = commands.add_parser(
+        "replicas",
+        help="run N servers behind SGLang's cache-aware router (the `replicas` extra)",
+    )
+    add_replicas_arguments(replicas)
+    replicas.set_defaults(handler=replicas_command)
 
     demo = commands.add_parser(
         "make-demo-model",

@@ -1,0 +1,239 @@
+"""`radix-mlx replicas`: N `radix-mlx serve` workers behind SGLang's cache-aware router.
+
+Every worker is a whole server (its own engine and radix tree) on a free 127.0.0.1 port;
+the router (`sglang-router`, a Rust binary from PyPI, the `replicas` extra) is the one
+public endpoint. In its cache_aware policy the router keeps an approximate radix tree of
+the request text it sent to each worker, so a conversation's next turn goes to the worker
+that already holds its prefix, unless the workers' loads drift too far apart
+(docs/scale-out.md). This module only starts, watches and stops processes: no routing.
+
+SIGTERM/SIGINT go to every child at once: workers drain (503 to new requests, in-flight
+ones finish, /health says so, which the router sees), the router stops accepting and
+waits for its in-flight requests. A worker that dies is logged and routed around (the
+router's health checks take it out); the router dying, or every worker, stops the lot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+
+import httpx
+
+log = logging.getLogger("radix_mlx.replicas")
+
+POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+# What the router writes into a request that names no model: served as an alias, so such
+# requests work as they do against one server.
+ROUTER_DEFAULT_MODEL = "unknown"
+POLL_SECONDS = 0.5
+
+
+@dataclass
+class Child:
+    name: str
+    url: str
+    process: subprocess.Popen
+
+    def exited(self) -> int | None:
+        return self.process.poll()
+
+
+def add_replicas_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=2, help="how many servers to start")
+    parser.add_argument("--model", help="path or Hugging Face repo id (default: the demo)")
+    parser.add_argument("--host", default="127.0.0.1", help="the router's address")
+    parser.add_argument("--port", type=int, default=8000, help="the router's port")
+    parser.add_argument("--policy", choices=POLICIES, default="cache_aware",
+                        help="the router's policy (round_robin: to compare against)")
+    parser.add_argument("--health-check-interval", type=int, default=2, metavar="SECONDS",
+                        help="how often the router probes each worker's /health")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="how long workers may take to load and warm up")
+    parser.add_argument("--drain-timeout", type=float, default=15.0, metavar="SECONDS",
+                        help="on SIGTERM, how long in-flight requests get to finish")
+    parser.add_argument("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE_FLAGS",
+                        help="flags for every worker's `radix-mlx serve` after `--`, "
+                             "e.g. -- --cache-bytes 8000000000")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def worker_command(args: argparse.Namespace, port: int) -> list[str]:
+    serve_args = [arg for arg in args.serve_args if arg != "--"]
+    model = ["--model", args.model] if args.model else []
+    return [sys.executable, "-m", "server", *model, "--host", "127.0.0.1", "--port", str(port),
+            "--drain-timeout", str(args.drain_timeout),
+            "--served-model-name", ROUTER_DEFAULT_MODEL, *serve_args]
+
+
+def router_command(args: argparse.Namespace, worker_urls: list[str]) -> list[str]:
+    """sglang-router's own launcher. Its Prometheus exporter gets a free port (its default
+    is fixed, so two routers on one host would collide); its shutdown grace matches ours."""
+    return [
+        sys.executable, "-m", "sglang_router.launch_router",
+        "--host", args.host, "--port", str(args.port),
+        "--worker-urls", *worker_urls,
+        "--policy", args.policy,
+        # Two missed probes in a row take a worker out; two good ones bring it back.
+        "--health-check-interval-secs", str(args.health_check_interval),
+        "--health-failure-threshold", "2",
+        "--health-check-endpoint", "/health",
+        "--shutdown-grace-period-secs", str(int(args.drain_timeout) + 5),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+        "--log-level", "warn",
+    ]
+
+
+def router_installed() -> bool:
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Supervisor:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.workers: list[Child] = []
+        self.router: Child | None = None
+        self.stopping = False
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            self._start_workers()
+            if not self.stopping:
+                self._start_router()
+            if not self.stopping:
+                return self._watch()
+            return 0
+        except StartupError as error:
+            log.error("%s", error)
+            return 1
+        finally:
+            self._stop()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.stopping:  # a second signal: no more waiting
+            for child in self._children():
+                child.process.kill()
+        self.stopping = True
+
+    def _children(self) -> list[Child]:
+        return [*self.workers, *([self.router] if self.router else [])]
+
+    def _start_workers(self) -> None:
+        for index in range(self.args.workers):
+            port = free_port()
+            process = subprocess.Popen(worker_command(self.args, port))
+            self.workers.append(Child(f"worker {index}", f"http://127.0.0.1:{port}", process))
+            log.info("worker %d: pid %d, %s", index, process.pid, self.workers[-1].url)
+        deadline = time.monotonic() + self.args.startup_timeout
+        for worker in self.workers:
+            self._wait_until(deadline, worker, lambda w=worker: _healthy(w.url + "/health"))
+
+    def _start_router(self) -> None:
+        url = f"http://{self.args.host}:{self.args.port}"
+        process = subprocess.Popen(router_command(self.args, [w.url for w in self.workers]))
+        self.router = Child("router", url, process)
+        deadline = time.monotonic() + 60.0
+        self._wait_until(deadline, self.router, lambda: router_ready(url, len(self.workers)))
+        log.info("ready: %s routes to %d workers (%s policy)", url, len(self.workers),
+                 self.args.policy)
+
+    def _wait_until(self, deadline: float, child: Child, ready: Callable[[], bool]) -> None:
+        while not self.stopping and not ready():
+            if child.exited() is not None:
+                raise StartupError(f"{child.name} exited with status {child.exited()}")
+            if time.monotonic() > deadline:
+                raise StartupError(f"{child.name} not ready in time ({child.url})")
+            time.sleep(POLL_SECONDS)
+
+    def _watch(self) -> int:
+        reported: set[str] = set()
+        while not self.stopping:
+            time.sleep(POLL_SECONDS)
+            for worker in self.workers:
+                if worker.exited() is not None and worker.name not in reported:
+                    reported.add(worker.name)
+                    log.warning("%s (%s) exited with status %s; the router routes around "
+                                "it", worker.name, worker.url, worker.exited())
+            if len(reported) == len(self.workers):
+                log.error("every worker has exited")
+                return 1
+            if self.router.exited() is not None:
+                log.error("the router exited with status %s", self.router.exited())
+                return 1
+        return 0
+
+    def _stop(self) -> None:
+        """SIGTERM to every child still running, then wait for the drain; SIGKILL after."""
+        children = [child for child in self._children() if child.exited() is None]
+        for child in children:
+            child.process.terminate()
+        deadline = time.monotonic() + self.args.drain_timeout + 10.0
+        for child in children:
+            try:
+                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time; killing it", child.name)
+                child.process.kill()
+                child.process.wait()
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+def _get(url: str) -> httpx.Response | None:
+    try:
+        return httpx.get(url, timeout=5.0)
+    except httpx.HTTPError:
+        return None
+
+
+def _healthy(url: str) -> bool:
+    response = _get(url)
+    if response is None:
+        return False
+    if response.status_code == 503 and response.json().get("status") == "failed":
+        raise StartupError(f"the model failed to load: {response.json().get('error')}")
+    return response.status_code == 200
+
+
+def router_ready(url: str, workers: int) -> bool:
+    """The router has registered every worker, healthy, under its served model name."""
+    response = _get(url + "/workers")
+    if response is None or response.status_code != 200:
+        return False
+    listed = response.json().get("workers", [])
+    return len(listed) == workers and all(
+        w.get("is_healthy") and w.get("model_id") != ROUTER_DEFAULT_MODEL for w in listed)
+
+
+def replicas_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per readiness poll
+    if args.workers < 1:
+        print("radix-mlx replicas: --workers must be at least 1", file=sys.stderr)
+        return 2
+    if not router_installed():
+        print("radix-mlx replicas: the router is not installed; "
+              "run `pip install 'radix-mlx[replicas]'` (or `make replicas`)", file=sys.stderr)
+        return 2
+    return Supervisor(args).run()

@@ -1,0 +1,204 @@
+"""`radix-mlx replicas`: two real workers behind the real sglang-router, and what the router
+reads from a worker (/server_info, /model_info, /get_load).
+
+One supervisor (module-scoped) serves every test here, in file order: the endpoints, the
+router's view of its workers, a multi-turn workload routed cache-aware and round-robin,
+a worker killed, and last the SIGTERM that drains and stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from server.replicas import add_replicas_arguments, free_port, router_command, router_ready
+from tests.server.support import API_KEY, REPO_ROOT, START_TIMEOUT, ServerProcess, server_env
+
+pytest.importorskip("sglang_router")
+
+CHATS, TURNS = 3, 4
+WAIT_SECONDS = 30.0
+
+
+@dataclass
+class Replicas:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def workers(self) -> dict[str, int]:
+        """Worker URL -> pid, from the supervisor's log."""
+        return {url: int(pid) for pid, url in
+                re.findall(r"worker \d+: pid (\d+), (http://\S+)", self.log())}
+
+    def router_view(self) -> dict[str, dict]:
+        listed = httpx.get(f"{self.url}/workers", timeout=10).json()["workers"]
+        return {worker["url"]: worker for worker in listed}
+
+
+def _wait_for(condition, what: str, replicas: Replicas) -> None:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}; log:\n{replicas.log()[-3000:]}"
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="module")
+def replicas(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replicas]:
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("replicas") / "replicas.log"
+    command = [sys.executable, "-m", "server.cli", "replicas", "--workers", "2",
+               "--model", str(demo_model_dir), "--port", str(port), "--health-check-interval",
+               "1", "--", "--config", "", "--cache-bytes", str(256 * 2**20)]
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=server_env(), stdout=log,
+                                   stderr=subprocess.STDOUT)
+    running = Replicas(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + 2 * START_TIMEOUT
+    while "routes to 2 workers" not in running.log():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"replicas did not start:\n{running.log()}")
+        time.sleep(0.5)
+    yield running
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def converse(base_url: str, tag: str) -> tuple[int, int]:
+    """CHATS conversations of TURNS turns, one after another, each reply fed back: the
+    (prompt tokens, cached prompt tokens) over all of them. Every answer must succeed."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    prompt = cached = 0
+    for chat in range(CHATS):
+        messages = [{"role": "system",
+                     "content": f"You are assistant {chat} of the {tag} run. " * 6}]
+        for turn in range(TURNS):
+            messages.append({"role": "user", "content": f"Turn {turn}: what about {tag}?"})
+            reply = client.chat.completions.create(
+                model="tiny-seed0", messages=messages, max_tokens=4, temperature=0)
+            prompt += reply.usage.prompt_tokens
+            cached += reply.usage.prompt_tokens_details.cached_tokens
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    return prompt, cached
+
+
+# -- what a worker tells the router ---------------------------------------------------------
+
+
+def test_worker_reports_model_limits_and_load(
+    server: ServerProcess, headers: dict[str, str], model_id: str
+) -> None:
+    assert httpx.get(f"{server.url}/server_info").status_code == 401  # the key is needed
+    info = httpx.get(f"{server.url}/server_info", headers=headers).json()
+    assert info["served_model_name"] == model_id
+    assert info["served_model_names"][0] == model_id
+    assert info["dp_size"] == 1 and info["context_length"] > 0
+    assert info["max_req_input_len"] == info["context_length"] - 1
+    assert info["max_total_tokens"] > 0 and info["max_running_requests"] > 0
+    assert httpx.get(f"{server.url}/get_server_info", headers=headers).json() == info
+    model = httpx.get(f"{server.url}/model_info", headers=headers).json()
+    assert model["is_generation"] and model["model_path"] == info["model_path"]
+    assert model["context_length"] == info["context_length"] and model["vocab_size"] > 0
+
+    # A stream in flight is one running request holding its prompt + max_tokens.
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    stream = client.completions.create(model=model_id, prompt="count with me:", max_tokens=64,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    [load] = httpx.get(f"{server.url}/get_load", headers=headers).json()
+    stream.close()
+    assert load["dp_rank"] == 0 and load["num_reqs"] >= 1 and load["num_running_reqs"] >= 1
+    assert load["num_reqs"] == load["num_running_reqs"] + load["num_waiting_reqs"]
+    assert load["num_tokens"] >= 64
+
+
+# -- two replicas behind the router ---------------------------------------------------------
+
+
+def test_router_sees_both_workers_healthy_under_the_model_name(replicas: Replicas) -> None:
+    view = replicas.router_view()
+    assert set(view) == set(replicas.workers()) and len(view) == 2
+    assert all(w["is_healthy"] and w["model_id"] == "tiny-seed0" for w in view.values())
+    models = httpx.get(f"{replicas.url}/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in models] == ["tiny-seed0"]
+    # A request naming no model is served, as by one server.
+    reply = httpx.post(f"{replicas.url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
+
+
+def test_cache_aware_routing_reuses_more_prefix_than_round_robin(replicas: Replicas) -> None:
+    """The same kind of conversations, each run with its own text so neither run finds the
+    other's turns cached: cache-aware keeps a conversation on the worker that has it."""
+    port = free_port()
+    parser = argparse.ArgumentParser()
+    add_replicas_arguments(parser)
+    args = parser.parse_args(["--port", str(port), "--policy", "round_robin"])
+    round_robin = subprocess.Popen(router_command(args, list(replicas.workers())),
+                                   env=server_env(), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+    try:
+        rr_url = f"http://127.0.0.1:{port}"
+        _wait_for(lambda: router_ready(rr_url, 2), "round-robin router not ready", replicas)
+        rr_prompt, rr_cached = converse(rr_url, "round-robin")
+    finally:
+        round_robin.terminate()
+        round_robin.wait(timeout=30)
+    ca_prompt, ca_cached = converse(replicas.url, "cache-aware")
+    cache_aware, alternating = ca_cached / ca_prompt, rr_cached / rr_prompt
+    print(f"cached share of prompt tokens: cache_aware {cache_aware:.0%}, "
+          f"round_robin {alternating:.0%}")
+    assert cache_aware > alternating + 0.15
+
+
+def test_a_killed_worker_is_routed_around(replicas: Replicas) -> None:
+    (dead, dead_pid), (alive, _) = replicas.workers().items()
+    os.kill(dead_pid, signal.SIGKILL)
+    _wait_for(lambda: not replicas.router_view()[dead]["is_healthy"],
+              "the router still thinks the killed worker is healthy", replicas)
+    assert replicas.router_view()[alive]["is_healthy"]
+    assert f"({dead}) exited with status -9" in replicas.log()
+
+    def prompt_tokens_served() -> float:
+        text = httpx.get(f"{alive}/metrics", timeout=10).text
+        return float(re.search(r"^radix_mlx_prompt_tokens_total (\S+)", text, re.MULTILINE)[1])
+
+    before = prompt_tokens_served()
+    prompt, _ = converse(replicas.url, "after-the-kill")
+    assert prompt_tokens_served() - before == prompt  # every turn went to the survivor
+    assert replicas.process.poll() is None
+
+
+def test_sigterm_drains_then_stops_router_and_workers(replicas: Replicas) -> None:
+    client = openai.OpenAI(base_url=f"{replicas.url}/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(
+        model="tiny-seed0", messages=[{"role": "user", "content": "a long answer, please"}],
+        max_tokens=48, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    replicas.process.send_signal(signal.SIGTERM)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text  # the stream in flight ran to its end
+    assert replicas.process.wait(timeout=60) == 0
+    for pid in replicas.workers().values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{replicas.url}/workers", timeout=5)
