@@ -54,6 +54,8 @@ def add_replicas_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="the router's port")
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware",
                         help="the router's policy (round_robin: to compare against)")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="the router's Prometheus port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--health-check-interval", type=int, default=2, metavar="SECONDS",
                         help="how often the router probes each worker's /health")
     parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS",
@@ -80,8 +82,9 @@ def worker_command(args: argparse.Namespace, port: int) -> list[str]:
 
 
 def router_command(args: argparse.Namespace, worker_urls: list[str]) -> list[str]:
-    """sglang-router's own launcher. Its Prometheus exporter gets a free port (its default
-    is fixed, so two routers on one host would collide); its shutdown grace matches ours."""
+    """sglang-router's own launcher. Its Prometheus exporter gets a port of its own (its
+    default is fixed, so two routers on one host would collide); its shutdown grace
+    matches ours."""
     return [
         sys.executable, "-m", "sglang_router.launch_router",
         "--host", args.host, "--port", str(args.port),
@@ -92,7 +95,7 @@ def router_command(args: argparse.Namespace, worker_urls: list[str]) -> list[str
         "--health-failure-threshold", "2",
         "--health-check-endpoint", "/health",
         "--shutdown-grace-period-secs", str(int(args.drain_timeout) + 5),
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(args.metrics_port),
         "--log-level", "warn",
     ]
 
@@ -138,6 +141,11 @@ class Supervisor:
         return [*self.workers, *([self.router] if self.router else [])]
 
     def _start_workers(self) -> None:
+        if self.args.workers > 1 and "--memory-limit-bytes" not in self.args.serve_args:
+            log.warning(
+                "each worker plans for the whole machine's memory unless told otherwise: on "
+                "one machine give each a 1/%d share (-- --memory-limit-bytes N, or "
+                "memory_limit_bytes in the config file)", self.args.workers)
         for index in range(self.args.workers):
             port = free_port()
             process = subprocess.Popen(worker_command(self.args, port))
@@ -149,12 +157,14 @@ class Supervisor:
 
     def _start_router(self) -> None:
         url = f"http://{self.args.host}:{self.args.port}"
+        self.args.metrics_port = self.args.metrics_port or free_port()
         process = subprocess.Popen(router_command(self.args, [w.url for w in self.workers]))
         self.router = Child("router", url, process)
         deadline = time.monotonic() + 60.0
         self._wait_until(deadline, self.router, lambda: router_ready(url, len(self.workers)))
-        log.info("ready: %s routes to %d workers (%s policy)", url, len(self.workers),
-                 self.args.policy)
+        log.info("ready: %s routes to %d workers (%s policy); router metrics on "
+                 "http://127.0.0.1:%d/metrics", url, len(self.workers), self.args.policy,
+                 self.args.metrics_port)
 
     def _wait_until(self, deadline: float, child: Child, ready: Callable[[], bool]) -> None:
         while not self.stopping and not ready():

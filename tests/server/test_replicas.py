@@ -150,7 +150,8 @@ def test_cache_aware_routing_reuses_more_prefix_than_round_robin(replicas: Repli
     port = free_port()
     parser = argparse.ArgumentParser()
     add_replicas_arguments(parser)
-    args = parser.parse_args(["--port", str(port), "--policy", "round_robin"])
+    args = parser.parse_args(["--port", str(port), "--policy", "round_robin",
+                              "--metrics-port", str(free_port())])
     round_robin = subprocess.Popen(router_command(args, list(replicas.workers())),
                                    env=server_env(), stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
