@@ -27,11 +27,21 @@ import httpx
 
 from bench import hardware, report
 from bench.client import run_workload
-from bench.servers import SPECS, RunningServer, running, scrape_active_memory
+from bench.servers import (
+    REPLICA_POLICIES,
+    SPECS,
+    RunningServer,
+    ServerSpec,
+    replicas,
+    running,
+    scrape_active_memory,
+)
 from bench.workloads import QUICK, WORKLOADS, Shapes, Workload, build_all, build_warm_up
 from engine.platform_info import mlx_would_use_cpu, openblas_preload_env
 
 RESULTS = Path(__file__).parent / "results"
+# What replicas behind a router are measured on: prefix reuse across requests.
+REPLICA_WORKLOADS = ("shared_prefix", "multi_turn")
 METRICS_POLL_SECONDS = 0.5
 
 
@@ -53,6 +63,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for spec in SPECS.values():
         parser.add_argument(f"--{spec.name}-args", default="", metavar="FLAGS",
                             help=f"extra flags for {spec.name}'s server (default: none)")
+    parser.add_argument("--replicas", type=int, default=0, metavar="N",
+                        help="also run N radix-mlx workers behind sglang-router, once with "
+                             f"each of {', '.join(REPLICA_POLICIES)}, on "
+                             f"{' and '.join(REPLICA_WORKLOADS)} (workers get "
+                             "--radix-mlx-args too; default: 0, none)")
     parser.add_argument("--restart-per-workload", action=argparse.BooleanOptionalAction,
                         default=True,
                         help="a fresh start of each server per workload, servers alternating, "
@@ -170,20 +185,28 @@ def child_json(module: str, model: Path, env: dict[str, str], *args: object) -> 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def run_server(results: dict, name: str, args: argparse.Namespace, model: Path,
+def server_args(spec: ServerSpec, args: argparse.Namespace) -> list[str]:
+    """The --<server>-args flags; replicas pass radix-mlx's on to every worker."""
+    if spec.router_workers:
+        worker_args = shlex.split(args.radix_mlx_args)
+        return ["--", *worker_args] if worker_args else []
+    return shlex.split(getattr(args, f"{spec.name.replace('-', '_')}_args"))
+
+
+def run_server(results: dict, spec: ServerSpec, args: argparse.Namespace, model: Path,
                env: dict[str, str], out: Path, warm_up: Workload,
                workloads: list[Workload]) -> None:
     """Start one server, measure `workloads` on it, stop it, merge into `results`."""
-    spec = SPECS[name]
+    name = spec.name
     label = name if len(workloads) > 1 else f"{name}-{workloads[0].name}"
     print(f"bench: starting {label} on {model}", file=sys.stderr, flush=True)
-    extra_args = shlex.split(getattr(args, f"{name.replace('-', '_')}_args"))
+    extra_args = server_args(spec, args)
     with running(spec, model, env, out / "logs" / f"{label}.log", extra_args) as server:
         summaries, records = asyncio.run(measure(server, warm_up, workloads))
         died = server.process.poll()
     entry = results["servers"].setdefault(name, {
         "argv": server.argv, "notes": spec.notes, "workloads": {}, "requests": {},
-        "exit_code_during_run": None})
+        "exit_code_during_run": None, "router_workers": spec.router_workers})
     entry["workloads"].update(summaries)
     entry["requests"].update(records)
     if died is not None:
@@ -222,10 +245,16 @@ def bench_model(args: argparse.Namespace, model: Path, device: str, env: dict[st
     if smi:
         out.mkdir(parents=True, exist_ok=True)
         (out / "nvidia-smi.txt").write_text(smi)
+    specs = [SPECS[name] for name in args.servers.split(",")]
+    if args.replicas:
+        specs += [replicas(policy, args.replicas) for policy in REPLICA_POLICIES]
     rounds = [[w] for w in workloads] if args.restart_per_workload else [workloads]
     for batch in rounds:
-        for name in args.servers.split(","):
-            run_server(results, name, args, model, env, out, warm_up, batch)
+        for spec in specs:
+            measured = [w for w in batch
+                        if not spec.router_workers or w.name in REPLICA_WORKLOADS]
+            if measured:
+                run_server(results, spec, args, model, env, out, warm_up, measured)
     if not args.no_raw:
         print("bench: bare mlx_lm.stream_generate", file=sys.stderr, flush=True)
         results["raw_decode"] = child_json(

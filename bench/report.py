@@ -32,6 +32,7 @@ METRICS = (
 )
 
 RATIO_KEYS = ("output_tok_s", "requests_s", "ttft_p50", "ttft_p99", "itl_p50", "peak_rss_mib")
+REPLICA_WORKLOADS = ("shared_prefix", "multi_turn")
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -116,9 +117,39 @@ def targets(results: dict) -> list[dict]:
     for batch, rates in results.get("structured", {}).get("decode", {}).items():
         rows.append((f"constrained vs free decode tok/s, batch {batch}", rates["ratio"],
                      ">= 0.9", lambda v: v >= 0.9))
+    for row in replica_rows(results):
+        if row["server"].endswith("cache-aware"):
+            where = f"{row['server']} {row['workload'].replace('_', '-')}"
+            rows.append((f"{where} output tok/s vs one server", row["speedup"], ">= 1.8",
+                         lambda v: v >= 1.8))
+            rows.append((f"{where} cached share minus one server's, points", row["points"],
+                         ">= -5", lambda v: v >= -5))
     return [{"target": name, "value": value, "goal": goal,
              "met": None if value is None else check(value)}
             for name, value, goal, check in rows]
+
+
+def replica_rows(results: dict) -> list[dict]:
+    """Each replicas run against one radix-mlx server on the same workload: throughput
+    ratio and cached share (of prompt tokens) difference in percentage points."""
+    one = results["servers"].get(OURS, {}).get("workloads", {})
+    rows = []
+    for server, data in results["servers"].items():
+        if not data.get("router_workers"):
+            continue
+        for workload in REPLICA_WORKLOADS:
+            summary, base = data["workloads"].get(workload), one.get(workload, {})
+            if summary is None:
+                continue
+            share, base_share = summary.get("cache_fraction"), base.get("cache_fraction")
+            rows.append({
+                "server": server, "workload": workload,
+                "output_tok_s": summary["output_tok_s"], "cache_fraction": share,
+                "speedup": ratio(summary["output_tok_s"], base.get("output_tok_s")),
+                "points": None if share is None or base_share is None
+                else 100 * (share - base_share),
+            })
+    return rows
 
 
 def ratio_table(results: dict) -> dict:
@@ -165,13 +196,25 @@ def markdown(results: dict) -> str:
         for workload, row in ratios.items():
             lines.append(f"| {workload} | " + " | ".join(
                 fmt(row[k], "{:.2f}x") for k in keys) + " |")
+    replica = replica_rows(results)
+    if replica:
+        lines += ["", f"## Replicas behind sglang-router vs one {OURS} server", "",
+                  ("| workload | server | output tok/s | vs one server | prompt tokens from "
+                   "cache | vs one server (points) |"), "|---|---|---:|---:|---:|---:|"]
+        for row in replica:
+            lines.append(
+                f"| {row['workload']} | {row['server']} | {row['output_tok_s']:.1f} | "
+                f"{fmt(row['speedup'], '{:.2f}x')} | {fmt(row['cache_fraction'], '{:.0%}')} "
+                f"| {fmt(row['points'], '{:+.1f}')} |")
     lines += ["", "## Targets", "", "| target | value | goal | met |", "|---|---:|---|---|"]
     for row in results.get("targets", []):
         met = {True: "yes", False: "no", None: "n/a"}[row["met"]]
         lines.append(f"| {row['target']} | {fmt(row['value'], '{:.2f}')} | {row['goal']} "
                      f"| {met} |")
-    lc = {name: data["workloads"].get("long_context", {})
-          for name, data in results["servers"].items()}
+    # Replicas run only the workloads above; these two sections are single servers'.
+    single = {name: data for name, data in results["servers"].items()
+              if not data.get("router_workers")}
+    lc = {name: data["workloads"].get("long_context", {}) for name, data in single.items()}
     lines += ["", "## Long context: cold and warm TTFT", "",
               "| server | cold TTFT (s) | warm TTFT p50 (s) |", "|---|---:|---:|"]
     for server, summary in lc.items():
@@ -179,7 +222,7 @@ def markdown(results: dict) -> str:
                      f"{fmt(summary.get('ttft_warm_p50'), '{:.3f}')} |")
     lines += ["", "## Single-stream decode (engine overhead)", "",
               "| path | decode tok/s |", "|---|---:|"]
-    for server, data in results["servers"].items():
+    for server, data in single.items():
         rate = data["workloads"].get("single_stream", {}).get("decode_tok_s")
         lines.append(f"| {server} server | {fmt(rate, '{:.1f}')} |")
     raw = results.get("raw_decode", {}).get("decode_tok_s")

@@ -22,6 +22,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from server.replicas import router_ready
+
 SAMPLE_SECONDS = 0.1
 STOP_SECONDS = 30.0
 
@@ -33,6 +35,8 @@ class ServerSpec:
     extra: dict  # request fields this server understands and the other may not
     metrics: bool  # serves radix-mlx's Prometheus /metrics
     notes: str
+    command: tuple[str, ...] = ()  # after `-m module`, before --model
+    router_workers: int = 0  # > 0: a router in front of this many workers (docs/scale-out.md)
 
 
 RADIX = ServerSpec(
@@ -52,6 +56,21 @@ MLX_LM = ServerSpec(
           "prompt_cache_size 10 sequences, no byte limit; no ignore_eos (stops at EOS)",
 )
 SPECS = {spec.name: spec for spec in (RADIX, MLX_LM)}
+REPLICA_POLICIES = ("cache_aware", "round_robin")
+
+
+def replicas(policy: str, workers: int) -> ServerSpec:
+    """`radix-mlx replicas`: `workers` radix-mlx servers behind sglang-router's `policy`."""
+    return ServerSpec(
+        name=f"radix-mlx-x{workers}-{policy.replace('_', '-')}",
+        module="server.cli",
+        command=("replicas", "--workers", str(workers), "--policy", policy),
+        extra=RADIX.extra,
+        metrics=False,
+        notes=f"{workers} radix-mlx workers (each with the defaults above) behind "
+              f"sglang-router, policy {policy}",
+        router_workers=workers,
+    )
 
 
 def free_port() -> int:
@@ -100,14 +119,23 @@ class RunningServer:
     argv: list[str]
 
 
-def wait_healthy(process: subprocess.Popen, base_url: str, timeout: float) -> None:
+def is_ready(base_url: str, router_workers: int = 0) -> bool:
+    """/health is 200, or behind a router, it routes to all its workers."""
+    if router_workers:
+        return router_ready(base_url, router_workers)
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200
+    return False
+
+
+def wait_healthy(process: subprocess.Popen, base_url: str, timeout: float,
+                 router_workers: int = 0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode} before it was ready")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
-                return
+        if is_ready(base_url, router_workers):
+            return
         time.sleep(0.25)
     raise TimeoutError(f"server at {base_url} not healthy after {timeout:.0f} s")
 
@@ -118,7 +146,7 @@ def running(spec: ServerSpec, model: Path, env: dict[str, str], log_path: Path,
             ) -> Iterator[RunningServer]:
     """Start `spec` on `model`, yield once /health is 200, and always stop it."""
     port = free_port()
-    argv = [sys.executable, "-m", spec.module, "--model", str(model),
+    argv = [sys.executable, "-m", spec.module, *spec.command, "--model", str(model),
             "--host", "127.0.0.1", "--port", str(port), *extra_args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
@@ -128,7 +156,7 @@ def running(spec: ServerSpec, model: Path, env: dict[str, str], log_path: Path,
     sampler.start()
     try:
         base_url = f"http://127.0.0.1:{port}"
-        wait_healthy(process, base_url, ready_timeout)
+        wait_healthy(process, base_url, ready_timeout, spec.router_workers)
         yield RunningServer(spec, base_url, process, sampler, argv)
     finally:
         sampler.stop()

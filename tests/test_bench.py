@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("psutil")
 
 from bench.__main__ import describe_model, main, model_dirs
+from bench.report import replica_rows, targets
 from bench.workloads import QUICK, build_all
 from tests.engine.gguf_files import write_demo_gguf
 
@@ -86,3 +87,32 @@ def test_a_gguf_model_is_benched_as_serve_converts_it(demo_model_dir: Path, tmp_
     assert model.name == "tiny" and model.is_relative_to(tmp_path / "cache")
     description = describe_model(model)["description"]
     assert "float32" in description and description.endswith("the weights of tiny.gguf")
+
+
+def test_replicas_are_reported_against_one_server() -> None:
+    def ran(output_tok_s: float, cache_fraction: float) -> dict:
+        return {"output_tok_s": output_tok_s, "cache_fraction": cache_fraction}
+
+    results = {"servers": {
+        "radix-mlx": {"workloads": {"shared_prefix": ran(10.0, 0.70),
+                                    "multi_turn": ran(8.0, 0.60)}},
+        "radix-mlx-x2-cache-aware": {"router_workers": 2, "workloads": {
+            "shared_prefix": ran(19.0, 0.68), "multi_turn": ran(12.0, 0.50)}},
+        "radix-mlx-x2-round-robin": {"router_workers": 2, "workloads": {
+            "multi_turn": ran(16.0, 0.30)}},
+    }}
+    rows = {(r["server"], r["workload"]): r for r in replica_rows(results)}
+    assert set(rows) == {("radix-mlx-x2-cache-aware", "shared_prefix"),
+                         ("radix-mlx-x2-cache-aware", "multi_turn"),
+                         ("radix-mlx-x2-round-robin", "multi_turn")}
+    shared = rows[("radix-mlx-x2-cache-aware", "shared_prefix")]
+    assert shared["speedup"] == pytest.approx(1.9) and shared["points"] == pytest.approx(-2)
+    assert rows[("radix-mlx-x2-round-robin", "multi_turn")]["points"] == pytest.approx(-30)
+    # Only the cache-aware run has targets: >= 1.8x throughput, cached share within 5 points.
+    met = {t["target"]: t["met"] for t in targets(results) if "radix-mlx-x2" in t["target"]}
+    assert met == {
+        "radix-mlx-x2-cache-aware shared-prefix output tok/s vs one server": True,
+        "radix-mlx-x2-cache-aware shared-prefix cached share minus one server's, points": True,
+        "radix-mlx-x2-cache-aware multi-turn output tok/s vs one server": False,
+        "radix-mlx-x2-cache-aware multi-turn cached share minus one server's, points": False,
+    }
