@@ -7,7 +7,8 @@ the request text it sent to each worker, so a conversation's next turn goes to t
 that already holds its prefix, unless the workers' loads drift too far apart
 (docs/scale-out.md). This module only starts, watches and stops processes: no routing.
 
-SIGTERM/SIGINT go to every child at once: workers drain (503 to new requests, in-flight
+SIGTERM/SIGINT go to every child at once (children have process groups of their own, so
+a terminal's Ctrl-C reaches them once, through us, not twice): workers drain (503 to new requests, in-flight
 ones finish, /health says so, which the router sees), the router stops accepting and
 waits for its in-flight requests. A worker that dies is logged and routed around (the
 router's health checks take it out); the router dying, or every worker, stops the lot.
@@ -148,7 +149,7 @@ class Supervisor:
                 "memory_limit_bytes in the config file)", self.args.workers)
         for index in range(self.args.workers):
             port = free_port()
-            process = subprocess.Popen(worker_command(self.args, port))
+            process = subprocess.Popen(worker_command(self.args, port), process_group=0)
             self.workers.append(Child(f"worker {index}", f"http://127.0.0.1:{port}", process))
             log.info("worker %d: pid %d, %s", index, process.pid, self.workers[-1].url)
         deadline = time.monotonic() + self.args.startup_timeout
@@ -158,7 +159,8 @@ class Supervisor:
     def _start_router(self) -> None:
         url = f"http://{self.args.host}:{self.args.port}"
         self.args.metrics_port = self.args.metrics_port or free_port()
-        process = subprocess.Popen(router_command(self.args, [w.url for w in self.workers]))
+        process = subprocess.Popen(router_command(self.args, [w.url for w in self.workers]),
+                                   process_group=0)
         self.router = Child("router", url, process)
         deadline = time.monotonic() + 60.0
         self._wait_until(deadline, self.router, lambda: router_ready(url, len(self.workers)))

@@ -76,9 +76,9 @@ def replicas(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             raise RuntimeError(f"replicas did not start:\n{running.log()}")
         time.sleep(0.5)
     yield running
-    if process.poll() is None:
-        process.kill()
-        process.wait()
+    if process.poll() is None:  # a test failed before the last one stopped it
+        process.terminate()
+        process.wait(timeout=60)
 
 
 def converse(base_url: str, tag: str) -> tuple[int, int]:
