@@ -29,6 +29,8 @@ from types import FrameType
 
 import httpx
 
+from server.config import Settings
+
 log = logging.getLogger("radix_mlx.replicas")
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
@@ -50,7 +52,7 @@ class Child:
 
 def add_replicas_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="how many servers to start")
-    parser.add_argument("--model", help="path or Hugging Face repo id (default: the demo)")
+    parser.add_argument("--model", help=Settings.model_fields["model"].description)
     parser.add_argument("--host", default="127.0.0.1", help="the router's address")
     parser.add_argument("--port", type=int, default=8000, help="the router's port")
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware",
