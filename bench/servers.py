@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from server.replicas import router_ready
+from server.replicas import free_port, router_ready
 
 SAMPLE_SECONDS = 0.1
 STOP_SECONDS = 30.0
@@ -71,12 +70,6 @@ def replicas(policy: str, workers: int) -> ServerSpec:
               f"sglang-router, policy {policy}",
         router_workers=workers,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class MemorySampler(threading.Thread):

@@ -8,9 +8,9 @@ that already holds its prefix, unless the workers' loads drift too far apart
 (docs/scale-out.md). This module only starts, watches and stops processes: no routing.
 
 SIGTERM/SIGINT go to every child at once (children have process groups of their own, so
-a terminal's Ctrl-C reaches them once, through us, not twice): workers drain (503 to new requests, in-flight
-ones finish, /health says so, which the router sees), the router stops accepting and
-waits for its in-flight requests. A worker that dies is logged and routed around (the
+a terminal's Ctrl-C reaches them once, through us, not twice): workers drain (503 to new
+requests, in-flight ones finish, /health says so, which the router sees), the router
+stops accepting and waits for its in-flight requests. A worker that dies is logged and routed around (the
 router's health checks take it out); the router dying, or every worker, stops the lot.
 """
 
