@@ -1,6 +1,7 @@
 """`radix-mlx replicas`: N `radix-mlx serve` workers behind SGLang's cache-aware router.
 
-Every worker is a whole server (its own engine and radix tree) on a free 127.0.0.1 port;
+Every worker is a whole server (its own engine and radix tree) on a free 127.0.0.1 port,
+the first started alone (it fills the model cache), the rest together once it is ready;
 the router (`sglang-router`, a Rust binary from PyPI, the `replicas` extra) is the one
 public endpoint. In its cache_aware policy the router keeps an approximate radix tree of
 the request text it sent to each worker, so a conversation's next turn goes to the worker
@@ -149,14 +150,24 @@ class Supervisor:
                 "each worker plans for the whole machine's memory unless told otherwise: on "
                 "one machine give each a 1/%d share (-- --memory-limit-bytes N, or "
                 "memory_limit_bytes in the config file)", self.args.workers)
-        for index in range(self.args.workers):
-            port = free_port()
-            process = subprocess.Popen(worker_command(self.args, port), process_group=0)
-            self.workers.append(Child(f"worker {index}", f"http://127.0.0.1:{port}", process))
-            log.info("worker %d: pid %d, %s", index, process.pid, self.workers[-1].url)
+        # The first worker alone first: it downloads or converts the model into the cache
+        # once, where the others then find it (N at once would each do it, racing).
         deadline = time.monotonic() + self.args.startup_timeout
-        for worker in self.workers:
+        self._start_worker(0)
+        self._wait_until(deadline, self.workers[0],
+                         lambda: _healthy(self.workers[0].url + "/health"))
+        if self.stopping:
+            return
+        for index in range(1, self.args.workers):
+            self._start_worker(index)
+        for worker in self.workers[1:]:
             self._wait_until(deadline, worker, lambda w=worker: _healthy(w.url + "/health"))
+
+    def _start_worker(self, index: int) -> None:
+        port = free_port()
+        process = subprocess.Popen(worker_command(self.args, port), process_group=0)
+        self.workers.append(Child(f"worker {index}", f"http://127.0.0.1:{port}", process))
+        log.info("worker %d: pid %d, %s", index, process.pid, self.workers[-1].url)
 
     def _start_router(self) -> None:
         url = f"http://{self.args.host}:{self.args.port}"
