@@ -30,7 +30,7 @@ from types import FrameType
 
 import httpx
 
-from server.config import Settings
+from server.config import ConfigError, Settings, add_serve_arguments, load_settings
 
 log = logging.getLogger("radix_mlx.replicas")
 
@@ -77,18 +77,34 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def serve_flags(args: argparse.Namespace) -> list[str]:
+    return [arg for arg in args.serve_args if arg != "--"]
+
+
 def worker_command(args: argparse.Namespace, port: int) -> list[str]:
-    serve_args = [arg for arg in args.serve_args if arg != "--"]
     model = ["--model", args.model] if args.model else []
     return [sys.executable, "-m", "server", *model, "--host", "127.0.0.1", "--port", str(port),
             "--drain-timeout", str(args.drain_timeout),
-            "--served-model-name", ROUTER_DEFAULT_MODEL, *serve_args]
+            "--served-model-name", ROUTER_DEFAULT_MODEL, *serve_flags(args)]
 
 
-def router_command(args: argparse.Namespace, worker_urls: list[str]) -> list[str]:
-    """sglang-router's own launcher. Its Prometheus exporter gets a port of its own (its
-    default is fixed, so two routers on one host would collide); its shutdown grace
-    matches ours."""
+def worker_settings(args: argparse.Namespace) -> Settings:
+    """What every worker will run with (its flags, the environment, the config file):
+    read here too, so a bad flag fails before anything starts, and the router gets the
+    workers' API key."""
+    parser = argparse.ArgumentParser(prog="radix-mlx replicas ... --")
+    add_serve_arguments(parser)
+    return load_settings(parser.parse_args(serve_flags(args)))
+
+
+def router_command(
+    args: argparse.Namespace, worker_urls: list[str], api_key: str | None = None
+) -> list[str]:
+    """sglang-router's own launcher. With the workers' API key, the router requires it
+    from clients too and sends it on to the workers. Its Prometheus exporter gets a port
+    of its own (its default is fixed, so two routers on one host would collide); its
+    shutdown grace matches ours."""
+    key = ["--api-key", api_key] if api_key else []
     return [
         sys.executable, "-m", "sglang_router.launch_router",
         "--host", args.host, "--port", str(args.port),
@@ -100,7 +116,7 @@ def router_command(args: argparse.Namespace, worker_urls: list[str]) -> list[str
         "--health-check-endpoint", "/health",
         "--shutdown-grace-period-secs", str(int(args.drain_timeout) + 5),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(args.metrics_port),
-        "--log-level", "warn",
+        "--log-level", "warn", *key,
     ]
 
 
@@ -113,8 +129,10 @@ def router_installed() -> bool:
 
 
 class Supervisor:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, settings: Settings) -> None:
         self.args = args
+        self.api_key = settings.api_key.get_secret_value() if settings.api_key else None
+        self.shared_memory = args.workers > 1 and settings.memory_limit_bytes is None
         self.workers: list[Child] = []
         self.router: Child | None = None
         self.stopping = False
@@ -145,7 +163,7 @@ class Supervisor:
         return [*self.workers, *([self.router] if self.router else [])]
 
     def _start_workers(self) -> None:
-        if self.args.workers > 1 and "--memory-limit-bytes" not in self.args.serve_args:
+        if self.shared_memory:
             log.warning(
                 "each worker plans for the whole machine's memory unless told otherwise: on "
                 "one machine give each a 1/%d share (-- --memory-limit-bytes N, or "
@@ -172,11 +190,13 @@ class Supervisor:
     def _start_router(self) -> None:
         url = f"http://{self.args.host}:{self.args.port}"
         self.args.metrics_port = self.args.metrics_port or free_port()
-        process = subprocess.Popen(router_command(self.args, [w.url for w in self.workers]),
-                                   process_group=0)
+        process = subprocess.Popen(
+            router_command(self.args, [w.url for w in self.workers], self.api_key),
+            process_group=0)
         self.router = Child("router", url, process)
         deadline = time.monotonic() + 60.0
-        self._wait_until(deadline, self.router, lambda: router_ready(url, len(self.workers)))
+        self._wait_until(deadline, self.router,
+                         lambda: router_ready(url, len(self.workers), self.api_key))
         log.info("ready: %s routes to %d workers (%s policy); router metrics on "
                  "http://127.0.0.1:%d/metrics", url, len(self.workers), self.args.policy,
                  self.args.metrics_port)
@@ -225,9 +245,10 @@ class StartupError(RuntimeError):
     pass
 
 
-def _get(url: str) -> httpx.Response | None:
+def _get(url: str, api_key: str | None = None) -> httpx.Response | None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        return httpx.get(url, timeout=5.0)
+        return httpx.get(url, headers=headers, timeout=5.0)
     except httpx.HTTPError:
         return None
 
@@ -241,9 +262,9 @@ def _healthy(url: str) -> bool:
     return response.status_code == 200
 
 
-def router_ready(url: str, workers: int) -> bool:
+def router_ready(url: str, workers: int, api_key: str | None = None) -> bool:
     """The router has registered every worker, healthy, under its served model name."""
-    response = _get(url + "/workers")
+    response = _get(url + "/workers", api_key)
     if response is None or response.status_code != 200:
         return False
     listed = response.json().get("workers", [])
@@ -261,4 +282,9 @@ def replicas_command(args: argparse.Namespace) -> int:
         print("radix-mlx replicas: the router is not installed; "
               "run `pip install 'radix-mlx[replicas]'` (or `make replicas`)", file=sys.stderr)
         return 2
-    return Supervisor(args).run()
+    try:
+        settings = worker_settings(args)
+    except ConfigError as error:
+        print(f"radix-mlx replicas: {error}", file=sys.stderr)
+        return 2
+    return Supervisor(args, settings).run()

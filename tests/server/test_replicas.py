@@ -23,12 +23,14 @@ import httpx
 import openai
 import pytest
 
+from server.cli import main
 from server.replicas import add_replicas_arguments, free_port, router_command, router_ready
 from tests.server.support import API_KEY, REPO_ROOT, START_TIMEOUT, ServerProcess, server_env
 
 pytest.importorskip("sglang_router")
 
 CHATS, TURNS = 3, 4
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 WAIT_SECONDS = 30.0
 
 
@@ -47,7 +49,7 @@ class Replicas:
                 re.findall(r"worker \d+: pid (\d+), (http://\S+)", self.log())}
 
     def router_view(self) -> dict[str, dict]:
-        listed = httpx.get(f"{self.url}/workers", timeout=10).json()["workers"]
+        listed = httpx.get(f"{self.url}/workers", headers=AUTH, timeout=10).json()["workers"]
         return {worker["url"]: worker for worker in listed}
 
 
@@ -64,7 +66,8 @@ def replicas(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     log_path = tmp_path_factory.mktemp("replicas") / "replicas.log"
     command = [sys.executable, "-m", "server.cli", "replicas", "--workers", "2",
                "--model", str(demo_model_dir), "--port", str(port), "--health-check-interval",
-               "1", "--", "--config", "", "--cache-bytes", str(256 * 2**20)]
+               "1", "--", "--config", "", "--cache-bytes", str(256 * 2**20),
+               "--api-key", API_KEY]
     with log_path.open("w") as log:
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=server_env(), stdout=log,
                                    stderr=subprocess.STDOUT)
@@ -84,7 +87,7 @@ def replicas(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def converse(base_url: str, tag: str) -> tuple[int, int]:
     """CHATS conversations of TURNS turns, one after another, each reply fed back: the
     (prompt tokens, cached prompt tokens) over all of them. Every answer must succeed."""
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0)
     prompt = cached = 0
     for chat in range(CHATS):
         messages = [{"role": "system",
@@ -136,11 +139,14 @@ def test_router_sees_both_workers_healthy_under_the_model_name(replicas: Replica
     view = replicas.router_view()
     assert set(view) == set(replicas.workers()) and len(view) == 2
     assert all(w["is_healthy"] and w["model_id"] == "tiny-seed0" for w in view.values())
-    models = httpx.get(f"{replicas.url}/v1/models", timeout=10).json()["data"]
+    models = httpx.get(f"{replicas.url}/v1/models", headers=AUTH, timeout=10).json()["data"]
     assert [m["id"] for m in models] == ["tiny-seed0"]
+    # The workers' API key guards the router too, which passes it on to them.
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    url = f"{replicas.url}/v1/chat/completions"
+    assert httpx.post(url, json=chat, timeout=60).status_code == 401
     # A request naming no model is served, as by one server.
-    reply = httpx.post(f"{replicas.url}/v1/chat/completions", timeout=60, json={
-        "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2})
+    reply = httpx.post(url, json=chat, headers=AUTH, timeout=60)
     assert reply.status_code == 200, reply.text
 
 
@@ -152,12 +158,13 @@ def test_cache_aware_routing_reuses_more_prefix_than_round_robin(replicas: Repli
     add_replicas_arguments(parser)
     args = parser.parse_args(["--port", str(port), "--policy", "round_robin",
                               "--metrics-port", str(free_port())])
-    round_robin = subprocess.Popen(router_command(args, list(replicas.workers())),
+    round_robin = subprocess.Popen(router_command(args, list(replicas.workers()), API_KEY),
                                    env=server_env(), stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
     try:
         rr_url = f"http://127.0.0.1:{port}"
-        _wait_for(lambda: router_ready(rr_url, 2), "round-robin router not ready", replicas)
+        _wait_for(lambda: router_ready(rr_url, 2, API_KEY), "round-robin router not ready",
+                  replicas)
         rr_prompt, rr_cached = converse(rr_url, "round-robin")
     finally:
         round_robin.terminate()
@@ -178,7 +185,7 @@ def test_a_killed_worker_is_routed_around(replicas: Replicas) -> None:
     assert f"({dead}) exited with status -9" in replicas.log()
 
     def prompt_tokens_served() -> float:
-        text = httpx.get(f"{alive}/metrics", timeout=10).text
+        text = httpx.get(f"{alive}/metrics", headers=AUTH, timeout=10).text
         return float(re.search(r"^radix_mlx_prompt_tokens_total (\S+)", text, re.MULTILINE)[1])
 
     before = prompt_tokens_served()
@@ -188,7 +195,7 @@ def test_a_killed_worker_is_routed_around(replicas: Replicas) -> None:
 
 
 def test_sigterm_drains_then_stops_router_and_workers(replicas: Replicas) -> None:
-    client = openai.OpenAI(base_url=f"{replicas.url}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{replicas.url}/v1", api_key=API_KEY, max_retries=0)
     stream = client.chat.completions.create(
         model="tiny-seed0", messages=[{"role": "user", "content": "a long answer, please"}],
         max_tokens=48, stream=True, extra_body={"ignore_eos": True})
@@ -202,4 +209,13 @@ def test_sigterm_drains_then_stops_router_and_workers(replicas: Replicas) -> Non
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     with pytest.raises(httpx.TransportError):
-        httpx.get(f"{replicas.url}/workers", timeout=5)
+        httpx.get(f"{replicas.url}/workers", headers=AUTH, timeout=5)
+
+
+def test_a_bad_worker_flag_fails_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["replicas", "--workers", "2", "--", "--max-queue", "0"])
+    assert exit_.value.code == 2
+    assert "max_queue" in capsys.readouterr().err
