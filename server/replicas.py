@@ -11,8 +11,9 @@ that already holds its prefix, unless the workers' loads drift too far apart
 SIGTERM/SIGINT go to every child at once (children have process groups of their own, so
 a terminal's Ctrl-C reaches them once, through us, not twice): workers drain (503 to new
 requests, in-flight ones finish, /health says so, which the router sees), the router
-stops accepting and waits for its in-flight requests. A worker that dies is logged and routed around (the
-router's health checks take it out); the router dying, or every worker, stops the lot.
+stops accepting and waits for its in-flight requests. A worker that dies is logged,
+routed around (the router's health checks take it out) and restarted on its port after
+--restart-delay; the router dying stops the lot.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 
 import httpx
@@ -39,6 +40,10 @@ POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 # requests work as they do against one server.
 ROUTER_DEFAULT_MODEL = "unknown"
 POLL_SECONDS = 0.5
+# A worker that dies within this long of its start is crash-looping: its restart delay
+# doubles each time, up to the maximum.
+CRASH_LOOP_SECONDS = 60.0
+MAX_RESTART_DELAY = 60.0
 
 
 @dataclass
@@ -46,9 +51,16 @@ class Child:
     name: str
     url: str
     process: subprocess.Popen
+    started: float = field(default_factory=time.monotonic)
+    restart_at: float | None = None
+    restart_delay: float = 0.0
 
     def exited(self) -> int | None:
         return self.process.poll()
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
 
 
 def add_replicas_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +76,9 @@ def add_replicas_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how often the router probes each worker's /health")
     parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS",
                         help="how long workers may take to load and warm up")
+    parser.add_argument("--restart-delay", type=float, default=2.0, metavar="SECONDS",
+                        help="a worker that exits is restarted after this long, doubling "
+                             "while it keeps dying within a minute (0: never restart)")
     parser.add_argument("--drain-timeout", type=float, default=15.0, metavar="SECONDS",
                         help="on SIGTERM, how long in-flight requests get to finish")
     parser.add_argument("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE_FLAGS",
@@ -183,9 +198,32 @@ class Supervisor:
 
     def _start_worker(self, index: int) -> None:
         port = free_port()
-        process = subprocess.Popen(worker_command(self.args, port), process_group=0)
+        process = self._spawn(port)
         self.workers.append(Child(f"worker {index}", f"http://127.0.0.1:{port}", process))
         log.info("worker %d: pid %d, %s", index, process.pid, self.workers[-1].url)
+
+    def _spawn(self, port: int) -> subprocess.Popen:
+        return subprocess.Popen(worker_command(self.args, port), process_group=0)
+
+    def _look_after(self, worker: Child) -> None:
+        """Restart a worker that exited, on its own port (the router knows it by its URL):
+        the router's probes take it out meanwhile and bring it back once it is ready."""
+        now = time.monotonic()
+        if worker.restart_at is None and worker.exited() is not None:
+            young = now - worker.started < CRASH_LOOP_SECONDS
+            worker.restart_delay = (min(2 * worker.restart_delay, MAX_RESTART_DELAY)
+                                    if young and worker.restart_delay
+                                    else self.args.restart_delay)
+            worker.restart_at = now + worker.restart_delay
+            log.warning("%s (%s) exited with status %s; the router routes around it%s",
+                        worker.name, worker.url, worker.exited(),
+                        f"; restarting it in {worker.restart_delay:.0f} s"
+                        if self.args.restart_delay else "")
+        elif self.args.restart_delay and worker.restart_at and now >= worker.restart_at:
+            worker.process = self._spawn(worker.port)
+            worker.started, worker.restart_at = now, None
+            log.info("%s: pid %d, %s (restarted)", worker.name, worker.process.pid,
+                     worker.url)
 
     def _start_router(self) -> None:
         url = f"http://{self.args.host}:{self.args.port}"
@@ -210,19 +248,16 @@ class Supervisor:
             time.sleep(POLL_SECONDS)
 
     def _watch(self) -> int:
-        reported: set[str] = set()
         while not self.stopping:
             time.sleep(POLL_SECONDS)
-            for worker in self.workers:
-                if worker.exited() is not None and worker.name not in reported:
-                    reported.add(worker.name)
-                    log.warning("%s (%s) exited with status %s; the router routes around "
-                                "it", worker.name, worker.url, worker.exited())
-            if len(reported) == len(self.workers):
-                log.error("every worker has exited")
-                return 1
             if self.router.exited() is not None:
                 log.error("the router exited with status %s", self.router.exited())
+                return 1
+            for worker in self.workers:
+                self._look_after(worker)
+            if not self.args.restart_delay and all(w.exited() is not None
+                                                   for w in self.workers):
+                log.error("every worker has exited")
                 return 1
         return 0
 

@@ -32,6 +32,8 @@ pytest.importorskip("sglang_router")
 CHATS, TURNS = 3, 4
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 WAIT_SECONDS = 30.0
+# Long enough that the killed worker stays out while the next conversation runs.
+RESTART_DELAY = 10
 
 
 @dataclass
@@ -53,8 +55,8 @@ class Replicas:
         return {worker["url"]: worker for worker in listed}
 
 
-def _wait_for(condition, what: str, replicas: Replicas) -> None:
-    deadline = time.monotonic() + WAIT_SECONDS
+def _wait_for(condition, what: str, replicas: Replicas, seconds: float = WAIT_SECONDS) -> None:
+    deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline, f"{what}; log:\n{replicas.log()[-3000:]}"
         time.sleep(0.25)
@@ -66,7 +68,7 @@ def replicas(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     log_path = tmp_path_factory.mktemp("replicas") / "replicas.log"
     command = [sys.executable, "-m", "server.cli", "replicas", "--workers", "2",
                "--model", str(demo_model_dir), "--port", str(port), "--health-check-interval",
-               "1", "--", "--config", "", "--cache-bytes", str(256 * 2**20),
+               "1", "--restart-delay", str(RESTART_DELAY), "--", "--config", "", "--cache-bytes", str(256 * 2**20),
                "--api-key", API_KEY]
     with log_path.open("w") as log:
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=server_env(), stdout=log,
@@ -120,16 +122,17 @@ def test_worker_reports_model_limits_and_load(
     assert model["is_generation"] and model["model_path"] == info["model_path"]
     assert model["context_length"] == info["context_length"] and model["vocab_size"] > 0
 
-    # A stream in flight is one running request holding its prompt + max_tokens.
+    # A stream in flight is one running request holding its prompt + max_tokens (more
+    # tokens than it can decode before we look; closing the stream cancels it).
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
-    stream = client.completions.create(model=model_id, prompt="count with me:", max_tokens=64,
+    stream = client.completions.create(model=model_id, prompt="count with me:", max_tokens=4000,
                                        stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
     [load] = httpx.get(f"{server.url}/get_load", headers=headers).json()
     stream.close()
     assert load["dp_rank"] == 0 and load["num_reqs"] >= 1 and load["num_running_reqs"] >= 1
     assert load["num_reqs"] == load["num_running_reqs"] + load["num_waiting_reqs"]
-    assert load["num_tokens"] >= 64
+    assert load["num_tokens"] >= 4000
 
 
 # -- two replicas behind the router ---------------------------------------------------------
@@ -176,7 +179,7 @@ def test_cache_aware_routing_reuses_more_prefix_than_round_robin(replicas: Repli
     assert cache_aware > alternating + 0.15
 
 
-def test_a_killed_worker_is_routed_around(replicas: Replicas) -> None:
+def test_a_killed_worker_is_routed_around_then_restarted(replicas: Replicas) -> None:
     (dead, dead_pid), (alive, _) = replicas.workers().items()
     os.kill(dead_pid, signal.SIGKILL)
     _wait_for(lambda: not replicas.router_view()[dead]["is_healthy"],
@@ -191,7 +194,12 @@ def test_a_killed_worker_is_routed_around(replicas: Replicas) -> None:
     before = prompt_tokens_served()
     prompt, _ = converse(replicas.url, "after-the-kill")
     assert prompt_tokens_served() - before == prompt  # every turn went to the survivor
-    assert replicas.process.poll() is None
+
+    # Restarted on its port after the delay, it is back in the router's rotation.
+    _wait_for(lambda: replicas.router_view()[dead]["is_healthy"],
+              "the killed worker did not come back", replicas, seconds=RESTART_DELAY + 90)
+    assert replicas.workers()[dead] != dead_pid
+    assert httpx.get(f"{dead}/health", timeout=10).status_code == 200
 
 
 def test_sigterm_drains_then_stops_router_and_workers(replicas: Replicas) -> None:
