@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from server.cli import main
+from server.cli import build_parser
 from server.replicas import add_replicas_arguments, free_port, router_command, router_ready
 from tests.server.support import API_KEY, REPO_ROOT, START_TIMEOUT, ServerProcess, server_env
 
@@ -223,7 +223,6 @@ def test_sigterm_drains_then_stops_router_and_workers(replicas: Replicas) -> Non
 def test_a_bad_worker_flag_fails_before_anything_starts(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        main(["replicas", "--workers", "2", "--", "--max-queue", "0"])
-    assert exit_.value.code == 2
+    args = build_parser().parse_args(["replicas", "--workers", "2", "--", "--max-queue", "0"])
+    assert args.handler(args) == 2
     assert "max_queue" in capsys.readouterr().err
