@@ -1,4 +1,5 @@
-"""Bearer API key for every route but /health, when one is configured.
+"""API key for every route but /health, when one is configured: `Authorization: Bearer
+KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's).
 
 A pure ASGI layer rather than a route dependency, so a request without the key is
 refused before its body is parsed: an unauthenticated client learns nothing about its
@@ -29,14 +30,17 @@ class APIKeyMiddleware:
         if (scope["type"] == "http" and scope["path"] not in OPEN_PATHS
                 and scope["method"] != "OPTIONS" and not self._authorized(scope)):
             await APIError(
-                401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                401, "missing or invalid API key (send 'Authorization: Bearer <key>' or "
+                "'x-api-key: <key>')",
                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
-            ).response()(scope, receive, send)
+            ).response(scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer":
+            token = headers.get(b"x-api-key", b"")
         # Constant time, so response timing does not reveal how much of a guess was right.
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+        return hmac.compare_digest(token.strip(), self._key)

@@ -8,6 +8,7 @@ exist for one-off runs and secrets.
 
 import argparse
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +29,11 @@ from pydantic import (
 ENV_PREFIX = "RADIX_MLX_"
 
 NonEmpty = Annotated[str, Field(min_length=1)]
+
+# Claude Code starts its system prompt with a line such as
+# "x-anthropic-billing-header: cc_version=2.1.117.48f; cc_entrypoint=cli; cch=71fea;"
+# whose hash changes with every request.
+CLAUDE_CODE_BILLING_LINE = r"x-anthropic-billing-header:.*"
 
 
 class Settings(BaseModel):
@@ -103,6 +109,17 @@ class Settings(BaseModel):
         description="seconds running requests get to finish after SIGTERM before they are cut",
     )
     default_max_tokens: PositiveInt = Field(512, description="max_tokens when a request omits it")
+    volatile_system_lines: list[NonEmpty] = Field(
+        [CLAUDE_CODE_BILLING_LINE],
+        description="regular expressions; a system-prompt line matching one in full is "
+        "dropped before templating, so a per-request line cannot defeat the prefix cache",
+    )
+    response_store_size: PositiveInt = Field(
+        1000, description="Responses API responses kept for previous_response_id; oldest go first"
+    )
+    response_store_path: Path | None = Field(
+        None, description="SQLite file keeping stored responses across restarts; none: memory"
+    )
     config_file: Path | None = Field(None, description="TOML file read for these settings")
 
     @field_validator("ssl_certfile", "ssl_keyfile")
@@ -123,6 +140,16 @@ class Settings(BaseModel):
     def scheme(self) -> str:
         return "https" if self.ssl_certfile is not None else "http"
 
+    @field_validator("volatile_system_lines")
+    @classmethod
+    def _compiles(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(f"{pattern!r} is not a regular expression: {error}") from None
+        return patterns
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _lowercase_level(cls, value: Any) -> Any:
@@ -133,7 +160,7 @@ class ConfigError(ValueError):
     """A one-line message naming the source and the option; the CLI prints it and exits."""
 
 
-LIST_FIELDS = ("served_model_names", "cors_origins")
+LIST_FIELDS = ("served_model_names", "cors_origins", "volatile_system_lines")
 FLAGS = {
     "served_model_names": "--served-model-name",
     "cors_origins": "--cors-origin",

@@ -1,6 +1,8 @@
-"""OpenAI error objects for every failure, with the right status and nothing leaked.
+"""Error objects for every failure, with the right status and nothing leaked.
 
-Every error leaves as `{"error": {"message", "type", "param", "code"}}`: our own
+Every error leaves in the shape of the API its path belongs to: Anthropic's
+`{"type": "error", "error": {"type", "message"}}` under /v1/messages, OpenAI's
+`{"error": {"message", "type", "param", "code"}}` everywhere else. That covers our own
 `APIError`s, FastAPI's validation errors (400 instead of FastAPI's 422, as OpenAI does),
 Starlette's routing errors (404/405) and, through the request middleware, unexpected
 exceptions, which become a 500 naming the request id while the traceback stays in the
@@ -17,7 +19,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from server.anthropic_protocol import ErrorInfo as AnthropicErrorInfo
+from server.anthropic_protocol import ErrorResponse as AnthropicErrorResponse
+from server.anthropic_protocol import error_type as anthropic_error_type
 from server.protocol import ErrorInfo, ErrorResponse
+
+ANTHROPIC_PATH = "/v1/messages"
 
 # How many validation problems one message lists; the rest are counted.
 MAX_LISTED_PROBLEMS = 3
@@ -50,8 +57,19 @@ class APIError(Exception):
             )
         )
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), self.status, headers=self.headers)
+    def anthropic_body(self) -> AnthropicErrorResponse:
+        return AnthropicErrorResponse(
+            error=AnthropicErrorInfo(type=anthropic_error_type(self.status), message=self.message)
+        )
+
+    def response(self, path: str) -> JSONResponse:
+        """The error in the shape of the API that `path` belongs to."""
+        body = self.anthropic_body() if is_anthropic_path(path) else self.body()
+        return JSONResponse(body.model_dump(), self.status, headers=self.headers)
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 def error_type(status: int) -> str:
@@ -86,11 +104,11 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
 
 
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
-    return error.response()
+    return error.response(request.url.path)
 
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    return validation_error(list(error.errors())).response()
+    return validation_error(list(error.errors())).response(request.url.path)
 
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -98,7 +116,7 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     return APIError(
         error.status_code, str(error.detail), code=codes.get(error.status_code),
         headers=error.headers,
-    ).response()
+    ).response(request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -62,14 +62,14 @@ class RequestMiddleware:
                 raise APIError(503, "the server is shutting down", code="shutting_down")
             await self.app(scope, receive, send_with_id)
         except APIError as error:
-            await error.response()(scope, receive, send_with_id)
+            await error.response(scope["path"])(scope, receive, send_with_id)
         except Exception:
             log.exception("request %s failed", request_id)
             if not response_started:
                 await APIError(
                     500, f"internal server error (request id {request_id})",
                     code="internal_error",
-                ).response()(scope, receive, send_with_id)
+                ).response(scope["path"])(scope, receive, send_with_id)
         finally:
             drain.inflight -= 1
             self.state.metrics.count_request(_endpoint(scope["path"]), status)

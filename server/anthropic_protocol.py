@@ -1,0 +1,383 @@
+"""Pydantic models of Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`).
+
+Requests validate declaratively, like the OpenAI models: strict types, unknown fields
+ignored (clients such as Claude Code send many we have no use for: `metadata`,
+`context_management`, `service_tier`, ...). What the model cannot read (image and document
+blocks, Anthropic's server-side tools) is refused with a 400 that names it. Responses and
+stream events mirror what the official `anthropic` SDK parses.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Field, Tag, model_validator
+
+from server.protocol import RequestModel, ResponseModel, shaped_union
+
+# -- request pieces ----------------------------------------------------------------------
+
+
+class CacheControl(RequestModel):
+    """Accepted and otherwise ignored: the radix cache keeps every prefix anyway."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class Block(RequestModel):
+    cache_control: CacheControl | None = None
+
+
+class TextBlock(Block):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(Block):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: dict[str, Any]
+
+
+class ThinkingBlock(Block):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(Block):
+    """Encrypted thinking from Anthropic's models: nothing a local model can read."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+class UnsupportedBlock(RequestModel):
+    type: str
+
+    @model_validator(mode="after")
+    def _refuse(self) -> UnsupportedBlock:
+        if self.type in ("image", "document"):
+            raise ValueError(
+                f"{self.type} blocks are not supported: the served model reads text only"
+            )
+        raise ValueError(f"content blocks of type {self.type!r} are not supported")
+
+
+def _blocks(*members: type[RequestModel]) -> Any:
+    """A list of content blocks told apart by `type`; unknown types get a clear 400."""
+    tags = {member.model_fields["type"].annotation.__args__[0]: member for member in members}
+
+    def kind(value: Any) -> str | None:
+        if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+            return None
+        return value["type"] if value["type"] in tags else "unsupported"
+
+    union = Union[  # noqa: UP007
+        tuple(Annotated[member, Tag(tag)] for tag, member in tags.items())
+        + (Annotated[UnsupportedBlock, Tag("unsupported")],)
+    ]
+    return list[Annotated[union, Discriminator(
+        kind, custom_error_type="invalid_type",
+        custom_error_message="must be a content block object with a type",
+    )]]
+
+
+def _str_or_list(value: Any) -> str | None:
+    return "str" if isinstance(value, str) else "list" if isinstance(value, list) else None
+
+
+ToolResultContent = shaped_union(
+    _str_or_list, "a string or a list of text blocks", str=str, list=_blocks(TextBlock)
+)
+
+
+class ToolResultBlock(Block):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1)
+    content: ToolResultContent = ""
+    is_error: bool = False
+
+
+ContentBlock = _blocks(TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
+                       RedactedThinkingBlock)
+Content = shaped_union(
+    _str_or_list, "a string or a list of content blocks", str=str, list=ContentBlock
+)
+
+
+class Message(RequestModel):
+    role: Literal["user", "assistant"]
+    content: Content
+
+
+System = shaped_union(
+    _str_or_list, "a string or a list of text blocks", str=str, list=_blocks(TextBlock)
+)
+
+
+class Tool(RequestModel):
+    """A client tool. Anthropic's server tools (web search, code execution, ...) have a
+    versioned `type` and no `input_schema`; they are refused by `_tool_kind`."""
+
+    type: Literal["custom"] | None = None
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+    strict: bool | None = None
+    cache_control: CacheControl | None = None
+
+
+class ServerTool(RequestModel):
+    type: str
+
+    @model_validator(mode="after")
+    def _refuse(self) -> ServerTool:
+        raise ValueError(
+            f"server tools such as {self.type!r} are not supported; define client tools "
+            "with a name and an input_schema"
+        )
+
+
+def _tool_kind(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return None
+    return "client" if value.get("type") in (None, "custom") else "server"
+
+
+ToolDefinition = Annotated[
+    Annotated[Tool, Tag("client")] | Annotated[ServerTool, Tag("server")],
+    Discriminator(_tool_kind, custom_error_type="invalid_type",
+                  custom_error_message="must be a tool object"),
+]
+
+
+class ToolChoiceAuto(RequestModel):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceAny(RequestModel):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceTool(RequestModel):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceNone(RequestModel):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[
+    ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")
+]
+
+
+class ThinkingEnabled(RequestModel):
+    type: Literal["enabled"]
+    budget_tokens: int = Field(ge=1)
+
+
+class ThinkingAdaptive(RequestModel):
+    type: Literal["adaptive"]
+
+
+class ThinkingDisabled(RequestModel):
+    type: Literal["disabled"]
+
+
+Thinking = Annotated[
+    ThinkingEnabled | ThinkingAdaptive | ThinkingDisabled, Field(discriminator="type")
+]
+
+
+class JsonSchemaFormat(RequestModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(RequestModel):
+    format: JsonSchemaFormat | None = None
+    effort: str | None = None
+
+
+class TokenCountRequest(RequestModel):
+    """What `/v1/messages/count_tokens` takes: a message request without `max_tokens`."""
+
+    model: str = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
+    system: System | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+
+    @model_validator(mode="after")
+    def _check_tool_choice(self) -> TokenCountRequest:
+        names = {tool.name for tool in self.tools or ()}
+        if isinstance(self.tool_choice, ToolChoiceAny | ToolChoiceTool) and not names:
+            raise ValueError(f"tool_choice {self.tool_choice.type!r} needs tools")
+        if isinstance(self.tool_choice, ToolChoiceTool) and self.tool_choice.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.name!r}, which is not a tool")
+        return self
+
+
+class MessagesRequest(TokenCountRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+
+
+# -- responses -----------------------------------------------------------------------------
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+class Usage(ResponseModel):
+    """Anthropic counts cache reads apart from `input_tokens`: the prompt is the sum."""
+
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+
+class TextContent(ResponseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolUseContent(ResponseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ThinkingContent(ResponseModel):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    # Anthropic signs its thinking so it can be verified when sent back; ours is local.
+    signature: str = ""
+
+
+ResponseContent = TextContent | ToolUseContent | ThinkingContent
+
+
+class MessageResponse(ResponseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[ResponseContent]
+    stop_reason: StopReason | None
+    stop_sequence: str | None
+    usage: Usage
+
+
+class TokenCount(ResponseModel):
+    input_tokens: int
+
+
+# -- stream events -------------------------------------------------------------------------
+
+
+class MessageStart(ResponseModel):
+    type: Literal["message_start"] = "message_start"
+    message: MessageResponse
+
+
+class ContentBlockStart(ResponseModel):
+    type: Literal["content_block_start"] = "content_block_start"
+    index: int
+    content_block: ResponseContent
+
+
+class TextDelta(ResponseModel):
+    type: Literal["text_delta"] = "text_delta"
+    text: str
+
+
+class InputJsonDelta(ResponseModel):
+    type: Literal["input_json_delta"] = "input_json_delta"
+    partial_json: str
+
+
+class ThinkingDelta(ResponseModel):
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
+
+
+class ContentBlockDelta(ResponseModel):
+    type: Literal["content_block_delta"] = "content_block_delta"
+    index: int
+    delta: TextDelta | InputJsonDelta | ThinkingDelta
+
+
+class ContentBlockStop(ResponseModel):
+    type: Literal["content_block_stop"] = "content_block_stop"
+    index: int
+
+
+class MessageDeltaBody(ResponseModel):
+    stop_reason: StopReason
+    stop_sequence: str | None
+
+
+class MessageDelta(ResponseModel):
+    """The closing usage is cumulative: the SDK takes it as the message's final usage."""
+
+    type: Literal["message_delta"] = "message_delta"
+    delta: MessageDeltaBody
+    usage: Usage
+
+
+class MessageStop(ResponseModel):
+    type: Literal["message_stop"] = "message_stop"
+
+
+class Ping(ResponseModel):
+    type: Literal["ping"] = "ping"
+
+
+StreamEvent = (
+    MessageStart | ContentBlockStart | ContentBlockDelta | ContentBlockStop | MessageDelta
+    | MessageStop | Ping
+)
+
+
+# -- errors --------------------------------------------------------------------------------
+
+ErrorType = Literal[
+    "invalid_request_error", "authentication_error", "permission_error", "not_found_error",
+    "request_too_large", "rate_limit_error", "api_error", "overloaded_error",
+]
+
+
+class ErrorInfo(ResponseModel):
+    type: ErrorType
+    message: str
+
+
+class ErrorResponse(ResponseModel):
+    type: Literal["error"] = "error"
+    error: ErrorInfo
+    request_id: str | None = None
+
+
+def error_type(status: int) -> ErrorType:
+    """Anthropic's error type for an HTTP status (docs: "HTTP errors")."""
+    return {
+        401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+        413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+        529: "overloaded_error",
+    }.get(status, "api_error" if status >= 500 else "invalid_request_error")

@@ -1,0 +1,119 @@
+"""Stored Responses API responses, for `previous_response_id` and GET/DELETE by id.
+
+Each entry keeps the response as sent (for GET) and the whole conversation it ended
+(for a follow-up, which then sends only its new input). The store is bounded by a count:
+past `capacity`, the oldest entries go. In memory by default; in SQLite (the standard
+library's embedded database, one file, no server) when a path is configured, so stored
+responses survive a restart.
+
+Calls block (SQLite writes to disk), so the routes run them in a worker thread; a lock
+makes every call atomic.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    response: dict[str, Any]  # the Response object, as JSON
+    conversation: list[dict[str, Any]]  # chat messages, the response's output included
+
+
+class MemoryStore:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, response_id: str, entry: StoredResponse) -> None:
+        with self._lock:
+            self._entries[response_id] = _dump(entry)
+            self._entries.move_to_end(response_id)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        with self._lock:
+            data = self._entries.get(response_id)
+        return None if data is None else _load(data)
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            return self._entries.pop(response_id, None) is not None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def close(self) -> None:
+        pass
+
+
+class SQLiteStore:
+    def __init__(self, path: Path, capacity: int) -> None:
+        self.capacity = capacity
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            # `seq` orders entries by insertion, so the oldest go first.
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS responses ("
+                "seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, "
+                "data TEXT NOT NULL)"
+            )
+
+    def put(self, response_id: str, entry: StoredResponse) -> None:
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "INSERT OR REPLACE INTO responses (id, data) VALUES (?, ?)",
+                (response_id, _dump(entry)),
+            )
+            self._db.execute(
+                "DELETE FROM responses WHERE seq NOT IN "
+                "(SELECT seq FROM responses ORDER BY seq DESC LIMIT ?)", (self.capacity,),
+            )
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT data FROM responses WHERE id = ?", (response_id,)
+            ).fetchone()
+        return None if row is None else _load(row[0])
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            cursor = self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+        return cursor.rowcount > 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+ResponseStore = MemoryStore | SQLiteStore
+
+
+def open_store(path: Path | None, capacity: int) -> ResponseStore:
+    return MemoryStore(capacity) if path is None else SQLiteStore(path, capacity)
+
+
+def _dump(entry: StoredResponse) -> str:
+    return json.dumps({"response": entry.response, "conversation": entry.conversation})
+
+
+def _load(data: str) -> StoredResponse:
+    return StoredResponse(**json.loads(data))

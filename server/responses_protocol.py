@@ -1,0 +1,432 @@
+"""Pydantic models of OpenAI's Responses API (`/v1/responses`).
+
+Requests validate declaratively like the chat models: strict types, unknown fields
+ignored (Codex sends `include`, `reasoning`, `prompt_cache_key`, ...). Items the served
+model cannot read (images, files) and hosted tools (web search, file search, ...) are
+refused with a 400 that names them. Responses, output items and stream events mirror
+what the official `openai` SDK parses.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Field, Tag, model_validator
+
+from server.protocol import RequestModel, ResponseModel, now, shaped_union
+
+# -- input items ---------------------------------------------------------------------------
+
+
+class InputText(RequestModel):
+    type: Literal["input_text", "output_text", "text", "summary_text", "reasoning_text"]
+    text: str
+
+
+class UnsupportedPart(RequestModel):
+    type: str
+
+    @model_validator(mode="after")
+    def _refuse(self) -> UnsupportedPart:
+        if self.type in ("input_image", "input_file", "input_audio"):
+            raise ValueError(
+                f"{self.type} parts are not supported: the served model reads text only"
+            )
+        raise ValueError(f"content parts of type {self.type!r} are not supported")
+
+
+def _text_part_kind(value: Any) -> str | None:
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        return None
+    return "text" if value["type"] in InputText.model_fields["type"].annotation.__args__ \
+        else "unsupported"
+
+
+TextPart = Annotated[
+    Annotated[InputText, Tag("text")] | Annotated[UnsupportedPart, Tag("unsupported")],
+    Discriminator(_text_part_kind, custom_error_type="invalid_type",
+                  custom_error_message="must be a content part object with a type"),
+]
+
+
+def _str_or_list(value: Any) -> str | None:
+    return "str" if isinstance(value, str) else "list" if isinstance(value, list) else None
+
+
+Content = shaped_union(
+    _str_or_list, "a string or a list of content parts", str=str, list=list[TextPart]
+)
+
+
+def joined_text(content: Content) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+class MessageItem(RequestModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Content
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(RequestModel):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(RequestModel):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: Content
+    id: str | None = None
+    status: str | None = None
+
+
+class ReasoningItem(RequestModel):
+    """Earlier reasoning sent back. A local model can read `content` (its own text);
+    `encrypted_content` is OpenAI's and stays opaque."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[InputText] = Field(default_factory=list)
+    content: list[InputText] | None = None
+    encrypted_content: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or self.summary)
+
+
+class UnsupportedItem(RequestModel):
+    type: str
+
+    @model_validator(mode="after")
+    def _refuse(self) -> UnsupportedItem:
+        raise ValueError(f"input items of type {self.type!r} are not supported")
+
+
+ITEM_TYPES = {
+    "message": MessageItem, "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem,
+}
+
+
+def _item_kind(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return None
+    kind = value.get("type", "message")  # EasyInputMessage may omit its type
+    if not isinstance(kind, str):
+        return None
+    return kind if kind in ITEM_TYPES else "unsupported"
+
+
+InputItem = Annotated[
+    Union[  # noqa: UP007
+        tuple(Annotated[model, Tag(tag)] for tag, model in ITEM_TYPES.items())
+        + (Annotated[UnsupportedItem, Tag("unsupported")],)
+    ],
+    Discriminator(_item_kind, custom_error_type="invalid_type",
+                  custom_error_message="must be an input item object"),
+]
+Input = shaped_union(
+    _str_or_list, "a string or a list of input items",
+    str=str, list=Annotated[list[InputItem], Field(min_length=1)],
+)
+
+
+# -- tools, tool choice, output format ----------------------------------------------------
+
+
+class FunctionTool(RequestModel):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class HostedTool(RequestModel):
+    type: str
+
+    @model_validator(mode="after")
+    def _refuse(self) -> HostedTool:
+        raise ValueError(
+            f"tools of type {self.type!r} are not supported; only function tools are"
+        )
+
+
+ToolDefinition = Annotated[
+    Annotated[FunctionTool, Tag("function")] | Annotated[HostedTool, Tag("hosted")],
+    Discriminator(
+        lambda value: (None if not isinstance(value, dict)
+                       else "function" if value.get("type") == "function" else "hosted"),
+        custom_error_type="invalid_type", custom_error_message="must be a tool object",
+    ),
+]
+
+
+class FunctionChoice(RequestModel):
+    type: Literal["function"]
+    name: str
+
+
+ToolChoice = Literal["none", "auto", "required"] | FunctionChoice
+
+
+class TextFormat(RequestModel):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(RequestModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(RequestModel):
+    type: Literal["json_schema"]
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+Format = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
+class TextConfig(RequestModel):
+    format: Format | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ReasoningConfig(RequestModel):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(RequestModel):
+    model: str | None = None
+    input: Input
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    stream: bool = False
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # Codex sends one per conversation. A radix cache finds a shared prefix by itself,
+    # so the key changes nothing here; it is echoed back as OpenAI does.
+    prompt_cache_key: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    background: bool = False
+    conversation: Any = None
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> ResponsesRequest:
+        if self.background:
+            raise ValueError("background responses are not supported")
+        if self.conversation is not None:
+            raise ValueError("conversation is not supported; use previous_response_id")
+        names = {tool.name for tool in self.tools or ()}
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, FunctionChoice) and self.tool_choice.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.name!r}, which is not a tool")
+        return self
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+class OutputText(ResponseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class ReasoningText(ResponseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class OutputMessage(ResponseModel):
+    type: Literal["message"] = "message"
+    id: str
+    role: Literal["assistant"] = "assistant"
+    status: ItemStatus
+    content: list[OutputText]
+
+
+class OutputFunctionCall(ResponseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus
+
+
+class OutputReasoning(ResponseModel):
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: ItemStatus
+
+
+OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
+
+
+class InputTokensDetails(ResponseModel):
+    cached_tokens: int
+    # Every prompt token computed is kept in the radix tree for later requests.
+    cache_write_tokens: int
+
+
+class OutputTokensDetails(ResponseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(ResponseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class ResponseError(ResponseModel):
+    code: str
+    message: str
+
+
+class IncompleteDetails(ResponseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class Response(ResponseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=now)
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[FunctionTool] = Field(default_factory=list)
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    store: bool = True
+    metadata: dict[str, str] = Field(default_factory=dict)
+    prompt_cache_key: str | None = None
+    user: str | None = None
+    usage: ResponseUsage | None = None
+
+    @property
+    def output_text(self) -> str:
+        return "".join(
+            part.text for item in self.output if isinstance(item, OutputMessage)
+            for part in item.content
+        )
+
+
+class DeletedResponse(ResponseModel):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True
+
+
+# -- stream events (each carries `sequence_number`, set when it is sent) ------------------
+
+
+class Event(ResponseModel):
+    type: str
+    sequence_number: int = 0
+
+
+class ResponseEvent(Event):
+    """response.created / in_progress / completed / incomplete / failed."""
+
+    response: Response
+
+
+class ItemEvent(Event):
+    """response.output_item.added / done."""
+
+    output_index: int
+    item: OutputItem
+
+
+class PartEvent(Event):
+    """response.content_part.added / done."""
+
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    part: OutputText | ReasoningText
+
+
+class TextDeltaEvent(Event):
+    """response.output_text.delta, response.reasoning_text.delta."""
+
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    delta: str
+    logprobs: list[Any] | None = None
+
+
+class TextDoneEvent(Event):
+    """response.output_text.done, response.reasoning_text.done."""
+
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    text: str
+    logprobs: list[Any] | None = None
+
+
+class ArgumentsDeltaEvent(Event):
+    type: Literal["response.function_call_arguments.delta"] = (
+        "response.function_call_arguments.delta"
+    )
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ArgumentsDoneEvent(Event):
+    type: Literal["response.function_call_arguments.done"] = (
+        "response.function_call_arguments.done"
+    )
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+class ErrorEvent(Event):
+    type: Literal["error"] = "error"
+    code: str | None
+    message: str
+    param: str | None
