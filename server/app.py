@@ -7,11 +7,13 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from server.anthropic_adapter import router as messages_api
 from server.auth import APIKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
 from server.config import Settings
 from server.errors import install_error_handlers
 from server.middleware import RequestMiddleware
+from server.responses_adapter import router as responses_api
 from server.routes import api, probes
 from server.state import ServerState
 from server.worker_info import worker_info
@@ -27,6 +29,8 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
     )
     app.state.server = state = ServerState(settings, engine)
     app.include_router(api)
+    app.include_router(responses_api)
+    app.include_router(messages_api)
     app.include_router(probes)
     app.include_router(worker_info)
     install_error_handlers(app)
@@ -34,8 +38,10 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, key=settings.api_key)
     if settings.cors_origins:
         app.add_middleware(
-            CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
-            allow_headers=["authorization", "content-type", "x-request-id"],
+            CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST", "DELETE"],
+            # x-api-key, anthropic-*: what Anthropic's browser clients send.
+            allow_headers=["authorization", "content-type", "x-request-id", "x-api-key",
+                           "anthropic-version", "anthropic-beta"],
         )
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     # Added last, so outermost: it sees (and logs) every request, CORS preflights too.

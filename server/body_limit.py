@@ -23,7 +23,7 @@ class BodyLimitMiddleware:
         try:
             receive = await self._buffered(scope, receive)
         except APIError as error:
-            await error.response()(scope, receive, send)
+            await error.response(scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -13,6 +13,7 @@ become `max_tokens`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -25,6 +26,15 @@ from engine.api import SamplingParams
 # Content is a string (text parts joined by the front end); tool-call arguments are a
 # mapping, since templates iterate over them (a string is kept when it is not JSON).
 Message = dict[str, Any]
+
+
+def template_arguments(arguments: str) -> Any:
+    """A call's JSON arguments as the mapping templates iterate over; text that is not
+    JSON stays a string (a template that prints arguments verbatim still gets it)."""
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
 
 
 @dataclass(frozen=True)

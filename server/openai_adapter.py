@@ -6,9 +6,6 @@ internal request (`server.generation`), which the shared pipeline runs.
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 from engine.api import SamplingParams
 from server.generation import (
     TEXT,
@@ -21,6 +18,7 @@ from server.generation import (
     OutputFormat,
     ToolChoice,
     sampling,
+    template_arguments,
 )
 from server.protocol import (
     AssistantMessage,
@@ -115,15 +113,8 @@ def template_message(message: ChatMessage) -> Message:
     if isinstance(message, AssistantMessage) and message.tool_calls:
         # Templates iterate over arguments as a mapping; OpenAI sends a JSON string.
         for call in out["tool_calls"]:
-            call["function"]["arguments"] = _arguments(call["function"]["arguments"])
+            call["function"]["arguments"] = template_arguments(call["function"]["arguments"])
     return out
-
-
-def _arguments(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments  # a template that prints arguments verbatim still gets the string
 
 
 def _tool_choice(choice: str | NamedToolChoice | None) -> ToolChoice:

@@ -28,6 +28,7 @@ from server.reasoning import ReasoningSplitter
 from server.state import ServerState
 from server.structured import forces_call, output_constraint
 from server.tools import ToolCallParser
+from server.volatile import drop_volatile_lines
 
 
 class ChoiceDecoder:
@@ -96,8 +97,13 @@ class ChoiceDecoder:
 class Generation:
     """A submitted request: its engine job and one decoder per choice."""
 
-    def __init__(self, request: GenerationRequest, job: Job, decoders: list[ChoiceDecoder]):
+    def __init__(
+        self, request: GenerationRequest, job: Job, decoders: list[ChoiceDecoder],
+        prompt_tokens: int,
+    ) -> None:
         self.request, self.job, self._decoders = request, job, decoders
+        # Known before the engine starts (Anthropic's message_start reports it).
+        self.prompt_tokens = prompt_tokens
 
     @property
     def choices(self) -> int:
@@ -130,16 +136,23 @@ class Generation:
         self.job.close()
 
 
+async def render(state: ServerState, request: GenerationRequest) -> list[list[int]]:
+    """`request`'s prompts as token ids: a chat through the model's template, after its
+    system messages lose the lines `volatile_system_lines` names."""
+    tokenizer = state.ready_tokenizer()
+    if not request.is_chat:
+        return await asyncio.to_thread(raw_prompts, tokenizer, request)
+    messages = drop_volatile_lines(request.messages, state.settings.volatile_system_lines)
+    # Rendering and tokenizing a long conversation takes milliseconds: off the event
+    # loop, so streams in flight keep flowing meanwhile.
+    return [await asyncio.to_thread(chat_prompt, tokenizer, replace(request, messages=messages))]
+
+
 async def start(http: Request, state: ServerState, request: GenerationRequest) -> Generation:
     """Render, tokenize, check and submit `request`; 4xx/5xx as `APIError`s."""
     tokenizer = state.ready_tokenizer()
     tool_format = _tool_format(tokenizer, request)
-    if request.is_chat:
-        # Rendering and tokenizing a long conversation takes milliseconds: off the event
-        # loop, so streams in flight keep flowing meanwhile.
-        prompts = [await asyncio.to_thread(chat_prompt, tokenizer, request)]
-    else:
-        prompts = await asyncio.to_thread(raw_prompts, tokenizer, request)
+    prompts = await render(state, request)
     vocab_size = tokenizer.vocab_size
     sampling = request.sampling
     check_token_ids(sampling.logit_bias, vocab_size, "logit_bias")
@@ -172,7 +185,7 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
         _decoder(request, markers, thinking[choice // request.n][0], tool_format, choice)
         for choice in range(choices)
     ]
-    return Generation(request, job, decoders)
+    return Generation(request, job, decoders, sum(map(len, prompts)))
 
 
 def _decoder(

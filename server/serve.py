@@ -115,6 +115,7 @@ def run(settings: Settings) -> int:
         DrainingServer(config, app.state.server.drain, settings.drain_timeout, engine).run()
     finally:
         engine.shutdown()
+        app.state.server.responses.close()
     if engine.state is Lifecycle.FAILED:
         print(f"radix-mlx serve: the model failed to load: {engine.error}", file=sys.stderr)
         return 1

@@ -1,4 +1,5 @@
-"""What the routes and middleware share: the engine, settings, metrics and drain state."""
+"""What the routes and middleware share: the engine, settings, metrics, drain state and
+the response store."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from server.config import Settings
 from server.drain import Drain
 from server.errors import APIError
 from server.metrics import Metrics
+from server.response_store import ResponseStore, open_store
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -26,9 +28,14 @@ class ServerState:
     metrics: Metrics = field(init=False)
     drain: Drain = field(default_factory=Drain)
     started: int = field(default_factory=lambda: int(time.time()))
+    # Responses API responses stored for previous_response_id; closed by `serve`.
+    responses: ResponseStore = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.engine)
+        self.responses = open_store(
+            self.settings.response_store_path, self.settings.response_store_size
+        )
 
     def model_ids(self) -> list[str]:
         """The served model id first, then its aliases."""

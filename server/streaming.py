@@ -25,9 +25,10 @@ class GenerationEventSource(EventSourceResponse):
     failed, or cut short by a client disconnect (even before the first event)."""
 
     def __init__(
-        self, generation: Generation, events: AsyncIterator[str | ServerSentEvent]
+        self, generation: Generation, events: AsyncIterator[str | ServerSentEvent],
+        **options: Any,
     ) -> None:
-        super().__init__(events)
+        super().__init__(events, **options)
         self.generation = generation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -49,14 +49,19 @@ def takes_model(method: str, path: str) -> bool:
     return method == "POST" or "{model}" in path
 
 
-def request_for(method: str, path: str, model: str) -> dict[str, Any]:
+def request_for(
+    method: str, path: str, model: str, response_id: str = "resp_unknown"
+) -> dict[str, Any]:
     """httpx.request arguments for an otherwise valid call of the operation."""
-    body = {"model": model, "max_tokens": 2}
-    if path == "/v1/chat/completions":
+    body: dict[str, Any] = {"model": model, "max_tokens": 2}
+    if path in ("/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"):
         body["messages"] = HELLO
     elif path == "/v1/completions":
         body["prompt"] = "Hello"
+    elif path == "/v1/responses":
+        body |= {"input": "Hello", "max_output_tokens": 2}
     url = path.replace("{model}", quote(model, safe=""))  # so "../x" stays a model name
+    url = url.replace("{response_id}", response_id)
     return {"method": method, "url": url, "json": body} if method == "POST" else {
         "method": method, "url": url}
 
@@ -69,7 +74,7 @@ BAD_CREDENTIALS = {
     "key plus suffix": {"Authorization": f"Bearer {API_KEY}0"},
     "basic scheme": {"Authorization": f"Basic {API_KEY}"},
     "no scheme": {"Authorization": API_KEY},
-    "other header": {"X-API-Key": API_KEY},
+    "wrong x-api-key": {"X-API-Key": "not-the-key"},
 }
 
 
@@ -83,8 +88,14 @@ def test_every_v1_operation_refuses_a_missing_or_wrong_key(
         response = http.request(**request_for(method, path, demo_model_dir.name))
     assert response.status_code == 401
     assert response.headers["www-authenticate"] == "Bearer"
-    assert response.json()["error"]["code"] == "invalid_api_key"
+    assert error_kind(path, response) in ("invalid_api_key", "authentication_error")
     assert API_KEY not in response.text
+
+
+def error_kind(path: str, response: httpx.Response) -> str:
+    """OpenAI's error code, or Anthropic's error type under /v1/messages."""
+    error = response.json()["error"]
+    return error["type"] if path.startswith("/v1/messages") else error["code"]
 
 
 @pytest.mark.parametrize("body", [b"{bad", b"\xff\xfe", b'{"model": 3}'],
@@ -102,7 +113,11 @@ def test_every_v1_operation_serves_the_right_key(
     hardened: ServerProcess, demo_model_dir: Path, method: str, path: str
 ) -> None:
     with httpx.Client(base_url=hardened.url, headers=AUTH, timeout=30) as http:
-        response = http.request(**request_for(method, path, demo_model_dir.name))
+        stored = "resp_unknown"
+        if "{response_id}" in path:  # a stored response to get or delete
+            stored = http.post("/v1/responses", json={"input": "Hello", "max_output_tokens": 1})
+            stored = stored.json()["id"]
+        response = http.request(**request_for(method, path, demo_model_dir.name, stored))
     assert response.status_code == 200, response.text
 
 
@@ -183,7 +198,7 @@ async def test_no_model_name_reaches_the_filesystem_network_or_loader(
             with side_effects.watching(monkeypatch) as events:
                 response = await client.request(**request_for(method, path, model))
             assert response.status_code == 404, (model, response.text)
-            assert response.json()["error"]["code"] == "model_not_found"
+            assert error_kind(path, response) in ("model_not_found", "not_found_error")
             assert events == [], model
 
 

@@ -1,0 +1,341 @@
+"""Anthropic's Messages API onto the shared pipeline: `/v1/messages` and
+`/v1/messages/count_tokens`.
+
+A thin adapter: the request becomes a `GenerationRequest` (system and content blocks
+into chat messages, tools, tool_choice, thinking, output format, sampling), the shared
+pipeline runs it, and its neutral events come back as Anthropic's content blocks, or as
+Anthropic's stream events (message_start, content_block_start/delta/stop, message_delta,
+message_stop, with ping events while the prompt is computed).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from sse_starlette import ServerSentEvent
+
+from server.anthropic_protocol import (
+    ContentBlockDelta,
+    ContentBlockStart,
+    ContentBlockStop,
+    ErrorInfo,
+    ErrorResponse,
+    InputJsonDelta,
+    Message,
+    MessageDelta,
+    MessageDeltaBody,
+    MessageResponse,
+    MessagesRequest,
+    MessageStart,
+    MessageStop,
+    Ping,
+    ResponseContent,
+    StopReason,
+    StreamEvent,
+    System,
+    TextBlock,
+    TextContent,
+    TextDelta,
+    ThinkingBlock,
+    ThinkingContent,
+    ThinkingDelta,
+    TokenCount,
+    TokenCountRequest,
+    ToolChoice,
+    ToolChoiceAny,
+    ToolChoiceNone,
+    ToolChoiceTool,
+    ToolResultBlock,
+    ToolUseBlock,
+    ToolUseContent,
+    Usage,
+    error_type,
+)
+from server.errors import APIError
+from server.events import (
+    ChoiceFinished,
+    ChoiceResult,
+    Event,
+    ReasoningDelta,
+    ToolCallArguments,
+    ToolCallStarted,
+    collect,
+)
+from server.events import TextDelta as TextEvent
+from server.events import Usage as GenerationUsage
+from server.generation import (
+    TEXT,
+    FunctionTool,
+    GenerationRequest,
+    JsonSchemaOutput,
+    NamedFunction,
+    sampling,
+)
+from server.generation import Message as ChatMessage
+from server.generation import ToolChoice as GenerationToolChoice
+from server.pipeline import Generation, render, start
+from server.state import server_state
+from server.streaming import CLIENT_CLOSED, GenerationEventSource, unless_disconnected
+
+# Anthropic pings every few seconds while a long prompt is computed; so do we.
+PING_SECONDS = 10
+
+# -- request ------------------------------------------------------------------------------
+
+
+def generation_request(body: TokenCountRequest) -> GenerationRequest:
+    messages: list[ChatMessage] = []
+    system = system_text(body.system)
+    if system:
+        messages.append({"role": "system", "content": system})
+    for message in body.messages:
+        messages += chat_messages(message)
+    output = TEXT
+    if body.output_config is not None and body.output_config.format is not None:
+        output = JsonSchemaOutput("output", body.output_config.format.schema_, strict=True)
+    template_kwargs = {}
+    if body.thinking is not None:
+        template_kwargs["enable_thinking"] = body.thinking.type != "disabled"
+    request = GenerationRequest(
+        messages=tuple(messages),
+        tools=tuple(
+            FunctionTool(tool.name, tool.description, tool.input_schema, tool.strict)
+            for tool in body.tools or ()
+        ),
+        tool_choice=_tool_choice(body.tool_choice),
+        parallel_tool_calls=not getattr(body.tool_choice, "disable_parallel_tool_use", False),
+        output=output,
+        chat_template_kwargs=template_kwargs,
+    )
+    if not isinstance(body, MessagesRequest):
+        return request  # counting tokens: the prompt is all there is
+    knobs = sampling(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        stop=tuple(body.stop_sequences or ()),
+    )
+    return replace(request, sampling=knobs, max_tokens=body.max_tokens, stream=body.stream,
+                   include_usage=True)
+
+
+def system_text(system: System | None) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    return "\n".join(block.text for block in system)
+
+
+def chat_messages(message: Message) -> list[ChatMessage]:
+    """One Anthropic message as chat messages: a user turn's tool results become tool
+    messages (first, as they answer the previous assistant turn), an assistant turn's
+    tool_use blocks its tool calls and its thinking its reasoning."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    blocks = message.content
+    text = "\n".join(block.text for block in blocks if isinstance(block, TextBlock))
+    if message.role == "user":
+        results: list[ChatMessage] = [
+            {"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block)}
+            for block in blocks if isinstance(block, ToolResultBlock)
+        ]
+        has_text = any(isinstance(block, TextBlock) for block in blocks)
+        return results + ([{"role": "user", "content": text}] if has_text or not results else [])
+    out: ChatMessage = {"role": "assistant", "content": text}
+    reasoning = "".join(block.thinking for block in blocks if isinstance(block, ThinkingBlock))
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    calls = [
+        {"id": block.id, "type": "function", "function": {"name": block.name,
+                                                          "arguments": block.input}}
+        for block in blocks if isinstance(block, ToolUseBlock)
+    ]
+    if calls:
+        out["tool_calls"] = calls
+    return [out]
+
+
+def _result_text(block: ToolResultBlock) -> str:
+    content = block.content
+    text = content if isinstance(content, str) else "\n".join(part.text for part in content)
+    # Anthropic's models see is_error; a chat template has no field for it.
+    return f"Error: {text}" if block.is_error else text
+
+
+def _tool_choice(choice: ToolChoice | None) -> GenerationToolChoice:
+    if isinstance(choice, ToolChoiceTool):
+        return NamedFunction(choice.name)
+    if isinstance(choice, ToolChoiceAny):
+        return "required"
+    return "none" if isinstance(choice, ToolChoiceNone) else "auto"
+
+
+# -- response -----------------------------------------------------------------------------
+
+
+def usage(usage: GenerationUsage) -> Usage:
+    """Anthropic's `input_tokens` leaves out what came from the cache."""
+    return Usage(
+        input_tokens=usage.prompt_tokens - usage.cached_tokens,
+        output_tokens=usage.completion_tokens,
+        cache_read_input_tokens=usage.cached_tokens,
+    )
+
+
+def stop_reason(reason: str, matched_stop: str | int | None) -> tuple[StopReason, str | None]:
+    if reason == "tool_calls":
+        return "tool_use", None
+    if reason == "length":
+        return "max_tokens", None
+    if isinstance(matched_stop, str):
+        return "stop_sequence", matched_stop
+    return "end_turn", None
+
+
+def message_response(message_id: str, model: str, result: ChoiceResult) -> MessageResponse:
+    content: list[ResponseContent] = []
+    if result.reasoning:
+        content.append(ThinkingContent(thinking=result.reasoning))
+    if result.text:
+        content.append(TextContent(text=result.text))
+    content += [
+        ToolUseContent(id=call.id, name=call.name, input=_tool_input(call.arguments))
+        for call in result.tool_calls
+    ]
+    reason, sequence = stop_reason(result.finish_reason, result.matched_stop)
+    return MessageResponse(
+        id=message_id, model=model, content=content, stop_reason=reason,
+        stop_sequence=sequence, usage=usage(result.usage),
+    )
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as the object Anthropic's `input` is; a model that wrote
+    something else still gets its text through, under one key."""
+    try:
+        value = json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        value = None
+    return value if isinstance(value, dict) else {"arguments": arguments}
+
+
+class MessageStream:
+    """Neutral events as Anthropic's stream events: one content block at a time, in
+    order; a block closes when the next kind of content begins."""
+
+    def __init__(self, message_id: str, model: str) -> None:
+        self.message_id, self.model = message_id, model
+        self._index = -1
+        self._open: str | None = None  # "text", "thinking" or "tool_use"
+
+    def opening(self, prompt_tokens: int) -> list[StreamEvent]:
+        # The cache's share is known once the prompt is computed: message_delta says it.
+        start = MessageResponse(
+            id=self.message_id, model=self.model, content=[], stop_reason=None,
+            stop_sequence=None, usage=Usage(input_tokens=prompt_tokens, output_tokens=0),
+        )
+        return [MessageStart(message=start), Ping()]
+
+    def event(self, event: Event) -> list[StreamEvent]:
+        if isinstance(event, TextEvent):
+            return self._delta("text", TextContent(text=""), TextDelta(text=event.text),
+                               bool(event.text))
+        if isinstance(event, ReasoningDelta):
+            return self._delta("thinking", ThinkingContent(thinking=""),
+                               ThinkingDelta(thinking=event.text), bool(event.text))
+        if isinstance(event, ToolCallStarted):
+            block = ToolUseContent(id=event.id, name=event.name, input={})
+            return self._close() + self._start("tool_use", block)
+        if isinstance(event, ToolCallArguments):
+            return self._delta("tool_use", None, InputJsonDelta(partial_json=event.fragment),
+                               bool(event.fragment))
+        return self._finish(event)
+
+    def _delta(self, kind: str, block: ResponseContent | None, delta: Any, nonempty: bool):
+        if not nonempty:
+            return []
+        events: list[StreamEvent] = []
+        if self._open != kind:
+            events += self._close() + self._start(kind, block)
+        return [*events, ContentBlockDelta(index=self._index, delta=delta)]
+
+    def _start(self, kind: str, block: ResponseContent) -> list[StreamEvent]:
+        self._index += 1
+        self._open = kind
+        return [ContentBlockStart(index=self._index, content_block=block)]
+
+    def _close(self) -> list[StreamEvent]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [ContentBlockStop(index=self._index)]
+
+    def _finish(self, finished: ChoiceFinished) -> list[StreamEvent]:
+        reason, sequence = stop_reason(finished.reason, finished.matched_stop)
+        return [
+            *self._close(),
+            MessageDelta(delta=MessageDeltaBody(stop_reason=reason, stop_sequence=sequence),
+                         usage=usage(finished.usage)),
+            MessageStop(),
+        ]
+
+
+def _sse(event: BaseModel) -> ServerSentEvent:
+    """Anthropic names every event after its type."""
+    return ServerSentEvent(data=event.model_dump_json(), event=event.type)
+
+
+async def _stream(generation: Generation, stream: MessageStream) -> AsyncIterator[ServerSentEvent]:
+    try:
+        for event in stream.opening(generation.prompt_tokens):
+            yield _sse(event)
+        async for event in generation.events():
+            for out in stream.event(event):
+                yield _sse(out)
+    except APIError as error:
+        # The status line is sent already: the error travels as an `error` event.
+        yield _sse(anthropic_error_body(error))
+
+
+def anthropic_error_body(error: APIError) -> ErrorResponse:
+    return ErrorResponse(error=ErrorInfo(type=error_type(error.status), message=error.message))
+
+
+# -- routes -------------------------------------------------------------------------------
+
+router = APIRouter(prefix="/v1")
+
+
+@router.post("/messages")
+async def create_message(body: MessagesRequest, request: Request) -> Response:
+    state = server_state(request)
+    model = state.check_model(body.model)
+    generation = await start(request, state, generation_request(body))
+    message_id = f"msg_{uuid.uuid4().hex}"
+    if body.stream:
+        stream = _stream(generation, MessageStream(message_id, model))
+        return GenerationEventSource(generation, stream, ping=PING_SECONDS,
+                                     ping_message_factory=lambda: _sse(Ping()))
+    try:
+        results = await unless_disconnected(
+            request, collect(generation.events(), generation.choices)
+        )
+    finally:
+        generation.close()
+    if results is None:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(message_response(message_id, model, results[0]).model_dump())
+
+
+@router.post("/messages/count_tokens")
+async def count_tokens(body: TokenCountRequest, request: Request) -> TokenCount:
+    state = server_state(request)
+    state.check_model(body.model)
+    prompts = await render(state, generation_request(body))
+    return TokenCount(input_tokens=len(prompts[0]))

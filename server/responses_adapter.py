@@ -1,0 +1,405 @@
+"""OpenAI's Responses API onto the shared pipeline: `/v1/responses` (create, get, delete).
+
+A thin adapter: input items (messages, function calls and their outputs, reasoning)
+become chat messages after the stored conversation a `previous_response_id` names, the
+shared pipeline runs the `GenerationRequest`, and `ResponseBuilder` turns its neutral
+events into output items and the documented event sequence. The same builder makes the
+non-streaming response, so a streamed and a whole response cannot disagree; the finished
+response and its conversation go to the response store when `store` is true.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import ServerSentEvent
+
+from server.errors import APIError
+from server.events import (
+    ChoiceFinished,
+    Event,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArguments,
+    ToolCallStarted,
+)
+from server.generation import (
+    TEXT,
+    FunctionTool,
+    GenerationRequest,
+    JsonObjectOutput,
+    JsonSchemaOutput,
+    NamedFunction,
+    OutputFormat,
+    sampling,
+    template_arguments,
+)
+from server.generation import Message as ChatMessage
+from server.generation import ToolChoice as GenerationToolChoice
+from server.pipeline import Generation, start
+from server.response_store import StoredResponse
+from server.responses_protocol import (
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    DeletedResponse,
+    ErrorEvent,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionChoice,
+    IncompleteDetails,
+    InputTokensDetails,
+    ItemEvent,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    MessageItem,
+    OutputFunctionCall,
+    OutputItem,
+    OutputMessage,
+    OutputReasoning,
+    OutputText,
+    OutputTokensDetails,
+    PartEvent,
+    ReasoningItem,
+    ReasoningText,
+    ResponseError,
+    ResponseEvent,
+    ResponsesRequest,
+    ResponseUsage,
+    TextDeltaEvent,
+    TextDoneEvent,
+    joined_text,
+)
+from server.responses_protocol import Event as StreamEvent
+from server.responses_protocol import Response as ResponseObject
+from server.state import ServerState, server_state
+from server.streaming import CLIENT_CLOSED, GenerationEventSource, unless_disconnected
+
+# -- request ------------------------------------------------------------------------------
+
+
+def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
+    """The new input as chat messages. A run of assistant-side items (reasoning, an
+    assistant message, function calls) is one assistant turn, as a chat template sees it."""
+    if isinstance(body.input, str):
+        return [{"role": "user", "content": body.input}]
+    messages: list[ChatMessage] = []
+
+    def assistant_turn() -> ChatMessage:
+        if not messages or messages[-1]["role"] != "assistant":
+            messages.append({"role": "assistant", "content": ""})
+        return messages[-1]
+
+    for item in body.input:
+        if isinstance(item, MessageItem) and item.role != "assistant":
+            role = "system" if item.role == "developer" else item.role
+            messages.append({"role": role, "content": joined_text(item.content)})
+        elif isinstance(item, MessageItem):
+            assistant_turn()["content"] += joined_text(item.content)
+        elif isinstance(item, ReasoningItem):
+            turn = assistant_turn()
+            turn["reasoning_content"] = turn.get("reasoning_content", "") + item.text
+        elif isinstance(item, FunctionCallItem):
+            assistant_turn().setdefault("tool_calls", []).append({
+                "id": item.call_id, "type": "function",
+                "function": {"name": item.name, "arguments": template_arguments(item.arguments)},
+            })
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": joined_text(item.output)})
+    return messages
+
+
+def generation_request(
+    body: ResponsesRequest, conversation: list[ChatMessage]
+) -> GenerationRequest:
+    """`conversation`: the stored one plus the new input. Instructions are the request's
+    own: OpenAI does not carry them over from a previous response."""
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    return GenerationRequest(
+        messages=tuple(system + conversation),
+        tools=tuple(
+            FunctionTool(tool.name, tool.description, tool.parameters, tool.strict)
+            for tool in body.tools or ()
+        ),
+        tool_choice=_tool_choice(body.tool_choice),
+        parallel_tool_calls=body.parallel_tool_calls,
+        output=_output_format(body),
+        sampling=sampling(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+        ),
+        max_tokens=body.max_output_tokens,
+        stream=body.stream,
+        include_usage=True,
+    )
+
+
+def _tool_choice(choice: Any) -> GenerationToolChoice:
+    if isinstance(choice, FunctionChoice):
+        return NamedFunction(choice.name)
+    return choice or "auto"
+
+
+def _output_format(body: ResponsesRequest) -> OutputFormat:
+    fmt = body.text.format if body.text is not None else None
+    if isinstance(fmt, JsonSchemaFormat):
+        return JsonSchemaOutput(fmt.name, fmt.schema_, bool(fmt.strict))
+    return JsonObjectOutput() if isinstance(fmt, JsonObjectFormat) else TEXT
+
+
+# -- response -----------------------------------------------------------------------------
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseBuilder:
+    """Neutral events into output items and the Responses stream events, numbered.
+
+    Items are added one at a time, in order; an item is done when the next kind of
+    content begins or the generation finishes."""
+
+    def __init__(self, response: ResponseObject) -> None:
+        self.response = response
+        self._sequence = 0
+        self._item: OutputItem | None = None  # the open one
+
+    def opening(self) -> list[StreamEvent]:
+        return [self._lifecycle("response.created"), self._lifecycle("response.in_progress")]
+
+    def event(self, event: Event) -> list[StreamEvent]:
+        if isinstance(event, TextDelta):
+            if not event.text:
+                return []
+            events = self._open(OutputMessage) or []
+            self._item.content[0].text += event.text
+            return events + [self._text_event("response.output_text.delta", delta=event.text,
+                                              logprobs=[])]
+        if isinstance(event, ReasoningDelta):
+            if not event.text:
+                return []
+            events = self._open(OutputReasoning) or []
+            self._item.content[0].text += event.text
+            return events + [self._text_event("response.reasoning_text.delta", delta=event.text)]
+        if isinstance(event, ToolCallStarted):
+            call = OutputFunctionCall(id=_new_id("fc"), call_id=event.id, name=event.name,
+                                      arguments="", status="in_progress")
+            return self._close() + self._add(call)
+        if isinstance(event, ToolCallArguments):
+            if not event.fragment:
+                return []
+            self._item.arguments += event.fragment
+            return [self._number(ArgumentsDeltaEvent(
+                item_id=self._item.id, output_index=self._index, delta=event.fragment))]
+        return self._finish(event)
+
+    def failed(self, error: APIError) -> list[StreamEvent]:
+        self.response.status = "failed"
+        self.response.error = ResponseError(code=error.code or "server_error",
+                                            message=error.message)
+        return [
+            self._number(ErrorEvent(code=error.code, message=error.message, param=error.param)),
+            self._lifecycle("response.failed"),
+        ]
+
+    @property
+    def _index(self) -> int:
+        return len(self.response.output) - 1
+
+    def _open(self, kind: type[OutputMessage | OutputReasoning]) -> list[StreamEvent] | None:
+        if isinstance(self._item, kind):
+            return None
+        if kind is OutputMessage:
+            item, part = OutputMessage(id=_new_id("msg"), status="in_progress", content=[]), \
+                OutputText(text="")
+        else:
+            item, part = OutputReasoning(id=_new_id("rs"), status="in_progress", content=[]), \
+                ReasoningText(text="")
+        events = self._close() + self._add(item)
+        item.content.append(part.model_copy())
+        return events + [self._part_event("response.content_part.added", part)]
+
+    def _add(self, item: OutputItem) -> list[StreamEvent]:
+        self.response.output.append(item)
+        self._item = item
+        added = ItemEvent(type="response.output_item.added", output_index=self._index,
+                          item=item.model_copy(deep=True))
+        return [self._number(added)]
+
+    def _close(self) -> list[StreamEvent]:
+        item, self._item = self._item, None
+        if item is None:
+            return []
+        events: list[StreamEvent] = []
+        if isinstance(item, OutputFunctionCall):
+            events.append(self._number(ArgumentsDoneEvent(
+                item_id=item.id, output_index=self._index, name=item.name,
+                arguments=item.arguments)))
+        else:
+            self._item = item  # the part events below name it
+            text = item.content[0].text
+            kind = "output_text" if isinstance(item, OutputMessage) else "reasoning_text"
+            extra = {"logprobs": []} if isinstance(item, OutputMessage) else {}
+            events += [self._text_event(f"response.{kind}.done", text=text, **extra),
+                       self._part_event("response.content_part.done", item.content[0])]
+            self._item = None
+        item.status = "completed"
+        events.append(self._number(ItemEvent(type="response.output_item.done",
+                                             output_index=self._index, item=item)))
+        return events
+
+    def _finish(self, finished: ChoiceFinished) -> list[StreamEvent]:
+        events = self._close()
+        usage = finished.usage
+        self.response.usage = ResponseUsage(
+            input_tokens=usage.prompt_tokens,
+            input_tokens_details=InputTokensDetails(
+                cached_tokens=usage.cached_tokens,
+                cache_write_tokens=usage.prompt_tokens - usage.cached_tokens,
+            ),
+            output_tokens=usage.completion_tokens,
+            output_tokens_details=OutputTokensDetails(),
+            total_tokens=usage.total_tokens,
+        )
+        if finished.reason == "length":
+            self.response.status = "incomplete"
+            self.response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+            return events + [self._lifecycle("response.incomplete")]
+        self.response.status = "completed"
+        return events + [self._lifecycle("response.completed")]
+
+    def _lifecycle(self, kind: str) -> StreamEvent:
+        return self._number(ResponseEvent(type=kind, response=self.response.model_copy(deep=True)))
+
+    def _part_event(self, kind: str, part: OutputText | ReasoningText) -> StreamEvent:
+        return self._number(PartEvent(type=kind, item_id=self._item.id,
+                                      output_index=self._index, part=part.model_copy()))
+
+    def _text_event(self, kind: str, **fields: Any) -> StreamEvent:
+        model = TextDeltaEvent if kind.endswith(".delta") else TextDoneEvent
+        return self._number(model(type=kind, item_id=self._item.id, output_index=self._index,
+                                  **fields))
+
+    def _number(self, event: StreamEvent) -> StreamEvent:
+        event.sequence_number = self._sequence
+        self._sequence += 1
+        return event
+
+
+def assistant_message(response: ResponseObject) -> ChatMessage:
+    """The response's output as the assistant turn a follow-up continues after."""
+    message: ChatMessage = {"role": "assistant", "content": response.output_text}
+    for item in response.output:
+        if isinstance(item, OutputReasoning):
+            message["reasoning_content"] = item.content[0].text
+        elif isinstance(item, OutputFunctionCall):
+            message.setdefault("tool_calls", []).append({
+                "id": item.call_id, "type": "function",
+                "function": {"name": item.name, "arguments": template_arguments(item.arguments)},
+            })
+    return message
+
+
+# -- routes -------------------------------------------------------------------------------
+
+router = APIRouter(prefix="/v1")
+
+
+@router.post("/responses")
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    state = server_state(request)
+    model = state.check_model(body.model)
+    history: list[ChatMessage] = []
+    if body.previous_response_id is not None:
+        previous = await _stored(state, body.previous_response_id, "previous_response_id")
+        history = previous.conversation
+    conversation = history + input_messages(body)
+    generation = await start(request, state, generation_request(body, conversation))
+    builder = ResponseBuilder(ResponseObject(
+        id=_new_id("resp"), status="in_progress", model=model,
+        instructions=body.instructions, previous_response_id=body.previous_response_id,
+        tools=[tool for tool in body.tools or ()], tool_choice=body.tool_choice or "auto",
+        parallel_tool_calls=body.parallel_tool_calls,
+        text=body.text.model_dump(by_alias=True, exclude_none=True) if body.text else
+        {"format": {"type": "text"}},
+        max_output_tokens=body.max_output_tokens, temperature=body.temperature,
+        top_p=body.top_p, store=body.store, metadata=body.metadata or {},
+        prompt_cache_key=body.prompt_cache_key, user=body.user,
+    ))
+    save = (lambda: _save(state, builder.response, conversation)) if body.store else None
+    if body.stream:
+        return GenerationEventSource(generation, _stream(generation, builder, save))
+    try:
+        done = await unless_disconnected(request, _run(generation, builder))
+    finally:
+        generation.close()
+    if done is None:
+        return Response(status_code=CLIENT_CLOSED)
+    if save is not None:
+        await save()
+    return JSONResponse(builder.response.model_dump())
+
+
+async def _run(generation: Generation, builder: ResponseBuilder) -> bool:
+    async for event in generation.events():
+        builder.event(event)
+    return True
+
+
+async def _stream(
+    generation: Generation, builder: ResponseBuilder, save: Any
+) -> AsyncIterator[ServerSentEvent]:
+    try:
+        for out in builder.opening():
+            yield _sse(out)
+        async for event in generation.events():
+            for out in builder.event(event):
+                yield _sse(out)
+    except APIError as error:
+        # The status line is sent already: the failure travels as events.
+        for out in builder.failed(error):
+            yield _sse(out)
+        return
+    if save is not None:
+        await save()
+
+
+def _sse(event: StreamEvent) -> ServerSentEvent:
+    return ServerSentEvent(data=event.model_dump_json(), event=event.type)
+
+
+async def _save(
+    state: ServerState, response: ResponseObject, conversation: list[ChatMessage]
+) -> None:
+    entry = StoredResponse(response.model_dump(mode="json"),
+                           conversation + [assistant_message(response)])
+    await asyncio.to_thread(state.responses.put, response.id, entry)
+
+
+async def _stored(state: ServerState, response_id: str, param: str | None) -> StoredResponse:
+    stored = await asyncio.to_thread(state.responses.get, response_id)
+    if stored is None:
+        raise APIError(404, f"Response with id '{response_id}' not found.",
+                       code="response_not_found", param=param)
+    return stored
+
+
+@router.get("/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> ResponseObject:
+    stored = await _stored(server_state(request), response_id, None)
+    return ResponseObject.model_validate(stored.response)
+
+
+@router.delete("/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> DeletedResponse:
+    state = server_state(request)
+    if not await asyncio.to_thread(state.responses.delete, response_id):
+        raise APIError(404, f"Response with id '{response_id}' not found.",
+                       code="response_not_found")
+    return DeletedResponse(id=response_id)
