@@ -80,6 +80,7 @@ from server.generation import (
 )
 from server.generation import Message as ChatMessage
 from server.generation import ToolChoice as GenerationToolChoice
+from server.openapi import error_responses, event_stream
 from server.pipeline import Generation, render, start
 from server.state import server_state
 from server.streaming import CLIENT_CLOSED, GenerationEventSource, unless_disconnected
@@ -309,10 +310,11 @@ def anthropic_error_body(error: APIError) -> ErrorResponse:
 
 # -- routes -------------------------------------------------------------------------------
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse))
 
 
-@router.post("/messages")
+@router.post("/messages", responses={
+    200: {"model": MessageResponse, "content": event_stream(StreamEvent, ErrorResponse)}})
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     state = server_state(request)
     model = state.check_model(body.model)

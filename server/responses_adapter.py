@@ -41,7 +41,9 @@ from server.generation import (
 )
 from server.generation import Message as ChatMessage
 from server.generation import ToolChoice as GenerationToolChoice
+from server.openapi import error_responses, event_stream
 from server.pipeline import Generation, start
+from server.protocol import ErrorResponse
 from server.response_store import StoredResponse
 from server.responses_protocol import (
     ArgumentsDeltaEvent,
@@ -70,11 +72,11 @@ from server.responses_protocol import (
     ResponseEvent,
     ResponsesRequest,
     ResponseUsage,
+    StreamEvent,
     TextDeltaEvent,
     TextDoneEvent,
     joined_text,
 )
-from server.responses_protocol import Event as StreamEvent
 from server.responses_protocol import Response as ResponseObject
 from server.state import ServerState, server_state
 from server.streaming import CLIENT_CLOSED, GenerationEventSource, unless_disconnected
@@ -308,10 +310,11 @@ def assistant_message(response: ResponseObject) -> ChatMessage:
 
 # -- routes -------------------------------------------------------------------------------
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse))
 
 
-@router.post("/responses")
+@router.post("/responses", responses={
+    200: {"model": ResponseObject, "content": event_stream(StreamEvent, ErrorResponse)}})
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = server_state(request)
     model = state.check_model(body.model)

@@ -430,3 +430,9 @@ class ErrorEvent(Event):
     code: str | None
     message: str
     param: str | None
+
+
+StreamEvent = (
+    ResponseEvent | ItemEvent | PartEvent | TextDeltaEvent | TextDoneEvent | ArgumentsDeltaEvent
+    | ArgumentsDoneEvent | ErrorEvent
+)

@@ -15,6 +15,7 @@ from server.events import collect
 from server.formats import ChatFormat, CompletionFormat, Format
 from server.metrics import CONTENT_TYPE
 from server.openai_adapter import chat_request, completion_request
+from server.openapi import error_responses, event_stream
 from server.pipeline import Generation, start
 from server.protocol import (
     ChatCompletionChunk,
@@ -30,49 +31,12 @@ from server.protocol import (
 from server.state import ServerState, server_state
 from server.streaming import CLIENT_CLOSED, GenerationEventSource, unless_disconnected
 
-# What the OpenAPI schema declares: every /v1 failure is OpenAI's error object. "4XX"
-# covers the rest (e.g. 405) and keeps FastAPI from declaring a 422 we never send.
-ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse, "description": description}
-    for status, description in {
-        400: "Invalid request, or prompt + max_tokens over the context window.",
-        401: "Missing or wrong API key.",
-        404: "Unknown model.",
-        413: "Body over the server's max_body_bytes.",
-        429: "Queue full; retry after Retry-After seconds.",
-        500: "The engine failed this request; the message names the request id.",
-        503: "The model is loading or failed to load, or the server is shutting down.",
-        "4XX": "Any other client error.",
-    }.items()
-}
-
-
-def _inline(model: type[BaseModel]) -> dict[str, Any]:
-    """`model`'s JSON schema with its definitions inlined: nothing else refers to them."""
-    schema = model.model_json_schema(mode="serialization")
-    defs = schema.pop("$defs", {})
-
-    def resolve(node: Any) -> Any:
-        if isinstance(node, dict):
-            if "$ref" in node:
-                return resolve(defs[node["$ref"].rsplit("/", 1)[1]])
-            return {key: resolve(value) for key, value in node.items()}
-        return [resolve(item) for item in node] if isinstance(node, list) else node
-
-    return resolve(schema)
-
 
 def _events(chunk: type[BaseModel]) -> dict[str, Any]:
-    """A stream's events: `chunk`s, an error object (a failure after the status line was
-    sent), then `[DONE]`."""
-    data = {"type": "string", "contentMediaType": "application/json",
-            "contentSchema": {"anyOf": [_inline(chunk), _inline(ErrorResponse)]}}
-    event = {"type": "object", "required": ["data"],
-             "properties": {"data": {"anyOf": [{"const": "[DONE]"}, data]}}}
-    return {"text/event-stream": {"schema": event}}
+    return event_stream(chunk, ErrorResponse, done=True)
 
 
-api = APIRouter(prefix="/v1", responses=ERRORS)
+api = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse))
 probes = APIRouter()
 
 

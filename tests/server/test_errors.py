@@ -3,12 +3,14 @@ server answers a normal request right after every case."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from server.errors import APIError
 from tests.server.support import API_KEY, ServerProcess
 
 CHAT = "/v1/chat/completions"
@@ -150,3 +152,16 @@ def test_only_health_is_open_without_the_key(server: ServerProcess) -> None:
     assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 401
     keyed = {"Authorization": f"Bearer {API_KEY}"}
     assert httpx.get(f"{server.url}/metrics", headers=keyed, timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize(("status", "kind"), [
+    (400, "invalid_request_error"), (401, "authentication_error"), (404, "not_found_error"),
+    (413, "request_too_large"), (429, "rate_limit_error"), (500, "api_error"),
+    (503, "overloaded_error"),
+])
+def test_errors_under_v1_messages_take_anthropics_shape(status: int, kind: str) -> None:
+    error = APIError(status, "what went wrong", headers={"Retry-After": "1"})
+    body = json.loads(error.response("/v1/messages/count_tokens").body)
+    assert body == {"type": "error", "error": {"type": kind, "message": "what went wrong"}}
+    assert json.loads(error.response("/v1/responses").body)["error"]["message"] == \
+        "what went wrong"

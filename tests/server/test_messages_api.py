@@ -1,0 +1,204 @@
+"""Anthropic's Messages API end to end: the official `anthropic` SDK and raw HTTP against
+the shared server process on the tiny demo model (random weights: these tests check
+shapes, usage and the cache, not what the model says)."""
+
+from __future__ import annotations
+
+import uuid
+from itertools import pairwise
+
+import anthropic
+import httpx
+import pytest
+
+from tests.server.support import API_KEY, ServerProcess
+
+
+@pytest.fixture(scope="module")
+def claude(server: ServerProcess) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0)
+
+
+def _billing_line(step: int) -> str:
+    """What Claude Code puts first in its system prompt: a hash that changes every request."""
+    return f"x-anthropic-billing-header: cc_version=2.1.117.{step:03x}; cc_entrypoint=cli; " \
+        f"cch={uuid.uuid4().hex[:5]};"
+
+
+def _system(step: int, text: str) -> list[dict]:
+    return [{"type": "text", "text": _billing_line(step)},
+            {"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}]
+
+
+GREEDY = {"temperature": 0.0}
+TOOLS = [{
+    "name": "read_file", "description": "Read a file of the project.",
+    "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
+                     "required": ["path"]},
+}]
+
+
+def test_message_shape_and_usage(claude: anthropic.Anthropic, model_id: str) -> None:
+    messages = [{"role": "user", "content": "Say something."}]
+    message = claude.messages.create(model=model_id, max_tokens=5, messages=messages)
+    assert message.type == "message" and message.role == "assistant"
+    assert message.id.startswith("msg_") and message.model == model_id
+    assert [block.type for block in message.content] == ["text"]
+    assert message.stop_reason in ("max_tokens", "end_turn")
+    assert message.usage.output_tokens == 5 or message.stop_reason == "end_turn"
+    # Anthropic counts cache reads apart from input_tokens; together they are the prompt.
+    counted = claude.messages.count_tokens(model=model_id, messages=messages).input_tokens
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == counted
+
+
+def test_stream_events_build_the_same_message(claude: anthropic.Anthropic, model_id: str) -> None:
+    # This SDK has no temperature argument (Claude Code still sends one).
+    options = {"model": model_id, "max_tokens": 6, "extra_body": GREEDY,
+               "system": "You are terse.", "messages": [{"role": "user", "content": "Hello"}]}
+    whole = claude.messages.create(**options)
+    with claude.messages.stream(**options) as stream:
+        kinds = [event.type for event in stream if event.type != "text"]
+        streamed = stream.get_final_message()
+    deltas = len(kinds) - 5
+    assert kinds == ["message_start", "content_block_start", *["content_block_delta"] * deltas,
+                     "content_block_stop", "message_delta", "message_stop"]
+    assert streamed.content[0].text == whole.content[0].text
+    assert streamed.stop_reason == whole.stop_reason
+    assert streamed.usage.output_tokens == whole.usage.output_tokens
+    total = streamed.usage.input_tokens + streamed.usage.cache_read_input_tokens
+    # Same prompt as the whole message's, which is in the cache now.
+    assert streamed.usage.cache_read_input_tokens == total - 1
+
+
+def test_raw_stream_names_events_and_pings(server: ServerProcess, model_id: str) -> None:
+    body = {"model": model_id, "max_tokens": 2, "stream": True,
+            "messages": [{"role": "user", "content": "Hi"}]}
+    with httpx.stream("POST", f"{server.url}/v1/messages", json=body, timeout=60,
+                      headers={"x-api-key": API_KEY}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line.startswith("event: ")]
+    assert lines[:2] == ["event: message_start", "event: ping"]
+    assert lines[-2:] == ["event: message_delta", "event: message_stop"]
+
+
+def test_tool_use_and_tool_result_history_is_rendered(
+    claude: anthropic.Anthropic, model_id: str
+) -> None:
+    history = [
+        {"role": "user", "content": "What is in README.md?"},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "toolu_1", "name": "read_file",
+             "input": {"path": "README.md"}}]},
+    ]
+    result = {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1",
+         "content": [{"type": "text", "text": "# radix-mlx, a server " * 20}]}]}
+    without = claude.messages.count_tokens(model=model_id, tools=TOOLS, messages=history[:1])
+    before = claude.messages.count_tokens(model=model_id, tools=TOOLS, messages=history)
+    after = claude.messages.count_tokens(model=model_id, tools=TOOLS, messages=[*history, result])
+    assert without.input_tokens < before.input_tokens < after.input_tokens - 100
+    message = claude.messages.create(model=model_id, max_tokens=3, tools=TOOLS,
+                                     messages=[*history, result])
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == \
+        after.input_tokens
+
+
+def test_billing_line_does_not_defeat_the_cache(claude: anthropic.Anthropic, model_id: str) -> None:
+    text = f"You are a coding agent ({uuid.uuid4().hex}). " + "Follow the rules. " * 60
+    usages = [
+        claude.messages.create(model=model_id, max_tokens=1, system=_system(step, text),
+                               messages=[{"role": "user", "content": "Hi"}]).usage
+        for step in range(2)
+    ]
+    assert usages[0].cache_read_input_tokens < 10
+    prompt = usages[1].input_tokens + usages[1].cache_read_input_tokens
+    assert usages[1].cache_read_input_tokens == prompt - 1
+
+
+def test_claude_code_shaped_agent_loop_is_served_from_cache(
+    claude: anthropic.Anthropic, model_id: str
+) -> None:
+    """Six steps of a Claude-Code-shaped session: a fresh billing line every request, a long
+    system prompt and tools, the history resent with each step's reply and a tool result.
+    The share of the prompt read from the cache grows step by step."""
+    system = f"You are Claude Code ({uuid.uuid4().hex}). " + "Use the tools well. " * 40
+    messages: list[dict] = [{"role": "user", "content": "Fix the failing test."}]
+    shares = []
+    for step in range(6):
+        reply = claude.messages.create(model=model_id, max_tokens=4, extra_body=GREEDY,
+                                       system=_system(step, system), tools=TOOLS,
+                                       messages=messages)
+        usage = reply.usage
+        shares.append(usage.cache_read_input_tokens
+                      / (usage.input_tokens + usage.cache_read_input_tokens))
+        call = {"type": "tool_use", "id": f"toolu_{step}", "name": "read_file",
+                "input": {"path": f"src/module_{step}.py"}}
+        messages += [
+            {"role": "assistant", "content": [*reply.model_dump()["content"], call]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{step}",
+                                          "content": f"def f{step}(): return {step}\n" * 12}]},
+        ]
+    print("Claude-Code-shaped cached share per step:", [f"{share:.2%}" for share in shares])
+    assert shares[0] < 0.1
+    assert all(later > earlier for earlier, later in pairwise(shares))
+    assert all(share >= 0.8 for share in shares[2:])
+
+
+@pytest.mark.parametrize(("body", "status", "kind", "words"), [
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": "iVBORw0KGgo="}}]}]},
+     400, "invalid_request_error", "image blocks are not supported"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+     400, "invalid_request_error", "server tools"),
+    ({"max_tokens": 0, "messages": [{"role": "user", "content": "x"}]},
+     400, "invalid_request_error", "max_tokens"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+      "tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS},
+     400, "invalid_request_error", "not a tool"),
+    ({"model": "claude-opus-4", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
+     404, "not_found_error", "claude-opus-4"),
+])
+def test_errors_are_anthropic_error_objects(
+    claude: anthropic.Anthropic, model_id: str, body: dict, status: int, kind: str, words: str
+) -> None:
+    with pytest.raises(anthropic.APIStatusError) as raised:
+        claude.messages.create(**{"model": model_id, **body})
+    error = raised.value
+    assert error.status_code == status
+    assert error.body["type"] == "error" and error.body["error"]["type"] == kind
+    assert words in error.body["error"]["message"]
+
+
+def test_authentication_takes_x_api_key_or_bearer(server: ServerProcess, model_id: str) -> None:
+    body = {"model": model_id, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+    url = f"{server.url}/v1/messages/count_tokens"
+    assert httpx.post(url, json=body, headers={"x-api-key": API_KEY}).status_code == 200
+    bearer = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.post(url, json=body, headers=bearer).status_code == 200
+    refused = httpx.post(url, json=body, headers={"x-api-key": "wrong"})
+    assert refused.status_code == 401
+    assert refused.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, auth_token="wrong", max_retries=0) \
+            .messages.count_tokens(model=model_id, messages=body["messages"])
+
+
+def test_too_large_body_is_an_anthropic_413(server: ServerProcess, model_id: str) -> None:
+    body = {"model": model_id, "max_tokens": 1,
+            "messages": [{"role": "user", "content": "x" * (5 * 2**20)}]}
+    response = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60,
+                          headers={"x-api-key": API_KEY})
+    assert response.status_code == 413
+    assert response.json()["error"]["type"] == "request_too_large"
+
+
+def test_endpoints_in_metrics_and_access_log(
+    claude: anthropic.Anthropic, server: ServerProcess, model_id: str
+) -> None:
+    claude.messages.count_tokens(model=model_id, messages=[{"role": "user", "content": "x"}])
+    text = httpx.get(f"{server.url}/metrics", headers={"x-api-key": API_KEY}).text
+    assert 'endpoint="/v1/messages/count_tokens",status="200"' in text
+    assert "POST /v1/messages 200 prompt=" in server.log()

@@ -1,0 +1,55 @@
+"""The Responses API's store: bounded, oldest first out, and in SQLite across restarts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from server.response_store import MemoryStore, SQLiteStore, StoredResponse
+
+
+def _entry(n: int) -> StoredResponse:
+    return StoredResponse({"id": f"resp_{n}", "output": []},
+                          [{"role": "user", "content": f"question {n}"}])
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def make_store(request: pytest.FixtureRequest, tmp_path: Path):
+    def make(capacity: int):
+        if request.param == "memory":
+            return MemoryStore(capacity)
+        return SQLiteStore(tmp_path / "store" / "responses.db", capacity)
+
+    return make
+
+
+def test_keeps_the_newest_up_to_capacity(make_store) -> None:
+    store = make_store(3)
+    for n in range(5):
+        store.put(f"resp_{n}", _entry(n))
+    assert len(store) == 3
+    assert store.get("resp_0") is None and store.get("resp_1") is None
+    assert store.get("resp_4") == _entry(4)
+    store.put("resp_2", _entry(2))  # stored again: now the newest
+    store.put("resp_5", _entry(5))
+    assert store.get("resp_2") == _entry(2) and store.get("resp_3") is None
+
+
+def test_delete_frees_a_slot(make_store) -> None:
+    store = make_store(2)
+    store.put("resp_0", _entry(0))
+    store.put("resp_1", _entry(1))
+    assert store.delete("resp_0") and not store.delete("resp_0")
+    store.put("resp_2", _entry(2))
+    assert store.get("resp_1") == _entry(1) and store.get("resp_2") == _entry(2)
+
+
+def test_sqlite_store_survives_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "responses.db"
+    store = SQLiteStore(path, 10)
+    store.put("resp_0", _entry(0))
+    store.close()
+    reopened = SQLiteStore(path, 10)
+    assert reopened.get("resp_0") == _entry(0)
+    reopened.close()

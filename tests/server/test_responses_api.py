@@ -1,0 +1,168 @@
+"""OpenAI's Responses API end to end: the official `openai` SDK (`client.responses`) and
+raw HTTP against the shared server process on the tiny demo model (random weights: these
+tests check shapes, the event sequence, stored responses, usage and the cache)."""
+
+from __future__ import annotations
+
+import uuid
+from itertools import pairwise
+
+import httpx
+import openai
+import pytest
+
+from tests.server.support import API_KEY, ServerProcess
+
+TOOLS = [{
+    "type": "function", "name": "shell", "description": "Run a shell command.",
+    "parameters": {"type": "object", "properties": {"command": {"type": "string"}},
+                   "required": ["command"]},
+}]
+
+
+def test_response_shape_and_usage(client: openai.OpenAI, model_id: str) -> None:
+    response = client.responses.create(model=model_id, input="Say something.",
+                                       instructions="Be terse.", max_output_tokens=5)
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.model == model_id and response.instructions == "Be terse."
+    [item] = response.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+    assert [part.type for part in item.content] == ["output_text"]
+    assert response.output_text == item.content[0].text
+    usage = response.usage
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert 0 <= usage.input_tokens_details.cached_tokens < usage.input_tokens
+    if usage.output_tokens == 5:  # random weights rarely end on their own
+        assert response.status == "incomplete"
+        assert response.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert response.status == "completed"
+
+
+def test_stream_follows_the_documented_event_sequence(
+    client: openai.OpenAI, model_id: str
+) -> None:
+    options = {"model": model_id, "input": "Hello", "max_output_tokens": 6, "temperature": 0.0}
+    whole = client.responses.create(**options)
+    events = list(client.responses.create(**options, stream=True))
+    kinds = [event.type for event in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas >= 1
+    assert kinds == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", *["response.output_text.delta"] * deltas,
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.incomplete" if whole.status == "incomplete" else "response.completed",
+    ]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    final = events[-1].response
+    assert final.id == events[0].response.id and final.status == whole.status
+    assert final.output_text == whole.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        whole.output_text
+    # The same prompt again: all of it but the last token came from the cache.
+    assert final.usage.input_tokens_details.cached_tokens == final.usage.input_tokens - 1
+
+
+def test_previous_response_continues_the_stored_conversation(
+    client: openai.OpenAI, model_id: str
+) -> None:
+    first = client.responses.create(model=model_id, input="Remember the word apple.",
+                                    max_output_tokens=4)
+    follow = client.responses.create(model=model_id, input="Which word?", max_output_tokens=4,
+                                     previous_response_id=first.id)
+    assert follow.previous_response_id == first.id
+    # The first exchange is the follow-up's prompt prefix, and came from the cache.
+    assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert follow.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+
+
+def test_unknown_or_unstored_response_is_404(client: openai.OpenAI, model_id: str) -> None:
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.responses.create(model=model_id, input="x", previous_response_id="resp_nope")
+    assert raised.value.code == "response_not_found"
+    assert raised.value.param == "previous_response_id"
+    unstored = client.responses.create(model=model_id, input="x", max_output_tokens=1,
+                                       store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_function_call_items_round_trip(client: openai.OpenAI, model_id: str) -> None:
+    """A tool call and its output sent back as items, with the reasoning before them."""
+    items = [
+        {"role": "user", "content": "List the files."},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "I should run ls."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "shell",
+         "arguments": '{"command": "ls"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "README.md\nsrc\n"},
+    ]
+    response = client.responses.create(model=model_id, input=items, tools=TOOLS,
+                                       max_output_tokens=3)
+    assert response.tools[0].name == "shell"
+    assert response.usage.input_tokens > 20
+
+
+def test_codex_shaped_agent_loop_is_served_from_cache(
+    client: openai.OpenAI, model_id: str
+) -> None:
+    """Six steps of a Codex-shaped session: long instructions, function tools, the whole
+    history resent each step (store false), a prompt_cache_key, streamed. The share of the
+    prompt read from the cache grows step by step."""
+    instructions = f"You are Codex ({uuid.uuid4().hex}). " + "Work in small steps. " * 40
+    key = str(uuid.uuid4())
+    items: list[dict] = [{"role": "user", "content": [
+        {"type": "input_text", "text": "Make the tests pass."}]}]
+    shares = []
+    for step in range(6):
+        stream = client.responses.create(
+            model=model_id, instructions=instructions, input=items, tools=TOOLS,
+            tool_choice="auto", parallel_tool_calls=False, store=False, stream=True,
+            prompt_cache_key=key, max_output_tokens=4, temperature=0.0,
+        )
+        final = [event for event in stream if event.type.startswith("response.")][-1].response
+        assert final.prompt_cache_key == key
+        usage = final.usage
+        shares.append(usage.input_tokens_details.cached_tokens / usage.input_tokens)
+        items += [item.model_dump(exclude_none=True) for item in final.output]
+        items += [
+            {"type": "function_call", "call_id": f"call_{step}", "name": "shell",
+             "arguments": f'{{"command": "pytest tests/test_{step}.py"}}'},
+            {"type": "function_call_output", "call_id": f"call_{step}",
+             "output": f"FAILED tests/test_{step}.py::test_case - assert 1 == {step}\n" * 3},
+        ]
+    print("Codex-shaped cached share per step:", [f"{share:.2%}" for share in shares])
+    assert shares[0] < 0.1
+    assert all(later > earlier for earlier, later in pairwise(shares))
+    assert all(share >= 0.8 for share in shares[2:])
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input_image parts are not supported"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "'web_search' are not supported"),
+    ({"input": "x", "background": True}, "background responses are not supported"),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice needs tools"),
+    ({"input": []}, "input"),
+])
+def test_bad_requests_are_openai_400s(
+    server: ServerProcess, headers: dict[str, str], model_id: str, body: dict, words: str
+) -> None:
+    response = httpx.post(f"{server.url}/v1/responses", headers=headers,
+                          json={"model": model_id, **body})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and words in error["message"]
+
+
+def test_responses_endpoint_has_its_own_metric_label(
+    client: openai.OpenAI, server: ServerProcess, model_id: str
+) -> None:
+    client.responses.create(model=model_id, input="x", max_output_tokens=1)
+    text = httpx.get(f"{server.url}/metrics", headers={"x-api-key": API_KEY}).text
+    assert 'endpoint="/v1/responses",status="200"' in text
