@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from server.anthropic_protocol import ErrorInfo as AnthropicErrorInfo
 from server.anthropic_protocol import ErrorResponse as AnthropicErrorResponse
@@ -113,9 +114,17 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     codes = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
+    headers = dict(error.headers or {})
+    if error.status_code == 405:
+        # Starlette names only the first route of the path; a path may have several.
+        headers["Allow"] = ", ".join(sorted({
+            method for route in request.app.router.routes
+            if route.matches(request.scope)[0] is Match.PARTIAL
+            for method in getattr(route, "methods", None) or ()
+        }))
     return APIError(
         error.status_code, str(error.detail), code=codes.get(error.status_code),
-        headers=error.headers,
+        headers=headers,
     ).response(request.url.path)
 
 

@@ -126,7 +126,7 @@ def generation_request(
         messages=tuple(system + conversation),
         tools=tuple(
             FunctionTool(tool.name, tool.description, tool.parameters, tool.strict)
-            for tool in body.tools or ()
+            for tool in body.function_tools
         ),
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
@@ -327,7 +327,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     builder = ResponseBuilder(ResponseObject(
         id=_new_id("resp"), status="in_progress", model=model,
         instructions=body.instructions, previous_response_id=body.previous_response_id,
-        tools=[tool for tool in body.tools or ()], tool_choice=body.tool_choice or "auto",
+        tools=body.function_tools, tool_choice=body.tool_choice or "auto",
         parallel_tool_calls=body.parallel_tool_calls,
         text=body.text.model_dump(by_alias=True, exclude_none=True) if body.text else
         {"format": {"type": "text"}},

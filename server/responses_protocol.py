@@ -135,7 +135,7 @@ InputItem = Annotated[
 ]
 Input = shaped_union(
     _str_or_list, "a string or a list of input items",
-    str=str, list=Annotated[list[InputItem], Field(min_length=1)],
+    str=str, list=list[InputItem],
 )
 
 
@@ -151,13 +151,11 @@ class FunctionTool(RequestModel):
 
 
 class HostedTool(RequestModel):
-    type: str
+    """A tool OpenAI runs (web_search, image_generation, ...) or a freeform `custom` one.
+    Codex sends several by default; the served model is shown only the function tools, as
+    llama.cpp's server does, so it never calls what nobody here can run."""
 
-    @model_validator(mode="after")
-    def _refuse(self) -> HostedTool:
-        raise ValueError(
-            f"tools of type {self.type!r} are not supported; only function tools are"
-        )
+    type: str
 
 
 ToolDefinition = Annotated[
@@ -231,13 +229,19 @@ class ResponsesRequest(RequestModel):
     background: bool = False
     conversation: Any = None
 
+    @property
+    def function_tools(self) -> list[FunctionTool]:
+        return [tool for tool in self.tools or () if isinstance(tool, FunctionTool)]
+
     @model_validator(mode="after")
     def _check_combinations(self) -> ResponsesRequest:
         if self.background:
             raise ValueError("background responses are not supported")
         if self.conversation is not None:
             raise ValueError("conversation is not supported; use previous_response_id")
-        names = {tool.name for tool in self.tools or ()}
+        if not self.input and not self.instructions and self.previous_response_id is None:
+            raise ValueError("input is empty, and there are no instructions to answer")
+        names = {tool.name for tool in self.function_tools}
         if self.tool_choice not in (None, "none", "auto") and not names:
             raise ValueError("tool_choice needs tools")
         if isinstance(self.tool_choice, FunctionChoice) and self.tool_choice.name not in names:
