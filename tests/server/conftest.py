@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.server.support import ALIAS, API_KEY, ServerProcess, start_server
+from tests.server.thinking_model import build_thinking_model
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +25,18 @@ def server(
     process = start_server(
         demo_model_dir, log_path, "--api-key", API_KEY, "--served-model-name", ALIAS
     )
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def thinking_server(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """The demo model with Qwen3's thinking markers and template (`thinking_model`)."""
+    directory = tmp_path_factory.mktemp("thinking")
+    model = build_thinking_model(demo_model_dir, directory / "tiny-thinking")
+    process = start_server(model, directory / "server.log")
     yield process
     process.stop()
 

@@ -4,12 +4,15 @@ shapes, usage and the cache, not what the model says)."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from itertools import pairwise
+from typing import Literal
 
 import anthropic
 import httpx
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
 from tests.server.support import API_KEY, ServerProcess
 
@@ -202,3 +205,88 @@ def test_endpoints_in_metrics_and_access_log(
     text = httpx.get(f"{server.url}/metrics", headers={"x-api-key": API_KEY}).text
     assert 'endpoint="/v1/messages/count_tokens",status="200"' in text
     assert "POST /v1/messages 200 prompt=" in server.log()
+
+
+# -- forced tools and structured output (the grammar's doing: the weights are random) ----
+
+
+class Weather(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    city: Literal["Paris", "Oslo"]
+    days: int = Field(ge=1, le=7)
+    sunny: bool
+
+
+WEATHER_TOOL = {"name": "get_weather", "description": "The forecast for a city.",
+                "input_schema": Weather.model_json_schema()}
+ROOM = 80  # max_tokens: a constrained answer here is far shorter
+
+
+def test_tool_round_trip_tool_use_then_result_then_answer(
+    claude: anthropic.Anthropic, model_id: str
+) -> None:
+    messages = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    called = claude.messages.create(
+        model=model_id, max_tokens=ROOM, tools=[*TOOLS, WEATHER_TOOL], messages=messages,
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
+    assert called.stop_reason == "tool_use"
+    [use] = [block for block in called.content if block.type == "tool_use"]
+    assert use.name == "get_weather" and use.id
+    Weather.model_validate(use.input)
+    messages += [
+        {"role": "assistant", "content": [block.model_dump() for block in called.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                      "content": "Sunny, 24 degrees."}]},
+    ]
+    answer = claude.messages.create(model=model_id, max_tokens=4, tools=[*TOOLS, WEATHER_TOOL],
+                                    messages=messages)
+    assert [block.type for block in answer.content] == ["text"]
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    # The call and its result are in the answer's prompt.
+    def prompt(usage: anthropic.types.Usage) -> int:
+        return usage.input_tokens + usage.cache_read_input_tokens
+
+    assert prompt(answer.usage) > prompt(called.usage) + called.usage.output_tokens
+
+
+def test_any_tool_streams_as_input_json_deltas(claude: anthropic.Anthropic, model_id: str) -> None:
+    with claude.messages.stream(
+        model=model_id, max_tokens=ROOM, tools=[WEATHER_TOOL], tool_choice={"type": "any"},
+        messages=[{"role": "user", "content": "Weather?"}],
+    ) as stream:
+        events = list(stream)
+        message = stream.get_final_message()
+    fragments = [event.delta.partial_json for event in events
+                 if event.type == "content_block_delta" and event.delta.type == "input_json_delta"]
+    assert len(fragments) > 1
+    [use] = [block for block in message.content if block.type == "tool_use"]
+    assert json.loads("".join(fragments)) == use.input
+    Weather.model_validate(use.input)
+    assert message.stop_reason == "tool_use"
+
+
+def test_output_config_json_schema(claude: anthropic.Anthropic, model_id: str) -> None:
+    message = claude.messages.create(
+        model=model_id, max_tokens=ROOM, messages=[{"role": "user", "content": "Weather?"}],
+        output_config={"format": {"type": "json_schema", "schema": Weather.model_json_schema()}},
+    )
+    Weather.model_validate_json(message.content[0].text)
+    assert message.stop_reason == "end_turn"
+
+
+def test_thinking_streams_as_a_thinking_block(thinking_server: ServerProcess) -> None:
+    """The Qwen3-shaped template opens the thinking block; the random weights never close it,
+    so the whole reply is thinking: a thinking block, never text."""
+    claude = anthropic.Anthropic(base_url=thinking_server.url, api_key="-", max_retries=0)
+    options = {"model": "tiny-thinking", "max_tokens": 5, "extra_body": GREEDY,
+               "messages": [{"role": "user", "content": "Which city is the capital?"}]}
+    whole = claude.messages.create(**options)
+    assert [block.type for block in whole.content] == ["thinking"]
+    with claude.messages.stream(**options) as stream:
+        deltas = [event.delta for event in stream if event.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert {delta.type for delta in deltas} == {"thinking_delta"}
+    assert "".join(delta.thinking for delta in deltas) == whole.content[0].thinking
+    assert streamed.content[0].thinking == whole.content[0].thinking

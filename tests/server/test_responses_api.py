@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import uuid
 from itertools import pairwise
+from typing import Literal
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
 from tests.server.support import API_KEY, ServerProcess
 
@@ -167,3 +169,81 @@ def test_responses_endpoint_has_its_own_metric_label(
     client.responses.create(model=model_id, input="x", max_output_tokens=1)
     text = httpx.get(f"{server.url}/metrics", headers={"x-api-key": API_KEY}).text
     assert 'endpoint="/v1/responses",status="200"' in text
+
+
+# -- forced tools and structured output (the grammar's doing: the weights are random) ----
+
+
+class Weather(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    city: Literal["Paris", "Oslo"]
+    days: int = Field(ge=1, le=7)
+    sunny: bool
+
+
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "strict": True,
+                "description": "The forecast for a city.",
+                "parameters": Weather.model_json_schema()}
+ROOM = 80  # max_output_tokens: a constrained answer here is far shorter
+
+
+def test_forced_function_call_round_trip(client: openai.OpenAI, model_id: str) -> None:
+    called = client.responses.create(
+        model=model_id, input="Weather in Paris for 3 days?", tools=[*TOOLS, WEATHER_TOOL],
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=ROOM,
+    )
+    assert called.status == "completed"
+    [call] = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id and call.id.startswith("fc_")
+    Weather.model_validate_json(call.arguments)
+    answer = client.responses.create(
+        model=model_id, previous_response_id=called.id, tools=[*TOOLS, WEATHER_TOOL],
+        input=[{"type": "function_call_output", "call_id": call.call_id,
+                "output": "Sunny, 24 degrees."}],
+        max_output_tokens=4,
+    )
+    assert [item.type for item in answer.output] == ["message"]
+    assert answer.usage.input_tokens > called.usage.input_tokens + called.usage.output_tokens
+
+
+def test_required_tool_call_streams_its_arguments(client: openai.OpenAI, model_id: str) -> None:
+    with client.responses.stream(
+        model=model_id, input="Weather?", tools=[WEATHER_TOOL], tool_choice="required",
+        max_output_tokens=ROOM,
+    ) as stream:
+        events = list(stream)
+        response = stream.get_final_response()
+    kinds = [event.type for event in events]
+    deltas = kinds.count("response.function_call_arguments.delta")
+    assert deltas > 1
+    assert kinds == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        *["response.function_call_arguments.delta"] * deltas,
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]
+    [call] = response.output
+    assert events[-3].arguments == call.arguments
+    Weather.model_validate_json(call.arguments)
+
+
+def test_parse_text_format_json_schema(client: openai.OpenAI, model_id: str) -> None:
+    response = client.responses.parse(model=model_id, input="Weather?", text_format=Weather,
+                                      max_output_tokens=ROOM)
+    assert isinstance(response.output_parsed, Weather)
+
+
+def test_thinking_is_a_reasoning_item(thinking_server: ServerProcess) -> None:
+    """The Qwen3-shaped template opens the thinking block; the random weights never close it,
+    so the whole reply is one reasoning item, streamed as reasoning_text deltas."""
+    client = openai.OpenAI(base_url=f"{thinking_server.url}/v1", api_key="-", max_retries=0)
+    options = {"model": "tiny-thinking", "input": "Which city is the capital?",
+               "max_output_tokens": 5, "temperature": 0.0}
+    whole = client.responses.create(**options)
+    [item] = whole.output
+    assert item.type == "reasoning" and item.id.startswith("rs_") and whole.output_text == ""
+    events = list(client.responses.create(**options, stream=True))
+    deltas = [event.delta for event in events if event.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == item.content[0].text
+    assert "response.output_text.delta" not in {event.type for event in events}

@@ -6,31 +6,18 @@ template drops the earlier turn's thinking."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
 
-from tests.server.support import ServerProcess, start_server
-from tests.server.thinking_model import THINK_END, build_thinking_model
+from tests.server.support import ServerProcess
+from tests.server.thinking_model import THINK_END
 
 NO_EOS = {"ignore_eos": True}
 # Long enough that the shared part dominates the second turn, as in an agent's chat.
 SYSTEM = "You are a careful assistant. " + " ".join(
     f"Rule {i}: answer plainly and check the facts twice." for i in range(20)
 )
-
-
-@pytest.fixture(scope="module")
-def thinking_server(
-    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    directory = tmp_path_factory.mktemp("thinking")
-    model = build_thinking_model(demo_model_dir, directory / "tiny-thinking")
-    process = start_server(model, directory / "server.log")
-    yield process
-    process.stop()
 
 
 @pytest.fixture(scope="module")
