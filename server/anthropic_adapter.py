@@ -123,8 +123,8 @@ def generation_request(body: TokenCountRequest) -> GenerationRequest:
         top_k=body.top_k or 0,
         stop=tuple(body.stop_sequences or ()),
     )
-    return replace(request, sampling=knobs, max_tokens=body.max_tokens, stream=body.stream,
-                   include_usage=True)
+    return replace(request, sampling=knobs, max_tokens=body.max_tokens, fit_context=True,
+                   stream=body.stream, include_usage=True)
 
 
 def system_text(system: System | None) -> str:
@@ -189,17 +189,24 @@ def usage(usage: GenerationUsage) -> Usage:
     )
 
 
-def stop_reason(reason: str, matched_stop: str | int | None) -> tuple[StopReason, str | None]:
+def stop_reason(
+    reason: str, matched_stop: str | int | None, output_tokens: int, max_tokens: int
+) -> tuple[StopReason, str | None]:
+    """(stop_reason, stop_sequence). A reply cut short of `max_tokens` by the end of the
+    context window says so, as Anthropic's newer models do."""
     if reason == "tool_calls":
         return "tool_use", None
     if reason == "length":
-        return "max_tokens", None
+        cut = output_tokens < max_tokens
+        return ("model_context_window_exceeded" if cut else "max_tokens"), None
     if isinstance(matched_stop, str):
         return "stop_sequence", matched_stop
     return "end_turn", None
 
 
-def message_response(message_id: str, model: str, result: ChoiceResult) -> MessageResponse:
+def message_response(
+    message_id: str, model: str, max_tokens: int, result: ChoiceResult
+) -> MessageResponse:
     content: list[ResponseContent] = []
     if result.reasoning:
         content.append(ThinkingContent(thinking=result.reasoning))
@@ -209,7 +216,8 @@ def message_response(message_id: str, model: str, result: ChoiceResult) -> Messa
         ToolUseContent(id=call.id, name=call.name, input=_tool_input(call.arguments))
         for call in result.tool_calls
     ]
-    reason, sequence = stop_reason(result.finish_reason, result.matched_stop)
+    reason, sequence = stop_reason(result.finish_reason, result.matched_stop,
+                                   result.usage.completion_tokens, max_tokens)
     return MessageResponse(
         id=message_id, model=model, content=content, stop_reason=reason,
         stop_sequence=sequence, usage=usage(result.usage),
@@ -230,8 +238,8 @@ class MessageStream:
     """Neutral events as Anthropic's stream events: one content block at a time, in
     order; a block closes when the next kind of content begins."""
 
-    def __init__(self, message_id: str, model: str) -> None:
-        self.message_id, self.model = message_id, model
+    def __init__(self, message_id: str, model: str, max_tokens: int) -> None:
+        self.message_id, self.model, self.max_tokens = message_id, model, max_tokens
         self._index = -1
         self._open: str | None = None  # "text", "thinking" or "tool_use"
 
@@ -278,7 +286,8 @@ class MessageStream:
         return [ContentBlockStop(index=self._index)]
 
     def _finish(self, finished: ChoiceFinished) -> list[StreamEvent]:
-        reason, sequence = stop_reason(finished.reason, finished.matched_stop)
+        reason, sequence = stop_reason(finished.reason, finished.matched_stop,
+                                       finished.usage.completion_tokens, self.max_tokens)
         return [
             *self._close(),
             MessageDelta(delta=MessageDeltaBody(stop_reason=reason, stop_sequence=sequence),
@@ -321,7 +330,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     generation = await start(request, state, generation_request(body))
     message_id = f"msg_{uuid.uuid4().hex}"
     if body.stream:
-        stream = _stream(generation, MessageStream(message_id, model))
+        stream = _stream(generation, MessageStream(message_id, model, body.max_tokens))
         return GenerationEventSource(generation, stream, ping=PING_SECONDS,
                                      ping_message_factory=lambda: _sse(Ping()))
     try:
@@ -332,7 +341,9 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         generation.close()
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
-    return JSONResponse(message_response(message_id, model, results[0]).model_dump())
+    return JSONResponse(
+        message_response(message_id, model, body.max_tokens, results[0]).model_dump()
+    )
 
 
 @router.post("/messages/count_tokens")

@@ -239,7 +239,9 @@ class MessagesRequest(TokenCountRequest):
 
 # -- responses -----------------------------------------------------------------------------
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+StopReason = Literal[
+    "end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"
+]
 
 
 class Usage(ResponseModel):

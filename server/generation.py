@@ -117,6 +117,9 @@ class GenerationRequest:
     output: OutputFormat = TEXT
     sampling: SamplingParams = field(default_factory=sampling)
     max_tokens: int | None = None  # None: the server's default, within the context window
+    # max_tokens is only a cap, lowered to what the context window leaves (Anthropic's
+    # semantics: Claude Code asks for 32000) instead of refusing the request.
+    fit_context: bool = False
     n: int = 1  # choices per prompt
     # None: no logprobs; k: each content token's logprob plus its k likeliest alternatives.
     logprobs: int | None = None

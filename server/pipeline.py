@@ -164,10 +164,10 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
             400, f"{choices} choices (prompts x n) exceed this server's queue of "
             f"{state.settings.max_queue}", code="invalid_request", param="n",
         )
-    max_tokens = request.max_tokens or max(1, min(
-        state.settings.default_max_tokens,
-        state.engine.context_length - max(map(len, prompts)),
-    ))
+    room = state.engine.context_length - max(map(len, prompts))
+    max_tokens = request.max_tokens or max(1, min(state.settings.default_max_tokens, room))
+    if request.fit_context:
+        max_tokens = max(1, min(max_tokens, room))
     # Reasoning applies to chats only; raw prompts are continued as they are.
     markers = tokenizer.thinking if request.is_chat else None
     thinking = [_thinking(markers, prompt) for prompt in prompts]

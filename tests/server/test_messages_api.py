@@ -14,6 +14,7 @@ import httpx
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.demo_model import MAX_POSITION_EMBEDDINGS
 from tests.server.support import API_KEY, ServerProcess
 
 
@@ -290,3 +291,24 @@ def test_thinking_streams_as_a_thinking_block(thinking_server: ServerProcess) ->
     assert {delta.type for delta in deltas} == {"thinking_delta"}
     assert "".join(delta.thinking for delta in deltas) == whole.content[0].thinking
     assert streamed.content[0].thinking == whole.content[0].thinking
+
+
+def test_max_tokens_past_the_context_window_is_a_cap(
+    claude: anthropic.Anthropic, model_id: str
+) -> None:
+    """Claude Code asks for 32000 tokens whatever the model: the reply stops where the
+    context window ends instead of the request being refused."""
+    def count(repeats: int) -> int:
+        messages = [{"role": "user", "content": "Go on. " * repeats}]
+        return claude.messages.count_tokens(model=model_id, messages=messages).input_tokens
+
+    per_repeat = count(2) - count(1)
+    repeats = (MAX_POSITION_EMBEDDINGS - 6 - count(0)) // per_repeat
+    prompt = count(repeats)
+    with claude.messages.stream(  # the SDK streams any request for this many tokens
+        model=model_id, max_tokens=32000, extra_body=GREEDY,
+        messages=[{"role": "user", "content": "Go on. " * repeats}],
+    ) as stream:
+        message = stream.get_final_message()
+    assert message.stop_reason == "model_context_window_exceeded"
+    assert message.usage.output_tokens == MAX_POSITION_EMBEDDINGS - prompt
