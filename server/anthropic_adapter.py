@@ -83,7 +83,7 @@ from server.generation import ToolChoice as GenerationToolChoice
 from server.openapi import error_responses, event_stream
 from server.pipeline import Generation, render, start
 from server.state import server_state
-from server.streaming import CLIENT_CLOSED, GenerationEventSource, unless_disconnected
+from server.streaming import CLIENT_CLOSED, GenerationEventSource, to_the_end
 
 # Anthropic pings every few seconds while a long prompt is computed; so do we.
 PING_SECONDS = 10
@@ -333,12 +333,9 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         stream = _stream(generation, MessageStream(message_id, model, body.max_tokens))
         return GenerationEventSource(generation, stream, ping=PING_SECONDS,
                                      ping_message_factory=lambda: _sse(Ping()))
-    try:
-        results = await unless_disconnected(
-            request, collect(generation.events(), generation.choices)
-        )
-    finally:
-        generation.close()
+    results = await to_the_end(
+        request, generation, collect(generation.events(), generation.choices)
+    )
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
     return JSONResponse(

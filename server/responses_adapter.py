@@ -79,7 +79,7 @@ from server.responses_protocol import (
 )
 from server.responses_protocol import Response as ResponseObject
 from server.state import ServerState, server_state
-from server.streaming import CLIENT_CLOSED, GenerationEventSource, unless_disconnected
+from server.streaming import CLIENT_CLOSED, GenerationEventSource, to_the_end
 
 # -- request ------------------------------------------------------------------------------
 
@@ -338,10 +338,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     save = (lambda: _save(state, builder.response, conversation)) if body.store else None
     if body.stream:
         return GenerationEventSource(generation, _stream(generation, builder, save))
-    try:
-        done = await unless_disconnected(request, _run(generation, builder))
-    finally:
-        generation.close()
+    done = await to_the_end(request, generation, _run(generation, builder))
     if done is None:
         return Response(status_code=CLIENT_CLOSED)
     if save is not None:

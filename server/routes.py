@@ -29,7 +29,7 @@ from server.protocol import (
     ModelList,
 )
 from server.state import ServerState, server_state
-from server.streaming import CLIENT_CLOSED, GenerationEventSource, unless_disconnected
+from server.streaming import CLIENT_CLOSED, GenerationEventSource, to_the_end
 
 
 def _events(chunk: type[BaseModel]) -> dict[str, Any]:
@@ -79,12 +79,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 async def _respond(request: Request, generation: Generation, fmt: Format) -> Response:
     if generation.request.stream:
         return GenerationEventSource(generation, _sse(generation, fmt))
-    try:
-        results = await unless_disconnected(
-            request, collect(generation.events(), generation.choices)
-        )
-    finally:
-        generation.close()
+    results = await to_the_end(
+        request, generation, collect(generation.events(), generation.choices)
+    )
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
     return JSONResponse(fmt.response(results, generation.usage()).model_dump())

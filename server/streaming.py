@@ -38,6 +38,17 @@ class GenerationEventSource(EventSourceResponse):
             self.generation.close()
 
 
+async def to_the_end(
+    request: Request, generation: Generation, work: Coroutine[Any, Any, T]
+) -> T | None:
+    """`work` (reading `generation`'s events for a non-streaming response), or None if the
+    client disconnects first; the generation is closed either way."""
+    try:
+        return await unless_disconnected(request, work)
+    finally:
+        generation.close()
+
+
 async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
     """`work`'s result, or None if the client disconnects first: Starlette does not cancel
     a handler whose client went away, so we watch for it ourselves."""
