@@ -161,11 +161,15 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+TextItem = OutputMessage | OutputReasoning
+
+
 class ResponseBuilder:
     """Neutral events into output items and the Responses stream events, numbered.
 
     Items are added one at a time, in order; an item is done when the next kind of
-    content begins or the generation finishes."""
+    content begins or the generation finishes. A message or reasoning item has one part,
+    whose text grows with each delta."""
 
     def __init__(self, response: ResponseObject) -> None:
         self.response = response
@@ -176,19 +180,9 @@ class ResponseBuilder:
         return [self._lifecycle("response.created"), self._lifecycle("response.in_progress")]
 
     def event(self, event: Event) -> list[StreamEvent]:
-        if isinstance(event, TextDelta):
-            if not event.text:
-                return []
-            events = self._open(OutputMessage) or []
-            self._item.content[0].text += event.text
-            return events + [self._text_event("response.output_text.delta", delta=event.text,
-                                              logprobs=[])]
-        if isinstance(event, ReasoningDelta):
-            if not event.text:
-                return []
-            events = self._open(OutputReasoning) or []
-            self._item.content[0].text += event.text
-            return events + [self._text_event("response.reasoning_text.delta", delta=event.text)]
+        if isinstance(event, TextDelta | ReasoningDelta):
+            return self._text(OutputMessage if isinstance(event, TextDelta) else OutputReasoning,
+                              event.text)
         if isinstance(event, ToolCallStarted):
             call = OutputFunctionCall(id=_new_id("fc"), call_id=event.id, name=event.name,
                                       arguments="", status="in_progress")
@@ -214,18 +208,21 @@ class ResponseBuilder:
     def _index(self) -> int:
         return len(self.response.output) - 1
 
-    def _open(self, kind: type[OutputMessage | OutputReasoning]) -> list[StreamEvent] | None:
-        if isinstance(self._item, kind):
-            return None
-        if kind is OutputMessage:
-            item, part = OutputMessage(id=_new_id("msg"), status="in_progress", content=[]), \
-                OutputText(text="")
-        else:
-            item, part = OutputReasoning(id=_new_id("rs"), status="in_progress", content=[]), \
-                ReasoningText(text="")
-        events = self._close() + self._add(item)
-        item.content.append(part.model_copy())
-        return events + [self._part_event("response.content_part.added", part)]
+    def _text(self, kind: type[TextItem], text: str) -> list[StreamEvent]:
+        if not text:
+            return []
+        events: list[StreamEvent] = []
+        if not isinstance(self._item, kind):
+            prefix = "msg" if kind is OutputMessage else "rs"
+            part = OutputText(text="") if kind is OutputMessage else ReasoningText(text="")
+            events = self._close() + self._add(kind(id=_new_id(prefix), status="in_progress",
+                                                    content=[]))
+            self._item.content.append(part)
+            events.append(self._part_event("response.content_part.added", self._item))
+        self._item.content[0].text += text
+        return [*events, self._number(TextDeltaEvent(
+            type=f"response.{_part_kind(self._item)}.delta", item_id=self._item.id,
+            output_index=self._index, delta=text, **_logprobs(self._item)))]
 
     def _add(self, item: OutputItem) -> list[StreamEvent]:
         self.response.output.append(item)
@@ -235,26 +232,24 @@ class ResponseBuilder:
         return [self._number(added)]
 
     def _close(self) -> list[StreamEvent]:
-        item, self._item = self._item, None
+        item = self._item
         if item is None:
             return []
-        events: list[StreamEvent] = []
         if isinstance(item, OutputFunctionCall):
-            events.append(self._number(ArgumentsDoneEvent(
+            events = [self._number(ArgumentsDoneEvent(
                 item_id=item.id, output_index=self._index, name=item.name,
-                arguments=item.arguments)))
+                arguments=item.arguments))]
         else:
-            self._item = item  # the part events below name it
-            text = item.content[0].text
-            kind = "output_text" if isinstance(item, OutputMessage) else "reasoning_text"
-            extra = {"logprobs": []} if isinstance(item, OutputMessage) else {}
-            events += [self._text_event(f"response.{kind}.done", text=text, **extra),
-                       self._part_event("response.content_part.done", item.content[0])]
-            self._item = None
+            events = [
+                self._number(TextDoneEvent(
+                    type=f"response.{_part_kind(item)}.done", item_id=item.id,
+                    output_index=self._index, text=item.content[0].text, **_logprobs(item))),
+                self._part_event("response.content_part.done", item),
+            ]
         item.status = "completed"
-        events.append(self._number(ItemEvent(type="response.output_item.done",
-                                             output_index=self._index, item=item)))
-        return events
+        self._item = None
+        return [*events, self._number(ItemEvent(type="response.output_item.done",
+                                                output_index=self._index, item=item))]
 
     def _finish(self, finished: ChoiceFinished) -> list[StreamEvent]:
         events = self._close()
@@ -279,19 +274,23 @@ class ResponseBuilder:
     def _lifecycle(self, kind: str) -> StreamEvent:
         return self._number(ResponseEvent(type=kind, response=self.response.model_copy(deep=True)))
 
-    def _part_event(self, kind: str, part: OutputText | ReasoningText) -> StreamEvent:
-        return self._number(PartEvent(type=kind, item_id=self._item.id,
-                                      output_index=self._index, part=part.model_copy()))
-
-    def _text_event(self, kind: str, **fields: Any) -> StreamEvent:
-        model = TextDeltaEvent if kind.endswith(".delta") else TextDoneEvent
-        return self._number(model(type=kind, item_id=self._item.id, output_index=self._index,
-                                  **fields))
+    def _part_event(self, kind: str, item: TextItem) -> StreamEvent:
+        return self._number(PartEvent(type=kind, item_id=item.id, output_index=self._index,
+                                      part=item.content[0].model_copy()))
 
     def _number(self, event: StreamEvent) -> StreamEvent:
         event.sequence_number = self._sequence
         self._sequence += 1
         return event
+
+
+def _part_kind(item: TextItem) -> str:
+    return "output_text" if isinstance(item, OutputMessage) else "reasoning_text"
+
+
+def _logprobs(item: TextItem) -> dict[str, list]:
+    """Answer text events carry logprobs (none asked for here); reasoning events do not."""
+    return {"logprobs": []} if isinstance(item, OutputMessage) else {}
 
 
 def assistant_message(response: ResponseObject) -> ChatMessage:
