@@ -1,0 +1,79 @@
+"""Both agent APIs' stream renderers, fed a reply no random-weight model writes (thinking,
+then text, then two tool calls) and read back by the official SDKs' own stream
+accumulators, which refuse any event out of its documented order."""
+
+from __future__ import annotations
+
+import json
+
+from anthropic.lib.streaming._messages import accumulate_event
+from openai import omit
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from server.anthropic_adapter import MessageStream
+from server.events import (
+    ChoiceFinished,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArguments,
+    ToolCallStarted,
+    Usage,
+)
+from server.responses_adapter import ResponseBuilder
+from server.responses_protocol import Response
+
+REPLY = [
+    ReasoningDelta(0, "The user wants "), ReasoningDelta(0, "files."),
+    TextDelta(0, "Let me "), TextDelta(0, "look."),
+    ToolCallStarted(0, 0, "call_a", "shell"),
+    ToolCallArguments(0, 0, '{"command": '), ToolCallArguments(0, 0, '"ls"}'),
+    ToolCallStarted(0, 1, "call_b", "read_file"),
+    ToolCallArguments(0, 1, '{"path": "README.md"}'),
+    ChoiceFinished(0, "tool_calls", Usage(prompt_tokens=120, completion_tokens=30,
+                                          cached_tokens=100)),
+]
+
+
+def test_messages_stream_is_one_block_per_kind_in_order() -> None:
+    stream = MessageStream("msg_1", "model", max_tokens=64)
+    events = stream.opening(prompt_tokens=120)
+    for event in REPLY:
+        events += stream.event(event)
+    message, buffers = None, {}
+    for event in events:
+        message = accumulate_event(event=json.loads(event.model_dump_json()),
+                                   current_snapshot=message, json_bufs=buffers)
+    assert [block.type for block in message.content] == [
+        "thinking", "text", "tool_use", "tool_use"]
+    assert message.content[0].thinking == "The user wants files."
+    assert message.content[1].text == "Let me look."
+    assert [(block.name, block.input) for block in message.content[2:]] == [
+        ("shell", {"command": "ls"}), ("read_file", {"path": "README.md"})]
+    assert message.stop_reason == "tool_use"
+    assert (message.usage.input_tokens, message.usage.cache_read_input_tokens,
+            message.usage.output_tokens) == (20, 100, 30)
+
+
+def test_responses_stream_is_one_item_per_kind_in_order() -> None:
+    builder = ResponseBuilder(Response(id="resp_1", status="in_progress", model="model"))
+    events = builder.opening()
+    for event in REPLY:
+        events += builder.event(event)
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    state = ResponseStreamState(input_tools=[], text_format=omit)
+    parse = TypeAdapter(ResponseStreamEvent).validate_python
+    for event in events:
+        state.handle_event(parse(json.loads(event.model_dump_json())))
+    assert events[-1].type == "response.completed"
+    response = events[-1].response
+    assert [item.type for item in response.output] == [
+        "reasoning", "message", "function_call", "function_call"]
+    assert response.output[0].content[0].text == "The user wants files."
+    assert response.output_text == "Let me look."
+    assert [(item.call_id, item.arguments) for item in response.output[2:]] == [
+        ("call_a", '{"command": "ls"}'), ("call_b", '{"path": "README.md"}')]
+    assert all(item.status == "completed" for item in response.output)
+    assert response.usage.input_tokens_details.cached_tokens == 100
+    assert builder.response == response
