@@ -22,7 +22,7 @@ class CacheControl(RequestModel):
     """Accepted and otherwise ignored: the radix cache keeps every prefix anyway."""
 
     type: Literal["ephemeral"]
-    ttl: Literal["5m", "1h"] | None = None
+    ttl: str | None = None  # "5m", "1h"; new ones must not fail a request
 
 
 class Block(RequestModel):
