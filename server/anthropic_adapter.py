@@ -111,7 +111,7 @@ def generation_request(body: TokenCountRequest) -> GenerationRequest:
             for tool in body.tools or ()
         ),
         tool_choice=_tool_choice(body.tool_choice),
-        parallel_tool_calls=not getattr(body.tool_choice, "disable_parallel_tool_use", False),
+        parallel_tool_calls=_parallel(body.tool_choice),
         output=output,
         chat_template_kwargs=template_kwargs,
     )
@@ -167,6 +167,11 @@ def _result_text(block: ToolResultBlock) -> str:
     text = content if isinstance(content, str) else "\n".join(part.text for part in content)
     # Anthropic's models see is_error; a chat template has no field for it.
     return f"Error: {text}" if block.is_error else text
+
+
+def _parallel(choice: ToolChoice | None) -> bool | None:
+    disabled = getattr(choice, "disable_parallel_tool_use", None)
+    return None if disabled is None else not disabled
 
 
 def _tool_choice(choice: ToolChoice | None) -> GenerationToolChoice:

@@ -156,18 +156,18 @@ ToolDefinition = Annotated[
 
 class ToolChoiceAuto(RequestModel):
     type: Literal["auto"]
-    disable_parallel_tool_use: bool = False
+    disable_parallel_tool_use: bool | None = None
 
 
 class ToolChoiceAny(RequestModel):
     type: Literal["any"]
-    disable_parallel_tool_use: bool = False
+    disable_parallel_tool_use: bool | None = None
 
 
 class ToolChoiceTool(RequestModel):
     type: Literal["tool"]
     name: str
-    disable_parallel_tool_use: bool = False
+    disable_parallel_tool_use: bool | None = None
 
 
 class ToolChoiceNone(RequestModel):

@@ -261,7 +261,8 @@ class ResponseBuilder:
                 cache_write_tokens=usage.prompt_tokens - usage.cached_tokens,
             ),
             output_tokens=usage.completion_tokens,
-            output_tokens_details=OutputTokensDetails(),
+            output_tokens_details=OutputTokensDetails(
+                reasoning_tokens=usage.reasoning_tokens or 0),
             total_tokens=usage.total_tokens,
         )
         if finished.reason == "length":
@@ -327,7 +328,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         id=_new_id("resp"), status="in_progress", model=model,
         instructions=body.instructions, previous_response_id=body.previous_response_id,
         tools=body.function_tools, tool_choice=body.tool_choice or "auto",
-        parallel_tool_calls=body.parallel_tool_calls,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
         text=body.text.model_dump(by_alias=True, exclude_none=True) if body.text else
         {"format": {"type": "text"}},
         max_output_tokens=body.max_output_tokens, temperature=body.temperature,

@@ -212,7 +212,7 @@ class ResponsesRequest(RequestModel):
     previous_response_id: str | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # None: OpenAI's default (true for free choice)
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     max_output_tokens: int | None = Field(None, ge=1)
