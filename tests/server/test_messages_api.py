@@ -53,6 +53,10 @@ def test_message_shape_and_usage(claude: anthropic.Anthropic, model_id: str) -> 
     # Anthropic counts cache reads apart from input_tokens; together they are the prompt.
     counted = claude.messages.count_tokens(model=model_id, messages=messages).input_tokens
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == counted
+    # Claude Code uses the beta namespace: /v1/messages?beta=true, with anthropic-beta.
+    beta = claude.beta.messages.create(model=model_id, max_tokens=2, messages=messages,
+                                       betas=["interleaved-thinking-2025-05-14"])
+    assert beta.usage.cache_read_input_tokens == counted - 1
 
 
 def test_stream_events_build_the_same_message(claude: anthropic.Anthropic, model_id: str) -> None:
