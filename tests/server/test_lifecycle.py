@@ -170,3 +170,37 @@ async def test_sigterm_drains_then_exits_zero(
         # Reproduced with the engine alone: a request cancelled mid-decode, then exit.
         pytest.xfail("engine: process aborts at exit after a cancelled request")
     assert returncode == 0, server.log()
+
+
+async def test_a_drain_cuts_agent_streams_with_their_own_error_events(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """Claude Code and Codex streams cut by a restart end with their API's error event
+    (Anthropic's `error`, Responses' `error` then `response.failed`), not a hang-up."""
+    server = start_server(demo_model_dir, tmp_path / "server.log", "--drain-timeout", "0.5")
+    greedy_and_long = {"stream": True, "temperature": 0.0}
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            started = asyncio.Event(), asyncio.Event()
+            messages = asyncio.create_task(_read_stream(
+                http, f"{server.url}/v1/messages",
+                {**greedy_and_long, "model": demo_model_dir.name, "max_tokens": 8000,
+                 "messages": [{"role": "user", "content": "Write on."}]}, started[0]))
+            responses = asyncio.create_task(_read_stream(
+                http, f"{server.url}/v1/responses",
+                {**greedy_and_long, "max_output_tokens": 8000, "input": "Write on."},
+                started[1]))
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 30)
+            server.process.send_signal(signal.SIGTERM)
+            messages_events, responses_events = await asyncio.gather(messages, responses)
+        server.process.wait(timeout=30)
+    finally:
+        server.stop()
+    assert json.loads(messages_events[-1]) == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "the server is shutting down"}}
+    error, failed = (json.loads(data) for data in responses_events[-2:])
+    assert error["type"] == "error" and error["code"] == "shutting_down"
+    assert failed["type"] == "response.failed"
+    assert failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["code"] == "shutting_down"
