@@ -456,16 +456,30 @@ class CompletionResponse(ResponseModel):
 
 
 class ModelCard(ResponseModel):
+    """OpenAI's model object, with the fields of Anthropic's (`type`, `display_name`,
+    `created_at`, ...) too, so both APIs' clients (Claude Code's model discovery among
+    them) read the same list."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "radix-mlx"
     root: str
+    type: Literal["model"] = "model"
+    display_name: str
+    created_at: str  # RFC 3339
+    lifecycle: Literal["active"] = "active"
+    max_input_tokens: int
 
 
 class ModelList(ResponseModel):
+    """OpenAI's list; Anthropic's pagination fields say it is the whole list."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
 
 
 class Health(ResponseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -43,7 +44,8 @@ probes = APIRouter()
 @api.get("/models")
 async def list_models(request: Request) -> ModelList:
     state = server_state(request)
-    return ModelList(data=[_model_card(state, name) for name in state.model_ids()])
+    cards = [_model_card(state, name) for name in state.model_ids()]
+    return ModelList(data=cards, first_id=cards[0].id, last_id=cards[-1].id)
 
 
 @api.get("/models/{model:path}")
@@ -53,7 +55,10 @@ async def get_model(model: str, request: Request) -> ModelCard:
 
 
 def _model_card(state: ServerState, name: str) -> ModelCard:
-    return ModelCard(id=name, created=state.started, root=state.engine.model_id)
+    created_at = datetime.fromtimestamp(state.started, UTC).isoformat().replace("+00:00", "Z")
+    return ModelCard(id=name, created=state.started, root=state.engine.model_id,
+                     display_name=name, created_at=created_at,
+                     max_input_tokens=state.engine.context_length)
 
 
 @api.post("/chat/completions", responses={

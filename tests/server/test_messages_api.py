@@ -180,6 +180,16 @@ def test_errors_are_anthropic_error_objects(
     assert words in error.body["error"]["message"]
 
 
+def test_models_list_reads_as_anthropics(claude: anthropic.Anthropic, model_id: str) -> None:
+    """Claude Code's model discovery (CLAUDE_CODE_ENABLE_GATEWAY_MODEL_DISCOVERY) reads
+    /v1/models with this SDK; OpenAI's clients read the same list."""
+    models = claude.models.list()
+    first = models.data[0]
+    assert first.id == model_id and first.type == "model" and first.display_name == model_id
+    assert first.created_at.year >= 2024 and first.max_input_tokens > 0
+    assert not models.has_more
+
+
 def test_authentication_takes_x_api_key_or_bearer(server: ServerProcess, model_id: str) -> None:
     body = {"model": model_id, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
     url = f"{server.url}/v1/messages/count_tokens"
