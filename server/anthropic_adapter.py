@@ -185,12 +185,12 @@ def _tool_choice(choice: ToolChoice | None) -> GenerationToolChoice:
 # -- response -----------------------------------------------------------------------------
 
 
-def usage(usage: GenerationUsage) -> Usage:
+def usage(counts: GenerationUsage) -> Usage:
     """Anthropic's `input_tokens` leaves out what came from the cache."""
     return Usage(
-        input_tokens=usage.prompt_tokens - usage.cached_tokens,
-        output_tokens=usage.completion_tokens,
-        cache_read_input_tokens=usage.cached_tokens,
+        input_tokens=counts.prompt_tokens - counts.cached_tokens,
+        output_tokens=counts.completion_tokens,
+        cache_read_input_tokens=counts.cached_tokens,
     )
 
 
