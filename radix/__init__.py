@@ -9,6 +9,8 @@ from .tree import (
     RadixTree,
     ReserveResult,
     ReserveStatus,
+    Store,
+    Stored,
     TreeStats,
 )
 
@@ -21,5 +23,7 @@ __all__ = [
     "RadixTree",
     "ReserveResult",
     "ReserveStatus",
+    "Store",
+    "Stored",
     "TreeStats",
 ]

@@ -60,6 +60,64 @@ class FakeHandle:
         return f"FakeHandle({kind} {self.prefix}+{self.tokens})"
 
 
+class FakeStored:
+    """A disk copy of a `FakeHandle`: what it stood for, and how often it was deleted."""
+
+    def __init__(self, handle: FakeHandle, key: str) -> None:
+        self.tokens, self.prefix = handle.tokens, handle.prefix
+        self.splittable = handle.splittable
+        self.bytes_per_token = handle.bytes_per_token
+        self.nbytes = handle.nbytes
+        self.key = key
+        self.discarded = 0
+
+    @property
+    def path(self) -> tuple[int, ...]:
+        return self.prefix + self.tokens
+
+    def load(self, ledger: list[FakeHandle] | None = None) -> FakeHandle:
+        """The data back in memory, as a new handle."""
+        assert not self.discarded, f"load of a deleted copy {self!r}"
+        return FakeHandle(self.tokens, self.bytes_per_token, self.splittable,
+                          prefix=self.prefix, ledger=ledger)
+
+    def __repr__(self) -> str:
+        return f"FakeStored({self.prefix}+{self.tokens} {self.key})"
+
+
+class FakeStore:
+    """A disk tier in a list: every copy it made, and whether it is `full` (then it
+    refuses copies, like a store whose write queue is full)."""
+
+    root_key = "root"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.saved: list[FakeStored] = []
+        self.full = False
+
+    def key(self, parent_key: str, tokens: tuple[int, ...]) -> str:
+        return f"{parent_key}/{'.'.join(map(str, tokens))}"
+
+    def save(self, key: str, parent_key: str, start: int, tokens: tuple[int, ...],
+             handle: FakeHandle) -> FakeStored | None:
+        assert key == self.key(parent_key, tokens)
+        assert handle.path[start:] == tokens and len(handle.path) == start + len(tokens), (
+            f"{handle!r} saved as {start}+{tokens}")
+        if self.full:
+            return None
+        stored = FakeStored(handle, key)
+        self.saved.append(stored)
+        return stored
+
+    def discard(self, stored: FakeStored) -> None:
+        assert not stored.discarded, f"double delete of {stored!r}"
+        stored.discarded += 1
+
+    def live(self) -> list[FakeStored]:
+        return [s for s in self.saved if not s.discarded]
+
+
 _COUNTED = (
     "total_bytes",
     "pinned_bytes",
@@ -70,6 +128,8 @@ _COUNTED = (
     "nodes",
     "pending",
 )
+_TIERS = {"memory": lambda node: node.nbytes if not node.on_disk else None,
+          "disk": lambda node: node.stored.nbytes if node.stored is not None else None}
 
 
 def check_invariants(tree: RadixTree) -> list[Node]:
@@ -77,7 +137,7 @@ def check_invariants(tree: RadixTree) -> list[Node]:
     non-root nodes. O(nodes): for tests and debugging only."""
     with tree._mutex:
         nodes: list[Node] = []
-        counted = dict.fromkeys(_COUNTED, 0)
+        counted = {f"{tier}.{name}": 0 for tier in _TIERS for name in _COUNTED}
         stack = [tree.root]
         while stack:
             node = stack.pop()
@@ -85,40 +145,72 @@ def check_invariants(tree: RadixTree) -> list[Node]:
                 assert child.parent is node, f"{child!r} has a wrong parent"
                 assert child.tokens and child.tokens[0] == first, f"{child!r} is misfiled"
                 assert child.pins >= 0
+                assert child.on_disk or not node.on_disk, f"{child!r} in memory below disk"
                 stack.append(child)
+            in_memory = sum(not c.on_disk for c in node.children.values())
+            assert node.memory_children == in_memory, f"{node!r} miscounts memory children"
             if node is tree.root:
-                assert node.pins == 0 and node.handle is None
+                assert node.pins == 0 and node.handle is None and not node.on_disk
                 continue
             nodes.append(node)
             pins_below = sum(c.pins for c in node.children.values())
             assert node.pins >= pins_below, f"{node!r} pinned less than its children"
+            if node.on_disk:
+                assert node.handle is None, f"{node!r} on disk holds memory"
+            if node.stored is not None:
+                assert node.key == node.stored.key, f"{node!r} filed under another key"
             if node.state is NodeState.PENDING:
-                assert node.handle is None, f"{node!r}"
+                assert node.handle is None and node.stored is None, f"{node!r}"
+                assert not node.on_disk, f"{node!r}"
                 assert node.pins > pins_below, f"{node!r} lost its creator's pin"
-                counted["pending"] += 1
+                counted["memory.pending"] += 1
                 continue
             assert node.state is NodeState.READY, f"{node!r} is in the tree"
-            counted["nodes"] += 1
+            counted["memory.nodes"] += 1
+            if node.stored is not None:
+                counted["disk.nodes"] += 1
             kind = "pinned" if node.pins else "evictable"
-            for unit, amount in (("bytes", node.nbytes), ("tokens", len(node.tokens))):
-                counted[f"total_{unit}"] += amount
-                counted[f"{kind}_{unit}"] += amount
-        listed = list(tree.lru)
-        evictable = [n for n in nodes if _evictable_leaf(n)]
-        assert len(listed) == len(tree.lru) == len({id(n) for n in listed})
-        assert {id(n) for n in listed} == {id(n) for n in evictable}, "LRU != evictable leaves"
-        handles = [id(n.handle) for n in nodes if n.handle is not None]
-        assert len(handles) == len(set(handles)), "a handle is owned twice"
+            for tier, size in _TIERS.items():
+                nbytes = size(node)
+                if nbytes is None:
+                    continue
+                for unit, amount in (("bytes", nbytes), ("tokens", len(node.tokens))):
+                    counted[f"{tier}.total_{unit}"] += amount
+                    counted[f"{tier}.{kind}_{unit}"] += amount
+        for lru, evictable in ((tree.lru, _evictable_leaf), (tree.disk_lru, _disk_leaf)):
+            listed = list(lru)
+            assert len(listed) == len(lru) == len({id(n) for n in listed})
+            assert {id(n) for n in listed} == {id(n) for n in nodes if evictable(n)}, (
+                "an LRU list is not its tier's evictable leaves")
+        for data in ("handle", "stored"):
+            owned = [id(getattr(n, data)) for n in nodes if getattr(n, data) is not None]
+            assert len(owned) == len(set(owned)), f"a {data} is owned twice"
         s = tree._stats_locked()
-    actual = {name: getattr(s, name) for name in _COUNTED}
+    actual = {f"memory.{name}": getattr(s, name) for name in _COUNTED}
+    actual |= {f"disk.{name}": getattr(s, "disk_" + name.removeprefix("total_"))
+               for name in _COUNTED if name != "pending"}
+    counted = {name: value for name, value in counted.items() if name in actual}
     assert actual == counted, f"stats {actual} != recomputed {counted}"
-    assert s.evictable_bytes + s.pinned_bytes == s.total_bytes
-    assert s.evictable_tokens + s.pinned_tokens == s.total_tokens
+    for tier in ("", "disk_"):
+        total = {unit: getattr(s, f"{tier}{'total_' if not tier else ''}{unit}")
+                 for unit in ("bytes", "tokens")}
+        for unit in ("bytes", "tokens"):
+            pinned, evictable = getattr(s, f"{tier}pinned_{unit}"), getattr(
+                s, f"{tier}evictable_{unit}")
+            assert evictable + pinned == total[unit], f"{tier}{unit} do not add up"
+    if tree.store is not None:
+        assert s.disk_bytes <= tree.store.capacity_bytes, "over the disk budget"
     return nodes
 
 
 def _evictable_leaf(node: Node) -> bool:
-    return node.state is NodeState.READY and node.pins == 0 and not node.children
+    return (node.state is NodeState.READY and node.pins == 0 and not node.on_disk
+            and not any(not c.on_disk for c in node.children.values()))
+
+
+def _disk_leaf(node: Node) -> bool:
+    return (node.state is NodeState.READY and node.pins == 0 and node.on_disk
+            and not node.children)
 
 
 def acquire(

@@ -3,6 +3,10 @@
 The model keeps the set of reusable prefixes (every prefix of a cached span; only the
 ends of snapshots), the pending reservations and every pin the test holds. After every
 step the tree must agree with it, and its own bookkeeping must add up.
+
+With a disk tier, a match that reaches disk nodes loads and promotes them first (as the
+engine does), and the model forgets a prefix only when no live data (a handle in memory,
+or a copy on disk) covers it any more: nothing is lost that a tier still holds.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from hypothesis.stateful import (
 )
 
 from radix import Node, NodeState, RadixTree, ReserveStatus
-from tests.radix.support import FakeHandle, check_invariants
+from tests.radix.support import FakeHandle, FakeStore, check_invariants
 
 CAPACITY = 16
+DISK_CAPACITY = 24
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=6).map(tuple)
 
 
@@ -48,10 +53,13 @@ class TreeMachine(RuleBasedStateMachine):
 
     reservations = Bundle("reservations")
 
+    tiered = False
+
     @initialize()
     def setup(self) -> None:
         self.ledger: list[FakeHandle] = []
-        self.tree = RadixTree(CAPACITY, self._free)
+        self.store = FakeStore(DISK_CAPACITY) if self.tiered else None
+        self.tree = RadixTree(CAPACITY, self._free, store=self.store)
         self.matchable: set[tuple[int, ...]] = set()
         self.pending: dict[int, Reservation] = {}
         self.pins: list[Node] = []
@@ -66,6 +74,12 @@ class TreeMachine(RuleBasedStateMachine):
         if self.splittable:
             return FakeHandle(tokens, prefix=prefix, ledger=self.ledger)
         return FakeHandle(prefix + tokens, splittable=False, ledger=self.ledger)
+
+    def _live_reusable(self) -> set[tuple[int, ...]]:
+        """Every prefix some live data (memory handle or disk copy) makes reusable."""
+        live = [h for h in self.ledger if not h.freed and not h.consumed]
+        live += self.store.live() if self.store else []
+        return set().union(*map(self._reusable, live))
 
     def _reusable(self, handle: FakeHandle) -> set[tuple[int, ...]]:
         """The prefixes a handle makes reusable."""
@@ -93,6 +107,16 @@ class TreeMachine(RuleBasedStateMachine):
         expected = self._expected_length(tokens)
         assert self.tree.peek(tokens) == expected
         m = self.tree.match(tokens, pin=pin)
+        if m.disk:  # the engine's way: pin, load and promote top first, match again
+            assert m.disk_length == expected and m.length < expected
+            if pin:
+                self.tree.unpin(m.node)
+            self.tree.pin(m.disk[-1])
+            for node in m.disk:
+                self.tree.promote(node, node.stored.load(self.ledger))
+            self.tree.unpin(m.disk[-1])
+            m = self.tree.match(tokens, pin=pin)
+            assert not m.disk
         assert m.length == expected
         assert m.node.path_tokens() == tokens[:expected]
         assert m.node is self.tree.root or m.node.handle is not None
@@ -178,12 +202,27 @@ class TreeMachine(RuleBasedStateMachine):
         self.tree.unpin(m.node)
         self.pins.remove(m.node)
 
+    def _disk_cut(self, path: tuple[int, ...]) -> int | None:
+        """Where `path` ends or branches inside a span on disk: an insert stops above it."""
+        node, depth = self.tree.root, 0
+        while depth < len(path) and (child := node.children.get(path[depth])):
+            edge = child.tokens
+            if path[depth : depth + len(edge)] != edge:
+                return depth if child.on_disk and self.splittable else None
+            node, depth = child, depth + len(edge)
+        return None
+
     def _insert(self, parent: Node, prefix: tuple, tokens: tuple, pin: bool) -> None:
         path = prefix + tokens
         blocked = self._pending_on(path)
+        cut = self._disk_cut(path)
         handle = self._handle(prefix, tokens)
         node = self.tree.insert(parent, tokens, handle, pin=pin)
-        if blocked is None:
+        if cut is not None and (blocked is None or cut < blocked.start):
+            reached = node.path_tokens()
+            assert len(prefix) <= len(reached) <= cut, "stops above the span on disk"
+            self.matchable |= {p for p in self._reusable(handle) if len(p) <= len(reached)}
+        elif blocked is None:
             assert node.path_tokens() == path
             self.matchable |= self._reusable(handle)
         else:
@@ -219,6 +258,19 @@ class TreeMachine(RuleBasedStateMachine):
         s = self.tree.stats()
         assert s.total_bytes <= CAPACITY or s.evictable_bytes == 0 or not self.tree.lru
 
+    @precondition(lambda self: self.tiered)
+    @rule(nbytes=st.integers(0, 20))
+    def evict_disk(self, nbytes):
+        before = self.tree.stats().disk_bytes
+        freed = self.tree.evict_disk(nbytes)
+        assert before - self.tree.stats().disk_bytes == freed
+        assert freed >= nbytes or not self.tree.disk_lru
+
+    @precondition(lambda self: self.tiered)
+    @rule(full=st.booleans())
+    def disk_queue_full(self, full):
+        self.store.full = full
+
     @rule()
     def clear(self):
         self._evicting(self.tree.clear, float("inf"))
@@ -232,6 +284,9 @@ class TreeMachine(RuleBasedStateMachine):
         assert freed >= wanted or not self.tree.lru
         for handle in now_freed:
             self.matchable -= self._reusable(handle)
+        if self.tiered:  # demoted: still reusable from disk, after a load
+            self.matchable |= self._live_reusable() & set().union(
+                *map(self._reusable, now_freed))
         for node in self.pins:
             assert self._attached(node), f"pinned {node!r} was evicted"
 
@@ -246,6 +301,8 @@ class TreeMachine(RuleBasedStateMachine):
     def tree_agrees_with_the_model(self):
         if not hasattr(self, "tree"):
             return
+        if self.tiered:  # making room on disk for a copy may delete other copies
+            self.matchable &= self._live_reusable()
         nodes = check_invariants(self.tree)
         # pins counts every pin at or below a node: ours plus each creator's.
         expected: dict[int, int] = {}
@@ -259,11 +316,15 @@ class TreeMachine(RuleBasedStateMachine):
         in_tree = {id(n.handle) for n in nodes if n.handle is not None}
         live = {id(h) for h in self.ledger if not h.freed and not h.consumed}
         assert in_tree == live
+        if self.store is not None:
+            in_tree = {id(n.stored) for n in nodes if n.stored is not None}
+            assert in_tree == {id(c) for c in self.store.live()}, "a disk copy leaked"
         reusable: set[tuple[int, ...]] = set()
         for n in nodes:
-            if n.handle is not None:
-                assert n.handle.path == n.path_tokens()
-                reusable |= self._reusable(n.handle)
+            data = n.stored if n.on_disk else n.handle
+            if data is not None:
+                assert data.path == n.path_tokens()
+                reusable |= self._reusable(data)
         assert reusable == self.matchable
         assert {id(n) for n in nodes if n.state is NodeState.PENDING} == set(self.pending)
 
@@ -279,11 +340,20 @@ class TreeMachine(RuleBasedStateMachine):
         self.tree.clear()
         check_invariants(self.tree)
         s = self.tree.stats()
-        assert (s.total_bytes, s.nodes, s.pending) == (0, 0, 0)
+        assert (s.total_bytes, s.nodes, s.pending, s.disk_bytes) == (0, 0, 0, 0)
         assert all(h.freed or h.consumed for h in self.ledger)
+        assert not self.store or not self.store.live()
 
 
 class SnapshotTreeMachine(TreeMachine):
+    splittable = False
+
+
+class TieredTreeMachine(TreeMachine):
+    tiered = True
+
+
+class TieredSnapshotTreeMachine(TieredTreeMachine):
     splittable = False
 
 
@@ -297,3 +367,7 @@ TestSpans = TreeMachine.TestCase
 TestSpans.settings = SETTINGS
 TestSnapshots = SnapshotTreeMachine.TestCase
 TestSnapshots.settings = SETTINGS
+TestTieredSpans = TieredTreeMachine.TestCase
+TestTieredSpans.settings = SETTINGS
+TestTieredSnapshots = TieredSnapshotTreeMachine.TestCase
+TestTieredSnapshots.settings = SETTINGS

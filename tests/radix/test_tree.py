@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from radix import NodeState, RadixTree, ReserveStatus
-from tests.radix.support import FakeHandle, acquire, check_invariants
+from tests.radix.support import FakeHandle, FakeStore, acquire, check_invariants
 
 BIG = 1 << 30
 
@@ -561,3 +561,143 @@ def test_peek_reports_the_match_length_without_changing_anything():
     assert tree.peek([7]) == 0
     assert (edges(tree), list(tree.lru), tree.stats()) == before
     assert list(tree.lru) == [a, b]
+
+
+# -- the disk tier ---------------------------------------------------------------------
+
+
+def tiered(capacity: int = BIG, disk: int = BIG) -> tuple[Tree, FakeStore]:
+    tree = Tree(capacity)
+    tree.store = store = FakeStore(disk)
+    return tree, store
+
+
+def test_a_published_handle_is_copied_to_disk_at_once():
+    tree, store = tiered()
+    node = tree.put([1, 2, 3])
+    assert [s.path for s in store.saved] == [(1, 2, 3)] and node.stored is store.saved[0]
+    s = tree.stats()
+    assert (s.total_bytes, s.disk_bytes, s.disk_nodes) == (3, 3, 1)
+
+
+def test_memory_eviction_keeps_a_copied_node_in_place_on_disk():
+    tree, store = tiered()
+    tree.put([1, 2, 3])
+    assert tree.evict(3) == 3
+    (node,) = check_invariants(tree)
+    assert node.on_disk and node.handle is None and node.stored.path == (1, 2, 3)
+    assert tree.freed and not store.saved[0].discarded
+    s = tree.stats()
+    assert (s.total_bytes, s.disk_bytes, s.evictions, s.disk_demotions) == (0, 3, 1, 1)
+
+
+def test_a_match_reports_disk_nodes_and_promote_brings_them_back_as_a_disk_hit():
+    tree, _ = tiered()
+    tree.put([1, 2])
+    tree.insert(tree.match([1, 2]).node, [3, 4], span([3, 4], prefix=(1, 2)))
+    tree.evict(4)
+    m = tree.match([1, 2, 3, 4, 5])
+    assert (m.node, m.length, m.disk_length) == (tree.root, 0, 4)
+    assert [n.path_tokens() for n in m.disk] == [(1, 2), (1, 2, 3, 4)]
+    assert tree.peek([1, 2, 3, 4, 5]) == 4
+    tree.pin(m.disk[-1])
+    for node in m.disk:
+        tree.promote(node, node.stored.load())
+    tree.unpin(m.disk[-1])
+    assert tree.match([1, 2, 3, 4, 5]).length == 4
+    s = tree.stats()
+    assert (s.disk_hits, s.disk_hit_tokens, s.total_bytes, s.disk_bytes) == (2, 4, 4, 4)
+    check_invariants(tree)
+
+
+def test_a_match_ending_inside_a_span_on_disk_reports_it_whole():
+    tree, _ = tiered()
+    tree.put([1, 2, 3, 4])
+    tree.evict(4)
+    m = tree.match([1, 2, 9])
+    assert [n.tokens for n in m.disk] == [(1, 2, 3, 4)] and m.disk_length == 2
+
+
+def test_memory_evicts_leaves_above_disk_nodes_and_only_memory_counts_for_its_budget():
+    tree, _ = tiered(capacity=4)
+    tree.put([1, 2])
+    tree.insert(tree.match([1, 2]).node, [3, 4], span([3, 4], prefix=(1, 2)))
+    tree.put([7, 8, 9])
+    tree.enforce_capacity()
+    s = tree.stats()
+    assert s.total_bytes <= 4 and s.disk_bytes == 7
+    assert {n.path_tokens() for n in check_invariants(tree) if n.on_disk} == {(1, 2), (1, 2, 3, 4)}
+
+
+def test_the_disk_budget_evicts_disk_leaves_least_recently_used_first():
+    tree, store = tiered(disk=5)
+    tree.put([1, 2])
+    tree.evict(2)
+    tree.put([3, 4])
+    tree.evict(2)
+    tree.put([5, 6, 7])  # needs room: the oldest disk node goes
+    assert [s.path for s in store.saved if s.discarded] == [(1, 2)]
+    assert edges(tree) == {(3, 4), (5, 6, 7)}
+    assert tree.stats().disk_evictions == 1
+
+
+def test_without_a_copy_an_evicted_span_is_dropped_with_its_subtree():
+    tree, store = tiered()
+    store.full = True  # the writer's queue is full: no copy
+    tree.put([1, 2])
+    store.full = False
+    tree.insert(tree.match([1, 2]).node, [3], span([3], prefix=(1, 2)))
+    tree.evict(1)  # [3] goes to disk
+    tree.evict(2)  # [1, 2] has no copy: it and [3] below it are gone
+    assert edges(tree) == set() and store.saved[0].discarded
+
+
+def test_clear_drops_both_tiers():
+    tree, store = tiered()
+    tree.put([1, 2])
+    tree.evict(2)
+    tree.put([3])
+    tree.clear()
+    assert edges(tree) == set() and all(s.discarded for s in store.saved)
+    s = tree.stats()
+    assert (s.total_bytes, s.disk_bytes) == (0, 0)
+
+
+def test_restore_rebuilds_disk_nodes_from_copies_alone():
+    tree, store = tiered()
+    tree.put([1, 2])
+    tree.insert(tree.match([1, 2]).node, [3, 4], span([3, 4], prefix=(1, 2)))
+    first, second = store.saved
+    fresh, _ = tiered()
+    top = fresh.restore(fresh.root, first.tokens, first)
+    below = fresh.restore(top, second.tokens, second)
+    assert below.path_tokens() == (1, 2, 3, 4) and below.on_disk
+    assert fresh.restore(fresh.root, first.tokens, first) is top  # the same copy again
+    assert fresh.match([1, 2, 3, 4]).disk == [top, below]
+    check_invariants(fresh)
+
+
+def test_restore_refuses_copies_over_the_disk_budget():
+    tree, store = tiered()
+    tree.put([1, 2, 3])
+    fresh, _ = tiered(disk=2)
+    assert fresh.restore(fresh.root, (1, 2, 3), store.saved[0]) is None
+
+
+def test_drop_removes_an_unreadable_disk_node_and_its_subtree():
+    tree, store = tiered()
+    tree.put([1, 2])
+    tree.insert(tree.match([1, 2]).node, [3], span([3], prefix=(1, 2)))
+    tree.evict(3)
+    tree.drop(tree.match([1, 2, 3]).disk[0])
+    assert edges(tree) == set() and all(s.discarded for s in store.saved)
+
+
+def test_publishing_over_a_span_on_disk_takes_it_back_into_memory():
+    tree, _ = tiered()
+    tree.put([1, 2])
+    tree.evict(2)
+    tree.put([1, 2, 3])
+    top, _ = sorted(check_invariants(tree), key=lambda n: len(n.path_tokens()))
+    assert not top.on_disk and top.handle is not None and top.stored is not None
+    assert tree.match([1, 2, 3]).length == 3
