@@ -61,6 +61,31 @@ class SchedulerCounters:
                                name="engine_step_seconds")
 
 
+@dataclass
+class DiskStats:
+    """What the disk tier's store counts (the tree counts the tier's bytes and hits)."""
+
+    writes: int = stat("counter", "Copies written to the disk tier.", name="disk_writes")
+    write_bytes: int = stat("counter", "Bytes written to the disk tier.",
+                            name="disk_write_bytes")
+    writes_dropped: int = stat("counter", "Copies not made: the disk writer's queue was full.",
+                               name="disk_writes_dropped")
+    write_errors: int = stat("counter", "Copies whose write failed.", name="disk_write_errors")
+    queued_bytes: int = stat("gauge", "Bytes waiting in the disk writer's queue.",
+                             name="disk_queued_bytes")
+    loads: int = stat("counter", "Copies loaded back into memory.", name="disk_loads")
+    load_bytes: int = stat("counter", "Bytes read back from disk files.",
+                           name="disk_load_bytes")
+    load_seconds: float = stat("counter", "Seconds spent reading disk files back.",
+                               default=0.0, name="disk_load_seconds")
+    bad_files: int = stat("counter", "Disk files skipped and deleted (torn, truncated, "
+                          "foreign or corrupt).", name="disk_bad_files")
+    restored_nodes: int = stat("counter", "Tree nodes rebuilt from disk files at start.",
+                               name="disk_restored_nodes")
+    rebuilding: int = stat("gauge", "1 while the tree is being rebuilt from disk.",
+                           name="disk_rebuilding")
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot for /metrics: the queue, the scheduler's counters and the tree's own
@@ -78,6 +103,7 @@ class EngineStats:
     tokens_in_flight: int = stat("gauge", "Prompt + max_tokens of the running requests.")
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     tree: TreeStats = field(default_factory=TreeStats)
+    disk: DiskStats = field(default_factory=DiskStats)
 
 
 @dataclass(frozen=True)

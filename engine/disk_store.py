@@ -1,0 +1,375 @@
+"""The disk tier: copies of radix nodes' KV in plain files, written off the engine thread.
+
+The tree (radix/tree.py) decides what is copied and when a copy may go; this module does
+the copying. `DiskStore` is the tree's `Store`:
+
+- `save` (engine thread, under the tree's lock) readies a handle's arrays and queues
+  them for the writer thread; when the queue is full it refuses at once and the node
+  simply stays memory-only. Until written, a copy keeps its handle, so a load meanwhile
+  costs nothing.
+- `discard` queues the file's deletion behind any write of it.
+- `load` (engine thread) reads a copy back as a handle: memory-mapped, checksummed.
+- `rebuild` (its own thread, at start) puts every good file of this model back in the
+  tree as a disk node, parents first; bad or foreign files are deleted with a log line.
+
+Files live in `<directory>/<model fingerprint>/`, named by content key (see
+segment_file.py and docs/disk-cache.md); another model's files are in another directory
+and are never read.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import cache as cache_module
+
+from engine import segment_file
+from engine.api import DiskStats
+from engine.kv import CacheSnapshot, KVSegment
+from engine.segment_file import BadSegmentFile, SegmentHeader, Tensor
+from radix.tree import RadixTree
+
+log = logging.getLogger("radix_mlx.disk")
+
+# The default budget: this share of the free space where the cache lives, at most the cap.
+DEFAULT_DISK_FRACTION = 0.25
+DEFAULT_DISK_CAP_BYTES = 64 * 2**30
+# How much of the file heads of a model's weights the fingerprint reads.
+FINGERPRINT_SAMPLE_BYTES = 1 << 20
+
+_MX_TO_ST = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.int32: "I32",
+             mx.uint32: "U32", mx.int64: "I64", mx.uint64: "U64", mx.int16: "I16",
+             mx.uint16: "U16", mx.int8: "I8", mx.uint8: "U8", mx.bool_: "BOOL"}
+
+
+def default_disk_budget(directory: Path) -> int:
+    """A share of the free space on the cache's file system, capped."""
+    probe = directory
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    return int(min(free * DEFAULT_DISK_FRACTION, DEFAULT_DISK_CAP_BYTES))
+
+
+def model_fingerprint(model_dir: Path, model: nn.Module, cache: list[Any]) -> str:
+    """What KV on disk must match to be reused: the weights (config, each weights file's
+    size and first and last bytes: cheap, and different weights differ there), their
+    dtypes, the cache layout and this file format."""
+    digest = hashlib.blake2b(segment_file.FORMAT.encode(), digest_size=16)
+    config = model_dir / "config.json"
+    digest.update(config.read_bytes() if config.exists() else b"")
+    for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+            f.seek(max(0, size - FINGERPRINT_SAMPLE_BYTES))
+            digest.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+    dtypes = sorted({str(p.dtype) for _, p in tree_flatten(model.parameters())})
+    layout = [type(c).__name__ for c in cache]
+    digest.update(repr((dtypes, layout)).encode())
+    return digest.hexdigest()
+
+
+class DiskCopy:
+    """One node's copy on disk (the tree's `Stored`)."""
+
+    __slots__ = ("failed", "key", "nbytes", "path", "pending", "splittable")
+
+    def __init__(self, key: str, path: Path, nbytes: int, splittable: bool,
+                 pending: KVSegment | CacheSnapshot | None = None) -> None:
+        self.key = key
+        self.path = path
+        self.nbytes = nbytes
+        self.splittable = splittable
+        self.pending = pending  # the handle, until its file is written
+        self.failed = False
+
+    def __repr__(self) -> str:
+        return f"DiskCopy({self.path.name}, {self.nbytes} bytes)"
+
+
+@dataclass
+class _Write:
+    copy: DiskCopy
+    header: SegmentHeader
+    arrays: list[tuple[str, mx.array]]  # evaluated, in a numpy-readable dtype
+
+
+@dataclass
+class _Delete:
+    copy: DiskCopy
+
+
+class DiskStore:
+    def __init__(self, directory: Path, capacity_bytes: int, fingerprint: str,
+                 segments: bool, queue_bytes: int) -> None:
+        self.directory = Path(directory) / fingerprint
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.root_key = fingerprint
+        self.kind = "segment" if segments else "snapshot"
+        self.queue_bytes = queue_bytes
+        self.stats = DiskStats()
+        self.rebuilt = threading.Event()
+        self._jobs: collections.deque[_Write | _Delete] = collections.deque()
+        self._queued = 0
+        self._busy = False
+        self._closed = False
+        self._cond = threading.Condition()
+        # The live copy of each key: a file is deleted only if no newer copy owns it.
+        self._live: dict[str, DiskCopy] = {}
+        self._writer = threading.Thread(target=self._write_loop, name="radix-mlx-disk",
+                                        daemon=True)
+        self._writer.start()
+
+    # -- the tree's Store --------------------------------------------------------------
+
+    def key(self, parent_key: str, tokens: tuple[int, ...]) -> str:
+        return segment_file.content_key(parent_key, tokens)
+
+    def save(self, key: str, parent_key: str, start: int, tokens: tuple[int, ...],
+             handle: KVSegment | CacheSnapshot) -> DiskCopy | None:
+        header = SegmentHeader(fingerprint=self.root_key, key=key, parent=parent_key,
+                               start=start, tokens=list(tokens), kind=self.kind)
+        arrays = self._arrays(handle, header)
+        data_bytes = sum(a.nbytes for _, a in arrays)
+        with self._cond:
+            if self._closed or self._queued + data_bytes > self.queue_bytes:
+                self.stats.writes_dropped += 1
+                return None
+            head, _ = segment_file.encode(header, [
+                (name, _MX_TO_ST[a.dtype], a.shape, a.nbytes) for name, a in arrays])
+            copy = DiskCopy(key, self.directory / f"{key}{segment_file.SUFFIX}",
+                            len(head) + data_bytes, handle.splittable, pending=handle)
+            self._live[key] = copy
+            self._queued += data_bytes
+            self.stats.queued_bytes = self._queued
+            self._jobs.append(_Write(copy, header, arrays))
+            self._cond.notify()
+        return copy
+
+    def discard(self, copy: DiskCopy) -> None:
+        with self._cond:
+            if self._live.get(copy.key) is copy:
+                del self._live[copy.key]
+            self._jobs.append(_Delete(copy))
+            self._cond.notify()
+
+    # -- loading (engine thread) ---------------------------------------------------------
+
+    def load(self, copies: Iterable[DiskCopy]) -> list[KVSegment | CacheSnapshot]:
+        """The handles of `copies`, top of a path first. Raises `BadSegmentFile` (after
+        deleting the file) for the first copy that cannot be read; the ones before it
+        are returned as the exception's `loaded`."""
+        copies = list(copies)
+        for copy in copies:  # the OS reads ahead while earlier files are checked
+            if copy.pending is None:
+                segment_file.prefetch(copy.path)
+        handles: list[KVSegment | CacheSnapshot] = []
+        for copy in copies:
+            try:
+                handles.append(self._load(copy))
+            except BadSegmentFile as error:
+                error.loaded = handles
+                raise
+        return handles
+
+    def _load(self, copy: DiskCopy) -> KVSegment | CacheSnapshot:
+        pending = copy.pending
+        if pending is not None:  # still queued or being written: the data is here
+            self.stats.loads += 1
+            return pending
+        if copy.failed:
+            raise BadSegmentFile(f"{copy.path.name} was never written")
+        started = time.perf_counter()
+        try:
+            header, tensors = segment_file.read(copy.path)
+            if header.key != copy.key or header.fingerprint != self.root_key:
+                raise BadSegmentFile(f"{copy.path.name} holds {header.key} of another model")
+            handle = self._handle(header, tensors)
+        except BadSegmentFile as error:
+            self._reject(copy.path, str(error))
+            raise
+        self.stats.loads += 1
+        self.stats.load_bytes += copy.nbytes
+        self.stats.load_seconds += time.perf_counter() - started
+        return handle
+
+    # -- rebuilding the tree at start (its own thread) ------------------------------------
+
+    def rebuild(self, tree: RadixTree) -> None:
+        """Put every good file of this model in `tree` as a disk node, parents first.
+        The engine serves meanwhile; a file the tree has no place for is deleted."""
+        started = time.perf_counter()
+        self.stats.rebuilding = 1
+        try:
+            restored = self._rebuild(tree)
+        except Exception:  # never fatal: the cache just starts emptier
+            log.exception("rebuilding the cache from %s failed", self.directory)
+            restored = 0
+        self.stats.rebuilding = 0
+        self.rebuilt.set()
+        log.info("disk cache: %d nodes restored from %s in %.1f s", restored,
+                 self.directory, time.perf_counter() - started)
+
+    def _rebuild(self, tree: RadixTree) -> int:
+        children: dict[str, list[tuple[SegmentHeader, DiskCopy]]] = collections.defaultdict(list)
+        for path in sorted(self.directory.iterdir()):
+            if path.name.endswith(segment_file.TEMP_SUFFIX):
+                log.info("disk cache: removing %s, a write cut short", path.name)
+                path.unlink(missing_ok=True)
+                continue
+            if not path.name.endswith(segment_file.SUFFIX):
+                continue
+            try:
+                header, _, _ = segment_file.read_header(path)
+                self._check(path, header)
+            except BadSegmentFile as error:
+                self._reject(path, str(error))
+                continue
+            copy = DiskCopy(header.key, path, path.stat().st_size, self.kind == "segment")
+            children[header.parent].append((header, copy))
+        places = {self.root_key: tree.root}
+        queue = collections.deque([self.root_key])
+        restored = 0
+        while queue:
+            parent_key = queue.popleft()
+            for header, copy in children.pop(parent_key, ()):
+                node = tree.restore(places[parent_key], header.tokens, copy)
+                if node is None:
+                    self._delete_unless_live(copy, "no place in the tree (budget or overlap)")
+                    continue
+                restored += node.stored is copy
+                places[header.key] = node
+                queue.append(header.key)
+        for orphans in children.values():
+            for _, copy in orphans:
+                self._delete_unless_live(copy, "the node it follows is gone")
+        self.stats.restored_nodes += restored
+        return restored
+
+    def _check(self, path: Path, header: SegmentHeader) -> None:
+        if header.fingerprint != self.root_key:
+            raise BadSegmentFile("written for another model")
+        if header.kind != self.kind:
+            raise BadSegmentFile(f"a {header.kind}, this model keeps {self.kind}s")
+        if path.name != f"{header.key}{segment_file.SUFFIX}":
+            raise BadSegmentFile(f"holds {header.key} under another name")
+        if not header.tokens or header.key != self.key(header.parent, tuple(header.tokens)):
+            raise BadSegmentFile("its key does not match its parent and tokens")
+
+    def _reject(self, path: Path, reason: str) -> None:
+        log.warning("disk cache: skipping and deleting %s: %s", path.name, reason)
+        self.stats.bad_files += 1
+        path.unlink(missing_ok=True)
+
+    def _delete_unless_live(self, copy: DiskCopy, reason: str) -> None:
+        with self._cond:
+            if copy.key in self._live:
+                return
+        log.debug("disk cache: deleting %s: %s", copy.path.name, reason)
+        copy.path.unlink(missing_ok=True)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write and delete is done; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Refuse new copies and finish the queued work (SIGTERM's path)."""
+        with self._cond:
+            self._closed = True
+        return self.flush(timeout)
+
+    # -- the writer thread ----------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._jobs)
+                job = self._jobs.popleft()
+                self._busy = True
+            if isinstance(job, _Write):
+                self._write(job)
+            else:
+                with self._cond:
+                    owned = self._live.get(job.copy.key) is not None
+                if not owned:
+                    job.copy.path.unlink(missing_ok=True)
+
+    def _write(self, job: _Write) -> None:
+        copy = job.copy
+        data_bytes = sum(a.nbytes for _, a in job.arrays)
+        try:
+            with self._cond:
+                wanted = self._live.get(copy.key) is copy  # else discarded before its turn
+            if wanted:
+                tensors = [Tensor(name, _MX_TO_ST[a.dtype], np.asarray(a))
+                           for name, a in job.arrays]
+                segment_file.write(copy.path, job.header, tensors)
+                self.stats.writes += 1
+                self.stats.write_bytes += copy.nbytes
+        except OSError as error:
+            copy.failed = True
+            self.stats.write_errors += 1
+            log.error("disk cache: writing %s failed: %s", copy.path.name, error)
+        finally:
+            copy.pending = None
+            with self._cond:
+                self._queued -= data_bytes
+                self.stats.queued_bytes = self._queued
+
+    # -- handles <-> arrays -----------------------------------------------------------------
+
+    @staticmethod
+    def _arrays(handle: KVSegment | CacheSnapshot,
+                header: SegmentHeader) -> list[tuple[str, mx.array]]:
+        """The arrays to write, evaluated here on the engine thread; the writer only reads
+        their memory. bfloat16 is written as its uint16 bits (numpy has no bfloat16)."""
+        if isinstance(handle, KVSegment):
+            named = [(f"keys.{i}", k) for i, k in enumerate(handle.keys)]
+            named += [(f"values.{i}", v) for i, v in enumerate(handle.values)]
+        else:
+            header.classes = [type(c).__name__ for c in handle.cache]
+            named = []
+            for name, value in tree_flatten([c.state for c in handle.cache]):
+                if isinstance(value, mx.array):
+                    named.append((name, mx.contiguous(value)))
+                else:
+                    header.scalars[name] = value
+        named = [(name, a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+                 for name, a in named]
+        mx.eval([a for _, a in named])
+        return named
+
+    @staticmethod
+    def _handle(header: SegmentHeader, tensors: list[Tensor]) -> KVSegment | CacheSnapshot:
+        loaded = {t.name: mx.array(t.data).view(mx.bfloat16) if t.dtype == "BF16"
+                  else mx.array(t.data) for t in tensors}
+        mx.eval(list(loaded.values()))
+        if header.kind == "segment":
+            layers = len(loaded) // 2
+            return KVSegment([loaded[f"keys.{i}"] for i in range(layers)],
+                             [loaded[f"values.{i}"] for i in range(layers)])
+        states = tree_unflatten(list({**header.scalars, **loaded}.items()))
+        return CacheSnapshot([getattr(cache_module, cls).from_state(state)
+                              for cls, state in zip(header.classes, states)])
+

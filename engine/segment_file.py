@@ -1,0 +1,189 @@
+"""The disk tier's file format: one self-describing safetensors file per tree node.
+
+A file is a plain safetensors file (so `mx.load` and the `safetensors` tools read it),
+whose `__metadata__["radix_mlx"]` is a JSON header saying what the file is:
+
+- `format`: this module's version; another version is skipped.
+- `fingerprint`: the model (weights, dtype, cache layout) the KV belongs to.
+- `key` (also the file name), `parent` (the key of the node it follows, or the
+  fingerprint for the root), `start` and `tokens`: the token span it holds and its place
+  in the tree, so the tree can be rebuilt from the files alone.
+- `kind`: "segment" (per-layer keys and values of the span) or "snapshot" (the whole
+  cache state after the span, with the cache `classes` and non-array `scalars`).
+- `crc32` of the data section (8 hex digits), checked on every load.
+
+Writes go to a temporary name, are fsynced and renamed, so a file under a final name is
+complete; a crash leaves at most a temporary file, removed at the next start. Anything
+that does not add up (truncated, torn, foreign, corrupt) raises `BadSegmentFile`.
+
+Pure Python and numpy: the MLX side (which arrays, in which dtype) is disk_store.py's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT = "radix-mlx-kv/1"
+SUFFIX = ".safetensors"
+TEMP_SUFFIX = ".tmp"
+METADATA_KEY = "radix_mlx"
+# A header bigger than this is not one of ours (a 1M-token span is ~8 MB of JSON).
+MAX_HEADER_BYTES = 64 * 2**20
+
+# safetensors dtype names; bfloat16 travels as uint16 bits and is named BF16.
+NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
+                "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+                "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
+                "BOOL": np.bool_}
+
+
+class BadSegmentFile(Exception):
+    """A file that must not be loaded: truncated, torn, foreign or corrupt."""
+
+
+def content_key(parent_key: str, tokens: tuple[int, ...]) -> str:
+    """A node's name: a hash of the name of the state it follows and of its tokens, so
+    a name stands for one token path (and its node boundaries), never for a location."""
+    digest = hashlib.blake2b(parent_key.encode(), digest_size=16)
+    digest.update(np.asarray(tokens, dtype="<i8").tobytes())
+    return digest.hexdigest()
+
+
+@dataclass
+class SegmentHeader:
+    fingerprint: str
+    key: str
+    parent: str
+    start: int
+    tokens: list[int]
+    kind: str  # "segment" or "snapshot"
+    classes: list[str] = field(default_factory=list)
+    scalars: dict[str, Any] = field(default_factory=dict)
+    crc32: str = "00000000"  # hex, fixed width: a file's size is known before its crc
+    format: str = FORMAT
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str  # a NUMPY_DTYPES key
+    data: np.ndarray  # C-contiguous, in that dtype's numpy type
+
+
+def encode(header: SegmentHeader,
+           table: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[bytes, int]:
+    """The safetensors head (length prefix and JSON) of a file holding tensors (name,
+    dtype, shape, bytes), and its data length: a file's size is known before its data."""
+    entries: dict[str, Any] = {"__metadata__": {METADATA_KEY: json.dumps(asdict(header))}}
+    offset = 0
+    for name, dtype, shape, nbytes in table:
+        end = offset + nbytes
+        entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors aligns the data section to 8 bytes
+    return struct.pack("<Q", len(text)) + text, offset
+
+
+def checksum(tensors: list[Tensor]) -> int:
+    crc = 0
+    for tensor in tensors:
+        crc = zlib.crc32(memoryview(tensor.data).cast("B"), crc)
+    return crc
+
+
+def write(path: Path, header: SegmentHeader, tensors: list[Tensor]) -> int:
+    """Write atomically: a temporary name, fsync, rename, fsync the directory. Returns
+    the file's size. `header.crc32` is filled in here."""
+    header.crc32 = f"{checksum(tensors):08x}"
+    head, _ = encode(header, [(t.name, t.dtype, t.data.shape, t.data.nbytes) for t in tensors])
+    temp = path.with_name(f"{path.name}.{os.getpid()}{TEMP_SUFFIX}")
+    try:
+        with open(temp, "wb") as f:
+            f.write(head)
+            f.writelines(memoryview(tensor.data).cast("B") for tensor in tensors)
+            size = f.tell()
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a power cut
+    finally:
+        os.close(directory)
+    return size
+
+
+def read_header(path: Path) -> tuple[SegmentHeader, dict[str, Any], int]:
+    """The header, the tensor table and the data section's offset, after checking that
+    the file is exactly as long as its table says (a truncated file is not)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise BadSegmentFile("shorter than a safetensors header")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > MAX_HEADER_BYTES or 8 + length > size:
+                raise BadSegmentFile(f"header of {length} bytes in a {size}-byte file")
+            table = json.loads(f.read(length))
+        header = SegmentHeader(**json.loads(table.pop("__metadata__")[METADATA_KEY]))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+        raise BadSegmentFile(f"unreadable header: {error!r}") from None
+    if header.format != FORMAT:
+        raise BadSegmentFile(f"format {header.format!r}, not {FORMAT!r}")
+    data_bytes = max((t["data_offsets"][1] for t in table.values()), default=0)
+    if 8 + length + data_bytes != size:
+        raise BadSegmentFile(f"{size} bytes, the header describes {8 + length + data_bytes}")
+    return header, table, 8 + length
+
+
+def read(path: Path) -> tuple[SegmentHeader, list[Tensor]]:
+    """Header and tensors (views of a memory map: copy them before the map goes), after
+    checking the data's checksum."""
+    header, table, data_start = read_header(path)
+    try:
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as error:
+        raise BadSegmentFile(f"cannot map: {error!r}") from None
+    data = memoryview(mapped)[data_start:]
+    if f"{zlib.crc32(data):08x}" != header.crc32:
+        raise BadSegmentFile("checksum mismatch: the data is corrupt")
+    tensors = []
+    try:
+        for name, entry in table.items():
+            begin, end = entry["data_offsets"]
+            array = np.frombuffer(data[begin:end], dtype=NUMPY_DTYPES[entry["dtype"]])
+            tensors.append(Tensor(name, entry["dtype"], array.reshape(entry["shape"])))
+    except (KeyError, ValueError, TypeError) as error:
+        raise BadSegmentFile(f"bad tensor table: {error!r}") from None
+    return header, tensors
+
+
+def prefetch(path: Path) -> None:
+    """Ask the OS to start reading a file we are about to load (no-op where unsupported),
+    so the reads of several files overlap their checking and copying."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
