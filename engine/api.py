@@ -41,6 +41,10 @@ class EngineConfig:
     max_tokens_in_flight: int = 131072
     max_queue: int = 256
     memory_limit_bytes: int | None = None  # None: the device's (engine/memory.py)
+    # The disk tier: off unless a directory and a budget are given (None: a share of the
+    # free space there, see disk_store.default_disk_budget; 0: off).
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int | None = 0
 
 
 @dataclass

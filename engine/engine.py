@@ -14,13 +14,17 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import replace
+from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from engine.admission import SchedulerLimits
 from engine.api import (
     ContextLengthExceeded,
+    DiskStats,
     EngineConfig,
     EngineNotReady,
     EngineStats,
@@ -31,15 +35,30 @@ from engine.api import (
     SchedulerCounters,
 )
 from engine.constraints import json_object
+from engine.disk_store import DiskStore, default_disk_budget, model_fingerprint
 from engine.loader import LoadedModel, load_model, model_id_for
 from engine.memory import CPU_MEMORY_FRACTION, MemoryPlan, describe, headroom, plan_memory
 from engine.mlx_lm_internals import kv_bytes_per_token
 from engine.platform_info import apply_mlx_env_defaults
-from engine.scheduler import CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK, Cancel, Scheduler, Stop, Submit
+from engine.scheduler import (
+    CPU_PREFILL_CHUNK,
+    GPU_PREFILL_CHUNK,
+    Cancel,
+    ClearCache,
+    Scheduler,
+    Stop,
+    Submit,
+)
 from engine.tokenizer import ModelTokenizer
 
 log = logging.getLogger("radix_mlx.engine")
 
+# What the disk writer may hold in memory, waiting for the disk: this share of the memory
+# budget, within these bounds.
+DISK_QUEUE_FRACTION = 0.25
+DISK_QUEUE_BYTES = (64 * 2**20, 2 * 2**30)
+# How long a stop waits for the disk writer to finish what is queued.
+DISK_FLUSH_SECONDS = 10.0
 WARMUP_PROMPT_TOKENS = 48
 
 
@@ -55,6 +74,7 @@ class Engine:
         self.tokenizer: ModelTokenizer | None = None
         self._loaded: LoadedModel | None = None
         self._scheduler: Scheduler | None = None
+        self.disk: DiskStore | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stopped = threading.Event()
@@ -92,6 +112,7 @@ class Engine:
                 cache_bytes=self.memory.cache_bytes,
             ))
             self._warm_up()
+            self._start_disk_tier(loaded)
         except Exception as error:
             log.exception("model failed to load")
             self.error = f"{type(error).__name__}: {error}"
@@ -131,6 +152,27 @@ class Engine:
             mx.set_wired_limit(min(limit, working_set))
         return plan
 
+    def _start_disk_tier(self, loaded: LoadedModel) -> None:
+        """Attach the disk tier (after warm-up, so nothing of it is written) and rebuild
+        the tree from it in the background: the engine serves meanwhile."""
+        config = self.config
+        if config.disk_cache_bytes == 0 or config.disk_cache_dir is None:
+            return
+        directory = Path(config.disk_cache_dir).expanduser()
+        budget = config.disk_cache_bytes or default_disk_budget(directory)
+        scheduler = self._scheduler
+        fingerprint = model_fingerprint(loaded.path, loaded.model,
+                                        make_prompt_cache(loaded.model))
+        low, high = DISK_QUEUE_BYTES
+        queue_bytes = int(min(max(scheduler.tree.capacity_bytes * DISK_QUEUE_FRACTION, low),
+                              high))
+        self.disk = DiskStore(directory, budget, fingerprint, scheduler.kv.segments,
+                              queue_bytes)
+        scheduler.attach_disk(self.disk)
+        threading.Thread(target=self.disk.rebuild, args=(scheduler.tree,),
+                         name="radix-mlx-disk-rebuild", daemon=True).start()
+        log.info("disk cache: %s, budget %.1f GiB", self.disk.directory, budget / 2**30)
+
     def _warm_up(self) -> None:
         """Run the real path once, so the first user requests do not pay for kernel
         compilation: a prefill, cache hits that join a running batch (one row, then two,
@@ -153,6 +195,8 @@ class Engine:
         if self._scheduler is not None and self.state is Lifecycle.READY:
             self._scheduler.inbox.put(Stop())
             self._stopped.wait(timeout)
+        if self.disk is not None and not self.disk.close(DISK_FLUSH_SECONDS):
+            log.warning("disk cache: stopped with writes still queued")
 
     # -- requests ---------------------------------------------------------------------
 
@@ -190,6 +234,16 @@ class Engine:
         if self._scheduler is not None:
             self._scheduler.inbox.put(Cancel(request_id))
 
+    def clear_cache(self) -> Future:
+        """Drop every cached prefix nothing is using, from memory and disk; the future
+        gets the memory bytes freed. Safe from any thread."""
+        done: Future = Future()
+        if self._scheduler is None or self.state is not Lifecycle.READY:
+            done.set_result(0)
+        else:
+            self._scheduler.inbox.put(ClearCache(done))
+        return done
+
     def _dequeued(self) -> None:
         """A request left the queue: admitted to the batch, or ended before that."""
         with self._queued_lock:
@@ -206,4 +260,5 @@ class Engine:
             kv_token_capacity=self.memory.kv_tokens,
             tokens_in_flight=sum(g.tokens_reserved for g in scheduler.running.values()),
             counters=replace(scheduler.counters), tree=scheduler.tree.stats(),
+            disk=replace(self.disk.stats) if self.disk is not None else DiskStats(),
         )

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx import nn
-from mlx_lm.utils import load
+from mlx_lm.utils import hf_repo_to_path, load
 
 from engine.tokenizer import ModelTokenizer
 
@@ -28,6 +28,7 @@ class LoadedModel:
     context_length: int
     vocab_size: int
     weight_bytes: int
+    path: Path  # the local directory the weights were read from
 
 
 def model_id_for(path_or_repo: str) -> str:
@@ -48,8 +49,9 @@ def load_model(path_or_repo: str) -> LoadedModel:
     weight_bytes = sum(v.nbytes for _, v in nn.utils.tree_flatten(model.parameters()))
     vocab_size = _config_int(config, ("vocab_size",)) or len(tokenizer.vocab)
     context_length = _config_int(config, _CONTEXT_KEYS) or DEFAULT_CONTEXT_LENGTH
+    path = local if local.exists() else hf_repo_to_path(path_or_repo)
     return LoadedModel(model, ModelTokenizer(tokenizer), model_id_for(path_or_repo), context_length,
-                       vocab_size, weight_bytes)
+                       vocab_size, weight_bytes, path)
 
 
 def _config_int(config: dict[str, Any], keys: tuple[str, ...]) -> int | None:

@@ -3,7 +3,8 @@
 A request's path through it (a `Generation`, generation.py):
 
 1. `Submit` lands it in `waiting`. Each round, `admit` (admission.py) picks who starts.
-2. `_start` matches its tokens against the radix tree. Either it waits for a prefix that
+2. `_start` matches its tokens against the radix tree (loading back from the disk tier
+   any part of the match that was evicted there, see `_load_from_disk`). Either it waits for a prefix that
    another request is computing (it is *parked*, see below), or its `TreeHold` pins the
    cached path and reserves the rest (tree_hold.py); its cache is assembled from the
    path's handles (kv.py) and it joins the `Generator` (generator.py), which prefills it
@@ -37,17 +38,20 @@ import logging
 import queue
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from engine.admission import SchedulerLimits, admit
 from engine.api import SamplingParams, SchedulerCounters
+from engine.disk_store import DiskStore
 from engine.generation import Generation
 from engine.generator import Generator, Output, SequenceState
 from engine.grammar import ConstraintFailed, Grammars
 from engine.kv import KVStore
 from engine.loader import LoadedModel
+from engine.segment_file import BadSegmentFile
 from engine.tree_hold import HandleOf
 from radix.tree import MatchResult, Node, RadixTree, ReserveStatus
 
@@ -106,11 +110,18 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class ClearCache:
+    """Drop every unpinned node from both tiers; `done` gets the memory bytes freed."""
+
+    done: Future
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
 
-Message = Submit | Wake | Republish | Cancel | Stop
+Message = Submit | Wake | Republish | Cancel | ClearCache | Stop
 
 
 class Scheduler:
@@ -119,6 +130,7 @@ class Scheduler:
         self.limits = limits
         self.kv = KVStore(loaded.model)
         self.tree = RadixTree(limits.cache_bytes, free=self.kv.free)
+        self.disk: DiskStore | None = None
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.generations: dict[str, Generation] = {}  # every one not ended, by request id
         self.waiting: list[Generation] = []
@@ -141,6 +153,12 @@ class Scheduler:
         """A generation for this model and tree; the caller submits it (`Submit`)."""
         return Generation(request_id, prompt, params, emit, self.loaded.tokenizer,
                           self.loaded.vocab_size, self.tree, on_dequeue)
+
+    def attach_disk(self, store: DiskStore) -> None:
+        """Give the tree its disk tier (before `run`): from now on what it publishes is
+        copied to disk, and memory eviction keeps copied nodes there."""
+        self.disk = store
+        self.tree.store = store
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -177,6 +195,8 @@ class Scheduler:
                     self._republish(generation)
                 case Cancel(request_id) if request_id in self.generations:
                     self._cancel(self.generations[request_id])
+                case ClearCache(done):
+                    done.set_result(self.tree.clear())
                 case Stop():
                     self._stop_all()
 
@@ -205,6 +225,9 @@ class Scheduler:
         grammar = self.grammars.state(constraint, generation.generated) if constraint else None
         while True:
             match = self.tree.match(cacheable)
+            if match.disk:
+                self._load_from_disk(match)
+                continue  # match again: what was loaded is in memory now
             if (node := self._shared_in_flight(cacheable, match)) is not None:
                 self._wait_for(generation, node)
                 return False
@@ -238,6 +261,26 @@ class Scheduler:
         self.running[sequence.uid] = generation
         generation.dequeue()
         return True
+
+    def _load_from_disk(self, match: MatchResult) -> None:
+        """Load the disk nodes a match runs into and put them back in memory (pinned
+        while loading, so making room on disk cannot delete them). A copy that cannot be
+        read is dropped with its subtree; the tokens it held are computed instead."""
+        deepest = match.disk[-1]
+        self.tree.pin(deepest)
+        try:
+            handles = self.disk.load(node.stored for node in match.disk)
+            unreadable = None
+        except BadSegmentFile as error:
+            handles = error.loaded
+            unreadable = match.disk[len(handles)]
+        try:
+            for node, handle in zip(match.disk, handles):
+                self.tree.promote(node, handle)
+        finally:
+            self.tree.unpin(deepest)
+        if unreadable is not None:
+            self.tree.drop(unreadable)
 
     @staticmethod
     def _shared_in_flight(cacheable: list[int], match: MatchResult) -> Node | None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from server.admin import admin
 from server.anthropic_adapter import router as messages_api
 from server.auth import APIKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
@@ -16,6 +20,7 @@ from server.middleware import RequestMiddleware
 from server.responses_adapter import router as responses_api
 from server.routes import api, probes
 from server.state import ServerState
+from server.warm import prefill_warm_prompts
 from server.worker_info import worker_info
 
 if TYPE_CHECKING:
@@ -24,13 +29,24 @@ if TYPE_CHECKING:
 
 def create_app(settings: Settings, engine: Engine) -> FastAPI:
     """The app serving `engine`, which the caller starts and shuts down."""
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        warming = None
+        if settings.warm_prompts is not None:
+            warming = asyncio.create_task(prefill_warm_prompts(state, settings.warm_prompts))
+        yield
+        if warming is not None:
+            warming.cancel()
+
     app = FastAPI(
         title="radix-mlx", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+        lifespan=lifespan,
     )
     app.state.server = state = ServerState(settings, engine)
     app.include_router(api)
     app.include_router(responses_api)
     app.include_router(messages_api)
+    app.include_router(admin)
     app.include_router(probes)
     app.include_router(worker_info)
     install_error_handlers(app)

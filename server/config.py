@@ -19,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeInt,
     PositiveInt,
     SecretStr,
     ValidationError,
@@ -120,6 +121,18 @@ class Settings(BaseModel):
     response_store_path: Path | None = Field(
         None, description="SQLite file keeping stored responses across restarts; none: memory"
     )
+    disk_cache_dir: Path | None = Field(
+        None, description="directory of the prefix cache's disk tier; none: the user cache "
+        "directory's radix-mlx/kv"
+    )
+    disk_cache_bytes: NonNegativeInt | None = Field(
+        None, description="byte budget of the disk tier (0 turns it off); none: a quarter of "
+        "the free space there, at most 64 GiB"
+    )
+    warm_prompts: Path | None = Field(
+        None, description="JSON Lines file of prompts to prefill at start, one request body "
+        'per line: {"messages": [...]} (chat) or {"prompt": "..."} (completion)'
+    )
     config_file: Path | None = Field(None, description="TOML file read for these settings")
 
     @field_validator("ssl_certfile", "ssl_keyfile")
@@ -175,6 +188,11 @@ def flag(name: str) -> str:
 
 def env_var(name: str) -> str:
     return ENV_PREFIX + name.upper()
+
+
+def default_disk_cache_dir() -> Path:
+    """~/.cache/radix-mlx/kv on Linux, ~/Library/Caches/radix-mlx/kv on macOS."""
+    return Path(platformdirs.user_cache_dir("radix-mlx")) / "kv"
 
 
 def default_config_path() -> Path:

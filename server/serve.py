@@ -17,7 +17,7 @@ from engine.gguf import GGUFError
 from engine.model_source import resolve_model
 from engine.platform_info import describe_platform
 from server.app import create_app
-from server.config import ConfigError, Settings, load_settings
+from server.config import ConfigError, Settings, default_disk_cache_dir, load_settings
 from server.drain import CANCEL_GRACE_SECONDS, Drain
 
 log = logging.getLogger("radix_mlx.server")
@@ -79,6 +79,8 @@ def engine_config(settings: Settings, model: str) -> EngineConfig:
         max_tokens_in_flight=settings.max_tokens_in_flight,
         memory_limit_bytes=settings.memory_limit_bytes,
         max_queue=settings.max_queue,
+        disk_cache_dir=str(settings.disk_cache_dir or default_disk_cache_dir()),
+        disk_cache_bytes=settings.disk_cache_bytes,
     )
 
 

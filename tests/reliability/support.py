@@ -37,7 +37,7 @@ def app_schema() -> dict[str, Any]:
 def server_command(model: Path | str, port: int, *flags: str) -> list[str]:
     return [
         sys.executable, "-m", "server", "--model", str(model), "--port", str(port),
-        "--config", "", "--api-key", API_KEY, *flags,
+        "--config", "", "--api-key", API_KEY, "--disk-cache-bytes", "0", *flags,
     ]
 
 

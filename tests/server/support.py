@@ -73,12 +73,13 @@ def start_server(
     fault_token: int | None = None,
 ) -> ServerProcess:
     """A ready server on a free port; stopped again if it does not become ready. With a
-    `fault_token`, every forward pass that feeds it fails (tests/faults.py)."""
+    `fault_token`, every forward pass that feeds it fails (tests/faults.py). Its disk cache
+    tier is off unless `flags` turn it on (`--disk-cache-bytes`)."""
     port = _free_port()
     entry = ["server"] if fault_token is None else ["tests.faults", str(fault_token)]
     command = [
         sys.executable, "-m", *entry, "--model", str(model_dir), "--port", str(port),
-        "--config", "", "--cache-bytes", str(256 * 2**20), *flags,
+        "--config", "", "--cache-bytes", str(256 * 2**20), "--disk-cache-bytes", "0", *flags,
     ]
     with log_path.open("w") as log:
         process = subprocess.Popen(

@@ -1,0 +1,62 @@
+"""Operators' view of the prefix cache: GET /admin/cache reports both tiers, DELETE
+/admin/cache empties them. Behind the API key like every route but /health."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from engine.api import EngineStats, Lifecycle
+from server.errors import APIError
+from server.state import server_state
+
+admin = APIRouter(prefix="/admin")
+
+
+@admin.get("/cache")
+async def cache_stats(request: Request) -> dict[str, Any]:
+    return _tiers(request)
+
+
+@admin.delete("/cache")
+async def clear_cache(request: Request) -> dict[str, Any]:
+    """Drop every cached prefix no request is using, from memory and from disk."""
+    engine = server_state(request).engine
+    if engine.state is not Lifecycle.READY:
+        raise APIError(503, f"the model is {engine.state.value}", code="model_not_ready")
+    freed = await asyncio.wrap_future(engine.clear_cache())
+    return {"cleared": True, "memory_bytes_freed": freed, **_tiers(request)}
+
+
+def _tiers(request: Request) -> dict[str, Any]:
+    engine = server_state(request).engine
+    stats: EngineStats = engine.stats()
+    tree, disk = stats.tree, stats.disk
+    memory = {
+        "bytes": tree.total_bytes, "evictable_bytes": tree.evictable_bytes,
+        "pinned_bytes": tree.pinned_bytes, "tokens": tree.total_tokens,
+        "capacity_bytes": tree.capacity_bytes, "nodes": tree.nodes,
+        "hits": tree.hits, "hit_tokens": tree.hit_tokens, "misses": tree.misses,
+        "evictions": tree.evictions,
+    }
+    on_disk: dict[str, Any] = {"enabled": engine.disk is not None}
+    if engine.disk is not None:
+        on_disk |= {
+            "directory": str(engine.disk.directory),
+            "bytes": tree.disk_bytes, "evictable_bytes": tree.disk_evictable_bytes,
+            "pinned_bytes": tree.disk_pinned_bytes, "tokens": tree.disk_tokens,
+            "capacity_bytes": tree.disk_capacity_bytes, "nodes": tree.disk_nodes,
+            "hits": tree.disk_hits, "hit_tokens": tree.disk_hit_tokens,
+            "evictions": tree.disk_evictions, "demotions": tree.disk_demotions,
+            "writes": disk.writes, "write_bytes": disk.write_bytes,
+            "writes_dropped": disk.writes_dropped, "write_errors": disk.write_errors,
+            "queued_bytes": disk.queued_bytes, "loads": disk.loads,
+            "load_bytes": disk.load_bytes,
+            "load_bytes_per_second": disk.load_bytes / disk.load_seconds
+            if disk.load_seconds else None,
+            "bad_files": disk.bad_files, "restored_nodes": disk.restored_nodes,
+            "rebuilding": bool(disk.rebuilding),
+        }
+    return {"memory": memory, "disk": on_disk}
