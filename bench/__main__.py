@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from bench import hardware, report
+from bench import disk_tier, hardware, report
 from bench.client import run_workload
 from bench.servers import (
     REPLICA_POLICIES,
@@ -54,8 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "--quick only the real one)")
     parser.add_argument("--servers", default=",".join(SPECS),
                         help=f"comma-separated, from {sorted(SPECS)}")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help=f"comma-separated, from {list(WORKLOADS)}")
+    parser.add_argument("--workloads", default=",".join([*WORKLOADS, *disk_tier.WORKLOADS]),
+                        help=f"comma-separated, from {[*WORKLOADS, *disk_tier.WORKLOADS]} "
+                             "(the last two: radix-mlx with and without its disk tier)")
     parser.add_argument("--quick", action="store_true", help="toy sizes, for a smoke run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="results folder, with one subfolder per "
@@ -82,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument("--" + field.name.replace("_", "-"), type=int,
                             help=f"default {field.default}, --quick {getattr(QUICK, field.name)}")
     args = parser.parse_args(argv)
-    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS) - set(disk_tier.WORKLOADS)
     if unknown:
         parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
     return args
@@ -248,13 +249,17 @@ def bench_model(args: argparse.Namespace, model: Path, device: str, env: dict[st
     specs = [SPECS[name] for name in args.servers.split(",")]
     if args.replicas:
         specs += [replicas(policy, args.replicas) for policy in REPLICA_POLICIES]
-    rounds = [[w] for w in workloads] if args.restart_per_workload else [workloads]
+    rounds = [[w] for w in workloads] if args.restart_per_workload else [workloads] * bool(
+        workloads)
     for batch in rounds:
         for spec in specs:
             measured = [w for w in batch
                         if not spec.router_workers or w.name in REPLICA_WORKLOADS]
             if measured:
                 run_server(results, spec, args, model, env, out, warm_up, measured)
+    if set(wanted) & set(disk_tier.WORKLOADS):
+        print("bench: radix-mlx with and without its disk tier", file=sys.stderr, flush=True)
+        results["disk_tier"] = disk_tier.run(wanted, model, shapes, env, out, args.seed)
     if not args.no_raw:
         print("bench: bare mlx_lm.stream_generate", file=sys.stderr, flush=True)
         results["raw_decode"] = child_json(

@@ -124,6 +124,15 @@ def targets(results: dict) -> list[dict]:
                          lambda v: v >= 1.8))
             rows.append((f"{where} cached share minus one server's, points", row["points"],
                          ">= -5", lambda v: v >= -5))
+    disk = results.get("disk_tier", {})
+    if "warm_restart" in disk:
+        rows.append(("warm restart: first TTFT after restart / cold, disk tier",
+                     disk["warm_restart"]["disk tier"]["ttft_ratio"], "<= 0.2",
+                     lambda v: v <= 0.2))
+    if "agent_working_set" in disk:
+        rows.append(("agent working set 3x memory: output tok/s, disk tier / memory only",
+                     disk["agent_working_set"]["throughput_ratio"], ">= 2.0",
+                     lambda v: v >= 2.0))
     return [{"target": name, "value": value, "goal": goal,
              "met": None if value is None else check(value)}
             for name, value, goal, check in rows]
@@ -220,6 +229,7 @@ def markdown(results: dict) -> str:
     for server, summary in lc.items():
         lines.append(f"| {server} | {fmt(summary.get('ttft_cold'), '{:.3f}')} | "
                      f"{fmt(summary.get('ttft_warm_p50'), '{:.3f}')} |")
+    lines += disk_tier_section(results.get("disk_tier", {}))
     lines += ["", "## Single-stream decode (engine overhead)", "",
               "| path | decode tok/s |", "|---|---:|"]
     for server, data in single.items():
@@ -296,6 +306,45 @@ def plot(results: dict, directory: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def disk_tier_section(disk: dict) -> list[str]:
+    """The disk tier's workloads: radix-mlx with and without it."""
+    if not disk:
+        return []
+    lines = ["", "## Disk tier: the same server with and without it", ""]
+    restart = disk.get("warm_restart")
+    if restart:
+        lines += [("Warm restart (long document, first request of a fresh server, then the "
+                  "first after a restart):"), "",
+                  ("| server | prompt tokens | cold TTFT (s) | TTFT after restart (s) | ratio "
+                  "| cached after restart | same output | disk read MB/s |"),
+                  "|---|---:|---:|---:|---:|---:|---|---:|"]
+        for label, row in restart.items():
+            rate = row["load_bytes_per_s"] and row["load_bytes_per_s"] / 1e6
+            lines.append(
+                f"| {label} | {row['prompt_tokens']} | {fmt(row['ttft_cold'], '{:.3f}')} | "
+                f"{fmt(row['ttft_after_restart'], '{:.3f}')} | "
+                f"{fmt(row['ttft_ratio'], '{:.2f}x')} | {row['cached_after_restart']} | "
+                f"{'yes' if row['same_output'] else 'NO'} | {fmt(rate, '{:.0f}')} |")
+    agents = disk.get("agent_working_set")
+    if agents:
+        lines += ["", (f"Agent working set ({agents['working_set_bytes'] / 2**20:.0f} MiB of KV, "
+                  f"memory budget {agents['memory_budget_bytes'] / 2**20:.0f} MiB):"), "",
+                  ("| server | requests | wall (s) | output tok/s | TTFT p50 (s) | TTFT p50 "
+                  "returning (s) | cached (returning) | disk read MB/s |"),
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for label in ("memory only", "disk tier"):
+            row = agents[label]
+            rate = row["load_bytes_per_s"] and row["load_bytes_per_s"] / 1e6
+            lines.append(
+                f"| {label} | {row['requests']} | {row['wall_s']:.1f} | "
+                f"{row['output_tok_s']:.2f} | {fmt(row['ttft_p50'], '{:.3f}')} | "
+                f"{fmt(row['ttft_p50_returning'], '{:.3f}')} | "
+                f"{row['cached_fraction']:.0%} | {fmt(rate, '{:.0f}')} |")
+        lines += ["", (f"Throughput {fmt(agents['throughput_ratio'], '{:.2f}x')}, TTFT p50 "
+                  f"{fmt(agents['ttft_ratio'], '{:.2f}x')} (disk tier / memory only).")]
+    return lines
 
 
 def write(results: dict, directory: Path, plots: bool = True) -> None:

@@ -36,15 +36,20 @@ class ServerSpec:
     notes: str
     command: tuple[str, ...] = ()  # after `-m module`, before --model
     router_workers: int = 0  # > 0: a router in front of this many workers (docs/scale-out.md)
+    args: tuple[str, ...] = ()  # always passed, before any extra flags (which win)
 
 
 RADIX = ServerSpec(
     name="radix-mlx",
     module="server",
+    # The disk tier is measured by its own workloads (bench/disk_tier.py); here its files
+    # from an earlier run would turn a cold workload warm.
+    args=("--disk-cache-bytes", "0"),
     extra={"ignore_eos": True},
     metrics=True,
     notes="defaults: max_batch_size 32, prefill_batch_size 8, prefill_chunk_tokens 2048 on a "
-          "GPU and 512 on the CPU, radix cache 0.5 of memory minus weights; ignore_eos sent",
+          "GPU and 512 on the CPU, radix cache 0.5 of memory minus weights; ignore_eos sent; "
+          "disk tier off",
 )
 MLX_LM = ServerSpec(
     name="mlx-lm",
@@ -140,7 +145,8 @@ def running(spec: ServerSpec, model: Path, env: dict[str, str], log_path: Path,
     """Start `spec` on `model`, yield once /health is 200, and always stop it."""
     port = free_port()
     argv = [sys.executable, "-m", spec.module, *spec.command, "--model", str(model),
-            "--host", "127.0.0.1", "--port", str(port), *extra_args]
+            "--host", "127.0.0.1", "--port", str(port), *spec.args,
+            *extra_args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -62,6 +62,13 @@ class Shapes:
     so_prompt_tokens: int = 64
     so_output_tokens: int = 128
     so_repeats: int = 2
+    wr_document_tokens: int = 3000
+    wr_output_tokens: int = 16
+    ws_agents: int = 6
+    ws_system_tokens: int = 1000
+    ws_turns: int = 3
+    ws_user_tokens: int = 64
+    ws_output_tokens: int = 16
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -74,7 +81,9 @@ QUICK = Shapes(
     ns_prompt_tokens=96, ns_output_tokens=8, ns_concurrency=4, lc_document_tokens=400,
     lc_questions=2, lc_question_tokens=16, lc_output_tokens=8, decode_prompt_tokens=32,
     decode_output_tokens=16, decode_repeats=1, so_prompt_tokens=32, so_output_tokens=32,
-    so_repeats=1,
+    so_repeats=1, wr_document_tokens=300,
+    wr_output_tokens=8, ws_agents=3, ws_system_tokens=150, ws_turns=2, ws_user_tokens=24,
+    ws_output_tokens=8,
 )
 
 

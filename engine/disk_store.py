@@ -201,6 +201,10 @@ class DiskStore:
             if header.key != copy.key or header.fingerprint != self.root_key:
                 raise BadSegmentFile(f"{copy.path.name} holds {header.key} of another model")
             handle = self._handle(header, tensors)
+        except (KeyError, ValueError, TypeError, AttributeError) as error:
+            # Checksummed, yet not what this model's caches are made of.
+            self._reject(copy.path, f"cannot rebuild its cache: {error!r}")
+            raise BadSegmentFile(str(error)) from error
         except BadSegmentFile as error:
             self._reject(copy.path, str(error))
             raise

@@ -481,6 +481,15 @@ class RadixTree:
         with self._mutex:
             self._pin_path(node)
 
+    def pin_if_attached(self, node: Node) -> bool:
+        """`pin`, unless `node` left the tree since it was seen (then False): for a disk
+        node a match reported, which nothing pins until its loader does."""
+        with self._mutex:
+            if not self._attached(node):
+                return False
+            self._pin_path(node)
+            return True
+
     def unpin(self, node: Node) -> None:
         """Release one pin taken by `pin` (or by `match(pin=True)` / `insert(pin=True)`)."""
         with self._mutex:
@@ -597,13 +606,18 @@ class RadixTree:
 
     # -- the disk tier -----------------------------------------------------------------
 
-    def promote(self, node: Node, handle: Handle) -> None:
-        """Put `node` back in memory with `handle`, its data loaded from `node.stored` by
-        the caller, who pinned it (`pin`) for the load. Promote a match's `disk` nodes
-        top first: a node's parent must be in memory already. It counts as a disk hit."""
-        with self._mutex:
-            assert node.on_disk and node.stored is not None, f"promote of {node!r}"
+    def promote(self, node: Node, handle: Handle, source: Stored | None = None) -> None:
+        """Put `node` back in memory with `handle`, its data loaded from `node.stored` (or
+        `source`, the copy read) by the caller, who pinned it (`pin`) for the load.
+        Promote a match's `disk` nodes top first: a node's parent must be in memory
+        already. It counts as a disk hit. If another thread promoted the node (or cut it)
+        since `source` was read, `handle` is freed instead."""
+        with self._locked():
             assert self._attached(node), f"promote of a dropped node {node!r}"
+            if not node.on_disk or node.stored is not (source or node.stored):
+                self._garbage.append(handle)
+                return
+            assert node.stored is not None, f"promote of {node!r}"
             self._lift(node.parent)
             assert not node.parent.on_disk, f"promote below a disk node {node.parent!r}"
             self._add_stats(node, -1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from radix.tree import Handle, MatchResult, Node, NodeState, RadixTree, ReserveStatus
+from radix.tree import Handle, MatchResult, Node, NodeState, RadixTree, ReserveStatus, Stored
 
 
 class FakeHandle:
@@ -75,9 +75,10 @@ class FakeStored:
     def path(self) -> tuple[int, ...]:
         return self.prefix + self.tokens
 
-    def load(self, ledger: list[FakeHandle] | None = None) -> FakeHandle:
-        """The data back in memory, as a new handle."""
-        assert not self.discarded, f"load of a deleted copy {self!r}"
+    def load(self, ledger: list[FakeHandle] | None = None) -> FakeHandle | None:
+        """The data back in memory, as a new handle; None once deleted (a file gone)."""
+        if self.discarded:
+            return None
         return FakeHandle(self.tokens, self.bytes_per_token, self.splittable,
                           prefix=self.prefix, ledger=ledger)
 
@@ -214,20 +215,28 @@ def _disk_leaf(node: Node) -> bool:
 
 
 def acquire(
-    tree: RadixTree, tokens: Sequence[int], compute: Callable[[Node, Sequence[int]], Handle]
+    tree: RadixTree, tokens: Sequence[int], compute: Callable[[Node, Sequence[int]], Handle],
+    load: Callable[[Stored], Handle | None] | None = None,
 ) -> Node:
     """A pinned node covering all of `tokens`, computing what is missing once.
 
     `compute(parent, rest)` builds the handle for `rest` on top of `parent`'s path; it
     runs outside the tree's lock. Threads that need the same missing prefix wait for the
-    one computing it; if that computation fails they get its error. The caller unpins the
-    returned node. This is the engine's write path, written for blocking threads.
+    one computing it; if that computation fails they get its error. With a disk tier,
+    `load(stored)` reads a disk node's data back (None if the copy went meanwhile, say
+    another thread promoted and cut its node). The caller unpins the returned node. This
+    is the engine's write path, written for blocking threads.
     """
     tokens = tuple(tokens)
     if not tokens:
         raise ValueError("acquire needs at least one token")
     while True:
         m = tree.match(tokens, pin=True)
+        if m.disk:
+            tree.unpin(m.node)
+            assert load is not None, "a tree with a disk tier needs `load`"
+            _load_path(tree, m.disk, load)
+            continue
         if m.length == len(tokens):
             return m.node
         try:
@@ -236,6 +245,23 @@ def acquire(
             tree.unpin(m.node)
         if node is not None:
             return node
+
+
+def _load_path(tree: RadixTree, nodes: list[Node],
+               load: Callable[[Stored], Handle | None]) -> None:
+    """Load and promote a match's disk nodes, pinned meanwhile (unless made room for on
+    disk since the match: then the caller just matches again)."""
+    if not tree.pin_if_attached(nodes[-1]):
+        return
+    try:
+        for node in nodes:
+            source = node.stored
+            handle = load(source) if source is not None else None
+            if handle is None:
+                return
+            tree.promote(node, handle, source)
+    finally:
+        tree.unpin(nodes[-1])
 
 
 def _acquire_step(

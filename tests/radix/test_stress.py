@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from radix import NodeState, RadixTree
-from tests.radix.support import FakeHandle, acquire, check_invariants
+from tests.radix.support import FakeHandle, FakeStore, acquire, check_invariants
 
 THREADS = 8
 SYSTEMS = [tuple(range(100 * s, 100 * s + 8)) for s in range(3)]
@@ -34,12 +34,21 @@ class Harness:
     """A tree, a ledger of every handle made, and a compute function that records what
     it computed and can be told to fail."""
 
-    def __init__(self, splittable: bool, capacity: int = 1 << 30, failure_rate: float = 0.0):
+    def __init__(self, splittable: bool, capacity: int = 1 << 30, failure_rate: float = 0.0,
+                 disk: int = 0):
         self.splittable = splittable
         self.failure_rate = failure_rate
         self.ledger: list[FakeHandle] = []
         self.computed: list[tuple[int, ...]] = []  # reusable prefixes each compute made
-        self.tree = RadixTree(capacity, FakeHandle.free)
+        self.store = FakeStore(disk) if disk else None
+        self.tree = RadixTree(capacity, FakeHandle.free, store=self.store)
+
+    def load(self, stored) -> FakeHandle:
+        time.sleep(random.uniform(0, 0.001))  # widen the race window
+        return stored.load(self.ledger)
+
+    def acquire(self, tokens) -> object:
+        return acquire(self.tree, tokens, self.compute, self.load)
 
     def compute(self, parent, rest) -> FakeHandle:
         prefix = parent.path_tokens()
@@ -79,8 +88,12 @@ class Harness:
         in_tree = {id(n.handle) for n in nodes if n.handle is not None}
         live = {id(h) for h in self.ledger if not h.freed and not h.consumed}
         assert in_tree == live, "a handle leaked or was freed while in the tree"
+        if self.store is not None:
+            copies = {id(n.stored) for n in nodes if n.stored is not None}
+            assert copies == {id(c) for c in self.store.live()}, "a disk copy leaked"
         self.tree.clear()
         assert all(h.freed or h.consumed for h in self.ledger)
+        assert self.store is None or not self.store.live()
 
 
 def run_threads(target, n: int = THREADS, timeout: float = 30) -> None:
@@ -150,9 +163,11 @@ def test_racing_requests_compute_every_prefix_exactly_once(splittable):
     h.check_quiescent()
 
 
+@pytest.mark.parametrize("disk", [0, 200], ids=["memory", "disk-tier"])
 @pytest.mark.parametrize("splittable", [True, False], ids=["spans", "snapshots"])
-def test_failures_and_eviction_under_contention_leave_nothing_pending_or_pinned(splittable):
-    h = Harness(splittable, capacity=60, failure_rate=0.2)
+def test_failures_and_eviction_under_contention_leave_nothing_pending_or_pinned(
+        splittable, disk):
+    h = Harness(splittable, capacity=60, failure_rate=0.2, disk=disk)
     outcomes = Counter()
     stop = threading.Event()
 
@@ -161,7 +176,7 @@ def test_failures_and_eviction_under_contention_leave_nothing_pending_or_pinned(
         for _ in range(ROUNDS):
             tokens = rng.choice(SYSTEMS)[: rng.randint(4, 8)] + rng.choice(USERS) + tail(rng)
             try:
-                node = acquire(h.tree, tokens, h.compute)
+                node = h.acquire(tokens)
             except InjectedFailure as error:
                 # Ours, or that of a request we waited on because it shared our prefix.
                 assert tokens[0] == error.args[0][0]
@@ -194,7 +209,10 @@ def test_failures_and_eviction_under_contention_leave_nothing_pending_or_pinned(
         stop.set()
         evicting.join()
     assert outcomes["error"] > 0 and outcomes["ok"] > 0
-    assert h.tree.stats().evictions > 0
+    s = h.tree.stats()
+    assert s.evictions > 0
+    if disk:
+        assert s.disk_demotions > 0 and s.disk_hits > 0 and s.disk_evictions > 0
     h.check_quiescent()
 
 
