@@ -522,7 +522,7 @@ class RadixTree:
                 k = _common_prefix(child.tokens, tokens, depth)
                 # A child whose state a match could have reused (or loaded) means the
                 # caller's match is stale: someone published this prefix meanwhile.
-                data = child.handle or child.stored
+                data = child.handle if child.handle is not None else child.stored
                 if data is not None and (k == len(child.tokens) or data.splittable):
                     return ReserveResult(ReserveStatus.RETRY, parent)
                 if k < len(child.tokens):
