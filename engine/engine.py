@@ -159,15 +159,23 @@ class Engine:
         if config.disk_cache_bytes == 0 or config.disk_cache_dir is None:
             return
         directory = Path(config.disk_cache_dir).expanduser()
-        budget = config.disk_cache_bytes or default_disk_budget(directory)
+        try:
+            budget = config.disk_cache_bytes or default_disk_budget(directory)
+        except OSError as error:
+            log.error("disk cache off: %s", error)
+            return
         scheduler = self._scheduler
         fingerprint = model_fingerprint(loaded.path, loaded.model,
                                         make_prompt_cache(loaded.model))
         low, high = DISK_QUEUE_BYTES
         queue_bytes = int(min(max(scheduler.tree.capacity_bytes * DISK_QUEUE_FRACTION, low),
                               high))
-        self.disk = DiskStore(directory, budget, fingerprint, scheduler.kv.segments,
-                              queue_bytes)
+        try:
+            self.disk = DiskStore(directory, budget, fingerprint, scheduler.kv.segments,
+                                  queue_bytes)
+        except OSError as error:  # an unusable directory costs the tier, not the server
+            log.error("disk cache off: %s", error)
+            return
         scheduler.attach_disk(self.disk)
         threading.Thread(target=self.disk.rebuild, args=(scheduler.tree,),
                          name="radix-mlx-disk-rebuild", daemon=True).start()
