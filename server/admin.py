@@ -15,14 +15,12 @@ from server.state import server_state
 admin = APIRouter(prefix="/admin")
 
 
-@admin.get("/cache")
-async def cache_stats(request: Request) -> dict[str, Any]:
-    return _tiers(request)
-
-
-@admin.delete("/cache")
-async def clear_cache(request: Request) -> dict[str, Any]:
-    """Drop every cached prefix no request is using, from memory and from disk."""
+@admin.api_route("/cache", methods=["GET", "DELETE"])
+async def cache(request: Request) -> dict[str, Any]:
+    """GET: both tiers' state. DELETE: drop every cached prefix no request is using, from
+    memory and from disk. (One route, so a 405 lists both methods in `Allow`.)"""
+    if request.method == "GET":
+        return _tiers(request)
     engine = server_state(request).engine
     if engine.state is not Lifecycle.READY:
         raise APIError(503, f"the model is {engine.state.value}", code="model_not_ready")
