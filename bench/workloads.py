@@ -66,7 +66,7 @@ class Shapes:
     wr_output_tokens: int = 16
     ws_agents: int = 6
     ws_system_tokens: int = 1000
-    ws_turns: int = 3
+    ws_turns: int = 6
     ws_user_tokens: int = 64
     ws_output_tokens: int = 16
 
