@@ -15,10 +15,12 @@ from server.state import server_state
 admin = APIRouter(prefix="/admin")
 
 
-@admin.api_route("/cache", methods=["GET", "DELETE"])
+# One route, so a 405 lists both methods in `Allow`; FastAPI would give its two methods one
+# OpenAPI operation id, so it stays out of the schema (an operator's endpoint, not the API's).
+@admin.api_route("/cache", methods=["GET", "DELETE"], include_in_schema=False)
 async def cache(request: Request) -> dict[str, Any]:
     """GET: both tiers' state. DELETE: drop every cached prefix no request is using, from
-    memory and from disk. (One route, so a 405 lists both methods in `Allow`.)"""
+    memory and from disk."""
     if request.method == "GET":
         return _tiers(request)
     engine = server_state(request).engine

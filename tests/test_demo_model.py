@@ -165,7 +165,7 @@ def test_python_m_server_preloads_openblas_like_radix_mlx_serve(
            if key not in ("LD_PRELOAD", OPT_OUT_ENV) and not key.startswith("RADIX_MLX_")}
     log_path = tmp_path / "server.log"
     command = [sys.executable, "-m", "server", "--model", str(demo_model_dir), "--port",
-               str(_free_port()), "--config", ""]
+               str(_free_port()), "--config", "", "--disk-cache-bytes", "0"]
     with log_path.open("w") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

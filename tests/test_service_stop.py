@@ -30,6 +30,7 @@ def write_config(directory: Path, model_dir: Path) -> tuple[Path, int]:
     config.write_text(
         f'model = "{model_dir}"\nport = {port}\ndrain_timeout = {DRAIN_TIMEOUT}\n'
         f"cache_bytes = {64 * 2**20}\n"
+        f'disk_cache_dir = "{directory / "kv"}"\n'  # the service's disk tier, kept in tmp
     )
     return config, port
 

@@ -172,7 +172,8 @@ class SideEffects:
 @pytest.fixture(scope="module")
 def in_process(demo_model_dir: Path) -> Iterator[tuple[FastAPI, SideEffects]]:
     """The app on a real engine in this process, where its side effects can be watched."""
-    settings = Settings(model=str(demo_model_dir), api_key=API_KEY, cache_bytes=2**20)
+    settings = Settings(model=str(demo_model_dir), api_key=API_KEY, cache_bytes=2**20,
+                        disk_cache_bytes=0)
     engine = Engine(engine_config(settings, str(demo_model_dir)))
     engine.start()
     assert engine.wait_ready(120) is Lifecycle.READY, engine.error
