@@ -17,7 +17,8 @@ from pathlib import Path
 
 from engine.api import EngineError, Lifecycle, SamplingParams
 from server.errors import APIError
-from server.prompts import chat_prompt, completion_prompts
+from server.openai_adapter import chat_request, completion_request
+from server.prompts import chat_prompt, raw_prompts
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState
 
@@ -59,7 +60,7 @@ async def prefill_warm_prompts(state: ServerState, path: Path) -> None:
 def _prompts(tokenizer, line: str) -> list[list[int]]:
     body = json.loads(line)
     if isinstance(body, dict) and "messages" in body:
-        return [chat_prompt(tokenizer, ChatCompletionRequest.model_validate(body))]
+        return [chat_prompt(tokenizer, chat_request(ChatCompletionRequest.model_validate(body)))]
     if isinstance(body, dict) and "prompt" in body:
-        return completion_prompts(tokenizer, CompletionRequest.model_validate(body))
+        return raw_prompts(tokenizer, completion_request(CompletionRequest.model_validate(body)))
     raise ValueError('each line must be an object with "messages" or "prompt"')
