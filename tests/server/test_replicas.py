@@ -69,7 +69,7 @@ def replicas(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     command = [sys.executable, "-m", "server.cli", "replicas", "--workers", "2",
                "--model", str(demo_model_dir), "--port", str(port), "--health-check-interval",
                "1", "--restart-delay", str(RESTART_DELAY), "--", "--config", "", "--cache-bytes", str(256 * 2**20),
-               "--api-key", API_KEY]
+               "--disk-cache-bytes", "0", "--api-key", API_KEY]
     with log_path.open("w") as log:
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=server_env(), stdout=log,
                                    stderr=subprocess.STDOUT)
