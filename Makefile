@@ -68,10 +68,12 @@ $(BENCH_STAMP): $(STAMP)
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
-# The load test with faults, for SOAK_MINUTES; prints its figures, exits 1 on a failure.
+# The load test with faults on the default model, for SOAK_MINUTES; writes its series,
+# plot and figures to SOAK_OUT (default build/soak/<time>), exits 1 on a failure.
 SOAK_MINUTES ?= 5
-soak: $(STAMP)
-	$(BIN)/python -m tests.reliability.soak --minutes $(SOAK_MINUTES)
+SOAK_OUT ?=
+soak: $(BENCH_STAMP)
+	$(BIN)/python -m tests.reliability.soak --minutes $(SOAK_MINUTES) $(if $(SOAK_OUT),--out $(SOAK_OUT))
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -40,8 +40,16 @@ SENTENCES = [s.strip() + "." for s in CORPUS.replace("\n", " ").split(".") if s.
 WEIGHTS = {
     "greedy": 30, "sampled": 8, "disconnect mid-stream": 10, "abandon while waiting": 6,
     "malformed body": 8, "oversized body": 4, "wrong key": 6, "beyond context": 5,
-    "failing forward": 3,
+    "failing forward": 3, "forced tool call": 4, "structured output": 4,
 }
+# What agent frameworks send: a forced call of a tool, an answer in a JSON schema.
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
+                                                  "age": {"type": "integer"}},
+                 "required": ["name", "age"], "additionalProperties": False}
 # After the storm MLX's active memory may exceed its baseline (taken after warm-up and one
 # request) by what the radix tree may hold beyond that one request's KV, its budget, plus
 # room for MLX's own small allocations that come and go (a few MiB at most here).
@@ -145,6 +153,18 @@ class Workload:
                 return Spec(kind, COMPLETIONS, {"prompt": text, "max_tokens": self.context})
             prompt = [self._token() for _ in range(self.context)]  # ~40 KiB of JSON
             return Spec(kind, COMPLETIONS, {"prompt": prompt, "max_tokens": 1})
+        if kind == "forced tool call":
+            return Spec(kind, CHAT, {
+                "messages": [{"role": "user", "content": f"What is the weather? {text}"}],
+                "tools": [WEATHER_TOOL], "tool_choice": "required", "max_tokens": 48,
+                "temperature": 0, "stream": rng.random() < 0.5, **self.no_fault})
+        if kind == "structured output":
+            return Spec(kind, CHAT, {
+                "messages": [{"role": "user", "content": f"Invent a person. {text}"}],
+                "response_format": {"type": "json_schema", "json_schema": {
+                    "name": "person", "schema": PERSON_SCHEMA, "strict": True}},
+                "max_tokens": 48, "temperature": 0, "stream": rng.random() < 0.5,
+                **self.no_fault})
         if kind == "failing forward":
             prompt = [self._token() for _ in range(rng.randint(2, 40))]
             prompt.insert(rng.randrange(len(prompt)), self.fault)
@@ -227,7 +247,8 @@ async def _first(lines: AsyncIterator[str], count: int) -> AsyncIterator[str]:
 def _check(spec: Spec, outcome: Outcome) -> str | None:
     """Why `outcome` is not an answer `spec` may get, or None."""
     status, error = outcome.status, outcome.error
-    if status == 429 and spec.kind in ("greedy", "sampled", "abandon while waiting"):
+    if status == 429 and spec.kind in ("greedy", "sampled", "abandon while waiting",
+                                       "forced tool call", "structured output"):
         return None  # the queue was full: refused whole, with Retry-After, never dropped
     expected = {
         "malformed body": (400, "invalid_request"), "oversized body": (413, "request_too_large"),
@@ -245,8 +266,28 @@ def _check(spec: Spec, outcome: Outcome) -> str | None:
         return f"{status} {error} instead of {want} engine_error"
     if status != 200 or error is not None:
         return f"{status} {error}"
+    if spec.kind in ("forced tool call", "structured output") and outcome.finish_reason != "length":
+        return _check_structured(spec, outcome)
     if outcome.finish_reason not in ("stop", "length"):
         return f"ended without a finish reason: {outcome.text!r}"
+    return None
+
+
+def _check_structured(spec: Spec, outcome: Outcome) -> str | None:
+    """A forced call names the tool and its arguments are the object its schema asks
+    for; a structured answer is the schema's object. (Cut short by max_tokens, either may
+    be incomplete: that answer is not checked.)"""
+    if spec.kind == "forced tool call":
+        if outcome.finish_reason != "tool_calls" or not outcome.tool_calls:
+            return f"no tool call: {outcome.finish_reason} {outcome.text!r}"
+        call = outcome.tool_calls[0]
+        value, expected = json.loads(call["arguments"]), {"city"}
+        if call["name"] != "get_weather":
+            return f"called {call['name']!r}"
+    else:
+        value, expected = json.loads(outcome.text), {"name", "age"}
+    if not isinstance(value, dict) or set(value) != expected:
+        return f"not the schema's object: {value!r}"
     return None
 
 

@@ -93,6 +93,8 @@ class Outcome:
     error: dict[str, Any] | None = None
     finish_reason: str | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
+    # Choice 0's tool calls as {"name", "arguments"}, argument fragments joined.
+    tool_calls: list[dict[str, str]] = field(default_factory=list)
 
 
 def choice_text(choice: Mapping[str, Any]) -> str:
@@ -113,8 +115,10 @@ async def call(client: httpx.AsyncClient, path: str, body: Mapping[str, Any],
             return Outcome(response.status_code, error=data.get("error"),
                            headers=response.headers)
         choice = data["choices"][0]
-        return Outcome(200, choice_text(choice), None, choice["finish_reason"],
-                       response.headers)
+        outcome = Outcome(200, choice_text(choice), None, choice["finish_reason"],
+                          response.headers)
+        add_tool_calls(outcome, choice)
+        return outcome
     async with client.stream("POST", path, json=body, headers=headers) as response:
         if response.status_code != 200:
             data = json.loads(await response.aread())
@@ -137,3 +141,17 @@ def read_event(outcome: Outcome, line: str) -> None:
     for choice in event.get("choices", ()):
         outcome.text += choice_text(choice)
         outcome.finish_reason = choice.get("finish_reason") or outcome.finish_reason
+        add_tool_calls(outcome, choice)
+
+
+def add_tool_calls(outcome: Outcome, choice: Mapping[str, Any]) -> None:
+    """Choice 0's tool calls, whole (a message) or in fragments (a delta: the first of a
+    call names it, later ones add to its arguments)."""
+    message = choice.get("message") or choice.get("delta") or {}
+    for position, call in enumerate(message.get("tool_calls") or ()):
+        index = call.get("index", position)
+        while len(outcome.tool_calls) <= index:
+            outcome.tool_calls.append({"name": "", "arguments": ""})
+        function = call.get("function") or {}
+        outcome.tool_calls[index]["name"] += function.get("name") or ""
+        outcome.tool_calls[index]["arguments"] += function.get("arguments") or ""
