@@ -20,6 +20,12 @@ T = TypeVar("T")
 CLIENT_CLOSED = 499
 
 
+# JSON may hold these raw inside strings, but line readers built on str.splitlines (httpx's
+# aiter_lines among them) end a line at each, cutting an event in two. Escaped, every
+# event stays on one line, and its JSON decodes to the same text.
+LINE_BREAKERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 class GenerationEventSource(EventSourceResponse):
     """An SSE response that closes its generation however the response ends: finished,
     failed, or cut short by a client disconnect (even before the first event)."""
@@ -28,7 +34,7 @@ class GenerationEventSource(EventSourceResponse):
         self, generation: Generation, events: AsyncIterator[str | ServerSentEvent],
         **options: Any,
     ) -> None:
-        super().__init__(events, **options)
+        super().__init__(_one_line_each(events), **options)
         self.generation = generation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -36,6 +42,18 @@ class GenerationEventSource(EventSourceResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.generation.close()
+
+
+async def _one_line_each(
+    events: AsyncIterator[str | ServerSentEvent],
+) -> AsyncIterator[str | ServerSentEvent]:
+    async for event in events:
+        if isinstance(event, ServerSentEvent):
+            if isinstance(event.data, str):
+                event.data = event.data.translate(LINE_BREAKERS)
+            yield event
+        else:
+            yield event.translate(LINE_BREAKERS)
 
 
 async def to_the_end(
