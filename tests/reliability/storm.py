@@ -285,7 +285,10 @@ def _check_structured(spec: Spec, outcome: Outcome) -> str | None:
         if call["name"] != "get_weather":
             return f"called {call['name']!r}"
     else:
-        value, expected = json.loads(outcome.text), {"name", "age"}
+        try:
+            value, expected = json.loads(outcome.text), {"name", "age"}
+        except json.JSONDecodeError as error:
+            return f"not JSON ({error}), finish {outcome.finish_reason}: {outcome.text!r}"
     if not isinstance(value, dict) or set(value) != expected:
         return f"not the schema's object: {value!r}"
     return None
