@@ -31,7 +31,13 @@ from types import FrameType
 
 import httpx
 
-from server.config import ConfigError, Settings, add_serve_arguments, load_settings
+from server.config import (
+    ConfigError,
+    Settings,
+    add_serve_arguments,
+    default_disk_cache_dir,
+    load_settings,
+)
 
 log = logging.getLogger("radix_mlx.replicas")
 
@@ -96,11 +102,17 @@ def serve_flags(args: argparse.Namespace) -> list[str]:
     return [arg for arg in args.serve_args if arg != "--"]
 
 
-def worker_command(args: argparse.Namespace, port: int) -> list[str]:
+def worker_command(args: argparse.Namespace, settings: Settings, index: int,
+                   port: int) -> list[str]:
+    """Worker `index`'s `radix-mlx serve`. Each keeps its disk tier in a directory of its
+    own (`worker-<index>` under the configured one), so no worker evicts another's files,
+    and a restarted set finds its own again."""
     model = ["--model", args.model] if args.model else []
+    disk = (settings.disk_cache_dir or default_disk_cache_dir()) / f"worker-{index}"
     return [sys.executable, "-m", "server", *model, "--host", "127.0.0.1", "--port", str(port),
             "--drain-timeout", str(args.drain_timeout),
-            "--served-model-name", ROUTER_DEFAULT_MODEL, *serve_flags(args)]
+            "--served-model-name", ROUTER_DEFAULT_MODEL, *serve_flags(args),
+            "--disk-cache-dir", str(disk)]
 
 
 def worker_settings(args: argparse.Namespace) -> Settings:
@@ -146,6 +158,7 @@ def router_installed() -> bool:
 class Supervisor:
     def __init__(self, args: argparse.Namespace, settings: Settings) -> None:
         self.args = args
+        self.settings = settings
         self.api_key = settings.api_key.get_secret_value() if settings.api_key else None
         self.shared_memory = args.workers > 1 and settings.memory_limit_bytes is None
         self.workers: list[Child] = []
@@ -198,12 +211,13 @@ class Supervisor:
 
     def _start_worker(self, index: int) -> None:
         port = free_port()
-        process = self._spawn(port)
+        process = self._spawn(index, port)
         self.workers.append(Child(f"worker {index}", f"http://127.0.0.1:{port}", process))
         log.info("worker %d: pid %d, %s", index, process.pid, self.workers[-1].url)
 
-    def _spawn(self, port: int) -> subprocess.Popen:
-        return subprocess.Popen(worker_command(self.args, port), process_group=0)
+    def _spawn(self, index: int, port: int) -> subprocess.Popen:
+        return subprocess.Popen(worker_command(self.args, self.settings, index, port),
+                                process_group=0)
 
     def _look_after(self, worker: Child) -> None:
         """Restart a worker that exited, on its own port (the router knows it by its URL):
@@ -220,7 +234,7 @@ class Supervisor:
                         f"; restarting it in {worker.restart_delay:.0f} s"
                         if self.args.restart_delay else "")
         elif self.args.restart_delay and worker.restart_at and now >= worker.restart_at:
-            worker.process = self._spawn(worker.port)
+            worker.process = self._spawn(self.workers.index(worker), worker.port)
             worker.started, worker.restart_at = now, None
             log.info("%s: pid %d, %s (restarted)", worker.name, worker.process.pid,
                      worker.url)

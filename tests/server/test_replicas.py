@@ -24,7 +24,14 @@ import openai
 import pytest
 
 from server.cli import build_parser
-from server.replicas import add_replicas_arguments, free_port, router_command, router_ready
+from server.config import Settings
+from server.replicas import (
+    add_replicas_arguments,
+    free_port,
+    router_command,
+    router_ready,
+    worker_command,
+)
 from tests.server.support import API_KEY, REPO_ROOT, START_TIMEOUT, ServerProcess, server_env
 
 pytest.importorskip("sglang_router")
@@ -226,3 +233,17 @@ def test_a_bad_worker_flag_fails_before_anything_starts(
     args = build_parser().parse_args(["replicas", "--workers", "2", "--", "--max-queue", "0"])
     assert args.handler(args) == 2
     assert "max_queue" in capsys.readouterr().err
+
+
+def test_each_worker_keeps_its_disk_tier_in_a_directory_of_its_own(tmp_path: Path) -> None:
+    """Workers sharing one directory would evict each other's files; by index (not port),
+    a restarted set finds its own again."""
+    parser = argparse.ArgumentParser()
+    add_replicas_arguments(parser)
+    args = parser.parse_args(["--workers", "2"])
+    settings = Settings(disk_cache_dir=tmp_path)
+    dirs = []
+    for index in range(2):
+        command = worker_command(args, settings, index, free_port())
+        dirs.append(command[command.index("--disk-cache-dir") + 1])
+    assert dirs == [str(tmp_path / "worker-0"), str(tmp_path / "worker-1")]
