@@ -1,7 +1,11 @@
-"""Refusing request bodies over the configured size before anything parses them."""
+"""Refusing request bodies before anything parses them: over the configured size (413),
+or JSON that is not valid Unicode (400)."""
 
 from __future__ import annotations
 
+import json
+
+import pydantic_core
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError
@@ -49,7 +53,28 @@ class BodyLimitMiddleware:
                 raise too_large
             more_body = message.get("more_body", False)
 
+        _check_unicode(b"".join(m.get("body", b"") for m in messages))
+
         async def replay() -> Message:
             return messages.pop(0) if messages else await receive()
 
         return replay
+
+
+def _check_unicode(body: bytes) -> None:
+    """Python's json module accepts a lone UTF-16 surrogate escape (\\ud800) and NaN,
+    which are not valid Unicode or JSON: a surrogate then fails a tokenizer deep inside a
+    request. jiter (pydantic's parser) refuses both; where json would accept the body
+    anyway, that is the client's error, said here. A body json refuses too is left to
+    FastAPI, whose message names the position."""
+    if not body:
+        return
+    try:
+        pydantic_core.from_json(body)
+    except ValueError as strict:
+        try:
+            json.loads(body)
+        except ValueError:
+            return
+        raise APIError(400, f"the body is not valid JSON text: {strict}",
+                       code="invalid_request") from None

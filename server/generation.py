@@ -13,9 +13,10 @@ become `max_tokens`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import pydantic_core
 
 from engine.api import SamplingParams
 
@@ -30,10 +31,12 @@ Message = dict[str, Any]
 
 def template_arguments(arguments: str) -> Any:
     """A call's JSON arguments as the mapping templates iterate over; text that is not
-    JSON stays a string (a template that prints arguments verbatim still gets it)."""
+    strict JSON stays a string (a template that prints arguments verbatim still gets it).
+    Strict: json.loads would turn a \\ud800 escape into a lone surrogate, which no
+    tokenizer can encode."""
     try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
+        return pydantic_core.from_json(arguments)
+    except ValueError:
         return arguments
 
 
