@@ -36,7 +36,15 @@ from bench.servers import (
     running,
     scrape_active_memory,
 )
-from bench.workloads import QUICK, WORKLOADS, Shapes, Workload, build_all, build_warm_up
+from bench.workloads import (
+    QUICK,
+    RAW_BATCH_WORKLOADS,
+    WORKLOADS,
+    Shapes,
+    Workload,
+    build_all,
+    build_warm_up,
+)
 from engine.platform_info import mlx_would_use_cpu, openblas_preload_env
 
 RESULTS = Path(__file__).parent / "results"
@@ -129,13 +137,19 @@ def describe_model(model: Path) -> dict:
     gguf = config.get("gguf")
     dtype = gguf["dtype"] if gguf else config.get("torch_dtype", "float32")
     size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
-    params = size / {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    params = size / width
     weights = f"the weights of {gguf['file']}" if gguf else "random weights"
     size_text = f"{size / 2**20:.0f} MiB" if "quantization" in config else \
         f"~{params / 1e6:.0f}M parameters"
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return {
         "name": model.name,
         "path": str(model),
+        "weights_bytes": size,
+        # K and V of every layer: what one cached token adds to a decode step's reads.
+        "kv_bytes_per_token": 2 * config["num_hidden_layers"] * config["num_key_value_heads"]
+        * head_dim * width,
         "description": (
             f"{config['model_type']}, hidden {config['hidden_size']}, "
             f"{config['num_hidden_layers']} layers, {config['num_attention_heads']} heads, "
@@ -199,6 +213,9 @@ def run_server(results: dict, spec: ServerSpec, args: argparse.Namespace, model:
                workloads: list[Workload]) -> None:
     """Start one server, measure `workloads` on it, stop it, merge into `results`."""
     name = spec.name
+    workloads = [w for w in workloads if spec.list_prompts or not w.batch]
+    if not workloads:
+        return
     label = name if len(workloads) > 1 else f"{name}-{workloads[0].name}"
     print(f"bench: starting {label} on {model}", file=sys.stderr, flush=True)
     extra_args = server_args(spec, args)
@@ -261,10 +278,16 @@ def bench_model(args: argparse.Namespace, model: Path, device: str, env: dict[st
         print("bench: radix-mlx with and without its disk tier", file=sys.stderr, flush=True)
         results["disk_tier"] = disk_tier.run(wanted, model, shapes, env, out, args.seed)
     if not args.no_raw:
-        print("bench: bare mlx_lm.stream_generate", file=sys.stderr, flush=True)
-        results["raw_decode"] = child_json(
-            "bench.raw_decode", model, env, "--prompt-tokens", shapes.decode_prompt_tokens,
-            "--max-tokens", shapes.decode_output_tokens, "--repeats", shapes.decode_repeats)
+        if "single_stream" in wanted:
+            print("bench: bare mlx_lm.stream_generate", file=sys.stderr, flush=True)
+            results["raw_decode"] = child_json(
+                "bench.raw_decode", model, env, "--prompt-tokens", shapes.decode_prompt_tokens,
+                "--max-tokens", shapes.decode_output_tokens, "--repeats", shapes.decode_repeats)
+        for name in (w.name for w in workloads if w.name in RAW_BATCH_WORKLOADS):
+            print(f"bench: bare mlx_lm.batch_generate ({name})", file=sys.stderr, flush=True)
+            results.setdefault("raw_batch", {})[name] = child_json(
+                "bench.raw_batch", model, env, name, "--seed", args.seed,
+                "--shapes", json.dumps(shapes.as_dict()))
     if not args.no_structured:
         print("bench: constrained vs free decoding", file=sys.stderr, flush=True)
         results["structured"] = child_json(

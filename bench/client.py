@@ -107,8 +107,43 @@ async def run_conversation(client: httpx.AsyncClient, base_url: str, index: int,
     return results
 
 
+async def complete_list(client: httpx.AsyncClient, base_url: str, first: int,
+                        conversations: tuple[Conversation, ...], max_tokens: int, extra: dict,
+                        t0: float) -> list[RequestResult]:
+    """One non-streamed `/v1/completions` request whose prompt is the list of the
+    conversations' first turns: a result per prompt, all timed as the whole request
+    (TTFT = latency); the request's usage totals go on its first prompt's result (the
+    response has no per-prompt usage), so sums over a run are right."""
+    body = {"prompt": [c.user_turns[0] for c in conversations], "max_tokens": max_tokens,
+            "temperature": 0.0, **extra}
+    start = time.perf_counter()
+    try:
+        response = await client.post(f"{base_url}/v1/completions", json=body)
+        if response.status_code != 200:
+            raise StreamError(f"HTTP {response.status_code}: {response.text[:500]!r}")
+        data = response.json()
+    except (httpx.HTTPError, StreamError, ValueError) as error:
+        return [RequestResult(first + i, 0, start - t0, 0.0, 0.0, 0, 0, None, "",
+                              f"{type(error).__name__}: {error}")
+                for i in range(len(conversations))]
+    latency = time.perf_counter() - start
+    usage = data.get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    texts = {choice["index"]: choice.get("text", "") for choice in data.get("choices", [])}
+    return [RequestResult(
+        conversation=first + i, turn=0, start=start - t0, ttft=latency, latency=latency,
+        prompt_tokens=usage.get("prompt_tokens", 0) if i == 0 else 0,
+        completion_tokens=usage.get("completion_tokens", 0) if i == 0 else 0,
+        cached_tokens=None if cached is None else cached if i == 0 else 0,
+        text=texts.get(i, ""),
+    ) for i in range(len(conversations))]
+
+
 async def run_workload(base_url: str, workload: Workload, extra: dict) -> WorkloadRun:
-    """Conversations in list order through `concurrency` workers; turns in sequence."""
+    """Conversations in list order through `concurrency` workers; turns in sequence (or,
+    for a batch workload, lists of `batch` first turns per request)."""
+    if workload.batch:
+        return await run_batches(base_url, workload, extra)
     pending = list(enumerate(workload.conversations))[::-1]
     results: list[RequestResult] = []
     limits = httpx.Limits(max_connections=workload.concurrency + 4)
@@ -124,4 +159,25 @@ async def run_workload(base_url: str, workload: Workload, extra: dict) -> Worklo
         await asyncio.gather(*(worker() for _ in range(workload.concurrency)))
         wall = time.perf_counter() - t0
     results.sort(key=lambda r: (r.conversation, r.turn))
+    return WorkloadRun(workload.name, wall, results)
+
+
+async def run_batches(base_url: str, workload: Workload, extra: dict) -> WorkloadRun:
+    """A batch workload's lists, through `concurrency` workers."""
+    size = workload.batch
+    pending = [(i, workload.conversations[i:i + size])
+               for i in range(0, len(workload.conversations), size)][::-1]
+    results: list[RequestResult] = []
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        t0 = time.perf_counter()
+
+        async def worker() -> None:
+            while pending:
+                first, conversations = pending.pop()
+                results.extend(await complete_list(client, base_url, first, conversations,
+                                                   workload.max_tokens, extra, t0))
+
+        await asyncio.gather(*(worker() for _ in range(workload.concurrency)))
+        wall = time.perf_counter() - t0
+    results.sort(key=lambda r: r.conversation)
     return WorkloadRun(workload.name, wall, results)

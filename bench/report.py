@@ -31,6 +31,8 @@ METRICS = (
     ("peak_active_mib", "peak MLX active (MiB)", False, "{:.0f}"),
 )
 
+# Peak HBM bandwidth by GPU name (the vendors' data sheets), bytes/s.
+PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H200": 4.8e12, "H100 PCIe": 2.0e12}
 RATIO_KEYS = ("output_tok_s", "requests_s", "ttft_p50", "ttft_p99", "itl_p50", "peak_rss_mib")
 REPLICA_WORKLOADS = ("shared_prefix", "multi_turn")
 
@@ -80,6 +82,23 @@ def summarize(run: WorkloadRun, peak_rss: int, peak_active: int | None) -> dict:
         summary["decode_tok_s"] = float(np.median(
             [1 / itl(r) for r in reqs if r.completion_tokens > 1]))
     return summary
+
+
+def decode_bandwidth(results: dict) -> dict | None:
+    """What radix-mlx's batch_decode step reads per second: the weights plus every stream's
+    KV at its mean length (prompt + half the reply), over the step time (ITL p50)."""
+    summary = results["servers"].get(OURS, {}).get("workloads", {}).get("batch_decode")
+    model = results["model"]
+    if not summary or not summary.get("itl_p50") or "weights_bytes" not in model:
+        return None
+    streams = summary["requests"]
+    context = summary["prompt_tokens"] / streams + results["shapes"]["bd_output_tokens"] / 2
+    step_bytes = model["weights_bytes"] + streams * context * model["kv_bytes_per_token"]
+    achieved = step_bytes / (summary["itl_p50"] / 1000)
+    peak = next((value for name, value in PEAK_BANDWIDTH.items()
+                 for gpu in results["hardware"].get("gpus", []) if name in gpu), None)
+    return {"streams": streams, "step_bytes": step_bytes, "step_ms": summary["itl_p50"],
+            "bytes_s": achieved, "peak_bytes_s": peak, "of_peak": ratio(achieved, peak)}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -133,6 +152,17 @@ def targets(results: dict) -> list[dict]:
         rows.append(("agent working set 3x memory: output tok/s, disk tier / memory only",
                      disk["agent_working_set"]["throughput_ratio"], ">= 2.0",
                      lambda v: v >= 2.0))
+    raw_batch = results.get("raw_batch", {})
+    if "batch_decode" in raw_batch:
+        rows.append(("batch decode output tok/s vs bare mlx-lm BatchGenerator",
+                     ratio(ours.get("batch_decode", {}).get("output_tok_s"),
+                           raw_batch["batch_decode"]["output_tok_s"]),
+                     ">= 1.0", lambda v: v >= 1.0))
+    if "classify" in raw_batch:
+        rows.append(("classify sentences/s vs bare mlx_lm.batch_generate(max_tokens=1)",
+                     ratio(ours.get("classify", {}).get("requests_s"),
+                           raw_batch["classify"]["prompts_s"]),
+                     ">= 2.0", lambda v: v >= 2.0))
     return [{"target": name, "value": value, "goal": goal,
              "met": None if value is None else check(value)}
             for name, value, goal, check in rows]
@@ -237,6 +267,26 @@ def markdown(results: dict) -> str:
         lines.append(f"| {server} server | {fmt(rate, '{:.1f}')} |")
     raw = results.get("raw_decode", {}).get("decode_tok_s")
     lines.append(f"| raw mlx_lm.stream_generate | {fmt(raw, '{:.1f}')} |")
+    raw_batch = results.get("raw_batch", {})
+    if raw_batch:
+        lines += ["", "## Batch workloads: radix-mlx vs bare mlx-lm batching", "",
+                  "| workload | rate | radix-mlx server | bare mlx-lm |", "|---|---|---:|---:|"]
+        ours = results["servers"].get(OURS, {}).get("workloads", {})
+        for name, key, raw_key, unit in (
+                ("batch_decode", "output_tok_s", "output_tok_s", "output tok/s"),
+                ("classify", "requests_s", "prompts_s", "sentences/s")):
+            if name in raw_batch:
+                lines.append(f"| {name} | {unit} | "
+                             f"{fmt(ours.get(name, {}).get(key), '{:.1f}')} | "
+                             f"{fmt(raw_batch[name][raw_key], '{:.1f}')} |")
+    bandwidth = decode_bandwidth(results)
+    if bandwidth:
+        peak = bandwidth["peak_bytes_s"]
+        lines += ["", "## Batch decode memory bandwidth (radix-mlx)", "", (
+            f"{bandwidth['streams']} streams: {bandwidth['step_bytes'] / 1e9:.2f} GB read per "
+            f"step (weights + KV) in {bandwidth['step_ms']:.1f} ms (ITL p50) = "
+            f"{bandwidth['bytes_s'] / 1e12:.2f} TB/s; device peak "
+            f"{fmt(peak and peak / 1e12, '{:.2f}')} TB/s ({fmt(bandwidth['of_peak'], '{:.0%}')}).")]
     lines += structured_markdown(results.get("structured"))
     lines += ["", "## Servers", ""]
     for server, data in results["servers"].items():
@@ -275,7 +325,7 @@ def plot(results: dict, directory: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    workloads = [w for w in results["workloads"] if w != "single_stream"]
+    workloads = [w for w in results["workloads"] if w not in ("single_stream", "classify")]
     servers = list(results["servers"])
     title = f"{results['model']['name']} on {results['hardware']['tag']}"
     written = []
@@ -351,6 +401,7 @@ def write(results: dict, directory: Path, plots: bool = True) -> None:
     """results.json, results.md and (unless told not to) the PNG plots."""
     results["ratios"] = ratio_table(results)
     results["targets"] = targets(results)
+    results["batch_decode_bandwidth"] = decode_bandwidth(results)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (directory / "results.md").write_text(markdown(results))

@@ -37,6 +37,7 @@ class ServerSpec:
     command: tuple[str, ...] = ()  # after `-m module`, before --model
     router_workers: int = 0  # > 0: a router in front of this many workers (docs/scale-out.md)
     args: tuple[str, ...] = ()  # always passed, before any extra flags (which win)
+    list_prompts: bool = True  # serves /v1/completions with a list of prompts
 
 
 RADIX = ServerSpec(
@@ -57,7 +58,9 @@ MLX_LM = ServerSpec(
     extra={},
     metrics=False,
     notes="defaults: decode_concurrency 32, prompt_concurrency 8, prefill_step_size 2048, "
-          "prompt_cache_size 10 sequences, no byte limit; no ignore_eos (stops at EOS)",
+          "prompt_cache_size 10 sequences, no byte limit; no ignore_eos (stops at EOS); "
+          "not run on list prompts (its generation thread crashes on them)",
+    list_prompts=False,
 )
 SPECS = {spec.name: spec for spec in (RADIX, MLX_LM)}
 REPLICA_POLICIES = ("cache_aware", "round_robin")

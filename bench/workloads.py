@@ -31,6 +31,9 @@ class Workload:
     conversations: tuple[Conversation, ...]
     concurrency: int
     max_tokens: int
+    # Prompts per /v1/completions request (a list prompt, one conversation turn each,
+    # not streamed); 0: each turn is its own streamed chat completion.
+    batch: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,13 @@ class Shapes:
     ws_turns: int = 6
     ws_user_tokens: int = 64
     ws_output_tokens: int = 16
+    bd_streams: int = 16  # bench/gpu.sh: 64
+    bd_prompt_tokens: int = 64
+    bd_output_tokens: int = 32  # bench/gpu.sh: 128
+    cl_sentences: int = 128
+    cl_batch: int = 32
+    cl_preamble_tokens: int = 32
+    cl_sentence_tokens: int = 16
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -84,6 +94,9 @@ QUICK = Shapes(
     so_repeats=1, wr_document_tokens=300,
     wr_output_tokens=8, ws_agents=3, ws_system_tokens=150, ws_turns=2, ws_user_tokens=24,
     ws_output_tokens=8,
+    bd_streams=4,
+    bd_prompt_tokens=16, bd_output_tokens=8, cl_sentences=8, cl_batch=4, cl_preamble_tokens=16,
+    cl_sentence_tokens=8,
 )
 
 
@@ -153,6 +166,26 @@ def single_stream(source: TextSource, s: Shapes) -> Workload:
     return Workload("single_stream", conversations, 1, s.decode_output_tokens)
 
 
+def batch_decode(source: TextSource, s: Shapes) -> Workload:
+    """Many streams decoding at once: the decode batch's throughput (and the memory
+    bandwidth its step reaches)."""
+    conversations = tuple(
+        Conversation(None, (source.text(s.bd_prompt_tokens),)) for _ in range(s.bd_streams)
+    )
+    return Workload("batch_decode", conversations, s.bd_streams, s.bd_output_tokens)
+
+
+def classify(source: TextSource, s: Shapes) -> Workload:
+    """Seed 001's Classify: many one-line sentences behind one instruction, one token each,
+    sent as `/v1/completions` list prompts of `cl_batch`, one list after another."""
+    preamble = source.text(s.cl_preamble_tokens)
+    conversations = tuple(
+        Conversation(None, (f"{preamble}\n{source.text(s.cl_sentence_tokens)}\n",))
+        for _ in range(s.cl_sentences)
+    )
+    return Workload("classify", conversations, 1, 1, batch=s.cl_batch)
+
+
 def warm_up(source: TextSource, s: Shapes) -> Workload:
     """Untimed: one long prompt and a small batch, so kernels compile before timing."""
     long = Conversation(None, (source.text(max(s.sp_system_tokens, 64)),))
@@ -161,7 +194,10 @@ def warm_up(source: TextSource, s: Shapes) -> Workload:
 
 
 WORKLOADS = {make.__name__: make for make in (
-    shared_prefix, multi_turn, no_share, long_context, single_stream)}
+    shared_prefix, multi_turn, no_share, long_context, single_stream, batch_decode, classify)}
+# Served through bare mlx-lm batching as well (bench.raw_batch): mlx-lm's server crashes its
+# generation thread on list prompts, and caps its decode batch at 32 by default.
+RAW_BATCH_WORKLOADS = ("batch_decode", "classify")
 
 
 def build_all(model_dir: Path, shapes: Shapes, seed: int) -> list[Workload]:
