@@ -2,25 +2,42 @@
 # The GPU benchmark: random bf16 models shaped like Llama 3.2 1B and Llama 3.1 8B, both
 # servers on each (one start per server: an 8B load takes a while), results under
 # OUT/<shape>/ (no plots: `python -m bench.report OUT/<shape>/results.json` draws them
-# where matplotlib is installed).
+# where matplotlib is installed). The decode batch takes 64 streams in both servers.
 #   bash bench/gpu.sh OUT [shape ...]      # default shapes: llama-1b llama-8b
+#   BENCH_TOKENIZER=MODEL_DIR bash bench/gpu.sh OUT ...
+# With BENCH_TOKENIZER the shapes use that model directory's tokenizer (a real vocabulary,
+# e.g. the default model's converted directory: SmolLM2's 49k) and are named
+# <shape>-vocab<N>; BENCH_WORKLOADS picks workloads (default: all).
 set -euo pipefail
 out=${1:?usage: bench/gpu.sh OUT [shape ...]}
 shift
 models=${BENCH_MODELS_DIR:-/tmp/bench-models}
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(llama-1b llama-8b)
+tokenizer=()
+suffix=
+if [ -n "${BENCH_TOKENIZER:-}" ]; then
+  tokenizer=(--tokenizer "$BENCH_TOKENIZER")
+  suffix=-vocab$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["vocab_size"])' \
+    "$BENCH_TOKENIZER/config.json")
+fi
+workloads=()
+[ -z "${BENCH_WORKLOADS:-}" ] || workloads=(--workloads "$BENCH_WORKLOADS")
 mkdir -p "$out"
 nvidia-smi > "$out/nvidia-smi.txt"
 for s in "${shapes[@]}"; do
-  python3 -m bench.models "$models/$s" --shape "$s" --dtype bfloat16
-  python3 -m bench --model "$models/$s" --out "$out/$s" --no-plots --no-restart-per-workload \
+  name=$s$suffix
+  python3 -m bench.models "$models/$name" --shape "$s" --dtype bfloat16 "${tokenizer[@]}"
+  python3 -m bench --model "$models/$name" --out "$out/$name" --no-plots \
+    --no-restart-per-workload "${workloads[@]}" \
+    --radix-mlx-args "--max-batch-size 64" --mlx-lm-args "--decode-concurrency 64" \
     --sp-groups 8 --sp-prompts-per-group 4 --sp-system-tokens 2000 \
     --sp-question-tokens 64 --sp-output-tokens 64 --sp-concurrency 16 \
     --mt-conversations 8 --mt-turns 4 --mt-system-tokens 1000 --mt-user-tokens 200 \
     --mt-output-tokens 64 --ns-prompts 32 --ns-prompt-tokens 1000 --ns-output-tokens 64 \
     --ns-concurrency 16 --lc-document-tokens 6000 --lc-questions 4 \
     --lc-question-tokens 64 --lc-output-tokens 32 --decode-output-tokens 128 \
-    --decode-repeats 2
-  rm -rf "${models:?}/$s"
+    --decode-repeats 2 --bd-streams 64 --bd-prompt-tokens 64 --bd-output-tokens 128 \
+    --cl-sentences 512 --cl-batch 64 --cl-preamble-tokens 48 --cl-sentence-tokens 16
+  [ -n "${BENCH_KEEP_MODELS:-}" ] || rm -rf "${models:?}/$name"
 done
