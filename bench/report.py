@@ -212,7 +212,8 @@ def markdown(results: dict) -> str:
         "",
         f"Model: {model['description']}. Hardware: {hw['cpu']} ({hw['cpu_count']} cores)"
         + (f", {', '.join(hw['gpus'])}" if hw["gpus"] else "") + f"; device {hw['device']}.",
-        f"Command: `{results['command']}` (code: {results.get('git') or 'unknown'})",
+        f"Command: `{results['command']}` (code: {results.get('git') or 'unknown'})"
+        + (f", run by `{results['run_by']}`" if results.get("run_by") else ""),
         "",
         "## Per server and workload",
         "",
