@@ -3,6 +3,8 @@ server on the tiny demo model. Checks the shape of the results, never a timing."
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,12 +24,19 @@ def test_workloads_are_seeded_and_sized(demo_model_dir: Path) -> None:
     first, again = (build_all(demo_model_dir, QUICK, seed=3) for _ in range(2))
     assert first == again
     names = [w.name for w in first]
-    assert names == ["shared_prefix", "multi_turn", "no_share", "long_context", "single_stream"]
+    assert names == ["shared_prefix", "multi_turn", "no_share", "long_context", "single_stream",
+                     "batch_decode", "classify"]
     shared = first[0]
     assert len(shared.conversations) == QUICK.sp_groups * QUICK.sp_prompts_per_group
     assert len({c.system for c in shared.conversations}) == QUICK.sp_groups
     assert len(first[1].conversations[0].user_turns) == QUICK.mt_turns
     assert len({c.system for c in first[3].conversations}) == 1
+    batch_decode, classify = first[5], first[6]
+    assert len(batch_decode.conversations) == batch_decode.concurrency == QUICK.bd_streams
+    assert (classify.batch, classify.max_tokens) == (QUICK.cl_batch, 1)
+    assert len(classify.conversations) == QUICK.cl_sentences
+    # One shared instruction line in front of every sentence: the radix cache's to keep.
+    assert len({c.user_turns[0].split("\n")[0] for c in classify.conversations}) == 1
 
 
 def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
@@ -54,6 +63,13 @@ def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
     long = server["workloads"]["long_context"]
     assert long["ttft_cold"] > 0 and long["ttft_warm_p50"] > 0
     assert server["workloads"]["single_stream"]["decode_tok_s"] > 0
+    # A list prompt of cl_batch sentences per request, one token for each sentence.
+    classify = server["workloads"]["classify"]
+    assert classify["requests"] == classify["output_tokens"] == QUICK.cl_sentences
+    assert classify["cached_tokens"] > 0  # the shared instruction
+    bandwidth = results["batch_decode_bandwidth"]
+    assert bandwidth["streams"] == QUICK.bd_streams
+    assert bandwidth["step_bytes"] > results["model"]["weights_bytes"] > 0
     assert results["ratios"] == {}
     assert [t["met"] for t in results["targets"]][:3] == [None, None, None]
     # Constrained vs free decoding on one engine, at batch 1 and 16, and compile times.
@@ -116,3 +132,15 @@ def test_replicas_are_reported_against_one_server() -> None:
         "radix-mlx-x2-cache-aware multi-turn output tok/s vs one server": False,
         "radix-mlx-x2-cache-aware multi-turn cached share minus one server's, points": False,
     }
+
+
+def test_bare_batch_baseline_runs_the_classify_prompts(demo_model_dir: Path) -> None:
+    shapes = json.dumps(QUICK.as_dict())
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.raw_batch", str(demo_model_dir), "classify",
+         "--shapes", shapes], check=True, capture_output=True, text=True, timeout=600)
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (measured["prompts"], measured["batch"]) == (QUICK.cl_sentences, QUICK.cl_batch)
+    # batch_generate may stop a prompt at EOS before its one token.
+    assert 0 <= measured["output_tokens"] <= QUICK.cl_sentences
+    assert measured["prompts_s"] > 0
