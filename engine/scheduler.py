@@ -339,7 +339,7 @@ class Scheduler:
         """The prompt's KV (all but its last token) is computed: share it now, while this
         generation goes on to decode."""
         generation.prompt_done = True
-        self._publish(generation, generation.sequence.cache)
+        self._publish(generation, self.generator.cache_of(generation.sequence))
 
     def _publish(self, generation: Generation, cache: list) -> None:
         tokens = generation.tokens

@@ -65,3 +65,46 @@ def test_leaving_sequences_take_exactly_their_tokens(model) -> None:
         assert_cache_holds(model, left.cache, left.tokens)
         generator.decode()
     assert generator.rows == [] and generator.cache is None
+
+
+def greedy_tokens(generator: Generator, uids: list[int], count: int) -> dict[int, list[int]]:
+    """The first `count` tokens each of `uids` (prompts computed) samples from now on."""
+    tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+    while min(len(t) for t in tokens.values()) < count:
+        for output in generator.decode():
+            tokens[output.uid].append(output.token)
+    return {uid: t[:count] for uid, t in tokens.items()}
+
+
+def test_short_prompts_fitting_one_chunk_are_prefilled_together(model) -> None:
+    preamble = list(range(100, 130))
+    prompts = [preamble + list(range(200 + 7 * i, 200 + 7 * i + n))
+               for i, n in enumerate((3, 9, 1, 6))]
+    alone = {}
+    for uid, prompt in enumerate(prompts):
+        generator = Generator(model)
+        generator.add(sequence(model, uid, prompt))
+        generator.prefill(64)  # alone: the prompt but its last token, fed on joining
+        assert generator.ready and not generator.rows
+        alone |= greedy_tokens(generator, [uid], 4)
+
+    # The preamble is cached (as a radix hit would be): only the rest is unfed, and
+    # rows of different lengths are padded to the longest.
+    prefix = make_prompt_cache(model)
+    model(mx.array([preamble]), cache=prefix)
+    generator = Generator(model)
+    for uid, prompt in enumerate(prompts):
+        cache = make_prompt_cache(model)
+        for layer, shared in zip(cache, prefix):
+            layer.update_and_fetch(shared.keys[..., :len(preamble), :],
+                                   shared.values[..., :len(preamble), :])
+        generator.add(SequenceState(uid, cache, tokens=list(preamble),
+                                    unfed=prompt[len(preamble):], sampler=None,
+                                    processors=[], wants_logprobs=False))
+    done = generator.prefill(64).done
+    assert [s.uid for s in done] == [0, 1, 2, 3]
+    assert generator.rows == done and not generator.prefilling
+    for row in done:
+        assert row.tokens == prompts[row.uid]
+        assert_cache_holds(model, generator.cache_of(row), row.tokens)
+    assert greedy_tokens(generator, [0, 1, 2, 3], 4) == alone
