@@ -117,9 +117,9 @@ def targets(results: dict) -> list[dict]:
 
     rows = [
         ("shared-prefix output tok/s vs mlx-lm", both("shared_prefix", "output_tok_s"),
-         ">= 2.0", lambda v: v >= 2.0),
+         ">= 3.0", lambda v: v >= 3.0),
         ("multi-turn TTFT p50 vs mlx-lm", both("multi_turn", "ttft_p50"),
-         "<= 0.5", lambda v: v <= 0.5),
+         "<= 0.3", lambda v: v <= 0.3),
         ("no-share output tok/s vs mlx-lm", both("no_share", "output_tok_s"),
          ">= 0.9", lambda v: v >= 0.9),
     ]
