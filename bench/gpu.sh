@@ -17,7 +17,7 @@ shapes=("$@")
 tokenizer=()
 suffix=
 if [ -n "${BENCH_TOKENIZER:-}" ]; then
-  tokenizer=(--tokenizer "$BENCH_TOKENIZER")
+  tokenizer=(--tokenizer-from "$BENCH_TOKENIZER")
   suffix=-vocab$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["vocab_size"])' \
     "$BENCH_TOKENIZER/config.json")
 fi
