@@ -1,5 +1,6 @@
-"""Refusing request bodies before anything parses them: over the configured size (413),
-or JSON that is not valid Unicode (400)."""
+"""Refusing requests before anything parses them: a head (request line and headers) over
+MAX_HEADER_BYTES (400), a body over the configured size (413), or a body of JSON that is
+not valid Unicode (400)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import pydantic_core
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError
+
+# The largest request head. uvicorn's h11 enforces it only while a head is incomplete: one
+# that arrives within a single socket read (up to ~128 KiB on loopback) is parsed whole,
+# so it is checked again here, whatever the reads were.
+MAX_HEADER_BYTES = 64 * 1024
 
 
 class BodyLimitMiddleware:
@@ -32,6 +38,11 @@ class BodyLimitMiddleware:
         await self.app(scope, receive, send)
 
     async def _buffered(self, scope: Scope, receive: Receive) -> Receive:
+        head = len(scope["raw_path"] if scope.get("raw_path") else scope["path"]) + len(
+            scope.get("query_string", b"")) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        if head > MAX_HEADER_BYTES:
+            raise APIError(400, f"the request head is larger than {MAX_HEADER_BYTES} bytes",
+                           code="request_header_too_large")
         too_large = APIError(
             413, f"request body is larger than {self.limit} bytes", code="request_too_large"
         )

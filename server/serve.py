@@ -17,13 +17,12 @@ from engine.gguf import GGUFError
 from engine.model_source import resolve_model
 from engine.platform_info import describe_platform
 from server.app import create_app
+from server.body_limit import MAX_HEADER_BYTES
 from server.config import ConfigError, Settings, default_disk_cache_dir, load_settings
 from server.drain import CANCEL_GRACE_SECONDS, Drain
 
 log = logging.getLogger("radix_mlx.server")
 
-# Largest request head (request line + headers) h11 buffers before refusing it.
-MAX_HEADER_BYTES = 64 * 1024
 
 
 class DrainingServer(uvicorn.Server):

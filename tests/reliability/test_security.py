@@ -249,9 +249,11 @@ def raw_exchange(url: str, request: bytes, piece: int | None = None) -> bytes:
 HEAD = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
 KIB = 1024
 # h11 buffers at most 64 KiB of an incomplete request head (uvicorn's setting in serve.py);
-# a head that arrives within one socket read (up to ~128 KiB on loopback) is parsed whole.
+# a head that arrives within one socket read (up to ~128 KiB on loopback) is parsed whole,
+# and the server refuses it itself (server/body_limit.py).
 OVERSIZED = {
     "one 256 KiB header": (HEAD + b"\r\nX-Big: " + b"a" * 256 * KIB + b"\r\n\r\n", None),
+    "100 KiB header in one write": (HEAD + b"\r\nX-Big: " + b"a" * 100 * KIB + b"\r\n\r\n", None),
     "100 KiB header in 8 KiB pieces": (
         HEAD + b"\r\nX-Big: " + b"a" * 100 * KIB + b"\r\n\r\n", 8 * KIB),
     "30000 headers": (
