@@ -21,7 +21,7 @@ from engine.platform_info import (
     apply_mlx_env_defaults,
     openblas_library,
 )
-from tests.server.support import _free_port
+from server.replicas import free_port
 
 ROUND_TRIP_TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -165,7 +165,7 @@ def test_python_m_server_preloads_openblas_like_radix_mlx_serve(
            if key not in ("LD_PRELOAD", OPT_OUT_ENV) and not key.startswith("RADIX_MLX_")}
     log_path = tmp_path / "server.log"
     command = [sys.executable, "-m", "server", "--model", str(demo_model_dir), "--port",
-               str(_free_port()), "--config", "", "--disk-cache-bytes", "0"]
+               str(free_port()), "--config", "", "--disk-cache-bytes", "0"]
     with log_path.open("w") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -17,15 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server.replicas import free_port
 from server.service_files import render_launchd, render_systemd, stop_timeout
-from tests.server.support import _free_port
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 DRAIN_TIMEOUT = 8
 
 
 def write_config(directory: Path, model_dir: Path) -> tuple[Path, int]:
-    port = _free_port()
+    port = free_port()
     config = directory / "config.toml"
     config.write_text(
         f'model = "{model_dir}"\nport = {port}\ndrain_timeout = {DRAIN_TIMEOUT}\n'

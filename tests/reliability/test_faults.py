@@ -17,6 +17,7 @@ import pytest
 
 from engine.api import EngineConfig, Finish, Lifecycle, RequestFailed, SamplingParams, TokenEvent
 from engine.engine import Engine
+from server.replicas import free_port
 from tests.engine.gguf_files import UNSERVABLE, unservable_gguf
 from tests.faults import faulty_loader
 from tests.reliability.support import (
@@ -30,7 +31,7 @@ from tests.reliability.support import (
     stop,
     wait_idle,
 )
-from tests.server.support import REPO_ROOT, START_TIMEOUT, ServerProcess, _free_port, server_env
+from tests.server.support import REPO_ROOT, START_TIMEOUT, ServerProcess, server_env
 
 FAILED_LOAD = "radix-mlx serve: the model failed to load: "
 
@@ -50,7 +51,7 @@ def test_a_model_that_cannot_load_exits_non_zero_with_the_reason(
         shutil.copytree(demo_model_dir, model)
         (model / "model.safetensors").write_bytes(b"\0not safetensors")
     result = subprocess.run(
-        server_command(model, _free_port()), cwd=REPO_ROOT, env=server_env(),
+        server_command(model, free_port()), cwd=REPO_ROOT, env=server_env(),
         capture_output=True, text=True, timeout=START_TIMEOUT, check=False,
     )
     assert result.returncode == 1
@@ -67,7 +68,7 @@ def test_a_gguf_that_cannot_be_served_stops_the_start_before_any_port_opens(
     """Checked (and converted) before uvicorn starts: one line naming the cause, exit 1."""
     path, cause = unservable_gguf(case, demo_model_dir, tmp_path)
     result = subprocess.run(
-        server_command(path, _free_port()), cwd=REPO_ROOT,
+        server_command(path, free_port()), cwd=REPO_ROOT,
         env=server_env({"XDG_CACHE_HOME": str(tmp_path / "cache")}),
         capture_output=True, text=True, timeout=START_TIMEOUT, check=False,
     )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import ssl
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.platform_info import openblas_library
+from server.replicas import free_port
 
 API_KEY = "test-key-123"
 ALIAS = "demo-alias"
@@ -52,12 +52,6 @@ class ServerProcess:
         return self.process.wait(timeout=60)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def server_env(extra: Mapping[str, str] = {}) -> dict[str, str]:
     """This process's environment without the developer's RADIX_MLX_* settings (they must
     not leak into the tests), with OpenBLAS, plus `extra`."""
@@ -75,7 +69,7 @@ def start_server(
     """A ready server on a free port; stopped again if it does not become ready. With a
     `fault_token`, every forward pass that feeds it fails (tests/faults.py). Its disk cache
     tier is off unless `flags` turn it on (`--disk-cache-bytes`)."""
-    port = _free_port()
+    port = free_port()
     entry = ["server"] if fault_token is None else ["tests.faults", str(fault_token)]
     command = [
         sys.executable, "-m", *entry, "--model", str(model_dir), "--port", str(port),
