@@ -248,7 +248,8 @@ def _check(spec: Spec, outcome: Outcome) -> str | None:
     """Why `outcome` is not an answer `spec` may get, or None."""
     status, error = outcome.status, outcome.error
     if status == 429 and spec.kind in ("greedy", "sampled", "abandon while waiting",
-                                       "forced tool call", "structured output"):
+                                       "forced tool call", "structured output",
+                                       "failing forward"):
         return None  # the queue was full: refused whole, with Retry-After, never dropped
     expected = {
         "malformed body": (400, "invalid_request"), "oversized body": (413, "request_too_large"),
