@@ -1,4 +1,5 @@
-"""HTTPS with uvicorn's own TLS, for a Mac serving a team on its LAN."""
+"""A Mac serving a team on its LAN: HTTPS with uvicorn's own TLS, and CORS for the
+browser front ends its users run (off unless origins are named, never with credentials)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ import openai
 import pytest
 
 from tests.server.support import API_KEY, REPO_ROOT, ServerProcess, server_env, start_server
+
+BROWSER_ORIGIN = "https://chat.lan.example"
+PREFLIGHT = {"Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +41,7 @@ def tls_server(
     process = start_server(
         demo_model_dir, tmp_path_factory.mktemp("tls-server") / "server.log",
         "--api-key", API_KEY, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+        "--cors-origin", BROWSER_ORIGIN,
     )
     yield process
     process.stop()
@@ -77,3 +83,41 @@ def test_a_tls_misconfiguration_stops_the_start_with_one_line(
     assert result.returncode == 2
     assert message in result.stderr.strip().splitlines()[-1]
     assert API_KEY not in result.stderr
+
+
+def test_a_named_origin_gets_cors_headers_and_never_credentials(
+    tls_server: ServerProcess,
+) -> None:
+    with httpx.Client(base_url=tls_server.url, verify=tls_server.verify, timeout=10) as http:
+        preflight = http.options("/v1/chat/completions",
+                                 headers={"Origin": BROWSER_ORIGIN, **PREFLIGHT})
+        answer = http.get("/v1/models", headers={
+            "Origin": BROWSER_ORIGIN, "Authorization": f"Bearer {API_KEY}"})
+        refused = http.get("/v1/models", headers={"Origin": BROWSER_ORIGIN})
+        stranger = http.options("/v1/chat/completions",
+                                headers={"Origin": "https://elsewhere.example", **PREFLIGHT})
+    # The preflight needs no key (a browser never sends one on it) ...
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == BROWSER_ORIGIN
+    assert {"authorization", "content-type"} <= {
+        name.strip() for name in preflight.headers["access-control-allow-headers"].split(",")}
+    # ... the call itself does, and the browser may read the answer and the 401 alike.
+    assert answer.status_code == 200
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    for response in (preflight, answer, refused):
+        assert response.headers["access-control-allow-origin"] == BROWSER_ORIGIN
+        assert "access-control-allow-credentials" not in response.headers
+    assert stranger.status_code == 400
+    assert "access-control-allow-origin" not in stranger.headers
+
+
+def test_cors_is_off_unless_origins_are_named(
+    server: ServerProcess, headers: dict[str, str]
+) -> None:
+    origin = {"Origin": BROWSER_ORIGIN}
+    preflight = httpx.options(f"{server.url}/v1/chat/completions",
+                              headers={**origin, **PREFLIGHT}, timeout=10)
+    answer = httpx.get(f"{server.url}/v1/models", headers={**origin, **headers}, timeout=10)
+    assert answer.status_code == 200
+    for response in (preflight, answer):
+        assert not any(name.startswith("access-control-") for name in response.headers)
