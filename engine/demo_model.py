@@ -14,10 +14,9 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
-import platformdirs
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.files import publish_directory
+from engine.files import cache_dir, publish_directory
 
 FAMILIES = ("llama", "gemma3_text", "qwen3_next")
 
@@ -116,7 +115,7 @@ def demo_model_path(size: str = "tiny", seed: int = 0) -> Path:
 
     Concurrent callers may all build; the first rename wins and the others discard theirs.
     """
-    path = Path(platformdirs.user_cache_dir("radix-mlx")) / "demo-models" / f"{size}-seed{seed}"
+    path = cache_dir("demo-models") / f"{size}-seed{seed}"
     if not path.is_dir():
         _build(path, size, seed, "llama", replace=False)
     return path

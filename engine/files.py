@@ -1,4 +1,5 @@
-"""Publishing a model directory atomically, so a reader never sees a half-written one."""
+"""Where radix-mlx keeps its files, and publishing a model directory atomically, so a
+reader never sees a half-written one."""
 
 from __future__ import annotations
 
@@ -7,6 +8,14 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+import platformdirs
+
+
+def cache_dir(kind: str) -> Path:
+    """The user cache directory for one kind of file: ~/.cache/radix-mlx/<kind> on Linux,
+    ~/Library/Caches/radix-mlx/<kind> on macOS."""
+    return Path(platformdirs.user_cache_dir("radix-mlx")) / kind
 
 
 def publish_directory(path: Path, write: Callable[[Path], None], replace: bool) -> None:

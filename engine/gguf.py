@@ -35,12 +35,11 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-import platformdirs
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from engine.files import publish_directory
+from engine.files import cache_dir, publish_directory
 
 log = logging.getLogger("radix_mlx.engine")
 
@@ -488,8 +487,7 @@ def cached_model_dir(gguf_path: str | Path, dtype: str = "auto") -> Path:
         raise GGUFError(f"cannot read {path}: {error.strerror}") from None
     identity = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{dtype}\0{CONVERTER_VERSION}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    target = (Path(platformdirs.user_cache_dir("radix-mlx")) / "gguf" / key
-              / path.name.removesuffix(".gguf"))
+    target = cache_dir("gguf") / key / path.name.removesuffix(".gguf")
     if (target / "config.json").is_file():
         return target
     log.info("converting %s to an MLX model (%s) in %s", path, dtype, target)

@@ -27,6 +27,8 @@ from pydantic import (
     model_validator,
 )
 
+from engine.files import cache_dir
+
 ENV_PREFIX = "RADIX_MLX_"
 
 NonEmpty = Annotated[str, Field(min_length=1)]
@@ -192,7 +194,7 @@ def env_var(name: str) -> str:
 
 def default_disk_cache_dir() -> Path:
     """~/.cache/radix-mlx/kv on Linux, ~/Library/Caches/radix-mlx/kv on macOS."""
-    return Path(platformdirs.user_cache_dir("radix-mlx")) / "kv"
+    return cache_dir("kv")
 
 
 def default_config_path() -> Path:

@@ -200,7 +200,7 @@ def test_rebuild_replaces_existing_directory(tmp_path: Path) -> None:
 def test_demo_model_path_builds_once_into_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, demo_model_dir: Path
 ) -> None:
-    monkeypatch.setattr(demo_model.platformdirs, "user_cache_dir", lambda app: str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     results: list[Path] = []
     builders = [
         threading.Thread(target=lambda: results.append(demo_model.demo_model_path()))
@@ -210,7 +210,7 @@ def test_demo_model_path_builds_once_into_the_cache(
         builder.start()
     for builder in builders:
         builder.join()
-    path = tmp_path / "demo-models" / "tiny-seed0"
+    path = tmp_path / "radix-mlx" / "demo-models" / "tiny-seed0"
     assert results == [path, path]
     assert _file_bytes(path) == _file_bytes(demo_model_dir)
     assert sorted(p.name for p in path.parent.iterdir()) == ["tiny-seed0"]

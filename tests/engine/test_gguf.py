@@ -17,7 +17,6 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from mlx_lm.utils import load_tokenizer
 
-from engine import gguf
 from engine.gguf import GGUFError, cached_model_dir, convert, read_gguf
 from tests.engine.gguf_files import (
     UNSERVABLE,
@@ -111,7 +110,7 @@ def test_native_keeps_the_quantization_mlx_reads(demo_model_dir, tmp_path):
 def test_the_conversion_is_cached_per_file_identity_and_dtype(
     demo_model_dir, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(gguf.platformdirs, "user_cache_dir", lambda app: str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = tmp_path / "demo.gguf"
     write_demo_gguf(demo_model_dir, path)
     first = cached_model_dir(path, "float32")
