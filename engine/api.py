@@ -2,7 +2,7 @@
 engine and its callers.
 
 The server builds an `EngineConfig`, watches the engine's `Lifecycle`, builds a
-`SamplingParams` per request, calls `Engine.submit` and reads `TokenEvent`s followed by one
+`Prompt` and a `SamplingParams` per request, calls `Engine.submit` and reads `TokenEvent`s followed by one
 `Finish` from the returned `RequestStream`; `Engine.cancel` ends a request early, and
 `Engine.stats` gives an `EngineStats` for /metrics. The engine itself (engine.py) imports
 MLX; nothing here does, so the server's own modules import only this one,
@@ -108,6 +108,22 @@ class EngineStats:
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     tree: TreeStats = field(default_factory=TreeStats)
     disk: DiskStats = field(default_factory=DiskStats)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt's token ids, and where the messages of the chat it renders end in them.
+
+    `message_ends`: token counts at which a message is complete (the system prompt, each
+    turn), ascending. Models whose cache is reused only as whole-state snapshots
+    (sliding-window or recurrent layers; see `Engine.wants_message_ends`) snapshot it
+    there during prefill, so a later prompt sharing those messages (another conversation
+    with the same system prompt, the next turn, the same few-shot turns) reuses them.
+    Models with plain KV caches reuse any prefix and need none. Raw completions have none.
+    """
+
+    tokens: list[int]
+    message_ends: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

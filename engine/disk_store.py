@@ -252,7 +252,10 @@ class DiskStore:
         restored = 0
         while queue:
             parent_key = queue.popleft()
-            for header, copy in children.pop(parent_key, ()):
+            # Shortest first: a snapshot taken at a message end hangs from the same node as
+            # the longer one its node was split from, and must be in place before it.
+            siblings = sorted(children.pop(parent_key, ()), key=lambda child: len(child[0].tokens))
+            for header, copy in siblings:
                 node = tree.restore(places[parent_key], header.tokens, copy)
                 if node is None:
                     self._delete_unless_live(copy, "no place in the tree (budget or overlap)")

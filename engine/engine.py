@@ -29,6 +29,7 @@ from engine.api import (
     EngineNotReady,
     EngineStats,
     Lifecycle,
+    Prompt,
     QueueFull,
     RequestStream,
     SamplingParams,
@@ -70,6 +71,10 @@ class Engine:
         self.error: str | None = None
         self.model_id = model_id_for(config.model)
         self.context_length = 0
+        # Whether `submit` makes use of `Prompt.message_ends`: the model's cache is reused
+        # only as whole-state snapshots, so a prompt's messages are shared only where one
+        # was taken. Known once loaded.
+        self.wants_message_ends = False
         self.memory: MemoryPlan | None = None
         self.tokenizer: ModelTokenizer | None = None
         self._loaded: LoadedModel | None = None
@@ -111,6 +116,7 @@ class Engine:
                                          self.memory.kv_tokens),
                 cache_bytes=self.memory.cache_bytes,
             ))
+            self.wants_message_ends = not self._scheduler.kv.segments
             self._warm_up()
             self._start_disk_tier(loaded)
         except Exception as error:
@@ -208,31 +214,36 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams) -> RequestStream:
-        """Queue a generation; must be called from a running asyncio loop."""
+    def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams) -> RequestStream:
+        """Queue a generation of `prompt` (token ids, or a `Prompt` that says where its
+        messages end); must be called from a running asyncio loop."""
+        if not isinstance(prompt, Prompt):
+            prompt = Prompt(list(prompt))
         if self.state is not Lifecycle.READY:
             raise EngineNotReady(self.error or f"the model is {self.state.value}")
-        if not prompt:
+        tokens = prompt.tokens
+        if not tokens:
             raise ValueError("the prompt is empty")
-        requested = len(prompt) + params.max_tokens
+        requested = len(tokens) + params.max_tokens
         if requested > self.context_length:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {self.context_length} tokens. "
                 f"However, you requested {requested} tokens "
-                f"({len(prompt)} in the prompt, {params.max_tokens} for the completion).")
+                f"({len(tokens)} in the prompt, {params.max_tokens} for the completion).")
         if requested > self.memory.kv_tokens:
             raise ContextLengthExceeded(
                 f"This server's memory holds the KV of {self.memory.kv_tokens} tokens at "
                 f"most (memory_limit_bytes). However, you requested {requested} tokens "
-                f"({len(prompt)} in the prompt, {params.max_tokens} for the completion).")
+                f"({len(tokens)} in the prompt, {params.max_tokens} for the completion).")
         with self._queued_lock:
             if self._queued >= self.config.max_queue:
                 raise QueueFull(f"{self._queued} requests are already waiting", retry_after=1.0)
             self._queued += 1
         stream = RequestStream(f"req-{next(self._ids)}", asyncio.get_running_loop(),
                                self.cancel)
-        generation = self._scheduler.new_generation(stream.request_id, list(prompt), params,
-                                                    stream.push, on_dequeue=self._dequeued)
+        generation = self._scheduler.new_generation(stream.request_id, list(tokens), params,
+                                                    stream.push, on_dequeue=self._dequeued,
+                                                    message_ends=prompt.message_ends)
         self._scheduler.inbox.put(Submit(generation))
         return stream
 

@@ -26,7 +26,8 @@ from radix.tree import RadixTree
 class Generation:
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
                  emit: Callable[[object], None], tokenizer: ModelTokenizer, vocab_size: int,
-                 tree: RadixTree, on_dequeue: Callable[[], None] | None = None) -> None:
+                 tree: RadixTree, on_dequeue: Callable[[], None] | None = None,
+                 message_ends: tuple[int, ...] = ()) -> None:
         self.id = request_id
         self.prompt = prompt
         self.params = params
@@ -43,6 +44,10 @@ class Generation:
         # The tokens fed as this request's prompt: the prompt, or after a failed step the
         # prompt plus what was generated before it.
         self.tokens = prompt
+        self.message_ends = message_ends  # see api.Prompt
+        # Whole-state snapshots prefill took at message ends, (position, handle), until
+        # the prompt is published with them.
+        self.snapshots: list[tuple[int, Any]] = []
         self.generated: list[int] = []
         self.cached_tokens: int | None = None  # radix hit at first admission
         self.hold = TreeHold(tree)

@@ -53,6 +53,9 @@ class SequenceState:
     sampler: Sampler | None  # None: greedy
     processors: list[LogitsProcessor]
     wants_logprobs: bool
+    # Positions (lengths of `tokens`) where prefill ends a chunk and calls the generator's
+    # `at_stop`: ascending, inside the prompt's `unfed` tokens but its last.
+    stops: list[int] = field(default_factory=list)
     context: mx.array | None = None  # the token history processors see
     grammar: GrammarState | None = None  # the output constraint; it takes in every token
     logprobs: mx.array | None = field(default=None, repr=False)  # of the token being fed
@@ -80,8 +83,10 @@ class PrefillResult:
 class Generator:
     """Sequences being prefilled, one chunk budget per call, and a decode batch."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module,
+                 at_stop: Callable[[SequenceState], None] = lambda sequence: None) -> None:
         self.model = model
+        self.at_stop = at_stop  # sees a prefilling sequence's cache at each of its stops
         self.prefilling: list[SequenceState] = []  # in the order their chunks are computed
         self.ready: list[SequenceState] = []  # prompt computed but its last token: joins next
         self.rows: list[SequenceState] = []  # the decode batch, in the order of its cache rows
@@ -100,6 +105,11 @@ class Generator:
     def add(self, sequence: SequenceState) -> None:
         if not sequence.unfed:
             raise ValueError("a sequence needs at least one prompt token to feed")
+        fed, last = len(sequence.tokens), len(sequence.tokens) + len(sequence.unfed) - 1
+        if sequence.stops != sorted(set(sequence.stops)) or any(
+                not fed < stop <= last for stop in sequence.stops):
+            raise ValueError(f"stops {sequence.stops} are not ascending inside "
+                             f"the unfed prompt ({fed}, {last}]")
         if sequence.processors:
             sequence.context = mx.array(sequence.tokens + sequence.unfed[:-1], mx.uint32)
         self.prefilling.append(sequence)
@@ -131,19 +141,12 @@ class Generator:
             mx.clear_cache()
             return result
         for sequence in list(self.prefilling):
-            count = min(len(sequence.unfed) - 1, budget)
-            if count > 0:
-                chunk = sequence.unfed[:count]
-                try:
-                    self.model(mx.array([chunk]), cache=sequence.cache)
-                except Exception as error:  # noqa: BLE001 - only this sequence's cache is touched
-                    self.prefilling.remove(sequence)
-                    result.failed.append((sequence, error))
-                    continue
-                mx.async_eval([c.state for c in sequence.cache])
-                sequence.tokens += chunk
-                del sequence.unfed[:count]
-                budget -= count
+            try:
+                budget -= self._feed(sequence, budget)
+            except Exception as error:  # noqa: BLE001 - only this sequence's cache is touched
+                self.prefilling.remove(sequence)
+                result.failed.append((sequence, error))
+                continue
             if len(sequence.unfed) == 1:
                 self.prefilling.remove(sequence)
                 self.ready.append(sequence)
@@ -153,15 +156,36 @@ class Generator:
         mx.clear_cache()  # a prompt's activations are large and rarely reused as they are
         return result
 
+    def _feed(self, sequence: SequenceState, budget: int) -> int:
+        """Feed up to `budget` of the sequence's prompt tokens (never its last), in chunks
+        that end at each of its `stops`, where `at_stop` sees the cache. Returns how many."""
+        fed = 0
+        while fed < budget and len(sequence.unfed) > 1:
+            count = min(len(sequence.unfed) - 1, budget - fed)
+            if sequence.stops:
+                count = min(count, sequence.stops[0] - len(sequence.tokens))
+            chunk = sequence.unfed[:count]
+            self.model(mx.array([chunk]), cache=sequence.cache)
+            mx.async_eval([c.state for c in sequence.cache])
+            sequence.tokens += chunk
+            del sequence.unfed[:count]
+            fed += count
+            if sequence.stops and sequence.stops[0] == len(sequence.tokens):
+                sequence.stops.pop(0)
+                self.at_stop(sequence)
+        return fed
+
     def _short_prompts(self, budget: int) -> list[SequenceState]:
         """The prompts at the front of the queue that one right-padded forward of at most
         `budget` tokens (padding included) computes whole, if their caches are plain KV
-        (a padded row of a rotating or recurrent cache would keep the padding's state)."""
+        (a padded row of a rotating or recurrent cache would keep the padding's state) and
+        they have no stops."""
         group: list[SequenceState] = []
         width = 0
         for sequence in self.prefilling:
             longest = max(width, len(sequence.unfed))
-            if not supports_segments(sequence.cache) or longest * (len(group) + 1) > budget:
+            if (not supports_segments(sequence.cache) or sequence.stops
+                    or longest * (len(group) + 1) > budget):
                 break
             group.append(sequence)
             width = longest

@@ -53,7 +53,7 @@ from engine.kv import KVStore
 from engine.loader import LoadedModel
 from engine.segment_file import BadSegmentFile
 from engine.tree_hold import HandleOf
-from radix.tree import MatchResult, Node, RadixTree, ReserveStatus
+from radix.tree import MatchResult, Node, RadixTree, ReserveStatus, common_prefix_length
 
 log = logging.getLogger("radix_mlx.engine")
 
@@ -67,20 +67,10 @@ MIN_SHARED_TO_WAIT = 32
 # prompt took 5.9 s in one chunk and 4.4 s in 512s on 2 cores) and stall decodes less.
 GPU_PREFILL_CHUNK = 2048
 CPU_PREFILL_CHUNK = 512
-
-
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix, by bisection on C-speed list comparisons."""
-    low, high = 0, min(len(a), len(b))
-    if a[:high] == b[:high]:
-        return high
-    while high - low > 1:  # a[:low] == b[:low] and a[:high] != b[:high]
-        mid = (low + high) // 2
-        if a[:mid] == b[:mid]:
-            low = mid
-        else:
-            high = mid
-    return low
+# Message ends a prompt's prefill snapshots the whole cache state at, at most (each holds
+# the state up to it: for a hybrid model its attention layers' KV, for a sliding-window
+# one its global layers' KV).
+MAX_MESSAGE_SNAPSHOTS = 4
 
 
 # -- the inbox: what other threads (and tree callbacks) ask of the worker ------------------
@@ -142,17 +132,18 @@ class Scheduler:
                                                       CPU_PREFILL_CHUNK)
         # With nothing decoding there is no stream to keep smooth.
         self._idle_chunk = max(GPU_PREFILL_CHUNK, self._chunk) if gpu else self._chunk
-        self.generator = Generator(loaded.model)
+        self.generator = Generator(loaded.model, self._snapshot_at_stop)
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size)
         self._uids = itertools.count()
         self._stopping = False
 
     def new_generation(self, request_id: str, prompt: list[int], params: SamplingParams,
                        emit: Callable[[object], None],
-                       on_dequeue: Callable[[], None] | None = None) -> Generation:
+                       on_dequeue: Callable[[], None] | None = None,
+                       message_ends: tuple[int, ...] = ()) -> Generation:
         """A generation for this model and tree; the caller submits it (`Submit`)."""
         return Generation(request_id, prompt, params, emit, self.loaded.tokenizer,
-                          self.loaded.vocab_size, self.tree, on_dequeue)
+                          self.loaded.vocab_size, self.tree, on_dequeue, message_ends)
 
     def attach_disk(self, store: DiskStore) -> None:
         """Give the tree its disk tier (before `run`): from now on what it publishes is
@@ -250,9 +241,11 @@ class Scheduler:
             self.counters.constrained_requests += constraint is not None
         tokens = generation.tokens
         self.counters.prefill_tokens += len(tokens) - hold.depth
+        generation.snapshots = []
         sequence = SequenceState(
             next(self._uids), self.kv.assemble(hold.node), tokens=tokens[:hold.depth],
-            unfed=tokens[hold.depth:], sampler=generation.sampler,
+            unfed=tokens[hold.depth:], stops=self._snapshot_stops(generation),
+            sampler=generation.sampler,
             processors=generation.processors,
             wants_logprobs=generation.params.logprobs is not None, grammar=grammar)
         generation.sequence = sequence
@@ -261,6 +254,31 @@ class Scheduler:
         self.running[sequence.uid] = generation
         generation.dequeue()
         return True
+
+    def _snapshot_stops(self, generation: Generation) -> list[int]:
+        """Where prefill stops to snapshot the cache: for a model whose cache is reused
+        only as whole-state snapshots, the prompt's message ends past its cached prefix
+        and short of the prompt's own end (published anyway). At most
+        `MAX_MESSAGE_SNAPSHOTS`, each holding the whole state up to it: the first (a
+        system prompt other conversations share) and the last ones (the turns the
+        conversation's next request, or a retry of its last turn, shares)."""
+        if self.kv.segments:
+            return []
+        depth, end = generation.hold.depth, len(generation.cacheable)
+        stops = sorted({position for position in generation.message_ends
+                        if depth < position < end})
+        if len(stops) > MAX_MESSAGE_SNAPSHOTS:
+            stops = stops[:1] + stops[1 - MAX_MESSAGE_SNAPSHOTS:]
+        return stops
+
+    def _snapshot_at_stop(self, sequence: SequenceState) -> None:
+        """Prefill reached one of `sequence.stops`: snapshot the state there, to publish
+        with the prompt, unless this prompt's snapshots would not fit the tree's budget."""
+        generation = self.running[sequence.uid]
+        held = sum(snapshot.nbytes for _, snapshot in generation.snapshots)
+        if held + sum(layer.nbytes for layer in sequence.cache) <= self.tree.capacity_bytes:
+            position = len(sequence.tokens)
+            generation.snapshots.append((position, self.kv.handle(sequence.cache, 0, position)))
 
     def _load_from_disk(self, match: MatchResult) -> None:
         """Load the disk nodes a match runs into and put them back in memory (pinned
@@ -343,7 +361,9 @@ class Scheduler:
 
     def _publish(self, generation: Generation, cache: list) -> None:
         tokens = generation.tokens
-        blocker = generation.hold.publish(tokens, len(tokens) - 1, self._handle_of(cache))
+        blocker = generation.hold.publish(tokens, len(tokens) - 1, self._handle_of(cache),
+                                          generation.snapshots)
+        generation.snapshots = []
         if blocker is None:
             self._wake_followers(generation)
         else:
@@ -413,7 +433,7 @@ class Scheduler:
         log.error("step failed: %r; %d request(s) affected", error, len(self.running))
         victims = list(self.running.values())
         self.running.clear()
-        self.generator = Generator(self.loaded.model)
+        self.generator = Generator(self.loaded.model, self._snapshot_at_stop)
         for generation in victims:
             generation.hold.abandon(error)
             generation.sequence = None

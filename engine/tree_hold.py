@@ -48,24 +48,32 @@ class TreeHold:
         self.node, self.depth, self.reservation = match.node, match.length, reservation
         return None
 
-    def publish(self, tokens: Sequence[int], end: int, handle_of: HandleOf) -> Node | None:
+    def publish(self, tokens: Sequence[int], end: int, handle_of: HandleOf,
+                snapshots: Sequence[tuple[int, Any]] = ()) -> Node | None:
         """The first `end` of `tokens` are computed: put them in the tree, for others to
-        share while this request goes on. Returns the reservation of another request
-        that stopped the insert short of `end` (publish again once it is done), else None."""
+        share while this request goes on, with `snapshots` ((position, whole-state
+        handle), taken at earlier positions, e.g. message ends) each on a node of its own.
+        Returns the reservation of another request that stopped the insert short of
+        `end` (publish again once it is done), else None."""
         blocker = None
+        held, start = self.node, self.depth
         if self.reservation is not None:
             # The reservation was made pinned for this request: that pin replaces the one
             # on the node it hangs from.
-            self.tree.finalize(self.reservation, handle_of(self.depth, end))
-            self.tree.unpin(self.node)
+            self.tree.finalize(self.reservation, handle_of(start, end))
             self.node, self.depth, self.reservation = self.reservation, end, None
-        elif end > self.depth:
-            node = self.tree.insert(self.node, tokens[self.depth:end],
-                                    handle_of(self.depth, end), pin=True)
-            self.tree.unpin(self.node)
-            self.node, self.depth = node, len(node.path_tokens())
+        elif end > start:
+            self.node = self.tree.insert(held, tokens[start:end], handle_of(start, end),
+                                         pin=True)
+            self.depth = len(self.node.path_tokens())
             if self.depth < end:
                 blocker = self.tree.match(tokens[:end]).in_flight
+        else:
+            return None
+        # On the path just published: each splits an edge and holds the state at its end.
+        for position, snapshot in snapshots:
+            self.tree.insert(held, tokens[start:position], snapshot)
+        self.tree.unpin(held)
         self.tree.enforce_capacity()
         return blocker
 

@@ -364,6 +364,21 @@ def _common_prefix(edge: tuple[int, ...], tokens: tuple[int, ...], start: int) -
     return i
 
 
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists, by bisection on C-speed list
+    comparisons."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while high - low > 1:  # a[:low] == b[:low] and a[:high] != b[:high]
+        mid = (low + high) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
 class RadixTree:
     """Thread-safe radix tree of cached token prefixes with a byte budget per tier.
 

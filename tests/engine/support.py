@@ -13,6 +13,7 @@ from engine.api import (
     EngineConfig,
     EngineStats,
     Finish,
+    Prompt,
     RequestStream,
     SamplingParams,
     TokenEvent,
@@ -43,7 +44,7 @@ class Reference:
         return tokens
 
 
-async def complete(engine: Engine, prompt: list[int], max_tokens: int = 16,
+async def complete(engine: Engine, prompt: list[int] | Prompt, max_tokens: int = 16,
                    **options) -> Completion:
     options.setdefault("temperature", 0.0)
     stream = engine.submit(prompt, SamplingParams(max_tokens=max_tokens, **options))

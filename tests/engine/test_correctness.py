@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+from engine.api import Prompt
 from tests.engine.support import complete
 
 pytestmark = __import__("pytest").mark.asyncio(loop_scope="module")
@@ -47,6 +48,24 @@ async def test_partial_hit_splits_a_node(engine, reference):
     else:
         # Snapshots only reuse whole nodes; the shared head was never a node end.
         assert result.finish.cached_tokens == 0
+
+
+async def test_message_ends_are_shared_by_another_conversation(engine, reference):
+    system = encode(engine, "System: you answer tersely, about tides and the moon. " * 2)
+    turn = system + encode(engine, " User: what is a neap tide?")
+    first = turn + encode(engine, " Assistant: a small one. User: and a spring tide?")
+    await complete(engine, Prompt(first, (len(system), len(turn))), 8)
+    # Another conversation with the same system prompt reuses it, even where the cache
+    # is only reusable as whole-state snapshots: prefill took one at the message end.
+    second = system + encode(engine, " User: why is the moon red tonight?")
+    result = await complete(engine, Prompt(second, (len(system),)), 24)
+    assert result.tokens == reference.greedy(second, 24)
+    assert result.finish.cached_tokens >= len(system)
+    # And a retry of the first conversation's last turn, its earlier turn.
+    retry = turn + encode(engine, " Assistant: a weak one. User: and a king tide?")
+    result = await complete(engine, Prompt(retry, (len(system), len(turn))), 24)
+    assert result.tokens == reference.greedy(retry, 24)
+    assert result.finish.cached_tokens >= len(turn)
 
 
 async def test_generated_tokens_are_cached_for_the_next_turn(engine, reference):
