@@ -14,6 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError
+
+from radix.tree import common_prefix_length
+
 # Parses the text between a tool call's markers: (text, tools) -> one call or a list of
 # them, each {"name": ..., "arguments": ...}; raises on text it cannot parse.
 ToolParser = Callable[[str, Any], Any]
@@ -92,6 +96,28 @@ class ModelTokenizer:
             tokenize=True))
 
 
+    def message_ends(self, messages: list[dict[str, Any]], prompt: list[int],
+                     tools: list[dict[str, Any]] | None = None,
+                     variables: dict[str, Any] | None = None,
+                     counts: Sequence[int] = ()) -> tuple[int, ...]:
+        """Where in `prompt` (`chat_prompt(messages, tools, variables)`) the first `count`
+        messages end, for each of `counts`: how many of the tokens the template renders
+        for them alone `prompt` begins with (all, unless the template renders the last of
+        them differently when more follow). A prefix the template rejects (some want a
+        user message) gives no end."""
+        ends = set()
+        for count in counts:
+            try:
+                head = list(self._wrapper.apply_chat_template(
+                    messages[:count], **(variables or {}), tools=tools,
+                    add_generation_prompt=False, tokenize=True))
+            except (TemplateError, ValueError):
+                head = []
+            if shared := common_prefix_length(head, prompt):
+                ends.add(shared)
+        return tuple(sorted(ends))
+
+
 def _piece_reader(fast: Any) -> Callable[[str], bytes] | None:
     """How a vocabulary piece maps to bytes, for the two decoders that store bytes in
     pieces: byte-level BPE (GPT-2, Llama 3, Qwen) and SentencePiece with byte fallback."""
@@ -124,3 +150,4 @@ def _gpt2_byte_decoder() -> dict[str, int]:
     shifted = [byte for byte in range(256) if byte not in kept]
     return {**{chr(byte): byte for byte in kept},
             **{chr(256 + i): byte for i, byte in enumerate(shifted)}}
+

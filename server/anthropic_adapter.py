@@ -353,4 +353,4 @@ async def count_tokens(body: TokenCountRequest, request: Request) -> TokenCount:
     state = server_state(request)
     state.check_model(body.model)
     prompts = await render(state, generation_request(body))
-    return TokenCount(input_tokens=len(prompts[0]))
+    return TokenCount(input_tokens=len(prompts[0].tokens))

@@ -18,6 +18,7 @@ from engine.api import (
     ContextLengthExceeded,
     EngineNotReady,
     Finish,
+    Prompt,
     QueueFull,
     RequestFailed,
     SamplingParams,
@@ -48,7 +49,7 @@ class Job:
         self._tasks: list[asyncio.Task] = []
 
     def submit(
-        self, prompts: Sequence[Sequence[int]], n: int, params: Callable[[int], SamplingParams]
+        self, prompts: Sequence[Prompt], n: int, params: Callable[[int], SamplingParams]
     ) -> None:
         """Queue every choice: choice `p * n + j` is prompt p's j-th, with `params(j)`.
 

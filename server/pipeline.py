@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from fastapi import Request
 
-from engine.api import Constraint, Finish, SamplingParams, TokenEvent
+from engine.api import Constraint, Finish, Prompt, SamplingParams, TokenEvent
 from engine.tokenizer import ModelTokenizer, ThinkingMarkers, ToolCallFormat
 from server import generic_tools
 from server.errors import APIError
@@ -136,16 +136,19 @@ class Generation:
         self.job.close()
 
 
-async def render(state: ServerState, request: GenerationRequest) -> list[list[int]]:
-    """`request`'s prompts as token ids: a chat through the model's template, after its
-    system messages lose the lines `volatile_system_lines` names."""
+async def render(state: ServerState, request: GenerationRequest) -> list[Prompt]:
+    """`request`'s prompts: a chat through the model's template, after its system messages
+    lose the lines `volatile_system_lines` names (with its message ends when the engine
+    snapshots there), or raw prompts."""
     tokenizer = state.ready_tokenizer()
     if not request.is_chat:
-        return await asyncio.to_thread(raw_prompts, tokenizer, request)
+        return [Prompt(tokens) for tokens in
+                await asyncio.to_thread(raw_prompts, tokenizer, request)]
     messages = drop_volatile_lines(request.messages, state.settings.volatile_system_lines)
     # Rendering and tokenizing a long conversation takes milliseconds: off the event
     # loop, so streams in flight keep flowing meanwhile.
-    return [await asyncio.to_thread(chat_prompt, tokenizer, replace(request, messages=messages))]
+    return [await asyncio.to_thread(chat_prompt, tokenizer, replace(request, messages=messages),
+                                    state.engine.wants_message_ends)]
 
 
 async def start(http: Request, state: ServerState, request: GenerationRequest) -> Generation:
@@ -164,13 +167,13 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
             400, f"{choices} choices (prompts x n) exceed this server's queue of "
             f"{state.settings.max_queue}", code="invalid_request", param="n",
         )
-    room = state.engine.context_length - max(map(len, prompts))
+    room = state.engine.context_length - max(len(prompt.tokens) for prompt in prompts)
     max_tokens = request.max_tokens or max(1, min(state.settings.default_max_tokens, room))
     if request.fit_context:
         max_tokens = max(1, min(max_tokens, room))
     # Reasoning applies to chats only; raw prompts are continued as they are.
     markers = tokenizer.thinking if request.is_chat else None
-    thinking = [_thinking(markers, prompt) for prompt in prompts]
+    thinking = [_thinking(markers, prompt.tokens) for prompt in prompts]
     # Compiling a grammar takes milliseconds too: off the loop, once per distinct start.
     constraints = {
         after: await asyncio.to_thread(output_constraint, request, tool_format, after)
@@ -185,7 +188,7 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
         _decoder(request, markers, thinking[choice // request.n][0], tool_format, choice)
         for choice in range(choices)
     ]
-    return Generation(request, job, decoders, sum(map(len, prompts)))
+    return Generation(request, job, decoders, sum(len(prompt.tokens) for prompt in prompts))
 
 
 def _decoder(

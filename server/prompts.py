@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from engine.api import Prompt
 from engine.tokenizer import ModelTokenizer
 from server import generic_tools as generic
 from server.errors import APIError
@@ -22,6 +23,14 @@ TEMPLATE_OPTIONS = frozenset(
 ) - {"self", "conversation", "kwargs"}
 
 
+# How many of a chat's last messages end where the engine may snapshot a whole-state cache
+# (engine.api.Prompt), besides the end of its leading system messages (which other
+# conversations share): the next turn of the conversation, or a retry of this one, shares
+# these.
+LAST_MESSAGE_ENDS = 3
+SYSTEM_ROLES = ("system", "developer")
+
+
 def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
     """A token id the model has no embedding for would fail inside the engine."""
     bad = [token for token in token_ids if token >= vocab_size]
@@ -32,9 +41,12 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> No
         )
 
 
-def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest) -> list[int]:
+def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
+                message_ends: bool = False) -> Prompt:
     """The prompt through the model's chat template; for a template without a tool format,
-    tools and tool turns are rewritten first (`server.generic_tools`)."""
+    tools and tool turns are rewritten first (`server.generic_tools`). With `message_ends`
+    (the engine snapshots there, `Engine.wants_message_ends`), where the system messages
+    and the last few messages end: each costs another render."""
     if not tokenizer.has_chat_template:
         raise APIError(
             400, "this model has no chat template; use /v1/completions", code="invalid_request",
@@ -50,17 +62,23 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest) -> list[i
     messages, tools = list(request.messages), request.offered_tools
     if generic.template_ignores_tools(tokenizer):
         messages, tools = generic.rewrite(request.messages, tools, request.tool_choice), ()
+    template_tools = [tool.template_form() for tool in tools] or None
     try:
-        prompt = tokenizer.chat_prompt(
-            messages, [tool.template_form() for tool in tools] or None, variables
-        )
+        prompt = tokenizer.chat_prompt(messages, template_tools, variables)
     except (TemplateError, ValueError) as error:
         # Templates reject what they cannot render (e.g. roles that do not alternate).
         raise APIError(
             400, f"the chat template rejected the messages: {error}", code="invalid_request",
             param="messages",
         ) from error
-    return prompt
+    if not message_ends:
+        return Prompt(prompt)
+    system = next((i for i, message in enumerate(messages)
+                   if message.get("role") not in SYSTEM_ROLES), len(messages))
+    counts = {system, *range(len(messages) - LAST_MESSAGE_ENDS + 1, len(messages) + 1)}
+    ends = tokenizer.message_ends(messages, prompt, template_tools, variables,
+                                  sorted(count for count in counts if count > 0))
+    return Prompt(prompt, ends)
 
 
 def raw_prompts(tokenizer: ModelTokenizer, request: GenerationRequest) -> list[list[int]]:

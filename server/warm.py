@@ -15,7 +15,7 @@ import json
 import logging
 from pathlib import Path
 
-from engine.api import EngineError, Lifecycle, SamplingParams
+from engine.api import EngineError, Lifecycle, Prompt, SamplingParams
 from server.errors import APIError
 from server.openai_adapter import chat_request, completion_request
 from server.prompts import chat_prompt, raw_prompts
@@ -45,7 +45,8 @@ async def prefill_warm_prompts(state: ServerState, path: Path) -> None:
         if not line.strip():
             continue
         try:
-            prompts = await asyncio.to_thread(_prompts, engine.tokenizer, line)
+            prompts = await asyncio.to_thread(_prompts, engine.tokenizer, line,
+                                              engine.wants_message_ends)
             for prompt in prompts:
                 stream = engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0.0))
                 async for event in stream:
@@ -57,10 +58,12 @@ async def prefill_warm_prompts(state: ServerState, path: Path) -> None:
              prefilled, path, cached)
 
 
-def _prompts(tokenizer, line: str) -> list[list[int]]:
+def _prompts(tokenizer, line: str, message_ends: bool) -> list[Prompt]:
     body = json.loads(line)
     if isinstance(body, dict) and "messages" in body:
-        return [chat_prompt(tokenizer, chat_request(ChatCompletionRequest.model_validate(body)))]
+        request = chat_request(ChatCompletionRequest.model_validate(body))
+        return [chat_prompt(tokenizer, request, message_ends)]
     if isinstance(body, dict) and "prompt" in body:
-        return raw_prompts(tokenizer, completion_request(CompletionRequest.model_validate(body)))
+        request = completion_request(CompletionRequest.model_validate(body))
+        return [Prompt(tokens) for tokens in raw_prompts(tokenizer, request)]
     raise ValueError('each line must be an object with "messages" or "prompt"')
