@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from bench import disk_tier, hardware, report
+from bench import disk_tier, hardware, report, snapshot_models
 from bench.client import run_workload
 from bench.servers import (
     REPLICA_POLICIES,
@@ -62,9 +62,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "--quick only the real one)")
     parser.add_argument("--servers", default=",".join(SPECS),
                         help=f"comma-separated, from {sorted(SPECS)}")
-    parser.add_argument("--workloads", default=",".join([*WORKLOADS, *disk_tier.WORKLOADS]),
-                        help=f"comma-separated, from {[*WORKLOADS, *disk_tier.WORKLOADS]} "
-                             "(the last two: radix-mlx with and without its disk tier)")
+    extra_workloads = [*disk_tier.WORKLOADS, *snapshot_models.WORKLOADS]
+    parser.add_argument("--workloads", default=",".join([*WORKLOADS, *extra_workloads]),
+                        help=f"comma-separated, from {[*WORKLOADS, *extra_workloads]} "
+                             f"({', '.join(disk_tier.WORKLOADS)}: radix-mlx with and without "
+                             f"its disk tier; {snapshot_models.WORKLOADS[0]}: shared_prefix and "
+                             "multi_turn on tiny sliding-window and hybrid models, whatever "
+                             "--model says)")
     parser.add_argument("--quick", action="store_true", help="toy sizes, for a smoke run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="results folder, with one subfolder per "
@@ -91,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument("--" + field.name.replace("_", "-"), type=int,
                             help=f"default {field.default}, --quick {getattr(QUICK, field.name)}")
     args = parser.parse_args(argv)
-    unknown = set(args.workloads.split(",")) - set(WORKLOADS) - set(disk_tier.WORKLOADS)
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS) - set(extra_workloads)
     if unknown:
         parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
     return args
@@ -234,13 +238,25 @@ def run_server(results: dict, spec: ServerSpec, args: argparse.Namespace, model:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     env = openblas_preload_env() or dict(os.environ)
-    models = model_dirs(args.models, env, args.quick)
     device = "cpu" if mlx_would_use_cpu() else "gpu"
+    wanted = set(args.workloads.split(","))
+    models = model_dirs(args.models, env, args.quick) if wanted - set(
+        snapshot_models.WORKLOADS) else []
     for model in models:
         out = (args.out or RESULTS / hardware.tag(device)) / model.name
         if args.out and len(models) == 1:
             out = args.out
         bench_model(args, model, device, env, out, argv)
+    if wanted & set(snapshot_models.WORKLOADS):
+        out = (args.out or RESULTS / hardware.tag(device)) / "snapshot-models"
+        results = {"command": shlex.join(["python", "-m", "bench", *(argv or sys.argv[1:])]),
+                   "git": git_revision(), "hardware": hardware.describe(device),
+                   "shapes": shapes_from(args).as_dict()}
+        results["families"] = snapshot_models.run(
+            [SPECS[name] for name in args.servers.split(",")], shapes_from(args), env, out,
+            args.seed)
+        snapshot_models.write(results, out)
+        print((out / "results.md").read_text())
 
 
 def bench_model(args: argparse.Namespace, model: Path, device: str, env: dict[str, str],
