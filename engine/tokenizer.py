@@ -96,26 +96,24 @@ class ModelTokenizer:
             tokenize=True))
 
 
-    def message_ends(self, messages: list[dict[str, Any]], prompt: list[int],
-                     tools: list[dict[str, Any]] | None = None,
-                     variables: dict[str, Any] | None = None,
-                     counts: Sequence[int] = ()) -> tuple[int, ...]:
-        """Where in `prompt` (`chat_prompt(messages, tools, variables)`) the first `count`
-        messages end, for each of `counts`: how many of the tokens the template renders
-        for them alone `prompt` begins with (all, unless the template renders the last of
-        them differently when more follow). A prefix the template rejects (some want a
-        user message) gives no end."""
-        ends = set()
-        for count in counts:
+    def shared_lengths(self, prompt: list[int], heads: Sequence[list[dict[str, Any]]],
+                       tools: list[dict[str, Any]] | None = None,
+                       variables: dict[str, Any] | None = None) -> tuple[int, ...]:
+        """How many tokens `prompt` (a `chat_prompt` with `tools` and `variables`) shares
+        with the rendering of each of `heads` (message lists, no reply started): where in
+        it the messages of a head end, when the head is the prompt's first messages. Zeros
+        and heads the template rejects (some want a user message) are left out."""
+        lengths = set()
+        for head in heads:
             try:
-                head = list(self._wrapper.apply_chat_template(
-                    messages[:count], **(variables or {}), tools=tools,
-                    add_generation_prompt=False, tokenize=True))
+                rendered = list(self._wrapper.apply_chat_template(
+                    head, **(variables or {}), tools=tools, add_generation_prompt=False,
+                    tokenize=True))
             except (TemplateError, ValueError):
-                head = []
-            if shared := common_prefix_length(head, prompt):
-                ends.add(shared)
-        return tuple(sorted(ends))
+                continue
+            if shared := common_prefix_length(rendered, prompt):
+                lengths.add(shared)
+        return tuple(sorted(lengths))
 
 
 def _piece_reader(fast: Any) -> Callable[[str], bytes] | None:

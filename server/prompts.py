@@ -13,7 +13,7 @@ from engine.api import Prompt
 from engine.tokenizer import ModelTokenizer
 from server import generic_tools as generic
 from server.errors import APIError
-from server.generation import GenerationRequest
+from server.generation import GenerationRequest, Message
 
 # apply_chat_template's own options, which chat_template_kwargs must not set: they are no
 # template variables, and would let a client swap in any template (a Jinja loop of 10^10
@@ -46,7 +46,7 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
     """The prompt through the model's chat template; for a template without a tool format,
     tools and tool turns are rewritten first (`server.generic_tools`). With `message_ends`
     (the engine snapshots there, `Engine.wants_message_ends`), where the system messages
-    and the last few messages end: each costs another render."""
+    and the last few messages end: each costs another render (`_heads`)."""
     if not tokenizer.has_chat_template:
         raise APIError(
             400, "this model has no chat template; use /v1/completions", code="invalid_request",
@@ -73,12 +73,21 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
         ) from error
     if not message_ends:
         return Prompt(prompt)
+    return Prompt(prompt, tokenizer.shared_lengths(prompt, _heads(messages), template_tools,
+                                                   variables))
+
+
+def _heads(messages: list[Message]) -> list[list[Message]]:
+    """The first messages of a chat that end where the engine may snapshot: the leading
+    system messages, followed by an empty user message (as mlx-lm's server finds them:
+    templates that want a user message, or fold the system prompt into the first user
+    turn, then render it as in the chat, up to where the user's text starts), and the
+    chat up to each of its last `LAST_MESSAGE_ENDS` messages."""
     system = next((i for i, message in enumerate(messages)
                    if message.get("role") not in SYSTEM_ROLES), len(messages))
-    counts = {system, *range(len(messages) - LAST_MESSAGE_ENDS + 1, len(messages) + 1)}
-    ends = tokenizer.message_ends(messages, prompt, template_tools, variables,
-                                  sorted(count for count in counts if count > 0))
-    return Prompt(prompt, ends)
+    heads = [[*messages[:system], {"role": "user", "content": ""}]] if system else []
+    first = max(system + 1, len(messages) - LAST_MESSAGE_ENDS + 1)
+    return heads + [messages[:count] for count in range(first, len(messages) + 1)]
 
 
 def raw_prompts(tokenizer: ModelTokenizer, request: GenerationRequest) -> list[list[int]]:
