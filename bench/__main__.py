@@ -53,6 +53,10 @@ REPLICA_WORKLOADS = ("shared_prefix", "multi_turn")
 METRICS_POLL_SECONDS = 0.5
 
 
+def all_workloads() -> list[str]:
+    return [*WORKLOADS, *disk_tier.WORKLOADS, *snapshot_models.WORKLOADS]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", dest="models", metavar="MODEL",
@@ -62,9 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "--quick only the real one)")
     parser.add_argument("--servers", default=",".join(SPECS),
                         help=f"comma-separated, from {sorted(SPECS)}")
-    extra_workloads = [*disk_tier.WORKLOADS, *snapshot_models.WORKLOADS]
-    parser.add_argument("--workloads", default=",".join([*WORKLOADS, *extra_workloads]),
-                        help=f"comma-separated, from {[*WORKLOADS, *extra_workloads]} "
+    parser.add_argument("--workloads", default=",".join(all_workloads()),
+                        help=f"comma-separated, from {all_workloads()} "
                              f"({', '.join(disk_tier.WORKLOADS)}: radix-mlx with and without "
                              f"its disk tier; {snapshot_models.WORKLOADS[0]}: shared_prefix and "
                              "multi_turn on tiny sliding-window and hybrid models, whatever "
@@ -95,7 +98,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument("--" + field.name.replace("_", "-"), type=int,
                             help=f"default {field.default}, --quick {getattr(QUICK, field.name)}")
     args = parser.parse_args(argv)
-    unknown = set(args.workloads.split(",")) - set(WORKLOADS) - set(extra_workloads)
+    unknown = set(args.workloads.split(",")) - set(all_workloads())
     if unknown:
         parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
     return args

@@ -83,6 +83,12 @@ def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
     assert "constrained vs free decode tok/s, batch 16" in {
         t["target"] for t in results["targets"]}
     assert "## Structured output" in (tmp_path / "results.md").read_text()
+    # Tiny sliding-window and hybrid models: each group's second conversation reuses the
+    # first's system prompt (a snapshot at its end).
+    snapshots = json.loads((tmp_path / "snapshot-models" / "results.json").read_text())
+    for family in ("gemma3_text", "qwen3_next"):
+        shared = snapshots["families"][family]["radix-mlx"]["shared_prefix"]
+        assert shared["errors"] == 0 and shared["cached_tokens"] >= 2 * 64
 
 
 def test_workloads_flag_runs_only_those(demo_model_dir: Path, tmp_path: Path) -> None:
