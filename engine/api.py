@@ -1,9 +1,9 @@
 """The engine's public API, importable without MLX: what crosses the boundary between the
 engine and its callers.
 
-The server builds an `EngineConfig`, watches the engine's `Lifecycle`, builds a
-`Prompt` and a `SamplingParams` per request, calls `Engine.submit` and reads `TokenEvent`s followed by one
-`Finish` from the returned `RequestStream`; `Engine.cancel` ends a request early, and
+The server builds an `EngineConfig`, watches the engine's `Lifecycle`, builds a `Prompt`
+and a `SamplingParams` per request, calls `Engine.submit` and reads `TokenEvent`s followed
+by one `Finish` from the returned `RequestStream`; `Engine.cancel` ends a request early, and
 `Engine.stats` gives an `EngineStats` for /metrics. The engine itself (engine.py) imports
 MLX; nothing here does, so the server's own modules import only this one,
 engine/tokenizer.py and engine/constraints.py (the grammars of `SamplingParams.constraint`).

@@ -95,7 +95,6 @@ class ModelTokenizer:
             messages, **(variables or {}), tools=tools, add_generation_prompt=True,
             tokenize=True))
 
-
     def shared_lengths(self, prompt: list[int], heads: Sequence[list[dict[str, Any]]],
                        tools: list[dict[str, Any]] | None = None,
                        variables: dict[str, Any] | None = None) -> tuple[int, ...]:
@@ -148,4 +147,3 @@ def _gpt2_byte_decoder() -> dict[str, int]:
     shifted = [byte for byte in range(256) if byte not in kept]
     return {**{chr(byte): byte for byte in kept},
             **{chr(256 + i): byte for i, byte in enumerate(shifted)}}
-
