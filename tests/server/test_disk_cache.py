@@ -247,6 +247,15 @@ def test_admin_cache_reports_and_clears_both_tiers_behind_the_api_key(
     assert "warm prompts: 1 prefilled" in server.log() and "line 2 skipped" in server.log()
 
 
+def chat_cached_tokens(server: ServerProcess, system: str, question: str) -> int:
+    response = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=120, json={
+        "messages": [{"role": "system", "content": system},
+                     {"role": "user", "content": question}],
+        "max_tokens": 2, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_next"])
 def test_whole_state_snapshots_survive_a_restart(
         demo_model_family, family: str, tmp_path: Path) -> None:
@@ -255,6 +264,9 @@ def test_whole_state_snapshots_survive_a_restart(
     server = start_server(model, tmp_path / "first.log", *disk_flags(directory))
     try:
         before = complete(server, LONG_PROMPT)
+        chat_cached_tokens(server, OTHER_PROMPT, "What did turn 3 call?")
+        # The system prompt's end, snapshotted by the first chat's prefill.
+        system_end = chat_cached_tokens(server, OTHER_PROMPT, "And turn 4?")
         written(server)
     finally:
         server.stop()
@@ -262,6 +274,8 @@ def test_whole_state_snapshots_survive_a_restart(
     try:
         rebuilt(server)
         text, prompt_tokens, cached = complete(server, LONG_PROMPT)
+        after_restart = chat_cached_tokens(server, OTHER_PROMPT, "And turn 5?")
     finally:
         server.stop()
     assert text == before[0] and cached >= 0.9 * prompt_tokens
+    assert after_restart >= system_end > 0
