@@ -5,7 +5,9 @@ which mlx-lm's `TokenizerWrapper` knows per model family, or the generic format'
 `server.generic_tools`). Most formats put `{"name": ..., "arguments": {...}}` between
 them: such a call is streamed, `ToolCallStarted` as soon as its name is complete, then
 the arguments object's text as it arrives. Any other format is parsed whole with the
-family's mlx-lm parser when its end marker arrives. Content never shows a marker.
+family's mlx-lm parser when its end marker arrives. Content never shows a marker, nor
+the blank text between and after calls (a format's separator, a model's last newline):
+OpenAI's calls come without content.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class ToolCallParser:
         self.choice = choice
         self._format, self._tools, self._parallel = tool_format, tools, parallel
         self._buffer = ""  # text held back: maybe the start of a marker
+        self._blank = ""  # blank text held back after a call: content only if text follows
         self._in_call = False
         self._body = ""  # the current call's text so far
         self._arguments: _JsonValueEnd | None = None  # set while a call's arguments stream
@@ -62,18 +65,27 @@ class ToolCallParser:
                 events += self._call_text(released)
                 if found:
                     events += self._end_call(terminated=True)
-            elif released:
-                events.append(TextDelta(self.choice, released))
+            else:
+                events += self._content(released)
+                if found:
+                    self._blank = ""
             if not found:
                 return events
             self._in_call = not self._in_call
+
+    def _content(self, text: str) -> list[Event]:
+        if self.calls and not (self._blank + text).strip():
+            self._blank += text
+            return []
+        text, self._blank = self._blank + text, ""
+        return [TextDelta(self.choice, text)] if text else []
 
     def close(self) -> list[Event]:
         """Flush at the end of the choice. Models often stop at EOS without writing the
         end marker, so an unterminated call is still a call when it parses."""
         rest, self._buffer = self._buffer, ""
         if not self._in_call:
-            return [TextDelta(self.choice, rest)] if rest else []
+            return self._content(rest)
         self._in_call = False
         return self._call_text(rest) + self._end_call(terminated=False)
 

@@ -62,6 +62,15 @@ def test_two_calls_are_numbered() -> None:
     assert [e.index for e in events if isinstance(e, ToolCallStarted)] == [0, 1]
 
 
+def test_blank_text_between_and_after_calls_is_not_content() -> None:
+    """Hermes/Qwen put a newline between parallel calls; models end lines out of habit.
+    (Blank text before the first call is released before a call is known to follow.)"""
+    events = _run(list("\n" + CALL + "\n" + CALL.replace("Paris", "Oslo") + "\n\n"))
+    assert [e for e in events if isinstance(e, TextDelta)] == [TextDelta(0, "\n")]
+    assert len(_calls(events)) == 2
+    assert _text(_run([CALL + "\n", "\nDone."])) == "\n\nDone."
+
+
 def test_without_parallel_calls_only_the_first_is_kept() -> None:
     events = _run(list("a" + CALL + "b" + CALL.replace("Paris", "Oslo") + "c"), parallel=False)
     assert _calls(events) == [("get_weather", {"city": "Paris"})] and _text(events) == "abc"
