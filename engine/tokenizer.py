@@ -25,11 +25,13 @@ ToolParser = Callable[[str, Any], Any]
 
 @dataclass(frozen=True)
 class ToolCallFormat:
-    """How this model writes a tool call: `start` + body + `end`, the body read by `parse`."""
+    """How this model writes a tool call: `start` + body + `end`, the body read by `parse`;
+    `separator` between parallel calls (Hermes/Qwen templates put a newline there)."""
 
     start: str
     end: str
     parse: ToolParser
+    separator: str = "\n"
 
 
 @dataclass(frozen=True)

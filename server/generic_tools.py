@@ -36,7 +36,11 @@ def _parse(text: str, tools: Any = None) -> Any:
     return json.loads(text.strip())
 
 
-FORMAT = ToolCallFormat(START, END, _parse)
+# Parallel calls follow one another directly. A model that does not know this format
+# tends to write a newline after a closing tag out of habit (SmolLM2-135M: p=0.8, against
+# 0.18 for its end of turn); a newline separator would turn that habit into a second call,
+# while here the choice after a call is between its end of turn and another call's tag.
+FORMAT = ToolCallFormat(START, END, _parse, separator="")
 PROBE = FunctionTool("probe", "Shows whether the template renders tools.")
 
 
@@ -100,7 +104,8 @@ def rewrite(
         ]
         message = {key: value for key, value in message.items() if key != "tool_calls"}
         if calls:
-            message["content"] = "\n".join(filter(None, [message.get("content"), *calls]))
+            content = message.get("content")
+            message["content"] = (f"{content}\n" if content else "") + FORMAT.separator.join(calls)
         out.append(message)
     if not tools:
         return out

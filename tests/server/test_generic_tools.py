@@ -31,8 +31,8 @@ def test_tools_join_the_system_message_and_turns_become_text() -> None:
     assert user == HISTORY[1]
     assert assistant == {"role": "assistant", "content": (
         'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-        '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
-        "</tool_call>")}
+        '</tool_call><tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+        "</tool_call>")}  # parallel calls follow one another directly in this format
     # Consecutive results share one user turn, so roles keep alternating.
     assert results == {"role": "user", "content": (
         "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response>")}
