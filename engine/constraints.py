@@ -6,9 +6,11 @@ The server builds a constraint here and passes it in `SamplingParams.constraint`
     json_schema(schema, strict)              response_format {"type": "json_schema", ...}
     tool_calls(tools, parallel=p)            tool_choice "required": a call of any tool
     tool_calls(tools, name="f", parallel=p)  tool_choice {"type": "function", ... "f"}
+    tool_calls(tools, parallel=p,            tool_choice "auto" beside a response_format:
+               answer=json_schema(...))      calls, or the answer in that format instead
 
-with p = parallel_tool_calls (several calls, one after another, or exactly one). Pass the
-model format's call markers as `call_format` (default: Hermes/Qwen's <tool_call>...).
+with p = parallel_tool_calls (one or more calls, one after another, or exactly one). Pass
+the model format's call markers as `call_format` (default: Hermes/Qwen's <tool_call>...).
 The generated text then parses with mlx-lm's `json_tools` parser between the markers.
 
 For a reasoning model, set the end-of-thinking marker on the result
@@ -77,9 +79,21 @@ class ToolCallFormat:
 HERMES = ToolCallFormat()
 
 
+@dataclass(frozen=True)
+class JsonAnswer:
+    """The answer a reply may give instead of tool calls: JSON valid against `schema`
+    (`strict` as for `json_schema`)."""
+
+    schema: Mapping[str, Any]
+    strict: bool = False
+
+
+ANY_JSON_OBJECT = JsonAnswer({"type": "object"}, strict=True)
+
+
 def json_object() -> Constraint:
     """Any JSON object."""
-    return json_schema({"type": "object"}, strict=True)
+    return json_schema(ANY_JSON_OBJECT.schema, strict=ANY_JSON_OBJECT.strict)
 
 
 def json_schema(schema: Mapping[str, Any], strict: bool = False) -> Constraint:
@@ -90,35 +104,44 @@ def json_schema(schema: Mapping[str, Any], strict: bool = False) -> Constraint:
 
 
 def tool_calls(tools: Sequence[FunctionTool], name: str | None = None, parallel: bool = False,
-               call_format: ToolCallFormat = HERMES) -> Constraint:
-    """One call (several in a row if `parallel`) of the function `name`, or of any of
-    `tools` when `name` is None, whose arguments validate against its parameters."""
+               call_format: ToolCallFormat = HERMES, answer: JsonAnswer | None = None
+               ) -> Constraint:
+    """One call (one or more in a row if `parallel`) of the function `name`, or of any of
+    `tools` when `name` is None, whose arguments validate against its parameters; or,
+    when `answer` is given, that JSON answer instead of any call."""
     if name is not None:
         tools = [tool for tool in tools if tool.name == name]
         if not tools:
             raise ValueError(f"no function named {name!r} among the tools")
     if not tools:
         raise ValueError("tool calls need at least one function")
-    rules = [f"start: call ({_literal(call_format.separator)} call)*" if parallel
-             else "start: call",
+    rules = ["start: calls" if answer is None else "start: calls | answer",
+             f"calls: call ({_literal(call_format.separator)} call)*" if parallel
+             else "calls: call",
              f"call: {_literal(call_format.start)} body {_literal(call_format.end)}",
              "body: " + " | ".join(f"tool_{i}" for i in range(len(tools)))]
+    if answer is not None:
+        rules.append(_json_rule("answer", answer.schema, answer.strict))
     for i, tool in enumerate(tools):
         parameters = tool.parameters if tool.parameters is not None else {
             "type": "object", "properties": {}, "additionalProperties": False}
-        # The arguments are a JSON document of their own, so the parameters' "$ref"s
-        # resolve against the parameters as they would for any validator.
-        arguments = json.dumps(_with_layout(parameters, tool.strict), ensure_ascii=False)
         head = '{"name": ' + json.dumps(tool.name, ensure_ascii=False) + ', "arguments": '
         rules.append(f"tool_{i}: {_literal(head)} arguments_{i} {_literal('}')}")
-        rules.append(f"arguments_{i}: %json {arguments}")
         try:
-            _validate(_grammar_from_schema(parameters, tool.strict))
+            rules.append(_json_rule(f"arguments_{i}", parameters, tool.strict))
         except UnsupportedSchema as error:
             raise UnsupportedSchema(f"function {tool.name!r}: {error}", error.keyword) from None
     grammar = LLMatcher.grammar_from_lark("\n".join(rules))
     _validate(grammar)
     return Constraint(grammar)
+
+
+def _json_rule(rule: str, schema: Mapping[str, Any], strict: bool) -> str:
+    """A Lark rule for JSON valid against `schema`, refused as `json_schema` refuses it.
+    The schema is a JSON document of its own in the rule, so its "$ref"s resolve
+    against it as they would for any validator."""
+    _validate(_grammar_from_schema(schema, strict))
+    return f"{rule}: %json {json.dumps(_with_layout(schema, strict), ensure_ascii=False)}"
 
 
 def _with_layout(schema: Mapping[str, Any], strict: bool) -> dict[str, Any]:

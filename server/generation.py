@@ -113,9 +113,8 @@ class GenerationRequest:
     prompts: tuple[str | tuple[int, ...], ...] = ()
     tools: tuple[FunctionTool, ...] = ()
     tool_choice: ToolChoice = "auto"
-    # None: not said. Free choice then allows several calls in a row (OpenAI's default);
-    # a forced call is one call unless this is True, since a small model under a grammar
-    # that allows more tends to repeat its call until max_tokens.
+    # None: not said, which is OpenAI's default, true: a reply may make several calls.
+    # False: at most one (exactly one when a call is forced).
     parallel_tool_calls: bool | None = None
     output: OutputFormat = TEXT
     sampling: SamplingParams = field(default_factory=sampling)

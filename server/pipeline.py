@@ -26,7 +26,7 @@ from server.jobs import Job
 from server.prompts import chat_prompt, check_token_ids, raw_prompts
 from server.reasoning import ReasoningSplitter
 from server.state import ServerState
-from server.structured import forces_call, output_constraint
+from server.structured import output_constraint, writes_calls
 from server.tools import ToolCallParser
 from server.volatile import drop_volatile_lines
 
@@ -204,26 +204,19 @@ def _decoder(
     if request.offered_tools:
         tools = ToolCallParser(
             choice, tool_format, [tool.template_form() for tool in request.offered_tools],
-            parallel=_parallel_calls(request),
+            parallel=request.parallel_tool_calls is not False,
         )
     return ChoiceDecoder(choice, reasoning, tools, request.logprobs is not None)
 
 
-def _parallel_calls(request: GenerationRequest) -> bool:
-    """May a choice make several calls? (see `GenerationRequest.parallel_tool_calls`)"""
-    if forces_call(request):
-        return request.parallel_tool_calls is True
-    return request.parallel_tool_calls is not False
-
-
 def _tool_format(tokenizer: ModelTokenizer, request: GenerationRequest) -> ToolCallFormat:
     """How this request's tool calls are written: the model's own format, or the generic
-    one when mlx-lm knows none for its family. A forced call is JSON between the format's markers
-    (that is what the grammar writes), so it is read as JSON whatever the family."""
+    one when mlx-lm knows none for its family. A call the grammar writes is JSON between the
+    format's markers, so it is read as JSON whatever the family."""
     model_format = tokenizer.tool_calls
     if model_format is None:
         return generic_tools.FORMAT
-    if forces_call(request):
+    if writes_calls(request):
         return replace(model_format, parse=generic_tools.FORMAT.parse)
     return model_format
 

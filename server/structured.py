@@ -1,13 +1,12 @@
 """The grammar a request's output must follow: forced tool calls and structured output.
 
-- tool_choice "required" or a named function (with tools offered): the reply is one call
-  (several in a row only if parallel_tool_calls is explicitly true: SmolLM2-135M, allowed
-  more, repeated its call until max_tokens) whose arguments validate against the
-  function's parameters, written in the request's tool-call format.
-- otherwise a `json_object` / `json_schema` output format: the reply is that JSON. With
-  tools offered and tool_choice "auto" the model must stay free to call a tool instead,
-  so the output format is not enforced then (the grammar engine's seam has no "a call or
-  this JSON" grammar yet).
+- tool_choice "required" or a named function (with tools offered): the reply is one or
+  more calls (exactly one when parallel_tool_calls is false) whose arguments validate
+  against the function's parameters, written in the request's tool-call format.
+- tools offered with tool_choice "auto" and a `json_object` / `json_schema` output format
+  (what the OpenAI Agents SDK sends for an agent with tools and an `output_type`): the
+  reply is such calls, or the answer in that format.
+- otherwise a `json_object` / `json_schema` output format: the reply is that JSON.
 
 Stop sequences end free text only: a constrained reply ends where its grammar ends, so
 they are not applied to it (a stop string inside a JSON string would cut it invalid).
@@ -16,6 +15,8 @@ For a reasoning model the grammar starts after the end-of-thinking marker.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 from engine import constraints
@@ -27,12 +28,21 @@ from server.generation import (
     JsonObjectOutput,
     JsonSchemaOutput,
     NamedFunction,
+    TextOutput,
 )
 
 
 def forces_call(request: GenerationRequest) -> bool:
     return bool(request.offered_tools) and (
         request.tool_choice == "required" or isinstance(request.tool_choice, NamedFunction)
+    )
+
+
+def writes_calls(request: GenerationRequest) -> bool:
+    """Does the grammar write this request's tool calls (as JSON between the format's
+    markers), rather than the model on its own?"""
+    return forces_call(request) or (
+        bool(request.offered_tools) and not isinstance(request.output, TextOutput)
     )
 
 
@@ -43,32 +53,42 @@ def output_constraint(
     marker the grammar waits for (a reasoning model's end of thinking). A schema or tool
     the engine cannot enforce is a 400 naming the keyword."""
     output = request.output
-    param = "tools" if forces_call(request) else "response_format"
-    try:
-        if forces_call(request):
-            choice = request.tool_choice
-            name = choice.name if isinstance(choice, NamedFunction) else None
+    answer = None
+    if isinstance(output, JsonObjectOutput):
+        answer = constraints.ANY_JSON_OBJECT
+    elif isinstance(output, JsonSchemaOutput):
+        answer = constraints.JsonAnswer(output.schema, output.strict)
+    with _refused("response_format"):
+        constraint = None if answer is None else constraints.json_schema(
+            answer.schema, strict=answer.strict)
+    if writes_calls(request):
+        choice = request.tool_choice
+        with _refused("tools"):
             constraint = constraints.tool_calls(
                 [constraints.FunctionTool(tool.name, tool.parameters, bool(tool.strict))
                  for tool in request.offered_tools],
-                name=name, parallel=request.parallel_tool_calls is True,
+                name=choice.name if isinstance(choice, NamedFunction) else None,
+                parallel=request.parallel_tool_calls is not False,
                 call_format=constraints.ToolCallFormat(
-                    f"{tool_format.start}\n", f"\n{tool_format.end}", "\n"
+                    f"{tool_format.start}\n", f"\n{tool_format.end}", tool_format.separator
                 ),
+                answer=None if forces_call(request) else answer,
             )
-        elif request.offered_tools and request.tool_choice == "auto":
-            return None
-        elif isinstance(output, JsonObjectOutput):
-            constraint = constraints.json_object()
-        elif isinstance(output, JsonSchemaOutput):
-            constraint = constraints.json_schema(output.schema, strict=output.strict)
-        else:
-            return None
-    except (ValueError, TypeError) as error:  # UnsupportedSchema, or a schema of odd shape
+    if constraint is None:
+        return None
+    return replace(constraint, after=after) if after else constraint
+
+
+@contextmanager
+def _refused(param: str) -> Iterator[None]:
+    """A schema the builders refuse (UnsupportedSchema, or a schema of odd shape) as the
+    400 that names the keyword at fault."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:
         keyword = getattr(error, "keyword", None)
         keyword = f" (keyword {keyword!r})" if keyword else ""
         raise APIError(
             400, f"this server cannot enforce the schema{keyword}: {error}",
             code="unsupported_schema", param=param,
         ) from error
-    return replace(constraint, after=after) if after else constraint

@@ -15,7 +15,7 @@ from llguidance import LLMatcher
 from mlx_lm.tool_parsers import json_tools
 
 from engine.api import Constraint, RequestFailed, SamplingParams
-from engine.constraints import FunctionTool, json_object, json_schema, tool_calls
+from engine.constraints import FunctionTool, JsonAnswer, json_object, json_schema, tool_calls
 from tests.engine.support import cancel_after, complete, settled, start_engine
 from tests.faults import faulty_loader
 
@@ -109,6 +109,26 @@ async def test_parallel_tool_calls_are_each_valid(engine):
     for part in parts:
         call = json_tools.parse_tool_call(part.split(end)[0])
         jsonschema.validate(call["arguments"], tools[call["name"]].parameters)
+
+
+@pytest.mark.parametrize("opening", ["{", "<"])
+async def test_tool_calls_or_a_json_answer(engine, opening):
+    """Tools offered beside an output schema: the reply is calls or the answer. Pushing
+    the model toward the answer's `{` or the call tag's `<` shows both branches."""
+    tools = {t.name: t for t in (WEATHER, CLOCK)}
+    [token] = prompt_of(engine, opening)
+    result = await complete(engine, prompt_of(engine, "Answer or call."), 300,
+                            logit_bias={token: 100.0},
+                            constraint=tool_calls(list(tools.values()), parallel=False,
+                                                  answer=JsonAnswer(PERSON, strict=True)))
+    assert result.finish.reason == "stop"
+    start, end = json_tools.tool_call_start, json_tools.tool_call_end
+    if opening == "{":
+        jsonschema.validate(json.loads(result.text), PERSON)
+        return
+    assert result.text.startswith(start) and result.text.endswith(end)
+    call = json_tools.parse_tool_call(result.text[len(start):-len(end)])
+    jsonschema.validate(call["arguments"], tools[call["name"]].parameters)
 
 
 async def test_the_mask_applies_from_the_first_token_and_completion_stops(engine):
