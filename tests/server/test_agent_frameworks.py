@@ -2,10 +2,11 @@
 
 Issue 14's calls: the OpenAI SDK's `chat.completions.parse`, LangChain's
 `with_structured_output` (json_schema by default, function_calling, json_mode),
-pydantic-ai agents with an `output_type` (a forced output tool) and OpenAI Agents SDK
-agents with `tool_choice="required"`, each whole and streamed, each ending in a parsed
-object or a tool call that validates. SmolLM2-135M's template has no tool format, so
-the tool calls go through the generic format; the grammar makes them valid.
+pydantic-ai agents with an `output_type` (a forced output tool), OpenAI Agents SDK
+agents with `tool_choice="required"` and agents with tools and an `output_type` (tools
+beside a response_format), each whole and streamed, each ending in a parsed object or a
+tool call that validates. SmolLM2-135M's template has no tool format, so the tool calls
+go through the generic format; the grammar makes them valid.
 
 One server for the module, short answers (the model decodes ~14 tok/s on 2 CPU cores).
 """
@@ -55,6 +56,26 @@ def test_sdk_parse(real_client: openai.OpenAI, model_name: str) -> None:
         response_format=Capital, max_tokens=MAX_TOKENS, temperature=0,
     )
     _checked(completion.choices[0].message.parsed)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_sdk_tools_beside_a_response_format(
+    real_client: openai.OpenAI, model_name: str, stream: bool
+) -> None:
+    """The reply is a call that validates or the answer in the schema (greedy, this model
+    calls the tool)."""
+    options = {"model": model_name, "messages": [{"role": "user", "content": QUESTION}],
+               "tools": [openai.pydantic_function_tool(Capital, name="record_capital")],
+               "response_format": Capital, "max_tokens": MAX_TOKENS, "temperature": 0}
+    if stream:
+        with real_client.chat.completions.stream(**options) as events:
+            message = events.get_final_completion().choices[0].message
+    else:
+        message = real_client.chat.completions.parse(**options).choices[0].message
+    calls = message.tool_calls or []
+    assert calls or _checked(message.parsed)
+    for call in calls:
+        _checked(call.function.parsed_arguments)
 
 
 def test_sdk_parse_streamed(real_client: openai.OpenAI, model_name: str) -> None:
@@ -159,3 +180,54 @@ def test_agents_sdk_required_tool_choice(base_url: str, model_name: str, stream:
     assert asyncio.run(run()) == "recorded"
     [capital] = calls
     _checked(capital)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_agents_sdk_tools_and_output_type(base_url: str, model_name: str, stream: bool) -> None:
+    """An agent with tools and an `output_type` sends both, tool_choice unsaid: each turn
+    is a call or the final output. Greedy, this model calls its tool (and would again
+    after every result), so one turn ends the run: the call made (the SDK validates the
+    arguments before it calls) or the final output parsed."""
+    from agents import (
+        Agent,
+        MaxTurnsExceeded,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    calls: list[Capital] = []
+
+    @function_tool
+    def record_capital(country: str, city: str) -> str:
+        """Record a country's capital city."""
+        calls.append(Capital(country=country, city=city))
+        return "recorded"
+
+    async def run() -> object:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0)
+        agent = Agent(
+            name="geographer", instructions="Record the capital, then answer.",
+            model=OpenAIChatCompletionsModel(model=model_name, openai_client=client),
+            tools=[record_capital], output_type=Capital,
+            model_settings=ModelSettings(max_tokens=MAX_TOKENS, temperature=0),
+        )
+        try:
+            if not stream:
+                return (await Runner.run(agent, QUESTION, max_turns=1)).final_output
+            result = Runner.run_streamed(agent, QUESTION, max_turns=1)
+            async for _ in result.stream_events():
+                pass
+            return result.final_output
+        except MaxTurnsExceeded:
+            return None
+
+    final_output = asyncio.run(run())
+    assert calls or final_output is not None
+    for capital in calls:
+        _checked(capital)
+    if final_output is not None:
+        _checked(final_output)

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
+from tokenizers import Tokenizer
 
 from tests.server.support import ServerProcess
 
@@ -39,7 +40,21 @@ CLOCK_TOOL = {
     "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
 }
 MESSAGES = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+WEATHER_FORMAT = {"type": "json_schema", "json_schema": {
+    "name": "weather", "strict": True, "schema": Weather.model_json_schema()}}
 ROOM = 80  # max_tokens: a constrained answer here is far shorter
+
+
+@pytest.fixture(scope="module")
+def token_id(demo_model_dir):
+    """The demo tokenizer's id of a one-token text, as logit_bias keys it."""
+    tokenizer = Tokenizer.from_file(str(demo_model_dir / "tokenizer.json"))
+
+    def token_id(text: str) -> str:
+        [token] = tokenizer.encode(text, add_special_tokens=False).ids
+        return str(token)
+
+    return token_id
 
 
 def test_parse_with_a_pydantic_model(client: openai.OpenAI, model_id: str) -> None:
@@ -62,8 +77,7 @@ def test_parse_streamed(client: openai.OpenAI, model_id: str) -> None:
 def test_n_choices_and_logprobs_of_a_schema(client: openai.OpenAI, model_id: str) -> None:
     response = client.chat.completions.create(
         model=model_id, messages=MESSAGES, max_tokens=ROOM, n=2, seed=7, logprobs=True,
-        response_format={"type": "json_schema", "json_schema": {
-            "name": "weather", "strict": True, "schema": Weather.model_json_schema()}},
+        response_format=WEATHER_FORMAT,
     )
     assert len(response.choices) == 2
     for choice in response.choices:
@@ -122,6 +136,44 @@ def test_a_forced_call_streams_its_name_then_its_arguments(
     Weather.model_validate_json("".join(delta.function.arguments for delta in rest))
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not any(chunk.choices[0].delta.content for chunk in chunks if chunk.choices)
+
+
+def test_tools_beside_a_schema_give_a_call_or_the_answer(
+    client: openai.OpenAI, model_id: str, token_id
+) -> None:
+    """tool_choice auto with a response_format (the Agents SDK's agent with tools and an
+    output_type): the reply is a call or the answer in the schema. The model is pushed
+    toward the answer's `{` or the call tag's `<` to show both."""
+    options = {"model": model_id, "messages": MESSAGES, "max_tokens": ROOM,
+               "tools": [WEATHER_TOOL], "response_format": WEATHER_FORMAT,
+               "parallel_tool_calls": False}  # pushed toward `<`, calls would go on
+    answer = client.chat.completions.create(**options, logit_bias={token_id("{"): 100})
+    message = answer.choices[0].message
+    assert not message.tool_calls and Weather.model_validate_json(message.content)
+    assert answer.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(
+        **options, logit_bias={token_id("<"): 100}, stream=True))
+    deltas = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or ()]
+    assert deltas[0].function.name == "get_weather"
+    Weather.model_validate_json("".join(delta.function.arguments for delta in deltas))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_parallel_tool_calls_unsaid_allows_more_calls_false_exactly_one(
+    client: openai.OpenAI, model_id: str, token_id
+) -> None:
+    """OpenAI's default is true: a forced reply may go on to more calls. False: the
+    grammar ends after one, however much the model would rather go on (its end-of-text
+    tokens pushed down)."""
+    no_end = {token_id(eos): -100 for eos in ("<|end_of_text|>", "<|im_end|>")}
+    options = {"model": model_id, "messages": MESSAGES, "max_tokens": 3 * ROOM,
+               "tools": [WEATHER_TOOL], "tool_choice": "required", "logit_bias": no_end}
+    several = client.chat.completions.create(**options).choices[0]
+    assert len(_calls(several.message)) >= 2
+    one = client.chat.completions.create(**options, parallel_tool_calls=False).choices[0]
+    [(name, arguments)] = _calls(one.message)
+    assert name == "get_weather" and Weather.model_validate(arguments)
+    assert one.finish_reason == "tool_calls"
 
 
 def test_stop_strings_do_not_cut_a_forced_call(client: openai.OpenAI, model_id: str) -> None:
