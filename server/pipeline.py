@@ -62,7 +62,7 @@ class ChoiceDecoder:
         return events
 
     def finish(self, finish: Finish, usage: Usage) -> list[Event]:
-        events = self._text(finish.text, close=True)
+        events = self._text(finish.text, close=True, cut=finish.reason == "length")
         called = self._tools is not None and self._tools.calls > 0
         reason = "tool_calls" if called and finish.reason == "stop" else finish.reason
         assert reason != "cancelled"  # the job reports cancellation as an error
@@ -74,7 +74,7 @@ class ChoiceDecoder:
         in_reasoning = self._reasoning is not None and self._reasoning.inside
         return not in_reasoning and not (self._tools is not None and self._tools.in_call)
 
-    def _text(self, text: str, close: bool) -> list[Event]:
+    def _text(self, text: str, close: bool, cut: bool = False) -> list[Event]:
         events: list[Event] = []
         answer = text
         if self._reasoning is not None:
@@ -90,7 +90,7 @@ class ChoiceDecoder:
             return events
         events += self._tools.feed(answer)
         if close:
-            events += self._tools.close()
+            events += self._tools.close(cut)
         return events
 
 

@@ -80,14 +80,17 @@ class ToolCallParser:
         text, self._blank = self._blank + text, ""
         return [TextDelta(self.choice, text)] if text else []
 
-    def close(self) -> list[Event]:
+    def close(self, cut: bool = False) -> list[Event]:
         """Flush at the end of the choice. Models often stop at EOS without writing the
-        end marker, so an unterminated call is still a call when it parses."""
+        end marker, so an unterminated call is still a call when it parses. `cut`: the
+        choice ran out of tokens, so an unterminated call that does not parse, or the
+        beginning of a start marker held back, was a call cut short: it is dropped (a
+        call whose name was complete stays, its arguments cut short as OpenAI's are)."""
         rest, self._buffer = self._buffer, ""
         if not self._in_call:
-            return self._content(rest)
+            return self._content("" if cut else rest)
         self._in_call = False
-        return self._call_text(rest) + self._end_call(terminated=False)
+        return self._call_text(rest) + self._end_call(terminated=False, cut=cut)
 
     def _call_text(self, text: str) -> list[Event]:
         if self._dropping:
@@ -115,7 +118,7 @@ class ToolCallParser:
     def _dropping(self) -> bool:
         return not self._parallel and self.calls > 0
 
-    def _end_call(self, terminated: bool) -> list[Event]:
+    def _end_call(self, terminated: bool, cut: bool = False) -> list[Event]:
         if self._dropping:
             return []
         body, self._body = self._body, ""
@@ -125,6 +128,8 @@ class ToolCallParser:
             return []
         calls = self._parse(body)
         if calls is None:  # keep what the model said rather than drop it
+            if cut:
+                return []
             end = self._format.end if terminated else ""
             return [TextDelta(self.choice, self._format.start + body + end)]
         events: list[Event] = []

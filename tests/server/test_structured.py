@@ -194,6 +194,13 @@ def test_max_completion_tokens_bounds_the_answer(client: openai.OpenAI, model_id
     )
     assert response.usage.completion_tokens <= 3
     assert response.choices[0].finish_reason == "length"
+    # A call cut short before its name is complete is no call, and no text either.
+    cut = client.chat.completions.create(
+        model=model_id, messages=MESSAGES, max_completion_tokens=3, tools=[WEATHER_TOOL],
+        tool_choice="required",
+    ).choices[0]
+    assert cut.finish_reason == "length"
+    assert not cut.message.content and not cut.message.tool_calls
 
 
 def test_an_unenforceable_schema_is_a_400_naming_the_keyword(

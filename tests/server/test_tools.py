@@ -91,6 +91,15 @@ def test_unterminated_call_is_a_call_at_close() -> None:
     assert _calls(_run(['<tool_call>{"name": "f", "arguments": {}}'])) == [("f", {})]
 
 
+def test_a_call_cut_short_by_max_tokens_leaves_no_marker_in_content() -> None:
+    parser = ToolCallParser(0, JSON_FORMAT, [])
+    assert parser.feed('Sure.<tool_call>\n{"name": "get_') == [TextDelta(0, "Sure.")]
+    assert parser.close(cut=True) == []
+    parser = ToolCallParser(0, JSON_FORMAT, [])
+    assert parser.feed("Sure.<tool_") == [TextDelta(0, "Sure.")]
+    assert parser.close(cut=True) == []
+
+
 def test_other_formats_are_parsed_whole_at_the_end_marker() -> None:
     def parse(text: str, tools: object) -> dict:
         name, _, city = text.partition(":")
