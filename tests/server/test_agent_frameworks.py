@@ -141,11 +141,13 @@ def test_pydantic_ai_output_type_streamed(pydantic_agent) -> None:
 # -- the OpenAI Agents SDK -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_agents_sdk_required_tool_choice(base_url: str, model_name: str, stream: bool) -> None:
+def _run_agent(base_url: str, model_name: str, stream: bool, max_turns: int,
+               **agent_options) -> tuple[object, list[Capital]]:
+    """An Agents SDK agent with a `record_capital` tool, run on the question: (its final
+    output, None if it ran out of turns; the calls its tool received)."""
     from agents import (
         Agent,
-        ModelSettings,
+        MaxTurnsExceeded,
         OpenAIChatCompletionsModel,
         Runner,
         function_tool,
@@ -164,20 +166,35 @@ def test_agents_sdk_required_tool_choice(base_url: str, model_name: str, stream:
     async def run() -> object:
         client = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0)
         agent = Agent(
-            name="geographer", instructions="Record the capital the user asks about.",
+            name="geographer", tools=[record_capital],
             model=OpenAIChatCompletionsModel(model=model_name, openai_client=client),
-            tools=[record_capital], tool_use_behavior="stop_on_first_tool",
-            model_settings=ModelSettings(tool_choice="required", max_tokens=MAX_TOKENS,
-                                         temperature=0),
+            **agent_options,
         )
-        if not stream:
-            return (await Runner.run(agent, QUESTION, max_turns=2)).final_output
-        result = Runner.run_streamed(agent, QUESTION, max_turns=2)
-        async for _ in result.stream_events():
-            pass
-        return result.final_output
+        try:
+            if not stream:
+                return (await Runner.run(agent, QUESTION, max_turns=max_turns)).final_output
+            result = Runner.run_streamed(agent, QUESTION, max_turns=max_turns)
+            async for _ in result.stream_events():
+                pass
+            return result.final_output
+        except MaxTurnsExceeded:
+            return None
 
-    assert asyncio.run(run()) == "recorded"
+    return asyncio.run(run()), calls
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_agents_sdk_required_tool_choice(base_url: str, model_name: str, stream: bool) -> None:
+    from agents import ModelSettings
+
+    final_output, calls = _run_agent(
+        base_url, model_name, stream, max_turns=2,
+        instructions="Record the capital the user asks about.",
+        tool_use_behavior="stop_on_first_tool",
+        model_settings=ModelSettings(tool_choice="required", max_tokens=MAX_TOKENS,
+                                     temperature=0),
+    )
+    assert final_output == "recorded"
     [capital] = calls
     _checked(capital)
 
@@ -188,44 +205,13 @@ def test_agents_sdk_tools_and_output_type(base_url: str, model_name: str, stream
     is a call or the final output. Greedy, this model calls its tool (and would again
     after every result), so one turn ends the run: the call made (the SDK validates the
     arguments before it calls) or the final output parsed."""
-    from agents import (
-        Agent,
-        MaxTurnsExceeded,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
+    from agents import ModelSettings
+
+    final_output, calls = _run_agent(
+        base_url, model_name, stream, max_turns=1,
+        instructions="Record the capital, then answer.", output_type=Capital,
+        model_settings=ModelSettings(max_tokens=MAX_TOKENS, temperature=0),
     )
-
-    set_tracing_disabled(True)
-    calls: list[Capital] = []
-
-    @function_tool
-    def record_capital(country: str, city: str) -> str:
-        """Record a country's capital city."""
-        calls.append(Capital(country=country, city=city))
-        return "recorded"
-
-    async def run() -> object:
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0)
-        agent = Agent(
-            name="geographer", instructions="Record the capital, then answer.",
-            model=OpenAIChatCompletionsModel(model=model_name, openai_client=client),
-            tools=[record_capital], output_type=Capital,
-            model_settings=ModelSettings(max_tokens=MAX_TOKENS, temperature=0),
-        )
-        try:
-            if not stream:
-                return (await Runner.run(agent, QUESTION, max_turns=1)).final_output
-            result = Runner.run_streamed(agent, QUESTION, max_turns=1)
-            async for _ in result.stream_events():
-                pass
-            return result.final_output
-        except MaxTurnsExceeded:
-            return None
-
-    final_output = asyncio.run(run())
     assert calls or final_output is not None
     for capital in calls:
         _checked(capital)
