@@ -31,7 +31,7 @@ from bench import hardware
 from bench.report import structured_markdown
 from bench.workloads import TextSource
 from engine.api import Finish, SamplingParams
-from engine.constraints import FunctionTool, json_object, json_schema, tool_calls
+from engine.constraints import FunctionTool, JsonAnswer, json_object, json_schema, tool_calls
 from engine.engine import Engine, EngineConfig
 from engine.grammar import Grammars
 
@@ -76,7 +76,10 @@ def compile_times(engine: Engine) -> dict:
     times = {}
     for name, build in (("json_object", json_object),
                         ("records_schema", lambda: json_schema(RECORDS, strict=True)),
-                        ("tool_call_3_tools", lambda: tool_calls(TOOLS, parallel=True))):
+                        ("tool_call_3_tools", lambda: tool_calls(TOOLS, parallel=True)),
+                        # Tools beside a response_format: the calls or the answer.
+                        ("tool_calls_or_records", lambda: tool_calls(
+                            TOOLS, parallel=True, answer=JsonAnswer(RECORDS, strict=True)))):
         started = time.perf_counter()
         constraint = build()
         built = time.perf_counter()

@@ -79,7 +79,7 @@ def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
         assert rates["free_tok_s"] > 0 and rates["constrained_tok_s"] > 0
         assert rates["ratio"] == rates["constrained_tok_s"] / rates["free_tok_s"]
     assert set(structured["compile"]["grammars"]) == {
-        "json_object", "records_schema", "tool_call_3_tools"}
+        "json_object", "records_schema", "tool_call_3_tools", "tool_calls_or_records"}
     assert "constrained vs free decode tok/s, batch 16" in {
         t["target"] for t in results["targets"]}
     assert "## Structured output" in (tmp_path / "results.md").read_text()
