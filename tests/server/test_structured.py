@@ -9,6 +9,8 @@ weights prefer.
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Iterator
 from typing import Literal
 
 import httpx
@@ -17,7 +19,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer
 
-from tests.server.support import ServerProcess
+from tests.server.support import ServerProcess, start_server
 
 
 class Weather(BaseModel):
@@ -159,17 +161,39 @@ def test_tools_beside_a_schema_give_a_call_or_the_answer(
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@pytest.fixture(scope="module")
+def hermes_model(demo_model_dir, tmp_path_factory) -> Iterator[tuple[openai.OpenAI, str]]:
+    """(a client, the model id) of a server on the demo model told that its tool format
+    is Hermes/Qwen's (mlx-lm's json_tools), so its calls take the model-native path."""
+    model = tmp_path_factory.mktemp("hermes") / "tiny-hermes"
+    shutil.copytree(demo_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["tool_parser_type"] = "json_tools"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    process = start_server(model, model.parent / "server.log")
+    yield openai.OpenAI(base_url=f"{process.url}/v1", api_key="-", max_retries=0), model.name
+    process.stop()
+
+
+@pytest.mark.parametrize("tool_format", ["generic", "hermes"])
 def test_parallel_tool_calls_unsaid_allows_more_calls_false_exactly_one(
-    client: openai.OpenAI, model_id: str, token_id
+    request: pytest.FixtureRequest, tool_format: str, token_id
 ) -> None:
     """OpenAI's default is true: a forced reply may go on to more calls. False: the
     grammar ends after one, however much the model would rather go on (its end-of-text
-    tokens pushed down)."""
+    tokens pushed down). In the generic format and in a model's own (whose newline
+    between calls is not content)."""
+    if tool_format == "generic":
+        client, model = request.getfixturevalue("client"), request.getfixturevalue("model_id")
+    else:
+        client, model = request.getfixturevalue("hermes_model")
     no_end = {token_id(eos): -100 for eos in ("<|end_of_text|>", "<|im_end|>")}
-    options = {"model": model_id, "messages": MESSAGES, "max_tokens": 3 * ROOM,
+    options = {"model": model, "messages": MESSAGES, "max_tokens": 3 * ROOM,
                "tools": [WEATHER_TOOL], "tool_choice": "required", "logit_bias": no_end}
-    several = client.chat.completions.create(**options).choices[0]
-    assert len(_calls(several.message)) >= 2
+    chunks = list(client.chat.completions.create(**options, stream=True))
+    indexes = {call.index for chunk in chunks for call in chunk.choices[0].delta.tool_calls or ()}
+    assert len(indexes) >= 2
+    assert not any(chunk.choices[0].delta.content for chunk in chunks)
     one = client.chat.completions.create(**options, parallel_tool_calls=False).choices[0]
     [(name, arguments)] = _calls(one.message)
     assert name == "get_weather" and Weather.model_validate(arguments)
