@@ -7,7 +7,7 @@ The server builds a constraint here and passes it in `SamplingParams.constraint`
     tool_calls(tools, parallel=p)            tool_choice "required": a call of any tool
     tool_calls(tools, name="f", parallel=p)  tool_choice {"type": "function", ... "f"}
     tool_calls(tools, parallel=p,            tool_choice "auto" beside a response_format:
-               answer=json_schema(...))      calls, or the answer in that format instead
+               answer=JsonAnswer(schema))    calls, or the answer in that format instead
 
 with p = parallel_tool_calls (one or more calls, one after another, or exactly one). Pass
 the model format's call markers as `call_format` (default: Hermes/Qwen's <tool_call>...).
