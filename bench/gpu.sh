@@ -9,6 +9,8 @@
 # e.g. the default model's converted directory: SmolLM2's 49k) and are named
 # <shape>-vocab<N>; BENCH_WORKLOADS picks workloads (default: all). snapshot_models (tiny
 # sliding-window and hybrid demo models, whatever the shape) runs once, into OUT/snapshot-models/.
+# With single_stream, each shape's decode parity (bench/decode_parity.py) goes to
+# OUT/<shape>-decode-parity/.
 set -euo pipefail
 out=${1:?usage: bench/gpu.sh OUT [shape ...]}
 shift
@@ -42,6 +44,12 @@ for s in "${shapes[@]}"; do
     --lc-question-tokens 64 --lc-output-tokens 32 --decode-output-tokens 128 \
     --decode-repeats 2 --bd-streams 64 --bd-prompt-tokens 64 --bd-output-tokens 128 \
     --cl-sentences 512 --cl-batch 64 --cl-preamble-tokens 48 --cl-sentence-tokens 16
+  # Single-stream decode against bare mlx-lm in one process, many alternating runs: the
+  # workload above meets bare mlx-lm minutes later in another process, two runs each.
+  if grep -qx single_stream <<< "$(tr , '\n' <<< "$wanted")"; then
+    python3 -m bench.decode_parity "$models/$name" --max-tokens 256 --repeats 9 \
+      --out "$out/$name-decode-parity"
+  fi
   [ -n "${BENCH_KEEP_MODELS:-}" ] || rm -rf "${models:?}/$name"
 done
 if grep -qx snapshot_models <<< "$(tr , '\n' <<< "$wanted")"; then

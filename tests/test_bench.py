@@ -150,3 +150,16 @@ def test_bare_batch_baseline_runs_the_classify_prompts(demo_model_dir: Path) -> 
     # batch_generate may stop a prompt at EOS before its one token.
     assert 0 <= measured["output_tokens"] <= QUICK.cl_sentences
     assert measured["prompts_s"] > 0
+
+
+def test_decode_parity_times_every_path_against_bare_mlx_lm(demo_model_dir: Path,
+                                                             tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "bench.decode_parity", str(demo_model_dir), "--max-tokens", "8",
+         "--repeats", "2", "--out", str(tmp_path)], check=True, capture_output=True,
+        text=True, timeout=600)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["runs"]) == {"bare", "engine", "server"}
+    assert all(len(rates) == 2 and min(rates) > 0 for rates in results["runs"].values())
+    assert results["ratio_to_bare"]["bare"] == 1.0
+    assert "| server |" in (tmp_path / "results.md").read_text()
