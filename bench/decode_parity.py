@@ -11,7 +11,9 @@ through bare `mlx_lm.stream_generate`, through radix-mlx's engine (`Engine.submi
 events read on an asyncio loop, as the server reads them) and, unless --no-server,
 through a radix-mlx server process on the same model (streamed /v1/completions over
 HTTP). Each rate is (tokens - 1) / (last token - first token): prefill excluded. Prints
-one JSON object (medians, ratios to bare, every run, the load average around the runs);
+one JSON object (medians, ratios to bare, every run, the load average around the runs,
+and for the in-process paths the CPU time per token of their Python threads, which the
+machine's load disturbs far less than wall time: the host cost per step, measured);
 with --out also writes results.json and results.md there.
 """
 
@@ -24,6 +26,7 @@ import os
 import shlex
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -36,10 +39,8 @@ from bench import hardware
 from bench.__main__ import git_revision
 from bench.servers import RADIX, running
 from engine.api import SamplingParams, TokenEvent
-from engine.engine import Engine, EngineConfig
+from engine.engine import ENGINE_THREAD, Engine, EngineConfig
 from engine.platform_info import openblas_preload_env
-
-PATHS = ("bare", "engine", "server")
 
 
 def rate(times: list[float]) -> float:
@@ -80,21 +81,40 @@ def through_server(base_url: str, prompt: list[int], max_tokens: int) -> list[fl
     return times
 
 
-def measure(runs: dict[str, Callable[[], list[float]]], tokens: int, repeats: int) -> dict:
+def thread_seconds(threads: dict[str, int]) -> dict[str, float]:
+    """CPU seconds each named thread (by `threading` ident) of this process has used."""
+    return {name: time.clock_gettime(time.pthread_getcpuclockid(ident))
+            for name, ident in threads.items()}
+
+
+def measure(runs: dict[str, Callable[[], list[float]]], threads: dict[str, dict[str, int]],
+            tokens: int, repeats: int) -> dict:
+    """Medians of `repeats` alternating runs of each path; for a path run in this process,
+    also the CPU time per token of its Python threads (`threads[path]`): the host's work,
+    apart from MLX's own compute threads and from how busy the machine is."""
     for run in runs.values():  # compile kernels, warm caches
         run()
     samples: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, dict[str, list[float]]] = {
+        name: {thread: [] for thread in threads.get(name, {})} for name in runs}
     load_before = os.getloadavg()
     for _ in range(repeats):
         for name, run in runs.items():
+            before = thread_seconds(threads.get(name, {}))
             times = run()
+            after = thread_seconds(threads.get(name, {}))
             if len(times) != tokens:
                 raise RuntimeError(f"{name}: {len(times)} tokens, expected {tokens}")
             samples[name].append(rate(times))
+            for thread in cpu[name]:
+                cpu[name][thread].append(1e6 * (after[thread] - before[thread]) / tokens)
     medians = {name: statistics.median(values) for name, values in samples.items()}
     return {
         "decode_tok_s": medians,
         "ratio_to_bare": {name: medians[name] / medians["bare"] for name in medians},
+        "host_cpu_us_per_token": {
+            name: {thread: statistics.median(values) for thread, values in per.items()}
+            for name, per in cpu.items() if per},
         "runs": samples,
         "load_average": {"before": load_before, "after": os.getloadavg()},
     }
@@ -118,15 +138,18 @@ def main() -> None:
         raise SystemExit(f"the engine did not start: {engine.error}")
     runs = {"bare": lambda: bare(model, tokenizer, prompt, args.max_tokens),
             "engine": lambda: through_engine(engine, prompt, args.max_tokens)}
+    caller = threading.get_ident()
+    worker = next(t.ident for t in threading.enumerate() if t.name == ENGINE_THREAD)
+    threads = {"bare": {"caller": caller}, "engine": {"engine": worker, "caller": caller}}
     try:
         if args.no_server:
-            result = measure(runs, args.max_tokens, args.repeats)
+            result = measure(runs, threads, args.max_tokens, args.repeats)
         else:
             env = openblas_preload_env() or dict(os.environ)
             log = (args.out or Path("build")) / "radix-mlx.log"
             with running(RADIX, args.model, env, log, shlex.split(args.radix_mlx_args)) as server:
                 runs["server"] = lambda: through_server(server.base_url, prompt, args.max_tokens)
-                result = measure(runs, args.max_tokens, args.repeats)
+                result = measure(runs, threads, args.max_tokens, args.repeats)
     finally:
         engine.shutdown()
     result.update(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
@@ -157,6 +180,11 @@ def write(result: dict, out: Path) -> None:
     for name, median in result["decode_tok_s"].items():
         runs = ", ".join(f"{v:.0f}" for v in result["runs"][name])
         lines.append(f"| {name} | {median:.1f} | {result['ratio_to_bare'][name]:.3f} | {runs} |")
+    lines += ["", ("Host CPU per token (medians), by Python thread: the caller runs bare "
+                   "mlx-lm's loop, or reads the engine's events on an asyncio loop."), "",
+              "| path | thread | CPU µs per token |", "|---|---|---:|"]
+    for name, per_thread in result["host_cpu_us_per_token"].items():
+        lines += [f"| {name} | {thread} | {us:.0f} |" for thread, us in per_thread.items()]
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 

@@ -61,6 +61,7 @@ DISK_QUEUE_BYTES = (64 * 2**20, 2 * 2**30)
 # How long a stop waits for the disk writer to finish what is queued.
 DISK_FLUSH_SECONDS = 10.0
 WARMUP_PROMPT_TOKENS = 48
+ENGINE_THREAD = "radix-mlx-engine"  # the worker's name, as profilers show it
 
 
 class Engine:
@@ -91,7 +92,7 @@ class Engine:
 
     def start(self) -> None:
         """Load, warm up and serve in the worker thread; returns at once."""
-        self._thread = threading.Thread(target=self._main, name="radix-mlx-engine",
+        self._thread = threading.Thread(target=self._main, name=ENGINE_THREAD,
                                         daemon=True)
         self._thread.start()
 

@@ -162,4 +162,7 @@ def test_decode_parity_times_every_path_against_bare_mlx_lm(demo_model_dir: Path
     assert set(results["runs"]) == {"bare", "engine", "server"}
     assert all(len(rates) == 2 and min(rates) > 0 for rates in results["runs"].values())
     assert results["ratio_to_bare"]["bare"] == 1.0
+    cpu = results["host_cpu_us_per_token"]
+    assert set(cpu) == {"bare", "engine"} and set(cpu["engine"]) == {"engine", "caller"}
+    assert cpu["engine"]["engine"] > 0
     assert "| server |" in (tmp_path / "results.md").read_text()
