@@ -146,7 +146,7 @@ def main() -> None:
             result = measure(runs, threads, args.max_tokens, args.repeats)
         else:
             env = openblas_preload_env() or dict(os.environ)
-            log = (args.out or Path("build")) / "radix-mlx.log"
+            log = (args.out or Path("build")) / "logs" / "radix-mlx.log"
             with running(RADIX, args.model, env, log, shlex.split(args.radix_mlx_args)) as server:
                 runs["server"] = lambda: through_server(server.base_url, prompt, args.max_tokens)
                 result = measure(runs, threads, args.max_tokens, args.repeats)
