@@ -25,7 +25,6 @@ import json
 import os
 import shlex
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -161,15 +160,13 @@ def main() -> None:
 
 def write(result: dict, out: Path) -> None:
     device = "gpu" if mx.default_device() == mx.gpu else "cpu"
-    result = {"command": shlex.join(["python", "-m", "bench.decode_parity", *sys.argv[1:]]),
-              "git": git_revision(), "hardware": hardware.describe(device), **result}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    hw, load_average = result["hardware"], result["load_average"]
+    hardware.write_results(out, "bench.decode_parity", device, "Single-stream decode parity",
+                           result, markdown, git=git_revision())
+
+
+def markdown(result: dict) -> list[str]:
+    load_average = result["load_average"]
     lines = [
-        f"# Single-stream decode parity on {hw['tag']}", "",
-        f"Hardware: {hw['cpu']} ({hw['cpu_count']} cores)"
-        + (f", {', '.join(hw['gpus'])}" if hw["gpus"] else "") + f"; device {device}.",
         f"Command: `{result['command']}` at {result['git']}.",
         "Load average (1, 5, 15 min) before the timed runs: "
         + ", ".join(f"{v:.2f}" for v in load_average["before"]) + "; after: "
@@ -185,7 +182,7 @@ def write(result: dict, out: Path) -> None:
               "| path | thread | CPU µs per token |", "|---|---|---:|"]
     for name, per_thread in result["host_cpu_us_per_token"].items():
         lines += [f"| {name} | {thread} | {us:.0f} |" for thread, us in per_thread.items()]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    return lines
 
 
 if __name__ == "__main__":

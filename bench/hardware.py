@@ -6,11 +6,16 @@ device comes from the server logs and `radix-mlx info`.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 
 def cpu_model() -> str:
@@ -60,3 +65,20 @@ def describe(device: str) -> dict:
         "platform": platform.platform(),
         "python": platform.python_version(),
     }
+
+
+def write_results(out: Path, module: str, device: str, title: str, result: dict,
+                  body: Callable[[dict], list[str]], **stamps: object) -> None:
+    """A benchmark module's results.json and results.md in `out`: `result` stamped with
+    the command that ran it (`python -m module ...`), `stamps` and the hardware; the
+    markdown is `title`, the hardware, then `body(stamped result)`."""
+    result = {"command": shlex.join(["python", "-m", module, *sys.argv[1:]]), **stamps,
+              "hardware": describe(device), **result}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    hw = result["hardware"]
+    lines = [f"# {title} on {hw['tag']}", "",
+             f"Hardware: {hw['cpu']} ({hw['cpu_count']} cores)"
+             + (f", {', '.join(hw['gpus'])}" if hw["gpus"] else "") + f"; device {device}.",
+             *body(result), ""]
+    (out / "results.md").write_text("\n".join(lines))

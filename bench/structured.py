@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -153,16 +151,8 @@ def main() -> None:
 
 def write(result: dict, out: Path) -> None:
     device = "gpu" if mx.default_device() == mx.gpu else "cpu"
-    result = {"command": shlex.join(["python", "-m", "bench.structured", *sys.argv[1:]]),
-              "hardware": hardware.describe(device), **result}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    hw = result["hardware"]
-    lines = [f"# Structured output on {hw['tag']}", "",
-             f"Hardware: {hw['cpu']} ({hw['cpu_count']} cores)"
-             + (f", {', '.join(hw['gpus'])}" if hw["gpus"] else "") + f"; device {device}.",
-             f"Command: `{result['command']}`", *structured_markdown(result), ""]
-    (out / "results.md").write_text("\n".join(lines))
+    hardware.write_results(out, "bench.structured", device, "Structured output", result,
+                           lambda r: [f"Command: `{r['command']}`", *structured_markdown(r)])
 
 
 if __name__ == "__main__":
