@@ -45,6 +45,9 @@ class EngineConfig:
     # free space there, see disk_store.default_disk_budget; 0: off).
     disk_cache_dir: str | None = None
     disk_cache_bytes: int | None = 0
+    # Tensor parallelism: how long one scheduler step may take before the group counts
+    # as lost (a rank that hangs must not hang the server).
+    collective_timeout: float = 60.0
 
 
 @dataclass

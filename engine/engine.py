@@ -12,7 +12,9 @@ import asyncio
 import itertools
 import logging
 import os
+import secrets
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import replace
@@ -37,6 +39,7 @@ from engine.api import (
 )
 from engine.constraints import json_object
 from engine.disk_store import DiskStore, default_disk_budget, model_fingerprint
+from engine.distributed import RankGroup
 from engine.loader import LoadedModel, load_model, model_id_for
 from engine.memory import CPU_MEMORY_FRACTION, MemoryPlan, describe, headroom, plan_memory
 from engine.mlx_lm_internals import kv_bytes_per_token
@@ -65,9 +68,13 @@ ENGINE_THREAD = "radix-mlx-engine"  # the worker's name, as profilers show it
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    """With a tensor-parallel `group` (distributed.py), this process is one rank: rank 0's
+    engine takes requests; the others' serve nobody and run the same steps."""
+
+    def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
         apply_mlx_env_defaults()
         self.config = config
+        self.group = group
         self.state = Lifecycle.LOADING
         self.error: str | None = None
         self.model_id = model_id_for(config.model)
@@ -87,6 +94,8 @@ class Engine:
         self._ids = itertools.count()
         self._queued = 0
         self._queued_lock = threading.Lock()
+        self._last_turn = 0.0  # when the scheduler last went round its loop (watchdog)
+        self.served = False  # became ready: a failure now is not a failed load
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -100,14 +109,20 @@ class Engine:
         self._ready.wait(timeout)
         return self.state
 
+    def wait_stopped(self) -> None:
+        """Until the engine has served its last step (after `Stop`, or a lost group)."""
+        self._stopped.wait()
+
     def _main(self) -> None:
         try:
-            loaded = load_model(self.config.model)
+            loaded = load_model(self.config.model, self.group)
             self._loaded = loaded
             self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer
             self.context_length = loaded.context_length
             self.state = Lifecycle.WARMING_UP
             self.memory = self._plan_memory(loaded)
+            if self.group is not None:  # one plan, so every rank evicts alike
+                self.memory = self.group.share(self.memory)
             log.info("%s", describe(self.memory))
             self._scheduler = Scheduler(loaded, SchedulerLimits(
                 max_batch_size=self.config.max_batch_size,
@@ -116,7 +131,7 @@ class Engine:
                 max_tokens_in_flight=min(self.config.max_tokens_in_flight,
                                          self.memory.kv_tokens),
                 cache_bytes=self.memory.cache_bytes,
-            ))
+            ), self.group)
             self.wants_message_ends = not self._scheduler.kv.segments
             self._warm_up()
             self._start_disk_tier(loaded)
@@ -127,15 +142,58 @@ class Engine:
             self._ready.set()
             return
         self.state = Lifecycle.READY
+        self.served = True
         self._ready.set()
         log.info("ready: %s (context %d, radix budget %.0f MiB)", self.model_id,
                  self.context_length, self._scheduler.tree.capacity_bytes / 2**20)
-        self._scheduler.run()
+        try:
+            self._serve()
+        except Exception as error:  # noqa: BLE001 - only a tensor-parallel scheduler lets one out
+            self._lose_group(error)
         self._stopped.set()
         # Never return: when this thread ends, MLX's thread-local compile cache is
         # destroyed and needs the GIL; if that races with interpreter shutdown the process
         # aborts. A daemon thread parked here is simply discarded at exit.
         threading.Event().wait()
+
+    def _serve(self) -> None:
+        if self.group is None:
+            self._scheduler.run()
+            return
+        self._last_turn = time.monotonic()
+        threading.Thread(target=self._watch_group, name="radix-mlx-rank-watchdog",
+                         daemon=True).start()
+        self._scheduler.run(beat=self._turned)
+
+    def _turned(self) -> None:
+        self._last_turn = time.monotonic()
+
+    def _watch_group(self) -> None:
+        """A rank that hangs (or a collective that never returns, as NCCL's may not when
+        a peer is gone) stops every rank's loop at the next collective: fail the engine
+        rather than wait forever. Rank 0 sends a heartbeat every half second when idle,
+        so a turn longer than the timeout is a stuck one."""
+        timeout = self.config.collective_timeout
+        while self.state is Lifecycle.READY and not self._stopped.is_set():
+            time.sleep(min(1.0, timeout / 4))
+            if time.monotonic() - self._last_turn > timeout:
+                self._lose_group(TimeoutError(
+                    f"no scheduler step finished in {timeout:.0f} s (collective_timeout)"))
+                return
+
+    def _lose_group(self, error: Exception) -> None:
+        """The tensor-parallel group is broken: the engine fails, every open request gets
+        the reason, and a rank other than 0 exits (mlx.launch then stops the others)."""
+        if self.state is Lifecycle.FAILED:
+            return
+        self.error = f"the tensor-parallel group failed: {error}"
+        self.state = Lifecycle.FAILED
+        log.error("%s", self.error)
+        for generation in list(self._scheduler.generations.values()):
+            generation.fail(RuntimeError(self.error))
+        if self.group is not None and not self.group.leader:
+            logging.shutdown()
+            os._exit(1)
 
     def _plan_memory(self, loaded: LoadedModel) -> MemoryPlan:
         """Plan weights + prefix cache + running KV under the device's limit and tell MLX
@@ -164,6 +222,11 @@ class Engine:
         the tree from it in the background: the engine serves meanwhile."""
         config = self.config
         if config.disk_cache_bytes == 0 or config.disk_cache_dir is None:
+            return
+        if self.group is not None:
+            # Its writes (dropped when the queue is full) and its rebuild at start run off
+            # the scheduler, at each rank's own pace: the ranks' trees would diverge.
+            log.warning("disk cache off: the disk tier is not kept under tensor parallelism")
             return
         directory = Path(config.disk_cache_dir).expanduser()
         try:
@@ -225,6 +288,9 @@ class Engine:
         tokens = prompt.tokens
         if not tokens:
             raise ValueError("the prompt is empty")
+        if self.group is not None and not params.greedy and params.seed is None:
+            # Every rank samples alike only from one seed; rank 0 picks it.
+            params = replace(params, seed=secrets.randbits(63))
         requested = len(tokens) + params.max_tokens
         if requested > self.context_length:
             raise ContextLengthExceeded(

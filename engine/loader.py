@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 from mlx import nn
 from mlx_lm.utils import hf_repo_to_path, load
 
+from engine.distributed import RankGroup, shard
 from engine.tokenizer import ModelTokenizer
 
 log = logging.getLogger("radix_mlx.engine")
@@ -37,15 +39,20 @@ def model_id_for(path_or_repo: str) -> str:
     return path.name if path.exists() else path_or_repo
 
 
-def load_model(path_or_repo: str) -> LoadedModel:
+def load_model(path_or_repo: str, group: RankGroup | None = None) -> LoadedModel:
     """Load with mlx-lm. A local directory never touches the network; a hub repo id is
-    downloaded by huggingface_hub, which shows its own progress bar."""
+    downloaded by huggingface_hub, which shows its own progress bar. With a tensor-parallel
+    `group`, the model is sharded before its weights are read, so a rank reads and keeps
+    only its own slices (as mlx-lm's `sharded_load` does)."""
     local = Path(path_or_repo).expanduser()
     if not local.exists() and path_or_repo.startswith(("/", ".", "~")):
         # No repo id starts so: without this, the hub reports an invalid repo id.
         raise FileNotFoundError(f"no model directory at {local}")
     source = str(local) if local.exists() else path_or_repo
-    model, tokenizer, config = load(source, return_config=True)
+    model, tokenizer, config = load(source, return_config=True, lazy=group is not None)
+    if group is not None:
+        shard(model, config, group)
+        mx.eval(model.parameters())
     weight_bytes = sum(v.nbytes for _, v in nn.utils.tree_flatten(model.parameters()))
     vocab_size = _config_int(config, ("vocab_size",)) or len(tokenizer.vocab)
     context_length = _config_int(config, _CONTEXT_KEYS) or DEFAULT_CONTEXT_LENGTH

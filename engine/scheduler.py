@@ -46,6 +46,7 @@ import mlx.core as mx
 from engine.admission import SchedulerLimits, admit
 from engine.api import SamplingParams, SchedulerCounters
 from engine.disk_store import DiskStore
+from engine.distributed import RankGroup
 from engine.generation import Generation
 from engine.generator import Generator, Output, SequenceState
 from engine.grammar import ConstraintFailed, Grammars
@@ -101,9 +102,10 @@ class Cancel:
 
 @dataclass(frozen=True)
 class ClearCache:
-    """Drop every unpinned node from both tiers; `done` gets the memory bytes freed."""
+    """Drop every unpinned node from both tiers; `done` (rank 0's) gets the memory bytes
+    freed."""
 
-    done: Future
+    done: Future | None
 
 
 @dataclass(frozen=True)
@@ -111,13 +113,39 @@ class Stop:
     pass
 
 
+@dataclass(frozen=True)
+class SubmitRemote:
+    """A `Submit` as rank 0 broadcasts it to the other ranks of a tensor-parallel group,
+    which run the same generation with nobody to send its events to."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+
+
 Message = Submit | Wake | Republish | Cancel | ClearCache | Stop
+# What the scheduler's own tree callbacks post: every rank makes these itself.
+LOCAL_MESSAGES = (Wake, Republish)
+
+
+def to_remote(message: Message) -> object:
+    """What the other ranks need of one of rank 0's messages (no futures, no callbacks)."""
+    match message:
+        case Submit(generation):
+            return SubmitRemote(generation.id, generation.prompt, generation.params)
+        case ClearCache():
+            return ClearCache(None)
+    return message
 
 
 class Scheduler:
-    def __init__(self, loaded: LoadedModel, limits: SchedulerLimits) -> None:
+    def __init__(self, loaded: LoadedModel, limits: SchedulerLimits,
+                 group: RankGroup | None = None) -> None:
         self.loaded = loaded
         self.limits = limits
+        # Tensor parallelism (distributed.py): every rank runs this loop over rank 0's
+        # inputs, and any failure is the whole group's, never recovered by one rank alone.
+        self.group = group
         self.kv = KVStore(loaded.model)
         self.tree = RadixTree(limits.cache_bytes, free=self.kv.free)
         self.disk: DiskStore | None = None
@@ -153,43 +181,78 @@ class Scheduler:
 
     # -- the loop ---------------------------------------------------------------------
 
-    def run(self, until_idle: bool = False) -> None:
+    def run(self, until_idle: bool = False,
+            beat: Callable[[], None] = lambda: None) -> None:
+        """Serve until `Stop` (or, warming up, until nothing is left to do: then every
+        rank feeds itself the same requests). `beat` is called at every turn, for a
+        watchdog. Under tensor parallelism a failed step raises: the group is lost."""
+        shared = self.group is not None and not until_idle
         while not self._stopping:
+            beat()
             idle = not self.running and not self.waiting and not self.parked
             if idle and until_idle and self.inbox.empty():
                 return
-            self._drain_inbox(block=idle and not until_idle)
+            messages = self._take_inbox(block=idle and not until_idle and
+                                        (not shared or self.group.leader))
+            for message in self._share(messages) if shared else messages:
+                self._handle(message)
             try:
                 admit(self.waiting, self.running.values(), self.limits,
                       lambda g: self.tree.peek(g.cacheable), self._try_start)
                 if self.running:
                     self._step()
-            except Exception as error:  # noqa: BLE001 - the engine must outlive any step
+            except Exception as error:  # the engine must outlive any step, alone
+                if self.group is not None:
+                    raise
                 self._recover(error)
         mx.synchronize()
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _take_inbox(self, block: bool) -> list[Message]:
+        """Everything in the inbox; if `block`, waiting up to half a second for a first."""
+        messages = []
         while True:
             try:
-                message = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+                messages.append(self.inbox.get(timeout=0.5) if block
+                                else self.inbox.get_nowait())
             except queue.Empty:
-                return
+                return messages
             block = False
-            match message:
-                case Submit(generation):
-                    self.generations[generation.id] = generation
-                    self.waiting.append(generation)
-                case Wake(generation) if generation in self.parked:
-                    self.parked.discard(generation)
-                    self.waiting.append(generation)
-                case Republish(generation):
-                    self._republish(generation)
-                case Cancel(request_id) if request_id in self.generations:
-                    self._cancel(self.generations[request_id])
-                case ClearCache(done):
-                    done.set_result(self.tree.clear())
-                case Stop():
-                    self._stop_all()
+
+    def _share(self, messages: list[Message]) -> list[Message]:
+        """One turn's messages on every rank of the group: each rank's own tree callbacks
+        first, then rank 0's inputs, broadcast (an empty list when idle: the heartbeat)."""
+        local = [m for m in messages if isinstance(m, LOCAL_MESSAGES)]
+        if self.group.leader:
+            inputs = [m for m in messages if not isinstance(m, LOCAL_MESSAGES)]
+            self.group.share([to_remote(m) for m in inputs])
+        else:
+            inputs = [self._from_leader(m) for m in self.group.share(None)]
+        return local + inputs
+
+    def _from_leader(self, message: object) -> Message:
+        if isinstance(message, SubmitRemote):
+            return Submit(self.new_generation(message.request_id, message.prompt,
+                                              message.params, lambda event: None))
+        return message
+
+    def _handle(self, message: Message) -> None:
+        match message:
+            case Submit(generation):
+                self.generations[generation.id] = generation
+                self.waiting.append(generation)
+            case Wake(generation) if generation in self.parked:
+                self.parked.discard(generation)
+                self.waiting.append(generation)
+            case Republish(generation):
+                self._republish(generation)
+            case Cancel(request_id) if request_id in self.generations:
+                self._cancel(self.generations[request_id])
+            case ClearCache(done):
+                freed = self.tree.clear()
+                if done is not None:
+                    done.set_result(freed)
+            case Stop():
+                self._stop_all()
 
     # -- starting ---------------------------------------------------------------------
 
@@ -199,6 +262,8 @@ class Scheduler:
         try:
             return self._start(generation)
         except Exception as error:  # reported to the request
+            if self.group is not None:
+                raise  # the ranks may no longer agree on what they hold
             log.exception("admitting %s failed", generation.id)
             if generation.sequence is not None:
                 self.running.pop(generation.sequence.uid, None)
@@ -343,6 +408,8 @@ class Scheduler:
             # flowing, big chunks finish a prompt sooner (fewer, better-shaped steps).
             result = self.generator.prefill(self._chunk if self.generator.decoding
                                             else self._idle_chunk)
+            if result.failed and self.group is not None:
+                raise result.failed[0][1]
             for sequence, error in result.failed:
                 generation = self.running.pop(sequence.uid)
                 log.error("prefill of %s failed: %r", generation.id, error)

@@ -135,6 +135,19 @@ class Settings(BaseModel):
         None, description="JSON Lines file of prompts to prefill at start, one request body "
         'per line: {"messages": [...]} (chat) or {"prompt": "..."} (completion)'
     )
+    tensor_parallel: PositiveInt = Field(
+        1, description="shard the model over this many ranks started with mlx.launch "
+        "(ring backend on the CPU, NCCL on CUDA; docs/scale-out.md); 1: one process"
+    )
+    hostfile: Path | None = Field(
+        None, description="mlx.launch hostfile of a multi-host tensor-parallel launch; "
+        "none: every rank on this host"
+    )
+    collective_timeout: float = Field(
+        60.0, gt=0, allow_inf_nan=False,
+        description="under tensor parallelism, seconds one scheduler step may take before "
+        "the rank group counts as lost and the server fails"
+    )
     config_file: Path | None = Field(None, description="TOML file read for these settings")
 
     @field_validator("ssl_certfile", "ssl_keyfile")

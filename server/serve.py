@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from logging.handlers import WatchedFileHandler
 from types import FrameType
@@ -16,6 +17,7 @@ from engine.engine import Engine
 from engine.gguf import GGUFError
 from engine.model_source import resolve_model
 from engine.platform_info import describe_platform
+from server import tensor_parallel
 from server.app import create_app
 from server.body_limit import MAX_HEADER_BYTES
 from server.config import ConfigError, Settings, default_disk_cache_dir, load_settings
@@ -63,7 +65,10 @@ def configure_logging(settings: Settings) -> None:
         handler: logging.Handler = WatchedFileHandler(settings.log_file)
     else:
         handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # Ranks of a tensor-parallel launch share one output: each line says whose it is.
+    rank = f" rank {os.environ[tensor_parallel.RANK_ENV]}" if tensor_parallel.in_launch() else ""
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s %(levelname)s{rank} %(name)s: %(message)s"))
     logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
 
 
@@ -80,6 +85,7 @@ def engine_config(settings: Settings, model: str) -> EngineConfig:
         max_queue=settings.max_queue,
         disk_cache_dir=str(settings.disk_cache_dir or default_disk_cache_dir()),
         disk_cache_bytes=settings.disk_cache_bytes,
+        collective_timeout=settings.collective_timeout,
     )
 
 
@@ -94,7 +100,14 @@ def run(settings: Settings) -> int:
     except GGUFError as error:
         print(f"radix-mlx serve: {error}", file=sys.stderr)
         return 1
-    engine = Engine(engine_config(settings, model))
+    group = None
+    if settings.tensor_parallel > 1:
+        if not tensor_parallel.in_launch():
+            return tensor_parallel.launch(settings, model)
+        group = tensor_parallel.join(settings)
+        if not group.leader:
+            return tensor_parallel.run_rank(engine_config(settings, model), group)
+    engine = Engine(engine_config(settings, model), group)
     engine.start()
     app = create_app(settings, engine)
     config = uvicorn.Config(
@@ -118,7 +131,8 @@ def run(settings: Settings) -> int:
         engine.shutdown()
         app.state.server.responses.close()
     if engine.state is Lifecycle.FAILED:
-        print(f"radix-mlx serve: the model failed to load: {engine.error}", file=sys.stderr)
+        reason = engine.error if engine.served else f"the model failed to load: {engine.error}"
+        print(f"radix-mlx serve: {reason}", file=sys.stderr)
         return 1
     return 0
 

@@ -15,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
+from engine.distributed import RankGroup
 from engine.loader import LoadedModel, load_model
 
 
@@ -32,12 +33,12 @@ class FaultInjectingModel:
         return getattr(self._model, name)
 
 
-def faulty_loader(token: int) -> Callable[[str], LoadedModel]:
+def faulty_loader(token: int) -> Callable[..., LoadedModel]:
     """`load_model`, except that the model fails every forward pass that feeds `token`;
     patch it over `engine.engine.load_model`."""
 
-    def load(path_or_repo: str) -> LoadedModel:
-        loaded = load_model(path_or_repo)
+    def load(path_or_repo: str, group: RankGroup | None = None) -> LoadedModel:
+        loaded = load_model(path_or_repo, group)
         return replace(loaded, model=FaultInjectingModel(loaded.model, token))
 
     return load

@@ -1,0 +1,105 @@
+"""Tensor parallelism: one model sharded over the ranks of an `mlx.launch` group.
+
+Every rank loads the model and shards it with mlx-lm's own `model.shard(group)` (attention
+heads and MLP columns split N ways, an all-reduce after each layer's output projections;
+embeddings and the LM head stay whole, so every rank computes the same logits). Every rank
+runs the same scheduler (scheduler.py) over its own radix tree, whose segments hold that
+rank's heads of every KV span.
+
+How the ranks agree on every step: a replicated scheduler fed one input stream, as
+mlx-lm's own server does it. Only rank 0 takes requests. At every turn of its loop it
+broadcasts what came in since the last one (new requests with their tokens and sampling
+parameters, cancels, cache clears, stop; nothing when idle, as a heartbeat) and every rank
+applies that same list at the same point of the same loop. The scheduler is deterministic
+given its inputs (no clocks, no per-rank randomness: rank 0 fixes the seed of a request that
+named none, and its memory plan is every rank's), so the ranks make the same admissions,
+matches, evictions and forward passes, and their trees keep the same topology without any
+node ids crossing the wire. A broadcast step plan (rank 0 naming the nodes to reuse and
+free) would have had to mirror the tree's ids and every scheduling decision in a protocol.
+
+A rank that dies breaks the next collective (the ring backend raises "connection to a peer
+was lost"); a rank that hangs is caught by a watchdog. Either way the engine fails
+(rank 0's /health says `failed`, open requests get an error) instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+from mlx_lm.utils import load_model
+
+# Model config keys whose value every rank must split evenly (heads, MLP width).
+_SPLIT_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+class TensorParallelError(ValueError):
+    """The model cannot be sharded over the group: a one-line reason."""
+
+
+class RankGroup:
+    """The ranks of one tensor-parallel server and the one thing they exchange besides
+    the model's own all-reduces: rank 0's inputs, broadcast to every rank."""
+
+    def __init__(self, group: mx.distributed.Group) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (the others pass anything, usually None):
+        its pickle's length, then the pickle, each as an all-sum that the others join
+        with zeros."""
+        data = pickle.dumps(value) if self.leader else b""
+        size = mx.distributed.all_sum(mx.array(len(data)), group=self.group).item()
+        payload = (mx.array(np.frombuffer(data, np.uint8)) if self.leader
+                   else mx.zeros(size, mx.uint8))
+        # Evaluated on rank 0 too: a collective is only joined when it is computed.
+        shared = np.array(mx.distributed.all_sum(payload, group=self.group))
+        return value if self.leader else pickle.loads(shared.tobytes())
+
+
+def join_group(size: int) -> RankGroup:
+    """This process's rank in the group `mlx.launch` started; the group must have `size`
+    ranks."""
+    group = mx.distributed.init(strict=True)
+    if group.size() != size:
+        raise TensorParallelError(
+            f"--tensor-parallel is {size} but the launch started {group.size()} ranks")
+    return RankGroup(group)
+
+
+def check_shardable(model: nn.Module, config: dict[str, Any], size: int) -> None:
+    """Raise TensorParallelError unless mlx-lm can shard `model` `size` ways."""
+    model_type = config.get("model_type", type(model).__name__)
+    if not hasattr(model, "shard"):
+        raise TensorParallelError(
+            f"mlx-lm cannot shard {model_type} models for tensor parallelism")
+    text_config = config.get("text_config") or config
+    for key in _SPLIT_KEYS:
+        value = text_config.get(key)
+        if isinstance(value, int) and value % size:
+            raise TensorParallelError(
+                f"{model_type}: {key} = {value} does not split {size} ways")
+
+
+def shard(model: nn.Module, config: dict[str, Any], group: RankGroup) -> None:
+    """Shard a lazily loaded model in place; its weights are read (only this rank's
+    slices stay) by the caller's next eval."""
+    check_shardable(model, config, group.size)
+    model.shard(group.group)
+
+
+def check_model(path: str, size: int) -> None:
+    """Raise TensorParallelError unless the model in local directory `path` can be
+    sharded `size` ways; reads its config and builds it lazily (no weights are read)."""
+    model, config = load_model(Path(path), lazy=True, strict=False)
+    check_shardable(model, config, size)
