@@ -23,6 +23,12 @@ async def cache(request: Request) -> dict[str, Any]:
     memory and from disk."""
     if request.method == "GET":
         return _tiers(request)
+    return await clear_cache(request)
+
+
+async def clear_cache(request: Request) -> dict[str, Any]:
+    """Drop every cached prefix no request is using, from both tiers (also a router's
+    /flush_cache, worker_info.py); what is left and the memory freed."""
     engine = server_state(request).engine
     if engine.state is not Lifecycle.READY:
         raise APIError(503, f"the model is {engine.state.value}", code="model_not_ready")

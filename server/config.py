@@ -62,6 +62,11 @@ class Settings(BaseModel):
     served_model_names: list[NonEmpty] = Field(
         [], description="names the model answers to in requests and /v1/models"
     )
+    unnamed_model_aliases: list[NonEmpty] = Field(
+        [], description="model names that mean no model in particular (SGLang's router "
+        "writes 'unknown' into a request that names none): served, answered with the "
+        "model's own id, not listed in /v1/models"
+    )
     cache_bytes: PositiveInt | None = Field(
         None, description="byte budget of the prefix cache; none: cache_fraction of device memory"
     )
@@ -188,9 +193,11 @@ class ConfigError(ValueError):
     """A one-line message naming the source and the option; the CLI prints it and exits."""
 
 
-LIST_FIELDS = ("served_model_names", "cors_origins", "volatile_system_lines")
+LIST_FIELDS = ("served_model_names", "unnamed_model_aliases", "cors_origins",
+               "volatile_system_lines")
 FLAGS = {
     "served_model_names": "--served-model-name",
+    "unnamed_model_aliases": "--unnamed-model-alias",
     "cors_origins": "--cors-origin",
     "config_file": "--config",
 }

@@ -42,8 +42,8 @@ from server.config import (
 log = logging.getLogger("radix_mlx.replicas")
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
-# What the router writes into a request that names no model: served as an alias, so such
-# requests work as they do against one server.
+# What the router writes into a request that names no model: the workers take it as no
+# name at all, so such requests work (and are answered) as by one server.
 ROUTER_DEFAULT_MODEL = "unknown"
 POLL_SECONDS = 0.5
 # A worker that dies within this long of its start is crash-looping: its restart delay
@@ -111,7 +111,7 @@ def worker_command(args: argparse.Namespace, settings: Settings, index: int,
     disk = (settings.disk_cache_dir or default_disk_cache_dir()) / f"worker-{index}"
     return [sys.executable, "-m", "server", *model, "--host", "127.0.0.1", "--port", str(port),
             "--drain-timeout", str(args.drain_timeout),
-            "--served-model-name", ROUTER_DEFAULT_MODEL, *serve_flags(args),
+            "--unnamed-model-alias", ROUTER_DEFAULT_MODEL, *serve_flags(args),
             "--disk-cache-dir", str(disk)]
 
 

@@ -44,7 +44,7 @@ class ServerState:
     def check_model(self, model: str | None) -> str:
         """The name to answer with; another model's name is a 404 (and never a load)."""
         ids = self.model_ids()
-        if model is None:
+        if model is None or model in self.settings.unnamed_model_aliases:
             return ids[0]
         if model not in ids:
             raise APIError(

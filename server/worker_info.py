@@ -4,20 +4,32 @@ SGLang's router (`sglang-router`, docs/scale-out.md) registers a worker by probi
 /health, then reads /server_info and /model_info (falling back to /get_server_info and
 /get_model_info, the names older routers and vllm-router use): the served model name
 becomes the worker's model id, which the router's /v1/models lists and its per-model
-policies key on. Its power-of-two policy polls /get_load. Answers are SGLang's shapes,
-with the engine's real values; the model must be ready (503 before, like every /v1 route).
+policies key on. Its power-of-two policy polls /get_load. Its /flush_cache is sent on to
+every worker's (ours drops the unpinned prefix cache, as DELETE /admin/cache does), and
+/health_generate, a health check that runs the model, to a worker's (ours generates one
+token). Answers are SGLang's shapes, with the engine's real values; the model must be
+ready (503 before, like every /v1 route).
 """
 
 from __future__ import annotations
 
+import asyncio
 from importlib.metadata import version
+from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
+from engine.api import EngineError, SamplingParams
+from server.admin import clear_cache
+from server.errors import APIError
 from server.state import ServerState, server_state
 
 worker_info = APIRouter()
+
+# /health_generate's one token: a worker that cannot give it in this long is unhealthy
+# (SGLang's own health check waits 20 s too).
+HEALTH_GENERATE_SECONDS = 20.0
 
 
 class ServerInfo(BaseModel):
@@ -102,3 +114,33 @@ async def get_load(request: Request) -> list[WorkerLoad]:
         num_reqs=stats.waiting + stats.running, num_waiting_reqs=stats.waiting,
         num_running_reqs=stats.running, num_tokens=stats.tokens_in_flight,
     )]
+
+
+@worker_info.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> dict[str, Any]:
+    """Drop the prefix cache that no request is using (requests keep what they hold)."""
+    return await clear_cache(request)
+
+
+@worker_info.get("/health_generate")
+async def health_generate(request: Request) -> dict[str, str]:
+    """Healthy only if the engine generates a token now: a real step through the
+    scheduler and the model, which /health (a state) does not show."""
+    state = server_state(request)
+    tokenizer, engine = state.ready_tokenizer(), state.engine
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    try:
+        stream = engine.submit(tokenizer.encode("ping"), params)
+    except EngineError as error:
+        raise APIError(503, f"not healthy: {error}", code="unhealthy") from None
+    try:
+        async with asyncio.timeout(HEALTH_GENERATE_SECONDS):
+            async for _ in stream:
+                pass
+    except TimeoutError:
+        stream.cancel()
+        raise APIError(503, f"not healthy: no token in {HEALTH_GENERATE_SECONDS:.0f} s",
+                       code="unhealthy") from None
+    except EngineError as error:
+        raise APIError(503, f"not healthy: {error}", code="unhealthy") from None
+    return {"status": "ok"}

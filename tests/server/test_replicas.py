@@ -142,6 +142,21 @@ def test_worker_reports_model_limits_and_load(
     assert load["num_tokens"] >= 4000
 
 
+def test_worker_flushes_its_cache_and_answers_a_generating_health_check(
+    server: ServerProcess, headers: dict[str, str], model_id: str
+) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    client.completions.create(model=model_id, prompt="keep this prefix " * 8, max_tokens=2)
+    assert httpx.post(f"{server.url}/flush_cache").status_code == 401  # the key is needed
+    flushed = httpx.post(f"{server.url}/flush_cache", headers=headers, timeout=30).json()
+    assert flushed["cleared"] and flushed["memory_bytes_freed"] > 0
+    assert flushed["memory"]["bytes"] == flushed["memory"]["pinned_bytes"] == 0
+    steps = server.metrics()["radix_mlx_engine_steps_total"]
+    health = httpx.get(f"{server.url}/health_generate", headers=headers, timeout=30)
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert server.metrics()["radix_mlx_engine_steps_total"] > steps  # it ran the model
+
+
 # -- two replicas behind the router ---------------------------------------------------------
 
 
@@ -155,9 +170,14 @@ def test_router_sees_both_workers_healthy_under_the_model_name(replicas: Replica
     chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
     url = f"{replicas.url}/v1/chat/completions"
     assert httpx.post(url, json=chat, timeout=60).status_code == 401
-    # A request naming no model is served, as by one server.
+    # A request naming no model is served and answered as by one server (the router
+    # names it "unknown" on the way).
     reply = httpx.post(url, json=chat, headers=AUTH, timeout=60)
     assert reply.status_code == 200, reply.text
+    assert reply.json()["model"] == "tiny-seed0"
+    # The router's cache flush reaches every worker.
+    flushed = httpx.post(f"{replicas.url}/flush_cache", headers=AUTH, timeout=60).json()
+    assert flushed["workers_flushed"] == 2 and not flushed.get("failed"), flushed
 
 
 def test_cache_aware_routing_reuses_more_prefix_than_round_robin(replicas: Replicas) -> None:
