@@ -8,12 +8,12 @@ choice) or the hosts of `--hostfile`. Inside the launch (MLX_RANK is set) rank 0
 server: HTTP, scheduler, a drain on SIGTERM; the other ranks run the same engine and
 serve nobody.
 
-Stopping: the launcher's first SIGTERM/SIGINT goes to rank 0 alone (mlx.launch and the
-other ranks ignore both, also when a terminal or a service manager signals the whole
-group): rank 0 drains, then its engine's `Stop` reaches every rank, and all exit 0. A
-rank that dies fails the group (rank 0's /health says `failed`, its requests get the
-reason); mlx.launch then stops the rest, and the launcher exits 1 so that a service
-manager restarts it.
+Stopping: the launcher sends its first SIGTERM/SIGINT on to the launch's process group,
+where only rank 0 acts on it (mlx.launch and the other ranks ignore both, also when a
+terminal or a service manager signals them: server/rank_launcher.py): rank 0 drains, then its engine's `Stop` reaches every
+rank, and all exit 0. A rank that dies fails the group (rank 0's /health says `failed`,
+its requests get the reason); mlx.launch then stops the rest, and the launcher exits 1 so
+that a service manager restarts it.
 """
 
 from __future__ import annotations
@@ -34,15 +34,6 @@ from server.config import Settings
 log = logging.getLogger("radix_mlx.server")
 
 RANK_ENV = "MLX_RANK"  # set by mlx.launch in every rank's environment
-# mlx.launch with SIGTERM and SIGINT ignored: the launcher signals rank 0 itself, and the
-# ranks inherit the disposition (rank 0's server sets its own handlers).
-_MLX_LAUNCH = (
-    "import signal, sys; "
-    "signal.signal(signal.SIGTERM, signal.SIG_IGN); signal.signal(signal.SIGINT, signal.SIG_IGN); "
-    "from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; main()"
-)
-
-
 def in_launch() -> bool:
     return RANK_ENV in os.environ
 
@@ -78,7 +69,7 @@ def launch_command(settings: Settings, rank_command: list[str]) -> list[str]:
     hosts = (["--hostfile", str(settings.hostfile)] if settings.hostfile is not None
              else ["-n", str(settings.tensor_parallel)])
     port = free_ports(settings.tensor_parallel)
-    return [sys.executable, "-c", _MLX_LAUNCH, *hosts, "--starting-port", str(port),
+    return [sys.executable, "-m", "server.rank_launcher", *hosts, "--starting-port", str(port),
             "--nccl-port", str(port), "--python", sys.executable, "--", *rank_command]
 
 
