@@ -35,6 +35,7 @@ from bench.servers import (
     replicas,
     running,
     scrape_active_memory,
+    tensor_parallel,
 )
 from bench.workloads import (
     QUICK,
@@ -50,6 +51,8 @@ from engine.platform_info import mlx_would_use_cpu, openblas_preload_env
 RESULTS = Path(__file__).parent / "results"
 # What replicas behind a router are measured on: prefix reuse across requests.
 REPLICA_WORKLOADS = ("shared_prefix", "multi_turn")
+# What a tensor-parallel server is measured on: one stream's decode, a cold long prefill.
+TP_WORKLOADS = ("single_stream", "long_context")
 METRICS_POLL_SECONDS = 0.5
 
 
@@ -84,6 +87,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              f"each of {', '.join(REPLICA_POLICIES)}, on "
                              f"{' and '.join(REPLICA_WORKLOADS)} (workers get "
                              "--radix-mlx-args too; default: 0, none)")
+    parser.add_argument("--replicas-cuda-devices", default="", metavar="LIST",
+                        help="give replica i only CUDA device i mod count of this comma-"
+                             "separated list, e.g. 0,1 (default: every replica sees all)")
+    parser.add_argument("--tensor-parallel", type=int, default=0, metavar="N",
+                        help="also run radix-mlx with its model sharded over N ranks "
+                             f"(--tensor-parallel N) on {' and '.join(TP_WORKLOADS)}: decode "
+                             "and prefill tok/s against one server (it gets --radix-mlx-args "
+                             "too; default: 0, none)")
     parser.add_argument("--restart-per-workload", action=argparse.BooleanOptionalAction,
                         default=True,
                         help="a fresh start of each server per workload, servers alternating, "
@@ -212,6 +223,8 @@ def server_args(spec: ServerSpec, args: argparse.Namespace) -> list[str]:
     if spec.router_workers:
         worker_args = shlex.split(args.radix_mlx_args)
         return ["--", *worker_args] if worker_args else []
+    if spec.tensor_parallel:
+        return shlex.split(args.radix_mlx_args)
     return shlex.split(getattr(args, f"{spec.name.replace('-', '_')}_args"))
 
 
@@ -231,7 +244,8 @@ def run_server(results: dict, spec: ServerSpec, args: argparse.Namespace, model:
         died = server.process.poll()
     entry = results["servers"].setdefault(name, {
         "argv": server.argv, "notes": spec.notes, "workloads": {}, "requests": {},
-        "exit_code_during_run": None, "router_workers": spec.router_workers})
+        "exit_code_during_run": None, "router_workers": spec.router_workers,
+        "tensor_parallel": spec.tensor_parallel})
     entry["workloads"].update(summaries)
     entry["requests"].update(records)
     if died is not None:
@@ -284,13 +298,17 @@ def bench_model(args: argparse.Namespace, model: Path, device: str, env: dict[st
         (out / "nvidia-smi.txt").write_text(smi)
     specs = [SPECS[name] for name in args.servers.split(",")]
     if args.replicas:
-        specs += [replicas(policy, args.replicas) for policy in REPLICA_POLICIES]
+        specs += [replicas(policy, args.replicas, args.replicas_cuda_devices)
+                  for policy in REPLICA_POLICIES]
+    if args.tensor_parallel > 1:
+        specs.append(tensor_parallel(args.tensor_parallel))
     rounds = [[w] for w in workloads] if args.restart_per_workload else [workloads] * bool(
         workloads)
     for batch in rounds:
         for spec in specs:
             measured = [w for w in batch
-                        if not spec.router_workers or w.name in REPLICA_WORKLOADS]
+                        if (not spec.router_workers or w.name in REPLICA_WORKLOADS)
+                        and (not spec.tensor_parallel or w.name in TP_WORKLOADS)]
             if measured:
                 run_server(results, spec, args, model, env, out, warm_up, measured)
     if set(wanted) & set(disk_tier.WORKLOADS):

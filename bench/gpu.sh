@@ -11,8 +11,18 @@
 # sliding-window and hybrid demo models, whatever the shape) runs once, into OUT/snapshot-models/.
 # With single_stream, each shape's decode parity (bench/decode_parity.py) goes to
 # OUT/<shape>-decode-parity/.
+#
+# Scale-out on a machine with two GPUs (docs/scale-out.md), default shape llama-8b:
+#   bash bench/gpu.sh --scale-out OUT [shape ...]
+# one radix-mlx server on one GPU against (a) the same model sharded over both GPUs with
+# --tensor-parallel 2 (NCCL), on single-stream decode and cold long-context prefill, and
+# (b) two replicas, a GPU each, behind sglang-router (cache-aware, then round-robin), on
+# the shared-prefix and multi-turn workloads. BENCH_QUICK=1 runs it with toy sizes on the
+# demo model (any machine, the CPU included) to check the path end to end.
 set -euo pipefail
-out=${1:?usage: bench/gpu.sh OUT [shape ...]}
+scale_out=
+if [ "${1:-}" = --scale-out ]; then scale_out=1; shift; fi
+out=${1:?usage: bench/gpu.sh [--scale-out] OUT [shape ...]}
 shift
 models=${BENCH_MODELS_DIR:-/tmp/bench-models}
 shapes=("$@")
@@ -31,6 +41,32 @@ sizes=(--sp-groups 8 --sp-prompts-per-group 4 --sp-system-tokens 2000
   --mt-conversations 8 --mt-turns 4 --mt-system-tokens 1000 --mt-user-tokens 200
   --mt-output-tokens 64)
 mkdir -p "$out"
+if [ -n "$scale_out" ]; then
+  scale_flags=(--servers radix-mlx --tensor-parallel 2 --replicas 2 --no-plots --no-raw
+    --no-structured --no-restart-per-workload
+    --workloads single_stream,long_context,shared_prefix,multi_turn)
+  if [ -n "${BENCH_QUICK:-}" ]; then
+    python3 -m server.cli make-demo-model "$models/tiny" > /dev/null
+    python3 -m bench --quick --model "$models/tiny" --out "$out/quick-scale-out" \
+      "${scale_flags[@]}" --lc-document-tokens 256 --decode-output-tokens 16 \
+      --decode-repeats 1 --sp-groups 2 --sp-prompts-per-group 2 --mt-conversations 2 \
+      --mt-turns 2
+    exit
+  fi
+  nvidia-smi > "$out/nvidia-smi.txt"
+  [ $# -gt 0 ] || shapes=(llama-8b)
+  for s in "${shapes[@]}"; do
+    name=$s$suffix
+    python3 -m bench.models "$models/$name" --shape "$s" --dtype bfloat16 "${tokenizer[@]}"
+    python3 -m bench --model "$models/$name" --out "$out/$name-scale-out" \
+      "${scale_flags[@]}" --replicas-cuda-devices 0,1 \
+      --radix-mlx-args "--max-batch-size 64" "${sizes[@]}" --lc-document-tokens 6000 \
+      --lc-questions 4 --lc-question-tokens 64 --lc-output-tokens 32 \
+      --decode-output-tokens 128 --decode-repeats 2
+    [ -n "${BENCH_KEEP_MODELS:-}" ] || rm -rf "${models:?}/$name"
+  done
+  exit
+fi
 nvidia-smi > "$out/nvidia-smi.txt"
 for s in "${shapes[@]}"; do
   [ -n "$per_shape" ] || break

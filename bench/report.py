@@ -191,6 +191,34 @@ def replica_rows(results: dict) -> list[dict]:
     return rows
 
 
+def prefill_tok_s(summary: dict) -> float | None:
+    """The cold long-context request's prompt over its TTFT: prefill at its length."""
+    if not summary.get("ttft_cold"):
+        return None
+    return summary["cold_prompt_tokens"] / summary["ttft_cold"]
+
+
+def tensor_parallel_rows(results: dict) -> list[dict]:
+    """Each tensor-parallel server against one radix-mlx server: single-stream decode and
+    cold long-context prefill, tok/s and ratio."""
+    one = results["servers"].get(OURS, {}).get("workloads", {})
+    rows = []
+    for server, data in results["servers"].items():
+        if not data.get("tensor_parallel"):
+            continue
+        ours = data["workloads"]
+        decode = ours.get("single_stream", {}).get("decode_tok_s")
+        prefill = prefill_tok_s(ours.get("long_context", {}))
+        rows.append({
+            "server": server, "ranks": data["tensor_parallel"],
+            "decode_tok_s": decode,
+            "decode_speedup": ratio(decode, one.get("single_stream", {}).get("decode_tok_s")),
+            "prefill_tok_s": prefill,
+            "prefill_speedup": ratio(prefill, prefill_tok_s(one.get("long_context", {}))),
+        })
+    return rows
+
+
 def ratio_table(results: dict) -> dict:
     ours = results["servers"].get(OURS, {}).get("workloads", {})
     theirs = results["servers"].get(THEIRS, {}).get("workloads", {})
@@ -246,6 +274,17 @@ def markdown(results: dict) -> str:
                 f"| {row['workload']} | {row['server']} | {row['output_tok_s']:.1f} | "
                 f"{fmt(row['speedup'], '{:.2f}x')} | {fmt(row['cache_fraction'], '{:.0%}')} "
                 f"| {fmt(row['points'], '{:+.1f}')} |")
+    parallel = tensor_parallel_rows(results)
+    if parallel:
+        lines += ["", f"## Tensor parallel vs one {OURS} server", "",
+                  ("| server | ranks | decode tok/s | vs one server | prefill tok/s (cold long "
+                  "context) | vs one server |"), "|---|---:|---:|---:|---:|---:|"]
+        for row in parallel:
+            lines.append(
+                f"| {row['server']} | {row['ranks']} | {fmt(row['decode_tok_s'], '{:.1f}')} "
+                f"| {fmt(row['decode_speedup'], '{:.2f}x')} "
+                f"| {fmt(row['prefill_tok_s'], '{:.0f}')} "
+                f"| {fmt(row['prefill_speedup'], '{:.2f}x')} |")
     lines += ["", "## Targets", "", "| target | value | goal | met |", "|---|---:|---|---|"]
     for row in results.get("targets", []):
         met = {True: "yes", False: "no", None: "n/a"}[row["met"]]

@@ -36,6 +36,7 @@ class ServerSpec:
     notes: str
     command: tuple[str, ...] = ()  # after `-m module`, before --model
     router_workers: int = 0  # > 0: a router in front of this many workers (docs/scale-out.md)
+    tensor_parallel: int = 0  # > 1: one server, its model sharded over this many ranks
     args: tuple[str, ...] = ()  # always passed, before any extra flags (which win)
     list_prompts: bool = True  # serves /v1/completions with a list of prompts
 
@@ -66,17 +67,34 @@ SPECS = {spec.name: spec for spec in (RADIX, MLX_LM)}
 REPLICA_POLICIES = ("cache_aware", "round_robin")
 
 
-def replicas(policy: str, workers: int) -> ServerSpec:
-    """`radix-mlx replicas`: `workers` radix-mlx servers behind sglang-router's `policy`."""
+def replicas(policy: str, workers: int, cuda_devices: str = "") -> ServerSpec:
+    """`radix-mlx replicas`: `workers` radix-mlx servers behind sglang-router's `policy`
+    (each on a GPU of its own with `cuda_devices`, e.g. "0,1")."""
+    devices = ("--cuda-devices", cuda_devices) if cuda_devices else ()
     return ServerSpec(
         name=f"radix-mlx-x{workers}-{policy.replace('_', '-')}",
         module="server.cli",
-        command=("replicas", "--workers", str(workers), "--policy", policy),
+        command=("replicas", "--workers", str(workers), "--policy", policy, *devices),
         extra=RADIX.extra,
         metrics=False,
         notes=f"{workers} radix-mlx workers (each with the defaults above) behind "
               f"sglang-router, policy {policy}",
         router_workers=workers,
+    )
+
+
+def tensor_parallel(ranks: int) -> ServerSpec:
+    """`radix-mlx serve --tensor-parallel ranks`: one server, the model sharded over
+    `ranks` processes (NCCL on CUDA, a GPU each; the ring backend on the CPU)."""
+    return ServerSpec(
+        name=f"radix-mlx-tp{ranks}",
+        module=RADIX.module,
+        args=(*RADIX.args, "--tensor-parallel", str(ranks)),
+        extra=RADIX.extra,
+        metrics=True,
+        notes=f"radix-mlx (defaults above) with its model sharded over {ranks} ranks by "
+              "mlx-lm's model.shard, started by mlx.launch",
+        tensor_parallel=ranks,
     )
 
 

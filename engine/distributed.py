@@ -57,9 +57,11 @@ class RankGroup:
     def share(self, value: Any) -> Any:
         """Rank 0's `value` on every rank (the others pass anything, usually None):
         its pickle's length, then the pickle, each as an all-sum that the others join
-        with zeros."""
-        data = pickle.dumps(value) if self.leader else b""
+        with zeros. None, the usual heartbeat, costs the length alone."""
+        data = pickle.dumps(value) if self.leader and value is not None else b""
         size = mx.distributed.all_sum(mx.array(len(data)), group=self.group).item()
+        if size == 0:
+            return None
         payload = (mx.array(np.frombuffer(data, np.uint8)) if self.leader
                    else mx.zeros(size, mx.uint8))
         # Evaluated on rank 0 too: a collective is only joined when it is computed.

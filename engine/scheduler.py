@@ -224,9 +224,9 @@ class Scheduler:
         local = [m for m in messages if isinstance(m, LOCAL_MESSAGES)]
         if self.group.leader:
             inputs = [m for m in messages if not isinstance(m, LOCAL_MESSAGES)]
-            self.group.share([to_remote(m) for m in inputs])
+            self.group.share([to_remote(m) for m in inputs] or None)
         else:
-            inputs = [self._from_leader(m) for m in self.group.share(None)]
+            inputs = [self._from_leader(m) for m in self.group.share(None) or []]
         return local + inputs
 
     def _from_leader(self, message: object) -> Message:

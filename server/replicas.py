@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -87,6 +88,10 @@ def add_replicas_arguments(parser: argparse.ArgumentParser) -> None:
                              "while it keeps dying within a minute (0: never restart)")
     parser.add_argument("--drain-timeout", type=float, default=15.0, metavar="SECONDS",
                         help="on SIGTERM, how long in-flight requests get to finish")
+    parser.add_argument("--cuda-devices", type=lambda text: text.split(","), default=[],
+                        metavar="LIST",
+                        help="comma-separated CUDA devices: worker i sees only the (i mod "
+                             "count)th, so each has a GPU of its own (default: all see all)")
     parser.add_argument("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE_FLAGS",
                         help="flags for every worker's `radix-mlx serve` after `--`, "
                              "e.g. -- --cache-bytes 8000000000")
@@ -113,6 +118,14 @@ def worker_command(args: argparse.Namespace, settings: Settings, index: int,
             "--drain-timeout", str(args.drain_timeout),
             "--unnamed-model-alias", ROUTER_DEFAULT_MODEL, *serve_flags(args),
             "--disk-cache-dir", str(disk)]
+
+
+def worker_env(args: argparse.Namespace, index: int) -> dict[str, str]:
+    """Ours, with worker `index`'s GPU when --cuda-devices names them."""
+    env = dict(os.environ)
+    if args.cuda_devices:
+        env["CUDA_VISIBLE_DEVICES"] = args.cuda_devices[index % len(args.cuda_devices)]
+    return env
 
 
 def worker_settings(args: argparse.Namespace) -> Settings:
@@ -217,7 +230,7 @@ class Supervisor:
 
     def _spawn(self, index: int, port: int) -> subprocess.Popen:
         return subprocess.Popen(worker_command(self.args, self.settings, index, port),
-                                process_group=0)
+                                env=worker_env(self.args, index), process_group=0)
 
     def _look_after(self, worker: Child) -> None:
         """Restart a worker that exited, on its own port (the router knows it by its URL):
