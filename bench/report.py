@@ -233,6 +233,16 @@ def fmt(value: float | None, pattern: str) -> str:
     return "n/a" if value is None else pattern.format(value)
 
 
+def section(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    """A titled Markdown table whose first two columns are names, the rest numbers; no
+    lines at all without rows."""
+    if not rows:
+        return []
+    return ["", f"## {title}", "", "| " + " | ".join(header) + " |",
+            "|---|---|" + "---:|" * (len(header) - 2),
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
 def markdown(results: dict) -> str:
     model, hw = results["model"], results["hardware"]
     lines = [
@@ -264,27 +274,20 @@ def markdown(results: dict) -> str:
         for workload, row in ratios.items():
             lines.append(f"| {workload} | " + " | ".join(
                 fmt(row[k], "{:.2f}x") for k in keys) + " |")
-    replica = replica_rows(results)
-    if replica:
-        lines += ["", f"## Replicas behind sglang-router vs one {OURS} server", "",
-                  ("| workload | server | output tok/s | vs one server | prompt tokens from "
-                   "cache | vs one server (points) |"), "|---|---|---:|---:|---:|---:|"]
-        for row in replica:
-            lines.append(
-                f"| {row['workload']} | {row['server']} | {row['output_tok_s']:.1f} | "
-                f"{fmt(row['speedup'], '{:.2f}x')} | {fmt(row['cache_fraction'], '{:.0%}')} "
-                f"| {fmt(row['points'], '{:+.1f}')} |")
-    parallel = tensor_parallel_rows(results)
-    if parallel:
-        lines += ["", f"## Tensor parallel vs one {OURS} server", "",
-                  ("| server | ranks | decode tok/s | vs one server | prefill tok/s (cold long "
-                  "context) | vs one server |"), "|---|---:|---:|---:|---:|---:|"]
-        for row in parallel:
-            lines.append(
-                f"| {row['server']} | {row['ranks']} | {fmt(row['decode_tok_s'], '{:.1f}')} "
-                f"| {fmt(row['decode_speedup'], '{:.2f}x')} "
-                f"| {fmt(row['prefill_tok_s'], '{:.0f}')} "
-                f"| {fmt(row['prefill_speedup'], '{:.2f}x')} |")
+    lines += section(
+        f"Replicas behind sglang-router vs one {OURS} server",
+        ["workload", "server", "output tok/s", "vs one server", "prompt tokens from cache",
+         "vs one server (points)"],
+        [[row["workload"], row["server"], f"{row['output_tok_s']:.1f}",
+          fmt(row["speedup"], "{:.2f}x"), fmt(row["cache_fraction"], "{:.0%}"),
+          fmt(row["points"], "{:+.1f}")] for row in replica_rows(results)])
+    lines += section(
+        f"Tensor parallel vs one {OURS} server",
+        ["server", "ranks", "decode tok/s", "vs one server",
+         "prefill tok/s (cold long context)", "vs one server"],
+        [[row["server"], str(row["ranks"]), fmt(row["decode_tok_s"], "{:.1f}"),
+          fmt(row["decode_speedup"], "{:.2f}x"), fmt(row["prefill_tok_s"], "{:.0f}"),
+          fmt(row["prefill_speedup"], "{:.2f}x")] for row in tensor_parallel_rows(results)])
     lines += ["", "## Targets", "", "| target | value | goal | met |", "|---|---:|---|---|"]
     for row in results.get("targets", []):
         met = {True: "yes", False: "no", None: "n/a"}[row["met"]]
