@@ -1,7 +1,11 @@
 """`python -m server.rank_launcher MLX_LAUNCH_ARGS`: mlx.launch, as the tensor-parallel
 launcher (server/tensor_parallel.py) runs it.
 
-Two changes to its behaviour. SIGTERM and SIGINT are ignored, here and (inherited) in the
+Three changes to its behaviour. Its thread per rank waits in select() for the rank's
+output *or for the rank's stdin to be writable*, which a pipe always is: each thread
+spins, and on the 2-core CPU machine an all-sum of 64 floats between two ranks took
+10 ms under mlx.launch instead of 0.13-0.2 ms. The ranks read nothing from stdin, so
+here the threads wait for output only. SIGTERM and SIGINT are ignored, here and (inherited) in the
 ranks, which get them from a terminal or a service manager too: the launcher signals
 rank 0 alone, which drains and then stops the others (rank 0's server sets handlers of
 its own). And if the launcher that started us dies, even by SIGKILL, the whole launch
@@ -9,14 +13,20 @@ group is killed, so no rank outlives it holding the port or the GPU.
 """
 
 import os
+import select
 import signal
 import sys
 import threading
 import time
 
-from mlx._distributed_utils.launch import main
+from mlx._distributed_utils import launch
 
 ORPHAN_POLL_SECONDS = 1.0
+
+
+def _select_without_stdin(rlist: list, wlist: list, xlist: list, timeout: float
+                          ) -> tuple[list, list, list]:
+    return select.select(rlist, [], xlist, timeout)
 
 
 def _die_with(parent: int) -> None:
@@ -29,5 +39,6 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_die_with, args=(os.getppid(),), daemon=True).start()
+    launch.select = _select_without_stdin
     sys.argv[0] = "mlx.launch"
-    main()
+    launch.main()
