@@ -105,6 +105,8 @@ def run(settings: Settings) -> int:
         if not tensor_parallel.in_launch():
             return tensor_parallel.launch(settings, model)
         group = tensor_parallel.join(settings)
+        if group is None:
+            return 1
         if not group.leader:
             return tensor_parallel.run_rank(engine_config(settings, model), group)
     engine = Engine(engine_config(settings, model), group)

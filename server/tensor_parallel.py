@@ -38,8 +38,13 @@ def in_launch() -> bool:
     return RANK_ENV in os.environ
 
 
-def join(settings: Settings) -> RankGroup:
-    return join_group(settings.tensor_parallel)
+def join(settings: Settings) -> RankGroup | None:
+    """This process's rank, or None after printing why it has none."""
+    try:
+        return join_group(settings.tensor_parallel)
+    except (TensorParallelError, RuntimeError) as error:  # RuntimeError: MLX's own
+        print(f"radix-mlx serve: tensor parallel: {error}", file=sys.stderr)
+        return None
 
 
 def free_ports(count: int) -> int:
