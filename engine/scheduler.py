@@ -121,6 +121,7 @@ class SubmitRemote:
     request_id: str
     prompt: list[int]
     params: SamplingParams
+    message_ends: tuple[int, ...]
 
 
 Message = Submit | Wake | Republish | Cancel | ClearCache | Stop
@@ -132,7 +133,8 @@ def to_remote(message: Message) -> object:
     """What the other ranks need of one of rank 0's messages (no futures, no callbacks)."""
     match message:
         case Submit(generation):
-            return SubmitRemote(generation.id, generation.prompt, generation.params)
+            return SubmitRemote(generation.id, generation.prompt, generation.params,
+                                generation.message_ends)
         case ClearCache():
             return ClearCache(None)
     return message
@@ -231,8 +233,9 @@ class Scheduler:
 
     def _from_leader(self, message: object) -> Message:
         if isinstance(message, SubmitRemote):
-            return Submit(self.new_generation(message.request_id, message.prompt,
-                                              message.params, lambda event: None))
+            return Submit(self.new_generation(
+                message.request_id, message.prompt, message.params, lambda event: None,
+                message_ends=message.message_ends))
         return message
 
     def _handle(self, message: Message) -> None:
