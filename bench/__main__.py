@@ -28,6 +28,7 @@ import httpx
 from bench import disk_tier, hardware, report, snapshot_models
 from bench.client import run_workload
 from bench.servers import (
+    RADIX,
     REPLICA_POLICIES,
     SPECS,
     RunningServer,
@@ -219,10 +220,11 @@ def child_json(module: str, model: Path, env: dict[str, str], *args: object) -> 
 
 
 def server_args(spec: ServerSpec, args: argparse.Namespace) -> list[str]:
-    """The --<server>-args flags; replicas pass radix-mlx's on to every worker."""
+    """The --<server>-args flags; replicas pass radix-mlx's on to every worker, after
+    radix-mlx's own fixed flags (the disk tier off: files a worker kept from an earlier
+    run would turn a cold workload warm)."""
     if spec.router_workers:
-        worker_args = shlex.split(args.radix_mlx_args)
-        return ["--", *worker_args] if worker_args else []
+        return ["--", *RADIX.args, *shlex.split(args.radix_mlx_args)]
     if spec.tensor_parallel:
         return shlex.split(args.radix_mlx_args)
     return shlex.split(getattr(args, f"{spec.name.replace('-', '_')}_args"))
