@@ -128,6 +128,8 @@ class Engine:
                 max_batch_size=self.config.max_batch_size,
                 prefill_batch_size=self.config.prefill_batch_size,
                 prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+                prefill_stall_ratio=self.config.prefill_stall_ratio,
+                prefill_stall_floor=self.config.prefill_stall_floor_seconds,
                 max_tokens_in_flight=min(self.config.max_tokens_in_flight,
                                          self.memory.kv_tokens),
                 cache_bytes=self.memory.cache_bytes,

@@ -78,6 +78,7 @@ class PrefillResult:
     done: list[SequenceState] = field(default_factory=list)
     # A prefill chunk raised: only that sequence failed, and it is out of the generator.
     failed: list[tuple[SequenceState, Exception]] = field(default_factory=list)
+    tokens: int = 0  # positions the forward passes computed, padding included
 
 
 class Generator:
@@ -145,11 +146,13 @@ class Generator:
             return result
         for sequence in list(self.prefilling):
             try:
-                budget -= self._feed(sequence, budget)
+                fed = self._feed(sequence, budget)
             except Exception as error:  # noqa: BLE001 - only this sequence's cache is touched
                 self.prefilling.remove(sequence)
                 result.failed.append((sequence, error))
                 continue
+            result.tokens += fed
+            budget -= fed
             if len(sequence.unfed) == 1:
                 self.prefilling.remove(sequence)
                 self.ready.append(sequence)
@@ -223,6 +226,7 @@ class Generator:
             sequence.unfed = []
         self._enter(group, cache, last)
         result.done += group
+        result.tokens += width * len(group)
         return True
 
     def _join(self, sequence: SequenceState) -> None:

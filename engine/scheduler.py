@@ -52,6 +52,7 @@ from engine.generator import Generator, Output, SequenceState
 from engine.grammar import ConstraintFailed, Grammars
 from engine.kv import KVStore
 from engine.loader import LoadedModel
+from engine.prefill_budget import PrefillBudget
 from engine.segment_file import BadSegmentFile
 from engine.tree_hold import HandleOf
 from radix.tree import MatchResult, Node, RadixTree, ReserveStatus, common_prefix_length
@@ -61,8 +62,9 @@ log = logging.getLogger("radix_mlx.engine")
 # A request waits for a prefix being computed only when it would reuse at least this many
 # of its tokens; for a shorter overlap computing alongside is cheaper than queueing behind.
 MIN_SHARED_TO_WAIT = 32
-# Prompt tokens per step, unless configured. On a GPU every chunk has a fixed cost (a
-# 2000-token prompt took 11.5 ms in one chunk and 28 ms in 512s on an H100), so chunks are
+# The most prompt tokens per step, unless configured (how many a step takes while others
+# decode is set by time within it, see prefill_budget.py). On a GPU every chunk has a
+# fixed cost (a 2000-token prompt took 11.5 ms in one chunk and 28 ms in 512s on an H100), so chunks are
 # big (mlx-lm's default step) and decodes stall for a few ms. MLX's CPU attention
 # materializes every query-key score, so smaller chunks cost less in all (a 1042-token
 # prompt took 5.9 s in one chunk and 4.4 s in 512s on 2 cores) and stall decodes less.
@@ -158,10 +160,11 @@ class Scheduler:
         self.parked: set[Generation] = set()  # waiting for a prefix being computed
         self.counters = SchedulerCounters()
         gpu = mx.default_device() == mx.gpu
-        self._chunk = limits.prefill_chunk_tokens or (GPU_PREFILL_CHUNK if gpu else
-                                                      CPU_PREFILL_CHUNK)
+        chunk = limits.prefill_chunk_tokens or (GPU_PREFILL_CHUNK if gpu else CPU_PREFILL_CHUNK)
         # With nothing decoding there is no stream to keep smooth.
-        self._idle_chunk = max(GPU_PREFILL_CHUNK, self._chunk) if gpu else self._chunk
+        self.prefill_budget = PrefillBudget(
+            limits.prefill_stall_ratio, limits.prefill_stall_floor, chunk,
+            idle_chunk=max(GPU_PREFILL_CHUNK, chunk) if gpu else chunk)
         self.generator = Generator(loaded.model, self._snapshot_at_stop)
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size)
         self._uids = itertools.count()
@@ -406,11 +409,11 @@ class Scheduler:
             generation = self.running.get(output.uid)
             if generation is not None:
                 self._on_token(generation, output)
-        if self.generator.prefilling:
-            # Small prefill chunks keep running streams flowing; with no stream to keep
-            # flowing, big chunks finish a prompt sooner (fewer, better-shaped steps).
-            result = self.generator.prefill(self._chunk if self.generator.decoding
-                                            else self._idle_chunk)
+        decoding = self.generator.decoding
+        prefilled = 0
+        if self.generator.prefilling and (budget := self._prefill_tokens(decoding)):
+            result = self.generator.prefill(budget)
+            prefilled = result.tokens
             if result.failed and self.group is not None:
                 raise result.failed[0][1]
             for sequence, error in result.failed:
@@ -420,8 +423,20 @@ class Scheduler:
                 self._fail(generation, error)
             for sequence in result.done:
                 self._prompt_computed(self.running[sequence.uid])
+        seconds = time.perf_counter() - started
+        self.prefill_budget.record(decoding, prefilled, seconds)
         self.counters.steps += 1
-        self.counters.step_seconds += time.perf_counter() - started
+        self.counters.step_seconds += seconds
+
+    def _prefill_tokens(self, decoding: bool) -> int:
+        """This step's prefill: the budget keeps what it adds to running streams' steps
+        within a share of a decode step; with no stream to keep flowing, big chunks
+        finish a prompt sooner. Tensor-parallel ranks must all take the same chunk, which
+        a budget from each rank's own clock would not give: they take fixed ones."""
+        budget = self.prefill_budget
+        if self.group is not None:
+            return budget.chunk if decoding else budget.idle_chunk
+        return budget.tokens(decoding, self.generator.prompt_tokens_left)
 
     def _prompt_computed(self, generation: Generation) -> None:
         """The prompt's KV (all but its last token) is computed: share it now, while this

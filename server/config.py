@@ -82,8 +82,25 @@ class Settings(BaseModel):
     )
     prefill_chunk_tokens: PositiveInt | None = Field(
         None,
-        description="prompt tokens per step while other requests decode (fewer keeps "
-        "their streams smoother); none: 2048 on a GPU, 512 on the CPU",
+        description="the most prompt tokens computed per step (while other requests "
+        "decode, prefill_stall_ratio sizes the chunk by time within it); none: 2048 on a "
+        "GPU, 512 on the CPU",
+    )
+    prefill_stall_ratio: float = Field(
+        0.25,
+        ge=0,
+        allow_inf_nan=False,
+        description="while requests decode, computing new prompts may lengthen their steps "
+        "by this share of a decode step, on average (costs are measured as the engine "
+        "runs); lower: smoother streams, later first tokens for new requests; 0 with a 0 "
+        "floor: new prompts wait until nothing decodes",
+    )
+    prefill_stall_floor_ms: float = Field(
+        20.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="milliseconds per step that computing new prompts may always take "
+        "while requests decode, however fast a decode step is",
     )
     max_tokens_in_flight: PositiveInt = Field(
         131072,

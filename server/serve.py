@@ -80,6 +80,8 @@ def engine_config(settings: Settings, model: str) -> EngineConfig:
         max_batch_size=settings.max_batch_size,
         prefill_batch_size=settings.prefill_batch_size,
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
+        prefill_stall_ratio=settings.prefill_stall_ratio,
+        prefill_stall_floor_seconds=settings.prefill_stall_floor_ms / 1000,
         max_tokens_in_flight=settings.max_tokens_in_flight,
         memory_limit_bytes=settings.memory_limit_bytes,
         max_queue=settings.max_queue,

@@ -1,0 +1,78 @@
+"""How many prompt tokens a step may prefill while other requests decode: a time budget.
+
+A step runs the decode batch, then a chunk of some prompt. Every second the chunk takes is
+a second each running stream waits for its next token, so the chunk is sized by time, not
+by a fixed token count: each decoding step earns the prefill an allowance of
+`stall_ratio` times a decode step's cost (at least `stall_floor` seconds), and a chunk
+spends what it took. So, averaged over steps, prefill lengthens the streams' steps by at
+most that share, whatever the device, model, batch or context length.
+
+Both costs are measured as the engine runs (moving averages of whole steps' wall time:
+steps with no prefill give the decode cost, the rest the cost per prompt token), so the
+budget follows the batch as it grows and its contexts as they lengthen. A chunk is at
+least `granule` tokens: a forward pass has a fixed cost (it reads every weight), so a few
+tokens per step would cost nearly a decode step each; instead the allowance accrues over
+steps until it pays for a chunk, and the measured cost of what ran is what is spent, so
+an estimate that is off is corrected by the next steps. Chunk sizes are multiples of the
+granule, so the shapes a forward pass sees stay few.
+"""
+
+from __future__ import annotations
+
+# Weight of the newest sample in the moving averages: a few steps follow a change in the
+# batch; one slow step (a join, a cache copy) moves the estimate by a fifth of its excess.
+SMOOTHING = 0.2
+# Prompt tokens a chunk comes in multiples of (and at least), unless the chunk limit is
+# smaller. On the 2-core CPU a 64-token chunk cost ~15 ms a token and a decode step's
+# worth of fixed cost; below that the fixed cost dominates.
+GRANULE = 64
+
+
+def _average(old: float | None, sample: float) -> float:
+    return sample if old is None else old + SMOOTHING * (sample - old)
+
+
+class PrefillBudget:
+    """Sizes each step's prefill from costs measured online; see the module docstring."""
+
+    def __init__(self, stall_ratio: float, stall_floor: float, chunk: int,
+                 idle_chunk: int) -> None:
+        self.stall_ratio = stall_ratio
+        self.stall_floor = stall_floor  # seconds
+        self.chunk = chunk  # the most tokens a step prefills while others decode
+        self.idle_chunk = idle_chunk  # ... and while nothing decodes
+        self.granule = min(GRANULE, chunk)
+        self.decode_seconds: float | None = None  # a step with no prefill in it
+        self.token_seconds: float | None = None  # one prompt token of a chunk
+        self.credit = 0.0  # seconds of stall the prefill may still spend
+
+    def tokens(self, decoding: bool) -> int:
+        """Prompt tokens this step may prefill (0: none this step, the allowance accrues)."""
+        if not decoding:
+            self.credit = 0.0  # nobody waits on this step; start afresh when someone does
+            return self.idle_chunk
+        if self.decode_seconds is None:
+            return 0  # measure a decode step first
+        allowance = max(self.stall_ratio * self.decode_seconds, self.stall_floor)
+        token_seconds = self.token_seconds or 0.0
+        # Unspent allowance is kept up to what the largest chunk costs, no more: a stall
+        # saved up over a long quiet spell would come out as one long stall.
+        self.credit = min(self.credit + allowance,
+                          max(allowance, self.chunk * token_seconds))
+        if not token_seconds:
+            return self.granule
+        affordable = min(int(self.credit / token_seconds), self.chunk)
+        return affordable - affordable % self.granule if affordable >= self.granule else 0
+
+    def record(self, decoding: bool, prefilled: int, seconds: float) -> None:
+        """A step took `seconds`; it decoded or not, and prefilled `prefilled` tokens."""
+        if prefilled == 0:
+            if decoding:
+                self.decode_seconds = _average(self.decode_seconds, seconds)
+            return
+        stall = seconds - (self.decode_seconds or 0.0) if decoding else seconds
+        if decoding:
+            self.credit -= stall
+        # A prompt's last few tokens carry a whole chunk's fixed cost: not a fair sample.
+        if prefilled >= self.granule:
+            self.token_seconds = _average(self.token_seconds, max(stall, 0.0) / prefilled)

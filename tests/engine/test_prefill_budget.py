@@ -1,0 +1,59 @@
+"""The prefill budget against a simulated device whose costs are known: prefill adds the
+configured share of a decode step to the streams' steps, in chunks worth their fixed
+cost, and takes whole chunks when nothing decodes."""
+
+from __future__ import annotations
+
+from engine.prefill_budget import GRANULE, PrefillBudget
+
+
+def run(budget: PrefillBudget, steps: int, decode_seconds: float, chunk_seconds,
+        decoding: bool = True) -> list[int]:
+    """Drive `steps` steps with a prompt always waiting; the chunk sizes taken."""
+    chunks = []
+    for _ in range(steps):
+        tokens = budget.tokens(decoding)
+        chunks.append(tokens)
+        seconds = (decode_seconds if decoding else 0.0) + (chunk_seconds(tokens) if tokens else 0)
+        budget.record(decoding, tokens, seconds)
+    return chunks
+
+
+def cpu_like(tokens: int) -> float:
+    """A forward pass reads every weight (50 ms) and then costs 5 ms a token."""
+    return 0.05 + 0.005 * tokens
+
+
+def test_prefill_lengthens_decoding_steps_by_the_configured_share():
+    budget = PrefillBudget(stall_ratio=0.25, stall_floor=0.0, chunk=512, idle_chunk=512)
+    run(budget, 5, 0.0, cpu_like, decoding=False)  # what warm-up measures
+    chunks = run(budget, 400, 0.1, cpu_like)
+    stall = sum(cpu_like(n) for n in chunks if n)
+    assert abs(stall / (400 * 0.1) - 0.25) < 0.02
+    # Never a sliver that costs a decode step's worth of fixed cost for a few tokens.
+    assert all(n % GRANULE == 0 and n <= 512 for n in chunks)
+    assert 0 in chunks  # the allowance accrues over steps that prefill nothing
+
+
+def test_a_decode_step_is_measured_before_prefill_stalls_it():
+    budget = PrefillBudget(stall_ratio=0.25, stall_floor=0.0, chunk=512, idle_chunk=512)
+    assert budget.tokens(decoding=True) == 0
+
+
+def test_with_nothing_decoding_prompts_take_whole_idle_chunks():
+    budget = PrefillBudget(stall_ratio=0.1, stall_floor=0.0, chunk=512, idle_chunk=2048)
+    assert run(budget, 4, 0.0, cpu_like, decoding=False) == [2048] * 4
+
+
+def test_the_floor_lets_a_fast_device_prefill_whole_chunks_every_step():
+    # A GPU-like device: 3 ms decode steps, a 2048-token chunk in 12 ms.
+    budget = PrefillBudget(stall_ratio=0.25, stall_floor=0.02, chunk=2048, idle_chunk=2048)
+    run(budget, 3, 0.0, lambda n: 0.002 + n * 5e-6, decoding=False)
+    chunks = run(budget, 20, 0.003, lambda n: 0.002 + n * 5e-6)
+    assert chunks[1:] == [2048] * 19
+
+
+def test_a_zero_share_and_floor_leaves_prompts_until_decoding_ends():
+    budget = PrefillBudget(stall_ratio=0.0, stall_floor=0.0, chunk=512, idle_chunk=512)
+    run(budget, 2, 0.0, cpu_like, decoding=False)
+    assert run(budget, 50, 0.1, cpu_like) == [0] * 50
