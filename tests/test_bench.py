@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("psutil")
 
 from bench.__main__ import describe_model, main, model_dirs
+from bench.medians import main as medians
 from bench.report import replica_rows, targets
 from bench.workloads import QUICK, build_all
 from tests.engine.gguf_files import write_demo_gguf
@@ -166,3 +167,23 @@ def test_decode_parity_times_every_path_against_bare_mlx_lm(demo_model_dir: Path
     assert set(cpu) == {"bare", "engine"} and set(cpu["engine"]) == {"engine", "caller"}
     assert cpu["engine"]["engine"] > 0
     assert "| server |" in (tmp_path / "results.md").read_text()
+
+
+def test_medians_of_alternating_runs_per_code_and_server(tmp_path: Path) -> None:
+    runs = []
+    for i, (label, itl) in enumerate([("before", 200.0), ("after", 100.0), ("before", 240.0),
+                                      ("after", 120.0), ("before", 220.0)]):
+        folder = tmp_path / f"run{i}"
+        folder.mkdir()
+        summary = {"ttft_p50": 1.0 + i, "itl_p50": itl, "output_tok_s": 10.0}
+        (folder / "results.json").write_text(json.dumps({
+            "git": f"commit{i}", "command": "python -m bench",
+            "servers": {"radix-mlx": {"workloads": {"shared_prefix": summary}}}}))
+        runs.append(f"{label}={folder}")
+    medians([str(tmp_path / "out"), *runs])
+    table = json.loads((tmp_path / "out" / "medians.json").read_text())["shared_prefix"]
+    assert table["before / radix-mlx"]["itl_p50"] == [200.0, 240.0, 220.0]
+    assert table["after / radix-mlx"]["ttft_p50"] == [2.0, 4.0]
+    text = (tmp_path / "out" / "medians.md").read_text()
+    assert "| before / radix-mlx | 3 | 3.00 (1.00, 3.00, 5.00) | 220 (200, 240, 220) |" in text
+    assert "| after / radix-mlx | 2 | 3.00 (2.00, 4.00) | 110 (100, 120) |" in text
