@@ -172,7 +172,9 @@ class Generator:
                 count = min(count, sequence.stops[0] - len(sequence.tokens))
             chunk = sequence.unfed[:count]
             self.model(mx.array([chunk]), cache=sequence.cache)
-            mx.async_eval([c.state for c in sequence.cache])
+            # Computed before the step goes on, as mlx_lm.generate does: a step's wall
+            # time is then its own work, which the prefill budget measures.
+            mx.eval([c.state for c in sequence.cache])
             sequence.tokens += chunk
             del sequence.unfed[:count]
             fed += count
@@ -215,6 +217,7 @@ class Generator:
             for layer in cache:
                 layer.finalize()
             last = logits[mx.arange(len(group)), mx.array(lengths) - 1]
+            mx.eval(last)  # within this step, as a chunk is
         except Exception:  # noqa: BLE001 - the one-by-one path finds and fails the culprit
             return False
         for sequence in group:
