@@ -87,7 +87,7 @@ class Settings(BaseModel):
         "GPU, 512 on the CPU",
     )
     prefill_stall_ratio: float = Field(
-        0.25,
+        0.1,
         ge=0,
         allow_inf_nan=False,
         description="while requests decode, computing new prompts may lengthen their steps "
