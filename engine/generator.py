@@ -106,6 +106,11 @@ class Generator:
     def decoding(self) -> bool:
         return bool(self.rows or self.ready)
 
+    @property
+    def prompt_tokens_left(self) -> int:
+        """Prompt tokens the sequences being prefilled still need fed."""
+        return sum(len(s.unfed) for s in self.prefilling)
+
     def add(self, sequence: SequenceState) -> None:
         if not sequence.unfed:
             raise ValueError("a sequence needs at least one prompt token to feed")

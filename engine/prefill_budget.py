@@ -10,11 +10,11 @@ most that share, whatever the device, model, batch or context length.
 Both costs are measured as the engine runs (moving averages of whole steps' wall time:
 steps with no prefill give the decode cost, the rest the cost per prompt token), so the
 budget follows the batch as it grows and its contexts as they lengthen. A chunk is at
-least `granule` tokens: a forward pass has a fixed cost (it reads every weight), so a few
-tokens per step would cost nearly a decode step each; instead the allowance accrues over
-steps until it pays for a chunk, and the measured cost of what ran is what is spent, so
-an estimate that is off is corrected by the next steps. Chunk sizes are multiples of the
-granule, so the shapes a forward pass sees stay few.
+least `granule` tokens (or what is left of the prompts): a forward pass has a fixed cost,
+so small chunks cost more per token; instead the allowance accrues over steps until it
+pays for a chunk, and the measured cost of what ran is what is spent, so an estimate that
+is off is corrected by the next steps. Chunk sizes are multiples of the granule, so the
+shapes a forward pass sees stay few.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ from __future__ import annotations
 # Weight of the newest sample in the moving averages: a few steps follow a change in the
 # batch; one slow step (a join, a cache copy) moves the estimate by a fifth of its excess.
 SMOOTHING = 0.2
-# Prompt tokens a chunk comes in multiples of (and at least), unless the chunk limit is
-# smaller. On the 2-core CPU a 64-token chunk cost ~15 ms a token and a decode step's
-# worth of fixed cost; below that the fixed cost dominates.
-GRANULE = 64
+# Prompt tokens a chunk comes in multiples of (and at least, unless less is left to
+# prefill or the chunk limit is smaller). On the 2-core CPU (143M float32) chunks of 64,
+# 128 and 256 tokens cost ~15, ~11 and ~8.6 ms a token: prompt tokens far outnumber
+# generated ones in shared-prefix traffic, so 64-token chunks cost a third of the
+# throughput (measured: 84 s became 130 s for the same 32 requests).
+GRANULE = 256
 
 
 def _average(old: float | None, sample: float) -> float:
@@ -46,8 +48,9 @@ class PrefillBudget:
         self.token_seconds: float | None = None  # one prompt token of a chunk
         self.credit = 0.0  # seconds of stall the prefill may still spend
 
-    def tokens(self, decoding: bool) -> int:
-        """Prompt tokens this step may prefill (0: none this step, the allowance accrues)."""
+    def tokens(self, decoding: bool, waiting: int) -> int:
+        """Prompt tokens this step may prefill (0: none this step, the allowance accrues),
+        `waiting` being how many the prompts being prefilled still need."""
         if not decoding:
             self.credit = 0.0  # nobody waits on this step; start afresh when someone does
             return self.idle_chunk
@@ -59,9 +62,11 @@ class PrefillBudget:
         # saved up over a long quiet spell would come out as one long stall.
         self.credit = min(self.credit + allowance,
                           max(allowance, self.chunk * token_seconds))
-        if not token_seconds:
-            return self.granule
-        affordable = min(int(self.credit / token_seconds), self.chunk)
+        wanted = min(waiting, self.chunk)
+        affordable = min(int(self.credit / token_seconds), self.chunk) if token_seconds \
+            else wanted
+        if affordable >= wanted:
+            return wanted  # what is left of the prompts, short ones in one forward
         return affordable - affordable % self.granule if affordable >= self.granule else 0
 
     def record(self, decoding: bool, prefilled: int, seconds: float) -> None:
@@ -74,5 +79,5 @@ class PrefillBudget:
         if decoding:
             self.credit -= stall
         # A prompt's last few tokens carry a whole chunk's fixed cost: not a fair sample.
-        if prefilled >= self.granule:
+        if prefilled >= self.granule // 4:
             self.token_seconds = _average(self.token_seconds, max(stall, 0.0) / prefilled)

@@ -8,11 +8,11 @@ from engine.prefill_budget import GRANULE, PrefillBudget
 
 
 def run(budget: PrefillBudget, steps: int, decode_seconds: float, chunk_seconds,
-        decoding: bool = True) -> list[int]:
-    """Drive `steps` steps with a prompt always waiting; the chunk sizes taken."""
+        decoding: bool = True, waiting: int = 10**6) -> list[int]:
+    """Drive `steps` steps with `waiting` prompt tokens always left; the chunks taken."""
     chunks = []
     for _ in range(steps):
-        tokens = budget.tokens(decoding)
+        tokens = budget.tokens(decoding, waiting)
         chunks.append(tokens)
         seconds = (decode_seconds if decoding else 0.0) + (chunk_seconds(tokens) if tokens else 0)
         budget.record(decoding, tokens, seconds)
@@ -30,14 +30,23 @@ def test_prefill_lengthens_decoding_steps_by_the_configured_share():
     chunks = run(budget, 400, 0.1, cpu_like)
     stall = sum(cpu_like(n) for n in chunks if n)
     assert abs(stall / (400 * 0.1) - 0.25) < 0.02
-    # Never a sliver that costs a decode step's worth of fixed cost for a few tokens.
+    # Never a sliver that pays a forward pass's fixed cost for a few tokens.
     assert all(n % GRANULE == 0 and n <= 512 for n in chunks)
     assert 0 in chunks  # the allowance accrues over steps that prefill nothing
 
 
+def test_what_is_left_of_short_prompts_goes_in_one_chunk_once_affordable():
+    budget = PrefillBudget(stall_ratio=0.25, stall_floor=0.0, chunk=512, idle_chunk=512)
+    run(budget, 5, 0.0, cpu_like, decoding=False)
+    # Seven 35-token questions: one forward of 245 tokens (~1.3 s) after enough steps.
+    chunks = run(budget, 60, 0.1, cpu_like, waiting=245)
+    assert set(chunks) == {0, 245}
+    assert chunks.index(245) > 40
+
+
 def test_a_decode_step_is_measured_before_prefill_stalls_it():
     budget = PrefillBudget(stall_ratio=0.25, stall_floor=0.0, chunk=512, idle_chunk=512)
-    assert budget.tokens(decoding=True) == 0
+    assert budget.tokens(decoding=True, waiting=1000) == 0
 
 
 def test_with_nothing_decoding_prompts_take_whole_idle_chunks():
