@@ -244,7 +244,7 @@ def test_tool_round_trip_tool_use_then_result_then_answer(
     messages = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
     called = claude.messages.create(
         model=model_id, max_tokens=ROOM, tools=[*TOOLS, WEATHER_TOOL], messages=messages,
-        tool_choice={"type": "tool", "name": "get_weather"},
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
     )
     assert called.stop_reason == "tool_use"
     [use] = [block for block in called.content if block.type == "tool_use"]
@@ -268,7 +268,8 @@ def test_tool_round_trip_tool_use_then_result_then_answer(
 
 def test_any_tool_streams_as_input_json_deltas(claude: anthropic.Anthropic, model_id: str) -> None:
     with claude.messages.stream(
-        model=model_id, max_tokens=ROOM, tools=[WEATHER_TOOL], tool_choice={"type": "any"},
+        model=model_id, max_tokens=ROOM, tools=[WEATHER_TOOL],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
         messages=[{"role": "user", "content": "Weather?"}],
     ) as stream:
         events = list(stream)

@@ -191,7 +191,8 @@ ROOM = 80  # max_output_tokens: a constrained answer here is far shorter
 def test_forced_function_call_round_trip(client: openai.OpenAI, model_id: str) -> None:
     called = client.responses.create(
         model=model_id, input="Weather in Paris for 3 days?", tools=[*TOOLS, WEATHER_TOOL],
-        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=ROOM,
+        tool_choice={"type": "function", "name": "get_weather"}, parallel_tool_calls=False,
+        max_output_tokens=ROOM,
     )
     assert called.status == "completed"
     [call] = [item for item in called.output if item.type == "function_call"]
@@ -210,7 +211,7 @@ def test_forced_function_call_round_trip(client: openai.OpenAI, model_id: str) -
 def test_required_tool_call_streams_its_arguments(client: openai.OpenAI, model_id: str) -> None:
     with client.responses.stream(
         model=model_id, input="Weather?", tools=[WEATHER_TOOL], tool_choice="required",
-        max_output_tokens=ROOM,
+        parallel_tool_calls=False, max_output_tokens=ROOM,
     ) as stream:
         events = list(stream)
         response = stream.get_final_response()
