@@ -116,7 +116,10 @@ async def get_load(request: Request) -> list[WorkerLoad]:
     )]
 
 
-@worker_info.api_route("/flush_cache", methods=["GET", "POST"])
+# Both methods, as SGLang serves it; one route with two methods would give the OpenAPI
+# schema two operations of the same id.
+@worker_info.post("/flush_cache")
+@worker_info.get("/flush_cache", operation_id="flush_cache_get")
 async def flush_cache(request: Request) -> dict[str, Any]:
     """Drop the prefix cache that no request is using (requests keep what they hold)."""
     return await clear_cache(request)

@@ -92,6 +92,10 @@ def test_the_openapi_document_is_served(server: ServerProcess, headers: dict[str
     assert "ChatCompletionRequest" in document["components"]["schemas"]
     assert {"200", "400", "429", "503"} <= set(chat["responses"])
     assert "text/event-stream" in chat["responses"]["200"]["content"]
+    # Client generators name a method per operation id: no two may share one.
+    ids = [operation["operationId"] for path in document["paths"].values()
+           for operation in path.values()]
+    assert len(ids) == len(set(ids))
 
 
 @pytest.fixture(scope="module")
