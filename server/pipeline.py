@@ -142,8 +142,7 @@ async def render(state: ServerState, request: GenerationRequest) -> list[Prompt]
     snapshots there), or raw prompts."""
     tokenizer = state.ready_tokenizer()
     if not request.is_chat:
-        return [Prompt(tokens) for tokens in
-                await asyncio.to_thread(raw_prompts, tokenizer, request)]
+        return await asyncio.to_thread(raw_prompts, tokenizer, request)
     messages = drop_volatile_lines(request.messages, state.settings.volatile_system_lines)
     # Rendering and tokenizing a long conversation takes milliseconds: off the event
     # loop, so streams in flight keep flowing meanwhile.

@@ -90,15 +90,16 @@ def _heads(messages: list[Message]) -> list[list[Message]]:
     return heads + [messages[:count] for count in range(first, len(messages) + 1)]
 
 
-def raw_prompts(tokenizer: ModelTokenizer, request: GenerationRequest) -> list[list[int]]:
-    """Legacy completions' prompts: text is encoded, token ids are taken as given."""
+def raw_prompts(tokenizer: ModelTokenizer, request: GenerationRequest) -> list[Prompt]:
+    """Legacy completions' prompts: text is encoded, token ids are taken as given (no
+    message ends: they are no chat)."""
     prompts = request.prompts
     if isinstance(prompts[0], str):
         encoded = [tokenizer.encode(prompt) for prompt in prompts]
         if not all(encoded):
             raise APIError(400, "the prompt encodes to no tokens", param="prompt")
-        return encoded
+        return [Prompt(tokens) for tokens in encoded]
     check_token_ids(
         (token for prompt in prompts for token in prompt), tokenizer.vocab_size, "prompt"
     )
-    return [list(prompt) for prompt in prompts]
+    return [Prompt(list(prompt)) for prompt in prompts]

@@ -65,5 +65,5 @@ def _prompts(tokenizer, line: str, message_ends: bool) -> list[Prompt]:
         return [chat_prompt(tokenizer, request, message_ends)]
     if isinstance(body, dict) and "prompt" in body:
         request = completion_request(CompletionRequest.model_validate(body))
-        return [Prompt(tokens) for tokens in raw_prompts(tokenizer, request)]
+        return raw_prompts(tokenizer, request)
     raise ValueError('each line must be an object with "messages" or "prompt"')
