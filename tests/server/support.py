@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import ssl
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,6 +24,17 @@ API_KEY = "test-key-123"
 ALIAS = "demo-alias"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 120.0
+
+
+def model_variant(model_dir: Path, target: Path,
+                  settings: Mapping[str, Mapping[str, Any]]) -> Path:
+    """A copy of `model_dir` at `target` whose JSON files (by name) get `settings`' keys."""
+    shutil.copytree(model_dir, target)
+    for name, changes in settings.items():
+        values = json.loads((target / name).read_text())
+        values.update(changes)
+        (target / name).write_text(json.dumps(values))
+    return target
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.support import ServerProcess, start_server
+from tests.server.support import ServerProcess, model_variant, start_server
 
 LONG = {"max_tokens": 4000, "ignore_eos": True}
 
@@ -177,24 +176,15 @@ async def test_sigterm_drains_then_exits_zero(
     assert returncode == 0, server.log()
 
 
-def _without_end_of_sequence(model_dir: Path, copy_to: Path) -> Path:
-    """A copy of `model_dir` that names no end-of-sequence token, so greedy decoding on its
-    random weights runs to max_tokens on every CPU: neither API here has `ignore_eos`."""
-    shutil.copytree(model_dir, copy_to)
-    for name, key, none in (("config.json", "eos_token_id", []),
-                            ("tokenizer_config.json", "eos_token", None)):
-        settings = json.loads((copy_to / name).read_text())
-        settings[key] = none
-        (copy_to / name).write_text(json.dumps(settings))
-    return copy_to
-
-
 async def test_a_drain_cuts_agent_streams_with_their_own_error_events(
     demo_model_dir: Path, tmp_path: Path
 ) -> None:
     """Claude Code and Codex streams cut by a restart end with their API's error event
     (Anthropic's `error`, Responses' `error` then `response.failed`), not a hang-up."""
-    endless = _without_end_of_sequence(demo_model_dir, tmp_path / demo_model_dir.name)
+    # A model that names no end-of-sequence token: greedy decoding on its random weights
+    # runs to max_tokens on every CPU (neither API here has `ignore_eos`).
+    endless = model_variant(demo_model_dir, tmp_path / demo_model_dir.name, {
+        "config.json": {"eos_token_id": []}, "tokenizer_config.json": {"eos_token": None}})
     server = start_server(endless, tmp_path / "server.log", "--drain-timeout", "0.5")
     greedy_and_long = {"stream": True, "temperature": 0.0}
     try:

@@ -9,7 +9,6 @@ weights prefer.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from typing import Literal
 
@@ -19,7 +18,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer
 
-from tests.server.support import ServerProcess, start_server
+from tests.server.support import ServerProcess, model_variant, start_server
 
 
 class Weather(BaseModel):
@@ -165,11 +164,8 @@ def test_tools_beside_a_schema_give_a_call_or_the_answer(
 def hermes_model(demo_model_dir, tmp_path_factory) -> Iterator[tuple[openai.OpenAI, str]]:
     """(a client, the model id) of a server on the demo model told that its tool format
     is Hermes/Qwen's (mlx-lm's json_tools), so its calls take the model-native path."""
-    model = tmp_path_factory.mktemp("hermes") / "tiny-hermes"
-    shutil.copytree(demo_model_dir, model)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    config["tool_parser_type"] = "json_tools"
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    model = model_variant(demo_model_dir, tmp_path_factory.mktemp("hermes") / "tiny-hermes",
+                          {"tokenizer_config.json": {"tool_parser_type": "json_tools"}})
     process = start_server(model, model.parent / "server.log")
     yield openai.OpenAI(base_url=f"{process.url}/v1", api_key="-", max_retries=0), model.name
     process.stop()
