@@ -61,7 +61,9 @@ def describe_platform() -> str:
     if mx.default_device() == mx.gpu:
         if mx.metal.is_available():
             return f"mlx {mx.__version__}, device gpu (Metal)"
-        cudnn = "off" if os.environ.get(CUDNN_ATTENTION_ENV) == "0" else "on"
+        # What the engine will run with: it applies our defaults before its first forward.
+        setting = os.environ.get(CUDNN_ATTENTION_ENV, MLX_ENV_DEFAULTS[CUDNN_ATTENTION_ENV])
+        cudnn = "off" if setting == "0" else "on"
         return f"mlx {mx.__version__}, device gpu (CUDA), cuDNN attention {cudnn}"
     return f"mlx {mx.__version__}, device cpu, BLAS: {_blas_in_use()}"
 

@@ -66,3 +66,22 @@ def test_a_zero_share_and_floor_leaves_prompts_until_decoding_ends():
     budget = PrefillBudget(stall_ratio=0.0, stall_floor=0.0, chunk=512, idle_chunk=512)
     run(budget, 2, 0.0, cpu_like, decoding=False)
     assert run(budget, 50, 0.1, cpu_like) == [0] * 50
+
+
+def gpu_like(tokens: int) -> float:
+    """A fast device: a forward pass costs 2 ms, then 5 us a token."""
+    return 0.002 + tokens * 5e-6
+
+
+def test_a_slow_step_that_is_not_its_own_work_does_not_starve_prefill():
+    budget = PrefillBudget(stall_ratio=0.1, stall_floor=0.02, chunk=2048, idle_chunk=2048)
+    # The first prefill compiled its kernels: 60 times its real cost (as on an H100).
+    budget.record(decoding=False, prefilled=752, seconds=752 * 3e-4)
+    run(budget, 1, 0.003, gpu_like)  # a decode step is measured first
+    chunks = run(budget, 60, 0.003, gpu_like)
+    first = next(i for i, n in enumerate(chunks) if n)
+    # The cold sample delays one chunk; the chunk's own cost then sizes the rest.
+    assert chunks[first + 1:] == [2048] * (len(chunks) - first - 1)
+    # A join that stalls one decode step tenfold does not shrink what prefill may take.
+    budget.record(decoding=True, prefilled=0, seconds=0.03)
+    assert run(budget, 5, 0.003, gpu_like) == [2048] * 5
