@@ -7,7 +7,8 @@
 #   BENCH_TOKENIZER=MODEL_DIR bash bench/gpu.sh OUT ...
 # With BENCH_TOKENIZER the shapes use that model directory's tokenizer (a real vocabulary,
 # e.g. the default model's converted directory: SmolLM2's 49k) and are named
-# <shape>-vocab<N>; BENCH_WORKLOADS picks workloads (default: all). snapshot_models (tiny
+# <shape>-vocab<N>; BENCH_WORKLOADS picks workloads (default: all); BENCH_ARGS adds flags to
+# each shape's `python -m bench` (e.g. --no-structured). snapshot_models (tiny
 # sliding-window and hybrid demo models, whatever the shape) runs once, into OUT/snapshot-models/.
 # With single_stream, each shape's decode parity (bench/decode_parity.py) goes to
 # OUT/<shape>-decode-parity/.
@@ -79,7 +80,8 @@ for s in "${shapes[@]}"; do
     --ns-concurrency 16 --lc-document-tokens 6000 --lc-questions 4 \
     --lc-question-tokens 64 --lc-output-tokens 32 --decode-output-tokens 128 \
     --decode-repeats 2 --bd-streams 64 --bd-prompt-tokens 64 --bd-output-tokens 128 \
-    --cl-sentences 512 --cl-batch 64 --cl-preamble-tokens 48 --cl-sentence-tokens 16
+    --cl-sentences 512 --cl-batch 64 --cl-preamble-tokens 48 --cl-sentence-tokens 16 \
+    ${BENCH_ARGS:-}
   # Single-stream decode against bare mlx-lm in one process, many alternating runs: the
   # workload above meets bare mlx-lm minutes later in another process, two runs each.
   if grep -qx single_stream <<< "$(tr , '\n' <<< "$wanted")"; then
