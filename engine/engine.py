@@ -2,7 +2,8 @@
 
 Everything MLX happens in one worker thread (see scheduler.py). Callers on an asyncio
 loop submit requests through a thread-safe inbox and read events from a `RequestStream`
-that the worker feeds with `loop.call_soon_threadsafe`. The types callers see are in
+that the worker feeds through its loop's `LoopRelay` (one wake-up of the loop per batch of
+events, not per token). The types callers see are in
 api.py, which imports no MLX.
 """
 
@@ -31,6 +32,7 @@ from engine.api import (
     EngineNotReady,
     EngineStats,
     Lifecycle,
+    LoopRelay,
     Prompt,
     QueueFull,
     RequestStream,
@@ -94,6 +96,8 @@ class Engine:
         self._ids = itertools.count()
         self._queued = 0
         self._queued_lock = threading.Lock()
+        self._relays: dict[asyncio.AbstractEventLoop, LoopRelay] = {}  # by callers' loop
+        self._relays_lock = threading.Lock()
         self._last_turn = 0.0  # when the scheduler last went round its loop (watchdog)
         self.served = False  # became ready: a failure now is not a failed load
 
@@ -308,13 +312,23 @@ class Engine:
             if self._queued >= self.config.max_queue:
                 raise QueueFull(f"{self._queued} requests are already waiting", retry_after=1.0)
             self._queued += 1
-        stream = RequestStream(f"req-{next(self._ids)}", asyncio.get_running_loop(),
-                               self.cancel)
+        stream = RequestStream(f"req-{next(self._ids)}", self._relay(), self.cancel)
         generation = self._scheduler.new_generation(stream.request_id, list(tokens), params,
                                                     stream.push, on_dequeue=self._dequeued,
                                                     message_ends=prompt.message_ends)
         self._scheduler.inbox.put(Submit(generation))
         return stream
+
+    def _relay(self) -> LoopRelay:
+        """The running loop's relay (made on its first request; those of closed loops,
+        say of earlier `asyncio.run`s, are dropped then)."""
+        loop = asyncio.get_running_loop()
+        with self._relays_lock:
+            if loop not in self._relays:
+                self._relays = {other: relay for other, relay in self._relays.items()
+                                if not other.is_closed()}
+                self._relays[loop] = LoopRelay(loop)
+            return self._relays[loop]
 
     def cancel(self, request_id: str) -> None:
         """End a request early: its stream ends with a "cancelled" Finish within a step
