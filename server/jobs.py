@@ -91,27 +91,8 @@ class Job:
 
     async def events(self) -> AsyncIterator[tuple[int, TokenEvent | Finish]]:
         """Every choice's events, interleaved as they arrive."""
-        queue: asyncio.Queue[tuple[int, TokenEvent | Finish | Exception | None]] = asyncio.Queue()
-
-        async def pump(index: int, stream) -> None:
-            try:
-                async for event in stream:
-                    queue.put_nowait((index, event))
-            except Exception as error:  # noqa: BLE001 - re-raised by the reader below
-                queue.put_nowait((index, error))
-            else:
-                queue.put_nowait((index, None))
-
-        self._tasks = [
-            asyncio.create_task(pump(index, stream)) for index, stream in enumerate(self._streams)
-        ]
         last_token: dict[int, float] = {}
-        open_streams = len(self._streams)
-        while open_streams:
-            index, event = await queue.get()
-            if event is None:
-                open_streams -= 1
-                continue
+        async for index, event in self._arrivals():
             if isinstance(event, RequestFailed):
                 raise APIError(
                     500, f"the engine failed this request (request id {self.request_id})",
@@ -130,6 +111,39 @@ class Job:
             # A stream ends without a Finish only when cancelled, and only the drain
             # cancels a job that is still being read.
             raise APIError(503, "the server is shutting down", code="shutting_down")
+
+    async def _arrivals(self) -> AsyncIterator[tuple[int, TokenEvent | Finish | Exception]]:
+        """(choice, event) as they arrive, or the exception a choice's stream raised. One
+        stream is read as it is; several through a queue that a task per stream feeds
+        (which costs every token a second wake-up)."""
+        if len(self._streams) == 1:
+            try:
+                async for event in self._streams[0]:
+                    yield 0, event
+            except Exception as error:  # noqa: BLE001 - re-raised by the reader
+                yield 0, error
+            return
+        queue: asyncio.Queue[tuple[int, TokenEvent | Finish | Exception | None]] = asyncio.Queue()
+
+        async def pump(index: int, stream) -> None:
+            try:
+                async for event in stream:
+                    queue.put_nowait((index, event))
+            except Exception as error:  # noqa: BLE001 - re-raised by the reader
+                queue.put_nowait((index, error))
+            else:
+                queue.put_nowait((index, None))
+
+        self._tasks = [
+            asyncio.create_task(pump(index, stream)) for index, stream in enumerate(self._streams)
+        ]
+        open_streams = len(self._streams)
+        while open_streams:
+            index, event = await queue.get()
+            if event is None:
+                open_streams -= 1
+            else:
+                yield index, event
 
     def _observe_token(self, index: int, last_token: dict[int, float]) -> None:
         now = time.perf_counter()
