@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from pydantic_core import to_json
+
 from engine.api import TokenEvent, TokenLogprob
 from server.events import (
     ChoiceFinished,
@@ -82,6 +84,9 @@ def legacy_logprobs(tokens: Sequence[TokenEvent], offset: int) -> CompletionLogp
         text_offset=offsets,
     )
 
+# Stands for a text delta's text in the chunk made once per choice to cut its envelope from.
+TEXT_MARK = "\x00text\x00"
+
 
 class Format:
     """Shared by both formats: ids, the creation time, and the chunk envelope."""
@@ -91,6 +96,25 @@ class Format:
     def __init__(self, response_id: str, model: str, logprobs: bool) -> None:
         self.response_id, self.model, self.logprobs = response_id, model, logprobs
         self.created = now()
+        # (choice, excluded fields) -> the JSON of a text chunk before and after its text.
+        self._text_envelopes: dict[tuple[int, frozenset[str]], tuple[str, str]] = {}
+
+    def chunk_json(self, event: Event, exclude: frozenset[str] = frozenset()) -> str | None:
+        """`chunk(event)` as JSON, without the fields in `exclude`. Text without logprobs,
+        the chunk of almost every token, is written into its choice's envelope, cut once
+        from a real chunk: building and dumping the models took ~30 µs of the event
+        loop's time per token on the 2-core CPU, which 64 streams paid 64 times a step."""
+        if isinstance(event, TextDelta) and event.text and not (self.logprobs and event.tokens):
+            key = (event.choice, exclude)
+            if key not in self._text_envelopes:
+                marked = self.chunk(TextDelta(event.choice, TEXT_MARK))
+                before, after = marked.model_dump_json(exclude=exclude).split(
+                    to_json(TEXT_MARK).decode())
+                self._text_envelopes[key] = before, after
+            before, after = self._text_envelopes[key]
+            return before + to_json(event.text).decode() + after
+        chunk = self.chunk(event)
+        return None if chunk is None else chunk.model_dump_json(exclude=exclude)
 
     def _chunk(self, choices: list, usage: Usage | None = None):
         return self.chunk_type(

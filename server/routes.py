@@ -96,14 +96,14 @@ async def _sse(generation: Generation, fmt: Format) -> AsyncIterator[str]:
     """The SSE data lines, ending with `[DONE]` (after an error object if one occurs)."""
     include_usage = generation.request.include_usage
     # OpenAI sends `"usage": null` on every chunk only when usage was asked for.
-    exclude = None if include_usage else {"usage"}
+    exclude = frozenset() if include_usage else frozenset({"usage"})
     try:
         for chunk in fmt.opening_chunks(generation.choices):
             yield chunk.model_dump_json(exclude=exclude)
         async for event in generation.events():
-            chunk = fmt.chunk(event)
-            if chunk is not None:
-                yield chunk.model_dump_json(exclude=exclude)
+            data = fmt.chunk_json(event, exclude)
+            if data is not None:
+                yield data
         if include_usage:
             yield fmt.usage_chunk(generation.usage()).model_dump_json()
     except APIError as error:

@@ -49,11 +49,17 @@ async def _one_line_each(
 ) -> AsyncIterator[str | ServerSentEvent]:
     async for event in events:
         if isinstance(event, ServerSentEvent):
-            if isinstance(event.data, str):
-                event.data = event.data.translate(LINE_BREAKERS)
+            event.data = _one_line(event.data)
             yield event
         else:
-            yield event.translate(LINE_BREAKERS)
+            yield _one_line(event)
+
+
+def _one_line(data: object) -> object:
+    # ASCII text holds no line breaker, and str.isascii is far cheaper than translate.
+    if isinstance(data, str) and not data.isascii():
+        return data.translate(LINE_BREAKERS)
+    return data
 
 
 async def to_the_end(
