@@ -72,6 +72,31 @@ async def test_cancel_mid_decode_releases_everything(engine):
     assert (stats.running, stats.waiting, stats.tree.pinned_bytes, stats.tree.pending) == (0, 0, 0, 0)
 
 
+async def test_many_streams_each_get_their_own_tokens_in_order(engine, reference):
+    # Events reach the loop in batches (one wake-up per step, engine/api.py LoopRelay):
+    # every stream still gets exactly its own tokens, in order, then its Finish.
+    prompts = [random_prompt(60 + i, 24) for i in range(12)]
+    results = await asyncio.gather(*(complete(engine, p, 8) for p in prompts))
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == reference.greedy(prompt, 8)
+        assert result.finish.completion_tokens == len(result.tokens)
+
+
+async def test_a_request_whose_callers_loop_closed_is_cancelled(engine):
+    before = engine.stats().counters.generated_tokens
+
+    def submit_and_leave() -> None:
+        async def submit() -> None:
+            engine.submit(random_prompt(3, 32), _greedy(max_tokens=4000))
+
+        asyncio.run(submit())  # the loop closes before any token is delivered
+
+    await asyncio.to_thread(submit_and_leave)
+    stats = await settled(engine)
+    assert (stats.running, stats.waiting, stats.tree.pinned_bytes, stats.tree.pending) == (0, 0, 0, 0)
+    assert stats.counters.generated_tokens - before < 4000
+
+
 async def test_cancel_while_waiting_for_a_shared_prefix(engine, reference):
     prefix = random_prompt(3, 600)
     first = asyncio.create_task(complete(engine, prefix + [11], 4))
