@@ -20,7 +20,6 @@ results.md there.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -40,6 +39,7 @@ from mlx_lm.generate import BatchGenerator
 
 from bench import hardware
 from bench.__main__ import git_revision
+from bench.decode_parity import parity_arguments, run_lines
 from bench.servers import RADIX, running
 from engine.api import SamplingParams, TokenEvent
 from engine.engine import ENGINE_THREAD, Engine, EngineConfig
@@ -183,15 +183,8 @@ def measure(runs: dict[str, Callable[[], Run]], clocks: dict[str, dict[str, Call
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", type=Path)
+    parser = parity_arguments(__doc__.splitlines()[0], max_tokens=128, repeats=5)
     parser.add_argument("--streams", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--no-server", action="store_true", help="skip the HTTP path")
-    parser.add_argument("--radix-mlx-args", default="", metavar="FLAGS")
-    parser.add_argument("--out", type=Path, help="also write results.json and results.md here")
     args = parser.parse_args()
     model, tokenizer = load(str(args.model))
     prompts = prompts_for(args.streams, args.prompt_tokens, tokenizer.vocab_size)
@@ -236,13 +229,9 @@ def write(result: dict, out: Path) -> None:
 
 
 def markdown(result: dict) -> list[str]:
-    load_average = result["load_average"]
     bare_step = result["step_ms"]["bare"]
     lines = [
-        f"Command: `{result['command']}` at {result['git']}.",
-        "Load average (1, 5, 15 min) before the timed runs: "
-        + ", ".join(f"{v:.2f}" for v in load_average["before"]) + "; after: "
-        + ", ".join(f"{v:.2f}" for v in load_average["after"]) + ".",
+        *run_lines(result),
         (f"Greedy, {result['streams']} streams of {result['prompt_tokens']}-token prompts, "
          f"{result['max_tokens']} tokens each, {result['repeats']} alternating runs per "
          "path; medians. The engine's own step (without the hop to asyncio): "

@@ -119,16 +119,21 @@ def measure(runs: dict[str, Callable[[], list[float]]], threads: dict[str, dict[
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parity_arguments(description: str, max_tokens: int, repeats: int) -> argparse.ArgumentParser:
+    """The flags of a parity benchmark (this one, bench.batch_parity)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("model", type=Path)
     parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--no-server", action="store_true", help="skip the HTTP path")
     parser.add_argument("--radix-mlx-args", default="", metavar="FLAGS")
     parser.add_argument("--out", type=Path, help="also write results.json and results.md here")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parity_arguments(__doc__.splitlines()[0], max_tokens=256, repeats=7).parse_args()
     model, tokenizer = load(str(args.model))
     prompt = [(7 * i + 11) % tokenizer.vocab_size for i in range(args.prompt_tokens)]
     engine = Engine(EngineConfig(model=str(args.model)))
@@ -164,13 +169,19 @@ def write(result: dict, out: Path) -> None:
                            result, markdown, git=git_revision())
 
 
-def markdown(result: dict) -> list[str]:
+def run_lines(result: dict) -> list[str]:
+    """A parity result's command, commit and the machine's load around its runs."""
     load_average = result["load_average"]
-    lines = [
+    return [
         f"Command: `{result['command']}` at {result['git']}.",
         "Load average (1, 5, 15 min) before the timed runs: "
         + ", ".join(f"{v:.2f}" for v in load_average["before"]) + "; after: "
-        + ", ".join(f"{v:.2f}" for v in load_average["after"]) + ".",
+        + ", ".join(f"{v:.2f}" for v in load_average["after"]) + "."]
+
+
+def markdown(result: dict) -> list[str]:
+    lines = [
+        *run_lines(result),
         (f"Greedy, {result['prompt_tokens']}-token prompt, {result['max_tokens']} tokens, "
          f"{result['repeats']} alternating runs each; medians."), "",
         "| path | decode tok/s | ratio to bare | runs |", "|---|---:|---:|---|"]
