@@ -169,6 +169,22 @@ def test_decode_parity_times_every_path_against_bare_mlx_lm(demo_model_dir: Path
     assert "| server |" in (tmp_path / "results.md").read_text()
 
 
+def test_batch_parity_times_every_path_against_bare_batch_generator(demo_model_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "bench.batch_parity", str(demo_model_dir), "--streams", "4",
+         "--prompt-tokens", "16", "--max-tokens", "8", "--repeats", "1", "--out", str(tmp_path)],
+        check=True, capture_output=True, text=True, timeout=600)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["step_ms"]) == {"bare", "engine", "server"}
+    assert all(len(runs) == 1 and min(runs) > 0 for runs in results["runs"]["output_tok_s"].values())
+    cpu = results["host_cpu_ms_per_step"]
+    assert set(cpu["engine"]) == {"engine", "caller", "process"}
+    assert set(cpu["server"]) == {"loop", "process"}
+    assert results["engine_step_ms"] > 0
+    assert "| server |" in (tmp_path / "results.md").read_text()
+
+
 def test_medians_of_alternating_runs_per_code_and_server(tmp_path: Path) -> None:
     runs = []
     for i, (label, itl) in enumerate([("before", 200.0), ("after", 100.0), ("before", 240.0),
