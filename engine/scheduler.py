@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine.admission import SchedulerLimits, admit
-from engine.api import SamplingParams, SchedulerCounters
+from engine.api import FinishReason, SamplingParams, SchedulerCounters
 from engine.disk_store import DiskStore
 from engine.distributed import RankGroup
 from engine.generation import Generation
@@ -405,10 +405,13 @@ class Scheduler:
 
     def _step(self) -> None:
         started = time.perf_counter()
+        endings = []
         for output in self.generator.decode():
             generation = self.running.get(output.uid)
-            if generation is not None:
-                self._on_token(generation, output)
+            if generation is not None and (ending := self._on_token(generation, output)):
+                endings.append((generation, *ending))
+        if endings:
+            self._end(endings)
         decoding = self.generator.decoding
         prefilled = 0
         if self.generator.prefilling and (budget := self._prefill_tokens(decoding)):
@@ -469,29 +472,32 @@ class Scheduler:
             return
         self._publish(generation, self.generator.cache_of(sequence))
 
-    def _on_token(self, generation: Generation, output: Output) -> None:
+    def _on_token(self, generation: Generation, output: Output
+                  ) -> tuple[FinishReason, str | int | None] | None:
+        """Take in a generated token; (reason, matched stop) when it ends the generation,
+        which the step then ends with the others that ended in it."""
         self.counters.generated_tokens += 1
         try:
-            ended = generation.accept(output.token, output.logprobs)
+            return generation.accept(output.token, output.logprobs)
         except ConstraintFailed as error:
             sequence = generation.sequence
             del self.running[sequence.uid]
             self._release(generation, self.generator.remove([sequence.uid])[sequence.uid])
             self._fail(generation, error)
-            return
-        if ended is not None:
-            self._end(generation, *ended)
+            return None
 
     # -- ending -----------------------------------------------------------------------
 
-    def _end(self, generation: Generation, reason: str,
-             matched_stop: str | int | None = None) -> None:
-        """A running generation is done: its KV goes to the tree, its last event out."""
-        sequence = generation.sequence
-        del self.running[sequence.uid]
-        self._release(generation, self.generator.remove([sequence.uid])[sequence.uid])
-        self._forget(generation)
-        generation.finish(reason, matched_stop)
+    def _end(self, endings: list[tuple[Generation, FinishReason, str | int | None]]) -> None:
+        """Running generations are done: their KV goes to the tree, their last events out.
+        Their rows leave the batch together: each departure compacts the batch's cache, so
+        64 streams ending at one step would otherwise copy it 64 times."""
+        sequences = self.generator.remove(g.sequence.uid for g, _, _ in endings)
+        for generation, reason, matched_stop in endings:
+            del self.running[generation.sequence.uid]
+            self._release(generation, sequences[generation.sequence.uid])
+            self._forget(generation)
+            generation.finish(reason, matched_stop)
 
     def _release(self, generation: Generation, sequence: SequenceState | None) -> None:
         """Share what `sequence`'s cache holds beyond the tree, then let go."""
@@ -509,7 +515,7 @@ class Scheduler:
             self._forget(generation)
             generation.finish("cancelled")
         elif generation.sequence is not None:
-            self._end(generation, "cancelled")
+            self._end([(generation, "cancelled", None)])
 
     def _recover(self, error: Exception) -> None:
         """A step failed. Its batch state is unusable, so every member restarts from its
