@@ -1,6 +1,7 @@
 """Both agent APIs' stream renderers, fed a reply no random-weight model writes (thinking,
 then text, then two tool calls) and read back by the official SDKs' own stream
-accumulators, which refuse any event out of its documented order."""
+accumulators, which refuse any event out of its documented order; and OpenAI's text
+chunks, against their models."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from server.events import (
     ToolCallStarted,
     Usage,
 )
+from server.formats import ChatFormat, CompletionFormat
 from server.responses_adapter import ResponseBuilder
 from server.responses_protocol import Response
 
@@ -77,3 +79,21 @@ def test_responses_stream_is_one_item_per_kind_in_order() -> None:
     assert all(item.status == "completed" for item in response.output)
     assert response.usage.input_tokens_details.cached_tokens == 100
     assert builder.response == response
+
+
+def test_openai_text_chunks_are_the_chunk_models_own_json() -> None:
+    # A text chunk is written into an envelope cut once per choice (server/formats.py):
+    # byte for byte what dumping its model gives, whatever the text holds.
+    texts = [" hello", 'say "hi"\\', "line\nbreak\t\x00\x1f\x7f", "caf\u00e9 \U0001f600",
+             "\x85\u2028\u2029", "</script>{}"]
+    for fmt in (ChatFormat("chatcmpl-1", "m", logprobs=False),
+                CompletionFormat("cmpl-1", "m", logprobs=False)):
+        for exclude in (frozenset(), frozenset({"usage"})):
+            for choice in (0, 2):
+                for text in texts:
+                    event = TextDelta(choice, text)
+                    data = fmt.chunk_json(event, exclude)
+                    assert data == fmt.chunk(event).model_dump_json(exclude=exclude)
+                    choice_json = json.loads(data)["choices"][0]
+                    assert choice_json["index"] == choice
+                    assert choice_json.get("text", choice_json.get("delta", {}).get("content")) == text
