@@ -19,20 +19,24 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
 from bench import disk_tier, hardware, report, snapshot_models
 from bench.client import run_workload
 from bench.servers import (
+    LLAMA_CPP,
     RADIX,
     REPLICA_POLICIES,
     SPECS,
     RunningServer,
     ServerSpec,
+    llama_cpp,
     replicas,
     running,
     scrape_active_memory,
@@ -69,7 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "SmolLM2-135M-Instruct, as radix-mlx serve converts it; with "
                              "--quick only the real one)")
     parser.add_argument("--servers", default=",".join(SPECS),
-                        help=f"comma-separated, from {sorted(SPECS)}")
+                        help=f"comma-separated, from {sorted([*SPECS, LLAMA_CPP])} "
+                             f"(default: {','.join(SPECS)}; {LLAMA_CPP}, llama.cpp's "
+                             "llama-server, runs only on a GGUF model, as the default is)")
     parser.add_argument("--workloads", default=",".join(all_workloads()),
                         help=f"comma-separated, from {all_workloads()} "
                              f"({', '.join(disk_tier.WORKLOADS)}: radix-mlx with and without "
@@ -80,9 +86,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="results folder, with one subfolder per "
                         "model when there are several (default: bench/results/<hardware>)")
-    for spec in SPECS.values():
-        parser.add_argument(f"--{spec.name}-args", default="", metavar="FLAGS",
-                            help=f"extra flags for {spec.name}'s server (default: none)")
+    for name in (*SPECS, LLAMA_CPP):
+        parser.add_argument(f"--{name}-args", default="", metavar="FLAGS",
+                            help=f"extra flags for {name}'s server (default: none)")
+    parser.add_argument("--llama-server", default=shutil.which("llama-server"), metavar="PATH",
+                        help=f"llama.cpp's server binary for {LLAMA_CPP} (default: "
+                             "llama-server on PATH)")
     parser.add_argument("--replicas", type=int, default=0, metavar="N",
                         help="also run N radix-mlx workers behind sglang-router, once with "
                              f"each of {', '.join(REPLICA_POLICIES)}, on "
@@ -113,6 +122,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.workloads.split(",")) - set(all_workloads())
     if unknown:
         parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
+    unknown = set(args.servers.split(",")) - {*SPECS, LLAMA_CPP}
+    if unknown:
+        parser.error(f"unknown servers: {', '.join(sorted(unknown))}")
     return args
 
 
@@ -123,22 +135,35 @@ def shapes_from(args: argparse.Namespace) -> Shapes:
     return dataclasses.replace(base, **given)
 
 
-def model_dirs(models: list[str] | None, env: dict[str, str], quick: bool = False) -> list[Path]:
-    """The directories to bench: a .gguf converted (and cached) as `radix-mlx serve`
+class BenchModel(NamedTuple):
+    directory: Path  # what the MLX servers load
+    gguf: Path | None  # the file it was converted from, if any (what llama.cpp loads)
+
+
+def model_dirs(models: list[str] | None, env: dict[str, str],
+               quick: bool = False) -> list[BenchModel]:
+    """The models to bench: a .gguf converted (and cached) as `radix-mlx serve`
     converts it; none given: the cached `bench` demo model and the default real model
     (only the latter when quick, to keep a smoke run short). Resolved in a child so this
     process stays MLX-free."""
     code = ("import sys\n"
             "from engine.demo_model import demo_model_path\n"
-            "from engine.model_source import resolve_model\n"
+            "from engine.model_source import default_model_file, is_gguf_source, "
+            "resolve_model\n"
             "for model in sys.argv[1:]:\n"
-            "    print(demo_model_path('bench') if model == 'bench' else "
-            "resolve_model(model or None))\n")
+            "    if model == 'bench':\n"
+            "        print(demo_model_path('bench'), '', sep='\\t')\n"
+            "        continue\n"
+            "    source = model or str(default_model_file())\n"
+            "    print(resolve_model(source), source if is_gguf_source(source) else '', "
+            "sep='\\t')\n")
     default = [""] if quick else ["bench", ""]
     given = [str(Path(m).expanduser().resolve()) for m in models or []] or default
     result = subprocess.run([sys.executable, "-c", code, *given], env=env, check=True,
                             capture_output=True, text=True)
-    return [Path(line) for line in result.stdout.strip().splitlines()]
+    rows = [line.split("\t") for line in result.stdout.splitlines()]
+    return [BenchModel(Path(directory), Path(gguf) if gguf else None)
+            for directory, gguf in rows]
 
 
 def git_revision() -> str | None:
@@ -265,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     models = model_dirs(args.models, env, args.quick) if wanted - set(
         snapshot_models.WORKLOADS) else []
     for model in models:
-        out = (args.out or RESULTS / hardware.tag(device)) / model.name
+        out = (args.out or RESULTS / hardware.tag(device)) / model.directory.name
         if args.out and len(models) == 1:
             out = args.out
         bench_model(args, model, device, env, out, argv)
@@ -275,33 +300,52 @@ def main(argv: list[str] | None = None) -> None:
                    "git": git_revision(), "hardware": hardware.describe(device),
                    "shapes": shapes_from(args).as_dict()}
         results["families"] = snapshot_models.run(
-            [SPECS[name] for name in args.servers.split(",")], shapes_from(args), env, out,
-            args.seed)
+            [SPECS[name] for name in args.servers.split(",") if name in SPECS],
+            shapes_from(args), env, out, args.seed)
         snapshot_models.write(results, out)
         print((out / "results.md").read_text())
 
 
-def bench_model(args: argparse.Namespace, model: Path, device: str, env: dict[str, str],
-                out: Path, argv: list[str] | None) -> None:
+def server_specs(args: argparse.Namespace, model: BenchModel) -> tuple[list[ServerSpec],
+                                                                       dict[str, str]]:
+    """The servers --servers names for this model, and why any of them cannot run."""
+    specs, skipped = [], {}
+    for name in args.servers.split(","):
+        if name != LLAMA_CPP:
+            specs.append(SPECS[name])
+        elif model.gguf is None:
+            skipped[name] = "it serves a .gguf file, and this model is not one"
+        elif not args.llama_server:
+            skipped[name] = "no llama-server on PATH (install llama.cpp or pass --llama-server)"
+        else:
+            specs.append(llama_cpp(args.llama_server))
+    return specs, skipped
+
+
+def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
+                env: dict[str, str], out: Path, argv: list[str] | None) -> None:
     shapes = shapes_from(args)
     wanted = args.workloads.split(",")
-    workloads = [w for w in build_all(model, shapes, args.seed) if w.name in wanted]
-    warm_up = build_warm_up(model, shapes, args.seed)
+    workloads = [w for w in build_all(model.directory, shapes, args.seed) if w.name in wanted]
+    warm_up = build_warm_up(model.directory, shapes, args.seed)
+    specs, skipped = server_specs(args, model)
+    for name, reason in skipped.items():
+        print(f"bench: not running {name}: {reason}", file=sys.stderr, flush=True)
     results: dict = {
         "command": shlex.join(["python", "-m", "bench", *(argv or sys.argv[1:])]),
         "git": git_revision(),
         "hardware": hardware.describe(device),
-        "model": describe_model(model),
+        "model": describe_model(model.directory),
         "shapes": shapes.as_dict(),
         "seed": args.seed,
         "workloads": [w.name for w in workloads],
         "servers": {},
+        "skipped_servers": skipped,
     }
     smi = hardware.nvidia_smi()
     if smi:
         out.mkdir(parents=True, exist_ok=True)
         (out / "nvidia-smi.txt").write_text(smi)
-    specs = [SPECS[name] for name in args.servers.split(",")]
     if args.replicas:
         specs += [replicas(policy, args.replicas, args.replicas_cuda_devices)
                   for policy in REPLICA_POLICIES]
@@ -315,25 +359,27 @@ def bench_model(args: argparse.Namespace, model: Path, device: str, env: dict[st
                         if (not spec.router_workers or w.name in REPLICA_WORKLOADS)
                         and (not spec.tensor_parallel or w.name in TP_WORKLOADS)]
             if measured:
-                run_server(results, spec, args, model, env, out, warm_up, measured)
+                served = model.gguf if spec.serves_gguf else model.directory
+                run_server(results, spec, args, served, env, out, warm_up, measured)
     if set(wanted) & set(disk_tier.WORKLOADS):
         print("bench: radix-mlx with and without its disk tier", file=sys.stderr, flush=True)
-        results["disk_tier"] = disk_tier.run(wanted, model, shapes, env, out, args.seed)
+        results["disk_tier"] = disk_tier.run(wanted, model.directory, shapes, env, out,
+                                             args.seed)
     if not args.no_raw:
         if "single_stream" in wanted:
             print("bench: bare mlx_lm.stream_generate", file=sys.stderr, flush=True)
             results["raw_decode"] = child_json(
-                "bench.raw_decode", model, env, "--prompt-tokens", shapes.decode_prompt_tokens,
+                "bench.raw_decode", model.directory, env, "--prompt-tokens", shapes.decode_prompt_tokens,
                 "--max-tokens", shapes.decode_output_tokens, "--repeats", shapes.decode_repeats)
         for name in (w.name for w in workloads if w.name in RAW_BATCH_WORKLOADS):
             print(f"bench: bare mlx_lm.batch_generate ({name})", file=sys.stderr, flush=True)
             results.setdefault("raw_batch", {})[name] = child_json(
-                "bench.raw_batch", model, env, name, "--seed", args.seed,
+                "bench.raw_batch", model.directory, env, name, "--seed", args.seed,
                 "--shapes", json.dumps(shapes.as_dict()))
     if not args.no_structured:
         print("bench: constrained vs free decoding", file=sys.stderr, flush=True)
         results["structured"] = child_json(
-            "bench.structured", model, env, "--prompt-tokens", shapes.so_prompt_tokens,
+            "bench.structured", model.directory, env, "--prompt-tokens", shapes.so_prompt_tokens,
             "--max-tokens", shapes.so_output_tokens, "--repeats", shapes.so_repeats,
             "--seed", args.seed)
     report.write(results, out, plots=not args.no_plots)

@@ -17,6 +17,9 @@ import numpy as np
 from bench.client import RequestResult, WorkloadRun
 
 OURS, THEIRS = "radix-mlx", "mlx-lm"
+# Peers compared with OURS in tables of their own; THEIRS stays the one the targets use.
+# llama.cpp's server runs the GGUF file itself: the fastest CPU engine on the same weights.
+OTHER_PEERS = ("llama-cpp",)
 
 # (summary key, label, better when higher, format)
 METRICS = (
@@ -219,9 +222,10 @@ def tensor_parallel_rows(results: dict) -> list[dict]:
     return rows
 
 
-def ratio_table(results: dict) -> dict:
+def ratio_table(results: dict, peer: str = THEIRS) -> dict:
+    """OURS / `peer` for every workload both ran."""
     ours = results["servers"].get(OURS, {}).get("workloads", {})
-    theirs = results["servers"].get(THEIRS, {}).get("workloads", {})
+    theirs = results["servers"].get(peer, {}).get("workloads", {})
     return {
         workload: {key: ratio(ours[workload].get(key), theirs[workload].get(key))
                    for key in RATIO_KEYS}
@@ -264,16 +268,9 @@ def markdown(results: dict) -> str:
             if summary:
                 cells = [fmt(summary.get(key), pattern) for key, _, _, pattern in METRICS]
                 lines.append(f"| {workload} | {server} | " + " | ".join(cells) + " |")
-    ratios = results.get("ratios", {})
-    if ratios:
-        keys = next(iter(ratios.values())).keys()
-        labels = {key: label for key, label, *_ in METRICS}
-        lines += ["", f"## Ratios ({OURS} / {THEIRS})", "",
-                  "| workload | " + " | ".join(labels[k] for k in keys) + " |",
-                  "|---|" + "---:|" * len(keys)]
-        for workload, row in ratios.items():
-            lines.append(f"| {workload} | " + " | ".join(
-                fmt(row[k], "{:.2f}x") for k in keys) + " |")
+    peer_ratios = {THEIRS: results.get("ratios", {}), **results.get("peer_ratios", {})}
+    for peer, ratios in peer_ratios.items():
+        lines += ratios_section(peer, ratios)
     lines += section(
         f"Replicas behind sglang-router vs one {OURS} server",
         ["workload", "server", "output tok/s", "vs one server", "prompt tokens from cache",
@@ -334,10 +331,27 @@ def markdown(results: dict) -> str:
     lines += ["", "## Servers", ""]
     for server, data in results["servers"].items():
         died = data.get("exit_code_during_run")
-        lines.append(f"- {server}: `{' '.join(data['argv'][1:])}`; {data['notes']}"
+        program, *argv = data["argv"]
+        lines.append(f"- {server}: `{' '.join([Path(program).name, *argv])}`; {data['notes']}"
                      + ("" if died is None else f"; EXITED with code {died} during the run"))
+    for server, reason in results.get("skipped_servers", {}).items():
+        lines.append(f"- {server}: not run: {reason}")
     lines += ["", "## Shapes", "", "```", json.dumps(results["shapes"], indent=1), "```", ""]
     return "\n".join(lines)
+
+
+def ratios_section(peer: str, ratios: dict) -> list[str]:
+    if not ratios:
+        return []
+    keys = next(iter(ratios.values())).keys()
+    labels = {key: label for key, label, *_ in METRICS}
+    lines = ["", f"## Ratios ({OURS} / {peer})", "",
+             "| workload | " + " | ".join(labels[k] for k in keys) + " |",
+             "|---|" + "---:|" * len(keys)]
+    for workload, row in ratios.items():
+        lines.append(f"| {workload} | " + " | ".join(
+            fmt(row[k], "{:.2f}x") for k in keys) + " |")
+    return lines
 
 
 def structured_markdown(structured: dict | None) -> list[str]:
@@ -443,6 +457,8 @@ def disk_tier_section(disk: dict) -> list[str]:
 def write(results: dict, directory: Path, plots: bool = True) -> None:
     """results.json, results.md and (unless told not to) the PNG plots."""
     results["ratios"] = ratio_table(results)
+    results["peer_ratios"] = {peer: ratio_table(results, peer) for peer in OTHER_PEERS
+                              if peer in results["servers"]}
     results["targets"] = targets(results)
     results["batch_decode_bandwidth"] = decode_bandwidth(results)
     directory.mkdir(parents=True, exist_ok=True)

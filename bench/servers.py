@@ -39,6 +39,8 @@ class ServerSpec:
     tensor_parallel: int = 0  # > 1: one server, its model sharded over this many ranks
     args: tuple[str, ...] = ()  # always passed, before any extra flags (which win)
     list_prompts: bool = True  # serves /v1/completions with a list of prompts
+    executable: str = ""  # a native server run instead of `python -m module`
+    serves_gguf: bool = False  # loads the .gguf file itself, not the converted directory
 
 
 RADIX = ServerSpec(
@@ -65,7 +67,35 @@ MLX_LM = ServerSpec(
     list_prompts=False,
 )
 SPECS = {spec.name: spec for spec in (RADIX, MLX_LM)}
+LLAMA_CPP = "llama-cpp"
+# Slots for every stream of the CPU workloads at once (batch_decode's 16), one KV pool
+# shared by all of them as the default auto mode has it (a fixed split would give each
+# slot 1/16 of the context, less than long_context's document).
+LLAMA_CPP_ARGS = ("--parallel", "16", "--kv-unified", "--ctx-size", "32768")
 REPLICA_POLICIES = ("cache_aware", "round_robin")
+
+
+def llama_cpp(binary: str) -> ServerSpec:
+    """llama.cpp's own C++ server (`llama-server`) on the GGUF file the model came from."""
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True,
+                             timeout=60, check=False)
+    built = " ".join(line.strip() for line in (version.stdout + version.stderr).splitlines()
+                     if line.startswith(("version", "built with")))
+    return ServerSpec(
+        name=LLAMA_CPP,
+        module="",
+        executable=binary,
+        serves_gguf=True,
+        args=LLAMA_CPP_ARGS,
+        # Honoured on its OpenAI endpoints too: it reads every native sampling field there.
+        extra={"ignore_eos": True},
+        metrics=False,
+        notes=f"llama-server ({built or 'version unknown'}) on the GGUF file itself (its "
+              "own quantized kernels), "
+              f"{' '.join(LLAMA_CPP_ARGS)}; otherwise its defaults: cache_prompt on, "
+              "8 GiB host-memory prompt cache (--cache-ram), threads = cores, "
+              "chat template from the file (jinja); ignore_eos sent",
+    )
 
 
 def replicas(policy: str, workers: int, cuda_devices: str = "") -> ServerSpec:
@@ -166,7 +196,8 @@ def running(spec: ServerSpec, model: Path, env: dict[str, str], log_path: Path,
             ) -> Iterator[RunningServer]:
     """Start `spec` on `model`, yield once /health is 200, and always stop it."""
     port = free_port()
-    argv = [sys.executable, "-m", spec.module, *spec.command, "--model", str(model),
+    program = [spec.executable] if spec.executable else [sys.executable, "-m", spec.module]
+    argv = [*program, *spec.command, "--model", str(model),
             "--host", "127.0.0.1", "--port", str(port), *spec.args,
             *extra_args]
     log_path.parent.mkdir(parents=True, exist_ok=True)

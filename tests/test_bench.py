@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("psutil")
 
-from bench.__main__ import describe_model, main, model_dirs
+from bench.__main__ import BenchModel, describe_model, main, model_dirs, parse_args, server_specs
 from bench.medians import main as medians
-from bench.report import replica_rows, targets
+from bench.report import replica_rows, targets, write
 from bench.workloads import QUICK, build_all
 from tests.engine.gguf_files import write_demo_gguf
 
@@ -107,8 +107,9 @@ def test_a_gguf_model_is_benched_as_serve_converts_it(demo_model_dir: Path, tmp_
     write_demo_gguf(demo_model_dir, tmp_path / "tiny.gguf")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     [model] = model_dirs([str(tmp_path / "tiny.gguf")], env)
-    assert model.name == "tiny" and model.is_relative_to(tmp_path / "cache")
-    description = describe_model(model)["description"]
+    assert model.directory.name == "tiny" and model.directory.is_relative_to(tmp_path / "cache")
+    assert model.gguf == tmp_path / "tiny.gguf"  # what llama.cpp's server loads
+    description = describe_model(model.directory)["description"]
     assert "float32" in description and description.endswith("the weights of tiny.gguf")
 
 
@@ -203,3 +204,49 @@ def test_medians_of_alternating_runs_per_code_and_server(tmp_path: Path) -> None
     text = (tmp_path / "out" / "medians.md").read_text()
     assert "| before / radix-mlx | 3 | 3.00 (1.00, 3.00, 5.00) | 220 (200, 240, 220) |" in text
     assert "| after / radix-mlx | 2 | 3.00 (2.00, 4.00) | 110 (100, 120) |" in text
+
+
+def test_llama_cpp_runs_only_on_a_gguf_with_a_binary(demo_model_dir: Path) -> None:
+    args = parse_args(["--servers", "radix-mlx,llama-cpp", "--llama-server", ""])
+    specs, skipped = server_specs(args, BenchModel(demo_model_dir, None))
+    assert [s.name for s in specs] == ["radix-mlx"]
+    assert "not one" in skipped["llama-cpp"]
+    specs, skipped = server_specs(args, BenchModel(demo_model_dir, demo_model_dir / "x.gguf"))
+    assert [s.name for s in specs] == ["radix-mlx"]
+    assert "--llama-server" in skipped["llama-cpp"]
+    with pytest.raises(SystemExit):
+        parse_args(["--servers", "radix-mlx,llama.cpp"])
+
+
+def test_llama_cpp_gets_its_own_ratio_table(tmp_path: Path) -> None:
+    def ran(output_tok_s: float, ttft_p50: float) -> dict:
+        return {"requests": 4, "errors": 0, "output_tok_s": output_tok_s,
+                "ttft_p50": ttft_p50, "peak_rss_mib": 100.0}
+
+    def server(name: str, workloads: dict) -> dict:
+        return {"argv": [f"/usr/bin/{name}", "--model", "m"], "notes": "", "workloads": workloads}
+
+    results = {
+        "command": "python -m bench", "shapes": {}, "workloads": ["shared_prefix", "no_share"],
+        "model": {"name": "m", "description": "a model"},
+        "hardware": {"tag": "cpu", "cpu": "a CPU", "cpu_count": 2, "gpus": [], "device": "cpu"},
+        "servers": {
+            "radix-mlx": server("python", {"shared_prefix": ran(30.0, 0.1),
+                                           "no_share": ran(20.0, 0.5)}),
+            "mlx-lm": server("python", {"shared_prefix": ran(10.0, 1.0)}),
+            "llama-cpp": server("llama-server", {"shared_prefix": ran(60.0, 0.2),
+                                                 "no_share": ran(40.0, 0.25)}),
+        },
+        "skipped_servers": {},
+    }
+    write(results, tmp_path, plots=False)
+    # The targets' ratios stay radix-mlx / mlx-lm; llama.cpp's are a table of their own.
+    assert set(results["ratios"]) == {"shared_prefix"}
+    assert results["ratios"]["shared_prefix"]["output_tok_s"] == 3.0
+    peer = results["peer_ratios"]["llama-cpp"]
+    assert peer["shared_prefix"]["output_tok_s"] == 0.5 and peer["no_share"]["ttft_p50"] == 2.0
+    text = (tmp_path / "results.md").read_text()
+    assert "| shared_prefix | llama-cpp | 0 | 60.0 |" in text
+    assert "## Ratios (radix-mlx / mlx-lm)" in text
+    assert "| no_share | 0.50x | n/a | 2.00x |" in text.split("## Ratios (radix-mlx / llama-cpp)")[1]
+    assert "- llama-cpp: `llama-server --model m`" in text
