@@ -94,7 +94,9 @@ def llama_cpp(binary: str) -> ServerSpec:
               "own quantized kernels), "
               f"{' '.join(LLAMA_CPP_ARGS)}; otherwise its defaults: cache_prompt on, "
               "8 GiB host-memory prompt cache (--cache-ram), threads = cores, "
-              "chat template from the file (jinja); ignore_eos sent",
+              "chat template from the file (jinja); ignore_eos sent; not run on list "
+              "prompts (it answers each but its usage counts only the first)",
+        list_prompts=False,
     )
 
 
