@@ -369,7 +369,8 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
         if "single_stream" in wanted:
             print("bench: bare mlx_lm.stream_generate", file=sys.stderr, flush=True)
             results["raw_decode"] = child_json(
-                "bench.raw_decode", model.directory, env, "--prompt-tokens", shapes.decode_prompt_tokens,
+                "bench.raw_decode", model.directory, env,
+                "--prompt-tokens", shapes.decode_prompt_tokens,
                 "--max-tokens", shapes.decode_output_tokens, "--repeats", shapes.decode_repeats)
         for name in (w.name for w in workloads if w.name in RAW_BATCH_WORKLOADS):
             print(f"bench: bare mlx_lm.batch_generate ({name})", file=sys.stderr, flush=True)
@@ -379,7 +380,8 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
     if not args.no_structured:
         print("bench: constrained vs free decoding", file=sys.stderr, flush=True)
         results["structured"] = child_json(
-            "bench.structured", model.directory, env, "--prompt-tokens", shapes.so_prompt_tokens,
+            "bench.structured", model.directory, env,
+            "--prompt-tokens", shapes.so_prompt_tokens,
             "--max-tokens", shapes.so_output_tokens, "--repeats", shapes.so_repeats,
             "--seed", args.seed)
     report.write(results, out, plots=not args.no_plots)
