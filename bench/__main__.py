@@ -8,7 +8,8 @@ the next, and alternating keeps the two measurements of a ratio close in time on
 machine whose load drifts. Then it times bare `mlx_lm.stream_generate` for the engine
 overhead figure and constrained vs free decoding on one engine (bench/structured.py), and
 writes results.json, results.md and plots to bench/results/<hardware>/<model>/, one folder
-per model. The bench process itself never imports MLX.
+per model. The bench process itself never imports MLX. On a model given as a GGUF file,
+`--servers ...,llama-cpp` adds llama.cpp's own server, on that file, as a CPU peer.
 """
 
 from __future__ import annotations

@@ -248,5 +248,6 @@ def test_llama_cpp_gets_its_own_ratio_table(tmp_path: Path) -> None:
     text = (tmp_path / "results.md").read_text()
     assert "| shared_prefix | llama-cpp | 0 | 60.0 |" in text
     assert "## Ratios (radix-mlx / mlx-lm)" in text
-    assert "| no_share | 0.50x | n/a | 2.00x |" in text.split("## Ratios (radix-mlx / llama-cpp)")[1]
+    llama_table = text.split("## Ratios (radix-mlx / llama-cpp)")[1]
+    assert "| no_share | 0.50x | n/a | 2.00x |" in llama_table
     assert "- llama-cpp: `llama-server --model m`" in text
