@@ -50,6 +50,9 @@ class EngineConfig:
     max_tokens_in_flight: int = 131072
     max_queue: int = 256
     memory_limit_bytes: int | None = None  # None: the device's (engine/memory.py)
+    # Without a memory limit: the share of the device's memory this process plans for
+    # (N servers side by side on one device: 1/N each).
+    memory_share: float = 1.0
     # The disk tier: off unless a directory and a budget are given (None: a share of the
     # free space there, see disk_store.default_disk_budget; 0: off).
     disk_cache_dir: str | None = None
@@ -114,6 +117,9 @@ class EngineStats:
     active_memory_bytes: int = stat("gauge", "MLX active memory.")
     memory_limit_bytes: int = stat(
         "gauge", "Memory planned for weights, prefix cache, activations and running KV.")
+    weight_bytes: int = stat(
+        "gauge", "Bytes of the model's weights in this process (its shard under tensor "
+        "parallelism).")
     kv_token_capacity: int = stat(
         "gauge", "Prompt + max_tokens of running requests that the memory plan holds.")
     tokens_in_flight: int = stat("gauge", "Prompt + max_tokens of the running requests.")

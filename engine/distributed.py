@@ -24,7 +24,11 @@ was lost"); a rank that hangs is caught by a watchdog. Either way the engine fai
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pickle
+import socket
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +71,29 @@ class RankGroup:
         # Evaluated on rank 0 too: a collective is only joined when it is computed.
         shared = np.array(mx.distributed.all_sum(payload, group=self.group))
         return value if self.leader else pickle.loads(shared.tobytes())
+
+    def smallest_share(self, domain: str, memory_bytes: int) -> int:
+        """Every rank names the memory it plans on (`domain`, memory_domain()) and how
+        much of it it may use; the ranks that name the same memory split it evenly, and
+        all of them get the smallest of those splits."""
+        key = int.from_bytes(hashlib.sha256(domain.encode()).digest()[:7], "big")
+        mine = mx.array([[key, memory_bytes]], dtype=mx.int64)
+        rows = np.array(mx.distributed.all_gather(mine, group=self.group))
+        keys = rows[:, 0]
+        return min(int(memory) // int((keys == key).sum()) for key, memory in rows)
+
+
+def memory_domain() -> str:
+    """The memory this process plans on: a CUDA GPU's own (the device mlx.launch's
+    CUDA_VISIBLE_DEVICES leaves it, its first when unset), else its host's, which the CPU
+    and a Mac's GPU share. A host is its name and its hardware address (two hosts may
+    share a name), unless Python found none and made one up (the multicast bit marks it:
+    it would differ from process to process)."""
+    node = uuid.getnode()
+    host = socket.gethostname() + ("" if node & 1 << 40 else f"/{node:012x}")
+    if mx.default_device() == mx.gpu and mx.cuda.is_available():
+        return f"{host}/cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '')}"
+    return host
 
 
 def join_group(size: int) -> RankGroup:

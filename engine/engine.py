@@ -41,7 +41,7 @@ from engine.api import (
 )
 from engine.constraints import json_object
 from engine.disk_store import DiskStore, default_disk_budget, model_fingerprint
-from engine.distributed import RankGroup
+from engine.distributed import RankGroup, memory_domain
 from engine.loader import LoadedModel, load_model, model_id_for
 from engine.memory import CPU_MEMORY_FRACTION, MemoryPlan, describe, headroom, plan_memory
 from engine.mlx_lm_internals import kv_bytes_per_token
@@ -67,6 +67,16 @@ DISK_QUEUE_BYTES = (64 * 2**20, 2 * 2**30)
 DISK_FLUSH_SECONDS = 10.0
 WARMUP_PROMPT_TOKENS = 48
 ENGINE_THREAD = "radix-mlx-engine"  # the worker's name, as profilers show it
+
+
+def device_memory_bytes() -> int:
+    """What one process that has the device to itself plans for: the recommended working
+    set on a Mac, else CPU_MEMORY_FRACTION of the device's (a CUDA GPU's) or the host's
+    memory."""
+    info = mx.device_info()
+    return info.get("max_recommended_working_set_size") or int(
+        CPU_MEMORY_FRACTION * (info.get("memory_size") or
+                               os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")))
 
 
 class Engine:
@@ -202,14 +212,10 @@ class Engine:
             os._exit(1)
 
     def _plan_memory(self, loaded: LoadedModel) -> MemoryPlan:
-        """Plan weights + prefix cache + running KV under the device's limit and tell MLX
+        """Plan weights + prefix cache + running KV under this process's limit and tell MLX
         that limit; on a Mac also keep that much wired, as mlx-lm's server does, so the
         model is not paged out between requests."""
-        info = mx.device_info()
-        working_set = info.get("max_recommended_working_set_size")
-        limit = self.config.memory_limit_bytes or working_set or int(
-            CPU_MEMORY_FRACTION * (info.get("memory_size") or
-                                   os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")))
+        limit = self.config.memory_limit_bytes or self._memory_share()
         gpu = mx.default_device() == mx.gpu
         chunk = max(self.config.prefill_chunk_tokens or 0,
                     GPU_PREFILL_CHUNK if gpu else CPU_PREFILL_CHUNK)
@@ -219,9 +225,20 @@ class Engine:
             headroom_bytes=headroom(chunk, loaded.vocab_size),
             cache_bytes=self.config.cache_bytes, cache_fraction=self.config.cache_fraction)
         mx.set_memory_limit(limit)
+        working_set = mx.device_info().get("max_recommended_working_set_size")
         if working_set is not None:
             mx.set_wired_limit(min(limit, working_set))
         return plan
+
+    def _memory_share(self) -> int:
+        """This process's share of its device's memory: `memory_share` of it (servers
+        started side by side on one device), split further among the tensor-parallel ranks
+        that share the same memory; under tensor parallelism the smallest share of any
+        rank, so that the one plan every rank follows fits on each."""
+        share = int(device_memory_bytes() * self.config.memory_share)
+        if self.group is None:
+            return share
+        return self.group.smallest_share(memory_domain(), share)
 
     def _start_disk_tier(self, loaded: LoadedModel) -> None:
         """Attach the disk tier (after warm-up, so nothing of it is written) and rebuild
@@ -359,6 +376,7 @@ class Engine:
             waiting=self._queued, running=len(scheduler.running),
             active_memory_bytes=mx.get_active_memory(),
             memory_limit_bytes=self.memory.limit_bytes,
+            weight_bytes=self.memory.weight_bytes,
             kv_token_capacity=self.memory.kv_tokens,
             tokens_in_flight=sum(g.tokens_reserved for g in scheduler.running.values()),
             counters=replace(scheduler.counters), tree=scheduler.tree.stats(),

@@ -110,9 +110,17 @@ class Settings(BaseModel):
     )
     memory_limit_bytes: PositiveInt | None = Field(
         None,
-        description="memory planned for weights + prefix cache + activations + running "
-        "requests' KV (prompt + max_tokens each); none: the device's recommended working "
-        "set on a Mac, 90% of memory elsewhere",
+        description="memory this process plans for weights + prefix cache + activations + "
+        "running requests' KV (prompt + max_tokens each); none: memory_share of the "
+        "device's recommended working set on a Mac, of 90% of its memory elsewhere",
+    )
+    memory_share: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="without memory_limit_bytes, the share of the device's memory this "
+        "server plans for: 1/N for each of N servers on one device (`radix-mlx replicas` "
+        "sets it); tensor-parallel ranks on one host's memory split theirs further",
     )
     max_queue: PositiveInt = Field(256, description="waiting requests before answering 429")
     max_body_bytes: PositiveInt = Field(4 * 1024 * 1024, description="largest request body")

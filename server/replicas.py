@@ -111,20 +111,42 @@ def worker_command(args: argparse.Namespace, settings: Settings, index: int,
                    port: int) -> list[str]:
     """Worker `index`'s `radix-mlx serve`. Each keeps its disk tier in a directory of its
     own (`worker-<index>` under the configured one), so no worker evicts another's files,
-    and a restarted set finds its own again."""
+    and a restarted set finds its own again; each plans for its share of the memory."""
     model = ["--model", args.model] if args.model else []
     disk = (settings.disk_cache_dir or default_disk_cache_dir()) / f"worker-{index}"
+    share = worker_memory_share(args, settings, index)
+    memory = ["--memory-share", repr(share)] if share is not None else []
     return [sys.executable, "-m", "server", *model, "--host", "127.0.0.1", "--port", str(port),
             "--drain-timeout", str(args.drain_timeout),
-            "--unnamed-model-alias", ROUTER_DEFAULT_MODEL, *serve_flags(args),
+            "--unnamed-model-alias", ROUTER_DEFAULT_MODEL, *serve_flags(args), *memory,
             "--disk-cache-dir", str(disk)]
+
+
+def worker_memory_share(args: argparse.Namespace, settings: Settings, index: int
+                        ) -> float | None:
+    """Worker `index`'s share of its device's memory: 1/k where k workers share that
+    device (every worker on this machine, or those given the same --cuda-devices entry);
+    None where it has a device to itself or the settings fix its memory already."""
+    if settings.model_fields_set & {"memory_limit_bytes", "memory_share"}:
+        return None
+    devices = [worker_device(args, i) for i in range(args.workers)]
+    sharing = devices.count(devices[index])
+    return 1 / sharing if sharing > 1 else None
+
+
+def worker_device(args: argparse.Namespace, index: int) -> str | None:
+    """The CUDA device worker `index` alone sees, or None: all of them."""
+    if not args.cuda_devices:
+        return None
+    return args.cuda_devices[index % len(args.cuda_devices)]
 
 
 def worker_env(args: argparse.Namespace, index: int) -> dict[str, str]:
     """Ours, with worker `index`'s GPU when --cuda-devices names them."""
     env = dict(os.environ)
-    if args.cuda_devices:
-        env["CUDA_VISIBLE_DEVICES"] = args.cuda_devices[index % len(args.cuda_devices)]
+    device = worker_device(args, index)
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = device
     return env
 
 
@@ -173,7 +195,6 @@ class Supervisor:
         self.args = args
         self.settings = settings
         self.api_key = settings.api_key.get_secret_value() if settings.api_key else None
-        self.shared_memory = args.workers > 1 and settings.memory_limit_bytes is None
         self.workers: list[Child] = []
         self.router: Child | None = None
         self.stopping = False
@@ -204,11 +225,6 @@ class Supervisor:
         return [*self.workers, *([self.router] if self.router else [])]
 
     def _start_workers(self) -> None:
-        if self.shared_memory:
-            log.warning(
-                "each worker plans for the whole machine's memory unless told otherwise: on "
-                "one machine give each a 1/%d share (-- --memory-limit-bytes N, or "
-                "memory_limit_bytes in the config file)", self.args.workers)
         # The first worker alone first: it downloads or converts the model into the cache
         # once, where the others then find it (N at once would each do it, racing).
         deadline = time.monotonic() + self.args.startup_timeout

@@ -84,6 +84,7 @@ def engine_config(settings: Settings, model: str) -> EngineConfig:
         prefill_stall_floor_seconds=settings.prefill_stall_floor_ms / 1000,
         max_tokens_in_flight=settings.max_tokens_in_flight,
         memory_limit_bytes=settings.memory_limit_bytes,
+        memory_share=settings.memory_share,
         max_queue=settings.max_queue,
         disk_cache_dir=str(settings.disk_cache_dir or default_disk_cache_dir()),
         disk_cache_bytes=settings.disk_cache_bytes,

@@ -37,6 +37,20 @@ def model_variant(model_dir: Path, target: Path,
     return target
 
 
+def read_metrics(url: str, api_key: str | None = None,
+                 verify: ssl.SSLContext | bool = True) -> dict[str, float]:
+    """Unlabelled series of a server's /metrics, by name, read with prometheus_client's
+    parser."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(f"{url}/metrics", headers=headers, verify=verify, timeout=10).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
+
+
 @dataclass
 class ServerProcess:
     url: str
@@ -49,16 +63,7 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
     def metrics(self) -> dict[str, float]:
-        """Unlabelled series of /metrics, by name, read with prometheus_client's parser."""
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        text = httpx.get(f"{self.url}/metrics", headers=headers, verify=self.verify,
-                         timeout=10).text
-        return {
-            sample.name: sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if not sample.labels
-        }
+        return read_metrics(self.url, self.api_key, self.verify)
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -78,16 +83,18 @@ def server_env(extra: Mapping[str, str] = {}) -> dict[str, str]:
 
 def start_server(
     model_dir: Path, log_path: Path, *flags: str, env: Mapping[str, str] = {},
-    fault_token: int | None = None,
+    fault_token: int | None = None, cache_bytes: int | None = 256 * 2**20,
 ) -> ServerProcess:
     """A ready server on a free port; stopped again if it does not become ready. With a
     `fault_token`, every forward pass that feeds it fails (tests/faults.py). Its disk cache
-    tier is off unless `flags` turn it on (`--disk-cache-bytes`)."""
+    tier is off unless `flags` turn it on (`--disk-cache-bytes`); its prefix cache gets
+    `cache_bytes` (None: what the memory plan gives it)."""
     port = free_port()
     entry = ["server"] if fault_token is None else ["tests.faults", str(fault_token)]
     command = [
         sys.executable, "-m", *entry, "--model", str(model_dir), "--port", str(port),
-        "--config", "", "--cache-bytes", str(256 * 2**20), "--disk-cache-bytes", "0", *flags,
+        "--config", "", *(["--cache-bytes", str(cache_bytes)] if cache_bytes else []),
+        "--disk-cache-bytes", "0", *flags,
     ]
     with log_path.open("w") as log:
         process = subprocess.Popen(

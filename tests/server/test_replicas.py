@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from engine.engine import device_memory_bytes
 from server.cli import build_parser
 from server.config import Settings
 from server.replicas import (
@@ -31,8 +32,16 @@ from server.replicas import (
     router_command,
     router_ready,
     worker_command,
+    worker_memory_share,
 )
-from tests.server.support import API_KEY, REPO_ROOT, START_TIMEOUT, ServerProcess, server_env
+from tests.server.support import (
+    API_KEY,
+    REPO_ROOT,
+    START_TIMEOUT,
+    ServerProcess,
+    read_metrics,
+    server_env,
+)
 
 pytest.importorskip("sglang_router")
 
@@ -75,7 +84,7 @@ def replicas(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     log_path = tmp_path_factory.mktemp("replicas") / "replicas.log"
     command = [sys.executable, "-m", "server.cli", "replicas", "--workers", "2",
                "--model", str(demo_model_dir), "--port", str(port), "--health-check-interval",
-               "1", "--restart-delay", str(RESTART_DELAY), "--", "--config", "", "--cache-bytes", str(256 * 2**20),
+               "1", "--restart-delay", str(RESTART_DELAY), "--", "--config", "",
                "--disk-cache-bytes", "0", "--api-key", API_KEY]
     with log_path.open("w") as log:
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=server_env(), stdout=log,
@@ -180,6 +189,17 @@ def test_router_sees_both_workers_healthy_under_the_model_name(replicas: Replica
     assert flushed["workers_flushed"] == 2 and not flushed.get("failed"), flushed
 
 
+def test_workers_on_one_machine_each_plan_for_half_its_memory(replicas: Replicas) -> None:
+    """Neither worker was given a memory limit: each plans for half of what one server
+    would, its prefix cache included (half its limit, less the weights)."""
+    for url in replicas.workers():
+        metrics = read_metrics(url, API_KEY)
+        limit = metrics["radix_mlx_memory_limit_bytes"]
+        assert limit == device_memory_bytes() // 2
+        info = httpx.get(f"{url}/server_info", headers=AUTH, timeout=10).json()
+        assert info["cache_bytes"] == int(limit * 0.5) - metrics["radix_mlx_weight_bytes"]
+
+
 def test_cache_aware_routing_reuses_more_prefix_than_round_robin(replicas: Replicas) -> None:
     """The same kind of conversations, each run with its own text so neither run finds the
     other's turns cached: cache-aware keeps a conversation on the worker that has it."""
@@ -267,3 +287,19 @@ def test_each_worker_keeps_its_disk_tier_in_a_directory_of_its_own(tmp_path: Pat
         command = worker_command(args, settings, index, free_port())
         dirs.append(command[command.index("--disk-cache-dir") + 1])
     assert dirs == [str(tmp_path / "worker-0"), str(tmp_path / "worker-1")]
+
+
+def test_workers_split_the_memory_of_the_device_they_share() -> None:
+    """Three workers on two GPUs: the two on GPU 0 get half of it each, the one on GPU 1
+    all of it; without GPUs of their own all three share the machine; a limit or share
+    the settings give is every worker's own."""
+    parser = argparse.ArgumentParser()
+    add_replicas_arguments(parser)
+    on_gpus = parser.parse_args(["--workers", "3", "--cuda-devices", "0,1"])
+    assert [worker_memory_share(on_gpus, Settings(), i) for i in range(3)] == [0.5, None, 0.5]
+    shared = parser.parse_args(["--workers", "3"])
+    assert [worker_memory_share(shared, Settings(), i) for i in range(3)] == [1 / 3] * 3
+    command = worker_command(shared, Settings(), 0, free_port())
+    assert command[command.index("--memory-share") + 1] == repr(1 / 3)
+    for fixed in (Settings(memory_limit_bytes=2**30), Settings(memory_share=0.2)):
+        assert "--memory-share" not in worker_command(shared, fixed, 0, free_port())

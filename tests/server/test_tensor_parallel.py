@@ -20,6 +20,7 @@ from mlx import nn
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine.engine import device_memory_bytes
 from tests.server.support import REPO_ROOT, ServerProcess, server_env, start_server
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], list(range(100, 160)), [42] * 20]
@@ -34,7 +35,7 @@ def tp_server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
               ) -> Iterator[ServerProcess]:
     log_path = tmp_path_factory.mktemp("tensor-parallel") / "server.log"
     server = start_server(demo_model_dir, log_path, "--tensor-parallel", "2",
-                          "--collective-timeout", "20")
+                          "--collective-timeout", "20", cache_bytes=None)
     yield server
     server.stop()
 
@@ -74,6 +75,16 @@ def test_greedy_output_is_one_process_output(tp_server: ServerProcess,
         assert served == pytest.approx(logprobs, abs=LOGPROB_TOLERANCE)
         # Token by token (the completions API names tokens by their text).
         assert choice["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in tokens]
+
+
+def test_each_rank_plans_for_its_half_of_the_hosts_memory(tp_server: ServerProcess) -> None:
+    """Both ranks share this host's memory: each plans for half of what one process
+    would, its prefix cache included (half the limit, less its shard of the weights)."""
+    metrics = tp_server.metrics()
+    limit, weights = metrics["radix_mlx_memory_limit_bytes"], metrics["radix_mlx_weight_bytes"]
+    assert limit == device_memory_bytes() // 2
+    cache = httpx.get(f"{tp_server.url}/admin/cache", timeout=10).json()["memory"]
+    assert cache["capacity_bytes"] == int(limit * 0.5) - weights
 
 
 def test_a_repeated_prompt_is_served_from_every_ranks_cache(
