@@ -106,6 +106,11 @@ def join_group(size: int) -> RankGroup:
     return RankGroup(group)
 
 
+def default_backend() -> str:
+    """The backend mlx.launch picks when neither its flags nor the hostfile name one."""
+    return "nccl" if mx.cuda.is_available() else "ring"
+
+
 def check_shardable(model: nn.Module, config: dict[str, Any], size: int) -> None:
     """Raise TensorParallelError unless mlx-lm can shard `model` `size` ways."""
     model_type = config.get("model_type", type(model).__name__)

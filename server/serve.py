@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from logging.handlers import WatchedFileHandler
 from types import FrameType
@@ -66,7 +65,7 @@ def configure_logging(settings: Settings) -> None:
     else:
         handler = logging.StreamHandler(sys.stderr)
     # Ranks of a tensor-parallel launch share one output: each line says whose it is.
-    rank = f" rank {os.environ[tensor_parallel.RANK_ENV]}" if tensor_parallel.in_launch() else ""
+    rank = f" rank {tensor_parallel.launch_rank()}" if tensor_parallel.in_launch() else ""
     handler.setFormatter(
         logging.Formatter(f"%(asctime)s %(levelname)s{rank} %(name)s: %(message)s"))
     logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
@@ -104,15 +103,17 @@ def run(settings: Settings) -> int:
         print(f"radix-mlx serve: {error}", file=sys.stderr)
         return 1
     group = None
+    config = engine_config(settings, model)
     if settings.tensor_parallel > 1:
         if not tensor_parallel.in_launch():
             return tensor_parallel.launch(settings, model)
         group = tensor_parallel.join(settings)
         if group is None:
             return 1
+        config = tensor_parallel.rank_config(config, group)
         if not group.leader:
-            return tensor_parallel.run_rank(engine_config(settings, model), group)
-    engine = Engine(engine_config(settings, model), group)
+            return tensor_parallel.run_rank(config, group)
+    engine = Engine(config, group)
     engine.start()
     app = create_app(settings, engine)
     config = uvicorn.Config(

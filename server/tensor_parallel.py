@@ -4,9 +4,10 @@ other than 0 (engine/distributed.py says how the ranks agree).
 Run by a user, the command is the *launcher*: it checks that the model can be sharded
 (a one-line error otherwise), then runs `mlx.launch` with this same command line as every
 rank: N ranks on 127.0.0.1 (ring backend on the CPU, NCCL on CUDA: mlx.launch's own
-choice) or the hosts of `--hostfile`. Inside the launch (MLX_RANK is set) rank 0 is the
-server: HTTP, scheduler, a drain on SIGTERM; the other ranks run the same engine and
-serve nobody.
+choice) or the hosts of `--hostfile`, where ranks on other hosts get our settings'
+environment variables from it. Inside the launch (IN_LAUNCH_ENV is set) rank 0 is the
+server: HTTP, scheduler, a drain on SIGTERM; the other ranks run the same engine, with
+rank 0's engine settings, and serve nobody.
 
 Stopping: the launcher sends its first SIGTERM/SIGINT on to the launch's process group,
 where only rank 0 acts on it (mlx.launch and the other ranks ignore both, also when a
@@ -18,24 +19,44 @@ that a service manager restarts it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
+from dataclasses import replace
 from types import FrameType
 
+from mlx._distributed_utils.common import Hostfile
+
 from engine.api import EngineConfig, Lifecycle
-from engine.distributed import RankGroup, TensorParallelError, check_model, join_group
+from engine.distributed import (
+    RankGroup,
+    TensorParallelError,
+    check_model,
+    default_backend,
+    join_group,
+)
 from engine.engine import Engine
-from server.config import Settings
+from server.config import Settings, env_var
 
 log = logging.getLogger("radix_mlx.server")
 
-RANK_ENV = "MLX_RANK"  # set by mlx.launch in every rank's environment
+# Set through mlx.launch's --env in every rank's environment, whichever backend starts it
+# (mlx.launch sets MLX_RANK for its own; mpirun, the hostfile's "mpi" backend, does not).
+IN_LAUNCH_ENV = "RADIX_MLX_IN_LAUNCH"
+
+
 def in_launch() -> bool:
-    return RANK_ENV in os.environ
+    return IN_LAUNCH_ENV in os.environ
+
+
+def launch_rank() -> str:
+    """This rank's number as its launcher gave it (for log lines, before it joins)."""
+    return os.environ.get("MLX_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK", "?")
 
 
 def join(settings: Settings) -> RankGroup | None:
@@ -69,13 +90,52 @@ def free_ports(count: int) -> int:
                 sock.close()
 
 
-def launch_command(settings: Settings, rank_command: list[str]) -> list[str]:
-    """mlx.launch running `rank_command` as every rank."""
-    hosts = (["--hostfile", str(settings.hostfile)] if settings.hostfile is not None
-             else ["-n", str(settings.tensor_parallel)])
+def launch_command(settings: Settings, rank_command: list[str],
+                   environ: Mapping[str, str] = os.environ) -> list[str]:
+    """mlx.launch running `rank_command` as every rank, on this host or the hostfile's.
+    Raises TensorParallelError where the hostfile cannot give --tensor-parallel ranks."""
+    if settings.hostfile is None:
+        hosts = ["-n", str(settings.tensor_parallel)]
+    else:
+        hosts = ["--hostfile", str(settings.hostfile), *_gpus_per_host(settings)]
     port = free_ports(settings.tensor_parallel)
+    env = [f"{IN_LAUNCH_ENV}=1", *(_settings_env(environ) if settings.hostfile else [])]
+    # The interpreter leads the rank's command rather than going in --python, which
+    # mlx.launch's mpi backend ignores.
     return [sys.executable, "-m", "server.rank_launcher", *hosts, "--starting-port", str(port),
-            "--nccl-port", str(port), "--python", sys.executable, "--", *rank_command]
+            "--nccl-port", str(port), *(arg for pair in env for arg in ("--env", pair)),
+            "--", sys.executable, *rank_command]
+
+
+def _gpus_per_host(settings: Settings) -> list[str]:
+    """The hostfile's ranks must be --tensor-parallel; under NCCL, mlx.launch gives rank r
+    the GPU r mod -n (its --repeat-hosts, 1 unless given), so a host listed k times in a
+    row needs `-n k` for its ranks to get GPUs 0..k-1 rather than all GPU 0."""
+    try:
+        hostfile = Hostfile.from_file(settings.hostfile)
+    except ValueError as error:  # names the file and what is wrong
+        raise TensorParallelError(str(error)) from None
+    names = [host.ssh_hostname for host in hostfile.hosts]
+    if len(names) != settings.tensor_parallel:
+        raise TensorParallelError(
+            f"the hostfile {settings.hostfile} lists {len(names)} ranks but "
+            f"--tensor-parallel is {settings.tensor_parallel}")
+    if (hostfile.backend or default_backend()) != "nccl":
+        return []
+    runs = [len(list(run)) for _, run in itertools.groupby(names)]
+    if len(runs) != len(set(names)) or len(set(runs)) != 1:
+        raise TensorParallelError(
+            f"the hostfile {settings.hostfile}: under NCCL, mlx.launch gives a host's ranks "
+            "their GPUs in turn only if every host is listed the same number of times, "
+            "one after another")
+    return ["-n", str(runs[0])] if runs[0] > 1 else []
+
+
+def _settings_env(environ: Mapping[str, str]) -> list[str]:
+    """Our settings' environment variables, for ranks on other hosts, which start from
+    their own login environment (mlx.launch exports these on every rank)."""
+    names = (env_var(name) for name in Settings.model_fields)
+    return [f"{name}={environ[name]}" for name in names if name in environ]
 
 
 def launch(settings: Settings, model: str) -> int:
@@ -83,11 +143,11 @@ def launch(settings: Settings, model: str) -> int:
     try:
         if os.path.isdir(model):
             check_model(model, settings.tensor_parallel)
+        # This same command line, which each rank reads as its own (IN_LAUNCH_ENV set).
+        command = launch_command(settings, sys.orig_argv[1:])
     except TensorParallelError as error:
         print(f"radix-mlx serve: {error}", file=sys.stderr)
         return 1
-    # This same command line, which each rank reads as its own (MLX_RANK set).
-    command = launch_command(settings, sys.orig_argv[1:])
     log.info("tensor parallel: %d ranks through mlx.launch", settings.tensor_parallel)
     # A pipe nobody writes: mlx.launch forwards stdin to the ranks and would spin on an
     # always-readable /dev/null.
@@ -109,6 +169,13 @@ def launch(settings: Settings, model: str) -> int:
     print("radix-mlx serve: a tensor-parallel rank stopped, and with it the server "
           "(see its log above)", file=sys.stderr)
     return 1
+
+
+def rank_config(config: EngineConfig, group: RankGroup) -> EngineConfig:
+    """Rank 0's engine settings on every rank, with this rank's own model path. Ranks on
+    other hosts read their own config file and environment, and a scheduler setting that
+    differed between ranks would make their steps, and so their collectives, diverge."""
+    return replace(group.share(config), model=config.model)
 
 
 def run_rank(config: EngineConfig, group: RankGroup) -> int:
