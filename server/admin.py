@@ -10,9 +10,10 @@ from fastapi import APIRouter, Request
 
 from engine.api import EngineStats, Lifecycle
 from server.errors import APIError
+from server.json_body import JSONRoute
 from server.state import server_state
 
-admin = APIRouter(prefix="/admin")
+admin = APIRouter(prefix="/admin", route_class=JSONRoute)
 
 
 # One route, so a 405 lists both methods in `Allow`; FastAPI would give its two methods one

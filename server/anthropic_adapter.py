@@ -80,6 +80,7 @@ from server.generation import (
 )
 from server.generation import Message as ChatMessage
 from server.generation import ToolChoice as GenerationToolChoice
+from server.json_body import JSONRoute
 from server.openapi import error_responses, event_stream
 from server.pipeline import Generation, render, start
 from server.state import server_state
@@ -324,7 +325,8 @@ def anthropic_error_body(error: APIError) -> ErrorResponse:
 
 # -- routes -------------------------------------------------------------------------------
 
-router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse))
+router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
+                   route_class=JSONRoute)
 
 
 @router.post("/messages", responses={

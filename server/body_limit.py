@@ -1,12 +1,9 @@
 """Refusing requests before anything parses them: a head (request line and headers) over
-MAX_HEADER_BYTES (400), a body over the configured size (413), or a body of JSON that is
-not valid Unicode (400)."""
+MAX_HEADER_BYTES (400) or a body over the configured size (413). (The body's JSON is
+parsed once, by the route: server/json_body.py.)"""
 
 from __future__ import annotations
 
-import json
-
-import pydantic_core
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError
@@ -64,28 +61,8 @@ class BodyLimitMiddleware:
                 raise too_large
             more_body = message.get("more_body", False)
 
-        _check_unicode(b"".join(m.get("body", b"") for m in messages))
-
         async def replay() -> Message:
             return messages.pop(0) if messages else await receive()
 
         return replay
 
-
-def _check_unicode(body: bytes) -> None:
-    """Python's json module accepts a lone UTF-16 surrogate escape (\\ud800) and NaN,
-    which are not valid Unicode or JSON: a surrogate then fails a tokenizer deep inside a
-    request. jiter (pydantic's parser) refuses both; where json would accept the body
-    anyway, that is the client's error, said here. A body json refuses too is left to
-    FastAPI, whose message names the position."""
-    if not body:
-        return
-    try:
-        pydantic_core.from_json(body)
-    except ValueError as strict:
-        try:
-            json.loads(body)
-        except ValueError:
-            return
-        raise APIError(400, f"the body is not valid JSON text: {strict}",
-                       code="invalid_request") from None

@@ -41,6 +41,7 @@ from server.generation import (
 )
 from server.generation import Message as ChatMessage
 from server.generation import ToolChoice as GenerationToolChoice
+from server.json_body import JSONRoute
 from server.openapi import error_responses, event_stream
 from server.pipeline import Generation, start
 from server.protocol import ErrorResponse
@@ -310,7 +311,8 @@ def assistant_message(response: ResponseObject) -> ChatMessage:
 
 # -- routes -------------------------------------------------------------------------------
 
-router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse))
+router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
+                   route_class=JSONRoute)
 
 
 @router.post("/responses", responses={

@@ -14,6 +14,7 @@ from engine.api import Lifecycle
 from server.errors import APIError
 from server.events import collect
 from server.formats import ChatFormat, CompletionFormat, Format
+from server.json_body import JSONRoute
 from server.metrics import CONTENT_TYPE
 from server.openai_adapter import chat_request, completion_request
 from server.openapi import error_responses, event_stream
@@ -37,8 +38,9 @@ def _events(chunk: type[BaseModel]) -> dict[str, Any]:
     return event_stream(chunk, ErrorResponse, done=True)
 
 
-api = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse))
-probes = APIRouter()
+api = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
+                route_class=JSONRoute)
+probes = APIRouter(route_class=JSONRoute)
 
 
 @api.get("/models")

@@ -23,9 +23,10 @@ from pydantic import BaseModel
 from engine.api import EngineError, SamplingParams
 from server.admin import clear_cache
 from server.errors import APIError
+from server.json_body import JSONRoute
 from server.state import ServerState, server_state
 
-worker_info = APIRouter()
+worker_info = APIRouter(route_class=JSONRoute)
 
 # /health_generate's one token: a worker that cannot give it in this long is unhealthy
 # (SGLang's own health check waits 20 s too).

@@ -1,0 +1,41 @@
+"""Request bodies parsed once, by jiter (pydantic's JSON parser), for every route.
+
+FastAPI parses a JSON body with `Request.json()`, Python's json module. That module
+accepts a lone UTF-16 surrogate escape (\\ud800) and NaN, which are not valid Unicode or
+JSON: a surrogate then fails a tokenizer deep inside a request. jiter refuses both. So
+routes use `JSONRoute`, whose requests parse with jiter alone, and a body either module
+refuses is a 400 that names the place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pydantic_core
+from fastapi import HTTPException, Request, Response
+from fastapi.routing import APIRoute
+
+
+class JSONRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            try:
+                self._json = pydantic_core.from_json(await self.body(), allow_inf_nan=False)
+            except ValueError as error:
+                # FastAPI passes an HTTPException on as it is (our 400 invalid_request);
+                # any other error here would become its own vaguer 400.
+                raise HTTPException(400, f"the body is not valid JSON text: {error}") from None
+        return self._json
+
+
+class JSONRoute(APIRoute):
+    """The route class of every router: its handler sees a JSONRequest."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+
+        async def with_json_request(request: Request) -> Response:
+            return await handler(JSONRequest(request.scope, request.receive))
+
+        return with_json_request
