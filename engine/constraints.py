@@ -18,7 +18,8 @@ For a reasoning model, set the end-of-thinking marker on the result
 grammar applies to the answer after it.
 
 A schema that cannot be enforced raises `UnsupportedSchema`, whose `keyword` names the
-JSON Schema keyword at fault (the server answers 400 with it). `strict` has OpenAI's
+JSON Schema keyword at fault (the server answers 400 with it); `UnsupportedAnswer` when
+it is `tool_calls`' answer. `strict` has OpenAI's
 meaning: True asks for exact adherence, so a keyword the grammar engine cannot enforce
 ("not", "if", "uniqueItems", an unknown "format", ...) is refused; False enforces what it
 can and ignores such keywords. A malformed schema is refused either way.
@@ -53,6 +54,11 @@ class UnsupportedSchema(ValueError):
     def __init__(self, message: str, keyword: str | None = None) -> None:
         super().__init__(message)
         self.keyword = keyword
+
+
+class UnsupportedAnswer(UnsupportedSchema):
+    """The schema `tool_calls` refused was its `answer`'s (the request's output format),
+    not a function's parameters."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +127,10 @@ def tool_calls(tools: Sequence[FunctionTool], name: str | None = None, parallel:
              f"call: {_literal(call_format.start)} body {_literal(call_format.end)}",
              "body: " + " | ".join(f"tool_{i}" for i in range(len(tools)))]
     if answer is not None:
-        rules.append(_json_rule("answer", answer.schema, answer.strict))
+        try:
+            rules.append(_json_rule("answer", answer.schema, answer.strict))
+        except (TypeError, ValueError) as error:
+            raise UnsupportedAnswer(str(error), getattr(error, "keyword", None)) from None
     for i, tool in enumerate(tools):
         parameters = tool.parameters if tool.parameters is not None else {
             "type": "object", "properties": {}, "additionalProperties": False}

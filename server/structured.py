@@ -58,8 +58,11 @@ def output_constraint(
         answer = constraints.ANY_JSON_OBJECT
     elif isinstance(output, JsonSchemaOutput):
         answer = constraints.JsonAnswer(output.schema, output.strict)
+    # Beside tools the calls' grammar holds the answer and checks its schema itself;
+    # otherwise (alone, or beside forced calls, where it must still be enforceable) here.
+    answer_in_calls = writes_calls(request) and not forces_call(request)
     with _refused("response_format"):
-        constraint = None if answer is None else constraints.json_schema(
+        constraint = None if answer is None or answer_in_calls else constraints.json_schema(
             answer.schema, strict=answer.strict)
     if writes_calls(request):
         choice = request.tool_choice
@@ -72,7 +75,7 @@ def output_constraint(
                 call_format=constraints.ToolCallFormat(
                     f"{tool_format.start}\n", f"\n{tool_format.end}", tool_format.separator
                 ),
-                answer=None if forces_call(request) else answer,
+                answer=answer if answer_in_calls else None,
             )
     if constraint is None:
         return None
@@ -82,12 +85,15 @@ def output_constraint(
 @contextmanager
 def _refused(param: str) -> Iterator[None]:
     """A schema the builders refuse (UnsupportedSchema, or a schema of odd shape) as the
-    400 that names the keyword at fault."""
+    400 that names the keyword at fault, and the parameter: the output format's where
+    the tool calls' grammar refused its answer."""
     try:
         yield
     except (ValueError, TypeError) as error:
         keyword = getattr(error, "keyword", None)
         keyword = f" (keyword {keyword!r})" if keyword else ""
+        if isinstance(error, constraints.UnsupportedAnswer):
+            param = "response_format"
         raise APIError(
             400, f"this server cannot enforce the schema{keyword}: {error}",
             code="unsupported_schema", param=param,
