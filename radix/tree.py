@@ -352,31 +352,27 @@ class _Usage:
         return self.pinned_tokens + self.evictable_tokens
 
 
-def _common_prefix(edge: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
-    """Length of the common prefix of `edge` and `tokens[start:]`."""
-    n = min(len(edge), len(tokens) - start)
-    # A whole-edge match is the common case on a hit; compare it at C speed first.
-    if edge[:n] == tokens[start : start + n]:
+# Where a common prefix ends inside a long run, tokens are compared this many at a time
+# at C speed up to the slice that differs, then one by one. Measured with
+# `python -m bench.prefix_bench` (8k-32k tokens, differing at 10, 1000 or 3/4 of the way):
+# as fast as comparing one by one where the prefix ends early, up to 1.9x faster where it
+# ends late, and 1.3-7x faster than bisecting on slice comparisons (which copies a slice
+# per step); the same as both on a whole match.
+PREFIX_CHUNK = 64
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """Length of the common prefix of `a` and `b[start:]` (both lists or both tuples).
+    A whole match, the common case on a cache hit, is one C-speed comparison."""
+    n = min(len(a), len(b) - start)
+    if a[:n] == b[start : start + n]:
         return n
-    i = 0
-    while edge[i] == tokens[start + i]:
+    i = 0  # a[:n] differs from b[start:start + n], so both loops stop before n
+    while a[i : i + PREFIX_CHUNK] == b[start + i : start + i + PREFIX_CHUNK]:
+        i += PREFIX_CHUNK
+    while a[i] == b[start + i]:
         i += 1
     return i
-
-
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists, by bisection on C-speed list
-    comparisons."""
-    low, high = 0, min(len(a), len(b))
-    if a[:high] == b[:high]:
-        return high
-    while high - low > 1:  # a[:low] == b[:low] and a[:high] != b[:high]
-        mid = (low + high) // 2
-        if a[:mid] == b[:mid]:
-            low = mid
-        else:
-            high = mid
-    return low
 
 
 class RadixTree:
@@ -534,7 +530,7 @@ class RadixTree:
                     return ReserveResult(ReserveStatus.CREATED, self._mark_pending(created))
                 if child.state is NodeState.PENDING:
                     return ReserveResult(ReserveStatus.WAIT, child)
-                k = _common_prefix(child.tokens, tokens, depth)
+                k = common_prefix_length(child.tokens, tokens, depth)
                 # A child whose state a match could have reused (or loaded) means the
                 # caller's match is stale: someone published this prefix meanwhile.
                 data = child.handle if child.handle is not None else child.stored
@@ -666,7 +662,7 @@ class RadixTree:
                     self._add_stats(created, +1)
                     self._sync_lru(created)
                     return created
-                k = _common_prefix(child.tokens, tokens, depth)
+                k = common_prefix_length(child.tokens, tokens, depth)
                 if child.state is not NodeState.READY or k < len(child.tokens):
                     return None
                 node, depth = child, depth + k
@@ -741,7 +737,7 @@ class RadixTree:
                 while node is not parent and node.handle is None:  # junctions hold nothing
                     node = node.parent
                 return node
-            k = _common_prefix(child.tokens, tokens, depth)
+            k = common_prefix_length(child.tokens, tokens, depth)
             if k < len(child.tokens):
                 if child.on_disk and child.stored is not None and child.stored.splittable:
                     # Our data covers its head; it cannot be cut on disk, so it stays whole.
@@ -864,7 +860,7 @@ class RadixTree:
             child = node.children.get(tokens[depth])
             if child is None:
                 break
-            k = _common_prefix(child.tokens, tokens, depth)
+            k = common_prefix_length(child.tokens, tokens, depth)
             if child.state is NodeState.PENDING:
                 result.in_flight, result.in_flight_shared = child, depth - result.length + k
                 break

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from radix import NodeState, RadixTree, ReserveStatus
+from radix.tree import PREFIX_CHUNK, common_prefix_length
 from tests.radix.support import FakeHandle, FakeStore, acquire, check_invariants
 
 BIG = 1 << 30
@@ -701,3 +702,20 @@ def test_publishing_over_a_span_on_disk_takes_it_back_into_memory():
     top, _ = sorted(check_invariants(tree), key=lambda n: len(n.path_tokens()))
     assert not top.on_disk and top.handle is not None and top.stored is not None
     assert tree.match([1, 2, 3]).length == 3
+
+
+@pytest.mark.parametrize("kind", [tuple, list])
+@pytest.mark.parametrize("differ_at", [0, 1, PREFIX_CHUNK - 1, PREFIX_CHUNK, 3 * PREFIX_CHUNK + 5,
+                                       None])
+@pytest.mark.parametrize("start", [0, 7])
+def test_common_prefix_length_finds_the_first_difference_after_start(kind, differ_at, start):
+    """Across chunk boundaries, from an offset into the second sequence, for both
+    sequence types; a whole match is the shorter length."""
+    a = list(range(1000, 1000 + 5 * PREFIX_CHUNK))
+    b = [-1] * start + a + [5]
+    if differ_at is not None:
+        b[start + differ_at] = -2
+    assert common_prefix_length(kind(a), kind(b), start) == (
+        len(a) if differ_at is None else differ_at)
+    assert common_prefix_length(kind(b[start:]), kind(a)) == (
+        len(a) if differ_at is None else differ_at)
