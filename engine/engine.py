@@ -215,7 +215,7 @@ class Engine:
         """Plan weights + prefix cache + running KV under this process's limit and tell MLX
         that limit; on a Mac also keep that much wired, as mlx-lm's server does, so the
         model is not paged out between requests."""
-        limit = self.config.memory_limit_bytes or self._memory_share()
+        limit = self.config.memory_limit_bytes or self._memory_share_bytes()
         gpu = mx.default_device() == mx.gpu
         chunk = max(self.config.prefill_chunk_tokens or 0,
                     GPU_PREFILL_CHUNK if gpu else CPU_PREFILL_CHUNK)
@@ -230,7 +230,7 @@ class Engine:
             mx.set_wired_limit(min(limit, working_set))
         return plan
 
-    def _memory_share(self) -> int:
+    def _memory_share_bytes(self) -> int:
         """This process's share of its device's memory: `memory_share` of it (servers
         started side by side on one device), split further among the tensor-parallel ranks
         that share the same memory; under tensor parallelism the smallest share of any
