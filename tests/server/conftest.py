@@ -1,17 +1,23 @@
 """Real server processes on the tiny demo model, shared by tests.
 
 Each fixture starts one process on a free 127.0.0.1 port and waits for /health to say
-ready; a start costs a few seconds, so they are session- or module-scoped.
+ready; a start costs a few seconds, so they are session- or module-scoped. Besides them,
+`loading_app` talks to the app in process, its engine never started (so still loading).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
+from engine.api import EngineConfig
+from engine.engine import Engine
+from server.app import create_app
+from server.config import Settings
 from tests.server.support import ALIAS, API_KEY, ServerProcess, start_server
 from tests.server.thinking_model import build_thinking_model
 
@@ -60,3 +66,12 @@ def client(server: ServerProcess) -> openai.OpenAI:
 def async_client(server: ServerProcess) -> openai.AsyncOpenAI:
     # Per test: an async client is bound to the event loop it first runs on.
     return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture
+async def loading_app() -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the app in process, whose engine never starts: it stays loading."""
+    app = create_app(Settings(), Engine(EngineConfig(model="unused")))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        yield client

@@ -6,27 +6,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx
 import pydantic_core
 import pytest
-
-from engine.api import EngineConfig
-from engine.engine import Engine
-from server.app import create_app
-from server.config import Settings
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}
 
 
-@pytest.fixture
-async def client():
-    app = create_app(Settings(), Engine(EngineConfig(model="unused")))
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        yield client
-
-
-async def test_a_body_is_parsed_once(client, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_body_is_parsed_once(loading_app, monkeypatch: pytest.MonkeyPatch) -> None:
     """Counted at both parsers a body could go through: Python's json and jiter."""
     body = json.dumps(CHAT).encode()
     parsed: list[str] = []
@@ -40,8 +26,8 @@ async def test_a_body_is_parsed_once(client, monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(json, "loads", counting(json.loads, "json"))
     monkeypatch.setattr(pydantic_core, "from_json", counting(pydantic_core.from_json, "jiter"))
-    response = await client.post("/v1/chat/completions", content=body,
-                                 headers={"content-type": "application/json"})
+    response = await loading_app.post("/v1/chat/completions", content=body,
+                                      headers={"content-type": "application/json"})
     assert response.status_code == 503  # loading: the body was read and validated first
     assert parsed == ["jiter"]
 
@@ -53,9 +39,9 @@ async def test_a_body_is_parsed_once(client, monkeypatch: pytest.MonkeyPatch) ->
     ("/v1/chat/completions", b'{"messages": [', "EOF while parsing a list at line 1"),
 ])
 async def test_what_jiter_refuses_is_a_400_naming_the_place(
-        client, path: str, text: bytes, problem: str) -> None:
-    response = await client.post(path, content=text,
-                                 headers={"content-type": "application/json"})
+        loading_app, path: str, text: bytes, problem: str) -> None:
+    response = await loading_app.post(path, content=text,
+                                      headers={"content-type": "application/json"})
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "invalid_request"
@@ -63,9 +49,9 @@ async def test_what_jiter_refuses_is_a_400_naming_the_place(
     assert problem in error["message"]
 
 
-async def test_the_messages_api_says_it_in_its_own_shape(client) -> None:
-    response = await client.post("/v1/messages", content=b'{"model": "x", "max_tokens": NaN}',
-                                 headers={"content-type": "application/json"})
+async def test_the_messages_api_says_it_in_its_own_shape(loading_app) -> None:
+    response = await loading_app.post("/v1/messages", content=b'{"model": "x", "max_tokens": NaN}',
+                                      headers={"content-type": "application/json"})
     assert response.status_code == 400
     assert response.json()["type"] == "error"
     assert response.json()["error"]["type"] == "invalid_request_error"

@@ -3,34 +3,19 @@ it stays loading): what a load balancer and Prometheus see before the model is r
 
 from __future__ import annotations
 
-import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.api import EngineConfig
-from engine.engine import Engine
-from server.app import create_app
-from server.config import Settings
 
-
-@pytest.fixture
-async def client():
-    app = create_app(Settings(), Engine(EngineConfig(model="unused")))
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        yield client
-
-
-async def test_health_while_loading_says_so_and_claims_no_progress(client) -> None:
+async def test_health_while_loading_says_so_and_claims_no_progress(loading_app) -> None:
     """There is no honest loading progress to report (mlx-lm loads in one call), so the
     body has none: before, it said 0 until the model was loaded, then 1."""
-    health = await client.get("/health")
+    health = await loading_app.get("/health")
     assert health.status_code == 503
     assert health.json() == {"status": "loading", "model": "unused"}
 
 
-async def test_metrics_parse_and_hold_engine_tree_and_process_series(client) -> None:
-    response = await client.get("/metrics")
+async def test_metrics_parse_and_hold_engine_tree_and_process_series(loading_app) -> None:
+    response = await loading_app.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     families = {family.name: family for family in text_string_to_metric_families(response.text)}
