@@ -75,13 +75,15 @@ class RankGroup:
     def smallest_share(self, domain: str, memory_bytes: int) -> int:
         """Every rank names the memory it plans on (`domain`, memory_domain()) and how
         much of it it may use; the ranks that name the same memory split it evenly, and
-        all of them get the smallest of those splits."""
-        key = int.from_bytes(hashlib.sha256(domain.encode()).digest()[:7], "big")
-        mine = mx.array([[key, memory_bytes]], dtype=mx.int64)
-        rows = np.array(mx.distributed.all_gather(mine, group=self.group))
+        all of them get the smallest of those splits. Gathered as an all-sum of int32 rows
+        (each rank fills its own), the collective and type `share` already relies on."""
+        key = int.from_bytes(hashlib.sha256(domain.encode()).digest()[:4], "big") >> 1
+        rows = np.zeros((self.size, 3), np.int32)
+        rows[self.rank] = (key, memory_bytes >> 31, memory_bytes & (2**31 - 1))
+        rows = np.array(mx.distributed.all_sum(mx.array(rows), group=self.group))
         keys = rows[:, 0]
-        return min(int(memory) // int((keys == key).sum()) for key, memory in rows)
-
+        return min((int(high) << 31 | int(low)) // int((keys == key).sum())
+                   for key, high, low in rows)
 
 def memory_domain() -> str:
     """The memory this process plans on: a CUDA GPU's own (the device mlx.launch's

@@ -116,7 +116,7 @@ def run(settings: Settings) -> int:
     engine = Engine(config, group)
     engine.start()
     app = create_app(settings, engine)
-    config = uvicorn.Config(
+    http = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -132,7 +132,7 @@ def run(settings: Settings) -> int:
         ssl_keyfile=settings.ssl_keyfile,
     )
     try:
-        DrainingServer(config, app.state.server.drain, settings.drain_timeout, engine).run()
+        DrainingServer(http, app.state.server.drain, settings.drain_timeout, engine).run()
     finally:
         engine.shutdown()
         app.state.server.responses.close()

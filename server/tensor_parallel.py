@@ -94,10 +94,8 @@ def launch_command(settings: Settings, rank_command: list[str],
                    environ: Mapping[str, str] = os.environ) -> list[str]:
     """mlx.launch running `rank_command` as every rank, on this host or the hostfile's.
     Raises TensorParallelError where the hostfile cannot give --tensor-parallel ranks."""
-    if settings.hostfile is None:
-        hosts = ["-n", str(settings.tensor_parallel)]
-    else:
-        hosts = ["--hostfile", str(settings.hostfile), *_gpus_per_host(settings)]
+    hosts = (["-n", str(settings.tensor_parallel)] if settings.hostfile is None
+             else _hostfile_arguments(settings))
     port = free_ports(settings.tensor_parallel)
     env = [f"{IN_LAUNCH_ENV}=1", *(_settings_env(environ) if settings.hostfile else [])]
     # The interpreter leads the rank's command rather than going in --python, which
@@ -107,10 +105,11 @@ def launch_command(settings: Settings, rank_command: list[str],
             "--", sys.executable, *rank_command]
 
 
-def _gpus_per_host(settings: Settings) -> list[str]:
-    """The hostfile's ranks must be --tensor-parallel; under NCCL, mlx.launch gives rank r
-    the GPU r mod -n (its --repeat-hosts, 1 unless given), so a host listed k times in a
-    row needs `-n k` for its ranks to get GPUs 0..k-1 rather than all GPU 0."""
+def _hostfile_arguments(settings: Settings) -> list[str]:
+    """mlx.launch's arguments for the hostfile, whose ranks must be --tensor-parallel.
+    Under NCCL mlx.launch gives rank r the GPU r mod -n (its --repeat-hosts, 1 unless
+    given), so a host listed k times in a row needs `-n k` for its ranks to get GPUs
+    0..k-1 rather than all GPU 0."""
     try:
         hostfile = Hostfile.from_file(settings.hostfile)
     except ValueError as error:  # names the file and what is wrong
@@ -120,15 +119,16 @@ def _gpus_per_host(settings: Settings) -> list[str]:
         raise TensorParallelError(
             f"the hostfile {settings.hostfile} lists {len(names)} ranks but "
             f"--tensor-parallel is {settings.tensor_parallel}")
+    arguments = ["--hostfile", str(settings.hostfile)]
     if (hostfile.backend or default_backend()) != "nccl":
-        return []
+        return arguments
     runs = [len(list(run)) for _, run in itertools.groupby(names)]
     if len(runs) != len(set(names)) or len(set(runs)) != 1:
         raise TensorParallelError(
             f"the hostfile {settings.hostfile}: under NCCL, mlx.launch gives a host's ranks "
             "their GPUs in turn only if every host is listed the same number of times, "
             "one after another")
-    return ["-n", str(runs[0])] if runs[0] > 1 else []
+    return [*arguments, "-n", str(runs[0])] if runs[0] > 1 else arguments
 
 
 def _settings_env(environ: Mapping[str, str]) -> list[str]:
