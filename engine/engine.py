@@ -129,6 +129,15 @@ class Engine:
 
     def _main(self) -> None:
         try:
+            if self.group is not None:
+                # Rank 0's settings on every rank, with this rank's own model path: ranks
+                # on other hosts read their own config file and environment, and a
+                # scheduler setting that differed would make their steps diverge. Here, in
+                # the engine's thread like every other collective: with one made from the
+                # main thread first, a lost peer left rank 0's next collective hanging
+                # instead of raising (5 of 9 runs of test_a_lost_rank_fails_..., 0 of 5
+                # since).
+                self.config = replace(self.group.share(self.config), model=self.config.model)
             loaded = load_model(self.config.model, self.group)
             self._loaded = loaded
             self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer

@@ -110,7 +110,6 @@ def run(settings: Settings) -> int:
         group = tensor_parallel.join(settings)
         if group is None:
             return 1
-        config = tensor_parallel.rank_config(config, group)
         if not group.leader:
             return tensor_parallel.run_rank(config, group)
     engine = Engine(config, group)

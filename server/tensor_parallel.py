@@ -6,8 +6,8 @@ Run by a user, the command is the *launcher*: it checks that the model can be sh
 rank: N ranks on 127.0.0.1 (ring backend on the CPU, NCCL on CUDA: mlx.launch's own
 choice) or the hosts of `--hostfile`, where ranks on other hosts get our settings'
 environment variables from it. Inside the launch (IN_LAUNCH_ENV is set) rank 0 is the
-server: HTTP, scheduler, a drain on SIGTERM; the other ranks run the same engine, with
-rank 0's engine settings, and serve nobody.
+server: HTTP, scheduler, a drain on SIGTERM; the other ranks run the same engine (with
+rank 0's engine settings: engine.py) and serve nobody.
 
 Stopping: the launcher sends its first SIGTERM/SIGINT on to the launch's process group,
 where only rank 0 acts on it (mlx.launch and the other ranks ignore both, also when a
@@ -27,7 +27,6 @@ import socket
 import subprocess
 import sys
 from collections.abc import Mapping
-from dataclasses import replace
 from types import FrameType
 
 from mlx._distributed_utils.common import Hostfile
@@ -169,13 +168,6 @@ def launch(settings: Settings, model: str) -> int:
     print("radix-mlx serve: a tensor-parallel rank stopped, and with it the server "
           "(see its log above)", file=sys.stderr)
     return 1
-
-
-def rank_config(config: EngineConfig, group: RankGroup) -> EngineConfig:
-    """Rank 0's engine settings on every rank, with this rank's own model path. Ranks on
-    other hosts read their own config file and environment, and a scheduler setting that
-    differed between ranks would make their steps, and so their collectives, diverge."""
-    return replace(group.share(config), model=config.model)
 
 
 def run_rank(config: EngineConfig, group: RankGroup) -> int:
