@@ -7,6 +7,7 @@ sets environment variables before it starts each rank, so a hostfile that names 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +38,8 @@ def run_ranks(command: list[str]) -> list[dict]:
     result = subprocess.run(command, cwd=REPO_ROOT, env=server_env(ENVIRON),
                             stdin=subprocess.PIPE, capture_output=True, text=True,
                             timeout=60, check=True)
-    reports = [json.loads(line) for line in result.stdout.splitlines()
-               if line.startswith("{")]
+    # mlx.launch passes each rank's output on in chunks, so two reports may share a line.
+    reports = [json.loads(report) for report in re.findall(r"\{[^{}]*\}", result.stdout)]
     return sorted(reports, key=lambda report: report["MLX_RANK"])
 
 
