@@ -74,9 +74,11 @@ def device_memory_bytes() -> int:
     set on a Mac, else CPU_MEMORY_FRACTION of the device's (a CUDA GPU's) or the host's
     memory."""
     info = mx.device_info()
+    # MLX names a CUDA GPU's memory `total_memory` (Metal's is `memory_size`); without it
+    # an H100 server planned for 0.9 of the host's 126 GiB of RAM, not its 80 GB.
+    device = info.get("memory_size") or info.get("total_memory")
     return info.get("max_recommended_working_set_size") or int(
-        CPU_MEMORY_FRACTION * (info.get("memory_size") or
-                               os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")))
+        CPU_MEMORY_FRACTION * (device or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")))
 
 
 class Engine:
