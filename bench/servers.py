@@ -51,7 +51,7 @@ RADIX = ServerSpec(
     args=("--disk-cache-bytes", "0"),
     extra={"ignore_eos": True},
     metrics=True,
-    notes="defaults: max_batch_size 32, prefill_batch_size = max_batch_size, "
+    notes="defaults: max_batch_size 32, prefill_batch_size 8, "
           "prefill_chunk_tokens 2048 on a GPU and 512 on the CPU, prefill_stall_ratio 0.1, "
           "prefill_stall_floor_ms 20, "
           "radix cache 0.5 of memory minus weights; ignore_eos sent; "

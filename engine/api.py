@@ -37,11 +37,12 @@ class EngineConfig:
     cache_bytes: int | None = None
     cache_fraction: float = 0.5
     max_batch_size: int = 32
-    # None: max_batch_size. Short prompts are prefilled together only up to it, and a
-    # forward pass has a fixed cost on a GPU: on an H100 (Llama-1B shape), 64 streams
-    # arriving at once had their first tokens at a p50 of 0.30 s with it at 64 and 0.45 s
-    # at 8, the old default.
-    prefill_batch_size: int | None = None
+    # Admitted in the cache-aware order (admission.py) and computed in turn: a small
+    # window keeps a request that arrives behind a long cold prompt, but whose prompt is
+    # mostly cached, from waiting for that prompt. At 64 on an H100 (Llama-1B shape,
+    # shared-prefix, 16 at once) followers waited 6 s behind the last group's cold
+    # 2000-token prompt (TTFT p99 8.6 s) although their prefix was cached after 0.5 s.
+    prefill_batch_size: int = 8
     prefill_chunk_tokens: int | None = None  # None: the device's default
     # While requests decode, prefill may add this share of a decode step to each step,
     # on average, and at least the floor (engine/prefill_budget.py).

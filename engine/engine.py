@@ -151,7 +151,7 @@ class Engine:
             log.info("%s", describe(self.memory))
             self._scheduler = Scheduler(loaded, SchedulerLimits(
                 max_batch_size=self.config.max_batch_size,
-                prefill_batch_size=self.config.prefill_batch_size or self.config.max_batch_size,
+                prefill_batch_size=self.config.prefill_batch_size,
                 prefill_chunk_tokens=self.config.prefill_chunk_tokens,
                 prefill_stall_ratio=self.config.prefill_stall_ratio,
                 prefill_stall_floor=self.config.prefill_stall_floor_seconds,

@@ -77,10 +77,10 @@ class Settings(BaseModel):
         description="share of device memory for the cache when cache_bytes is unset",
     )
     max_batch_size: PositiveInt = Field(32, description="requests decoded together")
-    prefill_batch_size: PositiveInt | None = Field(
-        None,
+    prefill_batch_size: PositiveInt = Field(
+        8,
         description="prompts admitted to prefill at a time (long ones are computed in turn, "
-        "short ones that fit one chunk together, in one forward pass); none: max_batch_size",
+        "short ones that fit one chunk together, in one forward pass)",
     )
     prefill_chunk_tokens: PositiveInt | None = Field(
         None,
