@@ -52,7 +52,8 @@ RADIX = ServerSpec(
     extra={"ignore_eos": True},
     metrics=True,
     notes="defaults: max_batch_size 32, prefill_batch_size 8, "
-          "prefill_chunk_tokens 2048 on a GPU and 512 on the CPU, prefill_stall_ratio 0.1, "
+          "prefill_chunk_tokens 2048 on a GPU and 512 on the CPU, prefill_stall_ratio 100 on a "
+          "GPU and 0.1 on the CPU, "
           "prefill_stall_floor_ms 20, "
           "radix cache 0.5 of memory minus weights; ignore_eos sent; "
           "disk tier off",

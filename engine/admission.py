@@ -24,7 +24,7 @@ class SchedulerLimits:
     max_batch_size: int
     prefill_batch_size: int
     prefill_chunk_tokens: int | None  # None: the device's default
-    prefill_stall_ratio: float  # see prefill_budget.py
+    prefill_stall_ratio: float | None  # see prefill_budget.py; None: the device default
     prefill_stall_floor: float  # seconds
     max_tokens_in_flight: int
     cache_bytes: int

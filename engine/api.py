@@ -45,8 +45,9 @@ class EngineConfig:
     prefill_batch_size: int = 8
     prefill_chunk_tokens: int | None = None  # None: the device's default
     # While requests decode, prefill may add this share of a decode step to each step,
-    # on average, and at least the floor (engine/prefill_budget.py).
-    prefill_stall_ratio: float = 0.1
+    # on average, and at least the floor (engine/prefill_budget.py). None: the device's
+    # default (scheduler.py).
+    prefill_stall_ratio: float | None = None
     prefill_stall_floor_seconds: float = 0.02
     max_tokens_in_flight: int = 131072
     max_queue: int = 256

@@ -88,14 +88,15 @@ class Settings(BaseModel):
         "decode, prefill_stall_ratio sizes the chunk by time within it); none: 2048 on a "
         "GPU, 512 on the CPU",
     )
-    prefill_stall_ratio: float = Field(
-        0.1,
+    prefill_stall_ratio: float | None = Field(
+        None,
         ge=0,
         allow_inf_nan=False,
         description="while requests decode, computing new prompts may lengthen their steps "
         "by this share of a decode step, on average (costs are measured as the engine "
         "runs); lower: smoother streams, later first tokens for new requests; 0 with a 0 "
-        "floor: new prompts wait until nothing decodes",
+        "floor: new prompts wait until nothing decodes; none: 0.1 on the CPU, 100 (prompts "
+        "first) on a GPU",
     )
     prefill_stall_floor_ms: float = Field(
         20.0,
