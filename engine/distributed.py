@@ -85,6 +85,7 @@ class RankGroup:
         return min((int(high) << 31 | int(low)) // int((keys == key).sum())
                    for key, high, low in rows)
 
+
 def memory_domain() -> str:
     """The memory this process plans on: a CUDA GPU's own (the device mlx.launch's
     CUDA_VISIBLE_DEVICES leaves it, its first when unset), else its host's, which the CPU

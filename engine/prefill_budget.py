@@ -14,12 +14,12 @@ lengthen, and a step slowed by what is not its own work does not skew it. Such s
 common and slow only ever: a kernel compiled for a shape met the first time, a batch
 join, a buffer cache refill. On an H100 one cold 752-token prefill measured 4.2 ms a
 token against a real ~0.07; a moving average of it starved prefill for dozens of steps
-(64 streams arriving at once waited 14 s for their first tokens instead of 0.3 s). A chunk is at
-least `granule` tokens (or what is left of the prompts): a forward pass has a fixed cost,
-so small chunks cost more per token; instead the allowance accrues over steps until it
-pays for a chunk, and the measured cost of what ran is what is spent, so an estimate that
-is off is corrected by the next steps. Chunk sizes are multiples of the granule, so the
-shapes a forward pass sees stay few.
+(64 streams arriving at once waited 14 s for their first tokens instead of 0.3-0.5 s).
+A chunk is at least `granule` tokens (or what is left of the prompts): a forward pass
+has a fixed cost, so small chunks cost more per token; instead the allowance accrues over
+steps until it pays for a chunk, and the measured cost of what ran is what is spent, so an
+estimate that is off is corrected by the next steps. Chunk sizes are multiples of the
+granule, so the shapes a forward pass sees stay few.
 """
 
 from __future__ import annotations

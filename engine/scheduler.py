@@ -64,10 +64,11 @@ log = logging.getLogger("radix_mlx.engine")
 MIN_SHARED_TO_WAIT = 32
 # The most prompt tokens per step, unless configured (how many a step takes while others
 # decode is set by time within it, see prefill_budget.py). On a GPU every chunk has a
-# fixed cost (a 2000-token prompt took 11.5 ms in one chunk and 28 ms in 512s on an H100), so chunks are
-# big (mlx-lm's default step) and decodes stall for a few ms. MLX's CPU attention
-# materializes every query-key score, so smaller chunks cost less in all (a 1042-token
-# prompt took 5.9 s in one chunk and 4.4 s in 512s on 2 cores) and stall decodes less.
+# fixed cost (a 2000-token prompt took 11.5 ms in one chunk and 28 ms in 512s on an
+# H100), so chunks are big (mlx-lm's default step) and decodes stall for a few ms. MLX's
+# CPU attention materializes every query-key score, so smaller chunks cost less in all (a
+# 1042-token prompt took 5.9 s in one chunk and 4.4 s in 512s on 2 cores) and stall
+# decodes less.
 GPU_PREFILL_CHUNK = 2048
 CPU_PREFILL_CHUNK = 512
 # How much prefill may stall decoding streams (prefill_budget.py). On the 2-core CPU a
