@@ -98,7 +98,11 @@ def build(directory: Path, shape: str, dtype: str = "bfloat16", seed: int = 0,
         (directory / filename).write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
     (directory / "tokenizer.json").write_text(tokenizer.to_str(pretty=True))
     if tokenizer_from is not None:
+        # All of theirs and none of ours: a demo special_tokens_map left beside their
+        # tokenizer adds the demo's special tokens to their vocabulary (49155 ids against
+        # a 49152-row LM head, which llguidance rightly refuses).
         for filename in TOKENIZER_FILES:
+            (directory / filename).unlink(missing_ok=True)
             if (tokenizer_from / filename).exists():
                 shutil.copy(tokenizer_from / filename, directory / filename)
     return directory
