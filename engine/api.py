@@ -16,7 +16,7 @@ import enum
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from radix.stats import stat
 from radix.tree import TreeStats
@@ -81,6 +81,11 @@ class SchedulerCounters:
     steps: int = stat("counter", "Engine scheduler steps.", name="engine_steps")
     step_seconds: float = stat("counter", "Seconds spent in engine steps.", default=0.0,
                                name="engine_step_seconds")
+    # Near step_seconds, the engine is host-bound: its thread's Python (building graphs,
+    # sampling, detokenizing) is the step, and anything else that takes the GIL slows it.
+    step_cpu_seconds: float = stat("counter", "CPU seconds the engine's thread spent in "
+                                   "engine steps.", default=0.0,
+                                   name="engine_step_cpu_seconds")
 
 
 @dataclass
@@ -252,6 +257,51 @@ class RequestFailed(EngineError):
     """The engine failed this one request (for example its forward pass raised)."""
 
 
+def check_request(tokens: list[int], params: SamplingParams, context_length: int,
+                  kv_tokens: int) -> None:
+    """Raise if a prompt cannot be generated from at all: empty, or prompt + max_tokens past
+    the model's context window or the KV that the server's memory plan holds."""
+    if not tokens:
+        raise ValueError("the prompt is empty")
+    requested = len(tokens) + params.max_tokens
+    if requested > context_length:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {context_length} tokens. "
+            f"However, you requested {requested} tokens "
+            f"({len(tokens)} in the prompt, {params.max_tokens} for the completion).")
+    if requested > kv_tokens:
+        raise ContextLengthExceeded(
+            f"This server's memory holds the KV of {kv_tokens} tokens at "
+            f"most (memory_limit_bytes). However, you requested {requested} tokens "
+            f"({len(tokens)} in the prompt, {params.max_tokens} for the completion).")
+
+
+class WaitingCount:
+    """Requests submitted and not yet started, at most `limit` (`max_queue`)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def enter(self) -> None:
+        """Count one more, or raise QueueFull."""
+        with self._lock:
+            if self.value >= self.limit:
+                raise QueueFull(f"{self.value} requests are already waiting", retry_after=1.0)
+            self.value += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self.value -= 1
+
+
+class Relay(Protocol):
+    """Where a `RequestStream`'s events go from the engine's thread."""
+
+    def put(self, stream: RequestStream, event: object) -> None: ...
+
+
 class LoopRelay:
     """Carries events from the engine's thread to one asyncio loop, many per wake-up.
 
@@ -286,13 +336,32 @@ class LoopRelay:
             stream.arrive(event)
 
 
+class LoopRelays:
+    """The relay of each loop that submits requests, made on its first request; those of
+    closed loops (say of earlier `asyncio.run`s) are dropped then."""
+
+    def __init__(self) -> None:
+        self._relays: dict[asyncio.AbstractEventLoop, LoopRelay] = {}
+        self._lock = threading.Lock()
+
+    def current(self) -> LoopRelay:
+        """The running loop's relay."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if loop not in self._relays:
+                self._relays = {other: relay for other, relay in self._relays.items()
+                                if not other.is_closed()}
+                self._relays[loop] = LoopRelay(loop)
+            return self._relays[loop]
+
+
 class RequestStream:
     """Async iterator over one request's events: `TokenEvent`s, then one `Finish`.
 
     Raises the engine's error (e.g. `RequestFailed`) instead of finishing when the
     engine fails the request. Events arrive from the engine's thread through `push`."""
 
-    def __init__(self, request_id: str, relay: LoopRelay,
+    def __init__(self, request_id: str, relay: Relay,
                  cancel: Callable[[str], None]) -> None:
         self.request_id = request_id
         self._relay = relay

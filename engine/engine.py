@@ -9,7 +9,6 @@ api.py, which imports no MLX.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import os
@@ -26,18 +25,19 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine.admission import SchedulerLimits
 from engine.api import (
-    ContextLengthExceeded,
     DiskStats,
     EngineConfig,
     EngineNotReady,
     EngineStats,
     Lifecycle,
-    LoopRelay,
+    LoopRelays,
     Prompt,
-    QueueFull,
+    Relay,
     RequestStream,
     SamplingParams,
     SchedulerCounters,
+    WaitingCount,
+    check_request,
 )
 from engine.constraints import json_object
 from engine.disk_store import DiskStore, default_disk_budget, model_fingerprint
@@ -99,6 +99,7 @@ class Engine:
         self.wants_message_ends = False
         self.memory: MemoryPlan | None = None
         self.tokenizer: ModelTokenizer | None = None
+        self.model_path: Path | None = None  # the local directory it was loaded from
         self._loaded: LoadedModel | None = None
         self._scheduler: Scheduler | None = None
         self.disk: DiskStore | None = None
@@ -106,10 +107,8 @@ class Engine:
         self._ready = threading.Event()
         self._stopped = threading.Event()
         self._ids = itertools.count()
-        self._queued = 0
-        self._queued_lock = threading.Lock()
-        self._relays: dict[asyncio.AbstractEventLoop, LoopRelay] = {}  # by callers' loop
-        self._relays_lock = threading.Lock()
+        self._waiting = WaitingCount(config.max_queue)
+        self._relays = LoopRelays()
         self._last_turn = 0.0  # when the scheduler last went round its loop (watchdog)
         self.served = False  # became ready: a failure now is not a failed load
 
@@ -143,6 +142,7 @@ class Engine:
             loaded = load_model(self.config.model, self.group)
             self._loaded = loaded
             self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer
+            self.model_path = loaded.path
             self.context_length = loaded.context_length
             self.state = Lifecycle.WARMING_UP
             self.memory = self._plan_memory(loaded)
@@ -312,51 +312,27 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------
 
-    def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams) -> RequestStream:
+    def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams,
+               request_id: str | None = None, relay: Relay | None = None) -> RequestStream:
         """Queue a generation of `prompt` (token ids, or a `Prompt` that says where its
-        messages end); must be called from a running asyncio loop."""
+        messages end); its events go through `relay`, by default the running asyncio
+        loop's (then it must be called from one). `request_id`: the caller's, unique."""
         if not isinstance(prompt, Prompt):
             prompt = Prompt(list(prompt))
         if self.state is not Lifecycle.READY:
             raise EngineNotReady(self.error or f"the model is {self.state.value}")
-        tokens = prompt.tokens
-        if not tokens:
-            raise ValueError("the prompt is empty")
+        check_request(prompt.tokens, params, self.context_length, self.memory.kv_tokens)
         if self.group is not None and not params.greedy and params.seed is None:
             # Every rank samples alike only from one seed; rank 0 picks it.
             params = replace(params, seed=secrets.randbits(63))
-        requested = len(tokens) + params.max_tokens
-        if requested > self.context_length:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.context_length} tokens. "
-                f"However, you requested {requested} tokens "
-                f"({len(tokens)} in the prompt, {params.max_tokens} for the completion).")
-        if requested > self.memory.kv_tokens:
-            raise ContextLengthExceeded(
-                f"This server's memory holds the KV of {self.memory.kv_tokens} tokens at "
-                f"most (memory_limit_bytes). However, you requested {requested} tokens "
-                f"({len(tokens)} in the prompt, {params.max_tokens} for the completion).")
-        with self._queued_lock:
-            if self._queued >= self.config.max_queue:
-                raise QueueFull(f"{self._queued} requests are already waiting", retry_after=1.0)
-            self._queued += 1
-        stream = RequestStream(f"req-{next(self._ids)}", self._relay(), self.cancel)
-        generation = self._scheduler.new_generation(stream.request_id, list(tokens), params,
-                                                    stream.push, on_dequeue=self._dequeued,
-                                                    message_ends=prompt.message_ends)
+        self._waiting.enter()
+        stream = RequestStream(request_id or f"req-{next(self._ids)}",
+                               relay or self._relays.current(), self.cancel)
+        generation = self._scheduler.new_generation(
+            stream.request_id, list(prompt.tokens), params, stream.push,
+            on_dequeue=self._waiting.leave, message_ends=prompt.message_ends)
         self._scheduler.inbox.put(Submit(generation))
         return stream
-
-    def _relay(self) -> LoopRelay:
-        """The running loop's relay (made on its first request; those of closed loops,
-        say of earlier `asyncio.run`s, are dropped then)."""
-        loop = asyncio.get_running_loop()
-        with self._relays_lock:
-            if loop not in self._relays:
-                self._relays = {other: relay for other, relay in self._relays.items()
-                                if not other.is_closed()}
-                self._relays[loop] = LoopRelay(loop)
-            return self._relays[loop]
 
     def cancel(self, request_id: str) -> None:
         """End a request early: its stream ends with a "cancelled" Finish within a step
@@ -374,17 +350,12 @@ class Engine:
             self._scheduler.inbox.put(ClearCache(done))
         return done
 
-    def _dequeued(self) -> None:
-        """A request left the queue: admitted to the batch, or ended before that."""
-        with self._queued_lock:
-            self._queued -= 1
-
     def stats(self) -> EngineStats:
         scheduler = self._scheduler
         if scheduler is None:
             return EngineStats()
         return EngineStats(
-            waiting=self._queued, running=len(scheduler.running),
+            waiting=self._waiting.value, running=len(scheduler.running),
             active_memory_bytes=mx.get_active_memory(),
             memory_limit_bytes=self.memory.limit_bytes,
             weight_bytes=self.memory.weight_bytes,

@@ -9,7 +9,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
-from mlx_lm.utils import hf_repo_to_path, load
+from mlx_lm.utils import hf_repo_to_path, load, load_config
+from mlx_lm.utils import load_tokenizer as load_mlx_lm_tokenizer
 
 from engine.distributed import RankGroup, shard
 from engine.tokenizer import ModelTokenizer
@@ -59,6 +60,13 @@ def load_model(path_or_repo: str, group: RankGroup | None = None) -> LoadedModel
     path = local if local.exists() else hf_repo_to_path(path_or_repo)
     return LoadedModel(model, ModelTokenizer(tokenizer), model_id_for(path_or_repo), context_length,
                        vocab_size, weight_bytes, path)
+
+
+def load_tokenizer(path: Path) -> ModelTokenizer:
+    """The tokenizer of the model directory at `path`, as `load_model` gives it (with the
+    end-of-sequence ids of its config), without its weights."""
+    eos_token_ids = load_config(path).get("eos_token_id")
+    return ModelTokenizer(load_mlx_lm_tokenizer(path, eos_token_ids=eos_token_ids))
 
 
 def _config_int(config: dict[str, Any], keys: tuple[str, ...]) -> int | None:

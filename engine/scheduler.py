@@ -416,7 +416,7 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------
 
     def _step(self) -> None:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         endings = []
         for output in self.generator.decode():
             generation = self.running.get(output.uid)
@@ -442,6 +442,7 @@ class Scheduler:
         self.prefill_budget.record(decoding, prefilled, seconds)
         self.counters.steps += 1
         self.counters.step_seconds += seconds
+        self.counters.step_cpu_seconds += time.thread_time() - cpu_started
 
     def _prefill_tokens(self, decoding: bool) -> int:
         """This step's prefill: the budget keeps what it adds to running streams' steps

@@ -181,6 +181,11 @@ class Settings(BaseModel):
         description="under tensor parallelism, seconds one scheduler step may take before "
         "the rank group counts as lost and the server fails"
     )
+    engine_process: bool = Field(
+        True, description="run the engine in its own process, so the HTTP work never "
+        "takes the GIL the engine's thread needs (not under tensor parallelism, whose "
+        "ranks run their engine in process)"
+    )
     config_file: Path | None = Field(None, description="TOML file read for these settings")
 
     @field_validator("ssl_certfile", "ssl_keyfile")

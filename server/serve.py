@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from logging.handlers import WatchedFileHandler
+from functools import partial
 from types import FrameType
 
 import uvicorn
@@ -16,14 +16,15 @@ from engine.engine import Engine
 from engine.gguf import GGUFError
 from engine.model_source import resolve_model
 from engine.platform_info import describe_platform
+from engine.process import EngineProcess
 from server import tensor_parallel
 from server.app import create_app
 from server.body_limit import MAX_HEADER_BYTES
 from server.config import ConfigError, Settings, default_disk_cache_dir, load_settings
 from server.drain import CANCEL_GRACE_SECONDS, Drain
+from server.logs import configure_logging
 
 log = logging.getLogger("radix_mlx.server")
-
 
 
 class DrainingServer(uvicorn.Server):
@@ -33,7 +34,8 @@ class DrainingServer(uvicorn.Server):
     A second signal stops at once. A model that fails to load stops it too."""
 
     def __init__(
-        self, config: uvicorn.Config, drain: Drain, timeout: float, engine: Engine
+        self, config: uvicorn.Config, drain: Drain, timeout: float,
+        engine: Engine | EngineProcess,
     ) -> None:
         super().__init__(config)
         self._drain, self._timeout, self._engine = drain, timeout, engine
@@ -55,20 +57,6 @@ class DrainingServer(uvicorn.Server):
         if self._engine.state is Lifecycle.FAILED:
             self.should_exit = True
         return await super().on_tick(counter)
-
-
-def configure_logging(settings: Settings) -> None:
-    if settings.log_file is not None:
-        # launchd creates no directories for us; a missing one must not stop the service.
-        settings.log_file.parent.mkdir(parents=True, exist_ok=True)
-        handler: logging.Handler = WatchedFileHandler(settings.log_file)
-    else:
-        handler = logging.StreamHandler(sys.stderr)
-    # Ranks of a tensor-parallel launch share one output: each line says whose it is.
-    rank = f" rank {tensor_parallel.launch_rank()}" if tensor_parallel.in_launch() else ""
-    handler.setFormatter(
-        logging.Formatter(f"%(asctime)s %(levelname)s{rank} %(name)s: %(message)s"))
-    logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
 
 
 def engine_config(settings: Settings, model: str) -> EngineConfig:
@@ -95,7 +83,7 @@ def run(settings: Settings) -> int:
     """Serve until SIGTERM/SIGINT, then drain; the exit status: 1 if the model failed to
     load, with the reason as stderr's last line, else 0. A GGUF file is checked and
     converted before any port opens."""
-    configure_logging(settings)
+    configure_logging(settings.log_level, settings.log_file)
     log.info("%s", describe_platform())
     try:
         model = resolve_model(settings.model, settings.gguf_dtype)
@@ -112,7 +100,12 @@ def run(settings: Settings) -> int:
             return 1
         if not group.leader:
             return tensor_parallel.run_rank(config, group)
-    engine = Engine(config, group)
+    if group is None and settings.engine_process:
+        # Its own process, so the HTTP work here never takes the GIL its thread needs.
+        engine = EngineProcess(config, partial(configure_logging, settings.log_level,
+                                               settings.log_file))
+    else:  # a tensor-parallel rank group runs its engine in the process that joined it
+        engine = Engine(config, group)
     engine.start()
     app = create_app(settings, engine)
     http = uvicorn.Config(

@@ -44,9 +44,13 @@ def faulty_loader(token: int) -> Callable[..., LoadedModel]:
     return load
 
 
-if __name__ == "__main__":
+# The server's engine process (engine/process.py) is spawned: it runs this module again
+# as "__mp_main__", with the server's arguments, and so loads the same faulty model.
+if __name__ in ("__main__", "__mp_main__"):
     import engine.engine
-    from server.cli import run
 
     engine.engine.load_model = faulty_loader(int(sys.argv[1]))
+if __name__ == "__main__":
+    from server.cli import run
+
     run(["serve", *sys.argv[2:]])

@@ -1,0 +1,390 @@
+"""The engine in a child process, so that the HTTP server's work never takes the GIL that
+the engine's thread needs to build MLX graphs.
+
+MLX on a GPU is host-bound for small models: the engine thread's Python is most of a
+decode step, and in one process every token's HTTP work (uvicorn, starlette, SSE, our
+formatting) runs under the same GIL. As SGLang runs its HTTP/tokenizer front end and its
+scheduler in separate processes, `serve` starts the real `Engine` in a child process
+(spawned) and talks to it through an `EngineProcess`, which has the engine's surface.
+
+The wire is one duplex pipe of pickled messages:
+- server -> engine: ("submit", request id, Prompt, SamplingParams), ("cancel", request
+  id), ("call", call id, "stats" | "clear_cache"), ("shutdown",);
+- engine -> server: lists of whatever the child has posted since its last write, as
+  LoopRelay batches a loop's wake-ups: the engine's thread only appends a request's
+  events, as (request id, event) pairs, and one writer thread pickles and sends them all,
+  a scheduler step's worth or more per message; besides them, `Facts` at each lifecycle
+  change, `Reply`s to calls and `DiskRebuilt`.
+
+The child ignores SIGINT and SIGTERM (the server drains, then sends "shutdown") and exits
+when the pipe closes: the server is gone, and the GPU memory with it. When the child dies,
+the server's reader sees the pipe close: every open request fails and the state turns
+FAILED, which stops `serve` as any failed engine does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from engine.api import (
+    EngineConfig,
+    EngineError,
+    EngineNotReady,
+    EngineStats,
+    Finish,
+    Lifecycle,
+    LoopRelays,
+    Prompt,
+    RequestFailed,
+    RequestStream,
+    SamplingParams,
+    WaitingCount,
+    check_request,
+)
+from engine.engine import DISK_FLUSH_SECONDS, Engine
+from engine.loader import load_tokenizer, model_id_for
+
+log = logging.getLogger("radix_mlx.engine")
+
+SPAWN = multiprocessing.get_context("spawn")  # a fork would copy the server's threads
+ENGINE_PROCESS = "radix-mlx-engine"
+# How long a call (stats, from a /metrics scrape) waits for the engine's answer.
+CALL_SECONDS = 10.0
+# How long a shutdown waits for the child: the engine's own stop, then its disk writes.
+STOP_SECONDS = 10.0 + DISK_FLUSH_SECONDS + 5.0
+LIFECYCLE_POLL_SECONDS = 0.1
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the server reads of the engine, sent at each lifecycle change."""
+
+    state: Lifecycle
+    error: str | None = None
+    model_id: str = ""
+    context_length: int = 0
+    wants_message_ends: bool = False
+    kv_tokens: int = 0
+    model_path: str | None = None  # where the server loads its own tokenizer from
+    disk_directory: str | None = None
+
+
+@dataclass(frozen=True)
+class Reply:
+    call_id: int
+    value: object
+
+
+@dataclass(frozen=True)
+class DiskRebuilt:
+    """The tree has been rebuilt from the disk tier's files."""
+
+
+@dataclass
+class RemoteDisk:
+    """The engine's disk tier as the server reads it (`engine.disk`)."""
+
+    directory: Path
+    rebuilt: threading.Event = field(default_factory=threading.Event)
+
+
+# -- the child ----------------------------------------------------------------------------
+
+class Outbox:
+    """The child's end of the pipe. Anything posted, from any thread, is sent by one writer
+    thread with everything else posted meanwhile, in one message; it is also the engine's
+    `Relay`, so its thread pays a list append per event, not a pickle and a write."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._pending: list[object] = []
+        self._posted = threading.Condition()
+        threading.Thread(target=self._write, name="radix-mlx-outbox", daemon=True).start()
+
+    def put(self, stream: RequestStream, event: object) -> None:
+        """Called from the engine's thread."""
+        self.post((stream.request_id, event))
+
+    def post(self, item: object) -> None:
+        with self._posted:
+            self._pending.append(item)
+            if len(self._pending) == 1:
+                self._posted.notify()
+
+    def _write(self) -> None:
+        while True:
+            with self._posted:
+                while not self._pending:
+                    self._posted.wait()
+                batch, self._pending = self._pending, []
+            try:
+                self._conn.send(batch)
+            except OSError:
+                _server_gone()
+            except Exception:  # an event that cannot cross: fail loudly
+                log.exception("the engine cannot send its events")
+                logging.shutdown()
+                os._exit(1)
+
+
+def _server_gone() -> None:
+    """The pipe closed: nobody will read the engine's answers again."""
+    log.warning("the server process is gone: the engine process exits")
+    logging.shutdown()
+    os._exit(0)
+
+
+def serve_engine(config: EngineConfig, conn: Connection,
+                 on_start: Callable[[], None] | None) -> None:
+    """The child's main: load and run the engine, take the server's commands until it
+    says "shutdown" or goes away. `on_start` (logging) runs first."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if on_start is not None:
+        on_start()
+    engine = Engine(config)
+    outbox = Outbox(conn)
+    engine.start()
+    threading.Thread(target=_report_lifecycle, args=(engine, outbox),
+                     name="radix-mlx-lifecycle", daemon=True).start()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            _server_gone()
+        match message:
+            case ("submit", request_id, prompt, params):
+                try:
+                    engine.submit(prompt, params, request_id, outbox)
+                except (EngineError, ValueError) as error:
+                    # Checked by the server already; RequestFailed pickles as QueueFull
+                    # (two arguments) would not.
+                    outbox.post((request_id, RequestFailed(str(error))))
+            case ("cancel", request_id):
+                engine.cancel(request_id)
+            case ("call", call_id, "stats"):
+                outbox.post(Reply(call_id, engine.stats()))
+            case ("call", call_id, "clear_cache"):
+                engine.clear_cache().add_done_callback(
+                    lambda done, call_id=call_id: outbox.post(Reply(call_id, done.result())))
+            case ("shutdown",):
+                engine.shutdown()
+                logging.shutdown()
+                # Not a normal exit: the engine's parked thread must not meet interpreter
+                # teardown (engine.py).
+                os._exit(0)
+
+
+def _report_lifecycle(engine: Engine, outbox: Outbox) -> None:
+    state = None
+    while state not in (Lifecycle.READY, Lifecycle.FAILED):
+        engine.wait_ready(LIFECYCLE_POLL_SECONDS)
+        if engine.state is not state:
+            state = engine.state
+            outbox.post(Facts(
+                state, engine.error, engine.model_id, engine.context_length,
+                engine.wants_message_ends,
+                engine.memory.kv_tokens if engine.memory is not None else 0,
+                None if engine.model_path is None else str(engine.model_path),
+                None if engine.disk is None else str(engine.disk.directory)))
+    if engine.disk is not None:
+        engine.disk.rebuilt.wait()
+        outbox.post(DiskRebuilt())
+
+
+# -- the server's side --------------------------------------------------------------------
+
+class EngineProcess:
+    """`Engine`'s surface for the server, served by an `Engine` in a child process. The
+    server's own tokenizer (chat templates, the streams' decoders) is loaded from the
+    directory the engine loaded its model from, once it is ready."""
+
+    def __init__(self, config: EngineConfig, on_start: Callable[[], None] | None = None) -> None:
+        """`on_start`: run first in the child (picklable: its logging setup)."""
+        self.config = config
+        self.state = Lifecycle.LOADING
+        self.error: str | None = None
+        self.served = False
+        self.model_id = model_id_for(config.model)
+        self.context_length = 0
+        self.wants_message_ends = False
+        self.tokenizer = None
+        self.disk: RemoteDisk | None = None
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self._on_start = on_start
+        self._kv_tokens = 0
+        self._conn: Connection | None = None
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # the streams, the calls and the state's last change
+        self._streams: dict[str, RequestStream] = {}
+        self._unstarted: set[str] = set()  # ids of streams that have had no event yet
+        self._calls: dict[int, Future] = {}
+        self._ids = itertools.count()
+        self._waiting = WaitingCount(config.max_queue)
+        self._relays = LoopRelays()
+        self._ready = threading.Event()
+        self._stopping = False
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the child and the thread that reads it; returns at once."""
+        self._conn, child = SPAWN.Pipe()
+        self.process = SPAWN.Process(target=serve_engine, name=ENGINE_PROCESS,
+                                     args=(self.config, child, self._on_start))
+        self.process.start()
+        child.close()  # the child's death must close the pipe
+        threading.Thread(target=self._read, name="radix-mlx-engine-reader",
+                         daemon=True).start()
+
+    def wait_ready(self, timeout: float | None = None) -> Lifecycle:
+        self._ready.wait(timeout)
+        return self.state
+
+    def shutdown(self) -> None:
+        """Stop the engine (it cancels what runs and flushes its disk writes) and wait for
+        the child to exit; kill it if it does not in time."""
+        if self.process is None:
+            return
+        self._stopping = True
+        self._send(("shutdown",))
+        self.process.join(STOP_SECONDS)
+        if self.process.is_alive():
+            log.warning("the engine process did not stop in %.0f s: killed", STOP_SECONDS)
+            self.process.kill()
+            self.process.join()
+
+    # -- requests ---------------------------------------------------------------------
+
+    def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams) -> RequestStream:
+        """As `Engine.submit`: checked here, so refusals are immediate."""
+        if not isinstance(prompt, Prompt):
+            prompt = Prompt(list(prompt))
+        if self.state is not Lifecycle.READY:
+            raise EngineNotReady(self.error or f"the model is {self.state.value}")
+        check_request(prompt.tokens, params, self.context_length, self._kv_tokens)
+        self._waiting.enter()
+        stream = RequestStream(f"req-{next(self._ids)}", self._relays.current(), self.cancel)
+        with self._lock:
+            if self.state is not Lifecycle.READY:  # the child died meanwhile
+                self._waiting.leave()
+                raise EngineNotReady(self.error)
+            self._streams[stream.request_id] = stream
+            self._unstarted.add(stream.request_id)
+        self._send(("submit", stream.request_id, prompt, params))
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        self._send(("cancel", request_id))
+
+    def clear_cache(self) -> Future:
+        if self.state is not Lifecycle.READY:
+            done: Future = Future()
+            done.set_result(0)
+            return done
+        return self._call("clear_cache")
+
+    def stats(self) -> EngineStats:
+        """The engine's stats now (a round trip to the child); zeros unless it is ready."""
+        if self.state is not Lifecycle.READY:
+            return EngineStats()
+        return self._call("stats").result(CALL_SECONDS)
+
+    # -- the wire ---------------------------------------------------------------------
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError):
+                pass  # the child is gone: the reader fails what was open
+
+    def _call(self, name: str) -> Future:
+        future: Future = Future()
+        with self._lock:
+            call_id = next(self._ids)
+            self._calls[call_id] = future
+        self._send(("call", call_id, name))
+        return future
+
+    def _read(self) -> None:
+        while True:
+            try:
+                batch = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            for item in batch:
+                if isinstance(item, tuple):
+                    self._deliver(*item)
+                elif isinstance(item, Reply):
+                    with self._lock:
+                        future = self._calls.pop(item.call_id, None)
+                    if future is not None:
+                        future.set_result(item.value)
+                elif isinstance(item, Facts):
+                    self._learn(item)
+                elif isinstance(item, DiskRebuilt) and self.disk is not None:
+                    self.disk.rebuilt.set()
+        if not self._stopping:
+            self._lost()
+
+    def _deliver(self, request_id: str, event: object) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                return
+            if request_id in self._unstarted:
+                self._unstarted.discard(request_id)
+                self._waiting.leave()
+            if isinstance(event, (Finish, Exception)):
+                del self._streams[request_id]
+        stream.push(event)
+
+    def _learn(self, facts: Facts) -> None:
+        if facts.state is Lifecycle.READY:
+            try:
+                self.tokenizer = load_tokenizer(Path(facts.model_path))
+            except Exception as error:  # reported as the load's failure
+                log.exception("the server could not load the tokenizer")
+                self.error = f"the tokenizer: {type(error).__name__}: {error}"
+                self.state = Lifecycle.FAILED
+                self._ready.set()
+                return
+            self.model_id, self.context_length = facts.model_id, facts.context_length
+            self.wants_message_ends, self._kv_tokens = facts.wants_message_ends, facts.kv_tokens
+            if facts.disk_directory is not None:
+                self.disk = RemoteDisk(Path(facts.disk_directory))
+            self.served = True
+        self.error = facts.error
+        self.state = facts.state
+        if facts.state in (Lifecycle.READY, Lifecycle.FAILED):
+            self._ready.set()
+
+    def _lost(self) -> None:
+        """The child died: fail everything open, and the engine."""
+        self.process.join(5.0)
+        code = self.process.exitcode
+        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exit code {code}")
+        reason = f"the engine process died ({how})"
+        log.error("%s", reason)
+        with self._lock:
+            self.error = reason
+            self.state = Lifecycle.FAILED
+            streams, self._streams = self._streams, {}
+            calls, self._calls = self._calls, {}
+        self._ready.set()
+        for stream in streams.values():
+            stream.push(RequestFailed(reason))
+        for future in calls.values():
+            future.set_exception(EngineNotReady(reason))

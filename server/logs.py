@@ -1,0 +1,25 @@
+"""Where `serve` logs: a file reopened after rotation, or stderr. Set up in the server's
+process and again in its engine's (engine/process.py), with the same handler."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from logging.handlers import WatchedFileHandler
+from pathlib import Path
+
+from server import tensor_parallel
+
+
+def configure_logging(level: str, log_file: Path | None) -> None:
+    if log_file is not None:
+        # launchd creates no directories for us; a missing one must not stop the service.
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        handler: logging.Handler = WatchedFileHandler(log_file)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    # Ranks of a tensor-parallel launch share one output: each line says whose it is.
+    rank = f" rank {tensor_parallel.launch_rank()}" if tensor_parallel.in_launch() else ""
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s %(levelname)s{rank} %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)

@@ -1,0 +1,77 @@
+"""The engine in its own process (engine/process.py): what a service needs of the pair.
+
+Everything else about serving (streams, cancellation, /metrics, the drain, a failed load)
+is tested through the same default, by every other server test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.server.support import ServerProcess, start_server
+
+LONG = {"max_tokens": 4000, "ignore_eos": True, "stream": True}
+
+
+def engine_process(server: ServerProcess) -> psutil.Process:
+    """The server's engine: its one spawned child (the other is multiprocessing's
+    resource tracker)."""
+    children = psutil.Process(server.process.pid).children()
+    return next(child for child in children if "spawn_main" in " ".join(child.cmdline()))
+
+
+@pytest.fixture
+def own_server(demo_model_dir: Path, tmp_path: Path) -> ServerProcess:
+    server = start_server(demo_model_dir, tmp_path / "server.log")
+    yield server
+    server.stop()
+
+
+def test_the_engine_serves_from_a_child_process(
+    server: ServerProcess, headers: dict[str, str]
+) -> None:
+    engine = engine_process(server)
+    assert engine.pid != server.process.pid
+    before = server.metrics()
+    response = httpx.post(f"{server.url}/v1/completions", headers=headers, timeout=30,
+                          json={"prompt": "One", "max_tokens": 4, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    after = server.metrics()
+    # The engine's own counters, read from the child at scrape time.
+    assert after["radix_mlx_generated_tokens_total"] >= before["radix_mlx_generated_tokens_total"] + 4
+    assert after["radix_mlx_engine_step_cpu_seconds_total"] > 0
+
+
+def test_a_killed_engine_fails_its_requests_and_stops_the_server(
+    own_server: ServerProcess,
+) -> None:
+    """An engine that dies (SIGKILL here; an MLX abort alike) ends the open stream with an
+    error event instead of leaving it hanging, and the server exits 1 with the reason, as
+    for any failed engine, so that its service manager restarts it."""
+    with httpx.stream("POST", f"{own_server.url}/v1/completions", timeout=30,
+                      json={"prompt": "Go on.", **LONG}) as response:
+        lines = (line for line in response.iter_lines() if line.startswith("data:"))
+        next(lines)
+        engine_process(own_server).kill()
+        payloads = [line.removeprefix("data:").strip() for line in lines]
+    assert payloads[-1] == "[DONE]"
+    assert json.loads(payloads[-2])["error"]["code"] == "engine_error"
+    assert own_server.process.wait(timeout=60) == 1
+    assert own_server.log().rstrip().splitlines()[-1] == (
+        "radix-mlx serve: the engine process died (killed by SIGKILL)")
+
+
+def test_the_engine_exits_with_its_server(own_server: ServerProcess) -> None:
+    """A server killed outright leaves no engine behind holding the device's memory."""
+    engine = engine_process(own_server)
+    os.kill(own_server.process.pid, signal.SIGKILL)
+    own_server.process.wait(timeout=10)
+    _, alive = psutil.wait_procs([engine], timeout=30)
+    assert not alive
