@@ -23,27 +23,34 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shlex
 import statistics
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
 import mlx.core as mx
-import psutil
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
 from bench import hardware
 from bench.__main__ import git_revision
-from bench.decode_parity import parity_arguments, run_lines
-from bench.servers import RADIX, running
+from bench.decode_parity import (
+    Counters,
+    engine_counters,
+    main_thread_clock,
+    parity_arguments,
+    run_lines,
+    server_counters,
+    servers,
+    thread_clock,
+    tree_clock,
+)
 from engine.api import SamplingParams, TokenEvent
 from engine.engine import ENGINE_THREAD, Engine, EngineConfig
-from engine.platform_info import openblas_preload_env
 
 
 @dataclass
@@ -129,51 +136,40 @@ def through_server(base_url: str, prompts: list[list[int]], max_tokens: int) -> 
     return asyncio.run(all_streams())
 
 
-def thread_clock(ident: int) -> Callable[[], float]:
-    return lambda: time.clock_gettime(time.pthread_getcpuclockid(ident))
-
-
-def process_clock(pid: int) -> Callable[[], float]:
-    process = psutil.Process(pid)
-    return lambda: sum(process.cpu_times()[:2])
-
-
-def main_thread_clock(pid: int) -> Callable[[], float]:
-    """Another process's main thread (the server's asyncio loop, uvicorn's)."""
-    process = psutil.Process(pid)
-    return lambda: next(t.user_time + t.system_time for t in process.threads() if t.id == pid)
-
-
 def measure(runs: dict[str, Callable[[], Run]], clocks: dict[str, dict[str, Callable[[], float]]],
-            engine: Engine, max_tokens: int, repeats: int) -> dict:
-    """Medians of `repeats` alternating runs of each path, and the CPU time per step (ms)
-    on each of a path's `clocks` (its Python threads, its whole process)."""
+            counters: dict[str, Counters], max_tokens: int, repeats: int) -> dict:
+    """Medians of `repeats` alternating runs of each path, the CPU time per step (ms) on
+    each of a path's `clocks` (its Python threads, a server's process tree) and, for the
+    paths through an engine, the engine's own step time and its thread's CPU per step."""
     for run in runs.values():  # compile kernels, warm caches
         run()
     step: dict[str, list[float]] = {name: [] for name in runs}
     rate: dict[str, list[float]] = {name: [] for name in runs}
     cpu: dict[str, dict[str, list[float]]] = {
         name: {clock: [] for clock in clocks[name]} for name in runs}
-    engine_step: list[float] = []
+    engine_step: dict[str, dict[str, list[float]]] = {
+        name: {"wall": [], "cpu": []} for name in counters}
     load_before = os.getloadavg()
     for _ in range(repeats):
         for name, run in runs.items():
             before = {clock: read() for clock, read in clocks[name].items()}
-            counters = engine.stats().counters
+            engine_before = counters[name]() if name in counters else None
             result = run()
             after = {clock: read() for clock, read in clocks[name].items()}
             step[name].append(result.step_ms())
             rate[name].append(result.tok_s())
             for clock in cpu[name]:
                 cpu[name][clock].append(1e3 * (after[clock] - before[clock]) / max_tokens)
-            if name == "engine":
-                done = engine.stats().counters
-                engine_step.append(1e3 * (done.step_seconds - counters.step_seconds)
-                                   / (done.steps - counters.steps))
+            if engine_before is not None:
+                steps, wall, step_cpu = (b - a for a, b in zip(engine_before, counters[name]()))
+                engine_step[name]["wall"].append(1e3 * wall / steps)
+                engine_step[name]["cpu"].append(1e3 * step_cpu / steps)
     return {
         "step_ms": {name: statistics.median(values) for name, values in step.items()},
         "output_tok_s": {name: statistics.median(values) for name, values in rate.items()},
-        "engine_step_ms": statistics.median(engine_step),
+        "engine_step_ms": {
+            name: {kind: statistics.median(values) for kind, values in per.items()}
+            for name, per in engine_step.items()},
         "host_cpu_ms_per_step": {
             name: {clock: statistics.median(values) for clock, values in per.items()}
             for name, per in cpu.items()},
@@ -200,19 +196,15 @@ def main() -> None:
                                if t.name == ENGINE_THREAD))
     clocks = {"bare": {"caller": caller, "process": time.process_time},
               "engine": {"engine": worker, "caller": caller, "process": time.process_time}}
-    server_args = ["--max-batch-size", str(args.streams), *shlex.split(args.radix_mlx_args)]
+    counters = {"engine": engine_counters(engine)}
     try:
-        if args.no_server:
-            result = measure(runs, clocks, engine, args.max_tokens, args.repeats)
-        else:
-            env = openblas_preload_env() or dict(os.environ)
-            log = (args.out or Path("build")) / "logs" / "radix-mlx.log"
-            with running(RADIX, args.model, env, log, server_args) as server:
-                runs["server"] = lambda: through_server(server.base_url, prompts,
-                                                        args.max_tokens)
+        with servers(args, ["--max-batch-size", str(args.streams)]) as by_name:
+            for name, server in by_name.items():
+                runs[name] = partial(through_server, server.base_url, prompts, args.max_tokens)
                 pid = server.process.pid
-                clocks["server"] = {"loop": main_thread_clock(pid), "process": process_clock(pid)}
-                result = measure(runs, clocks, engine, args.max_tokens, args.repeats)
+                clocks[name] = {"loop": main_thread_clock(pid), "process tree": tree_clock(pid)}
+                counters[name] = server_counters(server.base_url)
+            result = measure(runs, clocks, counters, args.max_tokens, args.repeats)
     finally:
         engine.shutdown()
     result.update(streams=args.streams, prompt_tokens=args.prompt_tokens,
@@ -234,20 +226,26 @@ def markdown(result: dict) -> list[str]:
         *run_lines(result),
         (f"Greedy, {result['streams']} streams of {result['prompt_tokens']}-token prompts, "
          f"{result['max_tokens']} tokens each, {result['repeats']} alternating runs per "
-         "path; medians. The engine's own step (without the hop to asyncio): "
-         f"{result['engine_step_ms']:.2f} ms."), "",
+         "path; medians."), "",
         "| path | step (time per token), ms | step / bare | output tok/s, prefill included | runs (step ms) |",
         "|---|---:|---:|---:|---|"]
     for name, median in result["step_ms"].items():
         runs = ", ".join(f"{v:.2f}" for v in result["runs"]["step_ms"][name])
         lines.append(f"| {name} | {median:.2f} | {median / bare_step:.2f} | "
                      f"{result['output_tok_s'][name]:.0f} | {runs} |")
+    lines += ["", ("The engine's own steps (medians of the scheduler's step_seconds and its "
+                   "thread's step_cpu_seconds; without the hop to asyncio or HTTP), "
+                   "wherever the engine runs."), "",
+              "| path | engine step wall ms | engine step CPU ms |", "|---|---:|---:|"]
+    lines += [f"| {name} | {step['wall']:.2f} | {step['cpu']:.2f} |"
+              for name, step in result["engine_step_ms"].items()]
     lines += ["", ("CPU per step (medians), by Python thread and for the whole process "
               "(MLX's compute threads included): the caller runs bare mlx-lm's loop, or "
-              "reads the engine's events on an asyncio loop; the server is its own process."),
-              "", "| path | thread | CPU ms per step |", "|---|---|---:|"]
-    for name, per_thread in result["host_cpu_ms_per_step"].items():
-        lines += [f"| {name} | {thread} | {ms:.2f} |" for thread, ms in per_thread.items()]
+              "reads the engine's events on an asyncio loop; a server's loop is its main "
+              "thread, its process tree includes its engine process."),
+              "", "| path | clock | CPU ms per step |", "|---|---|---:|"]
+    for name, per_clock in result["host_cpu_ms_per_step"].items():
+        lines += [f"| {name} | {clock} | {ms:.2f} |" for clock, ms in per_clock.items()]
     return lines
 
 

@@ -21,22 +21,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shlex
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
 import mlx.core as mx
+import psutil
 from mlx_lm import load, stream_generate
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import hardware
 from bench.__main__ import git_revision
-from bench.servers import RADIX, running
+from bench.servers import RADIX, RunningServer, running
 from engine.api import SamplingParams, TokenEvent
 from engine.engine import ENGINE_THREAD, Engine, EngineConfig
 from engine.platform_info import openblas_preload_env
@@ -80,40 +84,89 @@ def through_server(base_url: str, prompt: list[int], max_tokens: int) -> list[fl
     return times
 
 
-def thread_seconds(threads: dict[str, int]) -> dict[str, float]:
-    """CPU seconds each named thread (by `threading` ident) of this process has used."""
-    return {name: time.clock_gettime(time.pthread_getcpuclockid(ident))
-            for name, ident in threads.items()}
+def thread_clock(ident: int) -> Callable[[], float]:
+    """CPU seconds of one thread (by `threading` ident) of this process."""
+    return lambda: time.clock_gettime(time.pthread_getcpuclockid(ident))
 
 
-def measure(runs: dict[str, Callable[[], list[float]]], threads: dict[str, dict[str, int]],
-            tokens: int, repeats: int) -> dict:
-    """Medians of `repeats` alternating runs of each path; for a path run in this process,
-    also the CPU time per token of its Python threads (`threads[path]`): the host's work,
-    apart from MLX's own compute threads and from how busy the machine is."""
+def tree_clock(pid: int) -> Callable[[], float]:
+    """CPU seconds of another process and its children (a server and its engine
+    process), MLX's compute threads included."""
+    process = psutil.Process(pid)
+    children = process.children()
+    return lambda: sum(sum(p.cpu_times()[:2]) for p in (process, *children))
+
+
+def main_thread_clock(pid: int) -> Callable[[], float]:
+    """Another process's main thread (the server's asyncio loop, uvicorn's)."""
+    process = psutil.Process(pid)
+    return lambda: next(t.user_time + t.system_time for t in process.threads() if t.id == pid)
+
+
+Counters = Callable[[], tuple[float, float, float]]  # engine steps: (count, wall s, CPU s)
+
+
+def engine_counters(engine: Engine) -> Counters:
+    def read() -> tuple[float, float, float]:
+        counters = engine.stats().counters
+        return counters.steps, counters.step_seconds, counters.step_cpu_seconds
+
+    return read
+
+
+def server_counters(base_url: str) -> Counters:
+    """A server's engine counters, from its /metrics."""
+    def read() -> tuple[float, float, float]:
+        text = httpx.get(f"{base_url}/metrics", timeout=60).text
+        values = {sample.name: sample.value for family in text_string_to_metric_families(text)
+                  for sample in family.samples if not sample.labels}
+        return tuple(values[f"radix_mlx_engine_{name}_total"]
+                     for name in ("steps", "step_seconds", "step_cpu_seconds"))
+
+    return read
+
+
+def measure(runs: dict[str, Callable[[], list[float]]],
+            clocks: dict[str, dict[str, Callable[[], float]]],
+            counters: dict[str, Counters], tokens: int, repeats: int) -> dict:
+    """Medians of `repeats` alternating runs of each path; for each of a path's CPU
+    `clocks` (its Python threads, a server's process tree), the CPU time per token: the
+    host's work, which the machine's load disturbs far less than wall time; and for the
+    paths through an engine, its steps' wall and CPU time (`counters`): the engine's own
+    thread, whichever process it runs in."""
     for run in runs.values():  # compile kernels, warm caches
         run()
     samples: dict[str, list[float]] = {name: [] for name in runs}
     cpu: dict[str, dict[str, list[float]]] = {
-        name: {thread: [] for thread in threads.get(name, {})} for name in runs}
+        name: {clock: [] for clock in clocks.get(name, {})} for name in runs}
+    steps: dict[str, dict[str, list[float]]] = {
+        name: {"wall": [], "cpu": []} for name in counters}
     load_before = os.getloadavg()
     for _ in range(repeats):
         for name, run in runs.items():
-            before = thread_seconds(threads.get(name, {}))
+            before = {clock: read() for clock, read in clocks.get(name, {}).items()}
+            engine_before = counters[name]() if name in counters else None
             times = run()
-            after = thread_seconds(threads.get(name, {}))
+            after = {clock: read() for clock, read in clocks.get(name, {}).items()}
             if len(times) != tokens:
                 raise RuntimeError(f"{name}: {len(times)} tokens, expected {tokens}")
             samples[name].append(rate(times))
-            for thread in cpu[name]:
-                cpu[name][thread].append(1e6 * (after[thread] - before[thread]) / tokens)
+            for clock in cpu[name]:
+                cpu[name][clock].append(1e6 * (after[clock] - before[clock]) / tokens)
+            if engine_before is not None:
+                count, wall, step_cpu = (b - a for a, b in zip(engine_before, counters[name]()))
+                steps[name]["wall"].append(1e6 * wall / count)
+                steps[name]["cpu"].append(1e6 * step_cpu / count)
     medians = {name: statistics.median(values) for name, values in samples.items()}
     return {
         "decode_tok_s": medians,
         "ratio_to_bare": {name: medians[name] / medians["bare"] for name in medians},
         "host_cpu_us_per_token": {
-            name: {thread: statistics.median(values) for thread, values in per.items()}
+            name: {clock: statistics.median(values) for clock, values in per.items()}
             for name, per in cpu.items() if per},
+        "engine_step_us": {
+            name: {kind: statistics.median(values) for kind, values in per.items()}
+            for name, per in steps.items()},
         "runs": samples,
         "load_average": {"before": load_before, "after": os.getloadavg()},
     }
@@ -128,8 +181,37 @@ def parity_arguments(description: str, max_tokens: int, repeats: int) -> argpars
     parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--no-server", action="store_true", help="skip the HTTP path")
     parser.add_argument("--radix-mlx-args", default="", metavar="FLAGS")
+    parser.add_argument(
+        "--server-variant", action="append", default=[], metavar="NAME=FLAGS",
+        help="instead of one server, one per variant (path server:NAME), its flags after "
+        "--radix-mlx-args; repeatable, e.g. 'process=--engine-process true'")
     parser.add_argument("--out", type=Path, help="also write results.json and results.md here")
     return parser
+
+
+def server_variants(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Each server path's name and its radix-mlx flags."""
+    common = shlex.split(args.radix_mlx_args)
+    if not args.server_variant:
+        return {"server": common}
+    return {f"server:{name}": [*common, *shlex.split(flags)]
+            for name, flags in (variant.split("=", 1) for variant in args.server_variant)}
+
+
+@contextlib.contextmanager
+def servers(args: argparse.Namespace, flags: list[str]) -> Iterator[dict[str, RunningServer]]:
+    """Every server path's server (none with --no-server), started one after the other,
+    all stopped at the end."""
+    if args.no_server:
+        yield {}
+        return
+    env = openblas_preload_env() or dict(os.environ)
+    logs = (args.out or Path("build")) / "logs"
+    with contextlib.ExitStack() as stack:
+        yield {name: stack.enter_context(running(
+                   RADIX, args.model, env, logs / f"radix-mlx-{name.replace(':', '-')}.log",
+                   [*flags, *variant]))
+               for name, variant in server_variants(args).items()}
 
 
 def main() -> None:
@@ -142,18 +224,19 @@ def main() -> None:
         raise SystemExit(f"the engine did not start: {engine.error}")
     runs = {"bare": lambda: bare(model, tokenizer, prompt, args.max_tokens),
             "engine": lambda: through_engine(engine, prompt, args.max_tokens)}
-    caller = threading.get_ident()
-    worker = next(t.ident for t in threading.enumerate() if t.name == ENGINE_THREAD)
-    threads = {"bare": {"caller": caller}, "engine": {"engine": worker, "caller": caller}}
+    caller = thread_clock(threading.get_ident())
+    worker = thread_clock(next(t.ident for t in threading.enumerate()
+                               if t.name == ENGINE_THREAD))
+    clocks = {"bare": {"caller": caller}, "engine": {"engine": worker, "caller": caller}}
+    counters = {"engine": engine_counters(engine)}
     try:
-        if args.no_server:
-            result = measure(runs, threads, args.max_tokens, args.repeats)
-        else:
-            env = openblas_preload_env() or dict(os.environ)
-            log = (args.out or Path("build")) / "logs" / "radix-mlx.log"
-            with running(RADIX, args.model, env, log, shlex.split(args.radix_mlx_args)) as server:
-                runs["server"] = lambda: through_server(server.base_url, prompt, args.max_tokens)
-                result = measure(runs, threads, args.max_tokens, args.repeats)
+        with servers(args, []) as by_name:
+            for name, server in by_name.items():
+                runs[name] = partial(through_server, server.base_url, prompt, args.max_tokens)
+                pid = server.process.pid
+                clocks[name] = {"loop": main_thread_clock(pid), "process tree": tree_clock(pid)}
+                counters[name] = server_counters(server.base_url)
+            result = measure(runs, clocks, counters, args.max_tokens, args.repeats)
     finally:
         engine.shutdown()
     result.update(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
@@ -188,11 +271,18 @@ def markdown(result: dict) -> list[str]:
     for name, median in result["decode_tok_s"].items():
         runs = ", ".join(f"{v:.0f}" for v in result["runs"][name])
         lines.append(f"| {name} | {median:.1f} | {result['ratio_to_bare'][name]:.3f} | {runs} |")
-    lines += ["", ("Host CPU per token (medians), by Python thread: the caller runs bare "
-                   "mlx-lm's loop, or reads the engine's events on an asyncio loop."), "",
-              "| path | thread | CPU µs per token |", "|---|---|---:|"]
-    for name, per_thread in result["host_cpu_us_per_token"].items():
-        lines += [f"| {name} | {thread} | {us:.0f} |" for thread, us in per_thread.items()]
+    lines += ["", ("Host CPU per token (medians), by Python thread (the caller runs bare "
+                   "mlx-lm's loop, or reads the engine's events on an asyncio loop; a "
+                   "server's loop is its main thread) and a server's process tree (its "
+                   "engine process included)."), "",
+              "| path | clock | CPU µs per token |", "|---|---|---:|"]
+    for name, per_clock in result["host_cpu_us_per_token"].items():
+        lines += [f"| {name} | {clock} | {us:.0f} |" for clock, us in per_clock.items()]
+    lines += ["", ("The engine's steps (medians; the scheduler's step_seconds and its "
+                   "thread's step_cpu_seconds), wherever the engine runs."), "",
+              "| path | step wall µs | step CPU µs |", "|---|---:|---:|"]
+    lines += [f"| {name} | {step['wall']:.0f} | {step['cpu']:.0f} |"
+              for name, step in result["engine_step_us"].items()]
     return lines
 
 

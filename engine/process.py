@@ -219,6 +219,7 @@ class EngineProcess:
         self.context_length = 0
         self.wants_message_ends = False
         self.tokenizer = None
+        self._tokenizer_path: str | None = None  # where `tokenizer` was loaded from
         self.disk: RemoteDisk | None = None
         self.process: multiprocessing.process.BaseProcess | None = None
         self._on_start = on_start
@@ -318,6 +319,7 @@ class EngineProcess:
         return future
 
     def _read(self) -> None:
+        self._preload_tokenizer()
         while True:
             try:
                 batch = self._conn.recv()
@@ -338,6 +340,16 @@ class EngineProcess:
         if not self._stopping:
             self._lost()
 
+    def _preload_tokenizer(self) -> None:
+        """Load the tokenizer of a local model directory while the engine loads the model
+        (which takes longer): the server is ready as soon as the engine is."""
+        path = Path(self.config.model).expanduser()
+        if path.is_dir():
+            try:
+                self.tokenizer, self._tokenizer_path = load_tokenizer(path), str(path)
+            except Exception:  # loaded again, and reported, once ready
+                log.debug("tokenizer preload failed", exc_info=True)
+
     def _deliver(self, request_id: str, event: object) -> None:
         with self._lock:
             stream = self._streams.get(request_id)
@@ -353,7 +365,8 @@ class EngineProcess:
     def _learn(self, facts: Facts) -> None:
         if facts.state is Lifecycle.READY:
             try:
-                self.tokenizer = load_tokenizer(Path(facts.model_path))
+                if facts.model_path != self._tokenizer_path:
+                    self.tokenizer = load_tokenizer(Path(facts.model_path))
             except Exception as error:  # reported as the load's failure
                 log.exception("the server could not load the tokenizer")
                 self.error = f"the tokenizer: {type(error).__name__}: {error}"

@@ -158,16 +158,24 @@ def test_decode_parity_times_every_path_against_bare_mlx_lm(demo_model_dir: Path
                                                              tmp_path: Path) -> None:
     subprocess.run(
         [sys.executable, "-m", "bench.decode_parity", str(demo_model_dir), "--max-tokens", "8",
-         "--repeats", "2", "--out", str(tmp_path)], check=True, capture_output=True,
-        text=True, timeout=600)
+         "--repeats", "2", "--out", str(tmp_path),
+         "--server-variant", "process=--engine-process true",
+         "--server-variant", "thread=--engine-process false"],
+        check=True, capture_output=True, text=True, timeout=600)
     results = json.loads((tmp_path / "results.json").read_text())
-    assert set(results["runs"]) == {"bare", "engine", "server"}
+    paths = {"bare", "engine", "server:process", "server:thread"}
+    assert set(results["runs"]) == paths
     assert all(len(rates) == 2 and min(rates) > 0 for rates in results["runs"].values())
     assert results["ratio_to_bare"]["bare"] == 1.0
     cpu = results["host_cpu_us_per_token"]
-    assert set(cpu) == {"bare", "engine"} and set(cpu["engine"]) == {"engine", "caller"}
+    assert set(cpu) == paths and set(cpu["engine"]) == {"engine", "caller"}
+    assert set(cpu["server:process"]) == {"loop", "process tree"}
     assert cpu["engine"]["engine"] > 0
-    assert "| server |" in (tmp_path / "results.md").read_text()
+    # The engine's own steps, in this process or in a server's (its engine process's).
+    steps = results["engine_step_us"]
+    assert set(steps) == paths - {"bare"}
+    assert all(step["wall"] >= step["cpu"] > 0 for step in steps.values())
+    assert "| server:process |" in (tmp_path / "results.md").read_text()
 
 
 def test_batch_parity_times_every_path_against_bare_batch_generator(demo_model_dir: Path,
@@ -181,8 +189,9 @@ def test_batch_parity_times_every_path_against_bare_batch_generator(demo_model_d
     assert all(len(runs) == 1 and min(runs) > 0 for runs in results["runs"]["output_tok_s"].values())
     cpu = results["host_cpu_ms_per_step"]
     assert set(cpu["engine"]) == {"engine", "caller", "process"}
-    assert set(cpu["server"]) == {"loop", "process"}
-    assert results["engine_step_ms"] > 0
+    assert set(cpu["server"]) == {"loop", "process tree"}
+    assert set(results["engine_step_ms"]) == {"engine", "server"}
+    assert results["engine_step_ms"]["server"]["cpu"] > 0
     assert "| server |" in (tmp_path / "results.md").read_text()
 
 
