@@ -39,9 +39,10 @@ from mlx_lm.generate import BatchGenerator
 from bench import hardware
 from bench.__main__ import git_revision
 from bench.decode_parity import (
-    Counters,
+    HostClocks,
     engine_counters,
     main_thread_clock,
+    medians,
     parity_arguments,
     run_lines,
     server_counters,
@@ -136,44 +137,26 @@ def through_server(base_url: str, prompts: list[list[int]], max_tokens: int) -> 
     return asyncio.run(all_streams())
 
 
-def measure(runs: dict[str, Callable[[], Run]], clocks: dict[str, dict[str, Callable[[], float]]],
-            counters: dict[str, Counters], max_tokens: int, repeats: int) -> dict:
-    """Medians of `repeats` alternating runs of each path, the CPU time per step (ms) on
-    each of a path's `clocks` (its Python threads, a server's process tree) and, for the
-    paths through an engine, the engine's own step time and its thread's CPU per step."""
+def measure(runs: dict[str, Callable[[], Run]], host: HostClocks, max_tokens: int,
+            repeats: int) -> dict:
+    """Medians of `repeats` alternating runs of each path, and of the CPU per step (ms)
+    and the engine's own step times that `host` reads around them."""
     for run in runs.values():  # compile kernels, warm caches
         run()
     step: dict[str, list[float]] = {name: [] for name in runs}
     rate: dict[str, list[float]] = {name: [] for name in runs}
-    cpu: dict[str, dict[str, list[float]]] = {
-        name: {clock: [] for clock in clocks[name]} for name in runs}
-    engine_step: dict[str, dict[str, list[float]]] = {
-        name: {"wall": [], "cpu": []} for name in counters}
     load_before = os.getloadavg()
     for _ in range(repeats):
         for name, run in runs.items():
-            before = {clock: read() for clock, read in clocks[name].items()}
-            engine_before = counters[name]() if name in counters else None
-            result = run()
-            after = {clock: read() for clock, read in clocks[name].items()}
+            result = host.around(name, run, max_tokens)
             step[name].append(result.step_ms())
             rate[name].append(result.tok_s())
-            for clock in cpu[name]:
-                cpu[name][clock].append(1e3 * (after[clock] - before[clock]) / max_tokens)
-            if engine_before is not None:
-                steps, wall, step_cpu = (b - a for a, b in zip(engine_before, counters[name]()))
-                engine_step[name]["wall"].append(1e3 * wall / steps)
-                engine_step[name]["cpu"].append(1e3 * step_cpu / steps)
     return {
         "step_ms": {name: statistics.median(values) for name, values in step.items()},
         "output_tok_s": {name: statistics.median(values) for name, values in rate.items()},
-        "engine_step_ms": {
-            name: {kind: statistics.median(values) for kind, values in per.items()}
-            for name, per in engine_step.items()},
-        "host_cpu_ms_per_step": {
-            name: {clock: statistics.median(values) for clock, values in per.items()}
-            for name, per in cpu.items()},
-        "runs": {"step_ms": step, "output_tok_s": rate, "engine_step_ms": engine_step},
+        "engine_step_ms": medians(host.steps),
+        "host_cpu_ms_per_step": medians(host.cpu),
+        "runs": {"step_ms": step, "output_tok_s": rate, "engine_step_ms": host.steps},
         "load_average": {"before": load_before, "after": os.getloadavg()},
     }
 
@@ -204,7 +187,8 @@ def main() -> None:
                 pid = server.process.pid
                 clocks[name] = {"loop": main_thread_clock(pid), "process tree": tree_clock(pid)}
                 counters[name] = server_counters(server.base_url)
-            result = measure(runs, clocks, counters, args.max_tokens, args.repeats)
+            result = measure(runs, HostClocks(clocks, counters, 1e3), args.max_tokens,
+                             args.repeats)
     finally:
         engine.shutdown()
     result.update(streams=args.streams, prompt_tokens=args.prompt_tokens,

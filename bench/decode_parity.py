@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import mlx.core as mx
@@ -44,6 +45,8 @@ from bench.servers import RADIX, RunningServer, running
 from engine.api import SamplingParams, TokenEvent
 from engine.engine import ENGINE_THREAD, Engine, EngineConfig
 from engine.platform_info import openblas_preload_env
+
+T = TypeVar("T")
 
 
 def rate(times: list[float]) -> float:
@@ -126,47 +129,57 @@ def server_counters(base_url: str) -> Counters:
     return read
 
 
-def measure(runs: dict[str, Callable[[], list[float]]],
-            clocks: dict[str, dict[str, Callable[[], float]]],
-            counters: dict[str, Counters], tokens: int, repeats: int) -> dict:
-    """Medians of `repeats` alternating runs of each path; for each of a path's CPU
-    `clocks` (its Python threads, a server's process tree), the CPU time per token: the
-    host's work, which the machine's load disturbs far less than wall time; and for the
-    paths through an engine, its steps' wall and CPU time (`counters`): the engine's own
-    thread, whichever process it runs in."""
+class HostClocks:
+    """Read around each run of a path: its CPU `clocks` (its Python threads, a server's
+    process tree), per unit of work, and its engine's own steps' wall and CPU time
+    (`counters`), whichever process the engine runs in; `scale`: 1e6 for µs, 1e3 for ms."""
+
+    def __init__(self, clocks: dict[str, dict[str, Callable[[], float]]],
+                 counters: dict[str, Counters], scale: float) -> None:
+        self.clocks, self.counters, self.scale = clocks, counters, scale
+        self.cpu = {name: {clock: [] for clock in per} for name, per in clocks.items()}
+        self.steps = {name: {"wall": [], "cpu": []} for name in counters}
+
+    def around(self, name: str, run: Callable[[], T], units: int) -> T:
+        clocks = self.clocks.get(name, {})
+        before = {clock: read() for clock, read in clocks.items()}
+        engine_before = self.counters[name]() if name in self.counters else None
+        result = run()
+        for clock, read in clocks.items():
+            self.cpu[name][clock].append(self.scale * (read() - before[clock]) / units)
+        if engine_before is not None:
+            steps, wall, cpu = (b - a for a, b in zip(engine_before, self.counters[name]()))
+            self.steps[name]["wall"].append(self.scale * wall / steps)
+            self.steps[name]["cpu"].append(self.scale * cpu / steps)
+        return result
+
+
+def medians(samples: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
+    return {name: {key: statistics.median(values) for key, values in per.items()}
+            for name, per in samples.items()}
+
+
+def measure(runs: dict[str, Callable[[], list[float]]], host: HostClocks, tokens: int,
+            repeats: int) -> dict:
+    """Medians of `repeats` alternating runs of each path, and of the CPU per token and
+    engine step times that `host` reads around them: the host's work, which the
+    machine's load disturbs far less than wall time."""
     for run in runs.values():  # compile kernels, warm caches
         run()
     samples: dict[str, list[float]] = {name: [] for name in runs}
-    cpu: dict[str, dict[str, list[float]]] = {
-        name: {clock: [] for clock in clocks.get(name, {})} for name in runs}
-    steps: dict[str, dict[str, list[float]]] = {
-        name: {"wall": [], "cpu": []} for name in counters}
     load_before = os.getloadavg()
     for _ in range(repeats):
         for name, run in runs.items():
-            before = {clock: read() for clock, read in clocks.get(name, {}).items()}
-            engine_before = counters[name]() if name in counters else None
-            times = run()
-            after = {clock: read() for clock, read in clocks.get(name, {}).items()}
+            times = host.around(name, run, tokens)
             if len(times) != tokens:
                 raise RuntimeError(f"{name}: {len(times)} tokens, expected {tokens}")
             samples[name].append(rate(times))
-            for clock in cpu[name]:
-                cpu[name][clock].append(1e6 * (after[clock] - before[clock]) / tokens)
-            if engine_before is not None:
-                count, wall, step_cpu = (b - a for a, b in zip(engine_before, counters[name]()))
-                steps[name]["wall"].append(1e6 * wall / count)
-                steps[name]["cpu"].append(1e6 * step_cpu / count)
-    medians = {name: statistics.median(values) for name, values in samples.items()}
+    rates = {name: statistics.median(values) for name, values in samples.items()}
     return {
-        "decode_tok_s": medians,
-        "ratio_to_bare": {name: medians[name] / medians["bare"] for name in medians},
-        "host_cpu_us_per_token": {
-            name: {clock: statistics.median(values) for clock, values in per.items()}
-            for name, per in cpu.items() if per},
-        "engine_step_us": {
-            name: {kind: statistics.median(values) for kind, values in per.items()}
-            for name, per in steps.items()},
+        "decode_tok_s": rates,
+        "ratio_to_bare": {name: rates[name] / rates["bare"] for name in rates},
+        "host_cpu_us_per_token": medians(host.cpu),
+        "engine_step_us": medians(host.steps),
         "runs": samples,
         "load_average": {"before": load_before, "after": os.getloadavg()},
     }
@@ -236,7 +249,8 @@ def main() -> None:
                 pid = server.process.pid
                 clocks[name] = {"loop": main_thread_clock(pid), "process tree": tree_clock(pid)}
                 counters[name] = server_counters(server.base_url)
-            result = measure(runs, clocks, counters, args.max_tokens, args.repeats)
+            result = measure(runs, HostClocks(clocks, counters, 1e6), args.max_tokens,
+                             args.repeats)
     finally:
         engine.shutdown()
     result.update(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,

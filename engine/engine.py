@@ -15,7 +15,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -85,7 +85,10 @@ class Engine:
     """With a tensor-parallel `group` (distributed.py), this process is one rank: rank 0's
     engine takes requests; the others' serve nobody and run the same steps."""
 
-    def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
+    def __init__(self, config: EngineConfig, group: RankGroup | None = None,
+                 on_turn: Callable[[], None] = lambda: None) -> None:
+        """`on_turn`: called by the worker at every turn of its loop, after the previous
+        step (where a relay that gathers events sends them on: engine/process.py)."""
         apply_mlx_env_defaults()
         self.config = config
         self.group = group
@@ -111,6 +114,7 @@ class Engine:
         self._relays = LoopRelays()
         self._last_turn = 0.0  # when the scheduler last went round its loop (watchdog)
         self.served = False  # became ready: a failure now is not a failed load
+        self._on_turn = on_turn
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -185,7 +189,7 @@ class Engine:
 
     def _serve(self) -> None:
         if self.group is None:
-            self._scheduler.run()
+            self._scheduler.run(beat=self._on_turn)
             return
         self._last_turn = time.monotonic()
         threading.Thread(target=self._watch_group, name="radix-mlx-rank-watchdog",

@@ -10,11 +10,10 @@ scheduler in separate processes, `serve` starts the real `Engine` in a child pro
 The wire is one duplex pipe of pickled messages:
 - server -> engine: ("submit", request id, Prompt, SamplingParams), ("cancel", request
   id), ("call", call id, "stats" | "clear_cache"), ("shutdown",);
-- engine -> server: lists of whatever the child has posted since its last write, as
-  LoopRelay batches a loop's wake-ups: the engine's thread only appends a request's
-  events, as (request id, event) pairs, and one writer thread pickles and sends them all,
-  a scheduler step's worth or more per message; besides them, `Facts` at each lifecycle
-  change, `Reply`s to calls and `DiskRebuilt`.
+- engine -> server: lists. The engine's thread only appends a request's events, as
+  (request id, event) pairs, and sends them all at the next turn of its scheduler loop:
+  one message per step, carrying every stream's events of that step. Besides them,
+  `Facts` at each lifecycle change, `Reply`s to calls and `DiskRebuilt`.
 
 The child ignores SIGINT and SIGTERM (the server drains, then sends "shutdown") and exits
 when the pipe closes: the server is gone, and the GPU memory with it. When the child dies,
@@ -101,32 +100,32 @@ class RemoteDisk:
 # -- the child ----------------------------------------------------------------------------
 
 class Outbox:
-    """The child's end of the pipe. Anything posted, from any thread, is sent by one writer
-    thread with everything else posted meanwhile, in one message; it is also the engine's
-    `Relay`, so its thread pays a list append per event, not a pickle and a write."""
+    """The child's end of the pipe. As its streams' relay, the engine's thread only
+    appends their events, then sends them all in one message at the next turn of its
+    scheduler loop (`flush`, the engine's `on_turn`): one pickle and write per step, not
+    per token, and no other thread to hand the GIL to between steps. The other threads'
+    messages (lifecycle, replies) are sent at once."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._pending: list[object] = []
-        self._posted = threading.Condition()
-        threading.Thread(target=self._write, name="radix-mlx-outbox", daemon=True).start()
+        self._events: list[tuple[str, object]] = []
+        self._events_lock = threading.Lock()
+        self._send_lock = threading.Lock()
 
     def put(self, stream: RequestStream, event: object) -> None:
         """Called from the engine's thread."""
-        self.post((stream.request_id, event))
+        with self._events_lock:
+            self._events.append((stream.request_id, event))
 
-    def post(self, item: object) -> None:
-        with self._posted:
-            self._pending.append(item)
-            if len(self._pending) == 1:
-                self._posted.notify()
+    def flush(self) -> None:
+        """Called from the engine's thread, at every turn of its loop."""
+        if self._events:
+            with self._events_lock:
+                batch, self._events = self._events, []
+            self.send(batch)
 
-    def _write(self) -> None:
-        while True:
-            with self._posted:
-                while not self._pending:
-                    self._posted.wait()
-                batch, self._pending = self._pending, []
+    def send(self, batch: list[object]) -> None:
+        with self._send_lock:
             try:
                 self._conn.send(batch)
             except OSError:
@@ -152,8 +151,8 @@ def serve_engine(config: EngineConfig, conn: Connection,
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if on_start is not None:
         on_start()
-    engine = Engine(config)
     outbox = Outbox(conn)
+    engine = Engine(config, on_turn=outbox.flush)
     engine.start()
     threading.Thread(target=_report_lifecycle, args=(engine, outbox),
                      name="radix-mlx-lifecycle", daemon=True).start()
@@ -169,14 +168,14 @@ def serve_engine(config: EngineConfig, conn: Connection,
                 except (EngineError, ValueError) as error:
                     # Checked by the server already; RequestFailed pickles as QueueFull
                     # (two arguments) would not.
-                    outbox.post((request_id, RequestFailed(str(error))))
+                    outbox.send([(request_id, RequestFailed(str(error)))])
             case ("cancel", request_id):
                 engine.cancel(request_id)
             case ("call", call_id, "stats"):
-                outbox.post(Reply(call_id, engine.stats()))
+                outbox.send([Reply(call_id, engine.stats())])
             case ("call", call_id, "clear_cache"):
                 engine.clear_cache().add_done_callback(
-                    lambda done, call_id=call_id: outbox.post(Reply(call_id, done.result())))
+                    lambda done, call_id=call_id: outbox.send([Reply(call_id, done.result())]))
             case ("shutdown",):
                 engine.shutdown()
                 logging.shutdown()
@@ -191,15 +190,15 @@ def _report_lifecycle(engine: Engine, outbox: Outbox) -> None:
         engine.wait_ready(LIFECYCLE_POLL_SECONDS)
         if engine.state is not state:
             state = engine.state
-            outbox.post(Facts(
+            outbox.send([Facts(
                 state, engine.error, engine.model_id, engine.context_length,
                 engine.wants_message_ends,
                 engine.memory.kv_tokens if engine.memory is not None else 0,
                 None if engine.model_path is None else str(engine.model_path),
-                None if engine.disk is None else str(engine.disk.directory)))
+                None if engine.disk is None else str(engine.disk.directory))])
     if engine.disk is not None:
         engine.disk.rebuilt.wait()
-        outbox.post(DiskRebuilt())
+        outbox.send([DiskRebuilt()])
 
 
 # -- the server's side --------------------------------------------------------------------
