@@ -52,6 +52,8 @@ from engine.api import (
 )
 from engine.engine import DISK_FLUSH_SECONDS, Engine
 from engine.loader import load_tokenizer, model_id_for
+from engine.platform_info import describe_platform
+from engine.tokenizer import ModelTokenizer
 
 log = logging.getLogger("radix_mlx.engine")
 
@@ -151,6 +153,7 @@ def serve_engine(config: EngineConfig, conn: Connection,
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if on_start is not None:
         on_start()
+    log.info("engine process: %s", describe_platform())
     outbox = Outbox(conn)
     engine = Engine(config, on_turn=outbox.flush)
     engine.start()
@@ -166,8 +169,8 @@ def serve_engine(config: EngineConfig, conn: Connection,
                 try:
                     engine.submit(prompt, params, request_id, outbox)
                 except (EngineError, ValueError) as error:
-                    # Checked by the server already; RequestFailed pickles as QueueFull
-                    # (two arguments) would not.
+                    # The server checked it already. As a RequestFailed, since not every
+                    # engine error unpickles (QueueFull takes two arguments).
                     outbox.send([(request_id, RequestFailed(str(error)))])
             case ("cancel", request_id):
                 engine.cancel(request_id)
@@ -217,7 +220,7 @@ class EngineProcess:
         self.model_id = model_id_for(config.model)
         self.context_length = 0
         self.wants_message_ends = False
-        self.tokenizer = None
+        self.tokenizer: ModelTokenizer | None = None
         self._tokenizer_path: str | None = None  # where `tokenizer` was loaded from
         self.disk: RemoteDisk | None = None
         self.process: multiprocessing.process.BaseProcess | None = None

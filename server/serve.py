@@ -84,7 +84,10 @@ def run(settings: Settings) -> int:
     load, with the reason as stderr's last line, else 0. A GGUF file is checked and
     converted before any port opens."""
     configure_logging(settings.log_level, settings.log_file)
-    log.info("%s", describe_platform())
+    if not settings.engine_process or settings.tensor_parallel > 1:
+        # Else the engine's process says it: asking MLX for its device here could open
+        # a GPU context in a process that never computes.
+        log.info("%s", describe_platform())
     try:
         model = resolve_model(settings.model, settings.gguf_dtype)
     except GGUFError as error:
