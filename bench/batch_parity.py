@@ -40,15 +40,13 @@ from bench import hardware
 from bench.__main__ import git_revision
 from bench.decode_parity import (
     HostClocks,
+    add_server_paths,
     engine_counters,
-    main_thread_clock,
     medians,
     parity_arguments,
     run_lines,
-    server_counters,
     servers,
     thread_clock,
-    tree_clock,
 )
 from engine.api import SamplingParams, TokenEvent
 from engine.engine import ENGINE_THREAD, Engine, EngineConfig
@@ -182,11 +180,8 @@ def main() -> None:
     counters = {"engine": engine_counters(engine)}
     try:
         with servers(args, ["--max-batch-size", str(args.streams)]) as by_name:
-            for name, server in by_name.items():
-                runs[name] = partial(through_server, server.base_url, prompts, args.max_tokens)
-                pid = server.process.pid
-                clocks[name] = {"loop": main_thread_clock(pid), "process tree": tree_clock(pid)}
-                counters[name] = server_counters(server.base_url)
+            add_server_paths(by_name, runs, clocks, counters,
+                             lambda url: partial(through_server, url, prompts, args.max_tokens))
             result = measure(runs, HostClocks(clocks, counters, 1e3), args.max_tokens,
                              args.repeats)
     finally:

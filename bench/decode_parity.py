@@ -227,6 +227,19 @@ def servers(args: argparse.Namespace, flags: list[str]) -> Iterator[dict[str, Ru
                for name, variant in server_variants(args).items()}
 
 
+def add_server_paths(by_name: dict[str, RunningServer], runs: dict[str, Callable[[], T]],
+                     clocks: dict[str, dict[str, Callable[[], float]]],
+                     counters: dict[str, Counters], run: Callable[[str], Callable[[], T]],
+                     ) -> None:
+    """Each server's path: its run (`run` of its base URL), its loop's and process
+    tree's CPU clocks, and its engine's counters."""
+    for name, server in by_name.items():
+        runs[name] = run(server.base_url)
+        pid = server.process.pid
+        clocks[name] = {"loop": main_thread_clock(pid), "process tree": tree_clock(pid)}
+        counters[name] = server_counters(server.base_url)
+
+
 def main() -> None:
     args = parity_arguments(__doc__.splitlines()[0], max_tokens=256, repeats=7).parse_args()
     model, tokenizer = load(str(args.model))
@@ -244,11 +257,8 @@ def main() -> None:
     counters = {"engine": engine_counters(engine)}
     try:
         with servers(args, []) as by_name:
-            for name, server in by_name.items():
-                runs[name] = partial(through_server, server.base_url, prompt, args.max_tokens)
-                pid = server.process.pid
-                clocks[name] = {"loop": main_thread_clock(pid), "process tree": tree_clock(pid)}
-                counters[name] = server_counters(server.base_url)
+            add_server_paths(by_name, runs, clocks, counters,
+                             lambda url: partial(through_server, url, prompt, args.max_tokens))
             result = measure(runs, HostClocks(clocks, counters, 1e6), args.max_tokens,
                              args.repeats)
     finally:
