@@ -68,6 +68,20 @@ def test_a_killed_engine_fails_its_requests_and_stops_the_server(
         "radix-mlx serve: the engine process died (killed by SIGKILL)")
 
 
+def test_only_the_server_drives_the_engines_stop(own_server: ServerProcess) -> None:
+    """SIGTERM reaches a service's whole process group: the engine ignores its own, and
+    stops when its server, having drained, tells it to."""
+    engine = engine_process(own_server)
+    engine.send_signal(signal.SIGTERM)
+    engine.send_signal(signal.SIGINT)
+    response = httpx.post(f"{own_server.url}/v1/completions", timeout=30,
+                          json={"prompt": "Still here?", "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert own_server.stop() == 0
+    _, alive = psutil.wait_procs([engine], timeout=30)
+    assert not alive
+
+
 def test_the_engine_exits_with_its_server(own_server: ServerProcess) -> None:
     """A server killed outright leaves no engine behind holding the device's memory."""
     engine = engine_process(own_server)
