@@ -23,6 +23,7 @@ FAILED, which stops `serve` as any failed engine does.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import multiprocessing
@@ -247,6 +248,9 @@ class EngineProcess:
                                      args=(self.config, child, self._on_start))
         self.process.start()
         child.close()  # the child's death must close the pipe
+        # However the server's process ends: multiprocessing's own exit handler would
+        # wait forever for a child that waits for its pipe to close.
+        atexit.register(self.shutdown)
         threading.Thread(target=self._read, name="radix-mlx-engine-reader",
                          daemon=True).start()
 
@@ -257,7 +261,7 @@ class EngineProcess:
     def shutdown(self) -> None:
         """Stop the engine (it cancels what runs and flushes its disk writes) and wait for
         the child to exit; kill it if it does not in time."""
-        if self.process is None:
+        if self.process is None or self.process.exitcode is not None:
             return
         self._stopping = True
         self._send(("shutdown",))

@@ -9,13 +9,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from tests.server.support import ServerProcess, start_server
+from server.replicas import free_port
+from tests.server.support import REPO_ROOT, ServerProcess, server_env, start_server
 
 LONG = {"max_tokens": 4000, "ignore_eos": True, "stream": True}
 
@@ -89,3 +92,19 @@ def test_the_engine_exits_with_its_server(own_server: ServerProcess) -> None:
     own_server.process.wait(timeout=10)
     _, alive = psutil.wait_procs([engine], timeout=30)
     assert not alive
+
+
+def test_a_server_that_fails_to_start_does_not_wait_for_its_engine(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """The engine has been started when the response store fails to open: the server
+    exits with the error, its engine with it, instead of waiting for it forever."""
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    command = [sys.executable, "-m", "server", "--model", str(demo_model_dir),
+               "--port", str(free_port()), "--config", "", "--disk-cache-bytes", "0",
+               "--response-store-path", str(not_a_directory / "responses.db")]
+    result = subprocess.run(command, check=False, cwd=REPO_ROOT, env=server_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert str(not_a_directory) in result.stderr
