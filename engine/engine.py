@@ -198,6 +198,7 @@ class Engine:
 
     def _turned(self) -> None:
         self._last_turn = time.monotonic()
+        self._on_turn()
 
     def _watch_group(self) -> None:
         """A rank that hangs (or a collective that never returns, as NCCL's may not when
