@@ -33,7 +33,13 @@ import numpy as np
 from mlx import nn
 
 from engine.grammar import GrammarState, apply_masks, masks
-from engine.mlx_lm_internals import keep_rows, merge_caches, row_cache, supports_segments
+from engine.mlx_lm_internals import (
+    keep_rows,
+    merge_caches,
+    row_cache,
+    row_views,
+    supports_segments,
+)
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -59,6 +65,9 @@ class SequenceState:
     context: mx.array | None = None  # the token history processors see
     grammar: GrammarState | None = None  # the output constraint; it takes in every token
     logprobs: mx.array | None = field(default=None, repr=False)  # of the token being fed
+    # The token it is fed next was output already (sampled when its prompt was prefilled
+    # together with others), so the decode step that feeds it outputs nothing for it.
+    reported: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,10 @@ class PrefillResult:
     # the batch at the next `decode`, or (prefilled together) all of it, and they are in
     # the batch already. Either way `Generator.cache_of` holds their `tokens`' KV.
     done: list[SequenceState] = field(default_factory=list)
+    # The first tokens of those prefilled together, sampled and read back in this step:
+    # a request that ends at its first token (a classifier's one-token answer) leaves
+    # before any decode step feeds it.
+    outputs: list[Output] = field(default_factory=list)
     # A prefill chunk raised: only that sequence failed, and it is out of the generator.
     failed: list[tuple[SequenceState, Exception]] = field(default_factory=list)
     tokens: int = 0  # positions the forward passes computed, padding included
@@ -232,7 +245,10 @@ class Generator:
                     [sequence.context, mx.array(sequence.unfed[-1:], mx.uint32)])
             sequence.tokens += sequence.unfed
             sequence.unfed = []
-        self._enter(group, cache, last)
+        first = self._enter(group, cache, last)
+        for sequence, token in zip(group, first.tolist()):
+            result.outputs.append(Output(sequence.uid, token, sequence.logprobs))
+            sequence.reported = True
         result.done += group
         result.tokens += width * len(group)
         return True
@@ -248,10 +264,10 @@ class Generator:
         self._enter([sequence], sequence.cache, logits)
 
     def _enter(self, sequences: list[SequenceState], cache: list[Any],
-               logits: mx.array) -> None:
+               logits: mx.array) -> mx.array:
         """Sample the first token of `sequences` from their last prompt position's logits
         and add them, with `cache` (theirs: one sequence's or a batch of them), to the
-        decode batch."""
+        decode batch. Returns the tokens sampled (lazy), which they are fed next."""
         mask = None
         if any(s.grammar is not None for s in sequences):
             mask = self._constrain(sequences, None, logits)[1]
@@ -272,6 +288,7 @@ class Generator:
                 layer.extend(new)
             self.inputs = mx.concatenate([self.inputs, first])
         self.rows += sequences
+        return first
 
     def _decode(self) -> list[Output]:
         fed = self.inputs
@@ -289,7 +306,9 @@ class Generator:
             tokens = fed.tolist()
         outputs = []
         for row, token, next_logprobs in zip(self.rows, tokens, logprobs):
-            outputs.append(Output(row.uid, token, row.logprobs))
+            if not row.reported:
+                outputs.append(Output(row.uid, token, row.logprobs))
+            row.reported = False
             row.tokens.append(token)
             row.logprobs = next_logprobs
         self.inputs = sampled
@@ -340,7 +359,8 @@ class Generator:
     # -- leaving ----------------------------------------------------------------------
 
     def remove(self, uids: Iterable[int]) -> dict[int, SequenceState]:
-        """Take sequences out, each with its own cache holding exactly its `tokens`."""
+        """Take sequences out, each with a cache holding exactly its `tokens`: its own,
+        or, for a row of a batch, a view of the batch's (to copy from, not to extend)."""
         wanted = set(uids)
         removed = {}
         for group in (self.prefilling, self.ready):
@@ -349,10 +369,10 @@ class Generator:
                 removed[sequence.uid] = sequence
         leaving = [i for i, row in enumerate(self.rows) if row.uid in wanted]
         if leaving:
-            for i in leaving:
-                row = self.rows[i]
-                row.cache = self.cache if len(self.rows) == 1 else row_cache(self.cache, i)
-                removed[row.uid] = row
+            caches = [self.cache] if len(self.rows) == 1 else row_views(self.cache, leaving)
+            for i, cache in zip(leaving, caches):
+                self.rows[i].cache = cache
+                removed[self.rows[i].uid] = self.rows[i]
             self._keep([i for i in range(len(self.rows)) if self.rows[i].uid not in wanted])
         return removed
 
@@ -369,11 +389,12 @@ class Generator:
         self.rows = rows
 
     def cache_of(self, sequence: SequenceState) -> list[Any]:
-        """The single-sequence cache holding `sequence.tokens` (a copy for a batch row)."""
+        """The single-sequence cache holding `sequence.tokens`, to copy from (for a batch
+        row, a view of the batch's: read it before the next step changes the batch)."""
         if sequence in self.rows:
             if len(self.rows) == 1:
                 return self.cache
-            return row_cache(self.cache, self.rows.index(sequence))
+            return row_views(self.cache, [self.rows.index(sequence)])[0]
         return sequence.cache
 
 

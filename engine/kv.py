@@ -12,7 +12,9 @@ Two kinds of handle, because mlx-lm models keep two kinds of state:
 Both hold owned, evaluated copies: a slice would keep the whole batch buffer alive.
 
 `KVStore` is the one place handles are made (`handle`), freed (`free`, the tree's
-callback) and assembled into a request's cache (`assemble`).
+callback) and assembled into a request's cache (`assemble`). Handles are made lazily and
+evaluated together (`settle`): each evaluation is a round trip to the device, and a step
+that ends 64 short requests makes 64 handles or more.
 """
 
 from __future__ import annotations
@@ -47,10 +49,14 @@ class KVSegment:
 
     @classmethod
     def from_cache(cls, cache: Sequence[KVCache], start: int, end: int) -> KVSegment:
-        """Copy tokens [start, end) out of a single-sequence cache."""
+        """Copy tokens [start, end) out of a single-sequence cache (lazily: see `arrays`)."""
         keys, values = zip(*(kv_span(layer, start, end) for layer in cache))
-        mx.eval(keys, values)
         return cls(list(keys), list(values))
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        """What to evaluate to materialize the copy."""
+        return [*self.keys, *self.values]
 
     def split(self, at: int) -> tuple[KVSegment, KVSegment]:
         head = KVSegment([owned(k[..., :at, :]) for k in self.keys],
@@ -72,9 +78,12 @@ class CacheSnapshot:
 
     @classmethod
     def from_cache(cls, cache: Sequence[Any]) -> CacheSnapshot:
-        snapshot = clone_cache(cache)
-        mx.eval(cache_arrays(snapshot))
-        return cls(snapshot)
+        """Copy a single-sequence cache's state (lazily: see `arrays`)."""
+        return cls(clone_cache(cache))
+
+    @property
+    def arrays(self) -> list[Any]:
+        return cache_arrays(self.cache)
 
     def split(self, at: int) -> tuple[CacheSnapshot, CacheSnapshot]:
         raise TypeError("a whole-state snapshot cannot be split")
@@ -101,13 +110,23 @@ class KVStore:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.segments = supports_segments(make_prompt_cache(model))
+        self._unsettled: list[KVSegment | CacheSnapshot] = []
 
     def handle(self, cache: list[Any], start: int, end: int) -> KVSegment | CacheSnapshot:
         """The handle of tokens [start, end) of a single-sequence cache (a snapshot covers
-        everything the cache holds, which must then end at `end`)."""
-        if self.segments:
-            return KVSegment.from_cache(cache, start, end)
-        return CacheSnapshot.from_cache(cache)
+        everything the cache holds, which must then end at `end`). Its copy is computed
+        at the next `settle`, which must come before `cache` is written to again (or
+        the write copies the buffer the copy still reads)."""
+        handle = (KVSegment.from_cache(cache, start, end) if self.segments
+                  else CacheSnapshot.from_cache(cache))
+        self._unsettled.append(handle)
+        return handle
+
+    def settle(self) -> None:
+        """Compute every handle made since the last call, in one evaluation."""
+        if self._unsettled:
+            handles, self._unsettled = self._unsettled, []
+            mx.eval([handle.arrays for handle in handles])
 
     def free(self, handle: KVSegment | CacheSnapshot) -> None:
         """The tree dropped `handle`; its arrays go when the last reference does."""

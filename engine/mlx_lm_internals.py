@@ -75,6 +75,29 @@ def row_cache(cache: list[Any], row: int) -> list[Any]:
     return single
 
 
+def row_views(cache: list[Any], rows: Sequence[int]) -> list[list[Any]]:
+    """Rows of a batch cache as single-sequence caches to read from (the tree's handles
+    copy spans out of them): plain KV layers are slices of the batch's buffers, so taking
+    a row out costs no copy; other layers are extracted. The padding, which every plain
+    KV layer shares, is read back once for all rows."""
+    paddings = None
+    views: list[list[Any]] = [[] for _ in rows]
+    for layer in cache:
+        if not isinstance(layer, BatchKVCache):
+            for view, row in zip(views, rows):
+                view.append(layer.extract(row))
+            continue
+        if paddings is None:
+            paddings = layer.left_padding.tolist()
+        for view, row in zip(views, rows):
+            single = KVCache()
+            single.keys = layer.keys[row:row + 1, :, paddings[row]:layer._idx]
+            single.values = layer.values[row:row + 1, :, paddings[row]:layer._idx]
+            single.offset = layer._idx - paddings[row]
+            view.append(single)
+    return views
+
+
 def keep_rows(cache: list[Any], keep: list[int]) -> None:
     """Drop every row not in `keep` from a batch cache, in place.
 

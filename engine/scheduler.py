@@ -214,6 +214,7 @@ class Scheduler:
             for message in self._share(messages) if shared else messages:
                 self._handle(message)
             try:
+                self.kv.settle()  # what cancelled requests released, before the step
                 admit(self.waiting, self.running.values(), self.limits,
                       lambda g: self.tree.peek(g.cacheable), self._try_start)
                 if self.running:
@@ -222,6 +223,7 @@ class Scheduler:
                 if self.group is not None:
                     raise
                 self._recover(error)
+        self.kv.settle()
         mx.synchronize()
 
     def _take_inbox(self, block: bool) -> list[Message]:
@@ -362,6 +364,7 @@ class Scheduler:
         if held + sum(layer.nbytes for layer in sequence.cache) <= self.tree.capacity_bytes:
             position = len(sequence.tokens)
             generation.snapshots.append((position, self.kv.handle(sequence.cache, 0, position)))
+            self.kv.settle()  # prefill goes on writing into this cache
 
     def _load_from_disk(self, match: MatchResult) -> None:
         """Load the disk nodes a match runs into and put them back in memory (pinned
@@ -417,13 +420,7 @@ class Scheduler:
 
     def _step(self) -> None:
         started, cpu_started = time.perf_counter(), time.thread_time()
-        endings = []
-        for output in self.generator.decode():
-            generation = self.running.get(output.uid)
-            if generation is not None and (ending := self._on_token(generation, output)):
-                endings.append((generation, *ending))
-        if endings:
-            self._end(endings)
+        self._take(self.generator.decode())
         decoding = self.generator.decoding
         prefilled = 0
         if self.generator.prefilling and (budget := self._prefill_tokens(decoding)):
@@ -438,11 +435,23 @@ class Scheduler:
                 self._fail(generation, error)
             for sequence in result.done:
                 self._prompt_computed(self.running[sequence.uid])
+            self._take(result.outputs)
+        self.kv.settle()  # the KV this step published and released, copied at once
         seconds = time.perf_counter() - started
         self.prefill_budget.record(decoding, prefilled, seconds)
         self.counters.steps += 1
         self.counters.step_seconds += seconds
         self.counters.step_cpu_seconds += time.thread_time() - cpu_started
+
+    def _take(self, outputs: list[Output]) -> None:
+        """Give sampled tokens to their generations; those that end leave together."""
+        endings = []
+        for output in outputs:
+            generation = self.running.get(output.uid)
+            if generation is not None and (ending := self._on_token(generation, output)):
+                endings.append((generation, *ending))
+        if endings:
+            self._end(endings)
 
     def _prefill_tokens(self, decoding: bool) -> int:
         """This step's prefill: the budget keeps what it adds to running streams' steps

@@ -101,10 +101,14 @@ def test_short_prompts_fitting_one_chunk_are_prefilled_together(model) -> None:
         generator.add(SequenceState(uid, cache, tokens=list(preamble),
                                     unfed=prompt[len(preamble):], sampler=None,
                                     processors=[], wants_logprobs=False))
-    done = generator.prefill(64).done
+    result = generator.prefill(64)
+    done = result.done
     assert [s.uid for s in done] == [0, 1, 2, 3]
     assert generator.rows == done and not generator.prefilling
     for row in done:
         assert row.tokens == prompts[row.uid]
         assert_cache_holds(model, generator.cache_of(row), row.tokens)
-    assert greedy_tokens(generator, [0, 1, 2, 3], 4) == alone
+    # Their first tokens come with the prefill, the rest from decode steps.
+    assert [o.uid for o in result.outputs] == [0, 1, 2, 3]
+    later = greedy_tokens(generator, [0, 1, 2, 3], 3)
+    assert {o.uid: [o.token, *later[o.uid]] for o in result.outputs} == alone
