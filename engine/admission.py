@@ -6,6 +6,13 @@ rounds goes first, oldest first, so none starves. Limits: batch rows, prompts be
 prefilled at once, and the KV the batch may come to hold (`tokens_reserved`). After a
 failed step, suspects run one at a time (quarantine) so the request that breaks a forward
 pass is found and fails alone.
+
+Short prompts (at most `SHORT_PROMPT_TOKENS` not cached) are left out of the prefill
+window: the generator computes those at the front of its queue together, in one forward
+(seed 001's Classify: a list of 64 one-line sentences behind a cached instruction), so
+they do not hold a long prompt back for more than that forward, and counting them would
+split such a list into forwards of `prefill_batch_size`: on an H100 every forward and
+every step costs milliseconds of host time whatever its size.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from engine.generation import Generation
 
 # After being passed over this many admission rounds a request goes first (no starvation).
 MAX_PASSED_OVER = 8
+# A prompt with at most this many tokens to compute is short (see above).
+SHORT_PROMPT_TOKENS = 32
 
 
 @dataclass
@@ -43,13 +52,19 @@ def admit(waiting: list[Generation], running: Collection[Generation],
             waiting.remove(suspects[0])
             start(suspects[0])
         return
-    room = min(limits.max_batch_size - len(running),
-               limits.prefill_batch_size - sum(not g.prompt_done for g in running))
+    rows = limits.max_batch_size - len(running)
+    window = limits.prefill_batch_size - sum(
+        not g.prompt_done and len(g.tokens) - g.hold.depth > SHORT_PROMPT_TOKENS
+        for g in running)
     token_room = limits.max_tokens_in_flight - sum(g.tokens_reserved for g in running)
+    cached = {g: cached_length(g) for g in waiting}
     started = 0
-    for generation in _order(waiting, cached_length):
-        if room <= 0:
+    for generation in _order(waiting, cached):
+        if rows <= 0:
             break
+        short = len(generation.tokens) - cached[generation] <= SHORT_PROMPT_TOKENS
+        if not short and window <= 0:
+            continue
         # A request bigger than the whole limit still runs, alone.
         if generation.tokens_reserved > token_room and running:
             if generation.passed_over >= MAX_PASSED_OVER:
@@ -58,16 +73,16 @@ def admit(waiting: list[Generation], running: Collection[Generation],
         waiting.remove(generation)
         if start(generation):
             started += 1
-            room -= 1
+            rows -= 1
+            window -= not short
             token_room -= generation.tokens_reserved
     if started:
         for generation in waiting:
             generation.passed_over += 1
 
 
-def _order(waiting: list[Generation], cached_length: Callable[[Generation], int]
-           ) -> list[Generation]:
+def _order(waiting: list[Generation], cached: dict[Generation, int]) -> list[Generation]:
     starving = [g for g in waiting if g.passed_over >= MAX_PASSED_OVER]
     rest = sorted((g for g in waiting if g.passed_over < MAX_PASSED_OVER),
-                  key=lambda g: -cached_length(g))
+                  key=lambda g: -cached[g])
     return starving + rest

@@ -42,7 +42,8 @@ class EngineConfig:
     # mostly cached, from waiting for that prompt. At 64 on an H100 (Llama-1B shape,
     # shared-prefix, 16 at once, stall ratio 0.1) followers whose prefix was cached after
     # 0.5 s waited 6 s behind the last group's cold 2000-token prompt: 10.9 s in all
-    # against 5.8 s at 8 (TTFT p99 8.6 vs 4.6 s).
+    # against 5.8 s at 8 (TTFT p99 8.6 vs 4.6 s). Short prompts do not count against it
+    # (admission.py): they are computed together in one forward.
     prefill_batch_size: int = 8
     prefill_chunk_tokens: int | None = None  # None: the device's default
     # While requests decode, prefill may add this share of a decode step to each step,

@@ -19,7 +19,7 @@ that ends 64 short requests makes 64 handles or more.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -42,10 +42,14 @@ class KVSegment:
 
     splittable = True
 
-    def __init__(self, keys: list[mx.array], values: list[mx.array]) -> None:
+    def __init__(self, keys: list[mx.array], values: list[mx.array],
+                 settle: Callable[[KVSegment], None] | None = None) -> None:
         self.keys = keys
         self.values = values
         self.nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values))
+        # Who evaluates the copies a split makes with its other new handles (its
+        # KVStore's `settle`); None: the split evaluates them itself.
+        self.settle = settle
 
     @classmethod
     def from_cache(cls, cache: Sequence[KVCache], start: int, end: int) -> KVSegment:
@@ -60,10 +64,14 @@ class KVSegment:
 
     def split(self, at: int) -> tuple[KVSegment, KVSegment]:
         head = KVSegment([owned(k[..., :at, :]) for k in self.keys],
-                         [owned(v[..., :at, :]) for v in self.values])
+                         [owned(v[..., :at, :]) for v in self.values], self.settle)
         tail = KVSegment([owned(k[..., at:, :]) for k in self.keys],
-                         [owned(v[..., at:, :]) for v in self.values])
-        mx.eval(head.keys, head.values, tail.keys, tail.values)
+                         [owned(v[..., at:, :]) for v in self.values], self.settle)
+        if self.settle is None:
+            mx.eval(head.arrays, tail.arrays)
+        else:
+            self.settle(head)
+            self.settle(tail)
         return head, tail
 
 
@@ -117,13 +125,16 @@ class KVStore:
         everything the cache holds, which must then end at `end`). Its copy is computed
         at the next `settle`, which must come before `cache` is written to again (or
         the write copies the buffer the copy still reads)."""
-        handle = (KVSegment.from_cache(cache, start, end) if self.segments
-                  else CacheSnapshot.from_cache(cache))
+        if self.segments:
+            handle = KVSegment.from_cache(cache, start, end)
+            handle.settle = self._unsettled.append  # and what splitting it copies
+        else:
+            handle = CacheSnapshot.from_cache(cache)
         self._unsettled.append(handle)
         return handle
 
     def settle(self) -> None:
-        """Compute every handle made since the last call, in one evaluation."""
+        """Compute every handle made (or split) since the last call, in one evaluation."""
         if self._unsettled:
             handles, self._unsettled = self._unsettled, []
             mx.eval([handle.arrays for handle in handles])

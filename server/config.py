@@ -79,8 +79,9 @@ class Settings(BaseModel):
     max_batch_size: PositiveInt = Field(32, description="requests decoded together")
     prefill_batch_size: PositiveInt = Field(
         8,
-        description="prompts admitted to prefill at a time (long ones are computed in turn, "
-        "short ones that fit one chunk together, in one forward pass)",
+        description="prompts admitted to prefill at a time (computed in turn); prompts with "
+        "at most 32 tokens not cached do not count: those are computed together, in one "
+        "forward pass",
     )
     prefill_chunk_tokens: PositiveInt | None = Field(
         None,
