@@ -308,6 +308,46 @@ async def test_a_failing_forward_fails_only_its_request(llama_dir, reference, mo
         engine.shutdown()
 
 
+async def test_one_token_prompts_behind_a_cached_preamble_each_get_their_own_answer(
+        engine, reference):
+    # Seed 001's Classify: many short prompts behind one instruction, one token each. They
+    # are computed together (more of them than prefill_batch_size) and end on their first
+    # token, which each still gets right, with the preamble counted as cached.
+    preamble = random_prompt(500, 40)
+    await complete(engine, preamble + random_prompt(501, 6), 1)
+    prompts = [preamble + random_prompt(510 + i, 6) for i in range(20)]
+    results = await asyncio.gather(*(complete(engine, p, 1) for p in prompts))
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == reference.greedy(prompt, 1)
+        assert result.finish.reason in ("length", "stop")
+        assert (result.finish.prompt_tokens, result.finish.cached_tokens) == (46, 40)
+    stats = await settled(engine)
+    assert (stats.running, stats.tree.pinned_bytes, stats.tree.pending) == (0, 0, 0)
+
+
+async def test_a_faulty_prompt_computed_with_others_fails_alone(llama_dir, reference,
+                                                                monkeypatch):
+    preamble = random_prompt(600, 40)
+    good = [preamble + random_prompt(610 + i, 6) for i in range(6)]
+    expected = [reference.greedy(prompt, 1) for prompt in good]
+    used = {t for tokens in good + expected for t in tokens}
+    fault = next(t for t in range(1000, 2000) if t not in used)
+    monkeypatch.setattr("engine.engine.load_model", faulty_loader(fault))
+    engine = start_engine(llama_dir, cache_bytes=1 << 30)
+    try:
+        await complete(engine, preamble + random_prompt(601, 6), 1)
+        bad = preamble + random_prompt(620, 3) + [fault] + random_prompt(621, 2)
+        tasks = [asyncio.create_task(complete(engine, p, 1)) for p in [*good[:3], bad, *good[3:]]]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert isinstance(results[3], RequestFailed)
+        assert [r.tokens for r in results[:3] + results[4:]] == expected
+        stats = await settled(engine)
+        assert stats.counters.requests_failed == 1
+        assert (stats.running, stats.tree.pinned_bytes, stats.tree.pending) == (0, 0, 0)
+    finally:
+        engine.shutdown()
+
+
 def _greedy(**options):
     from engine.api import SamplingParams
 

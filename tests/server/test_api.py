@@ -120,6 +120,25 @@ def test_completions_batch_indexes_prompts_times_n(client: openai.OpenAI, model_
     assert response.usage.total_tokens == 27
 
 
+def test_a_list_of_one_token_prompts_gets_one_choice_each_in_order(
+    client: openai.OpenAI, model_id: str
+) -> None:
+    # Seed 001's Classify: sentences behind a shared instruction, one token each.
+    preamble = list(range(40, 70))
+    prompts = [[*preamble, 300 + 7 * i, 301 + 7 * i, 302 + 7 * i] for i in range(12)]
+    alone = [client.completions.create(model=model_id, prompt=prompt, max_tokens=1,
+                                       temperature=0, extra_body=NO_EOS).choices[0].text
+             for prompt in prompts]
+    response = client.completions.create(model=model_id, prompt=prompts, max_tokens=1,
+                                         temperature=0, extra_body=NO_EOS)
+    assert [choice.index for choice in response.choices] == list(range(12))
+    assert [choice.text for choice in response.choices] == alone
+    assert {choice.finish_reason for choice in response.choices} == {"length"}
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (12 * 33, 12)
+    # Each prompt was sent alone first: all of it but its last token is cached.
+    assert response.usage.prompt_tokens_details.cached_tokens == 12 * 32
+
+
 async def test_async_completion_stream_matches_non_stream(
     async_client: openai.AsyncOpenAI, model_id: str
 ) -> None:

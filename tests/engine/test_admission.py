@@ -1,0 +1,44 @@
+"""Who starts next: the prefill window holds long prompts back, never short ones."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from engine.admission import SHORT_PROMPT_TOKENS, SchedulerLimits, admit
+from engine.api import SamplingParams
+from engine.generation import Generation
+from engine.tokenizer import ModelTokenizer
+from radix.tree import RadixTree
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_model_dir) -> ModelTokenizer:
+    return ModelTokenizer(load_tokenizer(demo_model_dir))
+
+
+def test_short_prompts_are_admitted_past_a_full_prefill_window(tokenizer) -> None:
+    tree = RadixTree(1 << 20, free=lambda handle: None)
+
+    def generation(name: str, length: int) -> Generation:
+        return Generation(name, list(range(10, 10 + length)), SamplingParams(max_tokens=1),
+                          lambda event: None, tokenizer, tokenizer.vocab_size, tree)
+
+    long = [generation(f"long{i}", 200) for i in range(3)]
+    short = [generation(f"short{i}", SHORT_PROMPT_TOKENS) for i in range(12)]
+    mostly_cached = generation("cached", 300)
+    waiting = [*long, *short, mostly_cached]
+    running: list[Generation] = []
+    limits = SchedulerLimits(max_batch_size=14, prefill_batch_size=2,
+                             prefill_chunk_tokens=None, prefill_stall_ratio=None,
+                             prefill_stall_floor=0.0, max_tokens_in_flight=1 << 20,
+                             cache_bytes=1 << 20)
+
+    def cached_length(g: Generation) -> int:
+        return 290 if g is mostly_cached else 0
+
+    admit(waiting, running, limits, cached_length, lambda g: running.append(g) is None)
+    # Cache-aware order first; two long prompts fill the window, the third waits; short
+    # ones (the mostly cached one too) take the rows left, up to the batch size.
+    assert running == [mostly_cached, *long[:2], *short[:11]]
+    assert waiting == [long[2], short[11]]
