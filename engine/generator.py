@@ -36,6 +36,7 @@ from engine.grammar import GrammarState, apply_masks, masks
 from engine.mlx_lm_internals import (
     keep_rows,
     merge_caches,
+    prefix_batch,
     row_cache,
     row_views,
     supports_segments,
@@ -62,6 +63,10 @@ class SequenceState:
     # Positions (lengths of `tokens`) where prefill ends a chunk and calls the generator's
     # `at_stop`: ascending, inside the prompt's `unfed` tokens but its last.
     stops: list[int] = field(default_factory=list)
+    # What `cache` was built from, per layer (keys, values) of its `tokens` (None per
+    # layer when empty), shared by sequences with the same cached prefix, until it is
+    # fed: prompts prefilled together copy it into their batch once for all who share it.
+    prefix: list[tuple[mx.array, mx.array] | None] | None = field(default=None, repr=False)
     context: mx.array | None = None  # the token history processors see
     grammar: GrammarState | None = None  # the output constraint; it takes in every token
     logprobs: mx.array | None = field(default=None, repr=False)  # of the token being fed
@@ -189,6 +194,7 @@ class Generator:
             if sequence.stops:
                 count = min(count, sequence.stops[0] - len(sequence.tokens))
             chunk = sequence.unfed[:count]
+            sequence.prefix = None  # the cache holds more from now on
             self.model(mx.array([chunk]), cache=sequence.cache)
             # Computed before the step goes on, as mlx_lm.generate does: a step's wall
             # time is then its own work, which the prefill budget measures.
@@ -224,10 +230,11 @@ class Generator:
         sampled from each row's last real position, rows into the decode batch. False if
         the forward raised: the group's own caches are untouched (the batch cache is a
         copy), so they go one by one instead and only a faulty one fails."""
+        group = _by_prefix(group)
         lengths = [len(s.unfed) for s in group]
         width = max(lengths)
         try:
-            cache = merge_caches([s.cache for s in group])
+            cache = prefix_batch([_prefix(s) for s in group], width)
             for layer in cache:
                 layer.prepare(right_padding=[width - n for n in lengths])
             inputs = mx.array([s.unfed + [0] * (width - len(s.unfed)) for s in group])
@@ -396,6 +403,24 @@ class Generator:
                 return self.cache
             return row_views(self.cache, [self.rows.index(sequence)])[0]
         return sequence.cache
+
+
+def _prefix(sequence: SequenceState) -> list[tuple[mx.array, mx.array] | None]:
+    """Per layer, the (keys, values) `sequence.cache` holds (None where empty)."""
+    if sequence.prefix is not None:
+        return sequence.prefix
+    return [(layer.keys[..., :layer.offset, :], layer.values[..., :layer.offset, :])
+            if layer.offset else None for layer in sequence.cache]
+
+
+def _by_prefix(group: list[SequenceState]) -> list[SequenceState]:
+    """`group` with the sequences that share a `prefix` (the same object) side by side,
+    each run where its first sequence was."""
+    runs: dict[int, list[SequenceState]] = {}
+    for sequence in group:
+        key = id(sequence.prefix) if sequence.prefix is not None else id(sequence)
+        runs.setdefault(key, []).append(sequence)
+    return [sequence for run in runs.values() for sequence in run]
 
 
 def _apply(processors: list[LogitsProcessor], context: mx.array, logits: mx.array) -> mx.array:

@@ -58,6 +58,45 @@ def merge_caches(caches: list[list[Any]]) -> list[Any]:
     return _merge_caches(caches)
 
 
+def prefix_batch(prefixes: Sequence[Sequence[tuple[mx.array, mx.array] | None]],
+                 width: int) -> list[BatchKVCache]:
+    """A batch cache whose row i holds `prefixes[i]` (per layer, (keys, values) shaped
+    [1, heads, tokens, dim], or None when empty), left-padded to the longest, with room
+    for `width` more tokens: what `merge_caches` makes of single-sequence caches holding
+    them, less its copies. Consecutive rows with the same prefix (the same object) are
+    written with one copy, and the buffer is sized once, where merging copies every row
+    and the forward's first write copies the whole batch again to grow it (on an H100
+    each copy is a kernel launch: a classify list of 64 sentences behind one cached
+    instruction made thousands)."""
+    lengths = [next((kv[0].shape[2] for kv in p if kv is not None), 0) for p in prefixes]
+    longest = max(lengths)
+    batch = []
+    for layer in range(len(prefixes[0])):
+        cache = BatchKVCache([longest - n for n in lengths])
+        batch.append(cache)
+        if longest == 0:
+            continue  # the forward's first write sizes the buffer
+        keys, values = next(p[layer] for p in prefixes if p[layer] is not None)
+        capacity = -(-(longest + width) // BatchKVCache.step) * BatchKVCache.step
+        cache.keys = mx.zeros((len(prefixes), keys.shape[1], capacity, keys.shape[3]),
+                              keys.dtype)
+        cache.values = mx.zeros((len(prefixes), values.shape[1], capacity, values.shape[3]),
+                                values.dtype)
+        start = 0
+        while start < len(prefixes):
+            end = start + 1
+            while end < len(prefixes) and prefixes[end] is prefixes[start]:
+                end += 1
+            if prefixes[start][layer] is not None:
+                pad = longest - lengths[start]
+                cache.keys[start:end, :, pad:longest] = prefixes[start][layer][0]
+                cache.values[start:end, :, pad:longest] = prefixes[start][layer][1]
+            start = end
+        cache.offset += longest
+        cache._idx = longest
+    return batch
+
+
 def row_cache(cache: list[Any], row: int) -> list[Any]:
     """Row `row` of a batch cache as a single-sequence cache. Plain KV layers are copied
     into a presized buffer (`BatchKVCache.extract` gives an exact-size one, which the next
