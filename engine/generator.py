@@ -284,6 +284,7 @@ class Generator:
         for sequence, row_logprobs in zip(sequences, logprobs):
             sequence.logprobs = row_logprobs
             sequence.cache = []  # the batch owns it now
+            sequence.prefix = None  # nor hold the arrays it was copied from
         if not self.rows:
             self.cache = cache
             self.inputs = first
