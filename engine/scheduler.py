@@ -522,8 +522,14 @@ class Scheduler:
             generation.finish(reason, matched_stop)
 
     def _release(self, generation: Generation, sequence: SequenceState | None) -> None:
-        """Share what `sequence`'s cache holds beyond the tree, then let go."""
+        """Share what `sequence`'s cache holds beyond the tree, then let go. A request that
+        ended at its first token (a classifier's answer) holds its prompt, all of it
+        published but the last token, which no later prompt's match can use unless it
+        extends this one: that token is not worth a copy for every such request."""
         computed = sequence is not None and generation.prompt_done
+        if computed and len(sequence.tokens) == generation.hold.depth + 1 == len(
+                generation.tokens):
+            computed = False
         generation.hold.release(sequence.tokens if sequence else (),
                                 self._handle_of(sequence.cache) if computed else None)
         generation.sequence = None
