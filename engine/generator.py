@@ -34,6 +34,7 @@ from mlx import nn
 
 from engine.grammar import GrammarState, apply_masks, masks
 from engine.mlx_lm_internals import (
+    Span,
     keep_rows,
     merge_caches,
     prefix_batch,
@@ -47,6 +48,9 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 # Free MLX's buffer cache this often, as mlx_lm.generate does, so memory does not creep.
 CLEAR_CACHE_STEPS = 256
+# The most cached tokens a prompt prefilled with others feeds again so that it holds its
+# prefix where the others do (`Generator._prefill_together`).
+REFEED_TOKENS = 8
 
 
 @dataclass(eq=False)
@@ -63,10 +67,10 @@ class SequenceState:
     # Positions (lengths of `tokens`) where prefill ends a chunk and calls the generator's
     # `at_stop`: ascending, inside the prompt's `unfed` tokens but its last.
     stops: list[int] = field(default_factory=list)
-    # What `cache` was built from, per layer (keys, values) of its `tokens` (None per
-    # layer when empty), shared by sequences with the same cached prefix, until it is
-    # fed: prompts prefilled together copy it into their batch once for all who share it.
-    prefix: list[tuple[mx.array, mx.array] | None] | None = field(default=None, repr=False)
+    # The cached segments (each with per-layer `keys` and `values`) `cache` was built
+    # from, the same objects for sequences that share them, until it is fed: prompts
+    # prefilled together copy a segment they share into their batch once for all.
+    prefix: list[Any] | None = field(default=None, repr=False)
     context: mx.array | None = None  # the token history processors see
     grammar: GrammarState | None = None  # the output constraint; it takes in every token
     logprobs: mx.array | None = field(default=None, repr=False)  # of the token being fed
@@ -164,7 +168,7 @@ class Generator:
         finishing several per step put multi-turn TTFT p50 at 0.37 s instead of 0.10 s)."""
         result = PrefillResult()
         group = self._short_prompts(budget)
-        if len(group) > 1 and self._prefill_together(group, result):
+        if len(group) > 1 and self._prefill_together(group, result, budget):
             mx.clear_cache()
             return result
         for sequence in list(self.prefilling):
@@ -223,21 +227,44 @@ class Generator:
             width = longest
         return group
 
-    def _prefill_together(self, group: list[SequenceState], result: PrefillResult) -> bool:
+    def _prefill_together(self, group: list[SequenceState], result: PrefillResult,
+                          budget: int) -> bool:
         """Feed each prompt's remaining tokens, last one included, in one forward: rows
         right-padded to the longest (causal attention keeps a row's tokens from seeing its
         padding, and `finalize` turns the padding into masked left padding), first tokens
         sampled from each row's last real position, rows into the decode batch. False if
         the forward raised: the group's own caches are untouched (the batch cache is a
-        copy), so they go one by one instead and only a faulty one fails."""
-        group = _by_prefix(group)
-        lengths = [len(s.unfed) for s in group]
+        copy), so they go one by one instead and only a faulty one fails.
+
+        A row whose cached prefix is a few tokens longer than the shortest in the group
+        feeds those tokens again (`REFEED_TOKENS`, within `budget`): the rows then hold
+        their prefixes at the same place, so a preamble they share is one copy, where
+        rows that each matched a token or two more of the sentences before them would
+        copy it each."""
+        depths = [len(s.tokens) for s in group]
+        shallowest = min((d for s, d in zip(group, depths) if s.prefix is not None),
+                         default=0)
+        cut = [shallowest if s.prefix is not None and d - shallowest <= REFEED_TOKENS else d
+               for s, d in zip(group, depths)]
+        if max(d - c + len(s.unfed) for s, d, c in zip(group, depths, cut)) * len(group) \
+                > budget:
+            cut = depths
+        spans = [_spans(s, c) for s, c in zip(group, cut)]
+        first_seen: dict[tuple[int, int], int] = {}
+        for row in spans:
+            for keys, _, n in row:
+                first_seen.setdefault((id(keys), n), len(first_seen))
+        order = sorted(range(len(group)), key=lambda i: (
+            cut[i], [first_seen[(id(keys), n)] for keys, _, n in spans[i]]))
+        group = [group[i] for i in order]
+        feeds = [group[j].tokens[cut[i]:] + group[j].unfed for j, i in enumerate(order)]
+        lengths = [len(f) for f in feeds]
         width = max(lengths)
         try:
-            cache = prefix_batch([_prefix(s) for s in group], width)
+            cache = prefix_batch([spans[i] for i in order], width, len(group[0].cache))
             for layer in cache:
                 layer.prepare(right_padding=[width - n for n in lengths])
-            inputs = mx.array([s.unfed + [0] * (width - len(s.unfed)) for s in group])
+            inputs = mx.array([f + [0] * (width - len(f)) for f in feeds])
             logits = self.model(inputs, cache=cache)
             for layer in cache:
                 layer.finalize()
@@ -406,22 +433,20 @@ class Generator:
         return sequence.cache
 
 
-def _prefix(sequence: SequenceState) -> list[tuple[mx.array, mx.array] | None]:
-    """Per layer, the (keys, values) `sequence.cache` holds (None where empty)."""
-    if sequence.prefix is not None:
-        return sequence.prefix
-    return [(layer.keys[..., :layer.offset, :], layer.values[..., :layer.offset, :])
-            if layer.offset else None for layer in sequence.cache]
-
-
-def _by_prefix(group: list[SequenceState]) -> list[SequenceState]:
-    """`group` with the sequences that share a `prefix` (the same object) side by side,
-    each run where its first sequence was."""
-    runs: dict[int, list[SequenceState]] = {}
-    for sequence in group:
-        key = id(sequence.prefix) if sequence.prefix is not None else id(sequence)
-        runs.setdefault(key, []).append(sequence)
-    return [sequence for run in runs.values() for sequence in run]
+def _spans(sequence: SequenceState, depth: int) -> list[Span]:
+    """The first `depth` tokens `sequence.cache` holds, as spans: of the cached segments
+    it was built from, or of the cache itself."""
+    if sequence.prefix is None:
+        cache = sequence.cache
+        return [([c.keys for c in cache], [c.values for c in cache], depth)] if depth else []
+    spans = []
+    for segment in sequence.prefix:
+        n = min(depth, segment.keys[0].shape[2])
+        if n == 0:
+            break
+        spans.append((segment.keys, segment.values, n))
+        depth -= n
+    return spans
 
 
 def _apply(processors: list[LogitsProcessor], context: mx.array, logits: mx.array) -> mx.array:

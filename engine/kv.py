@@ -117,11 +117,8 @@ class KVStore:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        cache = make_prompt_cache(model)
-        self.segments = supports_segments(cache)
-        self.layers = len(cache)
+        self.segments = supports_segments(make_prompt_cache(model))
         self._unsettled: list[KVSegment | CacheSnapshot] = []
-        self._prefixes: dict[Node, list[tuple[mx.array, mx.array] | None]] = {}
 
     def handle(self, cache: list[Any], start: int, end: int) -> KVSegment | CacheSnapshot:
         """The handle of tokens [start, end) of a single-sequence cache (a snapshot covers
@@ -138,7 +135,6 @@ class KVStore:
 
     def settle(self) -> None:
         """Compute every handle made (or split) since the last call, in one evaluation."""
-        self._prefixes.clear()
         if self._unsettled:
             handles, self._unsettled = self._unsettled, []
             mx.eval([handle.arrays for handle in handles])
@@ -146,22 +142,11 @@ class KVStore:
     def free(self, handle: KVSegment | CacheSnapshot) -> None:
         """The tree dropped `handle`; its arrays go when the last reference does."""
 
-    def prefix(self, node: Node) -> list[tuple[mx.array, mx.array] | None] | None:
-        """Per layer, the (keys, values) of the path from the root down to `node` (None
-        per layer for the root), the same object for every caller until the next
-        `settle`, so the generator copies a prefix that requests share once for all of
-        them; None for a model whose handles are snapshots."""
-        if not self.segments:
-            return None
-        if node not in self._prefixes:
-            handles = path_handles(node)
-            self._prefixes[node] = [
-                None if not handles else
-                (handles[0].keys[i], handles[0].values[i]) if len(handles) == 1 else
-                (mx.concatenate([h.keys[i] for h in handles], axis=2),
-                 mx.concatenate([h.values[i] for h in handles], axis=2))
-                for i in range(self.layers)]
-        return self._prefixes[node]
+    def segments_of(self, node: Node) -> list[KVSegment] | None:
+        """The segments of the path from the root down to `node` (None for a model whose
+        handles are snapshots): requests on one path get the same segment objects, which
+        the generator copies once for all of them when it prefills them together."""
+        return path_handles(node) if self.segments else None
 
     def assemble(self, node: Node) -> list[Any]:
         """A fresh cache holding the state of the path from the root down to `node`."""

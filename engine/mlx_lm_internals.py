@@ -58,40 +58,50 @@ def merge_caches(caches: list[list[Any]]) -> list[Any]:
     return _merge_caches(caches)
 
 
-def prefix_batch(prefixes: Sequence[Sequence[tuple[mx.array, mx.array] | None]],
-                 width: int) -> list[BatchKVCache]:
-    """A batch cache whose row i holds `prefixes[i]` (per layer, (keys, values) shaped
-    [1, heads, tokens, dim], or None when empty), left-padded to the longest, with room
-    for `width` more tokens: what `merge_caches` makes of single-sequence caches holding
-    them, less its copies. Consecutive rows with the same prefix (the same object) are
-    written with one copy, and the buffer is sized once, where merging copies every row
-    and the forward's first write copies the whole batch again to grow it (on an H100
-    each copy is a kernel launch: a classify list of 64 sentences behind one cached
-    instruction made thousands)."""
-    lengths = [next((kv[0].shape[2] for kv in p if kv is not None), 0) for p in prefixes]
+# Tokens of a cached prefix: per layer keys and values ([1, heads, >= tokens, dim]), and
+# how many tokens of them, from the first.
+Span = tuple[Sequence[mx.array], Sequence[mx.array], int]
+
+
+def prefix_batch(prefixes: Sequence[Sequence[Span]], width: int, layers: int
+                 ) -> list[BatchKVCache]:
+    """A batch cache whose row i holds the spans `prefixes[i]` end to end, left-padded to
+    the longest, with room for `width` more tokens: what `merge_caches` makes of
+    single-sequence caches holding them, less its copies. A span that consecutive rows
+    have at the same place (the same arrays) is written with one copy for all of them,
+    and the buffer is sized once, where merging copies every row and the forward's first
+    write copies the whole batch again to grow it (on an H100 each copy is a kernel
+    launch: a classify list of 64 sentences behind one cached instruction made thousands).
+    """
+    lengths = [sum(n for _, _, n in spans) for spans in prefixes]
     longest = max(lengths)
+    writes: list[list[Any]] = []  # [first row, end row, position, keys, values, tokens]
+    last: dict[tuple[int, int, int], list[Any]] = {}
+    for row, spans in enumerate(prefixes):
+        position = longest - lengths[row]
+        for keys, values, n in spans:
+            write = last.get((position, id(keys), n))
+            if write is not None and write[1] == row:
+                write[1] = row + 1
+            else:
+                write = last[(position, id(keys), n)] = [row, row + 1, position, keys, values, n]
+                writes.append(write)
+            position += n
     batch = []
-    for layer in range(len(prefixes[0])):
+    for layer in range(layers):
         cache = BatchKVCache([longest - n for n in lengths])
         batch.append(cache)
-        if longest == 0:
+        if not writes:
             continue  # the forward's first write sizes the buffer
-        keys, values = next(p[layer] for p in prefixes if p[layer] is not None)
+        keys, values = writes[0][3][layer], writes[0][4][layer]
         capacity = -(-(longest + width) // BatchKVCache.step) * BatchKVCache.step
         cache.keys = mx.zeros((len(prefixes), keys.shape[1], capacity, keys.shape[3]),
                               keys.dtype)
         cache.values = mx.zeros((len(prefixes), values.shape[1], capacity, values.shape[3]),
                                 values.dtype)
-        start = 0
-        while start < len(prefixes):
-            end = start + 1
-            while end < len(prefixes) and prefixes[end] is prefixes[start]:
-                end += 1
-            if prefixes[start][layer] is not None:
-                pad = longest - lengths[start]
-                cache.keys[start:end, :, pad:longest] = prefixes[start][layer][0]
-                cache.values[start:end, :, pad:longest] = prefixes[start][layer][1]
-            start = end
+        for first, end, position, keys, values, n in writes:
+            cache.keys[first:end, :, position:position + n] = keys[layer][..., :n, :]
+            cache.values[first:end, :, position:position + n] = values[layer][..., :n, :]
         cache.offset += longest
         cache._idx = longest
     return batch

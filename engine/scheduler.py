@@ -330,7 +330,7 @@ class Scheduler:
         sequence = SequenceState(
             next(self._uids), self.kv.assemble(hold.node), tokens=tokens[:hold.depth],
             unfed=tokens[hold.depth:], stops=self._snapshot_stops(generation),
-            prefix=self.kv.prefix(hold.node), sampler=generation.sampler,
+            prefix=self.kv.segments_of(hold.node), sampler=generation.sampler,
             processors=generation.processors,
             wants_logprobs=generation.params.logprobs is not None, grammar=grammar)
         generation.sequence = sequence
