@@ -94,7 +94,8 @@ class PrefillResult:
     # the batch at the next `decode`, or (prefilled together) all of it, and they are in
     # the batch already. Either way `Generator.cache_of` holds their `tokens`' KV.
     done: list[SequenceState] = field(default_factory=list)
-    # The first tokens of those prefilled together, sampled and read back in this step:
+    # The first tokens of those prefilled together (unconstrained), sampled and read back
+    # in this step:
     # a request that ends at its first token (a classifier's one-token answer) leaves
     # before any decode step feeds it.
     outputs: list[Output] = field(default_factory=list)
@@ -281,8 +282,11 @@ class Generator:
             sequence.unfed = []
         first = self._enter(group, cache, last)
         for sequence, token in zip(group, first.tolist()):
-            result.outputs.append(Output(sequence.uid, token, sequence.logprobs))
-            sequence.reported = True
+            # A constrained row's grammar takes in its token when it is fed, and whether
+            # that ends the output shows only then: it is output then, as it always is.
+            if sequence.grammar is None:
+                result.outputs.append(Output(sequence.uid, token, sequence.logprobs))
+                sequence.reported = True
         result.done += group
         result.tokens += width * len(group)
         return True

@@ -141,6 +141,21 @@ async def test_the_mask_applies_from_the_first_token_and_completion_stops(engine
     assert forced.finish.completion_tokens == len(forced.tokens) < 50
 
 
+async def test_constrained_one_word_answers_computed_together_stop_at_the_grammar(engine):
+    # A classifier's list: short prompts behind one instruction, computed in one forward,
+    # each answer a choice the grammar ends on.
+    preamble = prompt_of(engine, "Answer a or b: is this sentence about the weather?\n")
+    await complete(engine, preamble + prompt_of(engine, "It rains."), 1)
+    sentences = ["The sun is out.", "I like tea.", "Snow fell all night.", "Dogs bark."]
+    results = await asyncio.gather(*(
+        complete(engine, preamble + prompt_of(engine, text), 10,
+                 constraint=lark('start: "a" | "b"')) for text in sentences))
+    for result in results:
+        assert result.text in ("a", "b")
+        assert (result.finish.reason, result.finish.completion_tokens) == (
+            "stop", len(result.tokens))
+
+
 async def test_eos_only_where_the_grammar_accepts(engine):
     eos = min(engine.tokenizer.eos_token_ids)
     pushed = await complete(engine, prompt_of(engine, "Letters."), 30,
