@@ -285,14 +285,19 @@ async def test_prompt_beyond_the_context_is_refused(engine):
         engine.submit([11] * 100, _greedy(max_tokens=engine.context_length))
 
 
+def start_faulty_engine(llama_dir, monkeypatch, used: list[list[int]]):
+    """An engine whose model fails every forward pass that feeds a token no list in `used`
+    holds (the good requests' prompts and outputs), and that token."""
+    seen = {t for tokens in used for t in tokens}
+    fault = next(t for t in range(1000, 2000) if t not in seen)
+    monkeypatch.setattr("engine.engine.load_model", faulty_loader(fault))
+    return start_engine(llama_dir, cache_bytes=1 << 30), fault
+
+
 async def test_a_failing_forward_fails_only_its_request(llama_dir, reference, monkeypatch):
     good = [random_prompt(300 + i, 30 + 5 * i) for i in range(4)]
     expected = [reference.greedy(prompt, 12) for prompt in good]
-    # A token no good request ever feeds to the model, as prompt or as output.
-    used = {t for tokens in good + expected for t in tokens}
-    fault = next(t for t in range(1000, 2000) if t not in used)
-    monkeypatch.setattr("engine.engine.load_model", faulty_loader(fault))
-    engine = start_engine(llama_dir, cache_bytes=1 << 30)
+    engine, fault = start_faulty_engine(llama_dir, monkeypatch, good + expected)
     try:
         bad = random_prompt(400, 30) + [fault] + random_prompt(401, 4)
         good_tasks = [asyncio.create_task(complete(engine, p, 12)) for p in good]
@@ -330,10 +335,7 @@ async def test_a_faulty_prompt_computed_with_others_fails_alone(llama_dir, refer
     preamble = random_prompt(600, 40)
     good = [preamble + random_prompt(610 + i, 6) for i in range(6)]
     expected = [reference.greedy(prompt, 1) for prompt in good]
-    used = {t for tokens in good + expected for t in tokens}
-    fault = next(t for t in range(1000, 2000) if t not in used)
-    monkeypatch.setattr("engine.engine.load_model", faulty_loader(fault))
-    engine = start_engine(llama_dir, cache_bytes=1 << 30)
+    engine, fault = start_faulty_engine(llama_dir, monkeypatch, good + expected)
     try:
         await complete(engine, preamble + random_prompt(601, 6), 1)
         bad = preamble + random_prompt(620, 3) + [fault] + random_prompt(621, 2)
