@@ -94,10 +94,9 @@ class PrefillResult:
     # the batch at the next `decode`, or (prefilled together) all of it, and they are in
     # the batch already. Either way `Generator.cache_of` holds their `tokens`' KV.
     done: list[SequenceState] = field(default_factory=list)
-    # The first tokens of those prefilled together (unconstrained), sampled and read back
-    # in this step:
-    # a request that ends at its first token (a classifier's one-token answer) leaves
-    # before any decode step feeds it.
+    # The first tokens of those prefilled together (unconstrained ones), sampled and read
+    # back in this step: a request that ends at its first token (a classifier's one-token
+    # answer) leaves before any decode step feeds it.
     outputs: list[Output] = field(default_factory=list)
     # A prefill chunk raised: only that sequence failed, and it is out of the generator.
     failed: list[tuple[SequenceState, Exception]] = field(default_factory=list)
@@ -245,27 +244,26 @@ class Generator:
         depths = [len(s.tokens) for s in group]
         shallowest = min((d for s, d in zip(group, depths) if s.prefix is not None),
                          default=0)
-        cut = [shallowest if s.prefix is not None and d - shallowest <= REFEED_TOKENS else d
-               for s, d in zip(group, depths)]
-        if max(d - c + len(s.unfed) for s, d, c in zip(group, depths, cut)) * len(group) \
+        cuts = [shallowest if s.prefix is not None and d - shallowest <= REFEED_TOKENS
+                else d for s, d in zip(group, depths)]
+        if max(d - c + len(s.unfed) for s, d, c in zip(group, depths, cuts)) * len(group) \
                 > budget:
-            cut = depths
-        spans = [_spans(s, c) for s, c in zip(group, cut)]
+            cuts = depths
+        rows = [(s, s.tokens[c:] + s.unfed, _spans(s, c)) for s, c in zip(group, cuts)]
+        # Rows holding the same spans side by side, each run where its first row was.
         first_seen: dict[tuple[int, int], int] = {}
-        for row in spans:
-            for keys, _, n in row:
+        for _, _, spans in rows:
+            for keys, _, n in spans:
                 first_seen.setdefault((id(keys), n), len(first_seen))
-        order = sorted(range(len(group)), key=lambda i: (
-            cut[i], [first_seen[(id(keys), n)] for keys, _, n in spans[i]]))
-        group = [group[i] for i in order]
-        feeds = [group[j].tokens[cut[i]:] + group[j].unfed for j, i in enumerate(order)]
-        lengths = [len(f) for f in feeds]
+        rows.sort(key=lambda row: [first_seen[(id(keys), n)] for keys, _, n in row[2]])
+        group = [sequence for sequence, _, _ in rows]
+        lengths = [len(feed) for _, feed, _ in rows]
         width = max(lengths)
         try:
-            cache = prefix_batch([spans[i] for i in order], width, len(group[0].cache))
+            cache = prefix_batch([spans for _, _, spans in rows], width, len(group[0].cache))
             for layer in cache:
                 layer.prepare(right_padding=[width - n for n in lengths])
-            inputs = mx.array([f + [0] * (width - len(f)) for f in feeds])
+            inputs = mx.array([feed + [0] * (width - len(feed)) for _, feed, _ in rows])
             logits = self.model(inputs, cache=cache)
             for layer in cache:
                 layer.finalize()

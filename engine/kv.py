@@ -43,13 +43,13 @@ class KVSegment:
     splittable = True
 
     def __init__(self, keys: list[mx.array], values: list[mx.array],
-                 settle: Callable[[KVSegment], None] | None = None) -> None:
+                 defer: Callable[[KVSegment], None] | None = None) -> None:
         self.keys = keys
         self.values = values
         self.nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values))
-        # Who evaluates the copies a split makes with its other new handles (its
-        # KVStore's `settle`); None: the split evaluates them itself.
-        self.settle = settle
+        # Hands the copies a split makes to whoever evaluates them with other new handles
+        # (its KVStore, at `settle`); None: the split evaluates them itself.
+        self.defer = defer
 
     @classmethod
     def from_cache(cls, cache: Sequence[KVCache], start: int, end: int) -> KVSegment:
@@ -64,14 +64,14 @@ class KVSegment:
 
     def split(self, at: int) -> tuple[KVSegment, KVSegment]:
         head = KVSegment([owned(k[..., :at, :]) for k in self.keys],
-                         [owned(v[..., :at, :]) for v in self.values], self.settle)
+                         [owned(v[..., :at, :]) for v in self.values], self.defer)
         tail = KVSegment([owned(k[..., at:, :]) for k in self.keys],
-                         [owned(v[..., at:, :]) for v in self.values], self.settle)
-        if self.settle is None:
+                         [owned(v[..., at:, :]) for v in self.values], self.defer)
+        if self.defer is None:
             mx.eval(head.arrays, tail.arrays)
         else:
-            self.settle(head)
-            self.settle(tail)
+            self.defer(head)
+            self.defer(tail)
         return head, tail
 
 
@@ -127,7 +127,7 @@ class KVStore:
         the write copies the buffer the copy still reads)."""
         if self.segments:
             handle = KVSegment.from_cache(cache, start, end)
-            handle.settle = self._unsettled.append  # and what splitting it copies
+            handle.defer = self._unsettled.append  # and what splitting it copies
         else:
             handle = CacheSnapshot.from_cache(cache)
         self._unsettled.append(handle)
