@@ -127,11 +127,14 @@ class KVStore:
         the write copies the buffer the copy still reads)."""
         if self.segments:
             handle = KVSegment.from_cache(cache, start, end)
-            handle.defer = self._unsettled.append  # and what splitting it copies
+            handle.defer = self._defer  # and what splitting it copies
         else:
             handle = CacheSnapshot.from_cache(cache)
         self._unsettled.append(handle)
         return handle
+
+    def _defer(self, handle: KVSegment) -> None:
+        self._unsettled.append(handle)
 
     def settle(self) -> None:
         """Compute every handle made (or split) since the last call, in one evaluation."""
