@@ -532,6 +532,13 @@ class Scheduler:
             computed = False
         generation.hold.release(sequence.tokens if sequence else (),
                                 self._handle_of(sequence.cache) if computed else None)
+        if sequence is not None:
+            # A batch row's cache is a view of the batch's buffers: it goes now, not when
+            # the last reference to the sequence does (a failure's traceback can hold it
+            # in a reference cycle: in a storm of failing requests that kept MLX memory
+            # up until Python next collected cycles).
+            sequence.cache = []
+            sequence.prefix = None
         generation.sequence = None
         self._wake_followers(generation)
 
