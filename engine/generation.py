@@ -97,8 +97,7 @@ class Generation:
         text = self.text.add(token)
         logprob, top = None, ()
         if self.params.logprobs is not None:
-            logprob, top = token_logprobs(logprobs, token, self.params.logprobs,
-                                          self._tokenizer)
+            logprob, top = token_logprobs(logprobs, token, self._tokenizer)
         self.emit(TokenEvent(token, text, logprob, top))
         if self.text.matched_stop is not None:
             return "stop", self.text.matched_stop

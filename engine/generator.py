@@ -64,6 +64,7 @@ class SequenceState:
     sampler: Sampler | None  # None: greedy
     processors: list[LogitsProcessor]
     wants_logprobs: bool
+    top_logprobs: int = 0  # alternatives reported beside the sampled token's logprob
     # Positions (lengths of `tokens`) where prefill ends a chunk and calls the generator's
     # `at_stop`: ascending, inside the prompt's `unfed` tokens but its last.
     stops: list[int] = field(default_factory=list)
@@ -73,19 +74,35 @@ class SequenceState:
     prefix: list[Any] | None = field(default=None, repr=False)
     context: mx.array | None = None  # the token history processors see
     grammar: GrammarState | None = None  # the output constraint; it takes in every token
-    logprobs: mx.array | None = field(default=None, repr=False)  # of the token being fed
+    logprobs: Scores | None = field(default=None, repr=False)  # of the token being fed
     # The token it is fed next was output already (sampled when its prompt was prefilled
     # together with others), so the decode step that feeds it outputs nothing for it.
     reported: bool = False
 
 
 @dataclass(frozen=True)
+class Scores:
+    """A sampled token's logprob and the row's `top_logprobs` most likely tokens, as
+    outputs of the step that sampled it. Reading them afterwards launches nothing: a
+    slice of the distribution read then was a new graph that, on a GPU, waited for the
+    next step's forward already queued, so every step of a request with logprobs lost
+    its overlap of host and device."""
+
+    chosen: mx.array  # scalar
+    top_ids: mx.array | None = None  # (top,), most likely first
+    top_values: mx.array | None = None
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.chosen, self.top_ids, self.top_values) if a is not None]
+
+
+@dataclass(frozen=True)
 class Output:
-    """A token sampled for sequence `uid`, with its distribution when asked for."""
+    """A token sampled for sequence `uid`, with its scores when asked for."""
 
     uid: int
     token: int
-    logprobs: mx.array | None
+    logprobs: Scores | None
 
 
 @dataclass
@@ -309,7 +326,7 @@ class Generator:
             mask = self._constrain(sequences, None, logits)[1]
         first, logprobs = self._sample(sequences, logits, mask)
         if self.pipelined:  # on its own, so reading it does not wait for the next step
-            mx.async_eval(first)
+            mx.async_eval(first, *_arrays(logprobs))
         for sequence, row_logprobs in zip(sequences, logprobs):
             sequence.logprobs = row_logprobs
             sequence.cache = []  # the batch owns it now
@@ -338,8 +355,10 @@ class Generator:
             tokens, mask = self._constrain(self.rows, fed, logits)
         sampled, logprobs = self._sample(self.rows, logits, mask)
         if self.pipelined:
-            mx.async_eval(sampled, *(lp for lp in logprobs if lp is not None))
+            mx.async_eval(sampled, *_arrays(logprobs))
         if tokens is None:
+            if not self.pipelined:  # the fed tokens' scores with them, in one evaluation
+                mx.eval(fed, *_arrays(row.logprobs for row in self.rows))
             tokens = fed.tolist()
         outputs = []
         for row, token, next_logprobs in zip(self.rows, tokens, logprobs):
@@ -366,9 +385,9 @@ class Generator:
 
     @staticmethod
     def _sample(rows: list[SequenceState], logits: mx.array, mask: np.ndarray | None = None
-                ) -> tuple[mx.array, list[mx.array | None]]:
-        """The next token of each row, and each row's log-distribution where it is wanted
-        (asked for, or needed by its sampler). All-greedy batches take one argmax.
+                ) -> tuple[mx.array, list[Scores | None]]:
+        """The next token of each row, and its scores where the row asked for logprobs.
+        All-greedy batches take one argmax.
 
         A row's reported logprobs are the model's (after the request's own penalties and
         logit_bias), not renormalized over what its grammar allows, as OpenAI reports them:
@@ -390,8 +409,9 @@ class Generator:
             sampled = mx.concatenate([
                 mx.argmax(logits[i:i + 1], axis=-1) if r.sampler is None
                 else r.sampler(allowed[i:i + 1]) for i, r in enumerate(rows)])
-        per_row = [logprobs[i] if r.wants_logprobs else None for i, r in enumerate(rows)]
-        return sampled.astype(mx.uint32), per_row
+        scores = [_scores(logprobs[i], sampled[i], r.top_logprobs) if r.wants_logprobs
+                  else None for i, r in enumerate(rows)]
+        return sampled.astype(mx.uint32), scores
 
     # -- leaving ----------------------------------------------------------------------
 
@@ -449,6 +469,18 @@ def _spans(sequence: SequenceState, depth: int) -> list[Span]:
         spans.append((segment.keys, segment.values, n))
         depth -= n
     return spans
+
+
+def _scores(logprobs: mx.array, token: mx.array, top: int) -> Scores:
+    if top == 0:
+        return Scores(logprobs[token])
+    ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
+    order = mx.argsort(-logprobs[ids])
+    return Scores(logprobs[token], ids[order], logprobs[ids[order]])
+
+
+def _arrays(scores: Iterable[Scores | None]) -> list[mx.array]:
+    return [a for s in scores if s is not None for a in s.arrays()]
 
 
 def _apply(processors: list[LogitsProcessor], context: mx.array, logits: mx.array) -> mx.array:

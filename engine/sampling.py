@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from engine.api import SamplingParams, TokenLogprob
+from engine.generator import Scores
 from engine.tokenizer import ModelTokenizer
 
 Sampler = Callable[[mx.array], mx.array]
@@ -72,20 +73,17 @@ def openai_penalties(presence: float, frequency: float, prompt_length: int) -> L
     return process
 
 
-def token_logprobs(
-    logprobs: mx.array, token: int, top: int, tokenizer: ModelTokenizer
-) -> tuple[TokenLogprob, tuple[TokenLogprob, ...]]:
-    """The sampled token's logprob and the `top` most likely alternatives."""
+def token_logprobs(scores: Scores, token: int, tokenizer: ModelTokenizer
+                   ) -> tuple[TokenLogprob, tuple[TokenLogprob, ...]]:
+    """The sampled token's logprob and the most likely alternatives the request asked
+    for, from the scores its step computed."""
 
     def scored(token: int, logprob: float) -> TokenLogprob:
         return TokenLogprob(token, tokenizer.decode([token]), logprob,
                             tokenizer.token_bytes(token))
 
-    chosen = scored(token, logprobs[token].item())
-    if top == 0:
+    chosen = scored(token, scores.chosen.item())
+    if scores.top_ids is None:
         return chosen, ()
-    ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
-    values = logprobs[ids]
-    order = mx.argsort(-values)
-    ids, values = ids[order].tolist(), values[order].tolist()
+    ids, values = scores.top_ids.tolist(), scores.top_values.tolist()
     return chosen, tuple(scored(i, v) for i, v in zip(ids, values))

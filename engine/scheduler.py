@@ -332,7 +332,8 @@ class Scheduler:
             unfed=tokens[hold.depth:], stops=self._snapshot_stops(generation),
             prefix=self.kv.segments_of(hold.node), sampler=generation.sampler,
             processors=generation.processors,
-            wants_logprobs=generation.params.logprobs is not None, grammar=grammar)
+            wants_logprobs=generation.params.logprobs is not None,
+            top_logprobs=generation.params.logprobs or 0, grammar=grammar)
         generation.sequence = sequence
         self.generator.add(sequence)
         generation.prompt_done = False
