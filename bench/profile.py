@@ -2,8 +2,8 @@
 
     python -m bench.profile MODEL --workload shared_prefix --out DIR [bench shape flags]
 
-Starts radix-mlx, warms it up, samples it with py-spy (all threads, wall time) while the
-workload runs, and writes DIR/<workload>.pyspy (raw collapsed stacks, for flamegraph
+Starts radix-mlx, warms it up, samples it with py-spy (all threads of the server and of
+its engine process, wall time) while the workload runs, and writes DIR/<workload>.pyspy (raw collapsed stacks, for flamegraph
 tools) and DIR/<workload>.txt: per thread, the share of samples in which each function is
 on the stack (inclusive) and at the top (self). The engine thread's share in
 `mx.eval`/`tolist` is time waiting for the device; the rest of its time is overhead.
@@ -76,7 +76,7 @@ def main() -> None:
         asyncio.run(run_workload(server.base_url, build_warm_up(args.model, shapes, 0),
                                  RADIX.extra))
         spy = subprocess.Popen([py_spy, "record", "--pid", str(server.process.pid),
-                                "--rate", str(args.rate), "--threads", "--nonblocking",
+                                "--rate", str(args.rate), "--threads", "--subprocesses", "--nonblocking",
                                 "--format", "raw", "-o", str(raw)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
