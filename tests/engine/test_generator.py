@@ -9,7 +9,8 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from engine.generator import Generator, SequenceState
+from engine.generator import Generator, PrefillResult, SequenceState
+from tests.faults import FaultInjectingModel
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +113,67 @@ def test_short_prompts_fitting_one_chunk_are_prefilled_together(model) -> None:
     assert [o.uid for o in result.outputs] == [0, 1, 2, 3]
     later = greedy_tokens(generator, [0, 1, 2, 3], 3)
     assert {o.uid: [o.token, *later[o.uid]] for o in result.outputs} == alone
+
+
+def prefill_all(generator: Generator, budget: int) -> list[PrefillResult]:
+    results = []
+    while generator.prefilling:
+        results.append(generator.prefill(budget))
+    return results
+
+
+def generate(generator: Generator, uids: list[int], budget: int, count: int
+             ) -> tuple[dict[int, list[int]], list[int]]:
+    """Prefill everything in chunks of `budget`, then decode: the first `count` tokens of
+    each of `uids` (prompts prefilled together output their first with the prefill), and
+    the uids whose prefill failed."""
+    results = prefill_all(generator, budget)
+    tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+    for output in (o for r in results for o in r.outputs):
+        tokens[output.uid].append(output.token)
+    while min(len(t) for t in tokens.values()) < count:
+        for output in generator.decode():
+            tokens[output.uid].append(output.token)
+    failed = [s.uid for r in results for s, _ in r.failed]
+    return {uid: t[:count] for uid, t in tokens.items()}, failed
+
+
+def long_prompts() -> list[list[int]]:
+    return [list(range(10 + 3 * i, 10 + 3 * i + n)) for i, n in enumerate((300, 320, 290))]
+
+
+def test_prompts_too_long_for_one_forward_take_equal_chunks_together(model) -> None:
+    prompts = long_prompts()
+    alone = {}
+    for uid, prompt in enumerate(prompts):
+        generator = Generator(model)
+        generator.add(sequence(model, uid, prompt))
+        alone |= generate(generator, [uid], 200, 4)[0]
+
+    generator = Generator(model)
+    sequences = [sequence(model, uid, p) for uid, p in enumerate(prompts)]
+    for s in sequences:
+        generator.add(s)
+    # 200 tokens cannot finish the first prompt: each of the three takes 66 of them.
+    first = generator.prefill(200)
+    assert (first.tokens, first.done, first.failed) == (198, [], [])
+    assert [len(s.tokens) for s in sequences] == [66, 66, 66]
+    for s in sequences:
+        assert_cache_holds(model, s.cache, s.tokens)
+    assert generate(generator, [0, 1, 2], 200, 4) == (alone, [])
+
+
+def test_a_prompt_whose_forward_fails_fails_alone_in_a_group(model) -> None:
+    prompts = long_prompts()
+    fault = 5  # below every prompt's tokens
+    prompts[1][100] = fault
+    alone = {}
+    for uid in (0, 2):
+        generator = Generator(model)
+        generator.add(sequence(model, uid, prompts[uid]))
+        alone |= generate(generator, [uid], 200, 4)[0]
+
+    generator = Generator(FaultInjectingModel(model, fault))
+    for uid, prompt in enumerate(prompts):
+        generator.add(sequence(model, uid, prompt))
+    assert generate(generator, [0, 2], 200, 4) == (alone, [1])
