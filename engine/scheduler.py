@@ -77,6 +77,10 @@ CPU_PREFILL_CHUNK = 512
 # tens of ms, and the same tenth starved prefill: the Llama-1B shape's shared-prefix run
 # took 5.8 s instead of 2.9 s with prompts first (TTFT p99 4.6 s vs 1.0 s), classify
 # 10.6 s instead of 4.5 s, at an ITL p50 of 9.6 vs 15.9 ms. So on a GPU prompts go first.
+# On the CPU prompts first trades the other way (bench/results/cpu-amd-epyc-2c/
+# multiturn-budget): multi-turn TTFT p50 0.35-0.48x mlx-lm's at 1.1-1.5x its ITL p50,
+# no-share 1.0x throughput at 3.5-4x its ITL, where 0.1 keeps ITL below mlx-lm's and
+# loses the TTFT lead.
 CPU_PREFILL_STALL_RATIO = 0.1
 GPU_PREFILL_STALL_RATIO = 100.0
 # Message ends a prompt's prefill snapshots the whole cache state at, at most (each holds
