@@ -182,8 +182,11 @@ class Settings(BaseModel):
         description="under tensor parallelism, seconds one scheduler step may take before "
         "the rank group counts as lost and the server fails"
     )
+    # Off until measured to help: on the H100 it was not faster for one stream (two
+    # alternating runs), and two of six shared-prefix runs in its own process held
+    # requests back for 4-9 s (none in process); engine/process.py says what is known.
     engine_process: bool = Field(
-        True, description="run the engine in its own process, so the HTTP work never "
+        False, description="run the engine in its own process, so the HTTP work never "
         "takes the GIL the engine's thread needs (not under tensor parallelism, whose "
         "ranks run their engine in process)"
     )
