@@ -161,11 +161,6 @@ class Generator:
         """Prompt tokens the sequences being prefilled still need fed."""
         return sum(len(s.unfed) for s in self.prefilling)
 
-    @property
-    def front_prompt_tokens(self) -> int:
-        """Prompt tokens the first sequence being prefilled still needs fed (0: none)."""
-        return len(self.prefilling[0].unfed) if self.prefilling else 0
-
     def add(self, sequence: SequenceState) -> None:
         if not sequence.unfed:
             raise ValueError("a sequence needs at least one prompt token to feed")

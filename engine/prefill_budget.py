@@ -73,10 +73,9 @@ class PrefillBudget:
     def token_seconds(self) -> float | None:
         return self._token.value
 
-    def tokens(self, decoding: bool, waiting: int, front: int) -> int:
+    def tokens(self, decoding: bool, waiting: int) -> int:
         """Prompt tokens this step may prefill (0: none this step, the allowance accrues),
-        `waiting` being how many the prompts being prefilled still need and `front` how
-        many the first of them does (a prefill stops once a prompt is complete)."""
+        `waiting` being how many the prompts being prefilled still need."""
         if not decoding:
             self.credit = 0.0  # nobody waits on this step; start afresh when someone does
             return self.idle_chunk
@@ -94,11 +93,6 @@ class PrefillBudget:
             else wanted
         if affordable >= wanted:
             return wanted  # what is left of the prompts, short ones in one forward
-        if affordable >= front:
-            # The first prompt is complete within it. Waiting on for a whole granule
-            # instead (this step would still complete only that prompt) held a 140-token
-            # prompt back twice as long as its own cost needed.
-            return front
         return affordable - affordable % self.granule if affordable >= self.granule else 0
 
     def record(self, decoding: bool, prefilled: int, seconds: float) -> None:

@@ -466,8 +466,7 @@ class Scheduler:
         budget = self.prefill_budget
         if self.group is not None:
             return budget.chunk if decoding else budget.idle_chunk
-        return budget.tokens(decoding, self.generator.prompt_tokens_left,
-                             self.generator.front_prompt_tokens)
+        return budget.tokens(decoding, self.generator.prompt_tokens_left)
 
     def _prompt_computed(self, generation: Generation) -> None:
         """The prompt's KV (all but its last token) is computed: share it now, while this

@@ -8,12 +8,11 @@ from engine.prefill_budget import GRANULE, PrefillBudget
 
 
 def run(budget: PrefillBudget, steps: int, decode_seconds: float, chunk_seconds,
-        decoding: bool = True, waiting: int = 10**6, front: int | None = None) -> list[int]:
-    """Drive `steps` steps with `waiting` prompt tokens always left, `front` of them the
-    first prompt's (all of them unless given); the chunks taken."""
+        decoding: bool = True, waiting: int = 10**6) -> list[int]:
+    """Drive `steps` steps with `waiting` prompt tokens always left; the chunks taken."""
     chunks = []
     for _ in range(steps):
-        tokens = budget.tokens(decoding, waiting, waiting if front is None else front)
+        tokens = budget.tokens(decoding, waiting)
         chunks.append(tokens)
         seconds = (decode_seconds if decoding else 0.0) + (chunk_seconds(tokens) if tokens else 0)
         budget.record(decoding, tokens, seconds)
@@ -45,21 +44,9 @@ def test_what_is_left_of_short_prompts_goes_in_one_chunk_once_affordable():
     assert chunks.index(245) > 40
 
 
-def test_the_first_prompt_goes_once_its_own_tokens_are_affordable():
-    budget = PrefillBudget(stall_ratio=0.25, stall_floor=0.0, chunk=512, idle_chunk=512)
-    run(budget, 5, 0.0, cpu_like, decoding=False)
-    # Three 140-token prompts wait: a prefill completes the first and stops there, so
-    # the step takes its 140 tokens (~0.75 s) rather than saving up for a 256-token
-    # granule (~1.33 s) it would not use.
-    chunks = run(budget, 60, 0.1, cpu_like, waiting=420, front=140)
-    assert set(chunks) == {0, 140}
-    first = chunks.index(140)
-    assert 25 < first < 35  # ~0.75 s of allowance at 0.025 s a step
-
-
 def test_a_decode_step_is_measured_before_prefill_stalls_it():
     budget = PrefillBudget(stall_ratio=0.25, stall_floor=0.0, chunk=512, idle_chunk=512)
-    assert budget.tokens(decoding=True, waiting=1000, front=1000) == 0
+    assert budget.tokens(decoding=True, waiting=1000) == 0
 
 
 def test_with_nothing_decoding_prompts_take_whole_idle_chunks():
