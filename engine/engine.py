@@ -291,19 +291,33 @@ class Engine:
         log.info("disk cache: %s, budget %.1f GiB", self.disk.directory, budget / 2**30)
 
     def _warm_up(self) -> None:
-        """Run the real path once, so the first user requests do not pay for kernel
-        compilation: a prefill, cache hits that join a running batch (one row, then two,
-        then three) and rows leaving it in turn, the second one under a grammar (which
-        also converts the tokenizer for the grammar engine); then forget it."""
+        """Run the real paths once, so user requests do not pay for kernel compilation
+        (on CUDA each kernel MLX meets the first time compiles for seconds, and every
+        running stream waits for it): a prefill, cache hits that join a running batch
+        (one row, then two, then three) and rows leaving it in turn, the second one under
+        a grammar (which also converts the tokenizer for the grammar engine); then
+        prompts of different lengths prefilled in one padded forward, sampled with the
+        usual filters, with logprobs, and under penalties; then forget it all."""
         scheduler = self._scheduler
-        prompt = [t % self._loaded.vocab_size for t in range(1, WARMUP_PROMPT_TOKENS + 1)]
-        for n, max_tokens in enumerate((8, 4, 2)):
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                    constraint=json_object() if n == 1 else None)
-            generation = scheduler.new_generation(f"warmup-{n}", prompt + prompt[:4 * n],
-                                                  params, lambda event: None)
-            scheduler.inbox.put(Submit(generation))
-        scheduler.run(until_idle=True)
+        vocab = self._loaded.vocab_size
+        prompt = [t % vocab for t in range(1, WARMUP_PROMPT_TOKENS + 1)]
+        hits = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                               constraint=json_object() if n == 1 else None)
+                for n, max_tokens in enumerate((8, 4, 2))]
+        other = [(7 * t) % vocab for t in range(1, WARMUP_PROMPT_TOKENS + 1)]
+        padded = [SamplingParams(max_tokens=2, temperature=0.7, top_p=0.9, top_k=20,
+                                 min_p=0.05, seed=0, ignore_eos=True),
+                  SamplingParams(max_tokens=2, temperature=0.0, logprobs=2, ignore_eos=True),
+                  SamplingParams(max_tokens=2, temperature=0.0, repetition_penalty=1.1,
+                                 presence_penalty=0.5, logit_bias={1: 1.0}, ignore_eos=True)]
+        phases = {"hit": [(prompt + prompt[:4 * n], p) for n, p in enumerate(hits)],
+                  "padded": [(other[n:], p) for n, p in enumerate(padded)]}
+        for name, prompts in phases.items():
+            for n, (tokens, params) in enumerate(prompts):
+                generation = scheduler.new_generation(f"warmup-{name}-{n}", tokens, params,
+                                                      lambda event: None)
+                scheduler.inbox.put(Submit(generation))
+            scheduler.run(until_idle=True)
         scheduler.tree.clear()
         scheduler.counters = SchedulerCounters()
 
