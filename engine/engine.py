@@ -297,7 +297,8 @@ class Engine:
         (one row, then two, then three) and rows leaving it in turn, the second one under
         a grammar (which also converts the tokenizer for the grammar engine); then
         prompts of different lengths prefilled in one padded forward, sampled with the
-        usual filters, with logprobs, and under penalties; then forget it all."""
+        usual filters, with logprobs, and under penalties, leaving the batch in turn; then
+        forget it all."""
         scheduler = self._scheduler
         vocab = self._loaded.vocab_size
         prompt = [t % vocab for t in range(1, WARMUP_PROMPT_TOKENS + 1)]
@@ -305,10 +306,11 @@ class Engine:
                                constraint=json_object() if n == 1 else None)
                 for n, max_tokens in enumerate((8, 4, 2))]
         other = [(7 * t) % vocab for t in range(1, WARMUP_PROMPT_TOKENS + 1)]
+        # Rows that start together and leave one by one (a batch keeping two rows, then one).
         padded = [SamplingParams(max_tokens=2, temperature=0.7, top_p=0.9, top_k=20,
                                  min_p=0.05, seed=0, ignore_eos=True),
-                  SamplingParams(max_tokens=2, temperature=0.0, logprobs=2, ignore_eos=True),
-                  SamplingParams(max_tokens=2, temperature=0.0, repetition_penalty=1.1,
+                  SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, ignore_eos=True),
+                  SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.1,
                                  presence_penalty=0.5, logit_bias={1: 1.0}, ignore_eos=True)]
         phases = {"hit": [(prompt + prompt[:4 * n], p) for n, p in enumerate(hits)],
                   "padded": [(other[n:], p) for n, p in enumerate(padded)]}

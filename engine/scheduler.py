@@ -262,6 +262,7 @@ class Scheduler:
     def _handle(self, message: Message) -> None:
         match message:
             case Submit(generation):
+                log.debug("queued %s: %d prompt tokens", generation.id, len(generation.prompt))
                 self.generations[generation.id] = generation
                 self.waiting.append(generation)
             case Wake(generation) if generation in self.parked:
@@ -444,6 +445,10 @@ class Scheduler:
         self.kv.settle()  # the KV this step published and released, copied at once
         seconds = time.perf_counter() - started
         self.prefill_budget.record(decoding, prefilled, seconds)
+        if log.isEnabledFor(logging.DEBUG):  # a step trace, for `--log-level debug`
+            log.debug("step: %d rows, %d prompt tokens fed, %d prompts left, %.1f ms",
+                      len(self.generator.rows), prefilled, len(self.generator.prefilling),
+                      seconds * 1e3)
         self.counters.steps += 1
         self.counters.step_seconds += seconds
         self.counters.step_cpu_seconds += time.thread_time() - cpu_started
