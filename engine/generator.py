@@ -62,22 +62,6 @@ CLEAR_CACHE_STEPS = 256
 # The most cached tokens a prompt prefilled with others feeds again so that it holds its
 # prefix where the others do (`Generator._prefill_together`).
 REFEED_TOKENS = 8
-# On CUDA, prefill forwards are padded to a power of two up to this many tokens, then to a
-# multiple of it (`padded_length`).
-SHAPE_STEP = 256
-
-
-def padded_length(tokens: int) -> int:
-    """The tokens a prefill forward of `tokens` computes on CUDA, padding included: few
-    distinct lengths, because there a forward over a length MLX has not met costs several
-    times one it has (its buffer cache reuses only near-exact sizes, so every activation
-    is allocated anew, and matmul plans are made per shape). On an H100 an 8B-shape
-    prefill of 230-1211 new tokens took 83-264 ms the first time and 14-34 ms after,
-    and every prompt of a new length met that (bench/results/nvidia-h100-80gb-hbm3/
-    prefill-shapes)."""
-    if tokens <= SHAPE_STEP:
-        return 1 << max(tokens - 1, 0).bit_length()
-    return -(-tokens // SHAPE_STEP) * SHAPE_STEP
 
 
 @dataclass(eq=False)
@@ -166,9 +150,6 @@ class Generator:
         # the 143M demo model): queuing first would delay every token by most of a step
         # and overlap only that tail.
         self.pipelined = mx.default_device() == mx.gpu
-        # Padding costs compute where prefill is compute-bound (the CPU, Apple GPUs), and
-        # saves allocations only where new shapes are dear (`padded_length`).
-        self.fixed_shapes = self.pipelined and mx.cuda.is_available()
         self._steps = 0
 
     @property
@@ -217,7 +198,7 @@ class Generator:
         group, width = self._group(budget)
         if group and (self._prefill_together(group, result, budget) if width is None
                       else self._feed_together(group, width, result)):
-            self._free_activations()
+            mx.clear_cache()
             return result
         for sequence in list(self.prefilling):
             try:
@@ -234,20 +215,12 @@ class Generator:
                 result.done.append(sequence)
             if budget <= 0 or result.done:
                 break
-        self._free_activations()
+        mx.clear_cache()  # a prompt's activations are large and rarely reused as they are
         return result
-
-    def _free_activations(self) -> None:
-        # A prompt's activations are large and, but for padded shapes, rarely reused as
-        # they are; where shapes are padded, keeping them is what makes the next forward
-        # of that length cheap.
-        if not self.fixed_shapes:
-            mx.clear_cache()
 
     def _feed(self, sequence: SequenceState, budget: int) -> int:
         """Feed up to `budget` of the sequence's prompt tokens (never its last), in chunks
-        that end at each of its `stops`, where `at_stop` sees the cache. Returns how many
-        positions its forwards computed, padding included."""
+        that end at each of its `stops`, where `at_stop` sees the cache. Returns how many."""
         fed = 0
         while fed < budget and len(sequence.unfed) > 1:
             count = min(len(sequence.unfed) - 1, budget - fed)
@@ -255,18 +228,13 @@ class Generator:
                 count = min(count, sequence.stops[0] - len(sequence.tokens))
             chunk = sequence.unfed[:count]
             sequence.prefix = None  # the cache holds more from now on
-            padding = self._padding(count) if supports_segments(sequence.cache) else 0
-            # Causal attention keeps the chunk's tokens from seeing the padding after them,
-            # and trimming drops its KV.
-            self.model(mx.array([chunk + [0] * padding]), cache=sequence.cache)
-            for layer in sequence.cache if padding else ():
-                layer.trim(padding)
+            self.model(mx.array([chunk]), cache=sequence.cache)
             # Computed before the step goes on, as mlx_lm.generate does: a step's wall
             # time is then its own work, which the prefill budget measures.
             mx.eval([c.state for c in sequence.cache])
             sequence.tokens += chunk
             del sequence.unfed[:count]
-            fed += count + padding
+            fed += count
             if sequence.stops and sequence.stops[0] == len(sequence.tokens):
                 sequence.stops.pop(0)
                 self.at_stop(sequence)
@@ -325,7 +293,7 @@ class Generator:
         rows.sort(key=lambda row: [first_seen[(id(keys), n)] for keys, _, n in row[2]])
         group = [sequence for sequence, _, _ in rows]
         lengths = [len(feed) for _, feed, _ in rows]
-        width = max(lengths) + self._padding(max(lengths))
+        width = max(lengths)
         try:
             cache = prefix_batch([spans for _, _, spans in rows], width, len(group[0].cache))
             for layer in cache:
@@ -355,10 +323,6 @@ class Generator:
         result.done += group
         result.tokens += width * len(group)
         return True
-
-    def _padding(self, tokens: int) -> int:
-        """Padding tokens after a forward of `tokens` (`padded_length`); none but on CUDA."""
-        return padded_length(tokens) - tokens if self.fixed_shapes else 0
 
     def _feed_together(self, group: list[SequenceState], width: int,
                        result: PrefillResult) -> bool:

@@ -177,28 +177,3 @@ def test_a_prompt_whose_forward_fails_fails_alone_in_a_group(model) -> None:
     for uid, prompt in enumerate(prompts):
         generator.add(sequence(model, uid, prompt))
     assert generate(generator, [0, 2], 200, 4) == (alone, [1])
-
-
-@pytest.mark.parametrize("budget, lengths", [(64, (37, 100, 5)), (256, (37, 50, 45))],
-                         ids=["one-by-one", "together"])
-def test_padded_prefill_lengths_leave_no_trace(model, budget, lengths) -> None:
-    """Where prefill forwards are padded to a few lengths (CUDA: `padded_length`), the
-    padding changes nothing: each cache holds exactly its prompt's tokens, and the greedy
-    tokens are those of unpadded forwards."""
-    prompts = [list(range(10 + 5 * i, 10 + 5 * i + n)) for i, n in enumerate(lengths)]
-    tokens, computed = {}, {}
-    for fixed_shapes in (False, True):
-        generator = Generator(model)
-        generator.fixed_shapes = fixed_shapes
-        sequences = [sequence(model, uid, p) for uid, p in enumerate(prompts)]
-        for s in sequences:
-            generator.add(s)
-        results = prefill_all(generator, budget)
-        computed[fixed_shapes] = sum(r.tokens for r in results)
-        for s in sequences:
-            assert_cache_holds(model, generator.cache_of(s), s.tokens)
-        first = {o.uid: [o.token] for r in results for o in r.outputs}
-        later = greedy_tokens(generator, list(range(len(prompts))), 4)
-        tokens[fixed_shapes] = {uid: first.get(uid, []) + t for uid, t in later.items()}
-    assert computed[True] > computed[False]  # the padding was computed
-    assert tokens[True] == tokens[False]
