@@ -1,5 +1,5 @@
 """Random-weight Llama models shaped like Llama 3.2 1B, Llama 3.1 8B or SmolLM2-135M, for
-GPU runs.
+GPU runs, or a tiny one for measuring the host's Python on the CPU.
 
     python -m bench.models DIR --shape llama-1b [--dtype bfloat16] [--seed 0] \
         [--tokenizer-from MODEL_DIR]
@@ -54,6 +54,17 @@ SHAPES: dict[str, dict[str, int]] = {
         "num_key_value_heads": 3,
         "head_dim": 64,
         "intermediate_size": 1536,
+    },
+    # A forward of a few ms on the CPU even at 64 rows, so what a server run costs is its
+    # host's Python (the HTTP path, detokenizing, sampling over a real vocabulary), which
+    # the GPU pays in full while its step is ~7 ms (bench/server_cpu.py).
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
     },
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

@@ -197,8 +197,9 @@ def wait_healthy(process: subprocess.Popen, base_url: str, timeout: float,
 @contextlib.contextmanager
 def running(spec: ServerSpec, model: Path, env: dict[str, str], log_path: Path,
             extra_args: Sequence[str] = (), ready_timeout: float = 900.0,
-            ) -> Iterator[RunningServer]:
-    """Start `spec` on `model`, yield once /health is 200, and always stop it."""
+            cwd: Path | None = None) -> Iterator[RunningServer]:
+    """Start `spec` on `model`, yield once /health is 200, and always stop it. `cwd`: the
+    source tree `python -m` runs it from (another checkout of radix-mlx, for A/B runs)."""
     port = free_port()
     program = [spec.executable] if spec.executable else [sys.executable, "-m", spec.module]
     argv = [*program, *spec.command, "--model", str(model),
@@ -207,7 +208,7 @@ def running(spec: ServerSpec, model: Path, env: dict[str, str], log_path: Path,
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+                                   start_new_session=True, cwd=cwd)
     sampler = MemorySampler(process.pid)
     sampler.start()
     try:

@@ -19,7 +19,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
-from sse_starlette import ServerSentEvent
 
 from server.anthropic_protocol import (
     ContentBlockDelta,
@@ -84,7 +83,7 @@ from server.json_body import JSONRoute
 from server.openapi import error_responses, event_stream
 from server.pipeline import Generation, render, start
 from server.state import server_state
-from server.streaming import CLIENT_CLOSED, GenerationEventSource, to_the_end
+from server.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
 
 # Anthropic pings every few seconds while a long prompt is computed; so do we.
 PING_SECONDS = 10
@@ -302,12 +301,12 @@ class MessageStream:
         ]
 
 
-def _sse(event: BaseModel) -> ServerSentEvent:
+def _sse(event: BaseModel) -> NamedEvent:
     """Anthropic names every event after its type."""
-    return ServerSentEvent(data=event.model_dump_json(), event=event.type)
+    return NamedEvent(event.type, event.model_dump_json())
 
 
-async def _stream(generation: Generation, stream: MessageStream) -> AsyncIterator[ServerSentEvent]:
+async def _stream(generation: Generation, stream: MessageStream) -> AsyncIterator[NamedEvent]:
     try:
         for event in stream.opening(generation.prompt_tokens):
             yield _sse(event)
@@ -338,8 +337,8 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     message_id = f"msg_{uuid.uuid4().hex}"
     if body.stream:
         stream = _stream(generation, MessageStream(message_id, model, body.max_tokens))
-        return GenerationEventSource(generation, stream, ping=PING_SECONDS,
-                                     ping_message_factory=lambda: _sse(Ping()))
+        return GenerationEventSource(generation, stream, ping_seconds=PING_SECONDS,
+                                     ping=lambda: _sse(Ping()))
     results = await to_the_end(
         request, generation, collect(generation.events(), generation.choices)
     )

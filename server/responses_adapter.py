@@ -17,7 +17,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from sse_starlette import ServerSentEvent
 
 from server.errors import APIError
 from server.events import (
@@ -80,7 +79,7 @@ from server.responses_protocol import (
 )
 from server.responses_protocol import Response as ResponseObject
 from server.state import ServerState, server_state
-from server.streaming import CLIENT_CLOSED, GenerationEventSource, to_the_end
+from server.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
 
 # -- request ------------------------------------------------------------------------------
 
@@ -356,7 +355,7 @@ async def _run(generation: Generation, builder: ResponseBuilder) -> bool:
 
 async def _stream(
     generation: Generation, builder: ResponseBuilder, save: Any
-) -> AsyncIterator[ServerSentEvent]:
+) -> AsyncIterator[NamedEvent]:
     try:
         for out in builder.opening():
             yield _sse(out)
@@ -372,8 +371,8 @@ async def _stream(
         await save()
 
 
-def _sse(event: StreamEvent) -> ServerSentEvent:
-    return ServerSentEvent(data=event.model_dump_json(), event=event.type)
+def _sse(event: StreamEvent) -> NamedEvent:
+    return NamedEvent(event.type, event.model_dump_json())
 
 
 async def _save(

@@ -5,11 +5,13 @@ client that went away."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from fastapi import Request
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from server.pipeline import Generation
@@ -19,6 +21,12 @@ T = TypeVar("T")
 # nginx's "client closed request": logged for a non-streaming request whose client left.
 CLIENT_CLOSED = 499
 
+# Proxies drop a connection that stays silent for long (a long prompt computed before the
+# first token): a comment line this often keeps it open.
+PING_SECONDS = 15.0
+SSE_HEADERS = {"Cache-Control": "no-store", "Connection": "keep-alive",
+               # nginx would buffer the stream, holding tokens back.
+               "X-Accel-Buffering": "no"}
 
 # JSON may hold these raw inside strings, but line readers built on str.splitlines (httpx's
 # aiter_lines among them) end a line at each, cutting an event in two. Escaped, every
@@ -26,40 +34,95 @@ CLIENT_CLOSED = 499
 LINE_BREAKERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-class GenerationEventSource(EventSourceResponse):
-    """An SSE response that closes its generation however the response ends: finished,
-    failed, or cut short by a client disconnect (even before the first event)."""
+@dataclass(frozen=True, slots=True)
+class NamedEvent:
+    """An SSE event with an `event:` line (Anthropic's and the Responses API's events)."""
+
+    event: str
+    data: str
+
+
+# What a stream yields: an event's data (one line: JSON, or OpenAI's "[DONE]"), or a named
+# event.
+SSEvent = str | NamedEvent
+
+
+def frame(event: SSEvent) -> bytes:
+    """`event` as the bytes of one SSE event."""
+    if isinstance(event, NamedEvent):
+        return f"event: {event.event}\r\ndata: {_one_line(event.data)}\r\n\r\n".encode()
+    return f"data: {_one_line(event)}\r\n\r\n".encode()
+
+
+def _one_line(data: str) -> str:
+    # ASCII text holds no line breaker, and str.isascii is far cheaper than translate.
+    return data if data.isascii() else data.translate(LINE_BREAKERS)
+
+
+def _comment_ping() -> bytes:
+    return f": ping - {datetime.now(UTC)}\r\n\r\n".encode()
+
+
+class GenerationEventSource(Response):
+    """A `text/event-stream` response of `events` that closes its generation however the
+    response ends: finished, failed, or cut short by a client disconnect (even before the
+    first event), and pings every `ping_seconds` (a comment, or `ping()`'s event).
+
+    Each event costs one ASGI send and nothing else: with the engine in this process, the
+    event loop's Python per streamed token is taken from the decode loop (the GIL), and
+    sse-starlette's per-send cancel scope and backend lookups were a fifth of it."""
+
+    media_type = "text/event-stream"
 
     def __init__(
-        self, generation: Generation, events: AsyncIterator[str | ServerSentEvent],
-        **options: Any,
+        self, generation: Generation, events: AsyncGenerator[SSEvent, None],
+        ping_seconds: float = PING_SECONDS, ping: Callable[[], SSEvent] | None = None,
     ) -> None:
-        super().__init__(_one_line_each(events), **options)
-        self.generation = generation
+        self.status_code = 200
+        self.background = None
+        self.init_headers(SSE_HEADERS)
+        self.generation, self.events = generation, events
+        self.ping_seconds = ping_seconds
+        self._ping = _comment_ping if ping is None else lambda: frame(ping())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # A disconnect cancels this task: Starlette would leave it running, its
+        # generation with it, until the next send failed or the stream ended.
+        task = asyncio.current_task()
+        streaming = True
+
+        def on_disconnect(watcher: asyncio.Future) -> None:
+            if streaming and not watcher.cancelled() and watcher.exception() is None:
+                task.cancel()
+
+        watcher = asyncio.ensure_future(_disconnect(receive))
+        watcher.add_done_callback(on_disconnect)
+        pinger = None
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            pinger = asyncio.ensure_future(self._pings(send))
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": frame(event),
+                            "more_body": True})
+            pinger.cancel()  # no ping after the end, which must be the last message
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watcher.done() or watcher.cancelled():
+                raise  # cancelled from outside (the server stopping): not ours to absorb
+            task.uncancel()  # the client left: the response is over, not failed
         finally:
+            streaming = False
+            watcher.cancel()
+            if pinger is not None:
+                pinger.cancel()
+            await self.events.aclose()
             self.generation.close()
 
-
-async def _one_line_each(
-    events: AsyncIterator[str | ServerSentEvent],
-) -> AsyncIterator[str | ServerSentEvent]:
-    async for event in events:
-        if isinstance(event, ServerSentEvent):
-            event.data = _one_line(event.data)
-            yield event
-        else:
-            yield _one_line(event)
-
-
-def _one_line(data: object) -> object:
-    # ASCII text holds no line breaker, and str.isascii is far cheaper than translate.
-    if isinstance(data, str) and not data.isascii():
-        return data.translate(LINE_BREAKERS)
-    return data
+    async def _pings(self, send: Send) -> None:
+        while True:
+            await asyncio.sleep(self.ping_seconds)
+            await send({"type": "http.response.body", "body": self._ping(), "more_body": True})
 
 
 async def to_the_end(
@@ -77,7 +140,7 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
     """`work`'s result, or None if the client disconnects first: Starlette does not cancel
     a handler whose client went away, so we watch for it ourselves."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnect(request))
+    watcher = asyncio.ensure_future(_disconnect(request.receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -87,7 +150,7 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
     return task.result() if task.done() else None
 
 
-async def _disconnect(request: Request) -> None:
+async def _disconnect(receive: Receive) -> None:
     # The body is read already, so the next message can only be the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
