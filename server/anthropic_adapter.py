@@ -306,16 +306,17 @@ def _sse(event: BaseModel) -> NamedEvent:
     return NamedEvent(event.type, event.model_dump_json())
 
 
-async def _stream(generation: Generation, stream: MessageStream) -> AsyncIterator[NamedEvent]:
+async def _stream(
+    generation: Generation, stream: MessageStream
+) -> AsyncIterator[list[NamedEvent]]:
+    """Each list goes out in one write: what one generation event becomes."""
     try:
-        for event in stream.opening(generation.prompt_tokens):
-            yield _sse(event)
+        yield [_sse(event) for event in stream.opening(generation.prompt_tokens)]
         async for event in generation.events():
-            for out in stream.event(event):
-                yield _sse(out)
+            yield [_sse(out) for out in stream.event(event)]
     except APIError as error:
         # The status line is sent already: the error travels as an `error` event.
-        yield _sse(anthropic_error_body(error))
+        yield [_sse(anthropic_error_body(error))]
 
 
 def anthropic_error_body(error: APIError) -> ErrorResponse:

@@ -26,7 +26,7 @@ from server.jobs import Job
 from server.prompts import chat_prompt, check_token_ids, raw_prompts
 from server.reasoning import ReasoningSplitter
 from server.state import ServerState
-from server.structured import output_constraint, writes_calls
+from server.structured import constrained, output_constraint, writes_calls
 from server.tools import ToolCallParser
 from server.volatile import drop_volatile_lines
 
@@ -173,9 +173,11 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
     # Reasoning applies to chats only; raw prompts are continued as they are.
     markers = tokenizer.thinking if request.is_chat else None
     thinking = [_thinking(markers, prompt.tokens) for prompt in prompts]
-    # Compiling a grammar takes milliseconds too: off the loop, once per distinct start.
+    # Compiling a grammar takes milliseconds too: off the loop, once per distinct start
+    # (free text has none, and the hop to a thread alone costs the loop ~0.1 ms).
     constraints = {
         after: await asyncio.to_thread(output_constraint, request, tool_format, after)
+        if constrained(request) else None
         for after in {after for _, after in thinking}
     }
     job = Job(state.engine, state.drain, state.metrics, http.state.request_id,

@@ -355,17 +355,15 @@ async def _run(generation: Generation, builder: ResponseBuilder) -> bool:
 
 async def _stream(
     generation: Generation, builder: ResponseBuilder, save: Any
-) -> AsyncIterator[NamedEvent]:
+) -> AsyncIterator[list[NamedEvent]]:
+    """Each list goes out in one write: what one generation event becomes."""
     try:
-        for out in builder.opening():
-            yield _sse(out)
+        yield [_sse(out) for out in builder.opening()]
         async for event in generation.events():
-            for out in builder.event(event):
-                yield _sse(out)
+            yield [_sse(out) for out in builder.event(event)]
     except APIError as error:
         # The status line is sent already: the failure travels as events.
-        for out in builder.failed(error):
-            yield _sse(out)
+        yield [_sse(out) for out in builder.failed(error)]
         return
     if save is not None:
         await save()

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from engine.api import Lifecycle
 from server.errors import APIError
-from server.events import collect
+from server.events import ChoiceFinished, collect
 from server.formats import ChatFormat, CompletionFormat, Format
 from server.json_body import JSONRoute
 from server.metrics import CONTENT_TYPE
@@ -94,24 +94,34 @@ async def _respond(request: Request, generation: Generation, fmt: Format) -> Res
     return JSONResponse(fmt.response(results, generation.usage()).model_dump())
 
 
-async def _sse(generation: Generation, fmt: Format) -> AsyncIterator[str]:
-    """The SSE data lines, ending with `[DONE]` (after an error object if one occurs)."""
+async def _sse(generation: Generation, fmt: Format) -> AsyncIterator[str | list[str]]:
+    """The SSE data lines, ending with `[DONE]` (after an error object if one occurs).
+
+    The last choice's finishing chunk waits for the usage chunk and `[DONE]`, which follow
+    it at once, so the three go out in one write rather than three."""
     include_usage = generation.request.include_usage
     # OpenAI sends `"usage": null` on every chunk only when usage was asked for.
     exclude = frozenset() if include_usage else frozenset({"usage"})
+    tail: list[str] = []
+    unfinished = generation.choices
     try:
-        for chunk in fmt.opening_chunks(generation.choices):
-            yield chunk.model_dump_json(exclude=exclude)
+        yield [chunk.model_dump_json(exclude=exclude)
+               for chunk in fmt.opening_chunks(generation.choices)]
         async for event in generation.events():
             data = fmt.chunk_json(event, exclude)
+            if isinstance(event, ChoiceFinished):
+                unfinished -= 1
+                if not unfinished and data is not None:
+                    tail.append(data)
+                    continue
             if data is not None:
                 yield data
         if include_usage:
-            yield fmt.usage_chunk(generation.usage()).model_dump_json()
+            tail.append(fmt.usage_chunk(generation.usage()).model_dump_json())
     except APIError as error:
         # The status line is sent already: the error travels as a data event, as in vLLM.
-        yield error.body().model_dump_json()
-    yield "[DONE]"
+        tail.append(error.body().model_dump_json())
+    yield [*tail, "[DONE]"]
 
 
 @probes.get("/health", responses={200: {"model": Health}, 503: {"model": Health}})

@@ -43,12 +43,15 @@ class NamedEvent:
 
 
 # What a stream yields: an event's data (one line: JSON, or OpenAI's "[DONE]"), or a named
-# event.
+# event; or a list of them, ready together, which go out in one write.
 SSEvent = str | NamedEvent
+SSEvents = SSEvent | list[SSEvent]
 
 
-def frame(event: SSEvent) -> bytes:
-    """`event` as the bytes of one SSE event."""
+def frame(event: SSEvents) -> bytes:
+    """`event` as the bytes of one SSE event (of each in a list, one after another)."""
+    if isinstance(event, list):
+        return b"".join(map(frame, event))
     if isinstance(event, NamedEvent):
         return f"event: {event.event}\r\ndata: {_one_line(event.data)}\r\n\r\n".encode()
     return f"data: {_one_line(event)}\r\n\r\n".encode()
@@ -68,14 +71,14 @@ class GenerationEventSource(Response):
     response ends: finished, failed, or cut short by a client disconnect (even before the
     first event), and pings every `ping_seconds` (a comment, or `ping()`'s event).
 
-    Each event costs one ASGI send and nothing else: with the engine in this process, the
+    Each item of `events` costs one ASGI send (one socket write) and nothing else: with the engine in this process, the
     event loop's Python per streamed token is taken from the decode loop (the GIL), and
     sse-starlette's per-send cancel scope and backend lookups were a fifth of it."""
 
     media_type = "text/event-stream"
 
     def __init__(
-        self, generation: Generation, events: AsyncGenerator[SSEvent, None],
+        self, generation: Generation, events: AsyncGenerator[SSEvents, None],
         ping_seconds: float = PING_SECONDS, ping: Callable[[], SSEvent] | None = None,
     ) -> None:
         self.status_code = 200
@@ -103,8 +106,8 @@ class GenerationEventSource(Response):
                         "headers": self.raw_headers})
             pinger = asyncio.ensure_future(self._pings(send))
             async for event in self.events:
-                await send({"type": "http.response.body", "body": frame(event),
-                            "more_body": True})
+                if body := frame(event):  # an empty list: nothing to say yet
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
             pinger.cancel()  # no ping after the end, which must be the last message
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:

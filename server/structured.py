@@ -38,6 +38,11 @@ def forces_call(request: GenerationRequest) -> bool:
     )
 
 
+def constrained(request: GenerationRequest) -> bool:
+    """Does any grammar apply to this request (`output_constraint` is not None)?"""
+    return not isinstance(request.output, TextOutput) or forces_call(request)
+
+
 def writes_calls(request: GenerationRequest) -> bool:
     """Does the grammar write this request's tool calls (as JSON between the format's
     markers), rather than the model on its own?"""
