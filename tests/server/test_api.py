@@ -4,6 +4,7 @@ raw HTTP against a real server process on the tiny demo model."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import httpx
@@ -100,6 +101,33 @@ def test_chat_stream_matches_non_stream(client: openai.OpenAI, model_id: str) ->
         whole.choices[0].message.content
     )
     assert [chunk.choices[0].finish_reason for chunk in body][-1] == "length"
+
+
+def test_chat_stream_on_the_wire(server: ServerProcess, headers: dict[str, str],
+                                 model_id: str) -> None:
+    """The bytes OpenAI's SDKs parse: SSE headers, `data: JSON` events ended by a blank
+    CRLF line, each choice's role chunk first, then content, each choice's finish, the
+    usage chunk (no choices) and `[DONE]` last."""
+    body = {"model": model_id, "messages": _messages(), "max_tokens": 3, "n": 2,
+            "stream": True, "stream_options": {"include_usage": True}, **NO_EOS}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
+                      headers=headers, timeout=30) as response:
+        raw = response.read()
+    assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
+    assert response.headers["cache-control"] == "no-store"
+    assert response.headers["x-accel-buffering"] == "no"
+    *events, end = raw.split(b"\r\n\r\n")
+    assert end == b"" and all(event.startswith(b"data: ") for event in events)
+    *chunks, done = [json.loads(event[6:]) if event != b"data: [DONE]" else "[DONE]"
+                     for event in events]
+    assert done == "[DONE]"
+    *choices, usage = chunks
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    assert [chunk["choices"][0]["delta"].get("role") for chunk in choices[:2]] == [
+        "assistant", "assistant"]
+    for index in (0, 1):  # choices interleave; each ends with its finish
+        own = [chunk["choices"][0] for chunk in choices if chunk["choices"][0]["index"] == index]
+        assert [choice["finish_reason"] for choice in own][-2:] == [None, "length"]
 
 
 def test_completions_batch_indexes_prompts_times_n(client: openai.OpenAI, model_id: str) -> None:
