@@ -24,6 +24,7 @@ from engine.demo_model import (
     BOS,
     EOS,
     PAD,
+    SIZES,
     WEIGHT_GAIN,
     model_config,
     tokenizer_config,
@@ -55,17 +56,11 @@ SHAPES: dict[str, dict[str, int]] = {
         "head_dim": 64,
         "intermediate_size": 1536,
     },
-    # A forward of a few ms on the CPU even at 64 rows, so what a server run costs is its
-    # host's Python (the HTTP path, detokenizing, sampling over a real vocabulary), which
-    # the GPU pays in full while its step is ~7 ms (bench/server_cpu.py).
-    "tiny": {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 128,
-    },
+    # The demo models' tiny shape: a forward of a few ms on the CPU even at 64 rows, so
+    # what a server run costs is its host's Python (the HTTP path, detokenizing, sampling
+    # over a real vocabulary), which a GPU pays in full while its step is ~7 ms
+    # (bench/server_cpu.py).
+    "tiny": {key: value for key, value in SIZES["tiny"].items() if key != "vocab_size"},
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 VOCAB_SIZE = 4096
