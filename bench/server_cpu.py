@@ -15,9 +15,11 @@ benchmark's batch_decode sends them) twice per repeat: with `max_tokens` tokens 
 with one. The CPU the one-token run costs, over `streams`, is the cost per request; the
 difference between the two runs, over the extra tokens, the cost per streamed token. Each
 is split between the asyncio loop (the process's main thread), the engine's thread (found
-by name with py-spy) and the rest (tokenizer threads, MLX's compute threads). Servers
-alternate within every repeat, so the machine's load falls on all of them alike; medians
-are reported. Wall figures (tok/s, TTFT) come along but move with the load.
+by name with py-spy, in the server's process or, with `--radix-mlx-args "--engine-process
+true"`, in its engine process) and the rest of the process tree (tokenizer threads, MLX's
+compute threads). Servers alternate within every repeat, so the machine's load falls on
+all of them alike; medians are reported. Wall figures (tok/s, TTFT) come along but move
+with the load.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 from bench.__main__ import git_revision
 from bench.client import run_workload
 from bench.servers import RADIX, RunningServer, running
@@ -43,19 +47,28 @@ from engine.platform_info import openblas_preload_env
 THREADS = ("loop", "engine", "other", "process")
 
 
-def engine_thread(pid: int) -> int:
-    """The OS id of a server's engine thread (Python names its threads only for itself)."""
-    dump = subprocess.run([str(Path(sys.executable).with_name("py-spy")), "dump", "--json",
-                           "--pid", str(pid)], capture_output=True, text=True, check=True)
-    return next(thread["os_thread_id"] for thread in json.loads(dump.stdout)
-                if thread["thread_name"] == ENGINE_THREAD)
+def engine_thread(pids: list[int]) -> tuple[int, int]:
+    """(process, OS thread id) of a server's engine thread, in the server's process or
+    in its engine process (`--engine-process true`). Python names its threads only for
+    itself, so py-spy reads the names."""
+    for pid in pids:
+        dump = subprocess.run([str(Path(sys.executable).with_name("py-spy")), "dump",
+                               "--json", "--pid", str(pid)],
+                              capture_output=True, text=True, check=False)
+        if dump.returncode != 0:
+            continue  # not a Python process (a resource tracker that ended, say)
+        for thread in json.loads(dump.stdout):
+            if thread["thread_name"] == ENGINE_THREAD:
+                return pid, thread["os_thread_id"]
+    raise RuntimeError(f"no {ENGINE_THREAD} thread in processes {pids}")
 
 
 def cpu_clocks(pid: int) -> Callable[[], dict[str, float]]:
-    """CPU seconds so far of a server's loop, engine thread, other threads, and all: each
-    thread's run time from /proc's schedstat, in ns (its stat counts 10 ms ticks)."""
-    engine = engine_thread(pid)
-    tasks = Path(f"/proc/{pid}/task")
+    """CPU seconds so far of a server's loop, engine thread, its other threads, and the
+    whole process tree: each thread's run time from /proc's schedstat, in ns (its stat
+    counts 10 ms ticks)."""
+    pids = [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
+    engine = engine_thread(pids)
 
     def run_time(task: Path) -> float:
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
@@ -63,9 +76,11 @@ def cpu_clocks(pid: int) -> Callable[[], dict[str, float]]:
         return 0.0  # a thread that ended meanwhile
 
     def read() -> dict[str, float]:
-        threads = {int(task.name): run_time(task) for task in tasks.iterdir()}
+        threads = {(process, int(task.name)): run_time(task) for process in pids
+                   for task in Path(f"/proc/{process}/task").glob("*")}
         total = sum(threads.values())
-        clocks = {"loop": threads[pid], "engine": threads.get(engine, 0.0), "process": total}
+        clocks = {"loop": threads[pid, pid], "engine": threads.get(engine, 0.0),
+                  "process": total}
         clocks["other"] = total - clocks["loop"] - clocks["engine"]
         return clocks
 
