@@ -1,7 +1,11 @@
-import sys, time
+import itertools
+import sys
+import time
+
 import mlx.core as mx
 from mlx_lm import load
-from mlx_lm.models.cache import make_prompt_cache, KVCache
+from mlx_lm.models.cache import make_prompt_cache
+
 model, _ = load(sys.argv[1])
 def fwd(tokens, cache):
     mx.synchronize(); t = time.perf_counter()
@@ -16,9 +20,9 @@ def offset(pre, n, segments=1):
         fresh = make_prompt_cache(model)
         for c, f in zip(cache, fresh):
             k, v = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]
-            cuts = [pre * i // segments for i in range(segments + 1)]
-            f.keys = mx.concatenate([k[..., a:b, :] for a, b in zip(cuts, cuts[1:])], axis=2)
-            f.values = mx.concatenate([v[..., a:b, :] for a, b in zip(cuts, cuts[1:])], axis=2)
+            cuts = list(itertools.pairwise([pre * i // segments for i in range(segments + 1)]))
+            f.keys = mx.concatenate([k[..., a:b, :] for a, b in cuts], axis=2)
+            f.values = mx.concatenate([v[..., a:b, :] for a, b in cuts], axis=2)
             f.offset = pre
         mx.eval([(f.keys, f.values) for f in fresh]); cache = fresh
     return fwd(list(range(3000, 3000 + n)), cache)
