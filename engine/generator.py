@@ -29,15 +29,17 @@ A sequence's cache always holds exactly the KV (or state) of `SequenceState.toke
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx import nn
+from mlx_lm.models.cache import make_prompt_cache
 
 from engine.grammar import GrammarState, apply_masks, masks
+from engine.kv import assemble
 from engine.mlx_lm_internals import (
     Span,
     keep_rows,
@@ -69,7 +71,10 @@ class SequenceState:
     """One generation's model-side state."""
 
     uid: int
-    cache: list[Any]  # per layer; this sequence's own until it joins the batch
+    # Per layer; this sequence's own until it joins the batch. None: not built yet, and
+    # `prefix` holds its `tokens` (built when a chunk is first fed alone; prompts
+    # prefilled together never need one: their batch cache is written from `prefix`).
+    cache: list[Any] | None
     tokens: list[int]  # what the cache holds
     unfed: list[int]  # prompt tokens still to feed; the last one yields the first logits
     sampler: Sampler | None  # None: greedy
@@ -120,7 +125,7 @@ class Output:
 class PrefillResult:
     # Their prompt is computed: all but its last token, which they feed when they join
     # the batch at the next `decode`, or (prefilled together) all of it, and they are in
-    # the batch already. Either way `Generator.cache_of` holds their `tokens`' KV.
+    # the batch already. Either way `Generator.caches_of` holds their `tokens`' KV.
     done: list[SequenceState] = field(default_factory=list)
     # The first tokens of those prefilled together (unconstrained ones), sampled and read
     # back in this step: a request that ends at its first token (a classifier's one-token
@@ -137,6 +142,7 @@ class Generator:
     def __init__(self, model: nn.Module,
                  at_stop: Callable[[SequenceState], None] = lambda sequence: None) -> None:
         self.model = model
+        self.layers = len(make_prompt_cache(model))
         self.at_stop = at_stop  # sees a prefilling sequence's cache at each of its stops
         self.prefilling: list[SequenceState] = []  # in the order their chunks are computed
         self.ready: list[SequenceState] = []  # prompt computed but its last token: joins next
@@ -221,6 +227,7 @@ class Generator:
     def _feed(self, sequence: SequenceState, budget: int) -> int:
         """Feed up to `budget` of the sequence's prompt tokens (never its last), in chunks
         that end at each of its `stops`, where `at_stop` sees the cache. Returns how many."""
+        self._build_cache(sequence)
         fed = 0
         while fed < budget and len(sequence.unfed) > 1:
             count = min(len(sequence.unfed) - 1, budget - fed)
@@ -240,6 +247,11 @@ class Generator:
                 self.at_stop(sequence)
         return fed
 
+    def _build_cache(self, sequence: SequenceState) -> None:
+        """Give a sequence its own cache, assembled from `prefix`, if it has none yet."""
+        if sequence.cache is None:
+            sequence.cache = assemble(sequence.prefix) or make_prompt_cache(self.model)
+
     def _group(self, budget: int) -> tuple[list[SequenceState], int | None]:
         """Prompts at the front of the queue to compute in one forward of at most `budget`
         tokens (padding included), most rows first: either what is left of each, right-
@@ -249,7 +261,8 @@ class Generator:
         recurrent cache would keep the padding's state) and no stops. ([], None): none."""
         eligible: list[SequenceState] = []
         for sequence in self.prefilling:
-            if not supports_segments(sequence.cache) or sequence.stops:
+            if sequence.stops or not (sequence.cache is None
+                                      or supports_segments(sequence.cache)):
                 break
             eligible.append(sequence)
         for count in range(len(eligible), 1, -1):
@@ -295,7 +308,7 @@ class Generator:
         lengths = [len(feed) for _, feed, _ in rows]
         width = max(lengths)
         try:
-            cache = prefix_batch([spans for _, _, spans in rows], width, len(group[0].cache))
+            cache = prefix_batch([spans for _, _, spans in rows], width, self.layers)
             for layer in cache:
                 layer.prepare(right_padding=[width - n for n in lengths])
             inputs = mx.array([feed + [0] * (width - len(feed)) for _, feed, _ in rows])
@@ -330,6 +343,8 @@ class Generator:
         batch cache of their caches, then give each row its own cache back. False if the
         forward raised: the group's own caches are untouched, as in `_prefill_together`."""
         try:
+            for sequence in group:
+                self._build_cache(sequence)
             cache = merge_caches([s.cache for s in group])
             self.model(mx.array([s.unfed[:width] for s in group]), cache=cache)
             mx.eval([c.state for c in cache])
@@ -453,9 +468,12 @@ class Generator:
 
     # -- leaving ----------------------------------------------------------------------
 
-    def remove(self, uids: Iterable[int]) -> dict[int, SequenceState]:
+    def remove(self, uids: Iterable[int], read: Collection[int] | None = None
+               ) -> dict[int, SequenceState]:
         """Take sequences out, each with a cache holding exactly its `tokens`: its own,
-        or, for a row of a batch, a view of the batch's (to copy from, not to extend)."""
+        or, for a row of a batch, a view of the batch's (to copy from, not to extend).
+        Rows not in `read` (None: all) leave with no cache: a one-token answer leaves
+        nothing to copy, and a view per row is host work on every sentence."""
         wanted = set(uids)
         removed = {}
         for group in (self.prefilling, self.ready):
@@ -464,10 +482,12 @@ class Generator:
                 removed[sequence.uid] = sequence
         leaving = [i for i, row in enumerate(self.rows) if row.uid in wanted]
         if leaving:
-            caches = [self.cache] if len(self.rows) == 1 else row_views(self.cache, leaving)
-            for i, cache in zip(leaving, caches):
-                self.rows[i].cache = cache
+            for i in leaving:
+                self.rows[i].cache = []
                 removed[self.rows[i].uid] = self.rows[i]
+            viewed = [self.rows[i] for i in leaving if read is None or self.rows[i].uid in read]
+            for row, cache in zip(viewed, self.caches_of(viewed)):
+                row.cache = cache
             self._keep([i for i in range(len(self.rows)) if self.rows[i].uid not in wanted])
         return removed
 
@@ -483,14 +503,16 @@ class Generator:
             self.inputs = self.inputs[mx.array(keep)]
         self.rows = rows
 
-    def cache_of(self, sequence: SequenceState) -> list[Any]:
-        """The single-sequence cache holding `sequence.tokens`, to copy from (for a batch
-        row, a view of the batch's: read it before the next step changes the batch)."""
-        if sequence in self.rows:
-            if len(self.rows) == 1:
-                return self.cache
-            return row_views(self.cache, [self.rows.index(sequence)])[0]
-        return sequence.cache
+    def caches_of(self, sequences: list[SequenceState]) -> list[list[Any]]:
+        """The single-sequence caches holding each of `sequences`' `tokens`, to copy from
+        (for a batch row, a view of the batch's: read it before the next step changes the
+        batch). The views of all of them come from one pass over the batch's layers."""
+        if len(self.rows) == 1:
+            return [self.cache if s is self.rows[0] else s.cache for s in sequences]
+        positions = {id(row): i for i, row in enumerate(self.rows)}
+        rows = [positions[id(s)] for s in sequences if id(s) in positions]
+        views = iter(row_views(self.cache, rows) if rows else [])
+        return [next(views) if id(s) in positions else s.cache for s in sequences]
 
 
 def _spans(sequence: SequenceState, depth: int) -> list[Span]:

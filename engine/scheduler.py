@@ -332,10 +332,12 @@ class Scheduler:
         tokens = generation.tokens
         self.counters.prefill_tokens += len(tokens) - hold.depth
         generation.snapshots = []
+        # A model with segments gets its cache built by the generator when it needs one.
+        prefix = self.kv.segments_of(hold.node)
         sequence = SequenceState(
-            next(self._uids), self.kv.assemble(hold.node), tokens=tokens[:hold.depth],
-            unfed=tokens[hold.depth:], stops=self._snapshot_stops(generation),
-            prefix=self.kv.segments_of(hold.node), sampler=generation.sampler,
+            next(self._uids), self.kv.assemble(hold.node) if prefix is None else None,
+            tokens=tokens[:hold.depth], unfed=tokens[hold.depth:],
+            stops=self._snapshot_stops(generation), prefix=prefix, sampler=generation.sampler,
             processors=generation.processors,
             wants_logprobs=generation.params.logprobs is not None,
             top_logprobs=generation.params.logprobs or 0, grammar=grammar)
@@ -439,8 +441,9 @@ class Scheduler:
                 log.error("prefill of %s failed: %r", generation.id, error)
                 self._release(generation, None)
                 self._fail(generation, error)
-            for sequence in result.done:
-                self._prompt_computed(self.running[sequence.uid])
+            caches = self.generator.caches_of(result.done)
+            for sequence, cache in zip(result.done, caches):
+                self._prompt_computed(self.running[sequence.uid], cache)
             self._take(result.outputs)
         self.kv.settle()  # the KV this step published and released, copied at once
         seconds = time.perf_counter() - started
@@ -473,11 +476,11 @@ class Scheduler:
             return budget.chunk if decoding else budget.idle_chunk
         return budget.tokens(decoding, self.generator.prompt_tokens_left)
 
-    def _prompt_computed(self, generation: Generation) -> None:
-        """The prompt's KV (all but its last token) is computed: share it now, while this
-        generation goes on to decode."""
+    def _prompt_computed(self, generation: Generation, cache: list) -> None:
+        """The prompt's KV (all but its last token) is computed, in `cache`: share it now,
+        while this generation goes on to decode."""
         generation.prompt_done = True
-        self._publish(generation, self.generator.cache_of(generation.sequence))
+        self._publish(generation, cache)
 
     def _publish(self, generation: Generation, cache: list) -> None:
         tokens = generation.tokens
@@ -502,7 +505,7 @@ class Scheduler:
             # A snapshot is of the whole state, which is past the prompt by now.
             self._wake_followers(generation)
             return
-        self._publish(generation, self.generator.cache_of(sequence))
+        self._publish(generation, self.generator.caches_of([sequence])[0])
 
     def _on_token(self, generation: Generation, output: Output
                   ) -> tuple[FinishReason, str | int | None] | None:
@@ -524,7 +527,9 @@ class Scheduler:
         """Running generations are done: their KV goes to the tree, their last events out.
         Their rows leave the batch together: each departure compacts the batch's cache, so
         64 streams ending at one step would otherwise copy it 64 times."""
-        sequences = self.generator.remove(g.sequence.uid for g, _, _ in endings)
+        sequences = self.generator.remove(
+            (g.sequence.uid for g, _, _ in endings),
+            read={g.sequence.uid for g, _, _ in endings if self._shares_on_release(g)})
         for generation, reason, matched_stop in endings:
             del self.running[generation.sequence.uid]
             self._release(generation, sequences[generation.sequence.uid])
@@ -536,10 +541,7 @@ class Scheduler:
         ended at its first token (a classifier's answer) holds its prompt, all of it
         published but the last token, which no later prompt's match can use unless it
         extends this one: that token is not worth a copy for every such request."""
-        computed = sequence is not None and generation.prompt_done
-        if computed and len(sequence.tokens) == generation.hold.depth + 1 == len(
-                generation.tokens):
-            computed = False
+        computed = sequence is not None and self._shares_on_release(generation)
         generation.hold.release(sequence.tokens if sequence else (),
                                 self._handle_of(sequence.cache) if computed else None)
         if sequence is not None:
@@ -551,6 +553,14 @@ class Scheduler:
             sequence.prefix = None
         generation.sequence = None
         self._wake_followers(generation)
+
+    @staticmethod
+    def _shares_on_release(generation: Generation) -> bool:
+        """Whether the running `generation`'s KV goes to the tree when it ends: its
+        prompt was computed, and it holds more than that prompt's last token."""
+        return generation.prompt_done and not (
+            len(generation.sequence.tokens) == generation.hold.depth + 1
+            == len(generation.tokens))
 
     def _cancel(self, generation: Generation) -> None:
         if generation in self.waiting or generation in self.parked:

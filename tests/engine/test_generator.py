@@ -108,7 +108,7 @@ def test_short_prompts_fitting_one_chunk_are_prefilled_together(model) -> None:
     assert generator.rows == done and not generator.prefilling
     for row in done:
         assert row.tokens == prompts[row.uid]
-        assert_cache_holds(model, generator.cache_of(row), row.tokens)
+        assert_cache_holds(model, generator.caches_of([row])[0], row.tokens)
     # Their first tokens come with the prefill, the rest from decode steps.
     assert [o.uid for o in result.outputs] == [0, 1, 2, 3]
     later = greedy_tokens(generator, [0, 1, 2, 3], 3)

@@ -321,12 +321,15 @@ async def test_one_token_prompts_behind_a_cached_preamble_each_get_their_own_ans
     preamble = random_prompt(500, 40)
     await complete(engine, preamble + random_prompt(501, 6), 1)
     prompts = [preamble + random_prompt(510 + i, 6) for i in range(20)]
+    steps = engine.stats().counters.steps
     results = await asyncio.gather(*(complete(engine, p, 1) for p in prompts))
     for prompt, result in zip(prompts, results):
         assert result.tokens == reference.greedy(prompt, 1)
         assert result.finish.reason in ("length", "stop")
         assert (result.finish.prompt_tokens, result.finish.cached_tokens) == (46, 40)
     stats = await settled(engine)
+    # One by one, each would take a step of its own at least.
+    assert stats.counters.steps - steps < len(prompts)
     assert (stats.running, stats.tree.pinned_bytes, stats.tree.pending) == (0, 0, 0)
 
 
