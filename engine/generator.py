@@ -29,7 +29,7 @@ A sequence's cache always holds exactly the KV (or state) of `SequenceState.toke
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine.grammar import GrammarState, apply_masks, masks
 from engine.kv import assemble
 from engine.mlx_lm_internals import (
+    BatchRow,
     Span,
+    batch_rows,
     keep_rows,
     merge_caches,
     prefix_batch,
@@ -51,6 +53,9 @@ from engine.mlx_lm_internals import (
 )
 
 Sampler = Callable[[mx.array], mx.array]
+# What a sequence's KV is copied from (`Generator.caches_of`): a single-sequence cache, or
+# a row of the batch's.
+KVSource = list[Any] | BatchRow
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 # Prompts prefilled together are right-padded to the longest of them: at most to this
@@ -468,12 +473,13 @@ class Generator:
 
     # -- leaving ----------------------------------------------------------------------
 
-    def remove(self, uids: Iterable[int], read: Collection[int] | None = None
+    def remove(self, uids: Iterable[int], read: Mapping[int, int] | None = None
                ) -> dict[int, SequenceState]:
         """Take sequences out, each with a cache holding exactly its `tokens`: its own,
-        or, for a row of a batch, a view of the batch's (to copy from, not to extend).
-        Rows not in `read` (None: all) leave with no cache: a one-token answer leaves
-        nothing to copy, and a view per row is host work on every sentence."""
+        or, for a row of a batch, what `caches_of` gives (to copy from, not to extend).
+        `read`: the rows whose cache the caller copies from, each from which token on
+        (None: all, from the first); the others leave with no cache (a one-token answer
+        leaves nothing to copy, and a view per row is host work on every sentence)."""
         wanted = set(uids)
         removed = {}
         for group in (self.prefilling, self.ready):
@@ -486,7 +492,8 @@ class Generator:
                 self.rows[i].cache = []
                 removed[self.rows[i].uid] = self.rows[i]
             viewed = [self.rows[i] for i in leaving if read is None or self.rows[i].uid in read]
-            for row, cache in zip(viewed, self.caches_of(viewed)):
+            firsts = None if read is None else [read[row.uid] for row in viewed]
+            for row, cache in zip(viewed, self.caches_of(viewed, firsts)):
                 row.cache = cache
             self._keep([i for i in range(len(self.rows)) if self.rows[i].uid not in wanted])
         return removed
@@ -503,16 +510,25 @@ class Generator:
             self.inputs = self.inputs[mx.array(keep)]
         self.rows = rows
 
-    def caches_of(self, sequences: list[SequenceState]) -> list[list[Any]]:
-        """The single-sequence caches holding each of `sequences`' `tokens`, to copy from
-        (for a batch row, a view of the batch's: read it before the next step changes the
-        batch). The views of all of them come from one pass over the batch's layers."""
+    def caches_of(self, sequences: list[SequenceState], firsts: Sequence[int] | None = None
+                  ) -> list[KVSource]:
+        """What holds each of `sequences`' `tokens`, to copy from: its own cache, or for a
+        batch row a view of the batch's (read it before the next step changes the batch),
+        all made in one pass over the batch's layers. Given `firsts` (the earliest token
+        each is copied from), rows of a plain KV batch come as `BatchRow`s, whose spans
+        copy every layer at once."""
         if len(self.rows) == 1:
             return [self.cache if s is self.rows[0] else s.cache for s in sequences]
         positions = {id(row): i for i, row in enumerate(self.rows)}
-        rows = [positions[id(s)] for s in sequences if id(s) in positions]
-        views = iter(row_views(self.cache, rows) if rows else [])
-        return [next(views) if id(s) in positions else s.cache for s in sequences]
+        inside = [i for i, s in enumerate(sequences) if id(s) in positions]
+        rows = [positions[id(sequences[i])] for i in inside]
+        views = None
+        if rows and firsts is not None:
+            views = batch_rows(self.cache, rows, [firsts[i] for i in inside])
+        if rows and views is None:
+            views = row_views(self.cache, rows)
+        found = dict(zip(inside, views or []))
+        return [found.get(i, s.cache) for i, s in enumerate(sequences)]
 
 
 def _spans(sequence: SequenceState, depth: int) -> list[Span]:

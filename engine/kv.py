@@ -27,6 +27,7 @@ from mlx import nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine.mlx_lm_internals import (
+    BatchRow,
     cache_arrays,
     clone_cache,
     kv_span,
@@ -36,17 +37,22 @@ from engine.mlx_lm_internals import (
 )
 from radix.tree import Node
 
+# Per layer keys (or values) of a span, each [1, heads, tokens, dim]: a list of them, or
+# one array stacked over layers ([layers, 1, heads, tokens, dim], copied out of a batch
+# in one operation). Either way `keys[layer]` is a layer's.
+LayerArrays = Sequence[mx.array] | mx.array
+
 
 class KVSegment:
-    """Keys and values of one token span, per layer, shaped [1, heads, tokens, dim]."""
+    """Keys and values of one token span, per layer (`LayerArrays`)."""
 
     splittable = True
 
-    def __init__(self, keys: list[mx.array], values: list[mx.array],
+    def __init__(self, keys: LayerArrays, values: LayerArrays,
                  defer: Callable[[KVSegment], None] | None = None) -> None:
         self.keys = keys
         self.values = values
-        self.nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values))
+        self.nbytes = _nbytes(keys) + _nbytes(values)
         # Hands the copies a split makes to whoever evaluates them with other new handles
         # (its KVStore, at `settle`); None: the split evaluates them itself.
         self.defer = defer
@@ -57,22 +63,36 @@ class KVSegment:
         keys, values = zip(*(kv_span(layer, start, end) for layer in cache))
         return cls(list(keys), list(values))
 
+    @classmethod
+    def from_batch_row(cls, row: BatchRow, start: int, end: int) -> KVSegment:
+        """Copy tokens [start, end) of a batch row, all layers at once (lazily)."""
+        return cls(*row.span(start, end))
+
     @property
-    def arrays(self) -> list[mx.array]:
+    def arrays(self) -> list[LayerArrays]:
         """What to evaluate to materialize the copy."""
-        return [*self.keys, *self.values]
+        return [self.keys, self.values]
 
     def split(self, at: int) -> tuple[KVSegment, KVSegment]:
-        head = KVSegment([owned(k[..., :at, :]) for k in self.keys],
-                         [owned(v[..., :at, :]) for v in self.values], self.defer)
-        tail = KVSegment([owned(k[..., at:, :]) for k in self.keys],
-                         [owned(v[..., at:, :]) for v in self.values], self.defer)
+        head = KVSegment(_cut(self.keys, 0, at), _cut(self.values, 0, at), self.defer)
+        tail = KVSegment(_cut(self.keys, at, None), _cut(self.values, at, None), self.defer)
         if self.defer is None:
             mx.eval(head.arrays, tail.arrays)
         else:
             self.defer(head)
             self.defer(tail)
         return head, tail
+
+
+def _nbytes(arrays: LayerArrays) -> int:
+    return arrays.nbytes if isinstance(arrays, mx.array) else sum(a.nbytes for a in arrays)
+
+
+def _cut(arrays: LayerArrays, start: int, end: int | None) -> LayerArrays:
+    """Owned copies of tokens [start, end) of every layer's array, stacked or not."""
+    if isinstance(arrays, mx.array):
+        return owned(arrays[..., start:end, :])
+    return [owned(a[..., start:end, :]) for a in arrays]
 
 
 class CacheSnapshot:
@@ -120,16 +140,20 @@ class KVStore:
         self.segments = supports_segments(make_prompt_cache(model))
         self._unsettled: list[KVSegment | CacheSnapshot] = []
 
-    def handle(self, cache: list[Any], start: int, end: int) -> KVSegment | CacheSnapshot:
-        """The handle of tokens [start, end) of a single-sequence cache (a snapshot covers
-        everything the cache holds, which must then end at `end`). Its copy is computed
-        at the next `settle`, which must come before `cache` is written to again (or
-        the write copies the buffer the copy still reads)."""
-        if self.segments:
+    def handle(self, cache: list[Any] | BatchRow, start: int, end: int
+               ) -> KVSegment | CacheSnapshot:
+        """The handle of tokens [start, end) of a single-sequence cache, or of a batch's
+        row (a snapshot covers everything the cache holds, which must then end at `end`).
+        Its copy is computed at the next `settle`, which must come before `cache` is
+        written to again (or the write copies the buffer the copy still reads)."""
+        if isinstance(cache, BatchRow):
+            handle = KVSegment.from_batch_row(cache, start, end)
+        elif self.segments:
             handle = KVSegment.from_cache(cache, start, end)
-            handle.defer = self._defer  # and what splitting it copies
         else:
             handle = CacheSnapshot.from_cache(cache)
+        if isinstance(handle, KVSegment):
+            handle.defer = self._defer  # and what splitting it copies
         self._unsettled.append(handle)
         return handle
 

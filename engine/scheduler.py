@@ -48,7 +48,7 @@ from engine.api import FinishReason, SamplingParams, SchedulerCounters
 from engine.disk_store import DiskStore
 from engine.distributed import RankGroup
 from engine.generation import Generation
-from engine.generator import Generator, Output, SequenceState
+from engine.generator import Generator, KVSource, Output, SequenceState
 from engine.grammar import ConstraintFailed, Grammars
 from engine.kv import KVStore
 from engine.loader import LoadedModel
@@ -441,7 +441,8 @@ class Scheduler:
                 log.error("prefill of %s failed: %r", generation.id, error)
                 self._release(generation, None)
                 self._fail(generation, error)
-            caches = self.generator.caches_of(result.done)
+            caches = self.generator.caches_of(
+                result.done, [self.running[s.uid].hold.depth for s in result.done])
             for sequence, cache in zip(result.done, caches):
                 self._prompt_computed(self.running[sequence.uid], cache)
             self._take(result.outputs)
@@ -476,13 +477,13 @@ class Scheduler:
             return budget.chunk if decoding else budget.idle_chunk
         return budget.tokens(decoding, self.generator.prompt_tokens_left)
 
-    def _prompt_computed(self, generation: Generation, cache: list) -> None:
+    def _prompt_computed(self, generation: Generation, cache: KVSource) -> None:
         """The prompt's KV (all but its last token) is computed, in `cache`: share it now,
         while this generation goes on to decode."""
         generation.prompt_done = True
         self._publish(generation, cache)
 
-    def _publish(self, generation: Generation, cache: list) -> None:
+    def _publish(self, generation: Generation, cache: KVSource) -> None:
         tokens = generation.tokens
         blocker = generation.hold.publish(tokens, len(tokens) - 1, self._handle_of(cache),
                                           generation.snapshots)
@@ -494,7 +495,7 @@ class Scheduler:
             # whole cache while it decodes, so the rest follows once that one is done.
             blocker.add_done_callback(lambda _: self.inbox.put(Republish(generation)))
 
-    def _handle_of(self, cache: list) -> HandleOf:
+    def _handle_of(self, cache: KVSource) -> HandleOf:
         return lambda start, end: self.kv.handle(cache, start, end)
 
     def _republish(self, generation: Generation) -> None:
@@ -505,7 +506,8 @@ class Scheduler:
             # A snapshot is of the whole state, which is past the prompt by now.
             self._wake_followers(generation)
             return
-        self._publish(generation, self.generator.caches_of([sequence])[0])
+        self._publish(generation,
+                      self.generator.caches_of([sequence], [generation.hold.depth])[0])
 
     def _on_token(self, generation: Generation, output: Output
                   ) -> tuple[FinishReason, str | int | None] | None:
@@ -529,7 +531,8 @@ class Scheduler:
         64 streams ending at one step would otherwise copy it 64 times."""
         sequences = self.generator.remove(
             (g.sequence.uid for g, _, _ in endings),
-            read={g.sequence.uid for g, _, _ in endings if self._shares_on_release(g)})
+            read={g.sequence.uid: g.hold.depth for g, _, _ in endings
+                  if self._shares_on_release(g)})
         for generation, reason, matched_stop in endings:
             del self.running[generation.sequence.uid]
             self._release(generation, sequences[generation.sequence.uid])
