@@ -147,6 +147,13 @@ def row_views(cache: list[Any], rows: Sequence[int]) -> list[list[Any]]:
     return views
 
 
+# The most row-tokens (rows x columns) one stack of a run of batch rows holds: the stack
+# is a transient copy beside the handles copied out of it (64 sentences of ~20 tokens
+# fit; 64 streams ending together after 1000 tokens each are stacked one by one, each
+# stack then being the row's handle itself).
+MAX_STACKED_TOKENS = 4096
+
+
 class BatchRow:
     """Row `row` of a batch cache's plain KV layers, to copy token spans of from: the
     keys and values of every layer stacked in one array ([layers, rows, heads, tokens,
@@ -172,20 +179,24 @@ def batch_rows(cache: list[Any], rows: Sequence[int], firsts: Sequence[int]
     """Rows of a batch cache to copy spans of from token `firsts[i]` of each on (lazily:
     what they read is copied when the spans are evaluated, before the batch is written
     again). Each run of consecutive rows is stacked over layers once, from the earliest
-    column any of them needs (rows end together in a left-padded batch). None unless
-    every layer is plain KV."""
+    column any of them needs (rows end together in a left-padded batch), up to
+    `MAX_STACKED_TOKENS`. None unless every layer is plain KV."""
     if not all(type(layer) is BatchKVCache for layer in cache):
         return None
     paddings = cache[0].left_padding.tolist()  # every layer has the same padding
     end = cache[0]._idx
     found: dict[int, BatchRow] = {}
-    order = sorted(range(len(rows)), key=lambda i: rows[i])
     runs: list[list[int]] = []
-    for i in order:
-        if runs and rows[i] == rows[runs[-1][-1]] + 1:
+    columns = 0  # of the last run
+    for i in sorted(range(len(rows)), key=lambda i: rows[i]):
+        needed = end - paddings[rows[i]] - firsts[i]
+        if runs and rows[i] == rows[runs[-1][-1]] + 1 and (
+                len(runs[-1]) + 1) * max(columns, needed) <= MAX_STACKED_TOKENS:
             runs[-1].append(i)
+            columns = max(columns, needed)
         else:
             runs.append([i])
+            columns = needed
     for run in runs:
         top = rows[run[0]]
         low = min(paddings[rows[i]] + firsts[i] for i in run)

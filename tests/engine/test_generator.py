@@ -109,6 +109,16 @@ def test_short_prompts_fitting_one_chunk_are_prefilled_together(model) -> None:
     for row in done:
         assert row.tokens == prompts[row.uid]
         assert_cache_holds(model, generator.caches_of([row])[0], row.tokens)
+    # What the tree copies of each row past the preamble comes out of the batch in one
+    # array for all layers, holding what the row's cache holds.
+    start = len(preamble)
+    for row, source in zip(done, generator.caches_of(done, [start] * len(done))):
+        keys, values = source.span(start, len(row.tokens))
+        for layer, view in enumerate(generator.caches_of([row])[0]):
+            assert mx.array_equal(keys[layer], view.keys[..., start:, :]).item()
+            assert mx.array_equal(values[layer], view.values[..., start:, :]).item()
+    with pytest.raises(ValueError):  # the tokens before `start` were not read
+        generator.caches_of(done[:1], [start])[0].span(start - 1, start)
     # Their first tokens come with the prefill, the rest from decode steps.
     assert [o.uid for o in result.outputs] == [0, 1, 2, 3]
     later = greedy_tokens(generator, [0, 1, 2, 3], 3)
