@@ -89,9 +89,9 @@ class SequenceState:
     # Positions (lengths of `tokens`) where prefill ends a chunk and calls the generator's
     # `at_stop`: ascending, inside the prompt's `unfed` tokens but its last.
     stops: list[int] = field(default_factory=list)
-    # The cached segments (each with per-layer `keys` and `values`) `cache` was built
-    # from, the same objects for sequences that share them, until it is fed: prompts
-    # prefilled together copy a segment they share into their batch once for all.
+    # The cached segments (each `length` tokens of per-layer `keys` and `values`) `cache`
+    # was built from, the same objects for sequences that share them, until it is fed:
+    # prompts prefilled together copy a segment they share into their batch once for all.
     prefix: list[Any] | None = field(default=None, repr=False)
     context: mx.array | None = None  # the token history processors see
     grammar: GrammarState | None = None  # the output constraint; it takes in every token
@@ -539,7 +539,7 @@ def _spans(sequence: SequenceState, depth: int) -> list[Span]:
         return [([c.keys for c in cache], [c.values for c in cache], depth)] if depth else []
     spans = []
     for segment in sequence.prefix:
-        n = min(depth, segment.keys[0].shape[2])
+        n = min(depth, segment.length)
         if n == 0:
             break
         spans.append((segment.keys, segment.values, n))

@@ -53,6 +53,7 @@ class KVSegment:
         self.keys = keys
         self.values = values
         self.nbytes = _nbytes(keys) + _nbytes(values)
+        self.length = keys[0].shape[-2]  # tokens (read once: a stacked array's is a slice)
         # Hands the copies a split makes to whoever evaluates them with other new handles
         # (its KVStore, at `settle`); None: the split evaluates them itself.
         self.defer = defer
