@@ -1,12 +1,14 @@
 """The server process's CPU time per sentence of the classify lists, over HTTP (a
 measurement script for this folder's README).
 
-    cd CHECKOUT && LD_PRELOAD=.../libblas.so.3 python server_cpu.py MODEL_DIR PORT
+    cd CHECKOUT && LD_PRELOAD=.../libblas.so.3 python server_cpu.py MODEL_DIR PORT [--h100]
 
 Starts `python -m server` from the current directory (the code to measure), sends two
 untimed lists, empties the cache, then sends the workload's lists one after another (the
 default shapes: 128 sentences in lists of 32) and prints one JSON object: sentences/s
 and the server's user+system CPU per sentence (its engine, its MLX threads, HTTP).
+`--h100` (for ../classify-host2): the H100's shape instead (512 sentences in lists of
+64, 48-token preamble, 16-token sentences, the server at --max-batch-size 64), sent twice.
 """
 
 import json
@@ -23,11 +25,15 @@ from bench.workloads import Shapes, build_all
 
 def main() -> None:
     model, port = sys.argv[1], int(sys.argv[2])
-    workload = next(w for w in build_all(Path(model), Shapes(), 0) if w.name == "classify")
-    texts = [c.user_turns[0] for c in workload.conversations]
+    h100 = sys.argv[3:] == ["--h100"]
+    shapes = Shapes(cl_sentences=512, cl_batch=64, cl_preamble_tokens=48,
+                    cl_sentence_tokens=16) if h100 else Shapes()
+    workload = next(w for w in build_all(Path(model), shapes, 0) if w.name == "classify")
+    texts = [c.user_turns[0] for c in workload.conversations] * (2 if h100 else 1)
     server = subprocess.Popen(
         [sys.executable, "-m", "server", "--model", model, "--host", "127.0.0.1",
-         "--port", str(port), "--disk-cache-bytes", "0"],
+         "--port", str(port), "--disk-cache-bytes", "0",
+         *(["--max-batch-size", "64"] if h100 else [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def cpu_seconds() -> float:
