@@ -255,7 +255,7 @@ class Generator:
     def _build_cache(self, sequence: SequenceState) -> None:
         """Give a sequence its own cache, assembled from `prefix`, if it has none yet."""
         if sequence.cache is None:
-            sequence.cache = assemble(sequence.prefix) or make_prompt_cache(self.model)
+            sequence.cache = assemble(sequence.prefix, self.model)
 
     def _group(self, budget: int) -> tuple[list[SequenceState], int | None]:
         """Prompts at the front of the queue to compute in one forward of at most `budget`

@@ -118,14 +118,15 @@ class CacheSnapshot:
         raise TypeError("a whole-state snapshot cannot be split")
 
 
-def assemble(handles: Sequence[KVSegment | CacheSnapshot]) -> list[Any] | None:
-    """A fresh cache holding the state of a matched path, or None for an empty path.
+def assemble(handles: Sequence[KVSegment | CacheSnapshot], model: nn.Module) -> list[Any]:
+    """A fresh cache of `model` holding the state of a matched path (empty for an empty
+    path).
 
     Segments are copied per layer into one buffer with room to grow; a snapshot path
     reuses the deepest snapshot only (it already contains everything before it).
     """
     if not handles:
-        return None
+        return make_prompt_cache(model)
     last = handles[-1]
     if isinstance(last, CacheSnapshot):
         return clone_cache(last.cache)
@@ -178,7 +179,7 @@ class KVStore:
 
     def assemble(self, node: Node) -> list[Any]:
         """A fresh cache holding the state of the path from the root down to `node`."""
-        return assemble(path_handles(node)) or make_prompt_cache(self.model)
+        return assemble(path_handles(node), self.model)
 
 
 def path_handles(node: Node) -> list[Any]:
