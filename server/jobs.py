@@ -55,6 +55,8 @@ class Job:
 
         All or nothing: if the engine refuses one, those already queued are cancelled."""
         self.n = n
+        # Known now, so a request whose client leaves before its Finish still logs it.
+        self.stats.prompt_tokens = sum(len(prompt.tokens) for prompt in prompts)
         try:
             for prompt in prompts:
                 for j in range(n):

@@ -32,9 +32,9 @@ def _wait_idle(server: ServerProcess, timeout: float = 10.0) -> dict[str, float]
 def test_disconnect_mid_stream_cancels_the_request(
     server: ServerProcess, headers: dict[str, str]
 ) -> None:
-    body = {"prompt": "Tell me everything.", "stream": True, **LONG}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers,
-                      timeout=30) as response:
+    body = {"prompt": [5, 6, 7, 8, 9], "stream": True, **LONG}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30,
+                      headers={**headers, "X-Request-Id": "leaves-mid-stream"}) as response:
         lines = response.iter_lines()
         assert sum(line.startswith("data:") for line, _ in zip(lines, range(8))) >= 3
         assert server.metrics()["radix_mlx_running_requests"] >= 1
@@ -42,6 +42,9 @@ def test_disconnect_mid_stream_cancels_the_request(
     metrics = _wait_idle(server)
     assert metrics["radix_mlx_running_requests"] == 0
     assert metrics["radix_mlx_tree_pinned_bytes"] == 0
+    # The operator's line still says how big the request was.
+    line = next(line for line in server.log().splitlines() if "leaves-mid-stream" in line)
+    assert "prompt=5 " in line and "completion=0 " not in line
 
 
 def test_disconnect_while_waiting_for_a_whole_response(
