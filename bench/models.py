@@ -6,7 +6,8 @@ GPU runs, or a tiny one for measuring the host's Python on the CPU.
 
 The demo tokenizer (a ~4k-token BPE), so the vocabulary is far smaller than the real
 models' 128k, unless --tokenizer-from takes another model's tokenizer (and vocabulary
-size): the default model's, for a 49k vocabulary as grammar masks meet it. Everything
+size): the default model's, for a 49k vocabulary as grammar masks meet it, or
+`python -m bench.tekken`'s, for a 131k one. Everything
 else (hidden size, layers, heads, KV heads, MLP) is the shape's.
 Weights are drawn with MLX on the device in the target dtype: an 8B model drawn in numpy
 float32 (as `engine.demo_model` does for its small models) would take minutes and 32 GB.
