@@ -1,0 +1,3 @@
+import os, sys
+if os.environ.get("SWITCH_MS"):
+    sys.setswitchinterval(float(os.environ["SWITCH_MS"]) / 1000)
