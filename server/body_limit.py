@@ -8,9 +8,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError
 
-# The largest request head. uvicorn's h11 enforces it only while a head is incomplete: one
-# that arrives within a single socket read (up to ~128 KiB on loopback) is parsed whole,
-# so it is checked again here, whatever the reads were.
+# The largest request head. server/http_protocol.py enforces it only while a head is
+# incomplete: one that arrives within a single socket read (up to ~128 KiB on loopback) is
+# parsed whole, so it is checked again here, whatever the reads were.
 MAX_HEADER_BYTES = 64 * 1024
 
 

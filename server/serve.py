@@ -19,9 +19,9 @@ from engine.platform_info import describe_platform
 from engine.process import EngineProcess
 from server import tensor_parallel
 from server.app import create_app
-from server.body_limit import MAX_HEADER_BYTES
 from server.config import ConfigError, Settings, default_disk_cache_dir, load_settings
 from server.drain import CANCEL_GRACE_SECONDS, Drain
+from server.http_protocol import BoundedHeadProtocol
 from server.logs import configure_logging
 
 log = logging.getLogger("radix_mlx.server")
@@ -115,8 +115,7 @@ def run(settings: Settings) -> int:
         app,
         host=settings.host,
         port=settings.port,
-        http="h11",  # its event-size limit is our header limit
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        http=BoundedHeadProtocol,
         log_config=None,  # keep the logging configured above
         access_log=False,  # radix_mlx.access writes a richer line
         # The drain above already waited for in-flight requests; uvicorn only closes
