@@ -2,9 +2,9 @@
 the request head.
 
 With the engine in this process, the event loop's Python per streamed token is taken
-from the decode loop (the GIL). h11's pure-Python state machine and chunk writer were a
-fifth of the loop's CPU per token; llhttp parses in C and uvicorn's httptools protocol
-frames a chunk in a few lines (bench/results/cpu-amd-epyc-2c/server-token-cpu).
+from the decode loop (the GIL). h11's pure-Python state machine and chunk writer were
+13% of the loop's CPU per streamed token; llhttp parses in C and uvicorn's httptools
+protocol frames a chunk in a few lines (bench/results/cpu-amd-epyc-2c/server-token-cpu).
 
 h11 refused a head over its buffer limit; llhttp keeps a header's name and value itself
 until they end, so the bytes of an unfinished head are counted here instead.
