@@ -256,6 +256,8 @@ OVERSIZED = {
     "100 KiB header in one write": (HEAD + b"\r\nX-Big: " + b"a" * 100 * KIB + b"\r\n\r\n", None),
     "100 KiB header in 8 KiB pieces": (
         HEAD + b"\r\nX-Big: " + b"a" * 100 * KIB + b"\r\n\r\n", 8 * KIB),
+    # Never ends: refused by the count of its bytes, not by waiting for the head to end.
+    "unfinished 1 MiB header in 8 KiB pieces": (HEAD + b"\r\nX-Big: " + b"a" * KIB * KIB, 8 * KIB),
     "30000 headers": (
         HEAD + b"\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(30000)) + b"\r\n", None),
     "256 KiB path": (b"GET /" + b"a" * 256 * KIB + b" HTTP/1.1\r\nHost: x\r\n\r\n", None),
