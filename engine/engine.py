@@ -188,17 +188,24 @@ class Engine:
         threading.Event().wait()
 
     def _serve(self) -> None:
-        if self.group is None:
-            self._scheduler.run(beat=self._on_turn)
-            return
-        self._last_turn = time.monotonic()
-        threading.Thread(target=self._watch_group, name="radix-mlx-rank-watchdog",
-                         daemon=True).start()
-        self._scheduler.run(beat=self._turned)
+        """Run the scheduler; its events reach each asyncio loop with one wake-up per
+        turn (`LoopRelays.gathering`)."""
+        with self._relays.gathering():
+            if self.group is None:
+                self._scheduler.run(beat=self._beat)
+                return
+            self._last_turn = time.monotonic()
+            threading.Thread(target=self._watch_group, name="radix-mlx-rank-watchdog",
+                             daemon=True).start()
+            self._scheduler.run(beat=self._turned)
+
+    def _beat(self) -> None:
+        self._relays.wake()
+        self._on_turn()
 
     def _turned(self) -> None:
         self._last_turn = time.monotonic()
-        self._on_turn()
+        self._beat()
 
     def _watch_group(self) -> None:
         """A rank that hangs (or a collective that never returns, as NCCL's may not when
