@@ -2,9 +2,8 @@
 
 Everything MLX happens in one worker thread (see scheduler.py). Callers on an asyncio
 loop submit requests through a thread-safe inbox and read events from a `RequestStream`
-that the worker feeds through its loop's `LoopRelay` (one wake-up of the loop per batch of
-events, not per token). The types callers see are in
-api.py, which imports no MLX.
+that the worker feeds through its loop's `LoopRelay` (one wake-up of the loop per engine
+step, not per token). The types callers see are in api.py, which imports no MLX.
 """
 
 from __future__ import annotations
