@@ -382,7 +382,8 @@ class LoopRelays:
     @contextmanager
     def gathering(self) -> Iterator[None]:
         """Within, the events the calling thread puts wait for `wake` (called at each
-        turn of the engine's loop); any left are sent on at the end."""
+        turn of the engine's loop and before a step's prompt forward); any left are sent
+        on at the end."""
         self._gatherer = threading.get_ident()
         try:
             yield

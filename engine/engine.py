@@ -188,15 +188,16 @@ class Engine:
 
     def _serve(self) -> None:
         """Run the scheduler; its events reach each asyncio loop with one wake-up per
-        turn (`LoopRelays.gathering`)."""
+        turn, and one more before a step's prompt forward, so decoded tokens do not wait
+        for it (`LoopRelays.gathering`)."""
         with self._relays.gathering():
             if self.group is None:
-                self._scheduler.run(beat=self._beat)
+                self._scheduler.run(beat=self._beat, deliver=self._relays.wake)
                 return
             self._last_turn = time.monotonic()
             threading.Thread(target=self._watch_group, name="radix-mlx-rank-watchdog",
                              daemon=True).start()
-            self._scheduler.run(beat=self._turned)
+            self._scheduler.run(beat=self._turned, deliver=self._relays.wake)
 
     def _beat(self) -> None:
         self._relays.wake()

@@ -172,6 +172,7 @@ class Scheduler:
         self.running: dict[int, Generation] = {}  # by the generator's uid
         self.parked: set[Generation] = set()  # waiting for a prefix being computed
         self.counters = SchedulerCounters()
+        self._deliver: Callable[[], None] = lambda: None  # set by `run`
         gpu = mx.default_device() == mx.gpu
         chunk = limits.prefill_chunk_tokens or (GPU_PREFILL_CHUNK if gpu else CPU_PREFILL_CHUNK)
         stall_ratio = limits.prefill_stall_ratio
@@ -203,10 +204,14 @@ class Scheduler:
     # -- the loop ---------------------------------------------------------------------
 
     def run(self, until_idle: bool = False,
-            beat: Callable[[], None] = lambda: None) -> None:
+            beat: Callable[[], None] = lambda: None,
+            deliver: Callable[[], None] = lambda: None) -> None:
         """Serve until `Stop` (or, warming up, until nothing is left to do: then every
         rank feeds itself the same requests). `beat` is called at every turn, for a
-        watchdog. Under tensor parallelism a failed step raises: the group is lost."""
+        watchdog. `deliver` sends on the events put so far; a step calls it between its
+        decode and its prompts' forward, so decoded tokens do not wait for that forward.
+        Under tensor parallelism a failed step raises: the group is lost."""
+        self._deliver = deliver
         shared = self.group is not None and not until_idle
         while not self._stopping:
             beat()
@@ -432,6 +437,7 @@ class Scheduler:
         decoding = self.generator.decoding
         prefilled = 0
         if self.generator.prefilling and (budget := self._prefill_tokens(decoding)):
+            self._deliver()
             result = self.generator.prefill(budget)
             prefilled = result.tokens
             if result.failed and self.group is not None:
