@@ -111,6 +111,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a fresh start of each server per workload, servers alternating, "
                              "so caches start empty and each ratio is measured minutes apart "
                              "at most (default); --no-restart-per-workload: one start each")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="measure every workload N times on each server, servers "
+                             "alternating, and the bare mlx-lm batch baselines N times: the "
+                             "tables and targets are medians over rounds, results.json keeps "
+                             "each round's numbers (default: 1)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib)")
     parser.add_argument("--no-raw", action="store_true",
                         help="skip the bare mlx_lm.stream_generate baseline")
@@ -126,6 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.servers.split(",")) - {*SPECS, LLAMA_CPP}
     if unknown:
         parser.error(f"unknown servers: {', '.join(sorted(unknown))}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     return args
 
 
@@ -261,24 +268,29 @@ def server_args(spec: ServerSpec, args: argparse.Namespace) -> list[str]:
 
 def run_server(results: dict, spec: ServerSpec, args: argparse.Namespace, model: Path,
                env: dict[str, str], out: Path, warm_up: Workload,
-               workloads: list[Workload]) -> None:
-    """Start one server, measure `workloads` on it, stop it, merge into `results`."""
+               workloads: list[Workload], round_index: int = 0) -> None:
+    """Start one server, measure `workloads` on it, stop it, and add what it measured to
+    `results` as round `round_index` (`medians_over_rounds` makes the tables' numbers)."""
     name = spec.name
     workloads = [w for w in workloads if spec.list_prompts or not w.batch]
     if not workloads:
         return
     label = name if len(workloads) > 1 else f"{name}-{workloads[0].name}"
+    if args.rounds > 1:
+        label += f"-round{round_index + 1}"
     print(f"bench: starting {label} on {model}", file=sys.stderr, flush=True)
     extra_args = server_args(spec, args)
     with running(spec, model, env, out / "logs" / f"{label}.log", extra_args) as server:
         summaries, records = asyncio.run(measure(server, warm_up, workloads))
         died = server.process.poll()
     entry = results["servers"].setdefault(name, {
-        "argv": server.argv, "notes": spec.notes, "workloads": {}, "requests": {},
-        "exit_code_during_run": None, "router_workers": spec.router_workers,
+        "argv": server.argv, "notes": spec.notes, "workloads": {}, "rounds": {},
+        "requests": {}, "exit_code_during_run": None, "router_workers": spec.router_workers,
         "tensor_parallel": spec.tensor_parallel})
-    entry["workloads"].update(summaries)
-    entry["requests"].update(records)
+    for workload, summary in summaries.items():
+        entry["rounds"].setdefault(workload, []).append(summary)
+        entry["requests"].setdefault(workload, []).extend(
+            {**record, "round": round_index} for record in records[workload])
     if died is not None:
         entry["exit_code_during_run"] = died
 
@@ -339,6 +351,7 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
         "model": describe_model(model.directory),
         "shapes": shapes.as_dict(),
         "seed": args.seed,
+        "rounds": args.rounds,
         "workloads": [w.name for w in workloads],
         "servers": {},
         "skipped_servers": skipped,
@@ -352,16 +365,21 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
                   for policy in REPLICA_POLICIES]
     if args.tensor_parallel > 1:
         specs.append(tensor_parallel(args.tensor_parallel))
-    rounds = [[w] for w in workloads] if args.restart_per_workload else [workloads] * bool(
+    batches = [[w] for w in workloads] if args.restart_per_workload else [workloads] * bool(
         workloads)
-    for batch in rounds:
-        for spec in specs:
-            measured = [w for w in batch
-                        if (not spec.router_workers or w.name in REPLICA_WORKLOADS)
-                        and (not spec.tensor_parallel or w.name in TP_WORKLOADS)]
-            if measured:
-                served = model.gguf if spec.serves_gguf else model.directory
-                run_server(results, spec, args, served, env, out, warm_up, measured)
+    for round_index in range(args.rounds):
+        for batch in batches:
+            for spec in specs:
+                measured = [w for w in batch
+                            if (not spec.router_workers or w.name in REPLICA_WORKLOADS)
+                            and (not spec.tensor_parallel or w.name in TP_WORKLOADS)]
+                if measured:
+                    served = model.gguf if spec.serves_gguf else model.directory
+                    run_server(results, spec, args, served, env, out, warm_up, measured,
+                               round_index)
+    for entry in results["servers"].values():
+        entry["workloads"] = {workload: report.median_summary(rounds)
+                              for workload, rounds in entry["rounds"].items()}
     if set(wanted) & set(disk_tier.WORKLOADS):
         print("bench: radix-mlx with and without its disk tier", file=sys.stderr, flush=True)
         results["disk_tier"] = disk_tier.run(wanted, model.directory, shapes, env, out,
@@ -375,9 +393,11 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
                 "--max-tokens", shapes.decode_output_tokens, "--repeats", shapes.decode_repeats)
         for name in (w.name for w in workloads if w.name in RAW_BATCH_WORKLOADS):
             print(f"bench: bare mlx_lm.batch_generate ({name})", file=sys.stderr, flush=True)
-            results.setdefault("raw_batch", {})[name] = child_json(
-                "bench.raw_batch", model.directory, env, name, "--seed", args.seed,
-                "--shapes", json.dumps(shapes.as_dict()))
+            rounds = [child_json("bench.raw_batch", model.directory, env, name, "--seed",
+                                 args.seed, "--shapes", json.dumps(shapes.as_dict()))
+                      for _ in range(args.rounds)]
+            results.setdefault("raw_batch", {})[name] = {
+                **report.median_summary(rounds), "rounds": rounds}
     if not args.no_structured:
         print("bench: constrained vs free decoding", file=sys.stderr, flush=True)
         results["structured"] = child_json(

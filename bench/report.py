@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +88,37 @@ def summarize(run: WorkloadRun, peak_rss: int, peak_active: int | None) -> dict:
     return summary
 
 
+def median_summary(rounds: list[dict]) -> dict:
+    """One summary of a workload measured in several rounds: each number the median of its
+    rounds' (counts stay whole: the lower median), anything else the first round's."""
+    merged = {}
+    for key, first in rounds[0].items():
+        values = [r.get(key) for r in rounds]
+        numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+        if not numbers or len(numbers) < len(values):
+            merged[key] = first
+        elif all(isinstance(v, int) for v in numbers):
+            merged[key] = statistics.median_low(numbers)
+        else:
+            merged[key] = statistics.median(numbers)
+    return merged
+
+
+def round_view(results: dict, index: int) -> dict:
+    """`results` as round `index` alone measured it: each server's summaries and the bare
+    baselines of that round (what a round did not measure is left out)."""
+    view = dict(results)
+    view["servers"] = {
+        name: {**entry, "workloads": {workload: rounds[index]
+                                      for workload, rounds in entry.get("rounds", {}).items()
+                                      if index < len(rounds)}}
+        for name, entry in results["servers"].items()}
+    view["raw_batch"] = {name: measured["rounds"][index]
+                         for name, measured in results.get("raw_batch", {}).items()
+                         if index < len(measured.get("rounds", []))}
+    return view
+
+
 def decode_bandwidth(results: dict) -> dict | None:
     """What radix-mlx's batch_decode step reads per second: the weights plus every stream's
     KV at its mean length (prompt + half the reply), over the step time (ITL p50)."""
@@ -109,7 +141,21 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def targets(results: dict) -> list[dict]:
-    """The issue's targets, evaluated on this run (reported, never asserted)."""
+    """The issue's targets, evaluated on this run (reported, never asserted): on the
+    medians over rounds, with each round's own value beside it when there were several."""
+    rows = [{"target": name, "value": value, "goal": goal,
+             "met": None if value is None else check(value)}
+            for name, value, goal, check in target_values(results)]
+    if results.get("rounds", 1) > 1:
+        per_round = [{name: value for name, value, _, _ in target_values(round_view(results, i))}
+                     for i in range(results["rounds"])]
+        for row in rows:
+            row["rounds"] = [values.get(row["target"]) for values in per_round]
+    return rows
+
+
+def target_values(results: dict) -> list[tuple]:
+    """(target, value, goal, check) for every target this run measured the numbers of."""
     ours = results["servers"].get(OURS, {}).get("workloads", {})
     theirs = results["servers"].get(THEIRS, {}).get("workloads", {})
 
@@ -166,9 +212,7 @@ def targets(results: dict) -> list[dict]:
                      ratio(ours.get("classify", {}).get("requests_s"),
                            raw_batch["classify"]["prompts_s"]),
                      ">= 2.0", lambda v: v >= 2.0))
-    return [{"target": name, "value": value, "goal": goal,
-             "met": None if value is None else check(value)}
-            for name, value, goal, check in rows]
+    return rows
 
 
 def replica_rows(results: dict) -> list[dict]:
@@ -259,6 +303,9 @@ def markdown(results: dict) -> str:
         "",
         "## Per server and workload",
         "",
+        *([(f"Each number is the median of {results['rounds']} rounds, the servers "
+           "alternating (every round's: results.json, `rounds`)."), ""]
+          if results.get("rounds", 1) > 1 else []),
         "| workload | server | " + " | ".join(label for _, label, *_ in METRICS) + " |",
         "|---|---|" + "---:|" * len(METRICS),
     ]
@@ -285,11 +332,20 @@ def markdown(results: dict) -> str:
         [[row["server"], str(row["ranks"]), fmt(row["decode_tok_s"], "{:.1f}"),
           fmt(row["decode_speedup"], "{:.2f}x"), fmt(row["prefill_tok_s"], "{:.0f}"),
           fmt(row["prefill_speedup"], "{:.2f}x")] for row in tensor_parallel_rows(results)])
-    lines += ["", "## Targets", "", "| target | value | goal | met |", "|---|---:|---|---|"]
+    rounds = results.get("rounds", 1)
+    lines += ["", "## Targets", ""]
+    if rounds > 1:
+        lines += [(f"Values are medians of {rounds} rounds (servers alternating); each "
+                  "round's own value follows."), "",
+                  "| target | value | goal | met | rounds |", "|---|---:|---|---|---|"]
+    else:
+        lines += ["| target | value | goal | met |", "|---|---:|---|---|"]
     for row in results.get("targets", []):
         met = {True: "yes", False: "no", None: "n/a"}[row["met"]]
+        each = (" " + ", ".join(fmt(v, "{:.2f}") for v in row.get("rounds", [])) + " |"
+                if rounds > 1 else "")
         lines.append(f"| {row['target']} | {fmt(row['value'], '{:.2f}')} | {row['goal']} "
-                     f"| {met} |")
+                     f"| {met} |{each}")
     # Replicas run only the workloads above; these two sections are single servers'.
     single = {name: data for name, data in results["servers"].items()
               if not data.get("router_workers")}

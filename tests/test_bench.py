@@ -13,7 +13,7 @@ pytest.importorskip("psutil")
 
 from bench.__main__ import BenchModel, describe_model, main, model_dirs, parse_args, server_specs
 from bench.medians import main as medians
-from bench.report import replica_rows, targets, write
+from bench.report import median_summary, replica_rows, targets, write
 from bench.workloads import QUICK, build_all
 from tests.engine.gguf_files import write_demo_gguf
 
@@ -92,15 +92,51 @@ def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
         assert shared["errors"] == 0 and shared["cached_tokens"] >= 2 * 64
 
 
-def test_workloads_flag_runs_only_those(demo_model_dir: Path, tmp_path: Path) -> None:
+def test_workloads_flag_runs_only_those_and_rounds_repeat_them(demo_model_dir: Path,
+                                                               tmp_path: Path) -> None:
     main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-raw",
           "--no-plots", "--no-structured", "--out", str(tmp_path), "--workloads",
-          "single_stream", *TOY])
+          "single_stream", "--rounds", "2", *TOY])
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["workloads"] == ["single_stream"]
-    assert set(results["servers"]["radix-mlx"]["workloads"]) == {"single_stream"}
-    with pytest.raises(SystemExit):
-        main(["--workloads", "single_stream,nope"])
+    assert results["workloads"] == ["single_stream"] and results["rounds"] == 2
+    server = results["servers"]["radix-mlx"]
+    assert set(server["workloads"]) == {"single_stream"}
+    # Each round measured on its own server start; the table's number is their median.
+    rounds = server["rounds"]["single_stream"]
+    assert len(rounds) == 2
+    assert server["workloads"]["single_stream"]["output_tok_s"] == pytest.approx(
+        sum(r["output_tok_s"] for r in rounds) / 2)
+    assert {r["round"] for r in server["requests"]["single_stream"]} == {0, 1}
+    assert sorted((tmp_path / "logs").iterdir())[0].name.endswith("-round1.log")
+    assert "median of 2 rounds" in (tmp_path / "results.md").read_text()
+    for argv in (["--workloads", "single_stream,nope"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+
+
+def test_targets_are_medians_over_rounds_with_each_rounds_value() -> None:
+    def ran(output_tok_s: float) -> dict:
+        return {"output_tok_s": output_tok_s, "requests_s": output_tok_s / 10}
+
+    ours = [ran(30.0), ran(20.0), ran(36.0)]
+    theirs = [ran(10.0), ran(10.0), ran(9.0)]
+    results = {"rounds": 3, "servers": {
+        "radix-mlx": {"rounds": {"no_share": ours, "classify": ours}},
+        "mlx-lm": {"rounds": {"no_share": theirs}},
+    }, "raw_batch": {"classify": {"rounds": [{"prompts_s": 1.0}, {"prompts_s": 4.0},
+                                            {"prompts_s": 2.0}]}}}
+    for entry in results["servers"].values():
+        entry["workloads"] = {w: median_summary(r) for w, r in entry["rounds"].items()}
+    results["raw_batch"]["classify"].update(
+        median_summary(results["raw_batch"]["classify"]["rounds"]))
+    by_name = {t["target"]: t for t in targets(results)}
+    no_share = by_name["no-share output tok/s vs mlx-lm"]
+    # The ratio of the medians (30 / 10), and round by round (not the median of ratios).
+    assert no_share["value"] == pytest.approx(3.0)
+    assert no_share["rounds"] == pytest.approx([3.0, 2.0, 4.0])
+    classify = by_name["classify sentences/s vs bare mlx_lm.batch_generate(max_tokens=1)"]
+    assert classify["value"] == pytest.approx(1.5)  # 3.0 sentences/s against 2.0
+    assert classify["rounds"] == pytest.approx([3.0, 0.5, 1.8])
 
 
 def test_a_gguf_model_is_benched_as_serve_converts_it(demo_model_dir: Path, tmp_path: Path):
