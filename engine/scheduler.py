@@ -454,14 +454,17 @@ class Scheduler:
             self._take(result.outputs)
         self.kv.settle()  # the KV this step published and released, copied at once
         seconds = time.perf_counter() - started
+        cpu_seconds = time.thread_time() - cpu_started
         self.prefill_budget.record(decoding, prefilled, seconds)
         if log.isEnabledFor(logging.DEBUG):  # a step trace, for `--log-level debug`
-            log.debug("step: %d rows, %d prompt tokens fed, %d prompts left, %.1f ms",
-                      len(self.generator.rows), prefilled, len(self.generator.prefilling),
-                      seconds * 1e3)
+            # The thread's CPU time is its host work (building and launching graphs); the
+            # rest of the wall time it waited for the device or the GIL.
+            log.debug("step: %d rows, %d prompt tokens fed, %d prompts left, %.1f ms, "
+                      "%.1f ms CPU", len(self.generator.rows), prefilled,
+                      len(self.generator.prefilling), seconds * 1e3, cpu_seconds * 1e3)
         self.counters.steps += 1
         self.counters.step_seconds += seconds
-        self.counters.step_cpu_seconds += time.thread_time() - cpu_started
+        self.counters.step_cpu_seconds += cpu_seconds
 
     def _take(self, outputs: list[Output]) -> None:
         """Give sampled tokens to their generations; those that end leave together."""
