@@ -183,6 +183,9 @@ class Scheduler:
             stall_ratio, limits.prefill_stall_floor, chunk,
             idle_chunk=max(GPU_PREFILL_CHUNK, chunk) if gpu else chunk)
         self.generator = Generator(loaded.model, self._snapshot_at_stop)
+        # Prompts that find the engine with nothing decoding are all prefilled before any
+        # of them decodes (see `_step`).
+        self.burst = False
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size)
         self._uids = itertools.count()
         self._stopping = False
@@ -432,9 +435,23 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------
 
     def _step(self) -> None:
+        """Decode the batch one token, then prefill what the budget allows.
+
+        A burst: prompts that arrive while nothing decodes (an idle engine, or the turns of
+        chats that ended together) are all prefilled, as many per forward as fit, before
+        any of them decodes, as mlx-lm's `BatchGenerator` does. Decoding the first while
+        the rest are prefilled would stall each started stream by the others' prompts,
+        and one forward a prompt costs a GPU its fixed per-forward time for each. A burst
+        takes what the admission limits let in (at most `max_batch_size` rows); requests
+        arriving once its rows decode wait for the prefill budget as usual."""
         started, cpu_started = time.perf_counter(), time.thread_time()
-        self._take(self.generator.decode())
-        decoding = self.generator.decoding
+        if not self.generator.decoding:
+            self.burst = True
+        if self.burst and not self.generator.prefilling:
+            self.burst = False
+        if not self.burst:
+            self._take(self.generator.decode())
+        decoding = self.generator.decoding and not self.burst
         prefilled = 0
         if self.generator.prefilling and (budget := self._prefill_tokens(decoding)):
             self._deliver()
@@ -592,6 +609,7 @@ class Scheduler:
         victims = list(self.running.values())
         self.running.clear()
         self.generator = Generator(self.loaded.model, self._snapshot_at_stop)
+        self.burst = False
         for generation in victims:
             generation.hold.abandon(error)
             generation.sequence = None
