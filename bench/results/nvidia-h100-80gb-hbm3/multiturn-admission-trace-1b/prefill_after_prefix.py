@@ -9,6 +9,7 @@ runs it: the cache built (a) as one presized segment, (b) assembled from 7 segme
 synchronized before and after; the assembly timed apart from the forward.
 """
 
+import itertools
 import statistics
 import sys
 import time
@@ -29,7 +30,7 @@ def segments(cache, cached, parts):
         cuts.append(cuts[-1] + int(share * cached))
     cuts.append(cached)
     out = []
-    for start, end in zip(cuts, cuts[1:]):
+    for start, end in itertools.pairwise(cuts):
         if end > start:
             seg = KVSegment.from_cache(cache, start, end)
             mx.eval(seg.arrays)
@@ -37,12 +38,15 @@ def segments(cache, cached, parts):
     return out
 
 
-def timed(fn, runs=7, warm=2):
+def timed(setup, fn, runs=7, warm=2):
+    """Median ms of `fn(setup())` after `warm` untimed runs, the device synchronized
+    before and after each (`setup`'s work is not timed)."""
     times = []
     for i in range(warm + runs):
+        arg = setup()
         mx.synchronize()
         start = time.perf_counter()
-        fn()
+        fn(arg)
         mx.synchronize()
         if i >= warm:
             times.append(time.perf_counter() - start)
@@ -63,20 +67,18 @@ def main():
             if cached == 0 and parts > 1:
                 continue
             segs = segments(full, cached, parts) if cached else []
-            assemble_ms = timed(lambda: mx.eval([c.state for c in assemble(segs, model)]))
 
-            def forward():
+            def built(segs=segs):
                 cache = assemble(segs, model)
                 mx.eval([c.state for c in cache])
-                mx.synchronize()
-                forward.start = time.perf_counter()
+                return cache
+
+            def forward(cache):
                 model(new, cache=cache)
                 mx.eval([c.state for c in cache])
-                mx.synchronize()
-                forward.times.append(time.perf_counter() - forward.start)
-            forward.times = []
-            timed(forward)
-            forward_ms = statistics.median(forward.times[2:]) * 1e3
+
+            assemble_ms = timed(lambda: None, lambda _, segs=segs: built(segs))
+            forward_ms = timed(built, forward)
             print(f"{cached:6d}  {parts:5d}  {assemble_ms:11.2f}  {forward_ms:10.2f}", flush=True)
 
 
