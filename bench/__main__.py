@@ -270,7 +270,7 @@ def run_server(results: dict, spec: ServerSpec, args: argparse.Namespace, model:
                env: dict[str, str], out: Path, warm_up: Workload,
                workloads: list[Workload], round_index: int = 0) -> None:
     """Start one server, measure `workloads` on it, stop it, and add what it measured to
-    `results` as round `round_index` (`medians_over_rounds` makes the tables' numbers)."""
+    `results` as round `round_index` (`report.median_summary` makes the tables' numbers)."""
     name = spec.name
     workloads = [w for w in workloads if spec.list_prompts or not w.batch]
     if not workloads:
