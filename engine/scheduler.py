@@ -474,8 +474,9 @@ class Scheduler:
         cpu_seconds = time.thread_time() - cpu_started
         self.prefill_budget.record(decoding, prefilled, seconds)
         if log.isEnabledFor(logging.DEBUG):  # a step trace, for `--log-level debug`
-            # The thread's CPU time is its host work (building and launching graphs); the
-            # rest of the wall time it waited for the device or the GIL.
+            # The thread's CPU time: its host work (building and launching graphs), plus
+            # whatever of an evaluation MLX runs on it (CPU kernels; on CUDA, its waits
+            # spin, so there CPU time is about wall time and tells little).
             log.debug("step: %d rows, %d prompt tokens fed, %d prompts left, %.1f ms, "
                       "%.1f ms CPU", len(self.generator.rows), prefilled,
                       len(self.generator.prefilling), seconds * 1e3, cpu_seconds * 1e3)
@@ -609,7 +610,6 @@ class Scheduler:
         victims = list(self.running.values())
         self.running.clear()
         self.generator = Generator(self.loaded.model, self._snapshot_at_stop)
-        self.burst = False
         for generation in victims:
             generation.hold.abandon(error)
             generation.sequence = None
