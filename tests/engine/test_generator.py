@@ -10,6 +10,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from engine.generator import Generator, PrefillResult, SequenceState
+from engine.kv import KVSegment
 from tests.faults import FaultInjectingModel
 
 
@@ -122,6 +123,52 @@ def test_short_prompts_fitting_one_chunk_are_prefilled_together(model) -> None:
     # Their first tokens come with the prefill, the rest from decode steps.
     assert [o.uid for o in result.outputs] == [0, 1, 2, 3]
     later = greedy_tokens(generator, [0, 1, 2, 3], 3)
+    assert {o.uid: [o.token, *later[o.uid]] for o in result.outputs} == alone
+
+
+def test_turns_behind_cached_histories_prefilled_together_answer_as_alone(model) -> None:
+    # Three chats' next turns, as the radix tree hands them over: each history's KV in
+    # segments, the first shared by two chats (one system prompt), the rest each chat's
+    # own; one chat's segments stacked over layers, as those copied out of a batch are.
+    # Turns of different lengths, so the shorter ones feed the end of their own history
+    # again rather than padding, and the shared segment stays where both rows have it.
+    system = list(range(100, 124))
+    histories = [system + list(range(300, 317)), system + list(range(400, 405)),
+                 list(range(500, 530))]
+    turns = [list(range(600, 609)), list(range(700, 703)), list(range(800, 806))]
+    prompts = [h + t for h, t in zip(histories, turns)]
+    alone = {}
+    for uid, prompt in enumerate(prompts):
+        generator = Generator(model)
+        generator.add(sequence(model, uid, prompt))
+        generator.prefill(64)
+        alone |= greedy_tokens(generator, [uid], 4)
+
+    def computed(tokens: list[int]) -> list:
+        cache = make_prompt_cache(model)
+        model(mx.array([tokens]), cache=cache)
+        return cache
+
+    shared = KVSegment.from_cache(computed(system), 0, len(system))
+    prefixes = []
+    for history in histories:
+        cache = computed(history)
+        if history[:len(system)] == system:
+            prefixes.append([shared, KVSegment.from_cache(cache, len(system), len(history))])
+        else:
+            own = KVSegment.from_cache(cache, 0, len(history))
+            prefixes.append([KVSegment(mx.stack(own.keys), mx.stack(own.values))])
+    generator = Generator(model)
+    for uid, (history, turn, prefix) in enumerate(zip(histories, turns, prefixes)):
+        generator.add(SequenceState(uid, None, tokens=list(history), unfed=list(turn),
+                                    sampler=None, processors=[], wants_logprobs=False,
+                                    prefix=prefix))
+    result = generator.prefill(64)
+    assert sorted(s.uid for s in result.done) == [0, 1, 2] and not generator.prefilling
+    for row in result.done:
+        assert row.tokens == prompts[row.uid]
+        assert_cache_holds(model, generator.caches_of([row])[0], row.tokens)
+    later = greedy_tokens(generator, [0, 1, 2], 3)
     assert {o.uid: [o.token, *later[o.uid]] for o in result.outputs} == alone
 
 
