@@ -102,7 +102,11 @@ def prefix_batch(prefixes: Sequence[Sequence[Span]], width: int, layers: int
             stacked[(id(arrays), n)] = mx.stack([a[..., :n, :] for a in arrays])
         return stacked[(id(arrays), n)]
 
-    capacity = -(-(longest + width) // BatchKVCache.step) * BatchKVCache.step
+    # Exactly what the forward writes: each layer's view is copied whole by that write,
+    # so room beyond it would be copied too (on the CPU, a classify list's 64 rows padded
+    # to 256 positions made the copy cost 10% of its sentences/s); the first decode step
+    # grows the buffer, as it grows any full one.
+    capacity = longest + width
     # Layer 0's arrays, [1, heads, tokens, dim], whichever way the span holds them.
     keys0, values0 = writes[0][3][0], writes[0][4][0]
     keys = mx.zeros((layers, len(prefixes), keys0.shape[1], capacity, keys0.shape[3]),
