@@ -11,9 +11,11 @@ and a batch of one decodes exactly as mlx_lm.generate does.
 
 Prompts waiting together are the exception, where the padding stays bounded: when several
 fit the step's chunk whole, padded to the longest at most doubling their tokens, they are
-prefilled together in one right-padded forward (seed 001's Classify: hundreds of one-line
-prompts, one token each, where a forward per prompt made the GPU's per-step latency the
-cost) and go straight into the decode batch with their first token sampled. Prompts too
+prefilled together in one forward (seed 001's Classify: hundreds of one-line prompts, one
+token each, where a forward per prompt made the GPU's per-step latency the cost; the turns
+of chats that ended together) and go straight into the decode batch with their first token
+sampled. A shorter row re-feeds the end of its own cached history rather than padding;
+only what is left is right-padded. Prompts too
 long for that take equal chunks of each in one forward, when the chunk could not finish the
 first of them anyway. Each forward has a fixed cost on a GPU; on the 2-core CPU (143M
 float32, 300 cached tokens each) four prompts' 256 tokens took 7.4 s of CPU in one forward
