@@ -310,7 +310,8 @@ class Generator:
             cuts = depths
             width = max(len(s.unfed) for s in group)
         own_from = _own_from(group)
-        cuts = [max(c - (width - d + c - len(s.unfed)), min(own, c))
+        # Deep enough that the row feeds `width` tokens, if its own prefix reaches there.
+        cuts = [max(d + len(s.unfed) - width, min(own, c))
                 for s, d, c, own in zip(group, depths, cuts, own_from)]
         rows = [(s, s.tokens[c:] + s.unfed, _spans(s, c)) for s, c in zip(group, cuts)]
         # Rows holding the same spans side by side, each run where its first row was.
