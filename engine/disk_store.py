@@ -231,7 +231,7 @@ class DiskStore:
                  self.directory, time.perf_counter() - started)
 
     def _rebuild(self, tree: RadixTree) -> int:
-        children: dict[str, list[tuple[SegmentHeader, DiskCopy]]] = collections.defaultdict(list)
+        copies = []
         for path in sorted(self.directory.iterdir()):
             if path.name.endswith(segment_file.TEMP_SUFFIX):
                 log.info("disk cache: removing %s, a write cut short", path.name)
@@ -246,26 +246,10 @@ class DiskStore:
                 self._reject(path, str(error))
                 continue
             copy = DiskCopy(header.key, path, path.stat().st_size, self.kind == "segment")
-            children[header.parent].append((header, copy))
-        places = {self.root_key: tree.root}
-        queue = collections.deque([self.root_key])
-        restored = 0
-        while queue:
-            parent_key = queue.popleft()
-            # Shortest first: a snapshot taken at a message end hangs from the same node as
-            # the longer one its node was split from, and must be in place before it.
-            siblings = sorted(children.pop(parent_key, ()), key=lambda child: len(child[0].tokens))
-            for header, copy in siblings:
-                node = tree.restore(places[parent_key], header.tokens, copy)
-                if node is None:
-                    self._delete_unless_live(copy, "no place in the tree (budget or overlap)")
-                    continue
-                restored += node.stored is copy
-                places[header.key] = node
-                queue.append(header.key)
-        for orphans in children.values():
-            for _, copy in orphans:
-                self._delete_unless_live(copy, "the node it follows is gone")
+            copies.append((header.parent, tuple(header.tokens), copy))
+        restored, rejected = tree.restore_all(copies)
+        for copy in rejected:
+            self._delete_unless_live(copy, "no place in the tree (budget, overlap or orphan)")
         self.stats.restored_nodes += restored
         return restored
 

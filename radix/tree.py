@@ -36,12 +36,13 @@ on disk leaves, each from its own LRU list. A match walks into disk nodes and re
 
 from __future__ import annotations
 
+import collections
 import enum
 import itertools
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -640,11 +641,45 @@ class RadixTree:
             self._disk_hits += 1
             self._disk_hit_tokens += len(node.tokens)
 
+    def restore_all(self, copies: Iterable[tuple[str, tuple[int, ...], Stored]]
+                    ) -> tuple[int, list[Stored]]:
+        """Rebuild the disk tier's nodes from the copies found on disk at start, each
+        given as (the key of the copy it follows, or the store's root key; its tokens;
+        the copy). Parents go before their children. Returns how many copies became
+        nodes, and the copies that have no place (see `restore`; orphans too): delete
+        those. Safe while requests use the tree, which is how a server starts."""
+        children: dict[str, list[tuple[tuple[int, ...], Stored]]] = collections.defaultdict(
+            list)
+        for parent_key, tokens, stored in copies:
+            children[parent_key].append((tuple(tokens), stored))
+        places, queue = {self.store.root_key: self.root}, collections.deque([self.store.root_key])
+        restored, rejected = 0, []
+        while queue:
+            parent_key = queue.popleft()
+            # Shortest first: a snapshot taken at a message end hangs from the same node as
+            # the longer one its node was split from, and must be in place before it.
+            for tokens, stored in sorted(children.pop(parent_key, ()), key=lambda c: len(c[0])):
+                node = self.restore(places[parent_key], tokens, stored)
+                if node is None:
+                    rejected.append(stored)
+                    continue
+                restored += node.stored is stored
+                places[stored.key] = node
+                queue.append(stored.key)
+        rejected += [stored for orphans in children.values() for _, stored in orphans]
+        return restored, rejected
+
     def restore(self, parent: Node, tokens: Sequence[int], stored: Stored) -> Node | None:
         """Add a disk node for a copy found on disk at start: `tokens` below `parent` (the
         root or an earlier `restore`'s node). Returns the node now holding a copy filed
         under `stored.key` (an existing one if it is the same copy), or None if the copy
-        has no place (over budget, parent evicted, overlapping other data): delete it."""
+        has no place (over budget, parent evicted, overlapping other data): delete it.
+
+        A span's data is the KV of exactly its tokens, so its copy fits only an edge of
+        exactly those tokens right below `parent`. Requests served while the tree is
+        rebuilt may have cut the path differently: a copy hung below a node they made
+        would hold positions that node's edge does not start at. A snapshot is the whole
+        state at its end, so it fits there whatever edges lie between."""
         tokens = tuple(tokens)
         with self._mutex:
             if self.store is None or not self._attached(parent) or parent.state is not (
@@ -654,6 +689,8 @@ class RadixTree:
                 return None
             node, depth = parent, 0
             while depth < len(tokens):
+                if depth and stored.splittable:
+                    return None
                 child = node.children.get(tokens[depth])
                 if child is None:
                     created = self._add_child(node, tokens[depth:], None, on_disk=True)

@@ -63,8 +63,11 @@ class FakeHandle:
 class FakeStored:
     """A disk copy of a `FakeHandle`: what it stood for, and how often it was deleted."""
 
-    def __init__(self, handle: FakeHandle, key: str) -> None:
+    def __init__(self, handle: FakeHandle, key: str, parent_key: str = "",
+                 span: tuple[int, ...] = ()) -> None:
         self.tokens, self.prefix = handle.tokens, handle.prefix
+        # What a file's header says: the copy it follows and the tokens it was saved as.
+        self.parent_key, self.span = parent_key, span
         self.splittable = handle.splittable
         self.bytes_per_token = handle.bytes_per_token
         self.nbytes = handle.nbytes
@@ -105,9 +108,11 @@ class FakeStore:
         assert key == self.key(parent_key, tokens)
         assert handle.path[start:] == tokens and len(handle.path) == start + len(tokens), (
             f"{handle!r} saved as {start}+{tokens}")
+        # A span's data is its own tokens' KV and no more, as a file of it will be.
+        assert not handle.splittable or handle.tokens == tokens, f"{handle!r} saved as {tokens}"
         if self.full:
             return None
-        stored = FakeStored(handle, key)
+        stored = FakeStored(handle, key, parent_key, tokens)
         self.saved.append(stored)
         return stored
 
@@ -160,6 +165,7 @@ def check_invariants(tree: RadixTree) -> list[Node]:
                 assert node.handle is None, f"{node!r} on disk holds memory"
             if node.stored is not None:
                 assert node.key == node.stored.key, f"{node!r} filed under another key"
+            _check_data_is_its_path(node)
             if node.state is NodeState.PENDING:
                 assert node.handle is None and node.stored is None, f"{node!r}"
                 assert not node.on_disk, f"{node!r}"
@@ -202,6 +208,28 @@ def check_invariants(tree: RadixTree) -> list[Node]:
     if tree.store is not None:
         assert s.disk_bytes <= tree.store.capacity_bytes, "over the disk budget"
     return nodes
+
+
+def _check_data_is_its_path(node: Node) -> None:
+    """The cache trust invariant: whatever a node holds, in memory or on disk, is the
+    state of exactly its own tokens at exactly its place (a span covers its edge, a
+    snapshot its whole path), so a request that reuses it gets the state of its tokens.
+    Holds only for fake data, which records what it stands for."""
+    path = _path_locked(node)
+    for data in (node.handle, node.stored):
+        if not isinstance(data, (FakeHandle, FakeStored)):
+            continue
+        assert data.path == path, f"{node!r} at {path} holds {data!r}"
+        if data.splittable:
+            assert data.tokens == node.tokens, f"{node!r} holds a span of {data!r}"
+
+
+def _path_locked(node: Node) -> tuple[int, ...]:
+    parts = []
+    while node is not None:
+        parts.append(node.tokens)
+        node = node.parent
+    return tuple(t for part in reversed(parts) for t in part)
 
 
 def _evictable_leaf(node: Node) -> bool:

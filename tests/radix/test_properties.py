@@ -271,6 +271,33 @@ class TreeMachine(RuleBasedStateMachine):
     def disk_queue_full(self, full):
         self.store.full = full
 
+    @precondition(lambda self: self.tiered)
+    @rule(traffic=st.lists(tokens_st, max_size=3))
+    def restart(self, traffic):
+        """The process stops and a new one starts on the same disk folder, serving
+        `traffic` while it rebuilds its tree from the copies there (as a server does)."""
+        copies = [(stored.parent_key, stored.span, stored) for stored in self.store.live()]
+        for handle in self.ledger:  # memory dies with the process; copies stay
+            if not handle.freed and not handle.consumed:
+                handle.freed = 1
+        self.pending.clear()
+        self.pins.clear()
+        self.tree = RadixTree(CAPACITY, self._free, store=self.store)
+        self.matchable = set()
+        for tokens in traffic:
+            self._insert(self.tree.root, (), tokens, pin=False)
+        _, rejected = self.tree.restore_all(copies)
+        held = {id(n.stored) for n in check_invariants(self.tree) if n.stored is not None}
+        for stored in rejected:
+            assert id(stored) not in held
+        for stored in self.store.live():  # refused, or the same file as a new copy's
+            if id(stored) not in held:
+                self.store.discard(stored)
+        for node in check_invariants(self.tree):
+            data = node.stored if node.on_disk else node.handle
+            if data is not None:
+                self.matchable |= self._reusable(data)
+
     @rule()
     def clear(self):
         self._evicting(self.tree.clear, float("inf"))

@@ -719,3 +719,40 @@ def test_common_prefix_length_finds_the_first_difference_after_start(kind, diffe
         len(a) if differ_at is None else differ_at)
     assert common_prefix_length(kind(b[start:]), kind(a)) == (
         len(a) if differ_at is None else differ_at)
+
+
+def test_a_span_copy_is_not_restored_below_a_node_made_since_it_was_written():
+    """The disk tier's wrong-KV bug: a server restarted and served traffic while it
+    rebuilt its tree. Traffic had split off `1, 2` as a node of its own; the file of
+    `1, 2, 3, 4, 5` (KV of positions 0-4) was then hung below it as `3, 4, 5`, three
+    tokens holding five positions, and every later split and child inherited the shift."""
+    old, store = tiered()
+    old.put([1, 2, 3, 4, 5])
+    (copy,) = store.saved
+    fresh, _ = tiered()
+    fresh.put([1, 2, 7])
+    fresh.insert(fresh.match([1, 2]).node, [8], span([8], prefix=(1, 2)))
+    assert fresh.restore(fresh.root, copy.span, copy) is None
+    assert edges(fresh) == {(1, 2), (1, 2, 7), (1, 2, 8)}
+
+
+def test_a_span_copy_is_not_restored_over_two_edges_of_its_tokens():
+    old, store = tiered()
+    old.put([1, 2, 3, 4])
+    (copy,) = store.saved
+    fresh, _ = tiered()
+    fresh.put([1, 2, 3, 4])
+    fresh.match([1, 2])  # splits the fresh node: `3, 4` is an edge of its own, no copy
+    assert fresh.restore(fresh.root, copy.span, copy) is None
+    check_invariants(fresh)
+
+
+def test_a_snapshot_copy_is_restored_at_its_end_whatever_the_edges_above_it():
+    old, store = tiered()
+    old.put([1, 2, 3, 4], splittable=False)
+    (copy,) = store.saved
+    fresh, _ = tiered()
+    fresh.put([1, 2], splittable=False)
+    node = fresh.restore(fresh.root, copy.span, copy)
+    assert node.path_tokens() == (1, 2, 3, 4) and node.stored is copy
+    check_invariants(fresh)
