@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
+import os
 import shutil
 import threading
 import time
@@ -234,8 +235,10 @@ class DiskStore:
         copies = []
         for path in sorted(self.directory.iterdir()):
             if path.name.endswith(segment_file.TEMP_SUFFIX):
-                log.info("disk cache: removing %s, a write cut short", path.name)
-                path.unlink(missing_ok=True)
+                # Ours are being written now: the engine serves while the tree is rebuilt.
+                if not segment_file.written_by(path, os.getpid()):
+                    log.info("disk cache: removing %s, a write cut short", path.name)
+                    path.unlink(missing_ok=True)
                 continue
             if not path.name.endswith(segment_file.SUFFIX):
                 continue

@@ -107,7 +107,7 @@ def write(path: Path, header: SegmentHeader, tensors: list[Tensor]) -> int:
     the file's size. `header.crc32` is filled in here."""
     header.crc32 = f"{checksum(tensors):08x}"
     head, _ = encode(header, [(t.name, t.dtype, t.data.shape, t.data.nbytes) for t in tensors])
-    temp = path.with_name(f"{path.name}.{os.getpid()}{TEMP_SUFFIX}")
+    temp = path.with_name(f"{path.name}.{os.getpid()}{TEMP_SUFFIX}")  # see `written_by`
     try:
         with open(temp, "wb") as f:
             f.write(head)
@@ -125,6 +125,11 @@ def write(path: Path, header: SegmentHeader, tensors: list[Tensor]) -> int:
     finally:
         os.close(directory)
     return size
+
+
+def written_by(temp: Path, pid: int) -> bool:
+    """Whether `temp`, a temporary file of `write`, is process `pid`'s."""
+    return temp.name.endswith(f".{pid}{TEMP_SUFFIX}")
 
 
 def read_header(path: Path) -> tuple[SegmentHeader, dict[str, Any], int]:

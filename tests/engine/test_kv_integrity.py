@@ -1,0 +1,144 @@
+"""No cache changes an answer: whatever the tree holds, in memory or on disk, is the KV of
+its own tokens, through splits, evictions, demotions, promotions, clears and restarts
+with traffic during the rebuild; and greedy answers equal mlx-lm's with no cache at all."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from engine.demo_model import demo_model_path
+from engine.engine import Engine
+from tests.engine.kv_integrity import check_tree_kv
+from tests.engine.support import Reference, complete, settled, start_engine
+
+BYTES_PER_TOKEN = 512  # the tiny llama: 2 layers x (K, V) x 2 heads x 16 dims x 4 bytes
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(demo_model_path("tiny"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> Reference:
+    return Reference(model_dir)
+
+
+def start(model_dir: str, directory, memory_tokens: int, disk_tokens: int) -> Engine:
+    return start_engine(model_dir, cache_bytes=memory_tokens * BYTES_PER_TOKEN,
+                        disk_cache_dir=str(directory),
+                        disk_cache_bytes=disk_tokens * BYTES_PER_TOKEN)
+
+
+async def answer(engine: Engine, reference: Reference, prompt: list[int],
+                 max_tokens: int = 4) -> int:
+    """Greedy answer of `prompt` through `engine`, asserted equal to mlx-lm's without a
+    cache; returns the prompt tokens the engine reused."""
+    done = await complete(engine, prompt, max_tokens=max_tokens)
+    assert done.tokens == reference.greedy(prompt, max_tokens), (
+        f"cached {done.finish.cached_tokens} of {len(prompt)}")
+    return done.finish.cached_tokens
+
+
+async def test_a_file_restored_while_traffic_cut_its_path_keeps_its_answer(
+        model_dir, reference, tmp_path):
+    """The disk tier's wrong-KV bug, on real KV: a server rebuilds its tree from disk
+    while it serves, and a request has already cut off the prompt's first two tokens
+    (`<|im_start|>system` in the evidence) as a node of its own."""
+    head, system, question = [1, 2], list(range(100, 160)), [300, 301, 302]
+    old = start(model_dir, tmp_path / "old", 4096, 4096)
+    await answer(old, reference, head + system + question)
+    old.shutdown()
+    new = start(model_dir, tmp_path / "new", 4096, 4096)
+    try:
+        await answer(new, reference, head + [7, 8, 9])
+        await answer(new, reference, head + [10, 11, 12])  # `1, 2` is a node now
+        rebuild_from(new, old.disk.directory)
+        check_tree_kv(new, reference.model)
+        await answer(new, reference, head + system + question[:2] + [400])
+        check_tree_kv(new, reference.model)
+    finally:
+        new.shutdown()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+async def test_random_traffic_keeps_every_cached_kv_equal_to_a_fresh_forward(
+        model_dir, reference, tmp_path, seed):
+    """Prompts behind a few shared heads (sharing 2 tokens, a system prompt, earlier
+    turns), some at once; a memory budget of ~2 prompts and a disk budget of ~8, so
+    nodes split, demote, promote and leave both tiers; clears; restarts whose rebuild
+    races the next requests. After every step every node's KV, in memory and on disk,
+    is that of its tokens, and every greedy answer is mlx-lm's."""
+    rng = random.Random(seed)
+    heads = [[1, 2] + [rng.randrange(50, 900) for _ in range(rng.randrange(8, 60))]
+             for _ in range(3)]
+    conversations: list[list[int]] = []
+    engine = start(model_dir, tmp_path, 150, 600)
+    checked = reused = 0
+    tiers: collections.Counter[str] = collections.Counter()
+    aside = None
+    try:
+        for step in range(16):
+            # The first restart comes after one conversation, when no file yet starts
+            # after the 2 tokens the heads share.
+            roll = 0.2 if step == 1 else rng.random()
+            if roll < 0.1:
+                await asyncio.wrap_future(engine.clear_cache())
+            elif roll < 0.25:
+                # A restart whose rebuild comes after this step's requests, the worst
+                # order a rebuild that runs beside the engine can take.
+                tiers.update(_tier_moves(engine))
+                engine.shutdown()
+                folder = engine.disk.directory
+                aside = folder.rename(tmp_path / f"aside-{rng.random()}")
+                engine = start(model_dir, tmp_path, 150, 600)
+            prompts = []
+            # After a restart, one prompt behind each head: they cut the path at the
+            # 2 tokens all heads share, as `<|im_start|>system` is in real traffic.
+            count = rng.choice([1, 1, 2, 3]) if step else 1
+            for head in heads if aside else [None] * count:
+                if head is None and conversations and rng.random() < 0.4:
+                    base = rng.choice(conversations)  # a later turn of a conversation
+                else:
+                    base = (head or rng.choice(heads))[:rng.randrange(2, 70)]
+                prompt = base + [rng.randrange(50, 900) for _ in range(rng.randrange(1, 30))]
+                conversations.append(prompt)
+                prompts.append(prompt)
+            cached = await asyncio.gather(*(answer(engine, reference, p) for p in prompts))
+            reused += sum(cached)
+            await settled(engine)
+            if aside is not None:
+                rebuild_from(engine, aside)
+                aside = None
+            counted = check_tree_kv(engine, reference.model)
+            checked += counted.memory + counted.disk
+        tiers.update(_tier_moves(engine))
+    finally:
+        engine.shutdown()
+    # The walk exercised what it is for: reuse, and data moving between the tiers.
+    assert reused > 0 and checked > 0
+    assert tiers["demoted"] and tiers["written"], tiers
+
+
+def rebuild_from(engine: Engine, folder: Path) -> None:
+    """Put the files of `folder` (a disk tier of the same model) in the engine's disk
+    folder and rebuild its tree from them, beside the engine, as a start does."""
+    for file in folder.iterdir():
+        if not (engine.disk.directory / file.name).exists():
+            shutil.copy(file, engine.disk.directory / file.name)
+    rebuild = threading.Thread(target=engine.disk.rebuild, args=(engine._scheduler.tree,))
+    rebuild.start()
+    rebuild.join()
+
+
+def _tier_moves(engine: Engine) -> dict[str, int]:
+    stats = engine.stats()
+    return {"demoted": stats.tree.disk_demotions, "promoted": stats.tree.disk_hits,
+            "restored": stats.disk.restored_nodes, "written": stats.disk.writes}
