@@ -20,6 +20,7 @@ and are never read.
 from __future__ import annotations
 
 import collections
+import fcntl
 import hashlib
 import logging
 import os
@@ -48,6 +49,8 @@ log = logging.getLogger("radix_mlx.disk")
 # The default budget: this share of the free space where the cache lives, at most the cap.
 DEFAULT_DISK_FRACTION = 0.25
 DEFAULT_DISK_CAP_BYTES = 64 * 2**30
+# In each model's folder: held by the process whose disk tier it is (`lock_folder`).
+LOCK_FILE = ".lock"
 # How much of the file heads of a model's weights the fingerprint reads.
 FINGERPRINT_SAMPLE_BYTES = 1 << 20
 
@@ -115,11 +118,36 @@ class _Delete:
     copy: DiskCopy
 
 
+class FolderInUse(RuntimeError):
+    """Another live process keeps its disk tier for this model in the same folder."""
+
+
+def lock_folder(directory: Path) -> int:
+    """Take the folder's lock file for this process (the OS lets go when it dies), or
+    raise `FolderInUse`. One writer per folder: two servers on one folder would each
+    delete files the other's tree holds, and rebuild from the other's writes in progress.
+    Sharing was the other choice; a folder per server is as fast and needs no protocol."""
+    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise FolderInUse(
+            f"the disk cache folder {directory} is in use by {holder}; give this server "
+            "its own --disk-cache-dir, or turn its disk tier off with --disk-cache-bytes 0"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"radix-mlx (pid {os.getpid()})".encode(), 0)
+    return fd
+
+
 class DiskStore:
     def __init__(self, directory: Path, capacity_bytes: int, fingerprint: str,
                  segments: bool, queue_bytes: int) -> None:
         self.directory = Path(directory) / fingerprint
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock = lock_folder(self.directory)
         self.capacity_bytes = capacity_bytes
         self.root_key = fingerprint
         self.kind = "segment" if segments else "snapshot"
@@ -286,10 +314,15 @@ class DiskStore:
             return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout)
 
     def close(self, timeout: float | None = None) -> bool:
-        """Refuse new copies and finish the queued work (SIGTERM's path)."""
+        """Refuse new copies, finish the queued work (SIGTERM's path) and let go of the
+        folder."""
         with self._cond:
             self._closed = True
-        return self.flush(timeout)
+        flushed = self.flush(timeout)
+        if flushed and self._lock is not None:
+            os.close(self._lock)  # a write still queued keeps the folder this process's
+            self._lock = None
+        return flushed
 
     # -- the writer thread ----------------------------------------------------------------
 

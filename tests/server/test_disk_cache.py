@@ -279,3 +279,28 @@ def test_whole_state_snapshots_survive_a_restart(
         server.stop()
     assert text == before[0] and cached >= 0.9 * prompt_tokens
     assert after_restart >= system_end > 0
+
+
+def test_a_second_server_on_the_same_disk_folder_is_refused_at_start(
+        demo_model_dir: Path, tmp_path: Path):
+    """One writer per folder (engine/disk_store.py's `lock_folder`): the second server
+    exits at start naming the folder and the fix, and the first goes on serving with its
+    cache; once the first has stopped, the folder is free again."""
+    directory = tmp_path / "kv"
+    first = start_server(demo_model_dir, tmp_path / "first.log", *disk_flags(directory))
+    try:
+        text, _, _ = complete(first, LONG_PROMPT)
+        with pytest.raises(RuntimeError) as refused:
+            start_server(demo_model_dir, tmp_path / "second.log", *disk_flags(directory))
+        message = str(refused.value)
+        assert "exited with 1" in message and "is in use by radix-mlx (pid" in message
+        assert str(directory) in message and "--disk-cache-dir" in message
+        assert complete(first, LONG_PROMPT)[0] == text
+    finally:
+        assert first.stop() == 0
+    again = start_server(demo_model_dir, tmp_path / "again.log", *disk_flags(directory))
+    try:
+        rebuilt(again)
+        assert complete(again, LONG_PROMPT)[2] > 0
+    finally:
+        assert again.stop() == 0
