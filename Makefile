@@ -69,11 +69,12 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
 # The load test with faults on the default model, for SOAK_MINUTES; writes its series,
-# plot and figures to SOAK_OUT (default build/soak/<time>), exits 1 on a failure.
+# plot and figures to SOAK_OUT (default build/soak/<time>), exits 1 on a failure. With
+# SOAK_DISK=DIR: a disk tier there, clears mid-round, restarts, every file checked.
 SOAK_MINUTES ?= 5
 SOAK_OUT ?=
 soak: $(BENCH_STAMP)
-	$(BIN)/python -m tests.reliability.soak --minutes $(SOAK_MINUTES) $(if $(SOAK_OUT),--out $(SOAK_OUT))
+	$(BIN)/python -m tests.reliability.soak --minutes $(SOAK_MINUTES) $(if $(SOAK_OUT),--out $(SOAK_OUT)) $(if $(SOAK_DISK),--disk-cache-dir $(SOAK_DISK))
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -224,6 +224,19 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class CacheMiss:
+    """The first prompt token a request did not reuse from the cache, and why (a
+    radix.MissReason value), with the prompt's text on each side of it and, where a cached
+    branch goes on otherwise, that branch's text."""
+
+    position: int
+    reason: str
+    before: str
+    after: str
+    cached: str = ""
+
+
+@dataclass(frozen=True)
 class Finish:
     """The last event of every successful stream."""
 
@@ -234,6 +247,7 @@ class Finish:
     cached_tokens: int
     # Stop string or stop token id that ended the stream, if any.
     matched_stop: str | int | None = None
+    cache_miss: CacheMiss | None = None  # None: all of the prompt that can be was reused
 
 
 class EngineError(Exception):

@@ -13,14 +13,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine.api import Finish, FinishReason, RequestFailed, SamplingParams, TokenEvent
+from engine.api import (
+    CacheMiss,
+    Finish,
+    FinishReason,
+    RequestFailed,
+    SamplingParams,
+    TokenEvent,
+)
 from engine.generator import SequenceState
 from engine.grammar import ConstraintFailed
 from engine.sampling import make_processors, make_sampler, token_logprobs
 from engine.text import TextStream
 from engine.tokenizer import ModelTokenizer
 from engine.tree_hold import TreeHold
-from radix.tree import RadixTree
+from radix import Miss, RadixTree
+
+# Prompt tokens on each side of a cache miss that its description shows.
+MISS_CONTEXT = 12
 
 
 class Generation:
@@ -50,6 +60,7 @@ class Generation:
         self.snapshots: list[tuple[int, Any]] = []
         self.generated: list[int] = []
         self.cached_tokens: int | None = None  # radix hit at first admission
+        self.cache_miss: Miss | None = None  # and why it was not longer
         self.hold = TreeHold(tree)
         self.sequence: SequenceState | None = None  # the generator's side, while running
         self.prompt_done = False
@@ -111,7 +122,15 @@ class Generation:
         """Emit the last event, with any text still held back (none after a cancel)."""
         tail = "" if reason == "cancelled" else self.text.finish()
         self.emit(Finish(reason, tail, len(self.prompt), len(self.generated),
-                         self.cached_tokens or 0, matched_stop))
+                         self.cached_tokens or 0, matched_stop, self._described_miss()))
+
+    def _described_miss(self) -> CacheMiss | None:
+        miss = self.cache_miss
+        if miss is None:
+            return None
+        at, decode = miss.position, self._tokenizer.decode
+        return CacheMiss(at, miss.reason.value, decode(self.prompt[max(0, at - MISS_CONTEXT):at]),
+                         decode(self.prompt[at:at + MISS_CONTEXT]), decode(miss.branch))
 
     def fail(self, error: Exception) -> None:
         self.emit(RequestFailed(f"the engine failed this request: {error}"))

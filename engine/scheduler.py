@@ -324,6 +324,8 @@ class Scheduler:
                 self.parked.add(generation)
                 leader.followers.append(generation)
                 return False
+            if generation.cached_tokens is None:  # before a reservation of its own
+                generation.cache_miss = self.tree.explain_miss(cacheable, match.length)
             outcome = generation.hold.start(match, cacheable)
             if outcome is None:
                 break

@@ -1,5 +1,6 @@
 """The RadixAttention prefix tree: pure Python, no MLX; cache data are opaque handles."""
 
+from .misses import Miss, MissReason
 from .tree import (
     Handle,
     LRUList,
@@ -18,6 +19,8 @@ __all__ = [
     "Handle",
     "LRUList",
     "MatchResult",
+    "Miss",
+    "MissReason",
     "Node",
     "NodeState",
     "RadixTree",

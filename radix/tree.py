@@ -47,6 +47,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from radix.misses import BRANCH_TOKENS, Departures, Miss, MissReason
 from radix.stats import stat
 
 log = logging.getLogger("radix_mlx.radix")
@@ -402,6 +403,7 @@ class RadixTree:
         self._nodes = self._disk_nodes = self._pending = 0
         self._hits = self._misses = self._hit_tokens = self._evictions = 0
         self._disk_hits = self._disk_hit_tokens = self._disk_evictions = self._demotions = 0
+        self.departures = Departures()
         # What the current critical section dropped, freed once the lock is released.
         self._garbage: list[Handle] = []
         self._discarded: list[Stored] = []
@@ -446,6 +448,41 @@ class RadixTree:
         with self._mutex:
             result = self._walk(tuple(tokens), split=False)[1]
         return max(result.length, result.disk_length)
+
+    def explain_miss(self, tokens: Sequence[int], reused: int) -> Miss | None:
+        """Why `tokens[reused]` was not reused by a match that reused `reused` tokens
+        (None when nothing was missed). Call it before reserving the rest: a request's
+        own reservation would read as IN_FLIGHT."""
+        tokens = tuple(tokens)
+        if reused >= len(tokens):
+            return None
+        with self._mutex:
+            node, depth, branch = self.root, 0, ()
+            in_flight = snapshots = False  # what lies past `reused` on the path
+            while depth < len(tokens):
+                child = node.children.get(tokens[depth])
+                if child is None:
+                    if node.children:  # the most recently used branch
+                        branch = max(node.children.values(), key=lambda n: n.last_access).tokens
+                    break
+                k = common_prefix_length(child.tokens, tokens, depth)
+                if depth + k > reused:
+                    data = child.handle if child.handle is not None else child.stored
+                    in_flight |= child.state is NodeState.PENDING
+                    snapshots |= data is None or not data.splittable
+                if k < len(child.tokens):
+                    branch, depth = child.tokens[k:], depth + k
+                    break
+                node, depth = child, depth + k
+            if depth > reused:  # the tokens are there, but not as state to start from
+                return Miss(reused, MissReason.NO_SNAPSHOT if snapshots and not in_flight
+                            else MissReason.IN_FLIGHT)
+            gone = self.departures.reason(tokens[:reused + 1])
+            if gone is not None:
+                return Miss(reused, gone)
+            if branch:
+                return Miss(reused, MissReason.DIVERGED, branch[:BRANCH_TOKENS])
+            return Miss(reused, MissReason.NOT_SEEN)
 
     def stats(self) -> TreeStats:
         with self._mutex:
@@ -720,7 +757,7 @@ class RadixTree:
                 return
             assert node.on_disk and node.pins == 0, f"drop of {node!r}"
             parent = node.parent
-            self._remove_subtree(node)
+            self._remove_subtree(node, MissReason.UNREADABLE)
             self._sync_lru(parent)
 
     # -- eviction --------------------------------------------------------------------
@@ -749,7 +786,7 @@ class RadixTree:
         returns the memory bytes freed."""
         with self._locked():
             freed = self._evict(math.inf, demote=False)
-            self._evict_disk(math.inf)
+            self._evict_disk(math.inf, MissReason.CLEARED)
         return freed
 
     # -- internals (caller holds the mutex) ----------------------------------------------
@@ -875,6 +912,15 @@ class RadixTree:
             anchor, span = self._anchor(node)
             node.key = self.store.key(self._key(anchor), span)
         return node.key
+
+    def _tokens_to(self, node: Node) -> tuple[int, ...]:
+        """All tokens from the root to the end of `node` (`Node.path_tokens`, whose lock
+        the caller holds)."""
+        parts = []
+        while node is not self.root:
+            parts.append(node.tokens)
+            node = node.parent
+        return tuple(itertools.chain.from_iterable(reversed(parts)))
 
     def _depth(self, node: Node) -> int:
         depth = 0
@@ -1083,7 +1129,8 @@ class RadixTree:
                 self._demotions += node.stored is not None
                 self._sync_lru(node)
             else:
-                self._remove_subtree(node)
+                self._remove_subtree(node, MissReason.EVICTED_MEMORY if demote
+                                     else MissReason.CLEARED)
             # A match touches the whole path, so the parent was last used no later
             # than the child just evicted unless it was matched on its own since;
             # the LRU end keeps eviction O(1) at the cost of that rare case.
@@ -1091,7 +1138,7 @@ class RadixTree:
                 self.lru.push_lru(parent)
         return freed
 
-    def _evict_disk(self, nbytes: float) -> int:
+    def _evict_disk(self, nbytes: float, reason: MissReason = MissReason.EVICTED_DISK) -> int:
         freed = 0
         while freed < nbytes and self.disk_lru:
             node = self.disk_lru.pop_lru()
@@ -1099,14 +1146,16 @@ class RadixTree:
                 freed += node.stored.nbytes
                 self._disk_evictions += 1
             parent = node.parent
-            self._remove_subtree(node)
+            self._remove_subtree(node, reason)
             if self._disk_evictable(parent):
                 self.disk_lru.push_lru(parent)
         return freed
 
-    def _remove_subtree(self, node: Node) -> None:
-        """Detach an unpinned node and everything below it, dropping their data."""
+    def _remove_subtree(self, node: Node, reason: MissReason) -> None:
+        """Detach an unpinned node and everything below it, dropping their data; a miss
+        where it began will say `reason` (below it, a match cannot get that far)."""
         parent = node.parent
+        self.departures.record(self._tokens_to(parent) + node.tokens[:1], reason)
         del parent.children[node.tokens[0]]
         if not node.on_disk:
             parent.memory_children -= 1

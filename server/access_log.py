@@ -16,6 +16,7 @@ class RequestStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    cache_miss: str | None = None  # "<reason>@<position>" of the first prompt token not reused
     first_token_at: float | None = None
     last_token_at: float | None = None
 
@@ -25,7 +26,7 @@ def log_request(
     stats: RequestStats | None,
 ) -> None:
     end = time.perf_counter()
-    fields = "prompt=- cached=- completion=- ttft_ms=- tok/s=-"
+    fields = "prompt=- cached=- miss=- completion=- ttft_ms=- tok/s=-"
     if stats is not None:
         ttft = tok_s = "-"
         if stats.first_token_at is not None:
@@ -34,6 +35,7 @@ def log_request(
             if stats.completion_tokens > 1 and decode > 0:
                 tok_s = f"{(stats.completion_tokens - 1) / decode:.1f}"
         fields = (f"prompt={stats.prompt_tokens} cached={stats.cached_tokens} "
+                  f"miss={stats.cache_miss or '-'} "
                   f"completion={stats.completion_tokens} ttft_ms={ttft} tok/s={tok_s}")
     access_log.info(
         "%s %s %s %d %s duration_ms=%.1f", request_id, method, path, status, fields,

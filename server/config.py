@@ -165,6 +165,10 @@ class Settings(BaseModel):
         None, description="byte budget of the disk tier (0 turns it off); none: a quarter of "
         "the free space there, at most 64 GiB"
     )
+    cache_miss_details: bool = Field(
+        False, description="add usage.prompt_tokens_details.cache_miss to OpenAI responses: "
+        "where the cache stopped matching the prompt, and why (the access log always says)"
+    )
     warm_prompts: Path | None = Field(
         None, description="JSON Lines file of prompts to prefill at start, one request body "
         'per line: {"messages": [...]} (chat) or {"prompt": "..."} (completion)'

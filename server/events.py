@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.api import TokenEvent
+from engine.api import CacheMiss, TokenEvent
 
 # stop: the model ended (EOS or a stop sequence); length: max_tokens reached;
 # tool_calls: it ended after calling tools.
@@ -31,6 +31,8 @@ class Usage:
     cached_tokens: int = 0
     # Completion tokens spent thinking; None: the model does not reason.
     reasoning_tokens: int | None = None
+    # Where the cache stopped matching the prompt and why, when the response reports it.
+    cache_miss: CacheMiss | None = None
 
     @property
     def total_tokens(self) -> int:

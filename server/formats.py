@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from pydantic_core import to_json
 
@@ -25,6 +26,7 @@ from server.events import (
 )
 from server.events import Usage as NeutralUsage
 from server.protocol import (
+    CacheMissDetails,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -131,7 +133,9 @@ def openai_usage(usage: NeutralUsage) -> Usage:
     return Usage(
         prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=usage.cached_tokens,
+            cache_miss=usage.cache_miss and CacheMissDetails(**asdict(usage.cache_miss))),
         completion_tokens_details=None if usage.reasoning_tokens is None
         else CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens),
     )

@@ -36,9 +36,11 @@ if TYPE_CHECKING:
 
 class Job:
     def __init__(
-        self, engine: Engine, drain: Drain, metrics: Metrics, request_id: str, started_at: float
+        self, engine: Engine, drain: Drain, metrics: Metrics, request_id: str, started_at: float,
+        report_miss: bool = False,
     ) -> None:
         self.engine, self.drain, self.metrics = engine, drain, metrics
+        self.report_miss = report_miss  # put the cache miss in usage (it is always logged)
         self.request_id = request_id
         self.started_at = started_at
         self.stats = RequestStats()
@@ -164,6 +166,8 @@ class Job:
         usage = self.usage()
         self.stats.prompt_tokens = usage.prompt_tokens
         self.stats.cached_tokens = usage.cached_tokens
+        miss = self._finishes[min(self._finishes)].cache_miss
+        self.stats.cache_miss = miss and f"{miss.reason}@{miss.position}"
         # The engine's count replaces the tokens we saw for this choice.
         self.stats.completion_tokens += finish.completion_tokens - self._tokens[index]
 
@@ -178,7 +182,9 @@ class Job:
                 prompt += finishes[0].prompt_tokens
                 cached += min(finish.cached_tokens for finish in finishes)
                 completion += sum(finish.completion_tokens for finish in finishes)
-        return Usage(prompt, completion, cached)
+        first = self._finishes.get(0)
+        return Usage(prompt, completion, cached,
+                     cache_miss=first.cache_miss if first and self.report_miss else None)
 
     def choice_usage(self, index: int) -> Usage:
         """Choice `index`'s own usage, once it has finished."""

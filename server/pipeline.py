@@ -181,7 +181,7 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
         for after in {after for _, after in thinking}
     }
     job = Job(state.engine, state.drain, state.metrics, http.state.request_id,
-              http.state.started_at)
+              http.state.started_at, state.settings.cache_miss_details)
     http.state.stats = job.stats
     job.submit(prompts, request.n, lambda choice: _choice_params(
         request, max_tokens, choice, constraints[thinking[choice // request.n][1]]))

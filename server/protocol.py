@@ -307,8 +307,29 @@ def now() -> int:
     return int(time.time())
 
 
+class CacheMissDetails(ResponseModel):
+    """The first prompt token not reused from the cache (`position`), why (`reason`:
+    not_seen, diverged, evicted_from_memory, evicted_from_disk, cleared,
+    disk_copy_unreadable, no_snapshot, in_flight), the prompt's text `before` and `after`
+    it, and the text the `cached` branch holds there instead (diverged)."""
+
+    position: int
+    reason: str
+    before: str
+    after: str
+    cached: str = ""
+
+
 class PromptTokensDetails(ResponseModel):
     cached_tokens: int = 0
+    cache_miss: CacheMissDetails | None = None  # with --cache-miss-details
+
+    @model_serializer(mode="wrap")
+    def _without_absent_miss(self, handler):  # OpenAI's shape unless asked for more
+        data = handler(self)
+        if data.get("cache_miss") is None:
+            data.pop("cache_miss", None)
+        return data
 
 
 class CompletionTokensDetails(ResponseModel):

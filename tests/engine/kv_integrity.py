@@ -11,6 +11,7 @@ layout depends on how the state was reached).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 from mlx import nn
@@ -57,6 +58,33 @@ def check_tree_kv(engine: Engine, model: nn.Module) -> Checked:
     return checked
 
 
+def check_folder_kv(folder: Path, model: nn.Module) -> list[str]:
+    """The same check for the files of a disk tier's model folder alone, each against a
+    forward of its token path (its chain of parents): what a restart would load. Returns
+    one line per file that is wrong, or whose chain is broken."""
+    headers = {}
+    for path in folder.glob(f"*{segment_file.SUFFIX}"):
+        header, _, _ = segment_file.read_header(path)
+        headers[header.key] = (path, header)
+    problems, forwards = [], {}
+    for path, header in headers.values():
+        if header.kind != "segment":
+            continue
+        chain, parent = [header], header.parent
+        while parent in headers:
+            chain.append(headers[parent][1])
+            parent = chain[-1].parent
+        if parent != header.fingerprint:
+            continue  # an orphan: a rebuild deletes it unread
+        tokens = tuple(t for part in reversed(chain) for t in part.tokens)
+        try:
+            segment = _read_file(path, header)
+            _compare(segment, _fresh(model, tokens, forwards), header.start, tokens, "disk")
+        except AssertionError as error:
+            problems.append(f"{path.name}: {error}")
+    return problems
+
+
 def _nodes(root) -> list:
     found, stack = [], list(root.children.values())
     while stack:
@@ -93,10 +121,15 @@ def _read(stored: DiskCopy, edge: tuple[int, ...], start: int) -> KVSegment:
     same span as the node."""
     if stored.pending is not None:  # the flush above wrote it; a copy is never re-queued
         raise AssertionError(f"{stored!r} still queued")
-    header, tensors = segment_file.read(stored.path)
+    header, _, _ = segment_file.read_header(stored.path)
     assert (header.start, tuple(header.tokens)) == (start, edge), (
         f"{stored.path.name}: file says {header.start}+{len(header.tokens)}, "
         f"node is {start}+{len(edge)}")
+    return _read_file(stored.path, header)
+
+
+def _read_file(path: Path, header: segment_file.SegmentHeader) -> KVSegment:
+    _, tensors = segment_file.read(path)
     segment = DiskStore._handle(header, tensors)
     assert isinstance(segment, KVSegment)
     return segment

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from radix import NodeState, RadixTree, ReserveStatus
+from radix import Miss, MissReason, NodeState, RadixTree, ReserveStatus
 from radix.tree import PREFIX_CHUNK, common_prefix_length
 from tests.radix.support import FakeHandle, FakeStore, acquire, check_invariants
 
@@ -756,3 +756,53 @@ def test_a_snapshot_copy_is_restored_at_its_end_whatever_the_edges_above_it():
     node = fresh.restore(fresh.root, copy.span, copy)
     assert node.path_tokens() == (1, 2, 3, 4) and node.stored is copy
     check_invariants(fresh)
+
+
+# -- why a prefix missed -------------------------------------------------------------
+
+
+def test_a_miss_in_an_empty_tree_is_not_seen_and_a_whole_hit_is_no_miss():
+    tree = Tree()
+    assert tree.explain_miss([1, 2, 3], 0) == Miss(0, MissReason.NOT_SEEN)
+    tree.put([1, 2, 3])
+    assert tree.explain_miss([1, 2, 3], 3) is None
+
+
+def test_a_miss_where_a_cached_branch_goes_on_otherwise_is_diverged_with_its_tokens():
+    tree = Tree()
+    tree.put([1, 2, 3, 4, 5])
+    assert tree.explain_miss([1, 2, 9, 9], 2) == Miss(2, MissReason.DIVERGED, (3, 4, 5))
+    tree.match([1, 2, 3])  # now a node boundary at 3; the branch is its child's edge
+    assert tree.explain_miss([1, 2, 3, 7], 3) == Miss(3, MissReason.DIVERGED, (4, 5))
+
+
+def test_a_miss_where_a_branch_was_evicted_or_cleared_says_so():
+    tree, _ = tiered(capacity=3)
+    tree.put([1, 2, 3])
+    tree.evict(3)  # demoted: still on disk, no miss to explain there
+    tree.evict_disk(3)
+    assert tree.explain_miss([1, 2, 3, 4], 0) == Miss(0, MissReason.EVICTED_DISK)
+    memory_only = Tree()
+    memory_only.put([5, 6])
+    memory_only.evict(2)
+    assert memory_only.explain_miss([5, 6], 0) == Miss(0, MissReason.EVICTED_MEMORY)
+    memory_only.put([5, 6])
+    memory_only.clear()
+    assert memory_only.explain_miss([5, 6, 7], 0) == Miss(0, MissReason.CLEARED)
+    memory_only.put([5, 6])  # cached again: a later miss below it is another story
+    assert memory_only.explain_miss([5, 6, 7], 2) == Miss(2, MissReason.NOT_SEEN)
+
+
+def test_a_miss_inside_tokens_another_request_is_computing_is_in_flight():
+    tree = Tree()
+    parent = tree.match([1, 2, 3]).node
+    tree.pin(parent)
+    tree.reserve(parent, [1, 2, 3])
+    assert tree.explain_miss([1, 2, 3, 4], 0) == Miss(0, MissReason.IN_FLIGHT)
+
+
+def test_a_snapshot_path_without_state_where_the_prompt_goes_on_is_no_snapshot():
+    tree = Tree()
+    tree.put([1, 2, 3, 4], splittable=False)
+    tree.insert(tree.root, [1, 2, 7], snap([1, 2, 7]))  # splits off a junction `1, 2`
+    assert tree.explain_miss([1, 2, 8], 0) == Miss(0, MissReason.NO_SNAPSHOT)

@@ -11,7 +11,14 @@ a sample records the process's RSS, MLX's active memory, the tree's bytes, the p
 tokens, and the 5xx and unexpected answers so far. The samples go to `series.csv` and
 `soak.png` in the output directory, the figures to `summary.txt`.
 
-It fails (exit status 1) when an answer is not one its kind allows, a 5xx comes from
+With `--disk-cache-dir DIR` the server keeps a disk tier there under the same small
+memory budget, so nearly everything it caches is demoted and promoted again; its system
+prompts are agent-sized (~600 tokens); every round clears the cache (`DELETE
+/admin/cache`) while requests run, and every `--restart-every` rounds it restarts, the
+next round's requests racing its rebuild from the folder. At the end every file in the
+folder is checked against a fresh forward of its tokens (tests/engine/kv_integrity.py).
+
+It fails (exit status 1) when a disk file's KV is not that of its tokens, or when an answer is not one its kind allows, a 5xx comes from
 anything but a deliberately failed forward pass, a greedy answer differs from the same
 request run alone, anything stays running or pinned, the tree exceeds its budget, or
 memory grows without bound: the slope of RSS or of MLX active memory, fitted over the
@@ -25,18 +32,32 @@ import asyncio
 import csv
 import itertools
 import json
+import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import httpx
+import mlx_lm
 import psutil
 
 from engine.model_source import resolve_model
-from tests.reliability.storm import Tally, Workload, baseline, figures, rerun_alone, storm
+from tests.engine.kv_integrity import check_folder_kv
+from tests.reliability.storm import (
+    Spec,
+    Tally,
+    Workload,
+    baseline,
+    figures,
+    rerun_alone,
+    storm,
+)
 from tests.reliability.support import (
+    AUTH,
     CACHE_BYTES,
     MAX_BODY_BYTES,
     fault_token,
@@ -52,6 +73,9 @@ MIB = 2**20
 MAX_SLOPE_MIB_PER_HOUR = 32.0
 WARM_UP_SHARE = 0.2
 QUEUE = 16
+DISK_CACHE_BYTES = 2**30
+# ~600 tokens: the system prompts agent SDK loops send.
+AGENT_SYSTEM_SENTENCES = 40
 
 
 @dataclass
@@ -74,25 +98,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", help="model directory or GGUF; default: the default model")
     parser.add_argument("--out", type=Path, help="where the series, plot and summary go")
+    parser.add_argument("--disk-cache-dir", type=Path,
+                        help="keep a disk tier here: clears mid-round, restarts, file check")
+    parser.add_argument("--restart-every", type=int, default=2,
+                        help="rounds between restarts, with --disk-cache-dir")
     args = parser.parse_args(argv)
     out = args.out or Path("build/soak") / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     model = Path(resolve_model(args.model))
+    flags = ["--cache-bytes", str(CACHE_BYTES), "--max-queue", str(QUEUE),
+             "--max-body-bytes", str(MAX_BODY_BYTES)]
+    if args.disk_cache_dir:
+        flags += ["--disk-cache-dir", str(args.disk_cache_dir),
+                  "--disk-cache-bytes", str(DISK_CACHE_BYTES)]
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "server.log"
-        server = launch(model, log, "--cache-bytes", str(CACHE_BYTES), "--max-queue",
-                        str(QUEUE), "--max-body-bytes", str(MAX_BODY_BYTES),
-                        fault_token=fault_token(model))
+        servers = Servers(lambda: launch(model, log.with_suffix(f".{time.time()}.log"), *flags,
+                                         fault_token=fault_token(model)))
         try:
-            return soak(server, model, args, out)
+            return soak(servers, model, args, out)
         finally:
-            stop(server)
-            (out / "server.log").write_text(log.read_text(errors="replace"))
+            servers.stop()
+            (out / "server.log").write_text("".join(
+                path.read_text(errors="replace") for path in sorted(Path(tmp).glob("*.log"))))
 
 
-def soak(server: ServerProcess, model: Path, args: argparse.Namespace, out: Path) -> int:
+class Servers:
+    """The server under soak, started anew by `restart` (its disk tier stays)."""
+
+    def __init__(self, start: Callable[[], ServerProcess]) -> None:
+        self.start, self.current = start, start()
+        self.restarts = 0
+
+    def restart(self) -> None:
+        stop(self.current)
+        self.current = self.start()
+        self.restarts += 1
+
+    def stop(self) -> None:
+        stop(self.current)
+
+
+def soak(servers: Servers, model: Path, args: argparse.Namespace, out: Path) -> int:
     context = json.loads((model / "config.json").read_text())["max_position_embeddings"]
-    workload = Workload(args.seed, fault_token(model), context)
+    disk = args.disk_cache_dir is not None
+    workload = Workload(args.seed, fault_token(model), context,
+                        system_sentences=AGENT_SYSTEM_SENTENCES if disk else 6)
+    server = servers.current
     process = psutil.Process(server.process.pid)
     before = baseline(server)
     tally = Tally()
@@ -100,15 +152,27 @@ def soak(server: ServerProcess, model: Path, args: argparse.Namespace, out: Path
     samples = [sample(0.0, tally, before, process)]
     print(f"soak of {model.name} for {args.minutes:g} min into {out}", flush=True)
     deadline = started + args.minutes * 60
+    rounds = 0
     while time.monotonic() < deadline:
         specs = itertools.takewhile(lambda _: time.monotonic() < deadline,
                                     workload.specs(args.round))
-        asyncio.run(storm(server.url, specs, args.concurrency, tally))
+        asyncio.run(round_of(server.url, specs, args.concurrency, tally, clear=disk))
         samples.append(sample(time.monotonic() - started, tally, wait_idle(server), process))
         print(describe(samples[-1]), flush=True)
+        rounds += 1
+        if disk and rounds % args.restart_every == 0 and time.monotonic() < deadline:
+            servers.restart()  # the next round races the rebuild
+            server = servers.current
+            process = psutil.Process(server.process.pid)
     after = wait_idle(server)
     mismatches = asyncio.run(rerun_alone(server.url, tally))
     problems = [*tally.unexpected, *mismatches]
+    if disk:
+        servers.stop()
+        wrong = check_folder_kv(only_folder(args.disk_cache_dir), mlx_lm.load(str(model))[0])
+        problems += [f"disk file: {line}" for line in wrong]
+        print(f"disk tier: {servers.restarts} restarts, {rounds} mid-round clears, "
+              f"{len(wrong)} wrong files", flush=True)
     if samples[-1].server_errors:
         problems.append(f"{samples[-1].server_errors} answers were 5xx")
     if any(after[name] for name in ("radix_mlx_running_requests", "radix_mlx_queue_depth",
@@ -137,6 +201,26 @@ def soak(server: ServerProcess, model: Path, args: argparse.Namespace, out: Path
     write_series(samples, out / "series.csv")
     plot(samples, out / "soak.png", model.name)
     return 1 if problems else 0
+
+
+async def round_of(url: str, specs: Iterator[Spec], concurrency: int, tally: Tally,
+                   clear: bool) -> None:
+    """One round of the storm; with `clear`, the cache is cleared while it runs."""
+    async def clear_midway() -> None:
+        await asyncio.sleep(random.uniform(0.5, 3.0))
+        async with httpx.AsyncClient(timeout=30) as client:
+            response = await client.delete(f"{url}/admin/cache", headers=AUTH)
+            if response.status_code != 200:
+                tally.unexpected.append(f"DELETE /admin/cache: {response.status_code}")
+
+    await asyncio.gather(storm(url, specs, concurrency, tally),
+                         *([clear_midway()] if clear else []))
+
+
+def only_folder(directory: Path) -> Path:
+    """The one model folder of a disk tier's directory."""
+    (folder,) = [path for path in directory.iterdir() if path.is_dir()]
+    return folder
 
 
 def sample(seconds: float, tally: Tally, metrics: dict[str, float],

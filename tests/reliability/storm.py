@@ -98,11 +98,11 @@ class Tally:
 class Workload:
     """Deterministic requests for a seed; `fault` is the token id that fails a forward."""
 
-    def __init__(self, seed: int, fault: int, context: int) -> None:
+    def __init__(self, seed: int, fault: int, context: int, system_sentences: int = 6) -> None:
         self.rng = random.Random(seed)
         self.fault, self.context = fault, context
         self.no_fault = {"logit_bias": {str(fault): -100}}
-        systems = [" ".join(self.rng.sample(SENTENCES, 6)) for _ in range(4)]
+        systems = [" ".join(self.rng.choices(SENTENCES, k=system_sentences)) for _ in range(4)]
         self.pool = [self._greedy(systems[i % 4], i) for i in range(24)]
 
     def _greedy(self, system: str, i: int) -> tuple[str, dict[str, Any]]:
