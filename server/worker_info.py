@@ -14,7 +14,10 @@ ready (503 before, like every /v1 route).
 from __future__ import annotations
 
 import asyncio
-from importlib.metadata import version
+import functools
+import importlib.metadata
+import tomllib
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -69,6 +72,21 @@ class WorkerLoad(BaseModel):
     num_tokens: int
 
 
+@functools.cache
+def server_version() -> str:
+    """The installed distribution's version; from a source checkout that is not
+    installed (the GPU machines run one), the version its pyproject.toml names."""
+    try:
+        return importlib.metadata.version("radix-mlx")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+        return str(project["project"]["version"])
+    except (OSError, ValueError, KeyError):
+        return "0+unknown"
+
+
 def _ready(request: Request) -> ServerState:
     state = server_state(request)
     state.ready_tokenizer()  # 503 while loading: the router retries registration
@@ -85,7 +103,7 @@ async def server_info(request: Request) -> ServerInfo:
         model_path=engine.config.model,
         served_model_name=state.model_ids()[0],
         served_model_names=state.model_ids(),
-        version=version("radix-mlx"),
+        version=server_version(),
         context_length=engine.context_length,
         max_req_input_len=engine.context_length - 1,
         max_running_requests=engine.config.max_batch_size,

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,8 +79,15 @@ def _wait_for(condition, what: str, replicas: Replicas, seconds: float = WAIT_SE
         time.sleep(0.25)
 
 
+# The supervisor and its workers run as from a checkout that is not pip-installed.
+UNINSTALLED = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "uninstalled"),
+                                              str(REPO_ROOT)])}
+
+
 @pytest.fixture(scope="module")
 def replicas(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replicas]:
+    """Run as the GPU machines run it, from a source checkout with no installed
+    distribution (tests/server/uninstalled): the router must still see its workers."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("replicas") / "replicas.log"
     command = [sys.executable, "-m", "server.cli", "replicas", "--workers", "2",
@@ -87,8 +95,8 @@ def replicas(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
                "1", "--restart-delay", str(RESTART_DELAY), "--", "--config", "",
                "--disk-cache-bytes", "0", "--api-key", API_KEY]
     with log_path.open("w") as log:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=server_env(), stdout=log,
-                                   stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=server_env(UNINSTALLED),
+                                   stdout=log, stderr=subprocess.STDOUT)
     running = Replicas(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + 2 * START_TIMEOUT
     while "routes to 2 workers" not in running.log():
@@ -187,6 +195,17 @@ def test_router_sees_both_workers_healthy_under_the_model_name(replicas: Replica
     # The router's cache flush reaches every worker.
     flushed = httpx.post(f"{replicas.url}/flush_cache", headers=AUTH, timeout=60).json()
     assert flushed["workers_flushed"] == 2 and not flushed.get("failed"), flushed
+
+
+def test_workers_run_from_an_uninstalled_checkout_report_the_checkouts_version(
+        replicas: Replicas) -> None:
+    """What the router reads first: a worker with no installed distribution answers
+    /server_info with the version in pyproject.toml, never a 500."""
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    for url in replicas.workers():
+        info = httpx.get(f"{url}/server_info", headers=AUTH, timeout=10)
+        assert info.status_code == 200, info.text
+        assert info.json()["version"] == project["version"]
 
 
 def test_workers_on_one_machine_each_plan_for_half_its_memory(replicas: Replicas) -> None:
