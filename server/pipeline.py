@@ -176,7 +176,8 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
     # Compiling a grammar takes milliseconds too: off the loop, once per distinct start
     # (free text has none, and the hop to a thread alone costs the loop ~0.1 ms).
     constraints = {
-        after: await asyncio.to_thread(output_constraint, request, tool_format, after)
+        after: await asyncio.to_thread(output_constraint, request, tool_format, after,
+                                       state.settings.close_schema_objects)
         if constrained(request) else None
         for after in {after for _, after in thinking}
     }
