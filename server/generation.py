@@ -19,6 +19,7 @@ from typing import Any, Literal
 import pydantic_core
 
 from engine.api import SamplingParams
+from engine.tokenizer import ChatEnd
 
 # A chat message in the form Hugging Face chat templates take:
 #   {"role": "system" | "user" | "assistant" | "tool", "content": str | None,
@@ -129,6 +130,10 @@ class GenerationRequest:
     include_usage: bool = False  # a streamed response ends with the usage
     # Template variables, e.g. {"enable_thinking": False}.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # How the rendered chat ends: "reply" opens the assistant's turn (the template's
+    # generation prompt), "continue" leaves the final message open and the reply continues
+    # it (an assistant prefill), "as_is" ends after the final message's own end.
+    chat_end: ChatEnd = "reply"
 
     @property
     def is_chat(self) -> bool:

@@ -219,11 +219,18 @@ class ChatCompletionRequest(StructuredOutputRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: false ends the prompt after the final message instead of opening the reply;
+    # continue_final_message (with add_generation_prompt false) makes the reply continue
+    # the final message, an assistant prefill.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _check_combinations(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt to be false")
         if self.tool_choice is not None and not self.tools:
             raise ValueError("tool_choice is only allowed when tools are specified")
         if isinstance(self.tool_choice, NamedToolChoice):

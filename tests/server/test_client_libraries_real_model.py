@@ -1,11 +1,16 @@
 """What client libraries send, on the real default model (SmolLM2-135M-Instruct):
-instructor's structured extraction, whose pydantic schemas leave objects open."""
+instructor's structured extraction, whose pydantic schemas leave objects open, and an
+assistant prefill through the Anthropic SDK and vLLM's chat fields."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import anthropic
+import httpx
 import instructor
+import mlx_lm
 import openai
 import pytest
 from pydantic import BaseModel
@@ -78,3 +83,80 @@ def test_an_object_open_by_its_schema_stays_open(client: openai.OpenAI, model: s
     assert response.choices[0].finish_reason == "stop"
     person = json.loads(response.choices[0].message.content)
     assert list(person)[:2] == ["name", "age"] and len(person) > 2
+
+
+# -- assistant prefill -------------------------------------------------------------------
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in JSON."},
+           {"role": "assistant", "content": '{"capital": "'}]
+PREFILL_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def reference(real_model_dir: Path):
+    """mlx-lm itself on the same directory: greedy text after a prompt given as token ids."""
+    model, tokenizer = mlx_lm.load(str(real_model_dir))
+
+    def greedy(prompt: list[int], max_tokens: int) -> str:
+        tokens = [response.token for response in mlx_lm.stream_generate(
+            model, tokenizer, prompt, max_tokens=max_tokens)]
+        return tokenizer.decode([t for t in tokens if t not in tokenizer.eos_token_ids])
+
+    greedy.tokenizer = tokenizer
+    greedy.model = model
+    return greedy
+
+
+def test_anthropic_continues_a_final_assistant_message(real_server: ServerProcess,
+                                                       model: str, reference) -> None:
+    """The reply is the continuation only, equal to mlx-lm continuing the same rendering;
+    asked again, the prompt comes from the cache."""
+    prompt = reference.tokenizer.apply_chat_template(CAPITAL, continue_final_message=True)
+    expected = reference(prompt, PREFILL_TOKENS)
+    assert expected.startswith("Paris")
+    claude = anthropic.Anthropic(base_url=real_server.url, api_key=API_KEY, max_retries=0)
+    replies = [claude.messages.create(model=model, max_tokens=PREFILL_TOKENS, messages=CAPITAL,
+                                      extra_body=GREEDY) for _ in range(2)]
+    for reply in replies:
+        assert reply.content[0].text == expected
+    assert replies[0].usage.input_tokens + replies[0].usage.cache_read_input_tokens == len(
+        prompt)
+    assert replies[1].usage.cache_read_input_tokens >= len(prompt) - 1
+
+
+def test_an_empty_final_assistant_message_asks_for_a_plain_reply(real_server: ServerProcess,
+                                                                 model: str) -> None:
+    claude = anthropic.Anthropic(base_url=real_server.url, api_key=API_KEY, max_retries=0)
+    question = CAPITAL[:1]
+    plain, empty = (claude.messages.create(model=model, max_tokens=4, messages=messages,
+                                           extra_body=GREEDY)
+                    for messages in (question, [*question, {"role": "assistant",
+                                                            "content": ""}]))
+    assert empty.content[0].text == plain.content[0].text
+
+
+def test_openai_chat_honours_vllms_prefill_fields(real_server: ServerProcess,
+                                                  model: str, reference) -> None:
+    prompt = reference.tokenizer.apply_chat_template(CAPITAL, continue_final_message=True)
+    closed = reference.tokenizer.apply_chat_template(CAPITAL, add_generation_prompt=False)
+    with httpx.Client(base_url=real_server.url, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        def chat(**fields) -> httpx.Response:
+            return client.post("/v1/chat/completions", json={
+                "model": model, "messages": CAPITAL, "max_tokens": PREFILL_TOKENS,
+                "temperature": 0, **fields})
+
+        continued = chat(continue_final_message=True, add_generation_prompt=False).json()
+        as_is = chat(add_generation_prompt=False).json()
+        both = chat(continue_final_message=True)
+        empty = client.post("/v1/chat/completions", json={
+            "model": model, "max_tokens": 1, "continue_final_message": True,
+            "add_generation_prompt": False,
+            "messages": [*CAPITAL[:1], {"role": "assistant", "content": " "}]})
+    assert continued["choices"][0]["message"]["content"] == reference(prompt, PREFILL_TOKENS)
+    assert continued["usage"]["prompt_tokens"] == len(prompt)
+    # The Anthropic test's prompt, or this module's first request of it, is cached.
+    assert continued["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt) - 1
+    assert as_is["usage"]["prompt_tokens"] == len(closed)
+    assert both.status_code == 400 and "add_generation_prompt" in both.text
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
