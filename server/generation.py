@@ -126,6 +126,9 @@ class GenerationRequest:
     n: int = 1  # choices per prompt
     # None: no logprobs; k: each content token's logprob plus its k likeliest alternatives.
     logprobs: int | None = None
+    # Raw prompts only: each choice starts with its prompt's text, and with logprobs, its
+    # prompt tokens' logprobs (computed whatever the cache holds).
+    echo: bool = False
     stream: bool = False
     include_usage: bool = False  # a streamed response ends with the usage
     # Template variables, e.g. {"enable_thinking": False}.

@@ -68,6 +68,7 @@ def completion_request(body: CompletionRequest) -> GenerationRequest:
         max_tokens=body.max_tokens,
         n=body.n,
         logprobs=body.logprobs,
+        echo=body.echo,
         stream=body.stream,
         include_usage=_include_usage(body),
     )

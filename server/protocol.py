@@ -18,6 +18,7 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -266,10 +267,13 @@ LEGACY_MAX_TOKENS = 16
 
 class CompletionRequest(StructuredOutputRequest):
     prompt: Prompt
-    # OpenAI's default for legacy completions, also when null is sent.
-    max_tokens: int | None = Field(LEGACY_MAX_TOKENS, ge=1)
+    # OpenAI's default for legacy completions, also when null is sent. 0 (with echo): the
+    # prompt alone, scored, as lm-evaluation-harness asks for it.
+    max_tokens: int | None = Field(LEGACY_MAX_TOKENS, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    # The prompt comes back before the completion, with its tokens' logprobs if logprobs
+    # is set (the first token's is null).
+    echo: bool = Field(False, validate_default=True)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
 
@@ -280,9 +284,10 @@ class CompletionRequest(StructuredOutputRequest):
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
+    def _something_to_return(cls, value: bool, info: ValidationInfo) -> bool:
+        # max_tokens (a SamplingRequest field) is validated before echo.
+        if not value and info.data.get("max_tokens") == 0:
+            raise ValueError("with max_tokens 0 (no completion) echo must be true")
         return value
 
     @field_validator("suffix")
@@ -349,8 +354,9 @@ class CompletionLogprobs(ResponseModel):
     """The legacy format: parallel lists, alternatives as {token text: logprob}."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    # null for an echoed prompt's first token, which nothing comes before
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

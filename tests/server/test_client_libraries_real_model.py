@@ -1,6 +1,7 @@
 """What client libraries send, on the real default model (SmolLM2-135M-Instruct):
-instructor's structured extraction, whose pydantic schemas leave objects open, and an
-assistant prefill through the Anthropic SDK and vLLM's chat fields."""
+instructor's structured extraction, whose pydantic schemas leave objects open, an
+assistant prefill through the Anthropic SDK and vLLM's chat fields, and the scoring
+requests of lm-evaluation-harness (echo with prompt logprobs)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import anthropic
 import httpx
 import instructor
+import mlx.core as mx
 import mlx_lm
 import openai
 import pytest
@@ -160,3 +162,53 @@ def test_openai_chat_honours_vllms_prefill_fields(real_server: ServerProcess,
     assert as_is["usage"]["prompt_tokens"] == len(closed)
     assert both.status_code == 400 and "add_generation_prompt" in both.text
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
+
+
+# -- echo with prompt logprobs -----------------------------------------------------------
+
+SCORED = ["The capital of France is Paris.", "The capital of France is Rome."]
+
+
+def direct_logprobs(reference, tokens: list[int]) -> list[float]:
+    """Each token's logprob given those before it: log_softmax of one plain forward."""
+    logits = reference.model(mx.array([tokens]))[0].astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return [logprobs[i, tokens[i + 1]].item() for i in range(len(tokens) - 1)]
+
+
+def test_echo_scores_prompts_as_a_direct_forward_cached_or_not(
+        client: openai.OpenAI, model: str, reference) -> None:
+    """lm-evaluation-harness's loglikelihood request, twice: the second finds the prompts
+    cached and must score them the same."""
+    expected = [direct_logprobs(reference, reference.tokenizer.encode(text))
+                for text in SCORED]
+    cold, warm = (client.completions.create(model=model, prompt=SCORED, echo=True,
+                                            logprobs=2, max_tokens=0, temperature=0)
+                  for _ in range(2))
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0
+    for response in (cold, warm):
+        assert response.usage.completion_tokens == 0
+        for choice in response.choices:
+            logprobs = choice.logprobs
+            assert choice.text == SCORED[choice.index]
+            assert choice.finish_reason == "length"
+            assert "".join(logprobs.tokens) == choice.text
+            assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+            assert logprobs.token_logprobs[1:] == pytest.approx(expected[choice.index],
+                                                                abs=1e-4)
+            assert all(len(top) == 2 for top in logprobs.top_logprobs[1:])
+            assert logprobs.text_offset[-1] == len(choice.text) - len(logprobs.tokens[-1])
+    paris, rome = (sum(choice.logprobs.token_logprobs[1:]) for choice in cold.choices)
+    assert paris > rome
+
+
+def test_echo_then_a_completion(client: openai.OpenAI, model: str, reference) -> None:
+    prompt = reference.tokenizer.encode(SCORED[0])
+    response = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=0,
+                                         max_tokens=2, temperature=0)
+    [choice] = response.choices
+    logprobs = choice.logprobs
+    assert choice.text.startswith(SCORED[0]) and len(logprobs.tokens) == len(prompt) + 2
+    assert logprobs.token_logprobs[1:len(prompt)] == pytest.approx(
+        direct_logprobs(reference, prompt), abs=1e-4)
+    assert "".join(logprobs.tokens) == choice.text
