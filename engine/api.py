@@ -3,7 +3,7 @@ engine and its callers.
 
 The server builds an `EngineConfig`, watches the engine's `Lifecycle`, builds a `Prompt`
 and a `SamplingParams` per request, calls `Engine.submit` and reads `TokenEvent`s followed
-by one `Finish` from the returned `RequestStream`; `Engine.cancel` ends a request early, and
+by one `Finish` from the returned `RequestStream` (first a `PromptLogprobs` when asked); `Engine.cancel` ends a request early, and
 `Engine.stats` gives an `EngineStats` for /metrics. The engine itself (engine.py) imports
 MLX; nothing here does, so the server's own modules import only this one,
 engine/tokenizer.py and engine/constraints.py (the grammars of `SamplingParams.constraint`).
@@ -194,6 +194,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # None: no logprobs. 0..20: the sampled token's logprob plus that many alternatives.
     logprobs: int | None = None
+    # None: none. 0..20: before any token, a `PromptLogprobs` event with each prompt
+    # token's logprob plus that many alternatives (engine/prompt_logprobs.py).
+    prompt_logprobs: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -234,6 +237,15 @@ class CacheMiss:
     before: str
     after: str
     cached: str = ""
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Every prompt token (`text`: its own text), its logprob given the tokens before it
+    and the likeliest alternatives there; the first token has no logprob. The first event
+    of a request that asked for them (`SamplingParams.prompt_logprobs`)."""
+
+    tokens: tuple[TokenEvent, ...]
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,10 @@ with p = parallel_tool_calls (one or more calls, one after another, or exactly o
 the model format's call markers as `call_format` (default: Hermes/Qwen's <tool_call>...).
 The generated text then parses with mlx-lm's `json_tools` parser between the markers.
 
+Every schema is first rewritten by `engine.json_schemas.for_generation`: required
+properties first and, unless `close_objects=False`, objects that list their properties
+closed to them (strict or not: OpenAI's strict mode closes every object too).
+
 For a reasoning model, set the end-of-thinking marker on the result
 (`dataclasses.replace(constraint, after="</think>")`): the thinking stays free and the
 grammar applies to the answer after it.
@@ -43,6 +47,7 @@ from typing import Any
 from llguidance import LLMatcher
 
 from engine.api import Constraint
+from engine.json_schemas import for_generation
 
 # llguidance's JSON compile options for every schema here; see the module docstring.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -102,16 +107,17 @@ def json_object() -> Constraint:
     return json_schema(ANY_JSON_OBJECT.schema, strict=ANY_JSON_OBJECT.strict)
 
 
-def json_schema(schema: Mapping[str, Any], strict: bool = False) -> Constraint:
+def json_schema(schema: Mapping[str, Any], strict: bool = False, close_objects: bool = True
+                ) -> Constraint:
     """JSON that validates against `schema`."""
-    grammar = _grammar_from_schema(schema, strict)
+    grammar = _grammar_from_schema(schema, strict, close_objects)
     _validate(grammar)
     return Constraint(grammar)
 
 
 def tool_calls(tools: Sequence[FunctionTool], name: str | None = None, parallel: bool = False,
-               call_format: ToolCallFormat = HERMES, answer: JsonAnswer | None = None
-               ) -> Constraint:
+               call_format: ToolCallFormat = HERMES, answer: JsonAnswer | None = None,
+               close_objects: bool = True) -> Constraint:
     """One call (one or more in a row if `parallel`) of the function `name`, or of any of
     `tools` when `name` is None, whose arguments validate against its parameters; or,
     when `answer` is given, that JSON answer instead of any call."""
@@ -128,7 +134,7 @@ def tool_calls(tools: Sequence[FunctionTool], name: str | None = None, parallel:
              "body: " + " | ".join(f"tool_{i}" for i in range(len(tools)))]
     if answer is not None:
         try:
-            rules.append(_json_rule("answer", answer.schema, answer.strict))
+            rules.append(_json_rule("answer", answer.schema, answer.strict, close_objects))
         except (TypeError, ValueError) as error:
             raise UnsupportedAnswer(str(error), getattr(error, "keyword", None)) from None
     for i, tool in enumerate(tools):
@@ -137,7 +143,7 @@ def tool_calls(tools: Sequence[FunctionTool], name: str | None = None, parallel:
         head = '{"name": ' + json.dumps(tool.name, ensure_ascii=False) + ', "arguments": '
         rules.append(f"tool_{i}: {_literal(head)} arguments_{i} {_literal('}')}")
         try:
-            rules.append(_json_rule(f"arguments_{i}", parameters, tool.strict))
+            rules.append(_json_rule(f"arguments_{i}", parameters, tool.strict, close_objects))
         except UnsupportedSchema as error:
             raise UnsupportedSchema(f"function {tool.name!r}: {error}", error.keyword) from None
     grammar = LLMatcher.grammar_from_lark("\n".join(rules))
@@ -145,25 +151,27 @@ def tool_calls(tools: Sequence[FunctionTool], name: str | None = None, parallel:
     return Constraint(grammar)
 
 
-def _json_rule(rule: str, schema: Mapping[str, Any], strict: bool) -> str:
+def _json_rule(rule: str, schema: Mapping[str, Any], strict: bool, close_objects: bool) -> str:
     """A Lark rule for JSON valid against `schema`, refused as `json_schema` refuses it.
     The schema is a JSON document of its own in the rule, so its "$ref"s resolve
     against it as they would for any validator."""
-    _validate(_grammar_from_schema(schema, strict))
-    return f"{rule}: %json {json.dumps(_with_layout(schema, strict), ensure_ascii=False)}"
+    _validate(_grammar_from_schema(schema, strict, close_objects))
+    laid_out = _with_layout(schema, strict, close_objects)
+    return f"{rule}: %json {json.dumps(laid_out, ensure_ascii=False)}"
 
 
-def _with_layout(schema: Mapping[str, Any], strict: bool) -> dict[str, Any]:
+def _with_layout(schema: Mapping[str, Any], strict: bool, close_objects: bool
+                 ) -> dict[str, Any]:
     if not isinstance(schema, Mapping):
         raise UnsupportedSchema("a JSON Schema must be an object")
     options = {**(schema.get("x-guidance") or {}), **JSON_LAYOUT, "lenient": not strict}
-    return {**schema, "x-guidance": options}
+    return {**for_generation(schema, close_objects), "x-guidance": options}
 
 
-def _grammar_from_schema(schema: Mapping[str, Any], strict: bool) -> str:
+def _grammar_from_schema(schema: Mapping[str, Any], strict: bool, close_objects: bool) -> str:
     try:
         return LLMatcher.grammar_from_json_schema(
-            json.dumps(_with_layout(schema, strict), ensure_ascii=False))
+            json.dumps(_with_layout(schema, strict, close_objects), ensure_ascii=False))
     except (TypeError, ValueError) as error:
         raise UnsupportedSchema(f"invalid JSON Schema: {error}") from None
 

@@ -101,6 +101,8 @@ class Generation:
         grammar = self.sequence.grammar
         if grammar is not None and grammar.error is not None:
             raise ConstraintFailed(f"the output constraint failed: {grammar.error}")
+        if self.params.max_tokens == 0:  # the prompt alone (scored): no token is kept
+            return "length", None
         self.generated.append(token)
         self.suspect = False
         if token in self.stop_ids:  # a stop token: never shown as text

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine.admission import SchedulerLimits, admit
-from engine.api import FinishReason, SamplingParams, SchedulerCounters
+from engine.api import FinishReason, PromptLogprobs, SamplingParams, SchedulerCounters
 from engine.disk_store import DiskStore
 from engine.distributed import RankGroup
 from engine.generation import Generation
@@ -53,6 +53,7 @@ from engine.grammar import ConstraintFailed, Grammars
 from engine.kv import KVStore
 from engine.loader import LoadedModel
 from engine.prefill_budget import PrefillBudget
+from engine.prompt_logprobs import prompt_logprobs
 from engine.segment_file import BadSegmentFile
 from engine.tree_hold import HandleOf
 from radix.tree import MatchResult, Node, RadixTree, ReserveStatus, common_prefix_length
@@ -339,6 +340,10 @@ class Scheduler:
             self.counters.prompt_tokens += len(generation.prompt)
             self.counters.cached_tokens += hold.depth
             self.counters.constrained_requests += constraint is not None
+            if generation.params.prompt_logprobs is not None:
+                generation.emit(PromptLogprobs(prompt_logprobs(
+                    self.loaded.model, self.loaded.tokenizer, generation.prompt,
+                    generation.params.prompt_logprobs, self.prefill_budget.idle_chunk)))
         tokens = generation.tokens
         self.counters.prefill_tokens += len(tokens) - hold.depth
         generation.snapshots = []

@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from jinja2 import TemplateError
 
@@ -21,6 +21,10 @@ from radix.tree import common_prefix_length
 # Parses the text between a tool call's markers: (text, tools) -> one call or a list of
 # them, each {"name": ..., "arguments": ...}; raises on text it cannot parse.
 ToolParser = Callable[[str, Any], Any]
+
+# Where a rendered chat ends: the assistant's turn opened for the reply, inside the final
+# message (the reply continues it), or after the final message as the template ends it.
+ChatEnd = Literal["reply", "continue", "as_is"]
 
 
 @dataclass(frozen=True)
@@ -87,15 +91,19 @@ class ModelTokenizer:
 
     def chat_prompt(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
-                    variables: dict[str, Any] | None = None) -> list[int]:
+                    variables: dict[str, Any] | None = None,
+                    end: ChatEnd = "reply") -> list[int]:
         """The prompt token ids for `messages`, through the model's chat template, ending
-        where the assistant's reply starts. `variables` are extra template variables.
+        where the assistant's reply starts (`end` "reply"), inside the final message so
+        that the reply continues it ("continue": transformers' `continue_final_message`,
+        which cuts the rendering right after that message's text), or after the final
+        message ("as_is"). `variables` are extra template variables.
 
         Raises jinja2's TemplateError or ValueError when the template rejects the
         messages (say, roles that do not alternate)."""
         return list(self._wrapper.apply_chat_template(
-            messages, **(variables or {}), tools=tools, add_generation_prompt=True,
-            tokenize=True))
+            messages, **(variables or {}), tools=tools, add_generation_prompt=end == "reply",
+            continue_final_message=end == "continue", tokenize=True))
 
     def shared_lengths(self, prompt: list[int], heads: Sequence[list[dict[str, Any]]],
                        tools: list[dict[str, Any]] | None = None,

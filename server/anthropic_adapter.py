@@ -82,6 +82,7 @@ from server.generation import ToolChoice as GenerationToolChoice
 from server.json_body import JSONRoute
 from server.openapi import error_responses, event_stream
 from server.pipeline import Generation, render, start
+from server.prompts import assistant_prefill
 from server.state import server_state
 from server.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
 
@@ -98,6 +99,8 @@ def generation_request(body: TokenCountRequest) -> GenerationRequest:
         messages.append({"role": "system", "content": system})
     for message in body.messages:
         messages += chat_messages(message)
+    # A final assistant message is a prefill: the reply continues it.
+    messages, chat_end = assistant_prefill(messages)
     output = TEXT
     if body.output_config is not None and body.output_config.format is not None:
         output = JsonSchemaOutput("output", body.output_config.format.schema_, strict=True)
@@ -114,6 +117,7 @@ def generation_request(body: TokenCountRequest) -> GenerationRequest:
         parallel_tool_calls=_parallel(body.tool_choice),
         output=output,
         chat_template_kwargs=template_kwargs,
+        chat_end=chat_end,
     )
     if not isinstance(body, MessagesRequest):
         return request  # counting tokens: the prompt is all there is

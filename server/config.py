@@ -146,6 +146,12 @@ class Settings(BaseModel):
         description="seconds running requests get to finish after SIGTERM before they are cut",
     )
     default_max_tokens: PositiveInt = Field(512, description="max_tokens when a request omits it")
+    close_schema_objects: bool = Field(
+        True, description="an object in a tool's parameters or a response_format schema "
+        "that lists its properties but says nothing of additionalProperties allows no "
+        "other keys (as llama.cpp and OpenAI's strict mode read it); false: JSON Schema's "
+        "reading, any other keys"
+    )
     volatile_system_lines: list[NonEmpty] = Field(
         [CLAUDE_CODE_BILLING_LINE],
         description="regular expressions; a system-prompt line matching one in full is "

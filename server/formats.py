@@ -70,18 +70,21 @@ def chat_logprobs(tokens: Sequence[TokenEvent]) -> ChatLogprobs:
 
 
 def legacy_logprobs(tokens: Sequence[TokenEvent], offset: int) -> CompletionLogprobs:
-    """`offset` is where the first token's text starts in the choice's text."""
-    scored = [token for token in tokens if token.logprob is not None]
+    """`offset` is where the first token's text starts in the choice's text. A token
+    without a logprob (an echoed prompt's first) gets nulls, as OpenAI's and vLLM's."""
+    texts = [token.text if token.logprob is None else token.logprob.text for token in tokens]
     offsets = []
-    for token in scored:
+    for text in texts:
         offsets.append(offset)
-        offset += len(token.logprob.text)
+        offset += len(text)
     return CompletionLogprobs(
-        tokens=[token.logprob.text for token in scored],
-        token_logprobs=[token.logprob.logprob for token in scored],
+        tokens=texts,
+        token_logprobs=[None if token.logprob is None else token.logprob.logprob
+                        for token in tokens],
         top_logprobs=[
+            None if token.logprob is None else
             {alternative.text: alternative.logprob for alternative in token.top_logprobs}
-            for token in scored
+            for token in tokens
         ],
         text_offset=offsets,
     )

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import pydantic_core
 
 from engine.api import SamplingParams
+from engine.tokenizer import ChatEnd
 
 # A chat message in the form Hugging Face chat templates take:
 #   {"role": "system" | "user" | "assistant" | "tool", "content": str | None,
@@ -125,10 +126,17 @@ class GenerationRequest:
     n: int = 1  # choices per prompt
     # None: no logprobs; k: each content token's logprob plus its k likeliest alternatives.
     logprobs: int | None = None
+    # Raw prompts only: each choice starts with its prompt's text, and with logprobs, its
+    # prompt tokens' logprobs (computed whatever the cache holds).
+    echo: bool = False
     stream: bool = False
     include_usage: bool = False  # a streamed response ends with the usage
     # Template variables, e.g. {"enable_thinking": False}.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # How the rendered chat ends: "reply" opens the assistant's turn (the template's
+    # generation prompt), "continue" leaves the final message open and the reply continues
+    # it (an assistant prefill), "as_is" ends after the final message's own end.
+    chat_end: ChatEnd = "reply"
 
     @property
     def is_chat(self) -> bool:

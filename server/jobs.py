@@ -19,6 +19,7 @@ from engine.api import (
     EngineNotReady,
     Finish,
     Prompt,
+    PromptLogprobs,
     QueueFull,
     RequestFailed,
     SamplingParams,
@@ -93,7 +94,7 @@ class Job:
             task.cancel()
         self.drain.jobs.discard(self)
 
-    async def events(self) -> AsyncIterator[tuple[int, TokenEvent | Finish]]:
+    async def events(self) -> AsyncIterator[tuple[int, TokenEvent | PromptLogprobs | Finish]]:
         """Every choice's events, interleaved as they arrive."""
         last_token: dict[int, float] = {}
         async for index, event in self._arrivals():
@@ -108,7 +109,7 @@ class Job:
                 continue  # reported below, once every stream has ended
             if isinstance(event, TokenEvent):
                 self._observe_token(index, last_token)
-            else:
+            elif isinstance(event, Finish):
                 self._finish(index, event)
             yield index, event
         if len(self._finishes) < self.choices:
@@ -116,7 +117,7 @@ class Job:
             # cancels a job that is still being read.
             raise APIError(503, "the server is shutting down", code="shutting_down")
 
-    async def _arrivals(self) -> AsyncIterator[tuple[int, TokenEvent | Finish | Exception]]:
+    async def _arrivals(self) -> AsyncIterator[tuple[int, TokenEvent | PromptLogprobs | Finish | Exception]]:
         """(choice, event) as they arrive, or the exception a choice's stream raised. One
         stream is read as it is; several through a queue that a task per stream feeds
         (which costs every token a second wake-up)."""
@@ -127,7 +128,8 @@ class Job:
             except Exception as error:  # noqa: BLE001 - re-raised by the reader
                 yield 0, error
             return
-        queue: asyncio.Queue[tuple[int, TokenEvent | Finish | Exception | None]] = asyncio.Queue()
+        queue: asyncio.Queue[
+            tuple[int, TokenEvent | PromptLogprobs | Finish | Exception | None]] = asyncio.Queue()
 
         async def pump(index: int, stream) -> None:
             try:

@@ -54,6 +54,8 @@ def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
         stream=body.stream,
         include_usage=_include_usage(body),
         chat_template_kwargs=body.chat_template_kwargs or {},
+        chat_end="continue" if body.continue_final_message
+        else "reply" if body.add_generation_prompt else "as_is",
     )
 
 
@@ -66,6 +68,7 @@ def completion_request(body: CompletionRequest) -> GenerationRequest:
         max_tokens=body.max_tokens,
         n=body.n,
         logprobs=body.logprobs,
+        echo=body.echo,
         stream=body.stream,
         include_usage=_include_usage(body),
     )

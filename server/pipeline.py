@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from fastapi import Request
 
-from engine.api import Constraint, Finish, Prompt, SamplingParams, TokenEvent
+from engine.api import Constraint, Finish, Prompt, PromptLogprobs, SamplingParams, TokenEvent
 from engine.tokenizer import ModelTokenizer, ThinkingMarkers, ToolCallFormat
 from server import generic_tools
 from server.errors import APIError
@@ -32,7 +32,8 @@ from server.volatile import drop_volatile_lines
 
 
 class ChoiceDecoder:
-    """One choice's text into events: reasoning first split off, then tool calls."""
+    """One choice's text into events: the echoed prompt first, if asked for, then the
+    reply's reasoning split off, then tool calls."""
 
     def __init__(
         self,
@@ -40,16 +41,29 @@ class ChoiceDecoder:
         reasoning: ReasoningSplitter | None,
         tools: ToolCallParser | None,
         logprobs: bool,
+        echo: str | None = None,
     ) -> None:
         self.choice = choice
         self._reasoning, self._tools, self._logprobs = reasoning, tools, logprobs
+        self._echo = echo  # the prompt's text, until it is sent
         # Tokens written inside the thinking block, markers included (None: no thinking).
         self.reasoning_tokens = None if reasoning is None else 0
+
+    def prompt(self, event: PromptLogprobs) -> list[Event]:
+        return self._echoed(event.tokens)
+
+    def _echoed(self, tokens: tuple[TokenEvent, ...] = ()) -> list[Event]:
+        """The echoed prompt, once, before anything else of the choice (with its tokens'
+        logprobs, which come first when asked for)."""
+        if self._echo is None:
+            return []
+        echo, self._echo = self._echo, None
+        return [TextDelta(self.choice, echo, tokens if self._logprobs else ())]
 
     def token(self, event: TokenEvent) -> list[Event]:
         answering = self._answering()
         thinking = self._reasoning is not None and self._reasoning.inside
-        events = self._text(event.text, close=False)
+        events = self._echoed() + self._text(event.text, close=False)
         if self._reasoning is not None and (thinking or self._reasoning.inside):
             self.reasoning_tokens += 1
         if self._logprobs and event.logprob is not None and answering and self._answering():
@@ -62,7 +76,8 @@ class ChoiceDecoder:
         return events
 
     def finish(self, finish: Finish, usage: Usage) -> list[Event]:
-        events = self._text(finish.text, close=True, cut=finish.reason == "length")
+        events = self._echoed() + self._text(finish.text, close=True,
+                                             cut=finish.reason == "length")
         called = self._tools is not None and self._tools.calls > 0
         reason = "tool_calls" if called and finish.reason == "stop" else finish.reason
         assert reason != "cancelled"  # the job reports cancellation as an error
@@ -120,6 +135,8 @@ class Generation:
             decoder = self._decoders[index]
             if isinstance(event, TokenEvent):
                 events = decoder.token(event)
+            elif isinstance(event, PromptLogprobs):
+                events = decoder.prompt(event)
             else:
                 events = decoder.finish(event, self.job.choice_usage(index))
             for out in events:
@@ -167,7 +184,9 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
             f"{state.settings.max_queue}", code="invalid_request", param="n",
         )
     room = state.engine.context_length - max(len(prompt.tokens) for prompt in prompts)
-    max_tokens = request.max_tokens or max(1, min(state.settings.default_max_tokens, room))
+    max_tokens = request.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, min(state.settings.default_max_tokens, room))
     if request.fit_context:
         max_tokens = max(1, min(max_tokens, room))
     # Reasoning applies to chats only; raw prompts are continued as they are.
@@ -176,7 +195,8 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
     # Compiling a grammar takes milliseconds too: off the loop, once per distinct start
     # (free text has none, and the hop to a thread alone costs the loop ~0.1 ms).
     constraints = {
-        after: await asyncio.to_thread(output_constraint, request, tool_format, after)
+        after: await asyncio.to_thread(output_constraint, request, tool_format, after,
+                                       state.settings.close_schema_objects)
         if constrained(request) else None
         for after in {after for _, after in thinking}
     }
@@ -185,11 +205,22 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
     http.state.stats = job.stats
     job.submit(prompts, request.n, lambda choice: _choice_params(
         request, max_tokens, choice, constraints[thinking[choice // request.n][1]]))
+    echoes = [_echo(tokenizer, request, index, prompt) for index, prompt in enumerate(prompts)]
     decoders = [
-        _decoder(request, markers, thinking[choice // request.n][0], tool_format, choice)
+        _decoder(request, markers, thinking[choice // request.n][0], tool_format, choice,
+                 echoes[choice // request.n])
         for choice in range(choices)
     ]
     return Generation(request, job, decoders, sum(len(prompt.tokens) for prompt in prompts))
+
+
+def _echo(tokenizer: ModelTokenizer, request: GenerationRequest, index: int, prompt: Prompt
+          ) -> str | None:
+    """The text an echo sends back for prompt `index`: as given, or its token ids decoded."""
+    if not request.echo:
+        return None
+    given = request.prompts[index]
+    return given if isinstance(given, str) else tokenizer.decode(prompt.tokens)
 
 
 def _decoder(
@@ -198,6 +229,7 @@ def _decoder(
     inside: bool,
     tool_format: ToolCallFormat,
     choice: int,
+    echo: str | None,
 ) -> ChoiceDecoder:
     reasoning = tools = None
     if markers is not None:
@@ -207,7 +239,7 @@ def _decoder(
             choice, tool_format, [tool.template_form() for tool in request.offered_tools],
             parallel=request.parallel_tool_calls is not False,
         )
-    return ChoiceDecoder(choice, reasoning, tools, request.logprobs is not None)
+    return ChoiceDecoder(choice, reasoning, tools, request.logprobs is not None, echo)
 
 
 def _tool_format(tokenizer: ModelTokenizer, request: GenerationRequest) -> ToolCallFormat:
@@ -268,6 +300,7 @@ def _choice_params(
         knobs,
         max_tokens=max_tokens,
         logprobs=request.logprobs,
+        prompt_logprobs=request.logprobs if request.echo else None,
         seed=None if knobs.seed is None else knobs.seed + choice,
         temperature=0.0 if greedy else knobs.temperature,
         top_p=1.0 if greedy else knobs.top_p,

@@ -10,7 +10,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from engine.api import Prompt
-from engine.tokenizer import ModelTokenizer
+from engine.tokenizer import ChatEnd, ModelTokenizer
 from server import generic_tools as generic
 from server.errors import APIError
 from server.generation import GenerationRequest, Message
@@ -60,11 +60,16 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
             code="invalid_request", param="chat_template_kwargs",
         )
     messages, tools = list(request.messages), request.offered_tools
+    if request.chat_end == "continue" and not (messages[-1].get("content") or "").strip():
+        raise APIError(
+            400, "continuing the final message needs a final message with text",
+            code="invalid_request", param="messages",
+        )
     if generic.template_ignores_tools(tokenizer):
         messages, tools = generic.rewrite(request.messages, tools, request.tool_choice), ()
     template_tools = [tool.template_form() for tool in tools] or None
     try:
-        prompt = tokenizer.chat_prompt(messages, template_tools, variables)
+        prompt = tokenizer.chat_prompt(messages, template_tools, variables, request.chat_end)
     except (TemplateError, ValueError) as error:
         # Templates reject what they cannot render (e.g. roles that do not alternate).
         raise APIError(
@@ -75,6 +80,18 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
         return Prompt(prompt)
     return Prompt(prompt, tokenizer.shared_lengths(prompt, _heads(messages), template_tools,
                                                    variables))
+
+
+def assistant_prefill(messages: list[Message]) -> tuple[list[Message], ChatEnd]:
+    """A chat that ends with an assistant message, as Anthropic's API reads it: the
+    message's text is the start of the reply, which continues it; an empty one (no text,
+    no tool calls) asks for a plain reply and is left out."""
+    last = messages[-1] if messages else {}
+    if last.get("role") != "assistant":
+        return messages, "reply"
+    if (last.get("content") or "").strip():
+        return messages, "continue"
+    return (messages, "reply") if last.get("tool_calls") else (messages[:-1], "reply")
 
 
 def _heads(messages: list[Message]) -> list[list[Message]]:

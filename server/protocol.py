@@ -18,6 +18,7 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -219,11 +220,18 @@ class ChatCompletionRequest(StructuredOutputRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: false ends the prompt after the final message instead of opening the reply;
+    # continue_final_message (with add_generation_prompt false) makes the reply continue
+    # the final message, an assistant prefill.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _check_combinations(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt to be false")
         if self.tool_choice is not None and not self.tools:
             raise ValueError("tool_choice is only allowed when tools are specified")
         if isinstance(self.tool_choice, NamedToolChoice):
@@ -259,10 +267,13 @@ LEGACY_MAX_TOKENS = 16
 
 class CompletionRequest(StructuredOutputRequest):
     prompt: Prompt
-    # OpenAI's default for legacy completions, also when null is sent.
-    max_tokens: int | None = Field(LEGACY_MAX_TOKENS, ge=1)
+    # OpenAI's default for legacy completions, also when null is sent. 0 (with echo): the
+    # prompt alone, scored, as lm-evaluation-harness asks for it.
+    max_tokens: int | None = Field(LEGACY_MAX_TOKENS, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    # The prompt comes back before the completion, with its tokens' logprobs if logprobs
+    # is set (the first token's is null).
+    echo: bool = Field(False, validate_default=True)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
 
@@ -273,9 +284,10 @@ class CompletionRequest(StructuredOutputRequest):
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
+    def _something_to_return(cls, value: bool, info: ValidationInfo) -> bool:
+        # max_tokens (a SamplingRequest field) is validated before echo.
+        if not value and info.data.get("max_tokens") == 0:
+            raise ValueError("with max_tokens 0 (no completion) echo must be true")
         return value
 
     @field_validator("suffix")
@@ -363,8 +375,9 @@ class CompletionLogprobs(ResponseModel):
     """The legacy format: parallel lists, alternatives as {token text: logprob}."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    # null for an echoed prompt's first token, which nothing comes before
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -52,11 +52,14 @@ def writes_calls(request: GenerationRequest) -> bool:
 
 
 def output_constraint(
-    request: GenerationRequest, tool_format: ToolCallFormat, after: str | None
+    request: GenerationRequest, tool_format: ToolCallFormat, after: str | None,
+    close_objects: bool = True,
 ) -> Constraint | None:
     """The constraint for every choice of `request` (None: free text); `after` is the
-    marker the grammar waits for (a reasoning model's end of thinking). A schema or tool
-    the engine cannot enforce is a 400 naming the keyword."""
+    marker the grammar waits for (a reasoning model's end of thinking); `close_objects`:
+    an object schema that lists its properties allows no others unless it says so
+    (`engine.json_schemas`). A schema or tool the engine cannot enforce is a 400 naming
+    the keyword."""
     output = request.output
     answer = None
     if isinstance(output, JsonObjectOutput):
@@ -68,7 +71,7 @@ def output_constraint(
     answer_in_calls = writes_calls(request) and not forces_call(request)
     with _refused("response_format"):
         constraint = None if answer is None or answer_in_calls else constraints.json_schema(
-            answer.schema, strict=answer.strict)
+            answer.schema, strict=answer.strict, close_objects=close_objects)
     if writes_calls(request):
         choice = request.tool_choice
         with _refused("tools"):
@@ -81,6 +84,7 @@ def output_constraint(
                     f"{tool_format.start}\n", f"\n{tool_format.end}", tool_format.separator
                 ),
                 answer=answer if answer_in_calls else None,
+                close_objects=close_objects,
             )
     if constraint is None:
         return None

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
+from llguidance import LLMatcher, LLTokenizer
+from pydantic import BaseModel
 
+from engine.api import Constraint
 from engine.constraints import (
     FunctionTool,
     UnsupportedSchema,
@@ -69,3 +73,87 @@ def test_a_named_function_must_be_among_the_tools():
 def test_reasoning_marker_is_set_on_the_built_constraint():
     constraint = dataclasses.replace(json_object(), after="</think>")
     assert constraint.after == "</think>" and constraint.grammar == json_object().grammar
+
+
+BYTES = LLTokenizer("byte")
+
+
+def accepts(constraint: Constraint, text: str) -> bool:
+    """Does the constraint's grammar accept exactly `text` (one token per byte)?"""
+    matcher = LLMatcher(BYTES, constraint.grammar, log_level=0)
+    return matcher.consume_tokens(BYTES.tokenize_str(text)) and matcher.is_accepting()
+
+
+class Person(BaseModel):
+    """pydantic's default schema: properties listed, additionalProperties not said."""
+
+    role: str = "staff"
+    name: str
+    age: int
+
+
+def test_an_object_that_lists_its_properties_is_closed_to_them():
+    constraint = json_schema(Person.model_json_schema())
+    assert accepts(constraint, '{"name": "Alice", "age": 30}')
+    assert accepts(constraint, '{"name": "Alice", "age": 30, "role": "engineer"}')
+    assert not accepts(constraint, '{"name": "Alice", "age": 30, "title": "x"}')
+    assert not accepts(constraint, '{"name": "Alice", "age": 30, "age": 31}')
+
+
+def test_required_properties_come_first():
+    constraint = json_schema(Person.model_json_schema())
+    assert not accepts(constraint, '{"role": "engineer", "name": "Alice", "age": 30}')
+
+
+def test_nested_and_referenced_objects_are_closed_too():
+    class Team(BaseModel):
+        lead: Person
+        members: list[Person]
+
+    constraint = json_schema(Team.model_json_schema())
+    alice = '{"name": "Alice", "age": 30}'
+    assert accepts(constraint, f'{{"lead": {alice}, "members": [{alice}]}}')
+    assert not accepts(constraint, f'{{"lead": {alice[:-1]}, "x": 1}}, "members": []}}')
+    assert not accepts(constraint, f'{{"lead": {alice}, "members": [{alice[:-1]}, "x": 1}}]}}')
+
+
+def test_a_forced_calls_arguments_are_closed():
+    tool = FunctionTool("add_person", Person.model_json_schema())
+    call = '<tool_call>\n{"name": "add_person", "arguments": {"name": "A", "age": 3%s}}' \
+        '\n</tool_call>'
+    assert accepts(tool_calls([tool], name="add_person"), call % "")
+    assert not accepts(tool_calls([tool], name="add_person"), call % ', "x": 1')
+    assert accepts(tool_calls([tool], name="add_person", close_objects=False), call % ', "x": 1')
+
+
+def test_objects_that_say_additional_properties_keep_their_word():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}},
+              "additionalProperties": True}
+    assert accepts(json_schema(schema), '{"a": 1, "b": 2}')
+    # Listed properties never repeat, not even as extra keys.
+    assert not accepts(json_schema(schema), '{"a": 1, "a": 2}')
+    typed = {**schema, "additionalProperties": {"type": "string"}}
+    assert accepts(json_schema(typed), '{"a": 1, "b": "x"}')
+    assert not accepts(json_schema(typed), '{"a": 1, "b": 2}')
+
+
+def test_without_closing_an_object_is_open_as_json_schema_reads_it():
+    constraint = json_schema(Person.model_json_schema(), close_objects=False)
+    assert accepts(constraint, '{"name": "Alice", "age": 30, "title": "x"}')
+
+
+def test_an_object_whose_keys_other_schemas_decide_stays_open():
+    """Closing a part of an allOf would refuse the other part's keys."""
+    schema = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                        {"type": "object", "properties": {"b": {"type": "integer"}}}]}
+    assert accepts(json_schema(schema), '{"a": 1, "b": 2}')
+    unlisted = {"type": "object", "properties": {"a": {"type": "integer"}},
+                "required": ["a", "b"]}
+    assert accepts(json_schema(unlisted), '{"a": 1, "b": 2}')
+
+
+def test_the_schema_given_is_not_changed():
+    schema = Person.model_json_schema()
+    before = json.dumps(schema)
+    json_schema(schema)
+    assert json.dumps(schema) == before

@@ -167,6 +167,34 @@ def test_a_list_of_one_token_prompts_gets_one_choice_each_in_order(
     assert response.usage.prompt_tokens_details.cached_tokens == 12 * 32
 
 
+async def test_echo_streamed_matches_whole_for_each_prompt_and_choice(
+    async_client: openai.AsyncOpenAI, model_id: str
+) -> None:
+    """Every choice starts with its own prompt (text as given, token ids decoded) and its
+    prompt tokens' logprobs; streamed, in the choice's first chunk."""
+    options = {"model": model_id, "prompt": ["Once upon a time", "In a hole"], "n": 2,
+               "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1,
+               "extra_body": NO_EOS}
+    whole = await async_client.completions.create(**options)
+    stream = await async_client.completions.create(**options, stream=True)
+    chunks = [chunk.choices[0] async for chunk in stream]
+    for choice in whole.choices:
+        prompt = options["prompt"][choice.index // 2]
+        assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+        assert choice.logprobs.token_logprobs[0] is None
+        assert None not in choice.logprobs.token_logprobs[1:]
+        own = [chunk for chunk in chunks if chunk.index == choice.index]
+        assert own[0].text == prompt and own[0].logprobs.token_logprobs[0] is None
+        assert "".join(chunk.text for chunk in own) == choice.text
+        scored = [chunk.logprobs for chunk in own if chunk.logprobs]
+        assert [t for part in scored for t in part.tokens] == choice.logprobs.tokens
+        assert [o for part in scored for o in part.text_offset] == choice.logprobs.text_offset
+    plain = await async_client.completions.create(
+        model=model_id, prompt=[5, 6, 7], max_tokens=0, echo=True)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text
+    assert plain.usage.completion_tokens == 0
+
+
 async def test_async_completion_stream_matches_non_stream(
     async_client: openai.AsyncOpenAI, model_id: str
 ) -> None:

@@ -31,9 +31,9 @@ def test_the_answers_schema_is_compiled_once_beside_tools(
     compiled = []
     real = constraints._grammar_from_schema
 
-    def counting(schema: Any, strict: bool) -> str:
+    def counting(schema: Any, strict: bool, close_objects: bool) -> str:
         compiled.append(schema)
-        return real(schema, strict)
+        return real(schema, strict, close_objects)
 
     monkeypatch.setattr(constraints, "_grammar_from_schema", counting)
     assert output_constraint(request(ANSWER, tool_choice=tool_choice), HERMES, None)

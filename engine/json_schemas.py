@@ -1,0 +1,77 @@
+"""JSON Schemas rewritten for generation before llguidance compiles them.
+
+Two rewrites, both keeping every output valid against the schema as given:
+
+- closing objects: an object that lists its `properties` and says nothing of
+  `additionalProperties` allows any other key by JSON Schema's rules, and llguidance lets
+  such extra keys repeat (it only keeps the listed ones unique). A small model that has
+  written the listed keys then tends to invent keys, duplicates included, until
+  max_tokens (pydantic's default schemas, which instructor sends, are all like this).
+  llama.cpp's converter and OpenAI's strict mode close such objects to their listed
+  properties; so does `closed_objects`, unless told otherwise. An object that says
+  `additionalProperties` (true, false or a schema) keeps its word.
+- required first: llguidance writes properties in the order of `properties`; listing the
+  required ones first means a reply cut short by max_tokens, or one that skips the
+  optional keys, still has what the schema requires (llama.cpp orders them so too).
+
+An object whose keys other keywords also decide (`allOf`, `anyOf`, `oneOf`, `$ref`
+beside `properties`, or a member of an `allOf` of several schemas) is left as written:
+there the properties of one part are extra keys of another, so closing a part would
+refuse valid objects, and llguidance's merge fixes the order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# Keywords whose value is a map of names to subschemas.
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Keywords whose value is one subschema (`items` may also be a list: draft 4's tuples).
+SCHEMA_VALUES = ("items", "additionalItems", "unevaluatedItems", "additionalProperties",
+                 "unevaluatedProperties", "propertyNames", "contains", "not", "if", "then",
+                 "else")
+# Keywords whose value is a list of subschemas.
+SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+# Keywords that make an object's keys depend on other schemas too.
+COMBINATORS = ("allOf", "anyOf", "oneOf", "$ref")
+
+
+def for_generation(schema: Any, close_objects: bool) -> Any:
+    """`schema` with required properties listed first and, if `close_objects`, objects
+    that list properties closed to them (see the module docstring). The input is not
+    changed."""
+    return _rewrite(schema, close_objects, standalone=True)
+
+
+def _rewrite(schema: Any, close: bool, standalone: bool) -> Any:
+    """`standalone`: no sibling schema shares this one's keys (not a member of a
+    several-schema `allOf`)."""
+    if not isinstance(schema, Mapping):
+        return schema  # true / false schemas
+    out = dict(schema)
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: _rewrite(sub, close, True) for name, sub in out[key].items()}
+    for key in SCHEMA_VALUES:
+        if isinstance(out.get(key), Mapping):
+            out[key] = _rewrite(out[key], close, True)
+    for key in SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            alone = key != "allOf" or len(out[key]) == 1
+            out[key] = [_rewrite(sub, close, alone) for sub in out[key]]
+    properties = out.get("properties")
+    if not (standalone and isinstance(properties, Mapping)) or any(
+            key in out for key in COMBINATORS):
+        return out
+    required = out.get("required")
+    if isinstance(required, list):
+        first = [name for name in properties if name in required]
+        out["properties"] = {name: properties[name]
+                             for name in first + [n for n in properties if n not in first]}
+    # A required name that is not listed can only come in as an extra key.
+    unlisted = isinstance(required, list) and any(name not in properties for name in required)
+    if close and not unlisted and not any(
+            key in out for key in ("additionalProperties", "unevaluatedProperties")):
+        out["additionalProperties"] = False
+    return out

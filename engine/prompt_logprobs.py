@@ -1,0 +1,55 @@
+"""Prompt logprobs: each prompt token's logprob given the tokens before it, as scoring
+tools (lm-evaluation-harness's loglikelihood, perplexity) ask for with `echo`.
+
+They are computed by a forward of their own over the whole prompt, from a fresh cache,
+not by the request's prefill: the prefill starts after the longest cached prefix, whose
+positions produce no logits, so a cache hit would leave those tokens without logprobs
+(vLLM reports none for them). The scoring forward gives every prompt token its logprob
+whatever the cache holds, and the request's own prefill still reuses the cached prefix.
+It costs one prefill of the prompt more, computed at once when the request starts (so a
+long prompt holds up that step of the streams decoding beside it).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx import nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.api import TokenEvent, TokenLogprob
+from engine.tokenizer import ModelTokenizer
+
+
+def prompt_logprobs(model: nn.Module, tokenizer: ModelTokenizer, tokens: list[int],
+                    top: int, chunk: int) -> tuple[TokenEvent, ...]:
+    """One `TokenEvent` per prompt token, its text the token's own: the first has no
+    logprob (nothing comes before it), every other its logprob under the model given the
+    tokens before it and the `top` likeliest tokens at its position. The forward runs in
+    chunks of `chunk` tokens."""
+
+    def scored(token: int, logprob: float) -> TokenLogprob:
+        return TokenLogprob(token, tokenizer.decode([token]), logprob,
+                            tokenizer.token_bytes(token))
+
+    events = [TokenEvent(tokens[0], tokenizer.decode([tokens[0]]))]
+    cache = make_prompt_cache(model)
+    for start in range(0, len(tokens) - 1, chunk):
+        fed = tokens[start:min(start + chunk, len(tokens) - 1)]
+        targets = tokens[start + 1:start + 1 + len(fed)]
+        logits = model(mx.array([fed]), cache=cache)[0].astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)[:, 0]
+        arrays = [chosen]
+        if top:
+            ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
+            values = mx.take_along_axis(logprobs, ids, axis=-1)
+            order = mx.argsort(-values, axis=-1)
+            arrays += [mx.take_along_axis(ids, order, axis=-1),
+                       mx.take_along_axis(values, order, axis=-1)]
+        mx.eval(arrays, [c.state for c in cache])
+        rows = zip(*(array.tolist() for array in arrays))
+        for token, (logprob, *alternatives) in zip(targets, rows):
+            own = scored(token, logprob)
+            best = tuple(scored(i, v) for i, v in zip(*alternatives)) if top else ()
+            events.append(TokenEvent(token, own.text, own, best))
+    return tuple(events)
