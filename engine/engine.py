@@ -328,6 +328,7 @@ class Engine:
                 scheduler.inbox.put(Submit(generation))
             scheduler.run(until_idle=True)
         scheduler.tree.clear()
+        scheduler.tree.departures.forget()  # no request saw what warming up cached
         scheduler.counters = SchedulerCounters()
 
     def shutdown(self, timeout: float | None = 10.0) -> None:

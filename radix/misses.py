@@ -62,3 +62,6 @@ class Departures:
 
     def reason(self, path: tuple[int, ...]) -> MissReason | None:
         return self._reasons.get(hash(path))
+
+    def forget(self) -> None:
+        self._reasons.clear()

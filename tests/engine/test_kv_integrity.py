@@ -142,3 +142,20 @@ def _tier_moves(engine: Engine) -> dict[str, int]:
     stats = engine.stats()
     return {"demoted": stats.tree.disk_demotions, "promoted": stats.tree.disk_hits,
             "restored": stats.disk.restored_nodes, "written": stats.disk.writes}
+
+
+async def test_a_miss_is_explained_and_warm_up_leaves_nothing_to_explain(
+        model_dir, reference, tmp_path):
+    """The warm-up's prompts start with the token ids chat templates start with; what it
+    cached and cleared before the engine was ready is no request's cache."""
+    engine = start(model_dir, tmp_path, 4096, 4096)
+    try:
+        first = await complete(engine, [1, 2, 3, 4, 5], max_tokens=1)
+        assert (first.finish.cache_miss.reason, first.finish.cache_miss.position) == (
+            "not_seen", 0)
+        again = await complete(engine, [1, 2, 3, 9, 9], max_tokens=1)
+        miss = again.finish.cache_miss
+        assert (miss.reason, miss.position, miss.cached) == (
+            "diverged", 3, reference.tokenizer.decode([4]))
+    finally:
+        engine.shutdown()

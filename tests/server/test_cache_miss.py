@@ -44,6 +44,8 @@ def access_line(server: ServerProcess, request_id: str) -> str:
 
 
 def test_a_first_prompt_was_never_seen(miss_server):
+    """Whatever the warm-up cached and cleared before the server was ready (its prompts
+    start with token ids that chat templates start with too) is no request's cache."""
     server = miss_server
     response = chat(server, SYSTEM + " Unique 1.", "Hello there.", "miss-first")
     miss = response.usage.prompt_tokens_details.cache_miss
