@@ -66,7 +66,7 @@ def check_folder_kv(folder: Path, model: nn.Module) -> list[str]:
     for path in folder.glob(f"*{segment_file.SUFFIX}"):
         header, _, _ = segment_file.read_header(path)
         headers[header.key] = (path, header)
-    problems, forwards = [], {}
+    spans = []
     for path, header in headers.values():
         if header.kind != "segment":
             continue
@@ -76,7 +76,10 @@ def check_folder_kv(folder: Path, model: nn.Module) -> list[str]:
             parent = chain[-1].parent
         if parent != header.fingerprint:
             continue  # an orphan: a rebuild deletes it unread
-        tokens = tuple(t for part in reversed(chain) for t in part.tokens)
+        spans.append((path, header, tuple(t for part in reversed(chain) for t in part.tokens)))
+    problems, forwards = [], {}
+    # Longest paths first: a prefix's forward is then a slice of one already made.
+    for path, header, tokens in sorted(spans, key=lambda span: -len(span[2])):
         try:
             segment = _read_file(path, header)
             _compare(segment, _fresh(model, tokens, forwards), header.start, tokens, "disk")
