@@ -152,7 +152,7 @@ def soak(servers: Servers, model: Path, args: argparse.Namespace, out: Path) -> 
     samples = [sample(0.0, tally, before, process)]
     print(f"soak of {model.name} for {args.minutes:g} min into {out}", flush=True)
     deadline = started + args.minutes * 60
-    rounds = 0
+    rounds = since_restart = 0
     while time.monotonic() < deadline:
         specs = itertools.takewhile(lambda _: time.monotonic() < deadline,
                                     workload.specs(args.round))
@@ -162,6 +162,7 @@ def soak(servers: Servers, model: Path, args: argparse.Namespace, out: Path) -> 
         rounds += 1
         if disk and rounds % args.restart_every == 0 and time.monotonic() < deadline:
             servers.restart()  # the next round races the rebuild
+            since_restart = len(samples)
             server = servers.current
             process = psutil.Process(server.process.pid)
     after = wait_idle(server)
@@ -180,7 +181,9 @@ def soak(servers: Servers, model: Path, args: argparse.Namespace, out: Path) -> 
         problems.append("the engine is not idle after the storm")
     if after["radix_mlx_tree_bytes"] > after["radix_mlx_tree_capacity_bytes"]:
         problems.append("the radix tree is over its budget")
-    slopes = {name: slope_mib_per_hour(samples, name) for name in ("rss_mib", "mlx_active_mib")}
+    # A leak is one process's growth: the slopes are the last process's.
+    slopes = {name: slope_mib_per_hour(samples[since_restart:], name)
+              for name in ("rss_mib", "mlx_active_mib")}
     for name, value in slopes.items():
         if value > MAX_SLOPE_MIB_PER_HOUR:
             problems.append(f"{name} grows {value:.1f} MiB/hour after warm-up "
