@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 from functools import partial
 from types import FrameType
@@ -84,6 +86,8 @@ def run(settings: Settings) -> int:
     load, with the reason as stderr's last line, else 0. A GGUF file is checked and
     converted before any port opens."""
     configure_logging(settings.log_level, settings.log_file)
+    # Until uvicorn installs its draining handlers, a stop has nothing to drain.
+    signal.signal(signal.SIGTERM, _stop_before_serving)
     if not settings.engine_process or settings.tensor_parallel > 1:
         # Else the engine's process says it: asking MLX for its device here could open
         # a GPU context in a process that never computes.
@@ -134,7 +138,17 @@ def run(settings: Settings) -> int:
         reason = engine.error if engine.served else f"the model failed to load: {engine.error}"
         print(f"radix-mlx serve: {reason}", file=sys.stderr)
         return 1
+    if not engine.served:
+        # Stopped while the engine's thread loads or warms up the model, inside MLX: the
+        # interpreter's shutdown under it aborts the process (std::terminate, exit 134),
+        # which a service manager counts as a crash. Nothing is left to save.
+        logging.shutdown()
+        os._exit(0)
     return 0
+
+
+def _stop_before_serving(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
 
 
 def serve_command(args: argparse.Namespace) -> int:

@@ -12,11 +12,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import httpx
 import pytest
 
+from engine.model_source import default_model_file
 from server.replicas import free_port
 from server.service_files import render_launchd, render_systemd, stop_timeout
 
@@ -101,3 +104,63 @@ def wait_ready(url: str, process: subprocess.Popen) -> None:
             pass
         time.sleep(0.2)
     raise AssertionError("server not ready")
+
+
+def start_stage(tmp_path: Path, model: Path, env: Mapping[str, str] = MappingProxyType({})
+                ) -> tuple[subprocess.Popen, Path]:
+    """A server of `model` started as `python -m server`, and its log."""
+    log = tmp_path / "server.log"
+    command = [sys.executable, "-m", "server", "--model", str(model), "--port",
+               str(free_port()), "--config", "", "--disk-cache-bytes", "0"]
+    with log.open("w") as out:
+        process = subprocess.Popen(command, env={**os.environ, **env}, stdout=out,
+                                   stderr=subprocess.STDOUT)
+    return process, log
+
+
+def wait_for(condition, process: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + 120
+    while not condition():
+        assert process.poll() is None, f"exited before {what}"
+        assert time.monotonic() < deadline, f"never {what}"
+        time.sleep(0.02)
+
+
+def health(url: str) -> str | None:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).json().get("status")
+    except (httpx.TransportError, ValueError):
+        return None
+
+
+@pytest.mark.parametrize("stage", ["loading", "warming_up"])
+def test_sigterm_while_the_model_loads_or_warms_up_exits_zero(stage, real_model_dir, tmp_path):
+    """The engine's thread is inside MLX then; a stop must not abort the process
+    (exit 134, "terminate called without an active exception"): a service manager
+    counts that as a crash."""
+    process, log = start_stage(tmp_path, real_model_dir)
+    url = f"http://127.0.0.1:{process.args[process.args.index('--port') + 1]}"
+    try:
+        wait_for(lambda: health(url) == stage, process, f"{stage}")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0, log.read_text()
+        assert "terminate called" not in log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_sigterm_while_a_gguf_is_converted_exits_zero_and_publishes_nothing(tmp_path):
+    """Converting comes before any port opens: the stop ends it, and the half-written
+    conversion is never taken for a model."""
+    cache = tmp_path / "cache"
+    process, log = start_stage(tmp_path, default_model_file(),
+                               {"XDG_CACHE_HOME": str(cache)})
+    try:
+        wait_for(lambda: "converting" in log.read_text(), process, "converting")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0, log.read_text()
+        assert not list(cache.glob("radix-mlx/gguf/*/*/config.json"))
+    finally:
+        if process.poll() is None:
+            process.kill()
