@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -94,40 +94,47 @@ class EncoderEngine:
 
     def _main(self) -> None:
         try:
-            self._encoder = load_sentence_encoder(self.model_path)
-            tokenizer = Tokenizer.from_file(str(self.model_path / "tokenizer.json"))
-            # Its file may pad or cut every input to a fixed length; the batching here
-            # pads, and an input too long is refused before it gets here.
-            tokenizer.no_padding()
-            tokenizer.no_truncation()
-            self._tokenizer = tokenizer
-            self.context_length = self._encoder.max_length
-            self.dimensions = self._encoder.dimensions
-            self.matryoshka = self._encoder.matryoshka
-            self.vocab_size = tokenizer.get_vocab_size()
-            self._run([[tokenizer.token_to_id("[CLS]") or 0] * 8])  # compile, warm up
+            self._load()
+            self.state, self.served = Lifecycle.READY, True
         except Exception as error:
             log.exception("model failed to load")
-            self.error = f"{type(error).__name__}: {error}"
-            self.state = Lifecycle.FAILED
-            self._ready.set()
-            return
-        self.state, self.served = Lifecycle.READY, True
+            self.error, self.state = f"{type(error).__name__}: {error}", Lifecycle.FAILED
         self._ready.set()
-        log.info("ready: %s (encoder, %d dimensions, inputs up to %d tokens)",
-                 self.model_id, self.dimensions, self.context_length)
+        if self.served:
+            log.info("ready: %s (encoder, %d dimensions, inputs up to %d tokens)",
+                     self.model_id, self.dimensions, self.context_length)
+            self._serve_jobs()
+        self._stopped.set()
+
+    def _load(self) -> None:
+        self._encoder = load_sentence_encoder(self.model_path)
+        tokenizer = Tokenizer.from_file(str(self.model_path / "tokenizer.json"))
+        # Its file may pad or cut every input to a fixed length; the batching here pads,
+        # and an input too long is refused before it gets here.
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        self._tokenizer = tokenizer
+        self.context_length = self._encoder.max_length
+        self.dimensions = self._encoder.dimensions
+        self.matryoshka = self._encoder.matryoshka
+        self.vocab_size = tokenizer.get_vocab_size()
+        self._run([[tokenizer.token_to_id("[CLS]") or 0] * 8])  # compile, warm up
+
+    def _serve_jobs(self) -> None:
+        """Until `shutdown`: every job waiting at once, in one set of forwards."""
         while (job := self._jobs.get()) is not None:
             jobs = [job]
-            while True:  # every job waiting now, in one set of forwards
+            stopping = False
+            while not stopping:
                 try:
-                    if (more := self._jobs.get_nowait()) is None:
-                        self._stopped.set()
-                        return
-                    jobs.append(more)
+                    more = self._jobs.get_nowait()
                 except queue.Empty:
                     break
+                stopping = more is None
+                jobs += [more] if more is not None else []
             self._serve(jobs)
-        self._stopped.set()
+            if stopping:
+                return
 
     # -- requests ---------------------------------------------------------------------
 
@@ -155,7 +162,7 @@ class EncoderEngine:
         return done
 
     def stats(self) -> EngineStats:
-        return EngineStats(counters=self._counters)
+        return EngineStats(counters=replace(self._counters))
 
     def _serve(self, jobs: list[EmbedJob]) -> None:
         try:
