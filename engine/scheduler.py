@@ -349,13 +349,17 @@ class Scheduler:
         generation.snapshots = []
         # A model with segments gets its cache built by the generator when it needs one.
         prefix = self.kv.segments_of(hold.node)
+        readout = generation.params.readout
         sequence = SequenceState(
             next(self._uids), self.kv.assemble(hold.node) if prefix is None else None,
             tokens=tokens[:hold.depth], unfed=tokens[hold.depth:],
             stops=self._snapshot_stops(generation), prefix=prefix, sampler=generation.sampler,
             processors=generation.processors,
-            wants_logprobs=generation.params.logprobs is not None,
-            top_logprobs=generation.params.logprobs or 0, grammar=grammar)
+            wants_logprobs=generation.params.logprobs is not None or readout is not None,
+            top_logprobs=(readout.top_logprobs if readout is not None
+                          else generation.params.logprobs or 0), grammar=grammar,
+            asked=mx.array(readout.token_ids) if readout and readout.token_ids else None,
+            wants_hidden=readout is not None and readout.hidden)
         generation.sequence = sequence
         self.generator.add(sequence)
         generation.prompt_done = False

@@ -17,6 +17,7 @@ from server.body_limit import BodyLimitMiddleware
 from server.config import Settings
 from server.errors import install_error_handlers
 from server.middleware import RequestMiddleware
+from server.prefill_routes import router as prefill_api
 from server.responses_adapter import router as responses_api
 from server.routes import api, probes
 from server.state import ServerState
@@ -46,6 +47,7 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
     app.include_router(api)
     app.include_router(responses_api)
     app.include_router(messages_api)
+    app.include_router(prefill_api)
     app.include_router(admin)
     app.include_router(probes)
     app.include_router(worker_info)

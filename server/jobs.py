@@ -24,6 +24,7 @@ from engine.api import (
     RequestFailed,
     SamplingParams,
     TokenEvent,
+    Unsupported,
 )
 from server.access_log import RequestStats
 from server.drain import Drain
@@ -73,6 +74,9 @@ class Job:
                 429, f"the server is busy: {error}", code="rate_limit_exceeded",
                 headers={"Retry-After": str(max(1, math.ceil(error.retry_after)))},
             ) from error
+        except Unsupported as error:
+            self.close()
+            raise APIError(400, str(error), code="model_not_supported") from error
         except EngineNotReady as error:
             self.close()
             raise APIError(503, str(error), code="model_not_ready") from error

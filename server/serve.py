@@ -14,6 +14,7 @@ from types import FrameType
 import uvicorn
 
 from engine.api import EngineConfig, Lifecycle
+from engine.encoder import EncoderEngine, is_encoder_model
 from engine.engine import Engine
 from engine.gguf import GGUFError
 from engine.model_source import resolve_model
@@ -37,7 +38,7 @@ class DrainingServer(uvicorn.Server):
 
     def __init__(
         self, config: uvicorn.Config, drain: Drain, timeout: float,
-        engine: Engine | EngineProcess,
+        engine: Engine | EngineProcess | EncoderEngine,
     ) -> None:
         super().__init__(config)
         self._drain, self._timeout, self._engine = drain, timeout, engine
@@ -107,10 +108,12 @@ def run(settings: Settings) -> int:
             return 1
         if not group.leader:
             return tensor_parallel.run_rank(config, group)
-    if group is None and settings.engine_process:
+    if group is None and settings.engine_process and not is_encoder_model(model):
         # Its own process, so the HTTP work here never takes the GIL its thread needs.
         engine = EngineProcess(config, partial(configure_logging, settings.log_level,
                                                settings.log_file))
+    elif group is None and is_encoder_model(model):
+        engine = EncoderEngine(config)
     else:  # a tensor-parallel rank group runs its engine in the process that joined it
         engine = Engine(config, group)
     engine.start()

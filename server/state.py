@@ -56,6 +56,10 @@ class ServerState:
     def ready_tokenizer(self) -> ModelTokenizer:
         """The tokenizer once the model is ready; 503 before (or after a failed load)."""
         engine = self.engine
+        if engine.state is Lifecycle.READY and engine.tokenizer is None:
+            raise APIError(400, f"the model {engine.model_id} is an embedding model: it "
+                           "serves /v1/embeddings and /v1/rerank only",
+                           code="model_not_supported", param="model")
         if engine.state is Lifecycle.READY:
             return engine.tokenizer
         if engine.state is Lifecycle.FAILED:

@@ -1,0 +1,86 @@
+"""Prefill-only engine work for the embeddings, rerank and classify routes: many prompts,
+each read at its last position (`engine.api.Readout`), none generating.
+
+Each prompt is one engine request, so admission batches them (short prompts go through
+in one padded forward) and the radix tree shares what they have in common (an embedding
+instruction, a rerank query, a classification preamble) as it does for any prompt. They
+go in `Job`s of at most JOB_PROMPTS, JOBS_IN_FLIGHT at once, so one call with a couple of
+thousand inputs neither fills the engine's queue (a 429 for everyone) nor waits in turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from engine.api import Finish, LastPosition, Prompt, Readout, SamplingParams
+from server.jobs import Job
+from server.state import ServerState
+from server.streaming import unless_disconnected
+
+JOB_PROMPTS = 64
+JOBS_IN_FLIGHT = 4
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One prompt's readout and what it cost."""
+
+    last: LastPosition
+    prompt_tokens: int
+    cached_tokens: int
+
+
+async def read_prompts(http: Request, state: ServerState,
+                       work: Sequence[tuple[Sequence[Prompt], Readout]]
+                       ) -> list[list[Reading]] | None:
+    """Every (prompts, readout) pair's readings, in the prompts' order; None if the client
+    left first. The first refusal (an APIError: a prompt over the context window, a full
+    queue) is raised, and the rest of the work cancelled."""
+    gate = asyncio.Semaphore(JOBS_IN_FLIGHT)
+    jobs: list[Job] = []
+
+    async def run(prompts: Sequence[Prompt], readout: Readout) -> list[Reading]:
+        params = SamplingParams(max_tokens=0, temperature=0.0, readout=readout)
+        async with gate:
+            job = Job(state.engine, state.drain, state.metrics, http.state.request_id,
+                      http.state.started_at)
+            jobs.append(job)
+            job.submit(prompts, 1, lambda _: params)
+            lasts: dict[int, LastPosition] = {}
+            finishes: dict[int, Finish] = {}
+            async for index, event in job.events():
+                if isinstance(event, LastPosition):
+                    lasts[index] = event
+                elif isinstance(event, Finish):
+                    finishes[index] = event
+            job.close()
+        return [Reading(lasts[i], finishes[i].prompt_tokens, finishes[i].cached_tokens)
+                for i in range(len(prompts))]
+
+    async def everything() -> list[list[Reading]]:
+        slices = [(prompts[start:start + JOB_PROMPTS], readout)
+                  for prompts, readout in work
+                  for start in range(0, len(prompts), JOB_PROMPTS)]
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(run(p, r)) for p, r in slices]
+        except ExceptionGroup as errors:
+            raise errors.exceptions[0] from None
+        results = [task.result() for task in tasks]
+        readings: list[list[Reading]] = []
+        position = 0
+        for prompts, _ in work:
+            count = -(-len(prompts) // JOB_PROMPTS)
+            readings.append([r for part in results[position:position + count] for r in part])
+            position += count
+        return readings
+
+    try:
+        return await unless_disconnected(http, everything())
+    finally:
+        for job in jobs:
+            job.close()

@@ -1,0 +1,128 @@
+"""Pydantic models of the prefill-only endpoints: OpenAI's /v1/embeddings, the Cohere/Jina
+/v1/rerank that vLLM, llama.cpp and SGLang serve, and /v1/classify (a batch of prompts,
+the token at each one's last position and its logprobs)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from server.protocol import Message, RequestModel, ResponseModel, TokenId
+
+# Inputs one request may carry; more is a 400 rather than a queue of thousands.
+MAX_INPUTS = 2048
+TOKEN_IDS_INPUT = list[TokenId]
+MAX_TOP_LOGPROBS = 20
+
+
+class EmbeddingRequest(RequestModel):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+
+
+class Embedding(ResponseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64: the float32 values' little-endian bytes
+
+
+class PromptTokensOnly(ResponseModel):
+    cached_tokens: int = 0
+
+
+class PrefillUsage(ResponseModel):
+    prompt_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensOnly
+
+
+class EmbeddingResponse(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: PrefillUsage
+
+
+class RerankDocument(RequestModel):
+    text: str
+
+
+class RerankRequest(RequestModel):
+    model: str | None = None
+    query: Annotated[str, Field(min_length=1)]
+    documents: Annotated[list[str | RerankDocument], Field(min_length=1,
+                                                           max_length=MAX_INPUTS)]
+    top_n: Annotated[int, Field(ge=1)] | None = None
+    return_documents: bool = True
+    # What the causal judge is told relevance means (Qwen3-Reranker's "Instruct").
+    instruction: str | None = None
+
+
+class RerankResult(ResponseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocumentOut | None = None
+
+
+class RerankDocumentOut(ResponseModel):
+    text: str
+
+
+class RerankResponse(ResponseModel):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: PrefillUsage
+
+
+class ClassifyRequest(RequestModel):
+    """Either `input` (prompts as text or token ids) or `messages` (chats, rendered with
+    the model's template), not both."""
+
+    model: str | None = None
+    input: list[str | TOKEN_IDS_INPUT] | None = None
+    messages: list[list[Message]] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    labels: list[Annotated[str, Field(min_length=1)]] | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ClassifyRequest:
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("give either input or messages")
+        return self
+
+
+class ClassifyTopLogprob(ResponseModel):
+    token: str
+    token_id: int
+    logprob: float
+
+
+class Classification(ResponseModel):
+    index: int
+    token: str
+    token_id: int
+    logprob: float
+    top_logprobs: list[ClassifyTopLogprob] | None = None
+    labels: dict[str, float] | None = None
+
+
+class ClassifyResponse(ResponseModel):
+    object: Literal["list"] = "list"
+    id: str
+    model: str
+    data: list[Classification]
+    usage: PrefillUsage
+
+
+def usage(prompt_tokens: int, cached_tokens: int) -> PrefillUsage:
+    return PrefillUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens,
+                        prompt_tokens_details=PromptTokensOnly(cached_tokens=cached_tokens))
+
+
+def document_text(document: str | RerankDocument) -> str:
+    return document if isinstance(document, str) else document.text

@@ -1,0 +1,307 @@
+"""The prefill-only endpoints: /v1/embeddings, /v1/rerank and /v1/classify.
+
+On a causal model all three are prompts read at their last position (prefill_jobs.py):
+an embedding is the last hidden state (last-token pooling, L2-normalised, as
+Qwen3-Embedding and its peers pool), a rerank score the judge's P("yes") against P("no")
+after a prompt that puts the query before the document (Qwen3-Reranker's format, so the
+query's prefix is computed once for all documents), a classification the next token's
+distribution. On an encoder model (engine/encoder.py) an embedding is a forward of its
+own with the model's own pooling, and rerank scores are the cosine of query and document
+embeddings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.api import Lifecycle, Prompt, Readout
+from engine.embedding_config import matryoshka_dimensions
+from engine.tokenizer import ModelTokenizer
+from server.errors import APIError
+from server.generation import GenerationRequest
+from server.json_body import JSONRoute
+from server.openai_adapter import template_message
+from server.openapi import error_responses
+from server.prefill_jobs import read_prompts
+from server.prefill_protocol import (
+    MAX_INPUTS,
+    Classification,
+    ClassifyRequest,
+    ClassifyResponse,
+    ClassifyTopLogprob,
+    Embedding,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    RerankDocumentOut,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    document_text,
+    usage,
+)
+from server.prompts import chat_prompt, check_token_ids
+from server.protocol import ErrorResponse
+from server.state import ServerState, server_state
+from server.streaming import CLIENT_CLOSED
+
+router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
+                   route_class=JSONRoute)
+
+JUDGE_SYSTEM = ('Judge whether the Document meets the requirements based on the Query and '
+                'the Instruct provided. Note that the answer can only be "yes" or "no".')
+JUDGE_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+@router.post("/embeddings", response_model=EmbeddingResponse)
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    state = server_state(request)
+    model = state.check_model(body.model)
+    embedded = await _embed(request, state, _inputs(body.input, "input"))
+    if embedded is None:
+        return Response(status_code=CLIENT_CLOSED)
+    vectors, prompt_tokens, cached = embedded
+    vectors = _cut(vectors, body.dimensions, _matryoshka(state, vectors.shape[1]))
+    data = [Embedding(index=i, embedding=_encoded(vector, body.encoding_format))
+            for i, vector in enumerate(vectors)]
+    return JSONResponse(EmbeddingResponse(data=data, model=model,
+                                          usage=usage(prompt_tokens, cached)).model_dump())
+
+
+@router.post("/rerank", response_model=RerankResponse)
+async def rerank(body: RerankRequest, request: Request) -> Response:
+    state = server_state(request)
+    model = state.check_model(body.model)
+    texts = [document_text(document) for document in body.documents]
+    if _is_encoder(state):
+        scored = await _cosine_scores(request, state, body.query, texts)
+    else:
+        scored = await _judge_scores(request, state, body, texts)
+    if scored is None:
+        return Response(status_code=CLIENT_CLOSED)
+    scores, prompt_tokens, cached = scored
+    order = sorted(range(len(texts)), key=lambda i: -scores[i])[:body.top_n]
+    results = [RerankResult(index=i, relevance_score=scores[i],
+                            document=RerankDocumentOut(text=texts[i])
+                            if body.return_documents else None) for i in order]
+    response = RerankResponse(id=f"rerank-{request.state.request_id}", model=model,
+                              results=results, usage=usage(prompt_tokens, cached))
+    return JSONResponse(response.model_dump(exclude_none=True))
+
+
+@router.post("/classify", response_model=ClassifyResponse)
+async def classify(body: ClassifyRequest, request: Request) -> Response:
+    state = server_state(request)
+    model = state.check_model(body.model)
+    tokenizer = state.ready_tokenizer()
+    if body.input is not None:
+        prompts = _prompts(tokenizer, _inputs(body.input, "input"), "input")
+    else:
+        _count(body.messages, "messages")
+        prompts = await asyncio.to_thread(_chat_prompts, tokenizer, body.messages)
+    _check_lengths(state, [prompt.tokens for prompt in prompts], "input")
+    labels = {label: _label_tokens(tokenizer, label) for label in body.labels or ()}
+    firsts = tuple(dict.fromkeys(tokens[0] for tokens in labels.values()))
+    rests = tuple(dict.fromkeys(t for tokens in labels.values() for t in tokens[1:]))
+    # A label of n tokens is scored exactly: its first token at the prompt's end, each
+    # next one at the end of the prompt followed by the label's tokens before it.
+    continuations = [Prompt(prompt.tokens + tokens[:i]) for prompt in prompts
+                     for tokens in labels.values() for i in range(1, len(tokens))]
+    work = [(prompts, Readout(top_logprobs=body.top_logprobs, token_ids=firsts))]
+    if continuations:
+        work.append((continuations, Readout(token_ids=rests)))
+    readings = await read_prompts(request, state, work)
+    if readings is None:
+        return Response(status_code=CLIENT_CLOSED)
+    later = iter(readings[1] if continuations else ())
+    data = []
+    for index, reading in enumerate(readings[0]):
+        last = reading.last
+        scores = {}
+        for label, tokens in labels.items():
+            logprob = last.token_logprobs[firsts.index(tokens[0])]
+            for token in tokens[1:]:
+                logprob += next(later).last.token_logprobs[rests.index(token)]
+            scores[label] = logprob
+        top = [ClassifyTopLogprob(token=t.text, token_id=t.token, logprob=t.logprob)
+               for t in last.top] if body.top_logprobs else None
+        data.append(Classification(index=index, token=last.token.text,
+                                   token_id=last.token.token, logprob=last.token.logprob,
+                                   top_logprobs=top, labels=scores if labels else None))
+    response = ClassifyResponse(
+        id=f"classify-{request.state.request_id}", model=model, data=data,
+        usage=usage(sum(r.prompt_tokens for r in readings[0]),
+                    sum(r.cached_tokens for r in readings[0])))
+    return JSONResponse(response.model_dump(exclude_none=True))
+
+
+# -- inputs ------------------------------------------------------------------------------
+
+def _inputs(value: str | list, param: str) -> list[str] | list[list[int]]:
+    """A request's inputs as a list of texts or of token-id lists; none, an empty one, or
+    more than MAX_INPUTS is a 400 that names the input."""
+    if isinstance(value, str) or value and all(isinstance(item, int) for item in value):
+        value = [value]
+    _count(value, param)
+    for index, item in enumerate(value):
+        if len(item) == 0:
+            raise APIError(400, f"input {index} is empty", code="invalid_request",
+                           param=f"{param}[{index}]")
+    return value
+
+
+def _count(items: Sequence[object], param: str) -> None:
+    if not items:
+        raise APIError(400, f"{param} is empty", code="invalid_request", param=param)
+    if len(items) > MAX_INPUTS:
+        raise APIError(400, f"{len(items)} inputs in one request; at most {MAX_INPUTS}",
+                       code="invalid_request", param=param)
+
+
+def _prompts(tokenizer: ModelTokenizer, inputs: list[str] | list[list[int]],
+             param: str) -> list[Prompt]:
+    """Texts are encoded as legacy completions' prompts are; token ids taken as given."""
+    if isinstance(inputs[0], str):
+        return [Prompt(tokenizer.encode(text)) for text in inputs]
+    check_token_ids((t for ids in inputs for t in ids), tokenizer.vocab_size, param)
+    return [Prompt(list(ids)) for ids in inputs]
+
+
+def _chat_prompts(tokenizer: ModelTokenizer, chats: list[list]) -> list[Prompt]:
+    return [chat_prompt(tokenizer, GenerationRequest(
+        messages=tuple(template_message(message) for message in chat))) for chat in chats]
+
+
+def _check_lengths(state: ServerState, prompts: Sequence[Sequence[int]], param: str) -> None:
+    """An input over the model's context window is a 400 naming it."""
+    limit = state.engine.context_length
+    for index, tokens in enumerate(prompts):
+        if len(tokens) > limit:
+            raise APIError(
+                400, f"input {index} has {len(tokens)} tokens; this model's maximum context "
+                f"length is {limit}", code="context_length_exceeded", param=f"{param}[{index}]")
+
+
+def _label_tokens(tokenizer: ModelTokenizer, label: str) -> list[int]:
+    tokens = tokenizer.encode(label, special_tokens=False)
+    if not tokens:
+        raise APIError(400, f"the label {label!r} encodes to no tokens",
+                       code="invalid_request", param="labels")
+    return tokens
+
+
+# -- embeddings --------------------------------------------------------------------------
+
+def _is_encoder(state: ServerState) -> bool:
+    """Whether the server's engine is an encoder's (engine/encoder.py), which embeds
+    by itself rather than through readouts of prompts."""
+    return hasattr(state.engine, "embed")
+
+
+async def _embed(request: Request, state: ServerState, inputs: list[str] | list[list[int]]
+                 ) -> tuple[np.ndarray, int, int] | None:
+    """Each input's embedding (rows L2-normalised where the model's pipeline normalises),
+    the prompt tokens and how many of them were cached; None if the client left."""
+    engine = state.engine
+    if _is_encoder(state):
+        if engine.state is not Lifecycle.READY:
+            state.ready_tokenizer()  # raises the 503
+        if isinstance(inputs[0], str):
+            tokens = await asyncio.to_thread(engine.encode, inputs)
+        else:
+            check_token_ids((t for ids in inputs for t in ids), engine.vocab_size, "input")
+            tokens = inputs
+        _check_lengths(state, tokens, "input")
+        vectors = await asyncio.wrap_future(engine.embed(tokens))
+        return vectors, sum(map(len, tokens)), 0
+    prompts = _prompts(state.ready_tokenizer(), inputs, "input")
+    _check_lengths(state, [prompt.tokens for prompt in prompts], "input")
+    readings = await read_prompts(request, state, [(prompts, Readout(hidden=True))])
+    if readings is None:
+        return None
+    vectors = np.array([reading.last.hidden for reading in readings[0]], np.float32)
+    return (_normalised(vectors), sum(r.prompt_tokens for r in readings[0]),
+            sum(r.cached_tokens for r in readings[0]))
+
+
+def _matryoshka(state: ServerState, width: int) -> tuple[int, ...] | None:
+    engine = state.engine
+    if _is_encoder(state):
+        return engine.matryoshka
+    config = json.loads((engine.model_path / "config.json").read_text())
+    return matryoshka_dimensions(config, width)
+
+
+def _cut(vectors: np.ndarray, dimensions: int | None,
+         matryoshka: tuple[int, ...] | None) -> np.ndarray:
+    """The first `dimensions` values of each vector, renormalised (Matryoshka), where the
+    model was trained for it; the full vectors when not asked."""
+    width = vectors.shape[1]
+    if dimensions is None or dimensions == width:
+        return vectors
+    if matryoshka is None:
+        raise APIError(400, f"this model's embeddings have {width} dimensions and it does "
+                       "not support Matryoshka truncation to fewer",
+                       code="invalid_request", param="dimensions")
+    if dimensions not in matryoshka:
+        raise APIError(400, f"dimensions must be one of {list(matryoshka)} for this model",
+                       code="invalid_request", param="dimensions")
+    return _normalised(vectors[:, :dimensions])
+
+
+def _normalised(vectors: np.ndarray) -> np.ndarray:
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+
+
+def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
+    if encoding == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+# -- rerank ------------------------------------------------------------------------------
+
+async def _cosine_scores(request: Request, state: ServerState, query: str,
+                         documents: list[str]) -> tuple[list[float], int, int] | None:
+    embedded = await _embed(request, state, [query, *documents])
+    if embedded is None:
+        return None
+    vectors, prompt_tokens, cached = embedded
+    vectors = _normalised(vectors)
+    return (vectors[1:] @ vectors[0]).tolist(), prompt_tokens, cached
+
+
+async def _judge_scores(request: Request, state: ServerState, body: RerankRequest,
+                        documents: list[str]) -> tuple[list[float], int, int] | None:
+    """P("yes") / (P("yes") + P("no")) after each judge prompt."""
+    tokenizer = state.ready_tokenizer()
+    instruction = body.instruction or JUDGE_INSTRUCTION
+    prompts = await asyncio.to_thread(_judge_prompts, tokenizer, instruction, body.query,
+                                      documents)
+    _check_lengths(state, [prompt.tokens for prompt in prompts], "documents")
+    yes, no = (tokenizer.encode(word, special_tokens=False)[0] for word in ("yes", "no"))
+    readings = await read_prompts(request, state, [(prompts, Readout(token_ids=(yes, no)))])
+    if readings is None:
+        return None
+    scores = [1 / (1 + math.exp(r.last.token_logprobs[1] - r.last.token_logprobs[0]))
+              for r in readings[0]]
+    return (scores, sum(r.prompt_tokens for r in readings[0]),
+            sum(r.cached_tokens for r in readings[0]))
+
+
+def _judge_prompts(tokenizer: ModelTokenizer, instruction: str, query: str,
+                   documents: list[str]) -> list[Prompt]:
+    """Qwen3-Reranker's prompt through the model's template: the instruction and query
+    come first, so every document's prompt shares them."""
+    return [chat_prompt(tokenizer, GenerationRequest(
+        messages=({"role": "system", "content": JUDGE_SYSTEM},
+                  {"role": "user", "content": f"<Instruct>: {instruction}\n"
+                   f"<Query>: {query}\n<Document>: {document}"}),
+        chat_template_kwargs={"enable_thinking": False})) for document in documents]

