@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from radix.accounting import TreeStats
 from radix.stats import stat
-from radix.tree import TreeStats
 
 FinishReason = Literal["stop", "length", "cancelled"]
 

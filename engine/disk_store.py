@@ -42,7 +42,7 @@ from engine import segment_file
 from engine.api import DiskStats
 from engine.kv import CacheSnapshot, KVSegment
 from engine.segment_file import BadSegmentFile, SegmentHeader, Tensor
-from radix.tree import RadixTree
+from radix import RadixTree
 
 log = logging.getLogger("radix_mlx.disk")
 

@@ -55,7 +55,8 @@ from engine.loader import LoadedModel
 from engine.prefill_budget import PrefillBudget
 from engine.segment_file import BadSegmentFile
 from engine.tree_hold import HandleOf
-from radix.tree import MatchResult, Node, RadixTree, ReserveStatus, common_prefix_length
+from radix import MatchResult, Node, RadixTree, ReserveStatus
+from radix.prefix import common_prefix_length
 
 log = logging.getLogger("radix_mlx.engine")
 
