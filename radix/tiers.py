@@ -180,14 +180,7 @@ class Tiers:
         if not node.on_disk:
             return
         self._lift(node.parent)
-        self._add_stats(node, -1)
-        if node.stored is not None:
-            self._discarded.append(node.stored)
-            node.stored = None
-        node.on_disk = False
-        self._add_stats(node, +1)
-        node.parent.memory_children += 1
-        self._sync_lru(node)
+        self._change_tier(node, on_disk=False)
         self._sync_lru(node.parent)
 
     def _lift(self, node: Node) -> None:
@@ -248,14 +241,23 @@ class Tiers:
     def _demote(self, node: Node) -> None:
         """Memory eviction of a node that keeps its place: its memory data goes, a disk
         copy (if any) stays, and it joins the disk nodes at the bottom of the tree."""
+        self._change_tier(node, on_disk=True)
+        self._demotions += node.stored is not None
+
+    def _change_tier(self, node: Node, on_disk: bool) -> None:
+        """Move `node` to the other tier with its stats, its parent's count of memory
+        children and its LRU list, dropping what the new tier does not keep: its handle
+        on the way to disk, its disk copy on the way back (see `_to_memory`)."""
         self._add_stats(node, -1)
-        if node.handle is not None:
+        if on_disk and node.handle is not None:
             self._garbage.append(node.handle)
             node.handle = None
-        node.on_disk = True
+        elif not on_disk and node.stored is not None:
+            self._discarded.append(node.stored)
+            node.stored = None
+        node.on_disk = on_disk
         self._add_stats(node, +1)
-        node.parent.memory_children -= 1
-        self._demotions += node.stored is not None
+        node.parent.memory_children += -1 if on_disk else 1
         self._sync_lru(node)
 
     def _disk_evictable(self, node: Node) -> bool:
