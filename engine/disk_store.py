@@ -1,6 +1,6 @@
 """The disk tier: copies of radix nodes' KV in plain files, written off the engine thread.
 
-The tree (radix/tree.py) decides what is copied and when a copy may go; this module does
+The tree (radix/tiers.py) decides what is copied and when a copy may go; this module does
 the copying. `DiskStore` is the tree's `Store`:
 
 - `save` (engine thread, under the tree's lock) readies a handle's arrays and queues
