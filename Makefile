@@ -16,13 +16,13 @@ N ?= 2
 OPENBLAS := $(wildcard /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3)
 ifneq ($(OPENBLAS),)
 ifneq ($(RADIX_MLX_NO_OPENBLAS),1)
-test test-slow bench: export LD_PRELOAD := $(strip $(OPENBLAS) $(LD_PRELOAD))
+test test-fast test-slow bench: export LD_PRELOAD := $(strip $(OPENBLAS) $(LD_PRELOAD))
 endif
 endif
 
 SERVICE := deploy/$(if $(filter Darwin,$(shell uname -s)),launchd,systemd)/radix-mlx-service
 
-.PHONY: install serve replicas test test-slow bench lint demo-model soak install-service uninstall-service
+.PHONY: install serve replicas test test-fast test-slow bench lint demo-model soak install-service uninstall-service
 
 install: $(STAMP)
 
@@ -65,6 +65,21 @@ replicas: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The tests that start no server process and load no model beyond the tiny demo one:
+# the radix tree, the engine's units, protocols, parsers and config, under a minute on two
+# CPU cores. `make test` (all of them) is what CI runs.
+FAST_TESTS := tests/radix tests/test_layering.py tests/test_config.py \
+	tests/engine/test_admission.py tests/engine/test_client.py tests/engine/test_constraints.py \
+	tests/engine/test_memory.py tests/engine/test_prefill_budget.py tests/engine/test_text.py \
+	tests/engine/test_tree_hold.py \
+	tests/server/test_generic_tools.py tests/server/test_json_body.py \
+	tests/server/test_output_constraint.py tests/server/test_reasoning.py \
+	tests/server/test_response_store.py tests/server/test_sse_lines.py \
+	tests/server/test_stream_rendering.py tests/server/test_tools.py tests/server/test_volatile.py
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest $(FAST_TESTS)
 
 # The tests too slow for every run (Gemma 3 270M's sliding-window layers on real weights).
 test-slow: $(STAMP)

@@ -30,11 +30,15 @@ class RequestResult:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None  # None: the server did not report it
-    text: str
+    text: str  # the reply, fed back as the next turn's history
     error: str | None = None  # the request failed; its numbers are not counted
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The record for results.json: figures, not the text (random-weight replies are
+        noise, and they made each file megabytes)."""
+        record = asdict(self)
+        del record["text"]
+        return record
 
 
 @dataclass

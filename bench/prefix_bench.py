@@ -1,4 +1,4 @@
-"""Micro-benchmark of `radix.tree.common_prefix_length` on long prompts, against the two
+"""Micro-benchmark of `radix.prefix.common_prefix_length` on long prompts, against the two
 ways it replaced: comparing token by token after a failed whole comparison (the tree's
 old edge match) and bisecting on slice comparisons (the old list version).
 
@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 
 import radix.tree
-from radix.tree import RadixTree, common_prefix_length
+from radix import RadixTree
+from radix.prefix import common_prefix_length
 
 RUNS = 5
 
@@ -95,7 +96,7 @@ def medians(calls: dict[str, Callable[[], object]], repeats: int,
 
 
 def install(function: Callable) -> None:
-    """Make `function` the tree's edge match."""
+    """Make `function` the tree walk's edge match (`RadixTree.peek` runs in radix.tree)."""
     radix.tree.common_prefix_length = function
 
 

@@ -176,7 +176,7 @@ def batch_decode(source: TextSource, s: Shapes) -> Workload:
 
 
 def classify(source: TextSource, s: Shapes) -> Workload:
-    """Seed 001's Classify: many one-line sentences behind one instruction, one token each,
+    """Classification: many one-line sentences behind one instruction, one token each,
     sent as `/v1/completions` list prompts of `cl_batch`, one list after another."""
     preamble = source.text(s.cl_preamble_tokens)
     conversations = tuple(

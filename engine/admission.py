@@ -9,7 +9,7 @@ pass is found and fails alone.
 
 Short prompts (at most `SHORT_PROMPT_TOKENS` not cached) are left out of the prefill
 window: the generator computes those at the front of its queue together, in one forward
-(seed 001's Classify: a list of 64 one-line sentences behind a cached instruction), so
+(a classification job: a list of 64 one-line sentences behind a cached instruction), so
 they do not hold a long prompt back for more than that forward, and counting them would
 split such a list into forwards of `prefill_batch_size`: on an H100 every forward and
 every step costs milliseconds of host time whatever its size.

@@ -1,28 +1,32 @@
 """The engine's public API, importable without MLX: what crosses the boundary between the
 engine and its callers.
 
-The server builds an `EngineConfig`, watches the engine's `Lifecycle`, builds a `Prompt`
-and a `SamplingParams` per request, calls `Engine.submit` and reads `TokenEvent`s followed
-by one `Finish` from the returned `RequestStream` (first a `PromptLogprobs` when asked; a
-prefill-only request's `Readout` gets a `LastPosition` instead of tokens); `Engine.cancel` ends a request early, and
-`Engine.stats` gives an `EngineStats` for /metrics. The engine itself (engine.py) imports
-MLX; nothing here does, so the server's own modules import only this one,
-engine/tokenizer.py and engine/constraints.py (the grammars of `SamplingParams.constraint`).
+`EngineClient` is the contract: the server builds an `EngineConfig`, watches the engine's
+`Lifecycle`, builds a `Prompt` and a `SamplingParams` per request, calls `submit` and reads
+`TokenEvent`s followed by one `Finish` from the returned `EventStream` (first a
+`PromptLogprobs` when asked; a prefill-only request's `Readout` gets a `LastPosition`
+instead of tokens); `cancel` ends a request early, and `stats` gives an `EngineStats` for /metrics. Two classes keep it: the
+engine itself (engine/engine.py, which imports MLX) and `EngineProcess` (engine/process.py,
+the engine in a child process). Nothing here imports MLX, so the server's own modules import
+only this one, engine/streams.py, engine/tokenizer.py and engine/constraints.py (the
+grammars of `SamplingParams.constraint`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import threading
-from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
 
+from radix.accounting import TreeStats
 from radix.stats import stat
-from radix.tree import TreeStats
+
+if TYPE_CHECKING:
+    from engine.tokenizer import ModelTokenizer
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -336,176 +340,67 @@ def check_request(tokens: list[int], params: SamplingParams, context_length: int
             f"({len(tokens)} in the prompt, {params.max_tokens} for the completion).")
 
 
-class WaitingCount:
-    """Requests submitted and not yet started, at most `limit` (`max_queue`)."""
+class EventStream(Protocol):
+    """One request's events, as `EngineClient.submit` returns them (engine/streams.py's
+    `RequestStream`): `TokenEvent`s, then one `Finish`; when the engine fails the request,
+    its error (e.g. `RequestFailed`) is raised instead of the `Finish`."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.value = 0
-        self._lock = threading.Lock()
-
-    def enter(self) -> None:
-        """Count one more, or raise QueueFull."""
-        with self._lock:
-            if self.value >= self.limit:
-                raise QueueFull(f"{self.value} requests are already waiting", retry_after=1.0)
-            self.value += 1
-
-    def leave(self) -> None:
-        with self._lock:
-            self.value -= 1
-
-
-class Relay(Protocol):
-    """Where a `RequestStream`'s events go from the engine's thread."""
-
-    def put(self, stream: RequestStream, event: object) -> None: ...
-
-
-class LoopRelay:
-    """Carries events from the engine's thread to one asyncio loop, many per wake-up.
-
-    Waking a loop from another thread costs a write to its self-pipe, a turn of the loop
-    and a round of the GIL between the threads; a decode step of 64 streams would pay it
-    64 times. Events wait here instead, and one wake-up delivers all that wait then. While
-    the engine's thread `gathers` (it serves its steps), its events wait for `wake` at the
-    end of the step: a loop that woke on the step's first event would otherwise take the
-    GIL mid-step and need another wake-up for the rest (about ten per 64-row step)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop,
-                 gathers: Callable[[], bool] = lambda: False) -> None:
-        self.loop = loop
-        self._gathers = gathers
-        self._lock = threading.Lock()
-        self._pending: list[tuple[RequestStream, object]] = []
-        self._scheduled = False
-
-    def put(self, stream: RequestStream, event: object) -> None:
-        """Called from the engine's thread."""
-        if self.loop.is_closed():  # nobody reads this stream any more
-            stream.cancel()
-            return
-        with self._lock:
-            self._pending.append((stream, event))
-            if self._scheduled or self._gathers():
-                return  # a delivery is scheduled already, or the step's end wakes the loop
-            self._scheduled = True
-        self._schedule()
-
-    def wake(self) -> None:
-        """Schedule the delivery of the events that wait, if any and not yet scheduled."""
-        with self._lock:
-            if self._scheduled or not self._pending:
-                return
-            self._scheduled = True
-        self._schedule()
-
-    def _schedule(self) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:  # the loop closed meanwhile
-            with self._lock:
-                pending, self._pending = self._pending, []
-            for stream, _ in pending:
-                stream.cancel()
-
-    def _deliver(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-            self._scheduled = False
-        for stream, event in pending:
-            stream.arrive(event)
-
-
-class LoopRelays:
-    """The relay of each loop that submits requests, made on its first request; those of
-    closed loops (say of earlier `asyncio.run`s) are dropped then."""
-
-    def __init__(self) -> None:
-        self._relays: dict[asyncio.AbstractEventLoop, LoopRelay] = {}
-        self._lock = threading.Lock()
-        self._gatherer: int | None = None
-
-    def current(self) -> LoopRelay:
-        """The running loop's relay."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            if loop not in self._relays:
-                self._relays = {other: relay for other, relay in self._relays.items()
-                                if not other.is_closed()}
-                self._relays[loop] = LoopRelay(loop, self._gathers)
-            return self._relays[loop]
-
-    @contextmanager
-    def gathering(self) -> Iterator[None]:
-        """Within, the events the calling thread puts wait for `wake` (called at each
-        turn of the engine's loop and before a step's prompt forward); any left are sent
-        on at the end."""
-        self._gatherer = threading.get_ident()
-        try:
-            yield
-        finally:
-            self._gatherer = None
-            self.wake()
-
-    def wake(self) -> None:
-        """Wake each loop that has events waiting, once."""
-        with self._lock:
-            relays = list(self._relays.values())
-        for relay in relays:
-            relay.wake()
-
-    def _gathers(self) -> bool:
-        return self._gatherer == threading.get_ident()
-
-
-class RequestStream:
-    """Async iterator over one request's events: `TokenEvent`s, then one `Finish`.
-
-    Raises the engine's error (e.g. `RequestFailed`) instead of finishing when the
-    engine fails the request. Events arrive from the engine's thread through `push`."""
-
-    def __init__(self, request_id: str, relay: Relay,
-                 cancel: Callable[[str], None]) -> None:
-        self.request_id = request_id
-        self._relay = relay
-        self._cancel = cancel
-        # A deque and one waiter rather than an asyncio.Queue, whose put and get cost
-        # several times as much Python: this runs once per streamed token on the loop.
-        self._events: deque[object] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._done = False
-
-    def push(self, event: object) -> None:
-        """Called from the engine's thread."""
-        self._relay.put(self, event)
-
-    def arrive(self, event: object) -> None:
-        """Called on the caller's loop, by the relay."""
-        self._events.append(event)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+    request_id: str
 
     def cancel(self) -> None:
         """Ask the engine to end this request (a no-op once it has ended)."""
-        self._cancel(self.request_id)
+        ...
 
-    def __aiter__(self) -> RequestStream:
-        return self
+    def __aiter__(self) -> EventStream: ...
 
-    async def __anext__(self) -> TokenEvent | Finish:
-        if self._done:
-            raise StopAsyncIteration
-        while not self._events:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        event = self._events.popleft()
-        if isinstance(event, BaseException):
-            self._done = True
-            raise event
-        if isinstance(event, Finish):
-            self._done = True
-        return event  # type: ignore[return-value]
+    async def __anext__(self) -> TokenEvent | Finish: ...
+
+
+class DiskTier(Protocol):
+    """The disk tier as the server sees it: its folder, and whether the tree has been
+    rebuilt from the files there yet."""
+
+    directory: Path
+    rebuilt: threading.Event
+
+
+class EngineClient(Protocol):
+    """What the server uses of an engine, kept by `engine.engine.Engine` and by
+    `engine.process.EngineProcess`, so the server never depends on which one it drives.
+
+    `start` returns at once; `state` then moves from LOADING through WARMING_UP to READY,
+    or to FAILED with `error` set, and `wait_ready` blocks until one of those two. The
+    model's facts (`model_id`, `context_length`, `wants_message_ends`, `tokenizer`,
+    `disk`) hold once it is READY. `served` says it was READY once, so a failure after it
+    is not a failed load. `shutdown` cancels what runs and stops the engine.
+    """
+
+    config: EngineConfig
+    state: Lifecycle
+    error: str | None
+    served: bool
+    model_id: str
+    context_length: int
+    wants_message_ends: bool
+    tokenizer: ModelTokenizer | None
+    disk: DiskTier | None
+
+    def start(self) -> None: ...
+
+    def wait_ready(self, timeout: float | None = None) -> Lifecycle: ...
+
+    def shutdown(self) -> None: ...
+
+    def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams) -> EventStream:
+        """Queue a request; raises `EngineNotReady`, `QueueFull`, `ContextLengthExceeded`
+        or ValueError at once rather than through the stream."""
+        ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def clear_cache(self) -> Future[int]:
+        """Drop every cached prefix no request pins, from both tiers; the memory bytes
+        freed, once done."""
+        ...
+
+    def stats(self) -> EngineStats: ...

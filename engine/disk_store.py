@@ -1,6 +1,6 @@
 """The disk tier: copies of radix nodes' KV in plain files, written off the engine thread.
 
-The tree (radix/tree.py) decides what is copied and when a copy may go; this module does
+The tree (radix/tiers.py) decides what is copied and when a copy may go; this module does
 the copying. `DiskStore` is the tree's `Store`:
 
 - `save` (engine thread, under the tree's lock) readies a handle's arrays and queues
@@ -42,7 +42,7 @@ from engine import segment_file
 from engine.api import DiskStats
 from engine.kv import CacheSnapshot, KVSegment
 from engine.segment_file import BadSegmentFile, SegmentHeader, Tensor
-from radix.tree import RadixTree
+from radix import RadixTree
 
 log = logging.getLogger("radix_mlx.disk")
 

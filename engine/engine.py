@@ -3,7 +3,8 @@
 Everything MLX happens in one worker thread (see scheduler.py). Callers on an asyncio
 loop submit requests through a thread-safe inbox and read events from a `RequestStream`
 that the worker feeds through its loop's `LoopRelay` (one wake-up of the loop per engine
-step, not per token). The types callers see are in api.py, which imports no MLX.
+step, not per token; streams.py). The types callers see are in api.py, which imports no
+MLX; `Engine` keeps its `EngineClient` contract.
 """
 
 from __future__ import annotations
@@ -29,14 +30,10 @@ from engine.api import (
     EngineNotReady,
     EngineStats,
     Lifecycle,
-    LoopRelays,
     Prompt,
-    Relay,
-    RequestStream,
     SamplingParams,
     SchedulerCounters,
     Unsupported,
-    WaitingCount,
     check_request,
 )
 from engine.constraints import json_object
@@ -55,6 +52,7 @@ from engine.scheduler import (
     Stop,
     Submit,
 )
+from engine.streams import LoopRelays, Relay, RequestStream, WaitingCount
 from engine.tokenizer import ModelTokenizer
 
 log = logging.getLogger("radix_mlx.engine")
@@ -82,8 +80,9 @@ def device_memory_bytes() -> int:
 
 
 class Engine:
-    """With a tensor-parallel `group` (distributed.py), this process is one rank: rank 0's
-    engine takes requests; the others' serve nobody and run the same steps."""
+    """The engine in this process, an `EngineClient` (api.py). With a tensor-parallel
+    `group` (distributed.py), this process is one rank: rank 0's engine takes requests;
+    the others' serve nobody and run the same steps."""
 
     def __init__(self, config: EngineConfig, group: RankGroup | None = None,
                  on_turn: Callable[[], None] = lambda: None) -> None:

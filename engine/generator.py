@@ -11,7 +11,7 @@ and a batch of one decodes exactly as mlx_lm.generate does.
 
 Prompts waiting together are the exception, where the padding stays bounded: when several
 fit the step's chunk whole, padded to the longest at most doubling their tokens, they are
-prefilled together in one forward (seed 001's Classify: hundreds of one-line prompts, one
+prefilled together in one forward (classification: hundreds of one-line prompts, one
 token each, where a forward per prompt made the GPU's per-step latency the cost; the turns
 of chats that ended together) and go straight into the decode batch with their first token
 sampled. A shorter row re-feeds the end of its own cached history rather than padding;
@@ -90,8 +90,8 @@ class SequenceState:
     wants_logprobs: bool
     top_logprobs: int = 0  # alternatives reported beside the sampled token's logprob
     # Positions (lengths of `tokens`) where prefill ends a chunk and calls the generator's
-    # `at_stop`: ascending, inside the prompt's `unfed` tokens but its last.
-    stops: list[int] = field(default_factory=list)
+    # `at_snapshot`: ascending, inside the prompt's `unfed` tokens but its last.
+    snapshot_at: list[int] = field(default_factory=list)
     # The cached segments (each `length` tokens of per-layer `keys` and `values`) `cache`
     # was built from, the same objects for sequences that share them, until it is fed:
     # prompts prefilled together copy a segment they share into their batch once for all.
@@ -155,10 +155,11 @@ class Generator:
     """Sequences being prefilled, one chunk budget per call, and a decode batch."""
 
     def __init__(self, model: nn.Module,
-                 at_stop: Callable[[SequenceState], None] = lambda sequence: None) -> None:
+                 at_snapshot: Callable[[SequenceState], None] = lambda sequence: None) -> None:
         self.model = model
         self.layers = len(make_prompt_cache(model))
-        self.at_stop = at_stop  # sees a prefilling sequence's cache at each of its stops
+        # Sees a prefilling sequence's cache at each of its `snapshot_at` positions.
+        self.at_snapshot = at_snapshot
         self.hidden = HiddenStates(model)
         self.prefilling: list[SequenceState] = []  # in the order their chunks are computed
         self.ready: list[SequenceState] = []  # prompt computed but its last token: joins next
@@ -187,10 +188,10 @@ class Generator:
         if not sequence.unfed:
             raise ValueError("a sequence needs at least one prompt token to feed")
         fed, last = len(sequence.tokens), len(sequence.tokens) + len(sequence.unfed) - 1
-        if sequence.stops != sorted(set(sequence.stops)) or any(
-                not fed < stop <= last for stop in sequence.stops):
-            raise ValueError(f"stops {sequence.stops} are not ascending inside "
-                             f"the unfed prompt ({fed}, {last}]")
+        if sequence.snapshot_at != sorted(set(sequence.snapshot_at)) or any(
+                not fed < position <= last for position in sequence.snapshot_at):
+            raise ValueError(f"snapshot positions {sequence.snapshot_at} are not ascending "
+                             f"inside the unfed prompt ({fed}, {last}]")
         if sequence.processors:
             sequence.context = mx.array(sequence.tokens + sequence.unfed[:-1], mx.uint32)
         self.prefilling.append(sequence)
@@ -242,13 +243,14 @@ class Generator:
 
     def _feed(self, sequence: SequenceState, budget: int) -> int:
         """Feed up to `budget` of the sequence's prompt tokens (never its last), in chunks
-        that end at each of its `stops`, where `at_stop` sees the cache. Returns how many."""
+        that end at each of its `snapshot_at` positions, where `at_snapshot` sees the cache.
+        Returns how many."""
         self._build_cache(sequence)
         fed = 0
         while fed < budget and len(sequence.unfed) > 1:
             count = min(len(sequence.unfed) - 1, budget - fed)
-            if sequence.stops:
-                count = min(count, sequence.stops[0] - len(sequence.tokens))
+            if sequence.snapshot_at:
+                count = min(count, sequence.snapshot_at[0] - len(sequence.tokens))
             chunk = sequence.unfed[:count]
             sequence.prefix = None  # the cache holds more from now on
             self.model(mx.array([chunk]), cache=sequence.cache)
@@ -258,9 +260,9 @@ class Generator:
             sequence.tokens += chunk
             del sequence.unfed[:count]
             fed += count
-            if sequence.stops and sequence.stops[0] == len(sequence.tokens):
-                sequence.stops.pop(0)
-                self.at_stop(sequence)
+            if sequence.snapshot_at and sequence.snapshot_at[0] == len(sequence.tokens):
+                sequence.snapshot_at.pop(0)
+                self.at_snapshot(sequence)
         return fed
 
     def _build_cache(self, sequence: SequenceState) -> None:
@@ -274,10 +276,11 @@ class Generator:
         padded to the longest, if the padding at most doubles the forward's tokens (width
         None); or, if the budget cannot finish even the first prompt, `width` tokens of
         each, none finished. Only rows with plain KV caches (a padded row of a rotating or
-        recurrent cache would keep the padding's state) and no stops. ([], None): none."""
+        recurrent cache would keep the padding's state) and no snapshot positions. ([], None):
+        none."""
         eligible: list[SequenceState] = []
         for sequence in self.prefilling:
-            if sequence.stops or not (sequence.cache is None
+            if sequence.snapshot_at or not (sequence.cache is None
                                       or supports_segments(sequence.cache)):
                 break
             eligible.append(sequence)

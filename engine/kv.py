@@ -35,7 +35,7 @@ from engine.mlx_lm_internals import (
     presized_kv,
     supports_segments,
 )
-from radix.tree import Node
+from radix import Node
 
 # Per layer keys (or values) of a span, each [1, heads, tokens, dim]: a list of them, or
 # one array stacked over layers ([layers, 1, heads, tokens, dim], copied out of a batch

@@ -43,17 +43,15 @@ from engine.api import (
     EngineStats,
     Finish,
     Lifecycle,
-    LoopRelays,
     Prompt,
     RequestFailed,
-    RequestStream,
     SamplingParams,
-    WaitingCount,
     check_request,
 )
 from engine.engine import DISK_FLUSH_SECONDS, Engine
 from engine.loader import load_tokenizer, model_id_for
 from engine.platform_info import describe_platform
+from engine.streams import LoopRelays, RequestStream, WaitingCount
 from engine.tokenizer import ModelTokenizer
 
 log = logging.getLogger("radix_mlx.engine")
@@ -208,7 +206,7 @@ def _report_lifecycle(engine: Engine, outbox: Outbox) -> None:
 # -- the server's side --------------------------------------------------------------------
 
 class EngineProcess:
-    """`Engine`'s surface for the server, served by an `Engine` in a child process. The
+    """The `EngineClient` the server drives, served by an `Engine` in a child process. The
     server's own tokenizer (chat templates, the streams' decoders) is loaded from the
     directory the engine loaded its model from, once it is ready."""
 

@@ -56,7 +56,8 @@ from engine.prefill_budget import PrefillBudget
 from engine.prompt_logprobs import prompt_logprobs
 from engine.segment_file import BadSegmentFile
 from engine.tree_hold import HandleOf
-from radix.tree import MatchResult, Node, RadixTree, ReserveStatus, common_prefix_length
+from radix import MatchResult, Node, RadixTree, ReserveStatus
+from radix.prefix import common_prefix_length
 
 log = logging.getLogger("radix_mlx.engine")
 
@@ -183,7 +184,7 @@ class Scheduler:
         self.prefill_budget = PrefillBudget(
             stall_ratio, limits.prefill_stall_floor, chunk,
             idle_chunk=max(GPU_PREFILL_CHUNK, chunk) if gpu else chunk)
-        self.generator = Generator(loaded.model, self._snapshot_at_stop)
+        self.generator = Generator(loaded.model, self._take_snapshot)
         # Prompts that find the engine with nothing decoding are all prefilled before any
         # of them decodes (see `_step`).
         self.burst = False
@@ -353,7 +354,8 @@ class Scheduler:
         sequence = SequenceState(
             next(self._uids), self.kv.assemble(hold.node) if prefix is None else None,
             tokens=tokens[:hold.depth], unfed=tokens[hold.depth:],
-            stops=self._snapshot_stops(generation), prefix=prefix, sampler=generation.sampler,
+            snapshot_at=self._snapshot_positions(generation), prefix=prefix,
+            sampler=generation.sampler,
             processors=generation.processors,
             wants_logprobs=generation.params.logprobs is not None or readout is not None,
             top_logprobs=(readout.top_logprobs if readout is not None
@@ -367,8 +369,8 @@ class Scheduler:
         generation.dequeue()
         return True
 
-    def _snapshot_stops(self, generation: Generation) -> list[int]:
-        """Where prefill stops to snapshot the cache: for a model whose cache is reused
+    def _snapshot_positions(self, generation: Generation) -> list[int]:
+        """Where prefill pauses to snapshot the cache: for a model whose cache is reused
         only as whole-state snapshots, the prompt's message ends past its cached prefix
         and short of the prompt's own end (published anyway). At most
         `MAX_MESSAGE_SNAPSHOTS`, each holding the whole state up to it: the first (a
@@ -377,14 +379,14 @@ class Scheduler:
         if self.kv.segments:
             return []
         depth, end = generation.hold.depth, len(generation.cacheable)
-        stops = sorted({position for position in generation.message_ends
-                        if depth < position < end})
-        if len(stops) > MAX_MESSAGE_SNAPSHOTS:
-            stops = stops[:1] + stops[1 - MAX_MESSAGE_SNAPSHOTS:]
-        return stops
+        positions = sorted({position for position in generation.message_ends
+                            if depth < position < end})
+        if len(positions) > MAX_MESSAGE_SNAPSHOTS:
+            positions = positions[:1] + positions[1 - MAX_MESSAGE_SNAPSHOTS:]
+        return positions
 
-    def _snapshot_at_stop(self, sequence: SequenceState) -> None:
-        """Prefill reached one of `sequence.stops`: snapshot the state there, to publish
+    def _take_snapshot(self, sequence: SequenceState) -> None:
+        """Prefill reached one of `sequence.snapshot_at`: snapshot the state there, to publish
         with the prompt, unless this prompt's snapshots would not fit the tree's budget."""
         generation = self.running[sequence.uid]
         held = sum(snapshot.nbytes for _, snapshot in generation.snapshots)
@@ -620,7 +622,7 @@ class Scheduler:
         log.error("step failed: %r; %d request(s) affected", error, len(self.running))
         victims = list(self.running.values())
         self.running.clear()
-        self.generator = Generator(self.loaded.model, self._snapshot_at_stop)
+        self.generator = Generator(self.loaded.model, self._take_snapshot)
         for generation in victims:
             generation.hold.abandon(error)
             generation.sequence = None

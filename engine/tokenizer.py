@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from jinja2 import TemplateError
 
-from radix.tree import common_prefix_length
+from radix.prefix import common_prefix_length
 
 # Parses the text between a tool call's markers: (text, tools) -> one call or a list of
 # them, each {"name": ..., "arguments": ...}; raises on text it cannot parse.

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from radix.tree import MatchResult, Node, RadixTree, ReserveResult, ReserveStatus
+from radix import MatchResult, Node, RadixTree, ReserveResult, ReserveStatus
 
 # The KV (or state) handle of tokens [start, end) of the request's cache.
 HandleOf = Callable[[int, int], Any]

@@ -86,9 +86,6 @@ from server.prompts import assistant_prefill
 from server.state import server_state
 from server.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
 
-# Anthropic pings every few seconds while a long prompt is computed; so do we.
-PING_SECONDS = 10
-
 # -- request ------------------------------------------------------------------------------
 
 
@@ -342,8 +339,8 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     message_id = f"msg_{uuid.uuid4().hex}"
     if body.stream:
         stream = _stream(generation, MessageStream(message_id, model, body.max_tokens))
-        return GenerationEventSource(generation, stream, ping_seconds=PING_SECONDS,
-                                     ping=lambda: _sse(Ping()))
+        # Anthropic pings while a long prompt is computed; so do we, as an event of its own.
+        return GenerationEventSource(generation, stream, ping=lambda: _sse(Ping()))
     results = await to_the_end(
         request, generation, collect(generation.events(), generation.choices)
     )

@@ -25,10 +25,10 @@ from server.warm import prefill_warm_prompts
 from server.worker_info import worker_info
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
+    from engine.api import EngineClient
 
 
-def create_app(settings: Settings, engine: Engine) -> FastAPI:
+def create_app(settings: Settings, engine: EngineClient) -> FastAPI:
     """The app serving `engine`, which the caller starts and shuts down."""
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -33,12 +33,12 @@ from server.events import Usage
 from server.metrics import Metrics
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
+    from engine.api import EngineClient
 
 
 class Job:
     def __init__(
-        self, engine: Engine, drain: Drain, metrics: Metrics, request_id: str, started_at: float,
+        self, engine: EngineClient, drain: Drain, metrics: Metrics, request_id: str, started_at: float,
         report_miss: bool = False,
     ) -> None:
         self.engine, self.drain, self.metrics = engine, drain, metrics

@@ -8,7 +8,7 @@ import sys
 from logging.handlers import WatchedFileHandler
 from pathlib import Path
 
-from server import tensor_parallel
+from server.launch_env import in_launch, launch_rank
 
 
 def configure_logging(level: str, log_file: Path | None) -> None:
@@ -19,7 +19,7 @@ def configure_logging(level: str, log_file: Path | None) -> None:
     else:
         handler = logging.StreamHandler(sys.stderr)
     # Ranks of a tensor-parallel launch share one output: each line says whose it is.
-    rank = f" rank {tensor_parallel.launch_rank()}" if tensor_parallel.in_launch() else ""
+    rank = f" rank {launch_rank()}" if in_launch() else ""
     handler.setFormatter(
         logging.Formatter(f"%(asctime)s %(levelname)s{rank} %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)

@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
+    from engine.api import EngineClient
 
 PREFIX = "radix_mlx"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -54,7 +54,7 @@ def engine_metrics(stats: object) -> Iterator[tuple[str, str, str, float]]:
 class EngineCollector(Collector):
     """The engine's stats and lifecycle state, read when /metrics is scraped."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
@@ -68,7 +68,7 @@ class EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(f"{PREFIX}_http_requests", "HTTP requests by endpoint and status.",
                                 ["endpoint", "status"], registry=self.registry)

@@ -13,7 +13,7 @@ from types import FrameType
 
 import uvicorn
 
-from engine.api import EngineConfig, Lifecycle
+from engine.api import EngineClient, EngineConfig, Lifecycle
 from engine.encoder import EncoderEngine, is_encoder_model
 from engine.engine import Engine
 from engine.gguf import GGUFError
@@ -25,6 +25,7 @@ from server.app import create_app
 from server.config import ConfigError, Settings, default_disk_cache_dir, load_settings
 from server.drain import CANCEL_GRACE_SECONDS, Drain
 from server.http_protocol import BoundedHeadProtocol
+from server.launch_env import in_launch
 from server.logs import configure_logging
 
 log = logging.getLogger("radix_mlx.server")
@@ -38,7 +39,7 @@ class DrainingServer(uvicorn.Server):
 
     def __init__(
         self, config: uvicorn.Config, drain: Drain, timeout: float,
-        engine: Engine | EngineProcess | EncoderEngine,
+        engine: EngineClient,
     ) -> None:
         super().__init__(config)
         self._drain, self._timeout, self._engine = drain, timeout, engine
@@ -101,13 +102,14 @@ def run(settings: Settings) -> int:
     group = None
     config = engine_config(settings, model)
     if settings.tensor_parallel > 1:
-        if not tensor_parallel.in_launch():
+        if not in_launch():
             return tensor_parallel.launch(settings, model)
         group = tensor_parallel.join(settings)
         if group is None:
             return 1
         if not group.leader:
             return tensor_parallel.run_rank(config, group)
+    engine: EngineClient
     if group is None and settings.engine_process and not is_encoder_model(model):
         # Its own process, so the HTTP work here never takes the GIL its thread needs.
         engine = EngineProcess(config, partial(configure_logging, settings.log_level,

@@ -17,14 +17,14 @@ from server.metrics import Metrics
 from server.response_store import ResponseStore, open_store
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
+    from engine.api import EngineClient
     from engine.tokenizer import ModelTokenizer
 
 
 @dataclass
 class ServerState:
     settings: Settings
-    engine: Engine
+    engine: EngineClient
     metrics: Metrics = field(init=False)
     drain: Drain = field(default_factory=Drain)
     started: int = field(default_factory=lambda: int(time.time()))

@@ -41,22 +41,9 @@ from engine.distributed import (
 )
 from engine.engine import Engine
 from server.config import Settings, env_var
+from server.launch_env import IN_LAUNCH_ENV
 
 log = logging.getLogger("radix_mlx.server")
-
-# Set through mlx.launch's --env in every rank's environment, whichever backend starts it
-# (mlx.launch sets MLX_RANK for its own; mpirun, the hostfile's "mpi" backend, does not).
-IN_LAUNCH_ENV = "RADIX_MLX_IN_LAUNCH"
-
-
-def in_launch() -> bool:
-    return IN_LAUNCH_ENV in os.environ
-
-
-def launch_rank() -> str:
-    """This rank's number as its launcher gave it (for log lines, before it joins)."""
-    return os.environ.get("MLX_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK", "?")
-
 
 def join(settings: Settings) -> RankGroup | None:
     """This process's rank, or None after printing why it has none."""

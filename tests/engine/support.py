@@ -14,11 +14,11 @@ from engine.api import (
     EngineStats,
     Finish,
     Prompt,
-    RequestStream,
     SamplingParams,
     TokenEvent,
 )
 from engine.engine import Engine
+from engine.streams import RequestStream
 
 
 @dataclass

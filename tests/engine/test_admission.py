@@ -9,7 +9,7 @@ from engine.admission import SHORT_PROMPT_TOKENS, SchedulerLimits, admit
 from engine.api import SamplingParams
 from engine.generation import Generation
 from engine.tokenizer import ModelTokenizer
-from radix.tree import RadixTree
+from radix import RadixTree
 
 
 @pytest.fixture(scope="module")

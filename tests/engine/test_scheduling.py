@@ -102,7 +102,7 @@ async def test_cancel_mid_decode_releases_everything(engine):
 
 
 async def test_many_streams_each_get_their_own_tokens_in_order(engine, reference):
-    # Events reach the loop in batches (one wake-up per step, engine/api.py LoopRelay), and
+    # Events reach the loop in batches (one wake-up per step, engine/streams.py LoopRelay), and
     # rows that end at the same step leave the batch together: every stream still gets
     # exactly its own tokens, in order, then its Finish, and nothing stays pinned.
     prompts = [random_prompt(60 + i, 24) for i in range(12)]
@@ -344,7 +344,7 @@ async def test_a_failing_forward_fails_only_its_request(llama_dir, reference, mo
 
 async def test_one_token_prompts_behind_a_cached_preamble_each_get_their_own_answer(
         engine, reference):
-    # Seed 001's Classify: many short prompts behind one instruction, one token each. They
+    # Classification: many short prompts behind one instruction, one token each. They
     # are computed together (more of them than prefill_batch_size) and end on their first
     # token, which each still gets right, with the preamble counted as cached.
     preamble = random_prompt(500, 40)

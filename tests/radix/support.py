@@ -1,11 +1,12 @@
-"""Test doubles, an invariant checker, and `acquire` (the optimistic write loop for
-blocking threads) for tests that use the radix tree without MLX."""
+"""Test doubles, an invariant checker, tree operations only tests need, and `acquire`
+(the optimistic write loop for blocking threads) for tests that use the radix tree without
+MLX."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from radix.tree import Handle, MatchResult, Node, NodeState, RadixTree, ReserveStatus, Stored
+from radix import Handle, MatchResult, Node, NodeState, RadixTree, ReserveStatus, Stored
 
 
 class FakeHandle:
@@ -242,6 +243,23 @@ def _disk_leaf(node: Node) -> bool:
             and not node.children)
 
 
+def pin_if_attached(tree: RadixTree, node: Node) -> bool:
+    """`tree.pin(node)`, unless `node` left the tree since it was seen (then False): for a
+    disk node a match reported, which nothing pins until its loader does."""
+    with tree._mutex:
+        if not tree._attached(node):
+            return False
+        tree._pin_path(node)
+        return True
+
+
+def evict_disk(tree: RadixTree, nbytes: float) -> int:
+    """Delete least recently used disk leaves until `nbytes` are freed; returns that (the
+    disk tier only evicts to make room for a save, which a test cannot aim as well)."""
+    with tree._locked():
+        return tree._evict_disk(nbytes)
+
+
 def acquire(
     tree: RadixTree, tokens: Sequence[int], compute: Callable[[Node, Sequence[int]], Handle],
     load: Callable[[Stored], Handle | None] | None = None,
@@ -279,7 +297,7 @@ def _load_path(tree: RadixTree, nodes: list[Node],
                load: Callable[[Stored], Handle | None]) -> None:
     """Load and promote a match's disk nodes, pinned meanwhile (unless made room for on
     disk since the match: then the caller just matches again)."""
-    if not tree.pin_if_attached(nodes[-1]):
+    if not pin_if_attached(tree, nodes[-1]):
         return
     try:
         for node in nodes:

@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from radix import Miss, MissReason, NodeState, RadixTree, ReserveStatus
-from radix.tree import PREFIX_CHUNK, common_prefix_length
-from tests.radix.support import FakeHandle, FakeStore, acquire, check_invariants
+from radix.prefix import PREFIX_CHUNK, common_prefix_length
+from tests.radix.support import FakeHandle, FakeStore, acquire, check_invariants, evict_disk
 
 BIG = 1 << 30
 
@@ -780,7 +780,7 @@ def test_a_miss_where_a_branch_was_evicted_or_cleared_says_so():
     tree, _ = tiered(capacity=3)
     tree.put([1, 2, 3])
     tree.evict(3)  # demoted: still on disk, no miss to explain there
-    tree.evict_disk(3)
+    evict_disk(tree, 3)
     assert tree.explain_miss([1, 2, 3, 4], 0) == Miss(0, MissReason.EVICTED_DISK)
     memory_only = Tree()
     memory_only.put([5, 6])

@@ -1,6 +1,6 @@
 """What agent frameworks send, with their own clients, against the real default model.
 
-Issue 14's calls: the OpenAI SDK's `chat.completions.parse`, LangChain's
+The calls agents make: the OpenAI SDK's `chat.completions.parse`, LangChain's
 `with_structured_output` (json_schema by default, function_calling, json_mode),
 pydantic-ai agents with an `output_type` (a forced output tool), OpenAI Agents SDK
 agents with `tool_choice="required"` and agents with tools and an `output_type` (tools

@@ -151,7 +151,7 @@ def test_completions_batch_indexes_prompts_times_n(client: openai.OpenAI, model_
 def test_a_list_of_one_token_prompts_gets_one_choice_each_in_order(
     client: openai.OpenAI, model_id: str
 ) -> None:
-    # Seed 001's Classify: sentences behind a shared instruction, one token each.
+    # Classification: sentences behind a shared instruction, one token each.
     preamble = list(range(40, 70))
     prompts = [[*preamble, 300 + 7 * i, 301 + 7 * i, 302 + 7 * i] for i in range(12)]
     alone = [client.completions.create(model=model_id, prompt=prompt, max_tokens=1,

@@ -1,8 +1,7 @@
 """The engine in its own process (engine/process.py): what a service needs of the pair.
 
 It is off by default (server/config.py says why); every other server test runs the engine
-in the server's process. The split passed the whole suite while it was the default
-(8062378).
+in the server's process. The split passed the whole suite while it was the default.
 """
 
 from __future__ import annotations

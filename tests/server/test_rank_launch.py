@@ -16,7 +16,8 @@ import pytest
 
 from engine.distributed import TensorParallelError
 from server.config import Settings
-from server.tensor_parallel import IN_LAUNCH_ENV, launch_command
+from server.launch_env import IN_LAUNCH_ENV
+from server.tensor_parallel import launch_command
 from tests.server.support import REPO_ROOT, server_env
 
 # A rank that prints what it needs from its launch, one JSON line.

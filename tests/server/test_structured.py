@@ -208,16 +208,17 @@ def test_stop_strings_do_not_cut_a_forced_call(client: openai.OpenAI, model_id: 
 
 
 def test_max_completion_tokens_bounds_the_answer(client: openai.OpenAI, model_id: str) -> None:
+    # Greedy, so the answer does not depend on a draw. The grammar may still close the JSON
+    # within the bound ("{}" is an object), so only the bound is asserted.
     response = client.chat.completions.create(
-        model=model_id, messages=MESSAGES, max_completion_tokens=3,
+        model=model_id, messages=MESSAGES, max_completion_tokens=3, temperature=0,
         response_format={"type": "json_object"},
     )
     assert response.usage.completion_tokens <= 3
-    assert response.choices[0].finish_reason == "length"
     # A call cut short before its name is complete is no call, and no text either.
     cut = client.chat.completions.create(
         model=model_id, messages=MESSAGES, max_completion_tokens=3, tools=[WEATHER_TOOL],
-        tool_choice="required",
+        tool_choice="required", temperature=0,
     ).choices[0]
     assert cut.finish_reason == "length"
     assert not cut.message.content and not cut.message.tool_calls

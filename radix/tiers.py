@@ -1,0 +1,284 @@
+"""The disk tier of the tree: a `Store` keeps copies of node data, memory eviction
+demotes a node with a copy instead of dropping it, `promote` brings one back, and
+`restore_all` rebuilds the disk nodes from the copies a store finds at start.
+
+A node with data in memory holds it in `handle`, and may also hold a disk copy in
+`stored`, queued by the store when the handle was published (write-through, so a restart
+finds what memory held). A demoted node keeps its place, `on_disk`, with only `stored`.
+Disk nodes form the bottom of the tree (a disk node's children are disk nodes), so memory
+eviction works on memory leaves and disk eviction on disk leaves, each from its own LRU
+list. A match walks into disk nodes and reports them (`MatchResult.disk`); the caller loads
+their data, `promote`s them and matches again.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from radix.misses import MissReason
+from radix.node import Handle, LRUList, Node, NodeState, Stored
+from radix.prefix import common_prefix_length
+
+
+class Store(Protocol):
+    """The disk tier. Its methods are called under the tree's lock and must neither block
+    nor re-enter the tree: they only queue work for the store's own thread."""
+
+    capacity_bytes: int
+    root_key: str
+
+    def key(self, parent_key: str, tokens: tuple[int, ...]) -> str:
+        """The content key of `tokens` following the state named `parent_key`."""
+        ...
+
+    def save(self, key: str, parent_key: str, start: int, tokens: tuple[int, ...],
+             handle: Handle) -> Stored | None:
+        """Queue a disk copy of `handle` (tokens [start, start + len(tokens)) of its path);
+        None when it cannot be queued now (the node then stays memory-only)."""
+        ...
+
+    def discard(self, stored: Stored) -> None:
+        """Delete a copy (called outside the lock, like `free`)."""
+        ...
+
+
+class Tiers:
+    """The disk tier's part of `RadixTree`: what moves data between memory and disk.
+    Methods whose names start with `_` run under the tree's mutex; the topology and
+    accounting they call are the other parts'."""
+
+    store: Store | None
+    root: Node
+    disk_lru: LRUList
+
+    def promote(self, node: Node, handle: Handle, source: Stored | None = None) -> None:
+        """Put `node` back in memory with `handle`, its data loaded from `node.stored` (or
+        `source`, the copy read) by the caller, who pinned it (`pin`) for the load.
+        Promote a match's `disk` nodes top first: a node's parent must be in memory
+        already. It counts as a disk hit. If another thread promoted the node (or cut it)
+        since `source` was read, `handle` is freed instead."""
+        with self._locked():
+            assert self._attached(node), f"promote of a dropped node {node!r}"
+            if not node.on_disk or node.stored is not (source or node.stored):
+                self._garbage.append(handle)
+                return
+            assert node.stored is not None, f"promote of {node!r}"
+            self._lift(node.parent)
+            assert not node.parent.on_disk, f"promote below a disk node {node.parent!r}"
+            self._add_stats(node, -1)
+            node.handle, node.on_disk = handle, False
+            self._add_stats(node, +1)
+            node.parent.memory_children += 1
+            self._sync_lru(node)
+            self._sync_lru(node.parent)
+            self._disk_hits += 1
+            self._disk_hit_tokens += len(node.tokens)
+
+    def restore_all(self, copies: Iterable[tuple[str, tuple[int, ...], Stored]]
+                    ) -> tuple[int, list[Stored]]:
+        """Rebuild the disk tier's nodes from the copies found on disk at start, each
+        given as (the key of the copy it follows, or the store's root key; its tokens;
+        the copy). Parents go before their children. Returns how many copies became
+        nodes, and the copies that have no place (see `restore`; orphans too): delete
+        those. Safe while requests use the tree, which is how a server starts."""
+        children: dict[str, list[tuple[tuple[int, ...], Stored]]] = collections.defaultdict(
+            list)
+        for parent_key, tokens, stored in copies:
+            children[parent_key].append((tuple(tokens), stored))
+        places, queue = {self.store.root_key: self.root}, collections.deque([self.store.root_key])
+        restored, rejected = 0, []
+        while queue:
+            parent_key = queue.popleft()
+            # Shortest first: a snapshot taken at a message end hangs from the same node as
+            # the longer one its node was split from, and must be in place before it.
+            for tokens, stored in sorted(children.pop(parent_key, ()), key=lambda c: len(c[0])):
+                node = self.restore(places[parent_key], tokens, stored)
+                if node is None:
+                    rejected.append(stored)
+                    continue
+                restored += node.stored is stored
+                places[stored.key] = node
+                queue.append(stored.key)
+        rejected += [stored for orphans in children.values() for _, stored in orphans]
+        return restored, rejected
+
+    def restore(self, parent: Node, tokens: Sequence[int], stored: Stored) -> Node | None:
+        """Add a disk node for a copy found on disk at start: `tokens` below `parent` (the
+        root or an earlier `restore`'s node). Returns the node now holding a copy filed
+        under `stored.key` (an existing one if it is the same copy), or None if the copy
+        has no place (over budget, parent evicted, overlapping other data): delete it.
+
+        A span's data is the KV of exactly its tokens, so its copy fits only an edge of
+        exactly those tokens right below `parent`. Requests served while the tree is
+        rebuilt may have cut the path differently: a copy hung below a node they made
+        would hold positions that node's edge does not start at. A snapshot is the whole
+        state at its end, so it fits there whatever edges lie between."""
+        tokens = tuple(tokens)
+        with self._mutex:
+            if self.store is None or not self._attached(parent) or parent.state is not (
+                    NodeState.READY):
+                return None
+            if self._disk.total_bytes + stored.nbytes > self.store.capacity_bytes:
+                return None
+            node, depth = parent, 0
+            while depth < len(tokens):
+                if depth and stored.splittable:
+                    return None
+                child = node.children.get(tokens[depth])
+                if child is None:
+                    created = self._add_child(node, tokens[depth:], None, on_disk=True)
+                    self._add_stats(created, -1)
+                    created.stored, created.key = stored, stored.key
+                    self._add_stats(created, +1)
+                    self._sync_lru(created)
+                    return created
+                k = common_prefix_length(child.tokens, tokens, depth)
+                if child.state is not NodeState.READY or k < len(child.tokens):
+                    return None
+                node, depth = child, depth + k
+            if node.stored is not None:
+                return node if node.stored.key == stored.key else None
+            if node.handle is None or node.key not in (None, stored.key):
+                return None
+            self._add_stats(node, -1)
+            node.stored, node.key = stored, stored.key
+            self._add_stats(node, +1)
+            return node
+
+    def drop(self, node: Node) -> None:
+        """Remove an unpinned disk node and everything below it, e.g. when its copy turned
+        out unreadable; its copies are deleted."""
+        with self._locked():
+            if not self._attached(node):
+                return
+            assert node.on_disk and node.pins == 0, f"drop of {node!r}"
+            parent = node.parent
+            self._remove_subtree(node, MissReason.UNREADABLE)
+            self._sync_lru(parent)
+
+    def _take(self, node: Node, handle: Handle) -> None:
+        """`handle`, computed for `node`'s tokens, becomes its data in memory."""
+        self._lift(node.parent)
+        self._add_stats(node, -1)
+        if node.on_disk:
+            node.on_disk = False
+            node.parent.memory_children += 1
+        node.handle = handle
+        self._add_stats(node, +1)
+        node.last_access = next(self._clock)
+        self._sync_lru(node)
+        self._sync_lru(node.parent)
+        self._save(node)
+
+    def _to_memory(self, node: Node) -> None:
+        """Make a node on a write's path a memory node, so a memory node can hang below
+        it: a junction moves for free; a snapshot on disk becomes a junction (the writer
+        only has the state at its own end)."""
+        if not node.on_disk:
+            return
+        self._lift(node.parent)
+        self._change_tier(node, on_disk=False)
+        self._sync_lru(node.parent)
+
+    def _lift(self, node: Node) -> None:
+        """Move the disk junctions above a node that is coming into memory up with it."""
+        chain = []
+        while node.on_disk:
+            assert node.stored is None, f"{node!r} must be promoted first"
+            chain.append(node)
+            node = node.parent
+        for junction in reversed(chain):
+            self._to_memory(junction)
+
+    def _save(self, node: Node) -> None:
+        """Queue a disk copy of a memory node that has none, making room by disk LRU."""
+        if self.store is None or node.handle is None or node.stored is not None:
+            return
+        capacity = self.store.capacity_bytes
+        needed = self._disk.total_bytes + node.handle.nbytes - capacity
+        if needed > 0 and self._evict_disk(needed) < needed:
+            return
+        anchor, span = self._anchor(node)
+        parent_key = self._key(anchor)
+        node.key = self.store.key(parent_key, span)
+        stored = self.store.save(node.key, parent_key, self._depth(node) - len(span), span,
+                                 node.handle)
+        if stored is not None:
+            self._add_stats(node, -1)
+            node.stored = stored
+            self._add_stats(node, +1)
+            self._evict_disk(self._disk.total_bytes - capacity)  # the estimate was short
+
+    def _anchor(self, node: Node) -> tuple[Node, tuple[int, ...]]:
+        """The nearest ancestor holding state (or the root) and the tokens from its end
+        to `node`'s: what a copy of `node` is filed under."""
+        parts = [node.tokens]
+        anchor = node.parent
+        while anchor is not self.root and not anchor.stateful:
+            parts.append(anchor.tokens)
+            anchor = anchor.parent
+        return anchor, tuple(itertools.chain.from_iterable(reversed(parts)))
+
+    def _key(self, node: Node) -> str:
+        """A node's content key: its anchor's key followed by its tokens."""
+        if node is self.root:
+            return self.store.root_key
+        if node.key is None:
+            anchor, span = self._anchor(node)
+            node.key = self.store.key(self._key(anchor), span)
+        return node.key
+
+    def _depth(self, node: Node) -> int:
+        depth = 0
+        while node is not self.root:
+            depth += len(node.tokens)
+            node = node.parent
+        return depth
+
+    def _demote(self, node: Node) -> None:
+        """Memory eviction of a node that keeps its place: its memory data goes, a disk
+        copy (if any) stays, and it joins the disk nodes at the bottom of the tree."""
+        self._change_tier(node, on_disk=True)
+        self._demotions += node.stored is not None
+
+    def _change_tier(self, node: Node, on_disk: bool) -> None:
+        """Move `node` to the other tier with its stats, its parent's count of memory
+        children and its LRU list, dropping what the new tier does not keep: its handle
+        on the way to disk, its disk copy on the way back (see `_to_memory`)."""
+        self._add_stats(node, -1)
+        if on_disk and node.handle is not None:
+            self._garbage.append(node.handle)
+            node.handle = None
+        elif not on_disk and node.stored is not None:
+            self._discarded.append(node.stored)
+            node.stored = None
+        node.on_disk = on_disk
+        self._add_stats(node, +1)
+        node.parent.memory_children += -1 if on_disk else 1
+        self._sync_lru(node)
+
+    def _disk_evictable(self, node: Node) -> bool:
+        """On disk, READY, unpinned, childless."""
+        return (
+            node.parent is not None
+            and node.on_disk
+            and node.state is NodeState.READY
+            and node.pins == 0
+            and not node.children
+        )
+
+    def _evict_disk(self, nbytes: float, reason: MissReason = MissReason.EVICTED_DISK) -> int:
+        freed = 0
+        while freed < nbytes and self.disk_lru:
+            node = self.disk_lru.pop_lru()
+            if node.stored is not None:
+                freed += node.stored.nbytes
+                self._disk_evictions += 1
+            parent = node.parent
+            self._remove_subtree(node, reason)
+            if self._disk_evictable(parent):
+                self.disk_lru.push_lru(parent)
+        return freed
