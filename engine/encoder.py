@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,7 +23,16 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import Tokenizer
 
-from engine.api import EngineConfig, EngineNotReady, EngineStats, Lifecycle, SchedulerCounters
+from engine.api import (
+    EngineConfig,
+    EngineNotReady,
+    EngineStats,
+    EventStream,
+    Lifecycle,
+    Prompt,
+    SamplingParams,
+    SchedulerCounters,
+)
 from engine.bert import SentenceEncoder, is_sentence_encoder, load_sentence_encoder
 from engine.loader import model_id_for
 from engine.platform_info import apply_mlx_env_defaults
@@ -138,9 +148,12 @@ class EncoderEngine:
 
     # -- requests ---------------------------------------------------------------------
 
-    def submit(self, *_: object, **__: object) -> None:
+    def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams) -> EventStream:
         raise CannotGenerate(f"the model {self.model_id} is an embedding model: it does "
                              "not generate text")
+
+    def cancel(self, request_id: str) -> None:
+        """Nothing to end: `submit` never opens a stream."""
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, with the model's special tokens; safe from any thread."""

@@ -1,4 +1,4 @@
-"""Both engines keep the `EngineClient` contract the server is typed against: every
+"""The engines keep the `EngineClient` contract the server is typed against: every
 attribute and method it names, with parameters the server can pass."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import inspect
 import pytest
 
 from engine.api import EngineClient, EngineConfig, EventStream
+from engine.encoder import EncoderEngine
 from engine.engine import Engine
 from engine.process import EngineProcess
 from engine.streams import RequestStream
@@ -20,7 +21,8 @@ def members(protocol: type) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("make", [Engine, EngineProcess], ids=["Engine", "EngineProcess"])
+@pytest.mark.parametrize("make", [Engine, EngineProcess, EncoderEngine],
+                         ids=["Engine", "EngineProcess", "EncoderEngine"])
 def test_an_engine_has_every_member_of_the_contract(make):
     engine = make(EngineConfig(model="unused"))  # neither loads anything before start()
     for name in members(EngineClient):
