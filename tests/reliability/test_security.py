@@ -60,6 +60,10 @@ def request_for(
         body["prompt"] = "Hello"
     elif path == "/v1/responses":
         body |= {"input": "Hello", "max_output_tokens": 2}
+    elif path in ("/v1/embeddings", "/v1/classify"):
+        body["input"] = ["Hello"]
+    elif path == "/v1/rerank":
+        body |= {"query": "Hello", "documents": ["Hi", "Bye"]}
     url = path.replace("{model}", quote(model, safe=""))  # so "../x" stays a model name
     url = url.replace("{response_id}", response_id)
     return {"method": method, "url": url, "json": body} if method == "POST" else {
