@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -51,6 +52,8 @@ DEFAULT_DISK_FRACTION = 0.25
 DEFAULT_DISK_CAP_BYTES = 64 * 2**30
 # In each model's folder: held by the process whose disk tier it is (`lock_folder`).
 LOCK_FILE = ".lock"
+# In each model's folder: the tree's record of what it let go of, kept at each stop.
+DEPARTURES_FILE = "departures.json"
 # How much of the file heads of a model's weights the fingerprint reads.
 FINGERPRINT_SAMPLE_BYTES = 1 << 20
 
@@ -260,6 +263,7 @@ class DiskStore:
                  self.directory, time.perf_counter() - started)
 
     def _rebuild(self, tree: RadixTree) -> int:
+        tree.remember_departures(self._departures())
         copies = []
         for path in sorted(self.directory.iterdir()):
             if path.name.endswith(segment_file.TEMP_SUFFIX):
@@ -312,6 +316,24 @@ class DiskStore:
         """Wait until every queued write and delete is done; False on timeout."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout)
+
+    def keep_departures(self, entries: list[tuple[int, str]]) -> None:
+        """Keep the tree's record of what it let go of (`RadixTree.departures_at_stop`),
+        so the next process of this model can say why a prompt missed."""
+        path = self.directory / DEPARTURES_FILE
+        temp = path.with_name(f"{path.name}.{os.getpid()}{segment_file.TEMP_SUFFIX}")
+        try:
+            temp.write_text(json.dumps(entries))
+            os.replace(temp, path)
+        except OSError as error:  # the record is an explanation, never needed to serve
+            log.warning("disk cache: could not keep the record of departures: %s", error)
+
+    def _departures(self) -> list[tuple[int, str]]:
+        try:
+            entries = json.loads((self.directory / DEPARTURES_FILE).read_text())
+        except (OSError, ValueError):
+            return []
+        return [tuple(entry) for entry in entries if isinstance(entry, list) and len(entry) == 2]
 
     def close(self, timeout: float | None = None) -> bool:
         """Refuse new copies, finish the queued work (SIGTERM's path) and let go of the

@@ -336,6 +336,8 @@ class Engine:
         if self._scheduler is not None and self.state is Lifecycle.READY:
             self._scheduler.inbox.put(Stop())
             self._stopped.wait(timeout)
+            if self.disk is not None:
+                self.disk.keep_departures(self._scheduler.tree.departures_at_stop())
         if self.disk is not None and not self.disk.close(DISK_FLUSH_SECONDS):
             log.warning("disk cache: stopped with writes still queued")
 

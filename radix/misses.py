@@ -7,8 +7,9 @@ paths the tree let go of (`Departures`): nothing there ever (`NOT_SEEN`), a cach
 that continues differently (`DIVERGED`: a volatile header, a date, a reordered tool
 list), the branch was evicted from memory or from disk or cleared, its disk copy could not
 be read, the tokens are there but hold no state a request can start from (`NO_SNAPSHOT`,
-models whose caches are whole-state snapshots), or another request is computing them
-(`IN_FLIGHT`).
+models whose caches are whole-state snapshots), another request is computing them
+(`IN_FLIGHT`), or they were cached in memory only when the model was last stopped
+(`RELOADED`). With a disk tier the record outlives the process, kept in its folder.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class MissReason(str, enum.Enum):
     UNREADABLE = "disk_copy_unreadable"
     NO_SNAPSHOT = "no_snapshot"
     IN_FLIGHT = "in_flight"
+    RELOADED = "model_reloaded"
 
 
 @dataclass(frozen=True)
@@ -65,3 +67,16 @@ class Departures:
 
     def forget(self) -> None:
         self._reasons.clear()
+
+    def entries(self) -> list[tuple[int, str]]:
+        """The record, oldest first, to keep across a restart (a tuple of ints hashes
+        alike in every process)."""
+        return [(key, reason.value) for key, reason in self._reasons.items()]
+
+    def extend(self, entries: list[tuple[int, str]]) -> None:
+        """Take back what `entries` gave (entries that make no sense are skipped)."""
+        for key, reason in entries:
+            if isinstance(key, int) and reason in MissReason._value2member_map_:
+                self._reasons[key] = MissReason(reason)
+        while len(self._reasons) > self.capacity:
+            self._reasons.popitem(last=False)

@@ -148,6 +148,27 @@ class Tiers:
             self._add_stats(node, +1)
             return node
 
+    def departures_at_stop(self) -> list[tuple[int, str]]:
+        """The record of what this tree let go of, plus what a stop is about to lose (the
+        state held in memory only), for the next process of this model to explain its
+        misses with (`Departures.extend`)."""
+        with self._mutex:
+            stack = [(self.root, ())]
+            while stack:
+                node, path = stack.pop()
+                for child in node.children.values():
+                    if child.state is NodeState.READY and child.handle is not None and (
+                            child.stored is None):
+                        self.departures.record(path + child.tokens[:1], MissReason.RELOADED)
+                    else:
+                        stack.append((child, path + child.tokens))
+            return self.departures.entries()
+
+    def remember_departures(self, entries: list[tuple[int, str]]) -> None:
+        """Take back a record `departures_at_stop` gave an earlier process."""
+        with self._mutex:
+            self.departures.extend(entries)
+
     def drop(self, node: Node) -> None:
         """Remove an unpinned disk node and everything below it, e.g. when its copy turned
         out unreadable; its copies are deleted."""

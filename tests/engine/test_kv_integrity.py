@@ -159,3 +159,20 @@ async def test_a_miss_is_explained_and_warm_up_leaves_nothing_to_explain(
             "diverged", 3, reference.tokenizer.decode([4]))
     finally:
         engine.shutdown()
+
+
+async def test_a_prompt_cached_in_memory_only_before_a_restart_missed_as_reloaded(
+        model_dir, reference, tmp_path):
+    """A disk budget too small for any copy: everything is memory only, and the next
+    process says so instead of "not seen"."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    engine = start(model_dir, tmp_path, 4096, 1)
+    await complete(engine, prompt, max_tokens=1)
+    engine.shutdown()
+    engine = start(model_dir, tmp_path, 4096, 1)
+    try:
+        assert engine.disk.rebuilt.wait(30)
+        miss = (await complete(engine, prompt, max_tokens=1)).finish.cache_miss
+        assert (miss.reason, miss.position) == ("model_reloaded", 0)
+    finally:
+        engine.shutdown()

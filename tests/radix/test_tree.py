@@ -806,3 +806,16 @@ def test_a_snapshot_path_without_state_where_the_prompt_goes_on_is_no_snapshot()
     tree.put([1, 2, 3, 4], splittable=False)
     tree.insert(tree.root, [1, 2, 7], snap([1, 2, 7]))  # splits off a junction `1, 2`
     assert tree.explain_miss([1, 2, 8], 0) == Miss(0, MissReason.NO_SNAPSHOT)
+
+
+def test_what_a_stop_loses_is_explained_as_reloaded_by_the_next_process():
+    tree, store = tiered()
+    store.full = True  # no copy: memory only
+    tree.put([1, 2, 3])
+    store.full = False
+    tree.put([7, 8])  # copied: a restart restores it
+    entries = tree.departures_at_stop()
+    fresh, _ = tiered()
+    fresh.remember_departures(entries)
+    assert fresh.explain_miss([1, 2, 3, 4], 0) == Miss(0, MissReason.RELOADED)
+    assert fresh.explain_miss([7, 8, 9], 0) == Miss(0, MissReason.NOT_SEEN)
