@@ -136,11 +136,14 @@ def system_text(system: System | None) -> str:
 def chat_messages(message: Message) -> list[ChatMessage]:
     """One Anthropic message as chat messages: a user turn's tool results become tool
     messages (first, as they answer the previous assistant turn), an assistant turn's
-    tool_use blocks its tool calls and its thinking its reasoning."""
+    tool_use blocks its tool calls and its thinking its reasoning. A system message stays
+    one at its place (the pipeline fits it to the template: `server.conversation`)."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     blocks = message.content
     text = "\n".join(block.text for block in blocks if isinstance(block, TextBlock))
+    if message.role == "system":
+        return [{"role": "system", "content": text}]
     if message.role == "user":
         results: list[ChatMessage] = [
             {"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block)}
