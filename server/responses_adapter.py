@@ -84,9 +84,10 @@ from server.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, t
 # -- request ------------------------------------------------------------------------------
 
 
-def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
-    """The new input as chat messages. A run of assistant-side items (reasoning, an
-    assistant message, function calls) is one assistant turn, as a chat template sees it."""
+def input_messages(body: ResponsesRequest, history: list[ChatMessage]) -> list[ChatMessage]:
+    """The new input as chat messages, after `history` (a stored conversation). A run of
+    assistant-side items (reasoning, an assistant message, function calls) is one
+    assistant turn, as a chat template sees it."""
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
     messages: list[ChatMessage] = []
@@ -111,9 +112,28 @@ def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
                 "function": {"name": item.name, "arguments": template_arguments(item.arguments)},
             })
         elif isinstance(item, FunctionCallOutputItem):
-            messages.append({"role": "tool", "tool_call_id": item.call_id,
-                             "content": joined_text(item.output)})
+            result: ChatMessage = {"role": "tool", "content": joined_text(item.output)}
+            call_id = item.call_id or _answered_call(history + messages, item)
+            if call_id is not None:
+                result["tool_call_id"] = call_id
+            if item.name is not None:
+                result["name"] = item.name
+            messages.append(result)
     return messages
+
+
+def _answered_call(messages: list[ChatMessage], item: FunctionCallOutputItem) -> str | None:
+    """The call an output without `call_id` answers: the latest earlier call whose id is
+    the output's `id`, else the latest unanswered one of its `name`; None: no such call,
+    and the output stays a plain tool result."""
+    answered = {message.get("tool_call_id") for message in messages if message["role"] == "tool"}
+    calls = [call for message in reversed(messages) if message["role"] == "assistant"
+             for call in reversed(message.get("tool_calls") or ())]
+    by_id = next((call for call in calls if item.id is not None and call["id"] == item.id), None)
+    by_name = next((call for call in calls if call["function"]["name"] == item.name
+                    and call["id"] not in answered), None)
+    call = by_id or by_name
+    return None if call is None else call["id"]
 
 
 def generation_request(
@@ -323,7 +343,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if body.previous_response_id is not None:
         previous = await _stored(state, body.previous_response_id, "previous_response_id")
         history = previous.conversation
-    conversation = history + input_messages(body)
+    conversation = history + input_messages(body, history)
     generation = await start(request, state, generation_request(body, conversation))
     builder = ResponseBuilder(ResponseObject(
         id=_new_id("resp"), status="in_progress", model=model,
