@@ -11,6 +11,10 @@ PORT ?= 8000
 DEMO_DIR ?= build/demo-model
 SIZE ?= tiny
 N ?= 2
+# `make serve MAX_OUTPUT_TOKENS=8192`: the cap on Responses and Messages replies (none: the
+# context window); SERVE_ARGS: any other `radix-mlx serve` flags.
+MAX_OUTPUT_TOKENS ?=
+SERVE_ARGS ?=
 
 # MLX's Linux CPU wheel ships a reference BLAS ~40x slower at float32 GEMM than OpenBLAS.
 OPENBLAS := $(wildcard /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3)
@@ -46,7 +50,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 serve: $(STAMP)
-	$(BIN)/radix-mlx serve $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT)
+	$(BIN)/radix-mlx serve $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT) \
+		$(if $(MAX_OUTPUT_TOKENS),--max-output-tokens $(MAX_OUTPUT_TOKENS)) $(SERVE_ARGS)
 
 # N workers behind SGLang's cache-aware router on HOST:PORT (docs/scale-out.md); the test
 # extra installed above includes the router (the `replicas` extra).

@@ -340,6 +340,12 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------
 
+    @property
+    def token_limit(self) -> int:
+        """The most prompt + max_tokens one request may have (`check_request`): the context
+        window, or the KV of fewer tokens where that is all the memory plan holds."""
+        return min(self.context_length, self.memory.kv_tokens)
+
     def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams,
                request_id: str | None = None, relay: Relay | None = None) -> RequestStream:
         """Queue a generation of `prompt` (token ids, or a `Prompt` that says where its

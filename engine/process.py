@@ -273,6 +273,11 @@ class EngineProcess:
 
     # -- requests ---------------------------------------------------------------------
 
+    @property
+    def token_limit(self) -> int:
+        """As `Engine.token_limit`."""
+        return min(self.context_length, self._kv_tokens)
+
     def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams) -> RequestStream:
         """As `Engine.submit`: checked here, so refusals are immediate."""
         if not isinstance(prompt, Prompt):

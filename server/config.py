@@ -145,7 +145,16 @@ class Settings(BaseModel):
         allow_inf_nan=False,
         description="seconds running requests get to finish after SIGTERM before they are cut",
     )
-    default_max_tokens: PositiveInt = Field(512, description="max_tokens when a request omits it")
+    default_max_tokens: PositiveInt = Field(
+        512, description="max_tokens of a Chat Completions or Completions request that sets "
+        "none (each running request reserves KV for prompt + max_tokens)"
+    )
+    max_output_tokens: PositiveInt | None = Field(
+        None, description="the most tokens a Responses or Messages reply generates: their "
+        "requests' max_output_tokens / max_tokens are caps lowered to it and to what the "
+        "context window leaves; none: only the context window bounds them, and a Responses "
+        "request without max_output_tokens may use all of it (OpenAI's default)"
+    )
     volatile_system_lines: list[NonEmpty] = Field(
         [CLAUDE_CODE_BILLING_LINE],
         description="regular expressions; a system-prompt line matching one in full is "

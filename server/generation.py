@@ -119,8 +119,10 @@ class GenerationRequest:
     output: OutputFormat = TEXT
     sampling: SamplingParams = field(default_factory=sampling)
     max_tokens: int | None = None  # None: the server's default, within the context window
-    # max_tokens is only a cap, lowered to what the context window leaves (Anthropic's
-    # semantics: Claude Code asks for 32000) instead of refusing the request.
+    # max_tokens is only a cap, lowered to the server's max_output_tokens and to what the
+    # context window leaves instead of refusing the request, and None means the rest of
+    # the context window: the agent APIs' semantics (Claude Code asks for 32000; Codex
+    # sends no max_output_tokens, and OpenAI's default is the rest of the window).
     fit_context: bool = False
     n: int = 1  # choices per prompt
     # None: no logprobs; k: each content token's logprob plus its k likeliest alternatives.
