@@ -56,6 +56,7 @@ from server.responses_protocol import (
     IncompleteDetails,
     InputTokensDetails,
     ItemEvent,
+    ItemStatus,
     JsonObjectFormat,
     JsonSchemaFormat,
     MessageItem,
@@ -156,6 +157,7 @@ def generation_request(
             top_p=1.0 if body.top_p is None else body.top_p,
         ),
         max_tokens=body.max_output_tokens,
+        fit_context=True,
         stream=body.stream,
         include_usage=True,
     )
@@ -251,7 +253,9 @@ class ResponseBuilder:
                           item=item.model_copy(deep=True))
         return [self._number(added)]
 
-    def _close(self) -> list[StreamEvent]:
+    def _close(self, status: ItemStatus = "completed") -> list[StreamEvent]:
+        """Finish the open item: `incomplete` when the reply ran out of tokens in it (a
+        function call's arguments then stop mid-JSON), as OpenAI marks it."""
         item = self._item
         if item is None:
             return []
@@ -266,13 +270,13 @@ class ResponseBuilder:
                     output_index=self._index, text=item.content[0].text, **_logprobs(item))),
                 self._part_event("response.content_part.done", item),
             ]
-        item.status = "completed"
+        item.status = status
         self._item = None
         return [*events, self._number(ItemEvent(type="response.output_item.done",
                                                 output_index=self._index, item=item))]
 
     def _finish(self, finished: ChoiceFinished) -> list[StreamEvent]:
-        events = self._close()
+        events = self._close("incomplete" if finished.reason == "length" else "completed")
         usage = finished.usage
         self.response.usage = ResponseUsage(
             input_tokens=usage.prompt_tokens,

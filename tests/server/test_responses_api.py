@@ -30,7 +30,8 @@ def test_response_shape_and_usage(client: openai.OpenAI, model_id: str) -> None:
     assert response.object == "response" and response.id.startswith("resp_")
     assert response.model == model_id and response.instructions == "Be terse."
     [item] = response.output
-    assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+    assert item.type == "message" and item.role == "assistant"
+    assert item.status == response.status  # a message cut short is incomplete too
     assert [part.type for part in item.content] == ["output_text"]
     assert response.output_text == item.content[0].text
     usage = response.usage
