@@ -20,13 +20,13 @@ SERVE_ARGS ?=
 OPENBLAS := $(wildcard /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3)
 ifneq ($(OPENBLAS),)
 ifneq ($(RADIX_MLX_NO_OPENBLAS),1)
-test test-slow bench: export LD_PRELOAD := $(strip $(OPENBLAS) $(LD_PRELOAD))
+test test-slow test-agents bench: export LD_PRELOAD := $(strip $(OPENBLAS) $(LD_PRELOAD))
 endif
 endif
 
 SERVICE := deploy/$(if $(filter Darwin,$(shell uname -s)),launchd,systemd)/radix-mlx-service
 
-.PHONY: install serve replicas test test-slow bench lint demo-model soak install-service uninstall-service
+.PHONY: install serve replicas test test-slow test-agents bench lint demo-model soak install-service uninstall-service
 
 install: $(STAMP)
 
@@ -64,6 +64,13 @@ test: $(STAMP)
 # The tests too slow for every run (Gemma 3 270M's sliding-window layers on real weights).
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
+
+# Claude Code and Codex from npm (into build/agents) driven against a real server on
+# Gemma 3 270M: one tool round trip each, no 4xx/5xx, the cache's share of each prompt.
+AGENT_PACKAGES := @anthropic-ai/claude-code @openai/codex
+test-agents: $(STAMP)
+	npm install --no-audit --no-fund --prefix build/agents $(AGENT_PACKAGES)
+	$(BIN)/python -m pytest -m agents tests/agents -s
 
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[test,bench]"
