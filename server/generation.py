@@ -65,7 +65,7 @@ class NamedFunction:
     name: str
 
 
-# none: never call (tools are not even shown to the model); auto: the model decides;
+# none: never call (the model still sees the tools, as OpenAI's does); auto: the model decides;
 # required: at least one call, of any tool; NamedFunction: exactly that tool.
 ToolChoice = Literal["none", "auto", "required"] | NamedFunction
 
@@ -138,5 +138,5 @@ class GenerationRequest:
 
     @property
     def offered_tools(self) -> tuple[FunctionTool, ...]:
-        """The tools the model is shown: none when tool_choice is "none"."""
+        """The tools the model may call: none when tool_choice is "none"."""
         return () if self.tool_choice == "none" else self.tools

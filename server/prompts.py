@@ -61,7 +61,9 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
             400, f"chat_template_kwargs sets template variables only, not {reserved[0]!r}",
             code="invalid_request", param="chat_template_kwargs",
         )
-    messages, tools = list(request.messages), request.offered_tools
+    # Every tool is shown, whatever tool_choice, which agents toggle between requests: the
+    # prompt, and so its cached prefix, stays the same ("none" only stops calls).
+    messages, tools = list(request.messages), request.tools
     if generic.template_ignores_tools(tokenizer):
         messages, tools = generic.rewrite(request.messages, tools), ()
     messages = normalize(messages, renders_late_system(tokenizer))
