@@ -70,7 +70,7 @@ test-slow: $(STAMP)
 AGENT_PACKAGES := @anthropic-ai/claude-code @openai/codex
 test-agents: $(STAMP)
 	npm install --no-audit --no-fund --prefix build/agents $(AGENT_PACKAGES)
-	$(BIN)/python -m pytest -m agents tests/agents -s
+	$(BIN)/python -m pytest -m agents tests/agents -s --basetemp build/agents/run
 
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[test,bench]"

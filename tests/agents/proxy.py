@@ -3,7 +3,8 @@
 Gemma 3 270M (a base model) neither calls tools on its own nor ends a turn, so the proxy
 rewrites the two things an agent leaves to the model: while the conversation holds no
 tool result, it forces a call of one harmless tool; after that, it asks for a one-word
-JSON answer, which the grammar ends. Everything else, streamed replies included, passes
+JSON answer (tool_choice none, which still shows the tools, so the prompt stays cached),
+which the grammar ends. Everything else, streamed replies included, passes
 through unchanged, and each request's path, tool choice and status are recorded.
 """
 
@@ -28,6 +29,7 @@ class Exchange:
     method: str
     path: str
     forced: str | None  # the tool forced on this request, if any
+    body: bytes = b""  # as sent on
     status: int = 0
 
 
@@ -59,9 +61,12 @@ class Proxy:
             body["tool_choice"] = ({"type": "tool", "name": tool} if anthropic
                                    else {"type": "function", "name": tool})
         elif anthropic:
-            body.pop("tool_choice", None)
+            if body.get("tools"):
+                body["tool_choice"] = {"type": "none"}
             body["output_config"] = {"format": {"type": "json_schema", "schema": DONE}}
         else:
+            if body.get("tools"):
+                body["tool_choice"] = "none"
             body["text"] = {"format": {"type": "json_schema", "name": "done", "schema": DONE,
                                        "strict": True}}
         return tool
@@ -80,7 +85,7 @@ class Proxy:
                     body = json.loads(raw)
                     forced = proxy.steer(self.path, body)
                     raw = json.dumps(body).encode()
-                exchange = Exchange(self.command, self.path, forced)
+                exchange = Exchange(self.command, self.path, forced, raw)
                 proxy.exchanges.append(exchange)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
                 with httpx.Client(timeout=None) as client, client.stream(

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.agents
 
 BIN = REPO_ROOT / "build" / "agents" / "node_modules" / ".bin"
 AGENT_TIMEOUT = 1800  # seconds: Claude Code's first prompt is 12k tokens on 2 CPU cores
-ACCESS = re.compile(r"radix_mlx\.access \S+ (\w+) (\S+) (\d{3}) prompt=(\S+) cached=(\S+)")
+ACCESS = re.compile(r"radix_mlx\.access: \S+ (\w+) (\S+) (\d{3}) prompt=(\S+) cached=(\S+)")
 TASK = "Which files are in this directory? Use a tool to look."
 
 
@@ -61,7 +61,12 @@ def access_log(server: ServerProcess, start: int) -> list[tuple[str, str, int, i
             for m in map(ACCESS.search, lines) if m]
 
 
-def check(server: ServerProcess, start: int, proxy: Proxy, name: str) -> None:
+def check(server: ServerProcess, start: int, proxy: Proxy, name: str, keep: Path) -> None:
+    """Assert the run's outcome; the bodies the agent sent are kept in `keep`."""
+    keep.mkdir()
+    for number, exchange in enumerate(proxy.exchanges):
+        (keep / f"{number:02d}.json").write_bytes(exchange.body)
+    print(f"{name}: request bodies in {keep}")
     requests = access_log(server, start)
     for line in requests:
         print(f"{name}: {line}")
@@ -117,7 +122,8 @@ def test_claude_code(gemma: ServerProcess, workspace: Path) -> None:
     model = cached_model_dir(gemma_package.assemble(), "float32").name
     try:
         status = run_agent([str(BIN / "claude"), "-p", TASK, "--model", model,
-                   "--allowedTools", "Glob", "--max-turns", "3"], workspace, {
+                   "--tools", "Glob", "--allowedTools", "Glob", "--max-turns", "3"],
+                  workspace, {
             "HOME": str(workspace.parent / "home"), "ANTHROPIC_BASE_URL": url,
             "ANTHROPIC_API_KEY": "local", "ANTHROPIC_MODEL": model,
             "ANTHROPIC_DEFAULT_HAIKU_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model,
@@ -127,7 +133,7 @@ def test_claude_code(gemma: ServerProcess, workspace: Path) -> None:
         })
     finally:
         stop()
-    check(gemma, start, proxy, "claude")
+    check(gemma, start, proxy, "claude", workspace.parent / "requests")
     assert status == 0
 
 
@@ -147,5 +153,5 @@ def test_codex(gemma: ServerProcess, workspace: Path) -> None:
         })
     finally:
         stop()
-    check(gemma, start, proxy, "codex")
+    check(gemma, start, proxy, "codex", workspace.parent / "requests")
     assert status == 0
