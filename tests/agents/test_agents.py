@@ -2,7 +2,7 @@
 server on Gemma 3 270M (32k context, enough for Claude Code's 12k-token prompt).
 
 Each agent makes one tool round trip (the proxy in `proxy.py` forces a harmless tool:
-Claude Code's Glob, Codex's update_plan), the server answers every request without a 4xx
+Claude Code's Glob, Codex's get_goal), the server answers every request without a 4xx
 or 5xx (read from its access log), and from the second request on at least 90% of each
 prompt comes from the prefix cache. Not part of `make test`: `make test-agents` installs
 the CLIs into build/agents/ and runs this."""
@@ -103,15 +103,13 @@ def _has_result(body: dict[str, Any]) -> bool:
         item.get("type") == "function_call_output" for item in items)
 
 
-def pick(preferred: str) -> Any:
-    """Force `preferred` (else the first function tool) until a tool result comes back."""
+def pick(*harmless: str) -> Any:
+    """Force the first of the `harmless` tools the agent offers until a tool result comes
+    back; never another (a base model's shell command could be anything)."""
     def tool(body: dict[str, Any]) -> str | None:
-        names = [t["name"] for t in body.get("tools") or ()
-                 if t.get("type") in (None, "custom", "function") and "name" in t
-                 and ("input_schema" in t or t.get("type") == "function")]
-        if not names or _has_result(body):
-            return None
-        return preferred if preferred in names else names[0]
+        names = {t.get("name") for t in body.get("tools") or ()}
+        offered = [name for name in harmless if name in names]
+        return None if not offered or _has_result(body) else offered[0]
     return tool
 
 
@@ -138,7 +136,7 @@ def test_claude_code(gemma: ServerProcess, workspace: Path) -> None:
 
 
 def test_codex(gemma: ServerProcess, workspace: Path) -> None:
-    proxy = Proxy(gemma.url, pick("update_plan"))
+    proxy = Proxy(gemma.url, pick("get_goal", "update_plan"))
     url, stop = proxy.serve()
     start = len(gemma.log().splitlines())
     model = cached_model_dir(gemma_package.assemble(), "float32").name
