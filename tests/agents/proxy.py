@@ -2,9 +2,9 @@
 
 Gemma 3 270M (a base model) neither calls tools on its own nor ends a turn, so the proxy
 rewrites the two things an agent leaves to the model: while the conversation holds no
-tool result, it forces a call of one harmless tool; after that, it asks for a one-word
+tool result, it forces one call of one harmless tool; after that, it asks for a one-word
 JSON answer (tool_choice none, which still shows the tools, so the prompt stays cached),
-which the grammar ends. Everything else, streamed replies included, passes
+which the grammar ends. Sampling is greedy, so runs repeat. Everything else, streamed replies included, passes
 through unchanged, and each request's path, tool choice and status are recorded.
 """
 
@@ -57,9 +57,13 @@ class Proxy:
             return None
         tool = self.pick_tool(body)
         anthropic = path.startswith("/v1/messages")
+        body["temperature"] = 0.0  # one run like the next: the tool result's size varies
         if tool is not None:
-            body["tool_choice"] = ({"type": "tool", "name": tool} if anthropic
-                                   else {"type": "function", "name": tool})
+            body["tool_choice"] = (
+                {"type": "tool", "name": tool, "disable_parallel_tool_use": True} if anthropic
+                else {"type": "function", "name": tool})
+            if not anthropic:
+                body["parallel_tool_calls"] = False
         elif anthropic:
             if body.get("tools"):
                 body["tool_choice"] = {"type": "none"}
