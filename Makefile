@@ -11,18 +11,22 @@ PORT ?= 8000
 DEMO_DIR ?= build/demo-model
 SIZE ?= tiny
 N ?= 2
+# `make serve MAX_OUTPUT_TOKENS=8192`: the cap on Responses and Messages replies (none: the
+# context window); SERVE_ARGS: any other `radix-mlx serve` flags.
+MAX_OUTPUT_TOKENS ?=
+SERVE_ARGS ?=
 
 # MLX's Linux CPU wheel ships a reference BLAS ~40x slower at float32 GEMM than OpenBLAS.
 OPENBLAS := $(wildcard /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3)
 ifneq ($(OPENBLAS),)
 ifneq ($(RADIX_MLX_NO_OPENBLAS),1)
-test test-fast test-slow bench: export LD_PRELOAD := $(strip $(OPENBLAS) $(LD_PRELOAD))
+test test-fast test-slow test-agents bench: export LD_PRELOAD := $(strip $(OPENBLAS) $(LD_PRELOAD))
 endif
 endif
 
 SERVICE := deploy/$(if $(filter Darwin,$(shell uname -s)),launchd,systemd)/radix-mlx-service
 
-.PHONY: install serve replicas test test-fast test-slow bench lint demo-model soak install-service uninstall-service
+.PHONY: install serve replicas test test-fast test-slow test-agents bench lint demo-model soak install-service uninstall-service
 
 install: $(STAMP)
 
@@ -56,7 +60,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 serve: $(STAMP)
-	$(BIN)/radix-mlx serve $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT)
+	$(BIN)/radix-mlx serve $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT) \
+		$(if $(MAX_OUTPUT_TOKENS),--max-output-tokens $(MAX_OUTPUT_TOKENS)) $(SERVE_ARGS)
 
 # N workers behind SGLang's cache-aware router on HOST:PORT (docs/scale-out.md); the test
 # extra installed above includes the router (the `replicas` extra).
@@ -84,6 +89,13 @@ test-fast: $(STAMP)
 # The tests too slow for every run (Gemma 3 270M's sliding-window layers on real weights).
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
+
+# Claude Code and Codex from npm (into build/agents) driven against a real server on
+# Gemma 3 270M: one tool round trip each, no 4xx/5xx, the cache's share of each prompt.
+AGENT_PACKAGES := @anthropic-ai/claude-code @openai/codex
+test-agents: $(STAMP)
+	npm install --no-audit --no-fund --prefix build/agents $(AGENT_PACKAGES)
+	$(BIN)/python -m pytest -m agents tests/agents -s --basetemp build/agents/run
 
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[test,bench]"

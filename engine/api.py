@@ -71,6 +71,8 @@ class EngineConfig:
     # Tensor parallelism: how long one scheduler step may take before the group counts
     # as lost (a rank that hangs must not hang the server).
     collective_timeout: float = 60.0
+    # Jinja source rendering chats instead of the model's own template (None: its own).
+    chat_template: str | None = None
 
 
 @dataclass
@@ -381,6 +383,9 @@ class EngineClient(Protocol):
     served: bool
     model_id: str
     context_length: int
+    # The most prompt + max_tokens one request may have: the context window, or less
+    # where that is all the memory plan holds.
+    token_limit: int
     wants_message_ends: bool
     tokenizer: ModelTokenizer | None
     disk: DiskTier | None

@@ -152,6 +152,11 @@ class EncoderEngine:
         raise CannotGenerate(f"the model {self.model_id} is an embedding model: it does "
                              "not generate text")
 
+    @property
+    def token_limit(self) -> int:
+        """An input's most tokens: nothing is generated after it."""
+        return self.context_length
+
     def cancel(self, request_id: str) -> None:
         """Nothing to end: `submit` never opens a stream."""
 

@@ -142,7 +142,7 @@ class Engine:
                 # instead of raising (5 of 9 runs of test_a_lost_rank_fails_..., 0 of 5
                 # since).
                 self.config = replace(self.group.share(self.config), model=self.config.model)
-            loaded = load_model(self.config.model, self.group)
+            loaded = load_model(self.config.model, self.group, self.config.chat_template)
             self._loaded = loaded
             self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer
             self.model_path = loaded.path
@@ -342,6 +342,14 @@ class Engine:
             log.warning("disk cache: stopped with writes still queued")
 
     # -- requests ---------------------------------------------------------------------
+
+    @property
+    def token_limit(self) -> int:
+        """The most prompt + max_tokens one request may have (`check_request`): the context
+        window, or the KV of fewer tokens where that is all the memory plan holds."""
+        if self.memory is None:  # not loaded yet
+            return self.context_length
+        return min(self.context_length, self.memory.kv_tokens)
 
     def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams,
                request_id: str | None = None, relay: Relay | None = None) -> RequestStream:

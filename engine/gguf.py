@@ -18,6 +18,8 @@ engine loads it like any other model and the second start is instant.
   way llama.cpp splits for the file's `tokenizer.ggml.pre`, its control tokens special;
   a SentencePiece vocabulary (Gemma, Mistral-style llama) through transformers' GGUF
   tokenizer converter.
+- Chat template: the file's, or for a file without one a known template of its family
+  (`engine/chat_templates.py`), whose end-of-turn token then also ends a reply.
 
 A file that is not GGUF, is truncated, or describes something we cannot run raises
 `GGUFError` with a one-line reason, before anything is written.
@@ -39,13 +41,14 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from engine.chat_templates import KnownTemplate, known_template
 from engine.files import cache_dir, publish_directory
 
 log = logging.getLogger("radix_mlx.engine")
 
 DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 # Bump when the output of `convert` changes, so cached conversions are redone.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 MAGIC = b"GGUF"
 GROUP_SIZE = 32  # llama.cpp's block size, and what mx.load gives its quantized types
 
@@ -143,6 +146,13 @@ class GGUFFile:
     @property
     def mapping(self) -> Architecture:
         return ARCHITECTURES[self.architecture]
+
+    @property
+    def fallback_template(self) -> KnownTemplate | None:
+        """The known template used for a file without a chat template; None: it has one."""
+        if "tokenizer.chat_template" in self.metadata:
+            return None
+        return known_template(self.metadata["tokenizer.ggml.tokens"])
 
     def mlx_name(self, name: str) -> str | None:
         """The mlx-lm name of a GGUF tensor; None for one this architecture does not have."""
@@ -256,9 +266,13 @@ def _float32(value: float) -> float:
 
 
 def _eos_token_ids(gguf: GGUFFile) -> list[int]:
-    """End of sequence, and the end-of-turn/-message tokens instruct models stop at."""
+    """End of sequence, and the end-of-turn/-message tokens instruct models stop at (the
+    fallback template's among them: Gemma 3's file names no end of turn)."""
     keys = ("eos_token_id", "eot_token_id", "eom_token_id")
-    ids = (gguf.metadata.get(f"tokenizer.ggml.{key}") for key in keys)
+    ids = [gguf.metadata.get(f"tokenizer.ggml.{key}") for key in keys]
+    template, tokens = gguf.fallback_template, gguf.metadata["tokenizer.ggml.tokens"]
+    if template is not None and template.end_of_turn in tokens:
+        ids.append(tokens.index(template.end_of_turn))
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
@@ -346,8 +360,9 @@ def tokenizer_config(gguf: GGUFFile) -> dict[str, Any]:
         if token_id is not None and 0 <= token_id < len(tokens):
             key = {"unknown": "unk", "padding": "pad"}.get(name, name)
             config[f"{key}_token"] = tokens[token_id]
-    if "tokenizer.chat_template" in meta:
-        config["chat_template"] = meta["tokenizer.chat_template"]
+    template = gguf.fallback_template
+    config["chat_template"] = (meta["tokenizer.chat_template"] if template is None
+                               else template.source)
     return config
 
 

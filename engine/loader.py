@@ -40,17 +40,20 @@ def model_id_for(path_or_repo: str) -> str:
     return path.name if path.exists() else path_or_repo
 
 
-def load_model(path_or_repo: str, group: RankGroup | None = None) -> LoadedModel:
+def load_model(path_or_repo: str, group: RankGroup | None = None,
+               chat_template: str | None = None) -> LoadedModel:
     """Load with mlx-lm. A local directory never touches the network; a hub repo id is
     downloaded by huggingface_hub, which shows its own progress bar. With a tensor-parallel
     `group`, the model is sharded before its weights are read, so a rank reads and keeps
-    only its own slices (as mlx-lm's `sharded_load` does)."""
+    only its own slices (as mlx-lm's `sharded_load` does). `chat_template` replaces the
+    model's own."""
     local = Path(path_or_repo).expanduser()
     if not local.exists() and path_or_repo.startswith(("/", ".", "~")):
         # No repo id starts so: without this, the hub reports an invalid repo id.
         raise FileNotFoundError(f"no model directory at {local}")
     source = str(local) if local.exists() else path_or_repo
-    model, tokenizer, config = load(source, return_config=True, lazy=group is not None)
+    model, tokenizer, config = load(source, tokenizer_config=_template_config(chat_template),
+                                    return_config=True, lazy=group is not None)
     if group is not None:
         shard(model, config, group)
         mx.eval(model.parameters())
@@ -62,11 +65,18 @@ def load_model(path_or_repo: str, group: RankGroup | None = None) -> LoadedModel
                        vocab_size, weight_bytes, path)
 
 
-def load_tokenizer(path: Path) -> ModelTokenizer:
+def load_tokenizer(path: Path, chat_template: str | None = None) -> ModelTokenizer:
     """The tokenizer of the model directory at `path`, as `load_model` gives it (with the
     end-of-sequence ids of its config), without its weights."""
     eos_token_ids = load_config(path).get("eos_token_id")
-    return ModelTokenizer(load_mlx_lm_tokenizer(path, eos_token_ids=eos_token_ids))
+    return ModelTokenizer(load_mlx_lm_tokenizer(
+        path, _template_config(chat_template), eos_token_ids=eos_token_ids))
+
+
+def _template_config(chat_template: str | None) -> dict[str, Any] | None:
+    """What transformers' tokenizer loader takes to replace the chat template (as mlx-lm's
+    server does for its --chat-template)."""
+    return None if chat_template is None else {"chat_template": chat_template}
 
 
 def _config_int(config: dict[str, Any], keys: tuple[str, ...]) -> int | None:

@@ -271,6 +271,11 @@ class EngineProcess:
 
     # -- requests ---------------------------------------------------------------------
 
+    @property
+    def token_limit(self) -> int:
+        """As `Engine.token_limit`."""
+        return min(self.context_length, self._kv_tokens)
+
     def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams) -> RequestStream:
         """As `Engine.submit`: checked here, so refusals are immediate."""
         if not isinstance(prompt, Prompt):
@@ -350,7 +355,7 @@ class EngineProcess:
         path = Path(self.config.model).expanduser()
         if path.is_dir():
             try:
-                self.tokenizer, self._tokenizer_path = load_tokenizer(path), str(path)
+                self.tokenizer, self._tokenizer_path = load_tokenizer(path, self.config.chat_template), str(path)
             except Exception:  # loaded again, and reported, once ready
                 log.debug("tokenizer preload failed", exc_info=True)
 
@@ -370,7 +375,8 @@ class EngineProcess:
         if facts.state is Lifecycle.READY:
             try:
                 if facts.model_path != self._tokenizer_path:
-                    self.tokenizer = load_tokenizer(Path(facts.model_path))
+                    self.tokenizer = load_tokenizer(Path(facts.model_path),
+                                                    self.config.chat_template)
             except Exception as error:  # reported as the load's failure
                 log.exception("the server could not load the tokenizer")
                 self.error = f"the tokenizer: {type(error).__name__}: {error}"

@@ -137,11 +137,14 @@ def system_text(system: System | None) -> str:
 def chat_messages(message: Message) -> list[ChatMessage]:
     """One Anthropic message as chat messages: a user turn's tool results become tool
     messages (first, as they answer the previous assistant turn), an assistant turn's
-    tool_use blocks its tool calls and its thinking its reasoning."""
+    tool_use blocks its tool calls and its thinking its reasoning. A system message stays
+    one at its place (the pipeline fits it to the template: `server.conversation`)."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     blocks = message.content
     text = "\n".join(block.text for block in blocks if isinstance(block, TextBlock))
+    if message.role == "system":
+        return [{"role": "system", "content": text}]
     if message.role == "user":
         results: list[ChatMessage] = [
             {"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block)}
@@ -196,22 +199,21 @@ def usage(counts: GenerationUsage) -> Usage:
 
 
 def stop_reason(
-    reason: str, matched_stop: str | int | None, output_tokens: int, max_tokens: int
+    reason: str, matched_stop: str | int | None, context_bound: bool
 ) -> tuple[StopReason, str | None]:
     """(stop_reason, stop_sequence). A reply cut short of `max_tokens` by the end of the
-    context window says so, as Anthropic's newer models do."""
+    context window (`Generation.context_bound`) says so, as Anthropic's newer models do."""
     if reason == "tool_calls":
         return "tool_use", None
     if reason == "length":
-        cut = output_tokens < max_tokens
-        return ("model_context_window_exceeded" if cut else "max_tokens"), None
+        return ("model_context_window_exceeded" if context_bound else "max_tokens"), None
     if isinstance(matched_stop, str):
         return "stop_sequence", matched_stop
     return "end_turn", None
 
 
 def message_response(
-    message_id: str, model: str, max_tokens: int, result: ChoiceResult
+    message_id: str, model: str, context_bound: bool, result: ChoiceResult
 ) -> MessageResponse:
     content: list[ResponseContent] = []
     if result.reasoning:
@@ -222,8 +224,7 @@ def message_response(
         ToolUseContent(id=call.id, name=call.name, input=_tool_input(call.arguments))
         for call in result.tool_calls
     ]
-    reason, sequence = stop_reason(result.finish_reason, result.matched_stop,
-                                   result.usage.completion_tokens, max_tokens)
+    reason, sequence = stop_reason(result.finish_reason, result.matched_stop, context_bound)
     return MessageResponse(
         id=message_id, model=model, content=content, stop_reason=reason,
         stop_sequence=sequence, usage=usage(result.usage),
@@ -244,8 +245,8 @@ class MessageStream:
     """Neutral events as Anthropic's stream events: one content block at a time, in
     order; a block closes when the next kind of content begins."""
 
-    def __init__(self, message_id: str, model: str, max_tokens: int) -> None:
-        self.message_id, self.model, self.max_tokens = message_id, model, max_tokens
+    def __init__(self, message_id: str, model: str, context_bound: bool) -> None:
+        self.message_id, self.model, self.context_bound = message_id, model, context_bound
         self._index = -1
         self._open: str | None = None  # "text", "thinking" or "tool_use"
 
@@ -293,7 +294,7 @@ class MessageStream:
 
     def _finish(self, finished: ChoiceFinished) -> list[StreamEvent]:
         reason, sequence = stop_reason(finished.reason, finished.matched_stop,
-                                       finished.usage.completion_tokens, self.max_tokens)
+                                       self.context_bound)
         return [
             *self._close(),
             MessageDelta(delta=MessageDeltaBody(stop_reason=reason, stop_sequence=sequence),
@@ -338,7 +339,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     generation = await start(request, state, generation_request(body))
     message_id = f"msg_{uuid.uuid4().hex}"
     if body.stream:
-        stream = _stream(generation, MessageStream(message_id, model, body.max_tokens))
+        stream = _stream(generation, MessageStream(message_id, model, generation.context_bound))
         # Anthropic pings while a long prompt is computed; so do we, as an event of its own.
         return GenerationEventSource(generation, stream, ping=lambda: _sse(Ping()))
     results = await to_the_end(
@@ -347,7 +348,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
     return JSONResponse(
-        message_response(message_id, model, body.max_tokens, results[0]).model_dump()
+        message_response(message_id, model, generation.context_bound, results[0]).model_dump()
     )
 
 

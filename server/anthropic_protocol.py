@@ -109,8 +109,19 @@ Content = shaped_union(
 
 
 class Message(RequestModel):
-    role: Literal["user", "assistant"]
+    """A turn. `system` is the mid-conversation system message Claude Code sends (with an
+    `anthropic-beta: mid-conversation-system-...` header): instructions at that point of
+    the conversation, in text only."""
+
+    role: Literal["user", "assistant", "system"]
     content: Content
+
+    @model_validator(mode="after")
+    def _system_is_text(self) -> Message:
+        if self.role == "system" and not isinstance(self.content, str) and any(
+                not isinstance(block, TextBlock) for block in self.content):
+            raise ValueError("a system message holds text blocks only")
+        return self
 
 
 System = shaped_union(

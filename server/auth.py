@@ -1,11 +1,11 @@
-"""API key for every route but /health, when one is configured: `Authorization: Bearer
+"""API key for every route but / and /health, when one is configured: `Authorization: Bearer
 KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's).
 
 A pure ASGI layer rather than a route dependency, so a request without the key is
 refused before its body is parsed: an unauthenticated client learns nothing about its
 input. It sits inside CORS, so browsers can read the 401, and lets CORS preflights
-(which never carry credentials) through. Only /health stays open, so load balancers and
-service managers need no secret; /metrics tells how busy the server is and what it
+(which never carry credentials) through. Only / (which says a server is there, as clients
+probe it) and /health stay open, so load balancers and service managers need no secret; /metrics tells how busy the server is and what it
 caches, so Prometheus scrapes it with the key (`authorization` in its scrape config).
 """
 
@@ -18,7 +18,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.errors import APIError
 
-OPEN_PATHS = frozenset({"/health"})
+# "/" says only that a server is there; clients probe it before they authenticate.
+OPEN_PATHS = frozenset({"/", "/health"})
 
 
 class APIKeyMiddleware:

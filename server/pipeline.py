@@ -114,11 +114,14 @@ class Generation:
 
     def __init__(
         self, request: GenerationRequest, job: Job, decoders: list[ChoiceDecoder],
-        prompt_tokens: int,
+        prompt_tokens: int, context_bound: bool = False,
     ) -> None:
         self.request, self.job, self._decoders = request, job, decoders
         # Known before the engine starts (Anthropic's message_start reports it).
         self.prompt_tokens = prompt_tokens
+        # The end of the context window, not a limit of the request or the server, is
+        # where a reply that runs out of tokens stops.
+        self.context_bound = context_bound
 
     @property
     def choices(self) -> int:
@@ -183,12 +186,8 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
             400, f"{choices} choices (prompts x n) exceed this server's queue of "
             f"{state.settings.max_queue}", code="invalid_request", param="n",
         )
-    room = state.engine.context_length - max(len(prompt.tokens) for prompt in prompts)
-    max_tokens = request.max_tokens
-    if max_tokens is None:
-        max_tokens = max(1, min(state.settings.default_max_tokens, room))
-    if request.fit_context:
-        max_tokens = max(1, min(max_tokens, room))
+    max_tokens, context_bound = _max_tokens(
+        request, state, state.engine.token_limit - max(len(prompt.tokens) for prompt in prompts))
     # Reasoning applies to chats only; raw prompts are continued as they are.
     markers = tokenizer.thinking if request.is_chat else None
     thinking = [_thinking(markers, prompt.tokens) for prompt in prompts]
@@ -211,7 +210,24 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
                  echoes[choice // request.n])
         for choice in range(choices)
     ]
-    return Generation(request, job, decoders, sum(len(prompt.tokens) for prompt in prompts))
+    return Generation(request, job, decoders, sum(len(prompt.tokens) for prompt in prompts),
+                      context_bound)
+
+
+def _max_tokens(request: GenerationRequest, state: ServerState, room: int) -> tuple[int, bool]:
+    """(the most tokens each choice generates, whether `room`, what the context window
+    leaves after the longest prompt, is what set it). A request's own limit is kept as it
+    is, or as a cap (`fit_context`): lowered to the server's `max_output_tokens` and to the
+    room, which is also the default; else the default is `default_max_tokens`."""
+    settings = state.settings
+    if not request.fit_context:
+        if request.max_tokens is not None:  # 0 too: an echo that only scores the prompt
+            return request.max_tokens, False
+        return max(1, min(settings.default_max_tokens, room)), False
+    limits = [limit for limit in (request.max_tokens, settings.max_output_tokens) if limit]
+    if limits and min(limits) <= room:
+        return min(limits), False
+    return max(1, room), True
 
 
 def _echo(tokenizer: ModelTokenizer, request: GenerationRequest, index: int, prompt: Prompt

@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.api import Prompt
 from engine.tokenizer import ChatEnd, ModelTokenizer
 from server import generic_tools as generic
+from server.conversation import SYSTEM_ROLES, normalize, renders_late_system
 from server.errors import APIError
 from server.generation import GenerationRequest, Message
 
@@ -28,7 +29,6 @@ TEMPLATE_OPTIONS = frozenset(
 # conversations share): the next turn of the conversation, or a retry of this one, shares
 # these.
 LAST_MESSAGE_ENDS = 3
-SYSTEM_ROLES = ("system", "developer")
 
 
 def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
@@ -44,7 +44,9 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> No
 def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
                 message_ends: bool = False) -> Prompt:
     """The prompt through the model's chat template; for a template without a tool format,
-    tools and tool turns are rewritten first (`server.generic_tools`). With `message_ends`
+    tools and tool turns are rewritten first (`server.generic_tools`), then runs of one
+    role merged and late system messages fitted to the template (`server.conversation`).
+    With `message_ends`
     (the engine snapshots there, `Engine.wants_message_ends`), where the system messages
     and the last few messages end: each costs another render (`_heads`)."""
     if not tokenizer.has_chat_template:
@@ -59,14 +61,17 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
             400, f"chat_template_kwargs sets template variables only, not {reserved[0]!r}",
             code="invalid_request", param="chat_template_kwargs",
         )
-    messages, tools = list(request.messages), request.offered_tools
+    # Every tool is shown, whatever tool_choice, which agents toggle between requests: the
+    # prompt, and so its cached prefix, stays the same ("none" only stops calls).
+    messages, tools = list(request.messages), request.tools
     if request.chat_end == "continue" and not (messages[-1].get("content") or "").strip():
         raise APIError(
             400, "continuing the final message needs a final message with text",
             code="invalid_request", param="messages",
         )
     if generic.template_ignores_tools(tokenizer):
-        messages, tools = generic.rewrite(request.messages, tools, request.tool_choice), ()
+        messages, tools = generic.rewrite(request.messages, tools), ()
+    messages = normalize(messages, renders_late_system(tokenizer))
     template_tools = [tool.template_form() for tool in tools] or None
     try:
         prompt = tokenizer.chat_prompt(messages, template_tools, variables, request.chat_end)

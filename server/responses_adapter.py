@@ -56,6 +56,7 @@ from server.responses_protocol import (
     IncompleteDetails,
     InputTokensDetails,
     ItemEvent,
+    ItemStatus,
     JsonObjectFormat,
     JsonSchemaFormat,
     MessageItem,
@@ -84,9 +85,10 @@ from server.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, t
 # -- request ------------------------------------------------------------------------------
 
 
-def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
-    """The new input as chat messages. A run of assistant-side items (reasoning, an
-    assistant message, function calls) is one assistant turn, as a chat template sees it."""
+def input_messages(body: ResponsesRequest, history: list[ChatMessage]) -> list[ChatMessage]:
+    """The new input as chat messages, after `history` (a stored conversation). A run of
+    assistant-side items (reasoning, an assistant message, function calls) is one
+    assistant turn, as a chat template sees it."""
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
     messages: list[ChatMessage] = []
@@ -111,9 +113,28 @@ def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
                 "function": {"name": item.name, "arguments": template_arguments(item.arguments)},
             })
         elif isinstance(item, FunctionCallOutputItem):
-            messages.append({"role": "tool", "tool_call_id": item.call_id,
-                             "content": joined_text(item.output)})
+            result: ChatMessage = {"role": "tool", "content": joined_text(item.output)}
+            call_id = item.call_id or _answered_call(history + messages, item)
+            if call_id is not None:
+                result["tool_call_id"] = call_id
+            if item.name is not None:
+                result["name"] = item.name
+            messages.append(result)
     return messages
+
+
+def _answered_call(messages: list[ChatMessage], item: FunctionCallOutputItem) -> str | None:
+    """The call an output without `call_id` answers: the latest earlier call whose id is
+    the output's `id`, else the latest unanswered one of its `name`; None: no such call,
+    and the output stays a plain tool result."""
+    answered = {message.get("tool_call_id") for message in messages if message["role"] == "tool"}
+    calls = [call for message in reversed(messages) if message["role"] == "assistant"
+             for call in reversed(message.get("tool_calls") or ())]
+    by_id = next((call for call in calls if item.id is not None and call["id"] == item.id), None)
+    by_name = next((call for call in calls if call["function"]["name"] == item.name
+                    and call["id"] not in answered), None)
+    call = by_id or by_name
+    return None if call is None else call["id"]
 
 
 def generation_request(
@@ -136,6 +157,7 @@ def generation_request(
             top_p=1.0 if body.top_p is None else body.top_p,
         ),
         max_tokens=body.max_output_tokens,
+        fit_context=True,
         stream=body.stream,
         include_usage=True,
     )
@@ -231,7 +253,9 @@ class ResponseBuilder:
                           item=item.model_copy(deep=True))
         return [self._number(added)]
 
-    def _close(self) -> list[StreamEvent]:
+    def _close(self, status: ItemStatus = "completed") -> list[StreamEvent]:
+        """Finish the open item: `incomplete` when the reply ran out of tokens in it (a
+        function call's arguments then stop mid-JSON), as OpenAI marks it."""
         item = self._item
         if item is None:
             return []
@@ -246,13 +270,13 @@ class ResponseBuilder:
                     output_index=self._index, text=item.content[0].text, **_logprobs(item))),
                 self._part_event("response.content_part.done", item),
             ]
-        item.status = "completed"
+        item.status = status
         self._item = None
         return [*events, self._number(ItemEvent(type="response.output_item.done",
                                                 output_index=self._index, item=item))]
 
     def _finish(self, finished: ChoiceFinished) -> list[StreamEvent]:
-        events = self._close()
+        events = self._close("incomplete" if finished.reason == "length" else "completed")
         usage = finished.usage
         self.response.usage = ResponseUsage(
             input_tokens=usage.prompt_tokens,
@@ -323,7 +347,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if body.previous_response_id is not None:
         previous = await _stored(state, body.previous_response_id, "previous_response_id")
         history = previous.conversation
-    conversation = history + input_messages(body)
+    conversation = history + input_messages(body, history)
     generation = await start(request, state, generation_request(body, conversation))
     builder = ResponseBuilder(ResponseObject(
         id=_new_id("resp"), status="in_progress", model=model,

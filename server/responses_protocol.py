@@ -80,10 +80,15 @@ class FunctionCallItem(RequestModel):
 
 
 class FunctionCallOutputItem(RequestModel):
+    """A call's result. Codex also sends results of its own built-in functions with no
+    `call_id`, only an `id` and the function's `name` (and a `namespace`): the adapter
+    matches those to an earlier call, or keeps them as a plain tool result."""
+
     type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1)
+    call_id: str | None = Field(None, min_length=1)
     output: Content
     id: str | None = None
+    name: str | None = None
     status: str | None = None
 
 

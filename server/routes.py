@@ -1,4 +1,4 @@
-"""The HTTP endpoints: OpenAI's /v1 API, plus /health and /metrics."""
+"""The HTTP endpoints: OpenAI's /v1 API, plus /, /health and /metrics."""
 
 from __future__ import annotations
 
@@ -122,6 +122,13 @@ async def _sse(generation: Generation, fmt: Format) -> AsyncIterator[str | list[
         # The status line is sent already: the error travels as a data event, as in vLLM.
         tail.append(error.body().model_dump_json())
     yield [*tail, "[DONE]"]
+
+
+@probes.get("/", response_class=PlainTextResponse)
+@probes.head("/", response_class=PlainTextResponse)
+async def root() -> str:
+    """Clients probe the base URL before they start (Claude Code sends HEAD /)."""
+    return "radix-mlx is running\n"
 
 
 @probes.get("/health", responses={200: {"model": Health}, 503: {"model": Health}})

@@ -80,6 +80,8 @@ def engine_config(settings: Settings, model: str) -> EngineConfig:
         disk_cache_dir=str(settings.disk_cache_dir or default_disk_cache_dir()),
         disk_cache_bytes=settings.disk_cache_bytes,
         collective_timeout=settings.collective_timeout,
+        chat_template=(None if settings.chat_template is None
+                       else settings.chat_template.read_text(encoding="utf-8")),
     )
 
 

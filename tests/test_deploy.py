@@ -194,8 +194,8 @@ def test_example_config_documents_every_option_and_is_valid(tmp_path: Path) -> N
     assignments = re.findall(r"^# (\w+ = .*)$", text, flags=re.MULTILINE)
     names = [line.split(" = ")[0] for line in assignments]
     assert sorted(names) == sorted(Settings.model_fields.keys() - {"config_file"})
-    # The TLS files must exist to validate: stand-ins for the example's paths.
-    for name in ("ssl_certfile", "ssl_keyfile"):
+    # The TLS and template files must exist to validate: stand-ins for the example's paths.
+    for name in ("ssl_certfile", "ssl_keyfile", "chat_template"):
         (tmp_path / name).touch()
         assignments[names.index(name)] = f'{name} = "{tmp_path / name}"'
     path = tmp_path / "all.toml"

@@ -70,10 +70,12 @@ def write_demo_gguf(
     matrix_type: GGMLQuantizationType = GGMLQuantizationType.F32,
     embedding_type: GGMLQuantizationType | None = None,
     architecture: str = "llama",
+    chat_template: bool = True,
 ) -> dict[str, np.ndarray]:
     """Write the demo model in `model_dir` as a GGUF: 2-D weights as `matrix_type` (the
-    embedding as `embedding_type`, default the same), norms as F32. Returns what each
-    mlx-lm-named weight holds once read back (after quantization and permutation)."""
+    embedding as `embedding_type`, default the same), norms as F32, its chat template
+    unless told not to. Returns what each mlx-lm-named weight holds once read back (after
+    quantization and permutation)."""
     config = json.loads((model_dir / "config.json").read_text())
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
     template = json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
@@ -100,7 +102,8 @@ def write_demo_gguf(
     writer.add_eos_token_id(config["eos_token_id"][0])
     writer.add_eot_token_id(config["eos_token_id"][1])
     writer.add_add_bos_token(False)
-    writer.add_chat_template(template)
+    if chat_template:
+        writer.add_chat_template(template)
 
     stored = {}
     for name, value in sorted(mx.load(str(model_dir / "model.safetensors")).items()):

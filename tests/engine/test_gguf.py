@@ -17,6 +17,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from mlx_lm.utils import load_tokenizer
 
+from engine.chat_templates import known_template
 from engine.gguf import GGUFError, cached_model_dir, convert, read_gguf
 from tests.engine.gguf_files import (
     UNSERVABLE,
@@ -54,6 +55,29 @@ def test_a_llama_gguf_computes_what_the_model_it_came_from_does(demo_model_dir, 
             == original_tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     assert (greedy_tokens(converted, "The lighthouse keeper")
             == greedy_tokens(demo_model_dir, "The lighthouse keeper"))
+
+
+def test_a_gguf_without_a_chat_template_gets_its_familys(demo_model_dir, tmp_path):
+    """As llama.cpp falls back to a known template: the demo vocabulary has ChatML's
+    markers, so its chat renders as ChatML."""
+    write_demo_gguf(demo_model_dir, tmp_path / "bare.gguf", chat_template=False)
+    converted = convert(tmp_path / "bare.gguf", tmp_path / "converted", "float32")
+    tokenizer = load_tokenizer(converted)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) \
+        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n" \
+        "<|im_start|>assistant\n"
+    eos = json.loads((converted / "config.json").read_text())["eos_token_id"]
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in eos
+
+
+@pytest.mark.parametrize(("vocabulary", "family"), [
+    (["<bos>", "<start_of_turn>", "<end_of_turn>"], "gemma3"),
+    (["<|begin_of_text|>", "<|start_header_id|>", "<|eot_id|>"], "llama3"),
+    (["<s>", "</s>"], "chatml"),
+])
+def test_the_fallback_family_is_told_by_its_turn_markers(vocabulary, family):
+    assert known_template(vocabulary).name == family
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])

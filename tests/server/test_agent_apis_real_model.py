@@ -91,3 +91,26 @@ def test_json_schema_through_both_apis(
     parsed = real_client.responses.parse(model=model, input=QUESTION, text_format=City,
                                          max_output_tokens=40)
     assert isinstance(parsed.output_parsed, City)
+
+
+def test_forced_and_free_tool_choice_share_the_whole_prompt(
+    claude: anthropic.Anthropic, model: str
+) -> None:
+    """Agents force a tool on one request and not the next: the tool section the server
+    writes into the system prompt does not change with it, so the second request reads
+    its whole prompt from the cache (but the token the engine always computes again)."""
+    tools = [{"name": "get_weather", "description": DESCRIPTION,
+              "input_schema": City.model_json_schema()}]
+    messages = [{"role": "user", "content": "Weather in Oslo, please."}]
+    prompts = []
+    for choice in ({"type": "tool", "name": "get_weather"}, {"type": "auto"},
+                   {"type": "any"}):
+        reply = claude.messages.create(model=model, max_tokens=1, tools=tools,
+                                       tool_choice=choice, messages=messages,
+                                       extra_body=GREEDY)
+        prompts.append(reply.usage)
+    first, *later = prompts
+    for usage in later:
+        prompt = usage.input_tokens + usage.cache_read_input_tokens
+        assert prompt == first.input_tokens + first.cache_read_input_tokens
+        assert usage.cache_read_input_tokens >= prompt - 1

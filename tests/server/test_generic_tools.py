@@ -8,7 +8,7 @@ from pathlib import Path
 from mlx_lm.tokenizer_utils import load
 
 from engine.tokenizer import ModelTokenizer
-from server.generation import FunctionTool, NamedFunction
+from server.generation import FunctionTool
 from server.generic_tools import FORMAT, rewrite, template_ignores_tools
 
 WEATHER = FunctionTool("get_weather", "The forecast.", {"type": "object", "properties": {}})
@@ -25,7 +25,7 @@ HISTORY = (
 
 
 def test_tools_join_the_system_message_and_turns_become_text() -> None:
-    system, user, assistant, results = rewrite(HISTORY, (WEATHER,), "auto")
+    system, user, assistant, *results = rewrite(HISTORY, (WEATHER,))
     assert system["role"] == "system" and system["content"].startswith("Be brief.\n\n# Tools")
     assert json.dumps(WEATHER.template_form()) in system["content"]
     assert user == HISTORY[1]
@@ -33,22 +33,21 @@ def test_tools_join_the_system_message_and_turns_become_text() -> None:
         'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
         '</tool_call><tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
         "</tool_call>")}  # parallel calls follow one another directly in this format
-    # Consecutive results share one user turn, so roles keep alternating.
-    assert results == {"role": "user", "content": (
-        "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response>")}
+    # One user turn per result; the shared pipeline merges the run (test_conversation).
+    assert results == [{"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
+                       for text in ("sunny", "rain")]
 
 
-def test_a_forced_function_is_named_and_no_system_message_is_made_one() -> None:
-    [system, user] = rewrite(HISTORY[1:2], (WEATHER,), NamedFunction("get_weather"))
-    assert system["content"].startswith("# Tools")
-    assert system["content"].endswith("Call the function get_weather now.")
+def test_without_a_system_message_the_tools_make_one() -> None:
+    [system, user] = rewrite(HISTORY[1:2], (WEATHER,))
+    assert system["content"].startswith("# Tools") and "<tools>" in system["content"]
     assert user == HISTORY[1]
 
 
 def test_without_tools_only_the_history_is_rewritten() -> None:
-    assert [m["role"] for m in rewrite(HISTORY, (), "auto")] == [
-        "system", "user", "assistant", "user"]
-    assert rewrite(HISTORY[:2], (), "auto") == list(HISTORY[:2])
+    assert [m["role"] for m in rewrite(HISTORY, ())] == [
+        "system", "user", "assistant", "user", "user"]
+    assert rewrite(HISTORY[:2], ()) == list(HISTORY[:2])
 
 
 def test_its_calls_parse_back() -> None:

@@ -168,6 +168,10 @@ def test_claude_code_shaped_agent_loop_is_served_from_cache(
      400, "invalid_request_error", "not a tool"),
     ({"model": "claude-opus-4", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
      404, "not_found_error", "claude-opus-4"),
+    ({"max_tokens": 4, "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
+     400, "invalid_request_error", "a system message holds text blocks only"),
 ])
 def test_errors_are_anthropic_error_objects(
     claude: anthropic.Anthropic, model_id: str, body: dict, status: int, kind: str, words: str
@@ -327,3 +331,20 @@ def test_max_tokens_past_the_context_window_is_a_cap(
         message = stream.get_final_message()
     assert message.stop_reason == "model_context_window_exceeded"
     assert message.usage.output_tokens == MAX_POSITION_EMBEDDINGS - prompt
+
+
+def test_a_system_message_mid_conversation_is_served(
+    claude: anthropic.Anthropic, model_id: str
+) -> None:
+    """Claude Code sends system messages between turns (anthropic-beta:
+    mid-conversation-system-...): accepted in place, counted in the prompt."""
+    turns = [{"role": "user", "content": "Fix the bug."},
+             {"role": "assistant", "content": "Which file?"}]
+    system = {"role": "system", "content": [{"type": "text", "text": "Plan mode is on."}]}
+    later = {"role": "user", "content": "src/app.py"}
+    message = claude.beta.messages.create(
+        model=model_id, max_tokens=2, messages=[*turns, system, later],
+        betas=["mid-conversation-system-2026-01-01"])
+    without = claude.messages.count_tokens(model=model_id, messages=[*turns, later])
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens > (
+        without.input_tokens)

@@ -14,6 +14,13 @@ async def test_health_while_loading_says_so_and_claims_no_progress(loading_app) 
     assert health.json() == {"status": "loading", "model": "unused"}
 
 
+async def test_the_root_answers_get_and_head(loading_app) -> None:
+    """Claude Code sends HEAD / before it starts."""
+    assert (await loading_app.head("/")).status_code == 200
+    root = await loading_app.get("/")
+    assert root.status_code == 200 and "radix-mlx" in root.text
+
+
 async def test_metrics_parse_and_hold_engine_tree_and_process_series(loading_app) -> None:
     response = await loading_app.get("/metrics")
     assert response.status_code == 200

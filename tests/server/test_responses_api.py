@@ -13,6 +13,8 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.responses_adapter import input_messages
+from server.responses_protocol import ResponsesRequest
 from tests.server.support import API_KEY, ServerProcess
 
 TOOLS = [{
@@ -28,7 +30,8 @@ def test_response_shape_and_usage(client: openai.OpenAI, model_id: str) -> None:
     assert response.object == "response" and response.id.startswith("resp_")
     assert response.model == model_id and response.instructions == "Be terse."
     [item] = response.output
-    assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+    assert item.type == "message" and item.role == "assistant"
+    assert item.status == response.status  # a message cut short is incomplete too
     assert [part.type for part in item.content] == ["output_text"]
     assert response.output_text == item.content[0].text
     usage = response.usage
@@ -110,6 +113,31 @@ def test_function_call_items_round_trip(client: openai.OpenAI, model_id: str) ->
                                        max_output_tokens=3)
     assert [tool.name for tool in response.tools] == ["shell"]
     assert response.usage.input_tokens > 20
+
+
+def test_an_output_without_call_id_is_matched_by_id_or_name_or_kept_plain(
+    client: openai.OpenAI, model_id: str
+) -> None:
+    """Codex sends its goal results with an `id`, a `name` and a `namespace` but no
+    `call_id`."""
+    goal = {"type": "function_call_output", "id": "goal_1", "name": "goal_objective",
+            "namespace": "agent", "output": "Ship the fix."}
+    call = {"type": "function_call", "call_id": "call_9", "name": "goal_objective",
+            "arguments": "{}"}
+    user = {"role": "user", "content": "Go on."}
+    for items in ([user, goal], [user, call, goal]):
+        body = ResponsesRequest.model_validate({"model": model_id, "input": items})
+        result = input_messages(body, [])[-1]
+        assert result["role"] == "tool" and result["content"] == "Ship the fix."
+        assert result.get("tool_call_id") == ("call_9" if call in items else None)
+    by_id = input_messages(ResponsesRequest.model_validate(
+        {"model": model_id, "input": [{**goal, "id": "call_1", "name": None}]}),
+        [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "x", "arguments": {}}}]}])
+    assert by_id[-1]["tool_call_id"] == "call_1"
+    response = client.responses.create(model=model_id, input=[user, call, goal, user],
+                                       tools=TOOLS, max_output_tokens=2)
+    assert response.status in ("completed", "incomplete")
 
 
 def test_codex_shaped_agent_loop_is_served_from_cache(

@@ -39,7 +39,7 @@ REPLY = [
 
 
 def test_messages_stream_is_one_block_per_kind_in_order() -> None:
-    stream = MessageStream("msg_1", "model", max_tokens=64)
+    stream = MessageStream("msg_1", "model", context_bound=False)
     events = stream.opening(prompt_tokens=120)
     for event in REPLY:
         events += stream.event(event)

@@ -1,0 +1,44 @@
+"""`--chat-template FILE`: a template of the operator's renders every chat instead of the
+model's own, in the server's tokenizer (the engine's process too loads it from the file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.loader import load_tokenizer
+from server.cli import build_parser
+from server.config import ConfigError, load_settings
+from tests.server.support import start_server
+
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_a_template_file_renders_every_chat(
+    demo_model_dir: Path, tmp_path: Path, model_id: str, engine_process: bool
+) -> None:
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    flags = ["--chat-template", str(template), *(["--engine-process", "true"]
+                                                  if engine_process else [])]
+    server = start_server(demo_model_dir, tmp_path / "server.log", *flags)
+    try:
+        body = {"model": model_id, "system": "Be brief.",
+                "messages": [{"role": "user", "content": "Hi"}]}
+        counted = httpx.post(f"{server.url}/v1/messages/count_tokens", json=body, timeout=30)
+    finally:
+        server.stop()
+    tokenizer = load_tokenizer(demo_model_dir)
+    text = "[system] Be brief.\n[user] Hi\n[assistant] "
+    assert counted.json()["input_tokens"] == len(tokenizer.encode(text, special_tokens=False))
+
+
+def test_a_missing_template_file_stops_the_start(tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        ["serve", "--config", "", "--chat-template", str(tmp_path / "none")])
+    with pytest.raises(ConfigError, match="chat_template"):
+        load_settings(args, environ={})
