@@ -37,8 +37,9 @@ def faulty_loader(token: int) -> Callable[..., LoadedModel]:
     """`load_model`, except that the model fails every forward pass that feeds `token`;
     patch it over `engine.engine.load_model`."""
 
-    def load(path_or_repo: str, group: RankGroup | None = None) -> LoadedModel:
-        loaded = load_model(path_or_repo, group)
+    def load(path_or_repo: str, group: RankGroup | None = None,
+             chat_template: str | None = None) -> LoadedModel:
+        loaded = load_model(path_or_repo, group, chat_template)
         return replace(loaded, model=FaultInjectingModel(loaded.model, token))
 
     return load
