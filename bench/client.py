@@ -111,18 +111,19 @@ async def run_conversation(client: httpx.AsyncClient, base_url: str, index: int,
     return results
 
 
-async def complete_list(client: httpx.AsyncClient, base_url: str, first: int,
-                        conversations: tuple[Conversation, ...], max_tokens: int, extra: dict,
-                        t0: float) -> list[RequestResult]:
-    """One non-streamed `/v1/completions` request whose prompt is the list of the
-    conversations' first turns: a result per prompt, all timed as the whole request
-    (TTFT = latency); the request's usage totals go on its first prompt's result (the
-    response has no per-prompt usage), so sums over a run are right."""
-    body = {"prompt": [c.user_turns[0] for c in conversations], "max_tokens": max_tokens,
-            "temperature": 0.0, **extra}
+async def complete_list(client: httpx.AsyncClient, base_url: str, endpoint: str,
+                        first: int, conversations: tuple[Conversation, ...], max_tokens: int,
+                        extra: dict, t0: float) -> list[RequestResult]:
+    """One non-streamed request to `endpoint` (`/v1/completions`, or `/v1/classify`: one
+    token each) for the list of the conversations' first turns: a result per prompt, all
+    timed as the whole request (TTFT = latency); the request's usage totals go on its first
+    prompt's result (the response has no per-prompt usage), so sums over a run are right."""
+    prompts = [c.user_turns[0] for c in conversations]
+    body = ({"input": prompts} if endpoint == "/v1/classify" else
+            {"prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0, **extra})
     start = time.perf_counter()
     try:
-        response = await client.post(f"{base_url}/v1/completions", json=body)
+        response = await client.post(f"{base_url}{endpoint}", json=body)
         if response.status_code != 200:
             raise StreamError(f"HTTP {response.status_code}: {response.text[:500]!r}")
         data = response.json()
@@ -133,11 +134,13 @@ async def complete_list(client: httpx.AsyncClient, base_url: str, first: int,
     latency = time.perf_counter() - start
     usage = data.get("usage") or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    texts = {choice["index"]: choice.get("text", "") for choice in data.get("choices", [])}
+    texts = {choice["index"]: choice.get("text", choice.get("token", ""))
+             for choice in data.get("choices", data.get("data", []))}
     return [RequestResult(
         conversation=first + i, turn=0, start=start - t0, ttft=latency, latency=latency,
         prompt_tokens=usage.get("prompt_tokens", 0) if i == 0 else 0,
-        completion_tokens=usage.get("completion_tokens", 0) if i == 0 else 0,
+        # /v1/classify reads one token per prompt and reports no completion tokens.
+        completion_tokens=usage.get("completion_tokens", len(texts)) if i == 0 else 0,
         cached_tokens=None if cached is None else cached if i == 0 else 0,
         text=texts.get(i, ""),
     ) for i in range(len(conversations))]
@@ -178,8 +181,9 @@ async def run_batches(base_url: str, workload: Workload, extra: dict) -> Workloa
         async def worker() -> None:
             while pending:
                 first, conversations = pending.pop()
-                results.extend(await complete_list(client, base_url, first, conversations,
-                                                   workload.max_tokens, extra, t0))
+                results.extend(await complete_list(client, base_url, workload.batch_endpoint,
+                                                   first, conversations, workload.max_tokens,
+                                                   extra, t0))
 
         await asyncio.gather(*(worker() for _ in range(workload.concurrency)))
         wall = time.perf_counter() - t0

@@ -31,9 +31,10 @@ class Workload:
     conversations: tuple[Conversation, ...]
     concurrency: int
     max_tokens: int
-    # Prompts per /v1/completions request (a list prompt, one conversation turn each,
-    # not streamed); 0: each turn is its own streamed chat completion.
+    # Prompts per request (a list, one conversation turn each, not streamed) to
+    # `batch_endpoint`; 0: each turn is its own streamed chat completion.
     batch: int = 0
+    batch_endpoint: str = "/v1/completions"
 
 
 @dataclass(frozen=True)
@@ -176,14 +177,15 @@ def batch_decode(source: TextSource, s: Shapes) -> Workload:
 
 
 def classify(source: TextSource, s: Shapes) -> Workload:
-    """Classification: many one-line sentences behind one instruction, one token each,
-    sent as `/v1/completions` list prompts of `cl_batch`, one list after another."""
+    """Classification: many one-line sentences behind one instruction, the token at each
+    one's end, sent to `/v1/classify` in lists of `cl_batch`, one list after another."""
     preamble = source.text(s.cl_preamble_tokens)
     conversations = tuple(
         Conversation(None, (f"{preamble}\n{source.text(s.cl_sentence_tokens)}\n",))
         for _ in range(s.cl_sentences)
     )
-    return Workload("classify", conversations, 1, 1, batch=s.cl_batch)
+    return Workload("classify", conversations, 1, 1, batch=s.cl_batch,
+                    batch_endpoint="/v1/classify")
 
 
 def warm_up(source: TextSource, s: Shapes) -> Workload:
