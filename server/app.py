@@ -17,10 +17,10 @@ from server.body_limit import BodyLimitMiddleware
 from server.config import Settings
 from server.errors import install_error_handlers
 from server.middleware import RequestMiddleware
+from server.openai.routes import api
 from server.prefill_routes import router as prefill_api
 from server.probes import probes
 from server.responses_adapter import router as responses_api
-from server.routes import api
 from server.state import ServerState
 from server.warm import prefill_warm_prompts
 from server.worker_info import worker_info

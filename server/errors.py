@@ -23,7 +23,7 @@ from starlette.routing import Match
 from server.anthropic_protocol import ErrorInfo as AnthropicErrorInfo
 from server.anthropic_protocol import ErrorResponse as AnthropicErrorResponse
 from server.anthropic_protocol import error_type as anthropic_error_type
-from server.protocol import ErrorInfo, ErrorResponse
+from server.openai.protocol import ErrorInfo, ErrorResponse
 
 ANTHROPIC_PATH = "/v1/messages"
 

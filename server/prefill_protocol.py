@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from server.protocol import Message, TokenId
+from server.openai.protocol import Message, TokenId
 from server.schema import RequestModel, ResponseModel
 
 # Inputs one request may carry; more is a 400 rather than a queue of thousands.

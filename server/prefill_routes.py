@@ -28,7 +28,8 @@ from engine.tokenizer import ModelTokenizer
 from server.errors import APIError
 from server.generation import GenerationRequest
 from server.json_body import JSONRoute
-from server.openai_adapter import template_message
+from server.openai.adapter import template_message
+from server.openai.protocol import ErrorResponse
 from server.openapi import error_responses
 from server.prefill_jobs import read_prompts
 from server.prefill_protocol import (
@@ -48,7 +49,6 @@ from server.prefill_protocol import (
     usage,
 )
 from server.prompts import chat_prompt, check_token_ids
-from server.protocol import ErrorResponse
 from server.state import ServerState, server_state
 from server.streaming import CLIENT_CLOSED
 

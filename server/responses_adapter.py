@@ -41,9 +41,9 @@ from server.generation import (
 from server.generation import Message as ChatMessage
 from server.generation import ToolChoice as GenerationToolChoice
 from server.json_body import JSONRoute
+from server.openai.protocol import ErrorResponse
 from server.openapi import error_responses, event_stream
 from server.pipeline import Generation, start
-from server.protocol import ErrorResponse
 from server.response_store import StoredResponse
 from server.responses_protocol import (
     ArgumentsDeltaEvent,

@@ -41,7 +41,7 @@ def imports_without_mlx(*modules: str) -> subprocess.CompletedProcess:
 
 
 def test_the_servers_protocol_and_routes_import_without_mlx():
-    result = imports_without_mlx("server.protocol", "server.routes", "server.app")
+    result = imports_without_mlx("server.openai.protocol", "server.openai.routes", "server.app")
     assert result.returncode == 0, result.stderr
 
 

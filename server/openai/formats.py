@@ -25,7 +25,7 @@ from server.events import (
     ToolCallStarted,
 )
 from server.events import Usage as NeutralUsage
-from server.protocol import (
+from server.openai.protocol import (
     CacheMissDetails,
     ChatChoice,
     ChatChunkChoice,

@@ -12,12 +12,10 @@ from pydantic import BaseModel
 
 from server.errors import APIError
 from server.events import ChoiceFinished, collect
-from server.formats import ChatFormat, CompletionFormat, Format
 from server.json_body import JSONRoute
-from server.openai_adapter import chat_request, completion_request
-from server.openapi import error_responses, event_stream
-from server.pipeline import Generation, start
-from server.protocol import (
+from server.openai.adapter import chat_request, completion_request
+from server.openai.formats import ChatFormat, CompletionFormat, Format
+from server.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -27,6 +25,8 @@ from server.protocol import (
     ModelCard,
     ModelList,
 )
+from server.openapi import error_responses, event_stream
+from server.pipeline import Generation, start
 from server.state import ServerState, server_state
 from server.streaming import CLIENT_CLOSED, GenerationEventSource, to_the_end
 

@@ -3,7 +3,7 @@
 Requests mirror OpenAI's schema (plus vLLM's sampling extensions) and validate
 declaratively: strict types, so `"n": "2"` is a 400 rather than a silent coercion, and
 unknown fields are ignored, as OpenAI does. Responses mirror the shapes the official SDK
-parses. Nothing here knows about the engine: `server.openai_adapter` translates these
+parses. Nothing here knows about the engine: `server.openai.adapter` translates these
 requests into the internal `GenerationRequest`.
 """
 

@@ -1,6 +1,6 @@
 """OpenAI's Chat Completions and legacy Completions requests as `GenerationRequest`s.
 
-The schema lives in `server.protocol`; this module only maps its fields onto the
+The schema lives in `server.openai.protocol`; this module only maps its fields onto the
 internal request (`server.generation`), which the shared pipeline runs.
 """
 
@@ -20,7 +20,7 @@ from server.generation import (
     sampling,
     template_arguments,
 )
-from server.protocol import (
+from server.openai.protocol import (
     AssistantMessage,
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,7 +31,7 @@ from server.protocol import (
     SamplingRequest,
     StructuredOutputRequest,
 )
-from server.protocol import Message as ChatMessage
+from server.openai.protocol import Message as ChatMessage
 
 
 def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
