@@ -20,7 +20,7 @@ from server.middleware import RequestMiddleware
 from server.openai.routes import api
 from server.prefill_routes import router as prefill_api
 from server.probes import probes
-from server.responses_adapter import router as responses_api
+from server.responses.adapter import router as responses_api
 from server.state import ServerState
 from server.warm import prefill_warm_prompts
 from server.worker_info import worker_info

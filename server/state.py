@@ -14,7 +14,7 @@ from server.config import Settings
 from server.drain import Drain
 from server.errors import APIError
 from server.metrics import Metrics
-from server.response_store import ResponseStore, open_store
+from server.responses.store import ResponseStore, open_store
 
 if TYPE_CHECKING:
     from engine.api import EngineClient

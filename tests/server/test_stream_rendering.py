@@ -23,8 +23,8 @@ from server.events import (
     Usage,
 )
 from server.openai.formats import ChatFormat, CompletionFormat
-from server.responses_adapter import ResponseBuilder
-from server.responses_protocol import Response
+from server.responses.adapter import ResponseBuilder
+from server.responses.protocol import Response
 
 REPLY = [
     ReasoningDelta(0, "The user wants "), ReasoningDelta(0, "files."),

@@ -44,8 +44,7 @@ from server.json_body import JSONRoute
 from server.openai.protocol import ErrorResponse
 from server.openapi import error_responses, event_stream
 from server.pipeline import Generation, start
-from server.response_store import StoredResponse
-from server.responses_protocol import (
+from server.responses.protocol import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
     DeletedResponse,
@@ -78,7 +77,8 @@ from server.responses_protocol import (
     TextDoneEvent,
     joined_text,
 )
-from server.responses_protocol import Response as ResponseObject
+from server.responses.protocol import Response as ResponseObject
+from server.responses.store import StoredResponse
 from server.state import ServerState, server_state
 from server.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
 
