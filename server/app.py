@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from server.admin import admin
-from server.anthropic_adapter import router as messages_api
+from server.anthropic.adapter import router as messages_api
 from server.auth import APIKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
 from server.config import Settings

@@ -13,7 +13,7 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from server.anthropic_adapter import MessageStream
+from server.anthropic.adapter import MessageStream
 from server.events import (
     ChoiceFinished,
     ReasoningDelta,

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from server.anthropic_protocol import (
+from server.anthropic.protocol import (
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,
