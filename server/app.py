@@ -18,7 +18,7 @@ from server.config import Settings
 from server.errors import install_error_handlers
 from server.middleware import RequestMiddleware
 from server.openai.routes import api
-from server.prefill_routes import router as prefill_api
+from server.prefill.routes import router as prefill_api
 from server.probes import probes
 from server.responses.adapter import router as responses_api
 from server.state import ServerState

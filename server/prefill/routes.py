@@ -31,8 +31,8 @@ from server.json_body import JSONRoute
 from server.openai.adapter import template_message
 from server.openai.protocol import ErrorResponse
 from server.openapi import error_responses
-from server.prefill_jobs import read_prompts
-from server.prefill_protocol import (
+from server.prefill.jobs import read_prompts
+from server.prefill.protocol import (
     MAX_INPUTS,
     Classification,
     ClassifyRequest,
