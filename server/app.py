@@ -12,11 +12,11 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from server.admin import admin
 from server.anthropic.adapter import router as messages_api
-from server.auth import APIKeyMiddleware
-from server.body_limit import BodyLimitMiddleware
 from server.config import Settings
-from server.errors import install_error_handlers
-from server.middleware import RequestMiddleware
+from server.http.auth import APIKeyMiddleware
+from server.http.body_limit import BodyLimitMiddleware
+from server.http.errors import install_error_handlers
+from server.http.middleware import RequestMiddleware
 from server.openai.routes import api
 from server.prefill.routes import router as prefill_api
 from server.probes import probes

@@ -19,9 +19,9 @@ from fastapi import Request
 from engine.api import Constraint, Finish, Prompt, PromptLogprobs, SamplingParams, TokenEvent
 from engine.tokenizer import ModelTokenizer, ThinkingMarkers, ToolCallFormat
 from server import generic_tools
-from server.errors import APIError
 from server.events import ChoiceFinished, Event, ReasoningDelta, TextDelta, Usage
 from server.generation import GenerationRequest
+from server.http.errors import APIError
 from server.jobs import Job
 from server.prompts import chat_prompt, check_token_ids, raw_prompts
 from server.reasoning import ReasoningSplitter

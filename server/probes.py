@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.api import Lifecycle
-from server.json_body import JSONRoute
+from server.http.json_body import JSONRoute
 from server.metrics import CONTENT_TYPE
 from server.schema import ResponseModel
 from server.state import server_state

@@ -13,8 +13,8 @@ from engine.api import Prompt
 from engine.tokenizer import ChatEnd, ModelTokenizer
 from server import generic_tools as generic
 from server.conversation import SYSTEM_ROLES, normalize, renders_late_system
-from server.errors import APIError
 from server.generation import GenerationRequest, Message
+from server.http.errors import APIError
 
 # apply_chat_template's own options, which chat_template_kwargs must not set: they are no
 # template variables, and would let a client swap in any template (a Jinja loop of 10^10

@@ -23,8 +23,8 @@ from engine.process import EngineProcess
 from server import tensor_parallel
 from server.app import create_app
 from server.config import ConfigError, Settings, default_disk_cache_dir, load_settings
-from server.drain import CANCEL_GRACE_SECONDS, Drain
-from server.http_protocol import BoundedHeadProtocol
+from server.http.drain import CANCEL_GRACE_SECONDS, Drain
+from server.http.uvicorn_protocol import BoundedHeadProtocol
 from server.launch_env import in_launch
 from server.logs import configure_logging
 

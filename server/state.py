@@ -11,8 +11,8 @@ from fastapi import Request
 
 from engine.api import Lifecycle
 from server.config import Settings
-from server.drain import Drain
-from server.errors import APIError
+from server.http.drain import Drain
+from server.http.errors import APIError
 from server.metrics import Metrics
 from server.responses.store import ResponseStore, open_store
 

@@ -22,7 +22,6 @@ from dataclasses import replace
 from engine import constraints
 from engine.api import Constraint
 from engine.tokenizer import ToolCallFormat
-from server.errors import APIError
 from server.generation import (
     GenerationRequest,
     JsonObjectOutput,
@@ -30,6 +29,7 @@ from server.generation import (
     NamedFunction,
     TextOutput,
 )
+from server.http.errors import APIError
 
 
 def forces_call(request: GenerationRequest) -> bool:

@@ -57,7 +57,6 @@ from server.anthropic.protocol import (
     Usage,
     error_type,
 )
-from server.errors import APIError
 from server.events import (
     ChoiceFinished,
     ChoiceResult,
@@ -79,12 +78,13 @@ from server.generation import (
 )
 from server.generation import Message as ChatMessage
 from server.generation import ToolChoice as GenerationToolChoice
-from server.json_body import JSONRoute
-from server.openapi import error_responses, event_stream
+from server.http.errors import APIError
+from server.http.json_body import JSONRoute
+from server.http.openapi import error_responses, event_stream
+from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
 from server.pipeline import Generation, render, start
 from server.prompts import assistant_prefill
 from server.state import server_state
-from server.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
 
 # -- request ------------------------------------------------------------------------------
 

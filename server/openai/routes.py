@@ -10,9 +10,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from server.errors import APIError
 from server.events import ChoiceFinished, collect
-from server.json_body import JSONRoute
+from server.http.errors import APIError
+from server.http.json_body import JSONRoute
+from server.http.openapi import error_responses, event_stream
+from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, to_the_end
 from server.openai.adapter import chat_request, completion_request
 from server.openai.formats import ChatFormat, CompletionFormat, Format
 from server.openai.protocol import (
@@ -25,10 +27,8 @@ from server.openai.protocol import (
     ModelCard,
     ModelList,
 )
-from server.openapi import error_responses, event_stream
 from server.pipeline import Generation, start
 from server.state import ServerState, server_state
-from server.streaming import CLIENT_CLOSED, GenerationEventSource, to_the_end
 
 
 def _events(chunk: type[BaseModel]) -> dict[str, Any]:

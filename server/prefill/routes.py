@@ -25,12 +25,13 @@ from fastapi.responses import JSONResponse, Response
 from engine.api import Lifecycle, Prompt, Readout
 from engine.embedding_config import matryoshka_dimensions
 from engine.tokenizer import ModelTokenizer
-from server.errors import APIError
 from server.generation import GenerationRequest
-from server.json_body import JSONRoute
+from server.http.errors import APIError
+from server.http.json_body import JSONRoute
+from server.http.openapi import error_responses
+from server.http.streaming import CLIENT_CLOSED
 from server.openai.adapter import template_message
 from server.openai.protocol import ErrorResponse
-from server.openapi import error_responses
 from server.prefill.jobs import read_prompts
 from server.prefill.protocol import (
     MAX_INPUTS,
@@ -50,7 +51,6 @@ from server.prefill.protocol import (
 )
 from server.prompts import chat_prompt, check_token_ids
 from server.state import ServerState, server_state
-from server.streaming import CLIENT_CLOSED
 
 router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
                    route_class=JSONRoute)

@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from server.errors import APIError
 from server.events import (
     ChoiceFinished,
     Event,
@@ -40,9 +39,11 @@ from server.generation import (
 )
 from server.generation import Message as ChatMessage
 from server.generation import ToolChoice as GenerationToolChoice
-from server.json_body import JSONRoute
+from server.http.errors import APIError
+from server.http.json_body import JSONRoute
+from server.http.openapi import error_responses, event_stream
+from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
 from server.openai.protocol import ErrorResponse
-from server.openapi import error_responses, event_stream
 from server.pipeline import Generation, start
 from server.responses.protocol import (
     ArgumentsDeltaEvent,
@@ -80,7 +81,6 @@ from server.responses.protocol import (
 from server.responses.protocol import Response as ResponseObject
 from server.responses.store import StoredResponse
 from server.state import ServerState, server_state
-from server.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
 
 # -- request ------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from server.streaming import GenerationEventSource, NamedEvent, frame
+from server.http.streaming import GenerationEventSource, NamedEvent, frame
 
 TEXT = "line\x85next\u2028para\u2029end"
 
