@@ -22,7 +22,7 @@ from engine.api import Lifecycle
 from engine.engine import Engine
 from server.app import create_app
 from server.config import Settings
-from server.serve import engine_config
+from server.launch.serve import engine_config
 from tests.reliability.support import (
     API_KEY,
     AUTH,
