@@ -1,7 +1,7 @@
 """Running a `GenerationRequest`, once for every API front end.
 
 `start` renders and tokenizes the prompt (the model's chat template, or raw prompts),
-checks what the engine would refuse, and submits every choice. The returned `Generation`
+checks what the engine would refuse, and submits every choice. The returned `GenerationRun`
 turns the engine's tokens into the neutral events of `server.events`: reasoning split
 from the answer, tool calls parsed out of it, logprobs attached to the answer's tokens.
 A front end renders those events (streamed, or folded by `events.collect`) and closes the
@@ -20,11 +20,11 @@ from engine.api import Constraint, Finish, Prompt, PromptLogprobs, SamplingParam
 from engine.tokenizer import ModelTokenizer, ThinkingMarkers, ToolCallFormat
 from server import generic_tools
 from server.events import ChoiceFinished, Event, ReasoningDelta, TextDelta, Usage
-from server.generation import GenerationRequest
 from server.http.errors import APIError
 from server.jobs import Job
 from server.prompts import chat_prompt, check_token_ids, raw_prompts
 from server.reasoning import ReasoningSplitter
+from server.request import GenerationRequest
 from server.state import ServerState
 from server.structured import constrained, output_constraint, writes_calls
 from server.tools import ToolCallParser
@@ -109,7 +109,7 @@ class ChoiceDecoder:
         return events
 
 
-class Generation:
+class GenerationRun:
     """A submitted request: its engine job and one decoder per choice."""
 
     def __init__(
@@ -170,7 +170,7 @@ async def render(state: ServerState, request: GenerationRequest) -> list[Prompt]
                                     state.engine.wants_message_ends)]
 
 
-async def start(http: Request, state: ServerState, request: GenerationRequest) -> Generation:
+async def start(http: Request, state: ServerState, request: GenerationRequest) -> GenerationRun:
     """Render, tokenize, check and submit `request`; 4xx/5xx as `APIError`s."""
     tokenizer = state.ready_tokenizer()
     tool_format = _tool_format(tokenizer, request)
@@ -210,7 +210,7 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
                  echoes[choice // request.n])
         for choice in range(choices)
     ]
-    return Generation(request, job, decoders, sum(len(prompt.tokens) for prompt in prompts),
+    return GenerationRun(request, job, decoders, sum(len(prompt.tokens) for prompt in prompts),
                       context_bound)
 
 

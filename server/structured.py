@@ -22,14 +22,14 @@ from dataclasses import replace
 from engine import constraints
 from engine.api import Constraint
 from engine.tokenizer import ToolCallFormat
-from server.generation import (
+from server.http.errors import APIError
+from server.request import (
     GenerationRequest,
     JsonObjectOutput,
     JsonSchemaOutput,
     NamedFunction,
     TextOutput,
 )
-from server.http.errors import APIError
 
 
 def forces_call(request: GenerationRequest) -> bool:

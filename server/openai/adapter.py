@@ -1,28 +1,16 @@
 """OpenAI's Chat Completions and legacy Completions requests as `GenerationRequest`s.
 
 The schema lives in `server.openai.protocol`; this module only maps its fields onto the
-internal request (`server.generation`), which the shared pipeline runs.
+internal request (`server.request`), which the shared pipeline runs.
 """
 
 from __future__ import annotations
 
 from engine.api import SamplingParams
-from server.generation import (
-    TEXT,
-    FunctionTool,
-    GenerationRequest,
-    JsonObjectOutput,
-    JsonSchemaOutput,
-    Message,
-    NamedFunction,
-    OutputFormat,
-    ToolChoice,
-    sampling,
-    template_arguments,
-)
 from server.openai.protocol import (
     AssistantMessage,
     ChatCompletionRequest,
+    ChatRequestMessage,
     CompletionRequest,
     Content,
     JsonObjectFormat,
@@ -31,7 +19,19 @@ from server.openai.protocol import (
     SamplingRequest,
     StructuredOutputRequest,
 )
-from server.openai.protocol import Message as ChatMessage
+from server.request import (
+    TEXT,
+    FunctionTool,
+    GenerationRequest,
+    JsonObjectOutput,
+    JsonSchemaOutput,
+    NamedFunction,
+    OutputFormat,
+    TemplateMessage,
+    ToolChoice,
+    sampling,
+    template_arguments,
+)
 
 
 def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
@@ -109,7 +109,7 @@ def content_text(content: Content | None) -> str | None:
     return "\n".join(part.text for part in content)
 
 
-def template_message(message: ChatMessage) -> Message:
+def template_message(message: ChatRequestMessage) -> TemplateMessage:
     """The dict a Hugging Face chat template expects for `message`."""
     out = message.model_dump(exclude_none=True)
     out["content"] = content_text(message.content)

@@ -30,9 +30,9 @@ from server.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
+    ChatCompletionMessage,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
@@ -185,7 +185,7 @@ class ChatFormat(Format):
             choices=[
                 ChatChoice(
                     index=i,
-                    message=ChatMessage(
+                    message=ChatCompletionMessage(
                         # OpenAI gives null content to a reply that is only tool calls
                         # (a model may put blank lines around them).
                         content=None if result.tool_calls and not result.text.strip()

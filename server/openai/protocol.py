@@ -129,7 +129,7 @@ class ToolMessage(RequestModel):
     tool_call_id: str
 
 
-Message = Annotated[
+ChatRequestMessage = Annotated[
     SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
 ]
 
@@ -188,7 +188,7 @@ class StructuredOutputRequest(SamplingRequest):
 
 
 class ChatCompletionRequest(StructuredOutputRequest):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[ChatRequestMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -390,7 +390,7 @@ class ToolCallDelta(ResponseModel):
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
-class ChatMessage(ResponseModel):
+class ChatCompletionMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     # The model's thinking, as vLLM and llama.cpp return it (never part of `content`).
@@ -401,7 +401,7 @@ class ChatMessage(ResponseModel):
 
 class ChatChoice(ResponseModel):
     index: int
-    message: ChatMessage
+    message: ChatCompletionMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
 

@@ -27,7 +27,7 @@ from server.openai.protocol import (
     ModelCard,
     ModelList,
 )
-from server.pipeline import Generation, start
+from server.pipeline import GenerationRun, start
 from server.state import ServerState, server_state
 
 
@@ -79,7 +79,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return await _respond(request, generation, fmt)
 
 
-async def _respond(request: Request, generation: Generation, fmt: Format) -> Response:
+async def _respond(request: Request, generation: GenerationRun, fmt: Format) -> Response:
     if generation.request.stream:
         return GenerationEventSource(generation, _sse(generation, fmt))
     results = await to_the_end(
@@ -90,7 +90,7 @@ async def _respond(request: Request, generation: Generation, fmt: Format) -> Res
     return JSONResponse(fmt.response(results, generation.usage()).model_dump())
 
 
-async def _sse(generation: Generation, fmt: Format) -> AsyncIterator[str | list[str]]:
+async def _sse(generation: GenerationRun, fmt: Format) -> AsyncIterator[str | list[str]]:
     """The SSE data lines, ending with `[DONE]` (after an error object if one occurs).
 
     The last choice's finishing chunk waits for the usage chunk and `[DONE]`, which follow

@@ -25,7 +25,6 @@ from fastapi.responses import JSONResponse, Response
 from engine.api import Lifecycle, Prompt, Readout
 from engine.embedding_config import matryoshka_dimensions
 from engine.tokenizer import ModelTokenizer
-from server.generation import GenerationRequest
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
 from server.http.openapi import error_responses
@@ -50,6 +49,7 @@ from server.prefill.protocol import (
     usage,
 )
 from server.prompts import chat_prompt, check_token_ids
+from server.request import GenerationRequest
 from server.state import ServerState, server_state
 
 router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),

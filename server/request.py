@@ -27,7 +27,7 @@ from engine.tokenizer import ChatEnd
 #    "tool_call_id": str, "name": str, "reasoning_content": str}
 # Content is a string (text parts joined by the front end); tool-call arguments are a
 # mapping, since templates iterate over them (a string is kept when it is not JSON).
-Message = dict[str, Any]
+TemplateMessage = dict[str, Any]
 
 
 def template_arguments(arguments: str) -> Any:
@@ -110,7 +110,7 @@ class GenerationRequest:
     Tools, tool_choice and reasoning apply to chats only.
     """
 
-    messages: tuple[Message, ...] = ()
+    messages: tuple[TemplateMessage, ...] = ()
     prompts: tuple[str | tuple[int, ...], ...] = ()
     tools: tuple[FunctionTool, ...] = ()
     tool_choice: ToolChoice = "auto"
