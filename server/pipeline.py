@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from fastapi import Request
 
-from engine.api import Constraint, Finish, Prompt, PromptLogprobs, SamplingParams, TokenEvent
+from engine.api import (
+    Constraint,
+    Finish,
+    Prompt,
+    PromptLogprobs,
+    SamplingKnobs,
+    SamplingParams,
+    TokenEvent,
+)
 from engine.tokenizer import ModelTokenizer, ThinkingMarkers, ToolCallFormat
 from server import generic_tools
 from server.events import ChoiceFinished, Event, ReasoningDelta, TextDelta, Usage
@@ -309,18 +317,20 @@ def _choice_params(
     request: GenerationRequest, max_tokens: int, choice: int, constraint: Constraint | None
 ) -> SamplingParams:
     """The engine's parameters for choice `choice` (which offsets the seed, so the n
-    choices of a seeded request differ from each other yet stay reproducible)."""
+    choices of a seeded request differ from each other yet stay reproducible): the one
+    place a request's `SamplingParams` are made."""
     knobs = request.sampling
-    greedy = knobs.top_p == 0.0  # only the most likely token survives: that is greedy
-    return replace(
-        knobs,
+    given = {knob.name: getattr(knobs, knob.name) for knob in fields(SamplingKnobs)}
+    if knobs.top_p == 0.0:  # only the most likely token survives: that is greedy
+        given.update(temperature=0.0, top_p=1.0)
+    if knobs.seed is not None:
+        given["seed"] = knobs.seed + choice
+    if constraint is not None:
+        given["stop"] = ()  # stop sequences end free text; a grammar ends its reply itself
+    return SamplingParams(
+        **given,
         max_tokens=max_tokens,
         logprobs=request.logprobs,
         prompt_logprobs=request.logprobs if request.echo else None,
-        seed=None if knobs.seed is None else knobs.seed + choice,
-        temperature=0.0 if greedy else knobs.temperature,
-        top_p=1.0 if greedy else knobs.top_p,
         constraint=constraint,
-        # Stop sequences end free text; a constrained reply ends where its grammar does.
-        stop=() if constraint is not None else knobs.stop,
     )

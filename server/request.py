@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import pydantic_core
 
-from engine.api import SamplingParams
+from engine.api import SamplingKnobs
 from engine.tokenizer import ChatEnd
 
 # A chat message in the form Hugging Face chat templates take:
@@ -94,13 +94,6 @@ OutputFormat = TextOutput | JsonObjectOutput | JsonSchemaOutput
 TEXT = TextOutput()
 
 
-def sampling(**knobs: Any) -> SamplingParams:
-    """A request's sampling knobs (temperature, top_p, stop, seed, penalties, ...): the
-    engine's `SamplingParams`, whose `max_tokens` and `logprobs` the pipeline sets from
-    the request's own fields (and whose seed it offsets per choice)."""
-    return SamplingParams(max_tokens=0, **knobs)
-
-
 @dataclass(frozen=True)
 class GenerationRequest:
     """One request, whatever API it came through.
@@ -118,7 +111,9 @@ class GenerationRequest:
     # False: at most one (exactly one when a call is forced).
     parallel_tool_calls: bool | None = None
     output: OutputFormat = TEXT
-    sampling: SamplingParams = field(default_factory=sampling)
+    # Temperature, top_p, stop, seed, penalties, ...: the pipeline makes each choice's
+    # SamplingParams of them, with max_tokens and logprobs from the fields below.
+    sampling: SamplingKnobs = field(default_factory=SamplingKnobs)
     max_tokens: int | None = None  # None: the server's default, within the context window
     # max_tokens is only a cap, lowered to the server's max_output_tokens and to what the
     # context window leaves instead of refusing the request, and None means the rest of

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from engine.api import SamplingKnobs
 from server.anthropic.protocol import (
     AnthropicMessage,
     ContentBlockDelta,
@@ -81,7 +82,6 @@ from server.request import (
     JsonSchemaOutput,
     NamedFunction,
     TemplateMessage,
-    sampling,
 )
 from server.request import ToolChoice as GenerationToolChoice
 from server.state import server_state
@@ -118,7 +118,7 @@ def generation_request(body: TokenCountRequest) -> GenerationRequest:
     )
     if not isinstance(body, MessagesRequest):
         return request  # counting tokens: the prompt is all there is
-    knobs = sampling(
+    knobs = SamplingKnobs(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,

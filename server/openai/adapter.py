@@ -6,7 +6,7 @@ internal request (`server.request`), which the shared pipeline runs.
 
 from __future__ import annotations
 
-from engine.api import SamplingParams
+from engine.api import SamplingKnobs
 from server.openai.protocol import (
     AssistantMessage,
     ChatCompletionRequest,
@@ -29,7 +29,6 @@ from server.request import (
     OutputFormat,
     TemplateMessage,
     ToolChoice,
-    sampling,
     template_arguments,
 )
 
@@ -84,9 +83,9 @@ def output_format(body: StructuredOutputRequest) -> OutputFormat:
     return TEXT
 
 
-def sampling_knobs(body: SamplingRequest) -> SamplingParams:
+def sampling_knobs(body: SamplingRequest) -> SamplingKnobs:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    return sampling(
+    return SamplingKnobs(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,

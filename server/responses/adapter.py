@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.api import SamplingKnobs
 from server.events import (
     ChoiceFinished,
     Event,
@@ -41,7 +42,6 @@ from server.request import (
     NamedFunction,
     OutputFormat,
     TemplateMessage,
-    sampling,
     template_arguments,
 )
 from server.request import ToolChoice as GenerationToolChoice
@@ -152,7 +152,7 @@ def generation_request(
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
         output=_output_format(body),
-        sampling=sampling(
+        sampling=SamplingKnobs(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
         ),
