@@ -1,6 +1,6 @@
 """The prefill-only endpoints: /v1/embeddings, /v1/rerank and /v1/classify.
 
-On a causal model all three are prompts read at their last position (prefill_jobs.py):
+On a causal model all three are prompts read at their last position (jobs.py):
 an embedding is the last hidden state (last-token pooling, L2-normalised, as
 Qwen3-Embedding and its peers pool), a rerank score the judge's P("yes") against P("no")
 after a prompt that puts the query before the document (Qwen3-Reranker's format, so the
