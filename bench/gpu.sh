@@ -47,7 +47,7 @@ if [ -n "$scale_out" ]; then
     --no-structured --no-restart-per-workload
     --workloads single_stream,long_context,shared_prefix,multi_turn)
   if [ -n "${BENCH_QUICK:-}" ]; then
-    python3 -m server.cli make-demo-model "$models/tiny" > /dev/null
+    python3 -m server.launch.cli make-demo-model "$models/tiny" > /dev/null
     python3 -m bench --quick --model "$models/tiny" --out "$out/quick-scale-out" \
       "${scale_flags[@]}" --lc-document-tokens 256 --decode-output-tokens 16 \
       --decode-repeats 1 --sp-groups 2 --sp-prompts-per-group 2 --mt-conversations 2 \

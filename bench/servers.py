@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from server.replicas import free_port, router_ready
+from server.launch.replicas import free_port, router_ready
 
 SAMPLE_SECONDS = 0.1
 STOP_SECONDS = 30.0
@@ -108,7 +108,7 @@ def replicas(policy: str, workers: int, cuda_devices: str = "") -> ServerSpec:
     devices = ("--cuda-devices", cuda_devices) if cuda_devices else ()
     return ServerSpec(
         name=f"radix-mlx-x{workers}-{policy.replace('_', '-')}",
-        module="server.cli",
+        module="server.launch.cli",
         command=("replicas", "--workers", str(workers), "--policy", policy, *devices),
         extra=RADIX.extra,
         metrics=False,

@@ -33,7 +33,7 @@ ensure_config() {
   echo "created $config from deploy/config.example.toml"
 }
 
-service_files() { "$python" -m server.service_files "$@"; }
+service_files() { "$python" -m server.launch.service_files "$@"; }
 
 # Renders into a temporary file first so a bad config leaves the installed file alone.
 render_to() {

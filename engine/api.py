@@ -197,10 +197,10 @@ class Readout:
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding options, already validated by the caller."""
+class SamplingKnobs:
+    """How a request asks its tokens to be drawn and its text to stop: what every API
+    states in its own words (the server's `GenerationRequest.sampling`)."""
 
-    max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -210,21 +210,29 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SamplingParams(SamplingKnobs):
+    """Per-request decoding options, already validated by the caller: the knobs, and what
+    the server decides for each choice."""
+
+    max_tokens: int = field(kw_only=True)
     # None: no logprobs. 0..20: the sampled token's logprob plus that many alternatives.
     logprobs: int | None = None
     # None: none. 0..20: before any token, a `PromptLogprobs` event with each prompt
     # token's logprob plus that many alternatives (engine/prompt_logprobs.py).
     prompt_logprobs: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
     constraint: Constraint | None = None
     # Prefill only: read the prompt's last position (`LastPosition`) and generate nothing.
     readout: Readout | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 @dataclass(frozen=True)

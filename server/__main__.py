@@ -2,6 +2,6 @@
 
 import sys
 
-from server.cli import run
+from server.launch.cli import run
 
 run(["serve", *sys.argv[1:]])

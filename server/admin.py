@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from engine.api import EngineStats, Lifecycle
-from server.errors import APIError
-from server.json_body import JSONRoute
+from server.http.errors import APIError
+from server.http.json_body import JSONRoute
 from server.state import server_state
 
 admin = APIRouter(prefix="/admin", route_class=JSONRoute)

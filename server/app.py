@@ -11,15 +11,16 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from server.admin import admin
-from server.anthropic_adapter import router as messages_api
-from server.auth import APIKeyMiddleware
-from server.body_limit import BodyLimitMiddleware
+from server.anthropic.adapter import router as messages_api
 from server.config import Settings
-from server.errors import install_error_handlers
-from server.middleware import RequestMiddleware
-from server.prefill_routes import router as prefill_api
-from server.responses_adapter import router as responses_api
-from server.routes import api, probes
+from server.http.auth import APIKeyMiddleware
+from server.http.body_limit import BodyLimitMiddleware
+from server.http.errors import install_error_handlers
+from server.http.middleware import RequestMiddleware
+from server.openai.routes import api
+from server.prefill.routes import router as prefill_api
+from server.probes import probes
+from server.responses.adapter import router as responses_api
 from server.state import ServerState
 from server.warm import prefill_warm_prompts
 from server.worker_info import worker_info

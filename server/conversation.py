@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from jinja2 import TemplateError
 
 from engine.tokenizer import ModelTokenizer
-from server.generation import Message
+from server.request import TemplateMessage
 
 SYSTEM_ROLES = ("system", "developer")
 # Tool results answer one call each (tool_call_id): they are never merged.
@@ -41,12 +41,12 @@ def renders_late_system(tokenizer: ModelTokenizer) -> bool:
         return False
 
 
-def normalize(messages: Sequence[Message], late_system: bool) -> list[Message]:
+def normalize(messages: Sequence[TemplateMessage], late_system: bool) -> list[TemplateMessage]:
     """`messages` with system messages after the first other one kept as such only when
     `late_system` (the template renders them), else made user text; then every run of
     one role merged into one message."""
     started = False
-    out: list[Message] = []
+    out: list[TemplateMessage] = []
     for message in messages:
         role = message["role"]
         if role in SYSTEM_ROLES and started and not late_system:
@@ -59,7 +59,7 @@ def normalize(messages: Sequence[Message], late_system: bool) -> list[Message]:
     return out
 
 
-def _merged(first: Message, second: Message) -> Message:
+def _merged(first: TemplateMessage, second: TemplateMessage) -> TemplateMessage:
     merged = {**first, **second}
     for key in ("content", "reasoning_content"):
         texts = [text for text in (first.get(key), second.get(key)) if text]

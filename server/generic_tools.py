@@ -27,7 +27,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from engine.tokenizer import ModelTokenizer, ToolCallFormat
-from server.generation import FunctionTool, Message
+from server.request import FunctionTool, TemplateMessage
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -79,10 +79,12 @@ def render_call(name: str, arguments: Any) -> str:
     return f"{START}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{END}"
 
 
-def rewrite(messages: tuple[Message, ...], tools: tuple[FunctionTool, ...]) -> list[Message]:
+def rewrite(
+    messages: tuple[TemplateMessage, ...], tools: tuple[FunctionTool, ...]
+) -> list[TemplateMessage]:
     """`messages` for a template without tools: the tool section (if any tools are
     offered) in the system message, earlier calls and results as text."""
-    out: list[Message] = []
+    out: list[TemplateMessage] = []
     for message in messages:
         if message["role"] == "tool":
             block = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"

@@ -26,10 +26,10 @@ from engine.api import (
     TokenEvent,
     Unsupported,
 )
-from server.access_log import RequestStats
-from server.drain import Drain
-from server.errors import APIError
 from server.events import Usage
+from server.http.access_log import RequestStats
+from server.http.drain import Drain
+from server.http.errors import APIError
 from server.metrics import Metrics
 
 if TYPE_CHECKING:

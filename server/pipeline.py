@@ -1,7 +1,7 @@
 """Running a `GenerationRequest`, once for every API front end.
 
 `start` renders and tokenizes the prompt (the model's chat template, or raw prompts),
-checks what the engine would refuse, and submits every choice. The returned `Generation`
+checks what the engine would refuse, and submits every choice. The returned `GenerationRun`
 turns the engine's tokens into the neutral events of `server.events`: reasoning split
 from the answer, tool calls parsed out of it, logprobs attached to the answer's tokens.
 A front end renders those events (streamed, or folded by `events.collect`) and closes the
@@ -12,19 +12,27 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from fastapi import Request
 
-from engine.api import Constraint, Finish, Prompt, PromptLogprobs, SamplingParams, TokenEvent
+from engine.api import (
+    Constraint,
+    Finish,
+    Prompt,
+    PromptLogprobs,
+    SamplingKnobs,
+    SamplingParams,
+    TokenEvent,
+)
 from engine.tokenizer import ModelTokenizer, ThinkingMarkers, ToolCallFormat
 from server import generic_tools
-from server.errors import APIError
 from server.events import ChoiceFinished, Event, ReasoningDelta, TextDelta, Usage
-from server.generation import GenerationRequest
+from server.http.errors import APIError
 from server.jobs import Job
 from server.prompts import chat_prompt, check_token_ids, raw_prompts
 from server.reasoning import ReasoningSplitter
+from server.request import GenerationRequest
 from server.state import ServerState
 from server.structured import constrained, output_constraint, writes_calls
 from server.tools import ToolCallParser
@@ -109,7 +117,7 @@ class ChoiceDecoder:
         return events
 
 
-class Generation:
+class GenerationRun:
     """A submitted request: its engine job and one decoder per choice."""
 
     def __init__(
@@ -170,7 +178,7 @@ async def render(state: ServerState, request: GenerationRequest) -> list[Prompt]
                                     state.engine.wants_message_ends)]
 
 
-async def start(http: Request, state: ServerState, request: GenerationRequest) -> Generation:
+async def start(http: Request, state: ServerState, request: GenerationRequest) -> GenerationRun:
     """Render, tokenize, check and submit `request`; 4xx/5xx as `APIError`s."""
     tokenizer = state.ready_tokenizer()
     tool_format = _tool_format(tokenizer, request)
@@ -210,7 +218,7 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
                  echoes[choice // request.n])
         for choice in range(choices)
     ]
-    return Generation(request, job, decoders, sum(len(prompt.tokens) for prompt in prompts),
+    return GenerationRun(request, job, decoders, sum(len(prompt.tokens) for prompt in prompts),
                       context_bound)
 
 
@@ -309,18 +317,20 @@ def _choice_params(
     request: GenerationRequest, max_tokens: int, choice: int, constraint: Constraint | None
 ) -> SamplingParams:
     """The engine's parameters for choice `choice` (which offsets the seed, so the n
-    choices of a seeded request differ from each other yet stay reproducible)."""
+    choices of a seeded request differ from each other yet stay reproducible): the one
+    place a request's `SamplingParams` are made."""
     knobs = request.sampling
-    greedy = knobs.top_p == 0.0  # only the most likely token survives: that is greedy
-    return replace(
-        knobs,
+    given = {knob.name: getattr(knobs, knob.name) for knob in fields(SamplingKnobs)}
+    if knobs.top_p == 0.0:  # only the most likely token survives: that is greedy
+        given.update(temperature=0.0, top_p=1.0)
+    if knobs.seed is not None:
+        given["seed"] = knobs.seed + choice
+    if constraint is not None:
+        given["stop"] = ()  # stop sequences end free text; a grammar ends its reply itself
+    return SamplingParams(
+        **given,
         max_tokens=max_tokens,
         logprobs=request.logprobs,
         prompt_logprobs=request.logprobs if request.echo else None,
-        seed=None if knobs.seed is None else knobs.seed + choice,
-        temperature=0.0 if greedy else knobs.temperature,
-        top_p=1.0 if greedy else knobs.top_p,
         constraint=constraint,
-        # Stop sequences end free text; a constrained reply ends where its grammar does.
-        stop=() if constraint is not None else knobs.stop,
     )

@@ -13,8 +13,8 @@ from engine.api import Prompt
 from engine.tokenizer import ChatEnd, ModelTokenizer
 from server import generic_tools as generic
 from server.conversation import SYSTEM_ROLES, normalize, renders_late_system
-from server.errors import APIError
-from server.generation import GenerationRequest, Message
+from server.http.errors import APIError
+from server.request import GenerationRequest, TemplateMessage
 
 # apply_chat_template's own options, which chat_template_kwargs must not set: they are no
 # template variables, and would let a client swap in any template (a Jinja loop of 10^10
@@ -87,7 +87,7 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
                                                    variables))
 
 
-def assistant_prefill(messages: list[Message]) -> tuple[list[Message], ChatEnd]:
+def assistant_prefill(messages: list[TemplateMessage]) -> tuple[list[TemplateMessage], ChatEnd]:
     """A chat that ends with an assistant message, as Anthropic's API reads it: the
     message's text is the start of the reply, which continues it; an empty one (no text,
     no tool calls) asks for a plain reply and is left out."""
@@ -99,7 +99,7 @@ def assistant_prefill(messages: list[Message]) -> tuple[list[Message], ChatEnd]:
     return (messages, "reply") if last.get("tool_calls") else (messages[:-1], "reply")
 
 
-def _heads(messages: list[Message]) -> list[list[Message]]:
+def _heads(messages: list[TemplateMessage]) -> list[list[TemplateMessage]]:
     """The first messages of a chat that end where the engine may snapshot: the leading
     system messages, followed by an empty user message (as mlx-lm's server finds them:
     templates that want a user message, or fold the system prompt into the first user

@@ -11,10 +11,10 @@ from fastapi import Request
 
 from engine.api import Lifecycle
 from server.config import Settings
-from server.drain import Drain
-from server.errors import APIError
+from server.http.drain import Drain
+from server.http.errors import APIError
 from server.metrics import Metrics
-from server.response_store import ResponseStore, open_store
+from server.responses.store import ResponseStore, open_store
 
 if TYPE_CHECKING:
     from engine.api import EngineClient

@@ -22,8 +22,8 @@ from dataclasses import replace
 from engine import constraints
 from engine.api import Constraint
 from engine.tokenizer import ToolCallFormat
-from server.errors import APIError
-from server.generation import (
+from server.http.errors import APIError
+from server.request import (
     GenerationRequest,
     JsonObjectOutput,
     JsonSchemaOutput,

@@ -14,7 +14,7 @@ import re
 from collections.abc import Sequence
 from functools import lru_cache
 
-from server.generation import Message
+from server.request import TemplateMessage
 
 
 @lru_cache(maxsize=8)
@@ -23,8 +23,8 @@ def _compiled(patterns: tuple[str, ...]) -> re.Pattern[str] | None:
 
 
 def drop_volatile_lines(
-    messages: Sequence[Message], patterns: Sequence[str]
-) -> tuple[Message, ...]:
+    messages: Sequence[TemplateMessage], patterns: Sequence[str]
+) -> tuple[TemplateMessage, ...]:
     """`messages` with every system message's matching lines removed."""
     pattern = _compiled(tuple(patterns))
     if pattern is None:

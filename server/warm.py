@@ -16,10 +16,10 @@ import logging
 from pathlib import Path
 
 from engine.api import EngineError, Lifecycle, Prompt, SamplingParams
-from server.errors import APIError
-from server.openai_adapter import chat_request, completion_request
+from server.http.errors import APIError
+from server.openai.adapter import chat_request, completion_request
+from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from server.prompts import chat_prompt, raw_prompts
-from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState
 
 log = logging.getLogger("radix_mlx.server")

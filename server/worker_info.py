@@ -25,8 +25,8 @@ from pydantic import BaseModel
 
 from engine.api import EngineError, SamplingParams
 from server.admin import clear_cache
-from server.errors import APIError
-from server.json_body import JSONRoute
+from server.http.errors import APIError
+from server.http.json_body import JSONRoute
 from server.state import ServerState, server_state
 
 worker_info = APIRouter(route_class=JSONRoute)

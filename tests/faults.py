@@ -52,6 +52,6 @@ if __name__ in ("__main__", "__mp_main__"):
 
     engine.engine.load_model = faulty_loader(int(sys.argv[1]))
 if __name__ == "__main__":
-    from server.cli import run
+    from server.launch.cli import run
 
     run(["serve", *sys.argv[2:]])

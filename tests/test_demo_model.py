@@ -21,7 +21,7 @@ from engine.platform_info import (
     apply_mlx_env_defaults,
     openblas_library,
 )
-from server.replicas import free_port
+from server.launch.replicas import free_port
 
 ROUND_TRIP_TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -263,5 +263,5 @@ def _file_bytes(directory: Path) -> dict[str, bytes]:
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> str:
-    command = [sys.executable, "-m", "server.cli", *args]
+    command = [sys.executable, "-m", "server.launch.cli", *args]
     return subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout

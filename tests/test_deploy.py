@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from server.config import ConfigError, Settings, load_settings
-from server.service_files import health_url, render_launchd, render_systemd
+from server.launch.service_files import health_url, render_launchd, render_systemd
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 PLIST_TEMPLATE = DEPLOY / "launchd" / "dev.radix-mlx.server.plist"

@@ -16,8 +16,8 @@ PACKAGES = ("radix", "engine", "server")
 MLX = {"mlx", "mlx_lm"}
 # The server's modules that start engines, ranks or conversions: the only ones that may
 # import MLX (through the engine proper, engine/distributed.py or engine/gguf.py).
-LAUNCH_MODULES = {"server.__main__", "server.cli", "server.serve", "server.tensor_parallel",
-                  "server.rank_launcher"}
+LAUNCH_MODULES = {"server.__main__", "server.launch.cli", "server.launch.serve",
+                  "server.launch.tensor_parallel", "server.launch.rank_launcher"}
 
 # None in sys.modules is how Python spells "this package is not there": importing it raises
 # ModuleNotFoundError, and importlib.util.find_spec reports it missing.
@@ -41,7 +41,7 @@ def imports_without_mlx(*modules: str) -> subprocess.CompletedProcess:
 
 
 def test_the_servers_protocol_and_routes_import_without_mlx():
-    result = imports_without_mlx("server.protocol", "server.routes", "server.app")
+    result = imports_without_mlx("server.openai.protocol", "server.openai.routes", "server.app")
     assert result.returncode == 0, result.stderr
 
 
@@ -110,7 +110,7 @@ def reaches_mlx() -> set[str]:
 def test_only_the_launch_modules_of_the_server_import_mlx():
     server = {module for module in reaches_mlx() if module.split(".")[0] == "server"}
     assert server <= LAUNCH_MODULES, f"these server modules import MLX: {server - LAUNCH_MODULES}"
-    assert "server.serve" in server, "the check above can fail: serve does reach MLX"
+    assert "server.launch.serve" in server, "the check above can fail: serve does reach MLX"
 
 
 def test_the_import_graph_has_no_cycles():

@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from engine.model_source import default_model_file
-from server.replicas import free_port
-from server.service_files import render_launchd, render_systemd, stop_timeout
+from server.launch.replicas import free_port
+from server.launch.service_files import render_launchd, render_systemd, stop_timeout
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 DRAIN_TIMEOUT = 8

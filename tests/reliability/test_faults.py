@@ -17,7 +17,7 @@ import pytest
 
 from engine.api import EngineConfig, Finish, Lifecycle, RequestFailed, SamplingParams, TokenEvent
 from engine.engine import Engine
-from server.replicas import free_port
+from server.launch.replicas import free_port
 from tests.engine.gguf_files import UNSERVABLE, unservable_gguf
 from tests.faults import faulty_loader
 from tests.reliability.support import (
@@ -82,7 +82,7 @@ def test_a_gguf_that_cannot_be_served_stops_the_start_before_any_port_opens(
 def test_convert_refuses_a_truncated_gguf_with_one_line(demo_model_dir: Path, tmp_path: Path):
     path, cause = unservable_gguf("truncated", demo_model_dir, tmp_path)
     result = subprocess.run(
-        [sys.executable, "-m", "server.cli", "convert", str(path), str(tmp_path / "out")],
+        [sys.executable, "-m", "server.launch.cli", "convert", str(path), str(tmp_path / "out")],
         cwd=REPO_ROOT, env=server_env(), capture_output=True, text=True,
         timeout=START_TIMEOUT, check=False,
     )

@@ -22,7 +22,7 @@ from engine.api import Lifecycle
 from engine.engine import Engine
 from server.app import create_app
 from server.config import Settings
-from server.serve import engine_config
+from server.launch.serve import engine_config
 from tests.reliability.support import (
     API_KEY,
     AUTH,
@@ -252,9 +252,9 @@ def raw_exchange(url: str, request: bytes, piece: int | None = None) -> bytes:
 
 HEAD = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
 KIB = 1024
-# The protocol refuses an incomplete request head past 64 KiB (server/http_protocol.py); a
+# The protocol refuses an incomplete request head past 64 KiB (server/http/uvicorn_protocol.py); a
 # head that arrives within one socket read (up to ~128 KiB on loopback) is parsed whole,
-# and the middleware refuses it (server/body_limit.py).
+# and the middleware refuses it (server/http/body_limit.py).
 OVERSIZED = {
     "one 256 KiB header": (HEAD + b"\r\nX-Big: " + b"a" * 256 * KIB + b"\r\n\r\n", None),
     "100 KiB header in one write": (HEAD + b"\r\nX-Big: " + b"a" * 100 * KIB + b"\r\n\r\n", None),

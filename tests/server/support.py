@@ -18,7 +18,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.platform_info import openblas_library
-from server.replicas import free_port
+from server.launch.replicas import free_port
 
 API_KEY = "test-key-123"
 ALIAS = "demo-alias"

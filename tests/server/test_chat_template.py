@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from engine.loader import load_tokenizer
-from server.cli import build_parser
 from server.config import ConfigError, load_settings
+from server.launch.cli import build_parser
 from tests.server.support import start_server
 
 TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"

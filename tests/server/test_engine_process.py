@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from server.replicas import free_port
+from server.launch.replicas import free_port
 from tests.server.support import REPO_ROOT, ServerProcess, server_env, start_server
 
 LONG = {"max_tokens": 4000, "ignore_eos": True, "stream": True}

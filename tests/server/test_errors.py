@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server.errors import APIError
+from server.http.errors import APIError
 from tests.server.support import API_KEY, ServerProcess
 
 CHAT = "/v1/chat/completions"

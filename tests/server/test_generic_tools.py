@@ -8,8 +8,8 @@ from pathlib import Path
 from mlx_lm.tokenizer_utils import load
 
 from engine.tokenizer import ModelTokenizer
-from server.generation import FunctionTool
 from server.generic_tools import FORMAT, rewrite, template_ignores_tools
+from server.request import FunctionTool
 
 WEATHER = FunctionTool("get_weather", "The forecast.", {"type": "object", "properties": {}})
 HISTORY = (

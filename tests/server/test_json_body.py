@@ -1,4 +1,4 @@
-"""A request's JSON body is parsed once, strictly (server/json_body.py), on an app whose
+"""A request's JSON body is parsed once, strictly (server/http/json_body.py), on an app whose
 engine is never started: the body is read before the route answers that it is loading."""
 
 from __future__ import annotations

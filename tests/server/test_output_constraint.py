@@ -9,8 +9,8 @@ import pytest
 
 from engine import constraints
 from engine.tokenizer import ToolCallFormat
-from server.errors import APIError
-from server.generation import FunctionTool, GenerationRequest, JsonSchemaOutput
+from server.http.errors import APIError
+from server.request import FunctionTool, GenerationRequest, JsonSchemaOutput
 from server.structured import output_constraint
 
 ANSWER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

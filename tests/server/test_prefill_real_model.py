@@ -14,7 +14,7 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from server.prefill_routes import JUDGE_INSTRUCTION, JUDGE_SYSTEM
+from server.prefill.routes import JUDGE_INSTRUCTION, JUDGE_SYSTEM
 from tests.server.support import API_KEY, ServerProcess
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -1,5 +1,5 @@
 """How `radix-mlx serve --tensor-parallel N` starts its ranks: the mlx.launch command line
-it builds, run for real through server/rank_launcher.py with ranks that only report what
+it builds, run for real through server/launch/rank_launcher.py with ranks that only report what
 they were given. NCCL and other hosts cannot run here, but mlx.launch's nccl backend only
 sets environment variables before it starts each rank, so a hostfile that names it on
 127.0.0.1 shows which GPU each rank would get."""
@@ -16,8 +16,8 @@ import pytest
 
 from engine.distributed import TensorParallelError
 from server.config import Settings
-from server.launch_env import IN_LAUNCH_ENV
-from server.tensor_parallel import launch_command
+from server.launch.env import IN_LAUNCH_ENV
+from server.launch.tensor_parallel import launch_command
 from tests.server.support import REPO_ROOT, server_env
 
 # A rank that prints what it needs from its launch, one JSON line.

@@ -25,9 +25,9 @@ import openai
 import pytest
 
 from engine.engine import device_memory_bytes
-from server.cli import build_parser
 from server.config import Settings
-from server.replicas import (
+from server.launch.cli import build_parser
+from server.launch.replicas import (
     add_replicas_arguments,
     free_port,
     router_command,
@@ -90,7 +90,7 @@ def replicas(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     distribution (tests/server/uninstalled): the router must still see its workers."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("replicas") / "replicas.log"
-    command = [sys.executable, "-m", "server.cli", "replicas", "--workers", "2",
+    command = [sys.executable, "-m", "server.launch.cli", "replicas", "--workers", "2",
                "--model", str(demo_model_dir), "--port", str(port), "--health-check-interval",
                "1", "--restart-delay", str(RESTART_DELAY), "--", "--config", "",
                "--disk-cache-bytes", "0", "--api-key", API_KEY]

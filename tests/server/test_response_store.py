@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from server.response_store import MemoryStore, SQLiteStore, StoredResponse
+from server.responses.store import MemoryStore, SQLiteStore, StoredResponse
 
 
 def _entry(n: int) -> StoredResponse:

@@ -13,8 +13,8 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.responses_adapter import input_messages
-from server.responses_protocol import ResponsesRequest
+from server.responses.adapter import input_messages
+from server.responses.protocol import ResponsesRequest
 from tests.server.support import API_KEY, ServerProcess
 
 TOOLS = [{

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from server.streaming import GenerationEventSource, NamedEvent, frame
+from server.http.streaming import GenerationEventSource, NamedEvent, frame
 
 TEXT = "line\x85next\u2028para\u2029end"
 
@@ -32,7 +32,7 @@ def test_openai_events_are_framed_as_before() -> None:
         b'event: ping\r\ndata: {"type":"ping"}\r\n\r\n')
 
 
-class Generation:
+class GenerationRun:
     """What a response needs of its generation: to be closed."""
 
     def __init__(self) -> None:
@@ -42,8 +42,8 @@ class Generation:
         self.closed += 1
 
 
-async def _respond(events, receive, ping_seconds: float) -> tuple[list[dict], Generation]:
-    generation, sent = Generation(), []
+async def _respond(events, receive, ping_seconds: float) -> tuple[list[dict], GenerationRun]:
+    generation, sent = GenerationRun(), []
 
     async def send(message: dict) -> None:
         sent.append(message)

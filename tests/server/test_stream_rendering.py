@@ -13,7 +13,7 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from server.anthropic_adapter import MessageStream
+from server.anthropic.adapter import MessageStream
 from server.events import (
     ChoiceFinished,
     ReasoningDelta,
@@ -22,9 +22,9 @@ from server.events import (
     ToolCallStarted,
     Usage,
 )
-from server.formats import ChatFormat, CompletionFormat
-from server.responses_adapter import ResponseBuilder
-from server.responses_protocol import Response
+from server.openai.formats import ChatFormat, CompletionFormat
+from server.responses.adapter import ResponseBuilder
+from server.responses.protocol import Response
 
 REPLY = [
     ReasoningDelta(0, "The user wants "), ReasoningDelta(0, "files."),
@@ -82,7 +82,7 @@ def test_responses_stream_is_one_item_per_kind_in_order() -> None:
 
 
 def test_openai_text_chunks_are_the_chunk_models_own_json() -> None:
-    # A text chunk is written into an envelope cut once per choice (server/formats.py):
+    # A text chunk is written into an envelope cut once per choice (server/openai/formats.py):
     # byte for byte what dumping its model gives, whatever the text holds.
     texts = [" hello", 'say "hi"\\', "line\nbreak\t\x00\x1f\x7f", "caf\u00e9 \U0001f600",
              "\x85\u2028\u2029", "</script>{}"]

@@ -6,7 +6,7 @@ set -euo pipefail
 model=$1 out=$2
 shift 2
 port=8391
-python3 -m server.cli serve --model "$model" --port $port --max-batch-size 64 \
+python3 -m server.launch.cli serve --model "$model" --port $port --max-batch-size 64 \
   --disk-cache-bytes 0 "$@" > "$out/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT

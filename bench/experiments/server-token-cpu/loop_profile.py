@@ -23,7 +23,7 @@ CAUSES = [
     ("ChoiceDecoder (reasoning/tools split)", ["ChoiceDecoder."]),
     ("chunk JSON (cached envelope)", ["chunk_json"]),
     ("SSE framing", ["frame (server/streaming"]),
-    ("async-generator chain (_sse, Generation.events)", ["_sse (", "Generation.events"]),
+    ("async-generator chain (_sse, GenerationRun.events)", ["_sse (", "GenerationRun.events"]),
     ("access log line", ["log_request"]),
     ("request admission (JSON, pydantic, FastAPI, render, submit)",
      ["with_json_request", "get_request_handler", "create_chat_completion"]),

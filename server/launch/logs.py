@@ -8,7 +8,7 @@ import sys
 from logging.handlers import WatchedFileHandler
 from pathlib import Path
 
-from server.launch_env import in_launch, launch_rank
+from server.launch.env import in_launch, launch_rank
 
 
 def configure_logging(level: str, log_file: Path | None) -> None:

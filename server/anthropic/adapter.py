@@ -20,14 +20,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from server.anthropic_protocol import (
+from engine.api import SamplingKnobs
+from server.anthropic.protocol import (
+    AnthropicMessage,
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,
     ErrorInfo,
     ErrorResponse,
     InputJsonDelta,
-    Message,
     MessageDelta,
     MessageDeltaBody,
     MessageResponse,
@@ -57,7 +58,6 @@ from server.anthropic_protocol import (
     Usage,
     error_type,
 )
-from server.errors import APIError
 from server.events import (
     ChoiceFinished,
     ChoiceResult,
@@ -69,28 +69,28 @@ from server.events import (
 )
 from server.events import TextDelta as TextEvent
 from server.events import Usage as GenerationUsage
-from server.generation import (
+from server.http.errors import APIError
+from server.http.json_body import JSONRoute
+from server.http.openapi import error_responses, event_stream
+from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
+from server.pipeline import GenerationRun, render, start
+from server.prompts import assistant_prefill
+from server.request import (
     TEXT,
     FunctionTool,
     GenerationRequest,
     JsonSchemaOutput,
     NamedFunction,
-    sampling,
+    TemplateMessage,
 )
-from server.generation import Message as ChatMessage
-from server.generation import ToolChoice as GenerationToolChoice
-from server.json_body import JSONRoute
-from server.openapi import error_responses, event_stream
-from server.pipeline import Generation, render, start
-from server.prompts import assistant_prefill
+from server.request import ToolChoice as GenerationToolChoice
 from server.state import server_state
-from server.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
 
 # -- request ------------------------------------------------------------------------------
 
 
 def generation_request(body: TokenCountRequest) -> GenerationRequest:
-    messages: list[ChatMessage] = []
+    messages: list[TemplateMessage] = []
     system = system_text(body.system)
     if system:
         messages.append({"role": "system", "content": system})
@@ -118,7 +118,7 @@ def generation_request(body: TokenCountRequest) -> GenerationRequest:
     )
     if not isinstance(body, MessagesRequest):
         return request  # counting tokens: the prompt is all there is
-    knobs = sampling(
+    knobs = SamplingKnobs(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
@@ -134,7 +134,7 @@ def system_text(system: System | None) -> str:
     return "\n".join(block.text for block in system)
 
 
-def chat_messages(message: Message) -> list[ChatMessage]:
+def chat_messages(message: AnthropicMessage) -> list[TemplateMessage]:
     """One Anthropic message as chat messages: a user turn's tool results become tool
     messages (first, as they answer the previous assistant turn), an assistant turn's
     tool_use blocks its tool calls and its thinking its reasoning. A system message stays
@@ -146,13 +146,13 @@ def chat_messages(message: Message) -> list[ChatMessage]:
     if message.role == "system":
         return [{"role": "system", "content": text}]
     if message.role == "user":
-        results: list[ChatMessage] = [
+        results: list[TemplateMessage] = [
             {"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block)}
             for block in blocks if isinstance(block, ToolResultBlock)
         ]
         has_text = any(isinstance(block, TextBlock) for block in blocks)
         return results + ([{"role": "user", "content": text}] if has_text or not results else [])
-    out: ChatMessage = {"role": "assistant", "content": text}
+    out: TemplateMessage = {"role": "assistant", "content": text}
     reasoning = "".join(block.thinking for block in blocks if isinstance(block, ThinkingBlock))
     if reasoning:
         out["reasoning_content"] = reasoning
@@ -202,7 +202,7 @@ def stop_reason(
     reason: str, matched_stop: str | int | None, context_bound: bool
 ) -> tuple[StopReason, str | None]:
     """(stop_reason, stop_sequence). A reply cut short of `max_tokens` by the end of the
-    context window (`Generation.context_bound`) says so, as Anthropic's newer models do."""
+    context window (`GenerationRun.context_bound`) says so, as Anthropic's newer models do."""
     if reason == "tool_calls":
         return "tool_use", None
     if reason == "length":
@@ -309,7 +309,7 @@ def _sse(event: BaseModel) -> NamedEvent:
 
 
 async def _stream(
-    generation: Generation, stream: MessageStream
+    generation: GenerationRun, stream: MessageStream
 ) -> AsyncIterator[list[NamedEvent]]:
     """Each list goes out in one write: what one generation event becomes."""
     try:

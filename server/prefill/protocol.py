@@ -8,7 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from server.protocol import Message, RequestModel, ResponseModel, TokenId
+from server.openai.protocol import ChatRequestMessage, TokenId
+from server.schema import RequestModel, ResponseModel
 
 # Inputs one request may carry; more is a 400 rather than a queue of thousands.
 MAX_INPUTS = 2048
@@ -85,7 +86,7 @@ class ClassifyRequest(RequestModel):
 
     model: str | None = None
     input: list[str | TOKEN_IDS_INPUT] | None = None
-    messages: list[list[Message]] | None = None
+    messages: list[list[ChatRequestMessage]] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     labels: list[Annotated[str, Field(min_length=1)]] | None = None
 

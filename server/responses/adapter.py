@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from server.errors import APIError
+from engine.api import SamplingKnobs
 from server.events import (
     ChoiceFinished,
     Event,
@@ -27,7 +27,13 @@ from server.events import (
     ToolCallArguments,
     ToolCallStarted,
 )
-from server.generation import (
+from server.http.errors import APIError
+from server.http.json_body import JSONRoute
+from server.http.openapi import error_responses, event_stream
+from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
+from server.openai.protocol import ErrorResponse
+from server.pipeline import GenerationRun, start
+from server.request import (
     TEXT,
     FunctionTool,
     GenerationRequest,
@@ -35,17 +41,11 @@ from server.generation import (
     JsonSchemaOutput,
     NamedFunction,
     OutputFormat,
-    sampling,
+    TemplateMessage,
     template_arguments,
 )
-from server.generation import Message as ChatMessage
-from server.generation import ToolChoice as GenerationToolChoice
-from server.json_body import JSONRoute
-from server.openapi import error_responses, event_stream
-from server.pipeline import Generation, start
-from server.protocol import ErrorResponse
-from server.response_store import StoredResponse
-from server.responses_protocol import (
+from server.request import ToolChoice as GenerationToolChoice
+from server.responses.protocol import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
     DeletedResponse,
@@ -78,22 +78,22 @@ from server.responses_protocol import (
     TextDoneEvent,
     joined_text,
 )
-from server.responses_protocol import Response as ResponseObject
+from server.responses.protocol import Response as ResponseObject
+from server.responses.store import StoredResponse
 from server.state import ServerState, server_state
-from server.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
 
 # -- request ------------------------------------------------------------------------------
 
 
-def input_messages(body: ResponsesRequest, history: list[ChatMessage]) -> list[ChatMessage]:
+def input_messages(body: ResponsesRequest, history: list[TemplateMessage]) -> list[TemplateMessage]:
     """The new input as chat messages, after `history` (a stored conversation). A run of
     assistant-side items (reasoning, an assistant message, function calls) is one
     assistant turn, as a chat template sees it."""
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
-    messages: list[ChatMessage] = []
+    messages: list[TemplateMessage] = []
 
-    def assistant_turn() -> ChatMessage:
+    def assistant_turn() -> TemplateMessage:
         if not messages or messages[-1]["role"] != "assistant":
             messages.append({"role": "assistant", "content": ""})
         return messages[-1]
@@ -113,7 +113,7 @@ def input_messages(body: ResponsesRequest, history: list[ChatMessage]) -> list[C
                 "function": {"name": item.name, "arguments": template_arguments(item.arguments)},
             })
         elif isinstance(item, FunctionCallOutputItem):
-            result: ChatMessage = {"role": "tool", "content": joined_text(item.output)}
+            result: TemplateMessage = {"role": "tool", "content": joined_text(item.output)}
             call_id = item.call_id or _answered_call(history + messages, item)
             if call_id is not None:
                 result["tool_call_id"] = call_id
@@ -123,7 +123,7 @@ def input_messages(body: ResponsesRequest, history: list[ChatMessage]) -> list[C
     return messages
 
 
-def _answered_call(messages: list[ChatMessage], item: FunctionCallOutputItem) -> str | None:
+def _answered_call(messages: list[TemplateMessage], item: FunctionCallOutputItem) -> str | None:
     """The call an output without `call_id` answers: the latest earlier call whose id is
     the output's `id`, else the latest unanswered one of its `name`; None: no such call,
     and the output stays a plain tool result."""
@@ -138,7 +138,7 @@ def _answered_call(messages: list[ChatMessage], item: FunctionCallOutputItem) ->
 
 
 def generation_request(
-    body: ResponsesRequest, conversation: list[ChatMessage]
+    body: ResponsesRequest, conversation: list[TemplateMessage]
 ) -> GenerationRequest:
     """`conversation`: the stored one plus the new input. Instructions are the request's
     own: OpenAI does not carry them over from a previous response."""
@@ -152,7 +152,7 @@ def generation_request(
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
         output=_output_format(body),
-        sampling=sampling(
+        sampling=SamplingKnobs(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
         ),
@@ -318,9 +318,9 @@ def _logprobs(item: TextItem) -> dict[str, list]:
     return {"logprobs": []} if isinstance(item, OutputMessage) else {}
 
 
-def assistant_message(response: ResponseObject) -> ChatMessage:
+def assistant_message(response: ResponseObject) -> TemplateMessage:
     """The response's output as the assistant turn a follow-up continues after."""
-    message: ChatMessage = {"role": "assistant", "content": response.output_text}
+    message: TemplateMessage = {"role": "assistant", "content": response.output_text}
     for item in response.output:
         if isinstance(item, OutputReasoning):
             message["reasoning_content"] = item.content[0].text
@@ -343,7 +343,7 @@ router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = server_state(request)
     model = state.check_model(body.model)
-    history: list[ChatMessage] = []
+    history: list[TemplateMessage] = []
     if body.previous_response_id is not None:
         previous = await _stored(state, body.previous_response_id, "previous_response_id")
         history = previous.conversation
@@ -371,14 +371,14 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     return JSONResponse(builder.response.model_dump())
 
 
-async def _run(generation: Generation, builder: ResponseBuilder) -> bool:
+async def _run(generation: GenerationRun, builder: ResponseBuilder) -> bool:
     async for event in generation.events():
         builder.event(event)
     return True
 
 
 async def _stream(
-    generation: Generation, builder: ResponseBuilder, save: Any
+    generation: GenerationRun, builder: ResponseBuilder, save: Any
 ) -> AsyncIterator[list[NamedEvent]]:
     """Each list goes out in one write: what one generation event becomes."""
     try:
@@ -398,7 +398,7 @@ def _sse(event: StreamEvent) -> NamedEvent:
 
 
 async def _save(
-    state: ServerState, response: ResponseObject, conversation: list[ChatMessage]
+    state: ServerState, response: ResponseObject, conversation: list[TemplateMessage]
 ) -> None:
     entry = StoredResponse(response.model_dump(mode="json"),
                            conversation + [assistant_message(response)])

@@ -20,13 +20,13 @@ from engine.gguf import GGUFError
 from engine.model_source import resolve_model
 from engine.platform_info import describe_platform
 from engine.process import EngineProcess
-from server import tensor_parallel
 from server.app import create_app
 from server.config import ConfigError, Settings, default_disk_cache_dir, load_settings
-from server.drain import CANCEL_GRACE_SECONDS, Drain
-from server.http_protocol import BoundedHeadProtocol
-from server.launch_env import in_launch
-from server.logs import configure_logging
+from server.http.drain import CANCEL_GRACE_SECONDS, Drain
+from server.http.uvicorn_protocol import BoundedHeadProtocol
+from server.launch import tensor_parallel
+from server.launch.env import in_launch
+from server.launch.logs import configure_logging
 
 log = logging.getLogger("radix_mlx.server")
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from server.protocol import RequestModel, ResponseModel, shaped_union
+from server.schema import RequestModel, ResponseModel, shaped_union
 
 # -- request pieces ----------------------------------------------------------------------
 
@@ -108,7 +108,7 @@ Content = shaped_union(
 )
 
 
-class Message(RequestModel):
+class AnthropicMessage(RequestModel):
     """A turn. `system` is the mid-conversation system message Claude Code sends (with an
     `anthropic-beta: mid-conversation-system-...` header): instructions at that point of
     the conversation, in text only."""
@@ -117,7 +117,7 @@ class Message(RequestModel):
     content: Content
 
     @model_validator(mode="after")
-    def _system_is_text(self) -> Message:
+    def _system_is_text(self) -> AnthropicMessage:
         if self.role == "system" and not isinstance(self.content, str) and any(
                 not isinstance(block, TextBlock) for block in self.content):
             raise ValueError("a system message holds text blocks only")
@@ -222,7 +222,7 @@ class TokenCountRequest(RequestModel):
     """What `/v1/messages/count_tokens` takes: a message request without `max_tokens`."""
 
     model: str = Field(min_length=1)
-    messages: list[Message] = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
     system: System | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None

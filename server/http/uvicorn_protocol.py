@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from server.body_limit import MAX_HEADER_BYTES
+from server.http.body_limit import MAX_HEADER_BYTES
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):

@@ -1,28 +1,16 @@
 """OpenAI's Chat Completions and legacy Completions requests as `GenerationRequest`s.
 
-The schema lives in `server.protocol`; this module only maps its fields onto the
-internal request (`server.generation`), which the shared pipeline runs.
+The schema lives in `server.openai.protocol`; this module only maps its fields onto the
+internal request (`server.request`), which the shared pipeline runs.
 """
 
 from __future__ import annotations
 
-from engine.api import SamplingParams
-from server.generation import (
-    TEXT,
-    FunctionTool,
-    GenerationRequest,
-    JsonObjectOutput,
-    JsonSchemaOutput,
-    Message,
-    NamedFunction,
-    OutputFormat,
-    ToolChoice,
-    sampling,
-    template_arguments,
-)
-from server.protocol import (
+from engine.api import SamplingKnobs
+from server.openai.protocol import (
     AssistantMessage,
     ChatCompletionRequest,
+    ChatRequestMessage,
     CompletionRequest,
     Content,
     JsonObjectFormat,
@@ -31,7 +19,18 @@ from server.protocol import (
     SamplingRequest,
     StructuredOutputRequest,
 )
-from server.protocol import Message as ChatMessage
+from server.request import (
+    TEXT,
+    FunctionTool,
+    GenerationRequest,
+    JsonObjectOutput,
+    JsonSchemaOutput,
+    NamedFunction,
+    OutputFormat,
+    TemplateMessage,
+    ToolChoice,
+    template_arguments,
+)
 
 
 def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
@@ -84,9 +83,9 @@ def output_format(body: StructuredOutputRequest) -> OutputFormat:
     return TEXT
 
 
-def sampling_knobs(body: SamplingRequest) -> SamplingParams:
+def sampling_knobs(body: SamplingRequest) -> SamplingKnobs:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    return sampling(
+    return SamplingKnobs(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
@@ -109,7 +108,7 @@ def content_text(content: Content | None) -> str | None:
     return "\n".join(part.text for part in content)
 
 
-def template_message(message: ChatMessage) -> Message:
+def template_message(message: ChatRequestMessage) -> TemplateMessage:
     """The dict a Hugging Face chat template expects for `message`."""
     out = message.model_dump(exclude_none=True)
     out["content"] = content_text(message.content)

@@ -20,10 +20,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
-from server.anthropic_protocol import ErrorInfo as AnthropicErrorInfo
-from server.anthropic_protocol import ErrorResponse as AnthropicErrorResponse
-from server.anthropic_protocol import error_type as anthropic_error_type
-from server.protocol import ErrorInfo, ErrorResponse
+from server.anthropic.protocol import ErrorInfo as AnthropicErrorInfo
+from server.anthropic.protocol import ErrorResponse as AnthropicErrorResponse
+from server.anthropic.protocol import error_type as anthropic_error_type
+from server.openai.protocol import ErrorInfo, ErrorResponse
 
 ANTHROPIC_PATH = "/v1/messages"
 

@@ -14,8 +14,8 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.access_log import log_request
-from server.errors import APIError
+from server.http.access_log import log_request
+from server.http.errors import APIError
 from server.state import ServerState
 
 log = logging.getLogger("radix_mlx.server")

@@ -11,10 +11,10 @@ rank 0's engine settings: engine.py) and serve nobody.
 
 Stopping: the launcher sends its first SIGTERM/SIGINT on to the launch's process group,
 where only rank 0 acts on it (mlx.launch and the other ranks ignore both, also when a
-terminal or a service manager signals them: server/rank_launcher.py): rank 0 drains, then its engine's `Stop` reaches every
-rank, and all exit 0. A rank that dies fails the group (rank 0's /health says `failed`,
-its requests get the reason); mlx.launch then stops the rest, and the launcher exits 1 so
-that a service manager restarts it.
+terminal or a service manager signals them: server/launch/rank_launcher.py): rank 0
+drains, then its engine's `Stop` reaches every rank, and all exit 0. A rank that dies
+fails the group (rank 0's /health says `failed`, its requests get the reason); mlx.launch
+then stops the rest, and the launcher exits 1 so that a service manager restarts it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from engine.distributed import (
 )
 from engine.engine import Engine
 from server.config import Settings, env_var
-from server.launch_env import IN_LAUNCH_ENV
+from server.launch.env import IN_LAUNCH_ENV
 
 log = logging.getLogger("radix_mlx.server")
 
@@ -86,8 +86,9 @@ def launch_command(settings: Settings, rank_command: list[str],
     env = [f"{IN_LAUNCH_ENV}=1", *(_settings_env(environ) if settings.hostfile else [])]
     # The interpreter leads the rank's command rather than going in --python, which
     # mlx.launch's mpi backend ignores.
-    return [sys.executable, "-m", "server.rank_launcher", *hosts, "--starting-port", str(port),
-            "--nccl-port", str(port), *(arg for pair in env for arg in ("--env", pair)),
+    return [sys.executable, "-m", "server.launch.rank_launcher", *hosts,
+            "--starting-port", str(port), "--nccl-port", str(port),
+            *(arg for pair in env for arg in ("--env", pair)),
             "--", sys.executable, *rank_command]
 
 

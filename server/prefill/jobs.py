@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from engine.api import Finish, LastPosition, Prompt, Readout, SamplingParams
+from server.http.streaming import unless_disconnected
 from server.jobs import Job
 from server.state import ServerState
-from server.streaming import unless_disconnected
 
 JOB_PROMPTS = 64
 JOBS_IN_FLIGHT = 4

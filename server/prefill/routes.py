@@ -1,6 +1,6 @@
 """The prefill-only endpoints: /v1/embeddings, /v1/rerank and /v1/classify.
 
-On a causal model all three are prompts read at their last position (prefill_jobs.py):
+On a causal model all three are prompts read at their last position (jobs.py):
 an embedding is the last hidden state (last-token pooling, L2-normalised, as
 Qwen3-Embedding and its peers pool), a rerank score the judge's P("yes") against P("no")
 after a prompt that puts the query before the document (Qwen3-Reranker's format, so the
@@ -25,13 +25,14 @@ from fastapi.responses import JSONResponse, Response
 from engine.api import Lifecycle, Prompt, Readout
 from engine.embedding_config import matryoshka_dimensions
 from engine.tokenizer import ModelTokenizer
-from server.errors import APIError
-from server.generation import GenerationRequest
-from server.json_body import JSONRoute
-from server.openai_adapter import template_message
-from server.openapi import error_responses
-from server.prefill_jobs import read_prompts
-from server.prefill_protocol import (
+from server.http.errors import APIError
+from server.http.json_body import JSONRoute
+from server.http.openapi import error_responses
+from server.http.streaming import CLIENT_CLOSED
+from server.openai.adapter import template_message
+from server.openai.protocol import ErrorResponse
+from server.prefill.jobs import read_prompts
+from server.prefill.protocol import (
     MAX_INPUTS,
     Classification,
     ClassifyRequest,
@@ -48,9 +49,8 @@ from server.prefill_protocol import (
     usage,
 )
 from server.prompts import chat_prompt, check_token_ids
-from server.protocol import ErrorResponse
+from server.request import GenerationRequest
 from server.state import ServerState, server_state
-from server.streaming import CLIENT_CLOSED
 
 router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
                    route_class=JSONRoute)

@@ -1,4 +1,4 @@
-"""The HTTP endpoints: OpenAI's /v1 API, plus /, /health and /metrics."""
+"""OpenAI's /v1 endpoints: Chat Completions, Completions and Models."""
 
 from __future__ import annotations
 
@@ -7,31 +7,28 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from engine.api import Lifecycle
-from server.errors import APIError
 from server.events import ChoiceFinished, collect
-from server.formats import ChatFormat, CompletionFormat, Format
-from server.json_body import JSONRoute
-from server.metrics import CONTENT_TYPE
-from server.openai_adapter import chat_request, completion_request
-from server.openapi import error_responses, event_stream
-from server.pipeline import Generation, start
-from server.protocol import (
+from server.http.errors import APIError
+from server.http.json_body import JSONRoute
+from server.http.openapi import error_responses, event_stream
+from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, to_the_end
+from server.openai.adapter import chat_request, completion_request
+from server.openai.formats import ChatFormat, CompletionFormat, Format
+from server.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
-    Health,
     ModelCard,
     ModelList,
 )
+from server.pipeline import GenerationRun, start
 from server.state import ServerState, server_state
-from server.streaming import CLIENT_CLOSED, GenerationEventSource, to_the_end
 
 
 def _events(chunk: type[BaseModel]) -> dict[str, Any]:
@@ -40,7 +37,6 @@ def _events(chunk: type[BaseModel]) -> dict[str, Any]:
 
 api = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
                 route_class=JSONRoute)
-probes = APIRouter(route_class=JSONRoute)
 
 
 @api.get("/models")
@@ -83,7 +79,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return await _respond(request, generation, fmt)
 
 
-async def _respond(request: Request, generation: Generation, fmt: Format) -> Response:
+async def _respond(request: Request, generation: GenerationRun, fmt: Format) -> Response:
     if generation.request.stream:
         return GenerationEventSource(generation, _sse(generation, fmt))
     results = await to_the_end(
@@ -94,7 +90,7 @@ async def _respond(request: Request, generation: Generation, fmt: Format) -> Res
     return JSONResponse(fmt.response(results, generation.usage()).model_dump())
 
 
-async def _sse(generation: Generation, fmt: Format) -> AsyncIterator[str | list[str]]:
+async def _sse(generation: GenerationRun, fmt: Format) -> AsyncIterator[str | list[str]]:
     """The SSE data lines, ending with `[DONE]` (after an error object if one occurs).
 
     The last choice's finishing chunk waits for the usage chunk and `[DONE]`, which follow
@@ -122,28 +118,3 @@ async def _sse(generation: Generation, fmt: Format) -> AsyncIterator[str | list[
         # The status line is sent already: the error travels as a data event, as in vLLM.
         tail.append(error.body().model_dump_json())
     yield [*tail, "[DONE]"]
-
-
-@probes.get("/", response_class=PlainTextResponse)
-@probes.head("/", response_class=PlainTextResponse)
-async def root() -> str:
-    """Clients probe the base URL before they start (Claude Code sends HEAD /)."""
-    return "radix-mlx is running\n"
-
-
-@probes.get("/health", responses={200: {"model": Health}, 503: {"model": Health}})
-async def health(request: Request) -> JSONResponse:
-    state = server_state(request)
-    engine = state.engine
-    body: dict[str, object] = {"status": engine.state.value, "model": engine.model_id}
-    if engine.state is Lifecycle.FAILED:
-        body["error"] = engine.error
-    if state.drain.draining:
-        body["status"] = "draining"
-    ready = engine.state is Lifecycle.READY and not state.drain.draining
-    return JSONResponse(body, 200 if ready else 503)
-
-
-@probes.get("/metrics", response_class=PlainTextResponse)
-async def metrics(request: Request) -> Response:
-    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)

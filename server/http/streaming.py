@@ -14,7 +14,7 @@ from fastapi import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from server.pipeline import Generation
+from server.pipeline import GenerationRun
 
 T = TypeVar("T")
 
@@ -79,7 +79,7 @@ class GenerationEventSource(Response):
     media_type = "text/event-stream"
 
     def __init__(
-        self, generation: Generation, events: AsyncGenerator[SSEvents, None],
+        self, generation: GenerationRun, events: AsyncGenerator[SSEvents, None],
         ping_seconds: float = PING_SECONDS, ping: Callable[[], SSEvent] | None = None,
     ) -> None:
         self.status_code = 200
@@ -130,7 +130,7 @@ class GenerationEventSource(Response):
 
 
 async def to_the_end(
-    request: Request, generation: Generation, work: Coroutine[Any, Any, T]
+    request: Request, generation: GenerationRun, work: Coroutine[Any, Any, T]
 ) -> T | None:
     """`work` (reading `generation`'s events for a non-streaming response), or None if the
     client disconnects first; the generation is closed either way."""

@@ -125,8 +125,8 @@ def _fill_plist(node: Any, values: Mapping[str, str]) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m server.service_files launchd|systemd|health-url ...`: print the result."""
-    parser = argparse.ArgumentParser(prog="python -m server.service_files")
+    """`python -m server.launch.service_files launchd|systemd|health-url ...`: print the result."""
+    parser = argparse.ArgumentParser(prog="python -m server.launch.service_files")
     kinds = parser.add_subparsers(dest="kind", required=True)
     for kind in ("launchd", "systemd"):
         render = kinds.add_parser(kind, help=f"print the {kind} service file")

@@ -25,14 +25,14 @@ from server.events import (
     ToolCallStarted,
 )
 from server.events import Usage as NeutralUsage
-from server.protocol import (
+from server.openai.protocol import (
     CacheMissDetails,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
+    ChatCompletionMessage,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
@@ -185,7 +185,7 @@ class ChatFormat(Format):
             choices=[
                 ChatChoice(
                     index=i,
-                    message=ChatMessage(
+                    message=ChatCompletionMessage(
                         # OpenAI gives null content to a reply that is only tool calls
                         # (a model may put blank lines around them).
                         content=None if result.tool_calls and not result.text.strip()

@@ -16,7 +16,7 @@ import hmac
 from pydantic import SecretStr
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import APIError
+from server.http.errors import APIError
 
 # "/" says only that a server is there; clients probe it before they authenticate.
 OPEN_PATHS = frozenset({"/", "/health"})

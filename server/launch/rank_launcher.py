@@ -1,5 +1,5 @@
-"""`python -m server.rank_launcher MLX_LAUNCH_ARGS`: mlx.launch, as the tensor-parallel
-launcher (server/tensor_parallel.py) runs it.
+"""`python -m server.launch.rank_launcher MLX_LAUNCH_ARGS`: mlx.launch, as the tensor-parallel
+launcher (server/launch/tensor_parallel.py) runs it.
 
 Three changes to its behaviour. Its thread per rank waits in select() for the rank's
 output *or for the rank's stdin to be writable*, which a pipe always is: each thread

@@ -8,11 +8,11 @@ from typing import get_args
 from engine.demo_model import FAMILIES, SIZES, build_demo_model
 from engine.platform_info import describe_platform, openblas_preload_env
 from server.config import Settings, add_serve_arguments
-from server.replicas import add_replicas_arguments, replicas_command
+from server.launch.replicas import add_replicas_arguments, replicas_command
 
 
 def main() -> None:
-    """The `radix-mlx` console script and `python -m server.cli`."""
+    """The `radix-mlx` console script and `python -m server.launch.cli`."""
     run(sys.argv[1:])
 
 
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from server.serve import serve_command as serve  # imports MLX, so only when serving
+    from server.launch.serve import serve_command as serve  # imports MLX, so only when serving
 
     return serve(args)
 

@@ -3,35 +3,23 @@
 Requests mirror OpenAI's schema (plus vLLM's sampling extensions) and validate
 declaratively: strict types, so `"n": "2"` is a 400 rather than a silent coercion, and
 unknown fields are ignored, as OpenAI does. Responses mirror the shapes the official SDK
-parses. Nothing here knows about the engine: `server.openai_adapter` translates these
+parses. Nothing here knows about the engine: `server.openai.adapter` translates these
 requests into the internal `GenerationRequest`.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Discriminator,
     Field,
-    Tag,
     ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
 )
 
-
-class RequestModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class ResponseModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+from server.schema import RequestModel, ResponseModel, now, shaped_union
 
 # -- shared request pieces ---------------------------------------------------------------
 
@@ -40,18 +28,6 @@ TokenId = Annotated[int, Field(ge=0)]
 TokenIdKey = Annotated[str, Field(pattern=r"^\d{1,9}$")]
 LogitBias = Annotated[float, Field(ge=-100, le=100)]
 StopString = Annotated[str, Field(min_length=1)]
-
-
-def shaped_union(kind: Any, what: str, **members: Any) -> Any:
-    """A union validated by just the member that `kind(value)` names, so a bad value gets
-    that member's errors instead of one per member; a value of no known shape gets
-    "must be <what>"."""
-    return Annotated[
-        Union[tuple(Annotated[member, Tag(tag)] for tag, member in members.items())],  # noqa: UP007
-        Discriminator(
-            kind, custom_error_type="invalid_type", custom_error_message=f"must be {what}"
-        ),
-    ]
 
 
 def _str_or_list(value: Any) -> str | None:
@@ -153,7 +129,7 @@ class ToolMessage(RequestModel):
     tool_call_id: str
 
 
-Message = Annotated[
+ChatRequestMessage = Annotated[
     SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
 ]
 
@@ -212,7 +188,7 @@ class StructuredOutputRequest(SamplingRequest):
 
 
 class ChatCompletionRequest(StructuredOutputRequest):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[ChatRequestMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -315,10 +291,6 @@ class CompletionRequest(StructuredOutputRequest):
 # -- responses -----------------------------------------------------------------------------
 
 
-def now() -> int:
-    return int(time.time())
-
-
 class CacheMissDetails(ResponseModel):
     """The first prompt token not reused from the cache (`position`), why (`reason`:
     not_seen, diverged, evicted_from_memory, evicted_from_disk, cleared,
@@ -418,7 +390,7 @@ class ToolCallDelta(ResponseModel):
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
-class ChatMessage(ResponseModel):
+class ChatCompletionMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     # The model's thinking, as vLLM and llama.cpp return it (never part of `content`).
@@ -429,7 +401,7 @@ class ChatMessage(ResponseModel):
 
 class ChatChoice(ResponseModel):
     index: int
-    message: ChatMessage
+    message: ChatCompletionMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
 
@@ -515,14 +487,6 @@ class ModelList(ResponseModel):
     has_more: bool = False
     first_id: str | None = None
     last_id: str | None = None
-
-
-class Health(ResponseModel):
-    """/health: 200 when ready, the same body with 503 otherwise."""
-
-    status: Literal["loading", "warming_up", "ready", "failed", "draining"]
-    model: str
-    error: str | None = None
 
 
 class ErrorInfo(ResponseModel):

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from server.protocol import RequestModel, ResponseModel, now, shaped_union
+from server.schema import RequestModel, ResponseModel, now, shaped_union
 
 # -- input items ---------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import pydantic_core
 
-from engine.api import SamplingParams
+from engine.api import SamplingKnobs
 from engine.tokenizer import ChatEnd
 
 # A chat message in the form Hugging Face chat templates take:
@@ -27,7 +27,7 @@ from engine.tokenizer import ChatEnd
 #    "tool_call_id": str, "name": str, "reasoning_content": str}
 # Content is a string (text parts joined by the front end); tool-call arguments are a
 # mapping, since templates iterate over them (a string is kept when it is not JSON).
-Message = dict[str, Any]
+TemplateMessage = dict[str, Any]
 
 
 def template_arguments(arguments: str) -> Any:
@@ -94,13 +94,6 @@ OutputFormat = TextOutput | JsonObjectOutput | JsonSchemaOutput
 TEXT = TextOutput()
 
 
-def sampling(**knobs: Any) -> SamplingParams:
-    """A request's sampling knobs (temperature, top_p, stop, seed, penalties, ...): the
-    engine's `SamplingParams`, whose `max_tokens` and `logprobs` the pipeline sets from
-    the request's own fields (and whose seed it offsets per choice)."""
-    return SamplingParams(max_tokens=0, **knobs)
-
-
 @dataclass(frozen=True)
 class GenerationRequest:
     """One request, whatever API it came through.
@@ -110,7 +103,7 @@ class GenerationRequest:
     Tools, tool_choice and reasoning apply to chats only.
     """
 
-    messages: tuple[Message, ...] = ()
+    messages: tuple[TemplateMessage, ...] = ()
     prompts: tuple[str | tuple[int, ...], ...] = ()
     tools: tuple[FunctionTool, ...] = ()
     tool_choice: ToolChoice = "auto"
@@ -118,7 +111,9 @@ class GenerationRequest:
     # False: at most one (exactly one when a call is forced).
     parallel_tool_calls: bool | None = None
     output: OutputFormat = TEXT
-    sampling: SamplingParams = field(default_factory=sampling)
+    # Temperature, top_p, stop, seed, penalties, ...: the pipeline makes each choice's
+    # SamplingParams of them, with max_tokens and logprobs from the fields below.
+    sampling: SamplingKnobs = field(default_factory=SamplingKnobs)
     max_tokens: int | None = None  # None: the server's default, within the context window
     # max_tokens is only a cap, lowered to the server's max_output_tokens and to what the
     # context window leaves instead of refusing the request, and None means the rest of

@@ -1,14 +1,14 @@
 """Refusing requests before anything parses them: a head (request line and headers) over
 MAX_HEADER_BYTES (400) or a body over the configured size (413). (The body's JSON is
-parsed once, by the route: server/json_body.py.)"""
+parsed once, by the route: server/http/json_body.py.)"""
 
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import APIError
+from server.http.errors import APIError
 
-# The largest request head. server/http_protocol.py enforces it only while a head is
+# The largest request head. server/http/uvicorn_protocol.py enforces it only while a head is
 # incomplete: one that arrives within a single socket read (up to ~128 KiB on loopback) is
 # parsed whole, so it is checked again here, whatever the reads were.
 MAX_HEADER_BYTES = 64 * 1024

@@ -11,7 +11,7 @@ IN_LAUNCH_ENV = "RADIX_MLX_IN_LAUNCH"
 
 
 def in_launch() -> bool:
-    """This process is a rank of a launch (server/tensor_parallel.py), not its launcher."""
+    """This process is a rank of a launch (server/launch/tensor_parallel.py), not its launcher."""
     return IN_LAUNCH_ENV in os.environ
 
 

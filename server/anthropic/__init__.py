@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: schema, its router and adapter."""

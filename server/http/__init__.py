@@ -1,0 +1,1 @@
+"""HTTP plumbing every API shares: middleware, limits, auth, drain, errors, SSE."""

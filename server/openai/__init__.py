@@ -1,0 +1,1 @@
+"""OpenAI's Chat Completions, Completions and Models APIs: schema, adapter, formats, routes."""

@@ -1,0 +1,1 @@
+"""The prefill-only endpoints: /v1/embeddings, /v1/rerank and /v1/classify."""

@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: schema, its router and adapter, stored responses."""
