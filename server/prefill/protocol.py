@@ -19,7 +19,7 @@ MAX_TOP_LOGPROBS = 20
 
 class EmbeddingRequest(RequestModel):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | TOKEN_IDS_INPUT | list[TOKEN_IDS_INPUT]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
