@@ -131,12 +131,16 @@ class Node(_Link):
 
     def path_tokens(self) -> tuple[int, ...]:
         """All tokens from the root to the end of this node."""
-        parts = []
         with self._mutex:  # a concurrent split rewrites tokens and parent together
-            node: Node | None = self
-            while node is not None:
-                parts.append(node.tokens)
-                node = node.parent
+            return self.path_tokens_locked()
+
+    def path_tokens_locked(self) -> tuple[int, ...]:
+        """`path_tokens`, for a caller that holds the tree's lock already."""
+        parts = []
+        node: Node | None = self
+        while node is not None:
+            parts.append(node.tokens)
+            node = node.parent
         return tuple(itertools.chain.from_iterable(reversed(parts)))
 
     def __repr__(self) -> str:

@@ -271,15 +271,6 @@ class RadixTree(Reservations, Tiers, Accounting):
             else:
                 self._to_memory(node)
 
-    def _tokens_to(self, node: Node) -> tuple[int, ...]:
-        """All tokens from the root to the end of `node` (`Node.path_tokens`, whose lock
-        the caller holds)."""
-        parts = []
-        while node is not self.root:
-            parts.append(node.tokens)
-            node = node.parent
-        return tuple(itertools.chain.from_iterable(reversed(parts)))
-
     def _walk(self, tokens: tuple[int, ...], split: bool) -> tuple[list[Node], MatchResult]:
         """The match of `tokens` and the path from the root to its node (root excluded).
 
@@ -451,7 +442,7 @@ class RadixTree(Reservations, Tiers, Accounting):
         """Detach an unpinned node and everything below it, dropping their data; a miss
         where it began will say `reason` (below it, a match cannot get that far)."""
         parent = node.parent
-        self.departures.record(self._tokens_to(parent) + node.tokens[:1], reason)
+        self.departures.record(parent.path_tokens_locked() + node.tokens[:1], reason)
         del parent.children[node.tokens[0]]
         if not node.on_disk:
             parent.memory_children -= 1

@@ -216,21 +216,13 @@ def _check_data_is_its_path(node: Node) -> None:
     state of exactly its own tokens at exactly its place (a span covers its edge, a
     snapshot its whole path), so a request that reuses it gets the state of its tokens.
     Holds only for fake data, which records what it stands for."""
-    path = _path_locked(node)
+    path = node.path_tokens_locked()
     for data in (node.handle, node.stored):
         if not isinstance(data, (FakeHandle, FakeStored)):
             continue
         assert data.path == path, f"{node!r} at {path} holds {data!r}"
         if data.splittable:
             assert data.tokens == node.tokens, f"{node!r} holds a span of {data!r}"
-
-
-def _path_locked(node: Node) -> tuple[int, ...]:
-    parts = []
-    while node is not None:
-        parts.append(node.tokens)
-        node = node.parent
-    return tuple(t for part in reversed(parts) for t in part)
 
 
 def _evictable_leaf(node: Node) -> bool:
