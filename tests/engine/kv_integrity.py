@@ -41,7 +41,7 @@ def check_tree_kv(engine: Engine, model: nn.Module) -> Checked:
         assert engine.disk.flush(30), "disk writes still queued"
     with scheduler.tree._mutex:
         nodes = _nodes(scheduler.tree.root)
-        held = [(node.tokens, _path(node), node.handle, node.stored) for node in nodes]
+        held = [(node.tokens, node.path_tokens_locked(), node.handle, node.stored) for node in nodes]
     checked = Checked()
     forwards: dict[tuple[int, ...], list] = {}
     for edge, path, handle, stored in sorted(held, key=lambda h: -len(h[1])):
@@ -95,14 +95,6 @@ def _nodes(root) -> list:
         found.append(node)
         stack.extend(node.children.values())
     return found
-
-
-def _path(node) -> tuple[int, ...]:
-    parts = []
-    while node is not None:
-        parts.append(node.tokens)
-        node = node.parent
-    return tuple(t for part in reversed(parts) for t in part)
 
 
 def _fresh(model: nn.Module, path: tuple[int, ...], forwards: dict) -> list:
