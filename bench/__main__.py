@@ -9,7 +9,8 @@ machine whose load drifts. Then it times bare `mlx_lm.stream_generate` for the e
 overhead figure and constrained vs free decoding on one engine (bench/structured.py), and
 writes results.json, results.md and plots to bench/results/<hardware>/<model>/, one folder
 per model. The bench process itself never imports MLX. On a model given as a GGUF file,
-`--servers ...,llama-cpp` adds llama.cpp's own server, on that file, as a CPU peer.
+`--servers ...,llama-cpp` adds llama.cpp's own server, on that file, as a CPU peer; on a
+GPU, `--llama-cpp-gguf` gives it the GGUF export of a model directory (bench/gpu.sh).
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--llama-server", default=shutil.which("llama-server"), metavar="PATH",
                         help=f"llama.cpp's server binary for {LLAMA_CPP} (default: "
                              "llama-server on PATH)")
+    parser.add_argument("--llama-cpp-gguf", type=Path, metavar="FILE",
+                        help=f"the GGUF file {LLAMA_CPP} serves when the one --model is a "
+                             "directory (`python -m bench.gguf_export` writes one from it)")
     parser.add_argument("--replicas", type=int, default=0, metavar="N",
                         help="also run N radix-mlx workers behind sglang-router, once with "
                              f"each of {', '.join(REPLICA_POLICIES)}, on "
@@ -133,6 +137,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unknown servers: {', '.join(sorted(unknown))}")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.llama_cpp_gguf and len(args.models or []) != 1:
+        parser.error("--llama-cpp-gguf goes with exactly one --model")
     return args
 
 
@@ -302,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     wanted = set(args.workloads.split(","))
     models = model_dirs(args.models, env, args.quick) if wanted - set(
         snapshot_models.WORKLOADS) else []
+    if args.llama_cpp_gguf:
+        models = [model._replace(gguf=model.gguf or args.llama_cpp_gguf) for model in models]
     for model in models:
         out = (args.out or RESULTS / hardware.tag(device)) / model.directory.name
         if args.out and len(models) == 1:
@@ -319,8 +327,8 @@ def main(argv: list[str] | None = None) -> None:
         print((out / "results.md").read_text())
 
 
-def server_specs(args: argparse.Namespace, model: BenchModel) -> tuple[list[ServerSpec],
-                                                                       dict[str, str]]:
+def server_specs(args: argparse.Namespace, model: BenchModel,
+                 device: str = "cpu") -> tuple[list[ServerSpec], dict[str, str]]:
     """The servers --servers names for this model, and why any of them cannot run."""
     specs, skipped = [], {}
     for name in args.servers.split(","):
@@ -331,7 +339,7 @@ def server_specs(args: argparse.Namespace, model: BenchModel) -> tuple[list[Serv
         elif not args.llama_server:
             skipped[name] = "no llama-server on PATH (install llama.cpp or pass --llama-server)"
         else:
-            specs.append(llama_cpp(args.llama_server))
+            specs.append(llama_cpp(args.llama_server, gpu=device == "gpu"))
     return specs, skipped
 
 
@@ -341,7 +349,7 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
     wanted = args.workloads.split(",")
     workloads = [w for w in build_all(model.directory, shapes, args.seed) if w.name in wanted]
     warm_up = build_warm_up(model.directory, shapes, args.seed)
-    specs, skipped = server_specs(args, model)
+    specs, skipped = server_specs(args, model, device)
     for name, reason in skipped.items():
         print(f"bench: not running {name}: {reason}", file=sys.stderr, flush=True)
     results: dict = {

@@ -11,7 +11,9 @@
 # each shape's `python -m bench` (e.g. --no-structured). snapshot_models (tiny
 # sliding-window and hybrid demo models, whatever the shape) runs once, into OUT/snapshot-models/.
 # With single_stream, each shape's decode parity (bench/decode_parity.py) goes to
-# OUT/<shape>-decode-parity/.
+# OUT/<shape>-decode-parity/. BENCH_LLAMA_SERVER=PATH (llama.cpp's `llama-server`, built
+# with CUDA) adds llama.cpp as a third server, on the shape exported to a bf16 GGUF
+# (bench/gguf_export.py), with bench/servers.py's GPU flags (64 slots, --cache-reuse).
 #
 # Scale-out on a machine with two GPUs (docs/scale-out.md), default shape llama-8b:
 #   bash bench/gpu.sh --scale-out OUT [shape ...]
@@ -73,7 +75,13 @@ for s in "${shapes[@]}"; do
   [ -n "$per_shape" ] || break
   name=$s$suffix
   python3 -m bench.models "$models/$name" --shape "$s" --dtype bfloat16 "${tokenizer[@]}"
-  python3 -m bench --model "$models/$name" --out "$out/$name" --no-plots \
+  peer=()
+  if [ -n "${BENCH_LLAMA_SERVER:-}" ]; then
+    python3 -m bench.gguf_export "$models/$name" "$models/$name.gguf" --dtype bfloat16
+    peer=(--servers radix-mlx,mlx-lm,llama-cpp --llama-server "$BENCH_LLAMA_SERVER"
+      --llama-cpp-gguf "$models/$name.gguf")
+  fi
+  python3 -m bench --model "$models/$name" --out "$out/$name" --no-plots "${peer[@]}" \
     --no-restart-per-workload --workloads "$per_shape" \
     --radix-mlx-args "--max-batch-size 64" --mlx-lm-args "--decode-concurrency 64" \
     "${sizes[@]}" --ns-prompts 32 --ns-prompt-tokens 1000 --ns-output-tokens 64 \
@@ -88,7 +96,7 @@ for s in "${shapes[@]}"; do
     python3 -m bench.decode_parity "$models/$name" --max-tokens 256 --repeats 9 \
       --out "$out/$name-decode-parity"
   fi
-  [ -n "${BENCH_KEEP_MODELS:-}" ] || rm -rf "${models:?}/$name"
+  [ -n "${BENCH_KEEP_MODELS:-}" ] || rm -rf "${models:?}/$name" "${models:?}/$name.gguf"
 done
 if grep -qx snapshot_models <<< "$(tr , '\n' <<< "$wanted")"; then
   python3 -m bench --workloads snapshot_models --out "$out" "${sizes[@]}"

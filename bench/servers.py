@@ -74,11 +74,20 @@ LLAMA_CPP = "llama-cpp"
 # shared by all of them as the default auto mode has it (a fixed split would give each
 # slot 1/16 of the context, less than long_context's document).
 LLAMA_CPP_ARGS = ("--parallel", "16", "--kv-unified", "--ctx-size", "32768")
+# On a GPU: a slot per stream of the GPU workloads (batch_decode's 64), one KV pool for all
+# of them (131072 tokens: 16 concurrent 2100-token shared-prefix prompts, or the 6000-token
+# document, fit many times over), every layer on the GPU, and --cache-reuse, which its
+# docs advise beside prompt caching (a slot reuses chunks of >= 256 cached tokens by
+# shifting their KV).
+LLAMA_CPP_GPU_ARGS = ("--parallel", "64", "--kv-unified", "--ctx-size", "131072",
+                      "--n-gpu-layers", "all", "--cache-reuse", "256")
 REPLICA_POLICIES = ("cache_aware", "round_robin")
 
 
-def llama_cpp(binary: str) -> ServerSpec:
-    """llama.cpp's own C++ server (`llama-server`) on the GGUF file the model came from."""
+def llama_cpp(binary: str, gpu: bool = False) -> ServerSpec:
+    """llama.cpp's own C++ server (`llama-server`) on the GGUF file the model came from
+    (on a GPU, with its CUDA backend: `gpu` picks the GPU flags)."""
+    args = LLAMA_CPP_GPU_ARGS if gpu else LLAMA_CPP_ARGS
     version = subprocess.run([binary, "--version"], capture_output=True, text=True,
                              timeout=60, check=False)
     built = " ".join(line.strip() for line in (version.stdout + version.stderr).splitlines()
@@ -88,14 +97,15 @@ def llama_cpp(binary: str) -> ServerSpec:
         module="",
         executable=binary,
         serves_gguf=True,
-        args=LLAMA_CPP_ARGS,
+        args=args,
         # Honoured on its OpenAI endpoints too: it reads every native sampling field there.
         extra={"ignore_eos": True},
         metrics=False,
         notes=f"llama-server ({built or 'version unknown'}) on the GGUF file itself (its "
-              "own quantized kernels), "
-              f"{' '.join(LLAMA_CPP_ARGS)}; otherwise its defaults: cache_prompt on, "
-              "8 GiB host-memory prompt cache (--cache-ram), threads = cores, "
+              f"own {'CUDA' if gpu else 'CPU'} kernels), "
+              f"{' '.join(args)}; otherwise its defaults: cache_prompt on, "
+              "8 GiB host-memory prompt cache (--cache-ram), idle slots saved to it, "
+              "threads = cores, flash attention auto, "
               "chat template from the file (jinja); ignore_eos sent; not run on list "
               "prompts (it answers each but its usage counts only the first)",
         list_prompts=False,

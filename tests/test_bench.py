@@ -297,3 +297,29 @@ def test_llama_cpp_gets_its_own_ratio_table(tmp_path: Path) -> None:
     llama_table = text.split("## Ratios (radix-mlx / llama-cpp)")[1]
     assert "| no_share | 0.50x | n/a | 2.00x |" in llama_table
     assert "- llama-cpp: `llama-server --model m`" in text
+
+
+def test_a_bench_model_exported_to_gguf_computes_what_it_did(demo_model_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """bench.gguf_export writes what llama.cpp loads for the GPU peer; read back the way
+    `radix-mlx serve` reads a GGUF, it gives the directory's logits and tokens."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from bench.gguf_export import export, pre_tokenizer_name
+    from engine.gguf import GPT2_SPLIT, convert, read_gguf
+
+    path = export(demo_model_dir, tmp_path / "tiny.gguf", dtype="float32")
+    gguf = read_gguf(path)
+    assert gguf.metadata["tokenizer.ggml.pre"] == "gpt-2"  # the demo's plain byte-level BPE
+    assert pre_tokenizer_name({"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r"\p{N}"}},
+        {"type": "Split", "pattern": {"Regex": GPT2_SPLIT}}]}}) == "smollm"
+    original, tokenizer = load(str(demo_model_dir))
+    exported, their_tokenizer = load(str(convert(path, tmp_path / "back", "float32")))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Count: 1 2 3"}],
+                                           add_generation_prompt=True)
+    assert their_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Count: 1 2 3"}], add_generation_prompt=True) == prompt
+    tokens = mx.array([prompt])
+    assert mx.allclose(original(tokens), exported(tokens), atol=1e-4).item()

@@ -8,29 +8,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from engine.demo_model import SPECIAL_TOKENS
-
-# mlx-lm name stem -> GGUF name stem (per layer, then global).
-LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-}
-GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
-                "lm_head": "output"}
-
-
-def gguf_name(name: str) -> str:
-    stem, _, suffix = name.rpartition(".")
-    if stem in GLOBAL_NAMES:
-        return f"{GLOBAL_NAMES[stem]}.{suffix}"
-    _, _, layer, rest = stem.split(".", 3)
-    return f"blk.{layer}.{LAYER_NAMES[rest]}.{suffix}"
+from bench.gguf_export import add_hyperparameters, add_tokenizer, gguf_name, interleave_rope_rows
 
 
 def demo_variant(model_dir: Path, out: Path, family: str) -> Path:
@@ -58,12 +39,6 @@ def demo_variant(model_dir: Path, out: Path, family: str) -> Path:
     return out
 
 
-def permute_for_interleaved_rope(weight: np.ndarray, heads: int) -> np.ndarray:
-    """What llama.cpp's converter does to llama's Q/K rows."""
-    rows = weight.shape[0]
-    return weight.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
-
-
 def write_demo_gguf(
     model_dir: Path,
     path: Path,
@@ -77,33 +52,9 @@ def write_demo_gguf(
     unless told not to. Returns what each mlx-lm-named weight holds once read back (after
     quantization and permutation)."""
     config = json.loads((model_dir / "config.json").read_text())
-    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
-    template = json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
     writer = GGUFWriter(str(path), architecture)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_theta"])
-    vocab = tokenizer["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([TokenType.CONTROL if t in SPECIAL_TOKENS else TokenType.NORMAL
-                            for t in tokens])
-    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m
-                             for m in tokenizer["model"]["merges"]])
-    writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"][0])
-    writer.add_eot_token_id(config["eos_token_id"][1])
-    writer.add_add_bos_token(False)
-    if chat_template:
-        writer.add_chat_template(template)
+    add_hyperparameters(writer, config)
+    add_tokenizer(writer, model_dir, config, chat_template=chat_template)
 
     stored = {}
     for name, value in sorted(mx.load(str(model_dir / "model.safetensors")).items()):
@@ -111,7 +62,7 @@ def write_demo_gguf(
         if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads" if "q_proj" in name
                            else "num_key_value_heads"]
-            weight = permute_for_interleaved_rope(weight, heads)
+            weight = interleave_rope_rows(weight, heads)
         kind = GGMLQuantizationType.F32
         if weight.ndim == 2:
             embedding = name.startswith("model.embed_tokens")
