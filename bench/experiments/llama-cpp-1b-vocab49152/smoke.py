@@ -2,7 +2,7 @@
 model, put it on the GPU, and count a chat prompt's tokens as the MLX servers' tokenizer
 does (same template, same ids)?
 
-    python bench/experiments/llama-cpp-gpu/smoke.py LLAMA_SERVER MODEL_DIR MODEL.gguf LOG
+    python bench/experiments/llama-cpp-1b-vocab49152/smoke.py LLAMA_SERVER MODEL_DIR MODEL.gguf LOG
 """
 
 import os
