@@ -156,7 +156,8 @@ class Settings(BaseModel):
         None, description="require 'Authorization: Bearer KEY'; prefer the env var or the file"
     )
     served_model_names: list[NonEmpty] = Field(
-        [], description="names the model answers to in requests and /v1/models"
+        [], description="names the model (with several, the first) answers to in "
+        "requests and /v1/models"
     )
     unnamed_model_aliases: list[NonEmpty] = Field(
         [], description="model names that mean no model in particular (SGLang's router "
@@ -341,9 +342,6 @@ class Settings(BaseModel):
                              "more than one model")
         if self.several_models and self.tensor_parallel > 1:
             raise ValueError("tensor_parallel serves one model: not with several models")
-        if self.several_models and self.served_model_names:
-            raise ValueError("with several models, each model's table names its aliases "
-                             "(served_model_names is for one model)")
         return self
 
     def model_specs(self) -> list["ModelSpec"]:

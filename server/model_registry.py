@@ -200,15 +200,15 @@ class ModelRegistry:
         if name is None or name in self.settings.unnamed_model_aliases:
             return self.default
         for model in self.models:
-            if name in model.names or (not self.on_demand
-                                        and name in self.settings.served_model_names):
+            if name in self.names_of(model):
                 return model
         known = [served for model in self.models for served in self.names_of(model)]
         raise APIError(404, f"The model '{name}' does not exist; this server serves {known}.",
                        code="model_not_found", param="model")
 
     def names_of(self, model: ServedModel) -> list[str]:
-        if self.on_demand:
+        """Its id and aliases; the first model's also served_model_names."""
+        if model is not self.default:
             return model.names
         return list(dict.fromkeys([*model.names, *self.settings.served_model_names]))
 
@@ -328,7 +328,13 @@ class ModelRegistry:
                        if other is not model and other.engine is not None
                        and not other.spec.pinned and other.loading is None]
             if not movable:
-                raise self._no_room(model, free)
+                if not any(other.loading for other in self.models if other is not model):
+                    raise self._no_room(model, free)
+                # Loading models hold the room; once loaded, they can make it.
+                if time.monotonic() > deadline:
+                    raise self._still_loading(model)
+                await asyncio.sleep(WATCH_SECONDS / 4)
+                continue
             idle = [other for other in movable if other.inflight == 0]
             victim = min(idle or movable, key=lambda other: other.last_used)
             log.info("unloading model %s (least recently used) to make room for %s",
