@@ -195,14 +195,15 @@ def wait_healthy(process: subprocess.Popen, base_url: str, timeout: float,
 
 
 @contextlib.contextmanager
-def running(spec: ServerSpec, model: Path, env: dict[str, str], log_path: Path,
+def running(spec: ServerSpec, model: Path | None, env: dict[str, str], log_path: Path,
             extra_args: Sequence[str] = (), ready_timeout: float = 900.0,
             cwd: Path | None = None) -> Iterator[RunningServer]:
-    """Start `spec` on `model`, yield once /health is 200, and always stop it. `cwd`: the
-    source tree `python -m` runs it from (another checkout of radix-mlx, for A/B runs)."""
+    """Start `spec` on `model` (None: `extra_args` name the models), yield once /health is
+    200, and always stop it. `cwd`: the source tree `python -m` runs it from (another
+    checkout of radix-mlx, for A/B runs)."""
     port = free_port()
     program = [spec.executable] if spec.executable else [sys.executable, "-m", spec.module]
-    argv = [*program, *spec.command, "--model", str(model),
+    argv = [*program, *spec.command, *(["--model", str(model)] if model else []),
             "--host", "127.0.0.1", "--port", str(port), *spec.args,
             *extra_args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
