@@ -235,12 +235,13 @@ def stop(process: subprocess.Popen) -> None:
 
 
 async def scrape_active_memory(client: httpx.AsyncClient, base_url: str) -> int | None:
-    """radix-mlx's MLX active memory gauge from /metrics, or None if unavailable."""
+    """radix-mlx's MLX active memory gauge from /metrics (summed over its models), or None
+    if unavailable."""
     try:
         text = (await client.get(f"{base_url}/metrics")).text
     except httpx.HTTPError:
         return None
-    for line in text.splitlines():
-        if line.startswith("radix_mlx_active_memory_bytes "):
-            return int(float(line.split()[1]))
-    return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(("radix_mlx_active_memory_bytes ",
+                                  "radix_mlx_active_memory_bytes{"))]
+    return int(sum(values)) if values else None
