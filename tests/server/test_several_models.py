@@ -79,37 +79,60 @@ def gemma_file() -> Path:
 
 
 @pytest.fixture(scope="module")
-def pair(real_model_dir: Path, gemma_file: Path,
+def demos(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Copies of the demo model: models that load in a second, for the budget to juggle."""
+    root = tmp_path_factory.mktemp("demos")
+    return [Path(shutil.copytree(demo_model_dir, root / f"demo-{i}")) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def pair(real_model_dir: Path, gemma_file: Path, demos: list[Path],
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """SmolLM2, pinned, and Gemma, loaded on its first request."""
-    server = start_models(tmp_path_factory.mktemp("pair"), [
+    """SmolLM2, pinned, and Gemma, loaded on its first request; beside them a demo model
+    (`tiny`), one that unloads after a second idle (`idle`) and one that cannot load, all
+    with their disk tiers."""
+    directory = tmp_path_factory.mktemp("pair")
+    broken = directory / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    server = start_models(directory, [
         {"id": "smol", "source": str(real_model_dir), "aliases": ["gpt-4o-mini"],
          "pinned": True},
         {"id": "gemma", "source": str(gemma_file), "gguf_dtype": "float32"},
-    ])
+        {"id": "tiny", "source": str(demos[0])},
+        {"id": "idle", "source": str(demos[1]), "idle_timeout": 1.0},
+        {"id": "broken", "source": str(broken)},
+    ], "--disk-cache-bytes", str(GIB), "--disk-cache-dir", str(directory / "kv"))
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def demos(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """Three copies of the demo model: three models for the budget to juggle."""
-    root = tmp_path_factory.mktemp("demos")
-    return [Path(shutil.copytree(demo_model_dir, root / f"demo-{i}")) for i in range(3)]
+def budget(demos: list[Path], tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[ServerProcess]:
+    """Three demo models with room for two, and one that never fits."""
+    tables = [{"id": f"d{i}", "source": str(path), "memory_bytes": GIB}
+              for i, path in enumerate(demos)]
+    tables.append({"id": "huge", "source": str(demos[0]), "memory_bytes": 3 * GIB})
+    server = start_models(tmp_path_factory.mktemp("budget"), tables,
+                          "--memory-limit-bytes", str(int(2.5 * GIB)), "--load-timeout", "10")
+    yield server
+    assert server.stop() == 0
 
 
 def test_a_model_loads_on_its_first_requests_which_share_one_load(pair: ServerProcess) -> None:
-    assert states(pair) == {"smol": "loaded", "gpt-4o-mini": "loaded", "gemma": "unloaded"}
+    assert states(pair) == {"smol": "loaded", "gpt-4o-mini": "loaded", "gemma": "unloaded",
+                            "tiny": "unloaded", "idle": "unloaded", "broken": "unloaded"}
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         replies = list(pool.map(lambda _: chat(pair, "gemma"), range(4)))
     assert [reply.status_code for reply in replies] == [200] * 4
     assert {reply.json()["model"] for reply in replies} == {"gemma"}
     assert states(pair)["gemma"] == "loaded"
-    assert model_series(pair, "radix_mlx_model_loads_total") == {"smol": 1, "gemma": 1}
+    loads = model_series(pair, "radix_mlx_model_loads_total")
+    assert loads["smol"] == 1 and loads["gemma"] == 1
     health = httpx.get(f"{pair.url}/health", timeout=10).json()
     assert health["status"] == "ready"
-    assert {m["id"]: m["state"] for m in health["models"]} == {"smol": "loaded",
-                                                                "gemma": "loaded"}
+    assert {m["id"]: m["state"] for m in health["models"]}["gemma"] == "loaded"
 
 
 def test_every_api_routes_by_model(pair: ServerProcess) -> None:
@@ -150,7 +173,7 @@ def test_an_unknown_model_is_a_404_in_each_apis_shape_and_loads_nothing(
                            timeout=30)
         assert reply.status_code == 404, path
         assert reply.json()["error"]["code"] == "model_not_found"
-    assert set(states(pair)) == {"smol", "gpt-4o-mini", "gemma"}
+    assert set(states(pair)) == {"smol", "gpt-4o-mini", "gemma", "tiny", "idle", "broken"}
 
 
 def test_a_greedy_answer_is_the_one_model_servers(pair: ServerProcess,
@@ -191,74 +214,59 @@ def test_a_killed_model_fails_its_requests_only_and_reloads(pair: ServerProcess)
     assert model_series(pair, "radix_mlx_model_loads_total")["gemma"] == 2
 
 
-def test_the_budget_unloads_the_least_recently_used_idle_model(
-        demos: list[Path], tmp_path: Path) -> None:
+def test_the_budget_unloads_the_least_recently_used_idle_model(budget: ServerProcess) -> None:
     """Three models, room for two: the third's load unloads the least recently used idle
     one. A model with a request in flight is never unloaded: when both loaded models are
     busy, the third waits until one is done (its new requests wait too), and gets a 503
     with Retry-After only when that takes longer than load_timeout. A model that can never
     fit gets its 503 at once."""
-    tables = [{"id": f"d{i}", "source": str(path), "memory_bytes": GIB}
-              for i, path in enumerate(demos)]
-    tables.append({"id": "huge", "source": str(demos[0]), "memory_bytes": 3 * GIB})
-    server = start_models(tmp_path, tables, "--memory-limit-bytes", str(int(2.5 * GIB)),
-                          "--load-timeout", "8")
-    try:
-        for model in ("d0", "d1", "d2"):
-            assert load(server, model).status_code == 200
-        assert states(server) == {"d0": "unloaded", "d1": "loaded", "d2": "loaded",
-                                  "huge": "unloaded"}
-        with busy(server, "d1"):
-            # d1 is in flight (and least recently used): d2 makes the room for d0.
-            assert load(server, "d0").status_code == 200
-            assert states(server)["d2"] == "unloaded"
-            with busy(server, "d0"):
-                refused = chat(server, "d2")
-                assert refused.status_code == 503
-                assert refused.headers["retry-after"].isdigit()
-                assert "load_timeout" in refused.json()["error"]["message"]
-                assert states(server) == {"d0": "loaded", "d1": "loaded", "d2": "unloaded",
-                                          "huge": "unloaded"}
-            # d0's stream is over: d2 takes its room.
-            wait_until(lambda: chat(server, "d2").status_code == 200, "room again")
-            assert states(server)["d0"] == "unloaded"
-        never = httpx.post(f"{server.url}/v1/messages", headers=AUTH, timeout=30,
-                           json={"model": "huge", "max_tokens": 4, "messages": HI})
-        assert never.status_code == 503
-        assert never.json()["error"]["type"] == "overloaded_error"
-        assert "no room" in never.json()["error"]["message"]
-        assert model_series(server, "radix_mlx_model_unloads_total") == {
-            "d0": 2, "d1": 0, "d2": 1, "huge": 0}
-        assert model_series(server, "radix_mlx_model_memory_bytes") == {
-            "d0": 0, "d1": GIB, "d2": GIB, "huge": 0}
-    finally:
-        assert server.stop() == 0
+    for model in ("d0", "d1", "d2"):
+        assert load(budget, model).status_code == 200
+    assert states(budget) == {"d0": "unloaded", "d1": "loaded", "d2": "loaded",
+                              "huge": "unloaded"}
+    with busy(budget, "d1"):
+        # d1 is in flight (and least recently used): d2 makes the room for d0.
+        assert load(budget, "d0").status_code == 200
+        assert states(budget)["d2"] == "unloaded"
+        with busy(budget, "d0"):
+            refused = chat(budget, "d2")
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"].isdigit()
+            assert "load_timeout" in refused.json()["error"]["message"]
+            assert states(budget) == {"d0": "loaded", "d1": "loaded", "d2": "unloaded",
+                                      "huge": "unloaded"}
+        # d0's stream is over: d2 takes its room.
+        wait_until(lambda: chat(budget, "d2").status_code == 200, "room again")
+        assert states(budget)["d0"] == "unloaded"
+    never = httpx.post(f"{budget.url}/v1/messages", headers=AUTH, timeout=30,
+                       json={"model": "huge", "max_tokens": 4, "messages": HI})
+    assert never.status_code == 503
+    assert never.json()["error"]["type"] == "overloaded_error"
+    assert "no room" in never.json()["error"]["message"]
+    assert model_series(budget, "radix_mlx_model_unloads_total") == {
+        "d0": 2, "d1": 0, "d2": 1, "huge": 0}
+    assert model_series(budget, "radix_mlx_model_memory_bytes") == {
+        "d0": 0, "d1": GIB, "d2": GIB, "huge": 0}
+
+
+def test_a_model_waiting_for_room_gets_it_when_a_busy_one_is_done(
+        budget: ServerProcess) -> None:
+    """Under requests for two loaded models, a third model's request is not refused: the
+    least recently used model takes no new requests, finishes its own, unloads, and the
+    third loads in its place."""
+    loaded = [model for model, state in states(budget).items() if state == "loaded"]
+    waiting_for = next(model for model in ("d0", "d1", "d2") if model not in loaded)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with busy(budget, loaded[0]), busy(budget, loaded[1]):
+            waiting = pool.submit(chat, budget, waiting_for)
+            time.sleep(1.0)
+            assert not waiting.done()
+        assert waiting.result().status_code == 200
+    assert states(budget)[waiting_for] == "loaded"
 
 
 def load(server: ServerProcess, model: str) -> httpx.Response:
     return httpx.post(f"{server.url}/admin/models/{model}/load", headers=AUTH, timeout=120)
-
-
-def test_a_model_waiting_for_room_gets_it_when_a_busy_one_is_done(
-        demos: list[Path], tmp_path: Path) -> None:
-    """Under a flood of requests for two loaded models, a third model's request is not
-    refused: the least recently used model takes no new requests, finishes its own,
-    unloads, and the third loads in its place."""
-    server = start_models(tmp_path, [
-        {"id": f"d{i}", "source": str(path), "memory_bytes": GIB} for i, path in enumerate(demos)
-    ], "--memory-limit-bytes", str(int(2.5 * GIB)))
-    try:
-        assert chat(server, "d0").status_code == 200
-        assert chat(server, "d1").status_code == 200
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            with busy(server, "d0"), busy(server, "d1"):
-                waiting = pool.submit(chat, server, "d2")
-                time.sleep(1.0)
-                assert not waiting.done()
-            assert waiting.result().status_code == 200
-        assert states(server)["d2"] == "loaded"
-    finally:
-        assert server.stop() == 0
 
 
 class busy:
@@ -283,69 +291,46 @@ class busy:
 
 
 def test_idle_models_unload_pinned_ones_stay_and_a_reload_finds_its_cache(
-        demos: list[Path], tmp_path: Path) -> None:
+        pair: ServerProcess) -> None:
     """An unload keeps the model's disk tier: after an idle unload the same prompt is
-    served from the cache the first model's engine wrote."""
-    server = start_models(tmp_path, [
-        {"id": "pinned", "source": str(demos[0]), "pinned": True},
-        {"id": "idle", "source": str(demos[1]), "idle_timeout": 1.0},
-    ], "--disk-cache-bytes", str(GIB), "--disk-cache-dir", str(tmp_path / "kv"))
-    try:
-        assert states(server) == {"pinned": "loaded", "idle": "unloaded"}
-        prompt = "The quick brown fox jumps over the lazy dog. " * 40
-        body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
-        first = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=120,
-                           json={**body, "model": "idle"}).json()
-        wait_until(lambda: states(server)["idle"] == "unloaded", "unloaded when idle")
-        assert states(server)["pinned"] == "loaded"
-        again = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=120,
-                           json={**body, "model": "idle"}).json()
-        assert again["choices"][0]["text"] == first["choices"][0]["text"]
-        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= 0.9 * again["usage"]["prompt_tokens"]
-        admin = httpx.post(f"{server.url}/admin/models/pinned/unload", headers=AUTH, timeout=30)
-        assert admin.status_code == 409
-    finally:
-        assert server.stop() == 0
+    served from the cache the first engine of the model wrote."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 40
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "model": "idle"}
+    first = httpx.post(f"{pair.url}/v1/completions", headers=AUTH, timeout=120,
+                       json=body).json()
+    wait_until(lambda: states(pair)["idle"] == "unloaded", "unloaded when idle")
+    assert states(pair)["smol"] == "loaded"
+    again = httpx.post(f"{pair.url}/v1/completions", headers=AUTH, timeout=120,
+                       json=body).json()
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 0.9 * again["usage"]["prompt_tokens"]
+    pinned = httpx.post(f"{pair.url}/admin/models/smol/unload", headers=AUTH, timeout=30)
+    assert pinned.status_code == 409
 
 
 def test_operators_load_and_unload_and_a_stream_waits_for_its_load(
-        demos: list[Path], tmp_path: Path) -> None:
-    server = start_models(tmp_path, [{"id": "a", "source": str(demos[0])},
-                                     {"id": "b", "source": str(demos[1])}])
-    try:
-        assert load(server, "a").json() == {"id": "a", "state": "loaded"}
-        assert httpx.post(f"{server.url}/admin/models/a/unload", headers=AUTH,
-                          timeout=60).json() == {"id": "a", "state": "unloaded"}
-        missing = httpx.post(f"{server.url}/admin/models/zzz/load", headers=AUTH, timeout=10)
-        assert missing.status_code == 404
-        # A streaming client of an unloaded model gets its stream as usual.
-        body = {"model": "b", "messages": HI, "max_tokens": 4, "stream": True}
-        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
-                          headers=AUTH, timeout=120) as stream:
-            assert stream.status_code == 200
-            assert stream.headers["content-type"].startswith("text/event-stream")
-            events = [line for line in stream.iter_lines() if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]"
-        assert json.loads(events[0][len("data: "):])["model"] == "b"
-    finally:
-        assert server.stop() == 0
+        pair: ServerProcess) -> None:
+    assert load(pair, "tiny").json() == {"id": "tiny", "state": "loaded"}
+    assert httpx.post(f"{pair.url}/admin/models/tiny/unload", headers=AUTH,
+                      timeout=60).json() == {"id": "tiny", "state": "unloaded"}
+    assert load(pair, "zzz").status_code == 404
+    # A streaming client of an unloaded model gets its stream as usual.
+    body = {"model": "tiny", "messages": HI, "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{pair.url}/v1/chat/completions", json=body,
+                      headers=AUTH, timeout=120) as stream:
+        assert stream.status_code == 200
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[0][len("data: "):])["model"] == "tiny"
 
 
-def test_a_failed_load_names_its_cause_and_can_be_tried_again(tmp_path: Path,
-                                                               demos: list[Path]) -> None:
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "config.json").write_text("{}")
-    server = start_models(tmp_path, [{"id": "ok", "source": str(demos[0])},
-                                     {"id": "broken", "source": str(broken)}])
-    try:
-        for _ in range(2):  # each request tries again
-            reply = chat(server, "broken")
-            assert reply.status_code == 503
-            assert reply.json()["error"]["code"] == "model_load_failed"
-            assert "failed to load" in reply.json()["error"]["message"]
-        assert chat(server, "ok").status_code == 200
-        assert states(server)["broken"] == "unloaded"
-    finally:
-        assert server.stop() == 0
+def test_a_failed_load_names_its_cause_and_can_be_tried_again(pair: ServerProcess) -> None:
+    for _ in range(2):  # each request tries again
+        reply = chat(pair, "broken")
+        assert reply.status_code == 503
+        assert reply.json()["error"]["code"] == "model_load_failed"
+        assert "failed to load" in reply.json()["error"]["message"]
+    assert states(pair)["broken"] == "unloaded"
+    assert chat(pair, "smol").status_code == 200
