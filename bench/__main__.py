@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import httpx
 
-from bench import disk_tier, hardware, report, snapshot_models
+from bench import disk_tier, hardware, report, several_models, snapshot_models
 from bench.client import run_workload
 from bench.servers import (
     LLAMA_CPP,
@@ -64,7 +64,8 @@ METRICS_POLL_SECONDS = 0.5
 
 
 def all_workloads() -> list[str]:
-    return [*WORKLOADS, *disk_tier.WORKLOADS, *snapshot_models.WORKLOADS]
+    return [*WORKLOADS, *disk_tier.WORKLOADS, *several_models.WORKLOADS,
+            *snapshot_models.WORKLOADS]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -81,7 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workloads", default=",".join(all_workloads()),
                         help=f"comma-separated, from {all_workloads()} "
                              f"({', '.join(disk_tier.WORKLOADS)}: radix-mlx with and without "
-                             f"its disk tier; {snapshot_models.WORKLOADS[0]}: shared_prefix and "
+                             f"its disk tier; {', '.join(several_models.WORKLOADS)}: several "
+                             "models in one server against one; "
+                             f"{snapshot_models.WORKLOADS[0]}: shared_prefix and "
                              "multi_turn on tiny sliding-window and hybrid models, whatever "
                              "--model says)")
     parser.add_argument("--quick", action="store_true", help="toy sizes, for a smoke run")
@@ -392,6 +395,10 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
         print("bench: radix-mlx with and without its disk tier", file=sys.stderr, flush=True)
         results["disk_tier"] = disk_tier.run(wanted, model.directory, shapes, env, out,
                                              args.seed)
+    if set(wanted) & set(several_models.WORKLOADS):
+        print("bench: several models in one server", file=sys.stderr, flush=True)
+        results["several_models"] = several_models.run(wanted, model.directory, shapes, env,
+                                                       out, args.seed)
     if not args.no_raw:
         if "single_stream" in wanted:
             print("bench: bare mlx_lm.stream_generate", file=sys.stderr, flush=True)

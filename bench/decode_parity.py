@@ -129,7 +129,7 @@ def server_counters(base_url: str) -> Counters:
     def read() -> tuple[float, float, float]:
         text = httpx.get(f"{base_url}/metrics", timeout=60).text
         values = {sample.name: sample.value for family in text_string_to_metric_families(text)
-                  for sample in family.samples if not sample.labels}
+                  for sample in family.samples if set(sample.labels) <= {"model"}}
         return tuple(values[f"radix_mlx_engine_{name}_total"]
                      for name in ("steps", "step_seconds", "step_cpu_seconds"))
 

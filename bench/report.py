@@ -201,6 +201,23 @@ def target_values(results: dict) -> list[tuple]:
         rows.append(("agent working set 3x memory: output tok/s, disk tier / memory only",
                      disk["agent_working_set"]["throughput_ratio"], ">= 2.0",
                      lambda v: v >= 2.0))
+    several = results.get("several_models", {})
+    if "model_switching" in several:
+        rows.append(("two loaded models asked in turn: TTFT p50 / one model's",
+                     several["model_switching"]["ttft_ratio"], "<= 1.1", lambda v: v <= 1.1))
+    if "idle_reload" in several:
+        reload = several["idle_reload"]
+        rows.append(("after an idle unload and reload: cached share of the prompt",
+                     reload["cached_fraction"], ">= 0.9", lambda v: v >= 0.9))
+        rows.append(("after an idle unload and reload: TTFT / cold",
+                     reload["ttft_ratio"], "<= 0.2", lambda v: v <= 0.2))
+    if "model_flood" in several:
+        flood = several["model_flood"]
+        rows.append(("flood over 3 models, budget for 2: failed requests",
+                     flood["three models"]["errors"], "0", lambda v: v == 0))
+        rows.append(("flood over 3 models: greedy answers equal to one model's",
+                     flood["identical_answers"] / flood["three models"]["requests"], "1.0",
+                     lambda v: v == 1))
     raw_batch = results.get("raw_batch", {})
     if "batch_decode" in raw_batch:
         rows.append(("batch decode output tok/s vs bare mlx-lm BatchGenerator",
@@ -356,6 +373,7 @@ def markdown(results: dict) -> str:
         lines.append(f"| {server} | {fmt(summary.get('ttft_cold'), '{:.3f}')} | "
                      f"{fmt(summary.get('ttft_warm_p50'), '{:.3f}')} |")
     lines += disk_tier_section(results.get("disk_tier", {}))
+    lines += several_models_section(results.get("several_models", {}))
     lines += ["", "## Single-stream decode (engine overhead)", "",
               "| path | decode tok/s |", "|---|---:|"]
     for server, data in single.items():
@@ -508,6 +526,43 @@ def disk_tier_section(disk: dict) -> list[str]:
         lines += ["", (f"Throughput {fmt(agents['throughput_ratio'], '{:.2f}x')}, TTFT p50 "
                   f"{fmt(agents['ttft_ratio'], '{:.2f}x')} (disk tier / memory only).")]
     return lines
+
+
+def several_models_section(several: dict) -> list[str]:
+    """Several models in one server (copies of the model under other ids) against one."""
+    parts = [(several.get("model_switching"), _switching_lines),
+             (several.get("idle_reload"), _reload_lines),
+             (several.get("model_flood"), _flood_lines)]
+    lines = [line for result, describe in parts if result for line in describe(result)]
+    return ["", "## Several models in one server", "", *lines] if lines else []
+
+
+def _switching_lines(switching: dict) -> list[str]:
+    one, two = switching["one model"], switching["two models"]
+    return [(f"Switching: {two['requests']} requests one at a time, alternating between two "
+             f"loaded models: TTFT p50 {fmt(two['ttft_p50'], '{:.3f}')} s against "
+             f"{fmt(one['ttft_p50'], '{:.3f}')} s on one model "
+             f"({fmt(switching['ttft_ratio'], '{:.2f}x')})."), ""]
+
+
+def _reload_lines(reload: dict) -> list[str]:
+    return [(f"Idle unload and reload ({reload['prompt_tokens']} prompt tokens): cold TTFT "
+             f"{fmt(reload['ttft_cold'], '{:.3f}')} s; reload {reload['reload_seconds']:.1f} s; "
+             f"then TTFT {fmt(reload['ttft_after_reload'], '{:.3f}')} s "
+             f"({fmt(reload['ttft_ratio'], '{:.2f}x')}), {reload['cached_fraction']:.0%} "
+             f"cached, same output: {'yes' if reload['same_output'] else 'NO'}."), ""]
+
+
+def _flood_lines(flood: dict) -> list[str]:
+    rows = [f"| {label} | {flood[label]['wall_s']:.1f} | {flood[label]['errors']} | "
+            f"{flood[label]['errors_5xx']} | {fmt(flood[label].get('unloads'), '{:.0f}')} |"
+            for label in ("one model", "three models")]
+    requests = flood["three models"]["requests"]
+    return [(f"Flood: {requests} requests round robin over {flood['models']} models, "
+             f"{flood['concurrency']} at once, memory budget for {flood['budget_fits']}:"), "",
+            "| server | wall (s) | errors | 5xx | unloads |", "|---|---:|---:|---:|---:|",
+            *rows, "", (f"Greedy answers equal to the one-model server's: "
+                        f"{flood['identical_answers']} of {requests}.")]
 
 
 def write(results: dict, directory: Path, plots: bool = True) -> None:

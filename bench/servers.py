@@ -205,14 +205,15 @@ def wait_healthy(process: subprocess.Popen, base_url: str, timeout: float,
 
 
 @contextlib.contextmanager
-def running(spec: ServerSpec, model: Path, env: dict[str, str], log_path: Path,
+def running(spec: ServerSpec, model: Path | None, env: dict[str, str], log_path: Path,
             extra_args: Sequence[str] = (), ready_timeout: float = 900.0,
             cwd: Path | None = None) -> Iterator[RunningServer]:
-    """Start `spec` on `model`, yield once /health is 200, and always stop it. `cwd`: the
-    source tree `python -m` runs it from (another checkout of radix-mlx, for A/B runs)."""
+    """Start `spec` on `model` (None: `extra_args` name the models), yield once /health is
+    200, and always stop it. `cwd`: the source tree `python -m` runs it from (another
+    checkout of radix-mlx, for A/B runs)."""
     port = free_port()
     program = [spec.executable] if spec.executable else [sys.executable, "-m", spec.module]
-    argv = [*program, *spec.command, "--model", str(model),
+    argv = [*program, *spec.command, *(["--model", str(model)] if model else []),
             "--host", "127.0.0.1", "--port", str(port), *spec.args,
             *extra_args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -244,12 +245,13 @@ def stop(process: subprocess.Popen) -> None:
 
 
 async def scrape_active_memory(client: httpx.AsyncClient, base_url: str) -> int | None:
-    """radix-mlx's MLX active memory gauge from /metrics, or None if unavailable."""
+    """radix-mlx's MLX active memory gauge from /metrics (summed over its models), or None
+    if unavailable."""
     try:
         text = (await client.get(f"{base_url}/metrics")).text
     except httpx.HTTPError:
         return None
-    for line in text.splitlines():
-        if line.startswith("radix_mlx_active_memory_bytes "):
-            return int(float(line.split()[1]))
-    return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(("radix_mlx_active_memory_bytes ",
+                                  "radix_mlx_active_memory_bytes{"))]
+    return int(sum(values)) if values else None

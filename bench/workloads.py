@@ -73,6 +73,13 @@ class Shapes:
     ws_turns: int = 6
     ws_user_tokens: int = 64
     ws_output_tokens: int = 16
+    ms_requests: int = 16
+    ms_prompt_tokens: int = 256
+    ms_output_tokens: int = 8
+    mf_requests: int = 48
+    mf_concurrency: int = 8
+    mf_prompt_tokens: int = 128
+    mf_output_tokens: int = 16
     bd_streams: int = 16  # bench/gpu.sh: 64
     bd_prompt_tokens: int = 64
     bd_output_tokens: int = 32  # bench/gpu.sh: 128
@@ -94,7 +101,8 @@ QUICK = Shapes(
     decode_output_tokens=16, decode_repeats=1, so_prompt_tokens=32, so_output_tokens=32,
     so_repeats=1, wr_document_tokens=300,
     wr_output_tokens=8, ws_agents=3, ws_system_tokens=150, ws_turns=2, ws_user_tokens=24,
-    ws_output_tokens=8,
+    ws_output_tokens=8, ms_requests=6, ms_prompt_tokens=64, ms_output_tokens=4,
+    mf_requests=12, mf_concurrency=4, mf_prompt_tokens=32, mf_output_tokens=4,
     bd_streams=4,
     bd_prompt_tokens=16, bd_output_tokens=8, cl_sentences=8, cl_batch=4, cl_preamble_tokens=16,
     cl_sentence_tokens=8,

@@ -40,7 +40,12 @@ class Lifecycle(str, enum.Enum):
 
 @dataclass(frozen=True)
 class EngineConfig:
+    # A model directory or hub repo id; a .gguf file, or "" for the default model, is
+    # converted first (as `gguf_dtype` says) by the engine that loads it.
     model: str
+    gguf_dtype: str = "auto"
+    # The most tokens of one request, below the model's own window (None: the model's).
+    context_length: int | None = None
     cache_bytes: int | None = None
     cache_fraction: float = 0.5
     max_batch_size: int = 32

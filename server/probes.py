@@ -7,19 +7,28 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from engine.api import Lifecycle
 from server.http.json_body import JSONRoute
 from server.metrics import CONTENT_TYPE
+from server.model_registry import ModelState
 from server.schema import ResponseModel
 from server.state import server_state
 
 
+class ModelHealth(ResponseModel):
+    id: str
+    state: Literal["unloaded", "loading", "loaded"]
+    pinned: bool
+    error: str | None = None
+
+
 class Health(ResponseModel):
-    """/health: 200 when ready, the same body with 503 otherwise."""
+    """/health: 200 when ready, the same body with 503 otherwise. With several models the
+    server is ready once its pinned models are loaded; `models` tells each one's state."""
 
     status: Literal["loading", "warming_up", "ready", "failed", "draining"]
     model: str
     error: str | None = None
+    models: list[ModelHealth]
 
 
 probes = APIRouter(route_class=JSONRoute)
@@ -35,14 +44,21 @@ async def root() -> str:
 @probes.get("/health", responses={200: {"model": Health}, 503: {"model": Health}})
 async def health(request: Request) -> JSONResponse:
     state = server_state(request)
-    engine = state.engine
-    body: dict[str, object] = {"status": engine.state.value, "model": engine.model_id}
-    if engine.state is Lifecycle.FAILED:
-        body["error"] = engine.error
-    if state.drain.draining:
-        body["status"] = "draining"
-    ready = engine.state is Lifecycle.READY and not state.drain.draining
-    return JSONResponse(body, 200 if ready else 503)
+    models = state.models
+    first = models.default
+    if models.on_demand:
+        pinned_loading = any(model.spec.pinned and model.state is not ModelState.LOADED
+                             for model in models.models)
+        status = "loading" if pinned_loading else "ready"
+    else:
+        status = first.engine.state.value
+    body = Health(
+        status="draining" if state.drain.draining else status, model=first.id,
+        error=first.error if status == "failed" else None,
+        models=[ModelHealth(id=model.id, state=model.state.value, pinned=model.spec.pinned,
+                            error=model.error) for model in models.models],
+    ).model_dump(exclude_none=True)
+    return JSONResponse(body, 200 if body["status"] == "ready" else 503)
 
 
 @probes.get("/metrics", response_class=PlainTextResponse)

@@ -21,6 +21,15 @@ import pydantic_core
 from engine.api import SamplingKnobs
 from engine.tokenizer import ChatEnd
 
+# The knobs a model's table may give defaults for (server.config.SamplingDefaults).
+DEFAULTABLE_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def unset_knobs(body: object) -> frozenset[str]:
+    """The defaultable knobs an API body leaves unset (None, or absent from its API)."""
+    return frozenset(name for name in DEFAULTABLE_KNOBS if getattr(body, name, None) is None)
+
+
 # A chat message in the form Hugging Face chat templates take:
 #   {"role": "system" | "user" | "assistant" | "tool", "content": str | None,
 #    "tool_calls": [{"id", "type": "function", "function": {"name", "arguments": dict}}],
@@ -114,6 +123,9 @@ class GenerationRequest:
     # Temperature, top_p, stop, seed, penalties, ...: the pipeline makes each choice's
     # SamplingParams of them, with max_tokens and logprobs from the fields below.
     sampling: SamplingKnobs = field(default_factory=SamplingKnobs)
+    # The knobs of `sampling` the client left unset (so at their defaults): a model's own
+    # defaults (its table's `sampling`) replace them.
+    unset_sampling: frozenset[str] = frozenset()
     max_tokens: int | None = None  # None: the server's default, within the context window
     # max_tokens is only a cap, lowered to the server's max_output_tokens and to what the
     # context window leaves instead of refusing the request, and None means the rest of

@@ -28,9 +28,12 @@ POLL_SECONDS = 0.2
 
 
 async def prefill_warm_prompts(state: ServerState, path: Path) -> None:
-    engine = state.engine
-    while engine.state in (Lifecycle.LOADING, Lifecycle.WARMING_UP):
+    """Into the first model, once it is loaded."""
+    model = state.models.default
+    while model.engine is None or model.engine.state in (Lifecycle.LOADING,
+                                                         Lifecycle.WARMING_UP):
         await asyncio.sleep(POLL_SECONDS)
+    engine = model.engine
     if engine.state is not Lifecycle.READY:
         return
     if engine.disk is not None:

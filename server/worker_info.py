@@ -23,10 +23,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from engine.api import EngineError, SamplingParams
+from engine.api import EngineError, EngineStats, SamplingParams
 from server.admin import clear_cache
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
+from server.model_registry import ServedModel
 from server.state import ServerState, server_state
 
 worker_info = APIRouter(route_class=JSONRoute)
@@ -87,22 +88,25 @@ def server_version() -> str:
         return "0+unknown"
 
 
-def _ready(request: Request) -> ServerState:
+def _ready(request: Request) -> tuple[ServerState, ServedModel]:
+    """The server and its first model (a router's worker serves one), once loaded."""
     state = server_state(request)
-    state.ready_tokenizer()  # 503 while loading: the router retries registration
-    return state
+    model = state.models.default
+    model.tokenizer()  # 503 while loading: the router retries registration
+    return state, model
 
 
 @worker_info.get("/server_info")
 @worker_info.get("/get_server_info")
 async def server_info(request: Request) -> ServerInfo:
-    state = _ready(request)
-    engine = state.engine
+    state, model = _ready(request)
+    engine = model.engine
     stats = engine.stats()
+    names = state.models.names_of(model)
     return ServerInfo(
         model_path=engine.config.model,
-        served_model_name=state.model_ids()[0],
-        served_model_names=state.model_ids(),
+        served_model_name=names[0],
+        served_model_names=names,
         version=server_version(),
         context_length=engine.context_length,
         max_req_input_len=engine.context_length - 1,
@@ -116,8 +120,8 @@ async def server_info(request: Request) -> ServerInfo:
 @worker_info.get("/model_info")
 @worker_info.get("/get_model_info")
 async def model_info(request: Request) -> ModelInfo:
-    state = _ready(request)
-    engine = state.engine
+    _, model = _ready(request)
+    engine = model.engine
     return ModelInfo(
         model_path=engine.config.model, tokenizer_path=engine.config.model,
         context_length=engine.context_length, vocab_size=engine.tokenizer.vocab_size,
@@ -128,7 +132,8 @@ async def model_info(request: Request) -> ModelInfo:
 async def get_load(request: Request) -> list[WorkerLoad]:
     """The queue and running batch now; answered before the model is ready too (all
     zeros then), since a load probe must not fail a worker that is still loading."""
-    stats = server_state(request).engine.stats()
+    engines = server_state(request).models.engines()
+    stats = engines[0][1].stats() if engines else EngineStats()
     return [WorkerLoad(
         num_reqs=stats.waiting + stats.running, num_waiting_reqs=stats.waiting,
         num_running_reqs=stats.running, num_tokens=stats.tokens_in_flight,
@@ -148,8 +153,8 @@ async def flush_cache(request: Request) -> dict[str, Any]:
 async def health_generate(request: Request) -> dict[str, str]:
     """Healthy only if the engine generates a token now: a real step through the
     scheduler and the model, which /health (a state) does not show."""
-    state = server_state(request)
-    tokenizer, engine = state.ready_tokenizer(), state.engine
+    _, model = _ready(request)
+    tokenizer, engine = model.tokenizer(), model.engine
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     try:
         stream = engine.submit(tokenizer.encode("ping"), params)

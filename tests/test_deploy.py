@@ -195,9 +195,10 @@ def test_example_config_documents_every_option_and_is_valid(tmp_path: Path) -> N
     names = [line.split(" = ")[0] for line in assignments]
     assert sorted(names) == sorted(Settings.model_fields.keys() - {"config_file"})
     # The TLS and template files must exist to validate: stand-ins for the example's paths.
-    for name in ("ssl_certfile", "ssl_keyfile", "chat_template"):
+    for name in ("ssl_certfile", "ssl_keyfile", "chat_template", "models_file"):
         (tmp_path / name).touch()
         assignments[names.index(name)] = f'{name} = "{tmp_path / name}"'
+    (tmp_path / "models_file").write_text((DEPLOY / "models.example.toml").read_text())
     path = tmp_path / "all.toml"
     path.write_text("\n".join(assignments))
     assert tomllib.loads(path.read_text())

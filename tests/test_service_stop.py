@@ -106,16 +106,21 @@ def wait_ready(url: str, process: subprocess.Popen) -> None:
     raise AssertionError("server not ready")
 
 
-def start_stage(tmp_path: Path, model: Path, env: Mapping[str, str] = MappingProxyType({})
-                ) -> tuple[subprocess.Popen, Path]:
-    """A server of `model` started as `python -m server`, and its log."""
+def start_stage(tmp_path: Path, model: Path | None,
+                env: Mapping[str, str] = MappingProxyType({}),
+                entry: tuple[str, ...] = ("server",),
+                flags: tuple[str, ...] = ("--disk-cache-bytes", "0"),
+                ) -> tuple[subprocess.Popen, Path, str]:
+    """A server of `model` (None: `flags` name the models) started as `python -m server`
+    (or `entry`): the process, its log and its URL."""
     log = tmp_path / "server.log"
-    command = [sys.executable, "-m", "server", "--model", str(model), "--port",
-               str(free_port()), "--config", "", "--disk-cache-bytes", "0"]
+    port = free_port()
+    command = [sys.executable, "-m", *entry, *(["--model", str(model)] if model else []),
+               "--port", str(port), "--config", "", *flags]
     with log.open("w") as out:
         process = subprocess.Popen(command, env={**os.environ, **env}, stdout=out,
                                    stderr=subprocess.STDOUT)
-    return process, log
+    return process, log, f"http://127.0.0.1:{port}"
 
 
 def wait_for(condition, process: subprocess.Popen, what: str) -> None:
@@ -126,41 +131,63 @@ def wait_for(condition, process: subprocess.Popen, what: str) -> None:
         time.sleep(0.02)
 
 
-def health(url: str) -> str | None:
+def stop_when(condition, process: subprocess.Popen, log: Path, what: str) -> None:
+    """SIGTERM once `condition()` holds: the process must exit 0, without the abort
+    (exit 134, "terminate called without an active exception") that a service manager
+    counts as a crash."""
     try:
-        return httpx.get(f"{url}/health", timeout=1).json().get("status")
-    except (httpx.TransportError, ValueError):
-        return None
-
-
-@pytest.mark.parametrize("stage", ["loading", "warming_up"])
-def test_sigterm_while_the_model_loads_or_warms_up_exits_zero(stage, real_model_dir, tmp_path):
-    """The engine's thread is inside MLX then; a stop must not abort the process
-    (exit 134, "terminate called without an active exception"): a service manager
-    counts that as a crash."""
-    process, log = start_stage(tmp_path, real_model_dir)
-    url = f"http://127.0.0.1:{process.args[process.args.index('--port') + 1]}"
-    try:
-        wait_for(lambda: health(url) == stage, process, f"{stage}")
+        wait_for(condition, process, what)
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0, log.read_text()
+        assert process.wait(timeout=60) == 0, log.read_text()
         assert "terminate called" not in log.read_text()
     finally:
         if process.poll() is None:
             process.kill()
 
 
+def probe(url: str, read):
+    """`read` of a GET of `url`'s JSON, or None while the server does not answer it."""
+    try:
+        return read(httpx.get(url, timeout=1).json())
+    except (httpx.TransportError, ValueError, KeyError, IndexError):
+        return None
+
+
+@pytest.mark.parametrize("stage", ["loading", "warming_up"])
+def test_sigterm_while_the_model_loads_or_warms_up_exits_zero(stage, real_model_dir, tmp_path):
+    """The engine's thread is inside MLX then."""
+    process, log, url = start_stage(tmp_path, real_model_dir)
+    stop_when(lambda: probe(f"{url}/health", lambda h: h["status"]) == stage, process, log,
+              stage)
+
+
 def test_sigterm_while_a_gguf_is_converted_exits_zero_and_publishes_nothing(tmp_path):
     """Converting comes before any port opens: the stop ends it, and the half-written
     conversion is never taken for a model."""
     cache = tmp_path / "cache"
-    process, log = start_stage(tmp_path, default_model_file(),
-                               {"XDG_CACHE_HOME": str(cache)})
-    try:
-        wait_for(lambda: "converting" in log.read_text(), process, "converting")
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0, log.read_text()
-        assert not list(cache.glob("radix-mlx/gguf/*/*/config.json"))
-    finally:
-        if process.poll() is None:
-            process.kill()
+    process, log, _ = start_stage(tmp_path, default_model_file(),
+                                  {"XDG_CACHE_HOME": str(cache)})
+    stop_when(lambda: "converting" in log.read_text(), process, log, "converting")
+    assert not list(cache.glob("radix-mlx/gguf/*/*/config.json"))
+
+
+def test_sigterm_while_the_disk_tier_is_restored_exits_zero(real_model_dir, tmp_path):
+    """The engine serves while its tree is rebuilt from the disk tier's files (slowed down
+    here, as a tier of many files is): a stop then drains and exits 0."""
+    flags = ("--disk-cache-dir", str(tmp_path / "kv"), "--disk-cache-bytes", str(2**30))
+    process, log, url = start_stage(tmp_path, real_model_dir,
+                                    entry=("tests.slow_rebuild", "60"), flags=flags)
+    stop_when(lambda: probe(f"{url}/admin/cache", lambda c: c["disk"]["rebuilding"]),
+              process, log, "restoring the disk tier")
+
+
+def test_sigterm_while_one_of_several_models_loads_exits_zero(real_model_dir, tmp_path):
+    """With several models, each loads in an engine process of its own."""
+    models = tmp_path / "models.toml"
+    models.write_text(f'[[models]]\nid = "smol"\nsource = "{real_model_dir}"\n'
+                      "pinned = true\n[[models]]\nid = \"other\"\n"
+                      f'source = "{real_model_dir}"\n')
+    process, log, url = start_stage(tmp_path, None, flags=(
+        "--models-file", str(models), "--disk-cache-bytes", "0"))
+    stop_when(lambda: probe(f"{url}/health", lambda h: h["models"][0]["state"]) == "loading",
+              process, log, "loading")

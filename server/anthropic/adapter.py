@@ -71,8 +71,10 @@ from server.events import TextDelta as TextEvent
 from server.events import Usage as GenerationUsage
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
+from server.http.loading import respond_with_model
 from server.http.openapi import error_responses, event_stream
 from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
+from server.model_registry import Lease
 from server.pipeline import GenerationRun, render, start
 from server.prompts import assistant_prefill
 from server.request import (
@@ -82,6 +84,7 @@ from server.request import (
     JsonSchemaOutput,
     NamedFunction,
     TemplateMessage,
+    unset_knobs,
 )
 from server.request import ToolChoice as GenerationToolChoice
 from server.state import server_state
@@ -124,8 +127,9 @@ def generation_request(body: TokenCountRequest) -> GenerationRequest:
         top_k=body.top_k or 0,
         stop=tuple(body.stop_sequences or ()),
     )
-    return replace(request, sampling=knobs, max_tokens=body.max_tokens, fit_context=True,
-                   stream=body.stream, include_usage=True)
+    return replace(request, sampling=knobs, unset_sampling=unset_knobs(body),
+                   max_tokens=body.max_tokens, fit_context=True, stream=body.stream,
+                   include_usage=True)
 
 
 def system_text(system: System | None) -> str:
@@ -335,26 +339,36 @@ router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
     200: {"model": MessageResponse, "content": event_stream(StreamEvent, ErrorResponse)}})
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     state = server_state(request)
-    model = state.check_model(body.model)
-    generation = await start(request, state, generation_request(body))
-    message_id = f"msg_{uuid.uuid4().hex}"
-    if body.stream:
-        stream = _stream(generation, MessageStream(message_id, model, generation.context_bound))
-        # Anthropic pings while a long prompt is computed; so do we, as an event of its own.
-        return GenerationEventSource(generation, stream, ping=lambda: _sse(Ping()))
-    results = await to_the_end(
-        request, generation, collect(generation.events(), generation.choices)
-    )
-    if results is None:
-        return Response(status_code=CLIENT_CLOSED)
-    return JSONResponse(
-        message_response(message_id, model, generation.context_bound, results[0]).model_dump()
-    )
+
+    async def respond(lease: Lease) -> Response:
+        generation = await start(request, state, lease, generation_request(body))
+        model = state.models.name_for(lease.model, body.model)
+        message_id = f"msg_{uuid.uuid4().hex}"
+        if body.stream:
+            stream = _stream(generation,
+                             MessageStream(message_id, model, generation.context_bound))
+            # Anthropic pings while a long prompt is computed; so do we, as an event of
+            # its own.
+            return GenerationEventSource(generation, stream, ping=_ping)
+        results = await to_the_end(
+            request, generation, collect(generation.events(), generation.choices)
+        )
+        if results is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(message_response(message_id, model, generation.context_bound,
+                                             results[0]).model_dump())
+
+    return await respond_with_model(state.models, body.model, body.stream, respond,
+                                    lambda error: _sse(anthropic_error_body(error)), _ping)
+
+
+def _ping() -> NamedEvent:
+    return _sse(Ping())
 
 
 @router.post("/messages/count_tokens")
 async def count_tokens(body: TokenCountRequest, request: Request) -> TokenCount:
     state = server_state(request)
-    state.check_model(body.model)
-    prompts = await render(state, generation_request(body))
+    async with state.models.use(body.model) as lease:
+        prompts = await render(lease.model, generation_request(body))
     return TokenCount(input_tokens=len(prompts[0].tokens))

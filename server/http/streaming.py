@@ -62,7 +62,7 @@ def _one_line(data: str) -> str:
     return data if data.isascii() else data.translate(LINE_BREAKERS)
 
 
-def _comment_ping() -> bytes:
+def comment_ping() -> bytes:
     return f": ping - {datetime.now(UTC)}\r\n\r\n".encode()
 
 
@@ -87,7 +87,7 @@ class GenerationEventSource(Response):
         self.init_headers(SSE_HEADERS)
         self.generation, self.events = generation, events
         self.ping_seconds = ping_seconds
-        self._ping = _comment_ping if ping is None else lambda: frame(ping())
+        self._ping = comment_ping if ping is None else lambda: frame(ping())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # A disconnect cancels this task: Starlette would leave it running, its
@@ -99,7 +99,7 @@ class GenerationEventSource(Response):
             if streaming and not watcher.cancelled() and watcher.exception() is None:
                 task.cancel()
 
-        watcher = asyncio.ensure_future(_disconnect(receive))
+        watcher = asyncio.ensure_future(disconnected(receive))
         watcher.add_done_callback(on_disconnect)
         pinger = None
         try:
@@ -144,7 +144,7 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
     """`work`'s result, or None if the client disconnects first: Starlette does not cancel
     a handler whose client went away, so we watch for it ourselves."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnect(request.receive))
+    watcher = asyncio.ensure_future(disconnected(request.receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -154,7 +154,7 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
     return task.result() if task.done() else None
 
 
-async def _disconnect(receive: Receive) -> None:
+async def disconnected(receive: Receive) -> None:
     # The body is read already, so the next message can only be the disconnect.
     while (await receive())["type"] != "http.disconnect":
         pass

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from functools import partial
 from types import FrameType
 
@@ -17,16 +18,18 @@ from engine.api import EngineClient, EngineConfig, Lifecycle
 from engine.encoder import EncoderEngine, is_encoder_model
 from engine.engine import Engine
 from engine.gguf import GGUFError
+from engine.memory import CPU_MEMORY_FRACTION
 from engine.model_source import resolve_model
 from engine.platform_info import describe_platform
 from engine.process import EngineProcess
 from server.app import create_app
-from server.config import ConfigError, Settings, default_disk_cache_dir, load_settings
+from server.config import ConfigError, ModelSpec, Settings, default_disk_cache_dir, load_settings
 from server.http.drain import CANCEL_GRACE_SECONDS, Drain
 from server.http.uvicorn_protocol import BoundedHeadProtocol
 from server.launch import tensor_parallel
 from server.launch.env import in_launch
 from server.launch.logs import configure_logging
+from server.model_registry import ModelRegistry
 
 log = logging.getLogger("radix_mlx.server")
 
@@ -35,14 +38,14 @@ class DrainingServer(uvicorn.Server):
     """uvicorn, except that the first SIGTERM/SIGINT drains instead of closing at once:
     new requests get 503 (load balancers see /health go 503 too), in-flight ones get up to
     `timeout` seconds, then whatever is left is cancelled and the process exits 0.
-    A second signal stops at once. A model that fails to load stops it too."""
+    A second signal stops at once. So does `failed()` turning true (the one model failed)."""
 
     def __init__(
         self, config: uvicorn.Config, drain: Drain, timeout: float,
-        engine: EngineClient,
+        failed: Callable[[], bool],
     ) -> None:
         super().__init__(config)
-        self._drain, self._timeout, self._engine = drain, timeout, engine
+        self._drain, self._timeout, self._failed = drain, timeout, failed
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recording the signal (as uvicorn does) keeps it from being re-raised after
@@ -58,14 +61,19 @@ class DrainingServer(uvicorn.Server):
         if self._drain.draining and self._drain.finished():
             self.should_exit = True
         # Answering 503 forever would hide the failure from a service manager.
-        if self._engine.state is Lifecycle.FAILED:
+        if self._failed():
             self.should_exit = True
         return await super().on_tick(counter)
 
 
-def engine_config(settings: Settings, model: str) -> EngineConfig:
+def engine_config(settings: Settings, model: str, memory_limit_bytes: int | None = None
+                  ) -> EngineConfig:
+    """`model`'s engine under `settings` (a model's own, with its overrides); with several
+    models, `memory_limit_bytes` is its share of the budget."""
     return EngineConfig(
         model=model,
+        gguf_dtype=settings.gguf_dtype,
+        context_length=settings.context_length,
         cache_bytes=settings.cache_bytes,
         cache_fraction=settings.cache_fraction,
         max_batch_size=settings.max_batch_size,
@@ -74,7 +82,7 @@ def engine_config(settings: Settings, model: str) -> EngineConfig:
         prefill_stall_ratio=settings.prefill_stall_ratio,
         prefill_stall_floor_seconds=settings.prefill_stall_floor_ms / 1000,
         max_tokens_in_flight=settings.max_tokens_in_flight,
-        memory_limit_bytes=settings.memory_limit_bytes,
+        memory_limit_bytes=memory_limit_bytes or settings.memory_limit_bytes,
         memory_share=settings.memory_share,
         max_queue=settings.max_queue,
         disk_cache_dir=str(settings.disk_cache_dir or default_disk_cache_dir()),
@@ -85,19 +93,48 @@ def engine_config(settings: Settings, model: str) -> EngineConfig:
     )
 
 
+def memory_budget_bytes(settings: Settings) -> int:
+    """What several models share: memory_limit_bytes, or memory_share of what the
+    machine's memory allows (Metal's default working set on a Mac: three quarters)."""
+    if settings.memory_limit_bytes is not None:
+        return settings.memory_limit_bytes
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    usable = physical * 3 // 4 if sys.platform == "darwin" else int(physical * CPU_MEMORY_FRACTION)
+    return int(usable * settings.memory_share)
+
+
+def start_model_engine(spec: ModelSpec, settings: Settings, share_bytes: int) -> EngineClient:
+    """A model of several: an encoder in this process, any other in a process of its own
+    (a crash there costs that model's requests only). Its GGUF file is converted there."""
+    config = engine_config(settings, spec.source, share_bytes)
+    engine: EngineClient
+    if is_encoder_model(spec.source):
+        engine = EncoderEngine(config)
+    else:
+        engine = EngineProcess(config, partial(configure_logging, settings.log_level,
+                                               settings.log_file))
+    engine.start()
+    return engine
+
+
 def run(settings: Settings) -> int:
-    """Serve until SIGTERM/SIGINT, then drain; the exit status: 1 if the model failed to
-    load, with the reason as stderr's last line, else 0. A GGUF file is checked and
-    converted before any port opens."""
+    """Serve until SIGTERM/SIGINT, then drain; the exit status: 1 if the one model failed
+    to load, with the reason as stderr's last line, else 0. One model's GGUF file is
+    checked and converted before any port opens; with several, each model's is converted
+    as it loads."""
     configure_logging(settings.log_level, settings.log_file)
     # Until uvicorn installs its draining handlers, a stop has nothing to drain.
     signal.signal(signal.SIGTERM, _stop_before_serving)
+    if settings.several_models:
+        models = ModelRegistry(settings, start_model_engine, memory_budget_bytes(settings))
+        return _serve(settings, models, failed=lambda: False)
     if not settings.engine_process or settings.tensor_parallel > 1:
         # Else the engine's process says it: asking MLX for its device here could open
         # a GPU context in a process that never computes.
         log.info("%s", describe_platform())
     try:
-        model = resolve_model(settings.model, settings.gguf_dtype)
+        model = resolve_model(settings.model[0] if settings.model else None,
+                              settings.gguf_dtype)
     except GGUFError as error:
         print(f"radix-mlx serve: {error}", file=sys.stderr)
         return 1
@@ -121,7 +158,23 @@ def run(settings: Settings) -> int:
     else:  # a tensor-parallel rank group runs its engine in the process that joined it
         engine = Engine(config, group)
     engine.start()
-    app = create_app(settings, engine)
+    status = _serve(settings, ModelRegistry.of_one(settings, engine),
+                    failed=lambda: engine.state is Lifecycle.FAILED)
+    if engine.state is Lifecycle.FAILED:
+        reason = engine.error if engine.served else f"the model failed to load: {engine.error}"
+        print(f"radix-mlx serve: {reason}", file=sys.stderr)
+        return 1
+    if not engine.served:
+        # Stopped while the engine's thread loads or warms up the model, inside MLX: the
+        # interpreter's shutdown under it aborts the process (std::terminate, exit 134),
+        # which a service manager counts as a crash. Nothing is left to save.
+        logging.shutdown()
+        os._exit(0)
+    return status
+
+
+def _serve(settings: Settings, models: ModelRegistry, failed: Callable[[], bool]) -> int:
+    app = create_app(settings, models)
     http = uvicorn.Config(
         app,
         host=settings.host,
@@ -137,20 +190,10 @@ def run(settings: Settings) -> int:
         ssl_keyfile=settings.ssl_keyfile,
     )
     try:
-        DrainingServer(http, app.state.server.drain, settings.drain_timeout, engine).run()
+        DrainingServer(http, app.state.server.drain, settings.drain_timeout, failed).run()
     finally:
-        engine.shutdown()
+        models.shutdown()
         app.state.server.responses.close()
-    if engine.state is Lifecycle.FAILED:
-        reason = engine.error if engine.served else f"the model failed to load: {engine.error}"
-        print(f"radix-mlx serve: {reason}", file=sys.stderr)
-        return 1
-    if not engine.served:
-        # Stopped while the engine's thread loads or warms up the model, inside MLX: the
-        # interpreter's shutdown under it aborts the process (std::terminate, exit 134),
-        # which a service manager counts as a crash. Nothing is left to save.
-        logging.shutdown()
-        os._exit(0)
     return 0
 
 

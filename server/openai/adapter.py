@@ -30,6 +30,7 @@ from server.request import (
     TemplateMessage,
     ToolChoice,
     template_arguments,
+    unset_knobs,
 )
 
 
@@ -47,6 +48,7 @@ def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
         parallel_tool_calls=body.parallel_tool_calls,
         output=output_format(body),
         sampling=sampling_knobs(body),
+        unset_sampling=unset_knobs(body),
         max_tokens=body.max_completion_tokens or body.max_tokens,
         n=body.n,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
@@ -64,6 +66,7 @@ def completion_request(body: CompletionRequest) -> GenerationRequest:
         prompts=tuple(prompt if isinstance(prompt, str) else tuple(prompt) for prompt in prompts),
         output=output_format(body),
         sampling=sampling_knobs(body),
+        unset_sampling=unset_knobs(body),
         max_tokens=body.max_tokens,
         n=body.n,
         logprobs=body.logprobs,

@@ -476,7 +476,10 @@ class ModelCard(ResponseModel):
     display_name: str
     created_at: str  # RFC 3339
     lifecycle: Literal["active"] = "active"
-    max_input_tokens: int
+    max_input_tokens: int | None  # None: a model not loaded since the server started
+    # radix-mlx's: whether the model is loaded now, and whether it always is.
+    state: Literal["loaded", "loading", "unloaded"]
+    pinned: bool
 
 
 class ModelList(ResponseModel):

@@ -13,8 +13,10 @@ from pydantic import BaseModel
 from server.events import ChoiceFinished, collect
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
+from server.http.loading import respond_with_model
 from server.http.openapi import error_responses, event_stream
 from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, to_the_end
+from server.model_registry import Lease, ServedModel
 from server.openai.adapter import chat_request, completion_request
 from server.openai.formats import ChatFormat, CompletionFormat, Format
 from server.openai.protocol import (
@@ -41,42 +43,61 @@ api = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
 
 @api.get("/models")
 async def list_models(request: Request) -> ModelList:
+    """Every configured model under each of its names, loaded or not (`state` says)."""
     state = server_state(request)
-    cards = [_model_card(state, name) for name in state.model_ids()]
+    cards = [_model_card(state, model, name) for model in state.models.models
+             for name in state.models.names_of(model)]
     return ModelList(data=cards, first_id=cards[0].id, last_id=cards[-1].id)
 
 
 @api.get("/models/{model:path}")
 async def get_model(model: str, request: Request) -> ModelCard:
     state = server_state(request)
-    return _model_card(state, state.check_model(model))
+    served = state.models.lookup(model)
+    return _model_card(state, served, state.models.name_for(served, model))
 
 
-def _model_card(state: ServerState, name: str) -> ModelCard:
+def _model_card(state: ServerState, model: ServedModel, name: str) -> ModelCard:
     created_at = datetime.fromtimestamp(state.started, UTC).isoformat().replace("+00:00", "Z")
-    return ModelCard(id=name, created=state.started, root=state.engine.model_id,
-                     display_name=name, created_at=created_at,
-                     max_input_tokens=state.engine.context_length)
+    return ModelCard(id=name, created=state.started, root=model.id, display_name=name,
+                     created_at=created_at, max_input_tokens=model.context_length,
+                     state=model.state.value, pinned=model.spec.pinned)
 
 
 @api.post("/chat/completions", responses={
     200: {"model": ChatCompletionResponse, "content": _events(ChatCompletionChunk)}})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = server_state(request)
-    model = state.check_model(body.model)
-    generation = await start(request, state, chat_request(body))
-    fmt = ChatFormat(f"chatcmpl-{generation.request_id}", model, body.logprobs)
-    return await _respond(request, generation, fmt)
+
+    async def respond(lease: Lease) -> Response:
+        generation = await start(request, state, lease, chat_request(body))
+        model = state.models.name_for(lease.model, body.model)
+        fmt = ChatFormat(f"chatcmpl-{generation.request_id}", model, body.logprobs)
+        return await _respond(request, generation, fmt)
+
+    return await respond_with_model(state.models, body.model, body.stream, respond,
+                                    _stream_error)
 
 
 @api.post("/completions", responses={
     200: {"model": CompletionResponse, "content": _events(CompletionResponse)}})
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = server_state(request)
-    model = state.check_model(body.model)
-    generation = await start(request, state, completion_request(body))
-    fmt = CompletionFormat(f"cmpl-{generation.request_id}", model, body.logprobs is not None)
-    return await _respond(request, generation, fmt)
+
+    async def respond(lease: Lease) -> Response:
+        generation = await start(request, state, lease, completion_request(body))
+        model = state.models.name_for(lease.model, body.model)
+        fmt = CompletionFormat(f"cmpl-{generation.request_id}", model,
+                               body.logprobs is not None)
+        return await _respond(request, generation, fmt)
+
+    return await respond_with_model(state.models, body.model, body.stream, respond,
+                                    _stream_error)
+
+
+def _stream_error(error: APIError) -> list[str]:
+    """An error before the first chunk of a stream whose status line went out already."""
+    return [error.body().model_dump_json(), "[DONE]"]
 
 
 async def _respond(request: Request, generation: GenerationRun, fmt: Format) -> Response:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from engine.api import Finish, LastPosition, Prompt, Readout, SamplingParams
+from engine.api import EngineClient, Finish, LastPosition, Prompt, Readout, SamplingParams
 from server.http.streaming import unless_disconnected
 from server.jobs import Job
 from server.state import ServerState
@@ -34,7 +34,7 @@ class Reading:
     cached_tokens: int
 
 
-async def read_prompts(http: Request, state: ServerState,
+async def read_prompts(http: Request, state: ServerState, engine: EngineClient,
                        work: Sequence[tuple[Sequence[Prompt], Readout]]
                        ) -> list[list[Reading]] | None:
     """Every (prompts, readout) pair's readings, in the prompts' order; None if the client
@@ -46,7 +46,7 @@ async def read_prompts(http: Request, state: ServerState,
     async def run(prompts: Sequence[Prompt], readout: Readout) -> list[Reading]:
         params = SamplingParams(max_tokens=0, temperature=0.0, readout=readout)
         async with gate:
-            job = Job(state.engine, state.drain, state.metrics, http.state.request_id,
+            job = Job(engine, state.drain, state.metrics, http.state.request_id,
                       http.state.started_at)
             jobs.append(job)
             job.submit(prompts, 1, lambda _: params)

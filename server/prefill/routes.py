@@ -22,13 +22,14 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.api import Lifecycle, Prompt, Readout
+from engine.api import Prompt, Readout
 from engine.embedding_config import matryoshka_dimensions
 from engine.tokenizer import ModelTokenizer
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
 from server.http.openapi import error_responses
 from server.http.streaming import CLIENT_CLOSED
+from server.model_registry import ServedModel
 from server.openai.adapter import template_message
 from server.openai.protocol import ErrorResponse
 from server.prefill.jobs import read_prompts
@@ -63,12 +64,14 @@ JUDGE_INSTRUCTION = "Given a web search query, retrieve relevant passages that a
 @router.post("/embeddings", response_model=EmbeddingResponse)
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
     state = server_state(request)
-    model = state.check_model(body.model)
-    embedded = await _embed(request, state, _inputs(body.input, "input"))
-    if embedded is None:
-        return Response(status_code=CLIENT_CLOSED)
-    vectors, prompt_tokens, cached = embedded
-    vectors = _cut(vectors, body.dimensions, _matryoshka(state, vectors.shape[1]))
+    async with state.models.use(body.model) as lease:
+        served = lease.model
+        embedded = await _embed(request, state, served, _inputs(body.input, "input"))
+        if embedded is None:
+            return Response(status_code=CLIENT_CLOSED)
+        vectors, prompt_tokens, cached = embedded
+        vectors = _cut(vectors, body.dimensions, _matryoshka(served, vectors.shape[1]))
+    model = state.models.name_for(served, body.model)
     data = [Embedding(index=i, embedding=_encoded(vector, body.encoding_format))
             for i, vector in enumerate(vectors)]
     return JSONResponse(EmbeddingResponse(data=data, model=model,
@@ -78,12 +81,14 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
 @router.post("/rerank", response_model=RerankResponse)
 async def rerank(body: RerankRequest, request: Request) -> Response:
     state = server_state(request)
-    model = state.check_model(body.model)
     texts = [document_text(document) for document in body.documents]
-    if _is_encoder(state):
-        scored = await _cosine_scores(request, state, body.query, texts)
-    else:
-        scored = await _judge_scores(request, state, body, texts)
+    async with state.models.use(body.model) as lease:
+        served = lease.model
+        if _is_encoder(served):
+            scored = await _cosine_scores(request, state, served, body.query, texts)
+        else:
+            scored = await _judge_scores(request, state, served, body, texts)
+    model = state.models.name_for(served, body.model)
     if scored is None:
         return Response(status_code=CLIENT_CLOSED)
     scores, prompt_tokens, cached = scored
@@ -99,14 +104,20 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
 @router.post("/classify", response_model=ClassifyResponse)
 async def classify(body: ClassifyRequest, request: Request) -> Response:
     state = server_state(request)
-    model = state.check_model(body.model)
-    tokenizer = state.ready_tokenizer()
+    async with state.models.use(body.model) as lease:
+        return await _classify(request, state, lease.model, body)
+
+
+async def _classify(request: Request, state: ServerState, served: ServedModel,
+                    body: ClassifyRequest) -> Response:
+    model = state.models.name_for(served, body.model)
+    tokenizer = served.tokenizer()
     if body.input is not None:
         prompts = _prompts(tokenizer, _inputs(body.input, "input"), "input")
     else:
         _count(body.messages, "messages")
         prompts = await asyncio.to_thread(_chat_prompts, tokenizer, body.messages)
-    _check_lengths(state, [prompt.tokens for prompt in prompts], "input")
+    _check_lengths(served, [prompt.tokens for prompt in prompts], "input")
     labels = {label: _label_tokens(tokenizer, label) for label in body.labels or ()}
     firsts = tuple(dict.fromkeys(tokens[0] for tokens in labels.values()))
     rests = tuple(dict.fromkeys(t for tokens in labels.values() for t in tokens[1:]))
@@ -117,7 +128,7 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
     work = [(prompts, Readout(top_logprobs=body.top_logprobs, token_ids=firsts))]
     if continuations:
         work.append((continuations, Readout(token_ids=rests)))
-    readings = await read_prompts(request, state, work)
+    readings = await read_prompts(request, state, served.engine, work)
     if readings is None:
         return Response(status_code=CLIENT_CLOSED)
     later = iter(readings[1] if continuations else ())
@@ -179,9 +190,9 @@ def _chat_prompts(tokenizer: ModelTokenizer, chats: list[list]) -> list[Prompt]:
         messages=tuple(template_message(message) for message in chat))) for chat in chats]
 
 
-def _check_lengths(state: ServerState, prompts: Sequence[Sequence[int]], param: str) -> None:
+def _check_lengths(model: ServedModel, prompts: Sequence[Sequence[int]], param: str) -> None:
     """An input over the model's context window is a 400 naming it."""
-    limit = state.engine.context_length
+    limit = model.engine.context_length
     for index, tokens in enumerate(prompts):
         if len(tokens) > limit:
             raise APIError(
@@ -199,31 +210,29 @@ def _label_tokens(tokenizer: ModelTokenizer, label: str) -> list[int]:
 
 # -- embeddings --------------------------------------------------------------------------
 
-def _is_encoder(state: ServerState) -> bool:
-    """Whether the server's engine is an encoder's (engine/encoder.py), which embeds
+def _is_encoder(model: ServedModel) -> bool:
+    """Whether the model's engine is an encoder's (engine/encoder.py), which embeds
     by itself rather than through readouts of prompts."""
-    return hasattr(state.engine, "embed")
+    return hasattr(model.engine, "embed")
 
 
-async def _embed(request: Request, state: ServerState, inputs: list[str] | list[list[int]]
-                 ) -> tuple[np.ndarray, int, int] | None:
+async def _embed(request: Request, state: ServerState, model: ServedModel,
+                 inputs: list[str] | list[list[int]]) -> tuple[np.ndarray, int, int] | None:
     """Each input's embedding (rows L2-normalised where the model's pipeline normalises),
     the prompt tokens and how many of them were cached; None if the client left."""
-    engine = state.engine
-    if _is_encoder(state):
-        if engine.state is not Lifecycle.READY:
-            state.ready_tokenizer()  # raises the 503
+    engine = model.engine
+    if _is_encoder(model):
         if isinstance(inputs[0], str):
             tokens = await asyncio.to_thread(engine.encode, inputs)
         else:
             check_token_ids((t for ids in inputs for t in ids), engine.vocab_size, "input")
             tokens = inputs
-        _check_lengths(state, tokens, "input")
+        _check_lengths(model, tokens, "input")
         vectors = await asyncio.wrap_future(engine.embed(tokens))
         return vectors, sum(map(len, tokens)), 0
-    prompts = _prompts(state.ready_tokenizer(), inputs, "input")
-    _check_lengths(state, [prompt.tokens for prompt in prompts], "input")
-    readings = await read_prompts(request, state, [(prompts, Readout(hidden=True))])
+    prompts = _prompts(model.tokenizer(), inputs, "input")
+    _check_lengths(model, [prompt.tokens for prompt in prompts], "input")
+    readings = await read_prompts(request, state, engine, [(prompts, Readout(hidden=True))])
     if readings is None:
         return None
     vectors = np.array([reading.last.hidden for reading in readings[0]], np.float32)
@@ -231,9 +240,9 @@ async def _embed(request: Request, state: ServerState, inputs: list[str] | list[
             sum(r.cached_tokens for r in readings[0]))
 
 
-def _matryoshka(state: ServerState, width: int) -> tuple[int, ...] | None:
-    engine = state.engine
-    if _is_encoder(state):
+def _matryoshka(model: ServedModel, width: int) -> tuple[int, ...] | None:
+    engine = model.engine
+    if _is_encoder(model):
         return engine.matryoshka
     config = json.loads((engine.model_path / "config.json").read_text())
     return matryoshka_dimensions(config, width)
@@ -268,9 +277,9 @@ def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
 
 # -- rerank ------------------------------------------------------------------------------
 
-async def _cosine_scores(request: Request, state: ServerState, query: str,
+async def _cosine_scores(request: Request, state: ServerState, model: ServedModel, query: str,
                          documents: list[str]) -> tuple[list[float], int, int] | None:
-    embedded = await _embed(request, state, [query, *documents])
+    embedded = await _embed(request, state, model, [query, *documents])
     if embedded is None:
         return None
     vectors, prompt_tokens, cached = embedded
@@ -278,16 +287,18 @@ async def _cosine_scores(request: Request, state: ServerState, query: str,
     return (vectors[1:] @ vectors[0]).tolist(), prompt_tokens, cached
 
 
-async def _judge_scores(request: Request, state: ServerState, body: RerankRequest,
-                        documents: list[str]) -> tuple[list[float], int, int] | None:
+async def _judge_scores(request: Request, state: ServerState, model: ServedModel,
+                        body: RerankRequest, documents: list[str]
+                        ) -> tuple[list[float], int, int] | None:
     """P("yes") / (P("yes") + P("no")) after each judge prompt."""
-    tokenizer = state.ready_tokenizer()
+    tokenizer = model.tokenizer()
     instruction = body.instruction or JUDGE_INSTRUCTION
     prompts = await asyncio.to_thread(_judge_prompts, tokenizer, instruction, body.query,
                                       documents)
-    _check_lengths(state, [prompt.tokens for prompt in prompts], "documents")
+    _check_lengths(model, [prompt.tokens for prompt in prompts], "documents")
     yes, no = (tokenizer.encode(word, special_tokens=False)[0] for word in ("yes", "no"))
-    readings = await read_prompts(request, state, [(prompts, Readout(token_ids=(yes, no)))])
+    readings = await read_prompts(request, state, model.engine,
+                                  [(prompts, Readout(token_ids=(yes, no)))])
     if readings is None:
         return None
     scores = [1 / (1 + math.exp(r.last.token_logprobs[1] - r.last.token_logprobs[0]))

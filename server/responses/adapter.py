@@ -29,8 +29,10 @@ from server.events import (
 )
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
+from server.http.loading import respond_with_model
 from server.http.openapi import error_responses, event_stream
 from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
+from server.model_registry import Lease
 from server.openai.protocol import ErrorResponse
 from server.pipeline import GenerationRun, start
 from server.request import (
@@ -43,6 +45,7 @@ from server.request import (
     OutputFormat,
     TemplateMessage,
     template_arguments,
+    unset_knobs,
 )
 from server.request import ToolChoice as GenerationToolChoice
 from server.responses.protocol import (
@@ -156,6 +159,7 @@ def generation_request(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
         ),
+        unset_sampling=unset_knobs(body),
         max_tokens=body.max_output_tokens,
         fit_context=True,
         stream=body.stream,
@@ -342,13 +346,26 @@ router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
     200: {"model": ResponseObject, "content": event_stream(StreamEvent, ErrorResponse)}})
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = server_state(request)
-    model = state.check_model(body.model)
     history: list[TemplateMessage] = []
     if body.previous_response_id is not None:
         previous = await _stored(state, body.previous_response_id, "previous_response_id")
         history = previous.conversation
     conversation = history + input_messages(body, history)
-    generation = await start(request, state, generation_request(body, conversation))
+
+    async def respond(lease: Lease) -> Response:
+        generation = await start(request, state, lease, generation_request(body, conversation))
+        model = state.models.name_for(lease.model, body.model)
+        return await _respond(request, state, body, conversation, generation, model)
+
+    return await respond_with_model(
+        state.models, body.model, body.stream, respond,
+        lambda error: _sse(ErrorEvent(code=error.code, message=error.message,
+                                      param=error.param)))
+
+
+async def _respond(request: Request, state: ServerState, body: ResponsesRequest,
+                   conversation: list[TemplateMessage], generation: GenerationRun, model: str,
+                   ) -> Response:
     builder = ResponseBuilder(ResponseObject(
         id=_new_id("resp"), status="in_progress", model=model,
         instructions=body.instructions, previous_response_id=body.previous_response_id,

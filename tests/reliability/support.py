@@ -19,6 +19,7 @@ from engine.api import EngineConfig
 from engine.engine import WARMUP_PROMPT_TOKENS, Engine
 from server.app import create_app
 from server.config import Settings
+from server.model_registry import ModelRegistry
 from tests.server.support import ServerProcess, start_server
 
 API_KEY = "reliability-key-7f3a9c"
@@ -31,7 +32,7 @@ MAX_BODY_BYTES = 256 * 1024
 def app_schema() -> dict[str, Any]:
     """The OpenAPI document the server serves at /openapi.json, built in this process."""
     engine = Engine(EngineConfig(model="unused"))  # never started: the schema needs no model
-    return create_app(Settings(), engine).openapi()
+    return create_app(Settings(), ModelRegistry.of_one(Settings(), engine)).openapi()
 
 
 def server_command(model: Path | str, port: int, *flags: str) -> list[str]:

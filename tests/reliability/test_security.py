@@ -23,6 +23,7 @@ from engine.engine import Engine
 from server.app import create_app
 from server.config import Settings
 from server.launch.serve import engine_config
+from server.model_registry import ModelRegistry
 from tests.reliability.support import (
     API_KEY,
     AUTH,
@@ -181,7 +182,7 @@ def in_process(demo_model_dir: Path) -> Iterator[tuple[FastAPI, SideEffects]]:
     engine = Engine(engine_config(settings, str(demo_model_dir)))
     engine.start()
     assert engine.wait_ready(120) is Lifecycle.READY, engine.error
-    yield create_app(settings, engine), SideEffects()
+    yield create_app(settings, ModelRegistry.of_one(settings, engine)), SideEffects()
     engine.shutdown()
 
 

@@ -18,6 +18,7 @@ from engine.api import EngineConfig
 from engine.engine import Engine
 from server.app import create_app
 from server.config import Settings
+from server.model_registry import ModelRegistry
 from tests.server.support import ALIAS, API_KEY, ServerProcess, start_server
 from tests.server.thinking_model import build_thinking_model
 
@@ -71,7 +72,7 @@ def async_client(server: ServerProcess) -> openai.AsyncOpenAI:
 @pytest.fixture
 async def loading_app() -> AsyncIterator[httpx.AsyncClient]:
     """A client of the app in process, whose engine never starts: it stays loading."""
-    app = create_app(Settings(), Engine(EngineConfig(model="unused")))
+    app = create_app(Settings(), ModelRegistry.of_one(Settings(), Engine(EngineConfig(model="unused"))))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         yield client

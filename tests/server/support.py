@@ -39,15 +39,15 @@ def model_variant(model_dir: Path, target: Path,
 
 def read_metrics(url: str, api_key: str | None = None,
                  verify: ssl.SSLContext | bool = True) -> dict[str, float]:
-    """Unlabelled series of a server's /metrics, by name, read with prometheus_client's
-    parser."""
+    """A one-model server's series of /metrics, by name (unlabelled, or labelled by model
+    alone), read with prometheus_client's parser."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     text = httpx.get(f"{url}/metrics", headers=headers, verify=verify, timeout=10).text
     return {
         sample.name: sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if not sample.labels
+        if set(sample.labels) <= {"model"}
     }
 
 
@@ -82,17 +82,19 @@ def server_env(extra: Mapping[str, str] = {}) -> dict[str, str]:
 
 
 def start_server(
-    model_dir: Path, log_path: Path, *flags: str, env: Mapping[str, str] = {},
+    model_dir: Path | None, log_path: Path, *flags: str, env: Mapping[str, str] = {},
     fault_token: int | None = None, cache_bytes: int | None = 256 * 2**20,
 ) -> ServerProcess:
     """A ready server on a free port; stopped again if it does not become ready. With a
     `fault_token`, every forward pass that feeds it fails (tests/faults.py). Its disk cache
     tier is off unless `flags` turn it on (`--disk-cache-bytes`); its prefix cache gets
-    `cache_bytes` (None: what the memory plan gives it)."""
+    `cache_bytes` (None: what the memory plan gives it). No `model_dir`: `flags` name the
+    models (a models file)."""
     port = free_port()
     entry = ["server"] if fault_token is None else ["tests.faults", str(fault_token)]
+    model = [] if model_dir is None else ["--model", str(model_dir)]
     command = [
-        sys.executable, "-m", *entry, "--model", str(model_dir), "--port", str(port),
+        sys.executable, "-m", *entry, *model, "--port", str(port),
         "--config", "", *(["--cache-bytes", str(cache_bytes)] if cache_bytes else []),
         "--disk-cache-bytes", "0", *flags,
     ]

@@ -59,7 +59,8 @@ def test_disconnect_while_waiting_for_a_whole_response(
     assert " 499 " in server.log()
 
 
-def test_health_metrics_and_access_log(server: ServerProcess, headers: dict[str, str]) -> None:
+def test_health_metrics_and_access_log(server: ServerProcess, headers: dict[str, str],
+                                      model_id: str) -> None:
     health = httpx.get(f"{server.url}/health", timeout=10)
     assert health.status_code == 200 and health.json()["status"] == "ready"
     response = httpx.post(
@@ -77,7 +78,8 @@ def test_health_metrics_and_access_log(server: ServerProcess, headers: dict[str,
         "radix_mlx_cached_tokens_total",
         "radix_mlx_tree_bytes",
         "radix_mlx_tree_evictions_total",
-        'radix_mlx_model_state{state="ready"} 1',
+        f'radix_mlx_model_state{{model="{model_id}",state="ready"}} 1',
+        f'radix_mlx_generated_tokens_total{{model="{model_id}"}}',
     ):
         assert series in text
     assert server.metrics()["radix_mlx_generated_tokens_total"] >= 3

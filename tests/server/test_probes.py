@@ -11,7 +11,8 @@ async def test_health_while_loading_says_so_and_claims_no_progress(loading_app) 
     body has none: before, it said 0 until the model was loaded, then 1."""
     health = await loading_app.get("/health")
     assert health.status_code == 503
-    assert health.json() == {"status": "loading", "model": "unused"}
+    assert health.json() == {"status": "loading", "model": "unused", "models": [
+        {"id": "unused", "state": "loading", "pinned": True}]}
 
 
 async def test_the_root_answers_get_and_head(loading_app) -> None:
@@ -27,7 +28,8 @@ async def test_metrics_parse_and_hold_engine_tree_and_process_series(loading_app
     assert response.headers["content-type"].startswith("text/plain")
     families = {family.name: family for family in text_string_to_metric_families(response.text)}
     state = families["radix_mlx_model_state"].samples
-    assert [(s.labels, s.value) for s in state] == [({"state": "loading"}, 1.0)]
+    assert [(s.labels, s.value) for s in state] == [
+        ({"model": "unused", "state": "loading"}, 1.0)]
     assert families["radix_mlx_generated_tokens"].type == "counter"
     assert families["radix_mlx_tree_pinned_bytes"].type == "gauge"
     assert families["radix_mlx_time_to_first_token_seconds"].type == "histogram"

@@ -255,7 +255,8 @@ def test_a_killed_worker_is_routed_around_then_restarted(replicas: Replicas) -> 
 
     def prompt_tokens_served() -> float:
         text = httpx.get(f"{alive}/metrics", headers=AUTH, timeout=10).text
-        return float(re.search(r"^radix_mlx_prompt_tokens_total (\S+)", text, re.MULTILINE)[1])
+        return float(re.search(r"^radix_mlx_prompt_tokens_total\{[^}]*\} (\S+)", text,
+                               re.MULTILINE)[1])
 
     before = prompt_tokens_served()
     prompt, _ = converse(replicas.url, "after-the-kill")

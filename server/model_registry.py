@@ -1,0 +1,447 @@
+"""Which engine answers which `model`, and when each one is loaded.
+
+One model configured the old way is served as it always was: its engine starts with the
+server, a request that comes while it loads gets a 503, and a failed engine stops the
+server (its service manager restarts it). With several models (a models file, or --model
+given more than once) every model runs in an engine process of its own, so that a crash
+or an out-of-memory costs only that model's open requests:
+
+- a model loads on its first request, which waits (up to `load_timeout`); concurrent first
+  requests share one load; a failed load is a 503 naming its cause, and the next request
+  tries again;
+- the loaded models share one memory budget, each within its share (`memory_bytes`, which
+  its engine plans weights, radix cache, running requests' KV and activations inside). A
+  model that does not fit first unloads the least recently used idle model that is not
+  pinned; a model with requests in flight is never unloaded; when nothing can be freed,
+  the request gets a 503 with Retry-After;
+- an unpinned model unloads after its idle timeout. Its disk tier is its own folder, which
+  its next load rebuilds the tree from, so an unload loses no cached prefix;
+- a model whose engine process died is reloaded by its next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.api import Lifecycle
+from server.config import DEFAULT_MODEL_ID, ModelSpec, Settings
+from server.http.errors import APIError
+
+if TYPE_CHECKING:
+    from engine.api import EngineClient
+    from engine.tokenizer import ModelTokenizer
+
+log = logging.getLogger("radix_mlx.server")
+
+# How often loads, idle timeouts and dead engine processes are looked at.
+WATCH_SECONDS = 0.25
+# What a 503 for a model that cannot be placed now asks the client to wait.
+NO_ROOM_RETRY_SECONDS = 5
+
+# (spec, its settings, its share of the budget in bytes) -> its engine, started.
+StartEngine = Callable[[ModelSpec, Settings, int], "EngineClient"]
+
+
+class ModelState(str, enum.Enum):
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    LOADED = "loaded"
+
+
+@dataclass
+class ModelCounters:
+    loads: int = 0
+    load_seconds: float = 0.0
+    unloads: int = 0
+    crashes: int = 0  # engine processes that died while serving
+
+
+class ServedModel:
+    """A configured model: its settings (the server's, with its own overrides), its engine
+    while loaded, and the requests holding it."""
+
+    def __init__(self, spec: ModelSpec, settings: Settings, share_bytes: int,
+                 engine: EngineClient | None = None) -> None:
+        self.spec, self.settings, self.share_bytes = spec, settings, share_bytes
+        self.engine = engine
+        self._context_length: int | None = None
+        self.inflight = 0
+        self.last_used = time.monotonic()
+        self.loading: asyncio.Task | None = None
+        # Being unloaded to make room once its requests finish: new ones wait meanwhile.
+        self.evicting = False
+        self.last_error: str | None = None
+        self.counters = ModelCounters()
+
+    @property
+    def context_length(self) -> int | None:
+        """The engine's context window; None before the model was ever loaded."""
+        if self.engine is not None and self.engine.state is Lifecycle.READY:
+            self._context_length = self.engine.context_length
+        return self._context_length
+
+    @property
+    def id(self) -> str:
+        """The name it answers with. A model configured the old way is called what its
+        engine calls it (its directory name or repo id), as it always was."""
+        if self.spec.id == DEFAULT_MODEL_ID and self.engine is not None:
+            return self.engine.model_id
+        return self.spec.id
+
+    @property
+    def names(self) -> list[str]:
+        return list(dict.fromkeys([self.id, *self.spec.aliases]))
+
+    @property
+    def state(self) -> ModelState:
+        if self.engine is None:
+            return ModelState.UNLOADED
+        if self.engine.state is Lifecycle.READY:
+            return ModelState.LOADED
+        if self.engine.state is Lifecycle.FAILED:
+            return ModelState.UNLOADED
+        return ModelState.LOADING
+
+    @property
+    def error(self) -> str | None:
+        if self.engine is not None and self.engine.state is Lifecycle.FAILED:
+            return self.engine.error
+        return self.last_error
+
+    def idle_timeout(self) -> float | None:
+        if self.spec.pinned:
+            return None
+        return self.spec.idle_timeout or self.settings.model_idle_timeout
+
+    def check_ready(self) -> EngineClient:
+        """The engine, ready; 503 before (or after a failed load)."""
+        engine = self.engine
+        if engine is None:
+            raise APIError(503, f"the model {self.id} is not loaded", code="model_not_ready")
+        if engine.state is Lifecycle.READY:
+            return engine
+        if engine.state is Lifecycle.FAILED:
+            message = f"the model failed to load: {engine.error}"
+        else:
+            message = f"the model is {engine.state.value}"
+        raise APIError(503, message, code="model_not_ready")
+
+    def tokenizer(self) -> ModelTokenizer:
+        """The tokenizer once the engine is ready; 503 before, 400 for an encoder."""
+        engine = self.check_ready()
+        if engine.tokenizer is None:
+            raise APIError(400, f"the model {self.id} is an embedding model: it "
+                           "serves /v1/embeddings and /v1/rerank only",
+                           code="model_not_supported", param="model")
+        return engine.tokenizer
+
+
+class Lease:
+    """A request's hold on a model: while any is held, the model is not unloaded."""
+
+    def __init__(self, model: ServedModel) -> None:
+        self.model = model
+        self.engine: EngineClient = model.engine
+        self.held = True
+        model.inflight += 1
+        model.last_used = time.monotonic()
+
+    def release(self) -> None:
+        """Idempotent; the route's job calls it when the response ends."""
+        if self.held:
+            self.held = False
+            self.model.inflight -= 1
+            self.model.last_used = time.monotonic()
+
+
+class ModelRegistry:
+    """Every configured model, by each of its names."""
+
+    def __init__(self, settings: Settings, start_engine: StartEngine | None,
+                 budget_bytes: int, engine: EngineClient | None = None) -> None:
+        """`engine`: one model the old way, started already; else `start_engine` starts
+        each model's engine when it is first needed."""
+        self.settings, self.budget_bytes = settings, budget_bytes
+        self.on_demand = engine is None
+        self._start_engine = start_engine
+        specs = settings.model_specs()
+        if engine is not None:  # loaded at start, never unloaded
+            specs[0] = specs[0].model_copy(update={"pinned": True})
+        shares = model_shares(specs, budget_bytes)
+        self.models = [ServedModel(spec, settings.for_model(spec), share)
+                       for spec, share in zip(specs, shares, strict=True)]
+        if engine is not None:
+            self.models[0].engine = engine
+        self._placing = asyncio.Lock()  # one placement at a time: room is counted once
+        self._watcher: asyncio.Task | None = None
+
+    @classmethod
+    def of_one(cls, settings: Settings, engine: EngineClient) -> ModelRegistry:
+        """One model configured the old way, served by `engine` (started by the caller)."""
+        return cls(settings, None, 0, engine)
+
+    @property
+    def default(self) -> ServedModel:
+        return self.models[0]
+
+    # -- lookup -------------------------------------------------------------------------
+
+    def lookup(self, name: str | None) -> ServedModel:
+        """The model `name` means: none (or an alias for none) is the first model; an
+        unknown name is a 404, never a load of some path or repo."""
+        if name is None or name in self.settings.unnamed_model_aliases:
+            return self.default
+        for model in self.models:
+            if name in self.names_of(model):
+                return model
+        known = [served for model in self.models for served in self.names_of(model)]
+        raise APIError(404, f"The model '{name}' does not exist; this server serves {known}.",
+                       code="model_not_found", param="model")
+
+    def names_of(self, model: ServedModel) -> list[str]:
+        """Its id and aliases; the first model's also served_model_names."""
+        if model is not self.default:
+            return model.names
+        return list(dict.fromkeys([*model.names, *self.settings.served_model_names]))
+
+    def name_for(self, model: ServedModel, name: str | None) -> str:
+        """What a response says its model is: the name the request used, or the id."""
+        return model.id if name is None or name in self.settings.unnamed_model_aliases else name
+
+    # -- requests -----------------------------------------------------------------------
+
+    async def acquire(self, name: str | None) -> Lease:
+        """A hold on `name`'s model, loaded: at once when it is, else after its load (with
+        several models), at most `load_timeout` seconds away."""
+        model = self.lookup(name)
+        if not self.on_demand:
+            model.check_ready()  # 503 while the one model loads, as always
+            return Lease(model)
+        deadline = time.monotonic() + self.settings.load_timeout
+        while True:
+            self._reap(model)
+            if model.evicting:  # its requests finish, then it unloads: load it after
+                await asyncio.sleep(WATCH_SECONDS / 4)
+                if time.monotonic() > deadline:
+                    raise self._still_loading(model)
+                continue
+            if model.state is ModelState.LOADED:
+                return Lease(model)
+            if model.loading is None:
+                model.loading = asyncio.create_task(self._load(model))
+            loading = model.loading
+            try:
+                await asyncio.wait_for(asyncio.shield(loading),
+                                       max(0.0, deadline - time.monotonic()))
+            except asyncio.CancelledError:
+                if not loading.cancelled() or asyncio.current_task().cancelling():
+                    raise
+                raise APIError(503, f"the model {model.id} was unloaded while it loaded",
+                               code="model_not_ready",
+                               headers={"Retry-After": str(NO_ROOM_RETRY_SECONDS)}) from None
+            except TimeoutError:
+                raise self._still_loading(model) from None
+
+    def _still_loading(self, model: ServedModel) -> APIError:
+        return APIError(503, f"the model {model.id} is not loaded after "
+                        f"{self.settings.load_timeout:g} s (load_timeout): its load waits "
+                        "for room or takes longer; try again shortly", code="model_not_ready",
+                        headers={"Retry-After": str(NO_ROOM_RETRY_SECONDS)})
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str | None) -> AsyncIterator[Lease]:
+        """`acquire`, released when the block ends: a route that answers in one piece."""
+        lease = await self.acquire(name)
+        try:
+            yield lease
+        finally:
+            lease.release()
+
+    def is_ready(self, name: str | None) -> bool:
+        """Whether a request for `name` would be served without waiting for a load."""
+        model = self.lookup(name)
+        return not self.on_demand or model.state is ModelState.LOADED
+
+    # -- loading and unloading ---------------------------------------------------------
+
+    async def load(self, model: ServedModel) -> None:
+        """Load `model` now (an operator's load), sharing a load under way."""
+        if model.state is ModelState.LOADED:
+            return
+        if model.loading is None:
+            model.loading = asyncio.create_task(self._load(model))
+        await asyncio.shield(model.loading)
+
+    async def _load(self, model: ServedModel) -> None:
+        try:
+            async with self._placing:
+                await self._make_room(model)
+                log.info("loading model %s from %s (%.1f GiB of the %.1f GiB budget)",
+                         model.id, model.spec.source or "the default model",
+                         model.share_bytes / 2**30, self.budget_bytes / 2**30)
+                engine = self._start_engine(model.spec, model.settings, model.share_bytes)
+                model.engine = engine
+            started = time.monotonic()
+            while engine.state not in (Lifecycle.READY, Lifecycle.FAILED):
+                await asyncio.sleep(WATCH_SECONDS / 2)
+            if engine.state is Lifecycle.FAILED:
+                model.last_error = f"the model {model.id} failed to load: {engine.error}"
+                log.error("%s", model.last_error)
+                if model.engine is engine:
+                    model.engine = None
+                await asyncio.to_thread(engine.shutdown)
+                raise APIError(503, model.last_error, code="model_load_failed",
+                               headers={"Retry-After": str(NO_ROOM_RETRY_SECONDS)})
+            if engine.disk is not None:
+                # Serving before the tree is rebuilt from the model's disk folder would
+                # make the first requests after a reload miss what the unload kept.
+                await asyncio.to_thread(engine.disk.rebuilt.wait, self.settings.load_timeout)
+            model.last_error = None
+            model.counters.loads += 1
+            model.counters.load_seconds += time.monotonic() - started
+            model.last_used = time.monotonic()
+            log.info("model %s loaded in %.1f s", model.id, time.monotonic() - started)
+        finally:
+            model.loading = None
+
+    async def _make_room(self, model: ServedModel) -> None:
+        """Unload least recently used models until `model`'s share fits: an idle one at
+        once; else the least recently used busy one, once its requests have finished (it
+        takes no new ones meanwhile: they wait to load it again), so a model waiting for
+        room gets it even under a flood of requests for the others. A 503 when pinned and
+        loading models hold the room, or when it is not free within load_timeout."""
+        deadline = time.monotonic() + self.settings.load_timeout
+        pinned = sum(other.share_bytes for other in self.models
+                     if other is not model and other.spec.pinned and other.engine is not None)
+        if model.share_bytes > self.budget_bytes - pinned:  # unloading others cannot help
+            raise self._no_room(model, self.budget_bytes - pinned)
+        while (free := self.budget_bytes - self._placed_bytes()) < model.share_bytes:
+            movable = [other for other in self.models
+                       if other is not model and other.engine is not None
+                       and not other.spec.pinned and other.loading is None]
+            if not movable:
+                if not any(other.loading for other in self.models if other is not model):
+                    raise self._no_room(model, free)
+                # Loading models hold the room; once loaded, they can make it.
+                if time.monotonic() > deadline:
+                    raise self._still_loading(model)
+                await asyncio.sleep(WATCH_SECONDS / 4)
+                continue
+            idle = [other for other in movable if other.inflight == 0]
+            victim = min(idle or movable, key=lambda other: other.last_used)
+            log.info("unloading model %s (least recently used) to make room for %s",
+                     victim.id, model.id)
+            victim.evicting = True
+            try:
+                while victim.inflight:
+                    if time.monotonic() > deadline:
+                        raise self._still_loading(model)
+                    await asyncio.sleep(WATCH_SECONDS / 4)
+                await self.unload(victim)
+            finally:
+                victim.evicting = False
+
+    def _no_room(self, model: ServedModel, free: int) -> APIError:
+        return APIError(
+            503, f"no room to load the model {model.id}: it needs "
+            f"{model.share_bytes / 2**30:.1f} GiB and at most {max(free, 0) / 2**30:.1f} GiB "
+            "of the memory budget can be freed; pinned or loading models hold the rest",
+            code="model_not_ready", headers={"Retry-After": str(NO_ROOM_RETRY_SECONDS)})
+
+    def _placed_bytes(self) -> int:
+        return sum(model.share_bytes for model in self.models if model.engine is not None)
+
+    async def unload(self, model: ServedModel) -> None:
+        """Stop `model`'s engine (its disk tier is flushed; the next load restores it).
+        Refused (409) while requests hold it."""
+        if model.inflight:
+            raise APIError(409, f"the model {model.id} has {model.inflight} requests in "
+                           "flight", code="model_busy")
+        engine, model.engine = model.engine, None
+        if engine is None:
+            return
+        if model.loading is not None:
+            model.loading.cancel()
+        model.counters.unloads += 1
+        await asyncio.to_thread(engine.shutdown)
+        log.info("model %s unloaded", model.id)
+
+    def _reap(self, model: ServedModel) -> None:
+        """A served engine that failed (its process died) is dropped: the next request
+        loads the model again."""
+        engine = model.engine
+        if engine is None or engine.state is not Lifecycle.FAILED or not engine.served:
+            return
+        model.engine = None
+        model.last_error = engine.error
+        model.counters.crashes += 1
+        log.error("model %s lost its engine (%s): it reloads on its next request",
+                  model.id, engine.error)
+
+    # -- the registry's own life --------------------------------------------------------
+
+    def start(self) -> None:
+        """Load the pinned models, and watch idle timeouts and engine deaths (in the
+        server's event loop)."""
+        if not self.on_demand:
+            return
+        for model in self.models:
+            if model.spec.pinned:
+                model.loading = asyncio.create_task(self._load(model))
+                model.loading.add_done_callback(_logged)
+        self._watcher = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_SECONDS)
+            now = time.monotonic()
+            for model in self.models:
+                self._reap(model)
+                timeout = model.idle_timeout()
+                if (timeout is not None and model.state is ModelState.LOADED
+                        and model.loading is None and model.inflight == 0
+                        and now - model.last_used > timeout):
+                    log.info("model %s idle for %.0f s: unloading", model.id, timeout)
+                    await self.unload(model)
+
+    def stop_watching(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        for model in self.models:
+            if model.loading is not None:
+                model.loading.cancel()
+
+    def shutdown(self) -> None:
+        """Stop every engine (each flushes its disk tier), all at once."""
+        threads = [threading.Thread(target=engine.shutdown, daemon=True)
+                   for _, engine in self.engines()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def engines(self) -> list[tuple[ServedModel, EngineClient]]:
+        """The models with an engine, and their engines."""
+        return [(model, model.engine) for model in self.models if model.engine is not None]
+
+
+def model_shares(specs: list[ModelSpec], budget_bytes: int) -> list[int]:
+    """Each model's share of the budget: its own `memory_bytes`, or an equal part of what
+    the models with one leave."""
+    fixed = sum(spec.memory_bytes or 0 for spec in specs)
+    open_shares = sum(spec.memory_bytes is None for spec in specs)
+    rest = max(budget_bytes - fixed, 0) // max(open_shares, 1)
+    return [spec.memory_bytes or rest for spec in specs]
+
+
+def _logged(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s", task.exception())

