@@ -32,8 +32,9 @@ from bench.workloads import Shapes, TextSource
 
 WORKLOADS = ("model_switching", "idle_reload", "model_flood")
 GIB = 2**30
-# Each model's share in the flood: room for the bench shapes' weights, KV and activations.
-FLOOD_SHARE_BYTES = 3 * GIB
+# Each model's share in the flood beyond its weights: a step's activations, the radix
+# cache and the running requests' KV of the flood's short prompts.
+FLOOD_ROOM_BYTES = 2 * GIB
 IDLE_SECONDS = 2.0
 WAIT_SECONDS = 600.0
 
@@ -119,14 +120,14 @@ def model_flood(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
     prompts = [[{"role": "user", "content": source.text(shapes.mf_prompt_tokens)}]
                for _ in range(shapes.mf_requests)]
     names = ["m0", "m1", "m2"]
-    tables = [{"id": name, "source": str(model), "memory_bytes": FLOOD_SHARE_BYTES}
-              for name in names]
+    share = sum(f.stat().st_size for f in model.glob("*.safetensors")) + FLOOD_ROOM_BYTES
+    tables = [{"id": name, "source": str(model), "memory_bytes": share} for name in names]
     result: dict = {"models": len(names), "budget_fits": 2,
                     "concurrency": shapes.mf_concurrency}
     answers: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="radix-mlx-bench-") as tmp:
         models_file = write_models(Path(tmp) / "models.toml", tables)
-        budget = str(int(2.5 * FLOOD_SHARE_BYTES))
+        budget = str(int(2.5 * share))
         setups = {"one model": (model, [], [None]),
                   "three models": (None, ["--models-file", str(models_file),
                                           "--memory-limit-bytes", budget], names)}
