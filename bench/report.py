@@ -539,10 +539,13 @@ def several_models_section(several: dict) -> list[str]:
 
 def _switching_lines(switching: dict) -> list[str]:
     one, two = switching["one model"], switching["two models"]
+    own = switching.get("one model, own process", {})
     return [(f"Switching: {two['requests']} requests one at a time, alternating between two "
              f"loaded models: TTFT p50 {fmt(two['ttft_p50'], '{:.3f}')} s against "
-             f"{fmt(one['ttft_p50'], '{:.3f}')} s on one model "
-             f"({fmt(switching['ttft_ratio'], '{:.2f}x')})."), ""]
+             f"{fmt(own.get('ttft_p50'), '{:.3f}')} s on one model in its own engine process "
+             f"({fmt(switching['ttft_ratio'], '{:.2f}x')}) and "
+             f"{fmt(one['ttft_p50'], '{:.3f}')} s in the server's process "
+             f"({fmt(switching.get('ttft_ratio_in_process'), '{:.2f}x')})."), ""]
 
 
 def _reload_lines(reload: dict) -> list[str]:
@@ -556,13 +559,15 @@ def _reload_lines(reload: dict) -> list[str]:
 def _flood_lines(flood: dict) -> list[str]:
     rows = [f"| {label} | {flood[label]['wall_s']:.1f} | {flood[label]['errors']} | "
             f"{flood[label]['errors_5xx']} | {fmt(flood[label].get('unloads'), '{:.0f}')} |"
-            for label in ("one model", "three models")]
+            for label in ("one model", "one model again", "three models") if label in flood]
     requests = flood["three models"]["requests"]
     return [(f"Flood: {requests} requests round robin over {flood['models']} models, "
              f"{flood['concurrency']} at once, memory budget for {flood['budget_fits']}:"), "",
             "| server | wall (s) | errors | 5xx | unloads |", "|---|---:|---:|---:|---:|",
             *rows, "", (f"Greedy answers equal to the one-model server's: "
-                        f"{flood['identical_answers']} of {requests}.")]
+                        f"{flood['identical_answers']} of {requests}; a second one-model run "
+                        f"(the control) matched {fmt(flood.get('identical_answers_control'), '{}')} "
+                        f"of {requests}.")]
 
 
 def write(results: dict, directory: Path, plots: bool = True) -> None:
