@@ -1,5 +1,6 @@
 """A model whose forward pass fails on one token id, to test that a failed forward pass
-fails only the request that caused it, in engines of this process and in servers.
+fails only the request that caused it, in engines of this process and in servers; and
+one that calls back once prefill has fed so many tokens, to cancel a request mid-prefill.
 
 `python -m tests.faults TOKEN [serve flags]` is `python -m server [serve flags]` serving
 that model: the same code path, with the engine's loader wrapped.
