@@ -176,7 +176,8 @@ class Constraint:
     first generated token on, allows EOS only where the grammar accepts, and ends the
     request with finish reason "stop" once the grammar is complete. Logprobs, when asked
     for, stay the model's own (before the mask), as OpenAI reports them. A grammar that
-    does not compile fails the request (RequestFailed) at its start.
+    does not compile fails the request (RequestFailed) at its start. The text is read as
+    JSON too: no object in it repeats a key (engine/json_keys.py).
     """
 
     # llguidance's serialized grammar (what `LLMatcher.grammar_from_*` return); equal

@@ -10,7 +10,8 @@ Lark grammars embed JSON Schemas (`%json {...}`), which the tool-call grammars n
 
 Masks are computed on the CPU while the device runs the forward pass that they will mask
 (see `Generator._constrain`), and applied with plain MLX ops (llguidance's own MLX helper
-is a Metal kernel, which the CPU and CUDA backends do not run).
+is a Metal kernel, which the CPU and CUDA backends do not run). A key an open object
+repeats is taken out of the mask here too, since no grammar can say it (engine/json_keys.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
 from engine.api import Constraint
+from engine.json_keys import ClosingTokens, JsonKeys
 from engine.tokenizer import ModelTokenizer
 
 # Compiled grammars kept for reuse (a compile is ~1 ms, a copy of one ~10-30 us).
@@ -37,12 +39,16 @@ class ConstraintFailed(Exception):
 
 class GrammarState:
     """The constraint of one sequence: free text until the marker (if any), then the
-    grammar's matcher, which must accept every token from there on."""
+    grammar's matcher, which must accept every token from there on, and no token that
+    repeats a key of the JSON it writes."""
 
-    def __init__(self, compiled: LLMatcher, marker: tuple[int, ...], words: int) -> None:
+    def __init__(self, compiled: LLMatcher, marker: tuple[int, ...], words: int,
+                 closing: ClosingTokens) -> None:
         self._compiled = compiled
         self.words = words  # 32-bit words in one row of a token mask
         self._marker = marker
+        self._closing = closing
+        self._keys = JsonKeys()
         self._recent: list[int] = []
         self.matcher: LLMatcher | None = None if marker else compiled.deep_copy()
         self.error: str | None = None
@@ -67,11 +73,19 @@ class GrammarState:
             return
         if not self.matcher.consume_token(token):
             self.error = self.matcher.get_error() or f"token {token} is not allowed here"
+        self._keys.feed(self._closing.token_bytes[token])
 
-    def check(self) -> None:
-        """Record an error the matcher entered while computing a mask."""
+    def check(self, mask: np.ndarray) -> None:
+        """Take the tokens that would repeat a key out of `mask`, this row's as the
+        matcher computed it, and record an error the matcher entered meanwhile, or the
+        dead end of a mask left empty (an object whose possible keys are all written)."""
         if self.error is None and self.matcher.is_error():
             self.error = self.matcher.get_error()
+        if self.error is None and (repeating := self._keys.repeating(self._closing)):
+            ids = np.array(repeating, dtype=np.uint32)
+            np.bitwise_and.at(mask.view(np.uint32), ids >> 5, ~(np.uint32(1) << (ids & 31)))
+            if not mask.any():
+                self.error = "every token the grammar allows here repeats a key"
 
 
 class Grammars:
@@ -81,6 +95,7 @@ class Grammars:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._lltokenizer: LLTokenizer | None = None
+        self._closing: ClosingTokens | None = None
         self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
         self._markers: dict[str, tuple[int, ...]] = {}
 
@@ -89,7 +104,7 @@ class Grammars:
         (a request admitted again after a failed step)."""
         marker = self._marker(constraint.after) if constraint.after else ()
         state = GrammarState(self._compile(constraint.grammar), marker,
-                             words=(self._vocab_size + 31) // 32)
+                             words=(self._vocab_size + 31) // 32, closing=self._closing_tokens())
         for token in generated:
             state.accept(token)
         if state.error is not None:
@@ -108,6 +123,14 @@ class Grammars:
         if len(self._compiled) > GRAMMAR_CACHE_SIZE:
             self._compiled.popitem(last=False)
         return compiled
+
+    def _closing_tokens(self) -> ClosingTokens:
+        if self._closing is None:  # ~15 ms for a 49k vocabulary
+            tokenizer = self.prepare()
+            self._closing = ClosingTokens([
+                b"" if tokenizer.is_special_token(token) else tokenizer.decode_bytes([token])
+                for token in range(self._vocab_size)])
+        return self._closing
 
     def _marker(self, text: str) -> tuple[int, ...]:
         if text not in self._markers:
@@ -163,7 +186,7 @@ def masks(states: Sequence[GrammarState | None], tokens: Sequence[int] | None
     for matcher, i in rows:
         matcher.unsafe_compute_mask_ptr(bitmask[i].ctypes.data, words * 4)
     for _, i in rows:
-        states[i].check()
+        states[i].check(bitmask[i])
         if states[i].error is not None:
             bitmask[i] = -1  # the row fails at this token; keep its sampling finite
     return bitmask

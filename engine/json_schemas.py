@@ -3,10 +3,10 @@
 Two rewrites, both keeping every output valid against the schema as given:
 
 - closing objects: an object that lists its `properties` and says nothing of
-  `additionalProperties` allows any other key by JSON Schema's rules, and llguidance lets
-  such extra keys repeat (it only keeps the listed ones unique). A small model that has
-  written the listed keys then tends to invent keys, duplicates included, until
-  max_tokens (pydantic's default schemas, which instructor sends, are all like this).
+  `additionalProperties` allows any other key by JSON Schema's rules. A small model that
+  has written the listed keys then tends to invent keys until max_tokens, repeats
+  included (llguidance allows them among extra keys; engine/json_keys.py masks them).
+  pydantic's default schemas, which instructor sends, are all like this.
   llama.cpp's converter and OpenAI's strict mode close such objects to their listed
   properties; so does `closed_objects`, unless told otherwise. An object that says
   `additionalProperties` (true, false or a schema) keeps its word.

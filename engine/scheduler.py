@@ -12,7 +12,8 @@ A request's path through it (a `Generation`, generation.py):
 3. When its prompt is computed, `TreeHold.publish` puts the prompt's KV in the tree at
    once, so others share it while this one decodes.
 4. Each token goes through `Generation.accept`; when it ends (or is cancelled, or fails),
-   `TreeHold.release` inserts the generated tokens' KV and unpins.
+   `TreeHold.release` inserts the generated tokens' KV and unpins. One cancelled while
+   its prompt is prefilled inserts the chunks computed so far.
 
 Sharing a prefix being computed. Two requests that need the same new prefix compute it
 once, by one of two paths:
@@ -600,10 +601,16 @@ class Scheduler:
     @staticmethod
     def _shares_on_release(generation: Generation) -> bool:
         """Whether the running `generation`'s KV goes to the tree when it ends: its
-        prompt was computed, and it holds more than that prompt's last token."""
-        return generation.prompt_done and not (
-            len(generation.sequence.tokens) == generation.hold.depth + 1
-            == len(generation.tokens))
+        prompt was computed, and it holds more than that prompt's last token; or it was
+        cancelled while prefilling, and chunks of its prompt were computed. Those are the
+        exact KV of the tokens the sequence holds (each chunk is evaluated whole within
+        its step, and a cancel is taken between steps), and a client that gave up on a
+        long prompt (timed out) and sends it again should not pay for them twice."""
+        sequence = generation.sequence
+        if not generation.prompt_done:
+            return sequence.cache is not None and len(sequence.tokens) > generation.hold.depth
+        return not (len(sequence.tokens) == generation.hold.depth + 1
+                    == len(generation.tokens))
 
     def _cancel(self, generation: Generation) -> None:
         if generation in self.waiting or generation in self.parked:

@@ -79,7 +79,7 @@ class TreeHold:
 
     def release(self, tokens: Sequence[int], handle_of: HandleOf | None) -> None:
         """The request ended: insert what its cache holds beyond `depth` (all `tokens`;
-        nothing when `handle_of` is None, i.e. the prompt was never computed), unpin."""
+        nothing when `handle_of` is None, i.e. nothing was computed), unpin."""
         self._drop_reservation(Cancelled())
         if handle_of is not None and len(tokens) > self.depth:
             self.tree.insert(self.node, tokens[self.depth:], handle_of(self.depth, len(tokens)))

@@ -1,5 +1,6 @@
 """A model whose forward pass fails on one token id, to test that a failed forward pass
-fails only the request that caused it, in engines of this process and in servers.
+fails only the request that caused it, in engines of this process and in servers; and
+one that calls back once prefill has fed so many tokens, to cancel a request mid-prefill.
 
 `python -m tests.faults TOKEN [serve flags]` is `python -m server [serve flags]` serving
 that model: the same code path, with the engine's loader wrapped.
@@ -33,16 +34,52 @@ class FaultInjectingModel:
         return getattr(self._model, name)
 
 
-def faulty_loader(token: int) -> Callable[..., LoadedModel]:
-    """`load_model`, except that the model fails every forward pass that feeds `token`;
-    patch it over `engine.engine.load_model`."""
+class PrefillWatcher:
+    """A model (the one given to `around`) that calls `then` once, as soon as the prompt
+    chunks (forwards of several tokens) fed since `watch` reach `tokens` tokens; `fed`
+    then says how many they were. The call comes while the engine's step is still
+    running that chunk."""
+
+    def __init__(self) -> None:
+        self._model: nn.Module | None = None
+        self._tokens = 0
+        self._then: Callable[[], None] | None = None
+        self.fed = 0
+
+    def around(self, model: nn.Module) -> PrefillWatcher:
+        self._model = model
+        return self
+
+    def watch(self, tokens: int, then: Callable[[], None]) -> None:
+        self._tokens, self._then, self.fed = tokens, then, 0
+
+    def __call__(self, inputs: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        if self._then is not None and inputs.shape[1] > 1:
+            self.fed += inputs.shape[1]
+            if self.fed >= self._tokens:
+                then, self._then = self._then, None
+                then()
+        return self._model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def loader_wrapping(wrap: Callable[[nn.Module], Any]) -> Callable[..., LoadedModel]:
+    """`load_model`, with the model it loads wrapped by `wrap`; patch it over
+    `engine.engine.load_model`."""
 
     def load(path_or_repo: str, group: RankGroup | None = None,
              chat_template: str | None = None) -> LoadedModel:
         loaded = load_model(path_or_repo, group, chat_template)
-        return replace(loaded, model=FaultInjectingModel(loaded.model, token))
+        return replace(loaded, model=wrap(loaded.model))
 
     return load
+
+
+def faulty_loader(token: int) -> Callable[..., LoadedModel]:
+    """`load_model`, except that the model fails every forward pass that feeds `token`."""
+    return loader_wrapping(lambda model: FaultInjectingModel(model, token))
 
 
 # The server's engine process (engine/process.py) is spawned: it runs this module again

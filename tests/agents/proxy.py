@@ -111,6 +111,12 @@ class Proxy:
 
             do_GET = do_POST = do_HEAD = do_DELETE = _forward
 
+            def handle(self) -> None:
+                try:
+                    super().handle()
+                except ConnectionError:
+                    pass  # the agent gave up on a request; leaving it cancels it upstream
+
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 

@@ -1,14 +1,21 @@
 """Claude Code and Codex, the real CLIs from npm, driven non-interactively against a real
-server on Gemma 3 270M (32k context, enough for Claude Code's 12k-token prompt).
+server on Gemma 3 270M (32k context, enough for Claude Code's 21k-token prompt).
 
 Each agent makes one tool round trip (the proxy in `proxy.py` forces a harmless tool:
 Claude Code's Glob, Codex's get_goal), the server answers every request without a 4xx
-or 5xx (read from its access log), and from the second request on at least 90% of each
-prompt comes from the prefix cache. Not part of `make test`: `make test-agents` installs
-the CLIs into build/agents/ and runs this."""
+or 5xx (read from its access log), and from the second answered request on at least 90%
+of each prompt comes from the prefix cache. Not part of `make test`: `make test-agents`
+installs the CLIs into build/agents/ and runs this.
+
+Claude Code offers all its tools (26 in 2.1.197: a 20.8k-token prompt). On 2 CPU cores
+its first prompt outlasts the 300 s it waits for a streamed reply (API_TIMEOUT_MS does
+not change that wait), so it gives up and sends the prompt again, unstreamed; the retry
+starts from the chunks the first computed (13312 and 20480 of 20.85k tokens in two runs
+on a shared machine)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -26,8 +33,9 @@ from tests.server.support import REPO_ROOT, ServerProcess, start_server
 pytestmark = pytest.mark.agents
 
 BIN = REPO_ROOT / "build" / "agents" / "node_modules" / ".bin"
-AGENT_TIMEOUT = 1800  # seconds: Claude Code's first prompt is 12k tokens on 2 CPU cores
-ACCESS = re.compile(r"radix_mlx\.access: \S+ (\w+) (\S+) (\d{3}) prompt=(\S+) cached=(\S+)")
+AGENT_TIMEOUT = 1800  # seconds: Claude Code's first prompt is 21k tokens on 2 CPU cores
+ACCESS = re.compile(r"radix_mlx\.access: \S+ (\w+) (\S+) (\d{3}) prompt=(\S+) cached=(\S+) "
+                    r"miss=\S+ completion=(\S+)")
 TASK = "Which files are in this directory? Use a tool to look."
 
 
@@ -52,12 +60,12 @@ def workspace(tmp_path: Path) -> Path:
     return project
 
 
-def access_log(server: ServerProcess, start: int) -> list[tuple[str, str, int, int, int]]:
-    """(method, path, status, prompt, cached) of each request logged after line `start`;
-    prompt and cached are -1 for requests that generate nothing."""
+def access_log(server: ServerProcess, start: int
+               ) -> list[tuple[str, str, int, int, int, int]]:
+    """(method, path, status, prompt, cached, completion) of each request logged after
+    line `start`; the counts are -1 for requests that generate nothing."""
     lines = server.log().splitlines()[start:]
-    return [(m[1], m[2], int(m[3]), int(m[4]) if m[4] != "-" else -1,
-             int(m[5]) if m[5] != "-" else -1)
+    return [(m[1], m[2], int(m[3]), *(int(n) if n != "-" else -1 for n in m.group(4, 5, 6)))
             for m in map(ACCESS.search, lines) if m]
 
 
@@ -77,10 +85,15 @@ def check(server: ServerProcess, start: int, proxy: Proxy, name: str, keep: Path
     after = proxy.exchanges[proxy.exchanges.index(forced[0]) + 1:]
     assert any(e.method == "POST" and e.forced is None and e.status == 200 for e in after), \
         "the tool's result never came back"
-    generating = [(prompt, cached) for _, _, _, prompt, cached in requests if prompt > 0]
-    shares = [cached / prompt for prompt, cached in generating]
+    generating = [(prompt, cached, completion)
+                  for _, _, _, prompt, cached, completion in requests if prompt > 0]
+    shares = [cached / prompt for prompt, cached, _ in generating]
     print(f"{name}: cached share per request: {[f'{share:.1%}' for share in shares]}")
-    assert all(share >= 0.9 for share in shares[1:]), shares
+    # A request given up during its prefill (no token) leaves what it computed to the next.
+    for (_, cached, completion), (_, next_cached, _) in itertools.pairwise(generating):
+        assert completion != 0 or next_cached > cached, generating
+    answered = [share for share, (_, _, completion) in zip(shares, generating) if completion]
+    assert all(share >= 0.9 for share in answered[1:]), shares
 
 
 def run_agent(command: list[str], cwd: Path, env: dict[str, str]) -> int:
@@ -120,13 +133,14 @@ def test_claude_code(gemma: ServerProcess, workspace: Path) -> None:
     model = cached_model_dir(gemma_package.assemble(), "float32").name
     try:
         status = run_agent([str(BIN / "claude"), "-p", TASK, "--model", model,
-                   "--tools", "Glob", "--allowedTools", "Glob", "--max-turns", "3"],
+                   "--allowedTools", "Glob", "--max-turns", "3"],
                   workspace, {
             "HOME": str(workspace.parent / "home"), "ANTHROPIC_BASE_URL": url,
             "ANTHROPIC_API_KEY": "local", "ANTHROPIC_MODEL": model,
             "ANTHROPIC_DEFAULT_HAIKU_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model,
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
-            # Its default gives up on a request after 300 s, before the cold prompt is done.
+            # Its default gives up on a request after 300 s, before the cold prompt is done
+            # (a streamed request of 2.1.197 still does: see the module docstring).
             "API_TIMEOUT_MS": str(AGENT_TIMEOUT * 1000),
         })
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import jsonschema
 import pytest
@@ -129,6 +130,27 @@ async def test_tool_calls_or_a_json_answer(engine, opening):
     assert result.text.startswith(start) and result.text.endswith(end)
     call = json_tools.parse_tool_call(result.text[len(start):-len(end)])
     jsonschema.validate(call["arguments"], tools[call["name"]].parameters)
+
+
+def keys_of(text: str) -> list[list[str]]:
+    """Every object's keys in the JSON `text`, in order, repeats included."""
+    found: list[list[str]] = []
+    json.loads(text, object_pairs_hook=lambda pairs: found.append([k for k, _ in pairs]))
+    return found
+
+
+async def test_an_open_object_repeats_no_key(engine):
+    """Pushed toward `"` (the empty key, closed at once) and `,` (one more key), the
+    model wrote {"": 1, "$": 6, "": 0} before keys were checked."""
+    quote, comma, letter = (prompt_of(engine, c)[0] for c in '",a')
+    schema = {"type": "object", "maxProperties": 3,
+              "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9}}
+    result = await complete(engine, prompt_of(engine, "Keys."), 40,
+                            logit_bias={quote: 100.0, comma: 50.0, letter: 40.0},
+                            constraint=json_schema(schema))
+    [keys] = keys_of(result.text)
+    assert len(keys) == 3 and len(set(keys)) == 3 and "" in keys
+    jsonschema.validate(json.loads(result.text), schema)
 
 
 async def test_the_mask_applies_from_the_first_token_and_completion_stops(engine):
@@ -278,3 +300,22 @@ async def test_real_model_answers_in_the_schema_and_calls_the_forced_tool(real_e
     arguments = json_tools.parse_tool_call(call.text[len(start):-len(end)])["arguments"]
     jsonschema.validate(arguments, WEATHER.parameters)
     assert "Paris" in arguments["city"]
+
+
+async def test_real_model_repeats_no_key_of_open_arguments(real_engine):
+    """A forced call whose parameters allow more keys, as instructor's do. The model runs
+    on in a loop of keys ("gender_role_type", "gender_role_role_type", ...) until
+    max_tokens; it wrote "gender_role_role_role_role_type" eight times before keys were
+    checked, and now makes that key longer instead."""
+    person = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": True}
+    prompt = real_engine.tokenizer.chat_prompt([{"role": "user", "content": (
+        "Alice, 30, is an engineer. Describe her in as much detail as you can.")}])
+    call = await complete(real_engine, prompt, 200,
+                          constraint=tool_calls([FunctionTool("record", person)]))
+    arguments = call.text.split('"arguments": ', 1)[1]
+    # The keys written whole (the last one may be cut short), each followed by its value.
+    keys = re.findall(r'"((?:[^"\\]|\\.)*)": ', arguments)
+    assert keys[:3] == ["name", "age", "gender"] and len(keys) >= 9
+    assert len(set(keys)) == len(keys), keys

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.api import Prompt
-from tests.engine.support import complete
+from engine.api import Finish, Prompt, SamplingParams
+from tests.engine.kv_integrity import check_tree_kv
+from tests.engine.support import complete, settled, start_engine
+from tests.faults import PrefillWatcher, loader_wrapping
 
 pytestmark = __import__("pytest").mark.asyncio(loop_scope="module")
 
@@ -98,6 +100,36 @@ async def test_n_copies_share_one_prefill(engine, reference):
     assert all(r.tokens == expected for r in results)
     # The prompt is computed once; each other copy only runs its last token.
     assert engine.stats().counters.prefill_tokens - before == len(prompt) + 3
+
+
+async def test_a_prefill_cancelled_midway_keeps_its_computed_chunks(
+        family, family_model_dir, reference, monkeypatch):
+    """A client that gives up during a long prefill and sends the prompt again (Claude
+    Code timing out on a slow CPU): the retry reuses the chunks computed before the
+    cancel, and answers as a run with no cache does."""
+    watcher = PrefillWatcher()
+    monkeypatch.setattr("engine.engine.load_model", loader_wrapping(watcher.around))
+    engine = start_engine(family_model_dir(family), cache_bytes=1 << 30,
+                          prefill_chunk_tokens=32)
+    try:
+        prompt = encode(engine, "A long document about canals, locks and barges. " * 20)
+        assert len(prompt) > 200
+        # Three chunks in, the client goes: the cancel is taken before the fourth.
+        watcher.watch(96, lambda: engine.cancel("gave-up"))
+        stream = engine.submit(prompt, SamplingParams(max_tokens=16, temperature=0.0),
+                               request_id="gave-up")
+        events = [event async for event in stream]
+        assert [type(e) for e in events] == [Finish] and events[0].reason == "cancelled"
+        stats = await settled(engine)
+        assert (stats.running, stats.tree.pinned_bytes, stats.tree.pending) == (0, 0, 0)
+        # The chunks' node holds their KV (a snapshot is checked by the answer below).
+        assert check_tree_kv(engine, reference.model).memory == (
+            1 if engine_segments(engine) else 0)
+        retry = await complete(engine, prompt, 16)
+        assert retry.finish.cached_tokens == watcher.fed == 96
+        assert retry.tokens == reference.greedy(prompt, 16)
+    finally:
+        engine.shutdown()
 
 
 def engine_segments(engine) -> bool:

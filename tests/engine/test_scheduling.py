@@ -8,7 +8,7 @@ import pytest
 
 from engine.api import QueueFull, RequestFailed, TokenEvent
 from tests.engine.support import Reference, cancel_after, complete, settled, start_engine
-from tests.faults import faulty_loader
+from tests.faults import PrefillWatcher, faulty_loader, loader_wrapping
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -141,6 +141,28 @@ async def test_cancel_while_waiting_for_a_shared_prefix(engine, reference):
     assert (await first).tokens == reference.greedy(prefix + [11], 4)
     stats = await settled(engine)
     assert (stats.running, stats.tree.pinned_bytes, stats.tree.pending) == (0, 0, 0)
+
+
+async def test_a_waiter_reuses_the_chunks_of_a_prefill_cancelled_before_it(
+        llama_dir, reference, monkeypatch):
+    """The request computing a prefix is cancelled three chunks in, while another waits
+    for that prefix: the waiter starts from those chunks, not from nothing."""
+    watcher = PrefillWatcher()
+    monkeypatch.setattr("engine.engine.load_model", loader_wrapping(watcher.around))
+    engine = start_engine(llama_dir, cache_bytes=1 << 30, prefill_chunk_tokens=32)
+    try:
+        prefix = random_prompt(5, 300)
+        watcher.watch(96, lambda: engine.cancel("leader"))
+        leader = engine.submit(prefix + [11], _greedy(max_tokens=4), request_id="leader")
+        waiter = asyncio.create_task(complete(engine, prefix + [12], 4))
+        assert [event async for event in leader][-1].reason == "cancelled"
+        result = await waiter
+        assert result.finish.cached_tokens == 96
+        assert result.tokens == reference.greedy(prefix + [12], 4)
+        stats = await settled(engine)
+        assert (stats.running, stats.tree.pinned_bytes, stats.tree.pending) == (0, 0, 0)
+    finally:
+        engine.shutdown()
 
 
 async def test_tiny_budget_stays_bounded_and_correct(llama_dir, reference):
