@@ -11,9 +11,18 @@ import pytest
 
 pytest.importorskip("psutil")
 
-from bench.__main__ import BenchModel, describe_model, main, model_dirs, parse_args, server_specs
+from bench import several_models
+from bench.__main__ import (
+    BenchModel,
+    all_workloads,
+    describe_model,
+    main,
+    model_dirs,
+    parse_args,
+    server_specs,
+)
 from bench.medians import main as medians
-from bench.report import median_summary, replica_rows, targets, write
+from bench.report import median_summary, replica_rows, several_models_section, targets, write
 from bench.workloads import QUICK, build_all
 from tests.engine.gguf_files import write_demo_gguf
 
@@ -41,8 +50,10 @@ def test_workloads_are_seeded_and_sized(demo_model_dir: Path) -> None:
 
 
 def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
+    """Every workload but several models' (test_several_models_reload_and_report)."""
+    workloads = [name for name in all_workloads() if name not in several_models.WORKLOADS]
     main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-raw",
-          "--no-plots", "--out", str(tmp_path), *TOY])
+          "--no-plots", "--out", str(tmp_path), "--workloads", ",".join(workloads), *TOY])
     results = json.loads((tmp_path / "results.json").read_text())
     assert (tmp_path / "results.md").read_text().startswith("# radix-mlx vs mlx-lm")
     server = results["servers"]["radix-mlx"]
@@ -323,3 +334,36 @@ def test_a_bench_model_exported_to_gguf_computes_what_it_did(demo_model_dir: Pat
         [{"role": "user", "content": "Count: 1 2 3"}], add_generation_prompt=True) == prompt
     tokens = mx.array([prompt])
     assert mx.allclose(original(tokens), exported(tokens), atol=1e-4).item()
+
+
+def test_several_models_reload_and_report(demo_model_dir: Path, tmp_path: Path) -> None:
+    """idle_reload on real servers (one start: its other workloads start six, and the
+    server tests cover what they measure); the report of all three from their figures."""
+    main(["--model", str(demo_model_dir), "--quick", "--no-raw", "--no-plots",
+          "--no-structured", "--out", str(tmp_path), "--workloads", "idle_reload"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    reload = results["several_models"]["idle_reload"]
+    assert reload["cached_fraction"] >= 0.9 and reload["same_output"]
+    assert reload["reload_seconds"] > 0 and reload["ttft_after_reload"] > 0
+    several = {
+        **results["several_models"],
+        "model_switching": {"one model": {"requests": 4, "ttft_p50": 1.0},
+                            "one model, own process": {"requests": 4, "ttft_p50": 1.0},
+                            "two models": {"requests": 4, "ttft_p50": 1.05},
+                            "ttft_ratio": 1.05, "ttft_ratio_in_process": 1.05},
+        "model_flood": {"models": 3, "budget_fits": 2, "concurrency": 2,
+                        "one model": {"requests": 6, "wall_s": 1.0, "errors": 0, "errors_5xx": 0},
+                        "one model again": {"requests": 6, "wall_s": 1.0, "errors": 0,
+                                            "errors_5xx": 0},
+                        "three models": {"requests": 6, "wall_s": 2.0, "errors": 1,
+                                         "errors_5xx": 1, "unloads": 2},
+                        "identical_answers": 5, "identical_answers_control": 6},
+    }
+    rows = {row["target"]: row["met"]
+            for row in targets({**results, "several_models": several})}
+    assert rows["two loaded models asked in turn: TTFT p50 / one model's"] is True
+    assert rows["flood over 3 models, budget for 2: failed requests"] is False
+    assert rows["flood over 3 models: greedy answers equal to one model's"] is False
+    assert rows["after an idle unload and reload: cached share of the prompt"] is True
+    text = "\n".join(several_models_section(several))
+    assert "1.05x" in text and "5 of 6" in text and "control) matched 6 of 6" in text
