@@ -62,6 +62,18 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def access_line(self, request_id: str, timeout: float = 10.0) -> str:
+        """The access-log line of `request_id`. The server writes it once the response has
+        gone out, so a client that has read the response may be there first: wait for it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.log().splitlines():
+                if request_id in line and "radix_mlx.access" in line:
+                    return line
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no access-log line for {request_id} in {timeout} s")
+            time.sleep(0.05)
+
     def metrics(self) -> dict[str, float]:
         return read_metrics(self.url, self.api_key, self.verify)
 

@@ -38,11 +38,6 @@ def server_model(server: ServerProcess) -> str:
                      headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0]["id"]
 
 
-def access_line(server: ServerProcess, request_id: str) -> str:
-    return next(line for line in server.log().splitlines()
-                if request_id in line and "radix_mlx.access" in line)
-
-
 def test_a_first_prompt_was_never_seen(miss_server):
     """Whatever the warm-up cached and cleared before the server was ready (its prompts
     start with token ids that chat templates start with too) is no request's cache."""
@@ -51,7 +46,7 @@ def test_a_first_prompt_was_never_seen(miss_server):
     miss = response.usage.prompt_tokens_details.cache_miss
     assert miss["reason"] == "not_seen" and miss["position"] == 0
     assert response.usage.prompt_tokens_details.cached_tokens == 0
-    assert "miss=not_seen@0" in access_line(server, "miss-first")
+    assert "miss=not_seen@0" in server.access_line("miss-first")
 
 
 def test_a_changed_date_in_the_system_prompt_is_a_divergence_at_its_token(miss_server):
@@ -64,7 +59,7 @@ def test_a_changed_date_in_the_system_prompt_is_a_divergence_at_its_token(miss_s
     assert miss["reason"] == "diverged" and miss["position"] == details.cached_tokens > 0
     assert miss["before"].endswith("Today is") and miss["after"].startswith(" Tuesday")
     assert miss["cached"].startswith(" Monday")
-    assert f"miss=diverged@{miss['position']}" in access_line(server, "miss-tuesday")
+    assert f"miss=diverged@{miss['position']}" in server.access_line("miss-tuesday")
 
 
 def test_a_cleared_prefix_says_cleared(miss_server):

@@ -43,7 +43,7 @@ def test_disconnect_mid_stream_cancels_the_request(
     assert metrics["radix_mlx_running_requests"] == 0
     assert metrics["radix_mlx_tree_pinned_bytes"] == 0
     # The operator's line still says how big the request was.
-    line = next(line for line in server.log().splitlines() if "leaves-mid-stream" in line)
+    line = server.access_line("leaves-mid-stream")
     assert "prompt=5 " in line and "completion=0 " not in line
 
 
@@ -83,8 +83,8 @@ def test_health_metrics_and_access_log(server: ServerProcess, headers: dict[str,
     ):
         assert series in text
     assert server.metrics()["radix_mlx_generated_tokens_total"] >= 3
-    line = next(line for line in server.log().splitlines() if "trace-me-42" in line)
-    assert "radix_mlx.access" in line and "POST /v1/completions 200" in line
+    line = server.access_line("trace-me-42")
+    assert "POST /v1/completions 200" in line
     assert "prompt=3" in line and "completion=3" in line and "ttft_ms=" in line
 
 
