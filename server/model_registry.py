@@ -45,6 +45,7 @@ log = logging.getLogger("radix_mlx.server")
 WATCH_SECONDS = 0.25
 # What a 503 for a model that cannot be placed now asks the client to wait.
 NO_ROOM_RETRY_SECONDS = 5
+RETRY_LATER = {"Retry-After": str(NO_ROOM_RETRY_SECONDS)}
 
 # (spec, its settings, its share of the budget in bytes) -> its engine, started.
 StartEngine = Callable[[ModelSpec, Settings, int], "EngineClient"]
@@ -246,7 +247,7 @@ class ModelRegistry:
                     raise
                 raise APIError(503, f"the model {model.id} was unloaded while it loaded",
                                code="model_not_ready",
-                               headers={"Retry-After": str(NO_ROOM_RETRY_SECONDS)}) from None
+                               headers=RETRY_LATER) from None
             except TimeoutError:
                 raise self._still_loading(model) from None
 
@@ -254,7 +255,7 @@ class ModelRegistry:
         return APIError(503, f"the model {model.id} is not loaded after "
                         f"{self.settings.load_timeout:g} s (load_timeout): its load waits "
                         "for room or takes longer; try again shortly", code="model_not_ready",
-                        headers={"Retry-After": str(NO_ROOM_RETRY_SECONDS)})
+                        headers=RETRY_LATER)
 
     @contextlib.asynccontextmanager
     async def use(self, name: str | None) -> AsyncIterator[Lease]:
@@ -299,7 +300,7 @@ class ModelRegistry:
                     model.engine = None
                 await asyncio.to_thread(engine.shutdown)
                 raise APIError(503, model.last_error, code="model_load_failed",
-                               headers={"Retry-After": str(NO_ROOM_RETRY_SECONDS)})
+                               headers=RETRY_LATER)
             if engine.disk is not None:
                 # Serving before the tree is rebuilt from the model's disk folder would
                 # make the first requests after a reload miss what the unload kept.
@@ -354,7 +355,7 @@ class ModelRegistry:
             503, f"no room to load the model {model.id}: it needs "
             f"{model.share_bytes / 2**30:.1f} GiB and at most {max(free, 0) / 2**30:.1f} GiB "
             "of the memory budget can be freed; pinned or loading models hold the rest",
-            code="model_not_ready", headers={"Retry-After": str(NO_ROOM_RETRY_SECONDS)})
+            code="model_not_ready", headers=RETRY_LATER)
 
     def _placed_bytes(self) -> int:
         return sum(model.share_bytes for model in self.models if model.engine is not None)

@@ -20,9 +20,10 @@ import pydantic_core
 
 from engine.api import SamplingKnobs
 from engine.tokenizer import ChatEnd
+from server.config import SamplingDefaults
 
-# The knobs a model's table may give defaults for (server.config.SamplingDefaults).
-DEFAULTABLE_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# The knobs a model's table may give defaults for.
+DEFAULTABLE_KNOBS = tuple(SamplingDefaults.model_fields)
 
 
 def unset_knobs(body: object) -> frozenset[str]:
