@@ -40,20 +40,24 @@ import numpy as np
 from mlx import nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.grammar import GrammarState, apply_masks, masks
+from engine.api import SchedulerCounters
+from engine.grammar import GrammarState, apply_masks, draft_masks, masks
 from engine.hidden_states import HiddenStates
 from engine.kv import assemble
 from engine.mlx_lm_internals import (
     BatchRow,
     Span,
     batch_rows,
+    drop_last,
     keep_rows,
     merge_caches,
     prefix_batch,
+    restore_order,
     row_cache,
     row_views,
     supports_segments,
 )
+from engine.speculation import Drafts, verify_draft
 
 Sampler = Callable[[mx.array], mx.array]
 # What a sequence's KV is copied from (`Generator.caches_of`): a single-sequence cache, or
@@ -106,6 +110,12 @@ class SequenceState:
     # reads, and whether it reads the last hidden state.
     asked: mx.array | None = None
     wants_hidden: bool = False
+    # Speculative decoding: where its drafts come from (None: it never speculates; only
+    # rows without logits processors do, whose logits need no context per position).
+    drafts: Drafts | None = None
+    # As a batch row after a verify step rolled it back (`drop_last`): the token each of
+    # its first slots holds (None: all in order).
+    order: np.ndarray | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -155,8 +165,10 @@ class Generator:
     """Sequences being prefilled, one chunk budget per call, and a decode batch."""
 
     def __init__(self, model: nn.Module,
-                 at_snapshot: Callable[[SequenceState], None] = lambda sequence: None) -> None:
+                 at_snapshot: Callable[[SequenceState], None] = lambda sequence: None,
+                 counters: SchedulerCounters | None = None) -> None:
         self.model = model
+        self.counters = counters or SchedulerCounters()  # where it counts speculative steps
         self.layers = len(make_prompt_cache(model))
         # Sees a prefilling sequence's cache at each of its `snapshot_at` positions.
         self.at_snapshot = at_snapshot
@@ -435,6 +447,13 @@ class Generator:
         return first
 
     def _decode(self) -> list[Output]:
+        eager = [row.drafts is not None and row.drafts.wants_draft() for row in self.rows]
+        if any(eager):
+            fed = self.inputs.tolist()  # a draft follows the token fed: read it now
+            drafts = [row.drafts.draft(row.tokens + [token]) if wants else []
+                      for row, token, wants in zip(self.rows, fed, eager)]
+            if any(drafts):
+                return self._verify(fed, drafts)
         fed = self.inputs
         logits = self.model(fed[:, None], cache=self.cache)[:, -1, :]
         for i, row in enumerate(self.rows):
@@ -459,6 +478,103 @@ class Generator:
             row.logprobs = next_logprobs
         self.inputs = sampled
         return outputs
+
+    def _verify(self, fed: list[int], drafts: list[list[int]]) -> list[Output]:
+        """A speculative step: feed each row its token and its draft (rows without one,
+        and shorter drafts, are padded with the token; padding is never kept) in one
+        forward, keep each draft's longest prefix the row's own sampling agrees with, and
+        the token that sampling gives after it, which the row is fed next. A greedy row
+        keeps a draft token where it is the argmax; a sampled row by rejection sampling
+        (`verify_draft`), so its tokens keep the distribution they have without drafts.
+        A constrained row's draft is cut at the first token its grammar forbids, and each
+        position is masked as that token would be. Then every row's cache drops what it
+        did not keep (`drop_last`). Synchronous: what is kept decides the next step."""
+        rows = self.rows
+        for i, row in enumerate(rows):
+            if row.processors:
+                row.context = mx.concatenate([row.context, self.inputs[i:i + 1]])
+        first_mask = None
+        position_masks: list[np.ndarray | None] = [None] * len(rows)
+        if any(row.grammar is not None for row in rows):
+            first_mask = masks([row.grammar for row in rows], fed)
+        if first_mask is not None:
+            for i, row in enumerate(rows):
+                if drafts[i] and row.grammar is not None and row.grammar.constraining:
+                    position_masks[i] = draft_masks(row.grammar, first_mask[i], drafts[i])
+                    drafts[i] = drafts[i][:len(position_masks[i]) - 1]
+        width = max(len(draft) for draft in drafts)
+        inputs = mx.array([[token, *draft] + [token] * (width - len(draft))
+                           for token, draft in zip(fed, drafts)], mx.uint32)
+        logits = self.model(inputs, cache=self.cache)
+        first, first_scores = self._sample(rows, logits[:, 0, :], first_mask)
+        kept: list[int] = []
+        following = first.tolist()  # what rows without a draft are fed next
+        for i, (row, draft) in enumerate(zip(rows, drafts)):
+            if not draft:
+                kept.append(0)
+                continue
+            positions = logits[i, :len(draft) + 1]
+            if position_masks[i] is not None:
+                positions = apply_masks(positions, position_masks[i])
+            if row.sampler is None:
+                targets = mx.argmax(positions, axis=-1).tolist()
+                accepted = 0
+                while accepted < len(draft) and draft[accepted] == targets[accepted]:
+                    accepted += 1
+                kept.append(accepted)
+                following[i] = targets[accepted]
+            else:
+                allowed = positions - mx.logsumexp(positions, axis=-1, keepdims=True)
+                accepted, token = verify_draft(row.sampler.logits(allowed), draft,
+                                               row.sampler.next_key())
+                kept.append(accepted)
+                following[i] = token
+        next_inputs = mx.array(following, mx.uint32)
+        outputs = []
+        for i, (row, draft, accepted) in enumerate(zip(rows, drafts, kept)):
+            draft_scores: list[Scores | None] = [None] * accepted
+            next_scores = first_scores[i]
+            if row.wants_logprobs and draft:
+                logprobs = logits[i, :accepted + 1]
+                logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+                draft_scores = [_scores(logprobs[j], mx.array(draft[j]), row.top_logprobs)
+                                for j in range(accepted)]
+                next_scores = _scores(logprobs[accepted], next_inputs[i], row.top_logprobs)
+            if not row.reported:
+                outputs.append(Output(row.uid, fed[i], row.logprobs))
+            outputs += [Output(row.uid, token, scores)
+                        for token, scores in zip(draft[:accepted], draft_scores)]
+            row.reported = False
+            row.tokens += [fed[i], *draft[:accepted]]
+            if row.grammar is not None:
+                for token in draft[:accepted]:
+                    row.grammar.accept(token)
+            row.logprobs = next_scores
+            if draft:
+                row.drafts.record(len(draft), accepted)
+                self.counters.verified_rows += 1
+                self.counters.draft_tokens += len(draft)
+                self.counters.accepted_draft_tokens += accepted
+                self.counters.verified_tokens += 1 + accepted
+        moved = drop_last(self.cache, [width - accepted for accepted in kept],
+                          [len(row.tokens) for row in rows])
+        for row, count in zip(rows, moved):
+            if count:
+                order = np.arange(len(row.tokens))
+                if row.order is not None:
+                    order[:len(row.order)] = row.order
+                row.order = np.concatenate([order[count:], order[:count]])
+        self.inputs = next_inputs
+        return outputs
+
+    def _in_order(self, positions: Iterable[int]) -> None:
+        """Put the batch rows at `positions` back in token order before they are copied
+        out (`drop_last` moves their first tokens)."""
+        for position in positions:
+            row = self.rows[position]
+            if row.order is not None:
+                restore_order(self.cache, position, row.order.tolist())
+                row.order = None
 
     def _constrain(self, rows: list[SequenceState], fed: mx.array | None, logits: mx.array
                    ) -> tuple[list[int] | None, np.ndarray | None]:
@@ -535,7 +651,9 @@ class Generator:
         if not rows:
             self.cache, self.inputs = None, None
         elif len(rows) == 1:
-            self.cache = row_cache(self.cache, keep[0]) if len(self.rows) > 1 else self.cache
+            if len(self.rows) > 1:
+                self._in_order(keep)
+                self.cache = row_cache(self.cache, keep[0])
             self.inputs = self.inputs[keep[0]:keep[0] + 1]
         else:
             keep_rows(self.cache, keep)
@@ -554,6 +672,7 @@ class Generator:
         positions = {id(row): i for i, row in enumerate(self.rows)}
         inside = [i for i, s in enumerate(sequences) if id(s) in positions]
         rows = [positions[id(sequences[i])] for i in inside]
+        self._in_order(rows)
         views = None
         if rows and firsts is not None:
             views = batch_rows(self.cache, rows, [firsts[i] for i in inside])

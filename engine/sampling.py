@@ -16,35 +16,44 @@ from engine.api import SamplingParams, TokenLogprob
 from engine.generator import Scores
 from engine.tokenizer import ModelTokenizer
 
-Sampler = Callable[[mx.array], mx.array]
 # (the tokens so far, prompt included; logits) -> logits
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
-def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
-    """A sampler with its own random key, so a seeded request is reproducible whatever
-    else runs in the same batch."""
-    if params.greedy:
-        return None
-    filters: list[Callable[[mx.array], mx.array]] = []
-    if 0.0 < params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p > 0.0:
-        filters.append(lambda x: apply_min_p(x, params.min_p))
-    if 0 < params.top_k < vocab_size:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
-    seed = params.seed if params.seed is not None else secrets.randbits(63)
-    key = mx.random.key(seed)
-    inverse_temperature = 1.0 / params.temperature
+class Sampler:
+    """A request's sampling: its filters and temperature over the log-distribution, and
+    its own random key, so a seeded request is reproducible whatever else runs in the
+    same batch."""
 
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, step_key = mx.random.split(key)
-        for apply in filters:
+    def __init__(self, params: SamplingParams, vocab_size: int) -> None:
+        self._filters: list[Callable[[mx.array], mx.array]] = []
+        if 0.0 < params.top_p < 1.0:
+            self._filters.append(lambda x: apply_top_p(x, params.top_p))
+        if params.min_p > 0.0:
+            self._filters.append(lambda x: apply_min_p(x, params.min_p))
+        if 0 < params.top_k < vocab_size:
+            self._filters.append(lambda x: apply_top_k(x, params.top_k))
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._key = mx.random.key(seed)
+        self._inverse_temperature = 1.0 / params.temperature
+
+    def next_key(self) -> mx.array:
+        self._key, step_key = mx.random.split(self._key)
+        return step_key
+
+    def logits(self, logprobs: mx.array) -> mx.array:
+        """The unnormalized log-distribution tokens are drawn from."""
+        for apply in self._filters:
             logprobs = apply(logprobs)
-        return mx.random.categorical(logprobs * inverse_temperature, key=step_key)
+        return logprobs * self._inverse_temperature
 
-    return sample
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return mx.random.categorical(self.logits(logprobs), key=self.next_key())
+
+
+def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
+    """The request's sampler; None for greedy."""
+    return None if params.greedy else Sampler(params, vocab_size)
 
 
 def make_processors(params: SamplingParams, prompt_length: int) -> list[LogitsProcessor]:

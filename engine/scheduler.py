@@ -45,7 +45,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine.admission import SchedulerLimits, admit
-from engine.api import FinishReason, PromptLogprobs, SamplingParams, SchedulerCounters
+from engine.api import (
+    FinishReason,
+    PromptLogprobs,
+    SamplingParams,
+    SchedulerCounters,
+    SpeculationConfig,
+)
 from engine.disk_store import DiskStore
 from engine.distributed import RankGroup
 from engine.generation import Generation
@@ -56,6 +62,7 @@ from engine.loader import LoadedModel
 from engine.prefill_budget import PrefillBudget
 from engine.prompt_logprobs import prompt_logprobs
 from engine.segment_file import BadSegmentFile
+from engine.speculation import Drafts
 from engine.tree_hold import HandleOf
 from radix import MatchResult, Node, RadixTree, ReserveStatus
 from radix.prefix import common_prefix_length
@@ -160,9 +167,11 @@ def to_remote(message: Message) -> object:
 
 class Scheduler:
     def __init__(self, loaded: LoadedModel, limits: SchedulerLimits,
-                 group: RankGroup | None = None) -> None:
+                 group: RankGroup | None = None,
+                 speculation: SpeculationConfig | None = None) -> None:
         self.loaded = loaded
         self.limits = limits
+        self.speculation = speculation or SpeculationConfig()
         # Tensor parallelism (distributed.py): every rank runs this loop over rank 0's
         # inputs, and any failure is the whole group's, never recovered by one rank alone.
         self.group = group
@@ -185,7 +194,7 @@ class Scheduler:
         self.prefill_budget = PrefillBudget(
             stall_ratio, limits.prefill_stall_floor, chunk,
             idle_chunk=max(GPU_PREFILL_CHUNK, chunk) if gpu else chunk)
-        self.generator = Generator(loaded.model, self._take_snapshot)
+        self.generator = Generator(loaded.model, self._take_snapshot, self.counters)
         # Prompts that find the engine with nothing decoding are all prefilled before any
         # of them decodes (see `_step`).
         self.burst = False
@@ -362,13 +371,30 @@ class Scheduler:
             top_logprobs=(readout.top_logprobs if readout is not None
                           else generation.params.logprobs or 0), grammar=grammar,
             asked=mx.array(readout.token_ids) if readout and readout.token_ids else None,
-            wants_hidden=readout is not None and readout.hidden)
+            wants_hidden=readout is not None and readout.hidden,
+            drafts=self._drafts(generation))
         generation.sequence = sequence
         self.generator.add(sequence)
         generation.prompt_done = False
         self.running[sequence.uid] = generation
         generation.dequeue()
         return True
+
+    def _drafts(self, generation: Generation) -> Drafts | None:
+        """The generation's speculative decoding, unless its mode is off or it cannot
+        have any: a model whose cache cannot be rolled back (sliding windows, recurrent
+        state), logits processors (each position's logits would need its own context), or
+        a prefill-only request. Drafting goes on across a failed step's re-admission."""
+        params = generation.params
+        mode = params.speculation or self.speculation.mode
+        if (mode == "off" or not self.kv.segments or generation.processors
+                or params.readout is not None or params.max_tokens == 0):
+            return None
+        if generation.drafts is None:
+            generation.drafts = Drafts(mode, self.speculation.max_draft,
+                                       self.speculation.sources, self.tree.continuation,
+                                       end=len(generation.prompt) + params.max_tokens)
+        return generation.drafts
 
     def _snapshot_positions(self, generation: Generation) -> list[int]:
         """Where prefill pauses to snapshot the cache: for a model whose cache is reused
@@ -499,12 +525,17 @@ class Scheduler:
         self.counters.step_cpu_seconds += cpu_seconds
 
     def _take(self, outputs: list[Output]) -> None:
-        """Give sampled tokens to their generations; those that end leave together."""
+        """Give sampled tokens to their generations; those that end leave together. A
+        speculative step gives a generation several tokens: those after one that ended
+        it are dropped, so it ends where it would have without speculation."""
         endings = []
+        ended: set[int] = set()
         for output in outputs:
             generation = self.running.get(output.uid)
-            if generation is not None and (ending := self._on_token(generation, output)):
+            if generation is not None and output.uid not in ended and (
+                    ending := self._on_token(generation, output)):
                 endings.append((generation, *ending))
+                ended.add(output.uid)
         if endings:
             self._end(endings)
 

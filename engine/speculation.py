@@ -1,0 +1,144 @@
+"""Draft tokens for speculative decoding, and when a sequence is worth drafting for.
+
+A draft is a guess at a sequence's next tokens that costs no model: the generator feeds
+the sequence's last token and its draft in one forward, keeps the longest prefix of the
+draft the model agrees with (generator.py, `Generator._verify`), and rolls the rest back.
+Coding agents re-emit text they have seen (file contents, diffs, tool arguments), so two
+free sources guess well:
+
+- prompt lookup (llama.cpp's `--lookup`, vLLM's n-gram proposer): the longest recent
+  n-gram of the context (prompt and output) that occurred before, and what followed it;
+- the radix tree: what followed this exact context in an earlier request, prompt or
+  output (`RadixTree.continuation`). No peer drafts from its prefix cache.
+
+A verify forward over k + 1 positions costs more than a decode step: little on a GPU,
+where a step reads the weights either way, more on the CPU (SmolLM2-135M on 2 cores, 600
+cached tokens: 9 positions took 2.4-3x one). So a draft is as long as recent ones earned
+(Hugging Face's heuristic: 2 more after a draft kept whole, 1 less after one cut short),
+and in `auto` mode a sequence stops drafting while its drafts are mostly rejected, so
+traffic that does not repeat does not pay for guesses (`Drafts.wants_draft`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from engine.api import DraftSource, SpeculationMode
+
+# n-gram sizes prompt lookup tries, longest first: a longer match is a better guess, and
+# a 2-gram still finds the next line of a file being copied.
+NGRAM_SIZES = (4, 3, 2)
+# `auto`: the running mean of accepted tokens per verify below which drafting pauses,
+# how fast it moves, and how many draft chances a pause skips (doubling while drafts keep
+# failing, up to the most).
+MIN_ACCEPTED = 0.6
+EMA_WEIGHT = 0.3
+FIRST_PAUSE = 4
+MAX_PAUSE = 256
+FIRST_LENGTH = 4  # a sequence's first drafts, at most
+
+Continuation = Callable[[list[int], int], list[int]]
+
+
+class PromptLookup:
+    """An index of a sequence's n-grams to where each last ended, grown as tokens come."""
+
+    def __init__(self) -> None:
+        self._ends: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending before this position are in `_ends`
+
+    def draft(self, context: list[int], limit: int) -> list[int]:
+        """What followed the most recent earlier occurrence of the context's longest
+        suffix n-gram, at most `limit` tokens."""
+        end = len(context)
+        for position in range(self._indexed + 1, end):  # every n-gram but the suffix
+            for n in NGRAM_SIZES:
+                if position >= n:
+                    self._ends[tuple(context[position - n:position])] = position
+        self._indexed = max(self._indexed, end - 1)
+        for n in NGRAM_SIZES:
+            if end > n and (found := self._ends.get(tuple(context[end - n:]))) is not None:
+                return context[found:found + limit]
+        return []
+
+
+class Drafts:
+    """One sequence's drafting: its sources, its mode, and what its drafts achieved."""
+
+    def __init__(self, mode: SpeculationMode, max_draft: int, sources: tuple[DraftSource, ...],
+                 continuation: Continuation, end: int) -> None:
+        self.mode = mode
+        self.max_draft = max_draft
+        self._length = min(FIRST_LENGTH, max_draft)  # the longest draft it makes now
+        self._lookup = PromptLookup() if "prompt" in sources else None
+        self._continuation = continuation if "tree" in sources else None
+        self.end = end  # the most tokens the sequence may hold: a draft never passes it
+        self.drafted = 0
+        self.accepted = 0
+        self.verifies = 0
+        self._mean = 1.0  # accepted per verify, optimistic until measured
+        self._pause = 0
+        self._skip = 0  # draft chances left to skip
+
+    def wants_draft(self) -> bool:
+        """Whether to draft at this step (called once a step): not while pausing."""
+        if self._skip:
+            self._skip -= 1
+            return False
+        return True
+
+    def draft(self, context: list[int]) -> list[int]:
+        """Guessed tokens to follow `context` (the sequence's tokens and the one it is fed
+        next), none past `end`; [] when no source has a guess."""
+        limit = min(self._length, self.end - len(context))
+        if limit <= 0:
+            return []
+        found = self._lookup.draft(context, limit) if self._lookup is not None else []
+        if not found and self._continuation is not None:
+            found = self._continuation(context, limit)
+        return found
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """What one verify of this sequence's draft kept; in `auto`, pause drafting while
+        the mean accepted per verify is below `MIN_ACCEPTED`."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verifies += 1
+        self._length = (min(self.max_draft, self._length + 2) if accepted == drafted
+                        else max(1, self._length - 1))
+        if self.mode != "auto":
+            return
+        self._mean += EMA_WEIGHT * (accepted - self._mean)
+        if self._mean >= MIN_ACCEPTED:
+            self._pause = 0
+            return
+        self._pause = min(MAX_PAUSE, 2 * self._pause or FIRST_PAUSE)
+        self._skip = self._pause
+        self._mean = MIN_ACCEPTED  # the probe after the pause decides again
+
+
+def verify_draft(logits: mx.array, draft: list[int], key: mx.array) -> tuple[int, int]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) of a deterministic
+    draft: `logits` [len(draft) + 1, vocab] are the target's sampling logits at each
+    position of the verify forward. Draft token x is accepted with probability p(x) (its
+    draft distribution is a point mass, so min(1, p(x)/q(x)) = p(x)); at the first
+    rejection the token is drawn from the residual max(0, p - q), which is p without x,
+    renormalized; with all accepted, the next token is drawn from the last position. The
+    output is distributed exactly as sampling the target token by token. Returns (tokens
+    accepted, the token drawn after them)."""
+    uniform_key, residual_key = mx.random.split(key)
+    probs = mx.softmax(logits[:-1], axis=-1)
+    drafted = mx.array(draft)
+    chances = mx.take_along_axis(probs, drafted[:, None], axis=-1)[:, 0]
+    uniforms = mx.random.uniform(shape=(len(draft),), key=uniform_key)
+    accepted = 0
+    for chance, uniform in zip(chances.tolist(), uniforms.tolist()):
+        if uniform >= chance:
+            break
+        accepted += 1
+    row = logits[accepted]
+    if accepted < len(draft):
+        row = mx.where(mx.arange(row.shape[-1]) == draft[accepted], -mx.inf, row)
+    return accepted, mx.random.categorical(row, key=residual_key).item()

@@ -1,0 +1,149 @@
+"""Speculative decoding: greedy output is token-identical to decoding without it, for each
+draft source, under batching, with grammars, stop strings and logprobs; the draft
+sources and the rejection step on their own are in test_speculation_units.py.
+
+On the tiny random-weight demo model drafts from prompt lookup are mostly rejected (its
+output does not repeat its prompt), which exercises rollback; a request repeated gets the
+first one's output from the radix tree as its draft, all of it accepted. The real default
+model copies a file it is asked to repeat, so its drafts are mostly accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.api import SpeculationConfig
+from engine.constraints import json_schema
+from tests.engine.kv_integrity import check_tree_kv
+from tests.engine.support import Reference, complete, settled, start_engine
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+FILE = "".join(f"def handler_{i}(request):\n    value = request.get('field_{i}')\n"
+               f"    if value is None:\n        return error('missing field_{i}')\n"
+               f"    return ok(value * {i})\n\n" for i in range(4))
+
+
+def edit_prompt(engine, old: str, new: str) -> list[int]:
+    """The agent edit workload's request: repeat a file with one change."""
+    return engine.tokenizer.chat_prompt([{"role": "user", "content": (
+        f"Here is a file:\n```python\n{FILE}```\nRepeat the whole file exactly, but "
+        f"rename {old} to {new}. Output only the code.")}])
+
+
+# -- the demo model ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model_dir) -> Reference:
+    return Reference(str(demo_model_dir))
+
+
+@pytest.fixture(scope="module", params=[("prompt",), ("tree",)], ids=["prompt", "tree"])
+def engine(request, demo_model_dir):
+    engine = start_engine(str(demo_model_dir), cache_bytes=1 << 30, speculation=(
+        SpeculationConfig(mode="on", sources=request.param)))
+    yield engine
+    engine.shutdown()
+
+
+def drafts_from_tree(engine) -> bool:
+    return engine._scheduler.speculation.sources == ("tree",)
+
+
+def encode(engine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text, special_tokens=False)
+
+
+async def test_greedy_is_identical_under_batching(engine, reference, demo_model_dir):
+    """Requests decoded together, some repeated (the tree drafts their whole output) and
+    some new (drafts rejected): every row's cache drops a different number of positions
+    at a step, and what the rows leave in the tree is still exactly their tokens' KV."""
+    prompts = [encode(engine, f"{FILE} # variant {i} " * (1 + i % 2)) for i in range(4)]
+    want = [reference.greedy(p, 32) for p in prompts]
+    await complete(engine, prompts[0], 32)
+    await complete(engine, prompts[2], 32)
+    before = engine.stats().counters
+    got = await asyncio.gather(*(complete(engine, p, 32) for p in prompts))
+    assert [g.tokens for g in got] == want
+    counters = (await settled(engine)).counters
+    assert counters.draft_tokens > before.draft_tokens
+    if drafts_from_tree(engine):
+        for repeated in (got[0].finish, got[2].finish):
+            assert repeated.accepted_draft_tokens == repeated.draft_tokens >= 24
+    check_tree_kv(engine, reference.model)
+
+
+async def test_a_grammar_with_speculation(engine):
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "count": {"type": "integer"}},
+              "required": ["name", "count"]}
+    prompt = encode(engine, "Write the tool call as JSON: ")
+    first = await complete(engine, prompt, 40, constraint=json_schema(schema))
+    second = await complete(engine, prompt, 40, constraint=json_schema(schema))
+    plain = await complete(engine, prompt, 40, constraint=json_schema(schema), speculation="off")
+    assert first.tokens == second.tokens == plain.tokens
+    assert first.finish.reason == plain.finish.reason
+    if drafts_from_tree(engine):
+        assert second.finish.accepted_draft_tokens > 0
+
+
+async def test_stop_strings_and_max_tokens_cut_where_they_do_without(engine):
+    prompt = encode(engine, "Count the rivers of the valley: one, two, ")
+    plain = await complete(engine, prompt, 30, speculation="off")
+    stop = plain.text[10:14]
+    plain_stopped = await complete(engine, prompt, 30, speculation="off", stop=(stop,))
+    for _ in range(2):  # the second one is drafted from the first, past the stop
+        stopped = await complete(engine, prompt, 30, stop=(stop,))
+        assert (stopped.text, stopped.finish.reason) == (plain_stopped.text, "stop")
+        assert stopped.tokens == plain_stopped.tokens
+    if drafts_from_tree(engine):
+        assert stopped.finish.accepted_draft_tokens > 0
+    short = await complete(engine, prompt, 7)
+    assert short.tokens == plain.tokens[:7]
+    assert short.finish.reason == "length"
+
+
+async def test_logprobs_of_accepted_tokens(engine):
+    prompt = encode(engine, "Logprobs of a repeated answer, please: ")
+    plain = await complete(engine, prompt, 12, speculation="off", logprobs=2)
+    drafted = await complete(engine, prompt, 12, logprobs=2)
+    assert drafted.tokens == plain.tokens
+    for a, b in zip(drafted.events, plain.events):
+        assert a.logprob.logprob == pytest.approx(b.logprob.logprob, abs=1e-4)
+        assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
+
+
+async def test_sampled_requests_speculate_and_finish(engine):
+    prompt = encode(engine, "A sampled answer about the sea: ")
+    results = await asyncio.gather(*(complete(engine, prompt, 24, temperature=0.8, seed=s)
+                                     for s in range(3)))
+    assert all(len(r.tokens) == 24 or r.finish.reason == "stop" for r in results)
+
+
+# -- the real default model ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_engines(real_model_dir):
+    engines = [start_engine(str(real_model_dir), cache_bytes=1 << 30,
+                            speculation=SpeculationConfig(mode=mode)) for mode in ("off", "on")]
+    yield engines
+    for engine in engines:
+        engine.shutdown()
+
+
+async def test_the_real_model_copies_a_file_identically_with_drafts(real_engines):
+    """Two edits of one file decoded together, with drafts from prompt lookup and the
+    tree, give the tokens they give without speculation, most drafts accepted."""
+    off, on = real_engines
+    edits = [("handler_1", "handle_one"), ("handler_2", "handle_two")]
+    results = []
+    for engine in (off, on):
+        prompts = [edit_prompt(engine, *edit) for edit in edits]
+        results.append(await asyncio.gather(*(complete(engine, p, 48) for p in prompts)))
+    assert [r.tokens for r in results[0]] == [r.tokens for r in results[1]]
+    finish = [r.finish for r in results[1]]
+    assert sum(f.accepted_draft_tokens for f in finish) > sum(f.draft_tokens for f in finish) / 2
