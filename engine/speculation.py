@@ -30,13 +30,13 @@ from engine.api import DraftSource, SpeculationMode
 # n-gram sizes prompt lookup tries, longest first: a longer match is a better guess, and
 # a 2-gram still finds the next line of a file being copied.
 NGRAM_SIZES = (4, 3, 2)
-# `auto`: the running mean of accepted tokens per verify below which drafting pauses,
-# how fast it moves, and how many draft chances a pause skips (doubling while drafts keep
-# failing, up to the most).
+# `auto`: the running mean of accepted tokens per draft chance (a step where the sequence
+# looked for one) below which drafting pauses, how fast it moves, and how many chances a
+# pause skips (doubling while drafts keep failing, up to the most).
 MIN_ACCEPTED = 0.6
 EMA_WEIGHT = 0.3
 FIRST_PAUSE = 4
-MAX_PAUSE = 256
+MAX_PAUSE = 64
 FIRST_LENGTH = 4  # a sequence's first drafts, at most
 
 Continuation = Callable[[list[int], int], list[int]]
@@ -77,8 +77,7 @@ class Drafts:
         self.end = end  # the most tokens the sequence may hold: a draft never passes it
         self.drafted = 0
         self.accepted = 0
-        self.verifies = 0
-        self._mean = 1.0  # accepted per verify, optimistic until measured
+        self._mean = 1.0  # accepted per chance, optimistic until measured
         self._pause = 0
         self._skip = 0  # draft chances left to skip
 
@@ -98,16 +97,23 @@ class Drafts:
         found = self._lookup.draft(context, limit) if self._lookup is not None else []
         if not found and self._continuation is not None:
             found = self._continuation(context, limit)
+        if not found:
+            # No guess is a guess that failed: on a GPU looking costs the step its overlap
+            # with the next one's graph building (the token fed must be read first).
+            self._judge(0)
         return found
 
     def record(self, drafted: int, accepted: int) -> None:
-        """What one verify of this sequence's draft kept; in `auto`, pause drafting while
-        the mean accepted per verify is below `MIN_ACCEPTED`."""
+        """What one verify of this sequence's draft kept."""
         self.drafted += drafted
         self.accepted += accepted
-        self.verifies += 1
         self._length = (min(self.max_draft, self._length + 2) if accepted == drafted
                         else max(1, self._length - 1))
+        self._judge(accepted)
+
+    def _judge(self, accepted: int) -> None:
+        """In `auto`, pause drafting while the mean accepted per chance is below
+        `MIN_ACCEPTED`."""
         if self.mode != "auto":
             return
         self._mean += EMA_WEIGHT * (accepted - self._mean)

@@ -23,6 +23,9 @@ def test_auto_pauses_drafting_while_drafts_are_rejected_and_probes_again():
     assert [drafts.wants_draft() for _ in range(5)] == [False] * 4 + [True]
     drafts.record(4, 0)  # still rejected: a longer pause
     assert [drafts.wants_draft() for _ in range(9)] == [False] * 8 + [True]
+    nothing = Drafts("auto", 8, ("tree",), lambda context, limit: [], end=1 << 20)
+    assert nothing.draft([1, 2, 3]) == nothing.draft([1, 2, 3, 4]) == []
+    assert not nothing.wants_draft()  # finding no draft counts as a draft rejected
     on = Drafts("on", 8, ("prompt",), lambda context, limit: [], end=1 << 20)
     on.record(4, 0)
     on.record(4, 0)
