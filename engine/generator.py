@@ -57,7 +57,7 @@ from engine.mlx_lm_internals import (
     row_views,
     supports_segments,
 )
-from engine.speculation import Drafts, verify_draft
+from engine.speculation import Drafts
 
 Sampler = Callable[[mx.array], mx.array]
 # What a sequence's KV is copied from (`Generator.caches_of`): a single-sequence cache, or
@@ -483,9 +483,11 @@ class Generator:
         """A speculative step: feed each row its token and its draft (rows without one,
         and shorter drafts, are padded with the token; padding is never kept) in one
         forward, keep each draft's longest prefix the row's own sampling agrees with, and
-        the token that sampling gives after it, which the row is fed next. A greedy row
-        keeps a draft token where it is the argmax; a sampled row by rejection sampling
-        (`verify_draft`), so its tokens keep the distribution they have without drafts.
+        the token that sampling gives after it, which the row is fed next. A row keeps a
+        draft token where it is the token its sampling gives at that position: the
+        argmax, or for a sampled row the token its `Sampler.draws` for that output index
+        (rejection sampling with the randomness plain decoding uses), so its tokens are
+        those it gives without drafts.
         A constrained row's draft is cut at the first token its grammar forbids, and each
         position is masked as that token would be. Then every row's cache drops what it
         did not keep (`drop_last`). Synchronous: what is kept decides the next step."""
@@ -518,17 +520,17 @@ class Generator:
                 positions = apply_masks(positions, position_masks[i])
             if row.sampler is None:
                 targets = mx.argmax(positions, axis=-1).tolist()
-                accepted = 0
-                while accepted < len(draft) and draft[accepted] == targets[accepted]:
-                    accepted += 1
-                kept.append(accepted)
-                following[i] = targets[accepted]
-            else:
-                allowed = positions - mx.logsumexp(positions, axis=-1, keepdims=True)
-                accepted, token = verify_draft(row.sampler.logits(allowed), draft,
-                                               row.sampler.next_key())
-                kept.append(accepted)
-                following[i] = token
+            else:  # position 0 is drawn already, at the output index before `position`
+                allowed = positions[1:] - mx.logsumexp(positions[1:], axis=-1, keepdims=True)
+                targets = [following[i],
+                           *row.sampler.draws(allowed, row.sampler.position).tolist()]
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == targets[accepted]:
+                accepted += 1
+            if row.sampler is not None:
+                row.sampler.position += accepted
+            kept.append(accepted)
+            following[i] = targets[accepted]
         next_inputs = mx.array(following, mx.uint32)
         outputs = []
         for i, (row, draft, accepted) in enumerate(zip(rows, drafts, kept)):

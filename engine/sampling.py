@@ -6,6 +6,7 @@ sampled with one batched argmax instead of one call per row.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Callable
 
@@ -22,8 +23,17 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 class Sampler:
     """A request's sampling: its filters and temperature over the log-distribution, and
-    its own random key, so a seeded request is reproducible whatever else runs in the
-    same batch."""
+    its own randomness, so a seeded request is reproducible whatever else runs in the
+    same batch, whatever the cache holds, and with or without speculative decoding.
+
+    Token i of the output is drawn with the Gumbel-max trick (what `mx.random.categorical`
+    does: the argmax of the logits plus Gumbel noise) from noise keyed by the seed and i
+    alone, not from a key split once per call. So a speculative step can draw the tokens
+    of several positions at once exactly as one step per position would, and keep a draft
+    token where it is the one drawn (`draws`): that accepts draft token x with probability
+    p(x) and otherwise gives a token distributed as p without x, renormalized, which is
+    rejection sampling of a point-mass draft (Leviathan et al. 2023, Chen et al. 2023)
+    with its randomness shared with plain decoding."""
 
     def __init__(self, params: SamplingParams, vocab_size: int) -> None:
         self._filters: list[Callable[[mx.array], mx.array]] = []
@@ -33,13 +43,9 @@ class Sampler:
             self._filters.append(lambda x: apply_min_p(x, params.min_p))
         if 0 < params.top_k < vocab_size:
             self._filters.append(lambda x: apply_top_k(x, params.top_k))
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self._key = mx.random.key(seed)
+        self._seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._inverse_temperature = 1.0 / params.temperature
-
-    def next_key(self) -> mx.array:
-        self._key, step_key = mx.random.split(self._key)
-        return step_key
+        self.position = 0  # the output index of the next token drawn
 
     def logits(self, logprobs: mx.array) -> mx.array:
         """The unnormalized log-distribution tokens are drawn from."""
@@ -47,8 +53,22 @@ class Sampler:
             logprobs = apply(logprobs)
         return logprobs * self._inverse_temperature
 
+    def draws(self, logprobs: mx.array, first: int) -> mx.array:
+        """The tokens drawn at output positions first, first + 1, ... from each row of
+        `logprobs`; advances nothing."""
+        noise = mx.stack([mx.random.gumbel(logprobs.shape[-1:], key=self._key(first + i))
+                          for i in range(logprobs.shape[0])])
+        return mx.argmax(self.logits(logprobs) + noise, axis=-1)
+
     def __call__(self, logprobs: mx.array) -> mx.array:
-        return mx.random.categorical(self.logits(logprobs), key=self.next_key())
+        """The next output token, drawn from `logprobs` [1, vocab]."""
+        token = self.draws(logprobs, self.position)
+        self.position += 1
+        return token
+
+    def _key(self, position: int) -> mx.array:
+        digest = hashlib.blake2b(f"{self._seed}:{position}".encode(), digest_size=8).digest()
+        return mx.random.key(int.from_bytes(digest, "little") >> 1)
 
 
 def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import mlx.core as mx
-
 from engine.api import DraftSource, SpeculationMode
 
 # n-gram sizes prompt lookup tries, longest first: a longer match is a better guess, and
@@ -123,28 +121,3 @@ class Drafts:
         self._pause = min(MAX_PAUSE, 2 * self._pause or FIRST_PAUSE)
         self._skip = self._pause
         self._mean = MIN_ACCEPTED  # the probe after the pause decides again
-
-
-def verify_draft(logits: mx.array, draft: list[int], key: mx.array) -> tuple[int, int]:
-    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) of a deterministic
-    draft: `logits` [len(draft) + 1, vocab] are the target's sampling logits at each
-    position of the verify forward. Draft token x is accepted with probability p(x) (its
-    draft distribution is a point mass, so min(1, p(x)/q(x)) = p(x)); at the first
-    rejection the token is drawn from the residual max(0, p - q), which is p without x,
-    renormalized; with all accepted, the next token is drawn from the last position. The
-    output is distributed exactly as sampling the target token by token. Returns (tokens
-    accepted, the token drawn after them)."""
-    uniform_key, residual_key = mx.random.split(key)
-    probs = mx.softmax(logits[:-1], axis=-1)
-    drafted = mx.array(draft)
-    chances = mx.take_along_axis(probs, drafted[:, None], axis=-1)[:, 0]
-    uniforms = mx.random.uniform(shape=(len(draft),), key=uniform_key)
-    accepted = 0
-    for chance, uniform in zip(chances.tolist(), uniforms.tolist()):
-        if uniform >= chance:
-            break
-        accepted += 1
-    row = logits[accepted]
-    if accepted < len(draft):
-        row = mx.where(mx.arange(row.shape[-1]) == draft[accepted], -mx.inf, row)
-    return accepted, mx.random.categorical(row, key=residual_key).item()

@@ -116,11 +116,20 @@ async def test_logprobs_of_accepted_tokens(engine):
         assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
 
 
-async def test_sampled_requests_speculate_and_finish(engine):
+async def test_a_seeded_sampled_request_gives_the_same_tokens_with_drafts(engine):
+    """A sampled row keeps a draft token where it is the token its sampler draws at that
+    output index from the seed's noise (test_speculation_units.py), so a seeded request
+    is reproducible with or without drafts: repeated, it is drafted from the tree (its
+    first run's output) and keeps every draft token."""
     prompt = encode(engine, "A sampled answer about the sea: ")
-    results = await asyncio.gather(*(complete(engine, prompt, 24, temperature=0.8, seed=s)
-                                     for s in range(3)))
+    knobs = {"temperature": 0.8, "top_p": 0.9, "top_k": 50}
+    plain = await complete(engine, prompt, 24, speculation="off", seed=0, **knobs)
+    results = await asyncio.gather(*(complete(engine, prompt, 24, seed=seed, **knobs)
+                                     for seed in range(3)))
+    assert results[0].tokens == plain.tokens
     assert all(len(r.tokens) == 24 or r.finish.reason == "stop" for r in results)
+    if drafts_from_tree(engine):
+        assert results[0].finish.accepted_draft_tokens == results[0].finish.draft_tokens > 0
 
 
 # -- the real default model ------------------------------------------------------------

@@ -1,11 +1,14 @@
 """Speculative decoding's pieces on their own: prompt lookup, the `auto` back-off, and the
-rejection step, whose output keeps the target distribution (a chi-square test)."""
+rejection step of a sampled row, whose output keeps the target distribution (a chi-square
+test)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.speculation import Drafts, PromptLookup, verify_draft
+from engine.api import SamplingParams
+from engine.sampling import Sampler
+from engine.speculation import Drafts, PromptLookup
 
 
 def test_prompt_lookup_drafts_what_followed_the_longest_earlier_ngram():
@@ -33,20 +36,35 @@ def test_auto_pauses_drafting_while_drafts_are_rejected_and_probes_again():
 
 
 def test_rejection_sampling_keeps_the_target_distribution():
-    """Chen et al.'s speculative sampling with a point-mass draft: the first token out is
-    distributed as p whether the draft is likely, unlikely or impossible under p."""
-    p = mx.array([0.5, 0.3, 0.15, 0.05])
-    logits = mx.log(mx.stack([p, p]))
+    """A sampled row keeps draft token x where x is the token its sampler draws at that
+    output index: x is accepted with probability p(x), and the token out is distributed as
+    p whether x is likely, unlikely or impossible under p (the first token out of a verify
+    step, over 4000 seeds; Pearson's chi-square, 3 degrees of freedom:
+    P(X > 16.27) = 0.001)."""
+    p = [0.5, 0.3, 0.15, 0.05]
+    logprobs = mx.log(mx.array([p, p]))
     samples = 4000
-    keys = mx.random.split(mx.random.key(7), samples)
-    # Pearson's chi-square, 3 degrees of freedom: P(X > 16.27) = 0.001.
     for drafted in (0, 3):
-        counts = [0] * 4
-        for key in keys:
-            accepted, token = verify_draft(logits, [drafted], key)
-            counts[drafted if accepted else token] += 1
-        expected = [samples * x for x in p.tolist()]
-        chi2 = sum((c - e) ** 2 / e for c, e in zip(counts, expected))
-        assert chi2 < 16.27, (drafted, counts)
-    impossible = mx.log(mx.array([[0.5, 0.5, 0.0, 0.0]] * 2))
-    assert all(verify_draft(impossible, [3], key)[0] == 0 for key in keys[:50])
+        counts, accepted = [0] * 4, 0
+        for seed in range(samples):
+            sampler = Sampler(SamplingParams(max_tokens=2, temperature=1.0, seed=seed), 4)
+            token = sampler.draws(logprobs, 0).tolist()[0]
+            counts[token] += 1
+            accepted += token == drafted
+        expected = [samples * x for x in p]
+        assert sum((c - e) ** 2 / e for c, e in zip(counts, expected)) < 16.27, counts
+        assert abs(accepted / samples - p[drafted]) < 0.03
+    impossible = mx.log(mx.array([[0.5, 0.5, 0.0, 0.0]]))
+    sampler = Sampler(SamplingParams(max_tokens=2, temperature=1.0, seed=1), 4)
+    assert all(sampler.draws(impossible, i).item() != 3 for i in range(50))
+
+
+def test_a_sampled_token_depends_on_its_seed_and_output_index_alone():
+    """So a verify step draws each position's token exactly as one decode step per
+    position does: a seeded request's output does not depend on its drafts."""
+    logprobs = mx.log(mx.array([[0.25] * 8] * 3))
+    stepwise = Sampler(SamplingParams(max_tokens=3, temperature=0.7, top_k=6, seed=5), 8)
+    one_by_one = [stepwise(logprobs[i:i + 1]).item() for i in range(3)]
+    at_once = Sampler(SamplingParams(max_tokens=3, temperature=0.7, top_k=6, seed=5), 8)
+    assert at_once.draws(logprobs, 0).tolist() == one_by_one
+    assert stepwise.position == 3
