@@ -499,10 +499,13 @@ class Generator:
         position_masks: list[np.ndarray | None] = [None] * len(rows)
         if any(row.grammar is not None for row in rows):
             first_mask = masks([row.grammar for row in rows], fed)
-        if first_mask is not None:
             for i, row in enumerate(rows):
-                if drafts[i] and row.grammar is not None and row.grammar.constraining:
-                    position_masks[i] = draft_masks(row.grammar, first_mask[i], drafts[i])
+                # A grammar still waiting for its marker checks the draft too: the marker
+                # may end inside it.
+                if drafts[i] and row.grammar is not None and row.grammar.error is None:
+                    first = (first_mask[i] if first_mask is not None
+                             else np.full(row.grammar.words, -1, np.int32))
+                    position_masks[i] = draft_masks(row.grammar, first, drafts[i])
                     drafts[i] = drafts[i][:len(position_masks[i]) - 1]
         width = max(len(draft) for draft in drafts)
         inputs = mx.array([[token, *draft] + [token] * (width - len(draft))

@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from llguidance import LLMatcher
 
-from engine.api import SpeculationConfig
+from engine.api import Constraint, SpeculationConfig
 from engine.constraints import json_schema
 from tests.engine.kv_integrity import check_tree_kv
 from tests.engine.support import Reference, complete, settled, start_engine
@@ -88,6 +89,23 @@ async def test_a_grammar_with_speculation(engine):
     assert first.finish.reason == plain.finish.reason
     if drafts_from_tree(engine):
         assert second.finish.accepted_draft_tokens > 0
+
+
+async def test_a_draft_across_a_grammars_marker_is_checked_after_it(engine):
+    """The free output, repeated, is drafted from the tree past the marker where the
+    grammar starts: the grammar cuts the draft there."""
+    prompt = encode(engine, "Think first, then answer: ")
+    free = await complete(engine, prompt, 12, ignore_eos=True, speculation="off")
+    at, marker = next((i, engine.tokenizer.decode([t])) for i, t in enumerate(free.tokens)
+                      if i >= 3 and encode(engine, engine.tokenizer.decode([t])) == [t])
+    constraint = Constraint(LLMatcher.grammar_from_lark('start: "yes" | "no"'), marker)
+    plain = await complete(engine, prompt, 30, constraint=constraint, speculation="off")
+    drafted = await complete(engine, prompt, 30, constraint=constraint)
+    assert drafted.tokens == plain.tokens
+    assert drafted.tokens[:at + 1] == free.tokens[:at + 1]
+    assert engine.tokenizer.decode(drafted.tokens[at + 1:]) in ("yes", "no")
+    if drafts_from_tree(engine):
+        assert drafted.finish.accepted_draft_tokens >= at
 
 
 async def test_stop_strings_and_max_tokens_cut_where_they_do_without(engine):
