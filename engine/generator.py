@@ -57,7 +57,7 @@ from engine.mlx_lm_internals import (
     row_views,
     supports_segments,
 )
-from engine.speculation import Drafts
+from engine.speculation import STEP_COST, Drafts, best_width
 
 Sampler = Callable[[mx.array], mx.array]
 # What a sequence's KV is copied from (`Generator.caches_of`): a single-sequence cache, or
@@ -185,6 +185,7 @@ class Generator:
         # the 143M demo model): queuing first would delay every token by most of a step
         # and overlap only that tail.
         self.pipelined = mx.default_device() == mx.gpu
+        self.step_cost = STEP_COST["gpu" if self.pipelined else "cpu"]  # speculation's
         self._steps = 0
 
     @property
@@ -453,7 +454,13 @@ class Generator:
             drafts = [row.drafts.draft(row.tokens + [token]) if wants else []
                       for row, token, wants in zip(self.rows, fed, eager)]
             if any(drafts):
-                return self._verify(fed, drafts)
+                width = max(map(len, drafts))
+                if not any(row.drafts is not None and row.drafts.mode == "on"
+                           for row in self.rows):  # auto: only what pays for itself
+                    width = best_width(drafts, [row.drafts.rate if row.drafts else 0.0
+                                                for row in self.rows], self.step_cost)
+                if width:
+                    return self._verify(fed, [draft[:width] for draft in drafts])
         fed = self.inputs
         logits = self.model(fed[:, None], cache=self.cache)[:, -1, :]
         for i, row in enumerate(self.rows):

@@ -13,10 +13,13 @@ free sources guess well:
 
 A verify forward over k + 1 positions costs more than a decode step: little on a GPU,
 where a step reads the weights either way, more on the CPU (SmolLM2-135M on 2 cores, 600
-cached tokens: 9 positions took 2.4-3x one). So a draft is as long as recent ones earned
-(Hugging Face's heuristic: 2 more after a draft kept whole, 1 less after one cut short),
-and in `auto` mode a sequence stops drafting while its drafts are mostly rejected, so
-traffic that does not repeat does not pay for guesses (`Drafts.wants_draft`).
+cached tokens: 9 positions took 2.4-3x one), and for a whole batch (16 streams verifying
+8-token drafts computed 144 positions, and on the CPU ran 3x slower than decoding). So a
+draft is as long as recent ones earned (Hugging Face's heuristic: 2 more after a draft
+kept whole, 1 less after one cut short); in `auto` mode a step verifies only drafts whose
+expected tokens pay for the forward's cost (`best_width`), and a sequence stops drafting
+while its drafts are mostly rejected, so traffic that does not repeat does not pay for
+guesses (`Drafts.wants_draft`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,17 @@ EMA_WEIGHT = 0.3
 FIRST_PAUSE = 4
 MAX_PAUSE = 64
 FIRST_LENGTH = 4  # a sequence's first drafts, at most
+# The chance a draft token is kept given those before it were, estimated from recent
+# verifies as kept / (kept + verifies cut short): copying keeps long runs and breaks off
+# now and then, which the share of draft tokens kept would undercount. Counts decay by
+# this much a verify; before any, as if 7 had been kept and 3 drafts cut short.
+RATE_MEMORY = 0.8
+FIRST_KEPT, FIRST_CUT = 0.7, 0.3
+# A forward over n positions costs about a + b * n one-row decode steps. CPU: measured
+# (SmolLM2-135M, 2 cores: 1 position 1, 9 positions 2.4-3, 16 rows 5.6). GPU: estimated,
+# not measured: a 1B model's step reads its 2.5 GB of weights whatever the rows, and 512
+# more positions cost about one step more.
+STEP_COST = {"cpu": (0.8, 0.2), "gpu": (1.0, 1 / 512)}
 
 Continuation = Callable[[list[int], int], list[int]]
 
@@ -75,9 +89,15 @@ class Drafts:
         self.end = end  # the most tokens the sequence may hold: a draft never passes it
         self.drafted = 0
         self.accepted = 0
+        self._kept, self._cut = FIRST_KEPT, FIRST_CUT  # decayed counts, see RATE_MEMORY
         self._mean = 1.0  # accepted per chance, optimistic until measured
         self._pause = 0
         self._skip = 0  # draft chances left to skip
+
+    @property
+    def rate(self) -> float:
+        """The chance its next draft token is kept, given those before it were."""
+        return self._kept / (self._kept + self._cut)
 
     def wants_draft(self) -> bool:
         """Whether to draft at this step (called once a step): not while pausing."""
@@ -105,6 +125,8 @@ class Drafts:
         """What one verify of this sequence's draft kept."""
         self.drafted += drafted
         self.accepted += accepted
+        self._kept = RATE_MEMORY * self._kept + accepted
+        self._cut = RATE_MEMORY * self._cut + (accepted < drafted)
         self._length = (min(self.max_draft, self._length + 2) if accepted == drafted
                         else max(1, self._length - 1))
         self._judge(accepted)
@@ -121,3 +143,24 @@ class Drafts:
         self._pause = min(MAX_PAUSE, 2 * self._pause or FIRST_PAUSE)
         self._skip = self._pause
         self._mean = MIN_ACCEPTED  # the probe after the pause decides again
+
+
+def expected_kept(rate: float, length: int) -> float:
+    """Draft tokens a verify keeps, on average, of a draft of `length` each kept with
+    probability `rate` given those before it were."""
+    return sum(rate ** j for j in range(1, length + 1))
+
+
+def best_width(drafts: list[list[int]], rates: list[float], cost: tuple[float, float]) -> int:
+    """How many tokens of each row's draft a verify step should feed (0: decode instead):
+    the width whose expected tokens per unit of cost beat a decode step's most, a step
+    over `rows` x (width + 1) positions costing `a + b * positions` (`STEP_COST`)."""
+    a, b = cost
+    rows = len(drafts)
+    best, best_yield = 0, rows / (a + b * rows)
+    for width in range(1, max(map(len, drafts)) + 1):
+        tokens = sum(1 + expected_kept(rate, min(len(draft), width))
+                     for draft, rate in zip(drafts, rates))
+        if (tokens / (a + b * rows * (width + 1))) > best_yield:
+            best, best_yield = width, tokens / (a + b * rows * (width + 1))
+    return best

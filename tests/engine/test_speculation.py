@@ -77,6 +77,15 @@ async def test_greedy_is_identical_under_batching(engine, reference, demo_model_
     check_tree_kv(engine, reference.model)
 
 
+async def test_auto_drafts_a_repeated_request_and_keeps_its_answer(engine, reference):
+    prompt = encode(engine, "Auto mode, asked twice: what is a fjord? ")
+    first = await complete(engine, prompt, 24, speculation="auto")
+    second = await complete(engine, prompt, 24, speculation="auto")
+    assert first.tokens == second.tokens == reference.greedy(prompt, 24)
+    if drafts_from_tree(engine):
+        assert second.finish.accepted_draft_tokens == second.finish.draft_tokens > 0
+
+
 async def test_a_grammar_with_speculation(engine):
     schema = {"type": "object", "properties": {"name": {"type": "string"},
                                                "count": {"type": "integer"}},

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from engine.api import SamplingParams
 from engine.sampling import Sampler
-from engine.speculation import Drafts, PromptLookup
+from engine.speculation import STEP_COST, Drafts, PromptLookup, best_width
 
 
 def test_prompt_lookup_drafts_what_followed_the_longest_earlier_ngram():
@@ -68,3 +68,23 @@ def test_a_sampled_token_depends_on_its_seed_and_output_index_alone():
     at_once = Sampler(SamplingParams(max_tokens=3, temperature=0.7, top_k=6, seed=5), 8)
     assert at_once.draws(logprobs, 0).tolist() == one_by_one
     assert stepwise.position == 3
+
+
+def test_auto_verifies_only_the_drafts_that_pay_for_their_forward():
+    """On the CPU a verify's positions cost compute: one stream verifies as much as its
+    drafts' rate earns, and 16 streams of mediocre drafts decode instead; on a GPU the
+    weights' read dominates and they verify."""
+    cpu, gpu = STEP_COST["cpu"], STEP_COST["gpu"]
+    assert best_width([[1] * 8], [0.9], cpu) > best_width([[1] * 8], [0.5], cpu) >= 1
+    assert best_width([[1] * 8] * 16, [0.5] * 16, cpu) == 0
+    assert best_width([[1] * 8] * 16, [0.5] * 16, gpu) >= 1
+    assert best_width([[1] * 2], [0.99], cpu) == 2  # never past the longest draft
+
+
+def test_the_rate_counts_runs_kept_against_drafts_cut_short():
+    """Copying keeps whole drafts and now and then breaks off at once: the chance of the
+    next token being kept is high though many draft tokens were not."""
+    drafts = Drafts("auto", 8, ("prompt",), lambda context, limit: [], end=1 << 20)
+    for accepted in (8, 8, 0, 8, 8, 0, 8):
+        drafts.record(8, accepted)
+    assert drafts.rate > 0.85 > drafts.accepted / drafts.drafted
