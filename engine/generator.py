@@ -502,18 +502,7 @@ class Generator:
         for i, row in enumerate(rows):
             if row.processors:
                 row.context = mx.concatenate([row.context, self.inputs[i:i + 1]])
-        first_mask = None
-        position_masks: list[np.ndarray | None] = [None] * len(rows)
-        if any(row.grammar is not None for row in rows):
-            first_mask = masks([row.grammar for row in rows], fed)
-            for i, row in enumerate(rows):
-                # A grammar still waiting for its marker checks the draft too: the marker
-                # may end inside it.
-                if drafts[i] and row.grammar is not None and row.grammar.error is None:
-                    first = (first_mask[i] if first_mask is not None
-                             else np.full(row.grammar.words, -1, np.int32))
-                    position_masks[i] = draft_masks(row.grammar, first, drafts[i])
-                    drafts[i] = drafts[i][:len(position_masks[i]) - 1]
+        first_mask, position_masks = self._draft_masks(fed, drafts)
         width = max(len(draft) for draft in drafts)
         inputs = mx.array([[token, *draft] + [token] * (width - len(draft))
                            for token, draft in zip(fed, drafts)], mx.uint32)
@@ -522,25 +511,11 @@ class Generator:
         kept: list[int] = []
         following = first.tolist()  # what rows without a draft are fed next
         for i, (row, draft) in enumerate(zip(rows, drafts)):
-            if not draft:
-                kept.append(0)
-                continue
-            positions = logits[i, :len(draft) + 1]
-            if position_masks[i] is not None:
-                positions = apply_masks(positions, position_masks[i])
-            if row.sampler is None:
-                targets = mx.argmax(positions, axis=-1).tolist()
-            else:  # position 0 is drawn already, at the output index before `position`
-                allowed = positions[1:] - mx.logsumexp(positions[1:], axis=-1, keepdims=True)
-                targets = [following[i],
-                           *row.sampler.draws(allowed, row.sampler.position).tolist()]
             accepted = 0
-            while accepted < len(draft) and draft[accepted] == targets[accepted]:
-                accepted += 1
-            if row.sampler is not None:
-                row.sampler.position += accepted
+            if draft:
+                accepted, following[i] = _agreed(row, draft, logits[i, :len(draft) + 1],
+                                                  position_masks[i], following[i])
             kept.append(accepted)
-            following[i] = targets[accepted]
         next_inputs = mx.array(following, mx.uint32)
         outputs = []
         for i, (row, draft, accepted) in enumerate(zip(rows, drafts, kept)):
@@ -568,16 +543,40 @@ class Generator:
                 self.counters.draft_tokens += len(draft)
                 self.counters.accepted_draft_tokens += accepted
                 self.counters.verified_tokens += 1 + accepted
-        moved = drop_last(self.cache, [width - accepted for accepted in kept],
-                          [len(row.tokens) for row in rows])
-        for row, count in zip(rows, moved):
+        self._roll_back([width - accepted for accepted in kept])
+        self.inputs = next_inputs
+        return outputs
+
+    def _draft_masks(self, fed: list[int], drafts: list[list[int]]
+                     ) -> tuple[np.ndarray | None, list[np.ndarray | None]]:
+        """Let each constrained row take in its token, and cut its draft (in place) at the
+        first token its grammar forbids. Returns the rows' masks of the verify's first
+        position, and each constrained drafting row's masks of all its positions."""
+        first_mask = None
+        position_masks: list[np.ndarray | None] = [None] * len(self.rows)
+        if not any(row.grammar is not None for row in self.rows):
+            return first_mask, position_masks
+        first_mask = masks([row.grammar for row in self.rows], fed)
+        for i, row in enumerate(self.rows):
+            # A grammar still waiting for its marker checks the draft too: the marker may
+            # end inside it.
+            if drafts[i] and row.grammar is not None and row.grammar.error is None:
+                first = (first_mask[i] if first_mask is not None
+                         else np.full(row.grammar.words, -1, np.int32))
+                position_masks[i] = draft_masks(row.grammar, first, drafts[i])
+                drafts[i] = drafts[i][:len(position_masks[i]) - 1]
+        return first_mask, position_masks
+
+    def _roll_back(self, drops: list[int]) -> None:
+        """Drop each row's last `drops[i]` cached positions, recording the slots
+        `drop_last` moved."""
+        moved = drop_last(self.cache, drops, [len(row.tokens) for row in self.rows])
+        for row, count in zip(self.rows, moved):
             if count:
                 order = np.arange(len(row.tokens))
                 if row.order is not None:
                     order[:len(row.order)] = row.order
                 row.order = np.concatenate([order[count:], order[:count]])
-        self.inputs = next_inputs
-        return outputs
 
     def _in_order(self, positions: Iterable[int]) -> None:
         """Put the batch rows at `positions` back in token order before they are copied
@@ -692,6 +691,26 @@ class Generator:
             views = row_views(self.cache, rows)
         found = dict(zip(inside, views or []))
         return [found.get(i, s.cache) for i, s in enumerate(sequences)]
+
+
+def _agreed(row: SequenceState, draft: list[int], logits: mx.array,
+            position_masks: np.ndarray | None, first: int) -> tuple[int, int]:
+    """How many of `draft`'s tokens the row's sampling agrees with, given `logits` of
+    its verify positions, and the token it gives after them. `first`: the token drawn at
+    position 0 already (the step's sampling of every row)."""
+    if position_masks is not None:
+        logits = apply_masks(logits, position_masks)
+    if row.sampler is None:
+        targets = mx.argmax(logits, axis=-1).tolist()
+    else:  # position 0 was drawn at the output index before the sampler's `position`
+        allowed = logits[1:] - mx.logsumexp(logits[1:], axis=-1, keepdims=True)
+        targets = [first, *row.sampler.draws(allowed, row.sampler.position).tolist()]
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == targets[accepted]:
+        accepted += 1
+    if row.sampler is not None:
+        row.sampler.position += accepted
+    return accepted, targets[accepted]
 
 
 def _own_from(group: list[SequenceState]) -> list[int]:
