@@ -70,7 +70,7 @@ class SamplingRequest(RequestModel):
     repetition_penalty: float | None = Field(None, ge=0.01, le=10)
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    # Speculative decoding for this request (none: the server's `speculation`).
+    # radix-mlx's: speculative decoding for this request (none: the server's mode).
     speculation: SpeculationMode | None = None
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
+from engine.api import SpeculationMode
 from server.schema import RequestModel, ResponseModel, now, shaped_union
 
 # -- input items ---------------------------------------------------------------------------
@@ -231,6 +232,8 @@ class ResponsesRequest(RequestModel):
     # so the key changes nothing here; it is echoed back as OpenAI does.
     prompt_cache_key: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    # radix-mlx's: speculative decoding for this request (none: the server's mode).
+    speculation: SpeculationMode | None = None
     background: bool = False
     conversation: Any = None
 

@@ -3,6 +3,7 @@ field, and /metrics and the access log say how its drafts did."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -38,3 +39,17 @@ def test_a_request_turns_speculation_on_and_its_answer_is_unchanged(server):
 def test_an_unknown_mode_is_a_400(server):
     with pytest.raises(openai.BadRequestError):
         chat(server, "spec-bad", speculation="always")
+
+
+def test_the_messages_and_responses_apis_take_the_field_too(server):
+    headers = {"x-api-key": API_KEY, "x-request-id": "spec-messages"}
+    messages = httpx.post(f"{server.url}/v1/messages", headers=headers, timeout=60, json={
+        "model": ALIAS, "max_tokens": 24, "temperature": 0, "messages": MESSAGES,
+        "speculation": "on"})
+    assert messages.status_code == 200, messages.text
+    headers["x-request-id"] = "spec-responses"
+    responses = httpx.post(f"{server.url}/v1/responses", headers=headers, timeout=60, json={
+        "model": ALIAS, "max_output_tokens": 24, "temperature": 0,
+        "input": MESSAGES[0]["content"], "speculation": "auto"})
+    assert responses.status_code == 200, responses.text
+    assert "tok/step=" in server.access_line("spec-messages")
