@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -59,7 +59,9 @@ from engine.mlx_lm_internals import (
 )
 from engine.speculation import STEP_COST, Drafts, best_width
 
-Sampler = Callable[[mx.array], mx.array]
+if TYPE_CHECKING:  # engine.sampling imports this module's Scores
+    from engine.sampling import Sampler
+
 # What a sequence's KV is copied from (`Generator.caches_of`): a single-sequence cache, or
 # a row of the batch's.
 KVSource = list[Any] | BatchRow
