@@ -1,21 +1,34 @@
 """Single-stream decode speed of bare `mlx_lm.stream_generate`, the engine-overhead baseline.
 
     python -m bench.raw_decode MODEL_DIR --prompt-tokens 64 --max-tokens 128 --repeats 3
+    python -m bench.raw_decode MODEL_DIR --tensor-parallel 2 ...
 
 Runs in its own process (started by the benchmark after the servers have stopped) and
 prints one JSON object. Timed like the servers' streams: from the first token to the last,
-so prefill is excluded and the rate is (tokens - 1) / seconds.
+so prefill is excluded and the rate is (tokens - 1) / seconds. With --tensor-parallel N,
+the model is sharded over N ranks by mlx-lm's own `sharded_load`, started by the launcher
+`radix-mlx serve --tensor-parallel` uses (NCCL on CUDA, a GPU each; the ring backend on the
+CPU): bare mlx-lm's tensor-parallel decode, which ours is measured against.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import mlx.core as mx
 from mlx_lm import load, stream_generate
+from mlx_lm.utils import sharded_load
+
+from server.launch.tensor_parallel import free_ports
+
+# Set on the ranks this module launches of itself.
+RANK_ENV = "BENCH_RAW_DECODE_RANK"
 
 
 def decode_rate(model, tokenizer, prompt: list[int], max_tokens: int) -> tuple[float, int]:
@@ -28,24 +41,51 @@ def decode_rate(model, tokenizer, prompt: list[int], max_tokens: int) -> tuple[f
     return (count - 1) / (last - first), count
 
 
+def launch_ranks(ranks: int) -> None:
+    """Run this command as `ranks` ranks and pass on rank 0's JSON line."""
+    port = free_ports(ranks)
+    argv = [sys.executable, "-m", "server.launch.rank_launcher", "-n", str(ranks),
+            "--starting-port", str(port), "--nccl-port", str(port),
+            "--env", f"{RANK_ENV}=1", "--", sys.executable, "-m", "bench.raw_decode",
+            *sys.argv[1:]]
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    lines = [line.split("{", 1)[1] for line in result.stdout.splitlines() if "{" in line]
+    if result.returncode != 0 or not lines:
+        sys.stderr.write(result.stdout + result.stderr)
+        raise SystemExit(f"bench.raw_decode: {ranks} ranks exited {result.returncode}")
+    print("{" + lines[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tensor-parallel", type=int, default=1)
     args = parser.parse_args()
-    model, tokenizer = load(args.model)
+    if args.tensor_parallel > 1 and RANK_ENV not in os.environ:
+        launch_ranks(args.tensor_parallel)
+        return
+    if args.tensor_parallel > 1:
+        group = mx.distributed.init(strict=True)
+        model, tokenizer = sharded_load(args.model, tensor_group=group)
+    else:
+        group = None
+        model, tokenizer = load(args.model)
     vocab = tokenizer.vocab_size
     prompt = [(7 * i + 11) % vocab for i in range(args.prompt_tokens)]
     decode_rate(model, tokenizer, prompt, 8)  # compile kernels before timing
     runs = [decode_rate(model, tokenizer, prompt, args.max_tokens) for _ in range(args.repeats)]
+    if group is not None and group.rank() != 0:
+        return
     print(json.dumps({
         "decode_tok_s": statistics.median(rate for rate, _ in runs),
         "runs": [{"decode_tok_s": rate, "tokens": count} for rate, count in runs],
         "device": str(mx.default_device()),
+        "tensor_parallel": args.tensor_parallel,
         "peak_memory_bytes": mx.get_peak_memory(),
-    }))
+    }), flush=True)
 
 
 if __name__ == "__main__":
