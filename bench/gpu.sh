@@ -22,8 +22,9 @@
 # decode, and bare mlx-lm sharded N ways on single-stream decode; and (b) N replicas, a GPU
 # each, behind sglang-router (cache-aware, then round-robin), on the shared-prefix (SGLang's
 # 64 groups x 16 prompts, 64 at once) and multi-turn (64 conversations) workloads, sized to
-# keep every engine busy. BENCH_QUICK=1 runs it with toy sizes on the demo model (any
-# machine, the CPU included) to check the path end to end.
+# keep every engine busy (BENCH_WORKLOADS picks some of these). BENCH_QUICK=1 runs it
+# with toy sizes on the demo model (any machine, the CPU included) to check the path end
+# to end.
 set -euo pipefail
 scale_out=
 if [ "${1:-}" = --scale-out ]; then scale_out=1; shift; fi
@@ -51,7 +52,7 @@ if [ -n "$scale_out" ]; then
   [ -n "${BENCH_QUICK:-}" ] || gpus=$(nvidia-smi -L | wc -l)
   scale_flags=(--servers radix-mlx --tensor-parallel "$gpus" --replicas "$gpus" --no-plots
     --no-structured --no-restart-per-workload
-    --workloads single_stream,long_context,batch_decode,shared_prefix,multi_turn)
+    --workloads "${BENCH_WORKLOADS:-single_stream,long_context,batch_decode,shared_prefix,multi_turn}")
   if [ -n "${BENCH_QUICK:-}" ]; then
     python3 -m server.launch.cli make-demo-model "$models/tiny" > /dev/null
     python3 -m bench --quick --model "$models/tiny" --out "$out/quick-scale-out" \
