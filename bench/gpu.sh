@@ -21,10 +21,10 @@
 # --tensor-parallel N (NCCL), on single-stream decode, cold long-context prefill and batch
 # decode, and bare mlx-lm sharded N ways on single-stream decode; and (b) N replicas, a GPU
 # each, behind sglang-router (cache-aware, then round-robin), on the shared-prefix (SGLang's
-# 64 groups x 16 prompts, 64 at once) and multi-turn (64 conversations) workloads, sized to
-# keep every engine busy (BENCH_WORKLOADS picks some of these). BENCH_QUICK=1 runs it
-# with toy sizes on the demo model (any machine, the CPU included) to check the path end
-# to end.
+# 64 groups x 16 prompts) and multi-turn workloads, 64 requests at once per GPU, so that
+# every engine's batch of 64 stays full (one server queues the rest). BENCH_WORKLOADS picks
+# some of these. BENCH_QUICK=1 runs it with toy sizes on the demo model (any machine, the
+# CPU included) to check the path end to end.
 set -euo pipefail
 scale_out=
 if [ "${1:-}" = --scale-out ]; then scale_out=1; shift; fi
@@ -69,7 +69,8 @@ if [ -n "$scale_out" ]; then
     python3 -m bench --model "$models/$name" --out "$out/$name-scale-out" \
       "${scale_flags[@]}" --replicas-cuda-devices "$(seq -s, 0 $((gpus - 1)))" \
       --radix-mlx-args "--max-batch-size 64" "${sizes[@]}" --sp-groups 64 \
-      --sp-prompts-per-group 16 --sp-concurrency 64 --mt-conversations 64 \
+      --sp-prompts-per-group 16 --sp-concurrency $((64 * gpus)) \
+      --mt-conversations $((64 * gpus)) \
       --lc-document-tokens 6000 --lc-questions 4 --lc-question-tokens 64 \
       --lc-output-tokens 32 --decode-output-tokens 128 --decode-repeats 2 \
       --bd-streams 64 --bd-prompt-tokens 64 --bd-output-tokens 128

@@ -6,7 +6,8 @@
 Runs in its own process (started by the benchmark after the servers have stopped) and
 prints one JSON object. Timed like the servers' streams: from the first token to the last,
 so prefill is excluded and the rate is (tokens - 1) / seconds. With --tensor-parallel N,
-the model is sharded over N ranks by mlx-lm's own `sharded_load`, started by the launcher
+the model is sharded over N ranks by mlx-lm's own `model.shard` (as its `sharded_load`,
+whose closing all-sum on the CPU stream NCCL cannot run), started by the launcher
 `radix-mlx serve --tensor-parallel` uses (NCCL on CUDA, a GPU each; the ring backend on the
 CPU): bare mlx-lm's tensor-parallel decode, which ours is measured against.
 """
@@ -20,10 +21,11 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load, stream_generate
-from mlx_lm.utils import sharded_load
+from mlx_lm.utils import load_model, load_tokenizer
 
 from server.launch.tensor_parallel import free_ports
 
@@ -69,7 +71,10 @@ def main() -> None:
         return
     if args.tensor_parallel > 1:
         group = mx.distributed.init(strict=True)
-        model, tokenizer = sharded_load(args.model, tensor_group=group)
+        model, _ = load_model(Path(args.model), lazy=True, strict=False)
+        model.shard(group)
+        mx.eval(model.parameters())
+        tokenizer = load_tokenizer(Path(args.model))
     else:
         group = None
         model, tokenizer = load(args.model)

@@ -395,6 +395,10 @@ def markdown(results: dict) -> str:
         lines.append(f"| {server} server | {fmt(rate, '{:.1f}')} |")
     raw = results.get("raw_decode", {}).get("decode_tok_s")
     lines.append(f"| raw mlx_lm.stream_generate | {fmt(raw, '{:.1f}')} |")
+    raw_tp = results.get("raw_decode_tp")
+    if raw_tp:
+        lines.append(f"| raw mlx_lm.stream_generate, sharded {raw_tp['tensor_parallel']} "
+                     f"ways | {fmt(raw_tp['decode_tok_s'], '{:.1f}')} |")
     raw_batch = results.get("raw_batch", {})
     if raw_batch:
         lines += ["", "## Batch workloads: radix-mlx vs bare mlx-lm batching", "",
