@@ -40,6 +40,8 @@ from mlx_lm.utils import load_model
 
 # Model config keys whose value every rank must split evenly (heads, MLP width).
 _SPLIT_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+# Weights up to this share of one GPU's memory leave that GPU room for a useful KV cache.
+_FITS_ONE_GPU = 0.75
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,21 @@ def shard(model: nn.Module, config: dict[str, Any], group: RankGroup) -> None:
     slices stay) by the caller's next eval."""
     check_shardable(model, config, group.size)
     model.shard(group.group)
+
+
+def one_gpu_would_be_faster(shard_bytes: int, size: int, gpu_bytes: int,
+                            cuda: bool) -> str | None:
+    """Why one GPU would serve this model better than `size` ranks, where it would; else
+    None. On CUDA, MLX's NCCL all-reduces (two per layer per step) cost more than reading
+    half the weights saves: on H200s an 8B model decoded at 0.3-0.5x one GPU's rate over
+    2 and 4 GPUs, and only cold prefill gained (1.4-1.6x; docs/scale-out.md)."""
+    whole = shard_bytes * size
+    if not cuda or whole > _FITS_ONE_GPU * gpu_bytes:
+        return None
+    return (f"tensor parallelism over {size} CUDA GPUs for {whole / 2**30:.1f} GiB of "
+            f"weights, which fit one GPU: sharded, an 8B model decoded at 0.3-0.5x one "
+            "GPU's rate on H200s (docs/scale-out.md); for throughput, run a replica per GPU "
+            "(radix-mlx replicas --cuda-devices)")
 
 
 def check_model(path: str, size: int) -> None:

@@ -38,7 +38,7 @@ from engine.api import (
 )
 from engine.constraints import json_object
 from engine.disk_store import DiskStore, default_disk_budget, model_fingerprint
-from engine.distributed import RankGroup, memory_domain
+from engine.distributed import RankGroup, memory_domain, one_gpu_would_be_faster
 from engine.loader import LoadedModel, load_model, model_id_for
 from engine.memory import CPU_MEMORY_FRACTION, MemoryPlan, describe, headroom, plan_memory
 from engine.mlx_lm_internals import kv_bytes_per_token
@@ -154,6 +154,11 @@ class Engine:
             self.memory = self._plan_memory(loaded)
             if self.group is not None:  # one plan, so every rank evicts alike
                 self.memory = self.group.share(self.memory)
+                warning = one_gpu_would_be_faster(
+                    loaded.weight_bytes, self.group.size, device_memory_bytes(),
+                    cuda=mx.default_device() == mx.gpu and mx.cuda.is_available())
+                if warning and self.group.leader:
+                    log.warning("%s", warning)
             log.info("%s", describe(self.memory))
             self._scheduler = Scheduler(loaded, SchedulerLimits(
                 max_batch_size=self.config.max_batch_size,
