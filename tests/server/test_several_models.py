@@ -110,12 +110,14 @@ def pair(real_model_dir: Path, gemma_file: Path, demos: list[Path],
 @pytest.fixture(scope="module")
 def budget(demos: list[Path], tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
-    """Three demo models with room for two, and one that never fits."""
+    """Three demo models with room for two, and one that never fits. A load, a process
+    spawned and a model read, takes seconds on a loaded 2-core machine: the timeout leaves
+    room for an unload and a load under such load."""
     tables = [{"id": f"d{i}", "source": str(path), "memory_bytes": GIB}
               for i, path in enumerate(demos)]
     tables.append({"id": "huge", "source": str(demos[0]), "memory_bytes": 3 * GIB})
     server = start_models(tmp_path_factory.mktemp("budget"), tables,
-                          "--memory-limit-bytes", str(int(2.5 * GIB)), "--load-timeout", "10")
+                          "--memory-limit-bytes", str(int(2.5 * GIB)), "--load-timeout", "30")
     yield server
     assert server.stop() == 0
 
