@@ -12,6 +12,7 @@ import json
 import math
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -170,14 +171,14 @@ def corpus_texts() -> list[str]:
     return [(corpus / name).read_text(encoding="utf-8") for name in names]
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
+def train_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS) -> Tokenizer:
     """A byte-level BPE (GPT-2 / Llama-3 style), so any UTF-8 text round-trips exactly."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -272,11 +273,16 @@ def random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     constant init (norms, biases), except the recurrent decay `A_log`, which mlx-lm draws
     at random and we redraw the same way.
     """
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    return random_parameters(module.Model(module.ModelArgs.from_dict(config)), seed)
+
+
+def random_parameters(model: Any, seed: int) -> dict[str, np.ndarray]:
+    """`random_weights` for any MLX module tree (mlx-vlm's too): its parameter names, each
+    matrix drawn from `seed` at std 2/sqrt(fan_in), vectors as the module made them."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    model = module.Model(module.ModelArgs.from_dict(config))
     rng = np.random.default_rng(seed)
     weights = {}
     for name, value in sorted(tree_flatten(model.parameters())):

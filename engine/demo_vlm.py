@@ -1,0 +1,160 @@
+"""A deterministic demo vision-language model: Gemma 3's shape from mlx-vlm's own classes,
+tiny and random, with a real BPE tokenizer and Gemma 3's processor files.
+
+No VLM ships on PyPI and the tests cannot reach a model hub, so the image path (mlx-vlm's
+processor and vision tower, our radix keys, the language model on our batched cache) is
+tested on this one. Every layer is global (`sliding_window_pattern` 1), so its language
+model keeps plain KV caches, as the demo llama does; the real Gemma 3's sliding layers
+take the snapshot path. `mlx_vlm.load` and `mlx_lm.load` both accept the folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.demo_model import random_parameters, train_tokenizer
+from engine.files import cache_dir, publish_directory
+
+BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
+START_OF_TURN, END_OF_TURN = "<start_of_turn>", "<end_of_turn>"
+BOI, IMAGE, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
+SPECIAL_TOKENS = [PAD, EOS, BOS, START_OF_TURN, END_OF_TURN, BOI, IMAGE, EOI]
+
+VOCAB_SIZE = 2048
+IMAGE_SIZE = 32  # pixels a side, after the processor's resize
+PATCH_SIZE = 4  # an 8x8 grid of patches, pooled 2x2 into
+IMAGE_TOKENS = 16  # soft tokens per image
+MAX_POSITION_EMBEDDINGS = 8192
+EMBEDDINGS = "language_model.model.embed_tokens.weight"
+EMBEDDING_GAIN = 0.125
+
+# Gemma 3's template, cut to what the demo needs: the system prompt folded into the first
+# user turn, image parts as the start-of-image placeholder the processor expands.
+CHAT_TEMPLATE = r"""
+{{- bos_token }}
+{%- macro render(content) %}
+    {%- if content is string %}
+        {{- content | trim }}
+    {%- else %}
+        {%- for part in content %}
+            {%- if part.type == 'image' %}
+                {{- '<start_of_image>' }}
+            {%- elif part.type == 'text' %}
+                {{- part.text | trim }}
+            {%- endif %}
+        {%- endfor %}
+    {%- endif %}
+{%- endmacro %}
+{%- if messages and messages[0].role == 'system' %}
+    {%- set prefix = render(messages[0].content) + '\n\n' %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set prefix = '' %}
+{%- endif %}
+{%- for message in messages %}
+    {%- set role = 'model' if message.role == 'assistant' else message.role %}
+    {{- '<start_of_turn>' + role + '\n' + (prefix if loop.first else '') }}
+    {{- render(message.content) + '<end_of_turn>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<start_of_turn>model\n' }}
+{%- endif %}
+"""
+
+
+def demo_vlm_path(seed: int = 0) -> Path:
+    """The cached demo VLM for `seed`, built on first use."""
+    path = cache_dir("demo-models") / f"gemma3-vlm-tiny-seed{seed}"
+    if not path.is_dir():
+        publish_directory(path, lambda staging: _write_model(staging, seed), replace=False)
+    return path
+
+
+def build_demo_vlm(path: str | Path, seed: int = 0) -> Path:
+    """Write the demo VLM's folder to `path`, replacing whatever was there."""
+    path = Path(path)
+    publish_directory(path, lambda staging: _write_model(staging, seed), replace=True)
+    return path
+
+
+def model_config(vocab_size: int, ids: dict[str, int]) -> dict:
+    """An HF-style Gemma 3 config.json of the demo's shape."""
+    text = {
+        "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "query_pre_attn_scalar": 16, "vocab_size": vocab_size,
+        "rms_norm_eps": 1e-6, "sliding_window": MAX_POSITION_EMBEDDINGS,
+        "sliding_window_pattern": 1, "mm_tokens_per_image": IMAGE_TOKENS,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+    }
+    vision = {
+        "model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2,
+        "intermediate_size": 64, "num_attention_heads": 2, "patch_size": PATCH_SIZE,
+        "image_size": IMAGE_SIZE, "layer_norm_eps": 1e-6,
+    }
+    return {
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text, "vision_config": vision, "hidden_size": text["hidden_size"],
+        "vocab_size": vocab_size, "image_token_index": ids[IMAGE],
+        "boi_token_index": ids[BOI], "eoi_token_index": ids[EOI],
+        "mm_tokens_per_image": IMAGE_TOKENS, "pad_token_id": ids[PAD],
+        "bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids[END_OF_TURN]],
+        "torch_dtype": "float32",
+    }
+
+
+def _write_model(directory: Path, seed: int) -> None:
+    import mlx.core as mx
+    from mlx_vlm.models import gemma3
+
+    tokenizer = train_tokenizer(VOCAB_SIZE, SPECIAL_TOKENS)
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    config = model_config(tokenizer.get_vocab_size(), ids)
+    fields = gemma3.ModelConfig.__dataclass_fields__
+    model = gemma3.Model(gemma3.ModelConfig(
+        text_config=gemma3.TextConfig.from_dict(config["text_config"]),
+        vision_config=gemma3.VisionConfig.from_dict(config["vision_config"]),
+        **{key: value for key, value in config.items()
+           if key in fields and not key.endswith("_config")}))
+    weights = random_parameters(model, seed)
+    # Gemma ties its output head to the embeddings and scales them by sqrt(hidden): at
+    # the demo models' gain the residual stream is the input token's embedding and greedy
+    # output repeats it. Scaled down, the layers (and the image) decide.
+    del weights["language_model.lm_head.weight"]
+    weights[EMBEDDINGS] *= EMBEDDING_GAIN
+    mx.save_safetensors(str(directory / "model.safetensors"),
+                        {name: mx.array(value) for name, value in sorted(weights.items())},
+                        metadata={"format": "mlx"})
+    _write_json(directory / "config.json", config)
+    _write_json(directory / "tokenizer_config.json", _tokenizer_config(tokenizer))
+    (directory / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+    _write_json(directory / "preprocessor_config.json", {
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE}, "resample": 2,
+        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+        "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "do_convert_rgb": True, "do_pan_and_scan": False,
+    })
+    _write_json(directory / "processor_config.json", {
+        "processor_class": "Gemma3Processor", "image_seq_length": IMAGE_TOKENS})
+
+
+def _tokenizer_config(tokenizer) -> dict:
+    return {
+        "add_bos_token": False, "add_eos_token": False,
+        "added_tokens_decoder": {
+            str(tokenizer.token_to_id(token)): {
+                "content": token, "lstrip": False, "normalized": False, "rstrip": False,
+                "single_word": False, "special": True}
+            for token in SPECIAL_TOKENS},
+        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+        "extra_special_tokens": {"boi_token": BOI, "eoi_token": EOI, "image_token": IMAGE},
+        "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+        "model_max_length": MAX_POSITION_EMBEDDINGS,
+        "processor_class": "Gemma3Processor", "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+
+
+def _write_json(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
