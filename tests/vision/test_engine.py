@@ -1,0 +1,105 @@
+"""The engine on a vision model: image prompts give mlx_vlm.generate's greedy tokens cold,
+on a cache hit and batched, and the radix tree keys each image on its pixels."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.demo_vlm import build_demo_vlm
+from tests.engine.support import complete, settled, start_engine
+from tests.vision.support import VlmReference, image_prompt, png, user_turn
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return build_demo_vlm(tmp_path_factory.mktemp("vlm"))
+
+
+@pytest.fixture(scope="module")
+def engine(vlm_dir):
+    engine = start_engine(str(vlm_dir), cache_bytes=1 << 28)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(vlm_dir):
+    return VlmReference(vlm_dir)
+
+
+def reference_text(engine, prompt) -> str:
+    """The prompt's text as mlx-vlm's processor takes it: placeholders unexpanded."""
+    images = engine.tokenizer.images
+    text = engine.tokenizer.decode(images.model_ids(prompt.tokens))
+    return text.replace(images.expansion, images.placeholder)
+
+
+async def test_an_image_prompt_gives_mlx_vlm_generates_tokens_cold_and_cached(
+        engine, reference):
+    engine.clear_cache().result()
+    image = png(1)
+    prompt = image_prompt(engine.tokenizer, [user_turn(engine.tokenizer)], [image])
+    expected = reference.greedy(reference_text(engine, prompt), [image], MAX_TOKENS)
+
+    cold = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+    hit = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+
+    assert cold.tokens == expected
+    assert cold.finish.cached_tokens == 0
+    assert hit.tokens == expected
+    assert hit.finish.cached_tokens == len(prompt.tokens) - 1
+
+
+async def test_image_prompts_batched_give_each_its_own_tokens(engine, reference):
+    engine.clear_cache().result()
+    images = [png(seed) for seed in (2, 3, 4)]
+    prompts = [image_prompt(engine.tokenizer, [user_turn(engine.tokenizer)], [image])
+               for image in images]
+
+    results = await asyncio.gather(*(complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+                                     for prompt in prompts))
+
+    for prompt, image, result in zip(prompts, images, results):
+        assert result.tokens == reference.greedy(reference_text(engine, prompt), [image],
+                                                 MAX_TOKENS)
+    assert len({tuple(result.tokens) for result in results}) > 1  # the images decide
+
+
+async def test_a_second_turn_reuses_the_image_and_another_image_does_not(engine, reference):
+    engine.clear_cache().result()
+    tokenizer = engine.tokenizer
+    image, other = png(5), png(6)
+    first = image_prompt(tokenizer, [user_turn(tokenizer)], [image])
+    answer = await complete(engine, first, MAX_TOKENS)
+    turns = [user_turn(tokenizer), {"role": "assistant", "content": answer.text},
+             {"role": "user", "content": "And what else?"}]
+
+    second = image_prompt(tokenizer, turns, [image])
+    again = await complete(engine, second, MAX_TOKENS, ignore_eos=True)
+    swapped = image_prompt(tokenizer, turns, [other])
+    elsewhere = await complete(engine, swapped, MAX_TOKENS, ignore_eos=True)
+
+    image_start = first.images[0].start
+    assert again.finish.cached_tokens >= len(first.tokens) - 1 > image_start
+    assert elsewhere.finish.cached_tokens == image_start  # the text before it only
+    assert again.tokens == reference.greedy(reference_text(engine, second), [image],
+                                            MAX_TOKENS)
+    assert elsewhere.tokens == reference.greedy(reference_text(engine, swapped), [other],
+                                                MAX_TOKENS)
+    assert (await settled(engine)).tree.pinned_bytes == 0
+
+
+async def test_text_only_prompts_on_a_vision_model_run_as_they_do_on_its_language_model(
+        engine, reference):
+    tokens = engine.tokenizer.chat_prompt([{"role": "user", "content": "Say something."}])
+    text = engine.tokenizer.decode(tokens)
+
+    result = await complete(engine, tokens, MAX_TOKENS, ignore_eos=True)
+    hit = await complete(engine, tokens, MAX_TOKENS, ignore_eos=True)
+
+    assert result.tokens == hit.tokens == reference.greedy(text, [], MAX_TOKENS)
+    assert hit.finish.cached_tokens == len(tokens) - 1
