@@ -151,16 +151,16 @@ def _write_model(directory: Path, size: str, seed: int, family: str) -> None:
         {name: mx.array(value) for name, value in sorted(weights.items())},
         metadata={"format": "mlx"},
     )
-    _write_json(directory / "config.json", config)
-    _write_json(directory / "tokenizer_config.json", tokenizer_config(tokenizer))
-    _write_json(
+    write_json(directory / "config.json", config)
+    write_json(directory / "tokenizer_config.json", tokenizer_config(tokenizer))
+    write_json(
         directory / "special_tokens_map.json",
         {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD},
     )
     (directory / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
 
 
-def _write_json(path: Path, value: dict) -> None:
+def write_json(path: Path, value: dict) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -279,7 +279,8 @@ def random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
 
 def random_parameters(model: Any, seed: int) -> dict[str, np.ndarray]:
     """`random_weights` for any MLX module tree (mlx-vlm's too): its parameter names, each
-    matrix drawn from `seed` at std 2/sqrt(fan_in), vectors as the module made them."""
+    matrix drawn from `seed` at std 2/sqrt(fan_in), biases zero, other vectors as the
+    module made them."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -292,6 +293,8 @@ def random_parameters(model: Any, seed: int) -> dict[str, np.ndarray]:
             weights[name] = sample * np.float32(WEIGHT_GAIN / math.sqrt(fan_in))
         elif name.endswith("A_log"):
             weights[name] = np.log(rng.uniform(0, 16, value.shape)).astype(np.float32)
+        elif name.endswith(".bias"):  # MLX draws them from its global RNG: not from `seed`
+            weights[name] = np.zeros(value.shape, np.float32)
         else:
             weights[name] = np.array(value.astype(mx.float32))
     return weights

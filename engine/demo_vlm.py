@@ -10,10 +10,9 @@ take the snapshot path. `mlx_vlm.load` and `mlx_lm.load` both accept the folder.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from engine.demo_model import random_parameters, train_tokenizer
+from engine.demo_model import random_parameters, train_tokenizer, write_json
 from engine.files import cache_dir, publish_directory
 
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
@@ -126,17 +125,17 @@ def _write_model(directory: Path, seed: int) -> None:
     mx.save_safetensors(str(directory / "model.safetensors"),
                         {name: mx.array(value) for name, value in sorted(weights.items())},
                         metadata={"format": "mlx"})
-    _write_json(directory / "config.json", config)
-    _write_json(directory / "tokenizer_config.json", _tokenizer_config(tokenizer))
+    write_json(directory / "config.json", config)
+    write_json(directory / "tokenizer_config.json", _tokenizer_config(tokenizer))
     (directory / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
-    _write_json(directory / "preprocessor_config.json", {
+    write_json(directory / "preprocessor_config.json", {
         "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
         "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE}, "resample": 2,
         "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
         "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
         "do_convert_rgb": True, "do_pan_and_scan": False,
     })
-    _write_json(directory / "processor_config.json", {
+    write_json(directory / "processor_config.json", {
         "processor_class": "Gemma3Processor", "image_seq_length": IMAGE_TOKENS})
 
 
@@ -155,6 +154,3 @@ def _tokenizer_config(tokenizer) -> dict:
         "processor_class": "Gemma3Processor", "tokenizer_class": "PreTrainedTokenizerFast",
     }
 
-
-def _write_json(path: Path, value: dict) -> None:
-    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")

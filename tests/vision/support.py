@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import tempfile
 from pathlib import Path
@@ -31,6 +32,17 @@ def image_prompt(tokenizer: ModelTokenizer, messages: list[dict], images: list[b
     placed = [(image_digest(data, 1 << 30, tokenizer.images.settings), data) for data in images]
     keyed, prompt_images = tokenizer.images.key(tokens, placed)
     return Prompt(keyed, images=prompt_images)
+
+
+def prompt_text(tokenizer: ModelTokenizer, tokens: list[int]) -> str:
+    """A prompt's text as mlx-vlm's processor takes it: image placeholders unexpanded."""
+    images = tokenizer.images
+    return tokenizer.decode(images.model_ids(tokens)).replace(images.expansion,
+                                                              images.placeholder)
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
 
 def user_turn(tokenizer: ModelTokenizer, text: str = QUESTION) -> dict:

@@ -7,16 +7,15 @@ import asyncio
 
 import pytest
 
-from engine.demo_vlm import build_demo_vlm
 from tests.engine.support import complete, settled, start_engine
-from tests.vision.support import VlmReference, image_prompt, png, user_turn
+from tests.vision.support import image_prompt, png, prompt_text, user_turn
 
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    return build_demo_vlm(tmp_path_factory.mktemp("vlm"))
+def vlm_dir(demo_vlm_dir):
+    return demo_vlm_dir
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +25,8 @@ def engine(vlm_dir):
     engine.shutdown()
 
 
-@pytest.fixture(scope="module")
-def reference(vlm_dir):
-    return VlmReference(vlm_dir)
-
-
 def reference_text(engine, prompt) -> str:
-    """The prompt's text as mlx-vlm's processor takes it: placeholders unexpanded."""
-    images = engine.tokenizer.images
-    text = engine.tokenizer.decode(images.model_ids(prompt.tokens))
-    return text.replace(images.expansion, images.placeholder)
+    return prompt_text(engine.tokenizer, prompt.tokens)
 
 
 async def test_an_image_prompt_gives_mlx_vlm_generates_tokens_cold_and_cached(
@@ -103,3 +94,38 @@ async def test_text_only_prompts_on_a_vision_model_run_as_they_do_on_its_languag
 
     assert result.tokens == hit.tokens == reference.greedy(text, [], MAX_TOKENS)
     assert hit.finish.cached_tokens == len(tokens) - 1
+
+
+async def test_chunks_that_cut_an_image_give_the_same_tokens(vlm_dir, reference):
+    engine = start_engine(str(vlm_dir), cache_bytes=1 << 28, prefill_chunk_tokens=7)
+    try:
+        image = png(7)
+        prompt = image_prompt(engine.tokenizer, [user_turn(engine.tokenizer)], [image])
+        result = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+        assert result.tokens == reference.greedy(reference_text(engine, prompt), [image],
+                                                 MAX_TOKENS)
+    finally:
+        engine.shutdown()
+
+
+async def test_the_disk_tier_keeps_an_image_prompts_segments_across_a_restart(
+        vlm_dir, reference, tmp_path):
+    image = png(8)
+    options = {"cache_bytes": 1 << 28, "disk_cache_dir": str(tmp_path),
+               "disk_cache_bytes": 1 << 28}
+    first = start_engine(str(vlm_dir), **options)
+    try:
+        prompt = image_prompt(first.tokenizer, [user_turn(first.tokenizer)], [image])
+        cold = await complete(first, prompt, MAX_TOKENS, ignore_eos=True)
+    finally:
+        first.shutdown()
+    second = start_engine(str(vlm_dir), **options)
+    try:
+        restored = await complete(second, prompt, MAX_TOKENS, ignore_eos=True)
+        other = image_prompt(second.tokenizer, [user_turn(second.tokenizer)], [png(9)])
+        elsewhere = await complete(second, other, MAX_TOKENS, ignore_eos=True)
+    finally:
+        second.shutdown()
+    assert restored.finish.cached_tokens >= prompt.images[0].start + prompt.images[0].length
+    assert restored.tokens == cold.tokens
+    assert elsewhere.finish.cached_tokens == other.images[0].start
