@@ -1,5 +1,6 @@
 """A deterministic demo vision-language model: Gemma 3's shape from mlx-vlm's own classes,
-tiny and random, with a real BPE tokenizer and Gemma 3's processor files.
+small and random (the demo text models' sizes), with a real BPE tokenizer and Gemma 3's
+processor files.
 
 No VLM ships on PyPI and the tests cannot reach a model hub, so the image path (mlx-vlm's
 processor and vision tower, our radix keys, the language model on our batched cache) is
@@ -10,23 +11,32 @@ take the snapshot path. `mlx_vlm.load` and `mlx_lm.load` both accept the folder.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from engine.demo_model import random_parameters, train_tokenizer, write_json
-from engine.files import cache_dir, publish_directory
+import numpy as np
+
+from engine.demo_model import SIZES, random_parameters, train_tokenizer, write_json
+from engine.files import publish_directory
 
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
 START_OF_TURN, END_OF_TURN = "<start_of_turn>", "<end_of_turn>"
 BOI, IMAGE, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 SPECIAL_TOKENS = [PAD, EOS, BOS, START_OF_TURN, END_OF_TURN, BOI, IMAGE, EOI]
 
-VOCAB_SIZE = 2048
-IMAGE_SIZE = 32  # pixels a side, after the processor's resize
-PATCH_SIZE = 4  # an 8x8 grid of patches, pooled 2x2 into
-IMAGE_TOKENS = 16  # soft tokens per image
+# The vision side of each size (the language model's is demo_model.SIZES'): the image's
+# side in pixels after the processor's resize, its patches' side, and the soft tokens the
+# patch grid is pooled into (a square number; the grid's side a multiple of its root).
+VISION: dict[str, dict[str, int]] = {
+    "tiny": {"image_size": 32, "patch_size": 4, "image_tokens": 16, "hidden_size": 32,
+             "num_hidden_layers": 2, "intermediate_size": 64, "num_attention_heads": 2},
+    # Gemma 3's 896-pixel SigLIP at a quarter of the side: 16x16 patches pooled into 64
+    # tokens, a tower of 6 layers.
+    "bench": {"image_size": 224, "patch_size": 14, "image_tokens": 64, "hidden_size": 384,
+              "num_hidden_layers": 6, "intermediate_size": 1536, "num_attention_heads": 6},
+}
 MAX_POSITION_EMBEDDINGS = 8192
 EMBEDDINGS = "language_model.model.embed_tokens.weight"
-EMBEDDING_GAIN = 0.125
 
 # Gemma 3's template, cut to what the demo needs: the system prompt folded into the first
 # user turn, image parts as the start-of-image placeholder the processor expands.
@@ -62,54 +72,47 @@ CHAT_TEMPLATE = r"""
 """
 
 
-def demo_vlm_path(seed: int = 0) -> Path:
-    """The cached demo VLM for `seed`, built on first use."""
-    path = cache_dir("demo-models") / f"gemma3-vlm-tiny-seed{seed}"
-    if not path.is_dir():
-        publish_directory(path, lambda staging: _write_model(staging, seed), replace=False)
-    return path
-
-
-def build_demo_vlm(path: str | Path, seed: int = 0) -> Path:
-    """Write the demo VLM's folder to `path`, replacing whatever was there."""
+def build_demo_vlm(path: str | Path, size: str = "tiny", seed: int = 0) -> Path:
+    """Write the demo VLM's folder of `size` to `path`, replacing whatever was there."""
+    if size not in VISION:
+        raise ValueError(f"unknown size {size!r}; choose one of {sorted(VISION)}")
     path = Path(path)
-    publish_directory(path, lambda staging: _write_model(staging, seed), replace=True)
+    publish_directory(path, lambda staging: _write_model(staging, size, seed), replace=True)
     return path
 
 
-def model_config(vocab_size: int, ids: dict[str, int]) -> dict:
-    """An HF-style Gemma 3 config.json of the demo's shape."""
+def model_config(size: str, vocab_size: int, ids: dict[str, int]) -> dict:
+    """An HF-style Gemma 3 config.json of `size`."""
+    shape, vision = SIZES[size], VISION[size]
     text = {
-        "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "query_pre_attn_scalar": 16, "vocab_size": vocab_size,
-        "rms_norm_eps": 1e-6, "sliding_window": MAX_POSITION_EMBEDDINGS,
-        "sliding_window_pattern": 1, "mm_tokens_per_image": IMAGE_TOKENS,
+        **shape, "model_type": "gemma3_text", "vocab_size": vocab_size,
+        "query_pre_attn_scalar": shape["head_dim"], "rms_norm_eps": 1e-6,
+        "sliding_window": MAX_POSITION_EMBEDDINGS, "sliding_window_pattern": 1,
+        "mm_tokens_per_image": vision["image_tokens"],
         "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
     }
-    vision = {
-        "model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2,
-        "intermediate_size": 64, "num_attention_heads": 2, "patch_size": PATCH_SIZE,
-        "image_size": IMAGE_SIZE, "layer_norm_eps": 1e-6,
+    vision_config = {
+        **{key: value for key, value in vision.items() if key != "image_tokens"},
+        "model_type": "siglip_vision_model", "layer_norm_eps": 1e-6,
     }
     return {
         "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
-        "text_config": text, "vision_config": vision, "hidden_size": text["hidden_size"],
-        "vocab_size": vocab_size, "image_token_index": ids[IMAGE],
-        "boi_token_index": ids[BOI], "eoi_token_index": ids[EOI],
-        "mm_tokens_per_image": IMAGE_TOKENS, "pad_token_id": ids[PAD],
-        "bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids[END_OF_TURN]],
-        "torch_dtype": "float32",
+        "text_config": text, "vision_config": vision_config,
+        "hidden_size": shape["hidden_size"], "vocab_size": vocab_size,
+        "image_token_index": ids[IMAGE], "boi_token_index": ids[BOI],
+        "eoi_token_index": ids[EOI], "mm_tokens_per_image": vision["image_tokens"],
+        "pad_token_id": ids[PAD], "bos_token_id": ids[BOS],
+        "eos_token_id": [ids[EOS], ids[END_OF_TURN]], "torch_dtype": "float32",
     }
 
 
-def _write_model(directory: Path, seed: int) -> None:
+def _write_model(directory: Path, size: str, seed: int) -> None:
     import mlx.core as mx
     from mlx_vlm.models import gemma3
 
-    tokenizer = train_tokenizer(VOCAB_SIZE, SPECIAL_TOKENS)
+    tokenizer = train_tokenizer(SIZES[size]["vocab_size"], SPECIAL_TOKENS)
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-    config = model_config(tokenizer.get_vocab_size(), ids)
+    config = model_config(size, tokenizer.get_vocab_size(), ids)
     fields = gemma3.ModelConfig.__dataclass_fields__
     model = gemma3.Model(gemma3.ModelConfig(
         text_config=gemma3.TextConfig.from_dict(config["text_config"]),
@@ -119,9 +122,9 @@ def _write_model(directory: Path, seed: int) -> None:
     weights = random_parameters(model, seed)
     # Gemma ties its output head to the embeddings and scales them by sqrt(hidden): at
     # the demo models' gain the residual stream is the input token's embedding and greedy
-    # output repeats it. Scaled down, the layers (and the image) decide.
+    # output repeats it. Scaled down by as much, the layers (and the image) decide.
     del weights["language_model.lm_head.weight"]
-    weights[EMBEDDINGS] *= EMBEDDING_GAIN
+    weights[EMBEDDINGS] /= np.float32(math.sqrt(SIZES[size]["hidden_size"]))
     mx.save_safetensors(str(directory / "model.safetensors"),
                         {name: mx.array(value) for name, value in sorted(weights.items())},
                         metadata={"format": "mlx"})
@@ -130,13 +133,15 @@ def _write_model(directory: Path, seed: int) -> None:
     (directory / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     write_json(directory / "preprocessor_config.json", {
         "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
-        "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE}, "resample": 2,
+        "size": {"height": VISION[size]["image_size"], "width": VISION[size]["image_size"]},
+        "resample": 2,
         "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
         "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
         "do_convert_rgb": True, "do_pan_and_scan": False,
     })
     write_json(directory / "processor_config.json", {
-        "processor_class": "Gemma3Processor", "image_seq_length": IMAGE_TOKENS})
+        "processor_class": "Gemma3Processor",
+        "image_seq_length": VISION[size]["image_tokens"]})
 
 
 def _tokenizer_config(tokenizer) -> dict:
