@@ -4,9 +4,10 @@ processor files.
 
 No VLM ships on PyPI and the tests cannot reach a model hub, so the image path (mlx-vlm's
 processor and vision tower, our radix keys, the language model on our batched cache) is
-tested on this one. Every layer is global (`sliding_window_pattern` 1), so its language
-model keeps plain KV caches, as the demo llama does; the real Gemma 3's sliding layers
-take the snapshot path. `mlx_vlm.load` and `mlx_lm.load` both accept the folder.
+tested on this one. Every layer is global (`sliding_window_pattern` 1) unless a sliding
+window is asked for, so its language model keeps plain KV caches, as the demo llama does;
+with one, half its layers slide and its cache is reused as snapshots at message ends, as
+the real Gemma 3's is. `mlx_vlm.load` and `mlx_lm.load` both accept the folder.
 """
 
 from __future__ import annotations
@@ -72,22 +73,28 @@ CHAT_TEMPLATE = r"""
 """
 
 
-def build_demo_vlm(path: str | Path, size: str = "tiny", seed: int = 0) -> Path:
-    """Write the demo VLM's folder of `size` to `path`, replacing whatever was there."""
+def build_demo_vlm(path: str | Path, size: str = "tiny", seed: int = 0,
+                   sliding_window: int | None = None) -> Path:
+    """Write the demo VLM's folder of `size` to `path`, replacing whatever was there. With
+    a `sliding_window`, every second layer slides, as Gemma 3's five in six do: its cache
+    is reused as whole-state snapshots."""
     if size not in VISION:
         raise ValueError(f"unknown size {size!r}; choose one of {sorted(VISION)}")
     path = Path(path)
-    publish_directory(path, lambda staging: _write_model(staging, size, seed), replace=True)
+    publish_directory(path, lambda staging: _write_model(staging, size, seed, sliding_window),
+                      replace=True)
     return path
 
 
-def model_config(size: str, vocab_size: int, ids: dict[str, int]) -> dict:
+def model_config(size: str, vocab_size: int, ids: dict[str, int],
+                 sliding_window: int | None = None) -> dict:
     """An HF-style Gemma 3 config.json of `size`."""
     shape, vision = SIZES[size], VISION[size]
     text = {
         **shape, "model_type": "gemma3_text", "vocab_size": vocab_size,
         "query_pre_attn_scalar": shape["head_dim"], "rms_norm_eps": 1e-6,
-        "sliding_window": MAX_POSITION_EMBEDDINGS, "sliding_window_pattern": 1,
+        "sliding_window": sliding_window or MAX_POSITION_EMBEDDINGS,
+        "sliding_window_pattern": 2 if sliding_window else 1,
         "mm_tokens_per_image": vision["image_tokens"],
         "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
     }
@@ -106,13 +113,13 @@ def model_config(size: str, vocab_size: int, ids: dict[str, int]) -> dict:
     }
 
 
-def _write_model(directory: Path, size: str, seed: int) -> None:
+def _write_model(directory: Path, size: str, seed: int, sliding_window: int | None) -> None:
     import mlx.core as mx
     from mlx_vlm.models import gemma3
 
     tokenizer = train_tokenizer(SIZES[size]["vocab_size"], SPECIAL_TOKENS)
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-    config = model_config(size, tokenizer.get_vocab_size(), ids)
+    config = model_config(size, tokenizer.get_vocab_size(), ids, sliding_window)
     fields = gemma3.ModelConfig.__dataclass_fields__
     model = gemma3.Model(gemma3.ModelConfig(
         text_config=gemma3.TextConfig.from_dict(config["text_config"]),

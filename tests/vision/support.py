@@ -25,13 +25,18 @@ def png(seed: int, size: tuple[int, int] = (40, 48)) -> bytes:
     return out.getvalue()
 
 
-def image_prompt(tokenizer: ModelTokenizer, messages: list[dict], images: list[bytes]
-                 ) -> Prompt:
-    """The prompt the server builds for `messages` (image placeholders in their text)."""
+def image_prompt(tokenizer: ModelTokenizer, messages: list[dict], images: list[bytes],
+                 message_ends: bool = False) -> Prompt:
+    """The prompt the server builds for `messages` (image placeholders in their text), with
+    where each message ends when asked (a snapshot model's)."""
     tokens = tokenizer.chat_prompt(messages)
+    ends = ()
+    if message_ends:
+        heads = [messages[:count] for count in range(1, len(messages) + 1)]
+        ends = tokenizer.shared_lengths(tokens, heads)
     placed = [(image_digest(data, 1 << 30, tokenizer.images.settings), data) for data in images]
     keyed, prompt_images = tokenizer.images.key(tokens, placed)
-    return Prompt(keyed, images=prompt_images)
+    return Prompt(keyed, ends, prompt_images)
 
 
 def prompt_text(tokenizer: ModelTokenizer, tokens: list[int]) -> str:

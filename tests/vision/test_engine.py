@@ -7,10 +7,12 @@ import asyncio
 
 import pytest
 
+from engine.demo_vlm import build_demo_vlm
 from tests.engine.support import complete, settled, start_engine
-from tests.vision.support import image_prompt, png, prompt_text, user_turn
+from tests.vision.support import VlmReference, image_prompt, png, prompt_text, user_turn
 
 MAX_TOKENS = 12
+SLIDING_WINDOW = 24
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +131,28 @@ async def test_the_disk_tier_keeps_an_image_prompts_segments_across_a_restart(
     assert restored.finish.cached_tokens >= prompt.images[0].start + prompt.images[0].length
     assert restored.tokens == cold.tokens
     assert elsewhere.finish.cached_tokens == other.images[0].start
+
+
+async def test_a_sliding_window_vision_model_reuses_the_image_from_a_message_end_snapshot(
+        tmp_path):
+    directory = build_demo_vlm(tmp_path / "sliding", sliding_window=SLIDING_WINDOW)
+    reference = VlmReference(directory)
+    engine = start_engine(str(directory), cache_bytes=1 << 28)
+    try:
+        tokenizer, image = engine.tokenizer, png(10)
+        first = image_prompt(tokenizer, [user_turn(tokenizer)], [image], message_ends=True)
+        answer = await complete(engine, first, MAX_TOKENS)
+        turns = [user_turn(tokenizer), {"role": "assistant", "content": answer.text},
+                 {"role": "user", "content": "And what else?"}]
+        second = image_prompt(tokenizer, turns, [image], message_ends=True)
+        again = await complete(engine, second, MAX_TOKENS, ignore_eos=True)
+    finally:
+        engine.shutdown()
+    assert engine.wants_message_ends
+    assert len(first.tokens) > SLIDING_WINDOW  # the rotating layers wrapped
+    assert answer.tokens == reference.greedy(reference_text(engine, first), [image],
+                                             len(answer.tokens))
+    span = first.images[0]
+    assert again.finish.cached_tokens > span.start + span.length
+    assert again.tokens == reference.greedy(reference_text(engine, second), [image],
+                                            MAX_TOKENS)
