@@ -71,6 +71,10 @@ CASES = [
     ("image to a text model", "POST", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{ONE_PIXEL_PNG}"}}]}]),
      400, "invalid_image", "messages"),
+    ("image in classify chats", "POST", "/v1/classify", {"json": {"messages": [[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": f"data:image/png;base64,{ONE_PIXEL_PNG}"}}]}]]}},
+     400, "invalid_image", "messages"),
     ("unknown response_format", "POST", CHAT, chat(response_format={"type": "yaml"}), 400,
      "invalid_request", "response_format"),
     ("json_schema without a name", "POST", CHAT,
