@@ -3,8 +3,9 @@
 `python -m bench.vision`: 8 conversations x 4 turns at once, each about one image of its
 own that every turn sends again (a chat about a screenshot), on a random Gemma 3 vision
 model of the demo sizes (`make-demo-model --family gemma3-vision`), or `--model DIR`.
-Servers, one at a time, a fresh start each: radix-mlx; `mlx_vlm.server` with its defaults
-(its prefix cache off), and with its prefix cache on (`APC_ENABLED=1`). The figures: TTFT
+Servers, one at a time, a fresh start each: radix-mlx; `mlx_vlm.server` one sequence at a
+time (its batches of image prompts fail), its prefix cache off (its default) and on
+(`APC_ENABLED=1`). The figures: TTFT
 p50 of turns 2-4 (the ones a cache can serve) and the share of their prompt tokens served
 from the cache; the target is radix-mlx at <= 0.3x mlx-vlm's TTFT with >= 85% cached.
 
@@ -40,11 +41,17 @@ QUESTIONS = ("What does this screenshot show? Describe the layout.",
              "Which element on the left stands out, and why?",
              "Rewrite the title so it is clearer.",
              "List three things a user would click first.")
+# Its continuous batching fails a batch of Gemma 3 image prompts of unequal lengths
+# (mlx-vlm 0.7.10: `_merge_prefill_prompt_kwargs` concatenates their (1, 1, n, n) attention
+# masks), failing every request in it: one sequence at a time is how it serves them.
 MLX_VLM = ServerSpec(name="mlx-vlm", module="mlx_vlm.server", extra={}, metrics=False,
-                     notes="defaults: continuous batching, its prefix cache (APC) off; "
+                     args=("--max-num-seqs", "1"),
+                     notes="--max-num-seqs 1 (batched image prompts of unequal lengths "
+                           "fail in 0.7.10); otherwise defaults: its prefix cache (APC) off; "
                            "no ignore_eos (stops at EOS)")
 MLX_VLM_APC = ServerSpec(name="mlx-vlm-apc", module="mlx_vlm.server", extra={},
-                         metrics=False, notes="APC_ENABLED=1: its automatic prefix cache on")
+                         metrics=False, args=MLX_VLM.args,
+                         notes="as mlx-vlm, with APC_ENABLED=1: its automatic prefix cache on")
 TEXT_MODEL = ServerSpec(name="radix-mlx-text-model", module=RADIX.module, extra=RADIX.extra,
                         metrics=True, args=RADIX.args,
                         notes="radix-mlx on the language model alone, saved as a text model")
