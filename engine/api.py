@@ -88,6 +88,8 @@ class SchedulerCounters:
     cached_tokens: int = stat("counter", "Prompt tokens served from the radix cache.")
     prefill_tokens: int = stat("counter", "Prompt tokens computed by prefill.")
     generated_tokens: int = stat("counter", "Tokens generated.")
+    images_encoded: int = stat("counter", "Images run through the vision tower (an image "
+                               "the radix cache holds is not).", name="engine_images_encoded")
     requests_failed: int = stat("counter", "Requests the engine failed.",
                                 name="engine_requests_failed")
     constrained_requests: int = stat("counter", "Requests decoded under a grammar "

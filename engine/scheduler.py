@@ -371,8 +371,8 @@ class Scheduler:
                           else generation.params.logprobs or 0), grammar=grammar,
             asked=mx.array(readout.token_ids) if readout and readout.token_ids else None,
             wants_hidden=readout is not None and readout.hidden,
-            images=ImageFeed(self.loaded.vision, generation.images) if generation.images
-            else None)
+            images=ImageFeed(self.loaded.vision, generation.images, self.counters)
+            if generation.images else None)
         generation.sequence = sequence
         self.generator.add(sequence)
         generation.prompt_done = False

@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx_vlm.utils import load_image, load_model, load_processor
 
-from engine.api import PromptImage
+from engine.api import PromptImage, SchedulerCounters
 from engine.image_tokens import model_ids
 
 
@@ -61,6 +61,7 @@ class ImageFeed:
 
     vision: Vision
     images: tuple[PromptImage, ...]
+    counters: SchedulerCounters
     _start: int = 0  # where `_embeddings` start in the prompt
     _embeddings: mx.array | None = field(default=None, repr=False)
 
@@ -76,6 +77,7 @@ class ImageFeed:
             self._start = min(start, inside[0].start)
             self._embeddings = self.vision.embeddings(
                 prompt[self._start:], [image.data for image in self.images[first:]])
+            self.counters.images_encoded += len(self.images) - first
         embeddings = self._embeddings[start - self._start:end - self._start]
         last = self.images[-1]
         if end >= last.start + last.length:

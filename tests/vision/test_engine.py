@@ -38,13 +38,17 @@ async def test_an_image_prompt_gives_mlx_vlm_generates_tokens_cold_and_cached(
     prompt = image_prompt(engine.tokenizer, [user_turn(engine.tokenizer)], [image])
     expected = reference.greedy(reference_text(engine, prompt), [image], MAX_TOKENS)
 
+    encoded = engine.stats().counters.images_encoded
     cold = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+    after_cold = engine.stats().counters.images_encoded
     hit = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
 
     assert cold.tokens == expected
     assert cold.finish.cached_tokens == 0
     assert hit.tokens == expected
     assert hit.finish.cached_tokens == len(prompt.tokens) - 1
+    # The vision tower ran for the cold prompt only.
+    assert after_cold == encoded + 1 == engine.stats().counters.images_encoded
 
 
 async def test_image_prompts_batched_give_each_its_own_tokens(engine, reference):

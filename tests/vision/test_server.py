@@ -65,7 +65,7 @@ def chat_image(url: str) -> list[dict]:
 
 
 def test_the_openai_sdk_sends_an_image_and_a_second_turn_is_cached_past_it(
-        client, model, tokenizer, reference):
+        vision_server, client, model, tokenizer, reference):
     image = png(11)
     first = client.chat.completions.create(model=model, messages=chat_image(data_url(image)),
                                            max_tokens=MAX_TOKENS, temperature=0)
@@ -85,6 +85,7 @@ def test_the_openai_sdk_sends_an_image_and_a_second_turn_is_cached_past_it(
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
     assert second.usage.prompt_tokens_details.cached_tokens > image_end
     assert other.usage.prompt_tokens_details.cached_tokens < image_end - 16
+    assert vision_server.metrics()["radix_mlx_engine_images_encoded_total"] >= 2
 
 
 def test_the_anthropic_sdk_sends_a_base64_image(vision_server, model, tokenizer, reference):
