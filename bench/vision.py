@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import base64
 import io
+import json
 import os
 import subprocess
 import sys
@@ -103,22 +104,30 @@ def workload(conversations: int, turns: int, max_tokens: int, images: bool,
                     concurrency=conversations, max_tokens=max_tokens)
 
 
-def summarize(run) -> dict:
-    """TTFT of turns 2+ and of first turns, and the share of prompt tokens from cache."""
-    done = [r for r in run.requests if r.error is None]
-    later = [r for r in done if r.turn > 0]
-    cached = [r for r in later if r.cached_tokens is not None]
+def summarize(requests: list[dict], wall_seconds: float) -> dict:
+    """TTFT of turns 2+ and of first turns; of turns 2+, the share of prompt tokens from
+    the cache, and the share of the previous turn's prompt (the image and the history
+    before the last reply) from the cache. They differ by the last reply: a random model's
+    tokens, detokenized and encoded again with the next turn, are often others (and the
+    template trims the reply), so what follows in the turn misses."""
+    done = [r for r in requests if r["error"] is None]
+    later = [r for r in done if r["turn"] > 0 and r["cached_tokens"] is not None]
+    previous = {(r["conversation"], r["turn"] + 1): r["prompt_tokens"] for r in done}
     return {
-        "requests": len(run.requests), "errors": len(run.requests) - len(done),
-        "wall_s": run.wall_seconds,
-        "ttft_p50_later_turns": report.percentile([r.ttft for r in later], 50),
-        "ttft_p50_first_turn": report.percentile([r.ttft for r in done if r.turn == 0], 50),
-        "cached_share_later_turns": (sum(r.cached_tokens for r in cached)
-                                     / max(1, sum(r.prompt_tokens for r in cached))
-                                     if cached else None),
-        "prompt_tokens": sum(r.prompt_tokens for r in done),
-        "completion_tokens": sum(r.completion_tokens for r in done),
-        "requests_detail": [r.as_dict() for r in run.requests],
+        "requests": len(requests), "errors": len(requests) - len(done), "wall_s": wall_seconds,
+        "ttft_p50_later_turns": report.percentile(
+            [r["ttft"] for r in done if r["turn"] > 0], 50),
+        "ttft_p50_first_turn": report.percentile(
+            [r["ttft"] for r in done if r["turn"] == 0], 50),
+        "cached_share_later_turns": (sum(r["cached_tokens"] for r in later)
+                                     / sum(r["prompt_tokens"] for r in later)
+                                     if later else None),
+        "previous_prompt_cached": (
+            sum(min(r["cached_tokens"], previous[r["conversation"], r["turn"]]) for r in later)
+            / sum(previous[r["conversation"], r["turn"]] for r in later) if later else None),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in done),
+        "completion_tokens": sum(r["completion_tokens"] for r in done),
+        "requests_detail": requests,
     }
 
 
@@ -128,7 +137,8 @@ def measure(spec: ServerSpec, model: Path, work: Workload, env: dict[str, str],
     extra = spec.extra | ({"model": str(model)} if spec.module == MLX_VLM.module else {})
     with running(spec, model, env, out / f"{spec.name}-{work.name}.log") as server:
         asyncio.run(run_workload(server.base_url, workload(1, 1, 4, True, 10_000), extra))
-        return summarize(asyncio.run(run_workload(server.base_url, work, extra)))
+        run = asyncio.run(run_workload(server.base_url, work, extra))
+    return summarize([r.as_dict() for r in run.requests], run.wall_seconds)
 
 
 def main() -> int:
@@ -139,7 +149,15 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--report", type=Path, default=None,
+                        help="only write results.md again from this results.json")
     args = parser.parse_args()
+    if args.report is not None:
+        result = json.loads(args.report.read_text())
+        hardware_line = args.report.with_name("results.md").read_text().split("\n")[:3]
+        args.report.with_name("results.md").write_text(
+            "\n".join([*hardware_line, *table(result), ""]))
+        return 0
     env = openblas_preload_env() or dict(os.environ)
     device = "cpu" if mlx_would_use_cpu() else "gpu"
     out = args.out or RESULTS / hardware.tag(device) / f"vision-{args.size}"
@@ -170,13 +188,22 @@ def table(result: dict) -> list[str]:
     runs = result["runs"]
     rows = ["", f"`{result['command']}`", "",
             ("| server | workload | TTFT p50 turns 2-4 (s) | TTFT p50 turn 1 (s) | "
-             "cached share turns 2-4 | wall (s) | failed |"), "|---|---|---|---|---|---|---|"]
-    for key, summary in runs.items():
+             "cached share turns 2-4 | previous turn's prompt cached | wall (s) | failed |"),
+            "|---|---|---|---|---|---|---|---|"]
+    for key, run in runs.items():
         server, name = key.split("/")
-        share = summary["cached_share_later_turns"]
-        rows.append(f"| {server} | {name} | {summary['ttft_p50_later_turns']:.3f} | "
-                    f"{summary['ttft_p50_first_turn']:.3f} | "
-                    f"{'-' if share is None else f'{share:.0%}'} | {summary['wall_s']:.1f} | "
+        summary = summarize(run["requests_detail"], run["wall_s"])
+
+        def share(value: float | None) -> str:
+            return "-" if value is None else f"{value:.0%}"
+
+        def seconds(value: float | None) -> str:
+            return "-" if value is None else f"{value:.3f}"
+
+        rows.append(f"| {server} | {name} | {seconds(summary['ttft_p50_later_turns'])} | "
+                    f"{seconds(summary['ttft_p50_first_turn'])} | "
+                    f"{share(summary['cached_share_later_turns'])} | "
+                    f"{share(summary['previous_prompt_cached'])} | {summary['wall_s']:.1f} | "
                     f"{summary['errors']} |")
     rows.append("")
     radix = runs.get("radix-mlx/image_multi_turn")

@@ -101,8 +101,8 @@ def _data_url(url: str, max_bytes: int) -> bytes:
         raise ValueError("a data: URL needs a ;base64 payload")
     if len(payload) * 3 // 4 > max_bytes + 2:
         raise ValueError(f"the image is larger than this server's limit of {max_bytes} bytes")
-    try:
-        data = base64.b64decode(payload, validate=True)
+    try:  # line breaks inside the payload (MIME-style wrapping) are no error
+        data = base64.b64decode("".join(payload.split()), validate=True)
     except binascii.Error as error:
         raise ValueError(f"the base64 payload is invalid: {error}") from error
     if len(data) > max_bytes:
