@@ -59,7 +59,7 @@ def test_wrapped_base64_is_read_and_the_limits_hold():
     payload = base64.b64encode(png(4)).decode()
     wrapped = "data:image/png;base64," + "\n".join(
         payload[i:i + 76] for i in range(0, len(payload), 76))
-    [(digest, data)] = asyncio.run(load_images([wrapped], LIMITS, "s"))
+    [(_, data)] = asyncio.run(load_images([wrapped], LIMITS, "s"))
     assert data == png(4)
     with pytest.raises(APIError, match="5 images exceed"):
         asyncio.run(load_images([data_url(png(5))] * 5, LIMITS, "s"))
