@@ -48,6 +48,8 @@ class ImageTokens:
 
     def spans(self, tokens: Sequence[int]) -> list[tuple[int, int]]:
         """(start, length) of each run of image tokens in `tokens`, in order."""
+        if self.image_token_id not in tokens:  # a text prompt: one pass at C speed
+            return []
         spans: list[tuple[int, int]] = []
         start = None
         for position, token in enumerate([*tokens, -1]):
