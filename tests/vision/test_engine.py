@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
+from engine.api import SamplingParams
 from engine.demo_vlm import build_demo_vlm
-from tests.engine.support import complete, settled, start_engine
+from tests.engine.support import cancel_after, complete, settled, start_engine
 from tests.vision.support import VlmReference, image_prompt, png, prompt_text, user_turn
 
 MAX_TOKENS = 12
@@ -160,3 +161,19 @@ async def test_a_sliding_window_vision_model_reuses_the_image_from_a_message_end
     assert again.finish.cached_tokens > span.start + span.length
     assert again.tokens == reference.greedy(reference_text(engine, second), [image],
                                             MAX_TOKENS)
+
+
+async def test_a_cancelled_image_request_leaves_its_prompt_cached(engine, reference):
+    engine.clear_cache().result()
+    image = png(11)
+    prompt = image_prompt(engine.tokenizer, [user_turn(engine.tokenizer)], [image])
+    stream = engine.submit(prompt, SamplingParams(max_tokens=64, temperature=0.0,
+                                                  ignore_eos=True))
+    finish = await cancel_after(stream, 2)
+    again = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+
+    assert finish.reason == "cancelled"
+    assert again.finish.cached_tokens == len(prompt.tokens) - 1
+    assert again.tokens == reference.greedy(reference_text(engine, prompt), [image],
+                                            MAX_TOKENS)
+    assert (await settled(engine)).tree.pinned_bytes == 0
