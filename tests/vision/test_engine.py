@@ -32,6 +32,14 @@ def reference_text(engine, prompt) -> str:
     return prompt_text(engine.tokenizer, prompt.tokens)
 
 
+async def rebuilt_from_disk(engine, timeout: float = 60.0) -> None:
+    """Wait for the tree's rebuild from the disk tier, which runs beside serving."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while engine.stats().disk.restored_nodes == 0 or engine.stats().disk.rebuilding:
+        assert asyncio.get_running_loop().time() < deadline, "nothing rebuilt from disk"
+        await asyncio.sleep(0.05)
+
+
 async def test_an_image_prompt_gives_mlx_vlm_generates_tokens_cold_and_cached(
         engine, reference):
     engine.clear_cache().result()
@@ -128,6 +136,7 @@ async def test_the_disk_tier_keeps_an_image_prompts_segments_across_a_restart(
         first.shutdown()
     second = start_engine(str(vlm_dir), **options)
     try:
+        await rebuilt_from_disk(second)
         restored = await complete(second, prompt, MAX_TOKENS, ignore_eos=True)
         other = image_prompt(second.tokenizer, [user_turn(second.tokenizer)], [png(9)])
         elsewhere = await complete(second, other, MAX_TOKENS, ignore_eos=True)
