@@ -2,9 +2,10 @@
 
 Requests validate declaratively, like the OpenAI models: strict types, unknown fields
 ignored (clients such as Claude Code send many we have no use for: `metadata`,
-`context_management`, `service_tier`, ...). What the model cannot read (image and document
-blocks, Anthropic's server-side tools) is refused with a 400 that names it. Responses and
-stream events mirror what the official `anthropic` SDK parses.
+`context_management`, `service_tier`, ...). Image blocks (base64 or URL sources) are read
+by vision models (server/images.py); what no model here reads (document blocks,
+Anthropic's server-side tools) is refused with a 400 that names it. Responses and stream
+events mirror what the official `anthropic` SDK parses.
 """
 
 from __future__ import annotations

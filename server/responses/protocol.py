@@ -1,10 +1,11 @@
 """Pydantic models of OpenAI's Responses API (`/v1/responses`).
 
 Requests validate declaratively like the chat models: strict types, unknown fields
-ignored (Codex sends `include`, `reasoning`, `prompt_cache_key`, ...). Items the served
-model cannot read (images, files) and hosted tools (web search, file search, ...) are
-refused with a 400 that names them. Responses, output items and stream events mirror
-what the official `openai` SDK parses.
+ignored (Codex sends `include`, `reasoning`, `prompt_cache_key`, ...). `input_image` parts
+with an `image_url` are read by vision models (server/images.py); what no model here reads
+(files, audio) and hosted tools (web search, file search, ...) are refused with a 400 that
+names them. Responses, output items and stream events mirror what the official `openai`
+SDK parses.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class UnsupportedPart(RequestModel):
     def _refuse(self) -> UnsupportedPart:
         if self.type in ("input_file", "input_audio"):
             raise ValueError(
-                f"{self.type} parts are not supported: the served model reads text only"
+                f"{self.type} parts are not supported: send their text"
             )
         raise ValueError(f"content parts of type {self.type!r} are not supported")
 
