@@ -34,6 +34,7 @@ from engine.api import (
     SamplingParams,
     SchedulerCounters,
     Unsupported,
+    check_images,
     check_request,
 )
 from engine.constraints import json_object
@@ -372,6 +373,7 @@ class Engine:
         readout = params.readout
         if readout is not None and readout.hidden and not self._scheduler.generator.hidden.available:
             raise Unsupported(f"the model {self.model_id} has no hidden states to embed with")
+        check_images(prompt, self._loaded.vision is not None, self.model_id)
         if self.group is not None and not params.greedy and params.seed is None:
             # Every rank samples alike only from one seed; rank 0 picks it.
             params = replace(params, seed=secrets.randbits(63))
@@ -380,7 +382,8 @@ class Engine:
                                relay or self._relays.current(), self.cancel)
         generation = self._scheduler.new_generation(
             stream.request_id, list(prompt.tokens), params, stream.push,
-            on_dequeue=self._waiting.leave, message_ends=prompt.message_ends)
+            on_dequeue=self._waiting.leave, message_ends=prompt.message_ends,
+            images=prompt.images)
         self._scheduler.inbox.put(Submit(generation))
         return stream
 

@@ -45,7 +45,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine.admission import SchedulerLimits, admit
-from engine.api import FinishReason, PromptLogprobs, SamplingParams, SchedulerCounters
+from engine.api import (
+    FinishReason,
+    PromptImage,
+    PromptLogprobs,
+    SamplingParams,
+    SchedulerCounters,
+)
 from engine.disk_store import DiskStore
 from engine.distributed import Announcement, RankGroup
 from engine.generation import Generation
@@ -57,6 +63,7 @@ from engine.prefill_budget import PrefillBudget
 from engine.prompt_logprobs import prompt_logprobs
 from engine.segment_file import BadSegmentFile
 from engine.tree_hold import HandleOf
+from engine.vision import ImageFeed
 from radix import MatchResult, Node, RadixTree, ReserveStatus
 from radix.prefix import common_prefix_length
 
@@ -196,10 +203,11 @@ class Scheduler:
     def new_generation(self, request_id: str, prompt: list[int], params: SamplingParams,
                        emit: Callable[[object], None],
                        on_dequeue: Callable[[], None] | None = None,
-                       message_ends: tuple[int, ...] = ()) -> Generation:
+                       message_ends: tuple[int, ...] = (),
+                       images: tuple[PromptImage, ...] = ()) -> Generation:
         """A generation for this model and tree; the caller submits it (`Submit`)."""
         return Generation(request_id, prompt, params, emit, self.loaded.tokenizer,
-                          self.loaded.vocab_size, self.tree, on_dequeue, message_ends)
+                          self.loaded.vocab_size, self.tree, on_dequeue, message_ends, images)
 
     def attach_disk(self, store: DiskStore) -> None:
         """Give the tree its disk tier (before `run`): from now on what it publishes is
@@ -377,7 +385,9 @@ class Scheduler:
             top_logprobs=(readout.top_logprobs if readout is not None
                           else generation.params.logprobs or 0), grammar=grammar,
             asked=mx.array(readout.token_ids) if readout and readout.token_ids else None,
-            wants_hidden=readout is not None and readout.hidden)
+            wants_hidden=readout is not None and readout.hidden,
+            images=ImageFeed(self.loaded.vision, generation.images, self.counters)
+            if generation.images else None)
         generation.sequence = sequence
         self.generator.add(sequence)
         generation.prompt_done = False
