@@ -59,7 +59,7 @@ RESULTS = Path(__file__).parent / "results"
 # What replicas behind a router are measured on: prefix reuse across requests.
 REPLICA_WORKLOADS = ("shared_prefix", "multi_turn")
 # What a tensor-parallel server is measured on: one stream's decode, a cold long prefill.
-TP_WORKLOADS = ("single_stream", "long_context")
+TP_WORKLOADS = ("single_stream", "long_context", "batch_decode")
 METRICS_POLL_SECONDS = 0.5
 
 
@@ -111,9 +111,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "separated list, e.g. 0,1 (default: every replica sees all)")
     parser.add_argument("--tensor-parallel", type=int, default=0, metavar="N",
                         help="also run radix-mlx with its model sharded over N ranks "
-                             f"(--tensor-parallel N) on {' and '.join(TP_WORKLOADS)}: decode "
-                             "and prefill tok/s against one server (it gets --radix-mlx-args "
-                             "too; default: 0, none)")
+                             f"(--tensor-parallel N) on {', '.join(TP_WORKLOADS)}: decode, "
+                             "prefill and batch tok/s against one server and single-stream "
+                             "decode against bare mlx-lm sharded N ways (it gets "
+                             "--radix-mlx-args too; default: 0, none)")
     parser.add_argument("--restart-per-workload", action=argparse.BooleanOptionalAction,
                         default=True,
                         help="a fresh start of each server per workload, servers alternating, "
@@ -411,6 +412,15 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
                 "bench.raw_decode", model.directory, env,
                 "--prompt-tokens", shapes.decode_prompt_tokens,
                 "--max-tokens", shapes.decode_output_tokens, "--repeats", shapes.decode_repeats)
+            if args.tensor_parallel > 1:
+                print(f"bench: bare mlx-lm sharded over {args.tensor_parallel} ranks",
+                      file=sys.stderr, flush=True)
+                results["raw_decode_tp"] = child_json(
+                    "bench.raw_decode", model.directory, env,
+                    "--prompt-tokens", shapes.decode_prompt_tokens,
+                    "--max-tokens", shapes.decode_output_tokens,
+                    "--repeats", shapes.decode_repeats,
+                    "--tensor-parallel", args.tensor_parallel)
         for name in (w.name for w in workloads if w.name in RAW_BATCH_WORKLOADS):
             print(f"bench: bare mlx_lm.batch_generate ({name})", file=sys.stderr, flush=True)
             rounds = [child_json("bench.raw_batch", model.directory, env, name, "--seed",

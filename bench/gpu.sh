@@ -15,13 +15,16 @@
 # with CUDA) adds llama.cpp as a third server, on the shape exported to a bf16 GGUF
 # (bench/gguf_export.py), with bench/servers.py's GPU flags (64 slots, --cache-reuse).
 #
-# Scale-out on a machine with two GPUs (docs/scale-out.md), default shape llama-8b:
+# Scale-out on a machine with N GPUs (docs/scale-out.md), default shape llama-8b:
 #   bash bench/gpu.sh --scale-out OUT [shape ...]
-# one radix-mlx server on one GPU against (a) the same model sharded over both GPUs with
-# --tensor-parallel 2 (NCCL), on single-stream decode and cold long-context prefill, and
-# (b) two replicas, a GPU each, behind sglang-router (cache-aware, then round-robin), on
-# the shared-prefix and multi-turn workloads. BENCH_QUICK=1 runs it with toy sizes on the
-# demo model (any machine, the CPU included) to check the path end to end.
+# one radix-mlx server on one GPU against (a) the same model sharded over the N GPUs with
+# --tensor-parallel N (NCCL), on single-stream decode, cold long-context prefill and batch
+# decode, and bare mlx-lm sharded N ways on single-stream decode; and (b) N replicas, a GPU
+# each, behind sglang-router (cache-aware, then round-robin), on the shared-prefix (SGLang's
+# 64 groups x 16 prompts) and multi-turn workloads, 64 requests at once per GPU, so that
+# every engine's batch of 64 stays full (one server queues the rest). BENCH_WORKLOADS picks
+# some of these. BENCH_QUICK=1 runs it with toy sizes on the demo model (any machine, the
+# CPU included) to check the path end to end.
 set -euo pipefail
 scale_out=
 if [ "${1:-}" = --scale-out ]; then scale_out=1; shift; fi
@@ -45,15 +48,17 @@ sizes=(--sp-groups 8 --sp-prompts-per-group 4 --sp-system-tokens 2000
   --mt-output-tokens 64)
 mkdir -p "$out"
 if [ -n "$scale_out" ]; then
-  scale_flags=(--servers radix-mlx --tensor-parallel 2 --replicas 2 --no-plots --no-raw
+  gpus=2
+  [ -n "${BENCH_QUICK:-}" ] || gpus=$(nvidia-smi -L | wc -l)
+  scale_flags=(--servers radix-mlx --tensor-parallel "$gpus" --replicas "$gpus" --no-plots
     --no-structured --no-restart-per-workload
-    --workloads single_stream,long_context,shared_prefix,multi_turn)
+    --workloads "${BENCH_WORKLOADS:-single_stream,long_context,batch_decode,shared_prefix,multi_turn}")
   if [ -n "${BENCH_QUICK:-}" ]; then
     python3 -m server.launch.cli make-demo-model "$models/tiny" > /dev/null
     python3 -m bench --quick --model "$models/tiny" --out "$out/quick-scale-out" \
       "${scale_flags[@]}" --lc-document-tokens 256 --decode-output-tokens 16 \
       --decode-repeats 1 --sp-groups 2 --sp-prompts-per-group 2 --mt-conversations 2 \
-      --mt-turns 2
+      --mt-turns 2 --bd-streams 4 --bd-output-tokens 16
     exit
   fi
   nvidia-smi > "$out/nvidia-smi.txt"
@@ -62,10 +67,13 @@ if [ -n "$scale_out" ]; then
     name=$s$suffix
     python3 -m bench.models "$models/$name" --shape "$s" --dtype bfloat16 "${tokenizer[@]}"
     python3 -m bench --model "$models/$name" --out "$out/$name-scale-out" \
-      "${scale_flags[@]}" --replicas-cuda-devices 0,1 \
-      --radix-mlx-args "--max-batch-size 64" "${sizes[@]}" --lc-document-tokens 6000 \
-      --lc-questions 4 --lc-question-tokens 64 --lc-output-tokens 32 \
-      --decode-output-tokens 128 --decode-repeats 2
+      "${scale_flags[@]}" --replicas-cuda-devices "$(seq -s, 0 $((gpus - 1)))" \
+      --radix-mlx-args "--max-batch-size 64" "${sizes[@]}" --sp-groups 64 \
+      --sp-prompts-per-group 16 --sp-concurrency $((64 * gpus)) \
+      --mt-conversations $((64 * gpus)) \
+      --lc-document-tokens 6000 --lc-questions 4 --lc-question-tokens 64 \
+      --lc-output-tokens 32 --decode-output-tokens 128 --decode-repeats 2 \
+      --bd-streams 64 --bd-prompt-tokens 64 --bd-output-tokens 128
     [ -n "${BENCH_KEEP_MODELS:-}" ] || rm -rf "${models:?}/$name"
   done
   exit

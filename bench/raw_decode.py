@@ -2,6 +2,7 @@
 
     python -m bench.raw_decode MODEL_DIR --prompt-tokens 64 --max-tokens 128 --repeats 3
     python -m bench.raw_decode MODEL_DIR --messages-file CHATS.json --max-tokens 256
+    python -m bench.raw_decode MODEL_DIR --tensor-parallel 2 ...
 
 The second form decodes each chat of the file (a JSON list of message lists) once,
 through the model's chat template, greedy, ending at EOS, and reports each one's text too
@@ -9,19 +10,32 @@ through the model's chat template, greedy, ending at EOS, and reports each one's
 
 Runs in its own process (started by the benchmark after the servers have stopped) and
 prints one JSON object. Timed like the servers' streams: from the first token to the last,
-so prefill is excluded and the rate is (tokens - 1) / seconds.
+so prefill is excluded and the rate is (tokens - 1) / seconds. With --tensor-parallel N,
+the model is sharded over N ranks by mlx-lm's own `model.shard` (as its `sharded_load`,
+whose closing all-sum on the CPU stream NCCL cannot run), started by the launcher
+`radix-mlx serve --tensor-parallel` uses (NCCL on CUDA, a GPU each; the ring backend on the
+CPU): bare mlx-lm's tensor-parallel decode, which ours is measured against.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load, stream_generate
+from mlx_lm.utils import load_model, load_tokenizer
+
+from server.launch.tensor_parallel import free_ports
+
+# Set on the ranks this module launches of itself.
+RANK_ENV = "BENCH_RAW_DECODE_RANK"
 
 
 def decode_rate(model, tokenizer, prompt: list[int], max_tokens: int
@@ -37,6 +51,21 @@ def decode_rate(model, tokenizer, prompt: list[int], max_tokens: int
     return (count - 1) / (last - first), count, text
 
 
+def launch_ranks(ranks: int) -> None:
+    """Run this command as `ranks` ranks and pass on rank 0's JSON line."""
+    port = free_ports(ranks)
+    argv = [sys.executable, "-m", "server.launch.rank_launcher", "-n", str(ranks),
+            "--starting-port", str(port), "--nccl-port", str(port),
+            "--env", f"{RANK_ENV}=1", "--", sys.executable, "-m", "bench.raw_decode",
+            *sys.argv[1:]]
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    lines = [line.split("{", 1)[1] for line in result.stdout.splitlines() if "{" in line]
+    if result.returncode != 0 or not lines:
+        sys.stderr.write(result.stdout + result.stderr)
+        raise SystemExit(f"bench.raw_decode: {ranks} ranks exited {result.returncode}")
+    print("{" + lines[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
@@ -44,8 +73,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--messages-file", type=Path)
+    parser.add_argument("--tensor-parallel", type=int, default=1)
     args = parser.parse_args()
-    model, tokenizer = load(args.model)
+    if args.tensor_parallel > 1 and RANK_ENV not in os.environ:
+        launch_ranks(args.tensor_parallel)
+        return
+    if args.tensor_parallel > 1:
+        group = mx.distributed.init(strict=True)
+        model, _ = load_model(Path(args.model), lazy=True, strict=False)
+        model.shard(group)
+        mx.eval(model.parameters())
+        tokenizer = load_tokenizer(Path(args.model))
+    else:
+        group = None
+        model, tokenizer = load(args.model)
     vocab = tokenizer.vocab_size
     prompt = [(7 * i + 11) % vocab for i in range(args.prompt_tokens)]
     decode_rate(model, tokenizer, prompt, 8)  # compile kernels before timing
@@ -55,14 +96,17 @@ def main() -> None:
     else:
         prompts = [prompt] * args.repeats
     runs = [decode_rate(model, tokenizer, p, args.max_tokens) for p in prompts]
+    if group is not None and group.rank() != 0:
+        return
     print(json.dumps({
         "decode_tok_s": statistics.median(rate for rate, _, _ in runs),
         "runs": [{"decode_tok_s": rate, "tokens": count,
                   **({"text": text} if args.messages_file else {})}
                  for rate, count, text in runs],
         "device": str(mx.default_device()),
+        "tensor_parallel": args.tensor_parallel,
         "peak_memory_bytes": mx.get_peak_memory(),
-    }))
+    }), flush=True)
 
 
 if __name__ == "__main__":

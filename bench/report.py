@@ -192,6 +192,10 @@ def target_values(results: dict) -> list[tuple]:
                          lambda v: v >= 1.8))
             rows.append((f"{where} cached share minus one server's, points", row["points"],
                          ">= -5", lambda v: v >= -5))
+    for row in tensor_parallel_rows(results):
+        rows.append((f"{row['server']} single-stream decode tok/s vs bare mlx-lm sharded "
+                     f"{row['ranks']} ways", row["decode_vs_bare"], ">= 1.0",
+                     lambda v: v >= 1.0))
     disk = results.get("disk_tier", {})
     if "warm_restart" in disk:
         rows.append(("warm restart: first TTFT after restart / cold, disk tier",
@@ -263,9 +267,11 @@ def prefill_tok_s(summary: dict) -> float | None:
 
 
 def tensor_parallel_rows(results: dict) -> list[dict]:
-    """Each tensor-parallel server against one radix-mlx server: single-stream decode and
-    cold long-context prefill, tok/s and ratio."""
+    """Each tensor-parallel server against one radix-mlx server (single-stream decode,
+    cold long-context prefill, batch decode: tok/s and ratio) and its single-stream decode
+    against bare mlx-lm sharded as many ways."""
     one = results["servers"].get(OURS, {}).get("workloads", {})
+    bare = results.get("raw_decode_tp", {})
     rows = []
     for server, data in results["servers"].items():
         if not data.get("tensor_parallel"):
@@ -273,12 +279,17 @@ def tensor_parallel_rows(results: dict) -> list[dict]:
         ours = data["workloads"]
         decode = ours.get("single_stream", {}).get("decode_tok_s")
         prefill = prefill_tok_s(ours.get("long_context", {}))
+        batch = ours.get("batch_decode", {}).get("output_tok_s")
+        same_ranks = bare.get("tensor_parallel") == data["tensor_parallel"]
         rows.append({
             "server": server, "ranks": data["tensor_parallel"],
             "decode_tok_s": decode,
             "decode_speedup": ratio(decode, one.get("single_stream", {}).get("decode_tok_s")),
+            "decode_vs_bare": ratio(decode, bare.get("decode_tok_s")) if same_ranks else None,
             "prefill_tok_s": prefill,
             "prefill_speedup": ratio(prefill, prefill_tok_s(one.get("long_context", {}))),
+            "batch_tok_s": batch,
+            "batch_speedup": ratio(batch, one.get("batch_decode", {}).get("output_tok_s")),
         })
     return rows
 
@@ -344,11 +355,14 @@ def markdown(results: dict) -> str:
           fmt(row["points"], "{:+.1f}")] for row in replica_rows(results)])
     lines += section(
         f"Tensor parallel vs one {OURS} server",
-        ["server", "ranks", "decode tok/s", "vs one server",
-         "prefill tok/s (cold long context)", "vs one server"],
+        ["server", "ranks", "decode tok/s", "vs one server", "vs bare mlx-lm TP",
+         "prefill tok/s (cold long context)", "vs one server", "batch decode tok/s",
+         "vs one server"],
         [[row["server"], str(row["ranks"]), fmt(row["decode_tok_s"], "{:.1f}"),
-          fmt(row["decode_speedup"], "{:.2f}x"), fmt(row["prefill_tok_s"], "{:.0f}"),
-          fmt(row["prefill_speedup"], "{:.2f}x")] for row in tensor_parallel_rows(results)])
+          fmt(row["decode_speedup"], "{:.2f}x"), fmt(row["decode_vs_bare"], "{:.2f}x"),
+          fmt(row["prefill_tok_s"], "{:.0f}"), fmt(row["prefill_speedup"], "{:.2f}x"),
+          fmt(row["batch_tok_s"], "{:.1f}"), fmt(row["batch_speedup"], "{:.2f}x")]
+         for row in tensor_parallel_rows(results)])
     rounds = results.get("rounds", 1)
     lines += ["", "## Targets", ""]
     if rounds > 1:
@@ -382,6 +396,10 @@ def markdown(results: dict) -> str:
         lines.append(f"| {server} server | {fmt(rate, '{:.1f}')} |")
     raw = results.get("raw_decode", {}).get("decode_tok_s")
     lines.append(f"| raw mlx_lm.stream_generate | {fmt(raw, '{:.1f}')} |")
+    raw_tp = results.get("raw_decode_tp")
+    if raw_tp:
+        lines.append(f"| raw mlx_lm.stream_generate, sharded {raw_tp['tensor_parallel']} "
+                     f"ways | {fmt(raw_tp['decode_tok_s'], '{:.1f}')} |")
     raw_batch = results.get("raw_batch", {})
     if raw_batch:
         lines += ["", "## Batch workloads: radix-mlx vs bare mlx-lm batching", "",

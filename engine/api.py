@@ -103,6 +103,8 @@ class SchedulerCounters:
     cached_tokens: int = stat("counter", "Prompt tokens served from the radix cache.")
     prefill_tokens: int = stat("counter", "Prompt tokens computed by prefill.")
     generated_tokens: int = stat("counter", "Tokens generated.")
+    images_encoded: int = stat("counter", "Images run through the vision tower (an image "
+                               "the radix cache holds is not).", name="engine_images_encoded")
     requests_failed: int = stat("counter", "Requests the engine failed.",
                                 name="engine_requests_failed")
     constrained_requests: int = stat("counter", "Requests decoded under a grammar "
@@ -190,6 +192,19 @@ class Prompt:
 
     tokens: list[int]
     message_ends: tuple[int, ...] = ()
+    # A vision model's images, in order; each one's span of `tokens` holds its radix key
+    # (engine/image_tokens.py), not the model's image token.
+    images: tuple[PromptImage, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """An image in a prompt: where its tokens are, what identifies it, and its file."""
+
+    start: int  # its first token's position in the prompt
+    length: int  # its tokens
+    digest: str  # hex digest of its decoded pixels and the processor's settings
+    data: bytes  # the image file as the client sent it, checked to decode
 
 
 @dataclass(frozen=True)
@@ -382,6 +397,21 @@ def check_request(tokens: list[int], params: SamplingParams, context_length: int
             f"This server's memory holds the KV of {kv_tokens} tokens at "
             f"most (memory_limit_bytes). However, you requested {requested} tokens "
             f"({len(tokens)} in the prompt, {params.max_tokens} for the completion).")
+
+
+def check_images(prompt: Prompt, vision: bool, model_id: str) -> None:
+    """Raise if the model cannot read the prompt's images, or an image is not a span of
+    the prompt's tokens short of its last (which is fed alone, as an id, for the first
+    logits)."""
+    if not prompt.images:
+        return
+    if not vision:
+        raise Unsupported(f"the model {model_id} does not read images")
+    for image in prompt.images:
+        if image.start < 0 or image.length < 1 \
+                or image.start + image.length >= len(prompt.tokens):
+            raise ValueError(f"an image's tokens [{image.start}, +{image.length}) are not "
+                             f"inside the prompt short of its last token")
 
 
 class EventStream(Protocol):

@@ -12,6 +12,7 @@ import json
 import math
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -150,16 +151,16 @@ def _write_model(directory: Path, size: str, seed: int, family: str) -> None:
         {name: mx.array(value) for name, value in sorted(weights.items())},
         metadata={"format": "mlx"},
     )
-    _write_json(directory / "config.json", config)
-    _write_json(directory / "tokenizer_config.json", tokenizer_config(tokenizer))
-    _write_json(
+    write_json(directory / "config.json", config)
+    write_json(directory / "tokenizer_config.json", tokenizer_config(tokenizer))
+    write_json(
         directory / "special_tokens_map.json",
         {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD},
     )
     (directory / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
 
 
-def _write_json(path: Path, value: dict) -> None:
+def write_json(path: Path, value: dict) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -170,14 +171,14 @@ def corpus_texts() -> list[str]:
     return [(corpus / name).read_text(encoding="utf-8") for name in names]
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
+def train_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS) -> Tokenizer:
     """A byte-level BPE (GPT-2 / Llama-3 style), so any UTF-8 text round-trips exactly."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -272,11 +273,17 @@ def random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     constant init (norms, biases), except the recurrent decay `A_log`, which mlx-lm draws
     at random and we redraw the same way.
     """
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    return random_parameters(module.Model(module.ModelArgs.from_dict(config)), seed)
+
+
+def random_parameters(model: Any, seed: int) -> dict[str, np.ndarray]:
+    """`random_weights` for any MLX module tree (mlx-vlm's too): its parameter names, each
+    matrix drawn from `seed` at std 2/sqrt(fan_in), biases zero, other vectors as the
+    module made them."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    model = module.Model(module.ModelArgs.from_dict(config))
     rng = np.random.default_rng(seed)
     weights = {}
     for name, value in sorted(tree_flatten(model.parameters())):
@@ -286,6 +293,8 @@ def random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
             weights[name] = sample * np.float32(WEIGHT_GAIN / math.sqrt(fan_in))
         elif name.endswith("A_log"):
             weights[name] = np.log(rng.uniform(0, 16, value.shape)).astype(np.float32)
+        elif name.endswith(".bias"):  # MLX draws them from its global RNG: not from `seed`
+            weights[name] = np.zeros(value.shape, np.float32)
         else:
             weights[name] = np.array(value.astype(mx.float32))
     return weights

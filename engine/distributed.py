@@ -29,6 +29,7 @@ import os
 import pickle
 import socket
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,17 @@ from mlx_lm.utils import load_model
 
 # Model config keys whose value every rank must split evenly (heads, MLP width).
 _SPLIT_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+# Weights up to this share of one GPU's memory leave that GPU room for a useful KV cache.
+_FITS_ONE_GPU = 0.75
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """A value rank 0 has started to share (`RankGroup.announce`): its length, in flight."""
+
+    size: mx.array
+    data: bytes  # rank 0's pickle; empty on the others
+    value: Any  # rank 0's value itself
 
 
 class TensorParallelError(ValueError):
@@ -59,18 +71,32 @@ class RankGroup:
         return self.rank == 0
 
     def share(self, value: Any) -> Any:
-        """Rank 0's `value` on every rank (the others pass anything, usually None):
-        its pickle's length, then the pickle, each as an all-sum that the others join
-        with zeros. None, the usual heartbeat, costs the length alone."""
+        """Rank 0's `value` on every rank (the others pass anything, usually None), now."""
+        return self.receive(self.announce(value))
+
+    def announce(self, value: Any) -> Announcement:
+        """Start sharing rank 0's `value`: its pickle's length as an all-sum with which the
+        others join with zeros, queued without waiting. A decoding loop announces at one
+        turn and receives at the next, so the device runs the step in between while the
+        host builds the next one: reading the length at once would wait for every step
+        queued before it, as a heartbeat at every turn did (tensor-parallel decode then
+        ran at ~0.6x bare mlx-lm's on two GPUs)."""
         data = pickle.dumps(value) if self.leader and value is not None else b""
-        size = mx.distributed.all_sum(mx.array(len(data)), group=self.group).item()
+        size = mx.distributed.all_sum(mx.array(len(data)), group=self.group)
+        mx.async_eval(size)
+        return Announcement(size, data, value)
+
+    def receive(self, announcement: Announcement) -> Any:
+        """An announced value on every rank: the pickle itself as a second all-sum, only
+        when there is one (None, the usual heartbeat, costs the length alone)."""
+        size = announcement.size.item()
         if size == 0:
             return None
-        payload = (mx.array(np.frombuffer(data, np.uint8)) if self.leader
+        payload = (mx.array(np.frombuffer(announcement.data, np.uint8)) if self.leader
                    else mx.zeros(size, mx.uint8))
         # Evaluated on rank 0 too: a collective is only joined when it is computed.
         shared = np.array(mx.distributed.all_sum(payload, group=self.group))
-        return value if self.leader else pickle.loads(shared.tobytes())
+        return announcement.value if self.leader else pickle.loads(shared.tobytes())
 
     def smallest_share(self, domain: str, memory_bytes: int) -> int:
         """Every rank names the memory it plans on (`domain`, memory_domain()) and how
@@ -133,6 +159,21 @@ def shard(model: nn.Module, config: dict[str, Any], group: RankGroup) -> None:
     slices stay) by the caller's next eval."""
     check_shardable(model, config, group.size)
     model.shard(group.group)
+
+
+def one_gpu_would_be_faster(shard_bytes: int, size: int, gpu_bytes: int,
+                            cuda: bool) -> str | None:
+    """Why one GPU would serve this model better than `size` ranks, where it would; else
+    None. On CUDA, MLX's NCCL all-reduces (two per layer per step) cost more than reading
+    half the weights saves: on H200s an 8B model decoded at 0.3-0.5x one GPU's rate over
+    2 and 4 GPUs, and only cold prefill gained (1.4-1.6x; docs/scale-out.md)."""
+    whole = shard_bytes * size
+    if not cuda or whole > _FITS_ONE_GPU * gpu_bytes:
+        return None
+    return (f"tensor parallelism over {size} CUDA GPUs for {whole / 2**30:.1f} GiB of "
+            f"weights, which fit one GPU: sharded, an 8B model decoded at 0.3-0.5x one "
+            "GPU's rate on H200s (docs/scale-out.md); for throughput, run a replica per GPU "
+            "(radix-mlx replicas --cuda-devices)")
 
 
 def check_model(path: str, size: int) -> None:

@@ -34,11 +34,12 @@ from engine.api import (
     SamplingParams,
     SchedulerCounters,
     Unsupported,
+    check_images,
     check_request,
 )
 from engine.constraints import json_object
 from engine.disk_store import DiskStore, default_disk_budget, model_fingerprint
-from engine.distributed import RankGroup, memory_domain
+from engine.distributed import RankGroup, memory_domain, one_gpu_would_be_faster
 from engine.loader import LoadedModel, load_model, model_id_for
 from engine.memory import CPU_MEMORY_FRACTION, MemoryPlan, describe, headroom, plan_memory
 from engine.mlx_lm_internals import kv_bytes_per_token
@@ -154,6 +155,11 @@ class Engine:
             self.memory = self._plan_memory(loaded)
             if self.group is not None:  # one plan, so every rank evicts alike
                 self.memory = self.group.share(self.memory)
+                warning = one_gpu_would_be_faster(
+                    loaded.weight_bytes, self.group.size, device_memory_bytes(),
+                    cuda=mx.default_device() == mx.gpu and mx.cuda.is_available())
+                if warning and self.group.leader:
+                    log.warning("%s", warning)
             log.info("%s", describe(self.memory))
             self._scheduler = Scheduler(loaded, SchedulerLimits(
                 max_batch_size=self.config.max_batch_size,
@@ -367,6 +373,7 @@ class Engine:
         readout = params.readout
         if readout is not None and readout.hidden and not self._scheduler.generator.hidden.available:
             raise Unsupported(f"the model {self.model_id} has no hidden states to embed with")
+        check_images(prompt, self._loaded.vision is not None, self.model_id)
         if self.group is not None and not params.greedy and params.seed is None:
             # Every rank samples alike only from one seed; rank 0 picks it.
             params = replace(params, seed=secrets.randbits(63))
@@ -375,7 +382,8 @@ class Engine:
                                relay or self._relays.current(), self.cancel)
         generation = self._scheduler.new_generation(
             stream.request_id, list(prompt.tokens), params, stream.push,
-            on_dequeue=self._waiting.leave, message_ends=prompt.message_ends)
+            on_dequeue=self._waiting.leave, message_ends=prompt.message_ends,
+            images=prompt.images)
         self._scheduler.inbox.put(Submit(generation))
         return stream
 

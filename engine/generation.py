@@ -17,12 +17,14 @@ from engine.api import (
     CacheMiss,
     Finish,
     FinishReason,
+    PromptImage,
     RequestFailed,
     SamplingParams,
     TokenEvent,
 )
 from engine.generator import SequenceState
 from engine.grammar import ConstraintFailed
+from engine.image_tokens import text_ids
 from engine.readout import last_position
 from engine.sampling import make_processors, make_sampler, token_logprobs
 from engine.speculation import Drafts
@@ -39,14 +41,16 @@ class Generation:
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
                  emit: Callable[[object], None], tokenizer: ModelTokenizer, vocab_size: int,
                  tree: RadixTree, on_dequeue: Callable[[], None] | None = None,
-                 message_ends: tuple[int, ...] = ()) -> None:
+                 message_ends: tuple[int, ...] = (),
+                 images: tuple[PromptImage, ...] = ()) -> None:
         self.id = request_id
         self.prompt = prompt
+        self.images = images  # see api.Prompt
         self.params = params
         self._emit = emit
         self._on_dequeue = on_dequeue
         self._tokenizer = tokenizer
-        self.text = TextStream(tokenizer, prompt, params.stop)
+        self.text = TextStream(tokenizer, text_ids(prompt) if images else prompt, params.stop)
         self.sampler = make_sampler(params, vocab_size)
         self.processors = make_processors(params, len(prompt))
         stop_ids = set(params.stop_token_ids)
@@ -138,7 +142,11 @@ class Generation:
         miss = self.cache_miss
         if miss is None:
             return None
-        at, decode = miss.position, self._tokenizer.decode
+        at = miss.position
+
+        def decode(tokens: list[int]) -> str:
+            return self._tokenizer.decode(text_ids(tokens))
+
         return CacheMiss(at, miss.reason.value, decode(self.prompt[max(0, at - MISS_CONTEXT):at]),
                          decode(self.prompt[at:at + MISS_CONTEXT]), decode(miss.branch))
 

@@ -58,6 +58,7 @@ from engine.mlx_lm_internals import (
     supports_segments,
 )
 from engine.speculation import STEP_COST, Drafts, best_width
+from engine.vision import ImageFeed
 
 if TYPE_CHECKING:  # engine.sampling imports this module's Scores
     from engine.sampling import Sampler
@@ -118,6 +119,9 @@ class SequenceState:
     # As a batch row after a verify step rolled it back (`drop_last`): the token each of
     # its first slots holds (None: all in order).
     order: np.ndarray | None = field(default=None, repr=False)
+    # A prompt with images (its `tokens` and `unfed` hold their radix keys): the input
+    # embeddings of the chunks that hold image tokens (engine/vision.py).
+    images: ImageFeed | None = None
 
 
 @dataclass(frozen=True)
@@ -208,7 +212,10 @@ class Generator:
             raise ValueError(f"snapshot positions {sequence.snapshot_at} are not ascending "
                              f"inside the unfed prompt ({fed}, {last}]")
         if sequence.processors:
-            sequence.context = mx.array(sequence.tokens + sequence.unfed[:-1], mx.uint32)
+            context = sequence.tokens + sequence.unfed[:-1]
+            if sequence.images is not None:
+                context = sequence.images.model_ids(context)
+            sequence.context = mx.array(context, mx.uint32)
         self.prefilling.append(sequence)
 
     # -- steps ------------------------------------------------------------------------
@@ -268,7 +275,7 @@ class Generator:
                 count = min(count, sequence.snapshot_at[0] - len(sequence.tokens))
             chunk = sequence.unfed[:count]
             sequence.prefix = None  # the cache holds more from now on
-            self.model(mx.array([chunk]), cache=sequence.cache)
+            self._forward(sequence, chunk)
             # Computed before the step goes on, as mlx_lm.generate does: a step's wall
             # time is then its own work, which the prefill budget measures.
             mx.eval([c.state for c in sequence.cache])
@@ -279,6 +286,20 @@ class Generator:
                 sequence.snapshot_at.pop(0)
                 self.at_snapshot(sequence)
         return fed
+
+    def _forward(self, sequence: SequenceState, chunk: list[int]) -> None:
+        """Run `chunk`, the sequence's next prompt tokens, into its cache: as ids, or as
+        input embeddings where it holds image tokens."""
+        embeddings = None
+        if sequence.images is not None:
+            start = len(sequence.tokens)
+            embeddings = sequence.images.inputs(sequence.tokens + sequence.unfed, start,
+                                                start + len(chunk))
+        if embeddings is None:
+            self.model(mx.array([chunk]), cache=sequence.cache)
+        else:
+            self.model(mx.array([sequence.images.model_ids(chunk)]), cache=sequence.cache,
+                       input_embeddings=embeddings[None])
 
     def _build_cache(self, sequence: SequenceState) -> None:
         """Give a sequence its own cache, assembled from `prefix`, if it has none yet."""
@@ -291,12 +312,12 @@ class Generator:
         padded to the longest, if the padding at most doubles the forward's tokens (width
         None); or, if the budget cannot finish even the first prompt, `width` tokens of
         each, none finished. Only rows with plain KV caches (a padded row of a rotating or
-        recurrent cache would keep the padding's state) and no snapshot positions. ([], None):
-        none."""
+        recurrent cache would keep the padding's state), no snapshot positions and no images
+        (their chunks are fed as embeddings, one sequence at a time). ([], None): none."""
         eligible: list[SequenceState] = []
         for sequence in self.prefilling:
-            if sequence.snapshot_at or not (sequence.cache is None
-                                      or supports_segments(sequence.cache)):
+            if sequence.snapshot_at or sequence.images is not None or not (
+                    sequence.cache is None or supports_segments(sequence.cache)):
                 break
             eligible.append(sequence)
         for count in range(len(eligible), 1, -1):

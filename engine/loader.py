@@ -13,7 +13,9 @@ from mlx_lm.utils import hf_repo_to_path, load, load_config
 from mlx_lm.utils import load_tokenizer as load_mlx_lm_tokenizer
 
 from engine.distributed import RankGroup, shard
+from engine.image_tokens import read_image_tokens
 from engine.tokenizer import ModelTokenizer
+from engine.vision import Vision
 
 log = logging.getLogger("radix_mlx.engine")
 
@@ -32,6 +34,7 @@ class LoadedModel:
     vocab_size: int
     weight_bytes: int
     path: Path  # the local directory the weights were read from
+    vision: Vision | None = None  # a vision model's image side (not under tensor parallelism)
 
 
 def model_id_for(path_or_repo: str) -> str:
@@ -61,16 +64,26 @@ def load_model(path_or_repo: str, group: RankGroup | None = None,
     vocab_size = _config_int(config, ("vocab_size",)) or len(tokenizer.vocab)
     context_length = _config_int(config, _CONTEXT_KEYS) or DEFAULT_CONTEXT_LENGTH
     path = local if local.exists() else hf_repo_to_path(path_or_repo)
-    return LoadedModel(model, ModelTokenizer(tokenizer), model_id_for(path_or_repo), context_length,
-                       vocab_size, weight_bytes, path)
+    model_tokenizer = _model_tokenizer(tokenizer, path)
+    vision = None
+    if model_tokenizer.images is not None and group is None:
+        vision = Vision(path, model, model_tokenizer.images.image_token_id)
+        weight_bytes += vision.weight_bytes
+    return LoadedModel(model, model_tokenizer, model_id_for(path_or_repo), context_length,
+                       vocab_size, weight_bytes, path, vision)
 
 
 def load_tokenizer(path: Path, chat_template: str | None = None) -> ModelTokenizer:
     """The tokenizer of the model directory at `path`, as `load_model` gives it (with the
     end-of-sequence ids of its config), without its weights."""
     eos_token_ids = load_config(path).get("eos_token_id")
-    return ModelTokenizer(load_mlx_lm_tokenizer(
-        path, _template_config(chat_template), eos_token_ids=eos_token_ids))
+    return _model_tokenizer(load_mlx_lm_tokenizer(
+        path, _template_config(chat_template), eos_token_ids=eos_token_ids), path)
+
+
+def _model_tokenizer(wrapper: Any, path: Path) -> ModelTokenizer:
+    """mlx-lm's tokenizer wrapper, with the image tokens of a vision model's folder."""
+    return ModelTokenizer(wrapper, read_image_tokens(path, wrapper.decode))
 
 
 def _template_config(chat_template: str | None) -> dict[str, Any] | None:

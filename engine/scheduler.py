@@ -47,13 +47,14 @@ import mlx.core as mx
 from engine.admission import SchedulerLimits, admit
 from engine.api import (
     FinishReason,
+    PromptImage,
     PromptLogprobs,
     SamplingParams,
     SchedulerCounters,
     SpeculationConfig,
 )
 from engine.disk_store import DiskStore
-from engine.distributed import RankGroup
+from engine.distributed import Announcement, RankGroup
 from engine.generation import Generation
 from engine.generator import Generator, KVSource, Output, SequenceState
 from engine.grammar import ConstraintFailed, Grammars
@@ -64,6 +65,7 @@ from engine.prompt_logprobs import prompt_logprobs
 from engine.segment_file import BadSegmentFile
 from engine.speculation import Drafts
 from engine.tree_hold import HandleOf
+from engine.vision import ImageFeed
 from radix import MatchResult, Node, RadixTree, ReserveStatus
 from radix.prefix import common_prefix_length
 
@@ -205,10 +207,11 @@ class Scheduler:
     def new_generation(self, request_id: str, prompt: list[int], params: SamplingParams,
                        emit: Callable[[object], None],
                        on_dequeue: Callable[[], None] | None = None,
-                       message_ends: tuple[int, ...] = ()) -> Generation:
+                       message_ends: tuple[int, ...] = (),
+                       images: tuple[PromptImage, ...] = ()) -> Generation:
         """A generation for this model and tree; the caller submits it (`Submit`)."""
         return Generation(request_id, prompt, params, emit, self.loaded.tokenizer,
-                          self.loaded.vocab_size, self.tree, on_dequeue, message_ends)
+                          self.loaded.vocab_size, self.tree, on_dequeue, message_ends, images)
 
     def attach_disk(self, store: DiskStore) -> None:
         """Give the tree its disk tier (before `run`): from now on what it publishes is
@@ -228,15 +231,31 @@ class Scheduler:
         Under tensor parallelism a failed step raises: the group is lost."""
         self._deliver = deliver
         shared = self.group is not None and not until_idle
+        announced: tuple[Announcement, list[Message]] | None = None
         while not self._stopping:
             beat()
+            if announced is not None:  # what rank 0 took in at the last turn
+                self._handle_all(self._inputs(*announced))
+                announced = None
+                if self._stopping:
+                    break
             idle = not self.running and not self.waiting and not self.parked
             if idle and until_idle and self.inbox.empty():
                 return
             messages = self._take_inbox(block=idle and not until_idle and
                                         (not shared or self.group.leader))
-            for message in self._share(messages) if shared else messages:
-                self._handle(message)
+            if shared:
+                # A busy group receives this turn's inputs at the next turn, so that the
+                # step between overlaps (RankGroup.announce); an idle one has no step,
+                # and waits for them now.
+                local = [m for m in messages if isinstance(m, LOCAL_MESSAGES)]
+                inputs = [m for m in messages if not isinstance(m, LOCAL_MESSAGES)]
+                announcement = self.group.announce([to_remote(m) for m in inputs] or None)
+                if idle:
+                    messages = local + self._inputs(announcement, inputs)
+                else:
+                    messages, announced = local, (announcement, inputs)
+            self._handle_all(messages)
             try:
                 self.kv.settle()  # what cancelled requests released, before the step
                 admit(self.waiting, self.running.values(), self.limits,
@@ -261,16 +280,11 @@ class Scheduler:
                 return messages
             block = False
 
-    def _share(self, messages: list[Message]) -> list[Message]:
-        """One turn's messages on every rank of the group: each rank's own tree callbacks
-        first, then rank 0's inputs, broadcast (an empty list when idle: the heartbeat)."""
-        local = [m for m in messages if isinstance(m, LOCAL_MESSAGES)]
-        if self.group.leader:
-            inputs = [m for m in messages if not isinstance(m, LOCAL_MESSAGES)]
-            self.group.share([to_remote(m) for m in inputs] or None)
-        else:
-            inputs = [self._from_leader(m) for m in self.group.share(None) or []]
-        return local + inputs
+    def _inputs(self, announcement: Announcement, inputs: list[Message]) -> list[Message]:
+        """Rank 0's inputs of one turn on every rank: rank 0 keeps its own (`inputs`,
+        futures and callbacks included); the others get what it shared."""
+        shared = self.group.receive(announcement) or []
+        return inputs if self.group.leader else [self._from_leader(m) for m in shared]
 
     def _from_leader(self, message: object) -> Message:
         if isinstance(message, SubmitRemote):
@@ -278,6 +292,10 @@ class Scheduler:
                 message.request_id, message.prompt, message.params, lambda event: None,
                 message_ends=message.message_ends))
         return message
+
+    def _handle_all(self, messages: list[Message]) -> None:
+        for message in messages:
+            self._handle(message)
 
     def _handle(self, message: Message) -> None:
         match message:
@@ -372,6 +390,8 @@ class Scheduler:
                           else generation.params.logprobs or 0), grammar=grammar,
             asked=mx.array(readout.token_ids) if readout and readout.token_ids else None,
             wants_hidden=readout is not None and readout.hidden,
+            images=ImageFeed(self.loaded.vision, generation.images, self.counters)
+            if generation.images else None,
             drafts=self._drafts(generation))
         generation.sequence = sequence
         self.generator.add(sequence)

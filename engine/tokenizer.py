@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from jinja2 import TemplateError
 
+from engine.image_tokens import ImageTokens
 from radix.prefix import common_prefix_length
 
 # Parses the text between a tool call's markers: (text, tools) -> one call or a list of
@@ -49,9 +50,11 @@ class ThinkingMarkers:
 
 
 class ModelTokenizer:
-    def __init__(self, wrapper: Any) -> None:
-        """`wrapper`: mlx-lm's TokenizerWrapper for the model."""
+    def __init__(self, wrapper: Any, images: ImageTokens | None = None) -> None:
+        """`wrapper`: mlx-lm's TokenizerWrapper for the model; `images`: how its prompts
+        hold images (a vision model's)."""
         self._wrapper = wrapper
+        self.images = images
         self.vocab_size: int = len(wrapper)
         """Token ids the tokenizer knows; an id at or past it is not one of the model's."""
         self.eos_token_ids: frozenset[int] = frozenset(wrapper.eos_token_ids)
@@ -101,9 +104,20 @@ class ModelTokenizer:
 
         Raises jinja2's TemplateError or ValueError when the template rejects the
         messages (say, roles that do not alternate)."""
-        return list(self._wrapper.apply_chat_template(
-            messages, **(variables or {}), tools=tools, add_generation_prompt=end == "reply",
-            continue_final_message=end == "continue", tokenize=True))
+        return self._render(messages, tools, variables, add_generation_prompt=end == "reply",
+                            continue_final_message=end == "continue")
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                variables: dict[str, Any] | None, **options: bool) -> list[int]:
+        """The template's rendering as token ids. A vision model's is rendered as text
+        first, its image placeholders expanded as its processor expands them, then encoded
+        (which is what tokenize=True does with the text)."""
+        if self.images is None:
+            return list(self._wrapper.apply_chat_template(
+                messages, **(variables or {}), tools=tools, tokenize=True, **options))
+        text = self._wrapper.apply_chat_template(
+            messages, **(variables or {}), tools=tools, tokenize=False, **options)
+        return self.encode(self.images.expand(text), special_tokens=False)
 
     def shared_lengths(self, prompt: list[int], heads: Sequence[list[dict[str, Any]]],
                        tools: list[dict[str, Any]] | None = None,
@@ -115,9 +129,7 @@ class ModelTokenizer:
         lengths = set()
         for head in heads:
             try:
-                rendered = list(self._wrapper.apply_chat_template(
-                    head, **(variables or {}), tools=tools, add_generation_prompt=False,
-                    tokenize=True))
+                rendered = self._render(head, tools, variables, add_generation_prompt=False)
             except (TemplateError, ValueError):
                 continue
             if shared := common_prefix_length(rendered, prompt):

@@ -244,6 +244,15 @@ class Settings(BaseModel):
     )
     max_queue: PositiveInt = Field(256, description="waiting requests before answering 429")
     max_body_bytes: PositiveInt = Field(4 * 1024 * 1024, description="largest request body")
+    max_image_bytes: PositiveInt = Field(
+        20 * 1024 * 1024, description="largest image file a request sends (base64 decoded)")
+    max_image_pixels: PositiveInt = Field(
+        40_000_000, description="most pixels of one image, read from its header before it "
+        "is decoded (decompression bombs)")
+    max_images_per_request: PositiveInt = Field(16, description="most images in one request")
+    allow_image_urls: list[NonEmpty] = Field(
+        [], description="hosts whose http(s) image URLs are fetched; none: images come as "
+        "data: URLs or base64 only")
     cors_origins: list[NonEmpty] = Field([], description="origins allowed by CORS; none: CORS off")
     ssl_certfile: Path | None = Field(
         None, description="serve HTTPS with this PEM certificate (chain); needs ssl_keyfile"
@@ -415,7 +424,7 @@ class ConfigError(ValueError):
 
 
 LIST_FIELDS = ("served_model_names", "unnamed_model_aliases", "cors_origins",
-               "volatile_system_lines")
+               "volatile_system_lines", "allow_image_urls")
 FLAGS = {
     "served_model_names": "--served-model-name",
     "unnamed_model_aliases": "--unnamed-model-alias",

@@ -30,6 +30,7 @@ from server import generic_tools
 from server.config import SamplingDefaults, Settings
 from server.events import ChoiceFinished, Event, ReasoningDelta, TextDelta, Usage
 from server.http.errors import APIError
+from server.images import ImageLimits, load_images
 from server.jobs import Job
 from server.model_registry import Lease, ServedModel
 from server.prompts import chat_prompt, check_token_ids, raw_prompts
@@ -178,8 +179,21 @@ async def render(model: ServedModel, request: GenerationRequest) -> list[Prompt]
     request = replace(request, messages=messages, chat_template_kwargs=variables)
     # Rendering and tokenizing a long conversation takes milliseconds: off the event
     # loop, so streams in flight keep flowing meanwhile.
+    images = []
+    if request.images:
+        if tokenizer.images is None:
+            raise APIError(400, f"the model {model.spec.id} does not read images",
+                           code="invalid_image", param="messages")
+        images = await load_images(request.images, image_limits(model.settings),
+                                   tokenizer.images.settings)
     return [await asyncio.to_thread(chat_prompt, tokenizer, request,
-                                    model.engine.wants_message_ends)]
+                                    model.engine.wants_message_ends, images)]
+
+
+def image_limits(settings: Settings) -> ImageLimits:
+    return ImageLimits(settings.max_image_bytes, settings.max_image_pixels,
+                       settings.max_images_per_request,
+                       frozenset(host.lower() for host in settings.allow_image_urls))
 
 
 async def start(http: Request, state: ServerState, lease: Lease, request: GenerationRequest

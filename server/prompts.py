@@ -4,7 +4,7 @@ prompts by encoding (or taking token ids as given, after a range check)."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
@@ -14,6 +14,7 @@ from engine.tokenizer import ChatEnd, ModelTokenizer
 from server import generic_tools as generic
 from server.conversation import SYSTEM_ROLES, normalize, renders_late_system
 from server.http.errors import APIError
+from server.images import MARKER
 from server.request import GenerationRequest, TemplateMessage
 
 # apply_chat_template's own options, which chat_template_kwargs must not set: they are no
@@ -42,13 +43,14 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> No
 
 
 def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
-                message_ends: bool = False) -> Prompt:
+                message_ends: bool = False, images: Sequence[tuple[str, bytes]] = ()) -> Prompt:
     """The prompt through the model's chat template; for a template without a tool format,
     tools and tool turns are rewritten first (`server.generic_tools`), then runs of one
     role merged and late system messages fitted to the template (`server.conversation`).
     With `message_ends`
     (the engine snapshots there, `Engine.wants_message_ends`), where the system messages
-    and the last few messages end: each costs another render (`_heads`)."""
+    and the last few messages end: each costs another render (`_heads`). `images`: the
+    request's, loaded (`server.images`), each keyed in the prompt on its digest."""
     if not tokenizer.has_chat_template:
         raise APIError(
             400, "this model has no chat template; use /v1/completions", code="invalid_request",
@@ -72,6 +74,9 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
     if generic.template_ignores_tools(tokenizer):
         messages, tools = generic.rewrite(request.messages, tools), ()
     messages = normalize(messages, renders_late_system(tokenizer))
+    if tokenizer.images is not None:
+        messages = [_with_placeholders(message, tokenizer.images.placeholder)
+                    for message in messages]
     template_tools = [tool.template_form() for tool in tools] or None
     try:
         prompt = tokenizer.chat_prompt(messages, template_tools, variables, request.chat_end)
@@ -81,10 +86,25 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
             400, f"the chat template rejected the messages: {error}", code="invalid_request",
             param="messages",
         ) from error
-    if not message_ends:
-        return Prompt(prompt)
-    return Prompt(prompt, tokenizer.shared_lengths(prompt, _heads(messages), template_tools,
-                                                   variables))
+    ends = ()
+    if message_ends:
+        ends = tokenizer.shared_lengths(prompt, _heads(messages), template_tools, variables)
+    if tokenizer.images is None:
+        return Prompt(prompt, ends)
+    try:
+        keyed, placed = tokenizer.images.key(prompt, images)
+    except ValueError as error:
+        raise APIError(400, f"the chat's image placeholders do not match its images: {error}",
+                       code="invalid_image", param="messages") from error
+    return Prompt(keyed, ends, placed)
+
+
+def _with_placeholders(message: TemplateMessage, placeholder: str) -> TemplateMessage:
+    """The message with each image's marker as the model's image placeholder."""
+    content = message.get("content")
+    if not isinstance(content, str) or MARKER not in content:
+        return message
+    return {**message, "content": content.replace(MARKER, placeholder)}
 
 
 def assistant_prefill(messages: list[TemplateMessage]) -> tuple[list[TemplateMessage], ChatEnd]:

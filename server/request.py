@@ -114,6 +114,9 @@ class GenerationRequest:
     """
 
     messages: tuple[TemplateMessage, ...] = ()
+    # The chat's images as URLs (data: or http(s)), in order; each one's place in its
+    # message's text is a `server.images.MARKER`.
+    images: tuple[str, ...] = ()
     prompts: tuple[str | tuple[int, ...], ...] = ()
     tools: tuple[FunctionTool, ...] = ()
     tool_choice: ToolChoice = "auto"

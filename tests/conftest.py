@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from engine.demo_model import build_demo_model
+from engine.demo_vlm import build_demo_vlm
 from engine.gguf import convert
 from engine.model_source import default_model_file
 from tests.server.support import API_KEY, ServerProcess, start_server
@@ -17,6 +18,12 @@ from tests.server.support import API_KEY, ServerProcess, start_server
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny llama demo model with seed 0: what `radix-mlx serve` uses by default."""
     return build_demo_model(tmp_path_factory.mktemp("demo-model") / "tiny-seed0")
+
+
+@pytest.fixture(scope="session")
+def demo_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Gemma 3 vision model (engine/demo_vlm.py)."""
+    return build_demo_vlm(tmp_path_factory.mktemp("demo-vlm") / "tiny-gemma3-vlm")
 
 
 @pytest.fixture(scope="session")

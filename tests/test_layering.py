@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("radix", "engine", "server")
-MLX = {"mlx", "mlx_lm"}
+MLX = {"mlx", "mlx_lm", "mlx_vlm"}
 # The server's modules that start engines, ranks or conversions: the only ones that may
 # import MLX (through the engine proper, engine/distributed.py or engine/gguf.py).
 LAUNCH_MODULES = {"server.__main__", "server.launch.cli", "server.launch.serve",
@@ -23,7 +23,7 @@ LAUNCH_MODULES = {"server.__main__", "server.launch.cli", "server.launch.serve",
 # ModuleNotFoundError, and importlib.util.find_spec reports it missing.
 WITHOUT_MLX = """
 import sys
-sys.modules.update(mlx=None, mlx_lm=None)
+sys.modules.update(mlx=None, mlx_lm=None, mlx_vlm=None)
 try:
     import mlx.core
 except ImportError:

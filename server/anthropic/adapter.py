@@ -28,6 +28,7 @@ from server.anthropic.protocol import (
     ContentBlockStop,
     ErrorInfo,
     ErrorResponse,
+    ImageBlock,
     InputJsonDelta,
     MessageDelta,
     MessageDeltaBody,
@@ -74,6 +75,7 @@ from server.http.json_body import JSONRoute
 from server.http.loading import respond_with_model
 from server.http.openapi import error_responses, event_stream
 from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
+from server.images import MARKER
 from server.model_registry import Lease
 from server.pipeline import GenerationRun, render, start
 from server.prompts import assistant_prefill
@@ -109,6 +111,7 @@ def generation_request(body: TokenCountRequest) -> GenerationRequest:
         template_kwargs["enable_thinking"] = body.thinking.type != "disabled"
     request = GenerationRequest(
         messages=tuple(messages),
+        images=tuple(url for message in body.messages for url in message.images),
         tools=tuple(
             FunctionTool(tool.name, tool.description, tool.input_schema, tool.strict)
             for tool in body.tools or ()
@@ -147,7 +150,8 @@ def chat_messages(message: AnthropicMessage) -> list[TemplateMessage]:
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     blocks = message.content
-    text = "\n".join(block.text for block in blocks if isinstance(block, TextBlock))
+    text = "\n".join(block.text if isinstance(block, TextBlock) else MARKER
+                     for block in blocks if isinstance(block, TextBlock | ImageBlock))
     if message.role == "system":
         return [{"role": "system", "content": text}]
     if message.role == "user":
@@ -155,7 +159,7 @@ def chat_messages(message: AnthropicMessage) -> list[TemplateMessage]:
             {"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block)}
             for block in blocks if isinstance(block, ToolResultBlock)
         ]
-        has_text = any(isinstance(block, TextBlock) for block in blocks)
+        has_text = any(isinstance(block, TextBlock | ImageBlock) for block in blocks)
         return results + ([{"role": "user", "content": text}] if has_text or not results else [])
     out: TemplateMessage = {"role": "assistant", "content": text}
     reasoning = "".join(block.thinking for block in blocks if isinstance(block, ThinkingBlock))

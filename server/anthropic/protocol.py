@@ -2,9 +2,10 @@
 
 Requests validate declaratively, like the OpenAI models: strict types, unknown fields
 ignored (clients such as Claude Code send many we have no use for: `metadata`,
-`context_management`, `service_tier`, ...). What the model cannot read (image and document
-blocks, Anthropic's server-side tools) is refused with a 400 that names it. Responses and
-stream events mirror what the official `anthropic` SDK parses.
+`context_management`, `service_tier`, ...). Image blocks (base64 or URL sources) are read
+by vision models (server/images.py); what no model here reads (document blocks,
+Anthropic's server-side tools) is refused with a 400 that names it. Responses and stream
+events mirror what the official `anthropic` SDK parses.
 """
 
 from __future__ import annotations
@@ -35,6 +36,26 @@ class TextBlock(Block):
     text: str
 
 
+class Base64Source(RequestModel):
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+    @property
+    def url(self) -> str:
+        return f"data:{self.media_type};base64,{self.data}"
+
+
+class URLSource(RequestModel):
+    type: Literal["url"]
+    url: str  # fetched only from the hosts the server allows (server/images.py)
+
+
+class ImageBlock(Block):
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+
+
 class ToolUseBlock(Block):
     type: Literal["tool_use"]
     id: str = Field(min_length=1)
@@ -60,10 +81,8 @@ class UnsupportedBlock(RequestModel):
 
     @model_validator(mode="after")
     def _refuse(self) -> UnsupportedBlock:
-        if self.type in ("image", "document"):
-            raise ValueError(
-                f"{self.type} blocks are not supported: the served model reads text only"
-            )
+        if self.type == "document":
+            raise ValueError("document blocks are not supported: send their text")
         raise ValueError(f"content blocks of type {self.type!r} are not supported")
 
 
@@ -102,7 +121,7 @@ class ToolResultBlock(Block):
     is_error: bool = False
 
 
-ContentBlock = _blocks(TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
+ContentBlock = _blocks(TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
                        RedactedThinkingBlock)
 Content = shaped_union(
     _str_or_list, "a string or a list of content blocks", str=str, list=ContentBlock
@@ -122,7 +141,17 @@ class AnthropicMessage(RequestModel):
         if self.role == "system" and not isinstance(self.content, str) and any(
                 not isinstance(block, TextBlock) for block in self.content):
             raise ValueError("a system message holds text blocks only")
+        if self.role == "assistant" and not isinstance(self.content, str) and any(
+                isinstance(block, ImageBlock) for block in self.content):
+            raise ValueError("image blocks belong in user messages")
         return self
+
+    @property
+    def images(self) -> list[str]:
+        """Its image blocks' sources as URLs (base64 as data: URLs), in order."""
+        if isinstance(self.content, str):
+            return []
+        return [block.source.url for block in self.content if isinstance(block, ImageBlock)]
 
 
 System = shaped_union(

@@ -6,6 +6,8 @@ import sys
 from typing import get_args
 
 from engine.demo_model import FAMILIES, SIZES, build_demo_model
+
+VISION_FAMILY = "gemma3-vision"
 from engine.platform_info import describe_platform, openblas_preload_env
 from server.config import Settings, add_serve_arguments
 from server.launch.replicas import add_replicas_arguments, replicas_command
@@ -56,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("directory", help="where to write the model (replaced if it exists)")
     demo.add_argument("--size", choices=sorted(SIZES), default="tiny")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--family", choices=FAMILIES, default="llama")
+    demo.add_argument("--family", choices=[*FAMILIES, VISION_FAMILY], default="llama",
+                      help=f"{VISION_FAMILY}: Gemma 3 with a vision tower, from mlx-vlm's "
+                      "classes (the vision extra)")
     demo.set_defaults(handler=make_demo_model_command)
 
     convert = commands.add_parser(
@@ -82,7 +86,13 @@ def serve_command(args: argparse.Namespace) -> int:
 
 
 def make_demo_model_command(args: argparse.Namespace) -> int:
-    path = build_demo_model(args.directory, size=args.size, seed=args.seed, family=args.family)
+    if args.family == VISION_FAMILY:
+        from engine.demo_vlm import build_demo_vlm  # imports mlx-vlm, so only when asked
+
+        path = build_demo_vlm(args.directory, size=args.size, seed=args.seed)
+    else:
+        path = build_demo_model(args.directory, size=args.size, seed=args.seed,
+                                family=args.family)
     print(path)
     return 0
 

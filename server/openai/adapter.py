@@ -7,17 +7,20 @@ internal request (`server.request`), which the shared pipeline runs.
 from __future__ import annotations
 
 from engine.api import SamplingKnobs
+from server.images import MARKER
 from server.openai.protocol import (
     AssistantMessage,
     ChatCompletionRequest,
     ChatRequestMessage,
     CompletionRequest,
     Content,
+    ImagePart,
     JsonObjectFormat,
     JsonSchemaFormat,
     NamedToolChoice,
     SamplingRequest,
     StructuredOutputRequest,
+    TextPart,
 )
 from server.request import (
     TEXT,
@@ -37,6 +40,7 @@ from server.request import (
 def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
     return GenerationRequest(
         messages=tuple(template_message(message) for message in body.messages),
+        images=tuple(url for message in body.messages for url in content_images(message.content)),
         tools=tuple(
             FunctionTool(
                 tool.function.name, tool.function.description, tool.function.parameters,
@@ -106,10 +110,18 @@ def sampling_knobs(body: SamplingRequest) -> SamplingKnobs:
 
 
 def content_text(content: Content | None) -> str | None:
-    """Text parts joined the way vLLM joins them, since most templates want a string."""
+    """Text parts joined the way vLLM joins them, since most templates want a string; an
+    image part is its marker there."""
     if content is None or isinstance(content, str):
         return content
-    return "\n".join(part.text for part in content)
+    return "\n".join(part.text if isinstance(part, TextPart) else MARKER for part in content)
+
+
+def content_images(content: Content | None) -> list[str]:
+    """The URLs of the content's image parts, in order."""
+    if content is None or isinstance(content, str):
+        return []
+    return [part.image_url.url for part in content if isinstance(part, ImagePart)]
 
 
 def template_message(message: ChatRequestMessage) -> TemplateMessage:

@@ -88,8 +88,21 @@ class TextPart(RequestModel):
     text: str
 
 
+class ImageURL(RequestModel):
+    url: str  # a data: URL, or http(s) from the hosts the server allows (server/images.py)
+    detail: Literal["auto", "low", "high"] | None = None  # the processor decides
+
+
+class ImagePart(RequestModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
 Content = shaped_union(
-    _str_or_list, "a string or a list of text parts", str=str, list=list[TextPart]
+    _str_or_list, "a string or a list of text and image parts", str=str,
+    list=list[ContentPart]
 )
 
 

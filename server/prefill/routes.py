@@ -30,7 +30,7 @@ from server.http.json_body import JSONRoute
 from server.http.openapi import error_responses
 from server.http.streaming import CLIENT_CLOSED
 from server.model_registry import ServedModel
-from server.openai.adapter import template_message
+from server.openai.adapter import content_images, template_message
 from server.openai.protocol import ErrorResponse
 from server.prefill.jobs import read_prompts
 from server.prefill.protocol import (
@@ -186,6 +186,9 @@ def _prompts(tokenizer: ModelTokenizer, inputs: list[str] | list[list[int]],
 
 
 def _chat_prompts(tokenizer: ModelTokenizer, chats: list[list]) -> list[Prompt]:
+    if any(content_images(message.content) for chat in chats for message in chat):
+        raise APIError(400, "these endpoints read text: send the chats without image parts",
+                       code="invalid_image", param="messages")
     return [chat_prompt(tokenizer, GenerationRequest(
         messages=tuple(template_message(message) for message in chat))) for chat in chats]
 

@@ -79,6 +79,7 @@ from server.responses.protocol import (
     StreamEvent,
     TextDeltaEvent,
     TextDoneEvent,
+    content_images,
     joined_text,
 )
 from server.responses.protocol import Response as ResponseObject
@@ -86,6 +87,11 @@ from server.responses.store import StoredResponse
 from server.state import ServerState, server_state
 
 # -- request ------------------------------------------------------------------------------
+
+
+# A chat message's images, in conversations this adapter builds and stores (never shown to
+# the template).
+IMAGES = "images"
 
 
 def input_messages(body: ResponsesRequest, history: list[TemplateMessage]) -> list[TemplateMessage]:
@@ -105,6 +111,9 @@ def input_messages(body: ResponsesRequest, history: list[TemplateMessage]) -> li
         if isinstance(item, MessageItem) and item.role != "assistant":
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": joined_text(item.content)})
+            if images := content_images(item.content):
+                # Kept with the message, so a stored conversation keeps its images.
+                messages[-1][IMAGES] = images
         elif isinstance(item, MessageItem):
             assistant_turn()["content"] += joined_text(item.content)
         elif isinstance(item, ReasoningItem):
@@ -147,7 +156,9 @@ def generation_request(
     own: OpenAI does not carry them over from a previous response."""
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     return GenerationRequest(
-        messages=tuple(system + conversation),
+        messages=tuple({key: value for key, value in message.items() if key != IMAGES}
+                       for message in system + conversation),
+        images=tuple(url for message in conversation for url in message.get(IMAGES, ())),
         tools=tuple(
             FunctionTool(tool.name, tool.description, tool.parameters, tool.strict)
             for tool in body.function_tools

@@ -1,10 +1,11 @@
 """Pydantic models of OpenAI's Responses API (`/v1/responses`).
 
 Requests validate declaratively like the chat models: strict types, unknown fields
-ignored (Codex sends `include`, `reasoning`, `prompt_cache_key`, ...). Items the served
-model cannot read (images, files) and hosted tools (web search, file search, ...) are
-refused with a 400 that names them. Responses, output items and stream events mirror
-what the official `openai` SDK parses.
+ignored (Codex sends `include`, `reasoning`, `prompt_cache_key`, ...). `input_image` parts
+with an `image_url` are read by vision models (server/images.py); what no model here reads
+(files, audio) and hosted tools (web search, file search, ...) are refused with a 400 that
+names them. Responses, output items and stream events mirror what the official `openai`
+SDK parses.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from engine.api import SpeculationMode
+from server.images import MARKER
 from server.schema import RequestModel, ResponseModel, now, shaped_union
 
 # -- input items ---------------------------------------------------------------------------
@@ -24,14 +26,29 @@ class InputText(RequestModel):
     text: str
 
 
+class InputImage(RequestModel):
+    type: Literal["input_image"]
+    # A data: URL, or http(s) from the hosts the server allows (server/images.py).
+    image_url: str | None = None
+    file_id: str | None = None  # no Files API here: refused
+    detail: Literal["auto", "low", "high"] | None = None
+
+    @model_validator(mode="after")
+    def _has_url(self) -> InputImage:
+        if self.image_url is None:
+            raise ValueError("input_image needs an image_url (a data: URL); this server "
+                             "has no Files API for file_id")
+        return self
+
+
 class UnsupportedPart(RequestModel):
     type: str
 
     @model_validator(mode="after")
     def _refuse(self) -> UnsupportedPart:
-        if self.type in ("input_image", "input_file", "input_audio"):
+        if self.type in ("input_file", "input_audio"):
             raise ValueError(
-                f"{self.type} parts are not supported: the served model reads text only"
+                f"{self.type} parts are not supported: send their text"
             )
         raise ValueError(f"content parts of type {self.type!r} are not supported")
 
@@ -39,12 +56,15 @@ class UnsupportedPart(RequestModel):
 def _text_part_kind(value: Any) -> str | None:
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         return None
+    if value["type"] == "input_image":
+        return "image"
     return "text" if value["type"] in InputText.model_fields["type"].annotation.__args__ \
         else "unsupported"
 
 
 TextPart = Annotated[
-    Annotated[InputText, Tag("text")] | Annotated[UnsupportedPart, Tag("unsupported")],
+    Annotated[InputText, Tag("text")] | Annotated[InputImage, Tag("image")]
+    | Annotated[UnsupportedPart, Tag("unsupported")],
     Discriminator(_text_part_kind, custom_error_type="invalid_type",
                   custom_error_message="must be a content part object with a type"),
 ]
@@ -60,7 +80,17 @@ Content = shaped_union(
 
 
 def joined_text(content: Content) -> str:
-    return content if isinstance(content, str) else "".join(part.text for part in content)
+    """The content's text; an image part is its marker there."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text if isinstance(part, InputText) else MARKER for part in content)
+
+
+def content_images(content: Content) -> list[str]:
+    """The URLs of the content's image parts, in order."""
+    if isinstance(content, str):
+        return []
+    return [part.image_url for part in content if isinstance(part, InputImage)]
 
 
 class MessageItem(RequestModel):

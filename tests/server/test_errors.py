@@ -17,6 +17,7 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 HELLO = [{"role": "user", "content": "Hello"}]
 BIG = 4 * 1024 * 1024 + 1  # one byte over the default max_body_bytes
+ONE_PIXEL_PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGNgYGAAAAAEAAH2FzhVAAAAAElFTkSuQmCC"
 
 
 def chat(**fields: Any) -> dict:
@@ -67,6 +68,13 @@ CASES = [
     ("image content", "POST", CHAT,
      chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      400, "invalid_request", "messages"),
+    ("image to a text model", "POST", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{ONE_PIXEL_PNG}"}}]}]),
+     400, "invalid_image", "messages"),
+    ("image in classify chats", "POST", "/v1/classify", {"json": {"messages": [[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": f"data:image/png;base64,{ONE_PIXEL_PNG}"}}]}]]}},
+     400, "invalid_image", "messages"),
     ("unknown response_format", "POST", CHAT, chat(response_format={"type": "yaml"}), 400,
      "invalid_request", "response_format"),
     ("json_schema without a name", "POST", CHAT,

@@ -157,7 +157,7 @@ def test_claude_code_shaped_agent_loop_is_served_from_cache(
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                      "data": "iVBORw0KGgo="}}]}]},
-     400, "invalid_request_error", "image blocks are not supported"),
+     400, "invalid_request_error", "does not read images"),  # a text model
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
       "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      400, "invalid_request_error", "server tools"),

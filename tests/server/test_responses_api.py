@@ -176,7 +176,9 @@ def test_codex_shaped_agent_loop_is_served_from_cache(
 
 @pytest.mark.parametrize(("body", "words"), [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input_image parts are not supported"),
+     "does not read images"),  # a text model
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+     "no Files API"),
     ({"input": "x", "background": True}, "background responses are not supported"),
     ({"input": "x", "tool_choice": "required"}, "tool_choice needs tools"),
     ({"input": []}, "input is empty"),

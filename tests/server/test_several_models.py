@@ -89,8 +89,8 @@ def demos(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> lis
 def pair(real_model_dir: Path, gemma_file: Path, demos: list[Path],
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """SmolLM2, pinned, and Gemma, loaded on its first request; beside them a demo model
-    (`tiny`), one that unloads after a second idle (`idle`) and one that cannot load, all
-    with their disk tiers."""
+    that samples greedily unless asked otherwise (`tiny`), one that unloads after a second
+    idle (`idle`, the same weights) and one that cannot load, all with their disk tiers."""
     directory = tmp_path_factory.mktemp("pair")
     broken = directory / "broken"
     broken.mkdir()
@@ -99,7 +99,7 @@ def pair(real_model_dir: Path, gemma_file: Path, demos: list[Path],
         {"id": "smol", "source": str(real_model_dir), "aliases": ["gpt-4o-mini"],
          "pinned": True},
         {"id": "gemma", "source": str(gemma_file), "gguf_dtype": "float32"},
-        {"id": "tiny", "source": str(demos[0])},
+        {"id": "tiny", "source": str(demos[0]), "sampling.temperature": 0.0},
         {"id": "idle", "source": str(demos[1]), "idle_timeout": 1.0},
         {"id": "broken", "source": str(broken)},
     ], "--disk-cache-bytes", str(GIB), "--disk-cache-dir", str(directory / "kv"))
@@ -110,12 +110,14 @@ def pair(real_model_dir: Path, gemma_file: Path, demos: list[Path],
 @pytest.fixture(scope="module")
 def budget(demos: list[Path], tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
-    """Three demo models with room for two, and one that never fits."""
+    """Three demo models with room for two, and one that never fits. A load, a process
+    spawned and a model read, takes seconds on a loaded 2-core machine: the timeout leaves
+    room for an unload and a load under such load."""
     tables = [{"id": f"d{i}", "source": str(path), "memory_bytes": GIB}
               for i, path in enumerate(demos)]
     tables.append({"id": "huge", "source": str(demos[0]), "memory_bytes": 3 * GIB})
     server = start_models(tmp_path_factory.mktemp("budget"), tables,
-                          "--memory-limit-bytes", str(int(2.5 * GIB)), "--load-timeout", "10")
+                          "--memory-limit-bytes", str(int(2.5 * GIB)), "--load-timeout", "30")
     yield server
     assert server.stop() == 0
 
@@ -185,6 +187,24 @@ def test_a_greedy_answer_is_the_one_model_servers(pair: ServerProcess,
                        json={**body, "model": real_server_model(real_server)}).json()
     beside = chat(pair, "smol", **body).json()
     assert beside["choices"][0]["message"] == alone["choices"][0]["message"]
+
+
+def test_a_models_own_sampling_defaults_apply_where_a_request_sets_none(
+        pair: ServerProcess) -> None:
+    """`tiny`'s table sets temperature 0: requests that name none decode greedily whatever
+    their seed; the same weights without that default sample at OpenAI's 1.0; a request's
+    own temperature still wins."""
+    def text(model: str, **knobs) -> str:
+        body = {"model": model, "messages": HI, "max_tokens": 12, "ignore_eos": True, **knobs}
+        reply = httpx.post(f"{pair.url}/v1/chat/completions", json=body, headers=AUTH,
+                           timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["message"]["content"]
+
+    greedy = text("tiny", temperature=0)
+    assert {text("tiny", seed=seed) for seed in (1, 2, 3)} == {greedy}
+    assert len({text("idle", seed=seed) for seed in (1, 2, 3)}) > 1
+    assert len({text("tiny", temperature=1.0, seed=seed) for seed in (1, 2, 3)}) > 1
 
 
 def real_server_model(server: ServerProcess) -> str:

@@ -1,0 +1,119 @@
+"""What a vision model's prompt says of images, without MLX: the placeholder its chat
+template writes, the token run its processor expands it into, and the radix keys of those
+runs.
+
+An image's tokens are all one placeholder id in the model's input, so a radix tree keyed on
+input ids would match any image against any other. As SGLang does, the run is keyed on the
+image instead: every position holds `key_id(digest)`, an id past every vocabulary derived
+from a digest of the decoded pixels and the processor's settings. The same image (the same
+pixels, however encoded) matches; another never does. The engine puts the real ids and the
+image's features back at the model's boundary (engine/vision.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.api import PromptImage
+
+# Key ids start here: past any vocabulary, inside int32 (the tree's tokens are Python ints
+# and the disk tier's are int64, but MLX arrays of token ids are int32).
+KEY_BASE = 1 << 30
+
+# The families whose image tokens this server places and whose language model runs on our
+# cache path as it does in mlx-vlm: (start-of-image, image, end-of-image) config keys.
+# Qwen2-VL and Qwen2.5-VL position image tokens with 3-D M-RoPE, which mlx-lm's language
+# model (1-D RoPE from the cache offset) cannot express, so images there are refused.
+FAMILIES = {"gemma3": ("boi_token_index", "image_token_index", "eoi_token_index")}
+
+# Files whose settings change the pixels a processor gives the vision tower.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """How this model's prompts hold images."""
+
+    placeholder: str  # what the chat template writes for an image
+    expansion: str  # what the processor replaces it with: the image's tokens and their frame
+    image_token_id: int  # the id of each of the image's tokens in the model's input
+    settings: str  # a digest of the processor's settings, part of every image's digest
+
+    def expand(self, text: str) -> str:
+        return text.replace(self.placeholder, self.expansion)
+
+    def spans(self, tokens: Sequence[int]) -> list[tuple[int, int]]:
+        """(start, length) of each run of image tokens in `tokens`, in order."""
+        if self.image_token_id not in tokens:  # a text prompt: one pass at C speed
+            return []
+        spans: list[tuple[int, int]] = []
+        start = None
+        for position, token in enumerate([*tokens, -1]):
+            if token == self.image_token_id and start is None:
+                start = position
+            elif token != self.image_token_id and start is not None:
+                spans.append((start, position - start))
+                start = None
+        return spans
+
+
+    def model_ids(self, tokens: Sequence[int]) -> list[int]:
+        return model_ids(tokens, self.image_token_id)
+
+    def key(self, tokens: Sequence[int], images: Sequence[tuple[str, bytes]]
+            ) -> tuple[list[int], tuple[PromptImage, ...]]:
+        """`tokens` with each image's span keyed on its digest, and the prompt's images;
+        `images`: (digest, file) of each, in the order the prompt shows them. Raises
+        ValueError when the prompt holds another number of images."""
+        spans = self.spans(tokens)
+        if len(spans) != len(images):
+            raise ValueError(f"the prompt holds {len(spans)} images, the request "
+                             f"{len(images)}")
+        keyed = list(tokens)
+        for (start, length), (digest, _) in zip(spans, images):
+            keyed[start:start + length] = [key_id(digest)] * length
+        return keyed, tuple(PromptImage(start, length, digest, data)
+                            for (start, length), (digest, data) in zip(spans, images))
+
+
+def key_id(digest: str) -> int:
+    """The radix key of every token of the image with `digest` (hex)."""
+    return KEY_BASE + int(digest[:16], 16) % KEY_BASE
+
+
+def model_ids(tokens: Sequence[int], image_token_id: int) -> list[int]:
+    """`tokens` as the model reads them: each image key back to the image token."""
+    return [image_token_id if token >= KEY_BASE else token for token in tokens]
+
+
+def text_ids(tokens: Sequence[int]) -> list[int]:
+    """`tokens` without image keys: what decodes to the prompt's text."""
+    return [token for token in tokens if token < KEY_BASE]
+
+
+def read_image_tokens(path: Path, decode: Callable[[list[int]], str]) -> ImageTokens | None:
+    """The image tokens of the model folder at `path` (its tokenizer's `decode`), if it is
+    a vision model of a family in `FAMILIES` (None: text only)."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    keys = FAMILIES.get(config.get("model_type"))
+    if keys is None or "vision_config" not in config or any(k not in config for k in keys):
+        return None
+    begin, image, end = (decode([config[key]]) for key in keys)
+    processor = _json(path / "processor_config.json")
+    count = processor.get("image_seq_length") or config.get("mm_tokens_per_image", 256)
+    settings = hashlib.sha256()
+    for name in PROCESSOR_FILES:
+        settings.update(json.dumps(_json(path / name), sort_keys=True).encode())
+    return ImageTokens(begin, f"\n\n{begin}{image * count}{end}\n\n",
+                       config["image_token_index"], settings.hexdigest())
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}

@@ -1,0 +1,132 @@
+"""Images a request sends, fetched and checked before its prompt is built.
+
+Every API's image part comes down to a URL (`GenerationRequest.images`): a `data:` URL
+(Anthropic's base64 source becomes one), or an http(s) URL, fetched only from the hosts
+`allow_image_urls` names. No other scheme is read: a file path or file:// URL is refused,
+as is a redirect (it could lead anywhere). Each image must decode whole (a truncated PNG
+is refused, not padded), within the byte and pixel limits (the pixel count is read from
+the header, before decoding: a decompression bomb is refused unread). What comes out is
+the digest the radix cache keys the image on (engine/image_tokens.py): of the decoded RGB
+pixels, as the model's processor reads them, and of the processor's settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import io
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httpx
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from server.http.errors import APIError
+
+# Where an image part was in a message's text: the front ends put one here per image, and
+# the prompt's builder swaps it for the model's own placeholder.
+MARKER = "\ufffc"  # OBJECT REPLACEMENT CHARACTER
+
+FETCH_TIMEOUT_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_bytes: int
+    max_pixels: int
+    max_images: int
+    url_hosts: frozenset[str]  # hosts whose http(s) URLs are fetched
+
+
+async def load_images(sources: Sequence[str], limits: ImageLimits, settings: str
+                      ) -> list[tuple[str, bytes]]:
+    """(digest, file) of each image of `sources`, in order; `settings`: the digest of the
+    model's processor settings. A 400 names the first image that fails."""
+    if len(sources) > limits.max_images:
+        raise APIError(400, f"{len(sources)} images exceed this server's limit of "
+                       f"{limits.max_images} per request", code="invalid_image")
+    loaded = []
+    for index, source in enumerate(sources):
+        try:
+            data = await _read(source, limits)
+            digest = await asyncio.to_thread(image_digest, data, limits.max_pixels, settings)
+        except ValueError as error:
+            raise APIError(400, f"image {index + 1}: {error}", code="invalid_image") from error
+        loaded.append((digest, data))
+    return loaded
+
+
+def image_digest(data: bytes, max_pixels: int, settings: str) -> str:
+    """The digest of the image file `data`, decoded; ValueError if it is no image, is
+    larger than `max_pixels` or does not decode whole."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ValueError(f"{width}x{height} pixels exceed this server's limit of "
+                                 f"{max_pixels}")
+            image.load()
+            pixels = ImageOps.exif_transpose(image).convert("RGB")
+    except UnidentifiedImageError as error:
+        raise ValueError("the data is not an image this server reads (PNG, JPEG, GIF, "
+                         "WebP, ...)") from error
+    except (OSError, SyntaxError, Image.DecompressionBombError,
+            Image.DecompressionBombWarning) as error:
+        raise ValueError(f"the image does not decode: {error}") from error
+    digest = hashlib.sha256(settings.encode())
+    digest.update(f"{pixels.width}x{pixels.height}".encode())
+    digest.update(pixels.tobytes())
+    return digest.hexdigest()
+
+
+async def _read(source: str, limits: ImageLimits) -> bytes:
+    scheme = urlsplit(source).scheme.lower()
+    if scheme == "data":
+        return _data_url(source, limits.max_bytes)
+    if scheme in ("http", "https"):
+        return await _fetch(source, limits)
+    raise ValueError("images come as data: URLs or base64 (http(s) URLs only from the "
+                     "hosts the server allows); files are never read")
+
+
+def _data_url(url: str, max_bytes: int) -> bytes:
+    header, comma, payload = url.partition(",")
+    if not comma or not header.lower().endswith(";base64"):
+        raise ValueError("a data: URL needs a ;base64 payload")
+    if len(payload) * 3 // 4 > max_bytes + 2:
+        raise ValueError(f"the image is larger than this server's limit of {max_bytes} bytes")
+    try:  # line breaks inside the payload (MIME-style wrapping) are no error
+        data = base64.b64decode("".join(payload.split()), validate=True)
+    except binascii.Error as error:
+        raise ValueError(f"the base64 payload is invalid: {error}") from error
+    if len(data) > max_bytes:
+        raise ValueError(f"the image is larger than this server's limit of {max_bytes} bytes")
+    return data
+
+
+async def _fetch(url: str, limits: ImageLimits) -> bytes:
+    host = urlsplit(url).hostname or ""
+    if host.lower() not in limits.url_hosts:
+        raise ValueError(f"image URLs from {host!r} are not fetched by this server "
+                         "(allow_image_urls); send the image as a data: URL")
+    try:
+        async with (httpx.AsyncClient(timeout=FETCH_TIMEOUT_SECONDS,
+                                      follow_redirects=False) as client,
+                    client.stream("GET", url) as response):
+            if response.status_code != 200:
+                raise ValueError(f"fetching it answered {response.status_code}")
+            data = bytearray()
+            async for chunk in response.aiter_bytes():
+                data += chunk
+                if len(data) > limits.max_bytes:
+                    raise ValueError(f"the image is larger than this server's limit of "
+                                     f"{limits.max_bytes} bytes")
+            return bytes(data)
+    except httpx.HTTPError as error:
+        raise ValueError(f"fetching it failed: {error}") from error

@@ -1,0 +1,75 @@
+"""Images and prompts for the vision tests, and mlx-vlm's own generation to compare with."""
+
+from __future__ import annotations
+
+import base64
+import io
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from engine.api import Prompt
+from engine.tokenizer import ModelTokenizer
+from server.images import image_digest
+
+QUESTION = "What is in this picture?"
+
+
+def png(seed: int, size: tuple[int, int] = (40, 48)) -> bytes:
+    """A PNG of random pixels, one per seed."""
+    pixels = (np.random.default_rng(seed).random((*size, 3)) * 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def image_prompt(tokenizer: ModelTokenizer, messages: list[dict], images: list[bytes],
+                 message_ends: bool = False) -> Prompt:
+    """The prompt the server builds for `messages` (image placeholders in their text), with
+    where each message ends when asked (a snapshot model's)."""
+    tokens = tokenizer.chat_prompt(messages)
+    ends = ()
+    if message_ends:
+        heads = [messages[:count] for count in range(1, len(messages) + 1)]
+        ends = tokenizer.shared_lengths(tokens, heads)
+    placed = [(image_digest(data, 1 << 30, tokenizer.images.settings), data) for data in images]
+    keyed, prompt_images = tokenizer.images.key(tokens, placed)
+    return Prompt(keyed, ends, prompt_images)
+
+
+def prompt_text(tokenizer: ModelTokenizer, tokens: list[int]) -> str:
+    """A prompt's text as mlx-vlm's processor takes it: image placeholders unexpanded."""
+    images = tokenizer.images
+    return tokenizer.decode(images.model_ids(tokens)).replace(images.expansion,
+                                                              images.placeholder)
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def user_turn(tokenizer: ModelTokenizer, text: str = QUESTION) -> dict:
+    return {"role": "user", "content": tokenizer.images.placeholder + text}
+
+
+class VlmReference:
+    """mlx_vlm.generate on the same folder: the ground truth for image prompts."""
+
+    def __init__(self, path: Path | str) -> None:
+        from mlx_vlm import load
+
+        self.model, self.processor = load(str(path))
+
+    def greedy(self, text: str, images: list[bytes], max_tokens: int) -> list[int]:
+        from mlx_vlm import generate
+
+        with tempfile.TemporaryDirectory() as folder:
+            files = []
+            for index, data in enumerate(images):
+                files.append(str(Path(folder) / f"{index}.png"))
+                Path(files[-1]).write_bytes(data)
+            result = generate(self.model, self.processor, text, image=files or None,
+                              max_tokens=max_tokens, temperature=0.0, verbose=False)
+        return list(result.token_ids)

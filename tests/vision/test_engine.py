@@ -1,0 +1,188 @@
+"""The engine on a vision model: image prompts give mlx_vlm.generate's greedy tokens cold,
+on a cache hit and batched, and the radix tree keys each image on its pixels."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.api import SamplingParams
+from engine.demo_vlm import build_demo_vlm
+from tests.engine.support import cancel_after, complete, settled, start_engine
+from tests.vision.support import VlmReference, image_prompt, png, prompt_text, user_turn
+
+MAX_TOKENS = 12
+SLIDING_WINDOW = 24
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(demo_vlm_dir):
+    return demo_vlm_dir
+
+
+@pytest.fixture(scope="module")
+def engine(vlm_dir):
+    engine = start_engine(str(vlm_dir), cache_bytes=1 << 28)
+    yield engine
+    engine.shutdown()
+
+
+def reference_text(engine, prompt) -> str:
+    return prompt_text(engine.tokenizer, prompt.tokens)
+
+
+async def rebuilt_from_disk(engine, timeout: float = 60.0) -> None:
+    """Wait for the tree's rebuild from the disk tier, which runs beside serving."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while engine.stats().disk.restored_nodes == 0 or engine.stats().disk.rebuilding:
+        assert asyncio.get_running_loop().time() < deadline, "nothing rebuilt from disk"
+        await asyncio.sleep(0.05)
+
+
+async def test_an_image_prompt_gives_mlx_vlm_generates_tokens_cold_and_cached(
+        engine, reference):
+    engine.clear_cache().result()
+    image = png(1)
+    prompt = image_prompt(engine.tokenizer, [user_turn(engine.tokenizer)], [image])
+    expected = reference.greedy(reference_text(engine, prompt), [image], MAX_TOKENS)
+
+    encoded = engine.stats().counters.images_encoded
+    cold = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+    after_cold = engine.stats().counters.images_encoded
+    hit = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+
+    assert cold.tokens == expected
+    assert cold.finish.cached_tokens == 0
+    assert hit.tokens == expected
+    assert hit.finish.cached_tokens == len(prompt.tokens) - 1
+    # The vision tower ran for the cold prompt only.
+    assert after_cold == encoded + 1 == engine.stats().counters.images_encoded
+
+
+async def test_image_prompts_batched_give_each_its_own_tokens(engine, reference):
+    engine.clear_cache().result()
+    images = [png(seed) for seed in (2, 3, 4)]
+    prompts = [image_prompt(engine.tokenizer, [user_turn(engine.tokenizer)], [image])
+               for image in images]
+
+    results = await asyncio.gather(*(complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+                                     for prompt in prompts))
+
+    for prompt, image, result in zip(prompts, images, results):
+        assert result.tokens == reference.greedy(reference_text(engine, prompt), [image],
+                                                 MAX_TOKENS)
+    assert len({tuple(result.tokens) for result in results}) > 1  # the images decide
+
+
+async def test_a_second_turn_reuses_the_image_and_another_image_does_not(engine, reference):
+    engine.clear_cache().result()
+    tokenizer = engine.tokenizer
+    image, other = png(5), png(6)
+    first = image_prompt(tokenizer, [user_turn(tokenizer)], [image])
+    answer = await complete(engine, first, MAX_TOKENS)
+    turns = [user_turn(tokenizer), {"role": "assistant", "content": answer.text},
+             {"role": "user", "content": "And what else?"}]
+
+    second = image_prompt(tokenizer, turns, [image])
+    again = await complete(engine, second, MAX_TOKENS, ignore_eos=True)
+    swapped = image_prompt(tokenizer, turns, [other])
+    elsewhere = await complete(engine, swapped, MAX_TOKENS, ignore_eos=True)
+
+    image_start = first.images[0].start
+    assert again.finish.cached_tokens >= len(first.tokens) - 1 > image_start
+    assert elsewhere.finish.cached_tokens == image_start  # the text before it only
+    assert again.tokens == reference.greedy(reference_text(engine, second), [image],
+                                            MAX_TOKENS)
+    assert elsewhere.tokens == reference.greedy(reference_text(engine, swapped), [other],
+                                                MAX_TOKENS)
+    assert (await settled(engine)).tree.pinned_bytes == 0
+
+
+async def test_text_only_prompts_on_a_vision_model_run_as_they_do_on_its_language_model(
+        engine, reference):
+    tokens = engine.tokenizer.chat_prompt([{"role": "user", "content": "Say something."}])
+    text = engine.tokenizer.decode(tokens)
+
+    result = await complete(engine, tokens, MAX_TOKENS, ignore_eos=True)
+    hit = await complete(engine, tokens, MAX_TOKENS, ignore_eos=True)
+
+    assert result.tokens == hit.tokens == reference.greedy(text, [], MAX_TOKENS)
+    assert hit.finish.cached_tokens == len(tokens) - 1
+
+
+async def test_chunks_that_cut_an_image_give_the_same_tokens(vlm_dir, reference):
+    engine = start_engine(str(vlm_dir), cache_bytes=1 << 28, prefill_chunk_tokens=7)
+    try:
+        image = png(7)
+        prompt = image_prompt(engine.tokenizer, [user_turn(engine.tokenizer)], [image])
+        result = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+        assert result.tokens == reference.greedy(reference_text(engine, prompt), [image],
+                                                 MAX_TOKENS)
+    finally:
+        engine.shutdown()
+
+
+async def test_the_disk_tier_keeps_an_image_prompts_segments_across_a_restart(
+        vlm_dir, reference, tmp_path):
+    image = png(8)
+    options = {"cache_bytes": 1 << 28, "disk_cache_dir": str(tmp_path),
+               "disk_cache_bytes": 1 << 28}
+    first = start_engine(str(vlm_dir), **options)
+    try:
+        prompt = image_prompt(first.tokenizer, [user_turn(first.tokenizer)], [image])
+        cold = await complete(first, prompt, MAX_TOKENS, ignore_eos=True)
+    finally:
+        first.shutdown()
+    second = start_engine(str(vlm_dir), **options)
+    try:
+        await rebuilt_from_disk(second)
+        restored = await complete(second, prompt, MAX_TOKENS, ignore_eos=True)
+        other = image_prompt(second.tokenizer, [user_turn(second.tokenizer)], [png(9)])
+        elsewhere = await complete(second, other, MAX_TOKENS, ignore_eos=True)
+    finally:
+        second.shutdown()
+    assert restored.finish.cached_tokens >= prompt.images[0].start + prompt.images[0].length
+    assert restored.tokens == cold.tokens
+    assert elsewhere.finish.cached_tokens == other.images[0].start
+
+
+async def test_a_sliding_window_vision_model_reuses_the_image_from_a_message_end_snapshot(
+        tmp_path):
+    directory = build_demo_vlm(tmp_path / "sliding", sliding_window=SLIDING_WINDOW)
+    reference = VlmReference(directory)
+    engine = start_engine(str(directory), cache_bytes=1 << 28)
+    try:
+        tokenizer, image = engine.tokenizer, png(10)
+        first = image_prompt(tokenizer, [user_turn(tokenizer)], [image], message_ends=True)
+        answer = await complete(engine, first, MAX_TOKENS)
+        turns = [user_turn(tokenizer), {"role": "assistant", "content": answer.text},
+                 {"role": "user", "content": "And what else?"}]
+        second = image_prompt(tokenizer, turns, [image], message_ends=True)
+        again = await complete(engine, second, MAX_TOKENS, ignore_eos=True)
+    finally:
+        engine.shutdown()
+    assert engine.wants_message_ends
+    assert len(first.tokens) > SLIDING_WINDOW  # the rotating layers wrapped
+    assert answer.tokens == reference.greedy(reference_text(engine, first), [image],
+                                             len(answer.tokens))
+    span = first.images[0]
+    assert again.finish.cached_tokens > span.start + span.length
+    assert again.tokens == reference.greedy(reference_text(engine, second), [image],
+                                            MAX_TOKENS)
+
+
+async def test_a_cancelled_image_request_leaves_its_prompt_cached(engine, reference):
+    engine.clear_cache().result()
+    image = png(11)
+    prompt = image_prompt(engine.tokenizer, [user_turn(engine.tokenizer)], [image])
+    stream = engine.submit(prompt, SamplingParams(max_tokens=64, temperature=0.0,
+                                                  ignore_eos=True))
+    finish = await cancel_after(stream, 2)
+    again = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+
+    assert finish.reason == "cancelled"
+    assert again.finish.cached_tokens == len(prompt.tokens) - 1
+    assert again.tokens == reference.greedy(reference_text(engine, prompt), [image],
+                                            MAX_TOKENS)
+    assert (await settled(engine)).tree.pinned_bytes == 0

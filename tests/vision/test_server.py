@@ -1,0 +1,201 @@
+"""Images through every API of a real server on the demo vision model: the official SDKs
+send them, the answers are mlx_vlm.generate's, a later turn with the same image is cached
+past it, and each bad image is a 400 in the API's own error shape while the server goes on
+serving."""
+
+from __future__ import annotations
+
+import http.server
+import io
+import threading
+
+import anthropic
+import httpx
+import openai
+import pytest
+from PIL import Image
+
+from engine.loader import load_tokenizer
+from tests.server.support import start_server
+from tests.vision.support import QUESTION, data_url, png, prompt_text
+
+MAX_TOKENS = 10
+MAX_PIXELS = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def vision_server(demo_vlm_dir, tmp_path_factory):
+    process = start_server(demo_vlm_dir, tmp_path_factory.mktemp("vision") / "server.log",
+                           "--max-image-pixels", str(MAX_PIXELS),
+                           "--max-images-per-request", "2",
+                           "--allow-image-urls", "127.0.0.1")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(vision_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{vision_server.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_vlm_dir):
+    return load_tokenizer(demo_vlm_dir)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def expected_answer(tokenizer, reference, image: bytes, joiner: str = "\n") -> str:
+    """mlx_vlm.generate's greedy answer to an image then QUESTION, their parts joined as
+    the API joins them (Chat and Messages with a newline, Responses with nothing)."""
+    tokens = tokenizer.chat_prompt(
+        [{"role": "user", "content": f"{tokenizer.images.placeholder}{joiner}{QUESTION}"}])
+    answer = reference.greedy(prompt_text(tokenizer, tokens), [image], MAX_TOKENS)
+    ends = tokenizer.eos_token_ids
+    return tokenizer.decode(skip_special_tokens=True, tokens=[t for t in answer[:next(
+        (i for i, t in enumerate(answer) if t in ends), len(answer))]])
+
+
+def chat_image(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": QUESTION}]}]
+
+
+def test_the_openai_sdk_sends_an_image_and_a_second_turn_is_cached_past_it(
+        vision_server, client, model, tokenizer, reference):
+    image = png(11)
+    first = client.chat.completions.create(model=model, messages=chat_image(data_url(image)),
+                                           max_tokens=MAX_TOKENS, temperature=0)
+    assert first.choices[0].message.content == expected_answer(tokenizer, reference, image)
+
+    turns = [*chat_image(data_url(image)),
+             {"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "Tell me more."}]
+    second = client.chat.completions.create(model=model, messages=turns,
+                                            max_tokens=MAX_TOKENS, temperature=0)
+    swapped = [*chat_image(data_url(png(12))), *turns[1:]]
+    other = client.chat.completions.create(model=model, messages=swapped,
+                                           max_tokens=MAX_TOKENS, temperature=0)
+
+    image_end = first.usage.prompt_tokens - len(tokenizer.encode(
+        f"\n\n{QUESTION}<end_of_turn>\n<start_of_turn>model\n", special_tokens=False))
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    assert second.usage.prompt_tokens_details.cached_tokens > image_end
+    assert other.usage.prompt_tokens_details.cached_tokens < image_end - 16
+    assert vision_server.metrics()["radix_mlx_engine_images_encoded_total"] >= 2
+
+
+def test_the_anthropic_sdk_sends_a_base64_image(vision_server, model, tokenizer, reference):
+    image = png(13)
+    client = anthropic.Anthropic(base_url=vision_server.url, api_key="none", max_retries=0)
+    message = client.messages.create(
+        model=model, max_tokens=MAX_TOKENS, extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": data_url(image).split(",", 1)[1]}},
+            {"type": "text", "text": QUESTION}]}])
+    assert message.content[0].text == expected_answer(tokenizer, reference, image)
+
+
+def test_the_responses_api_takes_an_input_image(client, model, tokenizer, reference):
+    image = png(14)
+    response = client.responses.create(
+        model=model, max_output_tokens=MAX_TOKENS, temperature=0,
+        input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url(image)},
+            {"type": "input_text", "text": QUESTION}]}])
+    again = client.responses.create(
+        model=model, max_output_tokens=MAX_TOKENS, temperature=0,
+        previous_response_id=response.id, input="Tell me more.")
+    # The previous turns' image came back from the stored conversation, and was cached.
+    assert response.output_text == expected_answer(tokenizer, reference, image, joiner="")
+    assert again.usage.input_tokens_details.cached_tokens >= response.usage.input_tokens - 1
+
+
+def test_an_image_url_is_fetched_from_an_allowed_host(client, model, tokenizer, reference):
+    image = png(15)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(image)
+
+        def log_message(self, *args):
+            pass
+
+    host = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{host.server_port}/picture.png"
+        reply = client.chat.completions.create(model=model, messages=chat_image(url),
+                                               max_tokens=MAX_TOKENS, temperature=0)
+    finally:
+        host.shutdown()
+    assert reply.choices[0].message.content == expected_answer(tokenizer, reference, image)
+
+
+def truncated_png() -> bytes:
+    data = png(16)
+    return data[:len(data) // 2]
+
+
+def bomb_png() -> bytes:
+    out = io.BytesIO()
+    Image.new("L", (2000, 2000)).save(out, format="PNG")  # 4M pixels in a few kB
+    return out.getvalue()
+
+
+BAD_IMAGES = {
+    "invalid base64": "data:image/png;base64,not*base64!",
+    "not an image": data_url(b"just some text, no pixels", "image/png"),
+    "a truncated PNG": data_url(truncated_png()),
+    "a decompression bomb": data_url(bomb_png()),
+    "a file path": "/etc/passwd",
+    "a file URL": "file:///etc/passwd",
+    "a host not allowed": "http://localhost:1/picture.png",
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_IMAGES))
+def test_a_bad_image_is_a_400_in_each_apis_shape_and_the_server_goes_on(
+        vision_server, client, model, case):
+    url = BAD_IMAGES[case]
+    chat = httpx.post(f"{vision_server.url}/v1/chat/completions", timeout=30, json={
+        "model": model, "max_tokens": 4, "messages": chat_image(url)})
+    assert chat.status_code == 400, chat.text
+    assert chat.json()["error"]["code"] == "invalid_image"
+
+    responses = httpx.post(f"{vision_server.url}/v1/responses", timeout=30, json={
+        "model": model, "max_output_tokens": 4, "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": url}]}]})
+    assert responses.status_code == 400, responses.text
+    assert responses.json()["error"]["code"] == "invalid_image"
+
+    source = ({"type": "base64", "media_type": "image/png", "data": url.split(",", 1)[1]}
+              if url.startswith("data:") else {"type": "url", "url": url})
+    messages = httpx.post(f"{vision_server.url}/v1/messages", timeout=30, json={
+        "model": model, "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": source}, {"type": "text", "text": "Hi"}]}]})
+    assert messages.status_code == 400, messages.text
+    assert messages.json()["type"] == "error"
+    assert messages.json()["error"]["type"] == "invalid_request_error"
+
+    alive = client.chat.completions.create(model=model, max_tokens=2,
+                                           messages=[{"role": "user", "content": "Hi"}])
+    assert alive.choices[0].finish_reason in ("stop", "length")
+
+
+def test_more_images_than_the_limit_are_a_400(vision_server, model):
+    parts = [{"type": "image_url", "image_url": {"url": data_url(png(seed))}}
+             for seed in range(3)]
+    reply = httpx.post(f"{vision_server.url}/v1/chat/completions", timeout=30, json={
+        "model": model, "max_tokens": 4,
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "Hi"}]}]})
+    assert reply.status_code == 400
+    assert "3 images exceed" in reply.json()["error"]["message"]
+
