@@ -413,7 +413,8 @@ class Scheduler:
         if generation.drafts is None:
             generation.drafts = Drafts(mode, self.speculation.max_draft,
                                        self.speculation.sources, self.tree.continuation,
-                                       end=len(generation.prompt) + params.max_tokens)
+                                       end=len(generation.prompt) + params.max_tokens,
+                                       vocab_size=self.loaded.vocab_size)
         return generation.drafts
 
     def _snapshot_positions(self, generation: Generation) -> list[int]:

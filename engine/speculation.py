@@ -24,6 +24,7 @@ guesses (`Drafts.wants_draft`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 from engine.api import DraftSource, SpeculationMode
@@ -82,8 +83,11 @@ class Drafts:
     """One sequence's drafting: its sources, its mode, and what its drafts achieved."""
 
     def __init__(self, mode: SpeculationMode, max_draft: int, sources: tuple[DraftSource, ...],
-                 continuation: Continuation, end: int) -> None:
+                 continuation: Continuation, end: int, vocab_size: int) -> None:
         self.mode = mode
+        # Ids at or past it are radix keys of image positions (engine/image_tokens.py),
+        # not tokens the model can be fed: a draft stops before one.
+        self.vocab_size = vocab_size
         self.max_draft = max_draft
         self._length = min(FIRST_LENGTH, max_draft)  # the longest draft it makes now
         self._lookup = PromptLookup() if "prompt" in sources else None
@@ -117,6 +121,7 @@ class Drafts:
         found = self._lookup.draft(context, limit) if self._lookup is not None else []
         if not found and self._continuation is not None:
             found = self._continuation(context, limit)
+        found = list(itertools.takewhile(lambda token: token < self.vocab_size, found))
         if not found:
             # No guess is a guess that failed: on a GPU looking costs the step its overlap
             # with the next one's graph building (the token fed must be read first).

@@ -19,17 +19,17 @@ def test_prompt_lookup_drafts_what_followed_the_longest_earlier_ngram():
 
 
 def test_auto_pauses_drafting_while_drafts_are_rejected_and_probes_again():
-    drafts = Drafts("auto", 8, ("prompt",), lambda context, limit: [], end=1 << 20)
+    drafts = Drafts("auto", 8, ("prompt",), lambda context, limit: [], end=1 << 20, vocab_size=1000)
     for _ in range(2):
         assert drafts.wants_draft()
         drafts.record(4, 0)
     assert [drafts.wants_draft() for _ in range(5)] == [False] * 4 + [True]
     drafts.record(4, 0)  # still rejected: a longer pause
     assert [drafts.wants_draft() for _ in range(9)] == [False] * 8 + [True]
-    nothing = Drafts("auto", 8, ("tree",), lambda context, limit: [], end=1 << 20)
+    nothing = Drafts("auto", 8, ("tree",), lambda context, limit: [], end=1 << 20, vocab_size=1000)
     assert nothing.draft([1, 2, 3]) == nothing.draft([1, 2, 3, 4]) == []
     assert not nothing.wants_draft()  # finding no draft counts as a draft rejected
-    on = Drafts("on", 8, ("prompt",), lambda context, limit: [], end=1 << 20)
+    on = Drafts("on", 8, ("prompt",), lambda context, limit: [], end=1 << 20, vocab_size=1000)
     on.record(4, 0)
     on.record(4, 0)
     assert on.wants_draft()
@@ -84,7 +84,14 @@ def test_auto_verifies_only_the_drafts_that_pay_for_their_forward():
 def test_the_rate_counts_runs_kept_against_drafts_cut_short():
     """Copying keeps whole drafts and now and then breaks off at once: the chance of the
     next token being kept is high though many draft tokens were not."""
-    drafts = Drafts("auto", 8, ("prompt",), lambda context, limit: [], end=1 << 20)
+    drafts = Drafts("auto", 8, ("prompt",), lambda context, limit: [], end=1 << 20, vocab_size=1000)
     for accepted in (8, 8, 0, 8, 8, 0, 8):
         drafts.record(8, accepted)
     assert drafts.rate > 0.85 > drafts.accepted / drafts.drafted
+
+
+def test_a_draft_stops_before_an_image_key():
+    """Ids past the vocabulary are the radix keys of image positions: never fed."""
+    drafts = Drafts("on", 8, ("tree",), lambda context, limit: [5, 6, 4000, 7], end=1 << 20,
+                    vocab_size=1000)
+    assert drafts.draft([1, 2, 3]) == [5, 6]
