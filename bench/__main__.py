@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import httpx
 
-from bench import disk_tier, hardware, report, several_models, snapshot_models
+from bench import disk_tier, hardware, report, several_models, snapshot_models, speculation
 from bench.client import run_workload
 from bench.servers import (
     LLAMA_CPP,
@@ -65,7 +65,7 @@ METRICS_POLL_SECONDS = 0.5
 
 def all_workloads() -> list[str]:
     return [*WORKLOADS, *disk_tier.WORKLOADS, *several_models.WORKLOADS,
-            *snapshot_models.WORKLOADS]
+            *snapshot_models.WORKLOADS, *speculation.WORKLOADS]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -86,7 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "models in one server against one; "
                              f"{snapshot_models.WORKLOADS[0]}: shared_prefix and "
                              "multi_turn on tiny sliding-window and hybrid models, whatever "
-                             "--model says)")
+                             f"--model says; {', '.join(speculation.WORKLOADS)}: radix-mlx "
+                             "with speculative decoding off, on and auto)")
     parser.add_argument("--quick", action="store_true", help="toy sizes, for a smoke run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="results folder, with one subfolder per "
@@ -396,6 +397,10 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
         print("bench: radix-mlx with and without its disk tier", file=sys.stderr, flush=True)
         results["disk_tier"] = disk_tier.run(wanted, model.directory, shapes, env, out,
                                              args.seed)
+    if set(wanted) & set(speculation.WORKLOADS):
+        print("bench: speculative decoding off, on and auto", file=sys.stderr, flush=True)
+        results["speculation"] = speculation.run(wanted, model.directory, shapes, env, out,
+                                                 args.seed)
     if set(wanted) & set(several_models.WORKLOADS):
         print("bench: several models in one server", file=sys.stderr, flush=True)
         results["several_models"] = several_models.run(wanted, model.directory, shapes, env,

@@ -1,7 +1,12 @@
 """Single-stream decode speed of bare `mlx_lm.stream_generate`, the engine-overhead baseline.
 
     python -m bench.raw_decode MODEL_DIR --prompt-tokens 64 --max-tokens 128 --repeats 3
+    python -m bench.raw_decode MODEL_DIR --messages-file CHATS.json --max-tokens 256
     python -m bench.raw_decode MODEL_DIR --tensor-parallel 2 ...
+
+The second form decodes each chat of the file (a JSON list of message lists) once,
+through the model's chat template, greedy, ending at EOS, and reports each one's text too
+(the speculation workloads compare it with the server's).
 
 Runs in its own process (started by the benchmark after the servers have stopped) and
 prints one JSON object. Timed like the servers' streams: from the first token to the last,
@@ -33,14 +38,17 @@ from server.launch.tensor_parallel import free_ports
 RANK_ENV = "BENCH_RAW_DECODE_RANK"
 
 
-def decode_rate(model, tokenizer, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+def decode_rate(model, tokenizer, prompt: list[int], max_tokens: int
+                ) -> tuple[float, int, str]:
     first = last = None
     count = 0
-    for _ in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+    text = ""
+    for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
         last = time.perf_counter()
         first = first or last
         count += 1
-    return (count - 1) / (last - first), count
+        text += response.text
+    return (count - 1) / (last - first), count, text
 
 
 def launch_ranks(ranks: int) -> None:
@@ -64,6 +72,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--messages-file", type=Path)
     parser.add_argument("--tensor-parallel", type=int, default=1)
     args = parser.parse_args()
     if args.tensor_parallel > 1 and RANK_ENV not in os.environ:
@@ -81,12 +90,19 @@ def main() -> None:
     vocab = tokenizer.vocab_size
     prompt = [(7 * i + 11) % vocab for i in range(args.prompt_tokens)]
     decode_rate(model, tokenizer, prompt, 8)  # compile kernels before timing
-    runs = [decode_rate(model, tokenizer, prompt, args.max_tokens) for _ in range(args.repeats)]
+    if args.messages_file:
+        prompts = [tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                   for messages in json.loads(args.messages_file.read_text())]
+    else:
+        prompts = [prompt] * args.repeats
+    runs = [decode_rate(model, tokenizer, p, args.max_tokens) for p in prompts]
     if group is not None and group.rank() != 0:
         return
     print(json.dumps({
-        "decode_tok_s": statistics.median(rate for rate, _ in runs),
-        "runs": [{"decode_tok_s": rate, "tokens": count} for rate, count in runs],
+        "decode_tok_s": statistics.median(rate for rate, _, _ in runs),
+        "runs": [{"decode_tok_s": rate, "tokens": count,
+                  **({"text": text} if args.messages_file else {})}
+                 for rate, count, text in runs],
         "device": str(mx.default_device()),
         "tensor_parallel": args.tensor_parallel,
         "peak_memory_bytes": mx.get_peak_memory(),

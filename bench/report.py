@@ -387,6 +387,7 @@ def markdown(results: dict) -> str:
         lines.append(f"| {server} | {fmt(summary.get('ttft_cold'), '{:.3f}')} | "
                      f"{fmt(summary.get('ttft_warm_p50'), '{:.3f}')} |")
     lines += disk_tier_section(results.get("disk_tier", {}))
+    lines += speculation_section(results.get("speculation", {}))
     lines += several_models_section(results.get("several_models", {}))
     lines += ["", "## Single-stream decode (engine overhead)", "",
               "| path | decode tok/s |", "|---|---:|"]
@@ -543,6 +544,45 @@ def disk_tier_section(disk: dict) -> list[str]:
                 f"{row['cached_fraction']:.0%} | {fmt(rate, '{:.0f}')} |")
         lines += ["", (f"Throughput {fmt(agents['throughput_ratio'], '{:.2f}x')}, TTFT p50 "
                   f"{fmt(agents['ttft_ratio'], '{:.2f}x')} (disk tier / memory only).")]
+    return lines
+
+
+def speculation_section(speculation: dict) -> list[str]:
+    """Speculative decoding's workloads: radix-mlx with it off, on and auto."""
+    if not speculation:
+        return []
+    lines = ["", "## Speculative decoding: the same server with it off, on and auto", ""]
+    edit = speculation.get("agent_edit")
+    if edit:
+        bare = edit["mlx_lm"]["decode_tok_s"]
+        lines += [("Agent edit (repeat a file with one rename; re-emit a tool call's JSON "
+                   "with one argument changed; greedy):"), "",
+                  ("| server | single-stream decode tok/s | vs bare mlx-lm | acceptance "
+                   f"| tokens/verify | same output | {edit['streams']} streams output tok/s | vs off "
+                   "| acceptance (streams) | same output (streams) |"),
+                  "|---|---:|---:|---:|---:|---|---:|---:|---:|---|",
+                  f"| bare mlx_lm.stream_generate | {bare:.2f} | 1.00x | | | | | | | |"]
+        for mode in ("off", "on", "auto"):
+            row = edit[mode]
+            same = {True: "yes", False: "NO", None: ""}
+            lines.append(
+                f"| radix-mlx --speculation {mode} | {row['decode_tok_s']:.2f} | "
+                f"{fmt(row['vs_mlx_lm'], '{:.2f}x')} | {fmt(row['acceptance'] or None, '{:.0%}')} | "
+                f"{fmt(row['tokens_per_verify'] or None, '{:.2f}')} | "
+                f"{same[row.get('same_output')]} | {row['streams_output_tok_s']:.2f} | "
+                f"{fmt(row.get('streams_vs_off'), '{:.2f}x')} | "
+                f"{fmt(row['streams']['acceptance'] or None, '{:.0%}')} | "
+                f"{same[row.get('same_streams_output')]} |")
+    plain = speculation.get("spec_no_repeat")
+    if plain:
+        lines += ["", "Workloads with nothing to repeat (output tok/s):", "",
+                  "| workload | off | auto | auto / off | acceptance (auto) |",
+                  "|---|---:|---:|---:|---:|"]
+        for name, modes in plain.items():
+            lines.append(f"| {name} | {modes['off']['output_tok_s']:.2f} | "
+                         f"{modes['auto']['output_tok_s']:.2f} | "
+                         f"{fmt(modes['ratio'], '{:.2f}x')} | "
+                         f"{fmt(modes['auto']['acceptance'] or None, '{:.0%}')} |")
     return lines
 
 

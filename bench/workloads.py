@@ -87,6 +87,11 @@ class Shapes:
     cl_batch: int = 32
     cl_preamble_tokens: int = 32
     cl_sentence_tokens: int = 16
+    ae_file_tokens: int = 1200  # the agent edit workload (bench/speculation.py)
+    ae_output_tokens: int = 192
+    ae_repeats: int = 1  # single-stream: this many file edits and as many tool calls
+    ae_streams: int = 16
+    ae_stream_output_tokens: int = 64
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -105,7 +110,8 @@ QUICK = Shapes(
     mf_requests=12, mf_concurrency=4, mf_prompt_tokens=32, mf_output_tokens=4,
     bd_streams=4,
     bd_prompt_tokens=16, bd_output_tokens=8, cl_sentences=8, cl_batch=4, cl_preamble_tokens=16,
-    cl_sentence_tokens=8,
+    cl_sentence_tokens=8, ae_file_tokens=200, ae_output_tokens=16, ae_streams=4,
+    ae_stream_output_tokens=8,
 )
 
 

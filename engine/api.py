@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from engine.tokenizer import ModelTokenizer
 
 FinishReason = Literal["stop", "length", "cancelled"]
+# Speculative decoding (engine/speculation.py): never, whenever a draft is found, or while
+# drafts are mostly accepted.
+SpeculationMode = Literal["off", "on", "auto"]
+DraftSource = Literal["prompt", "tree"]  # prompt lookup (n-grams), the radix tree
 
 
 class Lifecycle(str, enum.Enum):
@@ -36,6 +40,16 @@ class Lifecycle(str, enum.Enum):
     WARMING_UP = "warming_up"
     READY = "ready"
     FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """A server's speculative decoding: the mode of requests that name none, the most
+    tokens one draft guesses, and where drafts come from, first found first."""
+
+    mode: SpeculationMode = "off"
+    max_draft: int = 8
+    sources: tuple[DraftSource, ...] = ("prompt", "tree")
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,7 @@ class EngineConfig:
     collective_timeout: float = 60.0
     # Jinja source rendering chats instead of the model's own template (None: its own).
     chat_template: str | None = None
+    speculation: SpeculationConfig = SpeculationConfig()
 
 
 @dataclass
@@ -103,6 +118,16 @@ class SchedulerCounters:
     step_cpu_seconds: float = stat("counter", "CPU seconds the engine's thread spent in "
                                    "engine steps.", default=0.0,
                                    name="engine_step_cpu_seconds")
+    # Speculative decoding: acceptance rate = accepted / drafted; tokens per verified
+    # row = verified_tokens / verified_rows.
+    draft_tokens: int = stat("counter", "Draft tokens verified (speculative decoding).",
+                             name="speculative_draft_tokens")
+    accepted_draft_tokens: int = stat("counter", "Draft tokens the model agreed with.",
+                                      name="speculative_accepted_tokens")
+    verified_rows: int = stat("counter", "Rows of verify steps that held a draft.",
+                              name="speculative_verified_rows")
+    verified_tokens: int = stat("counter", "Tokens those rows output (accepted drafts and "
+                                "the token each was fed).", name="speculative_verified_tokens")
 
 
 @dataclass
@@ -234,6 +259,7 @@ class SamplingKnobs:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    speculation: SpeculationMode | None = None  # None: the server's mode
 
     @property
     def greedy(self) -> bool:
@@ -321,6 +347,8 @@ class Finish:
     # Stop string or stop token id that ended the stream, if any.
     matched_stop: str | int | None = None
     cache_miss: CacheMiss | None = None  # None: all of the prompt that can be was reused
+    draft_tokens: int = 0  # speculative decoding: tokens drafted, and those accepted
+    accepted_draft_tokens: int = 0
 
 
 class EngineError(Exception):

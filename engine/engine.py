@@ -170,7 +170,7 @@ class Engine:
                 max_tokens_in_flight=min(self.config.max_tokens_in_flight,
                                          self.memory.kv_tokens),
                 cache_bytes=self.memory.cache_bytes,
-            ), self.group)
+            ), self.group, self.config.speculation)
             self.wants_message_ends = not self._scheduler.kv.segments
             self._warm_up()
             self._start_disk_tier(loaded)
@@ -338,7 +338,7 @@ class Engine:
             scheduler.run(until_idle=True)
         scheduler.tree.clear()
         scheduler.tree.departures.forget()  # no request saw what warming up cached
-        scheduler.counters = SchedulerCounters()
+        scheduler.counters = scheduler.generator.counters = SchedulerCounters()
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Cancel everything and stop the worker."""

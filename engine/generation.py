@@ -27,6 +27,7 @@ from engine.grammar import ConstraintFailed
 from engine.image_tokens import text_ids
 from engine.readout import last_position
 from engine.sampling import make_processors, make_sampler, token_logprobs
+from engine.speculation import Drafts
 from engine.text import TextStream
 from engine.tokenizer import ModelTokenizer
 from engine.tree_hold import TreeHold
@@ -75,6 +76,7 @@ class Generation:
         # scheduler.py, "Sharing a prefix being computed").
         self.publishing = False
         self.followers: list[Generation] = []
+        self.drafts: Drafts | None = None  # speculative decoding's, see Scheduler._drafts
 
     @property
     def tokens_reserved(self) -> int:
@@ -131,8 +133,10 @@ class Generation:
     def finish(self, reason: FinishReason, matched_stop: str | int | None = None) -> None:
         """Emit the last event, with any text still held back (none after a cancel)."""
         tail = "" if reason == "cancelled" else self.text.finish()
+        drafts = self.drafts
         self.emit(Finish(reason, tail, len(self.prompt), len(self.generated),
-                         self.cached_tokens or 0, matched_stop, self._described_miss()))
+                         self.cached_tokens or 0, matched_stop, self._described_miss(),
+                         drafts.drafted if drafts else 0, drafts.accepted if drafts else 0))
 
     def _described_miss(self) -> CacheMiss | None:
         miss = self.cache_miss

@@ -33,30 +33,36 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
 from mlx import nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.grammar import GrammarState, apply_masks, masks
+from engine.api import SchedulerCounters
+from engine.grammar import GrammarState, apply_masks, draft_masks, masks
 from engine.hidden_states import HiddenStates
 from engine.kv import assemble
 from engine.mlx_lm_internals import (
     BatchRow,
     Span,
     batch_rows,
+    drop_last,
     keep_rows,
     merge_caches,
     prefix_batch,
+    restore_order,
     row_cache,
     row_views,
     supports_segments,
 )
+from engine.speculation import STEP_COST, Drafts, best_width
 from engine.vision import ImageFeed
 
-Sampler = Callable[[mx.array], mx.array]
+if TYPE_CHECKING:  # engine.sampling imports this module's Scores
+    from engine.sampling import Sampler
+
 # What a sequence's KV is copied from (`Generator.caches_of`): a single-sequence cache, or
 # a row of the batch's.
 KVSource = list[Any] | BatchRow
@@ -107,6 +113,12 @@ class SequenceState:
     # reads, and whether it reads the last hidden state.
     asked: mx.array | None = None
     wants_hidden: bool = False
+    # Speculative decoding: where its drafts come from (None: it never speculates; only
+    # rows without logits processors do, whose logits need no context per position).
+    drafts: Drafts | None = None
+    # As a batch row after a verify step rolled it back (`drop_last`): the token each of
+    # its first slots holds (None: all in order).
+    order: np.ndarray | None = field(default=None, repr=False)
     # A prompt with images (its `tokens` and `unfed` hold their radix keys): the input
     # embeddings of the chunks that hold image tokens (engine/vision.py).
     images: ImageFeed | None = None
@@ -159,8 +171,10 @@ class Generator:
     """Sequences being prefilled, one chunk budget per call, and a decode batch."""
 
     def __init__(self, model: nn.Module,
-                 at_snapshot: Callable[[SequenceState], None] = lambda sequence: None) -> None:
+                 at_snapshot: Callable[[SequenceState], None] = lambda sequence: None,
+                 counters: SchedulerCounters | None = None) -> None:
         self.model = model
+        self.counters = counters or SchedulerCounters()  # where it counts speculative steps
         self.layers = len(make_prompt_cache(model))
         # Sees a prefilling sequence's cache at each of its `snapshot_at` positions.
         self.at_snapshot = at_snapshot
@@ -177,6 +191,7 @@ class Generator:
         # the 143M demo model): queuing first would delay every token by most of a step
         # and overlap only that tail.
         self.pipelined = mx.default_device() == mx.gpu
+        self.step_cost = STEP_COST["gpu" if self.pipelined else "cpu"]  # speculation's
         self._steps = 0
 
     @property
@@ -456,6 +471,19 @@ class Generator:
         return first
 
     def _decode(self) -> list[Output]:
+        eager = [row.drafts is not None and row.drafts.wants_draft() for row in self.rows]
+        if any(eager):
+            fed = self.inputs.tolist()  # a draft follows the token fed: read it now
+            drafts = [row.drafts.draft(row.tokens + [token]) if wants else []
+                      for row, token, wants in zip(self.rows, fed, eager)]
+            if any(drafts):
+                width = max(map(len, drafts))
+                if not any(row.drafts is not None and row.drafts.mode == "on"
+                           for row in self.rows):  # auto: only what pays for itself
+                    width = best_width(drafts, [row.drafts.rate if row.drafts else 0.0
+                                                for row in self.rows], self.step_cost)
+                if width:
+                    return self._verify(fed, [draft[:width] for draft in drafts])
         fed = self.inputs
         logits = self.model(fed[:, None], cache=self.cache)[:, -1, :]
         for i, row in enumerate(self.rows):
@@ -480,6 +508,107 @@ class Generator:
             row.logprobs = next_logprobs
         self.inputs = sampled
         return outputs
+
+    def _verify(self, fed: list[int], drafts: list[list[int]]) -> list[Output]:
+        """A speculative step: feed each row its token and its draft (rows without one,
+        and shorter drafts, are padded with the token; padding is never kept) in one
+        forward, keep each draft's longest prefix the row's own sampling agrees with, and
+        the token that sampling gives after it, which the row is fed next. A row keeps a
+        draft token where it is the token its sampling gives at that position: the
+        argmax, or for a sampled row the token its `Sampler.draws` for that output index
+        (rejection sampling with the randomness plain decoding uses), so its tokens are
+        those it gives without drafts.
+        A constrained row's draft is cut at the first token its grammar forbids, and each
+        position is masked as that token would be. Then every row's cache drops what it
+        did not keep (`drop_last`). Synchronous: what is kept decides the next step."""
+        rows = self.rows
+        for i, row in enumerate(rows):
+            if row.processors:
+                row.context = mx.concatenate([row.context, self.inputs[i:i + 1]])
+        first_mask, position_masks = self._draft_masks(fed, drafts)
+        width = max(len(draft) for draft in drafts)
+        inputs = mx.array([[token, *draft] + [token] * (width - len(draft))
+                           for token, draft in zip(fed, drafts)], mx.uint32)
+        logits = self.model(inputs, cache=self.cache)
+        first, first_scores = self._sample(rows, logits[:, 0, :], first_mask)
+        kept: list[int] = []
+        following = first.tolist()  # what rows without a draft are fed next
+        for i, (row, draft) in enumerate(zip(rows, drafts)):
+            accepted = 0
+            if draft:
+                accepted, following[i] = _agreed(row, draft, logits[i, :len(draft) + 1],
+                                                  position_masks[i], following[i])
+            kept.append(accepted)
+        next_inputs = mx.array(following, mx.uint32)
+        outputs = []
+        for i, (row, draft, accepted) in enumerate(zip(rows, drafts, kept)):
+            draft_scores: list[Scores | None] = [None] * accepted
+            next_scores = first_scores[i]
+            if row.wants_logprobs and draft:
+                logprobs = logits[i, :accepted + 1]
+                logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+                draft_scores = [_scores(logprobs[j], mx.array(draft[j]), row.top_logprobs)
+                                for j in range(accepted)]
+                next_scores = _scores(logprobs[accepted], next_inputs[i], row.top_logprobs)
+            if not row.reported:
+                outputs.append(Output(row.uid, fed[i], row.logprobs))
+            outputs += [Output(row.uid, token, scores)
+                        for token, scores in zip(draft[:accepted], draft_scores)]
+            row.reported = False
+            row.tokens += [fed[i], *draft[:accepted]]
+            if row.grammar is not None:
+                for token in draft[:accepted]:
+                    row.grammar.accept(token)
+            row.logprobs = next_scores
+            if draft:
+                row.drafts.record(len(draft), accepted)
+                self.counters.verified_rows += 1
+                self.counters.draft_tokens += len(draft)
+                self.counters.accepted_draft_tokens += accepted
+                self.counters.verified_tokens += 1 + accepted
+        self._roll_back([width - accepted for accepted in kept])
+        self.inputs = next_inputs
+        return outputs
+
+    def _draft_masks(self, fed: list[int], drafts: list[list[int]]
+                     ) -> tuple[np.ndarray | None, list[np.ndarray | None]]:
+        """Let each constrained row take in its token, and cut its draft (in place) at the
+        first token its grammar forbids. Returns the rows' masks of the verify's first
+        position, and each constrained drafting row's masks of all its positions."""
+        first_mask = None
+        position_masks: list[np.ndarray | None] = [None] * len(self.rows)
+        if not any(row.grammar is not None for row in self.rows):
+            return first_mask, position_masks
+        first_mask = masks([row.grammar for row in self.rows], fed)
+        for i, row in enumerate(self.rows):
+            # A grammar still waiting for its marker checks the draft too: the marker may
+            # end inside it.
+            if drafts[i] and row.grammar is not None and row.grammar.error is None:
+                first = (first_mask[i] if first_mask is not None
+                         else np.full(row.grammar.words, -1, np.int32))
+                position_masks[i] = draft_masks(row.grammar, first, drafts[i])
+                drafts[i] = drafts[i][:len(position_masks[i]) - 1]
+        return first_mask, position_masks
+
+    def _roll_back(self, drops: list[int]) -> None:
+        """Drop each row's last `drops[i]` cached positions, recording the slots
+        `drop_last` moved."""
+        moved = drop_last(self.cache, drops, [len(row.tokens) for row in self.rows])
+        for row, count in zip(self.rows, moved):
+            if count:
+                order = np.arange(len(row.tokens))
+                if row.order is not None:
+                    order[:len(row.order)] = row.order
+                row.order = np.concatenate([order[count:], order[:count]])
+
+    def _in_order(self, positions: Iterable[int]) -> None:
+        """Put the batch rows at `positions` back in token order before they are copied
+        out (`drop_last` moves their first tokens)."""
+        for position in positions:
+            row = self.rows[position]
+            if row.order is not None:
+                restore_order(self.cache, position, row.order.tolist())
+                row.order = None
 
     def _constrain(self, rows: list[SequenceState], fed: mx.array | None, logits: mx.array
                    ) -> tuple[list[int] | None, np.ndarray | None]:
@@ -556,7 +685,9 @@ class Generator:
         if not rows:
             self.cache, self.inputs = None, None
         elif len(rows) == 1:
-            self.cache = row_cache(self.cache, keep[0]) if len(self.rows) > 1 else self.cache
+            if len(self.rows) > 1:
+                self._in_order(keep)
+                self.cache = row_cache(self.cache, keep[0])
             self.inputs = self.inputs[keep[0]:keep[0] + 1]
         else:
             keep_rows(self.cache, keep)
@@ -575,6 +706,7 @@ class Generator:
         positions = {id(row): i for i, row in enumerate(self.rows)}
         inside = [i for i, s in enumerate(sequences) if id(s) in positions]
         rows = [positions[id(sequences[i])] for i in inside]
+        self._in_order(rows)
         views = None
         if rows and firsts is not None:
             views = batch_rows(self.cache, rows, [firsts[i] for i in inside])
@@ -582,6 +714,26 @@ class Generator:
             views = row_views(self.cache, rows)
         found = dict(zip(inside, views or []))
         return [found.get(i, s.cache) for i, s in enumerate(sequences)]
+
+
+def _agreed(row: SequenceState, draft: list[int], logits: mx.array,
+            position_masks: np.ndarray | None, first: int) -> tuple[int, int]:
+    """How many of `draft`'s tokens the row's sampling agrees with, given `logits` of
+    its verify positions, and the token it gives after them. `first`: the token drawn at
+    position 0 already (the step's sampling of every row)."""
+    if position_masks is not None:
+        logits = apply_masks(logits, position_masks)
+    if row.sampler is None:
+        targets = mx.argmax(logits, axis=-1).tolist()
+    else:  # position 0 was drawn at the output index before the sampler's `position`
+        allowed = logits[1:] - mx.logsumexp(logits[1:], axis=-1, keepdims=True)
+        targets = [first, *row.sampler.draws(allowed, row.sampler.position).tolist()]
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == targets[accepted]:
+        accepted += 1
+    if row.sampler is not None:
+        row.sampler.position += accepted
+    return accepted, targets[accepted]
 
 
 def _own_from(group: list[SequenceState]) -> list[int]:

@@ -75,6 +75,18 @@ class GrammarState:
             self.error = self.matcher.get_error() or f"token {token} is not allowed here"
         self._keys.feed(self._closing.token_bytes[token])
 
+    def fork(self) -> GrammarState:
+        """A copy to advance over draft tokens (speculative decoding) while this one stays
+        where the output is: the accepted part of the draft is then taken in here as any
+        token is. A copy rather than llguidance's rollback, since the key tracking has
+        none."""
+        fork = copy.copy(self)
+        fork._keys = copy.deepcopy(self._keys)
+        fork._recent = list(self._recent)
+        if self.matcher is not None:
+            fork.matcher = self.matcher.deep_copy()
+        return fork
+
     def check(self, mask: np.ndarray) -> None:
         """Take the tokens that would repeat a key out of `mask`, this row's as the
         matcher computed it, and record an error the matcher entered meanwhile, or the
@@ -165,6 +177,23 @@ def _masked(logits: mx.array, bitmask: mx.array) -> mx.array:
     bits = (bitmask[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1
     allowed = bits.reshape(bitmask.shape[0], -1)[:, :logits.shape[-1]].astype(mx.bool_)
     return mx.where(allowed, logits, mx.array(-float("inf"), logits.dtype))
+
+
+def draft_masks(state: GrammarState, mask: np.ndarray, draft: list[int]) -> np.ndarray:
+    """The masks of a constrained row's verify positions, given `mask`, its first one (the
+    state has taken in every token before the draft): one row per draft token it allows
+    before the first it forbids, then the mask after that token; the draft is kept up to
+    the rows returned, less one."""
+    rows = [mask]
+    fork = state.fork()
+    for token in draft:
+        if not rows[-1][token >> 5] >> (token & 31) & 1:
+            break
+        following = masks([fork], [token])
+        if fork.error is not None:
+            break
+        rows.append(following[0] if following is not None else np.full_like(mask, -1))
+    return np.stack(rows)
 
 
 def masks(states: Sequence[GrammarState | None], tokens: Sequence[int] | None

@@ -252,6 +252,59 @@ def keep_rows(cache: list[Any], keep: list[int]) -> None:
             layer.left_padding -= trim
 
 
+def drop_last(cache: list[Any], drops: Sequence[int], lengths: Sequence[int]) -> list[int]:
+    """Roll back a verify step (speculative decoding): drop the last `drops[i]` tokens of
+    each row of a plain KV cache, whose rows keep `lengths[i]` tokens. Returns how many of
+    each row's first slots moved (below).
+
+    A single sequence's cache is trimmed. A batch's rows share one write position, so a
+    row that drops more than the others cannot just end earlier: every row is trimmed by
+    the least any drops, and a row that drops `e` more hands its `e` rejected slots over
+    to its first `e` tokens, moved there, and takes the `e` slots they left as left
+    padding (RoPE offset down by `e`). A copy of `e` tokens per layer, where shifting the
+    row right (mlx-lm's `finalize`) copies all of it at every step whose rows disagree.
+    Attention does not depend on the order of the cached positions before the queries
+    (each holds its own rotated key), but a copy out of the row does: the generator
+    restores the order first (`restore_order`)."""
+    if not isinstance(cache[0], BatchKVCache):
+        for layer in cache:
+            layer.trim(drops[0])
+        return [0]
+    common = min(drops)
+    extra = [d - common for d in drops]
+    moved = [min(e, n) for e, n in zip(extra, lengths)]
+    paddings = cache[0].left_padding.tolist()
+    rows: list[int] = []
+    sources: list[int] = []
+    targets: list[int] = []
+    end = cache[0]._idx - common
+    for row, m in enumerate(moved):
+        rows += [row] * m
+        sources += range(paddings[row], paddings[row] + m)
+        targets += range(end - m, end)
+    shift = mx.array(extra)
+    row_of, source, target = mx.array(rows), mx.array(sources), mx.array(targets)
+    for layer in cache:
+        layer.trim(common)
+        if rows:
+            layer.keys[row_of, :, target] = layer.keys[row_of, :, source]
+            layer.values[row_of, :, target] = layer.values[row_of, :, source]
+        layer.left_padding = layer.left_padding + shift
+        layer.offset = layer.offset - shift
+    return moved
+
+
+def restore_order(cache: list[Any], row: int, order: Sequence[int]) -> None:
+    """Put a batch row's first `len(order)` tokens back in order: slot s after its left
+    padding holds token `order[s]` (`drop_last` moved them)."""
+    padding = cache[0].left_padding[row].item()
+    where = mx.argsort(mx.array(order)) + padding
+    span = slice(padding, padding + len(order))
+    for layer in cache:
+        layer.keys[row:row + 1, :, span] = layer.keys[row:row + 1, :, where]
+        layer.values[row:row + 1, :, span] = layer.values[row:row + 1, :, where]
+
+
 def presized_kv(keys: Sequence[mx.array], values: Sequence[mx.array]) -> KVCache:
     """A KVCache holding the concatenation of `keys`/`values` (each [1, heads, tokens,
     dim]) in a buffer rounded up to whole cache steps with room for one more token, so

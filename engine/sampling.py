@@ -6,6 +6,7 @@ sampled with one batched argmax instead of one call per row.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Callable
 
@@ -16,35 +17,63 @@ from engine.api import SamplingParams, TokenLogprob
 from engine.generator import Scores
 from engine.tokenizer import ModelTokenizer
 
-Sampler = Callable[[mx.array], mx.array]
 # (the tokens so far, prompt included; logits) -> logits
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
-def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
-    """A sampler with its own random key, so a seeded request is reproducible whatever
-    else runs in the same batch."""
-    if params.greedy:
-        return None
-    filters: list[Callable[[mx.array], mx.array]] = []
-    if 0.0 < params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p > 0.0:
-        filters.append(lambda x: apply_min_p(x, params.min_p))
-    if 0 < params.top_k < vocab_size:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
-    seed = params.seed if params.seed is not None else secrets.randbits(63)
-    key = mx.random.key(seed)
-    inverse_temperature = 1.0 / params.temperature
+class Sampler:
+    """A request's sampling: its filters and temperature over the log-distribution, and
+    its own randomness, so a seeded request is reproducible whatever else runs in the
+    same batch, whatever the cache holds, and with or without speculative decoding.
 
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, step_key = mx.random.split(key)
-        for apply in filters:
+    Token i of the output is drawn with the Gumbel-max trick (what `mx.random.categorical`
+    does: the argmax of the logits plus Gumbel noise) from noise keyed by the seed and i
+    alone, not from a key split once per call. So a speculative step can draw the tokens
+    of several positions at once exactly as one step per position would, and keep a draft
+    token where it is the one drawn (`draws`): that accepts draft token x with probability
+    p(x) and otherwise gives a token distributed as p without x, renormalized, which is
+    rejection sampling of a point-mass draft (Leviathan et al. 2023, Chen et al. 2023)
+    with its randomness shared with plain decoding."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int) -> None:
+        self._filters: list[Callable[[mx.array], mx.array]] = []
+        if 0.0 < params.top_p < 1.0:
+            self._filters.append(lambda x: apply_top_p(x, params.top_p))
+        if params.min_p > 0.0:
+            self._filters.append(lambda x: apply_min_p(x, params.min_p))
+        if 0 < params.top_k < vocab_size:
+            self._filters.append(lambda x: apply_top_k(x, params.top_k))
+        self._seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._inverse_temperature = 1.0 / params.temperature
+        self.position = 0  # the output index of the next token drawn
+
+    def logits(self, logprobs: mx.array) -> mx.array:
+        """The unnormalized log-distribution tokens are drawn from."""
+        for apply in self._filters:
             logprobs = apply(logprobs)
-        return mx.random.categorical(logprobs * inverse_temperature, key=step_key)
+        return logprobs * self._inverse_temperature
 
-    return sample
+    def draws(self, logprobs: mx.array, first: int) -> mx.array:
+        """The tokens drawn at output positions first, first + 1, ... from each row of
+        `logprobs`; advances nothing."""
+        noise = mx.stack([mx.random.gumbel(logprobs.shape[-1:], key=self._key(first + i))
+                          for i in range(logprobs.shape[0])])
+        return mx.argmax(self.logits(logprobs) + noise, axis=-1)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        """The next output token, drawn from `logprobs` [1, vocab]."""
+        token = self.draws(logprobs, self.position)
+        self.position += 1
+        return token
+
+    def _key(self, position: int) -> mx.array:
+        digest = hashlib.blake2b(f"{self._seed}:{position}".encode(), digest_size=8).digest()
+        return mx.random.key(int.from_bytes(digest, "little") >> 1)
+
+
+def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
+    """The request's sampler; None for greedy."""
+    return None if params.greedy else Sampler(params, vocab_size)
 
 
 def make_processors(params: SamplingParams, prompt_length: int) -> list[LogitsProcessor]:

@@ -51,6 +51,7 @@ from engine.api import (
     PromptLogprobs,
     SamplingParams,
     SchedulerCounters,
+    SpeculationConfig,
 )
 from engine.disk_store import DiskStore
 from engine.distributed import Announcement, RankGroup
@@ -62,6 +63,7 @@ from engine.loader import LoadedModel
 from engine.prefill_budget import PrefillBudget
 from engine.prompt_logprobs import prompt_logprobs
 from engine.segment_file import BadSegmentFile
+from engine.speculation import Drafts
 from engine.tree_hold import HandleOf
 from engine.vision import ImageFeed
 from radix import MatchResult, Node, RadixTree, ReserveStatus
@@ -167,9 +169,11 @@ def to_remote(message: Message) -> object:
 
 class Scheduler:
     def __init__(self, loaded: LoadedModel, limits: SchedulerLimits,
-                 group: RankGroup | None = None) -> None:
+                 group: RankGroup | None = None,
+                 speculation: SpeculationConfig | None = None) -> None:
         self.loaded = loaded
         self.limits = limits
+        self.speculation = speculation or SpeculationConfig()
         # Tensor parallelism (distributed.py): every rank runs this loop over rank 0's
         # inputs, and any failure is the whole group's, never recovered by one rank alone.
         self.group = group
@@ -192,7 +196,7 @@ class Scheduler:
         self.prefill_budget = PrefillBudget(
             stall_ratio, limits.prefill_stall_floor, chunk,
             idle_chunk=max(GPU_PREFILL_CHUNK, chunk) if gpu else chunk)
-        self.generator = Generator(loaded.model, self._take_snapshot)
+        self.generator = Generator(loaded.model, self._take_snapshot, self.counters)
         # Prompts that find the engine with nothing decoding are all prefilled before any
         # of them decodes (see `_step`).
         self.burst = False
@@ -387,13 +391,31 @@ class Scheduler:
             asked=mx.array(readout.token_ids) if readout and readout.token_ids else None,
             wants_hidden=readout is not None and readout.hidden,
             images=ImageFeed(self.loaded.vision, generation.images, self.counters)
-            if generation.images else None)
+            if generation.images else None,
+            drafts=self._drafts(generation))
         generation.sequence = sequence
         self.generator.add(sequence)
         generation.prompt_done = False
         self.running[sequence.uid] = generation
         generation.dequeue()
         return True
+
+    def _drafts(self, generation: Generation) -> Drafts | None:
+        """The generation's speculative decoding, unless its mode is off or it cannot
+        have any: a model whose cache cannot be rolled back (sliding windows, recurrent
+        state), logits processors (each position's logits would need its own context), or
+        a prefill-only request. Drafting goes on across a failed step's re-admission."""
+        params = generation.params
+        mode = params.speculation or self.speculation.mode
+        if (mode == "off" or not self.kv.segments or generation.processors
+                or params.readout is not None or params.max_tokens == 0):
+            return None
+        if generation.drafts is None:
+            generation.drafts = Drafts(mode, self.speculation.max_draft,
+                                       self.speculation.sources, self.tree.continuation,
+                                       end=len(generation.prompt) + params.max_tokens,
+                                       vocab_size=self.loaded.vocab_size)
+        return generation.drafts
 
     def _snapshot_positions(self, generation: Generation) -> list[int]:
         """Where prefill pauses to snapshot the cache: for a model whose cache is reused
@@ -524,12 +546,17 @@ class Scheduler:
         self.counters.step_cpu_seconds += cpu_seconds
 
     def _take(self, outputs: list[Output]) -> None:
-        """Give sampled tokens to their generations; those that end leave together."""
+        """Give sampled tokens to their generations; those that end leave together. A
+        speculative step gives a generation several tokens: those after one that ended
+        it are dropped, so it ends where it would have without speculation."""
         endings = []
+        ended: set[int] = set()
         for output in outputs:
             generation = self.running.get(output.uid)
-            if generation is not None and (ending := self._on_token(generation, output)):
+            if generation is not None and output.uid not in ended and (
+                    ending := self._on_token(generation, output)):
                 endings.append((generation, *ending))
+                ended.add(output.uid)
         if endings:
             self._end(endings)
 

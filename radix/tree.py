@@ -127,6 +127,29 @@ class RadixTree(Reservations, Tiers, Accounting):
             result = self._walk(tuple(tokens), split=False)[1]
         return max(result.length, result.disk_length)
 
+    def continuation(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the whole of `tokens` in the tree (along the
+        most recently used branch where it forks), or [] if `tokens` is not a path in it:
+        what an earlier request sent or generated after this exact context, a free draft
+        for speculative decoding. Reads token ids only, so any node serves (pending, on
+        disk, a junction); touches nothing."""
+        tokens = tuple(tokens)
+        with self._mutex:
+            node, depth, inside = self.root, 0, 0  # `inside`: tokens matched of node's edge
+            while depth < len(tokens):
+                child = node.children.get(tokens[depth])
+                if child is None:
+                    return []
+                k = common_prefix_length(child.tokens, tokens, depth)
+                node, depth, inside = child, depth + k, k
+                if k < len(child.tokens) and depth < len(tokens):
+                    return []
+            found = list(node.tokens[inside:inside + limit])
+            while len(found) < limit and node.children:
+                node = max(node.children.values(), key=lambda child: child.last_access)
+                found += node.tokens[:limit - len(found)]
+        return found
+
     def explain_miss(self, tokens: Sequence[int], reused: int) -> Miss | None:
         """Why `tokens[reused]` was not reused by a match that reused `reused` tokens
         (None when nothing was missed). Call it before reserving the rest: a request's

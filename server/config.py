@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.api import DraftSource, SpeculationMode
 from engine.files import cache_dir
 
 ENV_PREFIX = "RADIX_MLX_"
@@ -210,6 +211,22 @@ class Settings(BaseModel):
     max_tokens_in_flight: PositiveInt = Field(
         131072,
         description="prompt + max_tokens summed over running requests; bounds KV memory",
+    )
+    speculation: SpeculationMode = Field(
+        "off",
+        description="speculative decoding for requests that name no mode (their "
+        "`speculation` field): drafts from prompt lookup and the radix cache, verified in "
+        "one forward, greedy output unchanged; auto: only while a request's drafts are "
+        "mostly accepted (docs/speculative-decoding.md)",
+    )
+    speculation_max_draft: PositiveInt = Field(
+        8, le=64, description="the most tokens one speculative draft guesses",
+    )
+    speculation_sources: list[DraftSource] = Field(
+        ["prompt", "tree"], min_length=1,
+        description="where drafts come from, first found first: prompt lookup (n-grams of "
+        "the request's prompt and output), the radix tree (what followed this context "
+        "before)",
     )
     memory_limit_bytes: PositiveInt | None = Field(
         None,

@@ -180,6 +180,8 @@ class Job:
         self.stats.cache_miss = miss and f"{miss.reason}@{miss.position}"
         # The engine's count replaces the tokens we saw for this choice.
         self.stats.completion_tokens += finish.completion_tokens - self._tokens[index]
+        self.stats.draft_tokens += finish.draft_tokens
+        self.stats.accepted_draft_tokens += finish.accepted_draft_tokens
 
     def usage(self) -> Usage:
         """Each prompt counts once, whatever n; its cached tokens are the least any of its

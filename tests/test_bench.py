@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("psutil")
 
-from bench import several_models
+from bench import several_models, speculation
 from bench.__main__ import (
     BenchModel,
     all_workloads,
@@ -50,8 +50,10 @@ def test_workloads_are_seeded_and_sized(demo_model_dir: Path) -> None:
 
 
 def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
-    """Every workload but several models' (test_several_models_reload_and_report)."""
-    workloads = [name for name in all_workloads() if name not in several_models.WORKLOADS]
+    """Every workload but several models' (test_several_models_reload_and_report) and
+    speculative decoding's (test_speculation_workloads)."""
+    workloads = [name for name in all_workloads()
+                 if name not in (*several_models.WORKLOADS, *speculation.WORKLOADS)]
     main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-raw",
           "--no-plots", "--out", str(tmp_path), "--workloads", ",".join(workloads), *TOY])
     results = json.loads((tmp_path / "results.json").read_text())
@@ -101,6 +103,26 @@ def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
     for family in ("gemma3_text", "qwen3_next"):
         shared = snapshots["families"][family]["radix-mlx"]["shared_prefix"]
         assert shared["errors"] == 0 and shared["cached_tokens"] >= 2 * 64
+
+
+def test_speculation_workloads(demo_model_dir: Path, tmp_path: Path) -> None:
+    """The agent edit workload with speculation off, on and auto, and bare mlx-lm on the
+    same chats; the standard workloads without repetition, off and auto. The demo model's
+    output does not copy its prompt: what matters here is that it is the same text."""
+    main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-plots",
+          "--no-structured", "--out", str(tmp_path), "--workloads",
+          "agent_edit,spec_no_repeat"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    edit = results["speculation"]["agent_edit"]
+    assert edit["streams"] == QUICK.ae_streams
+    for mode in ("on", "auto"):
+        assert edit[mode]["same_output"] and edit[mode]["same_streams_output"]
+        assert edit[mode]["vs_mlx_lm"] > 0 and edit[mode]["streams_vs_off"] > 0
+    assert edit["on"]["acceptance"] is not None
+    plain = results["speculation"]["spec_no_repeat"]
+    assert set(plain) == {"single_stream", "no_share"}
+    assert all(modes["ratio"] > 0 for modes in plain.values())
+    assert "## Speculative decoding" in (tmp_path / "results.md").read_text()
 
 
 def test_workloads_flag_runs_only_those_and_rounds_repeat_them(demo_model_dir: Path,

@@ -129,6 +129,7 @@ def generation_request(body: TokenCountRequest) -> GenerationRequest:
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
         stop=tuple(body.stop_sequences or ()),
+        speculation=body.speculation,
     )
     return replace(request, sampling=knobs, unset_sampling=unset_knobs(body),
                    max_tokens=body.max_tokens, fit_context=True, stream=body.stream,

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
+from engine.api import SpeculationMode
 from server.schema import RequestModel, ResponseModel, shaped_union
 
 # -- request pieces ----------------------------------------------------------------------
@@ -275,6 +276,8 @@ class MessagesRequest(TokenCountRequest):
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
+    # radix-mlx's: speculative decoding for this request (none: the server's mode).
+    speculation: SpeculationMode | None = None
 
 
 # -- responses -----------------------------------------------------------------------------

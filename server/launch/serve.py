@@ -14,7 +14,7 @@ from types import FrameType
 
 import uvicorn
 
-from engine.api import EngineClient, EngineConfig, Lifecycle
+from engine.api import EngineClient, EngineConfig, Lifecycle, SpeculationConfig
 from engine.encoder import EncoderEngine, is_encoder_model
 from engine.engine import Engine
 from engine.gguf import GGUFError
@@ -90,6 +90,8 @@ def engine_config(settings: Settings, model: str, memory_limit_bytes: int | None
         collective_timeout=settings.collective_timeout,
         chat_template=(None if settings.chat_template is None
                        else settings.chat_template.read_text(encoding="utf-8")),
+        speculation=SpeculationConfig(settings.speculation, settings.speculation_max_draft,
+                                      tuple(settings.speculation_sources)),
     )
 
 

@@ -105,6 +105,7 @@ def sampling_knobs(body: SamplingRequest) -> SamplingKnobs:
         stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
+        speculation=body.speculation,
     )
 
 

@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.api import SpeculationMode
 from server.schema import RequestModel, ResponseModel, now, shaped_union
 
 # -- shared request pieces ---------------------------------------------------------------
@@ -69,6 +70,8 @@ class SamplingRequest(RequestModel):
     repetition_penalty: float | None = Field(None, ge=0.01, le=10)
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    # radix-mlx's: speculative decoding for this request (none: the server's mode).
+    speculation: SpeculationMode | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:

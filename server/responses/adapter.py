@@ -169,6 +169,7 @@ def generation_request(
         sampling=SamplingKnobs(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
+            speculation=body.speculation,
         ),
         unset_sampling=unset_knobs(body),
         max_tokens=body.max_output_tokens,

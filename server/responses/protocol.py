@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
+from engine.api import SpeculationMode
 from server.images import MARKER
 from server.schema import RequestModel, ResponseModel, now, shaped_union
 
@@ -261,6 +262,8 @@ class ResponsesRequest(RequestModel):
     # so the key changes nothing here; it is echoed back as OpenAI does.
     prompt_cache_key: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    # radix-mlx's: speculative decoding for this request (none: the server's mode).
+    speculation: SpeculationMode | None = None
     background: bool = False
     conversation: Any = None
 

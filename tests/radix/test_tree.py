@@ -118,6 +118,29 @@ def test_match_reports_the_pending_node_the_query_continues_into():
     assert (m.node, m.length, m.in_flight, m.in_flight_shared) == (a, 2, r.node, 2)
 
 
+def test_continuation_reads_what_followed_the_whole_context_along_the_latest_branch():
+    tree = Tree()
+    tree.put([1, 2, 3, 4, 5, 6])
+    tree.put([1, 2, 3, 7, 8])
+    assert tree.continuation([1, 2], 3) == [3, 7, 8]  # [1, 2, 3, 7, 8] was used last
+    tree.match([1, 2, 3, 4])
+    assert tree.continuation([1, 2], 9) == [3, 4, 5, 6]
+    assert tree.continuation([1, 2, 3, 4, 5, 6], 4) == []  # nothing followed it
+    assert tree.continuation([1, 2, 9], 4) == []  # not a path in the tree
+    assert tree.continuation([1, 2, 3, 4, 5, 6, 7], 4) == []
+    nodes, lru = tree.stats().nodes, list(tree.lru)
+    tree.continuation([1], 8)
+    assert (tree.stats().nodes, list(tree.lru)) == (nodes, lru)  # no split, no touch
+
+
+def test_continuation_reads_tokens_a_pending_node_reserved():
+    tree = Tree()
+    a = tree.put([1, 2])
+    tree.pin(a)
+    tree.reserve(a, [3, 4, 5])
+    assert tree.continuation([1, 2, 3], 4) == [4, 5]
+
+
 def test_match_moves_the_matched_leaf_to_the_most_recently_used_end():
     tree = Tree()
     a, b = tree.put([1]), tree.put([2])

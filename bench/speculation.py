@@ -1,0 +1,199 @@
+"""Speculative decoding's workloads: the same radix-mlx server with `--speculation` off,
+on and auto, and bare `mlx_lm.stream_generate`.
+
+- `agent_edit`: what coding agents send. The model is asked to repeat a file of
+  `ae_file_tokens` with one function renamed, and to re-emit a tool call's JSON with one
+  argument changed; one request at a time (single-stream decode tok/s, against bare
+  mlx-lm on the same prompt), then `ae_streams` edits of the file at once (output tok/s).
+  Targets: single stream >= 1.8x bare mlx-lm, 16 streams >= 1.3x speculation off, greedy
+  output identical. A random-weight model does not copy its prompt, so its drafts are
+  rejected and this measures only their cost: the workload means something on a real
+  model (the default SmolLM2-135M-Instruct does copy the file).
+- `spec_no_repeat`: the standard `single_stream` and `no_share` workloads (random words,
+  nothing to copy) with speculation off and auto. Target: auto >= 0.95x off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench import report
+from bench.client import TIMEOUT, chat, run_workload
+from bench.servers import RADIX, running
+from bench.workloads import WORKLOADS as STANDARD
+from bench.workloads import Shapes, TextSource
+
+WORKLOADS = ("agent_edit", "spec_no_repeat")
+MODES = ("off", "on", "auto")
+# Greedy and ending at EOS, as bare mlx-lm does (the other workloads ignore EOS).
+EXTRA = {"temperature": 0.0}
+
+
+def code_file(source: TextSource, tokens: int) -> tuple[str, list[str]]:
+    """A Python file of about `tokens` tokens of small handlers, and their names."""
+    names: list[str] = []
+    text = ""
+    while len(source.tokenizer.encode(text, add_special_tokens=False).ids) < tokens:
+        name, field, note = (source.text(2).replace(" ", "_").lower(), source.text(1).lower(),
+                             source.text(3))
+        names.append(f"handle_{name}")
+        text += (f"def handle_{name}(request):\n    value = request.get(\"{field}\")\n"
+                 f"    if value is None:\n        return error(\"{note}\")\n"
+                 f"    return ok(value, \"{field}\")\n\n\n")
+    return text, names
+
+
+def edit(text: str, old: str, new: str) -> list[dict]:
+    return [{"role": "user", "content": (
+        f"Here is a file:\n```python\n{text}```\nRepeat the whole file exactly, with one "
+        f"change: rename the function {old} to {new}. Output only the code.")}]
+
+
+def tool_call(text: str, path: str, new_path: str) -> list[dict]:
+    call = json.dumps({"name": "write_file", "arguments": {"path": path, "content": text}})
+    return [{"role": "user", "content": (
+        f"You called this tool:\n{call}\nCall it again with exactly the same arguments, "
+        f"but with path {new_path}. Output only the JSON of the call.")}]
+
+
+def agent_requests(source: TextSource, shapes: Shapes) -> tuple[list[list[dict]],
+                                                                 list[list[dict]]]:
+    """The single-stream requests (file edits and tool calls, alternating) and the
+    concurrent ones (edits of one file)."""
+    text, names = code_file(source, shapes.ae_file_tokens)
+    single = []
+    for i in range(shapes.ae_repeats):
+        single.append(edit(text, names[i + 1], f"{names[i + 1]}_v2"))
+        single.append(tool_call(text[:len(text) // 4], f"src/{names[i]}.py",
+                                f"src/{names[i]}_v2.py"))
+    streams = [edit(text, names[i % len(names)], f"{names[i % len(names)]}_{i}")
+               for i in range(shapes.ae_streams)]
+    return single, streams
+
+
+async def one(base_url: str, messages: list[dict], max_tokens: int) -> dict:
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        ttft, latency, usage, text = await chat(client, base_url, messages, max_tokens, EXTRA)
+    tokens = usage.get("completion_tokens", 0)
+    return {"decode_tok_s": (tokens - 1) / (latency - ttft) if tokens > 1 else None,
+            "completion_tokens": tokens, "text": text}
+
+
+async def together(base_url: str, requests: list[list[dict]], max_tokens: int) -> dict:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    answers = await asyncio.gather(*(one(base_url, m, max_tokens) for m in requests))
+    wall = loop.time() - started
+    return {"output_tok_s": sum(a["completion_tokens"] for a in answers) / wall,
+            "wall_s": wall, "texts": [a["text"] for a in answers]}
+
+
+def metrics(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.startswith("radix_mlx_speculative_")}
+
+
+def acceptance(counters: dict[str, float]) -> dict:
+    drafted = counters.get("radix_mlx_speculative_draft_tokens_total", 0)
+    rows = counters.get("radix_mlx_speculative_verified_rows_total", 0)
+    return {"acceptance": drafted and counters.get(
+                "radix_mlx_speculative_accepted_tokens_total", 0) / drafted,
+            "tokens_per_verify": rows and counters.get(
+                "radix_mlx_speculative_verified_tokens_total", 0) / rows}
+
+
+def bare_mlx_lm(model: Path, env: dict[str, str], requests: list[list[dict]],
+                max_tokens: int) -> list[dict]:
+    """Bare `mlx_lm.stream_generate` on each request's chat prompt, in a process of its own."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+        json.dump(requests, file)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.raw_decode", str(model), "--messages-file", file.name,
+         "--max-tokens", str(max_tokens)], env=env, capture_output=True, text=True, check=True)
+    Path(file.name).unlink()
+    return json.loads(out.stdout.strip().splitlines()[-1])["runs"]
+
+
+def agent_edit(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
+               seed: int) -> dict:
+    single, streams = agent_requests(TextSource(model, seed + 4000), shapes)
+    result: dict = {"streams": len(streams)}
+    for mode in MODES:
+        print(f"  speculation: agent_edit, {mode} ...", file=sys.stderr, flush=True)
+        with running(RADIX, model, env, logs / f"agent_edit-{mode}.log",
+                     ["--speculation", mode]) as server:
+            asyncio.run(one(server.base_url, single[0], 8))  # untimed: kernels, caches
+            runs = [asyncio.run(one(server.base_url, m, shapes.ae_output_tokens))
+                    for m in single]
+            single_counters = metrics(server.base_url)
+            batch = asyncio.run(together(server.base_url, streams,
+                                         shapes.ae_stream_output_tokens))
+            batch_counters = metrics(server.base_url)
+        result[mode] = {
+            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+            "runs": [r["decode_tok_s"] for r in runs], "texts": [r["text"] for r in runs],
+            **acceptance(single_counters),
+            "streams_output_tok_s": batch["output_tok_s"], "streams_wall_s": batch["wall_s"],
+            "streams_texts": batch["texts"],
+            "streams": acceptance({k: batch_counters[k] - single_counters.get(k, 0)
+                                   for k in batch_counters}),
+        }
+        print(f"    {json.dumps({k: v for k, v in result[mode].items() if 'texts' not in k})}",
+              file=sys.stderr, flush=True)
+    print("  speculation: agent_edit, bare mlx_lm.stream_generate ...", file=sys.stderr,
+          flush=True)
+    bare = bare_mlx_lm(model, env, single, shapes.ae_output_tokens)
+    result["mlx_lm"] = {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in bare),
+                        "runs": [r["decode_tok_s"] for r in bare],
+                        "texts": [r["text"] for r in bare]}
+    off = result["off"]
+    for mode in ("on", "auto"):
+        row = result[mode]
+        row["vs_mlx_lm"] = report.ratio(row["decode_tok_s"], result["mlx_lm"]["decode_tok_s"])
+        row["vs_off"] = report.ratio(row["decode_tok_s"], off["decode_tok_s"])
+        row["streams_vs_off"] = report.ratio(row["streams_output_tok_s"],
+                                             off["streams_output_tok_s"])
+        row["same_output"] = row["texts"] == off["texts"] == result["mlx_lm"]["texts"]
+        row["same_streams_output"] = row["streams_texts"] == off["streams_texts"]
+    off["vs_mlx_lm"] = report.ratio(off["decode_tok_s"], result["mlx_lm"]["decode_tok_s"])
+    return result
+
+
+def spec_no_repeat(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
+                   seed: int) -> dict:
+    result: dict = {}
+    for name in ("single_stream", "no_share"):
+        workload = STANDARD[name](TextSource(model, seed + 5000), shapes)
+        for mode in ("off", "auto"):
+            print(f"  speculation: {name}, {mode} ...", file=sys.stderr, flush=True)
+            with running(RADIX, model, env, logs / f"{name}-{mode}.log",
+                         ["--speculation", mode]) as server:
+                run = asyncio.run(run_workload(server.base_url, workload, RADIX.extra))
+                counters = metrics(server.base_url)
+            summary = report.summarize(run, 0, None)
+            result.setdefault(name, {})[mode] = {
+                "output_tok_s": summary["output_tok_s"],
+                "decode_tok_s": summary.get("decode_tok_s"), **acceptance(counters)}
+        modes = result[name]
+        modes["ratio"] = report.ratio(modes["auto"]["output_tok_s"], modes["off"]["output_tok_s"])
+        print(f"    {json.dumps(modes)}", file=sys.stderr, flush=True)
+    return result
+
+
+def run(wanted: list[str], model: Path, shapes: Shapes, env: dict[str, str], out: Path,
+        seed: int) -> dict:
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    makers = {"agent_edit": agent_edit, "spec_no_repeat": spec_no_repeat}
+    return {name: makers[name](model, shapes, env, logs, seed)
+            for name in WORKLOADS if name in wanted}

@@ -1,0 +1,173 @@
+"""Draft tokens for speculative decoding, and when a sequence is worth drafting for.
+
+A draft is a guess at a sequence's next tokens that costs no model: the generator feeds
+the sequence's last token and its draft in one forward, keeps the longest prefix of the
+draft the model agrees with (generator.py, `Generator._verify`), and rolls the rest back.
+Coding agents re-emit text they have seen (file contents, diffs, tool arguments), so two
+free sources guess well:
+
+- prompt lookup (llama.cpp's `--lookup`, vLLM's n-gram proposer): the longest recent
+  n-gram of the context (prompt and output) that occurred before, and what followed it;
+- the radix tree: what followed this exact context in an earlier request, prompt or
+  output (`RadixTree.continuation`). No peer drafts from its prefix cache.
+
+A verify forward over k + 1 positions costs more than a decode step: little on a GPU,
+where a step reads the weights either way, more on the CPU (SmolLM2-135M on 2 cores, 600
+cached tokens: 9 positions took 2.4-3x one), and for a whole batch (16 streams verifying
+8-token drafts computed 144 positions, and on the CPU ran 3x slower than decoding). So a
+draft is as long as recent ones earned (Hugging Face's heuristic: 2 more after a draft
+kept whole, 1 less after one cut short); in `auto` mode a step verifies only drafts whose
+expected tokens pay for the forward's cost (`best_width`), and a sequence stops drafting
+while its drafts are mostly rejected, so traffic that does not repeat does not pay for
+guesses (`Drafts.wants_draft`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from engine.api import DraftSource, SpeculationMode
+
+# n-gram sizes prompt lookup tries, longest first: a longer match is a better guess (a
+# file of similar functions repeats its short n-grams in every one: a copy of a 1.2k-token
+# file, replayed through the lookup, kept 64% of 8-token drafts with (4, 3, 2) and all of
+# them with these), and a 2-gram still finds the next line of a file being copied.
+NGRAM_SIZES = (12, 8, 4, 2)
+# `auto`: the running mean of accepted tokens per draft chance (a step where the sequence
+# looked for one) below which drafting pauses, how fast it moves, and how many chances a
+# pause skips (doubling while drafts keep failing, up to the most).
+MIN_ACCEPTED = 0.6
+EMA_WEIGHT = 0.3
+FIRST_PAUSE = 4
+MAX_PAUSE = 64
+FIRST_LENGTH = 4  # a sequence's first drafts, at most
+# The chance a draft token is kept given those before it were, estimated from recent
+# verifies as kept / (kept + verifies cut short): copying keeps long runs and breaks off
+# now and then, which the share of draft tokens kept would undercount. Counts decay by
+# this much a verify; before any, as if 7 had been kept and 3 drafts cut short.
+RATE_MEMORY = 0.8
+FIRST_KEPT, FIRST_CUT = 0.7, 0.3
+# A forward over n positions costs about a + b * n one-row decode steps. CPU: measured
+# (SmolLM2-135M, 2 cores: 1 position 1, 9 positions 2.4-3, 16 rows 5.6). GPU: estimated,
+# not measured: a 1B model's step reads its 2.5 GB of weights whatever the rows, and 512
+# more positions cost about one step more.
+STEP_COST = {"cpu": (0.8, 0.2), "gpu": (1.0, 1 / 512)}
+
+Continuation = Callable[[list[int], int], list[int]]
+
+
+class PromptLookup:
+    """An index of a sequence's n-grams to where each last ended, grown as tokens come."""
+
+    def __init__(self) -> None:
+        self._ends: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending before this position are in `_ends`
+
+    def draft(self, context: list[int], limit: int) -> list[int]:
+        """What followed the most recent earlier occurrence of the context's longest
+        suffix n-gram, at most `limit` tokens."""
+        end = len(context)
+        for position in range(self._indexed + 1, end):  # every n-gram but the suffix
+            for n in NGRAM_SIZES:
+                if position >= n:
+                    self._ends[tuple(context[position - n:position])] = position
+        self._indexed = max(self._indexed, end - 1)
+        for n in NGRAM_SIZES:
+            if end > n and (found := self._ends.get(tuple(context[end - n:]))) is not None:
+                return context[found:found + limit]
+        return []
+
+
+class Drafts:
+    """One sequence's drafting: its sources, its mode, and what its drafts achieved."""
+
+    def __init__(self, mode: SpeculationMode, max_draft: int, sources: tuple[DraftSource, ...],
+                 continuation: Continuation, end: int, vocab_size: int) -> None:
+        self.mode = mode
+        # Ids at or past it are radix keys of image positions (engine/image_tokens.py),
+        # not tokens the model can be fed: a draft stops before one.
+        self.vocab_size = vocab_size
+        self.max_draft = max_draft
+        self._length = min(FIRST_LENGTH, max_draft)  # the longest draft it makes now
+        self._lookup = PromptLookup() if "prompt" in sources else None
+        self._continuation = continuation if "tree" in sources else None
+        self.end = end  # the most tokens the sequence may hold: a draft never passes it
+        self.drafted = 0
+        self.accepted = 0
+        self._kept, self._cut = FIRST_KEPT, FIRST_CUT  # decayed counts, see RATE_MEMORY
+        self._mean = 1.0  # accepted per chance, optimistic until measured
+        self._pause = 0
+        self._skip = 0  # draft chances left to skip
+
+    @property
+    def rate(self) -> float:
+        """The chance its next draft token is kept, given those before it were."""
+        return self._kept / (self._kept + self._cut)
+
+    def wants_draft(self) -> bool:
+        """Whether to draft at this step (called once a step): not while pausing."""
+        if self._skip:
+            self._skip -= 1
+            return False
+        return True
+
+    def draft(self, context: list[int]) -> list[int]:
+        """Guessed tokens to follow `context` (the sequence's tokens and the one it is fed
+        next), none past `end`; [] when no source has a guess."""
+        limit = min(self._length, self.end - len(context))
+        if limit <= 0:
+            return []
+        found = self._lookup.draft(context, limit) if self._lookup is not None else []
+        if not found and self._continuation is not None:
+            found = self._continuation(context, limit)
+        found = list(itertools.takewhile(lambda token: token < self.vocab_size, found))
+        if not found:
+            # No guess is a guess that failed: on a GPU looking costs the step its overlap
+            # with the next one's graph building (the token fed must be read first).
+            self._judge(0)
+        return found
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """What one verify of this sequence's draft kept."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self._kept = RATE_MEMORY * self._kept + accepted
+        self._cut = RATE_MEMORY * self._cut + (accepted < drafted)
+        self._length = (min(self.max_draft, self._length + 2) if accepted == drafted
+                        else max(1, self._length - 1))
+        self._judge(accepted)
+
+    def _judge(self, accepted: int) -> None:
+        """In `auto`, pause drafting while the mean accepted per chance is below
+        `MIN_ACCEPTED`."""
+        if self.mode != "auto":
+            return
+        self._mean += EMA_WEIGHT * (accepted - self._mean)
+        if self._mean >= MIN_ACCEPTED:
+            self._pause = 0
+            return
+        self._pause = min(MAX_PAUSE, 2 * self._pause or FIRST_PAUSE)
+        self._skip = self._pause
+        self._mean = MIN_ACCEPTED  # the probe after the pause decides again
+
+
+def expected_kept(rate: float, length: int) -> float:
+    """Draft tokens a verify keeps, on average, of a draft of `length` each kept with
+    probability `rate` given those before it were."""
+    return sum(rate ** j for j in range(1, length + 1))
+
+
+def best_width(drafts: list[list[int]], rates: list[float], cost: tuple[float, float]) -> int:
+    """How many tokens of each row's draft a verify step should feed (0: decode instead):
+    the width whose expected tokens per unit of cost beat a decode step's most, a step
+    over `rows` x (width + 1) positions costing `a + b * positions` (`STEP_COST`)."""
+    a, b = cost
+    rows = len(drafts)
+    best, best_yield = 0, rows / (a + b * rows)
+    for width in range(1, max(map(len, drafts)) + 1):
+        tokens = sum(1 + expected_kept(rate, min(len(draft), width))
+                     for draft, rate in zip(drafts, rates))
+        if (tokens / (a + b * rows * (width + 1))) > best_yield:
+            best, best_yield = width, tokens / (a + b * rows * (width + 1))
+    return best

@@ -1,0 +1,97 @@
+"""Speculative decoding's pieces on their own: prompt lookup, the `auto` back-off, and the
+rejection step of a sampled row, whose output keeps the target distribution (a chi-square
+test)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engine.api import SamplingParams
+from engine.sampling import Sampler
+from engine.speculation import STEP_COST, Drafts, PromptLookup, best_width
+
+
+def test_prompt_lookup_drafts_what_followed_the_longest_earlier_ngram():
+    lookup = PromptLookup()
+    assert lookup.draft([1, 2, 3, 4, 5, 6, 7, 1, 2, 3], 4) == [4, 5, 6, 7]
+    assert lookup.draft([1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5], 9) == [6, 7, 1, 2, 3, 4, 5]
+    assert lookup.draft([1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 9], 4) == []
+
+
+def test_auto_pauses_drafting_while_drafts_are_rejected_and_probes_again():
+    drafts = Drafts("auto", 8, ("prompt",), lambda context, limit: [], end=1 << 20, vocab_size=1000)
+    for _ in range(2):
+        assert drafts.wants_draft()
+        drafts.record(4, 0)
+    assert [drafts.wants_draft() for _ in range(5)] == [False] * 4 + [True]
+    drafts.record(4, 0)  # still rejected: a longer pause
+    assert [drafts.wants_draft() for _ in range(9)] == [False] * 8 + [True]
+    nothing = Drafts("auto", 8, ("tree",), lambda context, limit: [], end=1 << 20, vocab_size=1000)
+    assert nothing.draft([1, 2, 3]) == nothing.draft([1, 2, 3, 4]) == []
+    assert not nothing.wants_draft()  # finding no draft counts as a draft rejected
+    on = Drafts("on", 8, ("prompt",), lambda context, limit: [], end=1 << 20, vocab_size=1000)
+    on.record(4, 0)
+    on.record(4, 0)
+    assert on.wants_draft()
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """A sampled row keeps draft token x where x is the token its sampler draws at that
+    output index: x is accepted with probability p(x), and the token out is distributed as
+    p whether x is likely, unlikely or impossible under p (the first token out of a verify
+    step, over 4000 seeds; Pearson's chi-square, 3 degrees of freedom:
+    P(X > 16.27) = 0.001)."""
+    p = [0.5, 0.3, 0.15, 0.05]
+    logprobs = mx.log(mx.array([p, p]))
+    samples = 4000
+    for drafted in (0, 3):
+        counts, accepted = [0] * 4, 0
+        for seed in range(samples):
+            sampler = Sampler(SamplingParams(max_tokens=2, temperature=1.0, seed=seed), 4)
+            token = sampler.draws(logprobs, 0).tolist()[0]
+            counts[token] += 1
+            accepted += token == drafted
+        expected = [samples * x for x in p]
+        assert sum((c - e) ** 2 / e for c, e in zip(counts, expected)) < 16.27, counts
+        assert abs(accepted / samples - p[drafted]) < 0.03
+    impossible = mx.log(mx.array([[0.5, 0.5, 0.0, 0.0]]))
+    sampler = Sampler(SamplingParams(max_tokens=2, temperature=1.0, seed=1), 4)
+    assert all(sampler.draws(impossible, i).item() != 3 for i in range(50))
+
+
+def test_a_sampled_token_depends_on_its_seed_and_output_index_alone():
+    """So a verify step draws each position's token exactly as one decode step per
+    position does: a seeded request's output does not depend on its drafts."""
+    logprobs = mx.log(mx.array([[0.25] * 8] * 3))
+    stepwise = Sampler(SamplingParams(max_tokens=3, temperature=0.7, top_k=6, seed=5), 8)
+    one_by_one = [stepwise(logprobs[i:i + 1]).item() for i in range(3)]
+    at_once = Sampler(SamplingParams(max_tokens=3, temperature=0.7, top_k=6, seed=5), 8)
+    assert at_once.draws(logprobs, 0).tolist() == one_by_one
+    assert stepwise.position == 3
+
+
+def test_auto_verifies_only_the_drafts_that_pay_for_their_forward():
+    """On the CPU a verify's positions cost compute: one stream verifies as much as its
+    drafts' rate earns, and 16 streams of mediocre drafts decode instead; on a GPU the
+    weights' read dominates and they verify."""
+    cpu, gpu = STEP_COST["cpu"], STEP_COST["gpu"]
+    assert best_width([[1] * 8], [0.9], cpu) > best_width([[1] * 8], [0.5], cpu) >= 1
+    assert best_width([[1] * 8] * 16, [0.5] * 16, cpu) == 0
+    assert best_width([[1] * 8] * 16, [0.5] * 16, gpu) >= 1
+    assert best_width([[1] * 2], [0.99], cpu) == 2  # never past the longest draft
+
+
+def test_the_rate_counts_runs_kept_against_drafts_cut_short():
+    """Copying keeps whole drafts and now and then breaks off at once: the chance of the
+    next token being kept is high though many draft tokens were not."""
+    drafts = Drafts("auto", 8, ("prompt",), lambda context, limit: [], end=1 << 20, vocab_size=1000)
+    for accepted in (8, 8, 0, 8, 8, 0, 8):
+        drafts.record(8, accepted)
+    assert drafts.rate > 0.85 > drafts.accepted / drafts.drafted
+
+
+def test_a_draft_stops_before_an_image_key():
+    """Ids past the vocabulary are the radix keys of image positions: never fed."""
+    drafts = Drafts("on", 8, ("tree",), lambda context, limit: [5, 6, 4000, 7], end=1 << 20,
+                    vocab_size=1000)
+    assert drafts.draft([1, 2, 3]) == [5, 6]
