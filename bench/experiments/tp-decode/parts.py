@@ -25,9 +25,9 @@ from mlx_lm import stream_generate
 from mlx_lm.utils import load_model, load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from engine.api import SamplingParams, TokenEvent  # noqa: E402
-from engine.distributed import RankGroup  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.api import SamplingParams, TokenEvent
+from engine.distributed import RankGroup
+from engine.engine import Engine, EngineConfig
 
 
 def rate(times: list[float]) -> float:
