@@ -43,6 +43,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine.grammar import GrammarState, apply_masks, masks
 from engine.hidden_states import HiddenStates
 from engine.kv import assemble
+from engine.kv_quant import KVQuantization
 from engine.mlx_lm_internals import (
     BatchRow,
     Span,
@@ -51,6 +52,7 @@ from engine.mlx_lm_internals import (
     merge_caches,
     prefix_batch,
     row_cache,
+    rounded_writes,
     row_views,
     supports_segments,
 )
@@ -155,8 +157,10 @@ class Generator:
     """Sequences being prefilled, one chunk budget per call, and a decode batch."""
 
     def __init__(self, model: nn.Module,
-                 at_snapshot: Callable[[SequenceState], None] = lambda sequence: None) -> None:
+                 at_snapshot: Callable[[SequenceState], None] = lambda sequence: None,
+                 quantization: KVQuantization | None = None) -> None:
         self.model = model
+        self.quantization = quantization  # a quantized server's (kv_quant.py)
         self.layers = len(make_prompt_cache(model))
         # Sees a prefilling sequence's cache at each of its `snapshot_at` positions.
         self.at_snapshot = at_snapshot
@@ -197,6 +201,13 @@ class Generator:
         self.prefilling.append(sequence)
 
     # -- steps ------------------------------------------------------------------------
+
+    def _forward(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+        """The model's logits for `inputs` after what `cache` holds, which takes in their
+        KV: on a quantized server, rounded to what the tree will give back of it."""
+        if self.quantization is not None:
+            cache = rounded_writes(cache, self.quantization.round)
+        return self.model(inputs, cache=cache)
 
     def decode(self) -> list[Output]:
         """Join the sequences whose prompt is computed, and run one decode step. Returns
@@ -253,7 +264,7 @@ class Generator:
                 count = min(count, sequence.snapshot_at[0] - len(sequence.tokens))
             chunk = sequence.unfed[:count]
             sequence.prefix = None  # the cache holds more from now on
-            self.model(mx.array([chunk]), cache=sequence.cache)
+            self._forward(mx.array([chunk]), sequence.cache)
             # Computed before the step goes on, as mlx_lm.generate does: a step's wall
             # time is then its own work, which the prefill budget measures.
             mx.eval([c.state for c in sequence.cache])
@@ -339,7 +350,7 @@ class Generator:
             for layer in cache:
                 layer.prepare(right_padding=[width - n for n in lengths])
             inputs = mx.array([feed + [0] * (width - len(feed)) for _, feed, _ in rows])
-            logits = self.model(inputs, cache=cache)
+            logits = self._forward(inputs, cache)
             for layer in cache:
                 layer.finalize()
             rows, ends = mx.arange(len(group)), mx.array(lengths) - 1
@@ -376,7 +387,7 @@ class Generator:
             for sequence in group:
                 self._build_cache(sequence)
             cache = merge_caches([s.cache for s in group])
-            self.model(mx.array([s.unfed[:width] for s in group]), cache=cache)
+            self._forward(mx.array([s.unfed[:width] for s in group]), cache)
             mx.eval([c.state for c in cache])
         except Exception:  # noqa: BLE001 - the one-by-one path finds and fails the culprit
             return False
@@ -393,7 +404,7 @@ class Generator:
         """Feed the prompt's last token alone (as mlx_lm.generate does), sample the first
         token, and add the sequence to the decode batch."""
         token = sequence.unfed.pop()
-        logits = self.model(mx.array([[token]]), cache=sequence.cache)[:, -1, :]
+        logits = self._forward(mx.array([[token]]), sequence.cache)[:, -1, :]
         hidden = None
         if sequence.wants_hidden:
             hidden = self.hidden.take(mx.array([0]), mx.array([0]))
@@ -436,7 +447,7 @@ class Generator:
 
     def _decode(self) -> list[Output]:
         fed = self.inputs
-        logits = self.model(fed[:, None], cache=self.cache)[:, -1, :]
+        logits = self._forward(fed[:, None], self.cache)[:, -1, :]
         for i, row in enumerate(self.rows):
             if row.processors:
                 row.context = mx.concatenate([row.context, fed[i:i + 1]])
