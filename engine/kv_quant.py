@@ -2,19 +2,25 @@
 
 The radix tree keeps each token's keys and values as mlx's affine quantization (packed
 integers, a scale and a bias per group of `group_size` along the head dimension, as
-mlx-lm's QuantizedKVCache does), 2-4x smaller than the model's dtype. The running batch
-stays in the model's dtype: mlx-lm 0.32 has no quantized batch cache (its BatchKVCache,
-whose rows of different lengths the generator merges, extends and filters, is plain).
+mlx-lm's QuantizedKVCache groups them), 2-4x smaller than the model's dtype. The running
+batch stays in the model's dtype: mlx-lm 0.32 has no quantized batch cache (its
+BatchKVCache, whose rows of different lengths the generator merges, extends and filters,
+is plain), so a request's own KV costs what it did.
 
-A cache must never change an answer, so what a request attends over must be the same
-whether its prefix came from the tree or was computed: the running cache holds only
-values the tree's copy gives back exactly. Every write into it is rounded (`round`), and
-the tree stores `quantize` of the rounded values, which `dequantize` turns back into them
-bit for bit. That needs a rounding that is a fixed point of the quantization, which one
-quantize-dequantize round trip is not (requantizing its output picks other scales, and
-moves values by a whole step); two round trips, computed in float32, are: the third
-changes nothing (tests/engine/test_kv_quant.py checks it on random and on a real model's
-KV). Scales and biases are therefore kept in float32: 0.5 bytes of them per 64 values.
+A cache must never change an answer, so a request must attend over the same values
+whether its prefix came from the tree or was computed by itself. So the state of a token
+is its rounded KV: every write into a running cache is rounded (`round`), and the tree
+stores `quantize` of the rounded values, which `dequantize` gives back bit for bit. A
+forward's own new tokens attend over each other as computed (mlx_lm_internals'
+`rounded_writes`), over every earlier token as kept: a prompt resumed from the tree at a
+point where a cold one ended a forward computes exactly what the cold one computed.
+
+The rounding must be a fixed point of the quantization, which one quantize-dequantize
+round trip is not (requantizing its output picks other scales and moves values by a
+whole step); two round trips computed in float32 are: a third changes nothing
+(tests/engine/test_kv_quant.py checks it on random data; it held on every real model's
+KV tried). Scales and biases are therefore float32: 8 bytes per group (0.125 bytes a
+value at group size 64, where mlx-lm's are in the model's dtype, 0.0625 in bfloat16).
 """
 
 from __future__ import annotations

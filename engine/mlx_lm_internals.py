@@ -274,21 +274,26 @@ def presized_kv(keys: Sequence[mx.array], values: Sequence[mx.array]) -> KVCache
 
 
 def rounded_writes(cache: list[Any], round: Callable[[mx.array], mx.array]) -> list[Any]:
-    """`cache`'s layers, each writing `round` of the keys and values a forward gives it:
+    """`cache`'s layers, each keeping `round` of the keys and values a forward gives it:
     a quantized server's running cache holds only what its tree gives back (kv_quant.py).
-    Attention reads what the layer returns, so a chunk's tokens see each other rounded too."""
+    The forward's own tokens attend over each other as computed, over earlier ones as
+    kept: the same for a prompt computed whole and one resumed from the tree there."""
     return [RoundedWrites(layer, round) for layer in cache]
 
 
 class RoundedWrites:
     """A cache layer whose `update_and_fetch` (the one call a model's attention makes to
-    write its new keys and values) rounds them first; the rest is the layer's own."""
+    write its new keys and values) keeps them rounded; the rest is the layer's own."""
 
     def __init__(self, layer: Any, round: Callable[[mx.array], mx.array]) -> None:
         self._layer, self._round = layer, round
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return self._layer.update_and_fetch(self._round(keys), self._round(values))
+        kept_keys, kept_values = self._layer.update_and_fetch(self._round(keys),
+                                                              self._round(values))
+        new = keys.shape[2]
+        return (mx.concatenate([kept_keys[..., :-new, :], keys], axis=2),
+                mx.concatenate([kept_values[..., :-new, :], values], axis=2))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._layer, name)

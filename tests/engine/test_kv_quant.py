@@ -10,6 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from engine.api import EngineConfig
 from engine.engine import Engine
 from engine.kv import KVSegment
 from engine.kv_quant import KVQuantization, cached_bytes_per_token, kv_quantization
@@ -18,6 +19,7 @@ from tests.engine.support import complete, settled, start_engine
 
 # Long enough to span several 64-token prefill chunks and node splits.
 SHARED = "You are a careful assistant who answers questions about the solar system. " * 16
+CHUNK = 64
 QUESTIONS = ["What is the largest planet?", "How far is Mars from the Sun?",
              "Why is Venus so hot?", "Name the moons of Jupiter."]
 
@@ -64,7 +66,7 @@ def test_the_group_size_must_tile_the_head_dimension() -> None:
 @pytest.fixture(scope="module", params=[8, 4])
 def quantized(request, real_model_dir: Path) -> Iterator[Engine]:
     engine = start_engine(str(real_model_dir), kv_bits=request.param, cache_bytes=1 << 28,
-                          prefill_chunk_tokens=64)
+                          prefill_chunk_tokens=CHUNK)
     yield engine
     engine.shutdown()
 
@@ -74,22 +76,29 @@ def chat(engine: Engine, question: str) -> list[int]:
                                          {"role": "user", "content": question}])
 
 
-async def test_quantized_segments_are_reused_and_answer_as_a_cold_prompt(quantized) -> None:
-    """Each question's greedy answer with the shared system prompt cached equals its
-    answer with nothing cached, on the same quantized server, alone and four at once."""
-    prompts = [chat(quantized, question) for question in QUESTIONS]
-    cold = []
-    for prompt in prompts:
+async def test_a_hit_attends_over_exactly_the_kv_a_cold_prompt_did(quantized) -> None:
+    """A hit's prefix is what the tree gives back of it, which is exactly what the request
+    that computed it attended over: where the hit ends at a prefill chunk's boundary, so
+    that its suffix is computed in the chunks a cold prompt computes it in, its greedy
+    answer is the cold one's, token for token, at 8 bits and at 4.
+
+    (Elsewhere the suffix's chunks differ, and so do the float sums of every forward,
+    by ~1e-5 in the model's dtype as without quantization; but rounding to a grid turns
+    such noise into whole steps where a value lies near a step's edge: at 4 bits a cold
+    prompt's answer changes with the chunk size alone. docs/benchmarks.md measures how
+    often a hit's answer differs.)"""
+    for question in QUESTIONS[:2]:
+        prompt = chat(quantized, question)
         await asyncio.wrap_future(quantized.clear_cache())
-        cold.append(await complete(quantized, prompt, max_tokens=24))
-        assert cold[-1].finish.cached_tokens == 0
-    await asyncio.wrap_future(quantized.clear_cache())
-    await complete(quantized, prompts[0][:len(prompts[0]) - 8], max_tokens=1)  # the prefix
-    alone = [await complete(quantized, prompt, max_tokens=24) for prompt in prompts[:2]]
-    together = await asyncio.gather(*(complete(quantized, p, max_tokens=24) for p in prompts))
-    for hit, miss in zip([*alone, *together], [*cold[:2], *cold]):
-        assert hit.finish.cached_tokens > 150
-        assert hit.tokens == miss.tokens
+        cold = await complete(quantized, prompt, max_tokens=24)
+        assert cold.finish.cached_tokens == 0
+        await asyncio.wrap_future(quantized.clear_cache())
+        # Chunks 0-64 and 64-128 published; the next token differs from the prompt's.
+        other = (prompt[CHUNK * 2] + 1) % quantized._loaded.vocab_size
+        await complete(quantized, [*prompt[:CHUNK * 2], other], max_tokens=1)
+        hit = await complete(quantized, prompt, max_tokens=24)
+        assert hit.finish.cached_tokens == CHUNK * 2
+        assert hit.tokens == cold.tokens
     await settled(quantized)
 
 
@@ -143,11 +152,11 @@ async def test_quantized_segments_come_back_from_disk_and_other_bits_are_dropped
     try:
         assert other.disk.rebuilt.wait(30)
         assert other.disk.stats.restored_nodes == 0 and other.disk.stats.bad_files > 0
+        assert not list(other.disk.directory.glob("*.safetensors"))  # dropped
         missed = await complete(other, prompt, max_tokens=16)
         assert missed.finish.cached_tokens == 0
     finally:
         other.shutdown()
-    assert not list((tmp_path / other.disk.directory.name).glob("*.safetensors")) or True
 
 
 # -- models it does not apply to ----------------------------------------------------------------
@@ -159,8 +168,7 @@ async def test_quantized_segments_come_back_from_disk_and_other_bits_are_dropped
 ])
 def test_a_model_kv_bits_cannot_apply_to_fails_to_start_with_the_reason(
         family, message, demo_model_family) -> None:
-    engine = Engine(__import__("engine.api", fromlist=["EngineConfig"]).EngineConfig(
-        model=str(demo_model_family(family)), kv_bits=8))
+    engine = Engine(EngineConfig(model=str(demo_model_family(family)), kv_bits=8))
     engine.start()
     assert engine.wait_ready(120) == "failed"
     assert message in engine.error
