@@ -12,8 +12,12 @@ whether its prefix came from the tree or was computed by itself. So the state of
 is its rounded KV: every write into a running cache is rounded (`round`), and the tree
 stores `quantize` of the rounded values, which `dequantize` gives back bit for bit. A
 forward's own new tokens attend over each other as computed (mlx_lm_internals'
-`rounded_writes`), over every earlier token as kept: a prompt resumed from the tree at a
-point where a cold one ended a forward computes exactly what the cold one computed.
+`rounded_writes`; a decode step's one token over itself as kept, which copies no context),
+over every earlier token as kept: a prompt resumed from the tree at a point where a cold
+one ended a forward computes exactly what the cold one computed. (Attending over its own
+chunk as computed keeps a prompt closer to the unquantized model: on SmolLM2-135M, 6 of 8
+short chats kept their unquantized greedy answer at 8 bits, against 4 of 8 when every
+token attended over every other as kept.)
 
 The rounding must be a fixed point of the quantization, which one quantize-dequantize
 round trip is not (requantizing its output picks other scales and moves values by a

@@ -276,8 +276,9 @@ def presized_kv(keys: Sequence[mx.array], values: Sequence[mx.array]) -> KVCache
 def rounded_writes(cache: list[Any], round: Callable[[mx.array], mx.array]) -> list[Any]:
     """`cache`'s layers, each keeping `round` of the keys and values a forward gives it:
     a quantized server's running cache holds only what its tree gives back (kv_quant.py).
-    The forward's own tokens attend over each other as computed, over earlier ones as
-    kept: the same for a prompt computed whole and one resumed from the tree there."""
+    A forward's own tokens attend over each other as computed (but a one-token forward,
+    a decode step, over itself as kept), over earlier ones as kept: the same for a prompt
+    computed whole and one resumed from the tree where a forward of it ended."""
     return [RoundedWrites(layer, round) for layer in cache]
 
 
@@ -292,6 +293,8 @@ class RoundedWrites:
         kept_keys, kept_values = self._layer.update_and_fetch(self._round(keys),
                                                               self._round(values))
         new = keys.shape[2]
+        if new == 1:  # a decode step: its one token as kept, which copies no context
+            return kept_keys, kept_values
         return (mx.concatenate([kept_keys[..., :-new, :], keys], axis=2),
                 mx.concatenate([kept_values[..., :-new, :], values], axis=2))
 
