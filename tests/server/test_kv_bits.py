@@ -1,6 +1,6 @@
 """`--kv-bits 8` on the real default model, through the server: the prefix cache is
 reused and holds quantized tokens (SmolLM2-135M: 30 layers x 3 KV heads x 64, float32 on
-the CPU, 23040 bytes a token, 12960 quantized)."""
+the CPU, 46080 bytes a token, 12960 quantized)."""
 
 from __future__ import annotations
 
