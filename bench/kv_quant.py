@@ -34,17 +34,24 @@ IDENTITY_PROMPTS = 32
 IDENTITY_SYSTEM_TOKENS = 200
 IDENTITY_QUESTION_TOKENS = 20
 IDENTITY_OUTPUT_TOKENS = 32
+GROUP_SIZE = 64  # --kv-group-size's default
 
 
 def label(bits: int | None) -> str:
     return f"kv_bits {bits}" if bits else "model dtype"
 
 
-def bf16_bytes_per_token(model: Path) -> int:
-    """Keys and values of one token over all layers in bfloat16, from the model's config."""
+def shape(model: Path) -> tuple[int, int, int]:
+    """Layers, KV heads and head dimension, from the model's config."""
     config = json.loads((model / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
+    return config["num_hidden_layers"], config["num_key_value_heads"], head_dim
+
+
+def bf16_bytes_per_token(model: Path) -> int:
+    """Keys and values of one token over all layers in bfloat16."""
+    layers, heads, head_dim = shape(model)
+    return 2 * layers * heads * head_dim * 2
 
 
 def metrics(base_url: str) -> dict[str, float]:
@@ -76,6 +83,10 @@ async def answers(base_url: str, chats: list[list[dict]], cold: bool) -> list[di
 
 
 def run(model: Path, shapes: Shapes, env: dict[str, str], out: Path, seed: int) -> dict:
+    head_dim = shape(model)[2]
+    if head_dim % GROUP_SIZE:
+        return {"skipped": f"head dimension {head_dim}: the default group size "
+                           f"{GROUP_SIZE} does not divide it, and --kv-bits refuses the model"}
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     workload = next(w for w in build_all(model, shapes, seed) if w.name == "shared_prefix")

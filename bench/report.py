@@ -201,7 +201,7 @@ def target_values(results: dict) -> list[tuple]:
         rows.append(("agent working set 3x memory: output tok/s, disk tier / memory only",
                      disk["agent_working_set"]["throughput_ratio"], ">= 2.0",
                      lambda v: v >= 2.0))
-    eight = results.get("kv_quant", {}).get("kv_bits 8")
+    eight = results.get("kv_quant", {}).get("kv_bits 8")  # none if skipped
     if eight:
         rows.append(("--kv-bits 8: cached tokens per GiB / bfloat16's",
                      eight["tokens_per_gib_vs_bf16"], ">= 1.9", lambda v: v >= 1.9))
@@ -541,6 +541,8 @@ def kv_quant_section(kv: dict) -> list[str]:
     """The report's table of the `kv_quant` workload."""
     if not kv:
         return []
+    if "skipped" in kv:
+        return ["", f"KV cache quantization not measured: {kv['skipped']}."]
     lines = ["", "## KV cache quantization: the same server at --kv-bits 8 and 4", "",
              (f"Shared-prefix output tok/s and cached tokens per GiB of the tree (bfloat16 KV "
               f"of this shape: {kv['bf16_bytes_per_token']} bytes a token); greedy answers "
