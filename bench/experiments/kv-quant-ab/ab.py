@@ -24,7 +24,7 @@ async def round_of(engine: Engine, prompts: list[list[int]]) -> float:
     async def one(prompt: list[int]) -> int:
         stream = engine.submit(prompt, SamplingParams(max_tokens=OUTPUT_TOKENS,
                                                       temperature=0.0, ignore_eos=True))
-        return sum(1 async for event in stream if hasattr(event, "token"))
+        return len([event async for event in stream if hasattr(event, "token")])
 
     started = time.perf_counter()
     tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
