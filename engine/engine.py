@@ -39,9 +39,9 @@ from engine.api import (
 from engine.constraints import json_object
 from engine.disk_store import DiskStore, default_disk_budget, model_fingerprint
 from engine.distributed import RankGroup, memory_domain
+from engine.kv_quant import KVQuantization, cached_bytes_per_token, kv_quantization
 from engine.loader import LoadedModel, load_model, model_id_for
 from engine.memory import CPU_MEMORY_FRACTION, MemoryPlan, describe, headroom, plan_memory
-from engine.kv_quant import KVQuantization, cached_bytes_per_token, kv_quantization
 from engine.mlx_lm_internals import kv_bytes_per_token, kv_layout, supports_segments
 from engine.model_source import resolve_model
 from engine.platform_info import apply_mlx_env_defaults

@@ -51,8 +51,8 @@ from engine.mlx_lm_internals import (
     keep_rows,
     merge_caches,
     prefix_batch,
-    row_cache,
     rounded_writes,
+    row_cache,
     row_views,
     supports_segments,
 )

@@ -131,7 +131,8 @@ def _nodes(root) -> list:
 
 async def test_quantized_segments_come_back_from_disk_and_other_bits_are_dropped(
         real_model_dir: Path, tmp_path: Path) -> None:
-    options = dict(cache_bytes=1 << 28, disk_cache_dir=str(tmp_path), disk_cache_bytes=1 << 30)
+    options = {"cache_bytes": 1 << 28, "disk_cache_dir": str(tmp_path),
+               "disk_cache_bytes": 1 << 30}
     first = start_engine(str(real_model_dir), kv_bits=8, **options)
     prompt = chat(first, QUESTIONS[1])
     answer = await complete(first, prompt, max_tokens=16)

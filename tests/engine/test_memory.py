@@ -30,8 +30,8 @@ def test_the_kv_gets_what_weights_cache_and_headroom_leave() -> None:
 def test_a_quantized_cache_holds_more_tokens_in_the_same_budget() -> None:
     """--kv-bits 8 on a bfloat16 model of head dimension 64: 1 byte a value plus a float32
     scale and bias per 64 values, 1.125 bytes against 2. The running KV keeps its size."""
-    options = dict(limit_bytes=48 * GIB, weight_bytes=4 * GIB, kv_bytes_per_token=2048,
-                   headroom_bytes=2 * GIB, cache_bytes=10 * GIB)
+    options = {"limit_bytes": 48 * GIB, "weight_bytes": 4 * GIB, "kv_bytes_per_token": 2048,
+               "headroom_bytes": 2 * GIB, "cache_bytes": 10 * GIB}
     plain = plan_memory(**options)
     quantized = plan_memory(**options, cached_bytes_per_token=1152)
     assert plain.cached_tokens == 10 * GIB // 2048
