@@ -10,14 +10,14 @@ is plain), so a request's own KV costs what it did.
 A cache must never change an answer, so a request must attend over the same values
 whether its prefix came from the tree or was computed by itself. So the state of a token
 is its rounded KV: every write into a running cache is rounded (`round`), and the tree
-stores `quantize` of the rounded values, which `dequantize` gives back bit for bit. A
-forward's own new tokens attend over each other as computed (mlx_lm_internals'
-`rounded_writes`; a decode step's one token over itself as kept, which copies no context),
-over every earlier token as kept: a prompt resumed from the tree at a point where a cold
-one ended a forward computes exactly what the cold one computed. (Attending over its own
-chunk as computed keeps a prompt closer to the unquantized model: on SmolLM2-135M, 6 of 8
-short chats kept their unquantized greedy answer at 8 bits, against 4 of 8 when every
-token attended over every other as kept.)
+stores `quantize` of the rounded values, which `dequantize` gives back bit for bit. Every
+token attends over every other as kept, its own forward's included (mlx_lm_internals'
+`rounded_writes`), so a prompt resumed from the tree computes what the cold prompt
+computed, up to the float noise of forwards of other shapes (which rounding can turn into
+a whole step where a value lies near a step's edge: docs/benchmarks.md). A rule where a
+forward's own tokens attend over each other as computed kept the unquantized answer a
+little more often (10 against 9 of 12 chats at 8 bits), but made what a token sees depend
+on how its prompt was cut into forwards (chunks, hits, speculative steps).
 
 The rounding must be a fixed point of the quantization, which one quantize-dequantize
 round trip is not (requantizing its output picks other scales and moves values by a

@@ -276,9 +276,9 @@ def presized_kv(keys: Sequence[mx.array], values: Sequence[mx.array]) -> KVCache
 def rounded_writes(cache: list[Any], round: Callable[[mx.array], mx.array]) -> list[Any]:
     """`cache`'s layers, each keeping `round` of the keys and values a forward gives it:
     a quantized server's running cache holds only what its tree gives back (kv_quant.py).
-    A forward's own tokens attend over each other as computed (but a one-token forward,
-    a decode step, over itself as kept), over earlier ones as kept: the same for a prompt
-    computed whole and one resumed from the tree where a forward of it ended."""
+    Every token attends over every other as kept, its own forward's included, so what a
+    token sees does not depend on how its prompt was cut into forwards (chunks, a cache
+    hit, a speculative step) beyond the float noise of their shapes."""
     return [RoundedWrites(layer, round) for layer in cache]
 
 
@@ -290,13 +290,7 @@ class RoundedWrites:
         self._layer, self._round = layer, round
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        kept_keys, kept_values = self._layer.update_and_fetch(self._round(keys),
-                                                              self._round(values))
-        new = keys.shape[2]
-        if new == 1:  # a decode step: its one token as kept, which copies no context
-            return kept_keys, kept_values
-        return (mx.concatenate([kept_keys[..., :-new, :], keys], axis=2),
-                mx.concatenate([kept_values[..., :-new, :], values], axis=2))
+        return self._layer.update_and_fetch(self._round(keys), self._round(values))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._layer, name)
