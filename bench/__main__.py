@@ -29,7 +29,15 @@ from typing import NamedTuple
 
 import httpx
 
-from bench import disk_tier, hardware, report, several_models, snapshot_models, speculation
+from bench import (
+    disk_tier,
+    hardware,
+    kv_quant,
+    report,
+    several_models,
+    snapshot_models,
+    speculation,
+)
 from bench.client import run_workload
 from bench.servers import (
     LLAMA_CPP,
@@ -65,7 +73,7 @@ METRICS_POLL_SECONDS = 0.5
 
 def all_workloads() -> list[str]:
     return [*WORKLOADS, *disk_tier.WORKLOADS, *several_models.WORKLOADS,
-            *snapshot_models.WORKLOADS, *speculation.WORKLOADS]
+            *kv_quant.WORKLOADS, *snapshot_models.WORKLOADS, *speculation.WORKLOADS]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -405,6 +413,10 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
         print("bench: several models in one server", file=sys.stderr, flush=True)
         results["several_models"] = several_models.run(wanted, model.directory, shapes, env,
                                                        out, args.seed)
+    if set(wanted) & set(kv_quant.WORKLOADS):
+        print("bench: radix-mlx at --kv-bits 8 and 4 against unquantized", file=sys.stderr,
+              flush=True)
+        results["kv_quant"] = kv_quant.run(model.directory, shapes, env, out, args.seed)
     if not args.no_raw:
         if "single_stream" in wanted:
             print("bench: bare mlx_lm.stream_generate", file=sys.stderr, flush=True)

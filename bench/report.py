@@ -205,6 +205,14 @@ def target_values(results: dict) -> list[tuple]:
         rows.append(("agent working set 3x memory: output tok/s, disk tier / memory only",
                      disk["agent_working_set"]["throughput_ratio"], ">= 2.0",
                      lambda v: v >= 2.0))
+    eight = results.get("kv_quant", {}).get("kv_bits 8")  # none if skipped
+    if eight:
+        rows.append(("--kv-bits 8: cached tokens per GiB / bfloat16's",
+                     eight["tokens_per_gib_vs_bf16"], ">= 1.9", lambda v: v >= 1.9))
+        rows.append(("--kv-bits 8: greedy answers equal to unquantized, of 32",
+                     eight["identical_to_unquantized"], ">= 30", lambda v: v >= 30))
+        rows.append(("--kv-bits 8: shared-prefix output tok/s / unquantized",
+                     eight["throughput_ratio"], ">= 0.95", lambda v: v >= 0.95))
     several = results.get("several_models", {})
     if "model_switching" in several:
         rows.append(("two loaded models asked in turn: TTFT p50 / one model's",
@@ -389,6 +397,7 @@ def markdown(results: dict) -> str:
     lines += disk_tier_section(results.get("disk_tier", {}))
     lines += speculation_section(results.get("speculation", {}))
     lines += several_models_section(results.get("several_models", {}))
+    lines += kv_quant_section(results.get("kv_quant", {}))
     lines += ["", "## Single-stream decode (engine overhead)", "",
               "| path | decode tok/s |", "|---|---:|"]
     for server, data in single.items():
@@ -583,6 +592,34 @@ def speculation_section(speculation: dict) -> list[str]:
                          f"{modes['auto']['output_tok_s']:.2f} | "
                          f"{fmt(modes['ratio'], '{:.2f}x')} | "
                          f"{fmt(modes['auto']['acceptance'] or None, '{:.0%}')} |")
+    return lines
+
+
+def kv_quant_section(kv: dict) -> list[str]:
+    """The report's table of the `kv_quant` workload."""
+    if not kv:
+        return []
+    if "skipped" in kv:
+        return ["", f"KV cache quantization not measured: {kv['skipped']}."]
+    lines = ["", "## KV cache quantization: the same server at --kv-bits 8 and 4", "",
+             (f"Shared-prefix output tok/s and cached tokens per GiB of the tree (bfloat16 KV "
+              f"of this shape: {kv['bf16_bytes_per_token']} bytes a token); greedy answers "
+              f"of {kv['prompts']} chats behind one cached system prompt, against the "
+              "unquantized server's and against the same server's with nothing cached."), "",
+             ("| server | output tok/s | ratio | bytes/token | cached tokens/GiB | ratio | "
+              "vs bf16 | hits equal to unquantized | hits equal to cold |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in ("model dtype", "kv_bits 8", "kv_bits 4"):
+        row = kv[name]
+        lines.append(
+            f"| {name} | {row['output_tok_s']:.2f} | "
+            f"{fmt(row.get('throughput_ratio'), '{:.2f}x')} | "
+            f"{fmt(row['bytes_per_token'], '{:.0f}')} | "
+            f"{fmt(row['cached_tokens_per_gib'], '{:,.0f}')} | "
+            f"{fmt(row.get('tokens_per_gib_ratio'), '{:.2f}x')} | "
+            f"{fmt(row.get('tokens_per_gib_vs_bf16'), '{:.2f}x')} | "
+            f"{row.get('identical_to_unquantized', kv['prompts'])}/{kv['prompts']} | "
+            f"{row['hit_equals_cold']}/{kv['prompts']} |")
     return lines
 
 

@@ -42,6 +42,11 @@ class Lifecycle(str, enum.Enum):
     FAILED = "failed"
 
 
+# What `EngineConfig.kv_bits` and `kv_group_size` may be: mlx-lm's quantized KV cache's.
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
 @dataclass(frozen=True)
 class SpeculationConfig:
     """A server's speculative decoding: the mode of requests that name none, the most
@@ -87,6 +92,11 @@ class EngineConfig:
     # free space there, see disk_store.default_disk_budget; 0: off).
     disk_cache_dir: str | None = None
     disk_cache_bytes: int | None = 0
+    # The prefix cache's tokens quantized to this many bits (KV_BITS; None: the model's
+    # dtype), in groups of `kv_group_size` (KV_GROUP_SIZES) along the head dimension
+    # (engine/kv_quant.py).
+    kv_bits: int | None = None
+    kv_group_size: int = 64
     # Tensor parallelism: how long one scheduler step may take before the group counts
     # as lost (a rank that hangs must not hang the server).
     collective_timeout: float = 60.0

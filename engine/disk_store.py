@@ -42,6 +42,7 @@ from mlx_lm.models import cache as cache_module
 from engine import segment_file
 from engine.api import DiskStats
 from engine.kv import CacheSnapshot, KVSegment
+from engine.kv_quant import KVQuantization
 from engine.segment_file import BadSegmentFile, SegmentHeader, Tensor
 from radix import RadixTree
 
@@ -56,6 +57,11 @@ LOCK_FILE = ".lock"
 DEPARTURES_FILE = "departures.json"
 # How much of the file heads of a model's weights the fingerprint reads.
 FINGERPRINT_SAMPLE_BYTES = 1 << 20
+
+# The tensors of a segment's file, per layer: keys and values, or their quantized triples.
+PLAIN_PARTS = ("keys", "values")
+QUANTIZED_PARTS = ("keys", "key_scales", "key_biases", "values", "value_scales",
+                   "value_biases")
 
 _MX_TO_ST = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.int32: "I32",
              mx.uint32: "U32", mx.int64: "I64", mx.uint64: "U64", mx.int16: "I16",
@@ -147,13 +153,19 @@ def lock_folder(directory: Path) -> int:
 
 class DiskStore:
     def __init__(self, directory: Path, capacity_bytes: int, fingerprint: str,
-                 segments: bool, queue_bytes: int) -> None:
+                 segments: bool, queue_bytes: int,
+                 quantization: KVQuantization | None = None) -> None:
         self.directory = Path(directory) / fingerprint
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock = lock_folder(self.directory)
         self.capacity_bytes = capacity_bytes
         self.root_key = fingerprint
         self.kind = "segment" if segments else "snapshot"
+        # Segments are kept as this server's quantization makes them; a file of another
+        # (its kv_bits and kv_group_size differ) is not this server's state of its tokens.
+        self.quantization = quantization
+        self._kv_fields = ((quantization.bits, quantization.group_size) if quantization
+                           else (0, 0))
         self.queue_bytes = queue_bytes
         self.stats = DiskStats()
         self.rebuilt = threading.Event()
@@ -176,7 +188,8 @@ class DiskStore:
     def save(self, key: str, parent_key: str, start: int, tokens: tuple[int, ...],
              handle: KVSegment | CacheSnapshot) -> DiskCopy | None:
         header = SegmentHeader(fingerprint=self.root_key, key=key, parent=parent_key,
-                               start=start, tokens=list(tokens), kind=self.kind)
+                               start=start, tokens=list(tokens), kind=self.kind,
+                               kv_bits=self._kv_fields[0], kv_group_size=self._kv_fields[1])
         arrays = self._arrays(handle, header)
         data_bytes = sum(a.nbytes for _, a in arrays)
         with self._cond:
@@ -232,7 +245,8 @@ class DiskStore:
             header, tensors = segment_file.read(copy.path)
             if header.key != copy.key or header.fingerprint != self.root_key:
                 raise BadSegmentFile(f"{copy.path.name} holds {header.key} of another model")
-            handle = self._handle(header, tensors)
+            self._check_quantization(header)
+            handle = self._handle(header, tensors, self.quantization)
         except (KeyError, ValueError, TypeError, AttributeError) as error:
             # Checksummed, yet not what this model's caches are made of.
             self._reject(copy.path, f"cannot rebuild its cache: {error!r}")
@@ -293,10 +307,18 @@ class DiskStore:
             raise BadSegmentFile("written for another model")
         if header.kind != self.kind:
             raise BadSegmentFile(f"a {header.kind}, this model keeps {self.kind}s")
+        self._check_quantization(header)
         if path.name != f"{header.key}{segment_file.SUFFIX}":
             raise BadSegmentFile(f"holds {header.key} under another name")
         if not header.tokens or header.key != self.key(header.parent, tuple(header.tokens)):
             raise BadSegmentFile("its key does not match its parent and tokens")
+
+    def _check_quantization(self, header: SegmentHeader) -> None:
+        if (header.kv_bits, header.kv_group_size) != self._kv_fields:
+            raise BadSegmentFile(
+                f"written with kv_bits {header.kv_bits or 'none'} (group size "
+                f"{header.kv_group_size}); this server has kv_bits "
+                f"{self._kv_fields[0] or 'none'} (group size {self._kv_fields[1]})")
 
     def _reject(self, path: Path, reason: str) -> None:
         log.warning("disk cache: skipping and deleting %s: %s", path.name, reason)
@@ -388,14 +410,14 @@ class DiskStore:
 
     # -- handles <-> arrays -----------------------------------------------------------------
 
-    @staticmethod
-    def _arrays(handle: KVSegment | CacheSnapshot,
+    def _arrays(self, handle: KVSegment | CacheSnapshot,
                 header: SegmentHeader) -> list[tuple[str, mx.array]]:
         """The arrays to write, evaluated here on the engine thread; the writer only reads
         their memory. bfloat16 is written as its uint16 bits (numpy has no bfloat16)."""
         if isinstance(handle, KVSegment):
-            named = [(f"keys.{i}", k) for i, k in enumerate(handle.keys)]
-            named += [(f"values.{i}", v) for i, v in enumerate(handle.values)]
+            names = _parts(self.quantization)
+            named = [(f"{name}.{i}", layer) for name, arrays in zip(names, handle.arrays)
+                     for i, layer in enumerate(arrays)]
         else:
             header.classes = [type(c).__name__ for c in handle.cache]
             named = []
@@ -410,15 +432,25 @@ class DiskStore:
         return named
 
     @staticmethod
-    def _handle(header: SegmentHeader, tensors: list[Tensor]) -> KVSegment | CacheSnapshot:
+    def _handle(header: SegmentHeader, tensors: list[Tensor],
+                quantization: KVQuantization | None = None) -> KVSegment | CacheSnapshot:
         loaded = {t.name: mx.array(t.data).view(mx.bfloat16) if t.dtype == "BF16"
                   else mx.array(t.data) for t in tensors}
         mx.eval(list(loaded.values()))
         if header.kind == "segment":
-            layers = len(loaded) // 2
-            return KVSegment([loaded[f"keys.{i}"] for i in range(layers)],
-                             [loaded[f"values.{i}"] for i in range(layers)])
+            names = _parts(quantization)
+            layers = len(loaded) // len(names)
+            parts = [[loaded[f"{name}.{i}"] for i in range(layers)] for name in names]
+            if quantization is None:
+                return KVSegment(*parts)
+            return KVSegment(tuple(parts[:3]), tuple(parts[3:]), quantization=quantization)
         states = tree_unflatten(list({**header.scalars, **loaded}.items()))
         return CacheSnapshot([getattr(cache_module, cls).from_state(state)
                               for cls, state in zip(header.classes, states)])
 
+
+
+def _parts(quantization: KVQuantization | None) -> tuple[str, ...]:
+    """The names of a segment's `arrays`, in order: its file's tensors are
+    `{name}.{layer}`."""
+    return PLAIN_PARTS if quantization is None else QUANTIZED_PARTS

@@ -40,9 +40,10 @@ from engine.api import (
 from engine.constraints import json_object
 from engine.disk_store import DiskStore, default_disk_budget, model_fingerprint
 from engine.distributed import RankGroup, memory_domain, one_gpu_would_be_faster
+from engine.kv_quant import KVQuantization, cached_bytes_per_token, kv_quantization
 from engine.loader import LoadedModel, load_model, model_id_for
 from engine.memory import CPU_MEMORY_FRACTION, MemoryPlan, describe, headroom, plan_memory
-from engine.mlx_lm_internals import kv_bytes_per_token
+from engine.mlx_lm_internals import kv_bytes_per_token, kv_layout, supports_segments
 from engine.model_source import resolve_model
 from engine.platform_info import apply_mlx_env_defaults
 from engine.scheduler import (
@@ -152,7 +153,8 @@ class Engine:
             self.context_length = min(loaded.context_length,
                                       self.config.context_length or loaded.context_length)
             self.state = Lifecycle.WARMING_UP
-            self.memory = self._plan_memory(loaded)
+            quantization = self._kv_quantization(loaded)
+            self.memory = self._plan_memory(loaded, quantization)
             if self.group is not None:  # one plan, so every rank evicts alike
                 self.memory = self.group.share(self.memory)
                 warning = one_gpu_would_be_faster(
@@ -170,7 +172,7 @@ class Engine:
                 max_tokens_in_flight=min(self.config.max_tokens_in_flight,
                                          self.memory.kv_tokens),
                 cache_bytes=self.memory.cache_bytes,
-            ), self.group, self.config.speculation)
+            ), self.group, self.config.speculation, quantization)
             self.wants_message_ends = not self._scheduler.kv.segments
             self._warm_up()
             self._start_disk_tier(loaded)
@@ -243,17 +245,34 @@ class Engine:
             logging.shutdown()
             os._exit(1)
 
-    def _plan_memory(self, loaded: LoadedModel) -> MemoryPlan:
+    def _kv_quantization(self, loaded: LoadedModel) -> KVQuantization | None:
+        """What `kv_bits` asks for, or a clear error for a model it cannot apply to."""
+        if self.config.kv_bits is None:
+            return None
+        if not supports_segments(make_prompt_cache(loaded.model)):
+            raise ValueError(
+                f"kv_bits: {loaded.model_id} has sliding-window or recurrent layers, whose "
+                "cache is kept as whole-state snapshots, and KV quantization covers plain "
+                "KV caches only; serve this model without --kv-bits")
+        dtype, head_dims = kv_layout(loaded.model)
+        return kv_quantization(self.config.kv_bits, self.config.kv_group_size, dtype,
+                               head_dims)
+
+    def _plan_memory(self, loaded: LoadedModel, quantization: KVQuantization | None
+                     ) -> MemoryPlan:
         """Plan weights + prefix cache + running KV under this process's limit and tell MLX
         that limit; on a Mac also keep that much wired, as mlx-lm's server does, so the
-        model is not paged out between requests."""
+        model is not paged out between requests. A quantized server's prefix cache holds
+        quantized tokens; its running KV stays in the model's dtype (kv_quant.py)."""
         limit = self.config.memory_limit_bytes or self._memory_share_bytes()
         gpu = mx.default_device() == mx.gpu
         chunk = max(self.config.prefill_chunk_tokens or 0,
                     GPU_PREFILL_CHUNK if gpu else CPU_PREFILL_CHUNK)
+        per_token = kv_bytes_per_token(loaded.model)
         plan = plan_memory(
             limit_bytes=limit, weight_bytes=loaded.weight_bytes,
-            kv_bytes_per_token=kv_bytes_per_token(loaded.model),
+            kv_bytes_per_token=per_token,
+            cached_bytes_per_token=cached_bytes_per_token(per_token, quantization),
             headroom_bytes=headroom(chunk, loaded.vocab_size),
             cache_bytes=self.config.cache_bytes, cache_fraction=self.config.cache_fraction)
         mx.set_memory_limit(limit)
@@ -297,7 +316,7 @@ class Engine:
                               high))
         try:
             self.disk = DiskStore(directory, budget, fingerprint, scheduler.kv.segments,
-                                  queue_bytes)
+                                  queue_bytes, scheduler.kv.quantization)
         except OSError as error:  # an unusable directory costs the tier, not the server
             log.error("disk cache off: %s", error)
             return

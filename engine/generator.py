@@ -44,6 +44,7 @@ from engine.api import SchedulerCounters
 from engine.grammar import GrammarState, apply_masks, draft_masks, masks
 from engine.hidden_states import HiddenStates
 from engine.kv import assemble
+from engine.kv_quant import KVQuantization
 from engine.mlx_lm_internals import (
     BatchRow,
     Span,
@@ -53,6 +54,7 @@ from engine.mlx_lm_internals import (
     merge_caches,
     prefix_batch,
     restore_order,
+    rounded_writes,
     row_cache,
     row_views,
     supports_segments,
@@ -172,9 +174,11 @@ class Generator:
 
     def __init__(self, model: nn.Module,
                  at_snapshot: Callable[[SequenceState], None] = lambda sequence: None,
-                 counters: SchedulerCounters | None = None) -> None:
+                 counters: SchedulerCounters | None = None,
+                 quantization: KVQuantization | None = None) -> None:
         self.model = model
         self.counters = counters or SchedulerCounters()  # where it counts speculative steps
+        self.quantization = quantization  # a quantized server's (kv_quant.py)
         self.layers = len(make_prompt_cache(model))
         # Sees a prefilling sequence's cache at each of its `snapshot_at` positions.
         self.at_snapshot = at_snapshot
@@ -219,6 +223,13 @@ class Generator:
         self.prefilling.append(sequence)
 
     # -- steps ------------------------------------------------------------------------
+
+    def _run(self, inputs: mx.array, cache: list[Any], **kwargs: Any) -> mx.array:
+        """The model's logits for `inputs` after what `cache` holds, which takes in their
+        KV: on a quantized server, rounded to what the tree will give back of it."""
+        if self.quantization is not None:
+            cache = rounded_writes(cache, self.quantization.round)
+        return self.model(inputs, cache=cache, **kwargs)
 
     def decode(self) -> list[Output]:
         """Join the sequences whose prompt is computed, and run one decode step. Returns
@@ -296,10 +307,10 @@ class Generator:
             embeddings = sequence.images.inputs(sequence.tokens + sequence.unfed, start,
                                                 start + len(chunk))
         if embeddings is None:
-            self.model(mx.array([chunk]), cache=sequence.cache)
+            self._run(mx.array([chunk]), sequence.cache)
         else:
-            self.model(mx.array([sequence.images.model_ids(chunk)]), cache=sequence.cache,
-                       input_embeddings=embeddings[None])
+            self._run(mx.array([sequence.images.model_ids(chunk)]), sequence.cache,
+                      input_embeddings=embeddings[None])
 
     def _build_cache(self, sequence: SequenceState) -> None:
         """Give a sequence its own cache, assembled from `prefix`, if it has none yet."""
@@ -375,7 +386,7 @@ class Generator:
             for layer in cache:
                 layer.prepare(right_padding=[width - n for n in lengths])
             inputs = mx.array([feed + [0] * (width - len(feed)) for _, feed, _ in rows])
-            logits = self.model(inputs, cache=cache)
+            logits = self._run(inputs, cache)
             for layer in cache:
                 layer.finalize()
             rows, ends = mx.arange(len(group)), mx.array(lengths) - 1
@@ -412,7 +423,7 @@ class Generator:
             for sequence in group:
                 self._build_cache(sequence)
             cache = merge_caches([s.cache for s in group])
-            self.model(mx.array([s.unfed[:width] for s in group]), cache=cache)
+            self._run(mx.array([s.unfed[:width] for s in group]), cache)
             mx.eval([c.state for c in cache])
         except Exception:  # noqa: BLE001 - the one-by-one path finds and fails the culprit
             return False
@@ -429,7 +440,7 @@ class Generator:
         """Feed the prompt's last token alone (as mlx_lm.generate does), sample the first
         token, and add the sequence to the decode batch."""
         token = sequence.unfed.pop()
-        logits = self.model(mx.array([[token]]), cache=sequence.cache)[:, -1, :]
+        logits = self._run(mx.array([[token]]), sequence.cache)[:, -1, :]
         hidden = None
         if sequence.wants_hidden:
             hidden = self.hidden.take(mx.array([0]), mx.array([0]))
@@ -485,7 +496,7 @@ class Generator:
                 if width:
                     return self._verify(fed, [draft[:width] for draft in drafts])
         fed = self.inputs
-        logits = self.model(fed[:, None], cache=self.cache)[:, -1, :]
+        logits = self._run(fed[:, None], self.cache)[:, -1, :]
         for i, row in enumerate(self.rows):
             if row.processors:
                 row.context = mx.concatenate([row.context, fed[i:i + 1]])
@@ -529,7 +540,7 @@ class Generator:
         width = max(len(draft) for draft in drafts)
         inputs = mx.array([[token, *draft] + [token] * (width - len(draft))
                            for token, draft in zip(fed, drafts)], mx.uint32)
-        logits = self.model(inputs, cache=self.cache)
+        logits = self._run(inputs, self.cache)
         first, first_scores = self._sample(rows, logits[:, 0, :], first_mask)
         kept: list[int] = []
         following = first.tolist()  # what rows without a draft are fed next

@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from engine.kv_quant import KVQuantization
 from engine.mlx_lm_internals import (
     BatchRow,
     cache_arrays,
@@ -41,48 +42,97 @@ from radix import Node
 # one array stacked over layers ([layers, 1, heads, tokens, dim], copied out of a batch
 # in one operation). Either way `keys[layer]` is a layer's.
 LayerArrays = Sequence[mx.array] | mx.array
+# A quantized segment's keys (or values): packed integers, scales and biases, each
+# `LayerArrays` with the tokens on the same axis.
+Triple = tuple[LayerArrays, LayerArrays, LayerArrays]
 
 
 class KVSegment:
-    """Keys and values of one token span, per layer (`LayerArrays`)."""
+    """Keys and values of one token span, per layer (`LayerArrays`). On a quantized server
+    (kv_quant.py) it keeps each as mlx's (packed, scales, biases) triple of `LayerArrays`,
+    and `keys`/`values` dequantize them, lazily, at each use."""
 
     splittable = True
 
-    def __init__(self, keys: LayerArrays, values: LayerArrays,
-                 defer: Callable[[KVSegment], None] | None = None) -> None:
-        self.keys = keys
-        self.values = values
-        self.nbytes = _nbytes(keys) + _nbytes(values)
-        self.length = keys[0].shape[-2]  # tokens (read once: a stacked array's is a slice)
+    def __init__(self, keys: LayerArrays | Triple, values: LayerArrays | Triple,
+                 defer: Callable[[KVSegment], None] | None = None,
+                 quantization: KVQuantization | None = None) -> None:
+        self.stored = (keys, values)  # as given: arrays, or their triples if quantized
+        self.quantization = quantization
+        self.nbytes = sum(_nbytes(arrays) for arrays in self.arrays)
+        # Tokens (read once: a stacked array's is a slice); packed arrays have as many.
+        self.length = self.arrays[0][0].shape[-2]
         # Hands the copies a split makes to whoever evaluates them with other new handles
         # (its KVStore, at `settle`); None: the split evaluates them itself.
         self.defer = defer
 
     @classmethod
-    def from_cache(cls, cache: Sequence[KVCache], start: int, end: int) -> KVSegment:
-        """Copy tokens [start, end) out of a single-sequence cache (lazily: see `arrays`)."""
-        keys, values = zip(*(kv_span(layer, start, end) for layer in cache))
-        return cls(list(keys), list(values))
+    def of(cls, keys: LayerArrays, values: LayerArrays,
+           quantization: KVQuantization | None = None) -> KVSegment:
+        """A segment of these keys and values, quantized (lazily) if `quantization`."""
+        if quantization is None:
+            return cls(keys, values)
+        return cls(_quantize(keys, quantization), _quantize(values, quantization),
+                   quantization=quantization)
 
     @classmethod
-    def from_batch_row(cls, row: BatchRow, start: int, end: int) -> KVSegment:
+    def from_cache(cls, cache: Sequence[KVCache], start: int, end: int,
+                   quantization: KVQuantization | None = None) -> KVSegment:
+        """Copy tokens [start, end) out of a single-sequence cache (lazily: see `arrays`)."""
+        keys, values = zip(*(kv_span(layer, start, end) for layer in cache))
+        return cls.of(list(keys), list(values), quantization)
+
+    @classmethod
+    def from_batch_row(cls, row: BatchRow, start: int, end: int,
+                       quantization: KVQuantization | None = None) -> KVSegment:
         """Copy tokens [start, end) of a batch row, all layers at once (lazily)."""
-        return cls(*row.span(start, end))
+        return cls.of(*row.span(start, end), quantization)
+
+    @property
+    def keys(self) -> LayerArrays:
+        return self._plain(self.stored[0])
+
+    @property
+    def values(self) -> LayerArrays:
+        return self._plain(self.stored[1])
+
+    def _plain(self, stored: LayerArrays | Triple) -> LayerArrays:
+        if self.quantization is None:
+            return stored
+        if isinstance(stored[0], mx.array):
+            return self.quantization.dequantize(*stored)
+        return [self.quantization.dequantize(*layer) for layer in zip(*stored)]
 
     @property
     def arrays(self) -> list[LayerArrays]:
-        """What to evaluate to materialize the copy."""
-        return [self.keys, self.values]
+        """What to evaluate to materialize the copy: keys and values, or their triples."""
+        if self.quantization is None:
+            return list(self.stored)
+        return [*self.stored[0], *self.stored[1]]
 
     def split(self, at: int) -> tuple[KVSegment, KVSegment]:
-        head = KVSegment(_cut(self.keys, 0, at), _cut(self.values, 0, at), self.defer)
-        tail = KVSegment(_cut(self.keys, at, None), _cut(self.values, at, None), self.defer)
+        head, tail = (KVSegment(*(self._cut(stored, start, end) for stored in self.stored),
+                                self.defer, self.quantization)
+                      for start, end in ((0, at), (at, None)))
         if self.defer is None:
             mx.eval(head.arrays, tail.arrays)
         else:
             self.defer(head)
             self.defer(tail)
         return head, tail
+
+    def _cut(self, stored: LayerArrays | Triple, start: int, end: int | None
+             ) -> LayerArrays | Triple:
+        if self.quantization is None:
+            return _cut(stored, start, end)
+        return tuple(_cut(arrays, start, end) for arrays in stored)
+
+
+def _quantize(arrays: LayerArrays, quantization: KVQuantization) -> Triple:
+    if isinstance(arrays, mx.array):
+        return quantization.quantize(arrays)
+    packed, scales, biases = zip(*(quantization.quantize(a) for a in arrays))
+    return list(packed), list(scales), list(biases)
 
 
 def _nbytes(arrays: LayerArrays) -> int:
@@ -130,16 +180,19 @@ def assemble(handles: Sequence[KVSegment | CacheSnapshot], model: nn.Module) -> 
     last = handles[-1]
     if isinstance(last, CacheSnapshot):
         return clone_cache(last.cache)
-    return [presized_kv([h.keys[layer] for h in handles], [h.values[layer] for h in handles])
-            for layer in range(len(last.keys))]
+    spans = [(h.keys, h.values) for h in handles]  # read once: a quantized one dequantizes
+    return [presized_kv([keys[layer] for keys, _ in spans],
+                        [values[layer] for _, values in spans])
+            for layer in range(len(spans[0][0]))]
 
 
 class KVStore:
     """Where the scheduler's KV handles come from and go to, for one model."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, quantization: KVQuantization | None = None) -> None:
         self.model = model
         self.segments = supports_segments(make_prompt_cache(model))
+        self.quantization = quantization  # of the segments it makes
         self._unsettled: list[KVSegment | CacheSnapshot] = []
 
     def handle(self, cache: list[Any] | BatchRow, start: int, end: int
@@ -149,9 +202,9 @@ class KVStore:
         Its copy is computed at the next `settle`, which must come before `cache` is
         written to again (or the write copies the buffer the copy still reads)."""
         if isinstance(cache, BatchRow):
-            handle = KVSegment.from_batch_row(cache, start, end)
+            handle = KVSegment.from_batch_row(cache, start, end, self.quantization)
         elif self.segments:
-            handle = KVSegment.from_cache(cache, start, end)
+            handle = KVSegment.from_cache(cache, start, end, self.quantization)
         else:
             handle = CacheSnapshot.from_cache(cache)
         if isinstance(handle, KVSegment):

@@ -39,11 +39,19 @@ class MemoryPlan:
     cache_bytes: int  # the radix tree's budget
     headroom_bytes: int
     kv_bytes_per_token: int
+    # What a token takes in the prefix cache: less than `kv_bytes_per_token` where the
+    # cache is quantized (kv_quant.py; the running KV stays in the model's dtype).
+    cached_bytes_per_token: int
 
     @property
     def kv_bytes(self) -> int:
         """What is left for the KV of running requests."""
         return self.limit_bytes - self.weight_bytes - self.cache_bytes - self.headroom_bytes
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens the prefix cache's budget holds."""
+        return self.cache_bytes // self.cached_bytes_per_token
 
     @property
     def kv_tokens(self) -> int:
@@ -60,14 +68,17 @@ def headroom(prefill_chunk_tokens: int, vocab_size: int) -> int:
 def plan_memory(
     *, limit_bytes: int, weight_bytes: int, kv_bytes_per_token: int, headroom_bytes: int,
     cache_bytes: int | None = None, cache_fraction: float = 0.5,
+    cached_bytes_per_token: int | None = None,
 ) -> MemoryPlan:
     """The plan for one model. The radix cache gets `cache_bytes`, or else
     `cache_fraction` of the limit less the weights (at least MIN_CACHE_BYTES); the
-    running requests' KV gets the rest. Raises MemoryPlanError when nothing is left."""
+    running requests' KV gets the rest. Raises MemoryPlanError when nothing is left.
+    `cached_bytes_per_token`: a cached token's size (None: `kv_bytes_per_token`)."""
     if cache_bytes is None:
         cache_bytes = max(int(limit_bytes * cache_fraction) - weight_bytes, MIN_CACHE_BYTES)
     plan = MemoryPlan(limit_bytes, weight_bytes, cache_bytes, headroom_bytes,
-                      max(kv_bytes_per_token, 1))
+                      max(kv_bytes_per_token, 1),
+                      max(cached_bytes_per_token or kv_bytes_per_token, 1))
     if plan.kv_tokens < 1:
         gib = 2**30
         raise MemoryPlanError(
@@ -82,7 +93,8 @@ def describe(plan: MemoryPlan) -> str:
     """The plan in one log line."""
     gib = 2**30
     return (f"memory plan: limit {plan.limit_bytes / gib:.1f} GiB = weights "
-            f"{plan.weight_bytes / gib:.1f} + prefix cache {plan.cache_bytes / gib:.1f} + "
+            f"{plan.weight_bytes / gib:.1f} + prefix cache {plan.cache_bytes / gib:.1f} "
+            f"({plan.cached_tokens} tokens at {plan.cached_bytes_per_token} B/token) + "
             f"headroom {plan.headroom_bytes / gib:.1f} + KV {plan.kv_bytes / gib:.1f} GiB "
             f"({plan.kv_tokens} tokens at {plan.kv_bytes_per_token} B/token)")
 

@@ -10,7 +10,7 @@ save/load_prompt_cache use), so every cache type mlx-lm has can be copied.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -326,15 +326,49 @@ def presized_kv(keys: Sequence[mx.array], values: Sequence[mx.array]) -> KVCache
     return cache
 
 
+def rounded_writes(cache: list[Any], round: Callable[[mx.array], mx.array]) -> list[Any]:
+    """`cache`'s layers, each keeping `round` of the keys and values a forward gives it:
+    a quantized server's running cache holds only what its tree gives back (kv_quant.py).
+    Every token attends over every other as kept, its own forward's included, so what a
+    token sees does not depend on how its prompt was cut into forwards (chunks, a cache
+    hit, a speculative step) beyond the float noise of their shapes."""
+    return [RoundedWrites(layer, round) for layer in cache]
+
+
+class RoundedWrites:
+    """A cache layer whose `update_and_fetch` (the one call a model's attention makes to
+    write its new keys and values) keeps them rounded; the rest is the layer's own."""
+
+    def __init__(self, layer: Any, round: Callable[[mx.array], mx.array]) -> None:
+        self._layer, self._round = layer, round
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self._layer.update_and_fetch(self._round(keys), self._round(values))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._layer, name)
+
+
+def _one_token_cache(model: nn.Module) -> list[Any]:
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    return cache
+
+
 def kv_bytes_per_token(model: nn.Module) -> int:
     """What one more token adds to a request's cache, measured on a one-token forward.
     Sliding-window layers count as if they kept every token (an overestimate, on the safe
     side); recurrent state does not grow with tokens and counts nothing."""
-    cache = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=cache)
     total = 0
-    for layer in cache:
+    for layer in _one_token_cache(model):
         for array in (getattr(layer, "keys", None), getattr(layer, "values", None)):
             if isinstance(array, mx.array):
                 total += array[..., :1, :].nbytes
     return total
+
+
+def kv_layout(model: nn.Module) -> tuple[mx.Dtype, tuple[int, int]]:
+    """The dtype of a plain KV model's cache, and the head dimensions of its keys and
+    values."""
+    layer = _one_token_cache(model)[0]
+    return layer.keys.dtype, (layer.keys.shape[-1], layer.values.shape[-1])

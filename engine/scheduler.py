@@ -59,6 +59,7 @@ from engine.generation import Generation
 from engine.generator import Generator, KVSource, Output, SequenceState
 from engine.grammar import ConstraintFailed, Grammars
 from engine.kv import KVStore
+from engine.kv_quant import KVQuantization
 from engine.loader import LoadedModel
 from engine.prefill_budget import PrefillBudget
 from engine.prompt_logprobs import prompt_logprobs
@@ -170,14 +171,15 @@ def to_remote(message: Message) -> object:
 class Scheduler:
     def __init__(self, loaded: LoadedModel, limits: SchedulerLimits,
                  group: RankGroup | None = None,
-                 speculation: SpeculationConfig | None = None) -> None:
+                 speculation: SpeculationConfig | None = None,
+                 quantization: KVQuantization | None = None) -> None:
         self.loaded = loaded
         self.limits = limits
         self.speculation = speculation or SpeculationConfig()
         # Tensor parallelism (distributed.py): every rank runs this loop over rank 0's
         # inputs, and any failure is the whole group's, never recovered by one rank alone.
         self.group = group
-        self.kv = KVStore(loaded.model)
+        self.kv = KVStore(loaded.model, quantization)
         self.tree = RadixTree(limits.cache_bytes, free=self.kv.free)
         self.disk: DiskStore | None = None
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -196,7 +198,8 @@ class Scheduler:
         self.prefill_budget = PrefillBudget(
             stall_ratio, limits.prefill_stall_floor, chunk,
             idle_chunk=max(GPU_PREFILL_CHUNK, chunk) if gpu else chunk)
-        self.generator = Generator(loaded.model, self._take_snapshot, self.counters)
+        self.generator = Generator(loaded.model, self._take_snapshot, self.counters,
+                                   quantization)
         # Prompts that find the engine with nothing decoding are all prefilled before any
         # of them decodes (see `_step`).
         self.burst = False
@@ -681,7 +684,8 @@ class Scheduler:
         log.error("step failed: %r; %d request(s) affected", error, len(self.running))
         victims = list(self.running.values())
         self.running.clear()
-        self.generator = Generator(self.loaded.model, self._take_snapshot)
+        self.generator = Generator(self.loaded.model, self._take_snapshot,
+                                   self.kv.quantization)
         for generation in victims:
             generation.hold.abandon(error)
             generation.sequence = None

@@ -10,6 +10,8 @@ whose `__metadata__["radix_mlx"]` is a JSON header saying what the file is:
   in the tree, so the tree can be rebuilt from the files alone.
 - `kind`: "segment" (per-layer keys and values of the span) or "snapshot" (the whole
   cache state after the span, with the cache `classes` and non-array `scalars`).
+- `kv_bits`, `kv_group_size`: a segment's quantization (engine/kv_quant.py; 0: none,
+  the model's dtype), which the server reading it must have too.
 - `crc32` of the data section (8 hex digits), checked on every load.
 
 Writes go to a temporary name, are fsynced and renamed, so a file under a final name is
@@ -69,6 +71,8 @@ class SegmentHeader:
     kind: str  # "segment" or "snapshot"
     classes: list[str] = field(default_factory=list)
     scalars: dict[str, Any] = field(default_factory=dict)
+    kv_bits: int = 0  # 0: not quantized (and files written before quantization)
+    kv_group_size: int = 0
     crc32: str = "00000000"  # hex, fixed width: a file's size is known before its crc
     format: str = FORMAT
 

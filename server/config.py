@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine.api import DraftSource, SpeculationMode
+from engine.api import KV_BITS, KV_GROUP_SIZES, DraftSource, SpeculationMode
 from engine.files import cache_dir
 
 ENV_PREFIX = "RADIX_MLX_"
@@ -307,6 +307,16 @@ class Settings(BaseModel):
         None, description="byte budget of the disk tier (0 turns it off); none: a quarter of "
         "the free space there, at most 64 GiB"
     )
+    kv_bits: int | None = Field(
+        None, description="quantize the prefix cache's keys and values (memory and disk "
+        "tiers) to 4 or 8 bits, as mlx-lm's QuantizedKVCache does: 2-4x more cached tokens "
+        "in the same budget; models with sliding-window or recurrent layers are refused; "
+        "none: the model's dtype"
+    )
+    kv_group_size: int = Field(
+        64, description="with kv_bits: values per quantization group along the head "
+        "dimension (32, 64 or 128), each with its own scale and bias"
+    )
     cache_miss_details: bool = Field(
         False, description="add usage.prompt_tokens_details.cache_miss to OpenAI responses: "
         "where the cache stopped matching the prompt, and why (the access log always says)"
@@ -350,6 +360,20 @@ class Settings(BaseModel):
         if path is not None and not path.expanduser().is_file():
             raise ValueError("no such file")
         return None if path is None else path.expanduser()
+
+    @field_validator("kv_bits")
+    @classmethod
+    def _kv_bits(cls, bits: int | None) -> int | None:
+        if bits is not None and bits not in KV_BITS:
+            raise ValueError(f"must be one of {', '.join(map(str, KV_BITS))}")
+        return bits
+
+    @field_validator("kv_group_size")
+    @classmethod
+    def _kv_group_size(cls, size: int) -> int:
+        if size not in KV_GROUP_SIZES:
+            raise ValueError(f"must be one of {', '.join(map(str, KV_GROUP_SIZES))}")
+        return size
 
     @model_validator(mode="after")
     def _tls_needs_both_files(self) -> "Settings":

@@ -22,7 +22,14 @@ from bench.__main__ import (
     server_specs,
 )
 from bench.medians import main as medians
-from bench.report import median_summary, replica_rows, several_models_section, targets, write
+from bench.report import (
+    kv_quant_section,
+    median_summary,
+    replica_rows,
+    several_models_section,
+    targets,
+    write,
+)
 from bench.workloads import QUICK, build_all
 from tests.engine.gguf_files import write_demo_gguf
 
@@ -99,6 +106,8 @@ def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
     assert "## Structured output" in (tmp_path / "results.md").read_text()
     # Tiny sliding-window and hybrid models: each group's second conversation reuses the
     # first's system prompt (a snapshot at its end).
+    # The tiny model's head dimension (16) takes no KV quantization group.
+    assert "does not divide it" in results["kv_quant"]["skipped"]
     snapshots = json.loads((tmp_path / "snapshot-models" / "results.json").read_text())
     for family in ("gemma3_text", "qwen3_next"):
         shared = snapshots["families"][family]["radix-mlx"]["shared_prefix"]
@@ -181,6 +190,31 @@ def test_a_gguf_model_is_benched_as_serve_converts_it(demo_model_dir: Path, tmp_
     assert model.gguf == tmp_path / "tiny.gguf"  # what llama.cpp's server loads
     description = describe_model(model.directory)["description"]
     assert "float32" in description and description.endswith("the weights of tiny.gguf")
+
+
+def test_kv_quant_is_reported_with_its_targets() -> None:
+    def ran(tok_s: float, bytes_per_token: float, identical: int, hit_equals_cold: int
+            ) -> dict:
+        return {"output_tok_s": tok_s, "bytes_per_token": bytes_per_token,
+                "cached_tokens_per_gib": 2**30 / bytes_per_token,
+                "hit_equals_cold": hit_equals_cold, "throughput_ratio": tok_s / 10.0,
+                "tokens_per_gib_ratio": 46080 / bytes_per_token,
+                "tokens_per_gib_vs_bf16": 23040 / bytes_per_token,
+                "identical_to_unquantized": identical}
+
+    kv = {"bf16_bytes_per_token": 23040, "prompts": 32,
+          "model dtype": {"output_tok_s": 10.0, "bytes_per_token": 46080,
+                          "cached_tokens_per_gib": 2**30 / 46080, "hit_equals_cold": 32},
+          "kv_bits 8": ran(9.6, 12960, 31, 30), "kv_bits 4": ran(9.0, 7200, 20, 12)}
+    met = {t["target"]: t["met"] for t in targets({"servers": {}, "kv_quant": kv})
+           if t["target"].startswith("--kv-bits")}
+    assert met == {"--kv-bits 8: cached tokens per GiB / bfloat16's": False,
+                   "--kv-bits 8: greedy answers equal to unquantized, of 32": True,
+                   "--kv-bits 8: shared-prefix output tok/s / unquantized": True}
+    table = "\n".join(kv_quant_section(kv))
+    assert "| kv_bits 8 | 9.60 | 0.96x | 12960 |" in table and "| 31/32 | 30/32 |" in table
+    assert kv_quant_section({"skipped": "why"}) == [
+        "", "KV cache quantization not measured: why."]
 
 
 def test_replicas_are_reported_against_one_server() -> None:

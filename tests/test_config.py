@@ -106,6 +106,8 @@ def test_unrelated_namespace_attributes_are_ignored() -> None:
         ([], {"RADIX_MLX_DRAIN_TIMEOUT": "inf"}, "", "invalid drain_timeout from env "),
         (["--cache-bytes", "lots"], {}, "", "invalid cache_bytes from flag --cache-bytes: "),
         ([], {}, "served_model_names = 'one'\n", "invalid served_model_names from file "),
+        (["--kv-bits", "3"], {}, "", "invalid kv_bits from flag --kv-bits: Value error, must be one of 4, 8"),
+        ([], {}, "kv_group_size = 48\n", "invalid kv_group_size from file "),
         ([], {}, "prot = 1\n", "unknown option prot"),
         ([], {}, "port = \n", "config file "),
     ],
@@ -159,3 +161,12 @@ def test_settings_are_frozen_and_strict() -> None:
         settings.port = 1  # type: ignore[misc]
     with pytest.raises(ValidationError):
         Settings(prot=1)  # type: ignore[call-arg]
+
+
+def test_kv_bits_reach_the_engine_config() -> None:
+    from server.launch.serve import engine_config
+
+    assert (Settings().kv_bits, Settings().kv_group_size) == (None, 64)
+    settings = load_settings(parse("--kv-bits", "4", "--kv-group-size", "32"), environ={})
+    config = engine_config(settings, "a-model")
+    assert (config.kv_bits, config.kv_group_size) == (4, 32)

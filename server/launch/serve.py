@@ -87,6 +87,8 @@ def engine_config(settings: Settings, model: str, memory_limit_bytes: int | None
         max_queue=settings.max_queue,
         disk_cache_dir=str(settings.disk_cache_dir or default_disk_cache_dir()),
         disk_cache_bytes=settings.disk_cache_bytes,
+        kv_bits=settings.kv_bits,
+        kv_group_size=settings.kv_group_size,
         collective_timeout=settings.collective_timeout,
         chat_template=(None if settings.chat_template is None
                        else settings.chat_template.read_text(encoding="utf-8")),

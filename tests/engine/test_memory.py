@@ -10,6 +10,7 @@ from engine.memory import (
     BASE_HEADROOM_BYTES,
     MIN_CACHE_BYTES,
     MemoryPlanError,
+    describe,
     documented_table,
     headroom,
     plan_memory,
@@ -24,6 +25,20 @@ def test_the_kv_gets_what_weights_cache_and_headroom_leave() -> None:
                        headroom_bytes=2 * GIB, cache_bytes=10 * GIB)
     assert plan.kv_bytes == 32 * GIB
     assert plan.kv_tokens == 32 * GIB // 1024
+
+
+def test_a_quantized_cache_holds_more_tokens_in_the_same_budget() -> None:
+    """--kv-bits 8 on a bfloat16 model of head dimension 64: 1 byte a value plus a float32
+    scale and bias per 64 values, 1.125 bytes against 2. The running KV keeps its size."""
+    options = {"limit_bytes": 48 * GIB, "weight_bytes": 4 * GIB, "kv_bytes_per_token": 2048,
+               "headroom_bytes": 2 * GIB, "cache_bytes": 10 * GIB}
+    plain = plan_memory(**options)
+    quantized = plan_memory(**options, cached_bytes_per_token=1152)
+    assert plain.cached_tokens == 10 * GIB // 2048
+    assert quantized.cached_tokens == 10 * GIB // 1152
+    assert quantized.cached_tokens / plain.cached_tokens == pytest.approx(1.78, abs=0.01)
+    assert quantized.kv_tokens == plain.kv_tokens
+    assert f"({quantized.cached_tokens} tokens at 1152 B/token)" in describe(quantized)
 
 
 def test_the_cache_takes_its_fraction_of_the_limit_less_the_weights() -> None:
