@@ -40,7 +40,7 @@ def check_tree_kv(engine: Engine, model: nn.Module) -> Checked:
     if engine.disk is not None:
         assert engine.disk.flush(30), "disk writes still queued"
     with scheduler.tree._mutex:
-        nodes = _nodes(scheduler.tree.root)
+        nodes = tree_nodes(scheduler.tree.root)
         held = [(node.tokens, node.path_tokens_locked(), node.handle, node.stored) for node in nodes]
     checked = Checked()
     forwards: dict[tuple[int, ...], list] = {}
@@ -88,7 +88,8 @@ def check_folder_kv(folder: Path, model: nn.Module) -> list[str]:
     return problems
 
 
-def _nodes(root) -> list:
+def tree_nodes(root) -> list:
+    """Every node under `root`, depth first."""
     found, stack = [], list(root.children.values())
     while stack:
         node = stack.pop()

@@ -15,6 +15,7 @@ from engine.engine import Engine
 from engine.kv import KVSegment
 from engine.kv_quant import KVQuantization, cached_bytes_per_token, kv_quantization
 from engine.mlx_lm_internals import kv_bytes_per_token
+from tests.engine.kv_integrity import tree_nodes
 from tests.engine.support import complete, settled, start_engine
 
 # Long enough to span several 64-token prefill chunks and node splits.
@@ -108,22 +109,14 @@ async def test_the_tree_holds_quantized_bytes(quantized) -> None:
     await complete(quantized, prompt, max_tokens=8)
     stats = await settled(quantized)
     plan = quantized.memory
-    handles = [node.handle for node in _nodes(quantized._scheduler.tree.root)]
+    handles = [node.handle for node in tree_nodes(quantized._scheduler.tree.root)
+               if node.handle is not None]
     assert handles and all(isinstance(h, KVSegment) and h.quantization for h in handles)
     assert stats.tree.total_bytes == stats.tree.total_tokens * plan.cached_bytes_per_token
     plain = kv_bytes_per_token(quantized._loaded.model)
     assert plan.kv_bytes_per_token == plain  # the running batch is in the model's dtype
     assert plan.cached_tokens == plan.cache_bytes // plan.cached_bytes_per_token
     assert plan.cached_bytes_per_token < plain / 3
-
-
-def _nodes(root) -> list:
-    found, stack = [], list(root.children.values())
-    while stack:
-        node = stack.pop()
-        found.append(node)
-        stack.extend(node.children.values())
-    return [node for node in found if node.handle is not None]
 
 
 # -- the disk tier ------------------------------------------------------------------------------
