@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -32,10 +31,9 @@ import mlx.core as mx
 from mlx_lm import load, stream_generate
 from mlx_lm.utils import load_model, load_tokenizer
 
-from server.launch.tensor_parallel import free_ports
-
-# Set on the ranks this module launches of itself.
-RANK_ENV = "BENCH_RAW_DECODE_RANK"
+from server.config import Settings
+from server.launch.env import in_launch
+from server.launch.tensor_parallel import launch_command
 
 
 def decode_rate(model, tokenizer, prompt: list[int], max_tokens: int
@@ -53,11 +51,8 @@ def decode_rate(model, tokenizer, prompt: list[int], max_tokens: int
 
 def launch_ranks(ranks: int) -> None:
     """Run this command as `ranks` ranks and pass on rank 0's JSON line."""
-    port = free_ports(ranks)
-    argv = [sys.executable, "-m", "server.launch.rank_launcher", "-n", str(ranks),
-            "--starting-port", str(port), "--nccl-port", str(port),
-            "--env", f"{RANK_ENV}=1", "--", sys.executable, "-m", "bench.raw_decode",
-            *sys.argv[1:]]
+    argv = launch_command(Settings(tensor_parallel=ranks),
+                          ["-m", "bench.raw_decode", *sys.argv[1:]])
     result = subprocess.run(argv, capture_output=True, text=True, check=False)
     lines = [line.split("{", 1)[1] for line in result.stdout.splitlines() if "{" in line]
     if result.returncode != 0 or not lines:
@@ -75,7 +70,7 @@ def main() -> None:
     parser.add_argument("--messages-file", type=Path)
     parser.add_argument("--tensor-parallel", type=int, default=1)
     args = parser.parse_args()
-    if args.tensor_parallel > 1 and RANK_ENV not in os.environ:
+    if args.tensor_parallel > 1 and not in_launch():
         launch_ranks(args.tensor_parallel)
         return
     if args.tensor_parallel > 1:
