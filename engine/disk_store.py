@@ -8,7 +8,8 @@ the copying. `DiskStore` is the tree's `Store`:
   simply stays memory-only. Until written, a copy keeps its handle, so a load meanwhile
   costs nothing.
 - `discard` queues the file's deletion behind any write of it.
-- `load` (engine thread) reads a copy back as a handle: memory-mapped, checksummed.
+- `load` (engine thread) reads a copy back as a handle, in the dtypes it was written
+  in, each tensor checksummed while MLX reads the file.
 - `rebuild` (its own thread, at start) puts every good file of this model back in the
   tree as a disk node, parents first; bad or foreign files are deleted with a log line.
 
@@ -119,7 +120,7 @@ class DiskCopy:
 class _Write:
     copy: DiskCopy
     header: SegmentHeader
-    arrays: list[tuple[str, mx.array]]  # evaluated, in a numpy-readable dtype
+    arrays: list[tuple[str, str, mx.array]]  # name, safetensors dtype, evaluated array
 
 
 @dataclass
@@ -191,13 +192,13 @@ class DiskStore:
                                start=start, tokens=list(tokens), kind=self.kind,
                                kv_bits=self._kv_fields[0], kv_group_size=self._kv_fields[1])
         arrays = self._arrays(handle, header)
-        data_bytes = sum(a.nbytes for _, a in arrays)
+        data_bytes = sum(a.nbytes for _, _, a in arrays)
         with self._cond:
             if self._closed or self._queued + data_bytes > self.queue_bytes:
                 self.stats.writes_dropped += 1
                 return None
             head, _ = segment_file.encode(header, [
-                (name, _MX_TO_ST[a.dtype], a.shape, a.nbytes) for name, a in arrays])
+                (name, dtype, a.shape, a.nbytes) for name, dtype, a in arrays])
             copy = DiskCopy(key, self.directory / f"{key}{segment_file.SUFFIX}",
                             len(head) + data_bytes, handle.splittable, pending=handle)
             self._live[key] = copy
@@ -242,12 +243,11 @@ class DiskStore:
             raise BadSegmentFile(f"{copy.path.name} was never written")
         started = time.perf_counter()
         try:
-            header, tensors = segment_file.read(copy.path)
+            header, handle = read_copy(copy.path, self.quantization)
             if header.key != copy.key or header.fingerprint != self.root_key:
                 raise BadSegmentFile(f"{copy.path.name} holds {header.key} of another model")
             self._check_quantization(header)
-            handle = self._handle(header, tensors, self.quantization)
-        except (KeyError, ValueError, TypeError, AttributeError) as error:
+        except (KeyError, ValueError, TypeError, AttributeError, RuntimeError) as error:
             # Checksummed, yet not what this model's caches are made of.
             self._reject(copy.path, f"cannot rebuild its cache: {error!r}")
             raise BadSegmentFile(str(error)) from error
@@ -388,13 +388,12 @@ class DiskStore:
 
     def _write(self, job: _Write) -> None:
         copy = job.copy
-        data_bytes = sum(a.nbytes for _, a in job.arrays)
+        data_bytes = sum(a.nbytes for _, _, a in job.arrays)
         try:
             with self._cond:
                 wanted = self._live.get(copy.key) is copy  # else discarded before its turn
             if wanted:
-                tensors = [Tensor(name, _MX_TO_ST[a.dtype], np.asarray(a))
-                           for name, a in job.arrays]
+                tensors = [Tensor(name, dtype, np.asarray(a)) for name, dtype, a in job.arrays]
                 segment_file.write(copy.path, job.header, tensors)
                 self.stats.writes += 1
                 self.stats.write_bytes += copy.nbytes
@@ -411,9 +410,10 @@ class DiskStore:
     # -- handles <-> arrays -----------------------------------------------------------------
 
     def _arrays(self, handle: KVSegment | CacheSnapshot,
-                header: SegmentHeader) -> list[tuple[str, mx.array]]:
-        """The arrays to write, evaluated here on the engine thread; the writer only reads
-        their memory. bfloat16 is written as its uint16 bits (numpy has no bfloat16)."""
+                header: SegmentHeader) -> list[tuple[str, str, mx.array]]:
+        """The arrays to write with their safetensors dtypes, evaluated here on the engine
+        thread; the writer only reads their memory. bfloat16 goes to numpy as its uint16
+        bits (numpy has no bfloat16) and is named BF16 in the file."""
         if isinstance(handle, KVSegment):
             names = _parts(self.quantization)
             named = [(f"{name}.{i}", layer) for name, arrays in zip(names, handle.arrays)
@@ -426,28 +426,37 @@ class DiskStore:
                     named.append((name, mx.contiguous(value)))
                 else:
                     header.scalars[name] = value
-        named = [(name, a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+        typed = [(name, _MX_TO_ST[a.dtype], a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
                  for name, a in named]
-        mx.eval([a for _, a in named])
-        return named
+        mx.eval([a for _, _, a in typed])
+        return typed
 
-    @staticmethod
-    def _handle(header: SegmentHeader, tensors: list[Tensor],
-                quantization: KVQuantization | None = None) -> KVSegment | CacheSnapshot:
-        loaded = {t.name: mx.array(t.data).view(mx.bfloat16) if t.dtype == "BF16"
-                  else mx.array(t.data) for t in tensors}
-        mx.eval(list(loaded.values()))
-        if header.kind == "segment":
-            names = _parts(quantization)
-            layers = len(loaded) // len(names)
-            parts = [[loaded[f"{name}.{i}"] for i in range(layers)] for name in names]
-            if quantization is None:
-                return KVSegment(*parts)
-            return KVSegment(tuple(parts[:3]), tuple(parts[3:]), quantization=quantization)
-        states = tree_unflatten(list({**header.scalars, **loaded}.items()))
-        return CacheSnapshot([getattr(cache_module, cls).from_state(state)
-                              for cls, state in zip(header.classes, states)])
 
+def read_copy(path: Path, quantization: KVQuantization | None = None
+              ) -> tuple[SegmentHeader, KVSegment | CacheSnapshot]:
+    """A file's header and its handle, its arrays read by MLX itself (straight into
+    their own memory, in their own dtypes) while segment_file checks them."""
+    def load(name: str) -> dict[str, mx.array]:
+        arrays = mx.load(name, format="safetensors")
+        mx.eval(list(arrays.values()))
+        return arrays
+
+    header, arrays = segment_file.read(path, load)
+    return header, _handle(header, arrays, quantization)
+
+
+def _handle(header: SegmentHeader, loaded: dict[str, mx.array],
+            quantization: KVQuantization | None) -> KVSegment | CacheSnapshot:
+    if header.kind == "segment":
+        names = _parts(quantization)
+        layers = len(loaded) // len(names)
+        parts = [[loaded[f"{name}.{i}"] for i in range(layers)] for name in names]
+        if quantization is None:
+            return KVSegment(*parts)
+        return KVSegment(tuple(parts[:3]), tuple(parts[3:]), quantization=quantization)
+    states = tree_unflatten(list({**header.scalars, **loaded}.items()))
+    return CacheSnapshot([getattr(cache_module, cls).from_state(state)
+                          for cls, state in zip(header.classes, states)])
 
 
 def _parts(quantization: KVQuantization | None) -> tuple[str, ...]:

@@ -12,37 +12,47 @@ whose `__metadata__["radix_mlx"]` is a JSON header saying what the file is:
   cache state after the span, with the cache `classes` and non-array `scalars`).
 - `kv_bits`, `kv_group_size`: a segment's quantization (engine/kv_quant.py; 0: none,
   the model's dtype), which the server reading it must have too.
-- `crc32` of the data section (8 hex digits), checked on every load.
+- `crc32`: a crc32 of each tensor's bytes (8 hex digits each, in the table's order),
+  all checked on every load, in parallel while the arrays are read.
 
 Writes go to a temporary name, are fsynced and renamed, so a file under a final name is
 complete; a crash leaves at most a temporary file, removed at the next start. Anything
 that does not add up (truncated, torn, foreign, corrupt) raises `BadSegmentFile`.
 
-Pure Python and numpy: the MLX side (which arrays, in which dtype) is disk_store.py's.
+Each tensor is stored under its own dtype's safetensors name (bfloat16 as BF16), so a
+reader gets back the dtype that was written. Pure Python and numpy: the MLX side (which
+arrays, and how they are read back) is disk_store.py's.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
 import os
 import struct
 import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-FORMAT = "radix-mlx-kv/1"
+# Version 1 stored bfloat16 tensors under U16 and read them back as integers: its files
+# are not read (the version is part of the model fingerprint, so of the folder's name).
+FORMAT = "radix-mlx-kv/2"
 SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 METADATA_KEY = "radix_mlx"
 # A header bigger than this is not one of ours (a 1M-token span is ~8 MB of JSON).
 MAX_HEADER_BYTES = 64 * 2**20
+# Below this much data a file's checksums are computed inline, not on the pool.
+PARALLEL_CHECK_BYTES = 4 * 2**20
 
-# safetensors dtype names; bfloat16 travels as uint16 bits and is named BF16.
+# safetensors dtype names; numpy has no bfloat16, so BF16 data is held as its uint16 bits.
 NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
                 "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
                 "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
@@ -73,7 +83,8 @@ class SegmentHeader:
     scalars: dict[str, Any] = field(default_factory=dict)
     kv_bits: int = 0  # 0: not quantized (and files written before quantization)
     kv_group_size: int = 0
-    crc32: str = "00000000"  # hex, fixed width: a file's size is known before its crc
+    # One per tensor, hex of fixed width: a file's size is known before its checksums.
+    crc32: list[str] = field(default_factory=list)
     format: str = FORMAT
 
 
@@ -82,6 +93,9 @@ class Tensor:
     name: str
     dtype: str  # a NUMPY_DTYPES key
     data: np.ndarray  # C-contiguous, in that dtype's numpy type
+
+
+Loaded = TypeVar("Loaded")
 
 
 def encode(header: SegmentHeader,
@@ -99,17 +113,22 @@ def encode(header: SegmentHeader,
     return struct.pack("<Q", len(text)) + text, offset
 
 
-def checksum(tensors: list[Tensor]) -> int:
-    crc = 0
-    for tensor in tensors:
-        crc = zlib.crc32(memoryview(tensor.data).cast("B"), crc)
-    return crc
+def crc(data: memoryview | np.ndarray) -> str:
+    return f"{zlib.crc32(memoryview(data).cast('B')):08x}"
+
+
+@functools.cache
+def _checker() -> ThreadPoolExecutor:
+    """Threads for checksums: zlib lets go of the GIL, so a file's tensors are checked
+    side by side, and beside the reading of its arrays."""
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                              thread_name_prefix="radix-mlx-crc")
 
 
 def write(path: Path, header: SegmentHeader, tensors: list[Tensor]) -> int:
     """Write atomically: a temporary name, fsync, rename, fsync the directory. Returns
     the file's size. `header.crc32` is filled in here."""
-    header.crc32 = f"{checksum(tensors):08x}"
+    header.crc32 = [crc(tensor.data) for tensor in tensors]
     head, _ = encode(header, [(t.name, t.dtype, t.data.shape, t.data.nbytes) for t in tensors])
     temp = path.with_name(f"{path.name}.{os.getpid()}{TEMP_SUFFIX}")  # see `written_by`
     try:
@@ -141,46 +160,76 @@ def read_header(path: Path) -> tuple[SegmentHeader, dict[str, Any], int]:
     the file is exactly as long as its table says (a truncated file is not)."""
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise BadSegmentFile("shorter than a safetensors header")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > MAX_HEADER_BYTES or 8 + length > size:
-                raise BadSegmentFile(f"header of {length} bytes in a {size}-byte file")
-            table = json.loads(f.read(length))
+            return _read_header(f)
+    except OSError as error:
+        raise BadSegmentFile(f"unreadable header: {error!r}") from None
+
+
+def _read_header(f) -> tuple[SegmentHeader, dict[str, Any], int]:
+    try:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise BadSegmentFile("shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_HEADER_BYTES or 8 + length > size:
+            raise BadSegmentFile(f"header of {length} bytes in a {size}-byte file")
+        table = json.loads(f.read(length))
         header = SegmentHeader(**json.loads(table.pop("__metadata__")[METADATA_KEY]))
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
         raise BadSegmentFile(f"unreadable header: {error!r}") from None
     if header.format != FORMAT:
         raise BadSegmentFile(f"format {header.format!r}, not {FORMAT!r}")
-    data_bytes = max((t["data_offsets"][1] for t in table.values()), default=0)
+    try:
+        spans = [tuple(entry["data_offsets"]) for entry in table.values()]
+        if len(header.crc32) != len(spans) or any(
+                entry["dtype"] not in NUMPY_DTYPES for entry in table.values()):
+            raise BadSegmentFile("its tensor table and checksums do not match")
+    except (KeyError, TypeError) as error:
+        raise BadSegmentFile(f"bad tensor table: {error!r}") from None
+    data_bytes = max((end for _, end in spans), default=0)
     if 8 + length + data_bytes != size:
         raise BadSegmentFile(f"{size} bytes, the header describes {8 + length + data_bytes}")
     return header, table, 8 + length
 
 
-def read(path: Path) -> tuple[SegmentHeader, list[Tensor]]:
-    """Header and tensors (views of a memory map: copy them before the map goes), after
-    checking the data's checksum."""
-    header, table, data_start = read_header(path)
+def read(path: Path, load: Callable[[str], Loaded]) -> tuple[SegmentHeader, Loaded]:
+    """The header, and what `load` makes of the file, once every tensor's checksum is
+    right. `load` gets a path to the very file this opened and checks (`/dev/fd/N`) and
+    must have read all it needs when it returns; the checksums run on a pool meanwhile."""
     try:
         with open(path, "rb") as f:
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError) as error:
-        raise BadSegmentFile(f"cannot map: {error!r}") from None
-    data = memoryview(mapped)[data_start:]
-    if f"{zlib.crc32(data):08x}" != header.crc32:
+            header, table, data_start = _read_header(f)
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                sums, loaded, failure = _check_while_loading(
+                    memoryview(mapped)[data_start:], table,
+                    lambda: load(f"/dev/fd/{f.fileno()}"))
+    except (OSError, ValueError) as error:  # opening or mapping it
+        raise BadSegmentFile(f"cannot read: {error!r}") from None
+    if sums != header.crc32:
         raise BadSegmentFile("checksum mismatch: the data is corrupt")
-    tensors = []
+    if failure is not None:
+        raise failure
+    return header, loaded
+
+
+def _check_while_loading(data: memoryview, table: dict[str, Any],
+                         load: Callable[[], Loaded]
+                         ) -> tuple[list[str], Loaded | None, Exception | None]:
+    """Each tensor's crc, and `load`'s result or error."""
+    parts = [data[begin:end] for begin, end in (e["data_offsets"] for e in table.values())]
+    inline = len(data) < PARALLEL_CHECK_BYTES
+    pending = [] if inline else [_checker().submit(crc, part) for part in parts]
+    loaded, failure = None, None
     try:
-        for name, entry in table.items():
-            begin, end = entry["data_offsets"]
-            array = np.frombuffer(data[begin:end], dtype=NUMPY_DTYPES[entry["dtype"]])
-            tensors.append(Tensor(name, entry["dtype"], array.reshape(entry["shape"])))
-    except (KeyError, ValueError, TypeError) as error:
-        raise BadSegmentFile(f"bad tensor table: {error!r}") from None
-    return header, tensors
+        loaded = load()
+    except (OSError, RuntimeError, ValueError) as error:  # MLX's reader's errors
+        failure = error  # reported after the checksums: a corrupt file is reported so
+    sums = [crc(part) for part in parts] if inline else [p.result() for p in pending]
+    for part in parts:
+        part.release()  # the map closes only once no view of it is left
+    data.release()
+    return sums, loaded, failure
 
 
 def prefetch(path: Path) -> None:

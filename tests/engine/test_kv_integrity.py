@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import random
 import shutil
 import threading
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from engine.demo_model import demo_model_path
@@ -29,6 +31,22 @@ def model_dir() -> str:
 @pytest.fixture(scope="module")
 def reference(model_dir) -> Reference:
     return Reference(model_dir)
+
+
+@pytest.fixture(scope="module")
+def bfloat16_model_dir(model_dir, tmp_path_factory) -> str:
+    """The tiny demo model with its weights in bfloat16, the dtype most MLX models ship in."""
+    path = tmp_path_factory.mktemp("tiny-bfloat16")
+    for item in Path(model_dir).iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, path / item.name)
+    for item in Path(model_dir).glob("*.safetensors"):
+        weights = {name: array.astype(mx.bfloat16) if mx.issubdtype(array.dtype, mx.floating)
+                   else array for name, array in mx.load(str(item)).items()}
+        mx.save_safetensors(str(path / item.name), weights, metadata={"format": "mlx"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    return str(path)
 
 
 def start(model_dir: str, directory, memory_tokens: int, disk_tokens: int) -> Engine:
@@ -142,6 +160,30 @@ def _tier_moves(engine: Engine) -> dict[str, int]:
     stats = engine.stats()
     return {"demoted": stats.tree.disk_demotions, "promoted": stats.tree.disk_hits,
             "restored": stats.disk.restored_nodes, "written": stats.disk.writes}
+
+
+async def test_a_bfloat16_models_kv_comes_back_from_disk_as_it_was_written(
+        bfloat16_model_dir, tmp_path):
+    """A bfloat16 model's disk copies once came back as the integers of their bits (the
+    file named them U16), and a restart answered from garbage. Every copy must come back
+    in the model's dtype, bit for bit, and answer as the cold request did."""
+    reference = Reference(bfloat16_model_dir)
+    prompt = [1, 2] + list(range(100, 170))
+    old = start(bfloat16_model_dir, tmp_path, 4096, 4096)
+    try:
+        cold = await complete(old, prompt, max_tokens=8)
+        assert check_tree_kv(old, reference.model).disk > 0
+    finally:
+        old.shutdown()
+    new = start(bfloat16_model_dir, tmp_path, 4096, 4096)
+    try:
+        assert new.disk.rebuilt.wait(30)
+        hit = await complete(new, prompt, max_tokens=8)
+        assert hit.finish.cached_tokens >= len(prompt) - 1
+        assert hit.tokens == cold.tokens
+        assert check_tree_kv(new, reference.model).disk > 0
+    finally:
+        new.shutdown()
 
 
 async def test_a_miss_is_explained_and_warm_up_leaves_nothing_to_explain(
