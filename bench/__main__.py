@@ -285,6 +285,16 @@ def server_args(spec: ServerSpec, args: argparse.Namespace) -> list[str]:
     return shlex.split(getattr(args, f"{spec.name.replace('-', '_')}_args"))
 
 
+def run_measures(measures: dict, wanted: list[str], model: Path, shapes: Shapes,
+                 env: dict[str, str], out: Path, seed: int) -> dict:
+    """The wanted workloads of a module that starts its own servers (disk_tier,
+    speculation, several_models), each by its measure, logs in OUT/logs."""
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return {name: measure(model, shapes, env, logs, seed)
+            for name, measure in measures.items() if name in wanted}
+
+
 def run_server(results: dict, spec: ServerSpec, args: argparse.Namespace, model: Path,
                env: dict[str, str], out: Path, warm_up: Workload,
                workloads: list[Workload], round_index: int = 0) -> None:
@@ -401,18 +411,13 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
     for entry in results["servers"].values():
         entry["workloads"] = {workload: report.median_summary(rounds)
                               for workload, rounds in entry["rounds"].items()}
-    if set(wanted) & set(disk_tier.WORKLOADS):
-        print("bench: radix-mlx with and without its disk tier", file=sys.stderr, flush=True)
-        results["disk_tier"] = disk_tier.run(wanted, model.directory, shapes, env, out,
-                                             args.seed)
-    if set(wanted) & set(speculation.WORKLOADS):
-        print("bench: speculative decoding off, on and auto", file=sys.stderr, flush=True)
-        results["speculation"] = speculation.run(wanted, model.directory, shapes, env, out,
-                                                 args.seed)
-    if set(wanted) & set(several_models.WORKLOADS):
-        print("bench: several models in one server", file=sys.stderr, flush=True)
-        results["several_models"] = several_models.run(wanted, model.directory, shapes, env,
-                                                       out, args.seed)
+    for key, module, what in (("disk_tier", disk_tier, "with and without its disk tier"),
+                              ("speculation", speculation, "speculative decoding off, on and auto"),
+                              ("several_models", several_models, "several models in one server")):
+        if set(wanted) & set(module.WORKLOADS):
+            print(f"bench: radix-mlx {what}", file=sys.stderr, flush=True)
+            results[key] = run_measures(module.MEASURES, wanted, model.directory, shapes, env,
+                                        out, args.seed)
     if set(wanted) & set(kv_quant.WORKLOADS):
         print("bench: radix-mlx at --kv-bits 8 and 4 against unquantized", file=sys.stderr,
               flush=True)

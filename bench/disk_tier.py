@@ -29,7 +29,6 @@ from bench.client import chat
 from bench.servers import RADIX, running
 from bench.workloads import Shapes, TextSource
 
-WORKLOADS = ("warm_restart", "agent_working_set")
 DISK_BUDGET_BYTES = 16 * 2**30
 WAIT_SECONDS = 600.0
 # Chat-template tokens around each message, for sizing the working set.
@@ -166,10 +165,6 @@ def agent_working_set(model: Path, shapes: Shapes, env: dict[str, str], logs: Pa
     return result
 
 
-def run(wanted: list[str], model: Path, shapes: Shapes, env: dict[str, str], out: Path,
-        seed: int) -> dict:
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    makers = {"warm_restart": warm_restart, "agent_working_set": agent_working_set}
-    return {name: makers[name](model, shapes, env, logs, seed)
-            for name in WORKLOADS if name in wanted}
+# Each workload's measure, called as (model, shapes, env, logs, seed), in the order they run.
+MEASURES = {"warm_restart": warm_restart, "agent_working_set": agent_working_set}
+WORKLOADS = tuple(MEASURES)

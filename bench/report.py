@@ -648,7 +648,11 @@ def _reload_lines(reload: dict) -> list[str]:
              f"{fmt(reload['ttft_cold'], '{:.3f}')} s; reload {reload['reload_seconds']:.1f} s; "
              f"then TTFT {fmt(reload['ttft_after_reload'], '{:.3f}')} s "
              f"({fmt(reload['ttft_ratio'], '{:.2f}x')}), {reload['cached_fraction']:.0%} "
-             f"cached, same output: {'yes' if reload['same_output'] else 'NO'}."), ""]
+             f"cached, same output: {'yes' if reload['same_output'] else 'NO'}; "
+             f"{fmt(reload.get('disk_load_bytes'), '{:,}')} bytes read back from disk at "
+             f"{fmt(reload.get('disk_load_bytes_per_second'), '{:.3g}')} "
+             f"bytes/s; a memory hit after it: TTFT "
+             f"{fmt(reload.get('ttft_memory_hit'), '{:.3f}')} s."), ""]
 
 
 def _flood_lines(flood: dict) -> list[str]:

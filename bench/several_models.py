@@ -9,7 +9,8 @@ a difference from a one-model server is the registry's, not another model's spee
   within 10%.
 - `idle_reload`: a model with its disk tier. A long prompt cold, then an idle unload,
   a reload and the same prompt again. Target: >= 90% cached, TTFT <= 0.2x the cold one
-  (the reload's own seconds are reported apart).
+  (the reload's own seconds are reported apart). Reported beside it: the bytes read back
+  from disk and their rate, and a third ask, a memory hit, as the floor.
 - `model_flood`: three models under a memory budget that fits two, requests spread
   round robin over them, several at once. Target: no errors (a 5xx, or an error event in
   a stream whose status went out before its model loaded), and every greedy answer the
@@ -33,7 +34,6 @@ from bench.client import StreamError, chat
 from bench.servers import RADIX, running
 from bench.workloads import Shapes, TextSource
 
-WORKLOADS = ("model_switching", "idle_reload", "model_flood")
 GIB = 2**30
 # Each model's share in the flood beyond its weights: a step's activations, the radix
 # cache and the running requests' KV of the flood's short prompts.
@@ -116,8 +116,14 @@ def idle_reload(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
             wait_for_state(url, "m", "unloaded")
             reload_seconds = load_seconds(url, "m")
             warm = asyncio.run(ask(url, "m", messages, shapes.wr_output_tokens))
+            disk = httpx.get(f"{url}/admin/cache", params={"model": "m"},
+                             timeout=10).json()["disk"]
+            # The floor: the same prompt once more, all of it in memory now.
+            memory_hit = asyncio.run(ask(url, "m", messages, shapes.wr_output_tokens))
     return {"prompt_tokens": cold["prompt_tokens"], "ttft_cold": cold["ttft"],
             "reload_seconds": reload_seconds, "ttft_after_reload": warm["ttft"],
+            "ttft_memory_hit": memory_hit["ttft"], "disk_load_bytes": disk["load_bytes"],
+            "disk_load_bytes_per_second": disk["load_bytes_per_second"],
             "ttft_ratio": report.ratio(warm["ttft"], cold["ttft"]),
             "cached_fraction": warm["cached_tokens"] / max(1, warm["prompt_tokens"]),
             "same_output": warm["text"] == cold["text"]}
@@ -202,11 +208,7 @@ def series_total(metrics: str, name: str) -> float:
                if line.startswith(name + "{"))
 
 
-def run(wanted: list[str], model: Path, shapes: Shapes, env: dict[str, str], out: Path,
-        seed: int) -> dict:
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    makers = {"model_switching": model_switching, "idle_reload": idle_reload,
-              "model_flood": model_flood}
-    return {name: makers[name](model, shapes, env, logs, seed)
-            for name in WORKLOADS if name in wanted}
+# Each workload's measure, called as (model, shapes, env, logs, seed), in the order they run.
+MEASURES = {"model_switching": model_switching, "idle_reload": idle_reload,
+            "model_flood": model_flood}
+WORKLOADS = tuple(MEASURES)

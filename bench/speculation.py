@@ -32,7 +32,6 @@ from bench.servers import RADIX, running
 from bench.workloads import WORKLOADS as STANDARD
 from bench.workloads import Shapes, TextSource
 
-WORKLOADS = ("agent_edit", "spec_no_repeat")
 MODES = ("off", "on", "auto")
 # Greedy and ending at EOS, as bare mlx-lm does (the other workloads ignore EOS).
 EXTRA = {"temperature": 0.0}
@@ -190,10 +189,6 @@ def spec_no_repeat(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
     return result
 
 
-def run(wanted: list[str], model: Path, shapes: Shapes, env: dict[str, str], out: Path,
-        seed: int) -> dict:
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    makers = {"agent_edit": agent_edit, "spec_no_repeat": spec_no_repeat}
-    return {name: makers[name](model, shapes, env, logs, seed)
-            for name in WORKLOADS if name in wanted}
+# Each workload's measure, called as (model, shapes, env, logs, seed), in the order they run.
+MEASURES = {"agent_edit": agent_edit, "spec_no_repeat": spec_no_repeat}
+WORKLOADS = tuple(MEASURES)
