@@ -20,10 +20,20 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx import nn
-from mlx_vlm.utils import load_image, load_model, load_processor
 
 from engine.api import PromptImage, SchedulerCounters
 from engine.image_tokens import model_ids
+
+
+def _mlx_vlm_utils():
+    """mlx-vlm (the `vision` extra), imported once a vision model loads: a server of text
+    models runs without it."""
+    try:
+        from mlx_vlm import utils
+    except ImportError as error:
+        raise RuntimeError("this is a vision model, and serving it needs mlx-vlm: "
+                           "pip install 'radix-mlx[vision]'") from error
+    return utils
 
 
 class Vision:
@@ -31,14 +41,16 @@ class Vision:
     the input embeddings."""
 
     def __init__(self, path: Path, language_model: nn.Module, image_token_id: int) -> None:
-        model = load_model(path, lazy=True)
+        utils = _mlx_vlm_utils()
+        model = utils.load_model(path, lazy=True)
         body = model.language_model.model
         body.embed_tokens = _embedding_table(language_model)
         body.layers = []  # the engine's language model runs them; never read here
         model.language_model.lm_head = None
         mx.eval(model.parameters())
         self.model = model
-        self.image_processor = load_processor(path, add_detokenizer=False).image_processor
+        self.image_processor = utils.load_processor(path, add_detokenizer=False).image_processor
+        self._load_image = utils.load_image
         self.image_token_id = image_token_id
         self.weight_bytes = sum(
             v.nbytes for name, v in nn.utils.tree_flatten(model.parameters())
@@ -47,7 +59,7 @@ class Vision:
     def embeddings(self, tokens: Sequence[int], images: Sequence[bytes]) -> mx.array:
         """The input embeddings of `tokens` (image keys in each image's span, as the
         tree holds them), with `images`' features, in order, in the spans."""
-        pictures = [load_image(BytesIO(data)) for data in images]
+        pictures = [self._load_image(BytesIO(data)) for data in images]
         pixels = self.image_processor(pictures, return_tensors="np")["pixel_values"]
         ids = mx.array([model_ids(tokens, self.image_token_id)])
         features = self.model.get_input_embeddings(ids, mx.array(pixels), mask=mx.ones(ids.shape))

@@ -57,6 +57,22 @@ def test_the_engine_itself_needs_mlx():
     assert result.returncode != 0 and "mlx" in result.stderr
 
 
+WITHOUT_MLX_VLM = """
+import sys
+sys.modules["mlx_vlm"] = None
+import {modules}
+"""
+
+
+def test_a_server_of_text_models_runs_without_the_vision_extra():
+    """mlx-vlm is the `vision` extra: the engine and the serve path import without it (a
+    GPU checkout without it once could not start any server)."""
+    code = WITHOUT_MLX_VLM.format(modules="engine.engine, engine.loader, server.launch.serve")
+    result = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
