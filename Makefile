@@ -76,7 +76,7 @@ test: $(STAMP)
 # CPU cores. `make test` (all of them) is what CI runs.
 FAST_TESTS := tests/radix tests/test_layering.py tests/test_config.py \
 	tests/engine/test_admission.py tests/engine/test_client.py tests/engine/test_constraints.py \
-	tests/engine/test_distributed.py \
+	tests/engine/test_disk_folders.py tests/engine/test_distributed.py \
 	tests/engine/test_json_keys.py tests/engine/test_memory.py tests/engine/test_prefill_budget.py \
 	tests/engine/test_speculation_units.py \
 	tests/engine/test_text.py tests/engine/test_tree_hold.py \

@@ -12,6 +12,8 @@ the copying. `DiskStore` is the tree's `Store`:
   in, each tensor checksummed while MLX reads the file.
 - `rebuild` (its own thread, at start) puts every good file of this model back in the
   tree as a disk node, parents first; bad or foreign files are deleted with a log line.
+  First it removes the folders beside this one that an older format version wrote
+  (`remove_older_format`): no server of this version reads them.
 
 Files live in `<directory>/<model fingerprint>/`, named by content key (see
 segment_file.py and docs/disk-cache.md); another model's files are in another directory
@@ -21,6 +23,7 @@ and are never read.
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -152,6 +155,35 @@ def lock_folder(directory: Path) -> int:
     return fd
 
 
+def remove_older_format(folder: Path) -> int:
+    """Delete a model folder that only an older version of the file format wrote, unless
+    a live process holds it (an older server still running), and return the bytes freed.
+    The format version is part of the fingerprint, so a folder's name changed with it:
+    without this, an upgrade would leave the old folder's gigabytes on disk for good. A
+    folder with any file that is not ours, or is of this version, is left as it is."""
+    files = list(folder.glob(f"*{segment_file.SUFFIX}"))
+    versions = {segment_file.written_format(path) for path in files}
+    if not files or None in versions or segment_file.FORMAT in versions:
+        return 0
+    try:
+        lock = lock_folder(folder)
+    except (FolderInUse, OSError):
+        return 0
+    freed = 0
+    try:
+        for path in [*files, *folder.glob(f"*{segment_file.TEMP_SUFFIX}"),
+                     folder / DEPARTURES_FILE]:
+            with contextlib.suppress(FileNotFoundError):
+                freed += path.stat().st_size
+                path.unlink()
+        (folder / LOCK_FILE).unlink(missing_ok=True)
+    finally:
+        os.close(lock)
+    with contextlib.suppress(OSError):
+        folder.rmdir()  # kept if something else is in it
+    return freed
+
+
 class DiskStore:
     def __init__(self, directory: Path, capacity_bytes: int, fingerprint: str,
                  segments: bool, queue_bytes: int,
@@ -267,6 +299,7 @@ class DiskStore:
         started = time.perf_counter()
         self.stats.rebuilding = 1
         try:
+            self._remove_older_formats()
             restored = self._rebuild(tree)
         except Exception:  # never fatal: the cache just starts emptier
             log.exception("rebuilding the cache from %s failed", self.directory)
@@ -275,6 +308,14 @@ class DiskStore:
         self.rebuilt.set()
         log.info("disk cache: %d nodes restored from %s in %.1f s", restored,
                  self.directory, time.perf_counter() - started)
+
+    def _remove_older_formats(self) -> None:
+        for folder in self.directory.parent.iterdir():
+            if folder != self.directory and folder.is_dir():
+                freed = remove_older_format(folder)
+                if freed:
+                    log.info("disk cache: removed %s, %.1f MiB written by an older "
+                             "version's file format", folder, freed / 2**20)
 
     def _rebuild(self, tree: RadixTree) -> int:
         tree.remember_departures(self._departures())

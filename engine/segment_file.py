@@ -165,7 +165,20 @@ def read_header(path: Path) -> tuple[SegmentHeader, dict[str, Any], int]:
         raise BadSegmentFile(f"unreadable header: {error!r}") from None
 
 
-def _read_header(f) -> tuple[SegmentHeader, dict[str, Any], int]:
+def written_format(path: Path) -> str | None:
+    """The format version a file of ours says it was written in; None for any other file."""
+    try:
+        with open(path, "rb") as f:
+            metadata, _, _, _ = _metadata(f)
+    except (OSError, BadSegmentFile):
+        return None
+    version = metadata.get("format")
+    return version if isinstance(version, str) else None
+
+
+def _metadata(f) -> tuple[dict[str, Any], dict[str, Any], int, int]:
+    """A file's own header (any format version), its tensor table, the table's length
+    and the file's size."""
     try:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
@@ -175,11 +188,22 @@ def _read_header(f) -> tuple[SegmentHeader, dict[str, Any], int]:
         if length > MAX_HEADER_BYTES or 8 + length > size:
             raise BadSegmentFile(f"header of {length} bytes in a {size}-byte file")
         table = json.loads(f.read(length))
-        header = SegmentHeader(**json.loads(table.pop("__metadata__")[METADATA_KEY]))
+        metadata = json.loads(table.pop("__metadata__")[METADATA_KEY])
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
         raise BadSegmentFile(f"unreadable header: {error!r}") from None
-    if header.format != FORMAT:
-        raise BadSegmentFile(f"format {header.format!r}, not {FORMAT!r}")
+    if not isinstance(metadata, dict):
+        raise BadSegmentFile("unreadable header: not an object")
+    return metadata, table, length, size
+
+
+def _read_header(f) -> tuple[SegmentHeader, dict[str, Any], int]:
+    metadata, table, length, size = _metadata(f)
+    if metadata.get("format") != FORMAT:
+        raise BadSegmentFile(f"format {metadata.get('format')!r}, not {FORMAT!r}")
+    try:
+        header = SegmentHeader(**metadata)
+    except TypeError as error:
+        raise BadSegmentFile(f"unreadable header: {error!r}") from None
     try:
         spans = [tuple(entry["data_offsets"]) for entry in table.values()]
         if len(header.crc32) != len(spans) or any(
