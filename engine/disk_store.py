@@ -162,8 +162,10 @@ def remove_older_format(folder: Path) -> int:
     without this, an upgrade would leave the old folder's gigabytes on disk for good. A
     folder with any file that is not ours, or is of this version, is left as it is."""
     files = list(folder.glob(f"*{segment_file.SUFFIX}"))
-    versions = {segment_file.written_format(path) for path in files}
-    if not files or None in versions or segment_file.FORMAT in versions:
+    # Stops at the first file that keeps the folder: another model's current folder costs
+    # one header read at each start, not one per file.
+    if not files or any(segment_file.written_format(path) in (None, segment_file.FORMAT)
+                        for path in files):
         return 0
     try:
         lock = lock_folder(folder)
