@@ -161,6 +161,9 @@ class DiskStats:
                           "foreign or corrupt).", name="disk_bad_files")
     restored_nodes: int = stat("counter", "Tree nodes rebuilt from disk files at start.",
                                name="disk_restored_nodes")
+    brought_back_nodes: int = stat("counter", "Tree nodes loaded back into memory at start: "
+                                   "what memory held at the last stop.",
+                                   name="disk_brought_back_nodes")
     rebuilding: int = stat("gauge", "1 while the tree is being rebuilt from disk.",
                            name="disk_rebuilding")
 

@@ -32,7 +32,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ from engine.api import DiskStats
 from engine.kv import CacheSnapshot, KVSegment
 from engine.kv_quant import KVQuantization
 from engine.segment_file import BadSegmentFile, SegmentHeader, Tensor
-from radix import RadixTree
+from radix import Node, RadixTree
 
 log = logging.getLogger("radix_mlx.disk")
 
@@ -59,6 +59,9 @@ DEFAULT_DISK_CAP_BYTES = 64 * 2**30
 LOCK_FILE = ".lock"
 # In each model's folder: the tree's record of what it let go of, kept at each stop.
 DEPARTURES_FILE = "departures.json"
+# In each model's folder: the keys of the copies of what memory held at the last stop,
+# most recently used first, brought back into memory by the next start.
+IN_MEMORY_FILE = "in-memory.json"
 # How much of the file heads of a model's weights the fingerprint reads.
 FINGERPRINT_SAMPLE_BYTES = 1 << 20
 
@@ -174,7 +177,7 @@ def remove_older_format(folder: Path) -> int:
     freed = 0
     try:
         for path in [*files, *folder.glob(f"*{segment_file.TEMP_SUFFIX}"),
-                     folder / DEPARTURES_FILE]:
+                     folder / DEPARTURES_FILE, folder / IN_MEMORY_FILE]:
             with contextlib.suppress(FileNotFoundError):
                 freed += path.stat().st_size
                 path.unlink()
@@ -295,21 +298,30 @@ class DiskStore:
 
     # -- rebuilding the tree at start (its own thread) ------------------------------------
 
-    def rebuild(self, tree: RadixTree) -> None:
+    def rebuild(self, tree: RadixTree,
+                bring_back: Callable[[list[Node]], None] | None = None) -> None:
         """Put every good file of this model in `tree` as a disk node, parents first.
-        The engine serves meanwhile; a file the tree has no place for is deleted."""
+        The engine serves meanwhile; a file the tree has no place for is deleted. Then
+        `bring_back` (the scheduler's) gets the nodes of what memory held at the last
+        stop, most recently used first, before the tier counts as rebuilt: a model
+        reloaded after an idle unload, or a restarted server, answers the prompts it
+        held in memory from memory again."""
         started = time.perf_counter()
         self.stats.rebuilding = 1
         try:
             self._remove_older_formats()
             restored = self._rebuild(tree)
+            held = tree.holding(key for key in self._read_record(IN_MEMORY_FILE)
+                                if isinstance(key, str))
         except Exception:  # never fatal: the cache just starts emptier
             log.exception("rebuilding the cache from %s failed", self.directory)
-            restored = 0
-        self.stats.rebuilding = 0
-        self.rebuilt.set()
+            restored, held = 0, []
         log.info("disk cache: %d nodes restored from %s in %.1f s", restored,
                  self.directory, time.perf_counter() - started)
+        if held and bring_back is not None:
+            bring_back(held)
+        self.stats.rebuilding = 0
+        self.rebuilt.set()
 
     def _remove_older_formats(self) -> None:
         for folder in self.directory.parent.iterdir():
@@ -385,20 +397,32 @@ class DiskStore:
     def keep_departures(self, entries: list[tuple[int, str]]) -> None:
         """Keep the tree's record of what it let go of (`RadixTree.departures_at_stop`),
         so the next process of this model can say why a prompt missed."""
-        path = self.directory / DEPARTURES_FILE
+        self._keep_record(DEPARTURES_FILE, entries)
+
+    def keep_in_memory(self, keys: list[str]) -> None:
+        """Keep the keys of the copies of what memory holds (`RadixTree.memory_keys`), so
+        the next process of this model brings them back into memory (`rebuild`)."""
+        self._keep_record(IN_MEMORY_FILE, keys)
+
+    def _departures(self) -> list[tuple[int, str]]:
+        return [tuple(entry) for entry in self._read_record(DEPARTURES_FILE)
+                if isinstance(entry, list) and len(entry) == 2]
+
+    def _keep_record(self, name: str, entries: list) -> None:
+        path = self.directory / name
         temp = path.with_name(f"{path.name}.{os.getpid()}{segment_file.TEMP_SUFFIX}")
         try:
             temp.write_text(json.dumps(entries))
             os.replace(temp, path)
-        except OSError as error:  # the record is an explanation, never needed to serve
-            log.warning("disk cache: could not keep the record of departures: %s", error)
+        except OSError as error:  # a record helps the next start, it is never needed
+            log.warning("disk cache: could not keep %s: %s", name, error)
 
-    def _departures(self) -> list[tuple[int, str]]:
+    def _read_record(self, name: str) -> list:
         try:
-            entries = json.loads((self.directory / DEPARTURES_FILE).read_text())
+            entries = json.loads((self.directory / name).read_text())
         except (OSError, ValueError):
             return []
-        return [tuple(entry) for entry in entries if isinstance(entry, list) and len(entry) == 2]
+        return entries if isinstance(entries, list) else []
 
     def close(self, timeout: float | None = None) -> bool:
         """Refuse new copies, finish the queued work (SIGTERM's path) and let go of the

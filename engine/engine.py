@@ -293,7 +293,8 @@ class Engine:
 
     def _start_disk_tier(self, loaded: LoadedModel) -> None:
         """Attach the disk tier (after warm-up, so nothing of it is written) and rebuild
-        the tree from it in the background: the engine serves meanwhile."""
+        the tree from it in the background, then bring back into memory what memory held
+        at the last stop (`DiskStore.rebuild`): the engine serves meanwhile."""
         config = self.config
         if config.disk_cache_bytes == 0 or config.disk_cache_dir is None:
             return
@@ -321,7 +322,7 @@ class Engine:
             log.error("disk cache off: %s", error)
             return
         scheduler.attach_disk(self.disk)
-        threading.Thread(target=self.disk.rebuild, args=(scheduler.tree,),
+        threading.Thread(target=self.disk.rebuild, args=(scheduler.tree, scheduler.bring_back),
                          name="radix-mlx-disk-rebuild", daemon=True).start()
         log.info("disk cache: %s, budget %.1f GiB", self.disk.directory, budget / 2**30)
 
@@ -366,6 +367,7 @@ class Engine:
             self._stopped.wait(timeout)
             if self.disk is not None:
                 self.disk.keep_departures(self._scheduler.tree.departures_at_stop())
+                self.disk.keep_in_memory(self._scheduler.tree.memory_keys())
         if self.disk is not None and not self.disk.close(DISK_FLUSH_SECONDS):
             log.warning("disk cache: stopped with writes still queued")
 

@@ -34,9 +34,11 @@ tokens, and is woken through the inbox (`Wake`) to be admitted again.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -142,6 +144,16 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class BringBack:
+    """Disk nodes to load back into memory on turns with nothing else to do, in order,
+    while the tree has room for them without evicting anything (`RadixTree.memory_keys`
+    at the last stop, most recently used first); `done` is set once that is over."""
+
+    nodes: list[Node]
+    done: threading.Event
+
+
+@dataclass(frozen=True)
 class SubmitRemote:
     """A `Submit` as rank 0 broadcasts it to the other ranks of a tensor-parallel group,
     which run the same generation with nobody to send its events to."""
@@ -152,7 +164,34 @@ class SubmitRemote:
     message_ends: tuple[int, ...]
 
 
-Message = Submit | Wake | Republish | Cancel | ClearCache | Stop
+class BroughtBack:
+    """What the `BringBack`s under way have loaded: logged, and their waiters released,
+    once they are over."""
+
+    def __init__(self) -> None:
+        self.waiters: list[threading.Event] = []
+        self.nodes = self.nbytes = 0
+        self.started = 0.0
+
+    def begin(self, done: threading.Event) -> None:
+        if not self.waiters:
+            self.started = time.perf_counter()
+        self.waiters.append(done)
+
+    def add(self, nodes: int, nbytes: int) -> None:
+        self.nodes += nodes
+        self.nbytes += nbytes
+
+    def finish(self) -> None:
+        if self.nodes:
+            log.info("disk cache: %d nodes (%.1f MiB) back in memory in %.2f s", self.nodes,
+                     self.nbytes / 2**20, time.perf_counter() - self.started)
+        for done in self.waiters:
+            done.set()
+        self.waiters, self.nodes, self.nbytes = [], 0, 0
+
+
+Message = Submit | Wake | Republish | Cancel | ClearCache | Stop | BringBack
 # What the scheduler's own tree callbacks post: every rank makes these itself.
 LOCAL_MESSAGES = (Wake, Republish)
 
@@ -206,6 +245,8 @@ class Scheduler:
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size)
         self._uids = itertools.count()
         self._stopping = False
+        self._bringing_back: collections.deque[Node] = collections.deque()
+        self._brought_back = BroughtBack()
 
     def new_generation(self, request_id: str, prompt: list[int], params: SamplingParams,
                        emit: Callable[[object], None],
@@ -221,6 +262,15 @@ class Scheduler:
         copied to disk, and memory eviction keeps copied nodes there."""
         self.disk = store
         self.tree.store = store
+
+    def bring_back(self, nodes: list[Node]) -> None:
+        """Load `nodes` (disk nodes, most wanted first) back into memory as far as the
+        tree has room, on turns with nothing else to do; returns when that is over or
+        the scheduler stops. Called from another thread (the disk tier's rebuild)."""
+        done = threading.Event()
+        self.inbox.put(BringBack(nodes, done))
+        while not done.wait(0.5) and not self._stopping:
+            pass
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -246,6 +296,7 @@ class Scheduler:
             if idle and until_idle and self.inbox.empty():
                 return
             messages = self._take_inbox(block=idle and not until_idle and
+                                        not self._bringing_back and
                                         (not shared or self.group.leader))
             if shared:
                 # A busy group receives this turn's inputs at the next turn, so that the
@@ -265,6 +316,8 @@ class Scheduler:
                       lambda g: self.tree.peek(g.cacheable), self._try_start)
                 if self.running:
                     self._step()
+                elif self._bringing_back and not self.waiting and not self.parked:
+                    self._bring_back_one()
             except Exception as error:  # the engine must outlive any step, alone
                 if self.group is not None:
                     raise
@@ -313,6 +366,11 @@ class Scheduler:
                 self._republish(generation)
             case Cancel(request_id) if request_id in self.generations:
                 self._cancel(self.generations[request_id])
+            case BringBack(nodes, done):
+                self._bringing_back.extend(nodes)
+                self._brought_back.begin(done)
+                if not self._bringing_back:
+                    self._brought_back.finish()
             case ClearCache(done):
                 freed = self.tree.clear()
                 if done is not None:
@@ -348,7 +406,7 @@ class Scheduler:
         while True:
             match = self.tree.match(cacheable)
             if match.disk:
-                self._load_from_disk(match)
+                self._load_from_disk(match.disk)
                 continue  # match again: what was loaded is in memory now
             if (node := self._shared_in_flight(cacheable, match)) is not None:
                 self._wait_for(generation, node)
@@ -446,25 +504,42 @@ class Scheduler:
             generation.snapshots.append((position, self.kv.handle(sequence.cache, 0, position)))
             self.kv.settle()  # prefill goes on writing into this cache
 
-    def _load_from_disk(self, match: MatchResult) -> None:
-        """Load the disk nodes a match runs into and put them back in memory (pinned
-        while loading, so making room on disk cannot delete them). A copy that cannot be
-        read is dropped with its subtree; the tokens it held are computed instead."""
-        deepest = match.disk[-1]
+    def _load_from_disk(self, nodes: list[Node]) -> None:
+        """Load disk nodes (a match's `disk`, top first) and put them back in memory
+        (pinned while loading, so making room on disk cannot delete them). A copy that
+        cannot be read is dropped with its subtree; the tokens it held are computed
+        instead."""
+        deepest = nodes[-1]
         self.tree.pin(deepest)
         try:
-            handles = self.disk.load(node.stored for node in match.disk)
+            handles = self.disk.load(node.stored for node in nodes)
             unreadable = None
         except BadSegmentFile as error:
             handles = error.loaded
-            unreadable = match.disk[len(handles)]
+            unreadable = nodes[len(handles)]
         try:
-            for node, handle in zip(match.disk, handles):
+            for node, handle in zip(nodes, handles):
                 self.tree.promote(node, handle)
         finally:
             self.tree.unpin(deepest)
         if unreadable is not None:
             self.tree.drop(unreadable)
+
+    def _bring_back_one(self) -> None:
+        """Load the next node `BringBack` asked for, if the tree has room for it without
+        evicting; once one does not fit, the rest (less recently used) stay on disk."""
+        chain = self.tree.disk_chain(self._bringing_back.popleft())
+        if chain:
+            need = sum(node.stored.nbytes for node in chain)
+            stats = self.tree.stats()
+            if stats.total_bytes + need > stats.capacity_bytes:
+                self._bringing_back.clear()
+            else:
+                self._load_from_disk(chain)
+                self._brought_back.add(len(chain), need)
+                self.disk.stats.brought_back_nodes += len(chain)
+        if not self._bringing_back:
+            self._brought_back.finish()
 
     @staticmethod
     def _shared_in_flight(cacheable: list[int], match: MatchResult) -> Node | None:
@@ -713,3 +788,5 @@ class Scheduler:
         for generation in list(self.generations.values()):
             self._cancel(generation)
         self._stopping = True
+        self._bringing_back.clear()
+        self._brought_back.finish()

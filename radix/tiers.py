@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 from radix.misses import MissReason
@@ -148,6 +148,38 @@ class Tiers:
             self._add_stats(node, +1)
             return node
 
+    def memory_keys(self) -> list[str]:
+        """The keys of the disk copies of what memory holds, most recently used first:
+        what a stop records, so that the next process of this model can bring the same
+        state back into memory (`holding`, `disk_chain`)."""
+        with self._mutex:
+            nodes = [node for node in self._below_root() if node.state is NodeState.READY
+                     and not node.on_disk and node.stored is not None]
+            nodes.sort(key=lambda node: node.last_access, reverse=True)
+            return [node.stored.key for node in nodes]
+
+    def holding(self, keys: Iterable[str]) -> list[Node]:
+        """The disk nodes holding the copies filed under `keys`, in their order; keys no
+        disk node holds are left out."""
+        with self._mutex:
+            found = {node.stored.key: node for node in self._below_root()
+                     if node.on_disk and node.stored is not None}
+            return [found[key] for key in keys if key in found]
+
+    def disk_chain(self, node: Node) -> list[Node]:
+        """What loading `node` back into memory takes: the disk nodes with data from the
+        top of its disk path down to it, top first (a match's `disk`); empty once it is
+        in memory or gone."""
+        with self._mutex:
+            if not self._attached(node) or not node.on_disk or node.stored is None:
+                return []
+            chain = []
+            while node.on_disk:
+                if node.stored is not None:
+                    chain.append(node)
+                node = node.parent
+            return chain[::-1]
+
     def departures_at_stop(self) -> list[tuple[int, str]]:
         """The record of what this tree let go of, plus what a stop is about to lose (the
         state held in memory only), for the next process of this model to explain its
@@ -179,6 +211,14 @@ class Tiers:
             parent = node.parent
             self._remove_subtree(node, MissReason.UNREADABLE)
             self._sync_lru(parent)
+
+    def _below_root(self) -> Iterator[Node]:
+        """Every node of the tree but the root."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node
 
     def _take(self, node: Node, handle: Handle) -> None:
         """`handle`, computed for `node`'s tokens, becomes its data in memory."""

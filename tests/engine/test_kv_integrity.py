@@ -104,24 +104,30 @@ async def test_random_traffic_keeps_every_cached_kv_equal_to_a_fresh_forward(
     aside = None
     try:
         for step in range(16):
+            restarted = False
             # The first restart comes after one conversation, when no file yet starts
             # after the 2 tokens the heads share.
             roll = 0.2 if step == 1 else rng.random()
             if roll < 0.1:
                 await asyncio.wrap_future(engine.clear_cache())
             elif roll < 0.25:
-                # A restart whose rebuild comes after this step's requests, the worst
+                # A restart whose rebuild comes before this step's requests (memory is
+                # refilled with what it held at the stop), or after them: the worst
                 # order a rebuild that runs beside the engine can take.
                 tiers.update(_tier_moves(engine))
                 engine.shutdown()
                 folder = engine.disk.directory
                 aside = folder.rename(tmp_path / f"aside-{rng.random()}")
                 engine = start(model_dir, tmp_path, 150, 600)
+                restarted = True
+                if rng.random() < 0.5:
+                    rebuild_from(engine, aside)
+                    aside = None
             prompts = []
             # After a restart, one prompt behind each head: they cut the path at the
             # 2 tokens all heads share, as `<|im_start|>system` is in real traffic.
             count = rng.choice([1, 1, 2, 3]) if step else 1
-            for head in heads if aside else [None] * count:
+            for head in heads if restarted else [None] * count:
                 if head is None and conversations and rng.random() < 0.4:
                     base = rng.choice(conversations)  # a later turn of a conversation
                 else:
@@ -142,16 +148,19 @@ async def test_random_traffic_keeps_every_cached_kv_equal_to_a_fresh_forward(
         engine.shutdown()
     # The walk exercised what it is for: reuse, and data moving between the tiers.
     assert reused > 0 and checked > 0
-    assert tiers["demoted"] and tiers["written"], tiers
+    assert tiers["demoted"] and tiers["written"] and tiers["brought back"], tiers
 
 
 def rebuild_from(engine: Engine, folder: Path) -> None:
     """Put the files of `folder` (a disk tier of the same model) in the engine's disk
-    folder and rebuild its tree from them, beside the engine, as a start does."""
+    folder and rebuild its tree from them, beside the engine, as a start does: what the
+    old engine held in memory at its stop comes back into memory."""
     for file in folder.iterdir():
         if not (engine.disk.directory / file.name).exists():
             shutil.copy(file, engine.disk.directory / file.name)
-    rebuild = threading.Thread(target=engine.disk.rebuild, args=(engine._scheduler.tree,))
+    scheduler = engine._scheduler
+    rebuild = threading.Thread(target=engine.disk.rebuild,
+                               args=(scheduler.tree, scheduler.bring_back))
     rebuild.start()
     rebuild.join()
 
@@ -159,7 +168,8 @@ def rebuild_from(engine: Engine, folder: Path) -> None:
 def _tier_moves(engine: Engine) -> dict[str, int]:
     stats = engine.stats()
     return {"demoted": stats.tree.disk_demotions, "promoted": stats.tree.disk_hits,
-            "restored": stats.disk.restored_nodes, "written": stats.disk.writes}
+            "restored": stats.disk.restored_nodes, "written": stats.disk.writes,
+            "brought back": stats.disk.brought_back_nodes}
 
 
 async def test_a_bfloat16_models_kv_comes_back_from_disk_as_it_was_written(

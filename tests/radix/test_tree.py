@@ -708,6 +708,46 @@ def test_restore_refuses_copies_over_the_disk_budget():
     assert fresh.restore(fresh.root, (1, 2, 3), store.saved[0]) is None
 
 
+def test_memory_keys_name_the_copies_of_what_memory_holds_most_recently_used_first():
+    tree, store = tiered()
+    tree.put([1, 2])
+    tree.insert(tree.match([1, 2]).node, [3], span([3], prefix=(1, 2)))
+    tree.put([7, 8])
+    tree.put([5])
+    tree.evict(1)  # the least recently used leaf, [3] below [1, 2], goes to disk
+    tree.match([7, 8])
+    store.full = True
+    tree.put([9])  # no copy: nothing to bring back from disk
+    keys = {s.path: s.key for s in store.saved}
+    assert tree.memory_keys() == [keys[(7, 8)], keys[(5,)], keys[(1, 2)]]
+
+
+def test_holding_finds_the_disk_nodes_of_recorded_keys_in_their_order():
+    tree, store = tiered()
+    tree.put([1, 2])
+    tree.insert(tree.match([1, 2]).node, [3], span([3], prefix=(1, 2)))
+    tree.put([4])
+    key = {s.path: s.key for s in store.saved}
+    fresh, _ = tiered()  # a restart that found the copies of [1, 2] and [1, 2, 3] only
+    fresh.restore_all((s.parent_key or store.root_key, s.span, s) for s in store.saved[:2])
+    found = fresh.holding([key[(1, 2, 3)], "gone", key[(4,)], key[(1, 2)]])
+    assert [n.path_tokens() for n in found] == [(1, 2, 3), (1, 2)]
+    assert all(n.on_disk for n in found)
+
+
+def test_disk_chain_is_what_loading_a_node_takes_top_first_and_empty_once_loaded():
+    tree, _ = tiered()
+    tree.put([1, 2])
+    tree.insert(tree.match([1, 2]).node, [3, 4], span([3, 4], prefix=(1, 2)))
+    tree.evict(4)
+    top, below = tree.match([1, 2, 3, 4]).disk
+    assert tree.disk_chain(below) == [top, below] and tree.disk_chain(top) == [top]
+    tree.promote(top, top.stored.load())
+    assert tree.disk_chain(top) == [] and tree.disk_chain(below) == [below]
+    tree.drop(below)
+    assert tree.disk_chain(below) == []
+
+
 def test_drop_removes_an_unreadable_disk_node_and_its_subtree():
     tree, store = tiered()
     tree.put([1, 2])

@@ -116,6 +116,37 @@ def test_after_a_sigterm_restart_a_long_prompt_is_cached_and_answers_the_same(
         server.stop()
 
 
+def test_a_restart_brings_back_into_memory_what_memory_held_and_no_more(
+        demo_model_dir: Path, tmp_path: Path) -> None:
+    """What memory held at a stop is back in memory before the first request after the
+    restart (or a model's reload after an idle unload), so no request waits for its
+    disk read; what had gone to disk only stays there, and nothing is evicted for it."""
+    directory = tmp_path / "kv"
+    flags = disk_flags(directory, 2**30, "--cache-bytes", str(2**20))
+    server = start_server(demo_model_dir, tmp_path / "first.log", *flags)
+    try:
+        on_disk = complete(server, LONG_PROMPT)
+        latest = [complete(server, f"Filler {i}: " + OTHER_PROMPT) for i in range(2)][-1]
+        at_stop = written(server)
+        assert at_stop["disk"]["demotions"] >= 1  # LONG_PROMPT went to disk only
+    finally:
+        assert server.stop() == 0
+    server = start_server(demo_model_dir, tmp_path / "second.log", *flags)
+    try:
+        report = rebuilt(server)
+        assert 0 < report["memory"]["tokens"] <= at_stop["memory"]["tokens"]
+        assert report["memory"]["bytes"] <= 2**20 and report["disk"]["loads"] >= 1
+        text, prompt_tokens, cached = complete(server, "Filler 1: " + OTHER_PROMPT)
+        assert (text, cached) == (latest[0], prompt_tokens - 1)
+        assert cache_report(server)["disk"]["loads"] == report["disk"]["loads"]
+        text, prompt_tokens, cached = complete(server, LONG_PROMPT)
+        assert text == on_disk[0] and cached >= 0.9 * prompt_tokens
+        assert cache_report(server)["disk"]["loads"] > report["disk"]["loads"]
+    finally:
+        server.stop()
+    assert "back in memory" in server.log()
+
+
 def test_after_kill_9_a_prompt_written_before_it_is_cached_and_answers_the_same(
         demo_model_dir: Path, warm_cache, tmp_path: Path) -> None:
     directory = copy_of(warm_cache, tmp_path)
