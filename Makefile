@@ -79,7 +79,7 @@ FAST_TESTS := tests/radix tests/test_layering.py tests/test_config.py \
 	tests/engine/test_disk_folders.py tests/engine/test_distributed.py \
 	tests/engine/test_json_keys.py tests/engine/test_memory.py tests/engine/test_prefill_budget.py \
 	tests/engine/test_speculation_units.py \
-	tests/engine/test_text.py tests/engine/test_tree_hold.py \
+	tests/engine/test_text.py tests/engine/test_token_cache.py tests/engine/test_tree_hold.py \
 	tests/server/test_generic_tools.py tests/server/test_json_body.py \
 	tests/server/test_output_constraint.py tests/server/test_reasoning.py \
 	tests/server/test_response_store.py tests/server/test_sse_lines.py \

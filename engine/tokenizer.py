@@ -9,6 +9,7 @@ wrapper or a Hugging Face tokenizer itself. It imports nothing from MLX or mlx-l
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,10 @@ from typing import Any, Literal
 from jinja2 import TemplateError
 
 from engine.image_tokens import ImageTokens
+from engine.token_cache import NotCacheable, SegmentCache, cut_tokens, special_ids
 from radix.prefix import common_prefix_length
+
+log = logging.getLogger("radix_mlx.engine")
 
 # Parses the text between a tool call's markers: (text, tools) -> one call or a list of
 # them, each {"name": ..., "arguments": ...}; raises on text it cannot parse.
@@ -72,6 +76,9 @@ class ModelTokenizer:
         # The Rust tokenizer under a Hugging Face "fast" tokenizer; None for others.
         self.fast: Any = getattr(wrapper, "backend_tokenizer", None)
         self._piece_bytes = _piece_reader(self.fast)
+        # Prompt text encoded in cached segments, when the tokenizer allows it exactly.
+        self._segments = _segment_cache(getattr(wrapper.encode, "__self__", None))
+        self._special_ids = special_ids(self.fast) if self._segments is not None else None
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes token `token` stands for: for a token holding part of a UTF-8
@@ -87,6 +94,11 @@ class ModelTokenizer:
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `special_tokens` adds what the tokenizer adds to a whole
         prompt (e.g. BOS)."""
+        if self._segments is not None and not special_tokens:
+            return self._segments.encode(text)
+        if self._segments is not None and self._special_ids is not None:
+            before, after = self._special_ids
+            return [*before, *self._segments.encode(text), *after]
         return list(self._wrapper.encode(text, add_special_tokens=special_tokens))
 
     def decode(self, tokens: Sequence[int], *, skip_special_tokens: bool = False) -> str:
@@ -109,15 +121,18 @@ class ModelTokenizer:
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                 variables: dict[str, Any] | None, **options: bool) -> list[int]:
-        """The template's rendering as token ids. A vision model's is rendered as text
-        first, its image placeholders expanded as its processor expands them, then encoded
-        (which is what tokenize=True does with the text)."""
-        if self.images is None:
+        """The template's rendering as token ids. tokenize=True renders the text and
+        encodes it without special tokens; that is done here when the text is encoded in
+        cached segments, or a vision model's image placeholders are to be expanded first,
+        as its processor expands them."""
+        if self.images is None and self._segments is None:
             return list(self._wrapper.apply_chat_template(
                 messages, **(variables or {}), tools=tools, tokenize=True, **options))
         text = self._wrapper.apply_chat_template(
             messages, **(variables or {}), tools=tools, tokenize=False, **options)
-        return self.encode(self.images.expand(text), special_tokens=False)
+        if self.images is not None:
+            text = self.images.expand(text)
+        return self.encode(text, special_tokens=False)
 
     def shared_lengths(self, prompt: list[int], heads: Sequence[list[dict[str, Any]]],
                        tools: list[dict[str, Any]] | None = None,
@@ -135,6 +150,19 @@ class ModelTokenizer:
             if shared := common_prefix_length(rendered, prompt):
                 lengths.add(shared)
         return tuple(sorted(lengths))
+
+
+def _segment_cache(tokenizer: Any) -> SegmentCache | None:
+    """The segment cache of the Hugging Face `tokenizer` (the one mlx-lm's wrapper
+    forwards `encode` to), or None when its encoding cannot be cut exactly."""
+    try:
+        cuts = cut_tokens(tokenizer)
+    except NotCacheable as reason:
+        log.debug("prompt tokenization not cached: %s", reason)
+        return None
+    log.debug("prompt tokenization cached in segments ending with %s", " ".join(cuts))
+    return SegmentCache(lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"],
+                        cuts)
 
 
 def _piece_reader(fast: Any) -> Callable[[str], bytes] | None:

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from bench.gguf_export import add_hyperparameters, add_tokenizer, gguf_name, interleave_rope_rows
+from engine.gguf import build_tokenizer, read_gguf, tokenizer_config
 
 
 def demo_variant(model_dir: Path, out: Path, family: str) -> Path:
@@ -95,3 +96,13 @@ def unservable_gguf(case: str, model_dir: Path, directory: Path) -> tuple[Path, 
         write_demo_gguf(model_dir, path, architecture="mamba")
         return path, "architecture 'mamba' is not supported"
     raise ValueError(case)
+
+
+def write_gguf_tokenizer(gguf_path: Path, directory: Path) -> Path:
+    """The tokenizer files of a GGUF's converted model directory, without its weights:
+    what mlx-lm's tokenizer loader reads, in seconds rather than a whole conversion."""
+    gguf = read_gguf(gguf_path)
+    directory.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(gguf).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(gguf)))
+    return directory
