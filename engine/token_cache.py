@@ -193,7 +193,10 @@ class SegmentCache:
 
 
 def _check_encode_path(tokenizer: Any) -> None:
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    try:  # transformers 5's base of every Rust-backed tokenizer
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError as error:
+        raise NotCacheable(f"this transformers has no TokenizersBackend: {error}") from None
 
     if not isinstance(tokenizer, TokenizersBackend):
         raise NotCacheable(f"{type(tokenizer).__name__} is not transformers' TokenizersBackend")
