@@ -24,6 +24,7 @@ FAILED, which stops `serve` as any failed engine does.
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -205,6 +206,14 @@ def _report_lifecycle(engine: Engine, outbox: Outbox) -> None:
 
 # -- the server's side --------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=32)
+def server_tokenizer(model_path: str, chat_template: str | None) -> ModelTokenizer:
+    """The server's tokenizer of a model directory, kept across the model's reloads: the
+    prompt text it has tokenized (engine/token_cache.py) outlives an idle unload, so the
+    first request after the reload tokenizes only what is new."""
+    return load_tokenizer(Path(model_path), chat_template)
+
+
 class EngineProcess:
     """The `EngineClient` the server drives, served by an `Engine` in a child process. The
     server's own tokenizer (chat templates, the streams' decoders) is loaded from the
@@ -355,7 +364,8 @@ class EngineProcess:
         path = Path(self.config.model).expanduser()
         if path.is_dir():
             try:
-                self.tokenizer, self._tokenizer_path = load_tokenizer(path, self.config.chat_template), str(path)
+                self.tokenizer = server_tokenizer(str(path), self.config.chat_template)
+                self._tokenizer_path = str(path)
             except Exception:  # loaded again, and reported, once ready
                 log.debug("tokenizer preload failed", exc_info=True)
 
@@ -375,8 +385,8 @@ class EngineProcess:
         if facts.state is Lifecycle.READY:
             try:
                 if facts.model_path != self._tokenizer_path:
-                    self.tokenizer = load_tokenizer(Path(facts.model_path),
-                                                    self.config.chat_template)
+                    self.tokenizer = server_tokenizer(facts.model_path,
+                                                      self.config.chat_template)
             except Exception as error:  # reported as the load's failure
                 log.exception("the server could not load the tokenizer")
                 self.error = f"the tokenizer: {type(error).__name__}: {error}"

@@ -17,6 +17,7 @@ import httpx
 import psutil
 import pytest
 
+from engine.process import server_tokenizer
 from server.launch.replicas import free_port
 from tests.server.support import REPO_ROOT, ServerProcess, server_env, start_server
 
@@ -106,3 +107,12 @@ def test_a_server_that_fails_to_start_does_not_wait_for_its_engine(
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert str(not_a_directory) in result.stderr
+
+
+def test_a_models_tokenizer_outlives_its_engine_process(demo_model_dir: Path) -> None:
+    """An idle unload ends the model's engine process, not the server's tokenizer of it:
+    the prompt text it tokenized before (engine/token_cache.py) is still known to the
+    reload's first request. Another chat template is another tokenizer."""
+    first = server_tokenizer(str(demo_model_dir), None)
+    assert server_tokenizer(str(demo_model_dir), None) is first
+    assert server_tokenizer(str(demo_model_dir), "{{ messages[0].content }}") is not first
