@@ -33,6 +33,7 @@ from bench import (
     disk_tier,
     hardware,
     kv_quant,
+    prefill_endpoints,
     report,
     several_models,
     snapshot_models,
@@ -73,7 +74,8 @@ METRICS_POLL_SECONDS = 0.5
 
 def all_workloads() -> list[str]:
     return [*WORKLOADS, *disk_tier.WORKLOADS, *several_models.WORKLOADS,
-            *kv_quant.WORKLOADS, *snapshot_models.WORKLOADS, *speculation.WORKLOADS]
+            *kv_quant.WORKLOADS, *snapshot_models.WORKLOADS, *speculation.WORKLOADS,
+            *prefill_endpoints.WORKLOADS]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -288,7 +290,8 @@ def server_args(spec: ServerSpec, args: argparse.Namespace) -> list[str]:
 def run_measures(measures: dict, wanted: list[str], model: Path, shapes: Shapes,
                  env: dict[str, str], out: Path, seed: int) -> dict:
     """The wanted workloads of a module that starts its own servers (disk_tier,
-    speculation, several_models), each by its measure, logs in OUT/logs."""
+    speculation, several_models, prefill_endpoints), each by its measure, logs in
+    OUT/logs."""
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     return {name: measure(model, shapes, env, logs, seed)
@@ -413,7 +416,9 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
                               for workload, rounds in entry["rounds"].items()}
     for key, module, what in (("disk_tier", disk_tier, "with and without its disk tier"),
                               ("speculation", speculation, "speculative decoding off, on and auto"),
-                              ("several_models", several_models, "several models in one server")):
+                              ("several_models", several_models, "several models in one server"),
+                              ("prefill_endpoints", prefill_endpoints,
+                               "embeddings and rerank")):
         if set(wanted) & set(module.WORKLOADS):
             print(f"bench: radix-mlx {what}", file=sys.stderr, flush=True)
             results[key] = run_measures(module.MEASURES, wanted, model.directory, shapes, env,

@@ -230,6 +230,14 @@ def target_values(results: dict) -> list[tuple]:
         rows.append(("flood over 3 models: greedy answers equal to one model's",
                      flood["identical_answers"] / flood["three models"]["requests"], "1.0",
                      lambda v: v == 1))
+    endpoints = results.get("prefill_endpoints", {})
+    if "ratio" in endpoints.get("embeddings", {}):
+        rows.append(("embeddings sentences/s vs sentence-transformers (all-MiniLM-L6-v2)",
+                     endpoints["embeddings"]["ratio"], ">= 1.0", lambda v: v >= 1.0))
+    if "rerank" in endpoints:
+        rows.append(("rerank, causal judge: prompt tokens computed / the documents' own",
+                     endpoints["rerank"]["computed_per_document_token"], "<= 1.2",
+                     lambda v: v <= 1.2))
     raw_batch = results.get("raw_batch", {})
     if "batch_decode" in raw_batch:
         rows.append(("batch decode output tok/s vs bare mlx-lm BatchGenerator",
@@ -397,6 +405,7 @@ def markdown(results: dict) -> str:
     lines += disk_tier_section(results.get("disk_tier", {}))
     lines += speculation_section(results.get("speculation", {}))
     lines += several_models_section(results.get("several_models", {}))
+    lines += prefill_endpoints_section(results.get("prefill_endpoints", {}))
     lines += kv_quant_section(results.get("kv_quant", {}))
     lines += ["", "## Single-stream decode (engine overhead)", "",
               "| path | decode tok/s |", "|---|---:|"]
@@ -667,6 +676,36 @@ def _flood_lines(flood: dict) -> list[str]:
                         f"{flood['identical_answers']} of {requests}; a second one-model run "
                         f"(the control) matched {fmt(flood.get('identical_answers_control'), '{}')} "
                         f"of {requests}.")]
+
+
+def prefill_endpoints_section(endpoints: dict) -> list[str]:
+    """Embeddings against sentence-transformers, and what a rerank computes."""
+    lines = []
+    embeddings = endpoints.get("embeddings")
+    if embeddings and "skipped" in embeddings:
+        lines += [f"Embeddings: skipped ({embeddings['skipped']}).", ""]
+    elif embeddings:
+        lines += [(f"Embeddings, all-MiniLM-L6-v2: {embeddings['sentences']} sentences of "
+                   f"{embeddings['sentence_tokens']} tokens, {embeddings['batch']} a request, "
+                   f"one request at a time: {embeddings['sentences_s']:.1f} sentences/s "
+                   f"against sentence-transformers' {embeddings['reference_sentences_s']:.1f} "
+                   f"on {embeddings['reference_device']} "
+                   f"({fmt(embeddings['ratio'], '{:.2f}x')}); lowest cosine between the "
+                   f"two vectors of a sentence {embeddings['min_cosine']:.6f}."), ""]
+    rerank = endpoints.get("rerank")
+    if rerank:
+        rows = [f"| {i + 1} | {r['documents_s']:.1f} | {r['prompt_tokens']} | "
+                f"{r['computed_tokens']} | {r['document_tokens']} | "
+                f"{r['computed_per_document_token']:.2f} |"
+                for i, r in enumerate(rerank["rounds"])]
+        lines += [(f"Rerank, the model as a yes/no judge: one query of "
+                   f"{rerank['query_tokens']} tokens against {rerank['documents']} documents "
+                   f"of {rerank['document_tokens']} tokens, a new query and documents each "
+                   f"request:"), "",
+                  ("| request | documents/s | prompt tokens | computed | documents' own "
+                   "tokens | computed / documents' |"), "|---:|---:|---:|---:|---:|---:|",
+                  *rows, ""]
+    return ["", "## Prefill-only endpoints", "", *lines] if lines else []
 
 
 def write(results: dict, directory: Path, plots: bool = True) -> None:

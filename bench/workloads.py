@@ -92,6 +92,13 @@ class Shapes:
     ae_repeats: int = 1  # single-stream: this many file edits and as many tool calls
     ae_streams: int = 16
     ae_stream_output_tokens: int = 64
+    em_sentences: int = 1024  # embeddings (bench/prefill_endpoints.py), all-MiniLM-L6-v2
+    em_batch: int = 64
+    em_sentence_tokens: int = 24
+    rr_documents: int = 100  # rerank: one query against this many documents
+    rr_document_tokens: int = 200
+    rr_query_tokens: int = 16
+    rr_rounds: int = 3
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -111,7 +118,8 @@ QUICK = Shapes(
     bd_streams=4,
     bd_prompt_tokens=16, bd_output_tokens=8, cl_sentences=8, cl_batch=4, cl_preamble_tokens=16,
     cl_sentence_tokens=8, ae_file_tokens=200, ae_output_tokens=16, ae_streams=4,
-    ae_stream_output_tokens=8,
+    ae_stream_output_tokens=8, em_sentences=8, em_batch=4, em_sentence_tokens=8,
+    rr_documents=6, rr_document_tokens=24, rr_query_tokens=8, rr_rounds=2,
 )
 
 

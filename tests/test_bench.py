@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("psutil")
 
-from bench import several_models, speculation
+from bench import prefill_endpoints, several_models, speculation
 from bench.__main__ import (
     BenchModel,
     all_workloads,
@@ -57,10 +57,12 @@ def test_workloads_are_seeded_and_sized(demo_model_dir: Path) -> None:
 
 
 def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
-    """Every workload but several models' (test_several_models_reload_and_report) and
-    speculative decoding's (test_speculation_workloads)."""
+    """Every workload but several models' (test_several_models_reload_and_report),
+    speculative decoding's (test_speculation_workloads) and the prefill endpoints'
+    (test_prefill_endpoints_workloads)."""
     workloads = [name for name in all_workloads()
-                 if name not in (*several_models.WORKLOADS, *speculation.WORKLOADS)]
+                 if name not in (*several_models.WORKLOADS, *speculation.WORKLOADS,
+                                 *prefill_endpoints.WORKLOADS)]
     main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-raw",
           "--no-plots", "--out", str(tmp_path), "--workloads", ",".join(workloads), *TOY])
     results = json.loads((tmp_path / "results.json").read_text())
@@ -423,3 +425,27 @@ def test_several_models_reload_and_report(demo_model_dir: Path, tmp_path: Path) 
     assert rows["after an idle unload and reload: cached share of the prompt"] is True
     text = "\n".join(several_models_section(several))
     assert "1.05x" in text and "5 of 6" in text and "control) matched 6 of 6" in text
+
+
+def test_prefill_endpoints_workloads(demo_model_dir: Path, tmp_path: Path) -> None:
+    """all-MiniLM-L6-v2's embeddings against sentence-transformers, and a rerank on the
+    demo model: the query is computed once for all its documents."""
+    main(["--model", str(demo_model_dir), "--quick", "--no-raw", "--no-plots",
+          "--no-structured", "--out", str(tmp_path), "--workloads", "embeddings,rerank"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    embeddings = results["prefill_endpoints"]["embeddings"]
+    assert embeddings["sentences"] == QUICK.em_sentences and embeddings["min_cosine"] > 0.9999
+    assert embeddings["sentences_s"] > 0 and embeddings["reference_sentences_s"] > 0
+    rerank = results["prefill_endpoints"]["rerank"]
+    assert len(rerank["rounds"]) == QUICK.rr_rounds
+    for one in rerank["rounds"]:
+        # Every document's prompt holds the judge's instructions and the query: computed
+        # once, the rest is each document's own tokens and the few around them.
+        assert one["computed_tokens"] < one["prompt_tokens"] / 2
+        assert one["computed_tokens"] >= one["document_tokens"]
+    rows = {row["target"]: row for row in results["targets"]}
+    assert rows["rerank, causal judge: prompt tokens computed / the documents' own"][
+        "value"] == rerank["computed_per_document_token"]
+    assert "embeddings sentences/s vs sentence-transformers (all-MiniLM-L6-v2)" in rows
+    text = (tmp_path / "results.md").read_text()
+    assert "## Prefill-only endpoints" in text and "sentence-transformers" in text
