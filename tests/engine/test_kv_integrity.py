@@ -155,6 +155,9 @@ def rebuild_from(engine: Engine, folder: Path) -> None:
     """Put the files of `folder` (a disk tier of the same model) in the engine's disk
     folder and rebuild its tree from them, beside the engine, as a start does: what the
     old engine held in memory at its stop comes back into memory."""
+    # The engine's own start rebuilds from its (empty) folder first: a file copied in
+    # meanwhile would be read half written, and deleted as torn.
+    assert engine.disk.rebuilt.wait(30)
     for file in folder.iterdir():
         if not (engine.disk.directory / file.name).exists():
             shutil.copy(file, engine.disk.directory / file.name)
