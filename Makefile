@@ -71,9 +71,10 @@ replicas: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-# The tests that start no server process and load no model beyond the tiny demo one:
-# the radix tree, the engine's units, protocols, parsers and config, under a minute on two
-# CPU cores. `make test` (all of them) is what CI runs.
+# The tests that start no server process and run no model but the tiny demo one (a few
+# read the default model's tokenizer or convert it once): the radix tree, the engine's
+# units, protocols, parsers and config, under a minute on two CPU cores. `make test` (all
+# of them) is what CI runs.
 FAST_TESTS := tests/radix tests/test_layering.py tests/test_config.py \
 	tests/engine/test_admission.py tests/engine/test_client.py tests/engine/test_constraints.py \
 	tests/engine/test_disk_folders.py tests/engine/test_distributed.py \
