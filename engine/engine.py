@@ -253,7 +253,8 @@ class Engine:
             raise ValueError(
                 f"kv_bits: {loaded.model_id} has sliding-window or recurrent layers, whose "
                 "cache is kept as whole-state snapshots, and KV quantization covers plain "
-                "KV caches only; serve this model without --kv-bits")
+                "KV caches only; serve this model without --kv-bits (in a models file: "
+                "kv_bits = 0 in its table)")
         dtype, head_dims = kv_layout(loaded.model)
         return kv_quantization(self.config.kv_bits, self.config.kv_group_size, dtype,
                                head_dims)

@@ -42,7 +42,7 @@ CLAUDE_CODE_BILLING_LINE = r"x-anthropic-billing-header:.*"
 
 # The settings a model's table may set for it alone.
 MODEL_OVERRIDES = ("context_length", "cache_bytes", "disk_cache_bytes", "chat_template", "gguf_dtype",
-                   "default_max_tokens", "max_output_tokens")
+                   "default_max_tokens", "max_output_tokens", "kv_bits", "kv_group_size")
 # What a request that names no model, or the default model, is answered with before its
 # engine says its own name.
 DEFAULT_MODEL_ID = "default"
@@ -55,6 +55,12 @@ def model_name(source: str) -> str:
     if path.is_file():
         return path.stem
     return path.name if path.exists() else source
+
+
+def _one_of(value: int | None, allowed: tuple[int, ...]) -> int | None:
+    if value is not None and value not in allowed:
+        raise ValueError(f"must be one of {', '.join(map(str, allowed))}")
+    return value
 
 
 class SamplingDefaults(BaseModel):
@@ -98,10 +104,24 @@ class ModelSpec(BaseModel):
     gguf_dtype: Literal["auto", "native", "float32", "float16", "bfloat16"] | None = None
     default_max_tokens: PositiveInt | None = None
     max_output_tokens: PositiveInt | None = None
+    # 0: this model's KV unquantized whatever the server's kv_bits (a sliding-window model,
+    # which kv_bits refuses, beside quantized ones).
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
 
     @property
     def names(self) -> list[str]:
         return [self.id, *self.aliases]
+
+    @field_validator("kv_bits")
+    @classmethod
+    def _kv_bits(cls, bits: int | None) -> int | None:
+        return _one_of(bits, (0, *KV_BITS))
+
+    @field_validator("kv_group_size")
+    @classmethod
+    def _kv_group_size(cls, size: int | None) -> int | None:
+        return _one_of(size, KV_GROUP_SIZES)
 
     @field_validator("chat_template")
     @classmethod
@@ -364,16 +384,12 @@ class Settings(BaseModel):
     @field_validator("kv_bits")
     @classmethod
     def _kv_bits(cls, bits: int | None) -> int | None:
-        if bits is not None and bits not in KV_BITS:
-            raise ValueError(f"must be one of {', '.join(map(str, KV_BITS))}")
-        return bits
+        return _one_of(bits, KV_BITS)
 
     @field_validator("kv_group_size")
     @classmethod
     def _kv_group_size(cls, size: int) -> int:
-        if size not in KV_GROUP_SIZES:
-            raise ValueError(f"must be one of {', '.join(map(str, KV_GROUP_SIZES))}")
-        return size
+        return _one_of(size, KV_GROUP_SIZES)
 
     @model_validator(mode="after")
     def _tls_needs_both_files(self) -> "Settings":
@@ -418,6 +434,8 @@ class Settings(BaseModel):
         models of the same weights (two ids, other overrides) never share one."""
         overrides = {name: getattr(spec, name) for name in MODEL_OVERRIDES
                      if getattr(spec, name) is not None}
+        if overrides.get("kv_bits") == 0:
+            overrides["kv_bits"] = None
         if self.several_models:
             base = self.disk_cache_dir or default_disk_cache_dir()
             overrides["disk_cache_dir"] = base / "models" / spec.id.replace("/", "--")

@@ -1,6 +1,7 @@
 """The launchd plist and systemd unit render from a config into valid, consistent files,
 and the install scripts drive launchctl / systemctl as documented (stubbed here)."""
 
+import argparse
 import configparser
 import getpass
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from server.config import ConfigError, Settings, load_settings
+from server.config import ConfigError, ModelSpec, Settings, add_serve_arguments, load_settings
 from server.launch.service_files import health_url, render_launchd, render_systemd
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -206,6 +207,21 @@ def test_example_config_documents_every_option_and_is_valid(tmp_path: Path) -> N
     defaults = Settings()
     for name in ("drain_timeout", "max_queue", "max_batch_size", "log_level", "port"):
         assert getattr(settings, name) == getattr(defaults, name), name
+
+
+def test_example_models_file_shows_every_key_of_a_model_and_is_valid(tmp_path: Path) -> None:
+    text = (DEPLOY / "models.example.toml").read_text()
+    keys = set(re.findall(r"^(?:# )?(\w+) = ", text, flags=re.MULTILINE))
+    assert keys == ModelSpec.model_fields.keys()
+    models = tmp_path / "models.toml"
+    models.write_text(text)
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    settings = load_settings(parser.parse_args(["--models-file", str(models), "--kv-bits", "4"]),
+                             environ={})
+    per_model = {spec.id: settings.for_model(spec) for spec in settings.models}
+    assert (per_model["coder"].kv_bits, per_model["gemma"].kv_bits) == (8, None)
+    assert per_model["small"].kv_bits == 4  # the server's
 
 
 def test_newsyslog_entry_is_well_formed() -> None:
