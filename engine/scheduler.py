@@ -535,9 +535,14 @@ class Scheduler:
             if stats.total_bytes + need > stats.capacity_bytes:
                 self._bringing_back.clear()
             else:
-                self._load_from_disk(chain)
-                self._brought_back.add(len(chain), need)
-                self.disk.stats.brought_back_nodes += len(chain)
+                try:
+                    self._load_from_disk(chain)
+                except Exception:  # requests load what they match anyway
+                    log.exception("disk cache: bringing back into memory stopped")
+                    self._bringing_back.clear()
+                else:
+                    self._brought_back.add(len(chain), need)
+                    self.disk.stats.brought_back_nodes += len(chain)
         if not self._bringing_back:
             self._brought_back.finish()
 
