@@ -16,13 +16,9 @@ N ?= 2
 MAX_OUTPUT_TOKENS ?=
 SERVE_ARGS ?=
 
-# MLX's Linux CPU wheel ships a reference BLAS ~40x slower at float32 GEMM than OpenBLAS.
-OPENBLAS := $(wildcard /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3)
-ifneq ($(OPENBLAS),)
-ifneq ($(RADIX_MLX_NO_OPENBLAS),1)
-test test-fast test-slow test-agents bench: export LD_PRELOAD := $(strip $(OPENBLAS) $(LD_PRELOAD))
-endif
-endif
+# On a Linux CPU, MLX needs OpenBLAS preloaded at the right kernels and glibc's allocator
+# tuned (engine/platform_info.py says why); each is read only at process start.
+CPU_ENV = env $$($(BIN)/python -m engine.platform_info)
 
 SERVICE := deploy/$(if $(filter Darwin,$(shell uname -s)),launchd,systemd)/radix-mlx-service
 
@@ -69,7 +65,7 @@ replicas: $(STAMP)
 	$(BIN)/radix-mlx replicas --workers $(N) $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(CPU_ENV) $(BIN)/python -m pytest
 
 # The tests that start no server process and run no model but the tiny demo one (a few
 # read the default model's tokenizer or convert it once): the radix tree, the engine's
@@ -77,7 +73,7 @@ test: $(STAMP)
 # of them) is what CI runs.
 FAST_TESTS := tests/radix tests/test_layering.py tests/test_config.py \
 	tests/engine/test_admission.py tests/engine/test_client.py tests/engine/test_constraints.py \
-	tests/engine/test_disk_folders.py tests/engine/test_distributed.py \
+	tests/engine/test_bert_math.py tests/engine/test_disk_folders.py tests/engine/test_distributed.py \
 	tests/engine/test_json_keys.py tests/engine/test_memory.py tests/engine/test_prefill_budget.py \
 	tests/engine/test_speculation_units.py \
 	tests/engine/test_text.py tests/engine/test_token_cache.py tests/engine/test_tree_hold.py \
@@ -88,18 +84,18 @@ FAST_TESTS := tests/radix tests/test_layering.py tests/test_config.py \
 	tests/vision/test_images.py
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest $(FAST_TESTS)
+	$(CPU_ENV) $(BIN)/python -m pytest $(FAST_TESTS)
 
 # The tests too slow for every run (Gemma 3 270M's sliding-window layers on real weights).
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m slow
+	$(CPU_ENV) $(BIN)/python -m pytest -m slow
 
 # Claude Code and Codex from npm (into build/agents) driven against a real server on
 # Gemma 3 270M: one tool round trip each, no 4xx/5xx, the cache's share of each prompt.
 AGENT_PACKAGES := @anthropic-ai/claude-code @openai/codex
 test-agents: $(STAMP)
 	npm install --no-audit --no-fund --prefix build/agents $(AGENT_PACKAGES)
-	$(BIN)/python -m pytest -m agents tests/agents -s --basetemp build/agents/run
+	$(CPU_ENV) $(BIN)/python -m pytest -m agents tests/agents -s --basetemp build/agents/run
 
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[test,bench]"
@@ -107,7 +103,7 @@ $(BENCH_STAMP): $(STAMP)
 
 # BENCH_ARGS: e.g. --quick, --model DIR, --servers radix-mlx (python -m bench --help).
 bench: $(BENCH_STAMP)
-	$(BIN)/python -m bench $(BENCH_ARGS)
+	$(CPU_ENV) $(BIN)/python -m bench $(BENCH_ARGS)
 
 # The load test with faults on the default model, for SOAK_MINUTES; writes its series,
 # plot and figures to SOAK_OUT (default build/soak/<time>), exits 1 on a failure. With

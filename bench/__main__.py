@@ -63,7 +63,7 @@ from bench.workloads import (
     build_all,
     build_warm_up,
 )
-from engine.platform_info import mlx_would_use_cpu, openblas_preload_env
+from engine.platform_info import cpu_reexec_env, mlx_would_use_cpu
 
 RESULTS = Path(__file__).parent / "results"
 # What replicas behind a router are measured on: prefix reuse across requests.
@@ -320,7 +320,7 @@ def run_server(results: dict, spec: ServerSpec, args: argparse.Namespace, model:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    env = openblas_preload_env() or dict(os.environ)
+    env = cpu_reexec_env() or dict(os.environ)
     device = "cpu" if mlx_would_use_cpu() else "gpu"
     wanted = set(args.workloads.split(","))
     models = model_dirs(args.models, env, args.quick) if wanted - set(

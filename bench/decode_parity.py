@@ -44,7 +44,7 @@ from bench.__main__ import git_revision
 from bench.servers import RADIX, RunningServer, running
 from engine.api import SamplingParams, TokenEvent
 from engine.engine import ENGINE_THREAD, Engine, EngineConfig
-from engine.platform_info import openblas_preload_env
+from engine.platform_info import cpu_reexec_env
 
 T = TypeVar("T")
 
@@ -225,7 +225,7 @@ def servers(args: argparse.Namespace, flags: list[str]) -> Iterator[dict[str, Ru
     if args.no_server:
         yield {}
         return
-    env = openblas_preload_env() or dict(os.environ)
+    env = cpu_reexec_env() or dict(os.environ)
     logs = (args.out or Path("build")) / "logs"
     with contextlib.ExitStack() as stack:
         yield {name: stack.enter_context(running(

@@ -25,7 +25,7 @@ from bench.__main__ import shapes_from
 from bench.client import run_workload
 from bench.servers import RADIX, running
 from bench.workloads import Shapes, build_all, build_warm_up
-from engine.platform_info import openblas_preload_env
+from engine.platform_info import cpu_reexec_env
 
 TOP = 40
 
@@ -68,7 +68,7 @@ def main() -> None:
     shapes = shapes_from(args)
     py_spy = shutil.which("py-spy") or "py-spy"
     workload = {w.name: w for w in build_all(args.model, shapes, 0)}[args.workload]
-    env = openblas_preload_env() or dict(os.environ)
+    env = cpu_reexec_env() or dict(os.environ)
     args.out.mkdir(parents=True, exist_ok=True)
     raw = args.out / f"{args.workload}.pyspy"
     with running(RADIX, args.model, env, args.out / "radix-mlx.log",

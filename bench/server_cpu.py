@@ -42,7 +42,7 @@ from bench.client import run_workload
 from bench.servers import RADIX, RunningServer, running
 from bench.workloads import Shapes, TextSource, batch_decode
 from engine.engine import ENGINE_THREAD
-from engine.platform_info import openblas_preload_env
+from engine.platform_info import cpu_reexec_env
 
 THREADS = ("loop", "engine", "other", "process")
 
@@ -160,7 +160,7 @@ def main() -> None:
     args = parser.parse_args()
     trees = {"this": None, **{name: Path(path) for name, path in
                               (tree.split("=", 1) for tree in args.tree)}}
-    env = openblas_preload_env() or dict(os.environ)
+    env = cpu_reexec_env() or dict(os.environ)
     logs = (args.out or Path("build")) / "logs"
     flags = ["--max-batch-size", str(args.streams), *args.radix_mlx_args.split()]
     source = TextSource(args.model, seed=0)

@@ -35,7 +35,7 @@ from bench import hardware, report
 from bench.client import run_workload
 from bench.servers import RADIX, ServerSpec, running
 from bench.workloads import Conversation, Workload
-from engine.platform_info import mlx_would_use_cpu, openblas_preload_env
+from engine.platform_info import cpu_reexec_env, mlx_would_use_cpu
 
 RESULTS = Path(__file__).parent / "results"
 QUESTIONS = ("What does this screenshot show? Describe the layout.",
@@ -158,7 +158,7 @@ def main() -> int:
         args.report.with_name("results.md").write_text(
             "\n".join([*hardware_line, *table(result), ""]))
         return 0
-    env = openblas_preload_env() or dict(os.environ)
+    env = cpu_reexec_env() or dict(os.environ)
     device = "cpu" if mlx_would_use_cpu() else "gpu"
     out = args.out or RESULTS / hardware.tag(device) / f"vision-{args.size}"
     runs: dict = {}

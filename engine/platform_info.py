@@ -1,18 +1,39 @@
-"""Which device and BLAS MLX runs on, and where a fast BLAS is on Linux.
+"""Which device and BLAS MLX runs on, and the environment MLX on a Linux CPU needs.
 
-MLX's Linux CPU wheel bundles a reference BLAS that ran float32 GEMM ~40x slower than
-Debian's OpenBLAS on our machines, so the CLI preloads OpenBLAS when MLX would run on the
-CPU, and the server logs what it actually got. Only `describe_platform` imports MLX: the
-preload decision has to be made before MLX is loaded.
+Three things, each read only when a process starts, so the CLI re-executes itself with
+them when MLX would run on the CPU (`cpu_env`), and the server logs what it got. Only
+`describe_platform` imports MLX: the decision has to be made before MLX is loaded.
+- MLX's Linux CPU wheel bundles a reference BLAS that ran float32 GEMM ~40x slower than
+  Debian's OpenBLAS on our machines: preload OpenBLAS.
+- OpenBLAS picks its kernels by the CPU it detects, and Debian's 0.3.21 does not know every
+  CPU a cloud VM reports: on our 2-core Intel Xeon it fell back to its SSE3 "Prescott"
+  kernels, 62 GFLOP/s at float32 GEMM, where its AVX-512 "SkylakeX" kernels ran 294. Name
+  the kernels the CPU's flags allow (OPENBLAS_CORETYPE).
+- glibc serves allocations over its adaptive threshold with fresh mmaps and returns freed
+  heap tops to the system, so MLX's buffers of a few MB page-faulted anew on every forward:
+  6,700 faults, 10 ms of a 24 ms matmul and GELU. Keep buffers up to 32 MB on the heap and
+  the heap's top in the process (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_).
+Anything the operator set stays as set.
 """
 
+import ctypes
 import importlib.metadata
 import os
 import platform
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 OPT_OUT_ENV = "RADIX_MLX_NO_OPENBLAS"
+OPENBLAS_CORE_ENV = "OPENBLAS_CORETYPE"
+# The best OpenBLAS x86-64 kernels a CPU's /proc/cpuinfo flags allow, best first.
+OPENBLAS_CORES_BY_FLAGS = (
+    ("SkylakeX", {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}),
+    ("Haswell", {"avx2", "fma"}),
+)
+# glibc's limits (bytes) for MLX on the CPU; the mmap threshold's is glibc's own maximum.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
+              "MALLOC_TRIM_THRESHOLD_": str(1024 * 2**20)}
 CUDA_DISTRIBUTIONS = ("mlx-cuda-13", "mlx-cuda-12")
 CUDNN_ATTENTION_ENV = "MLX_CUDA_USE_CUDNN_SDPA"
 # MLX's CUDA backend computes prompt attention with cuDNN, building an execution plan for
@@ -36,15 +57,46 @@ def mlx_would_use_cpu() -> bool:
     return not (_installed_libmlx_is_cuda() and Path("/dev/nvidiactl").exists())
 
 
-def openblas_preload_env() -> dict[str, str] | None:
-    """The environment to re-exec with so OpenBLAS is preloaded, or None if not needed."""
-    if sys.platform != "linux" or os.environ.get(OPT_OUT_ENV) == "1":
-        return None
-    preloaded = os.environ.get("LD_PRELOAD", "")
+def openblas_core_type(cpuinfo: str | None = None) -> str | None:
+    """The OpenBLAS kernels (an OPENBLAS_CORETYPE value) this x86-64 CPU can run, from
+    the flags in `cpuinfo` (default: /proc/cpuinfo); None where none of ours applies."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                  if line.startswith("flags")), [])
+    return next((core for core, needed in OPENBLAS_CORES_BY_FLAGS if needed <= set(flags)),
+                None)
+
+
+def cpu_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables to add to `environ` (default: this process's) so that a process
+    started with them runs MLX on the CPU at speed: OpenBLAS preloaded at the kernels the
+    CPU allows, glibc's allocator tuned. Empty where nothing is missing or MLX has a GPU;
+    no OpenBLAS where the operator opted out."""
+    environ = os.environ if environ is None else environ
+    if sys.platform != "linux" or not mlx_would_use_cpu():
+        return {}
+    added = {name: value for name, value in MALLOC_ENV.items() if name not in environ}
     library = openblas_library()
-    if "openblas" in preloaded or library is None or not mlx_would_use_cpu():
-        return None
-    return {**os.environ, "LD_PRELOAD": " ".join(filter(None, [str(library), preloaded]))}
+    if library is None or environ.get(OPT_OUT_ENV) == "1":
+        return added
+    preloaded = environ.get("LD_PRELOAD", "")
+    if "openblas" not in preloaded:
+        added["LD_PRELOAD"] = ":".join(filter(None, [str(library), preloaded]))
+    core = openblas_core_type()
+    if core is not None and OPENBLAS_CORE_ENV not in environ:
+        added[OPENBLAS_CORE_ENV] = core
+    return added
+
+
+def cpu_reexec_env() -> dict[str, str] | None:
+    """This process's environment with `cpu_env` added, to re-execute with; None if
+    nothing is missing."""
+    added = cpu_env()
+    return {**os.environ, **added} if added else None
 
 
 def apply_mlx_env_defaults() -> None:
@@ -78,8 +130,17 @@ def _blas_in_use() -> str:
     # numpy's scipy_openblas has prefixed symbols, so MLX never calls into it.
     openblas = sorted(p for p in mapped if "openblas" in p and "scipy_openblas" not in p)
     if openblas:
-        return f"OpenBLAS ({openblas[0]})"
+        return f"OpenBLAS ({openblas[0]}, {_openblas_core(openblas[0])} kernels)"
     return "MLX's bundled reference BLAS (slow: install libopenblas0-pthread, start via radix-mlx)"
+
+
+def _openblas_core(library: str) -> str:
+    try:
+        core_name = ctypes.CDLL(library).openblas_get_corename
+    except (OSError, AttributeError):
+        return "unknown"
+    core_name.restype = ctypes.c_char_p
+    return core_name().decode()
 
 
 def _installed_libmlx_is_cuda() -> bool:
@@ -96,3 +157,8 @@ def _installed_libmlx_is_cuda() -> bool:
                 if located.is_file() and located.stat().st_size == file.size:
                     return True
     return False
+
+
+if __name__ == "__main__":
+    # `env $(python -m engine.platform_info) CMD`: how the Makefile starts tests and benches.
+    print(" ".join(f"{name}={value}" for name, value in cpu_env().items()))

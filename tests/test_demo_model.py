@@ -17,8 +17,10 @@ from engine import demo_model
 from engine.demo_model import IM_END, IM_START, SLIDING_WINDOW, build_demo_model
 from engine.platform_info import (
     CUDNN_ATTENTION_ENV,
+    OPENBLAS_CORE_ENV,
     OPT_OUT_ENV,
     apply_mlx_env_defaults,
+    openblas_core_type,
     openblas_library,
 )
 from server.launch.replicas import free_port
@@ -152,6 +154,30 @@ def test_cli_preloads_openblas_on_linux_cpu() -> None:
     }
     assert "BLAS: OpenBLAS" in _cli("info", env=env)
     assert "reference BLAS" in _cli("info", env={**env, OPT_OUT_ENV: "1"})
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or openblas_library() is None or openblas_core_type() is None,
+    reason="needs Debian's OpenBLAS on an x86-64 CPU with AVX2",
+)
+def test_cli_runs_openblas_at_the_kernels_the_cpu_flags_allow() -> None:
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("LD_PRELOAD", OPENBLAS_CORE_ENV, OPT_OUT_ENV)}
+    assert f"{openblas_core_type()} kernels" in _cli("info", env=env)
+    # The operator's choice stands.
+    assert "Haswell kernels" in _cli("info", env={**env, OPENBLAS_CORE_ENV: "Haswell"})
+
+
+@pytest.mark.parametrize(("flags", "core"), [
+    ("fpu sse2 avx2 fma avx512f avx512cd avx512bw avx512dq avx512vl", "SkylakeX"),
+    ("fpu sse2 avx2 fma avx512f", "Haswell"),  # AVX-512 without the subsets SkylakeX needs
+    ("fpu sse2 avx2 fma", "Haswell"),
+    ("fpu sse2 sse4_2", None),
+])
+def test_openblas_core_type_is_the_best_the_flags_allow(flags: str, core: str | None) -> None:
+    cpuinfo = f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n"
+    assert openblas_core_type(cpuinfo) == core
+    assert openblas_core_type("Features\t: fp asimd sve\n") is None  # aarch64 reports these
 
 
 @pytest.mark.skipif(

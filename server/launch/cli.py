@@ -8,7 +8,7 @@ from typing import get_args
 from engine.demo_model import FAMILIES, SIZES, build_demo_model
 
 VISION_FAMILY = "gemma3-vision"
-from engine.platform_info import describe_platform, openblas_preload_env
+from engine.platform_info import cpu_reexec_env, describe_platform
 from server.config import Settings, add_serve_arguments
 from server.launch.replicas import add_replicas_arguments, replicas_command
 
@@ -20,15 +20,16 @@ def main() -> None:
 
 def run(argv: list[str]) -> None:
     """Run the command `argv` names, and exit with its status: the one way every entry
-    point (`radix-mlx`, `python -m server`) starts, OpenBLAS included."""
-    _reexec_with_openblas()
+    point (`radix-mlx`, `python -m server`) starts, MLX's CPU environment included."""
+    _reexec_for_cpu()
     args = build_parser().parse_args(argv)
     sys.exit(args.handler(args))
 
 
-def _reexec_with_openblas() -> None:
-    # LD_PRELOAD only takes effect at process start: run this same command line again.
-    env = openblas_preload_env()
+def _reexec_for_cpu() -> None:
+    # LD_PRELOAD and the others only take effect at process start: run this same command
+    # line again.
+    env = cpu_reexec_env()
     if env is not None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.platform_info import openblas_library
+from engine.platform_info import cpu_env
 from server.launch.replicas import free_port
 
 API_KEY = "test-key-123"
@@ -85,12 +85,9 @@ class ServerProcess:
 
 def server_env(extra: Mapping[str, str] = {}) -> dict[str, str]:
     """This process's environment without the developer's RADIX_MLX_* settings (they must
-    not leak into the tests), with OpenBLAS, plus `extra`."""
+    not leak into the tests), with OpenBLAS at its best kernels, plus `extra`."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("RADIX_MLX_")}
-    blas = openblas_library()
-    if blas is not None:
-        env["LD_PRELOAD"] = str(blas)
-    return {**env, **extra}
+    return {**env, **cpu_env(env), **extra}
 
 
 def start_server(

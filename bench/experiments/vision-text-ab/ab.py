@@ -13,9 +13,9 @@ import tempfile
 from pathlib import Path
 
 from bench.vision import BUILD, RADIX, TEXT_MODEL, measure, workload
-from engine.platform_info import openblas_preload_env
+from engine.platform_info import cpu_reexec_env
 
-env = openblas_preload_env() or dict(os.environ)
+env = cpu_reexec_env() or dict(os.environ)
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "build/vision-text-ab")
 out.mkdir(parents=True, exist_ok=True)
 with tempfile.TemporaryDirectory() as directory:
