@@ -7,13 +7,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from server.events import ChoiceFinished, collect
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
 from server.http.loading import respond_with_model
+from server.http.model_response import model_response
 from server.http.openapi import error_responses, event_stream
 from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, to_the_end
 from server.model_registry import Lease, ServedModel
@@ -108,7 +109,7 @@ async def _respond(request: Request, generation: GenerationRun, fmt: Format) -> 
     )
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
-    return JSONResponse(fmt.response(results, generation.usage()).model_dump())
+    return model_response(fmt.response(results, generation.usage()))
 
 
 async def _sse(generation: GenerationRun, fmt: Format) -> AsyncIterator[str | list[str]]:

@@ -20,13 +20,14 @@ from collections.abc import Sequence
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.api import Prompt, Readout
 from engine.embedding_config import matryoshka_dimensions
 from engine.tokenizer import ModelTokenizer
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
+from server.http.model_response import model_response
 from server.http.openapi import error_responses
 from server.http.streaming import CLIENT_CLOSED
 from server.model_registry import ServedModel
@@ -74,8 +75,8 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     model = state.models.name_for(served, body.model)
     data = [Embedding(index=i, embedding=_encoded(vector, body.encoding_format))
             for i, vector in enumerate(vectors)]
-    return JSONResponse(EmbeddingResponse(data=data, model=model,
-                                          usage=usage(prompt_tokens, cached)).model_dump())
+    return model_response(EmbeddingResponse(data=data, model=model,
+                                            usage=usage(prompt_tokens, cached)))
 
 
 @router.post("/rerank", response_model=RerankResponse)
@@ -98,7 +99,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
                             if body.return_documents else None) for i in order]
     response = RerankResponse(id=f"rerank-{request.state.request_id}", model=model,
                               results=results, usage=usage(prompt_tokens, cached))
-    return JSONResponse(response.model_dump(exclude_none=True))
+    return model_response(response, exclude_none=True)
 
 
 @router.post("/classify", response_model=ClassifyResponse)
@@ -150,7 +151,7 @@ async def _classify(request: Request, state: ServerState, served: ServedModel,
         id=f"classify-{request.state.request_id}", model=model, data=data,
         usage=usage(sum(r.prompt_tokens for r in readings[0]),
                     sum(r.cached_tokens for r in readings[0])))
-    return JSONResponse(response.model_dump(exclude_none=True))
+    return model_response(response, exclude_none=True)
 
 
 # -- inputs ------------------------------------------------------------------------------
