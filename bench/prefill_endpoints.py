@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import base64
 import importlib
 import importlib.util
 import json
@@ -76,9 +77,12 @@ def embeddings(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
 
 
 def embed(client: httpx.Client, batch: list[str]) -> np.ndarray:
-    response = client.post("/v1/embeddings", json={"input": batch})
+    # base64, as the OpenAI SDK asks by default: the floats as JSON numbers cost the client
+    # 8 ms a request of 64 to parse, more than the encoder's forward on a GPU.
+    response = client.post("/v1/embeddings", json={"input": batch, "encoding_format": "base64"})
     response.raise_for_status()
-    return np.array([item["embedding"] for item in response.json()["data"]], dtype=np.float32)
+    return np.stack([np.frombuffer(base64.b64decode(item["embedding"]), "<f4")
+                     for item in response.json()["data"]])
 
 
 def _unit(vectors: np.ndarray) -> np.ndarray:

@@ -121,9 +121,13 @@ class SelfAttention(nn.Module):
             return projection(x).reshape(batch, length, self.heads, -1).transpose(0, 2, 1, 3)
 
         scale = (width // self.heads) ** -0.5
-        queries = heads(self.query) * scale
-        scores = queries @ heads(self.key).transpose(0, 1, 3, 2) + mask
-        out = softmax(scores) @ heads(self.value)
+        queries, keys, values = heads(self.query), heads(self.key), heads(self.value)
+        if mx.default_device() == mx.cpu:  # where MLX's own softmax is slow (see above)
+            scores = (queries * scale) @ keys.transpose(0, 1, 3, 2) + mask
+            out = softmax(scores) @ values
+        else:
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                       mask=mask)
         return out.transpose(0, 2, 1, 3).reshape(batch, length, width)
 
 
