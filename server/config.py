@@ -236,8 +236,9 @@ class Settings(BaseModel):
         "off",
         description="speculative decoding for requests that name no mode (their "
         "`speculation` field): drafts from prompt lookup and the radix cache, verified in "
-        "one forward, greedy output unchanged; auto: only while a request's drafts are "
-        "mostly accepted (docs/speculative-decoding.md)",
+        "one forward, greedy output unchanged in float32 (bfloat16 on a GPU rounds a "
+        "verify differently); auto: only while a request's drafts are mostly accepted "
+        "(docs/speculative-decoding.md)",
     )
     speculation_max_draft: PositiveInt = Field(
         8, le=64, description="the most tokens one speculative draft guesses",
