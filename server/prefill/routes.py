@@ -25,6 +25,7 @@ from fastapi.responses import Response
 from engine.api import Prompt, Readout
 from engine.embedding_config import matryoshka_dimensions
 from engine.tokenizer import ModelTokenizer
+from server.http.access_log import RequestStats
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
 from server.http.model_response import model_response
@@ -43,6 +44,7 @@ from server.prefill.protocol import (
     Embedding,
     EmbeddingRequest,
     EmbeddingResponse,
+    PrefillUsage,
     RerankDocumentOut,
     RerankRequest,
     RerankResponse,
@@ -76,7 +78,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     data = [Embedding(index=i, embedding=_encoded(vector, body.encoding_format))
             for i, vector in enumerate(vectors)]
     return model_response(EmbeddingResponse(data=data, model=model,
-                                            usage=usage(prompt_tokens, cached)))
+                                            usage=_usage(request, prompt_tokens, cached)))
 
 
 @router.post("/rerank", response_model=RerankResponse)
@@ -98,7 +100,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
                             document=RerankDocumentOut(text=texts[i])
                             if body.return_documents else None) for i in order]
     response = RerankResponse(id=f"rerank-{request.state.request_id}", model=model,
-                              results=results, usage=usage(prompt_tokens, cached))
+                              results=results, usage=_usage(request, prompt_tokens, cached))
     return model_response(response, exclude_none=True)
 
 
@@ -149,9 +151,15 @@ async def _classify(request: Request, state: ServerState, served: ServedModel,
                                    top_logprobs=top, labels=scores if labels else None))
     response = ClassifyResponse(
         id=f"classify-{request.state.request_id}", model=model, data=data,
-        usage=usage(sum(r.prompt_tokens for r in readings[0]),
-                    sum(r.cached_tokens for r in readings[0])))
+        usage=_usage(request, sum(r.prompt_tokens for r in readings[0]),
+                     sum(r.cached_tokens for r in readings[0])))
     return model_response(response, exclude_none=True)
+
+
+def _usage(request: Request, prompt_tokens: int, cached_tokens: int) -> PrefillUsage:
+    """The response's usage, also what the request's access-log line reports."""
+    request.state.stats = RequestStats(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
+    return usage(prompt_tokens, cached_tokens)
 
 
 # -- inputs ------------------------------------------------------------------------------

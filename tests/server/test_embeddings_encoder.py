@@ -70,6 +70,14 @@ def test_embeddings_equal_sentence_transformers(encoder_server: ServerProcess,
     assert body["usage"]["prompt_tokens"] <= sum(tokens)  # the reference pads its count
 
 
+def test_the_access_log_counts_an_embedding_requests_tokens(
+        encoder_server: ServerProcess) -> None:
+    response = httpx.post(f"{encoder_server.url}/v1/embeddings", json={"input": [[101, 7592, 102]]},
+                          headers={"x-request-id": "embed-logged"}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert "prompt=3 cached=0 " in encoder_server.access_line("embed-logged")
+
+
 def test_base64_and_token_ids(encoder_server: ServerProcess, reference) -> None:
     ids = reference.tokenizer(TEXTS[0])["input_ids"]
     response = embed(encoder_server, input=ids, encoding_format="base64")

@@ -34,8 +34,9 @@ def last_logprobs(model, tokens: list[int]) -> np.ndarray:
     return np.array(logits - mx.logsumexp(logits))
 
 
-def post(server: ServerProcess, path: str, body: dict) -> dict:
-    response = httpx.post(f"{server.url}{path}", json=body, headers=AUTH, timeout=300)
+def post(server: ServerProcess, path: str, body: dict, request_id: str = "") -> dict:
+    headers = {**AUTH, **({"x-request-id": request_id} if request_id else {})}
+    response = httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=300)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -122,10 +123,13 @@ def test_decoder_embeddings_share_their_instruction(real_server: ServerProcess,
                    "answer the query\nQuery: ")
     first = post(real_server, "/v1/embeddings", {"input": instruction + "apples"})
     texts = [instruction + t for t in ("pears", "ripe bananas", "the moon")]
-    body = post(real_server, "/v1/embeddings", {"input": texts})
+    body = post(real_server, "/v1/embeddings", {"input": texts}, request_id="embed-shared")
     prefix = len(tokenizer.encode(instruction)) - 2
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < prefix
-    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * prefix
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 3 * prefix
+    logged = real_server.access_line("embed-shared")
+    assert f"prompt={body['usage']['prompt_tokens']} cached={cached} " in logged
     for item, text in zip(body["data"], texts):
         hidden = np.array(model.model(mx.array([tokenizer.encode(text)]))[0, -1])
         hidden /= np.linalg.norm(hidden)
