@@ -274,7 +274,9 @@ class Engine:
             limit_bytes=limit, weight_bytes=loaded.weight_bytes,
             kv_bytes_per_token=per_token,
             cached_bytes_per_token=cached_bytes_per_token(per_token, quantization),
-            headroom_bytes=headroom(chunk, loaded.vocab_size),
+            headroom_bytes=headroom(chunk, loaded.vocab_size, per_token,
+                                    self.config.max_batch_size
+                                    * self.config.speculation.max_draft),
             cache_bytes=self.config.cache_bytes, cache_fraction=self.config.cache_fraction)
         mx.set_memory_limit(limit)
         working_set = mx.device_info().get("max_recommended_working_set_size")

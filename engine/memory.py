@@ -59,10 +59,15 @@ class MemoryPlan:
         return self.kv_bytes // self.kv_bytes_per_token
 
 
-def headroom(prefill_chunk_tokens: int, vocab_size: int) -> int:
-    """Activation room for one step: a prefill chunk's float32 logits, twice (the logits
-    and their log-softmax), on top of the base."""
-    return BASE_HEADROOM_BYTES + 2 * 4 * prefill_chunk_tokens * vocab_size
+def headroom(prefill_chunk_tokens: int, vocab_size: int, kv_bytes_per_token: int,
+             verify_positions: int) -> int:
+    """Room for one step beyond the planned KV, on top of the base: a prefill chunk's
+    float32 logits, twice (the logits and their log-softmax), and the KV of a speculative
+    verify step's extra positions. A verify pads every row of the batch to the longest
+    draft, whatever each request's own mode, so `verify_positions` is rows x the longest
+    draft (a request may ask for speculation on a server whose default is off)."""
+    return (BASE_HEADROOM_BYTES + 2 * 4 * prefill_chunk_tokens * vocab_size
+            + verify_positions * kv_bytes_per_token)
 
 
 def plan_memory(
@@ -137,6 +142,7 @@ MODELS = (
     Model("Llama 3.3 70B Instruct 4-bit", int(39.7 * GB), 80, 8, 128, 128256),
 )
 DOC_PREFILL_CHUNK = 2048
+DOC_VERIFY_POSITIONS = 32 * 8  # the default batch of 32 rows, drafts of at most 8 tokens
 
 
 def documented_plans() -> list[tuple[Machine, Model, MemoryPlan | str]]:
@@ -147,7 +153,8 @@ def documented_plans() -> list[tuple[Machine, Model, MemoryPlan | str]]:
                 plan: MemoryPlan | str = plan_memory(
                     limit_bytes=machine.working_set_bytes, weight_bytes=model.weight_bytes,
                     kv_bytes_per_token=model.kv_bytes_per_token,
-                    headroom_bytes=headroom(DOC_PREFILL_CHUNK, model.vocab_size))
+                    headroom_bytes=headroom(DOC_PREFILL_CHUNK, model.vocab_size,
+                                            model.kv_bytes_per_token, DOC_VERIFY_POSITIONS))
             except MemoryPlanError as error:
                 plan = str(error)
             rows.append((machine, model, plan))

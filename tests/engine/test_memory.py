@@ -62,8 +62,15 @@ def test_a_model_that_leaves_no_room_for_kv_is_refused_with_the_numbers() -> Non
 
 
 def test_headroom_grows_with_the_prefill_chunk_and_the_vocabulary() -> None:
-    assert headroom(2048, 128256) == BASE_HEADROOM_BYTES + 8 * 2048 * 128256
-    assert headroom(512, 2048) < headroom(2048, 2048) < headroom(2048, 128256)
+    assert headroom(2048, 128256, 1024, 0) == BASE_HEADROOM_BYTES + 8 * 2048 * 128256
+    assert headroom(512, 2048, 1024, 0) < headroom(2048, 2048, 1024, 0) < headroom(
+        2048, 128256, 1024, 0)
+
+
+def test_headroom_holds_a_verify_steps_extra_positions() -> None:
+    """32 rows padded to a draft of 8 hold 256 positions of KV more for the step."""
+    assert (headroom(2048, 2048, 131072, 32 * 8) - headroom(2048, 2048, 131072, 0)
+            == 32 * 8 * 131072)
 
 
 def test_the_documented_mac_studio_table_is_what_the_code_computes() -> None:

@@ -14,6 +14,7 @@ import pytest
 
 from engine.memory import headroom
 from engine.scheduler import CPU_PREFILL_CHUNK
+from server.config import Settings
 from tests.server.support import API_KEY, ServerProcess, start_server
 
 CACHE_BYTES = 256 * 2**20  # start_server's
@@ -33,8 +34,11 @@ def limited(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[ServerProcess]:
     weights = sum(a.nbytes for a in mx.load(str(demo_model_dir / "model.safetensors")).values())
     vocab = json.loads((demo_model_dir / "config.json").read_text())["vocab_size"]
-    limit = (weights + CACHE_BYTES + headroom(CPU_PREFILL_CHUNK, vocab)
-             + KV_TOKENS * kv_bytes_per_token(demo_model_dir))
+    per_token = kv_bytes_per_token(demo_model_dir)
+    defaults = Settings.model_fields
+    verify = defaults["max_batch_size"].default * defaults["speculation_max_draft"].default
+    limit = (weights + CACHE_BYTES + headroom(CPU_PREFILL_CHUNK, vocab, per_token, verify)
+             + KV_TOKENS * per_token)
     process = start_server(demo_model_dir, tmp_path_factory.mktemp("memory") / "server.log",
                            "--api-key", API_KEY, "--memory-limit-bytes", str(limit))
     yield process
