@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.api import EngineConfig, SpeculationConfig
+
 # The radix cache never gets less than this, whatever the fraction gives.
 MIN_CACHE_BYTES = 64 * 1024 * 1024
 # A step's activations beyond the KV: buffers, the attention scores of a prefill chunk,
@@ -142,7 +144,8 @@ MODELS = (
     Model("Llama 3.3 70B Instruct 4-bit", int(39.7 * GB), 80, 8, 128, 128256),
 )
 DOC_PREFILL_CHUNK = 2048
-DOC_VERIFY_POSITIONS = 32 * 8  # the default batch of 32 rows, drafts of at most 8 tokens
+# A verify step of the default batch, every row drafting the longest draft allowed.
+DOC_VERIFY_POSITIONS = EngineConfig.max_batch_size * SpeculationConfig.max_draft
 
 
 def documented_plans() -> list[tuple[Machine, Model, MemoryPlan | str]]:
