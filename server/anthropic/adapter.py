@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from engine.api import SamplingKnobs
@@ -73,6 +73,7 @@ from server.events import Usage as GenerationUsage
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
 from server.http.loading import respond_with_model
+from server.http.model_response import model_response
 from server.http.openapi import error_responses, event_stream
 from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
 from server.images import MARKER
@@ -360,8 +361,8 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         )
         if results is None:
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(message_response(message_id, model, generation.context_bound,
-                                             results[0]).model_dump())
+        return model_response(message_response(message_id, model, generation.context_bound,
+                                               results[0]))
 
     return await respond_with_model(state.models, body.model, body.stream, respond,
                                     lambda error: _sse(anthropic_error_body(error)), _ping)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.api import SamplingKnobs
 from server.events import (
@@ -30,6 +30,7 @@ from server.events import (
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
 from server.http.loading import respond_with_model
+from server.http.model_response import model_response
 from server.http.openapi import error_responses, event_stream
 from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
 from server.model_registry import Lease
@@ -397,7 +398,7 @@ async def _respond(request: Request, state: ServerState, body: ResponsesRequest,
         return Response(status_code=CLIENT_CLOSED)
     if save is not None:
         await save()
-    return JSONResponse(builder.response.model_dump())
+    return model_response(builder.response)
 
 
 async def _run(generation: GenerationRun, builder: ResponseBuilder) -> bool:
