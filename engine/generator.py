@@ -59,7 +59,7 @@ from engine.mlx_lm_internals import (
     row_views,
     supports_segments,
 )
-from engine.speculation import STEP_COST, Drafts, best_width
+from engine.speculation import FIRST_PAUSE, MAX_PAUSE, STEP_COST, Drafts, best_width
 from engine.vision import ImageFeed
 
 if TYPE_CHECKING:  # engine.sampling imports this module's Scores
@@ -197,6 +197,10 @@ class Generator:
         self.pipelined = mx.default_device() == mx.gpu
         self.step_cost = STEP_COST["gpu" if self.pipelined else "cpu"]  # speculation's
         self._steps = 0
+        # On a GPU, steps left before `auto` looks for drafts again after finding none
+        # worth a verify, and how long the last such pause was (`_hold_off`).
+        self._undrafted_steps = 0
+        self._hold_off_length = 0
 
     @property
     def decoding(self) -> bool:
@@ -482,19 +486,34 @@ class Generator:
         return first
 
     def _decode(self) -> list[Output]:
-        eager = [row.drafts is not None and row.drafts.wants_draft() for row in self.rows]
+        eager = [False]
+        if self._undrafted_steps:
+            self._undrafted_steps -= 1
+        else:
+            eager = [row.drafts is not None and row.drafts.wants_draft() for row in self.rows]
         if any(eager):
             fed = self.inputs.tolist()  # a draft follows the token fed: read it now
             drafts = [row.drafts.draft(row.tokens + [token]) if wants else []
                       for row, token, wants in zip(self.rows, fed, eager)]
             if any(drafts):
                 width = max(map(len, drafts))
+                # On a GPU every verify feeds the longest draft allowed: on an H200, at
+                # 640 tokens of context, a forward over 16 rows x 9 positions took what
+                # one over 16 x 2 did, but each shape MLX's CUDA backend meets the first
+                # time costs 10-70 ms more, and verifies as wide as their drafts met a
+                # new one at most steps (bench/experiments/speculation-engine).
+                fed_width = None
+                if self.pipelined:
+                    fed_width = max(row.drafts.max_draft for row in self.rows if row.drafts)
                 if not any(row.drafts is not None and row.drafts.mode == "on"
                            for row in self.rows):  # auto: only what pays for itself
                     width = best_width(drafts, [row.drafts.rate if row.drafts else 0.0
-                                                for row in self.rows], self.step_cost)
+                                                for row in self.rows], self.step_cost,
+                                       fed_width)
+                    self._hold_off(verifies=width > 0)
                 if width:
-                    return self._verify(fed, [draft[:width] for draft in drafts])
+                    return self._verify(fed, [draft[:width] for draft in drafts],
+                                        fed_width or width)
         fed = self.inputs
         logits = self._run(fed[:, None], self.cache)[:, -1, :]
         for i, row in enumerate(self.rows):
@@ -520,11 +539,21 @@ class Generator:
         self.inputs = sampled
         return outputs
 
-    def _verify(self, fed: list[int], drafts: list[list[int]]) -> list[Output]:
-        """A speculative step: feed each row its token and its draft (rows without one,
-        and shorter drafts, are padded with the token; padding is never kept) in one
-        forward, keep each draft's longest prefix the row's own sampling agrees with, and
-        the token that sampling gives after it, which the row is fed next. A row keeps a
+    def _hold_off(self, verifies: bool) -> None:
+        """On a GPU, after `auto` found no draft worth a verify, decode a few steps without
+        looking (doubling while it keeps finding none): looking reads the fed tokens first,
+        so the step loses its overlap with the last one (on an H200, 16 streams whose
+        drafts never paid decoded at 0.67x of speculation off)."""
+        if not self.pipelined or verifies:
+            self._hold_off_length = 0
+            return
+        self._hold_off_length = min(MAX_PAUSE, 2 * self._hold_off_length or FIRST_PAUSE)
+        self._undrafted_steps = self._hold_off_length
+
+    def _verify(self, fed: list[int], drafts: list[list[int]], width: int) -> list[Output]:
+        """A speculative step: feed each row its token and `width` more, its draft padded
+        with the token (padding is never kept), in one forward; keep each draft's longest
+        prefix the row's own sampling agrees with, and the token that sampling gives after it, which the row is fed next. A row keeps a
         draft token where it is the token its sampling gives at that position: the
         argmax, or for a sampled row the token its `Sampler.draws` for that output index
         (rejection sampling with the randomness plain decoding uses), so its tokens are
@@ -537,18 +566,19 @@ class Generator:
             if row.processors:
                 row.context = mx.concatenate([row.context, self.inputs[i:i + 1]])
         first_mask, position_masks = self._draft_masks(fed, drafts)
-        width = max(len(draft) for draft in drafts)
         inputs = mx.array([[token, *draft] + [token] * (width - len(draft))
                            for token, draft in zip(fed, drafts)], mx.uint32)
         logits = self._run(inputs, self.cache)
         first, first_scores = self._sample(rows, logits[:, 0, :], first_mask)
-        kept: list[int] = []
+        targets = _targets(rows, drafts, logits, position_masks)
+        mx.eval(first, *targets.values())  # one wait for the device, not one per row
         following = first.tolist()  # what rows without a draft are fed next
+        kept: list[int] = []
         for i, (row, draft) in enumerate(zip(rows, drafts)):
             accepted = 0
             if draft:
-                accepted, following[i] = _agreed(row, draft, logits[i, :len(draft) + 1],
-                                                  position_masks[i], following[i])
+                accepted, following[i] = _agreed(row, draft, following[i],
+                                                  targets[i].tolist())
             kept.append(accepted)
         next_inputs = mx.array(following, mx.uint32)
         outputs = []
@@ -727,18 +757,40 @@ class Generator:
         return [found.get(i, s.cache) for i, s in enumerate(sequences)]
 
 
-def _agreed(row: SequenceState, draft: list[int], logits: mx.array,
-            position_masks: np.ndarray | None, first: int) -> tuple[int, int]:
-    """How many of `draft`'s tokens the row's sampling agrees with, given `logits` of
-    its verify positions, and the token it gives after them. `first`: the token drawn at
-    position 0 already (the step's sampling of every row)."""
-    if position_masks is not None:
-        logits = apply_masks(logits, position_masks)
-    if row.sampler is None:
-        targets = mx.argmax(logits, axis=-1).tolist()
-    else:  # position 0 was drawn at the output index before the sampler's `position`
-        allowed = logits[1:] - mx.logsumexp(logits[1:], axis=-1, keepdims=True)
-        targets = [first, *row.sampler.draws(allowed, row.sampler.position).tolist()]
+def _targets(rows: list[SequenceState], drafts: list[list[int]], logits: mx.array,
+             position_masks: list[np.ndarray | None]) -> dict[int, mx.array]:
+    """For each drafting row (by index), the tokens its sampling gives at its verify
+    positions, unevaluated: the argmax, one over the whole batch where no grammar masks
+    a row; for a sampled row the draws at its output indices from position 1 on (position
+    0 was drawn with every row's first token, at the output index before the sampler's
+    `position`)."""
+    targets: dict[int, mx.array] = {}
+    plain = None
+    for i, (row, draft) in enumerate(zip(rows, drafts)):
+        if not draft:
+            continue
+        row_logits = logits[i, :len(draft) + 1]
+        if position_masks[i] is not None:
+            row_logits = apply_masks(row_logits, position_masks[i])
+        if row.sampler is not None:
+            allowed = row_logits[1:] - mx.logsumexp(row_logits[1:], axis=-1, keepdims=True)
+            targets[i] = row.sampler.draws(allowed, row.sampler.position)
+        elif position_masks[i] is not None:
+            targets[i] = mx.argmax(row_logits, axis=-1)
+        else:
+            if plain is None:
+                plain = mx.argmax(logits, axis=-1)
+            targets[i] = plain[i, :len(draft) + 1]
+    return targets
+
+
+def _agreed(row: SequenceState, draft: list[int], first: int, targets: list[int]
+            ) -> tuple[int, int]:
+    """How many of `draft`'s tokens the row's sampling agrees with, given its `_targets`,
+    and the token it gives after them. `first`: the token drawn at position 0 (the step's
+    sampling of every row), where a sampled row's targets start at position 1."""
+    if row.sampler is not None:
+        targets = [first, *targets]
     accepted = 0
     while accepted < len(draft) and draft[accepted] == targets[accepted]:
         accepted += 1

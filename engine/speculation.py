@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from engine.api import DraftSource, SpeculationMode
 
@@ -48,11 +49,34 @@ FIRST_LENGTH = 4  # a sequence's first drafts, at most
 # this much a verify; before any, as if 7 had been kept and 3 drafts cut short.
 RATE_MEMORY = 0.8
 FIRST_KEPT, FIRST_CUT = 0.7, 0.3
-# A forward over n positions costs about a + b * n one-row decode steps. CPU: measured
-# (SmolLM2-135M, 2 cores: 1 position 1, 9 positions 2.4-3, 16 rows 5.6). GPU: estimated,
-# not measured: a 1B model's step reads its 2.5 GB of weights whatever the rows, and 512
-# more positions cost about one step more.
-STEP_COST = {"cpu": (0.8, 0.2), "gpu": (1.0, 1 / 512)}
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What an engine step costs, in one-row decode steps: `fixed` + `per_row` x rows +
+    `per_position` x positions computed, plus `verify` for a verify step, whose tokens
+    must be read before the next step is built (on a GPU a decode step is queued while
+    the last one runs, so a verify also loses that overlap)."""
+
+    fixed: float
+    per_row: float
+    per_position: float
+    verify: float
+
+    def decode(self, rows: int) -> float:
+        return self.fixed + (self.per_row + self.per_position) * rows
+
+    def verified(self, rows: int, positions: int) -> float:
+        return self.fixed + self.per_row * rows + self.per_position * positions + self.verify
+
+
+# CPU: SmolLM2-135M on 2 cores (1 position 1, 9 positions 2.4-3, 16 rows 5.6): compute.
+# GPU: SmolLM2-135M in bfloat16 on an H200 (bench/experiments/speculation-engine), 1.4k
+# tokens of context: one row decodes in 4.7 ms, 16 rows in 13.5; one row verifying 8
+# drafted tokens costs 2.4 of its decode steps, 16 rows 28-39 ms. So rows cost more than
+# their positions (each reads its own KV) and a verify's lost overlap costs a step.
+STEP_COST = {"cpu": StepCost(fixed=0.8, per_row=0.0, per_position=0.2, verify=0.0),
+             "gpu": StepCost(fixed=0.87, per_row=0.104, per_position=0.0225, verify=1.22)}
 
 Continuation = Callable[[list[int], int], list[int]]
 
@@ -158,16 +182,18 @@ def expected_kept(rate: float, length: int) -> float:
     return sum(rate ** j for j in range(1, length + 1))
 
 
-def best_width(drafts: list[list[int]], rates: list[float], cost: tuple[float, float]) -> int:
+def best_width(drafts: list[list[int]], rates: list[float], cost: StepCost,
+               fed_width: int | None = None) -> int:
     """How many tokens of each row's draft a verify step should feed (0: decode instead):
     the width whose expected tokens per unit of cost beat a decode step's most, a step
-    over `rows` x (width + 1) positions costing `a + b * positions` (`STEP_COST`)."""
-    a, b = cost
+    over `rows` x (width + 1) positions costing `cost.verified` (`STEP_COST`), or over
+    `rows` x (fed_width + 1) where every verify is padded to one width."""
     rows = len(drafts)
-    best, best_yield = 0, rows / (a + b * rows)
+    best, best_yield = 0, rows / cost.decode(rows)
     for width in range(1, max(map(len, drafts)) + 1):
         tokens = sum(1 + expected_kept(rate, min(len(draft), width))
                      for draft, rate in zip(drafts, rates))
-        if (tokens / (a + b * rows * (width + 1))) > best_yield:
-            best, best_yield = width, tokens / (a + b * rows * (width + 1))
+        step = cost.verified(rows, rows * ((fed_width or width) + 1))
+        if tokens / step > best_yield:
+            best, best_yield = width, tokens / step
     return best

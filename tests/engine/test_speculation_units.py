@@ -72,12 +72,16 @@ def test_a_sampled_token_depends_on_its_seed_and_output_index_alone():
 
 def test_auto_verifies_only_the_drafts_that_pay_for_their_forward():
     """On the CPU a verify's positions cost compute: one stream verifies as much as its
-    drafts' rate earns, and 16 streams of mediocre drafts decode instead; on a GPU the
-    weights' read dominates and they verify."""
+    drafts' rate earns, and 16 streams of mediocre drafts decode instead. On a GPU
+    positions cost little but a verify step costs its lost overlap with the next: 16
+    streams verify drafts that copy, not mediocre ones (a GPU's verifies are all as wide as
+    the longest draft allowed)."""
     cpu, gpu = STEP_COST["cpu"], STEP_COST["gpu"]
     assert best_width([[1] * 8], [0.9], cpu) > best_width([[1] * 8], [0.5], cpu) >= 1
     assert best_width([[1] * 8] * 16, [0.5] * 16, cpu) == 0
-    assert best_width([[1] * 8] * 16, [0.5] * 16, gpu) >= 1
+    assert best_width([[1] * 8] * 16, [0.5] * 16, gpu, fed_width=8) == 0
+    assert best_width([[1] * 8] * 16, [0.9] * 16, gpu, fed_width=8) == 8
+    assert best_width([[1] * 8], [0.3], gpu, fed_width=8) == 0
     assert best_width([[1] * 2], [0.99], cpu) == 2  # never past the longest draft
 
 
