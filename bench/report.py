@@ -577,9 +577,9 @@ def speculation_section(speculation: dict) -> list[str]:
                    "with one argument changed; greedy):"), "",
                   ("| server | single-stream decode tok/s | vs bare mlx-lm | acceptance "
                    f"| tokens/verify | same output | {edit['streams']} streams output tok/s | vs off "
-                   "| acceptance (streams) | same output (streams) |"),
-                  "|---|---:|---:|---:|---:|---|---:|---:|---:|---|",
-                  f"| bare mlx_lm.stream_generate | {bare:.2f} | 1.00x | | | | | | | |"]
+                   "| acceptance (streams) | same output (streams) | cold batch vs off |"),
+                  "|---|---:|---:|---:|---:|---|---:|---:|---:|---|---:|",
+                  f"| bare mlx_lm.stream_generate | {bare:.2f} | 1.00x | | | | | | | | |"]
         for mode in ("off", "on", "auto"):
             row = edit[mode]
             same = {True: "yes", False: "NO", None: ""}
@@ -590,17 +590,22 @@ def speculation_section(speculation: dict) -> list[str]:
                 f"{same[row.get('same_output')]} | {row['streams_output_tok_s']:.2f} | "
                 f"{fmt(row.get('streams_vs_off'), '{:.2f}x')} | "
                 f"{fmt(row['streams']['acceptance'] or None, '{:.0%}')} | "
-                f"{same[row.get('same_streams_output')]} |")
+                f"{same[row.get('same_streams_output')]} | "
+                f"{fmt(row.get('cold_streams_vs_off'), '{:.2f}x')} |")
     plain = speculation.get("spec_no_repeat")
     if plain:
         lines += ["", "Workloads with nothing to repeat (output tok/s):", "",
-                  "| workload | off | auto | auto / off | acceptance (auto) |",
-                  "|---|---:|---:|---:|---:|"]
+                  "| workload | off | auto | auto / off | acceptance (auto) | cold run: auto / off |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for name, modes in plain.items():
+            cold = None
+            if "cold_output_tok_s" in modes["off"]:
+                cold = ratio(modes["auto"]["cold_output_tok_s"], modes["off"]["cold_output_tok_s"])
             lines.append(f"| {name} | {modes['off']['output_tok_s']:.2f} | "
                          f"{modes['auto']['output_tok_s']:.2f} | "
                          f"{fmt(modes['ratio'], '{:.2f}x')} | "
-                         f"{fmt(modes['auto']['acceptance'] or None, '{:.0%}')} |")
+                         f"{fmt(modes['auto']['acceptance'] or None, '{:.0%}')} | "
+                         f"{fmt(cold, '{:.2f}x')} |")
     return lines
 
 

@@ -91,7 +91,7 @@ class Shapes:
     ae_output_tokens: int = 192
     ae_repeats: int = 1  # single-stream: this many file edits and as many tool calls
     ae_streams: int = 16
-    ae_stream_output_tokens: int = 64
+    ae_stream_output_tokens: int = 192
     em_sentences: int = 1024  # embeddings (bench/prefill_endpoints.py), all-MiniLM-L6-v2
     em_batch: int = 64
     em_sentence_tokens: int = 24
