@@ -32,7 +32,8 @@ FinishReason = Literal["stop", "length", "cancelled"]
 # Speculative decoding (engine/speculation.py): never, whenever a draft is found, or while
 # drafts are mostly accepted.
 SpeculationMode = Literal["off", "on", "auto"]
-DraftSource = Literal["prompt", "tree"]  # prompt lookup (n-grams), the radix tree
+# Prompt lookup (n-grams), the radix tree, a draft model (`SpeculationConfig.draft_model`).
+DraftSource = Literal["prompt", "tree", "model"]
 
 
 class Lifecycle(str, enum.Enum):
@@ -55,6 +56,8 @@ class SpeculationConfig:
     mode: SpeculationMode = "off"
     max_draft: int = 8
     sources: tuple[DraftSource, ...] = ("prompt", "tree")
+    # The draft model's directory or hub repo id, for the "model" source ("": none).
+    draft_model: str = ""
 
 
 @dataclass(frozen=True)

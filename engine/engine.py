@@ -40,6 +40,7 @@ from engine.api import (
 from engine.constraints import json_object
 from engine.disk_store import DiskStore, default_disk_budget, model_fingerprint
 from engine.distributed import RankGroup, memory_domain, one_gpu_would_be_faster
+from engine.draft_model import DraftModel, DraftModelError
 from engine.kv_quant import KVQuantization, cached_bytes_per_token, kv_quantization
 from engine.loader import LoadedModel, load_model, model_id_for
 from engine.memory import CPU_MEMORY_FRACTION, MemoryPlan, describe, headroom, plan_memory
@@ -168,7 +169,9 @@ class Engine:
                                       self.config.context_length or loaded.context_length)
             self.state = Lifecycle.WARMING_UP
             quantization = self._kv_quantization(loaded)
-            self.memory = self._plan_memory(loaded, quantization)
+            draft_model = self._draft_model(loaded)
+            self.memory = self._plan_memory(loaded, quantization,
+                                            draft_model.weight_bytes if draft_model else 0)
             if self.group is not None:  # one plan, so every rank evicts alike
                 self.memory = self.group.share(self.memory)
                 warning = one_gpu_would_be_faster(
@@ -186,7 +189,7 @@ class Engine:
                 max_tokens_in_flight=min(self.config.max_tokens_in_flight,
                                          self.memory.kv_tokens),
                 cache_bytes=self.memory.cache_bytes,
-            ), self.group, self.config.speculation, quantization)
+            ), self.group, self.config.speculation, quantization, draft_model)
             self.wants_message_ends = not self._scheduler.kv.segments
             self._warm_up()
             self._start_disk_tier(loaded)
@@ -273,9 +276,22 @@ class Engine:
         return kv_quantization(self.config.kv_bits, self.config.kv_group_size, dtype,
                                head_dims)
 
-    def _plan_memory(self, loaded: LoadedModel, quantization: KVQuantization | None
-                     ) -> MemoryPlan:
-        """Plan weights + prefix cache + running KV under this process's limit and tell MLX
+    def _draft_model(self, loaded: LoadedModel) -> DraftModel | None:
+        """The configured draft model, checked against `loaded`; none under tensor
+        parallelism (every rank would draft alike, on a model that is not sharded)."""
+        path = self.config.speculation.draft_model
+        if not path:
+            return None
+        if self.group is not None:
+            raise DraftModelError("a draft model does not run under tensor parallelism")
+        draft = DraftModel.load(resolve_model(path, self.config.gguf_dtype), loaded)
+        log.info("speculation: draft model %s (%.2f GB)", path, draft.weight_bytes / 1e9)
+        return draft
+
+    def _plan_memory(self, loaded: LoadedModel, quantization: KVQuantization | None,
+                     draft_bytes: int = 0) -> MemoryPlan:
+        """Plan weights (the draft model's too) + prefix cache + running KV under this
+        process's limit and tell MLX
         that limit; on a Mac also keep that much wired, as mlx-lm's server does, so the
         model is not paged out between requests. A quantized server's prefix cache holds
         quantized tokens; its running KV stays in the model's dtype (kv_quant.py)."""
@@ -285,7 +301,7 @@ class Engine:
                     GPU_PREFILL_CHUNK if gpu else CPU_PREFILL_CHUNK)
         per_token = kv_bytes_per_token(loaded.model)
         plan = plan_memory(
-            limit_bytes=limit, weight_bytes=loaded.weight_bytes,
+            limit_bytes=limit, weight_bytes=loaded.weight_bytes + draft_bytes,
             kv_bytes_per_token=per_token,
             cached_bytes_per_token=cached_bytes_per_token(per_token, quantization),
             headroom_bytes=headroom(chunk, loaded.vocab_size, per_token,

@@ -57,6 +57,7 @@ from engine.api import (
 )
 from engine.disk_store import DiskStore
 from engine.distributed import Announcement, RankGroup
+from engine.draft_model import DraftModel
 from engine.generation import Generation
 from engine.generator import Generator, KVSource, Output, SequenceState
 from engine.grammar import ConstraintFailed, Grammars
@@ -211,10 +212,12 @@ class Scheduler:
     def __init__(self, loaded: LoadedModel, limits: SchedulerLimits,
                  group: RankGroup | None = None,
                  speculation: SpeculationConfig | None = None,
-                 quantization: KVQuantization | None = None) -> None:
+                 quantization: KVQuantization | None = None,
+                 draft_model: DraftModel | None = None) -> None:
         self.loaded = loaded
         self.limits = limits
         self.speculation = speculation or SpeculationConfig()
+        self.draft_model = draft_model  # the "model" draft source, where configured
         # Tensor parallelism (distributed.py): every rank runs this loop over rank 0's
         # inputs, and any failure is the whole group's, never recovered by one rank alone.
         self.group = group
@@ -472,10 +475,13 @@ class Scheduler:
                 or params.readout is not None or params.max_tokens == 0):
             return None
         if generation.drafts is None:
+            session = None
+            if self.draft_model is not None and "model" in self.speculation.sources:
+                session = self.draft_model.session()
             generation.drafts = Drafts(mode, self.speculation.max_draft,
                                        self.speculation.sources, self.tree.continuation,
                                        end=len(generation.prompt) + params.max_tokens,
-                                       vocab_size=self.loaded.vocab_size)
+                                       vocab_size=self.loaded.vocab_size, model=session)
         return generation.drafts
 
     def _snapshot_positions(self, generation: Generation) -> list[int]:

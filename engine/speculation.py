@@ -11,6 +11,9 @@ free sources guess well:
 - the radix tree: what followed this exact context in an earlier request, prompt or
   output (`RadixTree.continuation`). No peer drafts from its prefix cache.
 
+A draft model (engine/draft_model.py), where the server has one, is a third source that
+costs its own forwards.
+
 A verify forward over k + 1 positions costs more than a decode step: little on a GPU,
 where a step reads the weights either way, more on the CPU (SmolLM2-135M on 2 cores, 600
 cached tokens: 9 positions took 2.4-3x one), and for a whole batch (16 streams verifying
@@ -107,15 +110,19 @@ class Drafts:
     """One sequence's drafting: its sources, its mode, and what its drafts achieved."""
 
     def __init__(self, mode: SpeculationMode, max_draft: int, sources: tuple[DraftSource, ...],
-                 continuation: Continuation, end: int, vocab_size: int) -> None:
+                 continuation: Continuation, end: int, vocab_size: int,
+                 model: Continuation | None = None) -> None:
+        """`continuation`: the radix tree's; `model`: this sequence's draft model session
+        (engine/draft_model.py), where the server has one."""
         self.mode = mode
         # Ids at or past it are radix keys of image positions (engine/image_tokens.py),
         # not tokens the model can be fed: a draft stops before one.
         self.vocab_size = vocab_size
         self.max_draft = max_draft
         self._length = min(FIRST_LENGTH, max_draft)  # the longest draft it makes now
-        self._lookup = PromptLookup() if "prompt" in sources else None
-        self._continuation = continuation if "tree" in sources else None
+        lookup = PromptLookup()
+        guessers = {"prompt": lookup.draft, "tree": continuation, "model": model}
+        self._guessers = [guessers[source] for source in sources if guessers[source]]
         self.end = end  # the most tokens the sequence may hold: a draft never passes it
         self.drafted = 0
         self.accepted = 0
@@ -142,9 +149,10 @@ class Drafts:
         limit = min(self._length, self.end - len(context))
         if limit <= 0:
             return []
-        found = self._lookup.draft(context, limit) if self._lookup is not None else []
-        if not found and self._continuation is not None:
-            found = self._continuation(context, limit)
+        found: list[int] = []
+        for guess in self._guessers:
+            if found := guess(context, limit):
+                break
         found = list(itertools.takewhile(lambda token: token < self.vocab_size, found))
         if not found:
             # No guess is a guess that failed: on a GPU looking costs the step its overlap

@@ -91,6 +91,10 @@ class ModelTokenizer:
                 pass
         return self.decode([token]).encode("utf-8")
 
+    def vocabulary(self) -> dict[str, int]:
+        """Each vocabulary piece's id, added tokens included."""
+        return self._wrapper.get_vocab()
+
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `special_tokens` adds what the tokenizer adds to a whole
         prompt (e.g. BOS)."""

@@ -42,10 +42,14 @@ def reference(demo_model_dir) -> Reference:
     return Reference(str(demo_model_dir))
 
 
-@pytest.fixture(scope="module", params=[("prompt",), ("tree",)], ids=["prompt", "tree"])
+@pytest.fixture(scope="module", params=[("prompt",), ("tree",), ("model",)],
+                ids=["prompt", "tree", "model"])
 def engine(request, demo_model_dir):
+    """Drafts from one source; the draft model is the demo model itself (other weights
+    are in test_draft_model.py)."""
+    draft_model = str(demo_model_dir) if request.param == ("model",) else ""
     engine = start_engine(str(demo_model_dir), cache_bytes=1 << 30, speculation=(
-        SpeculationConfig(mode="on", sources=request.param)))
+        SpeculationConfig(mode="on", sources=request.param, draft_model=draft_model)))
     yield engine
     engine.shutdown()
 
@@ -164,8 +168,12 @@ async def test_a_seeded_sampled_request_gives_the_same_tokens_with_drafts(engine
 
 @pytest.fixture(scope="module")
 def real_engines(real_model_dir):
+    """Speculation off; on with prompt lookup and the tree; on with a draft model (the
+    only real model of its tokenizer here is itself)."""
     engines = [start_engine(str(real_model_dir), cache_bytes=1 << 30,
                             speculation=SpeculationConfig(mode=mode)) for mode in ("off", "on")]
+    engines.append(start_engine(str(real_model_dir), cache_bytes=1 << 30, speculation=(
+        SpeculationConfig(mode="on", sources=("model",), draft_model=str(real_model_dir)))))
     yield engines
     for engine in engines:
         engine.shutdown()
@@ -173,13 +181,16 @@ def real_engines(real_model_dir):
 
 async def test_the_real_model_copies_a_file_identically_with_drafts(real_engines):
     """Two edits of one file decoded together, with drafts from prompt lookup and the
-    tree, give the tokens they give without speculation, most drafts accepted."""
-    off, on = real_engines
+    tree or from a draft model, give the tokens they give without speculation, most
+    drafts accepted."""
     edits = [("handler_1", "handle_one"), ("handler_2", "handle_two")]
     results = []
-    for engine in (off, on):
+    for engine in real_engines:
         prompts = [edit_prompt(engine, *edit) for edit in edits]
         results.append(await asyncio.gather(*(complete(engine, p, 48) for p in prompts)))
-    assert [r.tokens for r in results[0]] == [r.tokens for r in results[1]]
-    finish = [r.finish for r in results[1]]
-    assert sum(f.accepted_draft_tokens for f in finish) > sum(f.draft_tokens for f in finish) / 2
+    off, *drafted = [[r.tokens for r in result] for result in results]
+    assert drafted == [off, off]
+    for result in results[1:]:
+        finish = [r.finish for r in result]
+        assert (sum(f.accepted_draft_tokens for f in finish)
+                > sum(f.draft_tokens for f in finish) / 2)
