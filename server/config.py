@@ -42,7 +42,8 @@ CLAUDE_CODE_BILLING_LINE = r"x-anthropic-billing-header:.*"
 
 # The settings a model's table may set for it alone.
 MODEL_OVERRIDES = ("context_length", "cache_bytes", "disk_cache_bytes", "chat_template", "gguf_dtype",
-                   "default_max_tokens", "max_output_tokens", "kv_bits", "kv_group_size")
+                   "default_max_tokens", "max_output_tokens", "kv_bits", "kv_group_size",
+                   "speculation_draft_model")
 # What a request that names no model, or the default model, is answered with before its
 # engine says its own name.
 DEFAULT_MODEL_ID = "default"
@@ -108,6 +109,7 @@ class ModelSpec(BaseModel):
     # which kv_bits refuses, beside quantized ones).
     kv_bits: int | None = None
     kv_group_size: int | None = None
+    speculation_draft_model: NonEmpty | None = None  # a draft model of this model's tokenizer
 
     @property
     def names(self) -> list[str]:
@@ -247,7 +249,13 @@ class Settings(BaseModel):
         ["prompt", "tree"], min_length=1,
         description="where drafts come from, first found first: prompt lookup (n-grams of "
         "the request's prompt and output), the radix tree (what followed this context "
-        "before)",
+        "before), the draft model (added last when speculation_draft_model is set)",
+    )
+    speculation_draft_model: NonEmpty | None = Field(
+        None,
+        description="a small model of the served model's tokenizer (directory, hub repo "
+        "id or .gguf) whose greedy guesses are drafts: the `model` source; its weights count "
+        "in the memory plan, and each drafting request keeps a cache in it",
     )
     memory_limit_bytes: PositiveInt | None = Field(
         None,
@@ -393,6 +401,14 @@ class Settings(BaseModel):
         return _one_of(size, KV_GROUP_SIZES)
 
     @model_validator(mode="after")
+    def _model_source_needs_a_draft_model(self) -> "Settings":
+        if ("model" in self.speculation_sources and not self.speculation_draft_model
+                and not any(spec.speculation_draft_model for spec in self.models)):
+            raise ValueError("speculation_sources names `model` but no "
+                             "speculation_draft_model is set")
+        return self
+
+    @model_validator(mode="after")
     def _tls_needs_both_files(self) -> "Settings":
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile and ssl_keyfile must be set together")
@@ -467,7 +483,7 @@ class ConfigError(ValueError):
 
 
 LIST_FIELDS = ("served_model_names", "unnamed_model_aliases", "cors_origins",
-               "volatile_system_lines", "allow_image_urls")
+               "volatile_system_lines", "allow_image_urls", "speculation_sources")
 FLAGS = {
     "served_model_names": "--served-model-name",
     "unnamed_model_aliases": "--unnamed-model-alias",

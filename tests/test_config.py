@@ -170,3 +170,24 @@ def test_kv_bits_reach_the_engine_config() -> None:
     settings = load_settings(parse("--kv-bits", "4", "--kv-group-size", "32"), environ={})
     config = engine_config(settings, "a-model")
     assert (config.kv_bits, config.kv_group_size) == (4, 32)
+
+
+def test_a_draft_model_is_a_draft_source_of_its_model() -> None:
+    """Given a draft model, drafts come from it after the sources named; a `model` source
+    without one is an error; a model's own draft model is a source for it alone."""
+    from server.launch.serve import engine_config
+
+    settings = load_settings(parse("--speculation-draft-model", "/drafts/small"), environ={})
+    speculation = engine_config(settings, "a-model").speculation
+    assert (speculation.sources, speculation.draft_model) == (("prompt", "tree", "model"),
+                                                              "/drafts/small")
+    with pytest.raises(ConfigError, match="no speculation_draft_model"):
+        load_settings(parse("--speculation-sources", "prompt,model"), environ={})
+    assert load_settings(parse("--speculation-sources", "tree"), environ={}
+                         ).speculation_sources == ["tree"]
+    several = Settings(models=[{"id": "a", "source": "/m/a", "speculation_draft_model": "/d"},
+                               {"id": "b", "source": "/m/b"}])
+    a, b = (engine_config(several.for_model(spec), spec.source).speculation
+            for spec in several.models)
+    assert (a.sources, a.draft_model) == (("prompt", "tree", "model"), "/d")
+    assert (b.sources, b.draft_model) == (("prompt", "tree"), "")

@@ -92,9 +92,17 @@ def engine_config(settings: Settings, model: str, memory_limit_bytes: int | None
         collective_timeout=settings.collective_timeout,
         chat_template=(None if settings.chat_template is None
                        else settings.chat_template.read_text(encoding="utf-8")),
-        speculation=SpeculationConfig(settings.speculation, settings.speculation_max_draft,
-                                      tuple(settings.speculation_sources)),
+        speculation=speculation_config(settings),
     )
+
+
+def speculation_config(settings: Settings) -> SpeculationConfig:
+    """The server's speculation; a draft model drafts after the sources named."""
+    sources = tuple(settings.speculation_sources)
+    if settings.speculation_draft_model and "model" not in sources:
+        sources += ("model",)
+    return SpeculationConfig(settings.speculation, settings.speculation_max_draft, sources,
+                             settings.speculation_draft_model or "")
 
 
 def memory_budget_bytes(settings: Settings) -> int:
