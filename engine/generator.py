@@ -487,7 +487,8 @@ class Generator:
 
     def _decode(self) -> list[Output]:
         eager = [False]
-        if self._undrafted_steps:
+        insisting = any(row.drafts is not None and row.drafts.mode == "on" for row in self.rows)
+        if self._undrafted_steps and not insisting:
             self._undrafted_steps -= 1
         else:
             eager = [row.drafts is not None and row.drafts.wants_draft() for row in self.rows]
@@ -505,8 +506,7 @@ class Generator:
                 fed_width = None
                 if self.pipelined:
                     fed_width = max(row.drafts.max_draft for row in self.rows if row.drafts)
-                if not any(row.drafts is not None and row.drafts.mode == "on"
-                           for row in self.rows):  # auto: only what pays for itself
+                if not insisting:  # auto: only what pays for itself
                     width = best_width(drafts, [row.drafts.rate if row.drafts else 0.0
                                                 for row in self.rows], self.step_cost,
                                        fed_width)
