@@ -14,10 +14,12 @@ free sources guess well:
 A draft model (engine/draft_model.py), where the server has one, is a third source that
 costs its own forwards.
 
-A verify forward over k + 1 positions costs more than a decode step: little on a GPU,
-where a step reads the weights either way, more on the CPU (SmolLM2-135M on 2 cores, 600
-cached tokens: 9 positions took 2.4-3x one), and for a whole batch (16 streams verifying
-8-token drafts computed 144 positions, and on the CPU ran 3x slower than decoding). So a
+A verify step costs more than a decode step: on a GPU, where a step reads the weights
+either way, mostly because it is synchronous (what it keeps decides the next step, so the
+host no longer builds one step while the device runs the last); on the CPU in compute
+(SmolLM2-135M on 2 cores, 600 cached tokens: 9 positions took 2.4-3x one), and for a
+whole batch (16 streams verifying 8-token drafts computed 144 positions, and on the CPU
+ran 3x slower than decoding); `StepCost` says how much. So a
 draft is as long as recent ones earned (Hugging Face's heuristic: 2 more after a draft
 kept whole, 1 less after one cut short); in `auto` mode a step verifies only drafts whose
 expected tokens pay for the forward's cost (`best_width`), and a sequence stops drafting
