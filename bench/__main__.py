@@ -106,6 +106,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in (*SPECS, LLAMA_CPP):
         parser.add_argument(f"--{name}-args", default="", metavar="FLAGS",
                             help=f"extra flags for {name}'s server (default: none)")
+    parser.add_argument("--draft-model", metavar="DIR",
+                        help="agent_edit also runs radix-mlx with --speculation on and this "
+                             "draft model as its only draft source (a small model of the "
+                             "benchmarked model's tokenizer)")
     parser.add_argument("--llama-server", default=shutil.which("llama-server"), metavar="PATH",
                         help=f"llama.cpp's server binary for {LLAMA_CPP} (default: "
                              "llama-server on PATH)")
@@ -412,7 +416,9 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
                                "embeddings and rerank")):
         if set(wanted) & set(module.WORKLOADS):
             print(f"bench: radix-mlx {what}", file=sys.stderr, flush=True)
-            results[key] = run_measures(module.MEASURES, wanted, model.directory, shapes, env,
+            measures = (speculation.measures(args.draft_model) if module is speculation
+                        else module.MEASURES)
+            results[key] = run_measures(measures, wanted, model.directory, shapes, env,
                                         out, args.seed)
     if set(wanted) & set(kv_quant.WORKLOADS):
         print("bench: radix-mlx at --kv-bits 8 and 4 against unquantized", file=sys.stderr,

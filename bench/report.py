@@ -580,11 +580,12 @@ def speculation_section(speculation: dict) -> list[str]:
                    "| acceptance (streams) | same output (streams) | cold batch vs off |"),
                   "|---|---:|---:|---:|---:|---|---:|---:|---:|---|---:|",
                   f"| bare mlx_lm.stream_generate | {bare:.2f} | 1.00x | | | | | | | | |"]
-        for mode in ("off", "on", "auto"):
+        for mode in [m for m in ("off", "on", "auto", "draft model") if m in edit]:
             row = edit[mode]
             same = {True: "yes", False: "NO", None: ""}
+            label = "on, a draft model" if mode == "draft model" else mode
             lines.append(
-                f"| radix-mlx --speculation {mode} | {row['decode_tok_s']:.2f} | "
+                f"| radix-mlx --speculation {label} | {row['decode_tok_s']:.2f} | "
                 f"{fmt(row['vs_mlx_lm'], '{:.2f}x')} | {fmt(row['acceptance'] or None, '{:.0%}')} | "
                 f"{fmt(row['tokens_per_verify'] or None, '{:.2f}')} | "
                 f"{same[row.get('same_output')]} | {row['streams_output_tok_s']:.2f} | "

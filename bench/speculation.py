@@ -9,7 +9,8 @@ on and auto, and bare `mlx_lm.stream_generate`.
   Targets: single stream >= 1.8x bare mlx-lm, 16 streams >= 1.3x speculation off, greedy
   output identical. A random-weight model does not copy its prompt, so its drafts are
   rejected and this measures only their cost: the workload means something on a real
-  model (the default SmolLM2-135M-Instruct does copy the file).
+  model (the default SmolLM2-135M-Instruct does copy the file). With `--draft-model DIR`
+  it also runs `on` with that draft model as the only source.
 - `spec_no_repeat`: the standard `single_stream` and `no_share` workloads (random words,
   nothing to copy) with speculation off and auto, each after a run of other prompts of
   the same shapes (reported as cold). Target: auto >= 0.95x off.
@@ -18,6 +19,7 @@ on and auto, and bare `mlx_lm.stream_generate`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import statistics
 import subprocess
@@ -35,6 +37,7 @@ from bench.workloads import WORKLOADS as STANDARD
 from bench.workloads import Shapes, TextSource
 
 MODES = ("off", "on", "auto")
+DRAFT_MODEL = "draft model"  # agent_edit's mode with a draft model as the only source
 # Greedy and ending at EOS, as bare mlx-lm does (the other workloads ignore EOS).
 EXTRA = {"temperature": 0.0}
 
@@ -126,14 +129,18 @@ def bare_mlx_lm(model: Path, env: dict[str, str], requests: list[list[dict]],
 
 
 def agent_edit(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
-               seed: int) -> dict:
+               seed: int, draft_model: str | None = None) -> dict:
     single, streams = agent_requests(TextSource(model, seed + 4000), shapes)
     _, warm_streams = agent_requests(TextSource(model, seed + 4001), shapes)  # another file
     result: dict = {"streams": len(streams)}
-    for mode in MODES:
+    flags = {mode: ["--speculation", mode] for mode in MODES}
+    if draft_model:
+        flags[DRAFT_MODEL] = ["--speculation", "on", "--speculation-sources", "model",
+                              "--speculation-draft-model", draft_model]
+    for mode, mode_flags in flags.items():
         print(f"  speculation: agent_edit, {mode} ...", file=sys.stderr, flush=True)
         with running(RADIX, model, env, logs / f"agent_edit-{mode}.log",
-                     ["--speculation", mode]) as server:
+                     mode_flags) as server:
             asyncio.run(one(server.base_url, single[0], 8))  # untimed: kernels, caches
             runs = [asyncio.run(one(server.base_url, m, shapes.ae_output_tokens))
                     for m in single]
@@ -165,7 +172,7 @@ def agent_edit(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
                         "runs": [r["decode_tok_s"] for r in bare],
                         "texts": [r["text"] for r in bare]}
     off = result["off"]
-    for mode in ("on", "auto"):
+    for mode in flags.keys() - {"off"}:
         row = result[mode]
         row["vs_mlx_lm"] = report.ratio(row["decode_tok_s"], result["mlx_lm"]["decode_tok_s"])
         row["vs_off"] = report.ratio(row["decode_tok_s"], off["decode_tok_s"])
@@ -208,3 +215,8 @@ def spec_no_repeat(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
 # Each workload's measure, called as (model, shapes, env, logs, seed), in the order they run.
 MEASURES = {"agent_edit": agent_edit, "spec_no_repeat": spec_no_repeat}
 WORKLOADS = tuple(MEASURES)
+
+
+def measures(draft_model: str | None) -> dict:
+    """MEASURES, agent_edit with `draft_model` (`python -m bench --draft-model`) too."""
+    return {**MEASURES, "agent_edit": functools.partial(agent_edit, draft_model=draft_model)}

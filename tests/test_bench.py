@@ -117,23 +117,25 @@ def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
 
 
 def test_speculation_workloads(demo_model_dir: Path, tmp_path: Path) -> None:
-    """The agent edit workload with speculation off, on and auto, and bare mlx-lm on the
-    same chats; the standard workloads without repetition, off and auto. The demo model's
-    output does not copy its prompt: what matters here is that it is the same text."""
+    """The agent edit workload with speculation off, on, auto and on with a draft model
+    (the demo model itself), and bare mlx-lm on the same chats; the standard workloads
+    without repetition, off and auto. The demo model's output does not copy its prompt:
+    what matters here is that it is the same text."""
     main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-plots",
           "--no-structured", "--out", str(tmp_path), "--workloads",
-          "agent_edit,spec_no_repeat"])
+          "agent_edit,spec_no_repeat", "--draft-model", str(demo_model_dir)])
     results = json.loads((tmp_path / "results.json").read_text())
     edit = results["speculation"]["agent_edit"]
     assert edit["streams"] == QUICK.ae_streams
-    for mode in ("on", "auto"):
+    assert edit["draft model"]["acceptance"] > 0.5  # the model guesses its own argmax
+    for mode in ("on", "auto", "draft model"):
         assert edit[mode]["same_output"] and edit[mode]["same_streams_output"]
         assert edit[mode]["vs_mlx_lm"] > 0 and edit[mode]["streams_vs_off"] > 0
     assert edit["on"]["acceptance"] is not None
     plain = results["speculation"]["spec_no_repeat"]
     assert set(plain) == {"single_stream", "no_share"}
     assert all(modes["ratio"] > 0 for modes in plain.values())
-    assert "## Speculative decoding" in (tmp_path / "results.md").read_text()
+    assert "--speculation on, a draft model" in (tmp_path / "results.md").read_text()
 
 
 def test_workloads_flag_runs_only_those_and_rounds_repeat_them(demo_model_dir: Path,
