@@ -16,6 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from engine.loader import LoadedModel, load_model
 from engine.mlx_lm_internals import supports_segments
+from radix.prefix import common_prefix_length
 
 CATCH_UP_CHUNK = 512  # tokens a session feeds the draft model per forward when catching up
 
@@ -65,19 +66,14 @@ class DraftSession:
         """The draft model's greedy `limit` tokens after `context`."""
         if not context or limit <= 0:
             return []
-        kept = 0
-        for held, token in zip(self.tokens, context):
-            if held != token:
-                break
-            kept += 1
-        kept = min(kept, len(context) - 1)  # the last token is fed again for its logits
+        # The last token is fed again for its logits, whatever the cache holds.
+        kept = min(common_prefix_length(self.tokens, context), len(context) - 1)
         trim_prompt_cache(self.cache, len(self.tokens) - kept)
-        unseen = context[kept:]
-        for start in range(0, len(unseen) - 1, CATCH_UP_CHUNK):
-            self.model(mx.array(unseen[start:min(start + CATCH_UP_CHUNK, len(unseen) - 1)])[None],
-                       cache=self.cache)
+        *unseen, last = context[kept:]
+        for start in range(0, len(unseen), CATCH_UP_CHUNK):
+            self.model(mx.array(unseen[start:start + CATCH_UP_CHUNK])[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
-        token = mx.array(unseen[-1:])
+        token = mx.array([last])
         guessed = []
         for _ in range(limit):
             token = mx.argmax(self.model(token[None], cache=self.cache)[:, -1, :], axis=-1)

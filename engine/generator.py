@@ -553,7 +553,8 @@ class Generator:
     def _verify(self, fed: list[int], drafts: list[list[int]], width: int) -> list[Output]:
         """A speculative step: feed each row its token and `width` more, its draft padded
         with the token (padding is never kept), in one forward; keep each draft's longest
-        prefix the row's own sampling agrees with, and the token that sampling gives after it, which the row is fed next. A row keeps a
+        prefix the row's own sampling agrees with, and the token that sampling gives after
+        it, which the row is fed next. A row keeps a
         draft token where it is the token its sampling gives at that position: the
         argmax, or for a sampled row the token its `Sampler.draws` for that output index
         (rejection sampling with the randomness plain decoding uses), so its tokens are
