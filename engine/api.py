@@ -256,6 +256,11 @@ class Readout:
     top_logprobs: int = 0  # the likeliest next tokens, with their logprobs
     token_ids: tuple[int, ...] = ()  # the logprobs of these next tokens
     hidden: bool = False  # the last hidden state (after the final norm): an embedding
+    # How many of the prompt's first tokens the prefix cache may keep (None: all but the
+    # last, as for any prompt). A list of prompts sharing an instruction keeps only what
+    # they share: each one's own text is read once, and caching it would cost a copy per
+    # prompt and push out prefixes that other traffic reuses.
+    cached_prefix: int | None = None
 
 
 @dataclass(frozen=True)

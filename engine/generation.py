@@ -85,8 +85,12 @@ class Generation:
 
     @property
     def cacheable(self) -> list[int]:
-        """The tokens whose KV can come from the tree: all but the last, which must run to
-        give the first logits."""
+        """The tokens whose KV can come from the tree, and goes to it once computed: all
+        but the last, which must run to give the first logits; a readout's first
+        `cached_prefix` at most."""
+        readout = self.params.readout
+        if readout is not None and readout.cached_prefix is not None:
+            return self.tokens[:min(readout.cached_prefix, len(self.tokens) - 1)]
         return self.tokens[:-1]
 
     # -- events -----------------------------------------------------------------------

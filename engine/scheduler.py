@@ -666,9 +666,8 @@ class Scheduler:
         self._publish(generation, cache)
 
     def _publish(self, generation: Generation, cache: KVSource) -> None:
-        tokens = generation.tokens
-        blocker = generation.hold.publish(tokens, len(tokens) - 1, self._handle_of(cache),
-                                          generation.snapshots)
+        blocker = generation.hold.publish(generation.tokens, len(generation.cacheable),
+                                          self._handle_of(cache), generation.snapshots)
         generation.snapshots = []
         if blocker is None:
             self._wake_followers(generation)
@@ -727,7 +726,7 @@ class Scheduler:
         published but the last token, which no later prompt's match can use unless it
         extends this one: that token is not worth a copy for every such request."""
         computed = sequence is not None and self._shares_on_release(generation)
-        generation.hold.release(sequence.tokens if sequence else (),
+        generation.hold.release(self._shareable(generation, sequence),
                                 self._handle_of(sequence.cache) if computed else None)
         if sequence is not None:
             # A batch row's cache is a view of the batch's buffers: it goes now, not when
@@ -740,18 +739,30 @@ class Scheduler:
         self._wake_followers(generation)
 
     @staticmethod
-    def _shares_on_release(generation: Generation) -> bool:
+    def _shareable(generation: Generation, sequence: SequenceState | None) -> list[int]:
+        """The tokens of `sequence` the tree may have: all it holds, but for a readout
+        only its `cacheable` part (its prompt alone was computed, and not all of it is
+        worth keeping)."""
+        if sequence is None:
+            return []
+        if generation.params.readout is not None:
+            return sequence.tokens[:len(generation.cacheable)]
+        return sequence.tokens
+
+    @classmethod
+    def _shares_on_release(cls, generation: Generation) -> bool:
         """Whether the running `generation`'s KV goes to the tree when it ends: its
         prompt was computed, and it holds more than that prompt's last token; or it was
         cancelled while prefilling, and chunks of its prompt were computed. Those are the
         exact KV of the tokens the sequence holds (each chunk is evaluated whole within
         its step, and a cancel is taken between steps), and a client that gave up on a
-        long prompt (timed out) and sends it again should not pay for them twice."""
+        long prompt (timed out) and sends it again should not pay for them twice. A
+        readout shares no more than its `cacheable` part."""
         sequence = generation.sequence
-        if not generation.prompt_done:
-            return sequence.cache is not None and len(sequence.tokens) > generation.hold.depth
-        return not (len(sequence.tokens) == generation.hold.depth + 1
-                    == len(generation.tokens))
+        shareable = len(cls._shareable(generation, sequence))
+        if not generation.prompt_done or generation.params.readout is not None:
+            return sequence.cache is not None and shareable > generation.hold.depth
+        return not (shareable == generation.hold.depth + 1 == len(generation.tokens))
 
     def _cancel(self, generation: Generation) -> None:
         if generation in self.waiting or generation in self.parked:

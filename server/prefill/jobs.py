@@ -3,7 +3,8 @@ each read at its last position (`engine.api.Readout`), none generating.
 
 Each prompt is one engine request, so admission batches them (short prompts go through
 in one padded forward) and the radix tree shares what they have in common (an embedding
-instruction, a rerank query, a classification preamble) as it does for any prompt. They
+instruction, a rerank query, a classification preamble) as it does for any prompt; the
+tree keeps only that common part of a job's prompts (`Readout.cached_prefix`). They
 go in `Job`s of at most JOB_PROMPTS, JOBS_IN_FLIGHT at once, so one call with a couple of
 thousand inputs neither fills the engine's queue (a 429 for everyone) nor waits in turn.
 """
@@ -12,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 
 from engine.api import EngineClient, Finish, LastPosition, Prompt, Readout, SamplingParams
+from radix.prefix import common_prefix_length
 from server.http.streaming import unless_disconnected
 from server.jobs import Job
 from server.state import ServerState
@@ -44,6 +46,8 @@ async def read_prompts(http: Request, state: ServerState, engine: EngineClient,
     jobs: list[Job] = []
 
     async def run(prompts: Sequence[Prompt], readout: Readout) -> list[Reading]:
+        if len(prompts) > 1:
+            readout = replace(readout, cached_prefix=shared_prefix(prompts))
         params = SamplingParams(max_tokens=0, temperature=0.0, readout=readout)
         async with gate:
             job = Job(engine, state.drain, state.metrics, http.state.request_id,
@@ -84,3 +88,12 @@ async def read_prompts(http: Request, state: ServerState, engine: EngineClient,
     finally:
         for job in jobs:
             job.close()
+
+
+def shared_prefix(prompts: Sequence[Prompt]) -> int:
+    """How many first tokens all `prompts` have in common."""
+    first = prompts[0].tokens
+    length = len(first)
+    for prompt in prompts[1:]:
+        length = common_prefix_length(first[:length], prompt.tokens)
+    return length

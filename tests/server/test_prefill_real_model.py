@@ -84,6 +84,25 @@ def test_completions_with_max_tokens_1_still_answer(real_server: ServerProcess) 
     assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
 
 
+def test_a_classify_list_keeps_only_what_its_prompts_share(real_server: ServerProcess,
+                                                           reference) -> None:
+    """The list's common instruction is computed once and cached; each review after it
+    is read once and not kept: asked again alone, a review finds the instruction cached
+    and nothing more, with the same answer."""
+    _, tokenizer = reference
+    instruction = "Is the following review positive or negative? Review: "
+    texts = [instruction + review for review in
+             ("a quiet triumph of a film", "two hours I will never get back", "fine.")]
+    prompts = [tokenizer.encode(text) for text in texts]
+    shared = next(i for i, column in enumerate(zip(*prompts)) if len(set(column)) > 1)
+    listed = post(real_server, "/v1/classify", {"input": texts})
+    assert listed["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * shared
+    alone = post(real_server, "/v1/classify", {"input": texts[:1]})
+    assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == shared
+    assert alone["data"][0]["token_id"] == listed["data"][0]["token_id"]
+    assert abs(alone["data"][0]["logprob"] - listed["data"][0]["logprob"]) < LOGPROB_TOLERANCE
+
+
 def test_rerank_judge_equals_mlx_lm(real_server: ServerProcess, reference) -> None:
     """Each document's score is P(yes) / (P(yes) + P(no)) after the judge prompt, as a
     direct forward gives it, and the results come sorted by it (a 135M judge's order, not
