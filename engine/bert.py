@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx import nn
@@ -73,6 +74,10 @@ def softmax(scores: mx.array) -> mx.array:
     return weights / mx.maximum(weights.sum(axis=-1, keepdims=True), 1e-30)
 
 
+# Model types whose encoder is BERT's but numbered as RoBERTa numbers positions.
+ROBERTA_MODEL_TYPES = ("roberta", "xlm-roberta")
+
+
 @dataclass(frozen=True)
 class BertConfig:
     vocab_size: int
@@ -83,11 +88,21 @@ class BertConfig:
     max_position_embeddings: int
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
+    # RoBERTa's pad token id, from which it numbers positions; None: BERT's 0, 1, 2...
+    padding_idx: int | None = None
 
     @classmethod
     def from_dict(cls, config: dict) -> BertConfig:
-        return cls(**{name: config[name] for name in cls.__dataclass_fields__
-                      if name in config})
+        fields = {name: config[name] for name in cls.__dataclass_fields__ if name in config}
+        if config.get("model_type") in ROBERTA_MODEL_TYPES:
+            fields["padding_idx"] = config["pad_token_id"]
+        return cls(**fields)
+
+    @property
+    def positions(self) -> int:
+        """How many tokens one input may have: RoBERTa's first position is padding_idx + 1."""
+        offset = 0 if self.padding_idx is None else self.padding_idx + 1
+        return self.max_position_embeddings - offset
 
 
 class Embeddings(nn.Module):
@@ -98,12 +113,22 @@ class Embeddings(nn.Module):
                                                 config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.padding_idx = config.padding_idx
 
-    def __call__(self, ids: mx.array) -> mx.array:
-        positions = mx.arange(ids.shape[1])[None]
-        x = (self.word_embeddings(ids) + self.position_embeddings(positions)
-             + self.token_type_embeddings(mx.zeros_like(ids)))
+    def __call__(self, ids: mx.array, token_types: mx.array | None) -> mx.array:
+        types = mx.zeros_like(ids) if token_types is None else token_types
+        x = (self.word_embeddings(ids) + self.position_embeddings(self.positions(ids))
+             + self.token_type_embeddings(types))
         return self.LayerNorm(x)
+
+    def positions(self, ids: mx.array) -> mx.array:
+        if self.padding_idx is None:
+            return mx.arange(ids.shape[1])[None]
+        # RoBERTa's, as Hugging Face computes them: from padding_idx + 1, every pad token
+        # at padding_idx. Rows padded here with another id number their padding on, within
+        # the table (an input is at most `BertConfig.positions` long) and masked anyway.
+        real = (ids != self.padding_idx).astype(mx.int32)
+        return mx.cumsum(real, axis=1) * real + self.padding_idx
 
 
 class SelfAttention(nn.Module):
@@ -181,17 +206,21 @@ class Encoder(nn.Module):
 
 
 class Bert(nn.Module):
-    """BERT's encoder: token ids and their padding mask in, last hidden states out."""
+    """BERT's encoder (RoBERTa's too, but for its positions): token ids, their padding
+    mask and, for a pair of texts, which text each token is from in; last hidden states
+    out."""
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.embeddings = Embeddings(config)
         self.encoder = Encoder(config)
 
-    def __call__(self, ids: mx.array, attention: mx.array) -> mx.array:
-        """`attention`: (batch, length), 1 for a real token, 0 for padding."""
+    def __call__(self, ids: mx.array, attention: mx.array,
+                 token_types: mx.array | None = None) -> mx.array:
+        """`attention`: (batch, length), 1 for a real token, 0 for padding; `token_types`:
+        0 for the first text, 1 for the second (None: all 0)."""
         mask = mx.where(attention[:, None, None, :] > 0, 0.0, -mx.inf).astype(mx.float32)
-        x = self.embeddings(ids)
+        x = self.embeddings(ids, token_types)
         for layer in self.encoder.layer:
             x = layer(x, mask)
         return x
@@ -225,41 +254,86 @@ class SentenceEncoder:
     # Dimensions the output may be cut to (Matryoshka); None: only its full size.
     matryoshka: tuple[int, ...] | None
 
-    def __call__(self, ids: mx.array, attention: mx.array) -> mx.array:
-        pooled = pool(self.model(ids, attention), attention, self.pooling)
+    def __call__(self, ids: mx.array, attention: mx.array,
+                 token_types: mx.array | None = None) -> mx.array:
+        pooled = pool(self.model(ids, attention, token_types), attention, self.pooling)
         if self.normalize:
             pooled = pooled / mx.maximum(mx.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
         return pooled
 
 
 def is_sentence_encoder(path: Path) -> bool:
-    """Whether `path` is a sentence-transformers folder around a BERT-family encoder."""
+    """Whether `path` is a sentence-transformers folder around a BERT-family encoder
+    (not a cross-encoder's, which sentence-transformers also saves with a modules.json)."""
     config = path / "config.json"
     if not (path / "modules.json").is_file() or not config.is_file():
         return False
-    return json.loads(config.read_text()).get("model_type") == "bert"
+    config = json.loads(config.read_text())
+    return config.get("model_type") == "bert" and not is_sequence_classifier(config)
+
+
+def is_sequence_classifier(config: dict) -> bool:
+    """Whether a config.json's model is a Hugging Face *ForSequenceClassification."""
+    return any(name.endswith("ForSequenceClassification")
+               for name in config.get("architectures") or ())
+
+
+def load_weights(path: Path) -> dict[str, mx.array]:
+    """The folder's `model.safetensors`, less the position-id buffers old checkpoints
+    carry; a folder with only PyTorch's pickle is refused by name (loading one runs code)."""
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        found = [name for name in ("pytorch_model.bin", "model.safetensors.index.json")
+                 if (path / name).is_file()]
+        raise FileNotFoundError(
+            f"{path} has no model.safetensors, the one weights file this server reads"
+            + (f" (it has {', '.join(found)}: convert it to model.safetensors)" if found
+               else ""))
+    return {name: array for name, array in mx.load(str(weights)).items()
+            if not name.endswith("position_ids")}
+
+
+def max_input_tokens(path: Path, config: BertConfig) -> int:
+    """An input's most tokens, as sentence-transformers' Transformer module sets it:
+    `max_seq_length` in sentence_bert_config.json, else the tokenizer's
+    `model_max_length` capped at the model's positions (and never past them)."""
+    limit = json_file(path / "sentence_bert_config.json").get("max_seq_length")
+    if not limit:
+        positions = config.max_position_embeddings
+        limit = min(positions, json_file(path / "tokenizer_config.json").get(
+            "model_max_length", positions))
+    return min(limit, config.positions)
+
+
+def json_file(path: Path) -> Any:
+    """A JSON file's value; {} where the folder has no such file."""
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def sentence_transformers_modules(path: Path, supported: set[str]) -> dict[str, dict]:
+    """The modules a sentence-transformers folder chains (modules.json), by kind; a kind
+    not `supported` is refused, since it would not be computed."""
+    kinds = {module["type"].rsplit(".", 1)[-1]: module
+             for module in json_file(path / "modules.json") or ()}
+    unsupported = set(kinds) - supported
+    if unsupported:
+        raise ValueError(f"sentence-transformers modules not supported: {sorted(unsupported)}")
+    return kinds
 
 
 def load_sentence_encoder(path: Path) -> SentenceEncoder:
     config = json.loads((path / "config.json").read_text())
-    bert = Bert(BertConfig.from_dict(config))
-    weights = {name: array for name, array in mx.load(str(path / "model.safetensors")).items()
-               if not name.startswith("pooler.") and not name.endswith("position_ids")}
-    bert.load_weights(list(weights.items()))
+    bert_config = BertConfig.from_dict(config)
+    bert = Bert(bert_config)
+    bert.load_weights([(name, array) for name, array in load_weights(path).items()
+                       if not name.startswith("pooler.")])
     mx.eval(bert.parameters())
-    modules = json.loads((path / "modules.json").read_text())
-    kinds = {module["type"].rsplit(".", 1)[-1]: module for module in modules}
+    kinds = sentence_transformers_modules(path, {"Transformer", "Pooling", "Normalize"})
     pooling = "cls_token"
     if "Pooling" in kinds:
         settings = json.loads((path / kinds["Pooling"]["path"] / "config.json").read_text())
         pooling = next(mode for mode in POOLING_MODES if settings.get(f"pooling_mode_{mode}"))
-    unsupported = set(kinds) - {"Transformer", "Pooling", "Normalize"}
-    if unsupported:
-        raise ValueError(f"sentence-transformers modules not supported: {sorted(unsupported)}")
-    st_config = path / "sentence_bert_config.json"
-    max_length = config["max_position_embeddings"]
-    if st_config.is_file():
-        max_length = json.loads(st_config.read_text()).get("max_seq_length") or max_length
     width = config["hidden_size"]
-    return SentenceEncoder(bert, pooling, "Normalize" in kinds, max_length, width,
+    return SentenceEncoder(bert, pooling, "Normalize" in kinds,
+                           max_input_tokens(path, bert_config), width,
                            matryoshka_dimensions(config, width))

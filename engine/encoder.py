@@ -1,5 +1,6 @@
-"""`EncoderEngine`: a server's engine when its model is a sentence-transformers encoder
-(engine/bert.py). It embeds and does nothing else.
+"""`EncoderEngine`: a server's engine when its model is an encoder: a sentence-transformers
+encoder (engine/bert.py), which embeds, or a cross-encoder (engine/cross_encoder.py), which
+scores (query, document) pairs. It does nothing else.
 
 An encoder attends both ways, so no prefix of one input is a prefix of another's
 computation: there is no radix tree here and no scheduler, only batching. One worker
@@ -34,6 +35,7 @@ from engine.api import (
     SchedulerCounters,
 )
 from engine.bert import SentenceEncoder, is_sentence_encoder, load_sentence_encoder
+from engine.cross_encoder import CrossEncoder, is_cross_encoder, load_cross_encoder
 from engine.loader import model_id_for
 from engine.platform_info import apply_mlx_env_defaults
 
@@ -46,18 +48,23 @@ BATCH_ROWS = 256
 
 
 class CannotGenerate(EngineNotReady):
-    """The served model is an encoder: it embeds, and generates nothing."""
+    """The served model is an encoder: it embeds or scores, and generates nothing."""
 
 
 def is_encoder_model(path_or_repo: str) -> bool:
-    """Whether `path_or_repo` is a local sentence-transformers encoder folder."""
+    """Whether `path_or_repo` is a local sentence-transformers encoder or cross-encoder
+    folder."""
     path = Path(path_or_repo).expanduser()
-    return path.is_dir() and is_sentence_encoder(path)
+    return path.is_dir() and (is_cross_encoder(path) or is_sentence_encoder(path))
 
 
 @dataclass
-class EmbedJob:
+class EncodeJob:
+    """Inputs for one forward's rows: token ids and, for a cross-encoder's pairs, each
+    token's type (0: the query's, 1: the document's)."""
+
     inputs: list[list[int]]
+    token_types: list[list[int]] | None = None
     done: Future = field(default_factory=Future)
 
 
@@ -78,9 +85,9 @@ class EncoderEngine:
         self.dimensions = 0
         self.matryoshka: tuple[int, ...] | None = None
         self.vocab_size = 0
-        self._encoder: SentenceEncoder | None = None
+        self._encoder: SentenceEncoder | CrossEncoder | None = None
         self._tokenizer: Tokenizer | None = None
-        self._jobs: queue.SimpleQueue[EmbedJob | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[EncodeJob | None] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._stopped = threading.Event()
         self._counters = SchedulerCounters()
@@ -111,24 +118,47 @@ class EncoderEngine:
             self.error, self.state = f"{type(error).__name__}: {error}", Lifecycle.FAILED
         self._ready.set()
         if self.served:
-            log.info("ready: %s (encoder, %d dimensions, inputs up to %d tokens)",
-                     self.model_id, self.dimensions, self.context_length)
+            log.info("ready: %s (%s)", self.model_id, self._summary())
             self._serve_jobs()
         self._stopped.set()
 
+    def _summary(self) -> str:
+        if self.is_cross_encoder:
+            return f"cross-encoder, pairs cut to {self.context_length} tokens"
+        return f"encoder, {self.dimensions} dimensions, inputs up to {self.context_length} tokens"
+
     def _load(self) -> None:
-        self._encoder = load_sentence_encoder(self.model_path)
         tokenizer = Tokenizer.from_file(str(self.model_path / "tokenizer.json"))
-        # Its file may pad or cut every input to a fixed length; the batching here pads,
-        # and an input too long is refused before it gets here.
+        # Its file may pad or cut every input to a fixed length; the batching here pads.
         tokenizer.no_padding()
-        tokenizer.no_truncation()
+        if is_cross_encoder(self.model_path):
+            self._encoder = load_cross_encoder(self.model_path)
+            # As sentence-transformers' CrossEncoder cuts a pair: the longer text first.
+            tokenizer.enable_truncation(self._encoder.max_length, strategy="longest_first")
+        else:
+            self._encoder = load_sentence_encoder(self.model_path)
+            self.dimensions = self._encoder.dimensions
+            self.matryoshka = self._encoder.matryoshka
+            # An input too long is refused before it gets here.
+            tokenizer.no_truncation()
         self._tokenizer = tokenizer
         self.context_length = self._encoder.max_length
-        self.dimensions = self._encoder.dimensions
-        self.matryoshka = self._encoder.matryoshka
         self.vocab_size = tokenizer.get_vocab_size()
-        self._run([[tokenizer.token_to_id("[CLS]") or 0] * 8])  # compile, warm up
+        self._run([[tokenizer.token_to_id("[CLS]") or 0] * 8], [[0] * 8])  # compile, warm up
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        """Whether the model scores (query, document) pairs rather than embeds; known once
+        it is loaded."""
+        return isinstance(self._encoder, CrossEncoder)
+
+    @property
+    def description(self) -> str:
+        """What the model is, for the 400 of a request it cannot serve."""
+        if self.is_cross_encoder:
+            return ("a cross-encoder (a reranker): it serves /v1/rerank only, and has no "
+                    "sentence embedding")
+        return "an embedding model: it serves /v1/embeddings and /v1/rerank only"
 
     def _serve_jobs(self) -> None:
         """Until `shutdown`: every job waiting at once, in one set of forwards."""
@@ -149,8 +179,7 @@ class EncoderEngine:
     # -- requests ---------------------------------------------------------------------
 
     def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams) -> EventStream:
-        raise CannotGenerate(f"the model {self.model_id} is an embedding model: it does "
-                             "not generate text")
+        raise CannotGenerate(f"the model {self.model_id} is {self.description}")
 
     @property
     def token_limit(self) -> int:
@@ -164,13 +193,27 @@ class EncoderEngine:
         """Token ids of each text, with the model's special tokens; safe from any thread."""
         return [encoding.ids for encoding in self._tokenizer.encode_batch(texts)]
 
+    def encode_pairs(self, query: str, documents: list[str]) -> list[tuple[list[int], list[int]]]:
+        """A cross-encoder's input for each (query, document): token ids and token types,
+        cut to `context_length` as its reference does; safe from any thread."""
+        encodings = self._tokenizer.encode_batch([(query, document) for document in documents])
+        return [(encoding.ids, encoding.type_ids) for encoding in encodings]
+
     def embed(self, inputs: list[list[int]]) -> Future:
         """Embed each list of token ids (checked by the caller: non-empty, in the
         vocabulary, within `context_length`); the future gets a (len(inputs), dimensions)
         float32 array. Safe from any thread."""
+        return self._submit(EncodeJob(inputs))
+
+    def score(self, pairs: list[tuple[list[int], list[int]]]) -> Future:
+        """A cross-encoder's relevance score of each pair from `encode_pairs`; the future
+        gets a (len(pairs),) float32 array. Safe from any thread."""
+        job = EncodeJob([ids for ids, _ in pairs], [types for _, types in pairs])
+        return self._submit(job)
+
+    def _submit(self, job: EncodeJob) -> Future:
         if self.state is not Lifecycle.READY:
             raise EngineNotReady(self.error or f"the model is {self.state.value}")
-        job = EmbedJob(inputs)
         self._jobs.put(job)
         return job.done
 
@@ -182,39 +225,51 @@ class EncoderEngine:
     def stats(self) -> EngineStats:
         return EngineStats(counters=replace(self._counters))
 
-    def _serve(self, jobs: list[EmbedJob]) -> None:
+    def _serve(self, jobs: list[EncodeJob]) -> None:
+        inputs = [ids for job in jobs for ids in job.inputs]
+        # One engine's jobs are all of one kind: pairs for a cross-encoder, else texts.
+        token_types = (None if jobs[0].token_types is None
+                       else [types for job in jobs for types in job.token_types])
         try:
-            vectors = self._run([ids for job in jobs for ids in job.inputs])
+            outputs = self._run(inputs, token_types)
         except Exception as error:
-            log.exception("embedding failed")
+            log.exception("encoder forward failed")
             self._counters.requests_failed += len(jobs)
             for job in jobs:
                 job.done.set_exception(error)
             return
         start = 0
         for job in jobs:
-            job.done.set_result(vectors[start:start + len(job.inputs)])
+            job.done.set_result(outputs[start:start + len(job.inputs)])
             start += len(job.inputs)
-        self._counters.prompt_tokens += sum(len(ids) for job in jobs for ids in job.inputs)
+        self._counters.prompt_tokens += sum(map(len, inputs))
 
-    def _run(self, inputs: list[list[int]]) -> np.ndarray:
-        """Embed `inputs`, shortest first, in forwards of at most BATCH_TOKENS padded
-        tokens; rows come back in the order given."""
+    def _run(self, inputs: list[list[int]], token_types: list[list[int]] | None = None
+             ) -> np.ndarray:
+        """The model's output for each of `inputs` (with its `token_types`, for a pair),
+        shortest first, in forwards of at most BATCH_TOKENS padded tokens: embeddings, or
+        scores; rows come back in the order given."""
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
-        out = np.empty((len(inputs), self._encoder.dimensions), np.float32)
+        outputs = []
         start = 0
         while start < len(order):
             end = start + 1
             while (end < len(order) and end - start < BATCH_ROWS
                    and len(inputs[order[end]]) * (end + 1 - start) <= BATCH_TOKENS):
                 end += 1
-            rows = [inputs[i] for i in order[start:end]]
-            width = len(rows[-1])
-            ids = mx.array([row + [0] * (width - len(row)) for row in rows])
-            attention = mx.array([[1] * len(row) + [0] * (width - len(row)) for row in rows])
-            vectors = self._encoder(ids, attention).astype(mx.float32)
-            out[order[start:end]] = np.array(vectors)
-            self._counters.prefill_tokens += sum(map(len, rows))
+            batch = order[start:end]
+            width = len(inputs[batch[-1]])
+            ids = padded([inputs[i] for i in batch], width)
+            attention = padded([[1] * len(inputs[i]) for i in batch], width)
+            types = None if token_types is None else padded([token_types[i] for i in batch],
+                                                            width)
+            outputs.append(np.array(self._encoder(ids, attention, types).astype(mx.float32)))
+            self._counters.prefill_tokens += sum(len(inputs[i]) for i in batch)
             self._counters.steps += 1
             start = end
-        return out
+        return np.concatenate(outputs)[np.argsort(order)]
+
+
+def padded(rows: list[list[int]], width: int) -> mx.array:
+    """`rows` as one array, each filled to `width` with zeros (masked by the caller)."""
+    return mx.array([row + [0] * (width - len(row)) for row in rows])

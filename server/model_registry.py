@@ -138,9 +138,8 @@ class ServedModel:
     def tokenizer(self) -> ModelTokenizer:
         """The tokenizer once the engine is ready; 503 before, 400 for an encoder."""
         engine = self.check_ready()
-        if engine.tokenizer is None:
-            raise APIError(400, f"the model {self.id} is an embedding model: it "
-                           "serves /v1/embeddings and /v1/rerank only",
+        if engine.tokenizer is None:  # an EncoderEngine: it says what it serves
+            raise APIError(400, f"the model {self.id} is {engine.description}",
                            code="model_not_supported", param="model")
         return engine.tokenizer
 

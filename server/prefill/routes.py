@@ -7,7 +7,7 @@ after a prompt that puts the query before the document (Qwen3-Reranker's format,
 query's prefix is computed once for all documents), a classification the next token's
 distribution. On an encoder model (engine/encoder.py) an embedding is a forward of its
 own with the model's own pooling, and rerank scores are the cosine of query and document
-embeddings.
+embeddings; on a cross-encoder, each (query, document) pair's score from one forward.
 """
 
 from __future__ import annotations
@@ -87,7 +87,9 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     texts = [document_text(document) for document in body.documents]
     async with state.models.use(body.model) as lease:
         served = lease.model
-        if _is_encoder(served):
+        if _is_cross_encoder(served):
+            scored = await _pair_scores(served, body.query, texts)
+        elif _is_encoder(served):
             scored = await _cosine_scores(request, state, served, body.query, texts)
         else:
             scored = await _judge_scores(request, state, served, body, texts)
@@ -228,11 +230,18 @@ def _is_encoder(model: ServedModel) -> bool:
     return hasattr(model.engine, "embed")
 
 
+def _is_cross_encoder(model: ServedModel) -> bool:
+    return _is_encoder(model) and model.engine.is_cross_encoder
+
+
 async def _embed(request: Request, state: ServerState, model: ServedModel,
                  inputs: list[str] | list[list[int]]) -> tuple[np.ndarray, int, int] | None:
     """Each input's embedding (rows L2-normalised where the model's pipeline normalises),
     the prompt tokens and how many of them were cached; None if the client left."""
     engine = model.engine
+    if _is_cross_encoder(model):
+        raise APIError(400, f"the model {model.id} is {engine.description}",
+                       code="model_not_supported", param="model")
     if _is_encoder(model):
         if isinstance(inputs[0], str):
             tokens = await asyncio.to_thread(engine.encode, inputs)
@@ -297,6 +306,15 @@ async def _cosine_scores(request: Request, state: ServerState, model: ServedMode
     vectors, prompt_tokens, cached = embedded
     vectors = _normalised(vectors)
     return (vectors[1:] @ vectors[0]).tolist(), prompt_tokens, cached
+
+
+async def _pair_scores(model: ServedModel, query: str, documents: list[str]
+                       ) -> tuple[list[float], int, int]:
+    """A cross-encoder's score of each (query, document), each pair cut to its length."""
+    engine = model.engine
+    pairs = await asyncio.to_thread(engine.encode_pairs, query, documents)
+    scores = await asyncio.wrap_future(engine.score(pairs))
+    return scores.tolist(), sum(len(ids) for ids, _ in pairs), 0
 
 
 async def _judge_scores(request: Request, state: ServerState, model: ServedModel,
