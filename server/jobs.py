@@ -51,6 +51,7 @@ class Job:
         self.n = 1
         self._streams: list = []
         self._finishes: dict[int, Finish] = {}
+        self._least_cached: dict[int, int] = {}  # per prompt: its choices' fewest cached
         self._tokens: Counter[int] = Counter()
         self._tasks: list[asyncio.Task] = []
 
@@ -173,15 +174,27 @@ class Job:
 
     def _finish(self, index: int, finish: Finish) -> None:
         self._finishes[index] = finish
-        usage = self.usage()
-        self.stats.prompt_tokens = usage.prompt_tokens
-        self.stats.cached_tokens = usage.cached_tokens
+        self._count_prompt(index // self.n, finish)
         miss = self._finishes[min(self._finishes)].cache_miss
         self.stats.cache_miss = miss and f"{miss.reason}@{miss.position}"
         # The engine's count replaces the tokens we saw for this choice.
         self.stats.completion_tokens += finish.completion_tokens - self._tokens[index]
         self.stats.draft_tokens += finish.draft_tokens
         self.stats.accepted_draft_tokens += finish.accepted_draft_tokens
+
+    def _count_prompt(self, prompt: int, finish: Finish) -> None:
+        """Keep the stats' prompt and cached tokens what `usage` gives, without going
+        over every choice at each finish (a list of prompts has as many finishes)."""
+        if not self._least_cached:  # the engine's counts replace those of `submit`
+            self.stats.prompt_tokens = 0
+        least = self._least_cached.get(prompt)
+        if least is None:
+            self.stats.prompt_tokens += finish.prompt_tokens
+            self.stats.cached_tokens += finish.cached_tokens
+            self._least_cached[prompt] = finish.cached_tokens
+        elif finish.cached_tokens < least:
+            self.stats.cached_tokens -= least - finish.cached_tokens
+            self._least_cached[prompt] = finish.cached_tokens
 
     def usage(self) -> Usage:
         """Each prompt counts once, whatever n; its cached tokens are the least any of its

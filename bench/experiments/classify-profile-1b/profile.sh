@@ -10,7 +10,7 @@ python3 -m server.launch.cli serve --model "$model" --port $port --max-batch-siz
   --disk-cache-bytes 0 "$@" > "$out/server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
-until curl -sf http://127.0.0.1:$port/health > /dev/null; do sleep 1; done
+until curl -sf http://127.0.0.1:$port/health > /dev/null; do kill -0 $server || exit 1; sleep 1; done
 here=$(dirname "$0")
 python3 "$here/drive.py" "$model" http://127.0.0.1:$port 3 100 > "$out/warm-up.txt"
 py-spy record --pid $server --rate 200 --threads --format raw --output "$out/stacks.txt" \
