@@ -211,6 +211,11 @@ class EncoderEngine:
         job = EncodeJob([ids for ids, _ in pairs], [types for _, types in pairs])
         return self._submit(job)
 
+    def probe(self) -> Future:
+        """One small forward through the worker thread, as a health check that runs the
+        model; safe from any thread."""
+        return self._submit(EncodeJob([[0, 0]], [[0, 0]] if self.is_cross_encoder else None))
+
     def _submit(self, job: EncodeJob) -> Future:
         if self.state is not Lifecycle.READY:
             raise EngineNotReady(self.error or f"the model is {self.state.value}")

@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from engine.api import EngineError, EngineStats, SamplingParams
+from engine.api import EngineClient, EngineError, EngineStats, SamplingParams
 from server.admin import clear_cache
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
@@ -92,7 +92,7 @@ def _ready(request: Request) -> tuple[ServerState, ServedModel]:
     """The server and its first model (a router's worker serves one), once loaded."""
     state = server_state(request)
     model = state.models.default
-    model.tokenizer()  # 503 while loading: the router retries registration
+    model.check_ready()  # 503 while loading: the router retries registration
     return state, model
 
 
@@ -122,9 +122,11 @@ async def server_info(request: Request) -> ServerInfo:
 async def model_info(request: Request) -> ModelInfo:
     _, model = _ready(request)
     engine = model.engine
+    generates = engine.tokenizer is not None  # else an encoder, which embeds or scores
     return ModelInfo(
         model_path=engine.config.model, tokenizer_path=engine.config.model,
-        context_length=engine.context_length, vocab_size=engine.tokenizer.vocab_size,
+        is_generation=generates, context_length=engine.context_length,
+        vocab_size=engine.tokenizer.vocab_size if generates else engine.vocab_size,
     )
 
 
@@ -152,22 +154,29 @@ async def flush_cache(request: Request) -> dict[str, Any]:
 @worker_info.get("/health_generate")
 async def health_generate(request: Request) -> dict[str, str]:
     """Healthy only if the engine generates a token now: a real step through the
-    scheduler and the model, which /health (a state) does not show."""
+    scheduler and the model, which /health (a state) does not show. An encoder, which
+    generates nothing, runs one small forward instead."""
     _, model = _ready(request)
-    tokenizer, engine = model.tokenizer(), model.engine
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    try:
-        stream = engine.submit(tokenizer.encode("ping"), params)
-    except EngineError as error:
-        raise APIError(503, f"not healthy: {error}", code="unhealthy") from None
+    engine = model.engine
     try:
         async with asyncio.timeout(HEALTH_GENERATE_SECONDS):
-            async for _ in stream:
-                pass
+            if engine.tokenizer is None:
+                await asyncio.wrap_future(engine.probe())
+            else:
+                await _one_token(engine)
     except TimeoutError:
-        stream.cancel()
-        raise APIError(503, f"not healthy: no token in {HEALTH_GENERATE_SECONDS:.0f} s",
+        raise APIError(503, f"not healthy: no answer in {HEALTH_GENERATE_SECONDS:.0f} s",
                        code="unhealthy") from None
     except EngineError as error:
         raise APIError(503, f"not healthy: {error}", code="unhealthy") from None
     return {"status": "ok"}
+
+
+async def _one_token(engine: EngineClient) -> None:
+    stream = engine.submit(engine.tokenizer.encode("ping"),
+                           SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    try:
+        async for _ in stream:
+            pass
+    finally:
+        stream.cancel()  # a no-op once it has finished

@@ -141,6 +141,18 @@ def test_an_encoder_does_not_chat_or_classify(encoder_server: ServerProcess) -> 
         assert response.json()["error"]["code"] == "model_not_supported"
 
 
+def test_a_router_can_register_and_probe_an_encoder(encoder_server: ServerProcess) -> None:
+    """What sglang-router reads of a worker answers for an embedding model too: its
+    name, that it does not generate, and a health check that runs its forward."""
+    info = httpx.get(f"{encoder_server.url}/server_info", timeout=30)
+    assert info.status_code == 200, info.text
+    assert info.json()["context_length"] > 0
+    model = httpx.get(f"{encoder_server.url}/model_info", timeout=30).json()
+    assert model["is_generation"] is False and model["vocab_size"] > 0
+    health = httpx.get(f"{encoder_server.url}/health_generate", timeout=30)
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
 def test_matryoshka_dimensions_truncate_and_renormalise(
         minilm_dir: Path, tmp_path: Path, reference) -> None:
     """Where config.json declares Matryoshka sizes (as vLLM reads them), `dimensions`

@@ -213,6 +213,13 @@ def test_embeddings_chat_and_classify_are_a_400(server: ServerProcess) -> None:
         assert "cross-encoder" in error["message"] and "/v1/rerank" in error["message"]
 
 
+def test_a_router_can_probe_a_cross_encoder(server: ServerProcess) -> None:
+    model = httpx.get(f"{server.url}/model_info", timeout=30).json()
+    assert model["is_generation"] is False
+    health = httpx.get(f"{server.url}/health_generate", timeout=30)
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
 @pytest.mark.parametrize("body", [
     {"query": QUERY, "documents": []},
     {"query": "", "documents": ["a"]},
