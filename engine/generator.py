@@ -691,9 +691,7 @@ class Generator:
             sampled = mx.concatenate([
                 mx.argmax(logits[i:i + 1], axis=-1) if r.sampler is None
                 else r.sampler(allowed[i:i + 1]) for i, r in enumerate(rows)])
-        scores = [_scores(logprobs[i], sampled[i], r.top_logprobs, r.asked)
-                  if r.wants_logprobs else None for i, r in enumerate(rows)]
-        return sampled.astype(mx.uint32), scores
+        return sampled.astype(mx.uint32), _rows_scores(rows, logprobs, sampled)
 
     # -- leaving ----------------------------------------------------------------------
 
@@ -842,6 +840,33 @@ def _scores(logprobs: mx.array, token: mx.array, top: int,
     ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
     order = mx.argsort(-logprobs[ids])
     return Scores(logprobs[token], ids[order], logprobs[ids[order]], picked)
+
+
+def _rows_scores(rows: list[SequenceState], logprobs: mx.array | None, sampled: mx.array
+                 ) -> list[Scores | None]:
+    """`_scores` of the rows that want logprobs, computed for the batch at once: one
+    gather of the sampled tokens' logprobs and, where any row wants alternatives, one
+    partition and sort of every row (on a GPU each op is a kernel launch, and ops per row
+    made a 64-row classify list launch hundreds); each row's scores are rows of those."""
+    if logprobs is None or not any(row.wants_logprobs for row in rows):
+        return [None] * len(rows)
+    chosen = mx.take_along_axis(logprobs, sampled[:, None], axis=-1)[:, 0]
+    top = max(row.top_logprobs for row in rows if row.wants_logprobs)
+    if top:
+        ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
+        order = mx.argsort(-mx.take_along_axis(logprobs, ids, axis=-1), axis=-1)
+        ids = mx.take_along_axis(ids, order, axis=-1)
+        values = mx.take_along_axis(logprobs, ids, axis=-1)
+    scores: list[Scores | None] = []
+    for i, row in enumerate(rows):
+        if not row.wants_logprobs:
+            scores.append(None)
+            continue
+        asked = logprobs[i][row.asked] if row.asked is not None else None
+        k = row.top_logprobs
+        scores.append(Scores(chosen[i], ids[i, :k], values[i, :k], asked) if k
+                      else Scores(chosen[i], asked=asked))
+    return scores
 
 
 def _arrays(scores: Iterable[Scores | None]) -> list[mx.array]:
