@@ -52,7 +52,8 @@ def expected_answer(tokenizer, reference, image: bytes, joiner: str = "\n") -> s
     """mlx_vlm.generate's greedy answer to an image then QUESTION, their parts joined as
     the API joins them (Chat and Messages with a newline, Responses with nothing)."""
     tokens = tokenizer.chat_prompt(
-        [{"role": "user", "content": f"{tokenizer.images.placeholder}{joiner}{QUESTION}"}])
+        [{"role": "user", "content": f"{tokenizer.images.placeholder}{joiner}{QUESTION}"}],
+        image_counts=tokenizer.images.counts([image]))
     answer = reference.greedy(prompt_text(tokenizer, tokens), [image], MAX_TOKENS)
     ends = tokenizer.eos_token_ids
     return tokenizer.decode(skip_special_tokens=True, tokens=[t for t in answer[:next(
