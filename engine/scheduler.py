@@ -781,7 +781,7 @@ class Scheduler:
         log.error("step failed: %r; %d request(s) affected", error, len(self.running))
         victims = list(self.running.values())
         self.running.clear()
-        self.generator = Generator(self.loaded.model, self._take_snapshot,
+        self.generator = Generator(self.loaded.model, self._take_snapshot, self.counters,
                                    self.kv.quantization)
         for generation in victims:
             generation.hold.abandon(error)
