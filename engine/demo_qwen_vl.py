@@ -80,7 +80,8 @@ def hf_config(size: str, vocab_size: int, ids: dict[str, int]) -> dict:
         "image_token_id": ids[IMAGE_PAD], "video_token_id": ids[VIDEO_PAD],
         "vision_start_token_id": ids[VISION_START], "vision_end_token_id": ids[VISION_END],
         "vision_token_id": ids[VISION_PAD], "pad_token_id": ids[PAD],
-        "eos_token_id": [ids[IM_END], ids[PAD]], "torch_dtype": "float32",
+        "bos_token_id": ids[PAD], "eos_token_id": [ids[IM_END], ids[PAD]],
+        "torch_dtype": "float32",
     }
 
 

@@ -9,10 +9,10 @@ from a digest of the decoded pixels and the processor's settings. The same image
 pixels, however encoded) matches; another never does. The engine puts the real ids and the
 image's features back at the model's boundary (engine/vision.py).
 
-Gemma 3 gives every image the same number of tokens; a family whose processor sizes each
-image (Qwen-VL's: as many as its resized pixels make patches) gives each its own count,
-which mlx-vlm's processor computes from the image's size (its `num_image_tokens`), so the
-prompt is expanded with each image's count.
+Gemma 3 gives every image the same number of tokens; Qwen2-VL and Qwen2.5-VL give each as
+many as its resized pixels make patches (2x2 merges of 14-pixel patches), which mlx-vlm's
+processor computes from the image's size (its `num_image_tokens`), so the prompt is
+expanded with each image's count.
 """
 
 from __future__ import annotations
@@ -48,12 +48,13 @@ class Family:
 
 
 # The families whose image tokens this server places and whose language model runs on our
-# cache path as it does in mlx-vlm. Qwen2-VL and Qwen2.5-VL position image tokens with
-# 3-D M-RoPE, which mlx-lm's language model (1-D RoPE from the cache offset) cannot
-# express, so images there are refused.
+# cache path as it does in mlx-vlm (Qwen-VL's 3-D M-RoPE positions: engine/mrope.py).
 FAMILIES = {
     "gemma3": Family("boi_token_index", "image_token_index", "eoi_token_index",
                      placeholder="{begin}", margin="\n\n", sized=False),
+    **{model_type: Family("vision_start_token_id", "image_token_id", "vision_end_token_id",
+                          placeholder="{begin}{image}{end}", margin="", sized=True)
+       for model_type in ("qwen2_vl", "qwen2_5_vl")},
 }
 
 # Files whose settings change the pixels a processor gives the vision tower.
