@@ -176,8 +176,12 @@ def _image_counter(path: Path, config: dict, sized: bool) -> Callable[[bytes], i
         processor = _json(path / "processor_config.json")
         fixed = processor.get("image_seq_length") or config.get("mm_tokens_per_image", 256)
         return lambda data: fixed
-    from mlx_vlm.utils import load_image, load_processor  # MLX: only for a sizing family
+    from mlx_vlm.utils import get_model_and_args, load_image, load_processor  # MLX
 
+    # Importing the family's mlx-vlm module registers its own (numpy) processor with
+    # transformers' AutoProcessor, as mlx_vlm.load does by loading the model first;
+    # without it transformers' Qwen processor wants torchvision.
+    get_model_and_args(config)
     processor = load_processor(path, add_detokenizer=False).image_processor
 
     def count(data: bytes) -> int:
