@@ -1,8 +1,10 @@
-"""The demo Qwen2.5-VL (engine/demo_vlm.py builds it): mlx-vlm's own Qwen2.5-VL classes at
-the demo sizes, random weights, a ChatML template whose image part is Qwen's
+"""The demo Qwen2.5-VL and Qwen2-VL (engine/demo_vlm.py builds them): mlx-vlm's own classes
+at the demo sizes, random weights, a ChatML template whose image part is Qwen's
 `<|vision_start|><|image_pad|><|vision_end|>`, and the processor settings mlx-vlm's numpy
-Qwen processor reads. mlx-lm loads the folder as its `qwen2_vl` language model (a plain
-Qwen2 with 1-D RoPE), mlx-vlm as the whole model.
+Qwen processor reads. mlx-lm loads either folder as its `qwen2_vl` language model (a plain
+Qwen2 with 1-D RoPE), mlx-vlm as the whole model. The two differ in their vision tower
+only (Qwen2.5-VL's windowed attention and RMSNorm); their language side and positions
+are the same.
 """
 
 from __future__ import annotations
@@ -57,13 +59,15 @@ CHAT_TEMPLATE = r"""
 """
 
 
-def hf_config(size: str, vocab_size: int, ids: dict[str, int]) -> dict:
-    """An HF-style Qwen2.5-VL config.json of `size`: the text settings at the top level,
-    as Qwen's checkpoints have them."""
-    shape, vision = SIZES[size], VISION[size]
+def hf_config(model_type: str, size: str, vocab_size: int, ids: dict[str, int]) -> dict:
+    """An HF-style config.json of `model_type` ("qwen2_5_vl" or "qwen2_vl") and `size`:
+    the text settings at the top level, as Qwen's checkpoints have them."""
+    shape = SIZES[size]
     quarter = shape["head_dim"] // 8  # M-RoPE's (t, h, w) sections: 2:3:3 of head_dim / 2
+    architecture = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                    "qwen2_vl": "Qwen2VLForConditionalGeneration"}[model_type]
     return {
-        "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": model_type, "architectures": [architecture],
         **{key: shape[key] for key in ("hidden_size", "num_hidden_layers",
                                        "intermediate_size", "num_attention_heads",
                                        "num_key_value_heads")},
@@ -71,12 +75,7 @@ def hf_config(size: str, vocab_size: int, ids: dict[str, int]) -> dict:
         "max_position_embeddings": MAX_POSITION_EMBEDDINGS, "tie_word_embeddings": True,
         "rope_scaling": {"type": "mrope", "mrope_section": [2 * quarter, 3 * quarter,
                                                             3 * quarter]},
-        "vision_config": {
-            **{key: value for key, value in vision.items() if key != "max_pixels"},
-            "model_type": "qwen2_5_vl", "out_hidden_size": shape["hidden_size"],
-            "spatial_merge_size": MERGE_SIZE, "temporal_patch_size": 2, "in_channels": 3,
-            "fullatt_block_indexes": [vision["depth"] - 1],
-        },
+        "vision_config": _vision_config(model_type, size),
         "image_token_id": ids[IMAGE_PAD], "video_token_id": ids[VIDEO_PAD],
         "vision_start_token_id": ids[VISION_START], "vision_end_token_id": ids[VISION_END],
         "vision_token_id": ids[VISION_PAD], "pad_token_id": ids[PAD],
@@ -85,17 +84,35 @@ def hf_config(size: str, vocab_size: int, ids: dict[str, int]) -> dict:
     }
 
 
-def write_qwen2_5_vl(directory: Path, size: str, seed: int) -> None:
-    import mlx.core as mx
-    from mlx_vlm.models import qwen2_5_vl
+def _vision_config(model_type: str, size: str) -> dict:
+    """The vision tower's config: Qwen2.5-VL's names its width `hidden_size` and its output
+    `out_hidden_size`, Qwen2-VL's `embed_dim` and `hidden_size`."""
+    vision, text_width = VISION[size], SIZES[size]["hidden_size"]
+    common = {"model_type": model_type, "depth": vision["depth"],
+              "num_heads": vision["num_heads"], "patch_size": vision["patch_size"],
+              "spatial_merge_size": MERGE_SIZE, "temporal_patch_size": 2, "in_channels": 3}
+    if model_type == "qwen2_vl":
+        return {**common, "embed_dim": vision["hidden_size"], "hidden_size": text_width,
+                "mlp_ratio": vision["intermediate_size"] // vision["hidden_size"]}
+    return {**common, "hidden_size": vision["hidden_size"], "out_hidden_size": text_width,
+            "intermediate_size": vision["intermediate_size"],
+            "window_size": vision["window_size"],
+            "fullatt_block_indexes": [vision["depth"] - 1]}
 
+
+def write_qwen_vl(directory: Path, model_type: str, size: str, seed: int) -> None:
+    import importlib
+
+    import mlx.core as mx
+
+    family = importlib.import_module(f"mlx_vlm.models.{model_type}")
     tokenizer = train_tokenizer(SIZES[size]["vocab_size"], SPECIAL_TOKENS)
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-    config = hf_config(size, tokenizer.get_vocab_size(), ids)
-    model_config = qwen2_5_vl.ModelConfig.from_dict(dict(config))  # copies the text settings
-    model_config.text_config = qwen2_5_vl.TextConfig.from_dict(model_config.text_config)
-    model_config.vision_config = qwen2_5_vl.VisionConfig.from_dict(config["vision_config"])
-    model = qwen2_5_vl.Model(model_config)
+    config = hf_config(model_type, size, tokenizer.get_vocab_size(), ids)
+    model_config = family.ModelConfig.from_dict(dict(config))  # copies the text settings
+    model_config.text_config = family.TextConfig.from_dict(model_config.text_config)
+    model_config.vision_config = family.VisionConfig.from_dict(config["vision_config"])
+    model = family.Model(model_config)
     weights = random_parameters(model, seed)
     mx.save_safetensors(str(directory / "model.safetensors"),
                         {name: mx.array(value) for name, value in sorted(weights.items())},

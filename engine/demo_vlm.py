@@ -1,15 +1,15 @@
-"""Deterministic demo vision-language models: Gemma 3's or Qwen2.5-VL's shape from mlx-vlm's
-own classes, small and random (the demo text models' sizes), with a real BPE tokenizer and
-the family's processor files.
+"""Deterministic demo vision-language models: Gemma 3's, Qwen2.5-VL's or Qwen2-VL's shape
+from mlx-vlm's own classes, small and random (the demo text models' sizes), with a real
+BPE tokenizer and the family's processor files.
 
 No VLM ships on PyPI and the tests cannot reach a model hub, so the image path (mlx-vlm's
 processor and vision tower, our radix keys, the language model on our batched cache) is
 tested on these. Every Gemma layer is global (`sliding_window_pattern` 1) unless a sliding
 window is asked for, so its language model keeps plain KV caches, as the demo llama does;
 with one, half its layers slide and its cache is reused as snapshots at message ends, as
-the real Gemma 3's is. Qwen2.5-VL places image tokens with 3-D M-RoPE positions and sizes
-each image's token run by its pixels (engine/mrope.py). `mlx_vlm.load` and `mlx_lm.load`
-both accept either folder.
+the real Gemma 3's is. Qwen-VL places image tokens with 3-D M-RoPE positions and sizes
+each image's token run by its pixels (engine/demo_qwen_vl.py, engine/mrope.py).
+`mlx_vlm.load` and `mlx_lm.load` both accept each folder.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from engine.demo_model import (
     train_tokenizer,
     write_json,
 )
-from engine.demo_qwen_vl import write_qwen2_5_vl
+from engine.demo_qwen_vl import write_qwen_vl
 from engine.files import publish_directory
 
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
@@ -46,7 +46,7 @@ VISION: dict[str, dict[str, int]] = {
               "num_hidden_layers": 6, "intermediate_size": 1536, "num_attention_heads": 6},
 }
 MAX_POSITION_EMBEDDINGS = 8192
-VISION_FAMILIES = ("gemma3", "qwen2_5_vl")
+VISION_FAMILIES = ("gemma3", "qwen2_5_vl", "qwen2_vl")
 EMBEDDINGS = "language_model.model.embed_tokens.weight"
 
 # Gemma 3's template, cut to what the demo needs: the system prompt folded into the first
@@ -85,7 +85,7 @@ CHAT_TEMPLATE = r"""
 
 def build_demo_vlm(path: str | Path, size: str = "tiny", seed: int = 0,
                    sliding_window: int | None = None, family: str = "gemma3") -> Path:
-    """Write the demo VLM of `family` ("gemma3" or "qwen2_5_vl") and `size` to `path`,
+    """Write the demo VLM of `family` (one of `VISION_FAMILIES`) and `size` to `path`,
     replacing whatever was there. With a `sliding_window` (Gemma 3 only), every second
     layer slides, as Gemma 3's five in six do: its cache is reused as whole-state
     snapshots."""
@@ -101,7 +101,7 @@ def build_demo_vlm(path: str | Path, size: str = "tiny", seed: int = 0,
             _write_model(staging, size, seed, sliding_window)
     else:
         def write(staging: Path) -> None:
-            write_qwen2_5_vl(staging, size, seed)
+            write_qwen_vl(staging, family, size, seed)
     publish_directory(path, write, replace=True)
     return path
 

@@ -8,7 +8,8 @@ from typing import get_args
 from engine.demo_model import FAMILIES, SIZES, build_demo_model
 
 # The demo vision models (engine/demo_vlm.py): CLI name -> family.
-VISION_FAMILIES = {"gemma3-vision": "gemma3", "qwen2.5-vl": "qwen2_5_vl"}
+VISION_FAMILIES = {"gemma3-vision": "gemma3", "qwen2.5-vl": "qwen2_5_vl",
+                   "qwen2-vl": "qwen2_vl"}
 from engine.platform_info import cpu_reexec_env, describe_platform
 from server.config import Settings, add_serve_arguments
 from server.launch.replicas import add_replicas_arguments, replicas_command
@@ -61,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", choices=sorted(SIZES), default="tiny")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--family", choices=[*FAMILIES, *VISION_FAMILIES], default="llama",
-                      help="gemma3-vision, qwen2.5-vl: Gemma 3 or Qwen2.5-VL with a vision "
-                      "tower, from mlx-vlm's classes (the vision extra)")
+                      help="gemma3-vision, qwen2.5-vl, qwen2-vl: Gemma 3, Qwen2.5-VL or "
+                      "Qwen2-VL with a vision tower, from mlx-vlm's classes (the vision extra)")
     demo.set_defaults(handler=make_demo_model_command)
 
     convert = commands.add_parser(

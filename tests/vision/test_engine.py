@@ -1,7 +1,7 @@
-"""The engine on a vision model of each family served (Gemma 3; Qwen2.5-VL, whose tokens
-have M-RoPE positions and whose images have as many tokens as their size makes): image
-prompts give mlx_vlm.generate's greedy tokens cold, on a cache hit and batched, and the
-radix tree keys each image on its pixels."""
+"""The engine on a vision model of each family served (Gemma 3; Qwen2.5-VL and Qwen2-VL,
+whose tokens have M-RoPE positions and whose images have as many tokens as their size
+makes): image prompts give mlx_vlm.generate's greedy tokens cold, on a cache hit and
+batched, and the radix tree keys each image on its pixels."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ MAX_TOKENS = 12
 SLIDING_WINDOW = 24
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl"])
-def vlm_dir(request, demo_vlm_dir, demo_qwen_vl_dir):
-    return {"gemma3": demo_vlm_dir, "qwen2_5_vl": demo_qwen_vl_dir}[request.param]
+@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "qwen2_vl"])
+def vlm_dir(request, demo_vlm_dir, demo_qwen_vl_dir, demo_qwen2_vl_dir):
+    return {"gemma3": demo_vlm_dir, "qwen2_5_vl": demo_qwen_vl_dir,
+            "qwen2_vl": demo_qwen2_vl_dir}[request.param]
 
 
 @pytest.fixture(scope="module")
