@@ -137,6 +137,25 @@ async def test_chunks_that_cut_an_image_give_the_same_tokens(vlm_dir, reference)
         engine.shutdown()
 
 
+async def test_two_images_in_one_prompt_give_mlx_vlm_generates_tokens(vlm_dir, reference):
+    """The second image's positions follow the first's (Qwen: the shifts add up), fed in
+    chunks that cut both images, then again from the cache."""
+    engine = start_engine(str(vlm_dir), cache_bytes=1 << 28, prefill_chunk_tokens=5)
+    try:
+        tokenizer, images = engine.tokenizer, [png(19, size=(20, 64)), png(20)]
+        turn = {"role": "user", "content": tokenizer.images.placeholder + "This one, and "
+                + tokenizer.images.placeholder + "that one: which is brighter?"}
+        prompt = image_prompt(tokenizer, [turn], images)
+        cold = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+        hit = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+    finally:
+        engine.shutdown()
+    assert len(prompt.images) == 2
+    assert cold.tokens == hit.tokens == reference.greedy(reference_text(engine, prompt),
+                                                         images, MAX_TOKENS)
+    assert hit.finish.cached_tokens == len(prompt.tokens) - 1
+
+
 async def test_the_disk_tier_keeps_an_image_prompts_segments_across_a_restart(
         vlm_dir, reference, tmp_path):
     image = png(8)
