@@ -192,17 +192,7 @@ def tokenizer_config(tokenizer: Tokenizer) -> dict:
     return {
         "add_bos_token": False,
         "add_eos_token": False,
-        "added_tokens_decoder": {
-            str(tokenizer.token_to_id(token)): {
-                "content": token,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for token in SPECIAL_TOKENS
-        },
+        "added_tokens_decoder": special_tokens_decoder(tokenizer, SPECIAL_TOKENS),
         "bos_token": BOS,
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
@@ -210,6 +200,21 @@ def tokenizer_config(tokenizer: Tokenizer) -> dict:
         "model_max_length": MAX_POSITION_EMBEDDINGS,
         "pad_token": PAD,
         "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+
+
+def special_tokens_decoder(tokenizer: Tokenizer, tokens: list[str]) -> dict:
+    """tokenizer_config.json's `added_tokens_decoder`: each of `tokens`, special, by id."""
+    return {
+        str(tokenizer.token_to_id(token)): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for token in tokens
     }
 
 

@@ -1,13 +1,15 @@
-"""A deterministic demo vision-language model: Gemma 3's shape from mlx-vlm's own classes,
-small and random (the demo text models' sizes), with a real BPE tokenizer and Gemma 3's
-processor files.
+"""Deterministic demo vision-language models: Gemma 3's, Qwen2.5-VL's or Qwen2-VL's shape
+from mlx-vlm's own classes, small and random (the demo text models' sizes), with a real
+BPE tokenizer and the family's processor files.
 
 No VLM ships on PyPI and the tests cannot reach a model hub, so the image path (mlx-vlm's
 processor and vision tower, our radix keys, the language model on our batched cache) is
-tested on this one. Every layer is global (`sliding_window_pattern` 1) unless a sliding
+tested on these. Every Gemma layer is global (`sliding_window_pattern` 1) unless a sliding
 window is asked for, so its language model keeps plain KV caches, as the demo llama does;
 with one, half its layers slide and its cache is reused as snapshots at message ends, as
-the real Gemma 3's is. `mlx_vlm.load` and `mlx_lm.load` both accept the folder.
+the real Gemma 3's is. Qwen-VL places image tokens with 3-D M-RoPE positions and sizes
+each image's token run by its pixels (engine/demo_qwen_vl.py, engine/mrope.py).
+`mlx_vlm.load` and `mlx_lm.load` both accept each folder.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.demo_model import SIZES, random_parameters, train_tokenizer, write_json
+from engine.demo_model import (
+    SIZES,
+    random_parameters,
+    special_tokens_decoder,
+    train_tokenizer,
+    write_json,
+)
+from engine.demo_qwen_vl import write_qwen_vl
 from engine.files import publish_directory
 
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
@@ -37,6 +46,7 @@ VISION: dict[str, dict[str, int]] = {
               "num_hidden_layers": 6, "intermediate_size": 1536, "num_attention_heads": 6},
 }
 MAX_POSITION_EMBEDDINGS = 8192
+VISION_FAMILIES = ("gemma3", "qwen2_5_vl", "qwen2_vl")
 EMBEDDINGS = "language_model.model.embed_tokens.weight"
 
 # Gemma 3's template, cut to what the demo needs: the system prompt folded into the first
@@ -74,15 +84,25 @@ CHAT_TEMPLATE = r"""
 
 
 def build_demo_vlm(path: str | Path, size: str = "tiny", seed: int = 0,
-                   sliding_window: int | None = None) -> Path:
-    """Write the demo VLM's folder of `size` to `path`, replacing whatever was there. With
-    a `sliding_window`, every second layer slides, as Gemma 3's five in six do: its cache
-    is reused as whole-state snapshots."""
+                   sliding_window: int | None = None, family: str = "gemma3") -> Path:
+    """Write the demo VLM of `family` (one of `VISION_FAMILIES`) and `size` to `path`,
+    replacing whatever was there. With a `sliding_window` (Gemma 3 only), every second
+    layer slides, as Gemma 3's five in six do: its cache is reused as whole-state
+    snapshots."""
     if size not in VISION:
         raise ValueError(f"unknown size {size!r}; choose one of {sorted(VISION)}")
+    if family not in VISION_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {VISION_FAMILIES}")
+    if sliding_window is not None and family != "gemma3":
+        raise ValueError("only the Gemma 3 demo has sliding layers")
     path = Path(path)
-    publish_directory(path, lambda staging: _write_model(staging, size, seed, sliding_window),
-                      replace=True)
+    if family == "gemma3":
+        def write(staging: Path) -> None:
+            _write_model(staging, size, seed, sliding_window)
+    else:
+        def write(staging: Path) -> None:
+            write_qwen_vl(staging, family, size, seed)
+    publish_directory(path, write, replace=True)
     return path
 
 
@@ -154,11 +174,7 @@ def _write_model(directory: Path, size: str, seed: int, sliding_window: int | No
 def _tokenizer_config(tokenizer) -> dict:
     return {
         "add_bos_token": False, "add_eos_token": False,
-        "added_tokens_decoder": {
-            str(tokenizer.token_to_id(token)): {
-                "content": token, "lstrip": False, "normalized": False, "rstrip": False,
-                "single_word": False, "special": True}
-            for token in SPECIAL_TOKENS},
+        "added_tokens_decoder": special_tokens_decoder(tokenizer, SPECIAL_TOKENS),
         "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
         "extra_special_tokens": {"boi_token": BOI, "eoi_token": EOI, "image_token": IMAGE},
         "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,

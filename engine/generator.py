@@ -59,6 +59,7 @@ from engine.mlx_lm_internals import (
     row_views,
     supports_segments,
 )
+from engine.mrope import MRoPE, Placement
 from engine.speculation import FIRST_PAUSE, MAX_PAUSE, STEP_COST, Drafts, best_width
 from engine.vision import ImageFeed
 
@@ -175,8 +176,13 @@ class Generator:
     def __init__(self, model: nn.Module,
                  at_snapshot: Callable[[SequenceState], None] = lambda sequence: None,
                  counters: SchedulerCounters | None = None,
-                 quantization: KVQuantization | None = None) -> None:
+                 quantization: KVQuantization | None = None,
+                 mrope: MRoPE | None = None) -> None:
         self.model = model
+        # A Qwen-VL model's: rows with images are rotated at their prompt's M-RoPE
+        # positions (engine/mrope.py); the others, as every row of other models, at the
+        # cache's offsets.
+        self.mrope = mrope
         self.counters = counters or SchedulerCounters()  # where it counts speculative steps
         self.quantization = quantization  # a quantized server's (kv_quant.py)
         self.layers = len(make_prompt_cache(model))
@@ -228,12 +234,25 @@ class Generator:
 
     # -- steps ------------------------------------------------------------------------
 
-    def _run(self, inputs: mx.array, cache: list[Any], **kwargs: Any) -> mx.array:
+    def _run(self, inputs: mx.array, cache: list[Any], placement: Placement | None = None,
+             **kwargs: Any) -> mx.array:
         """The model's logits for `inputs` after what `cache` holds, which takes in their
-        KV: on a quantized server, rounded to what the tree will give back of it."""
+        KV: on a quantized server, rounded to what the tree will give back of it. Rotated
+        at `placement` (None: at the cache's offsets)."""
         if self.quantization is not None:
             cache = rounded_writes(cache, self.quantization.round)
-        return self.model(inputs, cache=cache, **kwargs)
+        if placement is None:
+            return self.model(inputs, cache=cache, **kwargs)
+        with self.mrope.placed(placement):
+            return self.model(inputs, cache=cache, **kwargs)
+
+    def _shifts(self) -> Placement | None:
+        """Each decode row's positions past its cache offset: its prompt's M-RoPE delta,
+        0 without images (None: every row at its offset, as in every text-only batch)."""
+        if self.mrope is None:
+            return None
+        deltas = [row.images.rope_delta if row.images is not None else 0 for row in self.rows]
+        return Placement(shifts=mx.array(deltas)) if any(deltas) else None
 
     def decode(self) -> list[Output]:
         """Join the sequences whose prompt is computed, and run one decode step. Returns
@@ -305,15 +324,15 @@ class Generator:
     def _forward(self, sequence: SequenceState, chunk: list[int]) -> None:
         """Run `chunk`, the sequence's next prompt tokens, into its cache: as ids, or as
         input embeddings where it holds image tokens."""
-        embeddings = None
+        embeddings = placement = None
         if sequence.images is not None:
-            start = len(sequence.tokens)
-            embeddings = sequence.images.inputs(sequence.tokens + sequence.unfed, start,
-                                                start + len(chunk))
+            prompt, start = sequence.tokens + sequence.unfed, len(sequence.tokens)
+            embeddings = sequence.images.inputs(prompt, start, start + len(chunk))
+            placement = sequence.images.placement(prompt, start, start + len(chunk))
         if embeddings is None:
-            self._run(mx.array([chunk]), sequence.cache)
+            self._run(mx.array([chunk]), sequence.cache, placement)
         else:
-            self._run(mx.array([sequence.images.model_ids(chunk)]), sequence.cache,
+            self._run(mx.array([sequence.images.model_ids(chunk)]), sequence.cache, placement,
                       input_embeddings=embeddings[None])
 
     def _build_cache(self, sequence: SequenceState) -> None:
@@ -443,8 +462,13 @@ class Generator:
     def _join(self, sequence: SequenceState) -> None:
         """Feed the prompt's last token alone (as mlx_lm.generate does), sample the first
         token, and add the sequence to the decode batch."""
+        placement = None
+        if sequence.images is not None:
+            last = len(sequence.tokens)
+            placement = sequence.images.placement(sequence.tokens + sequence.unfed, last,
+                                                  last + 1)
         token = sequence.unfed.pop()
-        logits = self._run(mx.array([[token]]), sequence.cache)[:, -1, :]
+        logits = self._run(mx.array([[token]]), sequence.cache, placement)[:, -1, :]
         hidden = None
         if sequence.wants_hidden:
             hidden = self.hidden.take(mx.array([0]), mx.array([0]))
@@ -515,7 +539,7 @@ class Generator:
                     return self._verify(fed, [draft[:width] for draft in drafts],
                                         fed_width or width)
         fed = self.inputs
-        logits = self._run(fed[:, None], self.cache)[:, -1, :]
+        logits = self._run(fed[:, None], self.cache, self._shifts())[:, -1, :]
         for i, row in enumerate(self.rows):
             if row.processors:
                 row.context = mx.concatenate([row.context, fed[i:i + 1]])
@@ -569,7 +593,7 @@ class Generator:
         first_mask, position_masks = self._draft_masks(fed, drafts)
         inputs = mx.array([[token, *draft] + [token] * (width - len(draft))
                            for token, draft in zip(fed, drafts)], mx.uint32)
-        logits = self._run(inputs, self.cache)
+        logits = self._run(inputs, self.cache, self._shifts())
         first, first_scores = self._sample(rows, logits[:, 0, :], first_mask)
         targets = _targets(rows, drafts, logits, position_masks)
         mx.eval(first, *targets.values())  # one wait for the device, not one per row

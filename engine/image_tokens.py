@@ -8,14 +8,21 @@ image instead: every position holds `key_id(digest)`, an id past every vocabular
 from a digest of the decoded pixels and the processor's settings. The same image (the same
 pixels, however encoded) matches; another never does. The engine puts the real ids and the
 image's features back at the model's boundary (engine/vision.py).
+
+Gemma 3 gives every image the same number of tokens; Qwen2-VL and Qwen2.5-VL give each as
+many as its resized pixels make patches (2x2 merges of 14-pixel patches), which mlx-vlm's
+processor computes from the image's size (its `num_image_tokens`), so the prompt is
+expanded with each image's count.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from io import BytesIO
 from pathlib import Path
 
 from engine.api import PromptImage
@@ -24,11 +31,31 @@ from engine.api import PromptImage
 # and the disk tier's are int64, but MLX arrays of token ids are int32).
 KEY_BASE = 1 << 30
 
+
+@dataclass(frozen=True)
+class Family:
+    """How a vision family's config names its image tokens, and how its template and
+    processor frame an image: the template writes `placeholder` (a format of the tokens
+    `begin`, `image` and `end`), the processor expands it into `margin` + `begin` +
+    `image` x count + `end` + `margin`."""
+
+    begin_key: str  # config keys of the start-of-image, image and end-of-image token ids
+    image_key: str
+    end_key: str
+    placeholder: str
+    margin: str
+    sized: bool  # each image's count of tokens follows from its size (else fixed)
+
+
 # The families whose image tokens this server places and whose language model runs on our
-# cache path as it does in mlx-vlm: (start-of-image, image, end-of-image) config keys.
-# Qwen2-VL and Qwen2.5-VL position image tokens with 3-D M-RoPE, which mlx-lm's language
-# model (1-D RoPE from the cache offset) cannot express, so images there are refused.
-FAMILIES = {"gemma3": ("boi_token_index", "image_token_index", "eoi_token_index")}
+# cache path as it does in mlx-vlm (Qwen-VL's 3-D M-RoPE positions: engine/mrope.py).
+FAMILIES = {
+    "gemma3": Family("boi_token_index", "image_token_index", "eoi_token_index",
+                     placeholder="{begin}", margin="\n\n", sized=False),
+    **{model_type: Family("vision_start_token_id", "image_token_id", "vision_end_token_id",
+                          placeholder="{begin}{image}{end}", margin="", sized=True)
+       for model_type in ("qwen2_vl", "qwen2_5_vl")},
+}
 
 # Files whose settings change the pixels a processor gives the vision tower.
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
@@ -39,12 +66,37 @@ class ImageTokens:
     """How this model's prompts hold images."""
 
     placeholder: str  # what the chat template writes for an image
-    expansion: str  # what the processor replaces it with: the image's tokens and their frame
+    before: str  # what the processor puts before an image's tokens, and after them
+    image: str  # the text of one image token
+    after: str
     image_token_id: int  # the id of each of the image's tokens in the model's input
     settings: str  # a digest of the processor's settings, part of every image's digest
+    # The number of tokens of the image file given (decodable, as `load_images` checks).
+    count: Callable[[bytes], int] = field(compare=False)
 
-    def expand(self, text: str) -> str:
-        return text.replace(self.placeholder, self.expansion)
+    def counts(self, images: Iterable[bytes]) -> list[int]:
+        return [self.count(data) for data in images]
+
+    def expansion(self, count: int) -> str:
+        """What the processor replaces a placeholder with: an image of `count` tokens."""
+        return f"{self.before}{self.image * count}{self.after}"
+
+    def expand(self, text: str, counts: Sequence[int]) -> str:
+        """`text` with its placeholders expanded, the i-th into `counts[i]` image tokens;
+        placeholders past `counts` stay as they are (`key` then finds too few images)."""
+        pieces = text.split(self.placeholder)
+        expanded = [pieces[0]]
+        for index, piece in enumerate(pieces[1:]):
+            expanded.append(self.expansion(counts[index]) if index < len(counts)
+                            else self.placeholder)
+            expanded.append(piece)
+        return "".join(expanded)
+
+    def collapse(self, text: str) -> str:
+        """`text` (a decoded prompt) with each expanded image back to its placeholder: what
+        mlx-vlm's processor takes."""
+        pattern = f"{re.escape(self.before)}(?:{re.escape(self.image)})+{re.escape(self.after)}"
+        return re.sub(pattern, lambda _: self.placeholder, text)
 
     def spans(self, tokens: Sequence[int]) -> list[tuple[int, int]]:
         """(start, length) of each run of image tokens in `tokens`, in order."""
@@ -102,17 +154,40 @@ def read_image_tokens(path: Path, decode: Callable[[list[int]], str]) -> ImageTo
     if not config_file.is_file():
         return None
     config = json.loads(config_file.read_text(encoding="utf-8"))
-    keys = FAMILIES.get(config.get("model_type"))
-    if keys is None or "vision_config" not in config or any(k not in config for k in keys):
+    family = FAMILIES.get(config.get("model_type"))
+    keys = (family.begin_key, family.image_key, family.end_key) if family else ()
+    if family is None or "vision_config" not in config or any(k not in config for k in keys):
         return None
     begin, image, end = (decode([config[key]]) for key in keys)
-    processor = _json(path / "processor_config.json")
-    count = processor.get("image_seq_length") or config.get("mm_tokens_per_image", 256)
     settings = hashlib.sha256()
     for name in PROCESSOR_FILES:
         settings.update(json.dumps(_json(path / name), sort_keys=True).encode())
-    return ImageTokens(begin, f"\n\n{begin}{image * count}{end}\n\n",
-                       config["image_token_index"], settings.hexdigest())
+    return ImageTokens(
+        placeholder=family.placeholder.format(begin=begin, image=image, end=end),
+        before=family.margin + begin, image=image, after=end + family.margin,
+        image_token_id=config[family.image_key], settings=settings.hexdigest(),
+        count=_image_counter(path, config, family.sized))
+
+
+def _image_counter(path: Path, config: dict, sized: bool) -> Callable[[bytes], int]:
+    """How many tokens an image file becomes: where the family sizes images, the count
+    mlx-vlm's processor gives its size (`num_image_tokens`), else the config's."""
+    if not sized:
+        processor = _json(path / "processor_config.json")
+        fixed = processor.get("image_seq_length") or config.get("mm_tokens_per_image", 256)
+        return lambda data: fixed
+    from mlx_vlm.utils import get_model_and_args, load_image, load_processor  # MLX
+
+    # Importing the family's mlx-vlm module registers its own (numpy) processor with
+    # transformers' AutoProcessor, as mlx_vlm.load does by loading the model first;
+    # without it transformers' Qwen processor wants torchvision.
+    get_model_and_args(config)
+    processor = load_processor(path, add_detokenizer=False).image_processor
+
+    def count(data: bytes) -> int:
+        width, height = load_image(BytesIO(data)).size
+        return processor.num_image_tokens(height, width)
+    return count
 
 
 def _json(path: Path) -> dict:

@@ -64,6 +64,7 @@ from engine.grammar import ConstraintFailed, Grammars
 from engine.kv import KVStore
 from engine.kv_quant import KVQuantization
 from engine.loader import LoadedModel
+from engine.mrope import MRoPE
 from engine.prefill_budget import PrefillBudget
 from engine.prompt_logprobs import prompt_logprobs
 from engine.segment_file import BadSegmentFile
@@ -241,7 +242,7 @@ class Scheduler:
             stall_ratio, limits.prefill_stall_floor, chunk,
             idle_chunk=max(GPU_PREFILL_CHUNK, chunk) if gpu else chunk)
         self.generator = Generator(loaded.model, self._take_snapshot, self.counters,
-                                   quantization)
+                                   quantization, self._mrope())
         # Prompts that find the engine with nothing decoding are all prefilled before any
         # of them decodes (see `_step`).
         self.burst = False
@@ -463,6 +464,11 @@ class Scheduler:
         self.running[sequence.uid] = generation
         generation.dequeue()
         return True
+
+    def _mrope(self) -> MRoPE | None:
+        """A Qwen-VL model's M-RoPE positions (engine/mrope.py), which the generator sets
+        for the rows with images."""
+        return None if self.loaded.vision is None else self.loaded.vision.mrope
 
     def _drafts(self, generation: Generation) -> Drafts | None:
         """The generation's speculative decoding, unless its mode is off or it cannot
@@ -781,8 +787,8 @@ class Scheduler:
         log.error("step failed: %r; %d request(s) affected", error, len(self.running))
         victims = list(self.running.values())
         self.running.clear()
-        self.generator = Generator(self.loaded.model, self._take_snapshot,
-                                   self.kv.quantization)
+        self.generator = Generator(self.loaded.model, self._take_snapshot, self.counters,
+                                   self.kv.quantization, self._mrope())
         for generation in victims:
             generation.hold.abandon(error)
             generation.sequence = None

@@ -111,20 +111,23 @@ class ModelTokenizer:
     def chat_prompt(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
                     variables: dict[str, Any] | None = None,
-                    end: ChatEnd = "reply") -> list[int]:
+                    end: ChatEnd = "reply", image_counts: Sequence[int] = ()) -> list[int]:
         """The prompt token ids for `messages`, through the model's chat template, ending
         where the assistant's reply starts (`end` "reply"), inside the final message so
         that the reply continues it ("continue": transformers' `continue_final_message`,
         which cuts the rendering right after that message's text), or after the final
-        message ("as_is"). `variables` are extra template variables.
+        message ("as_is"). `variables` are extra template variables; `image_counts`: the
+        tokens of each image the messages place, in order (`ImageTokens.counts`).
 
         Raises jinja2's TemplateError or ValueError when the template rejects the
         messages (say, roles that do not alternate)."""
-        return self._render(messages, tools, variables, add_generation_prompt=end == "reply",
+        return self._render(messages, tools, variables, image_counts,
+                            add_generation_prompt=end == "reply",
                             continue_final_message=end == "continue")
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                variables: dict[str, Any] | None, **options: bool) -> list[int]:
+                variables: dict[str, Any] | None, image_counts: Sequence[int],
+                **options: bool) -> list[int]:
         """The template's rendering as token ids. tokenize=True renders the text and
         encodes it without special tokens; that is done here when the text is encoded in
         cached segments, or a vision model's image placeholders are to be expanded first,
@@ -135,20 +138,23 @@ class ModelTokenizer:
         text = self._wrapper.apply_chat_template(
             messages, **(variables or {}), tools=tools, tokenize=False, **options)
         if self.images is not None:
-            text = self.images.expand(text)
+            text = self.images.expand(text, image_counts)
         return self.encode(text, special_tokens=False)
 
     def shared_lengths(self, prompt: list[int], heads: Sequence[list[dict[str, Any]]],
                        tools: list[dict[str, Any]] | None = None,
-                       variables: dict[str, Any] | None = None) -> tuple[int, ...]:
-        """How many tokens `prompt` (a `chat_prompt` with `tools` and `variables`) shares
-        with the rendering of each of `heads` (message lists, no reply started): where in
-        it the messages of a head end, when the head is the prompt's first messages. Zeros
-        and heads the template rejects (some want a user message) are left out."""
+                       variables: dict[str, Any] | None = None,
+                       image_counts: Sequence[int] = ()) -> tuple[int, ...]:
+        """How many tokens `prompt` (a `chat_prompt` with `tools`, `variables` and
+        `image_counts`) shares with the rendering of each of `heads` (message lists, no
+        reply started): where in it the messages of a head end, when the head is the
+        prompt's first messages. Zeros and heads the template rejects (some want a user
+        message) are left out."""
         lengths = set()
         for head in heads:
             try:
-                rendered = self._render(head, tools, variables, add_generation_prompt=False)
+                rendered = self._render(head, tools, variables, image_counts,
+                                        add_generation_prompt=False)
             except (TemplateError, ValueError):
                 continue
             if shared := common_prefix_length(rendered, prompt):

@@ -9,6 +9,8 @@ mlx-vlm scales them) with the language model's embedding table shared, not loade
 its language layers are dropped before they are read. The engine's language model then
 takes those embeddings (`input_embeddings`) for the chunks that hold image tokens, so the
 forward is mlx_vlm.generate's, and every chunk with no image in it is fed as token ids.
+For Qwen-VL, whose tokens have 3-D M-RoPE positions, mlx-vlm's `get_rope_index` places
+the prompt and the language model's RoPE is made to follow (engine/mrope.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from mlx import nn
 
 from engine.api import PromptImage, SchedulerCounters
 from engine.image_tokens import model_ids
+from engine.mrope import MRoPE, Placement, PromptPositions
 
 
 def _mlx_vlm_utils():
@@ -44,6 +47,10 @@ class Vision:
         utils = _mlx_vlm_utils()
         model = utils.load_model(path, lazy=True)
         body = model.language_model.model
+        # A family that places tokens with M-RoPE: its rotary embedding, before the layers
+        # that hold it go, turns the engine's language model's RoPE into M-RoPE.
+        self.mrope = (MRoPE(language_model, body.layers[0].self_attn.rotary_emb)
+                      if hasattr(model.language_model, "get_rope_index") else None)
         body.embed_tokens = _embedding_table(language_model)
         body.layers = []  # the engine's language model runs them; never read here
         model.language_model.lm_head = None
@@ -59,11 +66,31 @@ class Vision:
     def embeddings(self, tokens: Sequence[int], images: Sequence[bytes]) -> mx.array:
         """The input embeddings of `tokens` (image keys in each image's span, as the
         tree holds them), with `images`' features, in order, in the spans."""
-        pictures = [self._load_image(BytesIO(data)) for data in images]
-        pixels = self.image_processor(pictures, return_tensors="np")["pixel_values"]
+        processed = self._process(images)
         ids = mx.array([model_ids(tokens, self.image_token_id)])
-        features = self.model.get_input_embeddings(ids, mx.array(pixels), mask=mx.ones(ids.shape))
+        grids = ({"image_grid_thw": mx.array(processed["image_grid_thw"])}
+                 if "image_grid_thw" in processed else {})
+        features = self.model.get_input_embeddings(
+            ids, mx.array(processed["pixel_values"]), mask=mx.ones(ids.shape), **grids)
         return features.inputs_embeds[0]
+
+    def positions(self, tokens: Sequence[int], images: Sequence[bytes]
+                  ) -> PromptPositions | None:
+        """The M-RoPE positions of the prompt `tokens` (image keys in the spans) holding
+        `images`, as mlx-vlm places them (None: the model places tokens at their index).
+        Only the images' grids are needed, so the processor runs without the tower."""
+        if self.mrope is None:
+            return None
+        ids = mx.array([model_ids(tokens, self.image_token_id)])
+        grids = mx.array(self._process(images)["image_grid_thw"])
+        grid, deltas = self.model.language_model.get_rope_index(ids, grids)
+        return PromptPositions(grid[:, 0, :], deltas.item())
+
+    def _process(self, images: Sequence[bytes]) -> dict:
+        """The processor's output for the image files `images`: pixel values, and the
+        patch grid of each image for a family that sizes them."""
+        pictures = [self._load_image(BytesIO(data)) for data in images]
+        return self.image_processor(pictures, return_tensors="np")
 
 
 @dataclass(eq=False)
@@ -76,6 +103,7 @@ class ImageFeed:
     counters: SchedulerCounters
     _start: int = 0  # where `_embeddings` start in the prompt
     _embeddings: mx.array | None = field(default=None, repr=False)
+    _positions: PromptPositions | None = field(default=None, repr=False)
 
     def inputs(self, prompt: Sequence[int], start: int, end: int) -> mx.array | None:
         """Input embeddings of positions [start, end) of `prompt`, where an image is in
@@ -95,6 +123,21 @@ class ImageFeed:
         if end >= last.start + last.length:
             self._embeddings = None  # no image is left to feed
         return embeddings
+
+    def placement(self, prompt: Sequence[int], start: int, end: int) -> Placement | None:
+        """Where positions [start, end) of `prompt` are rotated (None: at their index,
+        for a family without M-RoPE). The prompt's positions are computed at the first
+        call, which every prompt's prefill makes (its last token at least)."""
+        if self.vision.mrope is None:
+            return None
+        if self._positions is None:
+            self._positions = self.vision.positions(prompt, [image.data for image in self.images])
+        return self._positions.chunk(start, end)
+
+    @property
+    def rope_delta(self) -> int:
+        """How far past its index each token after the prompt's images is rotated."""
+        return 0 if self._positions is None else self._positions.rope_delta
 
     def model_ids(self, tokens: Sequence[int]) -> list[int]:
         return model_ids(tokens, self.vision.image_token_id)

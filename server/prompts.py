@@ -78,8 +78,10 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
         messages = [_with_placeholders(message, tokenizer.images.placeholder)
                     for message in messages]
     template_tools = [tool.template_form() for tool in tools] or None
+    counts = tokenizer.images.counts(data for _, data in images) if images else []
     try:
-        prompt = tokenizer.chat_prompt(messages, template_tools, variables, request.chat_end)
+        prompt = tokenizer.chat_prompt(messages, template_tools, variables, request.chat_end,
+                                       counts)
     except (TemplateError, ValueError) as error:
         # Templates reject what they cannot render (e.g. roles that do not alternate).
         raise APIError(
@@ -88,7 +90,8 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
         ) from error
     ends = ()
     if message_ends:
-        ends = tokenizer.shared_lengths(prompt, _heads(messages), template_tools, variables)
+        ends = tokenizer.shared_lengths(prompt, _heads(messages), template_tools, variables,
+                                        counts)
     if tokenizer.images is None:
         return Prompt(prompt, ends)
     try:

@@ -27,6 +27,20 @@ def demo_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_qwen_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2.5-VL (engine/demo_qwen_vl.py): M-RoPE positions, images sized."""
+    return build_demo_vlm(tmp_path_factory.mktemp("demo-vlm") / "tiny-qwen2_5_vl",
+                          family="qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def demo_qwen2_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2-VL: Qwen2.5-VL's language side and positions, an older tower."""
+    return build_demo_vlm(tmp_path_factory.mktemp("demo-vlm") / "tiny-qwen2_vl",
+                          family="qwen2_vl")
+
+
+@pytest.fixture(scope="session")
 def demo_model_family(
     tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path
 ) -> Callable[[str], Path]:

@@ -7,7 +7,9 @@ from typing import get_args
 
 from engine.demo_model import FAMILIES, SIZES, build_demo_model
 
-VISION_FAMILY = "gemma3-vision"
+# The demo vision models (engine/demo_vlm.py): CLI name -> family.
+VISION_FAMILIES = {"gemma3-vision": "gemma3", "qwen2.5-vl": "qwen2_5_vl",
+                   "qwen2-vl": "qwen2_vl"}
 from engine.platform_info import cpu_reexec_env, describe_platform
 from server.config import Settings, add_serve_arguments
 from server.launch.replicas import add_replicas_arguments, replicas_command
@@ -59,9 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("directory", help="where to write the model (replaced if it exists)")
     demo.add_argument("--size", choices=sorted(SIZES), default="tiny")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--family", choices=[*FAMILIES, VISION_FAMILY], default="llama",
-                      help=f"{VISION_FAMILY}: Gemma 3 with a vision tower, from mlx-vlm's "
-                      "classes (the vision extra)")
+    demo.add_argument("--family", choices=[*FAMILIES, *VISION_FAMILIES], default="llama",
+                      help="gemma3-vision, qwen2.5-vl, qwen2-vl: Gemma 3, Qwen2.5-VL or "
+                      "Qwen2-VL with a vision tower, from mlx-vlm's classes (the vision extra)")
     demo.set_defaults(handler=make_demo_model_command)
 
     convert = commands.add_parser(
@@ -87,10 +89,11 @@ def serve_command(args: argparse.Namespace) -> int:
 
 
 def make_demo_model_command(args: argparse.Namespace) -> int:
-    if args.family == VISION_FAMILY:
+    if args.family in VISION_FAMILIES:
         from engine.demo_vlm import build_demo_vlm  # imports mlx-vlm, so only when asked
 
-        path = build_demo_vlm(args.directory, size=args.size, seed=args.seed)
+        path = build_demo_vlm(args.directory, size=args.size, seed=args.seed,
+                              family=VISION_FAMILIES[args.family])
     else:
         path = build_demo_model(args.directory, size=args.size, seed=args.seed,
                                 family=args.family)

@@ -29,11 +29,12 @@ def image_prompt(tokenizer: ModelTokenizer, messages: list[dict], images: list[b
                  message_ends: bool = False) -> Prompt:
     """The prompt the server builds for `messages` (image placeholders in their text), with
     where each message ends when asked (a snapshot model's)."""
-    tokens = tokenizer.chat_prompt(messages)
+    counts = tokenizer.images.counts(images)
+    tokens = tokenizer.chat_prompt(messages, image_counts=counts)
     ends = ()
     if message_ends:
         heads = [messages[:count] for count in range(1, len(messages) + 1)]
-        ends = tokenizer.shared_lengths(tokens, heads)
+        ends = tokenizer.shared_lengths(tokens, heads, image_counts=counts)
     placed = [(image_digest(data, 1 << 30, tokenizer.images.settings), data) for data in images]
     keyed, prompt_images = tokenizer.images.key(tokens, placed)
     return Prompt(keyed, ends, prompt_images)
@@ -42,8 +43,7 @@ def image_prompt(tokenizer: ModelTokenizer, messages: list[dict], images: list[b
 def prompt_text(tokenizer: ModelTokenizer, tokens: list[int]) -> str:
     """A prompt's text as mlx-vlm's processor takes it: image placeholders unexpanded."""
     images = tokenizer.images
-    return tokenizer.decode(images.model_ids(tokens)).replace(images.expansion,
-                                                              images.placeholder)
+    return images.collapse(tokenizer.decode(images.model_ids(tokens)))
 
 
 def data_url(data: bytes, media_type: str = "image/png") -> str:

@@ -1,5 +1,7 @@
-"""The engine on a vision model: image prompts give mlx_vlm.generate's greedy tokens cold,
-on a cache hit and batched, and the radix tree keys each image on its pixels."""
+"""The engine on a vision model of each family served (Gemma 3; Qwen2.5-VL and Qwen2-VL,
+whose tokens have M-RoPE positions and whose images have as many tokens as their size
+makes): image prompts give mlx_vlm.generate's greedy tokens cold, on a cache hit and
+batched, and the radix tree keys each image on its pixels."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import asyncio
 
 import pytest
 
-from engine.api import SamplingParams
+from engine.api import SamplingParams, SpeculationConfig
 from engine.demo_vlm import build_demo_vlm
 from tests.engine.support import cancel_after, complete, settled, start_engine
 from tests.vision.support import VlmReference, image_prompt, png, prompt_text, user_turn
@@ -16,9 +18,15 @@ MAX_TOKENS = 12
 SLIDING_WINDOW = 24
 
 
+@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "qwen2_vl"])
+def vlm_dir(request, demo_vlm_dir, demo_qwen_vl_dir, demo_qwen2_vl_dir):
+    return {"gemma3": demo_vlm_dir, "qwen2_5_vl": demo_qwen_vl_dir,
+            "qwen2_vl": demo_qwen2_vl_dir}[request.param]
+
+
 @pytest.fixture(scope="module")
-def vlm_dir(demo_vlm_dir):
-    return demo_vlm_dir
+def reference(vlm_dir) -> VlmReference:
+    return VlmReference(vlm_dir)
 
 
 @pytest.fixture(scope="module")
@@ -61,18 +69,24 @@ async def test_an_image_prompt_gives_mlx_vlm_generates_tokens_cold_and_cached(
 
 
 async def test_image_prompts_batched_give_each_its_own_tokens(engine, reference):
+    """Images of other sizes (Qwen: other token counts, other position shifts) beside a
+    text prompt in one decode batch; rows leave it at different steps."""
     engine.clear_cache().result()
-    images = [png(seed) for seed in (2, 3, 4)]
-    prompts = [image_prompt(engine.tokenizer, [user_turn(engine.tokenizer)], [image])
-               for image in images]
+    tokenizer = engine.tokenizer
+    images = [png(2), png(3, size=(64, 20)), png(4, size=(30, 30))]
+    prompts = [image_prompt(tokenizer, [user_turn(tokenizer)], [image]) for image in images]
+    text = tokenizer.chat_prompt([{"role": "user", "content": "Say something."}])
+    lengths = [MAX_TOKENS, MAX_TOKENS // 2, MAX_TOKENS, MAX_TOKENS // 3]
 
-    results = await asyncio.gather(*(complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
-                                     for prompt in prompts))
+    results = await asyncio.gather(*(
+        complete(engine, prompt, length, ignore_eos=True)
+        for prompt, length in zip([*prompts, text], lengths)))
 
-    for prompt, image, result in zip(prompts, images, results):
+    for prompt, image, result, length in zip(prompts, images, results, lengths):
         assert result.tokens == reference.greedy(reference_text(engine, prompt), [image],
-                                                 MAX_TOKENS)
-    assert len({tuple(result.tokens) for result in results}) > 1  # the images decide
+                                                 length)
+    assert results[-1].tokens == reference.greedy(tokenizer.decode(text), [], lengths[-1])
+    assert len({tuple(result.tokens[:4]) for result in results}) > 1  # the images decide
 
 
 async def test_a_second_turn_reuses_the_image_and_another_image_does_not(engine, reference):
@@ -121,6 +135,25 @@ async def test_chunks_that_cut_an_image_give_the_same_tokens(vlm_dir, reference)
                                                  MAX_TOKENS)
     finally:
         engine.shutdown()
+
+
+async def test_two_images_in_one_prompt_give_mlx_vlm_generates_tokens(vlm_dir, reference):
+    """The second image's positions follow the first's (Qwen: the shifts add up), fed in
+    chunks that cut both images, then again from the cache."""
+    engine = start_engine(str(vlm_dir), cache_bytes=1 << 28, prefill_chunk_tokens=5)
+    try:
+        tokenizer, images = engine.tokenizer, [png(19, size=(20, 64)), png(20)]
+        turn = {"role": "user", "content": tokenizer.images.placeholder + "This one, and "
+                + tokenizer.images.placeholder + "that one: which is brighter?"}
+        prompt = image_prompt(tokenizer, [turn], images)
+        cold = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+        hit = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+    finally:
+        engine.shutdown()
+    assert len(prompt.images) == 2
+    assert cold.tokens == hit.tokens == reference.greedy(reference_text(engine, prompt),
+                                                         images, MAX_TOKENS)
+    assert hit.finish.cached_tokens == len(prompt.tokens) - 1
 
 
 async def test_the_disk_tier_keeps_an_image_prompts_segments_across_a_restart(
@@ -186,3 +219,26 @@ async def test_a_cancelled_image_request_leaves_its_prompt_cached(engine, refere
     assert again.tokens == reference.greedy(reference_text(engine, prompt), [image],
                                             MAX_TOKENS)
     assert (await settled(engine)).tree.pinned_bytes == 0
+
+
+async def test_drafts_verified_for_an_image_prompt_keep_its_tokens(vlm_dir, reference):
+    """A repeated image prompt and a repeated text prompt decode together, their outputs
+    drafted from the tree: a verify step feeds several positions of each row, the image
+    row's shifted by its prompt's M-RoPE delta (Qwen) and the text row's not."""
+    engine = start_engine(str(vlm_dir), cache_bytes=1 << 28, speculation=SpeculationConfig(
+        mode="on", sources=("tree",)))
+    try:
+        tokenizer, image = engine.tokenizer, png(12)
+        prompt = image_prompt(tokenizer, [user_turn(tokenizer)], [image])
+        text = tokenizer.chat_prompt([{"role": "user", "content": "Say something."}])
+        first = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+        await complete(engine, text, MAX_TOKENS, ignore_eos=True)
+        again, text_again = await asyncio.gather(
+            complete(engine, prompt, MAX_TOKENS, ignore_eos=True),
+            complete(engine, text, MAX_TOKENS, ignore_eos=True))
+    finally:
+        engine.shutdown()
+    assert first.tokens == again.tokens == reference.greedy(reference_text(engine, prompt),
+                                                            [image], MAX_TOKENS)
+    assert text_again.tokens == reference.greedy(tokenizer.decode(text), [], MAX_TOKENS)
+    assert again.finish.accepted_draft_tokens == again.finish.draft_tokens > 0

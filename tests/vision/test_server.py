@@ -17,7 +17,7 @@ from PIL import Image
 
 from engine.loader import load_tokenizer
 from tests.server.support import start_server
-from tests.vision.support import QUESTION, data_url, png, prompt_text
+from tests.vision.support import QUESTION, VlmReference, data_url, png, prompt_text
 
 MAX_TOKENS = 10
 MAX_PIXELS = 1_000_000
@@ -48,11 +48,16 @@ def model(client) -> str:
     return client.models.list().data[0].id
 
 
+def chat_text(tokenizer, joiner: str = "\n") -> list[dict]:
+    """The chat of an image then QUESTION, their parts joined as the API joins them (Chat
+    and Messages with a newline, Responses with nothing)."""
+    return [{"role": "user", "content": f"{tokenizer.images.placeholder}{joiner}{QUESTION}"}]
+
+
 def expected_answer(tokenizer, reference, image: bytes, joiner: str = "\n") -> str:
-    """mlx_vlm.generate's greedy answer to an image then QUESTION, their parts joined as
-    the API joins them (Chat and Messages with a newline, Responses with nothing)."""
-    tokens = tokenizer.chat_prompt(
-        [{"role": "user", "content": f"{tokenizer.images.placeholder}{joiner}{QUESTION}"}])
+    """mlx_vlm.generate's greedy answer to `chat_text` with `image`."""
+    tokens = tokenizer.chat_prompt(chat_text(tokenizer, joiner),
+                                   image_counts=tokenizer.images.counts([image]))
     answer = reference.greedy(prompt_text(tokenizer, tokens), [image], MAX_TOKENS)
     ends = tokenizer.eos_token_ids
     return tokenizer.decode(skip_special_tokens=True, tokens=[t for t in answer[:next(
@@ -86,6 +91,36 @@ def test_the_openai_sdk_sends_an_image_and_a_second_turn_is_cached_past_it(
     assert second.usage.prompt_tokens_details.cached_tokens > image_end
     assert other.usage.prompt_tokens_details.cached_tokens < image_end - 16
     assert vision_server.metrics()["radix_mlx_engine_images_encoded_total"] >= 2
+
+
+def test_a_qwen_vl_server_sizes_each_image_and_caches_past_it(demo_qwen_vl_dir, tmp_path):
+    """Qwen2.5-VL: each image gets as many tokens as its size makes, counted by the server
+    before the prompt is built; the answers are mlx_vlm.generate's, and a second turn
+    reuses the KV past the image."""
+    tokenizer, reference = load_tokenizer(demo_qwen_vl_dir), VlmReference(demo_qwen_vl_dir)
+    wide, square = png(17, size=(20, 64)), png(18, size=(16, 16))
+    process = start_server(demo_qwen_vl_dir, tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=f"{process.url}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        answers = [client.chat.completions.create(
+            model=model, messages=chat_image(data_url(image)), max_tokens=MAX_TOKENS,
+            temperature=0) for image in (wide, square)]
+        turns = [*chat_image(data_url(wide)),
+                 {"role": "assistant", "content": answers[0].choices[0].message.content},
+                 {"role": "user", "content": "Tell me more."}]
+        second = client.chat.completions.create(model=model, messages=turns,
+                                                max_tokens=MAX_TOKENS, temperature=0)
+    finally:
+        process.stop()
+    counts = tokenizer.images.counts([wide, square])
+    assert counts[0] != counts[1]
+    for image, count, answer in zip((wide, square), counts, answers):
+        assert answer.choices[0].message.content == expected_answer(tokenizer, reference, image)
+        assert answer.usage.prompt_tokens == len(tokenizer.chat_prompt(
+            chat_text(tokenizer), image_counts=[count]))
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= answers[0].usage.prompt_tokens - 1
 
 
 def test_the_anthropic_sdk_sends_a_base64_image(vision_server, model, tokenizer, reference):
