@@ -535,6 +535,10 @@ class Generator:
                                                 for row in self.rows], self.step_cost,
                                        fed_width)
                     self._hold_off(verifies=width > 0)
+                    if not width:
+                        for row, draft in zip(self.rows, drafts):
+                            if draft:
+                                row.drafts.declined()
                 if width:
                     return self._verify(fed, [draft[:width] for draft in drafts],
                                         fed_width or width)

@@ -172,9 +172,16 @@ class Drafts:
                         else max(1, self._length - 1))
         self._judge(accepted)
 
+    def declined(self) -> None:
+        """`auto` found this draft not worth a verify (`best_width`): a chance that kept
+        nothing, as a failed guess is."""
+        self._judge(0)
+
     def _judge(self, accepted: int) -> None:
         """In `auto`, pause drafting while the mean accepted per chance is below
-        `MIN_ACCEPTED`."""
+        `MIN_ACCEPTED`. The probe after a pause decides again, verified on the prior
+        rate: only verifies measure the rate, so a rate left low by failed drafts would
+        veto every later verify (`best_width`), also once the text turns to copying."""
         if self.mode != "auto":
             return
         self._mean += EMA_WEIGHT * (accepted - self._mean)
@@ -183,7 +190,8 @@ class Drafts:
             return
         self._pause = min(MAX_PAUSE, 2 * self._pause or FIRST_PAUSE)
         self._skip = self._pause
-        self._mean = MIN_ACCEPTED  # the probe after the pause decides again
+        self._mean = MIN_ACCEPTED
+        self._kept, self._cut = FIRST_KEPT, FIRST_CUT
 
 
 def expected_kept(rate: float, length: int) -> float:

@@ -85,6 +85,21 @@ def test_auto_verifies_only_the_drafts_that_pay_for_their_forward():
     assert best_width([[1] * 2], [0.99], cpu) == 2  # never past the longest draft
 
 
+def test_auto_probes_again_after_its_rate_vetoed_every_verify():
+    """A rate left low by failed drafts makes every later draft not worth a verify on a
+    GPU; declined drafts count as chances that kept nothing, so auto pauses, and the
+    probe after the pause is verified on the prior rate (else auto never verified again,
+    also once the stream turned to copying)."""
+    gpu = STEP_COST["gpu"]
+    drafts = Drafts("auto", 8, ("prompt",), lambda context, limit: [], end=1 << 20, vocab_size=1000)
+    drafts.record(8, 0)
+    assert best_width([[1] * 8], [drafts.rate], gpu, fed_width=8) == 0
+    assert drafts.wants_draft()
+    drafts.declined()
+    assert [drafts.wants_draft() for _ in range(5)] == [False] * 4 + [True]  # a pause
+    assert best_width([[1] * 8], [drafts.rate], gpu, fed_width=8) == 8  # the probe
+
+
 def test_the_rate_counts_runs_kept_against_drafts_cut_short():
     """Copying keeps whole drafts and now and then breaks off at once: the chance of the
     next token being kept is high though many draft tokens were not."""
