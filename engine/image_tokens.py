@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from io import BytesIO
 from pathlib import Path
@@ -73,9 +73,6 @@ class ImageTokens:
     settings: str  # a digest of the processor's settings, part of every image's digest
     # The number of tokens of the image file given (decodable, as `load_images` checks).
     count: Callable[[bytes], int] = field(compare=False)
-
-    def counts(self, images: Iterable[bytes]) -> list[int]:
-        return [self.count(data) for data in images]
 
     def expansion(self, count: int) -> str:
         """What the processor replaces a placeholder with: an image of `count` tokens."""

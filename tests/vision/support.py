@@ -29,7 +29,7 @@ def image_prompt(tokenizer: ModelTokenizer, messages: list[dict], images: list[b
                  message_ends: bool = False) -> Prompt:
     """The prompt the server builds for `messages` (image placeholders in their text), with
     where each message ends when asked (a snapshot model's)."""
-    counts = tokenizer.images.counts(images)
+    counts = [tokenizer.images.count(image) for image in images]
     tokens = tokenizer.chat_prompt(messages, image_counts=counts)
     ends = ()
     if message_ends:

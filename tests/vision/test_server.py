@@ -57,7 +57,7 @@ def chat_text(tokenizer, joiner: str = "\n") -> list[dict]:
 def expected_answer(tokenizer, reference, image: bytes, joiner: str = "\n") -> str:
     """mlx_vlm.generate's greedy answer to `chat_text` with `image`."""
     tokens = tokenizer.chat_prompt(chat_text(tokenizer, joiner),
-                                   image_counts=tokenizer.images.counts([image]))
+                                   image_counts=[tokenizer.images.count(image)])
     answer = reference.greedy(prompt_text(tokenizer, tokens), [image], MAX_TOKENS)
     ends = tokenizer.eos_token_ids
     return tokenizer.decode(skip_special_tokens=True, tokens=[t for t in answer[:next(
@@ -111,9 +111,17 @@ def test_a_qwen_vl_server_sizes_each_image_and_caches_past_it(demo_qwen_vl_dir, 
                  {"role": "user", "content": "Tell me more."}]
         second = client.chat.completions.create(model=model, messages=turns,
                                                 max_tokens=MAX_TOKENS, temperature=0)
+        # Qwen's processor takes no side under 1/200 of the other: a 400, and it goes on.
+        sliver = httpx.post(f"{process.url}/v1/chat/completions", timeout=60, json={
+            "model": model, "messages": chat_image(data_url(png(19, size=(600, 2))))})
+        assert sliver.status_code == 400, sliver.text
+        assert sliver.json()["error"]["code"] == "invalid_image"
+        assert "image 1" in sliver.json()["error"]["message"]
+        assert client.chat.completions.create(model=model, messages=chat_image(
+            data_url(square)), max_tokens=1).choices[0].message.content is not None
     finally:
         process.stop()
-    counts = tokenizer.images.counts([wide, square])
+    counts = [tokenizer.images.count(image) for image in (wide, square)]
     assert counts[0] != counts[1]
     for image, count, answer in zip((wide, square), counts, answers):
         assert answer.choices[0].message.content == expected_answer(tokenizer, reference, image)
