@@ -118,7 +118,8 @@ async def _classify(request: Request, state: ServerState, served: ServedModel,
     model = state.models.name_for(served, body.model)
     tokenizer = served.tokenizer()
     if body.input is not None:
-        prompts = _prompts(tokenizer, _inputs(body.input, "input"), "input")
+        prompts = await asyncio.to_thread(_prompts, tokenizer, _inputs(body.input, "input"),
+                                          "input")
     else:
         _count(body.messages, "messages")
         prompts = await asyncio.to_thread(_chat_prompts, tokenizer, body.messages)
@@ -191,7 +192,7 @@ def _prompts(tokenizer: ModelTokenizer, inputs: list[str] | list[list[int]],
              param: str) -> list[Prompt]:
     """Texts are encoded as legacy completions' prompts are; token ids taken as given."""
     if isinstance(inputs[0], str):
-        return [Prompt(tokenizer.encode(text)) for text in inputs]
+        return [Prompt(tokens) for tokens in tokenizer.encode_batch(inputs)]
     check_token_ids((t for ids in inputs for t in ids), tokenizer.vocab_size, param)
     return [Prompt(list(ids)) for ids in inputs]
 
@@ -251,7 +252,7 @@ async def _embed(request: Request, state: ServerState, model: ServedModel,
         _check_lengths(model, tokens, "input")
         vectors = await asyncio.wrap_future(engine.embed(tokens))
         return vectors, sum(map(len, tokens)), 0
-    prompts = _prompts(model.tokenizer(), inputs, "input")
+    prompts = await asyncio.to_thread(_prompts, model.tokenizer(), inputs, "input")
     _check_lengths(model, [prompt.tokens for prompt in prompts], "input")
     readings = await read_prompts(request, state, engine, [(prompts, Readout(hidden=True))])
     if readings is None:

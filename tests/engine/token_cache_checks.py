@@ -111,7 +111,8 @@ def check_cached_encoding(wrapper: TokenizerWrapper, seed: int) -> None:
 
 
 def check_prompt_encoding(wrapper: TokenizerWrapper, seed: int) -> None:
-    """ModelTokenizer.encode, with and without special tokens, cold and warm."""
+    """ModelTokenizer.encode, with and without special tokens, cold and warm; and
+    encode_batch of all the texts at once."""
     tokenizer = ModelTokenizer(wrapper)
     texts = random_texts(seed, stress_pieces(wrapper, seed), 150, most=200)
     for _ in ("cold", "warm"):
@@ -119,6 +120,7 @@ def check_prompt_encoding(wrapper: TokenizerWrapper, seed: int) -> None:
             for special in (False, True):
                 expected = wrapper.encode(text, add_special_tokens=special)
                 assert tokenizer.encode(text, special_tokens=special) == expected, text
+    assert tokenizer.encode_batch(texts) == [wrapper.encode(text) for text in texts]
 
 
 def check_chat_prompts(wrapper: TokenizerWrapper, seed: int) -> None:
