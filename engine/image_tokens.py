@@ -22,7 +22,6 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from io import BytesIO
 from pathlib import Path
 
 from engine.api import PromptImage
@@ -144,7 +143,8 @@ def text_ids(tokens: Sequence[int]) -> list[int]:
     return [token for token in tokens if token < KEY_BASE]
 
 
-def read_image_tokens(path: Path, decode: Callable[[list[int]], str]) -> ImageTokens | None:
+def read_image_tokens(path: Path, decode: Callable[[list[int]], str],
+                      sized_counter: SizedCounter) -> ImageTokens | None:
     """The image tokens of the model folder at `path` (its tokenizer's `decode`), if it is
     a vision model of a family in `FAMILIES` (None: text only)."""
     config_file = path / "config.json"
@@ -163,28 +163,23 @@ def read_image_tokens(path: Path, decode: Callable[[list[int]], str]) -> ImageTo
         placeholder=family.placeholder.format(begin=begin, image=image, end=end),
         before=family.margin + begin, image=image, after=end + family.margin,
         image_token_id=config[family.image_key], settings=settings.hexdigest(),
-        count=_image_counter(path, config, family.sized))
+        count=_image_counter(path, config, family.sized, sized_counter))
 
 
-def _image_counter(path: Path, config: dict, sized: bool) -> Callable[[bytes], int]:
+# What a sized family's image file becomes: counted by mlx-vlm's processor (engine/vision.py,
+# which the MLX side passes in, so this module stays free of MLX).
+SizedCounter = Callable[[Path, dict], Callable[[bytes], int]]
+
+
+def _image_counter(path: Path, config: dict, sized: bool, sized_counter: SizedCounter
+                   ) -> Callable[[bytes], int]:
     """How many tokens an image file becomes: where the family sizes images, the count
-    mlx-vlm's processor gives its size (`num_image_tokens`), else the config's."""
-    if not sized:
-        processor = _json(path / "processor_config.json")
-        fixed = processor.get("image_seq_length") or config.get("mm_tokens_per_image", 256)
-        return lambda data: fixed
-    from mlx_vlm.utils import get_model_and_args, load_image, load_processor  # MLX
-
-    # Importing the family's mlx-vlm module registers its own (numpy) processor with
-    # transformers' AutoProcessor, as mlx_vlm.load does by loading the model first;
-    # without it transformers' Qwen processor wants torchvision.
-    get_model_and_args(config)
-    processor = load_processor(path, add_detokenizer=False).image_processor
-
-    def count(data: bytes) -> int:
-        width, height = load_image(BytesIO(data)).size
-        return processor.num_image_tokens(height, width)
-    return count
+    `sized_counter` gives, else the config's."""
+    if sized:
+        return sized_counter(path, config)
+    processor = _json(path / "processor_config.json")
+    fixed = processor.get("image_seq_length") or config.get("mm_tokens_per_image", 256)
+    return lambda data: fixed
 
 
 def _json(path: Path) -> dict:
