@@ -63,8 +63,11 @@ def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
     workloads = [name for name in all_workloads()
                  if name not in (*several_models.WORKLOADS, *speculation.WORKLOADS,
                                  *prefill_endpoints.WORKLOADS)]
+    # One server start for all of them (a start per workload is the bench's default,
+    # which test_workloads_flag_runs_only_those_and_rounds_repeat_them runs).
     main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-raw",
-          "--no-plots", "--out", str(tmp_path), "--workloads", ",".join(workloads), *TOY])
+          "--no-plots", "--no-restart-per-workload", "--out", str(tmp_path),
+          "--workloads", ",".join(workloads), *TOY])
     results = json.loads((tmp_path / "results.json").read_text())
     assert (tmp_path / "results.md").read_text().startswith("# radix-mlx vs mlx-lm")
     server = results["servers"]["radix-mlx"]
