@@ -865,9 +865,16 @@ def _scores(logprobs: mx.array, token: mx.array, top: int,
     picked = logprobs[asked] if asked is not None else None
     if top == 0:
         return Scores(logprobs[token], asked=picked)
-    ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
-    order = mx.argsort(-logprobs[ids])
-    return Scores(logprobs[token], ids[order], logprobs[ids[order]], picked)
+    return Scores(logprobs[token], *_most_likely(logprobs, top), picked)
+
+
+def _most_likely(logprobs: mx.array, top: int) -> tuple[mx.array, mx.array]:
+    """The ids and logprobs of the `top` likeliest tokens along the last axis, likeliest
+    first."""
+    ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[..., :top]
+    ids = mx.take_along_axis(ids, mx.argsort(-mx.take_along_axis(logprobs, ids, axis=-1),
+                                             axis=-1), axis=-1)
+    return ids, mx.take_along_axis(logprobs, ids, axis=-1)
 
 
 def _rows_scores(rows: list[SequenceState], logprobs: mx.array | None, sampled: mx.array
@@ -881,10 +888,7 @@ def _rows_scores(rows: list[SequenceState], logprobs: mx.array | None, sampled: 
     chosen = mx.take_along_axis(logprobs, sampled[:, None], axis=-1)[:, 0]
     top = max(row.top_logprobs for row in rows if row.wants_logprobs)
     if top:
-        ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
-        order = mx.argsort(-mx.take_along_axis(logprobs, ids, axis=-1), axis=-1)
-        ids = mx.take_along_axis(ids, order, axis=-1)
-        values = mx.take_along_axis(logprobs, ids, axis=-1)
+        ids, values = _most_likely(logprobs, top)
     scores: list[Scores | None] = []
     for i, row in enumerate(rows):
         if not row.wants_logprobs:
