@@ -37,6 +37,8 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
         yield
         if warming is not None:
             warming.cancel()
+        for task in list(state.background):
+            task.cancel()
         models.stop_watching()
 
     app = FastAPI(

@@ -350,6 +350,12 @@ class Settings(BaseModel):
         False, description="add usage.prompt_tokens_details.cache_miss to OpenAI responses: "
         "where the cache stopped matching the prompt, and why (the access log always says)"
     )
+    prefill_next_turn: bool = Field(
+        True, description="when a chat's reply is done, prefill it as the next turn will "
+        "send it back, where the template renders it as other tokens than were generated "
+        "(re-encoded text, trimmed replies, dropped reasoning, tool calls as the template's "
+        "JSON), so that turn finds it cached"
+    )
     warm_prompts: Path | None = Field(
         None, description="JSON Lines file of prompts to prefill at start, one request body "
         'per line: {"messages": [...]} (chat) or {"prompt": "..."} (completion)'

@@ -115,17 +115,21 @@ async def collect(events: AsyncIterator[Event], choices: int) -> list[ChoiceResu
     """Fold a generation's events into its `choices` whole choices."""
     results = [ChoiceResult() for _ in range(choices)]
     async for event in events:
-        result = results[event.choice]
-        if isinstance(event, TextDelta):
-            result.text += event.text
-            result.tokens += event.tokens
-        elif isinstance(event, ReasoningDelta):
-            result.reasoning += event.text
-        elif isinstance(event, ToolCallStarted):
-            result.tool_calls.append(ToolCall(event.id, event.name))
-        elif isinstance(event, ToolCallArguments):
-            result.tool_calls[event.index].arguments += event.fragment
-        else:
-            result.finish_reason, result.matched_stop = event.reason, event.matched_stop
-            result.usage = event.usage
+        fold(results[event.choice], event)
     return results
+
+
+def fold(result: ChoiceResult, event: Event) -> None:
+    """Add one of its choice's events to `result`."""
+    if isinstance(event, TextDelta):
+        result.text += event.text
+        result.tokens += event.tokens
+    elif isinstance(event, ReasoningDelta):
+        result.reasoning += event.text
+    elif isinstance(event, ToolCallStarted):
+        result.tool_calls.append(ToolCall(event.id, event.name))
+    elif isinstance(event, ToolCallArguments):
+        result.tool_calls[event.index].arguments += event.fragment
+    else:
+        result.finish_reason, result.matched_stop = event.reason, event.matched_stop
+        result.usage = event.usage

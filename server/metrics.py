@@ -99,6 +99,10 @@ class Metrics:
                               buckets=TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Time between tokens.",
                              buckets=ITL_BUCKETS, registry=self.registry)
+        self.next_turn_tokens = Counter(
+            f"{PREFIX}_next_turn_prefilled_tokens", "Tokens of chats' next turns prefilled "
+            "after their replies (the reply as the template renders it back).",
+            registry=self.registry)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         self.registry.register(ModelsCollector(models))

@@ -28,11 +28,20 @@ from engine.api import (
 from engine.tokenizer import ModelTokenizer, ThinkingMarkers, ToolCallFormat
 from server import generic_tools
 from server.config import SamplingDefaults, Settings
-from server.events import ChoiceFinished, Event, ReasoningDelta, TextDelta, Usage
+from server.events import (
+    ChoiceFinished,
+    ChoiceResult,
+    Event,
+    ReasoningDelta,
+    TextDelta,
+    Usage,
+    fold,
+)
 from server.http.errors import APIError
 from server.images import ImageLimits, load_images
 from server.jobs import Job
 from server.model_registry import Lease, ServedModel
+from server.next_turn import NextTurn
 from server.prompts import chat_prompt, check_token_ids, raw_prompts
 from server.reasoning import ReasoningSplitter
 from server.request import GenerationRequest
@@ -125,9 +134,13 @@ class GenerationRun:
 
     def __init__(
         self, request: GenerationRequest, job: Job, decoders: list[ChoiceDecoder],
-        prompt_tokens: int, context_bound: bool = False,
+        prompt_tokens: int, context_bound: bool = False, next_turn: NextTurn | None = None,
     ) -> None:
         self.request, self.job, self._decoders = request, job, decoders
+        # A chat of one choice: its reply, folded as it goes, for the next turn's prefill.
+        self._next_turn = next_turn
+        self._reply = ChoiceResult()
+        self._generated: list[int] = []
         # Known before the engine starts (Anthropic's message_start reports it).
         self.prompt_tokens = prompt_tokens
         # The end of the context window, not a limit of the request or the server, is
@@ -149,11 +162,16 @@ class GenerationRun:
             decoder = self._decoders[index]
             if isinstance(event, TokenEvent):
                 events = decoder.token(event)
+                self._generated.append(event.token)
             elif isinstance(event, PromptLogprobs):
                 events = decoder.prompt(event)
             else:
                 events = decoder.finish(event, self.job.choice_usage(index))
             for out in events:
+                if self._next_turn is not None:
+                    fold(self._reply, out)
+                    if isinstance(out, ChoiceFinished):
+                        self._next_turn.prefill(self._reply, self._generated)
                 yield out
 
     def usage(self) -> Usage:
@@ -174,9 +192,7 @@ async def render(model: ServedModel, request: GenerationRequest) -> list[Prompt]
     tokenizer = model.tokenizer()
     if not request.is_chat:
         return await asyncio.to_thread(raw_prompts, tokenizer, request)
-    messages = drop_volatile_lines(request.messages, model.settings.volatile_system_lines)
-    variables = {**model.spec.chat_template_kwargs, **request.chat_template_kwargs}
-    request = replace(request, messages=messages, chat_template_kwargs=variables)
+    request = _as_rendered(model, request)
     # Rendering and tokenizing a long conversation takes milliseconds: off the event
     # loop, so streams in flight keep flowing meanwhile.
     images = []
@@ -188,6 +204,14 @@ async def render(model: ServedModel, request: GenerationRequest) -> list[Prompt]
                                    tokenizer.images.settings)
     return [await asyncio.to_thread(chat_prompt, tokenizer, request,
                                     model.engine.wants_message_ends, images)]
+
+
+def _as_rendered(model: ServedModel, request: GenerationRequest) -> GenerationRequest:
+    """The chat as its template renders it: system lines the server drops gone, the
+    model's template variables under the request's."""
+    messages = drop_volatile_lines(request.messages, model.settings.volatile_system_lines)
+    variables = {**model.spec.chat_template_kwargs, **request.chat_template_kwargs}
+    return replace(request, messages=messages, chat_template_kwargs=variables)
 
 
 def image_limits(settings: Settings) -> ImageLimits:
@@ -250,8 +274,12 @@ async def _start(http: Request, state: ServerState, lease: Lease, request: Gener
                  echoes[choice // request.n])
         for choice in range(choices)
     ]
+    next_turn = None
+    if (settings.prefill_next_turn and request.is_chat and request.n == 1
+            and request.chat_end == "reply"):
+        next_turn = NextTurn(state, model, _as_rendered(model, request), prompts[0])
     return GenerationRun(request, job, decoders, sum(len(prompt.tokens) for prompt in prompts),
-                      context_bound)
+                         context_bound, next_turn)
 
 
 def _max_tokens(request: GenerationRequest, settings: Settings, room: int) -> tuple[int, bool]:

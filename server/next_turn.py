@@ -1,0 +1,133 @@
+"""A chat's next turn, prefilled before it arrives.
+
+The next turn of a chat sends the reply back as an assistant message, and the chat
+template renders it from its text, which is often not the tokens the model generated:
+text encoded again merges differently, Gemma 3's template trims it, Qwen3's drops its
+reasoning, tool calls come back in the template's own JSON. The next turn's match then
+ends where the reply starts, and its prefill computes the reply again while the client
+waits.
+
+So when a chat's reply is done, the conversation is rendered again with the reply as a
+client sends it back (its text and tool calls; not its reasoning, which OpenAI's clients
+drop) and a turn after it (a user message, or the results its tool calls ask for), twice,
+with two different texts in that turn. The tokens both renderings share are how the next
+turn begins. Where they go past what the request left in the tree (its prompt and the
+generated tokens), they are prefilled in the background, prefill-only: the next turn finds
+them cached. This only chooses which tokens to compute; what is cached is still the
+state of exactly those tokens, so a wrong guess costs a prefill, never an answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from engine.api import EngineError, Prompt, Readout, SamplingParams
+from engine.tokenizer import ModelTokenizer
+from radix.prefix import common_prefix_length
+from server.events import ChoiceResult
+from server.http.errors import APIError
+from server.model_registry import Lease, ServedModel
+from server.prompts import chat_prompt
+from server.request import GenerationRequest, TemplateMessage, template_arguments
+from server.state import ServerState
+
+log = logging.getLogger("radix_mlx.server")
+
+# Two texts for the turn after the reply: where their renderings part is where the next
+# turn's own text begins.
+PROBES = ("0", "1")
+# A guess that would compute more than the reply and this many tokens besides is not a
+# re-rendered reply (a template that renders earlier turns otherwise once one more
+# follows): the next turn would not reuse the prompt either, so nothing is prefilled.
+MAX_EXTRA_TOKENS = 64
+READOUT = SamplingParams(max_tokens=0, temperature=0.0, readout=Readout())
+
+
+def reply_message(reply: ChoiceResult) -> TemplateMessage:
+    """The reply as the assistant message a client sends back: OpenAI's shape (null
+    content for a reply of only tool calls), arguments as the mapping templates read."""
+    calls = [{"id": call.id, "type": "function",
+              "function": {"name": call.name, "arguments": template_arguments(call.arguments)}}
+             for call in reply.tool_calls]
+    message: TemplateMessage = {
+        "role": "assistant",
+        "content": None if calls and not reply.text.strip() else reply.text,
+    }
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _turn_after(reply: TemplateMessage, text: str) -> list[TemplateMessage]:
+    calls = reply.get("tool_calls") or ()
+    if not calls:
+        return [{"role": "user", "content": text}]
+    return [{"role": "tool", "tool_call_id": call["id"], "content": text} for call in calls]
+
+
+def next_turn_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
+                     images: Sequence[tuple[str, bytes]], reply: ChoiceResult,
+                     message_ends: bool) -> Prompt:
+    """The tokens the chat's next turn will start with: `request` (as rendered, volatile
+    lines dropped) followed by `reply` and the start of the turn after it."""
+    message = reply_message(reply)
+    first, second = (
+        chat_prompt(tokenizer, replace(request, messages=(*request.messages, message,
+                                                          *_turn_after(message, text)),
+                                       chat_end="reply"), message_ends, images)
+        for text in PROBES)
+    # The last shared token may merge with the turn's own text: a prefill-only request
+    # caches all but its last token, so that one is computed and not kept.
+    shared = common_prefix_length(first.tokens, second.tokens)
+    return Prompt(first.tokens[:shared],
+                  tuple(end for end in first.message_ends if end < shared),
+                  tuple(image for image in first.images if image.start + image.length < shared))
+
+
+@dataclass
+class NextTurn:
+    """What a finished chat reply needs to prefill its next turn: the chat as it was
+    rendered, and its prompt."""
+
+    state: ServerState
+    model: ServedModel
+    request: GenerationRequest
+    prompt: Prompt
+
+    def prefill(self, reply: ChoiceResult, generated: Sequence[int]) -> None:
+        """Start the prefill in the background (the server cancels it if it stops first)."""
+        tasks = self.state.background
+        task = asyncio.create_task(self._prefill(reply, list(generated), Lease(self.model)))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def _prefill(self, reply: ChoiceResult, generated: list[int], lease: Lease) -> None:
+        engine = lease.engine
+        try:
+            images = [(image.digest, image.data) for image in self.prompt.images]
+            prompt = await asyncio.to_thread(
+                next_turn_prompt, engine.tokenizer, self.request, images, reply,
+                engine.wants_message_ends)
+            known = common_prefix_length(prompt.tokens, self.prompt.tokens + generated)
+            extra = len(prompt.tokens) - 1 - known
+            if extra <= 0 or extra > len(generated) + MAX_EXTRA_TOKENS:
+                return
+            if engine.stats().waiting * 2 >= self.model.settings.max_queue:
+                return  # a client's request must not meet a queue this filled
+            stream = engine.submit(prompt, READOUT)
+            try:
+                async for _ in stream:
+                    pass
+            except asyncio.CancelledError:
+                stream.cancel()
+                raise
+            self.state.metrics.next_turn_tokens.inc(extra)
+            log.debug("next turn: %d tokens prefilled past the reply's %d", extra,
+                      len(generated))
+        except (APIError, EngineError, ValueError) as error:
+            log.debug("next turn not prefilled: %s", error)
+        finally:
+            lease.release()
