@@ -502,3 +502,9 @@ class EngineClient(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet started (`stats().waiting` without a round trip
+        to an engine process)."""
+        ...

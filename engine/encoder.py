@@ -230,6 +230,10 @@ class EncoderEngine:
     def stats(self) -> EngineStats:
         return EngineStats(counters=replace(self._counters))
 
+    @property
+    def waiting(self) -> int:
+        return 0  # nothing generates here: `submit` is refused
+
     def _serve(self, jobs: list[EncodeJob]) -> None:
         inputs = [ids for job in jobs for ids in job.inputs]
         # One engine's jobs are all of one kind: pairs for a cross-encoder, else texts.

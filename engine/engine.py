@@ -464,6 +464,10 @@ class Engine:
             self._scheduler.inbox.put(ClearCache(done))
         return done
 
+    @property
+    def waiting(self) -> int:
+        return self._waiting.value
+
     def stats(self) -> EngineStats:
         scheduler = self._scheduler
         if scheduler is None:

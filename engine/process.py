@@ -313,6 +313,10 @@ class EngineProcess:
             return done
         return self._call("clear_cache")
 
+    @property
+    def waiting(self) -> int:
+        return self._waiting.value
+
     def stats(self) -> EngineStats:
         """The engine's stats now (a round trip to the child); zeros unless it is ready."""
         if self.state is not Lifecycle.READY:

@@ -115,7 +115,7 @@ class NextTurn:
             extra = len(prompt.tokens) - 1 - known
             if extra <= 0 or extra > len(generated) + MAX_EXTRA_TOKENS:
                 return
-            if engine.stats().waiting * 2 >= self.model.settings.max_queue:
+            if engine.waiting * 2 >= self.model.settings.max_queue:
                 return  # a client's request must not meet a queue this filled
             stream = engine.submit(prompt, READOUT)
             try:
