@@ -25,12 +25,33 @@
 # every engine's batch of 64 stays full (one server queues the rest). BENCH_WORKLOADS picks
 # some of these. BENCH_QUICK=1 runs it with toy sizes on the demo model (any machine, the
 # CPU included) to check the path end to end.
+#
+# Images in multi-turn conversations (issue 31), radix-mlx against mlx_vlm.server
+# (bench/vision.py), on a random bf16 Gemma 3 vision model of Gemma 3 4B's shape
+# (`make-demo-model --family gemma3-vision --size 4b`), built under BENCH_MODELS_DIR:
+#   bash bench/gpu.sh --vision OUT        # results under OUT/vision-4b/
+# It needs mlx-vlm and what it imports beside this project's own packages: the wheels
+# bench/stage_vision_wheels.sh gathers (its header says how to install them). BENCH_QUICK=1
+# runs it on the tiny demo size with 2 conversations of 2 turns (any machine).
 set -euo pipefail
 scale_out=
+vision=
 if [ "${1:-}" = --scale-out ]; then scale_out=1; shift; fi
-out=${1:?usage: bench/gpu.sh [--scale-out] OUT [shape ...]}
+if [ "${1:-}" = --vision ]; then vision=1; shift; fi
+out=${1:?usage: bench/gpu.sh [--scale-out | --vision] OUT [shape ...]}
 shift
 models=${BENCH_MODELS_DIR:-/tmp/bench-models}
+if [ -n "$vision" ]; then
+  mkdir -p "$out"
+  if [ -n "${BENCH_QUICK:-}" ]; then
+    python3 -m bench.vision --size tiny --conversations 2 --turns 2 --max-tokens 8 \
+      --models-dir "$models" --out "$out/vision-tiny"
+    exit
+  fi
+  nvidia-smi > "$out/nvidia-smi.txt"
+  python3 -m bench.vision --size 4b --models-dir "$models" --out "$out/vision-4b"
+  exit
+fi
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(llama-1b llama-8b)
 tokenizer=()

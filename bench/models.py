@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from engine.demo_model import (
     EOS,
     PAD,
     SIZES,
-    WEIGHT_GAIN,
+    drawn_parameters,
     model_config,
     tokenizer_config,
     train_tokenizer,
@@ -71,7 +70,6 @@ def build(directory: Path, shape: str, dtype: str = "bfloat16", seed: int = 0,
           tokenizer_from: Path | None = None) -> Path:
     """Write an mlx-lm model directory (replacing `directory`) and return it."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
     tokenizer = train_tokenizer(VOCAB_SIZE)
@@ -82,16 +80,7 @@ def build(directory: Path, shape: str, dtype: str = "bfloat16", seed: int = 0,
         config.update({key: theirs[key] for key in ("vocab_size", "bos_token_id",
                                                     "eos_token_id", "pad_token_id")
                        if key in theirs})
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx_dtype = getattr(mx, dtype)
-    mx.random.seed(seed)
-    weights = {}
-    for name, value in tree_flatten(model.parameters()):
-        if value.ndim >= 2:
-            scale = WEIGHT_GAIN / math.sqrt(math.prod(value.shape[1:]))
-            value = mx.random.normal(value.shape, dtype=mx_dtype) * scale
-        weights[name] = value.astype(mx_dtype)
-        mx.eval(weights[name])
+    weights = drawn_parameters(llama.Model(llama.ModelArgs.from_dict(config)), seed, dtype)
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     mx.save_safetensors(str(directory / "model.safetensors"), weights,

@@ -2,12 +2,13 @@
 
 `python -m bench.vision`: 8 conversations x 4 turns at once, each about one image of its
 own that every turn sends again (a chat about a screenshot), on a random Gemma 3 vision
-model of the demo sizes (`make-demo-model --family gemma3-vision`), or `--model DIR`.
-Servers, one at a time, a fresh start each: radix-mlx; `mlx_vlm.server` one sequence at a
-time (its batches of image prompts fail), its prefix cache off (its default) and on
-(`APC_ENABLED=1`). The figures: TTFT
-p50 of turns 2-4 (the ones a cache can serve) and the share of their prompt tokens served
-from the cache; the target is radix-mlx at <= 0.3x mlx-vlm's TTFT with >= 85% cached.
+model (`make-demo-model --family gemma3-vision`) of a demo size or, with `--size 4b`, of
+Gemma 3 4B's shape in bfloat16 (a GPU's run: `bash bench/gpu.sh --vision OUT`). Servers,
+one at a time, a fresh start each: radix-mlx; `mlx_vlm.server` one sequence at a time
+(its batches of image prompts fail), its prefix cache off (its default) and on
+(`APC_ENABLED=1`). The figures: TTFT p50 of turns 2-4 (the ones a cache can serve) and
+the share of their prompt tokens served from the cache; the target is radix-mlx at <= 0.3x
+mlx-vlm's TTFT with >= 85% cached.
 
 Then the same conversations without images, on radix-mlx serving the vision model's
 folder and serving its language model alone as a text model (the same weights, written by
@@ -35,6 +36,7 @@ from bench import hardware, report
 from bench.client import run_workload
 from bench.servers import RADIX, ServerSpec, running
 from bench.workloads import Conversation, Workload
+from engine.demo_vlm import VISION
 from engine.platform_info import cpu_reexec_env, mlx_would_use_cpu
 
 RESULTS = Path(__file__).parent / "results"
@@ -143,11 +145,14 @@ def measure(spec: ServerSpec, model: Path, work: Workload, env: dict[str, str],
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="bench", choices=("tiny", "bench"))
+    parser.add_argument("--size", default="bench", choices=sorted(VISION))
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--models-dir", type=Path, default=None,
+                        help="build the models in a temporary directory here (default: "
+                             "the system's; the 4b pair takes 17 GB)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--report", type=Path, default=None,
                         help="only write results.md again from this results.json")
@@ -162,7 +167,9 @@ def main() -> int:
     device = "cpu" if mlx_would_use_cpu() else "gpu"
     out = args.out or RESULTS / hardware.tag(device) / f"vision-{args.size}"
     runs: dict = {}
-    with tempfile.TemporaryDirectory() as directory:
+    if args.models_dir is not None:
+        args.models_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.models_dir) as directory:
         vision, text = Path(directory) / "vision", Path(directory) / "text"
         subprocess.run([sys.executable, "-c", BUILD, str(vision), str(text), args.size],
                        env=env, check=True)

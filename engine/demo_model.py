@@ -303,3 +303,25 @@ def random_parameters(model: Any, seed: int) -> dict[str, np.ndarray]:
         else:
             weights[name] = np.array(value.astype(mx.float32))
     return weights
+
+
+def drawn_parameters(model: Any, seed: int, dtype: str) -> dict[str, Any]:
+    """`random_parameters` drawn by MLX on its default device, in `dtype`, for models of
+    billions of parameters: numpy's float32 draw would take minutes and 4 bytes each.
+    Seeds MLX's global RNG, so it is for a process of its own (a build), not a server.
+    Each parameter is computed as it is drawn (the model's own lazy init never is)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    mx_dtype = getattr(mx, dtype)
+    mx.random.seed(seed)
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        if value.ndim >= 2:
+            scale = WEIGHT_GAIN / math.sqrt(math.prod(value.shape[1:]))
+            value = mx.random.normal(value.shape, dtype=mx_dtype) * scale
+        elif name.endswith(".bias"):
+            value = mx.zeros(value.shape)
+        weights[name] = value.astype(mx_dtype)
+        mx.eval(weights[name])
+    return weights

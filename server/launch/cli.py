@@ -6,6 +6,7 @@ import sys
 from typing import get_args
 
 from engine.demo_model import FAMILIES, SIZES, build_demo_model
+from engine.demo_vlm import VISION, build_demo_vlm
 
 # The demo vision models (engine/demo_vlm.py): CLI name -> family.
 VISION_FAMILIES = {"gemma3-vision": "gemma3", "qwen2.5-vl": "qwen2_5_vl",
@@ -59,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a random-weight model with a real tokenizer (no download)",
     )
     demo.add_argument("directory", help="where to write the model (replaced if it exists)")
-    demo.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    demo.add_argument("--size", choices=sorted({*SIZES, *VISION}), default="tiny",
+                      help="4b: Gemma 3 4B's shape in bfloat16 (gemma3-vision only)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--family", choices=[*FAMILIES, *VISION_FAMILIES], default="llama",
                       help="gemma3-vision, qwen2.5-vl, qwen2-vl: Gemma 3, Qwen2.5-VL or "
@@ -89,14 +91,16 @@ def serve_command(args: argparse.Namespace) -> int:
 
 
 def make_demo_model_command(args: argparse.Namespace) -> int:
-    if args.family in VISION_FAMILIES:
-        from engine.demo_vlm import build_demo_vlm  # imports mlx-vlm, so only when asked
-
-        path = build_demo_vlm(args.directory, size=args.size, seed=args.seed,
-                              family=VISION_FAMILIES[args.family])
-    else:
-        path = build_demo_model(args.directory, size=args.size, seed=args.seed,
-                                family=args.family)
+    try:
+        if args.family in VISION_FAMILIES:
+            path = build_demo_vlm(args.directory, size=args.size, seed=args.seed,
+                                  family=VISION_FAMILIES[args.family])
+        else:
+            path = build_demo_model(args.directory, size=args.size, seed=args.seed,
+                                    family=args.family)
+    except ValueError as error:  # a size the family lacks
+        print(f"radix-mlx make-demo-model: {error}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 
