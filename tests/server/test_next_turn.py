@@ -60,13 +60,17 @@ def turn(server: ServerProcess, messages: list[dict], wait: bool = True, **extra
     (if the reply asks for it: the tokens may come back as they were generated)."""
     before = prefilled(server)
     response = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
-        "model": "tiny-seed0", "messages": messages, "max_tokens": 24, "temperature": 0,
-        **extra})
+        "model": served_model(server), "messages": messages, "max_tokens": 24,
+        "temperature": 0, **extra})
     assert response.status_code == 200, response.text
     deadline = time.monotonic() + 10
     while wait and prefilled(server) == before and time.monotonic() < deadline:
         time.sleep(0.05)
     return response.json()
+
+
+def served_model(server: ServerProcess) -> str:
+    return httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
 def miss_after(body: dict) -> str:
@@ -136,3 +140,24 @@ def as_request(messages: list[dict]) -> GenerationRequest:
     """`messages` as a client sends them to /v1/chat/completions."""
     return chat_request(ChatCompletionRequest.model_validate(
         {"model": "demo", "messages": messages, "tools": TOOLS}))
+
+
+def test_a_snapshot_model_guesses_only_while_nothing_else_runs(
+        demo_model_family, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Gemma 3's sliding layers: each prompt is a forward of its own, so a guess waits
+    for an idle engine rather than delay the prompts of others."""
+    server = start(demo_model_family("gemma3_text"), tmp_path_factory.mktemp("gemma"), True)
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Describe the layout."}]
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120, json={
+                "prompt": "count:", "max_tokens": 4000, "ignore_eos": True,
+                "stream": True}) as busy:
+            lines = busy.iter_lines()  # held: a dropped iterator closes the stream
+            next(lines)
+            turn(server, messages, wait=False)
+            assert prefilled(server) == 0
+        turn(server, [*messages[:1], {"role": "user", "content": "List the files."}])
+        assert prefilled(server) > 0
+    finally:
+        server.stop()
