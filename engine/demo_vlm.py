@@ -193,10 +193,13 @@ def _write_model(directory: Path, size: str, seed: int, sliding_window: int | No
         del weights[LM_HEAD]
         # The rows past the tokenizer's ids are zero: their logits are 0 where the
         # tokenizer's thousands spread around 0, so greedy decoding (the benchmarks')
-        # picks ids the tokenizer can decode.
+        # picks ids the tokenizer can decode. So are the image markers' rows: a reply
+        # that wrote one would come back in the next turn as an image without a file.
         known, embeddings = tokenizer.get_vocab_size(), weights[EMBEDDINGS]
+        kept = mx.ones((embeddings.shape[0], 1), dtype=embeddings.dtype)
+        kept[mx.array([ids[BOI], ids[IMAGE], ids[EOI]])] = 0
         weights[EMBEDDINGS] = mx.concatenate(
-            [embeddings[:known] / gain, mx.zeros_like(embeddings[known:])])
+            [embeddings[:known] / gain, mx.zeros_like(embeddings[known:])]) * kept
     else:
         drawn = random_parameters(model, seed)
         del drawn[LM_HEAD]
