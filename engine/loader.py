@@ -15,7 +15,7 @@ from mlx_lm.utils import load_tokenizer as load_mlx_lm_tokenizer
 from engine.distributed import RankGroup, shard
 from engine.image_tokens import read_image_tokens
 from engine.tokenizer import ModelTokenizer
-from engine.vision import Vision, image_counter
+from engine.vision import Vision
 
 log = logging.getLogger("radix_mlx.engine")
 
@@ -83,7 +83,7 @@ def load_tokenizer(path: Path, chat_template: str | None = None) -> ModelTokeniz
 
 def _model_tokenizer(wrapper: Any, path: Path) -> ModelTokenizer:
     """mlx-lm's tokenizer wrapper, with the image tokens of a vision model's folder."""
-    return ModelTokenizer(wrapper, read_image_tokens(path, wrapper.decode, image_counter))
+    return ModelTokenizer(wrapper, read_image_tokens(path, wrapper.decode))
 
 
 def _template_config(chat_template: str | None) -> dict[str, Any] | None:

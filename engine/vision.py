@@ -15,7 +15,7 @@ the prompt and the language model's RoPE is made to follow (engine/mrope.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from io import BytesIO
 from pathlib import Path
@@ -116,7 +116,7 @@ class ImageFeed:
             first = self.images.index(inside[0])
             self._start = min(start, inside[0].start)
             self._embeddings = self.vision.embeddings(
-                prompt[self._start:], [image.data for image in self.images[first:]])
+                prompt[self._start:], [image.file.data for image in self.images[first:]])
             self.counters.images_encoded += len(self.images) - first
         embeddings = self._embeddings[start - self._start:end - self._start]
         last = self.images[-1]
@@ -131,7 +131,8 @@ class ImageFeed:
         if self.vision.mrope is None:
             return None
         if self._positions is None:
-            self._positions = self.vision.positions(prompt, [image.data for image in self.images])
+            self._positions = self.vision.positions(
+                prompt, [image.file.data for image in self.images])
         return self._positions.chunk(start, end)
 
     @property
@@ -141,23 +142,6 @@ class ImageFeed:
 
     def model_ids(self, tokens: Sequence[int]) -> list[int]:
         return model_ids(tokens, self.vision.image_token_id)
-
-
-def image_counter(path: Path, config: dict) -> Callable[[bytes], int]:
-    """How many tokens an image file becomes in the model folder at `path`: the count
-    mlx-vlm's processor gives its size (`num_image_tokens`), for the families that size
-    images (engine/image_tokens.py)."""
-    utils = _mlx_vlm_utils()
-    # Importing the family's mlx-vlm module registers its own (numpy) processor with
-    # transformers' AutoProcessor, as mlx_vlm.load does by loading the model first;
-    # without it transformers' Qwen processor wants torchvision.
-    utils.get_model_and_args(config)
-    processor = utils.load_processor(path, add_detokenizer=False).image_processor
-
-    def count(data: bytes) -> int:
-        width, height = utils.load_image(BytesIO(data)).size
-        return processor.num_image_tokens(height, width)
-    return count
 
 
 def _embedding_table(model: nn.Module) -> nn.Module:
