@@ -67,7 +67,7 @@ def load_model(path_or_repo: str, group: RankGroup | None = None,
     model_tokenizer = _model_tokenizer(tokenizer, path)
     vision = None
     if model_tokenizer.images is not None and group is None:
-        vision = Vision(path, model, model_tokenizer.images.image_token_id)
+        vision = Vision(path, model, model_tokenizer.images)
         weight_bytes += vision.weight_bytes
     return LoadedModel(model, model_tokenizer, model_id_for(path_or_repo), context_length,
                        vocab_size, weight_bytes, path, vision)

@@ -6,8 +6,10 @@ mlx-vlm's numpy Qwen2-VL / Qwen2.5-VL processor resizes each image with HF's
 patch x merge, then scaled, aspect kept, into [min_pixels, max_pixels]; an image whose
 sides differ by more than 200x is refused. The image is then cut into patches, and each
 merge x merge of them becomes one token. Computing that from the size lets the server
-count an image's tokens without decoding it again (the size is its decoding's, in
-server/images.py); tests/vision/test_resize.py checks that the grids are the processor's.
+count an image's tokens without decoding it again, and the engine place a prompt's
+positions without running the processor; `Vision` checks at load that its processor has
+the settings read here (engine/vision.py), and tests/vision/test_resize.py that the grids
+are the processor's.
 """
 
 from __future__ import annotations
