@@ -214,13 +214,22 @@ class Prompt:
 
 
 @dataclass(frozen=True)
+class ImageFile:
+    """An image a request sends, checked to decode whole (server/images.py), with what
+    its decoding gave: its digest and its size, which sizes its tokens (Qwen-VL)."""
+
+    digest: str  # hex digest of its decoded pixels and the processor's settings
+    size: tuple[int, int]  # (width, height) of its decoded pixels, EXIF rotation applied
+    data: bytes  # the file as the client sent it
+
+
+@dataclass(frozen=True)
 class PromptImage:
-    """An image in a prompt: where its tokens are, what identifies it, and its file."""
+    """An image in a prompt: where its tokens are, and its file."""
 
     start: int  # its first token's position in the prompt
     length: int  # its tokens
-    digest: str  # hex digest of its decoded pixels and the processor's settings
-    data: bytes  # the image file as the client sent it, checked to decode
+    file: ImageFile
 
 
 @dataclass(frozen=True)

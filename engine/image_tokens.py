@@ -10,9 +10,9 @@ pixels, however encoded) matches; another never does. The engine puts the real i
 image's features back at the model's boundary (engine/vision.py).
 
 Gemma 3 gives every image the same number of tokens; Qwen2-VL and Qwen2.5-VL give each as
-many as its resized pixels make patches (2x2 merges of 14-pixel patches), which mlx-vlm's
-processor computes from the image's size (its `num_image_tokens`), so the prompt is
-expanded with each image's count.
+many as its resized pixels make patches (2x2 merges of 14-pixel patches), which follows
+from the image's decoded size by the processor's resize rule (engine/qwen_resize.py), so
+the prompt is expanded with each image's count, and no image is decoded to count it.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ import hashlib
 import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from engine.api import PromptImage
+from engine.api import ImageFile, PromptImage
+from engine.qwen_resize import QwenResize, read_resize
 
 # Key ids start here: past any vocabulary, inside int32 (the tree's tokens are Python ints
 # and the disk tier's are int64, but MLX arrays of token ids are int32).
@@ -70,8 +71,13 @@ class ImageTokens:
     after: str
     image_token_id: int  # the id of each of the image's tokens in the model's input
     settings: str  # a digest of the processor's settings, part of every image's digest
-    # The number of tokens of the image file given (decodable, as `load_images` checks).
-    count: Callable[[bytes], int] = field(compare=False)
+    tokens_per_image: int | None  # every image's number of tokens, where it is fixed
+    resize: QwenResize | None  # else the processor's resize rule, which sizes each image
+
+    def count(self, size: tuple[int, int]) -> int:
+        """The number of tokens of an image of decoded `size` (width, height); ValueError
+        where the processor refuses it (Qwen's: a side under 1/200 of the other)."""
+        return self.tokens_per_image if self.resize is None else self.resize.count(size)
 
     def expansion(self, count: int) -> str:
         """What the processor replaces a placeholder with: an image of `count` tokens."""
@@ -112,20 +118,20 @@ class ImageTokens:
     def model_ids(self, tokens: Sequence[int]) -> list[int]:
         return model_ids(tokens, self.image_token_id)
 
-    def key(self, tokens: Sequence[int], images: Sequence[tuple[str, bytes]]
+    def key(self, tokens: Sequence[int], images: Sequence[ImageFile]
             ) -> tuple[list[int], tuple[PromptImage, ...]]:
         """`tokens` with each image's span keyed on its digest, and the prompt's images;
-        `images`: (digest, file) of each, in the order the prompt shows them. Raises
-        ValueError when the prompt holds another number of images."""
+        `images`: in the order the prompt shows them. Raises ValueError when the prompt
+        holds another number of images."""
         spans = self.spans(tokens)
         if len(spans) != len(images):
             raise ValueError(f"the prompt holds {len(spans)} images, the request "
                              f"{len(images)}")
         keyed = list(tokens)
-        for (start, length), (digest, _) in zip(spans, images):
-            keyed[start:start + length] = [key_id(digest)] * length
-        return keyed, tuple(PromptImage(start, length, digest, data)
-                            for (start, length), (digest, data) in zip(spans, images))
+        for (start, length), image in zip(spans, images):
+            keyed[start:start + length] = [key_id(image.digest)] * length
+        return keyed, tuple(PromptImage(start, length, image)
+                            for (start, length), image in zip(spans, images))
 
 
 def key_id(digest: str) -> int:
@@ -143,8 +149,7 @@ def text_ids(tokens: Sequence[int]) -> list[int]:
     return [token for token in tokens if token < KEY_BASE]
 
 
-def read_image_tokens(path: Path, decode: Callable[[list[int]], str],
-                      sized_counter: SizedCounter) -> ImageTokens | None:
+def read_image_tokens(path: Path, decode: Callable[[list[int]], str]) -> ImageTokens | None:
     """The image tokens of the model folder at `path` (its tokenizer's `decode`), if it is
     a vision model of a family in `FAMILIES` (None: text only)."""
     config_file = path / "config.json"
@@ -156,30 +161,18 @@ def read_image_tokens(path: Path, decode: Callable[[list[int]], str],
     if family is None or "vision_config" not in config or any(k not in config for k in keys):
         return None
     begin, image, end = (decode([config[key]]) for key in keys)
+    preprocessor, processor = (_json(path / name) for name in PROCESSOR_FILES)
     settings = hashlib.sha256()
-    for name in PROCESSOR_FILES:
-        settings.update(json.dumps(_json(path / name), sort_keys=True).encode())
+    for contents in (preprocessor, processor):
+        settings.update(json.dumps(contents, sort_keys=True).encode())
+    fixed = None if family.sized else (processor.get("image_seq_length")
+                                       or config.get("mm_tokens_per_image", 256))
     return ImageTokens(
         placeholder=family.placeholder.format(begin=begin, image=image, end=end),
         before=family.margin + begin, image=image, after=end + family.margin,
         image_token_id=config[family.image_key], settings=settings.hexdigest(),
-        count=_image_counter(path, config, family.sized, sized_counter))
-
-
-# What a sized family's image file becomes: counted by mlx-vlm's processor (engine/vision.py,
-# which the MLX side passes in, so this module stays free of MLX).
-SizedCounter = Callable[[Path, dict], Callable[[bytes], int]]
-
-
-def _image_counter(path: Path, config: dict, sized: bool, sized_counter: SizedCounter
-                   ) -> Callable[[bytes], int]:
-    """How many tokens an image file becomes: where the family sizes images, the count
-    `sized_counter` gives, else the config's."""
-    if sized:
-        return sized_counter(path, config)
-    processor = _json(path / "processor_config.json")
-    fixed = processor.get("image_seq_length") or config.get("mm_tokens_per_image", 256)
-    return lambda data: fixed
+        tokens_per_image=fixed,
+        resize=read_resize(preprocessor, processor) if family.sized else None)
 
 
 def _json(path: Path) -> dict:

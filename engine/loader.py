@@ -15,7 +15,7 @@ from mlx_lm.utils import load_tokenizer as load_mlx_lm_tokenizer
 from engine.distributed import RankGroup, shard
 from engine.image_tokens import read_image_tokens
 from engine.tokenizer import ModelTokenizer
-from engine.vision import Vision, image_counter
+from engine.vision import Vision
 
 log = logging.getLogger("radix_mlx.engine")
 
@@ -67,7 +67,7 @@ def load_model(path_or_repo: str, group: RankGroup | None = None,
     model_tokenizer = _model_tokenizer(tokenizer, path)
     vision = None
     if model_tokenizer.images is not None and group is None:
-        vision = Vision(path, model, model_tokenizer.images.image_token_id)
+        vision = Vision(path, model, model_tokenizer.images)
         weight_bytes += vision.weight_bytes
     return LoadedModel(model, model_tokenizer, model_id_for(path_or_repo), context_length,
                        vocab_size, weight_bytes, path, vision)
@@ -83,7 +83,7 @@ def load_tokenizer(path: Path, chat_template: str | None = None) -> ModelTokeniz
 
 def _model_tokenizer(wrapper: Any, path: Path) -> ModelTokenizer:
     """mlx-lm's tokenizer wrapper, with the image tokens of a vision model's folder."""
-    return ModelTokenizer(wrapper, read_image_tokens(path, wrapper.decode, image_counter))
+    return ModelTokenizer(wrapper, read_image_tokens(path, wrapper.decode))
 
 
 def _template_config(chat_template: str | None) -> dict[str, Any] | None:

@@ -10,22 +10,27 @@ its language layers are dropped before they are read. The engine's language mode
 takes those embeddings (`input_embeddings`) for the chunks that hold image tokens, so the
 forward is mlx_vlm.generate's, and every chunk with no image in it is fed as token ids.
 For Qwen-VL, whose tokens have 3-D M-RoPE positions, mlx-vlm's `get_rope_index` places
-the prompt and the language model's RoPE is made to follow (engine/mrope.py).
+the prompt and the language model's RoPE is made to follow (engine/mrope.py); the images'
+patch grids it takes follow from their sizes (engine/qwen_resize.py), so the processor
+runs only for the pixels the tower reads: once per image of a cold prompt, never for an
+image the radix cache holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from io import BytesIO
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx import nn
 
 from engine.api import PromptImage, SchedulerCounters
-from engine.image_tokens import model_ids
+from engine.image_tokens import ImageTokens, model_ids
 from engine.mrope import MRoPE, Placement, PromptPositions
+from engine.qwen_resize import QwenResize
 
 
 def _mlx_vlm_utils():
@@ -43,7 +48,8 @@ class Vision:
     """A vision model's image side: its processor and its tower's features merged into
     the input embeddings."""
 
-    def __init__(self, path: Path, language_model: nn.Module, image_token_id: int) -> None:
+    def __init__(self, path: Path, language_model: nn.Module, images: ImageTokens) -> None:
+        """The image side of the model folder at `path`, whose prompts hold `images`."""
         utils = _mlx_vlm_utils()
         model = utils.load_model(path, lazy=True)
         body = model.language_model.model
@@ -58,15 +64,20 @@ class Vision:
         self.model = model
         self.image_processor = utils.load_processor(path, add_detokenizer=False).image_processor
         self._load_image = utils.load_image
-        self.image_token_id = image_token_id
+        self.image_token_id = images.image_token_id
+        self.resize = images.resize
+        if self.resize is not None:
+            _check_resize(self.resize, self.image_processor)
         self.weight_bytes = sum(
             v.nbytes for name, v in nn.utils.tree_flatten(model.parameters())
             if "embed_tokens" not in name)
 
     def embeddings(self, tokens: Sequence[int], images: Sequence[bytes]) -> mx.array:
         """The input embeddings of `tokens` (image keys in each image's span, as the
-        tree holds them), with `images`' features, in order, in the spans."""
-        processed = self._process(images)
+        tree holds them), with the features of the image files `images`, in order, in the
+        spans: each file decoded, and run through the processor, here only."""
+        pictures = [self._load_image(BytesIO(data)) for data in images]
+        processed = self.image_processor(pictures, return_tensors="np")
         ids = mx.array([model_ids(tokens, self.image_token_id)])
         grids = ({"image_grid_thw": mx.array(processed["image_grid_thw"])}
                  if "image_grid_thw" in processed else {})
@@ -74,23 +85,18 @@ class Vision:
             ids, mx.array(processed["pixel_values"]), mask=mx.ones(ids.shape), **grids)
         return features.inputs_embeds[0]
 
-    def positions(self, tokens: Sequence[int], images: Sequence[bytes]
+    def positions(self, tokens: Sequence[int], images: Sequence[PromptImage]
                   ) -> PromptPositions | None:
         """The M-RoPE positions of the prompt `tokens` (image keys in the spans) holding
         `images`, as mlx-vlm places them (None: the model places tokens at their index).
-        Only the images' grids are needed, so the processor runs without the tower."""
+        Only the images' patch grids are needed, which their sizes give: nothing is
+        decoded."""
         if self.mrope is None:
             return None
         ids = mx.array([model_ids(tokens, self.image_token_id)])
-        grids = mx.array(self._process(images)["image_grid_thw"])
+        grids = mx.array([[1, *self.resize.grid(image.file.size)] for image in images])
         grid, deltas = self.model.language_model.get_rope_index(ids, grids)
         return PromptPositions(grid[:, 0, :], deltas.item())
-
-    def _process(self, images: Sequence[bytes]) -> dict:
-        """The processor's output for the image files `images`: pixel values, and the
-        patch grid of each image for a family that sizes them."""
-        pictures = [self._load_image(BytesIO(data)) for data in images]
-        return self.image_processor(pictures, return_tensors="np")
 
 
 @dataclass(eq=False)
@@ -116,7 +122,7 @@ class ImageFeed:
             first = self.images.index(inside[0])
             self._start = min(start, inside[0].start)
             self._embeddings = self.vision.embeddings(
-                prompt[self._start:], [image.data for image in self.images[first:]])
+                prompt[self._start:], [image.file.data for image in self.images[first:]])
             self.counters.images_encoded += len(self.images) - first
         embeddings = self._embeddings[start - self._start:end - self._start]
         last = self.images[-1]
@@ -131,7 +137,7 @@ class ImageFeed:
         if self.vision.mrope is None:
             return None
         if self._positions is None:
-            self._positions = self.vision.positions(prompt, [image.data for image in self.images])
+            self._positions = self.vision.positions(prompt, self.images)
         return self._positions.chunk(start, end)
 
     @property
@@ -143,21 +149,16 @@ class ImageFeed:
         return model_ids(tokens, self.vision.image_token_id)
 
 
-def image_counter(path: Path, config: dict) -> Callable[[bytes], int]:
-    """How many tokens an image file becomes in the model folder at `path`: the count
-    mlx-vlm's processor gives its size (`num_image_tokens`), for the families that size
-    images (engine/image_tokens.py)."""
-    utils = _mlx_vlm_utils()
-    # Importing the family's mlx-vlm module registers its own (numpy) processor with
-    # transformers' AutoProcessor, as mlx_vlm.load does by loading the model first;
-    # without it transformers' Qwen processor wants torchvision.
-    utils.get_model_and_args(config)
-    processor = utils.load_processor(path, add_detokenizer=False).image_processor
-
-    def count(data: bytes) -> int:
-        width, height = utils.load_image(BytesIO(data)).size
-        return processor.num_image_tokens(height, width)
-    return count
+def _check_resize(resize: QwenResize, processor: Any) -> None:
+    """The server counts a Qwen-VL image's tokens, and `Vision.positions` places them, by
+    the resize rule read from the model folder (engine/qwen_resize.py); the pixels are
+    mlx-vlm's processor's, which read the folder its own way: a folder they read
+    differently is refused here, not served with tokens that miss their features."""
+    theirs = QwenResize(processor.patch_size, processor.merge_size, processor.min_pixels,
+                        processor.max_pixels)
+    if theirs != resize:
+        raise RuntimeError(f"mlx-vlm's image processor sizes images as {theirs}, the "
+                           f"model folder's settings read {resize}")
 
 
 def _embedding_table(model: nn.Module) -> nn.Module:

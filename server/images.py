@@ -7,7 +7,9 @@ as is a redirect (it could lead anywhere). Each image must decode whole (a trunc
 is refused, not padded), within the byte and pixel limits (the pixel count is read from
 the header, before decoding: a decompression bomb is refused unread). What comes out is
 the digest the radix cache keys the image on (engine/image_tokens.py): of the decoded RGB
-pixels, as the model's processor reads them, and of the processor's settings.
+pixels, as the model's processor reads them, and of the processor's settings; and the
+decoded size, from which the prompt counts a Qwen-VL image's tokens without decoding it
+again.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from engine.api import ImageFile
 from server.http.errors import APIError
 
 # Where an image part was in a message's text: the front ends put one here per image, and
@@ -43,9 +46,9 @@ class ImageLimits:
 
 
 async def load_images(sources: Sequence[str], limits: ImageLimits, settings: str
-                      ) -> list[tuple[str, bytes]]:
-    """(digest, file) of each image of `sources`, in order; `settings`: the digest of the
-    model's processor settings. A 400 names the first image that fails."""
+                      ) -> list[ImageFile]:
+    """Each image of `sources`, in order, checked; `settings`: the digest of the model's
+    processor settings. A 400 names the first image that fails."""
     if len(sources) > limits.max_images:
         raise APIError(400, f"{len(sources)} images exceed this server's limit of "
                        f"{limits.max_images} per request", code="invalid_image")
@@ -53,16 +56,16 @@ async def load_images(sources: Sequence[str], limits: ImageLimits, settings: str
     for index, source in enumerate(sources):
         try:
             data = await _read(source, limits)
-            digest = await asyncio.to_thread(image_digest, data, limits.max_pixels, settings)
+            loaded.append(await asyncio.to_thread(checked_image, data, limits.max_pixels,
+                                                  settings))
         except ValueError as error:
             raise APIError(400, f"image {index + 1}: {error}", code="invalid_image") from error
-        loaded.append((digest, data))
     return loaded
 
 
-def image_digest(data: bytes, max_pixels: int, settings: str) -> str:
-    """The digest of the image file `data`, decoded; ValueError if it is no image, is
-    larger than `max_pixels` or does not decode whole."""
+def checked_image(data: bytes, max_pixels: int, settings: str) -> ImageFile:
+    """The image file `data` with the digest and size of its pixels, decoded; ValueError
+    if it is no image, is larger than `max_pixels` or does not decode whole."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -82,7 +85,7 @@ def image_digest(data: bytes, max_pixels: int, settings: str) -> str:
     digest = hashlib.sha256(settings.encode())
     digest.update(f"{pixels.width}x{pixels.height}".encode())
     digest.update(pixels.tobytes())
-    return digest.hexdigest()
+    return ImageFile(digest.hexdigest(), pixels.size, data)
 
 
 async def _read(source: str, limits: ImageLimits) -> bytes:

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from engine.api import Prompt
+from engine.api import ImageFile, Prompt
 from engine.image_tokens import ImageTokens
 from engine.tokenizer import ChatEnd, ModelTokenizer
 from server import generic_tools as generic
@@ -43,14 +43,14 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> No
         )
 
 
-def _image_counts(image_tokens: ImageTokens | None, images: Sequence[tuple[str, bytes]]
+def _image_counts(image_tokens: ImageTokens | None, images: Sequence[ImageFile]
                   ) -> list[int]:
-    """How many tokens each image becomes; a 400 naming the first image the model's
-    processor refuses (Qwen's: a side under 1/200 of the other)."""
+    """How many tokens each image becomes (from its decoded size); a 400 naming the first
+    image the model's processor refuses (Qwen's: a side under 1/200 of the other)."""
     counts = []
-    for index, (_, data) in enumerate(images):
+    for index, image in enumerate(images):
         try:
-            counts.append(image_tokens.count(data))
+            counts.append(image_tokens.count(image.size))
         except ValueError as error:
             raise APIError(400, f"image {index + 1}: this model does not take it: {error}",
                            code="invalid_image") from error
@@ -58,7 +58,7 @@ def _image_counts(image_tokens: ImageTokens | None, images: Sequence[tuple[str, 
 
 
 def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
-                message_ends: bool = False, images: Sequence[tuple[str, bytes]] = ()) -> Prompt:
+                message_ends: bool = False, images: Sequence[ImageFile] = ()) -> Prompt:
     """The prompt through the model's chat template; for a template without a tool format,
     tools and tool turns are rewritten first (`server.generic_tools`), then runs of one
     role merged and late system messages fitted to the template (`server.conversation`).

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from engine.api import Prompt
+from engine.api import ImageFile, Prompt
 from engine.tokenizer import ModelTokenizer
-from server.images import image_digest
+from server.images import checked_image
 
 QUESTION = "What is in this picture?"
 
@@ -29,15 +29,25 @@ def image_prompt(tokenizer: ModelTokenizer, messages: list[dict], images: list[b
                  message_ends: bool = False) -> Prompt:
     """The prompt the server builds for `messages` (image placeholders in their text), with
     where each message ends when asked (a snapshot model's)."""
-    counts = [tokenizer.images.count(image) for image in images]
+    files = [image_file(tokenizer, data) for data in images]
+    counts = [tokenizer.images.count(file.size) for file in files]
     tokens = tokenizer.chat_prompt(messages, image_counts=counts)
     ends = ()
     if message_ends:
         heads = [messages[:count] for count in range(1, len(messages) + 1)]
         ends = tokenizer.shared_lengths(tokens, heads, image_counts=counts)
-    placed = [(image_digest(data, 1 << 30, tokenizer.images.settings), data) for data in images]
-    keyed, prompt_images = tokenizer.images.key(tokens, placed)
+    keyed, prompt_images = tokenizer.images.key(tokens, files)
     return Prompt(keyed, ends, prompt_images)
+
+
+def image_file(tokenizer: ModelTokenizer, data: bytes) -> ImageFile:
+    """The image file `data` as the server loads it for the model of `tokenizer`."""
+    return checked_image(data, 1 << 30, tokenizer.images.settings)
+
+
+def image_count(tokenizer: ModelTokenizer, data: bytes) -> int:
+    """How many tokens the server gives the image file `data`."""
+    return tokenizer.images.count(image_file(tokenizer, data).size)
 
 
 def prompt_text(tokenizer: ModelTokenizer, tokens: list[int]) -> str:

@@ -68,6 +68,39 @@ async def test_an_image_prompt_gives_mlx_vlm_generates_tokens_cold_and_cached(
     assert after_cold == encoded + 1 == engine.stats().counters.images_encoded
 
 
+async def test_a_cold_image_prompt_decodes_and_processes_each_image_once_and_a_hit_none(
+        engine, monkeypatch):
+    """The processor's pixels are for the vision tower alone: Qwen's positions take the
+    images' grids from their sizes, and a cached image is not read at all."""
+    engine.clear_cache().result()
+    vision, seen = engine._loaded.vision, {"decoded": 0, "processed": 0}
+    load_image, processor = vision._load_image, vision.image_processor
+
+    def counted_load(source):
+        seen["decoded"] += 1
+        return load_image(source)
+
+    def counted_processor(images, **options):
+        seen["processed"] += len(images)
+        return processor(images, **options)
+
+    monkeypatch.setattr(vision, "_load_image", counted_load)
+    monkeypatch.setattr(vision, "image_processor", counted_processor)
+    tokenizer = engine.tokenizer
+    turn = {"role": "user", "content": tokenizer.images.placeholder + "This one, and "
+            + tokenizer.images.placeholder + "that one?"}
+    prompt = image_prompt(tokenizer, [turn], [png(21, size=(20, 64)), png(22)])
+
+    cold = await complete(engine, prompt, 2, ignore_eos=True)
+    after_cold = dict(seen)
+    hit = await complete(engine, prompt, 2, ignore_eos=True)
+
+    assert after_cold == {"decoded": 2, "processed": 2}
+    assert seen == after_cold
+    assert cold.tokens == hit.tokens
+    assert hit.finish.cached_tokens == len(prompt.tokens) - 1
+
+
 async def test_image_prompts_batched_give_each_its_own_tokens(engine, reference):
     """Images of other sizes (Qwen: other token counts, other position shifts) beside a
     text prompt in one decode batch; rows leave it at different steps."""

@@ -1,17 +1,19 @@
-"""An image's digest is of its pixels and the processor's settings, and what cannot be
-decoded whole, or is too large, is refused before anything is decoded."""
+"""An image's digest is of its pixels and the processor's settings, its size is the one
+its decoded pixels have, and what cannot be decoded whole, or is too large, is refused
+before anything is decoded."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import io
 
 import pytest
 from PIL import Image
 
 from server.http.errors import APIError
-from server.images import ImageLimits, image_digest, load_images
+from server.images import ImageLimits, checked_image, load_images
 from tests.vision.support import data_url, png
 
 LIMITS = ImageLimits(max_bytes=1 << 20, max_pixels=1 << 20, max_images=4,
@@ -24,18 +26,41 @@ def encoded(data: bytes, format: str, **options) -> bytes:
     return out.getvalue()
 
 
+def digest(data: bytes, settings: str = "s") -> str:
+    return checked_image(data, LIMITS.max_pixels, settings).digest
+
+
 def test_the_same_pixels_in_another_file_have_the_same_digest():
     data = png(1)
     again = encoded(data, "PNG", compress_level=0)
     assert again != data
-    assert image_digest(again, LIMITS.max_pixels, "s") == image_digest(data, LIMITS.max_pixels,
-                                                                       "s")
+    assert digest(again) == digest(data)
 
 
 def test_other_pixels_or_other_processor_settings_give_another_digest():
-    digest = image_digest(png(1), LIMITS.max_pixels, "s")
-    assert image_digest(png(2), LIMITS.max_pixels, "s") != digest
-    assert image_digest(png(1), LIMITS.max_pixels, "other settings") != digest
+    assert digest(png(2)) != digest(png(1))
+    assert digest(png(1), "other settings") != digest(png(1))
+
+
+def test_the_digest_is_of_the_settings_the_size_and_the_rgb_pixels():
+    """What the radix keys of images already cached (on disk too) were made of."""
+    data = png(1)
+    pixels = Image.open(io.BytesIO(data)).convert("RGB")
+    expected = hashlib.sha256(b"s" + f"{pixels.width}x{pixels.height}".encode()
+                              + pixels.tobytes()).hexdigest()
+    assert checked_image(data, LIMITS.max_pixels, "s").digest == expected
+
+
+def test_the_size_is_the_decoded_pixels_turned_as_their_exif_orientation_says():
+    """A phone's portrait photo is stored landscape with an orientation tag; the processor
+    reads it upright, and so is its size (which sizes its tokens) read."""
+    out, exif = io.BytesIO(), Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    Image.new("RGB", (40, 20), "red").save(out, format="JPEG", exif=exif.tobytes())
+    image = checked_image(out.getvalue(), LIMITS.max_pixels, "s")
+    assert image.size == (20, 40)
+    assert image.data == out.getvalue()
+    assert checked_image(png(1, size=(30, 50)), LIMITS.max_pixels, "s").size == (50, 30)
 
 
 @pytest.mark.parametrize(("data", "message"), [
@@ -45,22 +70,22 @@ def test_other_pixels_or_other_processor_settings_give_another_digest():
 ])
 def test_what_does_not_decode_whole_is_refused(data, message):
     with pytest.raises(ValueError, match=message):
-        image_digest(data, LIMITS.max_pixels, "s")
+        checked_image(data, LIMITS.max_pixels, "s")
 
 
 def test_a_decompression_bomb_is_refused_from_its_header():
     out = io.BytesIO()
     Image.new("1", (4096, 4096)).save(out, format="PNG")  # 16M pixels in a few kB
     with pytest.raises(ValueError, match="exceed this server's limit"):
-        image_digest(out.getvalue(), LIMITS.max_pixels, "s")
+        checked_image(out.getvalue(), LIMITS.max_pixels, "s")
 
 
 def test_wrapped_base64_is_read_and_the_limits_hold():
     payload = base64.b64encode(png(4)).decode()
     wrapped = "data:image/png;base64," + "\n".join(
         payload[i:i + 76] for i in range(0, len(payload), 76))
-    [(_, data)] = asyncio.run(load_images([wrapped], LIMITS, "s"))
-    assert data == png(4)
+    [image] = asyncio.run(load_images([wrapped], LIMITS, "s"))
+    assert image.data == png(4)
     with pytest.raises(APIError, match="5 images exceed"):
         asyncio.run(load_images([data_url(png(5))] * 5, LIMITS, "s"))
     small = ImageLimits(max_bytes=100, max_pixels=1 << 20, max_images=4, url_hosts=frozenset())

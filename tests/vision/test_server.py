@@ -17,7 +17,14 @@ from PIL import Image
 
 from engine.loader import load_tokenizer
 from tests.server.support import start_server
-from tests.vision.support import QUESTION, VlmReference, data_url, png, prompt_text
+from tests.vision.support import (
+    QUESTION,
+    VlmReference,
+    data_url,
+    image_count,
+    png,
+    prompt_text,
+)
 
 MAX_TOKENS = 10
 MAX_PIXELS = 1_000_000
@@ -57,7 +64,7 @@ def chat_text(tokenizer, joiner: str = "\n") -> list[dict]:
 def expected_answer(tokenizer, reference, image: bytes, joiner: str = "\n") -> str:
     """mlx_vlm.generate's greedy answer to `chat_text` with `image`."""
     tokens = tokenizer.chat_prompt(chat_text(tokenizer, joiner),
-                                   image_counts=[tokenizer.images.count(image)])
+                                   image_counts=[image_count(tokenizer, image)])
     answer = reference.greedy(prompt_text(tokenizer, tokens), [image], MAX_TOKENS)
     ends = tokenizer.eos_token_ids
     return tokenizer.decode(skip_special_tokens=True, tokens=[t for t in answer[:next(
@@ -121,7 +128,7 @@ def test_a_qwen_vl_server_sizes_each_image_and_caches_past_it(demo_qwen_vl_dir, 
             data_url(square)), max_tokens=1).choices[0].message.content is not None
     finally:
         process.stop()
-    counts = [tokenizer.images.count(image) for image in (wide, square)]
+    counts = [image_count(tokenizer, image) for image in (wide, square)]
     assert counts[0] != counts[1]
     for image, count, answer in zip((wide, square), counts, answers):
         assert answer.choices[0].message.content == expected_answer(tokenizer, reference, image)
