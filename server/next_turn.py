@@ -24,7 +24,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from engine.api import EngineError, Prompt, Readout, SamplingParams
+from engine.api import EngineError, ImageFile, Prompt, Readout, SamplingParams
 from engine.tokenizer import ModelTokenizer
 from radix.prefix import common_prefix_length
 from server.events import ChoiceResult
@@ -69,7 +69,7 @@ def _turn_after(reply: TemplateMessage, text: str) -> list[TemplateMessage]:
 
 
 def next_turn_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
-                     images: Sequence[tuple[str, bytes]], reply: ChoiceResult,
+                     images: Sequence[ImageFile], reply: ChoiceResult,
                      message_ends: bool) -> Prompt:
     """The tokens the chat's next turn will start with: `request` (as rendered, volatile
     lines dropped) followed by `reply` and the start of the turn after it."""
@@ -114,7 +114,7 @@ class NextTurn:
     async def _prefill(self, reply: ChoiceResult, generated: list[int], lease: Lease) -> None:
         engine = lease.engine
         try:
-            images = [(image.digest, image.data) for image in self.prompt.images]
+            images = [image.file for image in self.prompt.images]
             prompt = await asyncio.to_thread(
                 next_turn_prompt, engine.tokenizer, self.request, images, reply,
                 engine.wants_message_ends)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.server
 import io
 import threading
+import time
 
 import anthropic
 import httpx
@@ -98,6 +99,29 @@ def test_the_openai_sdk_sends_an_image_and_a_second_turn_is_cached_past_it(
     assert second.usage.prompt_tokens_details.cached_tokens > image_end
     assert other.usage.prompt_tokens_details.cached_tokens < image_end - 16
     assert vision_server.metrics()["radix_mlx_engine_images_encoded_total"] >= 2
+
+
+def test_an_image_chats_next_turn_is_cached_up_to_its_own_text(
+        vision_server, client, model, tokenizer):
+    """The reply, as the template renders it back after the image, is prefilled once it
+    is done (server/next_turn.py): only the new question is computed."""
+    image = png(13)
+    before = vision_server.metrics()["radix_mlx_next_turn_prefilled_tokens_total"]
+    first = client.chat.completions.create(model=model, messages=chat_image(data_url(image)),
+                                           max_tokens=MAX_TOKENS, temperature=0)
+    deadline = time.monotonic() + 10
+    while (vision_server.metrics()["radix_mlx_next_turn_prefilled_tokens_total"] == before
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
+    turns = [*chat_image(data_url(image)),
+             {"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "Tell me more."}]
+    second = client.chat.completions.create(model=model, messages=turns,
+                                            max_tokens=MAX_TOKENS, temperature=0)
+    own = len(tokenizer.encode("Tell me more.<end_of_turn>\n<start_of_turn>model\n",
+                               special_tokens=False))
+    assert second.usage.prompt_tokens_details.cached_tokens >= (
+        second.usage.prompt_tokens - own - 2)
 
 
 def test_a_qwen_vl_server_sizes_each_image_and_caches_past_it(demo_qwen_vl_dir, tmp_path):
