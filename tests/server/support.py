@@ -83,11 +83,17 @@ class ServerProcess:
         return self.process.wait(timeout=60)
 
 
+# Its sitecustomize hides torch from the processes (the folder says why).
+WITHOUT_TORCH = Path(__file__).parent / "without_torch"
+
+
 def server_env(extra: Mapping[str, str] = {}) -> dict[str, str]:
     """This process's environment without the developer's RADIX_MLX_* settings (they must
-    not leak into the tests), with OpenBLAS at its best kernels, plus `extra`."""
+    not leak into the tests), with OpenBLAS at its best kernels and without torch, as
+    installed (tests/server/without_torch), plus `extra`."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("RADIX_MLX_")}
-    return {**env, **cpu_env(env), **extra}
+    path = os.pathsep.join([str(WITHOUT_TORCH), *filter(None, [env.get("PYTHONPATH")])])
+    return {**env, **cpu_env(env), "PYTHONPATH": path, **extra}
 
 
 def start_server(
