@@ -92,8 +92,13 @@ def server_env(extra: Mapping[str, str] = {}) -> dict[str, str]:
     not leak into the tests), with OpenBLAS at its best kernels and without torch, as
     installed (tests/server/without_torch), plus `extra`."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("RADIX_MLX_")}
-    path = os.pathsep.join([str(WITHOUT_TORCH), *filter(None, [env.get("PYTHONPATH")])])
-    return {**env, **cpu_env(env), "PYTHONPATH": path, **extra}
+    return {**env, **cpu_env(env), "PYTHONPATH": without_torch(env.get("PYTHONPATH")),
+            **extra}
+
+
+def without_torch(pythonpath: str | None) -> str:
+    """`pythonpath` (a PYTHONPATH's value, or None) with tests/server/without_torch first."""
+    return os.pathsep.join([str(WITHOUT_TORCH), *filter(None, [pythonpath])])
 
 
 def start_server(
