@@ -4,6 +4,7 @@ the real default model with a server on it for the tests of real text."""
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -70,16 +71,28 @@ def real_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return convert(gguf_file, directory)
 
 
-@pytest.fixture(scope="module")
-def real_server(
+@pytest.fixture(scope="session")
+def real_server_process(
     real_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """A server on the real model, one per test module that asks for it (a start costs
-    ~10 s on 2 cores): API key required, as the demo-model `server` fixture."""
+    """A server on the real model for the whole session (a start costs ~10 s on 2 cores):
+    API key required, as the demo-model `server` fixture. Tests use `real_server`."""
     log_path = tmp_path_factory.mktemp("real-server") / "server.log"
     process = start_server(real_model_dir, log_path, "--api-key", API_KEY)
     yield process
     process.stop()
+
+
+@pytest.fixture(scope="module")
+def real_server(real_server_process: ServerProcess) -> ServerProcess:
+    """The session's real-model server with its prefix cache emptied for each test module
+    that asks for it: a module's first prompt is cold, as on a server of its own (the
+    modules assert what their prompts find cached)."""
+    cleared = httpx.delete(f"{real_server_process.url}/admin/cache",
+                           headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert cleared.status_code == 200, cleared.text
+    assert cleared.json()["memory"]["tokens"] == 0, cleared.text
+    return real_server_process
 
 
 @pytest.fixture(scope="module")

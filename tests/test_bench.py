@@ -32,6 +32,16 @@ from bench.report import (
 )
 from bench.workloads import QUICK, build_all
 from tests.engine.gguf_files import write_demo_gguf
+from tests.server.support import without_torch
+
+
+@pytest.fixture
+def children_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's servers and children (its environment is this process's) run without
+    torch, as the tests' servers do: tests/server/without_torch says why. Not for the
+    embeddings workload, whose reference is sentence-transformers, on torch."""
+    monkeypatch.setenv("PYTHONPATH", without_torch(os.environ.get("PYTHONPATH")))
+
 
 TOY = ["--sp-groups", "2", "--sp-prompts-per-group", "2", "--sp-system-tokens", "64",
        "--mt-turns", "2", "--lc-document-tokens", "128", "--decode-output-tokens", "8"]
@@ -56,6 +66,7 @@ def test_workloads_are_seeded_and_sized(demo_model_dir: Path) -> None:
     assert len({c.user_turns[0].split("\n")[0] for c in classify.conversations}) == 1
 
 
+@pytest.mark.usefixtures("children_without_torch")
 def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
     """Every workload but several models' (test_several_models_reload_and_report),
     speculative decoding's (test_speculation_workloads) and the prefill endpoints'
@@ -119,6 +130,7 @@ def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
         assert shared["errors"] == 0 and shared["cached_tokens"] >= 2 * 64
 
 
+@pytest.mark.usefixtures("children_without_torch")
 def test_speculation_workloads(demo_model_dir: Path, tmp_path: Path) -> None:
     """The agent edit workload with speculation off, on, auto and on with a draft model
     (the demo model itself), and bare mlx-lm on the same chats; the standard workloads
@@ -141,6 +153,7 @@ def test_speculation_workloads(demo_model_dir: Path, tmp_path: Path) -> None:
     assert "--speculation on, a draft model" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.usefixtures("children_without_torch")
 def test_workloads_flag_runs_only_those_and_rounds_repeat_them(demo_model_dir: Path,
                                                                tmp_path: Path) -> None:
     main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-raw",
@@ -189,6 +202,7 @@ def test_targets_are_medians_over_rounds_with_each_rounds_value() -> None:
     assert classify["rounds"] == pytest.approx([3.0, 0.5, 1.8])
 
 
+@pytest.mark.usefixtures("children_without_torch")
 def test_a_gguf_model_is_benched_as_serve_converts_it(demo_model_dir: Path, tmp_path: Path):
     write_demo_gguf(demo_model_dir, tmp_path / "tiny.gguf")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
@@ -253,6 +267,7 @@ def test_replicas_are_reported_against_one_server() -> None:
     }
 
 
+@pytest.mark.usefixtures("children_without_torch")
 def test_bare_batch_baseline_runs_the_classify_prompts(demo_model_dir: Path) -> None:
     shapes = json.dumps(QUICK.as_dict())
     result = subprocess.run(
@@ -265,6 +280,7 @@ def test_bare_batch_baseline_runs_the_classify_prompts(demo_model_dir: Path) -> 
     assert measured["prompts_s"] > 0
 
 
+@pytest.mark.usefixtures("children_without_torch")
 def test_decode_parity_times_every_path_against_bare_mlx_lm(demo_model_dir: Path,
                                                              tmp_path: Path) -> None:
     subprocess.run(
@@ -289,6 +305,7 @@ def test_decode_parity_times_every_path_against_bare_mlx_lm(demo_model_dir: Path
     assert "| server:process |" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.usefixtures("children_without_torch")
 def test_batch_parity_times_every_path_against_bare_batch_generator(demo_model_dir: Path,
                                                                     tmp_path: Path) -> None:
     subprocess.run(
@@ -399,6 +416,7 @@ def test_a_bench_model_exported_to_gguf_computes_what_it_did(demo_model_dir: Pat
     assert mx.allclose(original(tokens), exported(tokens), atol=1e-4).item()
 
 
+@pytest.mark.usefixtures("children_without_torch")
 def test_several_models_reload_and_report(demo_model_dir: Path, tmp_path: Path) -> None:
     """idle_reload on real servers (one start: its other workloads start six, and the
     server tests cover what they measure); the report of all three from their figures."""

@@ -22,6 +22,7 @@ import pytest
 from engine.model_source import default_model_file
 from server.launch.replicas import free_port
 from server.launch.service_files import render_launchd, render_systemd, stop_timeout
+from tests.server.support import without_torch
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 DRAIN_TIMEOUT = 8
@@ -65,6 +66,7 @@ def test_sigterm_lets_the_stream_finish_and_exits_zero(render, demo_model_dir, t
     assert Path(command[0]).is_absolute()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RADIX_MLX_")}
     env.update(service_env)
+    env["PYTHONPATH"] = without_torch(env.get("PYTHONPATH"))  # as installed: no torch
     log = (tmp_path / "stdout.log").open("w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -112,14 +114,16 @@ def start_stage(tmp_path: Path, model: Path | None,
                 flags: tuple[str, ...] = ("--disk-cache-bytes", "0"),
                 ) -> tuple[subprocess.Popen, Path, str]:
     """A server of `model` (None: `flags` name the models) started as `python -m server`
-    (or `entry`): the process, its log and its URL."""
+    (or `entry`), without torch as installed (tests/server/without_torch): the process,
+    its log and its URL."""
     log = tmp_path / "server.log"
     port = free_port()
     command = [sys.executable, "-m", *entry, *(["--model", str(model)] if model else []),
                "--port", str(port), "--config", "", *flags]
+    pythonpath = without_torch(os.environ.get("PYTHONPATH"))
     with log.open("w") as out:
-        process = subprocess.Popen(command, env={**os.environ, **env}, stdout=out,
-                                   stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": pythonpath, **env},
+                                   stdout=out, stderr=subprocess.STDOUT)
     return process, log, f"http://127.0.0.1:{port}"
 
 
@@ -171,11 +175,12 @@ def test_sigterm_while_a_gguf_is_converted_exits_zero_and_publishes_nothing(tmp_
     assert not list(cache.glob("radix-mlx/gguf/*/*/config.json"))
 
 
-def test_sigterm_while_the_disk_tier_is_restored_exits_zero(real_model_dir, tmp_path):
+def test_sigterm_while_the_disk_tier_is_restored_exits_zero(demo_model_dir, tmp_path):
     """The engine serves while its tree is rebuilt from the disk tier's files (slowed down
-    here, as a tier of many files is): a stop then drains and exits 0."""
+    here, as a tier of many files is): a stop then drains and exits 0. The rebuild's
+    window is the slowdown's, so the demo model (warm in a second) does."""
     flags = ("--disk-cache-dir", str(tmp_path / "kv"), "--disk-cache-bytes", str(2**30))
-    process, log, url = start_stage(tmp_path, real_model_dir,
+    process, log, url = start_stage(tmp_path, demo_model_dir,
                                     entry=("tests.slow_rebuild", "60"), flags=flags)
     stop_when(lambda: probe(f"{url}/admin/cache", lambda c: c["disk"]["rebuilding"]),
               process, log, "restoring the disk tier")

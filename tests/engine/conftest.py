@@ -6,21 +6,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.demo_model import build_demo_model
 from engine.engine import Engine
 from tests.engine.support import Reference, start_engine
 
 
 @pytest.fixture(scope="session")
-def family_model_dir(tmp_path_factory):
-    built: dict[str, str] = {}
-
-    def build(family: str) -> str:
-        if family not in built:
-            built[family] = str(build_demo_model(tmp_path_factory.mktemp(family), family=family))
-        return built[family]
-
-    return build
+def family_model_dir(demo_model_family):
+    """The session's demo model of a family (tests/conftest.py builds each once), as a
+    path string."""
+    return lambda family: str(demo_model_family(family))
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3_text", "qwen3_next"])

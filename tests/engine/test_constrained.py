@@ -306,13 +306,14 @@ async def test_real_model_repeats_no_key_of_open_arguments(real_engine):
     """A forced call whose parameters allow more keys, as instructor's do. The model runs
     on in a loop of keys ("gender_role_type", "gender_role_role_type", ...) until
     max_tokens; it wrote "gender_role_role_role_role_type" eight times before keys were
-    checked, and now makes that key longer instead."""
+    checked, and now makes that key longer instead. That tenth key passes the point where
+    it would have repeated the ninth at 116 tokens: 128 show it."""
     person = {"type": "object", "properties": {"name": {"type": "string"},
                                                "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": True}
     prompt = real_engine.tokenizer.chat_prompt([{"role": "user", "content": (
         "Alice, 30, is an engineer. Describe her in as much detail as you can.")}])
-    call = await complete(real_engine, prompt, 200,
+    call = await complete(real_engine, prompt, 128,
                           constraint=tool_calls([FunctionTool("record", person)]))
     arguments = call.text.split('"arguments": ', 1)[1]
     # The keys written whole (the last one may be cut short), each followed by its value.

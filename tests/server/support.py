@@ -83,11 +83,22 @@ class ServerProcess:
         return self.process.wait(timeout=60)
 
 
+# Its sitecustomize hides torch from the processes (the folder says why).
+WITHOUT_TORCH = Path(__file__).parent / "without_torch"
+
+
 def server_env(extra: Mapping[str, str] = {}) -> dict[str, str]:
     """This process's environment without the developer's RADIX_MLX_* settings (they must
-    not leak into the tests), with OpenBLAS at its best kernels, plus `extra`."""
+    not leak into the tests), with OpenBLAS at its best kernels and without torch, as
+    installed (tests/server/without_torch), plus `extra`."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("RADIX_MLX_")}
-    return {**env, **cpu_env(env), **extra}
+    return {**env, **cpu_env(env), "PYTHONPATH": without_torch(env.get("PYTHONPATH")),
+            **extra}
+
+
+def without_torch(pythonpath: str | None) -> str:
+    """`pythonpath` (a PYTHONPATH's value, or None) with tests/server/without_torch first."""
+    return os.pathsep.join([str(WITHOUT_TORCH), *filter(None, [pythonpath])])
 
 
 def start_server(

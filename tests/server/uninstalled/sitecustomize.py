@@ -2,6 +2,7 @@
 is not pip-installed, as the GPU machines run it: its distribution metadata is not found."""
 
 import importlib.metadata
+import sys
 
 _distribution = importlib.metadata.distribution
 
@@ -13,3 +14,7 @@ def _without_radix_mlx(name: str) -> importlib.metadata.Distribution:
 
 
 importlib.metadata.distribution = _without_radix_mlx
+
+# Python imports one sitecustomize, this one first on the path: it also hides torch, as
+# ../without_torch's would (which says why).
+sys.modules.setdefault("torch", None)
