@@ -253,14 +253,15 @@ def test_a_killed_worker_is_routed_around_then_restarted(replicas: Replicas) -> 
     assert replicas.router_view()[alive]["is_healthy"]
     assert f"({dead}) exited with status -9" in replicas.log()
 
-    def prompt_tokens_served() -> float:
+    def chats_answered() -> float:
         text = httpx.get(f"{alive}/metrics", headers=AUTH, timeout=10).text
-        return float(re.search(r"^radix_mlx_prompt_tokens_total\{[^}]*\} (\S+)", text,
-                               re.MULTILINE)[1])
+        found = re.search(r'^radix_mlx_http_requests_total\{endpoint="/v1/chat/completions",'
+                          r'status="200"\} (\S+)', text, re.MULTILINE)
+        return float(found[1]) if found else 0.0
 
-    before = prompt_tokens_served()
-    prompt, _ = converse(replicas.url, "after-the-kill")
-    assert prompt_tokens_served() - before == prompt  # every turn went to the survivor
+    before = chats_answered()
+    converse(replicas.url, "after-the-kill")
+    assert chats_answered() - before == CHATS * TURNS  # every turn went to the survivor
 
     # Restarted on its port after the delay, it is back in the router's rotation.
     _wait_for(lambda: replicas.router_view()[dead]["is_healthy"],
