@@ -32,3 +32,22 @@ def engine(family, family_model_dir) -> Iterator[Engine]:
 @pytest.fixture(scope="module")
 def reference(family, family_model_dir) -> Reference:
     return Reference(family_model_dir(family))
+
+
+@pytest.fixture(scope="session")
+def real_engine_for_session(real_model_dir) -> Iterator[Engine]:
+    """An engine on the real default model, as configured by default (speculation off),
+    in this process for the session: its load and warm-up cost ~10 s on 2 cores. Tests use
+    `real_engine`."""
+    engine = start_engine(str(real_model_dir), cache_bytes=1 << 30)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def real_engine(real_engine_for_session: Engine) -> Engine:
+    """The session's real-model engine with its prefix cache emptied for each module that
+    asks for it, which then sees it as a fresh engine's: a cold cache."""
+    real_engine_for_session.clear_cache().result(timeout=60)
+    assert real_engine_for_session.stats().tree.total_tokens == 0
+    return real_engine_for_session

