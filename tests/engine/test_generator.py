@@ -42,6 +42,19 @@ def assert_cache_holds(model, cache: list, tokens: list[int]) -> None:
                            atol=1e-4).item()
 
 
+def greedy_alone(model, prompts: list[list[int]], count: int,
+                 budget: int = 64) -> dict[int, list[int]]:
+    """The first `count` tokens each prompt samples when it is prefilled and decoded
+    alone, by uid (its index)."""
+    alone: dict[int, list[int]] = {}
+    for uid, prompt in enumerate(prompts):
+        generator = Generator(model)
+        generator.add(sequence(model, uid, prompt))
+        generator.prefill(budget)  # the prompt but its last token, fed on joining
+        alone |= greedy_tokens(generator, [uid], count)
+    return alone
+
+
 def test_a_lone_sequence_decodes_on_its_plain_cache(model) -> None:
     generator = Generator(model)
     first = sequence(model, 0, list(range(10, 40)))
@@ -82,13 +95,7 @@ def test_short_prompts_fitting_one_chunk_are_prefilled_together(model) -> None:
     preamble = list(range(100, 130))
     prompts = [preamble + list(range(200 + 7 * i, 200 + 7 * i + n))
                for i, n in enumerate((3, 9, 1, 6))]
-    alone = {}
-    for uid, prompt in enumerate(prompts):
-        generator = Generator(model)
-        generator.add(sequence(model, uid, prompt))
-        generator.prefill(64)  # alone: the prompt but its last token, fed on joining
-        assert generator.ready and not generator.rows
-        alone |= greedy_tokens(generator, [uid], 4)
+    alone = greedy_alone(model, prompts, 4)
 
     # The preamble is cached (as a radix hit would be): only the rest is unfed, and
     # rows of different lengths are padded to the longest.
@@ -137,12 +144,7 @@ def test_turns_behind_cached_histories_prefilled_together_answer_as_alone(model)
                  list(range(500, 530))]
     turns = [list(range(600, 609)), list(range(700, 703)), list(range(800, 806))]
     prompts = [h + t for h, t in zip(histories, turns)]
-    alone = {}
-    for uid, prompt in enumerate(prompts):
-        generator = Generator(model)
-        generator.add(sequence(model, uid, prompt))
-        generator.prefill(64)
-        alone |= greedy_tokens(generator, [uid], 4)
+    alone = greedy_alone(model, prompts, 4)
 
     def computed(tokens: list[int]) -> list:
         cache = make_prompt_cache(model)
@@ -197,6 +199,35 @@ def generate(generator: Generator, uids: list[int], budget: int, count: int
 
 def long_prompts() -> list[list[int]]:
     return [list(range(10 + 3 * i, 10 + 3 * i + n)) for i, n in enumerate((300, 320, 290))]
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_next"])
+def test_prompts_computed_one_by_one_join_the_batch_together_and_answer_as_alone(
+        family, family_model_dir) -> None:
+    # Sliding-window and recurrent caches are prefilled one prompt at a time, so prompts
+    # computed in successive steps are all ready at the next decode step, where they join
+    # in one forward. Longer and shorter than the 32-token window, beside a row decoding.
+    model = load(family_model_dir(family))[0]
+    prompts = [list(range(10 + 3 * i, 10 + 3 * i + n)) for i, n in enumerate((20, 45, 7, 70))]
+    alone = greedy_alone(model, prompts, 5, budget=128)
+
+    generator = Generator(model)
+    generator.add(sequence(model, 0, prompts[0]))
+    generator.prefill(128)
+    together: dict[int, list[int]] = {uid: [] for uid in range(len(prompts))}
+    together[0] = [output.token for output in generator.decode() + generator.decode()]
+    for uid, prompt in enumerate(prompts[1:], start=1):
+        generator.add(sequence(model, uid, prompt))
+    while generator.prefilling:
+        generator.prefill(128)
+    assert [s.uid for s in generator.ready] == [1, 2, 3] and len(generator.rows) == 1
+    while min(map(len, together.values())) < 5:
+        for output in generator.decode():
+            together[output.uid].append(output.token)
+    assert {uid: tokens[:5] for uid, tokens in together.items()} == alone
+    for uid in (2, 0, 3, 1):  # each leaves with a cache holding its tokens
+        generator.remove([uid])
+        generator.decode()
 
 
 def test_prompts_too_long_for_one_forward_take_equal_chunks_together(model) -> None:
