@@ -40,7 +40,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -65,7 +65,7 @@ from engine.kv import KVStore
 from engine.kv_quant import KVQuantization
 from engine.loader import LoadedModel
 from engine.mrope import MRoPE
-from engine.prefill_budget import PrefillBudget
+from engine.prefill_budget import GRANULE, PrefillBudget
 from engine.prompt_logprobs import prompt_logprobs
 from engine.segment_file import BadSegmentFile
 from engine.speculation import Drafts
@@ -104,7 +104,32 @@ GPU_PREFILL_STALL_RATIO = 100.0
 # the state up to it: for a hybrid model its attention layers' KV, for a sliding-window
 # one its global layers' KV).
 MAX_MESSAGE_SNAPSHOTS = 4
+# Tokens a message-end snapshot must spare, counted from the cached prefix or the snapshot
+# before it and to the prompt's end, to be worth the extra forward it splits prefill into.
+# On a GPU a forward's cost is mostly fixed: for a 4B-shaped Gemma 3 on an H200 each
+# ~25-token chunk of a turn took 25-30 ms, and the two message ends of each image turn
+# (after the reply it repeats, after the new question) made three forwards of what one
+# computes (`bench/experiments/snapshot-join-4b`). Such a snapshot spares a later request
+# at most that many tokens, less than a granule costs. On the CPU the cost is per token.
+MIN_SNAPSHOT_SPAN = {"cpu": 0, "gpu": GRANULE}
 
+
+
+def spaced_snapshots(message_ends: Sequence[int], depth: int, end: int,
+                     min_span: int) -> list[int]:
+    """The message ends in (`depth`, `end`) to snapshot at: each at least `min_span`
+    tokens past the one before it (or `depth`) and short of `end`, at most
+    `MAX_MESSAGE_SNAPSHOTS` of them, each holding the whole state up to it: the first (a
+    system prompt other conversations share) and the last ones (the turns the
+    conversation's next request, or a retry of its last turn, shares)."""
+    positions: list[int] = []
+    for position in sorted(set(message_ends)):
+        if position - (positions[-1] if positions else depth) >= max(min_span, 1) and (
+                end - position >= max(min_span, 1)):
+            positions.append(position)
+    if len(positions) > MAX_MESSAGE_SNAPSHOTS:
+        positions = positions[:1] + positions[1 - MAX_MESSAGE_SNAPSHOTS:]
+    return positions
 
 # -- the inbox: what other threads (and tree callbacks) ask of the worker ------------------
 
@@ -493,18 +518,13 @@ class Scheduler:
     def _snapshot_positions(self, generation: Generation) -> list[int]:
         """Where prefill pauses to snapshot the cache: for a model whose cache is reused
         only as whole-state snapshots, the prompt's message ends past its cached prefix
-        and short of the prompt's own end (published anyway). At most
-        `MAX_MESSAGE_SNAPSHOTS`, each holding the whole state up to it: the first (a
-        system prompt other conversations share) and the last ones (the turns the
-        conversation's next request, or a retry of its last turn, shares)."""
+        and short of the prompt's own end (published anyway), as `spaced_snapshots`
+        picks them."""
         if self.kv.segments:
             return []
-        depth, end = generation.hold.depth, len(generation.cacheable)
-        positions = sorted({position for position in generation.message_ends
-                            if depth < position < end})
-        if len(positions) > MAX_MESSAGE_SNAPSHOTS:
-            positions = positions[:1] + positions[1 - MAX_MESSAGE_SNAPSHOTS:]
-        return positions
+        span = MIN_SNAPSHOT_SPAN["gpu" if self.generator.pipelined else "cpu"]
+        return spaced_snapshots(generation.message_ends, generation.hold.depth,
+                                len(generation.cacheable), span)
 
     def _take_snapshot(self, sequence: SequenceState) -> None:
         """Prefill reached one of `sequence.snapshot_at`: snapshot the state there, to publish
