@@ -104,8 +104,8 @@ GPU_PREFILL_STALL_RATIO = 100.0
 # the state up to it: for a hybrid model its attention layers' KV, for a sliding-window
 # one its global layers' KV).
 MAX_MESSAGE_SNAPSHOTS = 4
-# Tokens a message-end snapshot must spare, counted from the cached prefix or the snapshot
-# before it and to the prompt's end, to be worth the extra forward it splits prefill into.
+# Tokens a message-end snapshot must spare (counted from the cached prefix or the snapshot
+# before it) to be worth the extra forward it splits prefill into.
 # On a GPU a forward's cost is mostly fixed: for a 4B-shaped Gemma 3 on an H200 each
 # ~25-token chunk of a turn took 25-30 ms, and the two message ends of each image turn
 # (after the reply it repeats, after the new question) made three forwards of what one
@@ -118,14 +118,15 @@ MIN_SNAPSHOT_SPAN = {"cpu": 0, "gpu": GRANULE}
 def spaced_snapshots(message_ends: Sequence[int], depth: int, end: int,
                      min_span: int) -> list[int]:
     """The message ends in (`depth`, `end`) to snapshot at: each at least `min_span`
-    tokens past the one before it (or `depth`) and short of `end`, at most
-    `MAX_MESSAGE_SNAPSHOTS` of them, each holding the whole state up to it: the first (a
-    system prompt other conversations share) and the last ones (the turns the
-    conversation's next request, or a retry of its last turn, shares)."""
+    tokens past the one before it (or `depth`), which is what it spares a request that
+    shares the prompt up to it and no further; at most `MAX_MESSAGE_SNAPSHOTS` of them,
+    each holding the whole state up to it: the first (a system prompt other conversations
+    share) and the last ones (the turns the conversation's next request, or a retry of its
+    last turn, shares)."""
     positions: list[int] = []
     for position in sorted(set(message_ends)):
-        if position - (positions[-1] if positions else depth) >= max(min_span, 1) and (
-                end - position >= max(min_span, 1)):
+        if depth < position < end and (
+                position - (positions[-1] if positions else depth) >= max(min_span, 1)):
             positions.append(position)
     if len(positions) > MAX_MESSAGE_SNAPSHOTS:
         positions = positions[:1] + positions[1 - MAX_MESSAGE_SNAPSHOTS:]
