@@ -66,13 +66,10 @@ replicas: $(STAMP)
 
 # Two test files at a time (pytest-xdist; a file's tests stay on one worker, with its
 # module's servers): most of the suite waits on server processes, so on two cores it took
-# 10.6 minutes where one process took 15.6. Schemathesis names every operation's fuzz test
-# alike, which xdist runs as one, so the fuzzing runs after, in one process.
+# 10.6 minutes where one process took 15.6.
 TEST_WORKERS ?= 2
-FUZZ_TESTS := tests/reliability/test_fuzz.py
 test: $(STAMP)
-	$(CPU_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore $(FUZZ_TESTS)
-	$(CPU_ENV) $(BIN)/python -m pytest $(FUZZ_TESTS)
+	$(CPU_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The tests that start no server process and run no model but the tiny demo one (a few
 # read the default model's tokenizer or convert it once): the radix tree, the engine's

@@ -4,7 +4,8 @@ declared schema, every error is OpenAI's error object."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,16 +59,28 @@ def fuzzed(
     stop(server)
 
 
-@schema.parametrize()
-@settings(max_examples=MAX_EXAMPLES, derandomize=True, deadline=None, database=None,
-          suppress_health_check=list(HealthCheck))
-def test_every_operation_survives_fuzzing(case: schemathesis.Case, fuzzed: ServerProcess) -> None:
-    # Schema-valid bodies may still be refused with a 400 (a chat template rejecting the
-    # message order, prompt + max_tokens over the context): positive data need not pass.
-    case.call_and_validate(
-        base_url=fuzzed.url, headers=AUTH, timeout=60,
-        additional_checks=[openai_error_object], excluded_checks=[positive_data_acceptance],
-    )
+def fuzzing_test() -> Callable[[schemathesis.Case, ServerProcess], None]:
+    def test(case: schemathesis.Case, fuzzed: ServerProcess) -> None:
+        # Schema-valid bodies may still be refused with a 400 (a chat template rejecting
+        # the message order, prompt + max_tokens over the context): positive data need not
+        # pass.
+        case.call_and_validate(
+            base_url=fuzzed.url, headers=AUTH, timeout=60,
+            additional_checks=[openai_error_object],
+            excluded_checks=[positive_data_acceptance],
+        )
+    return settings(max_examples=MAX_EXAMPLES, derandomize=True, deadline=None,
+                    database=None, suppress_health_check=list(HealthCheck))(test)
+
+
+# Every operation survives fuzzing, each a test of its own name: schemathesis names an
+# operation's test after its function, and pytest-xdist (make test) runs the tests of
+# one name as one.
+for result in schema.get_all_operations():
+    operation = result.ok()
+    name = "test_fuzzing_" + re.sub(r"\W+", "_", operation.label).strip("_").lower()
+    globals()[name] = schema.include(method=operation.method.upper(),
+                                     path=operation.path).parametrize()(fuzzing_test())
 
 
 # Found by this fuzzing, kept as plain examples.
