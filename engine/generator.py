@@ -258,10 +258,11 @@ class Generator:
         """Join the sequences whose prompt is computed, and run one decode step. Returns
         the tokens sampled by the previous step (or, for a sequence that just joined, its
         first token)."""
-        alone = [s for s in self.ready if s.images is not None and self.mrope is not None]
-        together = [s for s in self.ready if s not in alone]
-        for sequence in alone:
-            self._join([sequence])
+        placed = self.mrope is not None  # a Qwen-VL row with images joins at its placement
+        for sequence in self.ready:
+            if placed and sequence.images is not None:
+                self._join([sequence])
+        together = [s for s in self.ready if not (placed and s.images is not None)]
         if together:
             self._join(together)
         self.ready = []
