@@ -258,11 +258,12 @@ class Generator:
         """Join the sequences whose prompt is computed, and run one decode step. Returns
         the tokens sampled by the previous step (or, for a sequence that just joined, its
         first token)."""
-        placed = self.mrope is not None  # a Qwen-VL row with images joins at its placement
+        together = []
         for sequence in self.ready:
-            if placed and sequence.images is not None:
-                self._join([sequence])
-        together = [s for s in self.ready if not (placed and s.images is not None)]
+            if self.mrope is not None and sequence.images is not None:
+                self._join([sequence])  # at its prompt's M-RoPE placement
+            else:
+                together.append(sequence)
         if together:
             self._join(together)
         self.ready = []
@@ -473,7 +474,7 @@ class Generator:
         270-320 ms step on an H200 (`bench/experiments/snapshot-join-4b`). A Qwen-VL row
         with images joins alone, at its prompt's M-RoPE placement."""
         placement = None
-        if sequences[0].images is not None and self.mrope is not None:
+        if len(sequences) == 1 and sequences[0].images is not None:
             sequence = sequences[0]
             last = len(sequence.tokens)
             placement = sequence.images.placement(sequence.tokens + sequence.unfed, last,

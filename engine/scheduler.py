@@ -114,7 +114,6 @@ MAX_MESSAGE_SNAPSHOTS = 4
 MIN_SNAPSHOT_SPAN = {"cpu": 0, "gpu": GRANULE}
 
 
-
 def spaced_snapshots(message_ends: Sequence[int], depth: int, end: int,
                      min_span: int) -> list[int]:
     """The message ends in (`depth`, `end`) to snapshot at: each at least `min_span`
