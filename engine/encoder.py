@@ -6,13 +6,15 @@ An encoder attends both ways, so no prefix of one input is a prefix of another's
 computation: there is no radix tree here and no scheduler, only batching. One worker
 thread owns every MLX call, as in `Engine`; it takes every request waiting at once,
 sorts their inputs by length (little padding) and runs them in forwards of at most
-`BATCH_TOKENS` padded tokens. It has `Engine`'s lifecycle surface (state, start, stats,
+`BATCH_TOKENS` padded tokens; on the CPU, each forward's rows split over one stream per
+core (`cpu_streams`). It has `Engine`'s lifecycle surface (state, start, stats,
 shutdown...) so the server serves it unchanged; generating is refused (`CannotGenerate`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -37,7 +39,7 @@ from engine.api import (
 from engine.bert import SentenceEncoder, is_sentence_encoder, load_sentence_encoder
 from engine.cross_encoder import CrossEncoder, is_cross_encoder, load_cross_encoder
 from engine.loader import model_id_for
-from engine.platform_info import apply_mlx_env_defaults
+from engine.platform_info import apply_mlx_env_defaults, set_cpu_blas_threads
 
 log = logging.getLogger("radix_mlx.engine")
 
@@ -45,6 +47,13 @@ log = logging.getLogger("radix_mlx.engine")
 # that 64 long inputs do not materialize one huge attention score tensor.
 BATCH_TOKENS = 16384
 BATCH_ROWS = 256
+# MLX's CPU backend runs an elementwise op (GELU, layer norm, softmax) on one thread, and
+# only its matrix products (OpenBLAS) on every core: on 2 cores that single-threaded part
+# was a third of MiniLM's forward. So a forward's rows split over one stream per core,
+# each multiplying on one BLAS thread, and every part of it runs on every core: 64
+# sentences of 26 tokens took 266 ms where one stream took 336. Fewer rows than this a
+# stream are not worth a stream's own matrix products.
+MIN_ROWS_PER_STREAM = 8
 
 
 class CannotGenerate(EngineNotReady):
@@ -87,6 +96,7 @@ class EncoderEngine:
         self.vocab_size = 0
         self._encoder: SentenceEncoder | CrossEncoder | None = None
         self._tokenizer: Tokenizer | None = None
+        self._streams: list[mx.Stream] = []
         self._jobs: queue.SimpleQueue[EncodeJob | None] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._stopped = threading.Event()
@@ -142,6 +152,7 @@ class EncoderEngine:
             # An input too long is refused before it gets here.
             tokenizer.no_truncation()
         self._tokenizer = tokenizer
+        self._streams = cpu_streams()
         self.context_length = self._encoder.max_length
         self.vocab_size = tokenizer.get_vocab_size()
         self._run([[tokenizer.token_to_id("[CLS]") or 0] * 8], [[0] * 8])  # compile, warm up
@@ -272,11 +283,42 @@ class EncoderEngine:
             attention = padded([[1] * len(inputs[i]) for i in batch], width)
             types = None if token_types is None else padded([token_types[i] for i in batch],
                                                             width)
-            outputs.append(np.array(self._encoder(ids, attention, types).astype(mx.float32)))
+            outputs.append(self._forward(ids, attention, types))
             self._counters.prefill_tokens += sum(len(inputs[i]) for i in batch)
             self._counters.steps += 1
             start = end
         return np.concatenate(outputs)[np.argsort(order)]
+
+
+    def _forward(self, ids: mx.array, attention: mx.array, types: mx.array | None
+                 ) -> np.ndarray:
+        """The encoder's output for one padded batch: on the CPU, its rows in parts, one
+        on each core's stream, evaluated together."""
+        parts = min(len(self._streams), len(ids) // MIN_ROWS_PER_STREAM)
+        if parts < 2:
+            return np.array(self._encoder(ids, attention, types).astype(mx.float32))
+        bounds = [len(ids) * part // parts for part in range(parts + 1)]
+        outputs = []
+        for stream, start, end in zip(self._streams, bounds, bounds[1:]):
+            with mx.stream(stream):
+                part_types = None if types is None else types[start:end]
+                outputs.append(self._encoder(ids[start:end], attention[start:end],
+                                             part_types).astype(mx.float32))
+        mx.eval(outputs)
+        return np.concatenate([np.array(output) for output in outputs])
+
+
+def cpu_streams() -> list[mx.Stream]:
+    """One MLX stream per core this process may run on, each multiplying on one BLAS
+    thread (`MIN_ROWS_PER_STREAM`), where MLX computes on the CPU; none on a GPU. Sets
+    the BLAS threads of the whole process: a server serving a causal model beside the
+    encoder runs it in a process of its own (server/launch/serve.py)."""
+    if mx.default_device() != mx.cpu:
+        return []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if not cores or cores < 2 or not set_cpu_blas_threads(1):
+        return []
+    return [mx.new_stream(mx.cpu) for _ in range(cores)]
 
 
 def padded(rows: list[list[int]], width: int) -> mx.array:

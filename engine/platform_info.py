@@ -106,6 +106,19 @@ def apply_mlx_env_defaults() -> None:
         os.environ.setdefault(name, value)
 
 
+def set_cpu_blas_threads(threads: int) -> bool:
+    """Have MLX's CPU matrix products (the preloaded OpenBLAS) use `threads` threads, for
+    this whole process; False where MLX does not run on an OpenBLAS we can reach."""
+    if sys.platform != "linux":
+        return False
+    try:
+        set_threads = ctypes.CDLL(None).openblas_set_num_threads
+    except AttributeError:
+        return False
+    set_threads(threads)
+    return True
+
+
 def describe_platform() -> str:
     """One line for the startup log: MLX version, device, and on the CPU the BLAS in use."""
     import mlx.core as mx

@@ -70,6 +70,18 @@ def test_embeddings_equal_sentence_transformers(encoder_server: ServerProcess,
     assert body["usage"]["prompt_tokens"] <= sum(tokens)  # the reference pads its count
 
 
+def test_a_batch_split_over_the_cpu_cores_equals_sentence_transformers(
+        encoder_server: ServerProcess, reference) -> None:
+    # 48 inputs of many lengths: on a CPU of 2 or more cores, forwards of several rows
+    # each, each forward's rows split over one stream per core (engine/encoder.py).
+    texts = [" ".join(TEXTS[i % len(TEXTS)] for i in range(count % 7 + 1)) + f" #{count}"
+             for count in range(48)]
+    response = embed(encoder_server, input=texts)
+    assert response.status_code == 200, response.text
+    ours = np.array([d["embedding"] for d in response.json()["data"]])
+    assert cosines(ours, reference.encode(texts)).min() >= 0.9999
+
+
 def test_the_access_log_counts_an_embedding_requests_tokens(
         encoder_server: ServerProcess) -> None:
     response = httpx.post(f"{encoder_server.url}/v1/embeddings", json={"input": [[101, 7592, 102]]},
