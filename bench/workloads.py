@@ -85,6 +85,7 @@ class Shapes:
     bd_output_tokens: int = 32  # bench/gpu.sh: 128
     cl_sentences: int = 128
     cl_batch: int = 32
+    cl_concurrency: int = 1  # lists in flight at once (bare batch_generate: one at a time)
     cl_preamble_tokens: int = 32
     cl_sentence_tokens: int = 16
     ae_file_tokens: int = 1200  # the agent edit workload (bench/speculation.py)
@@ -200,13 +201,14 @@ def batch_decode(source: TextSource, s: Shapes) -> Workload:
 
 def classify(source: TextSource, s: Shapes) -> Workload:
     """Classification: many one-line sentences behind one instruction, the token at each
-    one's end, sent to `/v1/classify` in lists of `cl_batch`, one list after another."""
+    one's end, sent to `/v1/classify` in lists of `cl_batch`, `cl_concurrency` lists at
+    a time."""
     preamble = source.text(s.cl_preamble_tokens)
     conversations = tuple(
         Conversation(None, (f"{preamble}\n{source.text(s.cl_sentence_tokens)}\n",))
         for _ in range(s.cl_sentences)
     )
-    return Workload("classify", conversations, 1, 1, batch=s.cl_batch,
+    return Workload("classify", conversations, s.cl_concurrency, 1, batch=s.cl_batch,
                     batch_endpoint="/v1/classify")
 
 

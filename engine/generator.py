@@ -415,11 +415,14 @@ class Generator:
             for layer in cache:
                 layer.prepare(right_padding=[width - n for n in lengths])
             inputs = mx.array([feed + [0] * (width - len(feed)) for _, feed, _ in rows])
-            logits = self._run(inputs, cache)
+            rows, ends = mx.arange(len(group)), mx.array(lengths) - 1
+            if self.hidden.available:
+                with self.hidden.narrowed(rows, ends):
+                    last = self._run(inputs, cache)[:, 0]
+            else:
+                last = self._run(inputs, cache)[rows, ends]
             for layer in cache:
                 layer.finalize()
-            rows, ends = mx.arange(len(group)), mx.array(lengths) - 1
-            last = logits[rows, ends]
             hidden = (self.hidden.take(rows, ends) if any(s.wants_hidden for s in group)
                       else None)
             mx.eval(last, hidden)  # within this step, as a chunk is
