@@ -46,6 +46,9 @@ WATCH_SECONDS = 0.25
 # What a 503 for a model that cannot be placed now asks the client to wait.
 NO_ROOM_RETRY_SECONDS = 5
 RETRY_LATER = {"Retry-After": str(NO_ROOM_RETRY_SECONDS)}
+# Two jobs of 64 prompts: one computing, the next queued behind it, and half the default
+# queue (max_queue 256) left to other requests.
+PREFILL_JOBS_AT_ONCE = 2
 
 # (spec, its settings, its share of the budget in bytes) -> its engine, started.
 StartEngine = Callable[[ModelSpec, Settings, int], "EngineClient"]
@@ -81,6 +84,11 @@ class ServedModel:
         self.evicting = False
         self.last_error: str | None = None
         self.counters = ModelCounters()
+        # The prefill-only jobs (server/prefill/jobs.py) on its engine at once, whichever
+        # requests they are of: each queues up to 64 prompts in the engine, and five
+        # clients classifying lists of 64 at once filled its queue (256): 429s for them
+        # and for any chat request meanwhile. The rest wait here instead.
+        self.prefill_slots = asyncio.Semaphore(PREFILL_JOBS_AT_ONCE)
 
     @property
     def context_length(self) -> int | None:

@@ -5,8 +5,11 @@ Each prompt is one engine request, so admission batches them (short prompts go t
 in one padded forward) and the radix tree shares what they have in common (an embedding
 instruction, a rerank query, a classification preamble) as it does for any prompt; the
 tree keeps only that common part of a job's prompts (`Readout.cached_prefix`). They
-go in `Job`s of at most JOB_PROMPTS, JOBS_IN_FLIGHT at once, so one call with a couple of
-thousand inputs neither fills the engine's queue (a 429 for everyone) nor waits in turn.
+go in `Job`s of at most JOB_PROMPTS, and a model runs `ServedModel.prefill_slots` jobs at
+once, whichever requests they are of, so neither one call with thousands of inputs nor
+many calls at once fill the engine's queue (a 429 for everyone): they take at most half
+of it (`job_prompts`). A request takes at most
+JOBS_IN_FLIGHT of the slots: the jobs of requests waiting together take turns.
 """
 
 from __future__ import annotations
@@ -17,14 +20,15 @@ from dataclasses import dataclass, replace
 
 from fastapi import Request
 
-from engine.api import EngineClient, Finish, LastPosition, Prompt, Readout, SamplingParams
+from engine.api import Finish, LastPosition, Prompt, Readout, SamplingParams
 from radix.prefix import common_prefix_length
 from server.http.streaming import unless_disconnected
 from server.jobs import Job
+from server.model_registry import PREFILL_JOBS_AT_ONCE, ServedModel
 from server.state import ServerState
 
 JOB_PROMPTS = 64
-JOBS_IN_FLIGHT = 4
+JOBS_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -36,21 +40,22 @@ class Reading:
     cached_tokens: int
 
 
-async def read_prompts(http: Request, state: ServerState, engine: EngineClient,
+async def read_prompts(http: Request, state: ServerState, model: ServedModel,
                        work: Sequence[tuple[Sequence[Prompt], Readout]]
                        ) -> list[list[Reading]] | None:
     """Every (prompts, readout) pair's readings, in the prompts' order; None if the client
     left first. The first refusal (an APIError: a prompt over the context window, a full
     queue) is raised, and the rest of the work cancelled."""
     gate = asyncio.Semaphore(JOBS_IN_FLIGHT)
+    size = job_prompts(model)
     jobs: list[Job] = []
 
     async def run(prompts: Sequence[Prompt], readout: Readout) -> list[Reading]:
         if len(prompts) > 1:
             readout = replace(readout, cached_prefix=shared_prefix(prompts))
         params = SamplingParams(max_tokens=0, temperature=0.0, readout=readout)
-        async with gate:
-            job = Job(engine, state.drain, state.metrics, http.state.request_id,
+        async with gate, model.prefill_slots:
+            job = Job(model.engine, state.drain, state.metrics, http.state.request_id,
                       http.state.started_at)
             jobs.append(job)
             job.submit(prompts, 1, lambda _: params)
@@ -66,9 +71,9 @@ async def read_prompts(http: Request, state: ServerState, engine: EngineClient,
                 for i in range(len(prompts))]
 
     async def everything() -> list[list[Reading]]:
-        slices = [(prompts[start:start + JOB_PROMPTS], readout)
+        slices = [(prompts[start:start + size], readout)
                   for prompts, readout in work
-                  for start in range(0, len(prompts), JOB_PROMPTS)]
+                  for start in range(0, len(prompts), size)]
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(run(p, r)) for p, r in slices]
@@ -78,7 +83,7 @@ async def read_prompts(http: Request, state: ServerState, engine: EngineClient,
         readings: list[list[Reading]] = []
         position = 0
         for prompts, _ in work:
-            count = -(-len(prompts) // JOB_PROMPTS)
+            count = -(-len(prompts) // size)
             readings.append([r for part in results[position:position + count] for r in part])
             position += count
         return readings
@@ -88,6 +93,11 @@ async def read_prompts(http: Request, state: ServerState, engine: EngineClient,
     finally:
         for job in jobs:
             job.close()
+
+
+def job_prompts(model: ServedModel) -> int:
+    """Prompts per job: JOB_PROMPTS, or fewer where the engine's queue is short."""
+    return max(1, min(JOB_PROMPTS, model.settings.max_queue // (2 * PREFILL_JOBS_AT_ONCE)))
 
 
 def shared_prefix(prompts: Sequence[Prompt]) -> int:

@@ -134,7 +134,7 @@ async def _classify(request: Request, state: ServerState, served: ServedModel,
     work = [(prompts, Readout(top_logprobs=body.top_logprobs, token_ids=firsts))]
     if continuations:
         work.append((continuations, Readout(token_ids=rests)))
-    readings = await read_prompts(request, state, served.engine, work)
+    readings = await read_prompts(request, state, served, work)
     if readings is None:
         return Response(status_code=CLIENT_CLOSED)
     later = iter(readings[1] if continuations else ())
@@ -254,7 +254,7 @@ async def _embed(request: Request, state: ServerState, model: ServedModel,
         return vectors, sum(map(len, tokens)), 0
     prompts = await asyncio.to_thread(_prompts, model.tokenizer(), inputs, "input")
     _check_lengths(model, [prompt.tokens for prompt in prompts], "input")
-    readings = await read_prompts(request, state, engine, [(prompts, Readout(hidden=True))])
+    readings = await read_prompts(request, state, model, [(prompts, Readout(hidden=True))])
     if readings is None:
         return None
     vectors = np.array([reading.last.hidden for reading in readings[0]], np.float32)
@@ -328,7 +328,7 @@ async def _judge_scores(request: Request, state: ServerState, model: ServedModel
                                       documents)
     _check_lengths(model, [prompt.tokens for prompt in prompts], "documents")
     yes, no = (tokenizer.encode(word, special_tokens=False)[0] for word in ("yes", "no"))
-    readings = await read_prompts(request, state, model.engine,
+    readings = await read_prompts(request, state, model,
                                   [(prompts, Readout(token_ids=(yes, no)))])
     if readings is None:
         return None
