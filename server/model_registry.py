@@ -46,9 +46,15 @@ WATCH_SECONDS = 0.25
 # What a 503 for a model that cannot be placed now asks the client to wait.
 NO_ROOM_RETRY_SECONDS = 5
 RETRY_LATER = {"Retry-After": str(NO_ROOM_RETRY_SECONDS)}
-# Two jobs of 64 prompts: one computing, the next queued behind it, and half the default
-# queue (max_queue 256) left to other requests.
-PREFILL_JOBS_AT_ONCE = 2
+# The prompts of one prefill-only job (server/prefill/jobs.py), and how many such jobs a
+# model runs at once: together they take at most half its queue (max_queue), the rest
+# left to other requests; at the default 256, two jobs of 64, one computing and the next
+# queued behind it.
+PREFILL_JOB_PROMPTS = 64
+
+
+def prefill_jobs_at_once(max_queue: int) -> int:
+    return max(1, max_queue // (2 * PREFILL_JOB_PROMPTS))
 
 # (spec, its settings, its share of the budget in bytes) -> its engine, started.
 StartEngine = Callable[[ModelSpec, Settings, int], "EngineClient"]
@@ -88,7 +94,7 @@ class ServedModel:
         # requests they are of: each queues up to 64 prompts in the engine, and five
         # clients classifying lists of 64 at once filled its queue (256): 429s for them
         # and for any chat request meanwhile. The rest wait here instead.
-        self.prefill_slots = asyncio.Semaphore(PREFILL_JOBS_AT_ONCE)
+        self.prefill_slots = asyncio.Semaphore(prefill_jobs_at_once(settings.max_queue))
 
     @property
     def context_length(self) -> int | None:

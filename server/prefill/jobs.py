@@ -4,12 +4,13 @@ each read at its last position (`engine.api.Readout`), none generating.
 Each prompt is one engine request, so admission batches them (short prompts go through
 in one padded forward) and the radix tree shares what they have in common (an embedding
 instruction, a rerank query, a classification preamble) as it does for any prompt; the
-tree keeps only that common part of a job's prompts (`Readout.cached_prefix`). They
-go in `Job`s of at most JOB_PROMPTS, and a model runs `ServedModel.prefill_slots` jobs at
-once, whichever requests they are of, so neither one call with thousands of inputs nor
-many calls at once fill the engine's queue (a 429 for everyone): they take at most half
-of it (`job_prompts`). A request takes at most
-JOBS_IN_FLIGHT of the slots: the jobs of requests waiting together take turns.
+tree keeps only that common part of a job's prompts (`Readout.cached_prefix`).
+
+They go in `Job`s of at most PREFILL_JOB_PROMPTS, and a model runs a few jobs at once
+(`ServedModel.prefill_slots`), whichever requests they are of: together they take at most
+half the engine's queue, so neither one call with thousands of inputs nor many calls at
+once fill it (a 429 for everyone). A request holds at most as many jobs as there are
+slots, its next one waiting for one of them to end: requests waiting together take turns.
 """
 
 from __future__ import annotations
@@ -24,11 +25,8 @@ from engine.api import Finish, LastPosition, Prompt, Readout, SamplingParams
 from radix.prefix import common_prefix_length
 from server.http.streaming import unless_disconnected
 from server.jobs import Job
-from server.model_registry import PREFILL_JOBS_AT_ONCE, ServedModel
+from server.model_registry import PREFILL_JOB_PROMPTS, ServedModel, prefill_jobs_at_once
 from server.state import ServerState
-
-JOB_PROMPTS = 64
-JOBS_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -46,7 +44,7 @@ async def read_prompts(http: Request, state: ServerState, model: ServedModel,
     """Every (prompts, readout) pair's readings, in the prompts' order; None if the client
     left first. The first refusal (an APIError: a prompt over the context window, a full
     queue) is raised, and the rest of the work cancelled."""
-    gate = asyncio.Semaphore(JOBS_IN_FLIGHT)
+    gate = asyncio.Semaphore(prefill_jobs_at_once(model.settings.max_queue))
     size = job_prompts(model)
     jobs: list[Job] = []
 
@@ -96,8 +94,9 @@ async def read_prompts(http: Request, state: ServerState, model: ServedModel,
 
 
 def job_prompts(model: ServedModel) -> int:
-    """Prompts per job: JOB_PROMPTS, or fewer where the engine's queue is short."""
-    return max(1, min(JOB_PROMPTS, model.settings.max_queue // (2 * PREFILL_JOBS_AT_ONCE)))
+    """Prompts per job: PREFILL_JOB_PROMPTS, or fewer where the engine's queue is short."""
+    max_queue = model.settings.max_queue
+    return max(1, min(PREFILL_JOB_PROMPTS, max_queue // (2 * prefill_jobs_at_once(max_queue))))
 
 
 def shared_prefix(prompts: Sequence[Prompt]) -> int:
