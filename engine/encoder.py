@@ -39,7 +39,7 @@ from engine.api import (
 from engine.bert import SentenceEncoder, is_sentence_encoder, load_sentence_encoder
 from engine.cross_encoder import CrossEncoder, is_cross_encoder, load_cross_encoder
 from engine.loader import model_id_for
-from engine.platform_info import apply_mlx_env_defaults, set_cpu_blas_threads
+from engine.platform_info import apply_mlx_env_defaults, cpu_blas_threads
 
 log = logging.getLogger("radix_mlx.engine")
 
@@ -50,9 +50,10 @@ BATCH_ROWS = 256
 # MLX's CPU backend runs an elementwise op (GELU, layer norm, softmax) on one thread, and
 # only its matrix products (OpenBLAS) on every core: on 2 cores that single-threaded part
 # was a third of MiniLM's forward. So a forward's rows split over one stream per core,
-# each multiplying on one BLAS thread, and every part of it runs on every core: 64
-# sentences of 26 tokens took 266 ms where one stream took 336. Fewer rows than this a
-# stream are not worth a stream's own matrix products.
+# each multiplying on one BLAS thread (for that forward only: the process's other MLX work
+# keeps its threads), and every part of it runs on every core: 64 sentences of 26 tokens
+# took 266 ms where one stream took 336. Fewer rows than this a stream are not worth a
+# stream's own matrix products.
 MIN_ROWS_PER_STREAM = 8
 
 
@@ -304,19 +305,18 @@ class EncoderEngine:
                 part_types = None if types is None else types[start:end]
                 outputs.append(self._encoder(ids[start:end], attention[start:end],
                                              part_types).astype(mx.float32))
-        mx.eval(outputs)
+        with cpu_blas_threads(1):
+            mx.eval(outputs)
         return np.concatenate([np.array(output) for output in outputs])
 
 
 def cpu_streams() -> list[mx.Stream]:
-    """One MLX stream per core this process may run on, each multiplying on one BLAS
-    thread (`MIN_ROWS_PER_STREAM`), where MLX computes on the CPU; none on a GPU. Sets
-    the BLAS threads of the whole process: a server serving a causal model beside the
-    encoder runs it in a process of its own (server/launch/serve.py)."""
+    """One MLX stream per core this process may run on, where MLX computes on the CPU
+    (`MIN_ROWS_PER_STREAM`); none on a GPU."""
     if mx.default_device() != mx.cpu:
         return []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if not cores or cores < 2 or not set_cpu_blas_threads(1):
+    if not cores or cores < 2:
         return []
     return [mx.new_stream(mx.cpu) for _ in range(cores)]
 

@@ -21,7 +21,8 @@ import importlib.metadata
 import os
 import platform
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 OPT_OUT_ENV = "RADIX_MLX_NO_OPENBLAS"
@@ -106,17 +107,21 @@ def apply_mlx_env_defaults() -> None:
         os.environ.setdefault(name, value)
 
 
-def set_cpu_blas_threads(threads: int) -> bool:
-    """Have MLX's CPU matrix products (the preloaded OpenBLAS) use `threads` threads, for
-    this whole process; False where MLX does not run on an OpenBLAS we can reach."""
-    if sys.platform != "linux":
-        return False
+@contextmanager
+def cpu_blas_threads(threads: int) -> Iterator[None]:
+    """Within, MLX's CPU matrix products (the preloaded OpenBLAS) use `threads` threads,
+    in the whole process; after, as many as before. Nothing changes where MLX does not
+    run on an OpenBLAS we can reach."""
+    library = ctypes.CDLL(None) if sys.platform == "linux" else None
+    if library is None or not hasattr(library, "openblas_set_num_threads"):
+        yield
+        return
+    before = library.openblas_get_num_threads()
+    library.openblas_set_num_threads(threads)
     try:
-        set_threads = ctypes.CDLL(None).openblas_set_num_threads
-    except AttributeError:
-        return False
-    set_threads(threads)
-    return True
+        yield
+    finally:
+        library.openblas_set_num_threads(before)
 
 
 def describe_platform() -> str:
