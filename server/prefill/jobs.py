@@ -94,9 +94,9 @@ async def read_prompts(http: Request, state: ServerState, model: ServedModel,
 
 
 def job_prompts(model: ServedModel) -> int:
-    """Prompts per job: PREFILL_JOB_PROMPTS, or fewer where the engine's queue is short."""
-    max_queue = model.settings.max_queue
-    return max(1, min(PREFILL_JOB_PROMPTS, max_queue // (2 * prefill_jobs_at_once(max_queue))))
+    """Prompts per job: PREFILL_JOB_PROMPTS, or half the engine's queue where that is
+    shorter (then one job runs at a time, `prefill_jobs_at_once`)."""
+    return max(1, min(PREFILL_JOB_PROMPTS, model.settings.max_queue // 2))
 
 
 def shared_prefix(prompts: Sequence[Prompt]) -> int:
