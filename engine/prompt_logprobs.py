@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.api import TokenEvent, TokenLogprob
+from engine.api import TokenEvent
 from engine.tokenizer import ModelTokenizer
 
 
@@ -26,10 +26,6 @@ def prompt_logprobs(model: nn.Module, tokenizer: ModelTokenizer, tokens: list[in
     logprob (nothing comes before it), every other its logprob under the model given the
     tokens before it and the `top` likeliest tokens at its position. The forward runs in
     chunks of `chunk` tokens."""
-
-    def scored(token: int, logprob: float) -> TokenLogprob:
-        return TokenLogprob(token, tokenizer.decode([token]), logprob,
-                            tokenizer.token_bytes(token))
 
     events = [TokenEvent(tokens[0], tokenizer.decode([tokens[0]]))]
     cache = make_prompt_cache(model)
@@ -49,7 +45,7 @@ def prompt_logprobs(model: nn.Module, tokenizer: ModelTokenizer, tokens: list[in
         mx.eval(arrays, [c.state for c in cache])
         rows = zip(*(array.tolist() for array in arrays))
         for token, (logprob, *alternatives) in zip(targets, rows):
-            own = scored(token, logprob)
-            best = tuple(scored(i, v) for i, v in zip(*alternatives)) if top else ()
+            own = tokenizer.token_logprob(token, logprob)
+            best = tuple(tokenizer.token_logprob(i, v) for i, v in zip(*alternatives))
             events.append(TokenEvent(token, own.text, own, best))
     return tuple(events)

@@ -107,12 +107,8 @@ def token_logprobs(scores: Scores, token: int, tokenizer: ModelTokenizer
     """The sampled token's logprob and the most likely alternatives the request asked
     for, from the scores its step computed."""
 
-    def scored(token: int, logprob: float) -> TokenLogprob:
-        return TokenLogprob(token, tokenizer.decode([token]), logprob,
-                            tokenizer.token_bytes(token))
-
-    chosen = scored(token, scores.chosen.item())
+    chosen = tokenizer.token_logprob(token, scores.chosen.item())
     if scores.top_ids is None:
         return chosen, ()
     ids, values = scores.top_ids.tolist(), scores.top_values.tolist()
-    return chosen, tuple(scored(i, v) for i, v in zip(ids, values))
+    return chosen, tuple(tokenizer.token_logprob(i, v) for i, v in zip(ids, values))

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from jinja2 import TemplateError
 
+from engine.api import TokenLogprob
 from engine.image_tokens import ImageTokens
 from engine.token_cache import NotCacheable, SegmentCache, cut_tokens, special_ids
 from radix.prefix import common_prefix_length
@@ -79,8 +80,18 @@ class ModelTokenizer:
         # Prompt text encoded in cached segments, when the tokenizer allows it exactly.
         self._segments = _segment_cache(getattr(wrapper.encode, "__self__", None))
         self._special_ids = special_ids(self.fast) if self._segments is not None else None
+        self._token_pieces: dict[int, tuple[str, bytes]] = {}  # text and bytes, by id
 
-    def token_bytes(self, token: int) -> bytes:
+    def token_logprob(self, token: int, logprob: float) -> TokenLogprob:
+        """A logprob entry: the token's own text and bytes, looked up once per token id
+        (a readout or a top-k list asks for them per row and per alternative, and
+        decoding each took ~20 us of the engine's thread)."""
+        piece = self._token_pieces.get(token)
+        if piece is None:
+            piece = self._token_pieces[token] = (self.decode([token]), self._token_bytes(token))
+        return TokenLogprob(token, piece[0], logprob, piece[1])
+
+    def _token_bytes(self, token: int) -> bytes:
         """The bytes token `token` stands for: for a token holding part of a UTF-8
         character, that part (decoding it alone gives U+FFFD instead)."""
         piece = self.fast.id_to_token(token) if self._piece_bytes is not None else None

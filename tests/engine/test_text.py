@@ -87,9 +87,9 @@ def test_token_bytes_are_the_pieces_own_bytes(demo_model_dir) -> None:
     tokenizer = ModelTokenizer(load_tokenizer(demo_model_dir))
     tokens = tokenizer.encode(f" {EMOJI}", special_tokens=False)
     assert [tokenizer.decode([t]) for t in tokens][1:] == ["\ufffd", "\ufffd"]
-    assert [tokenizer.token_bytes(t) for t in tokens] == [b" \xf0\x9f", b"\x98", b"\x80"]
+    assert [tokenizer.token_logprob(t, 0).bytes for t in tokens] == [b" \xf0\x9f", b"\x98", b"\x80"]
     im_end = tokenizer.encode("<|im_end|>", special_tokens=False)
-    assert [tokenizer.token_bytes(t) for t in im_end] == [b"<|im_end|>"]
+    assert [tokenizer.token_logprob(t, 0).bytes for t in im_end] == [b"<|im_end|>"]
 
 
 def test_sentencepiece_byte_pieces_are_their_byte() -> None:
@@ -101,4 +101,4 @@ def test_sentencepiece_byte_pieces_are_their_byte() -> None:
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     tokenizer = ModelTokenizer(TokenizerWrapper(PreTrainedTokenizerFast(
         tokenizer_object=backend)))
-    assert [tokenizer.token_bytes(t) for t in (1, 2, 3)] == [b"\xf0", b"\x9f", b" hi"]
+    assert [tokenizer.token_logprob(t, 0).bytes for t in (1, 2, 3)] == [b"\xf0", b"\x9f", b" hi"]
