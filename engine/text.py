@@ -40,6 +40,8 @@ class WindowDecoder:
 
     def flush(self) -> str:
         """What is still undecoded, an incomplete character included (as U+FFFD)."""
+        if self._read_offset == len(self._tokens):
+            return ""  # every token shown (a readout, or a stop token last)
         return self._new_text(final=True)
 
     def _new_text(self, final: bool) -> str:
@@ -76,6 +78,8 @@ class StreamDecoder:
     def flush(self) -> str:
         """DecodeStream never shows an incomplete character; at the end it is shown as
         the window decoder shows it (U+FFFD)."""
+        if not self._unshown:
+            return ""
         window = WindowDecoder(self._tokenizer, self._shown)
         return "".join(window.step(token) for token in self._unshown) + window.flush()
 
@@ -83,9 +87,11 @@ class StreamDecoder:
 class TextStream:
     def __init__(self, tokenizer: ModelTokenizer, prompt: Sequence[int],
                  stop: Sequence[str]) -> None:
-        context = prompt[-CONTEXT_TOKENS:]
-        self._decoder = (StreamDecoder(tokenizer, context) if tokenizer.fast is not None
-                         else WindowDecoder(tokenizer, context))
+        self._tokenizer = tokenizer
+        self._context = prompt[-CONTEXT_TOKENS:]
+        # Made at the first token: a readout (a classify list's 64 requests) has none,
+        # and Rust's DecodeStream took ~40 us to make, on the server's event loop.
+        self._decoder: StreamDecoder | WindowDecoder | None = None
         self._stop = tuple(s for s in stop if s)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._held = ""  # decoded, not yet emitted (a stop string may start in it)
@@ -96,6 +102,10 @@ class TextStream:
         matches, `matched_stop` is set and the text before it is returned; nothing after."""
         if self.matched_stop is not None:
             return ""
+        if self._decoder is None:
+            tokenizer, context = self._tokenizer, self._context
+            self._decoder = (StreamDecoder(tokenizer, context) if tokenizer.fast is not None
+                             else WindowDecoder(tokenizer, context))
         self._held += self._decoder.step(token)
         return self._release(final=False)
 
@@ -104,7 +114,8 @@ class TextStream:
         follows a stop string is never shown)."""
         if self.matched_stop is not None:
             return ""
-        self._held += self._decoder.flush()
+        if self._decoder is not None:
+            self._held += self._decoder.flush()
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
