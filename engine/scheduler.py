@@ -640,10 +640,7 @@ class Scheduler:
                 log.error("prefill of %s failed: %r", generation.id, error)
                 self._release(generation, None)
                 self._fail(generation, error)
-            caches = self.generator.caches_of(
-                result.done, [self.running[s.uid].hold.depth for s in result.done])
-            for sequence, cache in zip(result.done, caches):
-                self._prompt_computed(self.running[sequence.uid], cache)
+            self._prompts_computed(result.done)
             self._take(result.outputs)
         self.kv.settle()  # the KV this step published and released, copied at once
         seconds = time.perf_counter() - started
@@ -685,11 +682,23 @@ class Scheduler:
             return budget.chunk if decoding else budget.idle_chunk
         return budget.tokens(decoding, self.generator.prompt_tokens_left)
 
-    def _prompt_computed(self, generation: Generation, cache: KVSource) -> None:
-        """The prompt's KV (all but its last token) is computed, in `cache`: share it now,
-        while this generation goes on to decode."""
-        generation.prompt_done = True
-        self._publish(generation, cache)
+    def _prompts_computed(self, sequences: list[SequenceState]) -> None:
+        """These prompts' KV (all but each one's last token) is computed: share it now,
+        while their generations go on to decode. Only the KV of those with something to
+        publish is read from the batch."""
+        generations = [self.running[sequence.uid] for sequence in sequences]
+        publishing = [i for i, g in enumerate(generations)
+                      if g.hold.publishes(len(g.cacheable))]
+        caches = dict(zip(publishing, self.generator.caches_of(
+            [sequences[i] for i in publishing],
+            [generations[i].hold.depth for i in publishing])))
+        for i, generation in enumerate(generations):
+            generation.prompt_done = True
+            if i in caches:
+                self._publish(generation, caches[i])
+            else:
+                generation.snapshots = []
+                self._wake_followers(generation)
 
     def _publish(self, generation: Generation, cache: KVSource) -> None:
         blocker = generation.hold.publish(generation.tokens, len(generation.cacheable),

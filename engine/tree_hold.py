@@ -48,6 +48,12 @@ class TreeHold:
         self.node, self.depth, self.reservation = match.node, match.length, reservation
         return None
 
+    def publishes(self, end: int) -> bool:
+        """Whether `publish` up to `end` would put anything in the tree: a reservation to
+        fill, or tokens past the held prefix. (A classify list's prompts, whose shared
+        instruction the tree holds already, have none: their KV need not be read.)"""
+        return self.reservation is not None or end > self.depth
+
     def publish(self, tokens: Sequence[int], end: int, handle_of: HandleOf,
                 snapshots: Sequence[tuple[int, Any]] = ()) -> Node | None:
         """The first `end` of `tokens` are computed: put them in the tree, for others to
@@ -62,7 +68,7 @@ class TreeHold:
             # on the node it hangs from.
             self.tree.finalize(self.reservation, handle_of(start, end))
             self.node, self.depth, self.reservation = self.reservation, end, None
-        elif end > start:
+        elif self.publishes(end):
             self.node = self.tree.insert(held, tokens[start:end], handle_of(start, end),
                                          pin=True)
             self.depth = len(self.node.path_tokens())
