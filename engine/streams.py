@@ -156,6 +156,15 @@ class RequestStream:
         self._events: deque[object] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._done = False
+        self._sink: Callable[[object], None] | None = None
+
+    def forward_to(self, sink: Callable[[object], None]) -> None:
+        """Hand `sink` every event instead of the iterator, those waiting first: a reader
+        of many streams (a list of prompts) takes them in one place, rather than through
+        a task per stream and a second wake-up per event. Called on the caller's loop."""
+        self._sink = sink
+        while self._events:
+            sink(self._events.popleft())
 
     def push(self, event: object) -> None:
         """Called from the engine's thread."""
@@ -163,6 +172,9 @@ class RequestStream:
 
     def arrive(self, event: object) -> None:
         """Called on the caller's loop, by the relay."""
+        if self._sink is not None:
+            self._sink(event)
+            return
         self._events.append(event)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)

@@ -8,9 +8,10 @@ outlives the HTTP request that asked for it (client gone, error, or drain deadli
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -53,7 +54,6 @@ class Job:
         self._finishes: dict[int, Finish] = {}
         self._least_cached: dict[int, int] = {}  # per prompt: its choices' fewest cached
         self._tokens: Counter[int] = Counter()
-        self._tasks: list[asyncio.Task] = []
 
     def submit(
         self, prompts: Sequence[Prompt], n: int, params: Callable[[int], SamplingParams]
@@ -97,8 +97,6 @@ class Job:
     def close(self) -> None:
         """Cancel, stop reading and let the model go: the route's last word. Idempotent."""
         self.cancel()
-        for task in self._tasks:
-            task.cancel()
         self.drain.jobs.discard(self)
         if self.lease is not None:
             self.lease.release()
@@ -128,8 +126,8 @@ class Job:
 
     async def _arrivals(self) -> AsyncIterator[tuple[int, TokenEvent | PromptLogprobs | Finish | Exception]]:
         """(choice, event) as they arrive, or the exception a choice's stream raised. One
-        stream is read as it is; several through a queue that a task per stream feeds
-        (which costs every token a second wake-up)."""
+        stream is read as it is; several hand their events to one queue as they arrive
+        (`RequestStream.forward_to`), each stream ending at its Finish or its error."""
         if len(self._streams) == 1:
             try:
                 async for event in self._streams[0]:
@@ -137,28 +135,25 @@ class Job:
             except Exception as error:  # noqa: BLE001 - re-raised by the reader
                 yield 0, error
             return
-        queue: asyncio.Queue[
-            tuple[int, TokenEvent | PromptLogprobs | Finish | Exception | None]] = asyncio.Queue()
+        arrived: deque[tuple[int, object]] = deque()
+        waiter: list[asyncio.Future[None]] = []
 
-        async def pump(index: int, stream) -> None:
-            try:
-                async for event in stream:
-                    queue.put_nowait((index, event))
-            except Exception as error:  # noqa: BLE001 - re-raised by the reader
-                queue.put_nowait((index, error))
-            else:
-                queue.put_nowait((index, None))
+        def take(index: int, event: object) -> None:
+            arrived.append((index, event))
+            if waiter and not waiter[0].done():
+                waiter[0].set_result(None)
 
-        self._tasks = [
-            asyncio.create_task(pump(index, stream)) for index, stream in enumerate(self._streams)
-        ]
+        for index, stream in enumerate(self._streams):
+            stream.forward_to(functools.partial(take, index))
         open_streams = len(self._streams)
         while open_streams:
-            index, event = await queue.get()
-            if event is None:
+            while not arrived:
+                waiter[:] = [asyncio.get_running_loop().create_future()]
+                await waiter[0]
+            index, event = arrived.popleft()
+            if isinstance(event, (Finish, BaseException)):
                 open_streams -= 1
-            else:
-                yield index, event
+            yield index, event  # type: ignore[misc]
 
     def _observe_token(self, index: int, last_token: dict[int, float]) -> None:
         now = time.perf_counter()
