@@ -32,8 +32,9 @@ from typing import Any
 import mlx.core as mx
 
 from bench.workloads import Shapes, build_all
-from engine.api import EngineConfig, Finish, SamplingParams
+from engine.api import EngineConfig, Finish, Prompt, Readout, SamplingParams
 from engine.engine import ENGINE_THREAD, Engine
+from server.prefill.jobs import shared_prefix
 
 H100_SHAPE = {"cl_sentences": 512, "cl_batch": 64, "cl_preamble_tokens": 48,
               "cl_sentence_tokens": 16}
@@ -103,10 +104,13 @@ def thread_cpu_seconds(native_id: int) -> float:
 
 
 async def run(engine: Engine, texts: list[str], batch: int) -> None:
-    params = SamplingParams(max_tokens=1, temperature=0.0)
+    """Each list as /v1/classify submits it: prompts read at their last position, the
+    tree keeping only what the list's prompts share."""
     for start in range(0, len(texts), batch):
-        streams = [engine.submit(engine.tokenizer.encode(text), params)
-                   for text in texts[start:start + batch]]
+        prompts = [Prompt(engine.tokenizer.encode(text)) for text in texts[start:start + batch]]
+        readout = Readout(top_logprobs=0, cached_prefix=shared_prefix(prompts))
+        params = SamplingParams(max_tokens=0, temperature=0.0, readout=readout)
+        streams = [engine.submit(prompt, params) for prompt in prompts]
         for stream in streams:
             async for event in stream:
                 if isinstance(event, Finish):
