@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
+from transformers import AutoTokenizer
 
 from bench import (
     disk_tier,
@@ -62,6 +63,8 @@ from bench.workloads import (
     Workload,
     build_all,
     build_warm_up,
+    first_turns,
+    optimal_cached_tokens,
 )
 from engine.platform_info import cpu_reexec_env, mlx_would_use_cpu
 
@@ -364,6 +367,21 @@ def server_specs(args: argparse.Namespace, model: BenchModel,
     return specs, skipped
 
 
+def optimal_cache_fractions(model_dir: Path, workloads: list[Workload]) -> dict[str, float]:
+    """For each workload of single-turn chats, the share of its prompt tokens an ideal
+    prefix cache serves (`optimal_cached_tokens`), which its measured share is read
+    against. Later turns depend on what the model answered, so chats of several turns
+    have none."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    fractions = {}
+    for workload in workloads:
+        if workload.batch or any(len(c.user_turns) > 1 for c in workload.conversations):
+            continue
+        prompts = first_turns(tokenizer, workload, chat=True)
+        fractions[workload.name] = optimal_cached_tokens(prompts) / sum(map(len, prompts))
+    return fractions
+
+
 def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
                 env: dict[str, str], out: Path, argv: list[str] | None) -> None:
     shapes = shapes_from(args)
@@ -384,6 +402,7 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
         "workloads": [w.name for w in workloads],
         "servers": {},
         "skipped_servers": skipped,
+        "optimal_cache_fraction": optimal_cache_fractions(model.directory, workloads),
     }
     smi = hardware.nvidia_smi()
     if smi:

@@ -20,22 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm import batch_generate, load
 
-from bench.workloads import Shapes, Workload, build_all
-
-
-def prompts_of(tokenizer, workload: Workload, chat: bool) -> list[list[int]]:
-    """Each conversation's first turn, as its server would see it: the chat template for
-    chat workloads, the bare text for /v1/completions ones."""
-    prompts = []
-    for conversation in workload.conversations:
-        if not chat:
-            prompts.append(tokenizer.encode(conversation.user_turns[0]))
-            continue
-        messages = ([{"role": "system", "content": conversation.system}]
-                    if conversation.system else [])
-        messages.append({"role": "user", "content": conversation.user_turns[0]})
-        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    return prompts
+from bench.workloads import Shapes, build_all, first_turns
 
 
 def timed(model, tokenizer, batches: list[list[list[int]]], max_tokens: int,
@@ -62,7 +47,7 @@ def main() -> None:
     workload = next(w for w in build_all(args.model, shapes, args.seed)
                     if w.name == args.workload)
     model, tokenizer = load(str(args.model))
-    prompts = prompts_of(tokenizer, workload, chat=not workload.batch)
+    prompts = first_turns(tokenizer, workload, chat=not workload.batch)
     size = workload.batch or len(prompts)
     batches = [prompts[i:i + size] for i in range(0, len(prompts), size)]
     timed(model, tokenizer, batches[:1], 2, size)  # compile kernels before timing

@@ -172,6 +172,12 @@ def target_values(results: dict) -> list[tuple]:
         ("no-share output tok/s vs mlx-lm", both("no_share", "output_tok_s"),
          ">= 0.9", lambda v: v >= 0.9),
     ]
+    optimal = results.get("optimal_cache_fraction", {}).get("shared_prefix")
+    if optimal and "shared_prefix" in ours:
+        # SGLang's paper reaches 96% of the optimal hit rate on this workload's shape.
+        rows.append(("shared-prefix prompt tokens from cache, of the optimal",
+                     ratio(ours["shared_prefix"].get("cache_fraction"), optimal),
+                     ">= 0.96", lambda v: v >= 0.96))
     lc, single = ours.get("long_context", {}), ours.get("single_stream", {})
     if lc.get("ttft_cold") and single.get("decode_tok_s"):
         # One decode step plus the uncached tokens at the cold request's prefill rate.

@@ -9,6 +9,7 @@ workload's concurrency, in list order.
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 from dataclasses import asdict, dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from engine.demo_model import corpus_texts
+from radix.prefix import common_prefix_length
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,34 @@ WORKLOADS = {make.__name__: make for make in (
 # Served through bare mlx-lm batching as well (bench.raw_batch): mlx-lm's server crashes its
 # generation thread on list prompts, and caps its decode batch at 32 by default.
 RAW_BATCH_WORKLOADS = ("batch_decode", "classify")
+
+
+def first_turns(tokenizer, workload: Workload, chat: bool) -> list[list[int]]:
+    """Each conversation's first turn, as its server would see it: the chat template for
+    chat workloads, the bare text for /v1/completions ones (`tokenizer`: Hugging Face's
+    or mlx-lm's)."""
+    prompts = []
+    for conversation in workload.conversations:
+        if not chat:
+            prompts.append(tokenizer.encode(conversation.user_turns[0]))
+            continue
+        messages = ([{"role": "system", "content": conversation.system}]
+                    if conversation.system else [])
+        messages.append({"role": "user", "content": conversation.user_turns[0]})
+        prompts.append(list(tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=False)))
+    return prompts
+
+
+def optimal_cached_tokens(prompts: list[list[int]]) -> int:
+    """The most of `prompts`' tokens any prefix cache could serve, were it unbounded and
+    the prompts in the best order: each token of the prompts' trie is computed once (sorted,
+    a prompt shares the most with its neighbour), and every prompt computes at least its
+    last token, whose logits it needs. SGLang's paper measures its cache hit rate against
+    this bound (96% of it)."""
+    ordered = sorted(prompts)
+    return sum(min(common_prefix_length(previous, prompt), len(prompt) - 1)
+               for previous, prompt in itertools.pairwise(ordered))
 
 
 def build_all(model_dir: Path, shapes: Shapes, seed: int) -> list[Workload]:

@@ -30,7 +30,7 @@ from bench.report import (
     targets,
     write,
 )
-from bench.workloads import QUICK, build_all
+from bench.workloads import QUICK, build_all, optimal_cached_tokens
 from tests.engine.gguf_files import write_demo_gguf
 from tests.server.support import without_torch
 
@@ -66,6 +66,19 @@ def test_workloads_are_seeded_and_sized(demo_model_dir: Path) -> None:
     assert len({c.user_turns[0].split("\n")[0] for c in classify.conversations}) == 1
 
 
+def test_optimal_cached_tokens_computes_each_shared_prefix_once() -> None:
+    """Two groups behind their own system prompt, a duplicate and a prompt that is another's
+    prefix: every token of the prompts' trie is computed once, and every prompt at least
+    its last token."""
+    a, b = [1, 2, 3, 4], [1, 2, 3, 5]  # a group of two: 3 tokens shared
+    c = [7, 8, 9]  # alone
+    duplicate = [7, 8, 9]  # all but its last token from c
+    longer = [1, 2, 3, 4, 6]  # a's 4 tokens, then its own
+    assert optimal_cached_tokens([a, b]) == 3
+    assert optimal_cached_tokens([c, a, duplicate, b]) == 3 + 2
+    assert optimal_cached_tokens([longer, b, a]) == 4 + 3
+
+
 @pytest.mark.usefixtures("children_without_torch")
 def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
     """Every workload but several models' (test_several_models_reload_and_report),
@@ -95,6 +108,12 @@ def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
         QUICK.ns_output_tokens}
     shared = server["workloads"]["shared_prefix"]
     assert shared["cached_tokens"] >= 64  # the second prompt of a group reuses the first's
+    # Single-turn chats have an optimal share, which the shared-prefix target reads.
+    optimal = results["optimal_cache_fraction"]
+    assert "multi_turn" not in optimal and 0 < optimal["no_share"] < optimal["shared_prefix"]
+    of_optimal = next(t for t in results["targets"]
+                      if t["target"] == "shared-prefix prompt tokens from cache, of the optimal")
+    assert of_optimal["value"] == shared["cache_fraction"] / optimal["shared_prefix"]
     multi = server["requests"]["multi_turn"]
     assert all(r["cached_tokens"] > 0 for r in multi if r["turn"] > 0)
     long = server["workloads"]["long_context"]
