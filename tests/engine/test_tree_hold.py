@@ -56,6 +56,26 @@ def test_publish_finalizes_the_reservation_and_wakes_its_waiters(tree: RadixTree
     check_invariants(tree)
 
 
+def test_publishes_says_whether_a_publish_would_insert_anything(tree: RadixTree) -> None:
+    """A reservation to fill, or tokens past the held prefix: the scheduler reads a
+    prompt's KV only then (a classify list's prompts behind a cached instruction have
+    neither)."""
+    first = started(tree)
+    assert first.publishes(len(PROMPT))  # its reservation
+    first.publish(PROMPT, len(PROMPT), handles_of(PROMPT))
+    first.release(PROMPT, handles_of(PROMPT))
+    again = started(tree, PROMPT + (7,))  # holds the whole of PROMPT now
+    assert again.reservation is not None and again.publishes(len(PROMPT))
+    again.abandon(RuntimeError("cancelled"))
+    hold = TreeHold(tree)
+    assert hold.start(tree.match(PROMPT), PROMPT) is None  # all cached: no reservation
+    assert hold.reservation is None and hold.depth == len(PROMPT)
+    assert not hold.publishes(len(PROMPT)) and not hold.publishes(3)
+    assert hold.publish(PROMPT, len(PROMPT), lambda start, end: pytest.fail("read")) is None
+    hold.release(PROMPT, None)
+    check_invariants(tree)
+
+
 def test_release_inserts_what_was_generated_and_unpins_everything(tree: RadixTree) -> None:
     hold = started(tree)
     hold.publish(PROMPT, len(PROMPT), handles_of(PROMPT))
