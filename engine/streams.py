@@ -140,6 +140,38 @@ class LoopRelays:
         return self._gatherer == threading.get_ident()
 
 
+class EventQueue:
+    """Items put on an asyncio loop and awaited there by one reader: a deque and one
+    waiter rather than an asyncio.Queue, whose put and get cost several times as much
+    Python (this runs once per streamed token on the loop)."""
+
+    def __init__(self) -> None:
+        self._items: deque[object] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: object) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def popleft(self) -> object:
+        """The first item; there must be one."""
+        return self._items.popleft()
+
+    async def get(self) -> object:
+        """The first item, once there is one."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 class RequestStream:
     """Async iterator over one request's events: `TokenEvent`s, then one `Finish`.
 
@@ -151,10 +183,7 @@ class RequestStream:
         self.request_id = request_id
         self._relay = relay
         self._cancel = cancel
-        # A deque and one waiter rather than an asyncio.Queue, whose put and get cost
-        # several times as much Python: this runs once per streamed token on the loop.
-        self._events: deque[object] = deque()
-        self._waiter: asyncio.Future[None] | None = None
+        self._events = EventQueue()
         self._done = False
         self._sink: Callable[[object], None] | None = None
 
@@ -175,9 +204,7 @@ class RequestStream:
         if self._sink is not None:
             self._sink(event)
             return
-        self._events.append(event)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        self._events.put(event)
 
     def cancel(self) -> None:
         """Ask the engine to end this request (a no-op once it has ended)."""
@@ -189,13 +216,8 @@ class RequestStream:
     async def __anext__(self) -> TokenEvent | Finish:
         if self._done:
             raise StopAsyncIteration
-        while not self._events:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        event = self._events.popleft()
+        # Most events are there already: no coroutine for them.
+        event = self._events.popleft() if self._events else await self._events.get()
         if isinstance(event, BaseException):
             self._done = True
             raise event

@@ -7,11 +7,9 @@ outlives the HTTP request that asked for it (client gone, error, or drain deadli
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import math
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -27,6 +25,7 @@ from engine.api import (
     TokenEvent,
     Unsupported,
 )
+from engine.streams import EventQueue
 from server.events import Usage
 from server.http.access_log import RequestStats
 from server.http.drain import Drain
@@ -135,22 +134,12 @@ class Job:
             except Exception as error:  # noqa: BLE001 - re-raised by the reader
                 yield 0, error
             return
-        arrived: deque[tuple[int, object]] = deque()
-        waiter: list[asyncio.Future[None]] = []
-
-        def take(index: int, event: object) -> None:
-            arrived.append((index, event))
-            if waiter and not waiter[0].done():
-                waiter[0].set_result(None)
-
+        arrived = EventQueue()
         for index, stream in enumerate(self._streams):
-            stream.forward_to(functools.partial(take, index))
+            stream.forward_to(lambda event, index=index: arrived.put((index, event)))
         open_streams = len(self._streams)
         while open_streams:
-            while not arrived:
-                waiter[:] = [asyncio.get_running_loop().create_future()]
-                await waiter[0]
-            index, event = arrived.popleft()
+            index, event = await arrived.get()
             if isinstance(event, (Finish, BaseException)):
                 open_streams -= 1
             yield index, event  # type: ignore[misc]
