@@ -694,13 +694,11 @@ class Scheduler:
             [generations[i].hold.depth for i in publishing])))
         for i, generation in enumerate(generations):
             generation.prompt_done = True
-            if i in caches:
-                self._publish(generation, caches[i])
-            else:
-                generation.snapshots = []
-                self._wake_followers(generation)
+            self._publish(generation, caches.get(i))
 
-    def _publish(self, generation: Generation, cache: KVSource) -> None:
+    def _publish(self, generation: Generation, cache: KVSource | None) -> None:
+        """`cache`: what holds the generation's tokens; None where its hold publishes
+        nothing (`TreeHold.publishes`), so nothing reads it."""
         blocker = generation.hold.publish(generation.tokens, len(generation.cacheable),
                                           self._handle_of(cache), generation.snapshots)
         generation.snapshots = []
