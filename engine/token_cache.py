@@ -185,11 +185,12 @@ class SegmentCache:
         with self._lock:
             if group in self._entries:  # another thread encoded it meanwhile
                 return
-            self._entries[group] = ids
-            self._chars += len(group)
-            while self._chars > self.max_chars:
+            # Room first, so that `chars`, read without the lock, never exceeds the bound.
+            while self._chars + len(group) > self.max_chars:
                 evicted, _ = self._entries.popitem(last=False)
                 self._chars -= len(evicted)
+            self._entries[group] = ids
+            self._chars += len(group)
 
 
 def _check_encode_path(tokenizer: Any) -> None:
