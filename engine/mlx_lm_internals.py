@@ -10,13 +10,17 @@ save/load_prompt_cache use), so every cache type mlx-lm has can be copied.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
 from mlx import nn
 from mlx_lm.generate import _merge_caches
+from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+
+from engine import attention
 
 
 def owned(x: mx.array) -> mx.array:
@@ -46,6 +50,19 @@ def _copy_arrays(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_copy_arrays(v) for v in value)
     return value
+
+
+def fold_masked_decode_attention(model: nn.Module) -> None:
+    """Off Metal, give the mlx-lm modules `model` is built from engine.attention's
+    `scaled_dot_product_attention` (its docstring says why). They import mlx-lm's by
+    name, so the name is rebound in each: for every model of those modules in this
+    process, which computes the same values."""
+    if mx.metal.is_available():
+        return
+    for name in {type(module).__module__ for module in model.modules()}:
+        module = sys.modules.get(name)
+        if getattr(module, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
+            module.scaled_dot_product_attention = attention.scaled_dot_product_attention
 
 
 def cache_arrays(cache: Sequence[Any]) -> list[Any]:
