@@ -2,12 +2,13 @@
 benchmark's other workloads (as `bench/gpu.sh` runs them on one server start): is the
 slower decode in the benchmark's run the server's state after those workloads?
 
-    python bench/experiments/batch-decode-64-1b/sequence.py MODEL_DIR OUT
+    python bench/experiments/batch-decode-64-1b/sequence.py MODEL_DIR OUT [ORDER]
 
 One server with `--log-level debug` (a line per scheduler step) and this folder's
 sitecustomize.py (a line per garbage collection of >= 1 ms). Runs: batch_decode, then
 shared_prefix, multi_turn, no_share, long_context at gpu.sh's sizes, then batch_decode
-twice. Per batch_decode run: the client's figures (tok/s, TTFT and ITL p50), the steps
+twice, or the comma-separated workloads of ORDER (each earlier workload alone between
+batch_decode runs finds which one leaves decode slower). Per batch_decode run: the client's figures (tok/s, TTFT and ITL p50), the steps
 (steps.py's summary) and the collections in that run's slice of the log; after every run,
 the server's radix_mlx_* cache gauges.
 """
@@ -42,6 +43,7 @@ GC = re.compile(r"gc: generation (\d), ([\d.]+) ms")
 
 def main() -> None:
     model, out = Path(sys.argv[1]), Path(sys.argv[2])
+    order = sys.argv[3].split(",") if len(sys.argv) > 3 else ORDER
     out.mkdir(parents=True, exist_ok=True)
     log = out / "server.log"
     here = str(Path(__file__).parent)
@@ -52,7 +54,7 @@ def main() -> None:
     with running(RADIX, model, env, log, flags) as server:
         asyncio.run(run_workload(server.base_url, build_warm_up(model, GPU_SIZES, 0),
                                  RADIX.extra))
-        for index, name in enumerate(ORDER):
+        for index, name in enumerate(order):
             start = log.stat().st_size
             run = asyncio.run(run_workload(server.base_url, workloads[name], RADIX.extra))
             summary = report.summarize(run, 0, None)
