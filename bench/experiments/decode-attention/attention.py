@@ -35,23 +35,33 @@ def timed(attend: Callable[[int], mx.array], layers: int, repeats: int = 20) -> 
     return statistics.median(times) * 1e3
 
 
-def measure(rows: int, length: int, context: int, layers: int) -> dict:
-    """One shape's timings; `length` is 1 (engine/attention.py folds only one-token
-    queries: for prompts the first version of this script found folding slower)."""
-    scale = DIM ** -0.5
+def inputs(rows: int, length: int, context: int, layers: int, slack: int = 0
+           ) -> tuple[list[mx.array], list[mx.array], list[mx.array], mx.array]:
+    """Per layer: queries, keys and values in bfloat16 (keys and values sliced from buffers
+    `slack` tokens longer, as BatchKVCache returns them); a boolean mask, causal over the
+    last `length` positions, with each row's random left padding."""
 
     def normal(shape: tuple[int, ...]) -> mx.array:
         return mx.random.normal(shape).astype(mx.bfloat16)
 
     q = [normal((rows, HEADS, length, DIM)) for _ in range(layers)]
-    # Cache buffers longer than the context, sliced as BatchKVCache returns them.
-    k = [normal((rows, KV_HEADS, context + 256, DIM))[..., :context, :] for _ in range(layers)]
-    v = [normal((rows, KV_HEADS, context + 256, DIM))[..., :context, :] for _ in range(layers)]
+    k = [normal((rows, KV_HEADS, context + slack, DIM))[..., :context, :]
+         for _ in range(layers)]
+    v = [normal((rows, KV_HEADS, context + slack, DIM))[..., :context, :]
+         for _ in range(layers)]
     pad = (mx.random.randint(0, context // 4, (rows,)) if rows > 1
            else mx.zeros((1,), mx.int32))
     causal = mx.arange(context - length, context)[:, None] >= mx.arange(context)[None]
     mask = causal[None, None] & (mx.arange(context)[None] >= pad[:, None])[:, None, None]
     mx.eval(q, k, v, mask)
+    return q, k, v, mask
+
+
+def measure(rows: int, length: int, context: int, layers: int) -> dict:
+    """One shape's timings; `length` is 1 (engine/attention.py folds only one-token
+    queries: for prompts the first version of this script found folding slower)."""
+    scale = DIM ** -0.5
+    q, k, v, mask = inputs(rows, length, context, layers, slack=256)
     sdpa = mx.fast.scaled_dot_product_attention
     fused = sdpa(q[0], k[0], v[0], scale=scale, mask=mask)
     return {

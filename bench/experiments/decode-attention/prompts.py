@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from attention import DIM, HEADS, KV_HEADS, timed
+from attention import DIM, inputs, timed
 
 SHAPES = [(16, 5, 1024), (1, 64, 6064), (1, 512, 2048), (1, 2048, 2048), (8, 200, 1400),
           (4, 200, 2200)]
@@ -38,18 +38,7 @@ def folded_prompt(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.
 
 def measure(rows: int, length: int, context: int, layers: int = 16) -> dict:
     scale = DIM ** -0.5
-
-    def normal(shape: tuple[int, ...]) -> mx.array:
-        return mx.random.normal(shape).astype(mx.bfloat16)
-
-    q = [normal((rows, HEADS, length, DIM)) for _ in range(layers)]
-    k = [normal((rows, KV_HEADS, context, DIM)) for _ in range(layers)]
-    v = [normal((rows, KV_HEADS, context, DIM)) for _ in range(layers)]
-    pad = (mx.random.randint(0, context // 4, (rows,)) if rows > 1
-           else mx.zeros((1,), mx.int32))
-    causal = mx.arange(context - length, context)[:, None] >= mx.arange(context)[None]
-    mask = causal[None, None] & (mx.arange(context)[None] >= pad[:, None])[:, None, None]
-    mx.eval(q, k, v, mask)
+    q, k, v, mask = inputs(rows, length, context, layers)
     sdpa = mx.fast.scaled_dot_product_attention
     fused = sdpa(q[0], k[0], v[0], scale=scale, mask=mask)
     row = {"cudnn": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "default"), "rows": rows,
