@@ -7,6 +7,7 @@ plain caches) and a hybrid recurrent family (qwen3_next: arrays and plain caches
 from __future__ import annotations
 
 import asyncio
+import gc
 
 from engine.api import Finish, Prompt, SamplingParams
 from tests.engine.kv_integrity import check_tree_kv
@@ -134,3 +135,10 @@ async def test_a_prefill_cancelled_midway_keeps_its_computed_chunks(
 
 def engine_segments(engine) -> bool:
     return engine._scheduler.kv.segments
+
+
+
+async def test_a_ready_engine_has_frozen_what_it_loaded(engine):
+    """A full collection walks only what came after loading (it walked the libraries, the
+    tokenizer and the model: 150-190 ms on 2 cores, a pause every running stream felt)."""
+    assert gc.get_freeze_count() > 100_000
