@@ -16,6 +16,10 @@ and, for the engine, its own step time (the scheduler's `step_seconds`, without 
 to the asyncio loop): the host's cost per step, which the machine's load disturbs far
 less than wall time. Prints one JSON object; with --out also writes results.json and
 results.md there.
+
+In one process, loading the engine's model folds its modules' masked decode attention
+(engine/attention.py) for bare `BatchGenerator` too: bare here is mlx-lm with that fold,
+where the workload's (bench.raw_batch, a process of its own) is mlx-lm as shipped.
 """
 
 from __future__ import annotations
