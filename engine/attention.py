@@ -41,9 +41,10 @@ def folded_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     q = (queries * mx.array(scale, queries.dtype)).reshape(batch, kv_heads, repeats, dim)
     scores = q @ keys.swapaxes(-1, -2)  # (B, KV heads, repeats, T)
     mask = mask.reshape(*mask.shape[:-2], mask.shape[-1])  # the one query's row
-    if mask.ndim == 3:  # (B, 1 or H, T)
-        mask = mask.reshape(mask.shape[0], kv_heads, repeats, -1) if mask.shape[1] == heads \
-            else mask[:, :, None]
+    if mask.ndim == 3 and mask.shape[1] == heads:  # (B, H, T): one row per query head
+        mask = mask.reshape(mask.shape[0], kv_heads, repeats, -1)
+    elif mask.ndim == 3:  # (B, 1, T): one row for every head
+        mask = mask[:, :, None]
     if mask.dtype == mx.bool_:
         scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
     else:
