@@ -1,10 +1,4 @@
-"""mlx-lm's attention, as this engine's models compute it: queries turned into the basis
-a quantized server keeps keys in, and one-token queries over a masked batch folded, off
-Metal.
-
-A quantized server keeps keys turned by a Hadamard matrix (engine/kv_quant.py); its cache
-layers say so with `turn_queries`, which turns queries alike, so that every dot product
-is the one the model computes.
+"""Attention for one-token queries over a batch whose rows are masked, off Metal.
 
 mlx-lm's BatchKVCache left-pads its rows to a common length and masks the padding with a
 boolean array. MLX's fused attention takes no array mask for a one-token query on CUDA
@@ -24,19 +18,12 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import base
 
-# Metal's fused kernel takes an array mask itself.
-FOLDS = not mx.metal.is_available()
-
 
 def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array,
                                  cache: Any, scale: float, mask: Any,
                                  sinks: mx.array | None = None) -> mx.array:
-    """mlx-lm's `scaled_dot_product_attention`, with queries turned where the cache keeps
-    keys turned, and a masked one-token query folded off Metal."""
-    turn_queries = getattr(cache, "turn_queries", None)
-    if turn_queries is not None:
-        queries = turn_queries(queries)
-    if (FOLDS and isinstance(mask, mx.array) and queries.shape[2] == 1 and sinks is None
+    """mlx-lm's `scaled_dot_product_attention`, with a masked one-token query folded."""
+    if (isinstance(mask, mx.array) and queries.shape[2] == 1 and sinks is None
             and not hasattr(cache, "bits")):
         return folded_attention(queries, keys, values, scale, mask)
     return base.scaled_dot_product_attention(queries, keys, values, cache, scale=scale,

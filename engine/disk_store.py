@@ -46,7 +46,7 @@ from mlx_lm.models import cache as cache_module
 from engine import segment_file
 from engine.api import DiskStats
 from engine.kv import CacheSnapshot, KVSegment
-from engine.kv_quant import KEY_BASIS, KVQuantization
+from engine.kv_quant import KVQuantization
 from engine.segment_file import BadSegmentFile, SegmentHeader, Tensor
 from radix import Node, RadixTree
 
@@ -200,11 +200,10 @@ class DiskStore:
         self.root_key = fingerprint
         self.kind = "segment" if segments else "snapshot"
         # Segments are kept as this server's quantization makes them; a file of another
-        # (its kv_bits, kv_group_size or key basis differ) is not this server's state of
-        # its tokens.
+        # (its kv_bits and kv_group_size differ) is not this server's state of its tokens.
         self.quantization = quantization
-        self._kv_fields = ((quantization.bits, quantization.group_size, KEY_BASIS)
-                           if quantization else (0, 0, ""))
+        self._kv_fields = ((quantization.bits, quantization.group_size) if quantization
+                           else (0, 0))
         self.queue_bytes = queue_bytes
         self.stats = DiskStats()
         self.rebuilt = threading.Event()
@@ -228,8 +227,7 @@ class DiskStore:
              handle: KVSegment | CacheSnapshot) -> DiskCopy | None:
         header = SegmentHeader(fingerprint=self.root_key, key=key, parent=parent_key,
                                start=start, tokens=list(tokens), kind=self.kind,
-                               kv_bits=self._kv_fields[0], kv_group_size=self._kv_fields[1],
-                               kv_key_basis=self._kv_fields[2])
+                               kv_bits=self._kv_fields[0], kv_group_size=self._kv_fields[1])
         arrays = self._arrays(handle, header)
         data_bytes = sum(a.nbytes for _, _, a in arrays)
         with self._cond:
@@ -371,13 +369,11 @@ class DiskStore:
             raise BadSegmentFile("its key does not match its parent and tokens")
 
     def _check_quantization(self, header: SegmentHeader) -> None:
-        written = (header.kv_bits, header.kv_group_size, header.kv_key_basis)
-        if written != self._kv_fields:
+        if (header.kv_bits, header.kv_group_size) != self._kv_fields:
             raise BadSegmentFile(
                 f"written with kv_bits {header.kv_bits or 'none'} (group size "
-                f"{header.kv_group_size}, keys in basis {header.kv_key_basis or 'none'}); "
-                f"this server has kv_bits {self._kv_fields[0] or 'none'} (group size "
-                f"{self._kv_fields[1]}, keys in basis {self._kv_fields[2] or 'none'})")
+                f"{header.kv_group_size}); this server has kv_bits "
+                f"{self._kv_fields[0] or 'none'} (group size {self._kv_fields[1]})")
 
     def _reject(self, path: Path, reason: str) -> None:
         log.warning("disk cache: skipping and deleting %s: %s", path.name, reason)

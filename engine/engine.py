@@ -45,12 +45,7 @@ from engine.draft_model import DraftModel, DraftModelError
 from engine.kv_quant import KVQuantization, cached_bytes_per_token, kv_quantization
 from engine.loader import LoadedModel, load_model, model_id_for
 from engine.memory import CPU_MEMORY_FRACTION, MemoryPlan, describe, headroom, plan_memory
-from engine.mlx_lm_internals import (
-    kv_bytes_per_token,
-    kv_layout,
-    supports_segments,
-    turns_queries,
-)
+from engine.mlx_lm_internals import kv_bytes_per_token, kv_layout, supports_segments
 from engine.model_source import resolve_model
 from engine.platform_info import apply_mlx_env_defaults
 from engine.scheduler import (
@@ -284,16 +279,8 @@ class Engine:
                 "KV caches only; serve this model without --kv-bits (in a models file: "
                 "kv_bits = 0 in its table)")
         dtype, head_dims = kv_layout(loaded.model)
-        quantization = kv_quantization(self.config.kv_bits, self.config.kv_group_size,
-                                       dtype, head_dims)
-        if not turns_queries(loaded.model, quantization):
-            raise ValueError(
-                f"kv_bits: {loaded.model_id} computes attention without mlx-lm's "
-                "scaled_dot_product_attention, through which a quantized server turns "
-                "queries into the basis its keys are kept in (engine/kv_quant.py); serve "
-                "this model without --kv-bits")
-        log.info("KV cache: %s", quantization.describe())
-        return quantization
+        return kv_quantization(self.config.kv_bits, self.config.kv_group_size, dtype,
+                               head_dims)
 
     def _draft_model(self, loaded: LoadedModel) -> DraftModel | None:
         """The configured draft model, checked against `loaded`; none under tensor

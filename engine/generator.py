@@ -240,7 +240,7 @@ class Generator:
         KV: on a quantized server, rounded to what the tree will give back of it. Rotated
         at `placement` (None: at the cache's offsets)."""
         if self.quantization is not None:
-            cache = rounded_writes(cache, self.quantization)
+            cache = rounded_writes(cache, self.quantization.round)
         if placement is None:
             return self.model(inputs, cache=cache, **kwargs)
         with self.mrope.placed(placement):

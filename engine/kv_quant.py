@@ -25,16 +25,6 @@ whole step); two round trips computed in float32 are: a third changes nothing
 (tests/engine/test_kv_quant.py checks it on random data; it held on every real model's
 KV tried). Scales and biases are therefore float32: 8 bytes per group (0.125 bytes a
 value at group size 64, where mlx-lm's are in the model's dtype, 0.0625 in bfloat16).
-
-Keys are kept turned by an orthonormal Hadamard matrix within each group (`turn`), as
-QuaRot and QuIP# turn weights and KV before quantizing them. A model's keys carry outlier
-channels (SmolLM2-135M's reach 15 beside values near 1), which set a group's step for the
-whole group; turned, every channel holds a mix of all of them, and the step is fine for
-all. Attention is unchanged in exact arithmetic, since a query turned alike has the same
-dot product with a turned key (engine/attention.py turns the queries). Greedy answers of
-SmolLM2-135M equal to the unquantized model's, of 32 at 8 bits: 21 plain, 27 turned
-(bench/experiments/kv-quant-rotation). Values are kept as they are: turning them kept
-no more answers.
 """
 
 from __future__ import annotations
@@ -47,8 +37,6 @@ from engine.api import KV_BITS, KV_GROUP_SIZES
 
 # Bytes of a group's scale and bias (float32 each).
 SCALE_BIAS_BYTES = 8
-# What the disk tier records of the basis a segment's keys are kept in.
-KEY_BASIS = "hadamard"
 
 
 @dataclass(frozen=True)
@@ -69,23 +57,8 @@ class KVQuantization:
         """`x` as the tree gives it back: two round trips (see the module's docstring)."""
         return self.dequantize(*self.quantize(self.dequantize(*self.quantize(x))))
 
-    def round_keys(self, keys: mx.array) -> mx.array:
-        """New keys as the tree gives them back: turned, then rounded."""
-        return self.round(self.turn(keys))
-
-    def turn(self, x: mx.array) -> mx.array:
-        """`x` (keys or queries) in the basis keys are kept in: each group of `group_size`
-        along the last axis times the orthonormal Hadamard matrix (its own inverse).
-        Computed with MLX's Walsh-Hadamard transform, row by row in float32: a row's
-        result never depends on the shape of the forward it came in (a matmul's can),
-        or a hit's prefix would not be what its cold prompt computed."""
-        shape = x.shape
-        groups = x.astype(mx.float32).reshape(*shape[:-1], -1, self.group_size)
-        turned = mx.hadamard_transform(groups, scale=self.group_size ** -0.5)
-        return turned.reshape(shape).astype(x.dtype)
-
     def describe(self) -> str:
-        return f"{self.bits}-bit, group size {self.group_size}, keys in a Hadamard basis"
+        return f"{self.bits}-bit, group size {self.group_size}"
 
 
 def kv_quantization(bits: int | None, group_size: int, dtype: mx.Dtype,

@@ -11,7 +11,7 @@ save/load_prompt_cache use), so every cache type mlx-lm has can be copied.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -21,7 +21,6 @@ from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from engine import attention
-from engine.kv_quant import KVQuantization
 
 
 def owned(x: mx.array) -> mx.array:
@@ -53,11 +52,13 @@ def _copy_arrays(value: Any) -> Any:
     return value
 
 
-def use_engine_attention(model: nn.Module) -> None:
-    """Give the mlx-lm modules `model` is built from engine.attention's
+def fold_masked_decode_attention(model: nn.Module) -> None:
+    """Off Metal, give the mlx-lm modules `model` is built from engine.attention's
     `scaled_dot_product_attention` (its docstring says why). They import mlx-lm's by
     name, so the name is rebound in each: for every model of those modules in this
     process, which computes the same values."""
+    if mx.metal.is_available():
+        return
     for name in {type(module).__module__ for module in model.modules()}:
         module = sys.modules.get(name)
         if getattr(module, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
@@ -342,46 +343,27 @@ def presized_kv(keys: Sequence[mx.array], values: Sequence[mx.array]) -> KVCache
     return cache
 
 
-def rounded_writes(cache: list[Any], quantization: KVQuantization) -> list[Any]:
-    """`cache`'s layers, each keeping the keys and values a forward gives it as the tree
-    gives them back (keys turned into its basis): a quantized server's running cache
-    holds only that (kv_quant.py). Every token attends over every other as kept, its own
-    forward's included, so what a token sees does not depend on how its prompt was cut
-    into forwards (chunks, a cache hit, a speculative step) beyond the float noise of
-    their shapes."""
-    return [RoundedWrites(layer, quantization) for layer in cache]
+def rounded_writes(cache: list[Any], round: Callable[[mx.array], mx.array]) -> list[Any]:
+    """`cache`'s layers, each keeping `round` of the keys and values a forward gives it:
+    a quantized server's running cache holds only what its tree gives back (kv_quant.py).
+    Every token attends over every other as kept, its own forward's included, so what a
+    token sees does not depend on how its prompt was cut into forwards (chunks, a cache
+    hit, a speculative step) beyond the float noise of their shapes."""
+    return [RoundedWrites(layer, round) for layer in cache]
 
 
 class RoundedWrites:
     """A cache layer whose `update_and_fetch` (the one call a model's attention makes to
-    write its new keys and values) keeps them rounded, keys turned, and whose
-    `turn_queries` engine.attention calls to turn the queries alike; the rest is the
-    layer's own."""
+    write its new keys and values) keeps them rounded; the rest is the layer's own."""
 
-    def __init__(self, layer: Any, quantization: KVQuantization) -> None:
-        self._layer, self._quantization = layer, quantization
-        self.queries_turned = False
+    def __init__(self, layer: Any, round: Callable[[mx.array], mx.array]) -> None:
+        self._layer, self._round = layer, round
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        quantization = self._quantization
-        return self._layer.update_and_fetch(quantization.round_keys(keys),
-                                            quantization.round(values))
-
-    def turn_queries(self, queries: mx.array) -> mx.array:
-        self.queries_turned = True
-        return self._quantization.turn(queries)
+        return self._layer.update_and_fetch(self._round(keys), self._round(values))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._layer, name)
-
-
-def turns_queries(model: nn.Module, quantization: KVQuantization) -> bool:
-    """Whether every attention layer of `model` turns its queries into the basis its keys
-    are kept in, i.e. computes attention through engine.attention: one forward of two
-    tokens says. A model that does not would attend with queries and keys in two bases."""
-    cache = rounded_writes(make_prompt_cache(model), quantization)
-    mx.eval(model(mx.array([[0, 0]]), cache=cache))
-    return all(layer.queries_turned for layer in cache)
 
 
 def _one_token_cache(model: nn.Module) -> list[Any]:

@@ -10,9 +10,8 @@ whose `__metadata__["radix_mlx"]` is a JSON header saying what the file is:
   in the tree, so the tree can be rebuilt from the files alone.
 - `kind`: "segment" (per-layer keys and values of the span) or "snapshot" (the whole
   cache state after the span, with the cache `classes` and non-array `scalars`).
-- `kv_bits`, `kv_group_size`, `kv_key_basis`: a segment's quantization (engine/kv_quant.py;
-  0: none, the model's dtype) and the basis its keys are kept in ("" for the model's own,
-  as files written before keys were turned), which the server reading it must have too.
+- `kv_bits`, `kv_group_size`: a segment's quantization (engine/kv_quant.py; 0: none,
+  the model's dtype), which the server reading it must have too.
 - `crc32`: a crc32 of each tensor's bytes (8 hex digits each, in the table's order),
   all checked on every load, in parallel while the arrays are read.
 
@@ -84,7 +83,6 @@ class SegmentHeader:
     scalars: dict[str, Any] = field(default_factory=dict)
     kv_bits: int = 0  # 0: not quantized (and files written before quantization)
     kv_group_size: int = 0
-    kv_key_basis: str = ""
     # One per tensor, hex of fixed width: a file's size is known before its checksums.
     crc32: list[str] = field(default_factory=list)
     format: str = FORMAT

@@ -1,6 +1,5 @@
-"""The engine's attention computes what MLX's own does: the folded decode attention for
-every mask mlx-lm's caches make, and queries turned into the basis a quantized server
-keeps keys in; the engine's models use it."""
+"""The folded decode attention computes what MLX's own attention does, for every mask
+mlx-lm's caches make, and the engine's models use it wherever MLX would fall back."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache
 
 from engine import attention
-from engine.kv_quant import KVQuantization
 from engine.loader import load_model
 
 
@@ -63,30 +61,9 @@ def test_what_is_not_a_masked_one_token_query_goes_to_mlx_lm() -> None:
         assert mx.array_equal(ours, theirs).item()
 
 
-class TurnedKeys:
-    """A cache layer that keeps its keys turned, as a quantized server's do."""
-
-    def __init__(self, quantization: KVQuantization) -> None:
-        self.turn_queries = quantization.turn
-
-
-@pytest.mark.parametrize("group_size", [32, 64])
-@pytest.mark.parametrize("length", [1, 5])
-def test_turned_queries_over_turned_keys_attend_as_the_model_does(group_size, length) -> None:
-    """The Hadamard basis changes no dot product: attention over turned keys, with the
-    queries turned by the cache, is the model's attention (up to float rounding)."""
-    quantization = KVQuantization(8, group_size, mx.float32)
-    queries, keys, values = _inputs(3, 8, 2, 40, dim=64)
-    queries = mx.random.normal((3, 8, length, 64))
-    mask = "causal" if length > 1 else None
-    turned = attention.scaled_dot_product_attention(
-        queries, quantization.turn(keys), values, TurnedKeys(quantization), 0.125, mask)
-    plain = attention.scaled_dot_product_attention(queries, keys, values, None, 0.125, mask)
-    assert mx.allclose(turned, plain, atol=1e-5).item()
-    assert not mx.allclose(quantization.turn(keys), keys, atol=0.1).item()
-
-
-def test_a_loaded_models_modules_use_it(demo_model_dir) -> None:
+def test_a_loaded_models_modules_use_it_off_metal(demo_model_dir) -> None:
     loaded = load_model(str(demo_model_dir))
     module = __import__(type(loaded.model).__module__, fromlist=["_"])
-    assert module.scaled_dot_product_attention is attention.scaled_dot_product_attention
+    expected = (base.scaled_dot_product_attention if mx.metal.is_available()
+                else attention.scaled_dot_product_attention)
+    assert module.scaled_dot_product_attention is expected

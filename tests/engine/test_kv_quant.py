@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
-from mlx_lm.models import base, llama
 
-from engine import demo_model, loader, segment_file
+from engine import demo_model
 from engine.api import EngineConfig
 from engine.demo_model import build_demo_model
 from engine.engine import Engine
@@ -32,47 +29,17 @@ QUESTIONS = ["What is the largest planet?", "How far is Mars from the Sun?",
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("kind", ["values", "keys"])
-def test_rounded_kv_is_given_back_exactly_by_its_quantized_copy(dtype, bits, kind) -> None:
-    """What a running cache holds (`round`, keys turned first) is what the tree's copy of
-    it dequantizes to, bit for bit: otherwise a hit would attend over other values than a
-    cold prompt."""
+def test_rounded_kv_is_given_back_exactly_by_its_quantized_copy(dtype, bits) -> None:
+    """What a running cache holds (`round`) is what the tree's copy of it dequantizes to,
+    bit for bit: otherwise a hit would attend over other values than a cold prompt."""
     quantization = KVQuantization(bits, 64, dtype)
     mx.random.seed(bits)
     scale = mx.random.uniform(0.01, 30, (4, 8, 500, 1))
     x = (mx.random.normal((4, 8, 500, 128)) * scale
          + mx.random.normal((4, 8, 500, 1)) * 5).astype(dtype)
-    rounded = quantization.round_keys(x) if kind == "keys" else quantization.round(x)
+    rounded = quantization.round(x)
     assert rounded.dtype == dtype
     assert mx.array_equal(quantization.dequantize(*quantization.quantize(rounded)), rounded)
-
-
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_a_row_turns_alike_in_a_forward_of_any_shape(dtype) -> None:
-    """A prefix from the tree is what its cold prompt computed only if a token's keys come
-    out the same whether its forward held 1 token or 700: bit for bit."""
-    quantization = KVQuantization(8, 64, dtype)
-    mx.random.seed(1)
-    keys = (mx.random.normal((1, 3, 700, 128)) * 4).astype(dtype)
-    whole = quantization.round_keys(keys)
-    for start, end in [(0, 1), (5, 6), (100, 613), (699, 700)]:
-        assert mx.array_equal(quantization.round_keys(keys[:, :, start:end]),
-                              whole[:, :, start:end]).item()
-
-
-def test_turned_keys_round_closer_where_a_channel_is_an_outlier() -> None:
-    """Why keys are turned: one channel 15x the others (as SmolLM2-135M's keys have) sets
-    a group's step for all of its values; turned, the error of the same bits is smaller,
-    measured back in the model's basis."""
-    quantization = KVQuantization(8, 64, mx.float32)
-    mx.random.seed(0)
-    keys = mx.random.normal((2, 3, 200, 64))
-    keys = mx.concatenate([keys[..., :5], keys[..., 5:6] * 15, keys[..., 6:]], axis=-1)
-    plain = mx.abs(quantization.round(keys) - keys).mean().item()
-    turned = quantization.round_keys(keys)
-    # The basis is its own inverse: turning back gives the model's keys, rounded.
-    turned_error = mx.abs(quantization.turn(turned) - keys).mean().item()
-    assert turned_error < plain * 0.6
 
 
 def test_a_quantized_tokens_bytes() -> None:
@@ -200,45 +167,6 @@ async def test_quantized_segments_come_back_from_disk_and_other_bits_are_dropped
         other.shutdown()
 
 
-async def test_segments_whose_keys_are_not_turned_are_dropped(head64_model_dir: Path,
-                                                              tmp_path: Path) -> None:
-    """A file written before keys were turned (no `kv_key_basis`) holds keys in the
-    model's basis: read as turned ones they would be other KV, so it is not loaded."""
-    options = {"cache_bytes": 1 << 28, "disk_cache_dir": str(tmp_path),
-               "disk_cache_bytes": 1 << 30}
-    first = start_engine(str(head64_model_dir), kv_bits=8, **options)
-    prompt = chat(first, QUESTIONS[2])
-    await complete(first, prompt, max_tokens=4)
-    await settled(first)
-    first.shutdown()
-    files = list(tmp_path.rglob(f"*{segment_file.SUFFIX}"))
-    assert files
-    for path in files:
-        rewrite_header(path, kv_key_basis="")
-
-    again = start_engine(str(head64_model_dir), kv_bits=8, **options)
-    try:
-        assert again.disk.rebuilt.wait(30)
-        assert again.disk.stats.restored_nodes == 0 and again.disk.stats.bad_files == len(files)
-        assert (await complete(again, prompt, max_tokens=4)).finish.cached_tokens == 0
-    finally:
-        again.shutdown()
-
-
-def rewrite_header(path: Path, **fields) -> None:
-    """The segment file at `path` with `fields` of its header changed, its tensors as
-    they are."""
-    header, table, offset = segment_file.read_header(path)
-    data = path.read_bytes()[offset:]
-    tensors = []
-    for name, entry in sorted(table.items(), key=lambda item: item[1]["data_offsets"]):
-        start, end = entry["data_offsets"]
-        array = np.frombuffer(data[start:end], segment_file.NUMPY_DTYPES[entry["dtype"]])
-        tensors.append(segment_file.Tensor(name, entry["dtype"],
-                                           array.reshape(entry["shape"])))
-    segment_file.write(path, replace(header, **fields), tensors)
-
-
 # -- models it does not apply to ----------------------------------------------------------------
 
 
@@ -252,18 +180,4 @@ def test_a_model_kv_bits_cannot_apply_to_fails_to_start_with_the_reason(
     engine.start()
     assert engine.wait_ready(120) == "failed"
     assert message in engine.error
-    engine.shutdown()
-
-
-def test_a_model_whose_attention_would_not_turn_queries_is_refused(
-        head64_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keys are kept turned; a model computing attention without engine.attention would
-    dot unturned queries with them, so it is refused rather than served wrong."""
-    monkeypatch.setattr(llama, "scaled_dot_product_attention",
-                        base.scaled_dot_product_attention)
-    monkeypatch.setattr(loader, "use_engine_attention", lambda model: None)
-    engine = Engine(EngineConfig(model=str(head64_model_dir), kv_bits=8))
-    engine.start()
-    assert engine.wait_ready(120) == "failed"
-    assert "computes attention without mlx-lm's scaled_dot_product_attention" in engine.error
     engine.shutdown()
