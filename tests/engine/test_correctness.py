@@ -137,7 +137,6 @@ def engine_segments(engine) -> bool:
     return engine._scheduler.kv.segments
 
 
-
 async def test_a_ready_engine_has_frozen_what_it_loaded(engine):
     """A full collection walks only what came after loading (it walked the libraries, the
     tokenizer and the model: 150-190 ms on 2 cores, a pause every running stream felt)."""

@@ -19,6 +19,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 from bench.kv_quant import IDENTITY_OUTPUT_TOKENS, identity_chats
+from engine.kv_quant import KVQuantization
 from engine.model_source import resolve_model
 
 
@@ -29,18 +30,13 @@ def hadamard(d: int) -> mx.array:
     return h / d ** 0.5
 
 
-def rounding(bits: int, trips: int = 2, group: int = 64):
-    def trip(x):
-        q = mx.quantize(x.astype(mx.float32), group_size=group, bits=bits)
-        return mx.dequantize(*q, group_size=group, bits=bits)
-
-    def rounded(x):
-        y = x
-        for _ in range(trips):
-            y = trip(y)
-        return y.astype(x.dtype)
-
-    return rounded
+def rounding(bits: int, dtype: mx.Dtype, trips: int = 2):
+    """The server's rounding (`KVQuantization.round`: two round trips, the model's dtype
+    between them), or a single round trip."""
+    quantization = KVQuantization(bits, 64, dtype)
+    if trips == 2:
+        return quantization.round
+    return lambda x: quantization.dequantize(*quantization.quantize(x))
 
 
 def bfloat16(x):
@@ -85,13 +81,18 @@ def main(model_dir: str, dtype: str) -> None:
     def turned(r):
         return lambda x: (r(x.astype(mx.float32) @ rot) @ rot.T).astype(x.dtype)
 
+    kv_dtype = getattr(mx, dtype)
+    eight, four = rounding(8, kv_dtype), rounding(4, kv_dtype)
+    eight_once = rounding(8, kv_dtype, trips=1)
     variants = {
-        "8 bits, plain": (rounding(8), rounding(8)),
-        "8 bits, rotate keys": (turned(rounding(8)), rounding(8)),
-        "8 bits, rotate keys, one trip": (turned(rounding(8, 1)), rounding(8, 1)),
+        "8 bits, plain": (eight, eight),
+        "8 bits, rotate keys": (turned(eight), eight),
+        "8 bits, rotate keys and values": (turned(eight), turned(eight)),
+        "8 bits, rotate keys, one trip": (turned(eight_once), eight_once),
         "bfloat16 KV": (bfloat16, bfloat16),
-        "4 bits, plain": (rounding(4), rounding(4)),
-        "4 bits, rotate keys": (turned(rounding(4)), rounding(4)),
+        "4 bits, plain": (four, four),
+        "4 bits, rotate keys": (turned(four), four),
+        "4 bits, rotate keys and values": (turned(four), turned(four)),
     }
     chosen = sys.argv[3].split(";") if len(sys.argv) > 3 else list(variants)
     for name in chosen:
