@@ -296,6 +296,17 @@ def run_measures(measures: dict, wanted: list[str], model: Path, shapes: Shapes,
             for name, measure in measures.items() if name in wanted}
 
 
+def server_env(spec: ServerSpec, env: dict[str, str], args: argparse.Namespace
+               ) -> dict[str, str]:
+    """With replicas pinned to GPUs, a one-process server sees only the first of them, as
+    each replica sees its own: the baseline is then one GPU's server. On 4 H200s, one
+    server that saw all four ran multi-turn at 577 tok/s, and 1415 on a machine with one
+    (bench/results/nvidia-h200-x4/scale-out-replicas-1b-vocab49152)."""
+    if not args.replicas_cuda_devices or spec.router_workers or spec.tensor_parallel:
+        return env
+    return {**env, "CUDA_VISIBLE_DEVICES": args.replicas_cuda_devices.split(",")[0]}
+
+
 def run_server(results: dict, spec: ServerSpec, args: argparse.Namespace, model: Path,
                env: dict[str, str], out: Path, warm_up: Workload,
                workloads: list[Workload], round_index: int = 0) -> None:
@@ -423,8 +434,8 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
                             and (not spec.tensor_parallel or w.name in TP_WORKLOADS)]
                 if measured:
                     served = model.gguf if spec.serves_gguf else model.directory
-                    run_server(results, spec, args, served, env, out, warm_up, measured,
-                               round_index)
+                    run_server(results, spec, args, served, server_env(spec, env, args),
+                               out, warm_up, measured, round_index)
     for entry in results["servers"].values():
         entry["workloads"] = {workload: report.median_summary(rounds)
                               for workload, rounds in entry["rounds"].items()}

@@ -19,6 +19,7 @@ from bench.__main__ import (
     main,
     model_dirs,
     parse_args,
+    server_env,
     server_specs,
 )
 from bench.medians import main as medians
@@ -30,6 +31,7 @@ from bench.report import (
     targets,
     write,
 )
+from bench.servers import RADIX, replicas, tensor_parallel
 from bench.workloads import QUICK, build_all, optimal_cached_tokens
 from tests.engine.gguf_files import write_demo_gguf
 from tests.server.support import without_torch
@@ -284,6 +286,19 @@ def test_replicas_are_reported_against_one_server() -> None:
         "radix-mlx-x2-cache-aware multi-turn output tok/s vs one server": False,
         "radix-mlx-x2-cache-aware multi-turn cached share minus one server's, points": False,
     }
+
+
+def test_with_replicas_pinned_to_gpus_the_one_server_baseline_gets_one_gpu() -> None:
+    """Each replica sees one GPU, so the server they are compared with does too; tensor
+    parallelism and the replicas themselves keep every device the bench was given."""
+    args = parse_args(["--replicas", "2", "--replicas-cuda-devices", "2,3",
+                       "--tensor-parallel", "2"])
+    env = {"PATH": "/bin"}
+    assert server_env(RADIX, env, args) == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "2"}
+    assert server_env(replicas("cache_aware", 2, "2,3"), env, args) == env
+    assert server_env(tensor_parallel(2), env, args) == env
+    unpinned = parse_args(["--replicas", "2"])
+    assert server_env(RADIX, env, unpinned) == env
 
 
 @pytest.mark.usefixtures("children_without_torch")
