@@ -43,12 +43,6 @@ PROBES = ("0", "1")
 # re-rendered reply (a template that renders earlier turns otherwise once one more
 # follows): the next turn would not reuse the prompt either, so nothing is prefilled.
 MAX_EXTRA_TOKENS = 64
-# A client's next request often follows a reply at once (a RAG client's next question
-# about one document, a benchmark): a guess queued first takes the step that request's
-# prefill needs (on an H200, warm long-context questions waited 10-13 ms behind one, a
-# fifth of their TTFT). The guess waits this long, so such a request goes first; a next
-# turn sent within it computes the reply's tokens in its own prefill, as the guess would.
-AFTER_REPLY_SECONDS = 0.05
 READOUT = SamplingParams(max_tokens=0, temperature=0.0, readout=Readout())
 
 
@@ -120,7 +114,6 @@ class NextTurn:
     async def _prefill(self, reply: ChoiceResult, generated: list[int], lease: Lease) -> None:
         engine = lease.engine
         try:
-            await asyncio.sleep(AFTER_REPLY_SECONDS)
             images = [image.file for image in self.prompt.images]
             prompt = await asyncio.to_thread(
                 next_turn_prompt, engine.tokenizer, self.request, images, reply,
