@@ -1,4 +1,5 @@
-"""Who starts next: the prefill window holds long prompts back, never short ones."""
+"""Who starts next: the prefill window holds long prompts back, never short ones; a full
+batch admits nobody, without matching the queue against the tree."""
 
 from __future__ import annotations
 
@@ -42,3 +43,28 @@ def test_short_prompts_are_admitted_past_a_full_prefill_window(tokenizer) -> Non
     # ones (the mostly cached one too) take the rows left, up to the batch size.
     assert running == [mostly_cached, *long[:2], *short[:11]]
     assert waiting == [long[2], short[11]]
+
+
+def test_a_full_batch_admits_nobody_and_matches_no_waiting_prompt(tokenizer) -> None:
+    tree = RadixTree(1 << 20, free=lambda handle: None)
+    queue = [Generation(f"g{i}", list(range(10, 60)), SamplingParams(max_tokens=1),
+                        lambda event: None, tokenizer, tokenizer.vocab_size, tree)
+             for i in range(6)]
+    running, waiting = queue[:2], queue[2:]
+    limits = SchedulerLimits(max_batch_size=2, prefill_batch_size=2,
+                             prefill_chunk_tokens=None, prefill_stall_ratio=None,
+                             prefill_stall_floor=0.0, max_tokens_in_flight=1 << 20,
+                             cache_bytes=1 << 20)
+    matched: list[Generation] = []
+
+    def cached_length(g: Generation) -> int:
+        matched.append(g)
+        return 0
+
+    admit(waiting, running, limits, cached_length, lambda g: running.append(g) is None)
+    assert running == queue[:2] and waiting == queue[2:]
+    assert matched == []
+    assert all(g.passed_over == 0 for g in waiting)  # a round nobody could win
+    running.pop()
+    admit(waiting, running, limits, cached_length, lambda g: running.append(g) is None)
+    assert running == [queue[0], queue[2]] and matched == queue[2:]
