@@ -519,12 +519,17 @@ class Scheduler:
         """Where prefill pauses to snapshot the cache: for a model whose cache is reused
         only as whole-state snapshots, the prompt's message ends past its cached prefix
         and short of the prompt's own end (published anyway), as `spaced_snapshots`
-        picks them."""
+        picks them; and the end of what the tree may keep where that is short of the
+        prompt's end (a readout's shared prefix), since the cache holds that state only
+        as prefill passes it (`_publish`)."""
         if self.kv.segments:
             return []
         span = MIN_SNAPSHOT_SPAN["gpu" if self.generator.pipelined else "cpu"]
-        return spaced_snapshots(generation.message_ends, generation.hold.depth,
-                                len(generation.cacheable), span)
+        depth, end = generation.hold.depth, len(generation.cacheable)
+        positions = spaced_snapshots(generation.message_ends, depth, end, span)
+        if depth < end < len(generation.tokens) - 1:
+            positions.append(end)
+        return positions
 
     def _take_snapshot(self, sequence: SequenceState) -> None:
         """Prefill reached one of `sequence.snapshot_at`: snapshot the state there, to publish
@@ -698,10 +703,22 @@ class Scheduler:
 
     def _publish(self, generation: Generation, cache: KVSource | None) -> None:
         """`cache`: what holds the generation's tokens; None where its hold publishes
-        nothing (`TreeHold.publishes`), so nothing reads it."""
-        blocker = generation.hold.publish(generation.tokens, len(generation.cacheable),
-                                          self._handle_of(cache), generation.snapshots)
+        nothing (`TreeHold.publishes`), so nothing reads it.
+
+        A whole-state snapshot holds every token the cache does: where that is more than
+        the tree may keep (a readout's shared prefix), the tree gets the state prefill
+        snapshotted at the end of that prefix (`_snapshot_positions`), or nothing."""
+        end = len(generation.cacheable)
+        handle_of, snapshots = self._handle_of(cache), generation.snapshots
         generation.snapshots = []
+        if cache is not None and not self.kv.segments and len(generation.sequence.tokens) > end:
+            if not snapshots or snapshots[-1][0] != end:
+                generation.hold.withdraw()
+                self._wake_followers(generation)
+                return
+            state = snapshots.pop()[1]
+            handle_of = lambda start, stop: state  # the state at `end`
+        blocker = generation.hold.publish(generation.tokens, end, handle_of, snapshots)
         if blocker is None:
             self._wake_followers(generation)
         else:
@@ -782,17 +799,19 @@ class Scheduler:
             return sequence.tokens[:len(generation.cacheable)]
         return sequence.tokens
 
-    @classmethod
-    def _shares_on_release(cls, generation: Generation) -> bool:
+    def _shares_on_release(self, generation: Generation) -> bool:
         """Whether the running `generation`'s KV goes to the tree when it ends: its
         prompt was computed, and it holds more than that prompt's last token; or it was
         cancelled while prefilling, and chunks of its prompt were computed. Those are the
         exact KV of the tokens the sequence holds (each chunk is evaluated whole within
         its step, and a cancel is taken between steps), and a client that gave up on a
         long prompt (timed out) and sends it again should not pay for them twice. A
-        readout shares no more than its `cacheable` part."""
+        readout shares no more than its `cacheable` part, and where the model's handles
+        are whole-state snapshots, nothing unless that is all the cache holds."""
         sequence = generation.sequence
-        shareable = len(cls._shareable(generation, sequence))
+        shareable = len(self._shareable(generation, sequence))
+        if not self.kv.segments and shareable != len(sequence.tokens):
+            return False
         if not generation.prompt_done or generation.params.readout is not None:
             return sequence.cache is not None and shareable > generation.hold.depth
         return not (shareable == generation.hold.depth + 1 == len(generation.tokens))

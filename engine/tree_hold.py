@@ -91,6 +91,11 @@ class TreeHold:
             self.tree.insert(self.node, tokens[self.depth:], handle_of(self.depth, len(tokens)))
         self._unpin()
 
+    def withdraw(self) -> None:
+        """Give up the reservation unfilled, keeping the pin until `release`: what the
+        request computed cannot be shared. Its waiters match again."""
+        self._drop_reservation(Cancelled())
+
     def abandon(self, error: BaseException) -> None:
         """Let go without sharing anything: a failed or cancelled start, or a failed step.
         Waiters on the reservation get `error` and match again."""

@@ -4,8 +4,9 @@ fresh forward of the node's own token path.
 A node stands for the positions [start, end) of its path; its memory handle and its disk
 copy must both hold exactly those positions' keys and values, as a forward of the path
 from scratch computes them (within float tolerance: the engine computes in chunks and
-batches). Whole-state snapshots are checked by the answers they give instead (their
-layout depends on how the state was reached).
+batches). A whole-state snapshot is checked by the answer it gives instead (its layout
+depends on how the state was reached): the logits of one more token after it, against a
+forward of its path and that token from scratch.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine import segment_file
 from engine.disk_store import DiskCopy, read_copy
 from engine.engine import Engine
-from engine.kv import KVSegment
+from engine.kv import CacheSnapshot, KVSegment
+from engine.mlx_lm_internals import clone_cache
 
 # Float32 demo models: a correct node differs from a fresh forward by ~1e-5, a node
 # holding other positions' KV by ~1 (shared/evidence: 1.4-18.7). In bfloat16 a chunked
@@ -32,6 +34,7 @@ TOLERANCE = {mx.float32: 1e-3, mx.float16: 2e-2, mx.bfloat16: 0.1}
 class Checked:
     memory: int = 0  # nodes whose memory handle was compared
     disk: int = 0  # nodes whose disk file was compared
+    snapshots: int = 0  # nodes whose whole-state snapshot was compared
 
 
 def check_tree_kv(engine: Engine, model: nn.Module) -> Checked:
@@ -46,8 +49,12 @@ def check_tree_kv(engine: Engine, model: nn.Module) -> Checked:
     checked = Checked()
     forwards: dict[tuple[int, ...], list] = {}
     for edge, path, handle, stored in sorted(held, key=lambda h: -len(h[1])):
+        if isinstance(handle, CacheSnapshot):
+            _compare_answers(model, handle, path)
+            checked.snapshots += 1
+            continue
         if not isinstance(handle, KVSegment) and not (stored and stored.splittable):
-            continue  # junctions and snapshots
+            continue  # junctions
         fresh = _fresh(model, path, forwards)
         start = len(path) - len(edge)
         if isinstance(handle, KVSegment):
@@ -114,6 +121,16 @@ def _fresh(model: nn.Module, path: tuple[int, ...], forwards: dict) -> list:
     mx.eval(layers)
     forwards[path] = layers
     return layers
+
+
+def _compare_answers(model: nn.Module, snapshot: CacheSnapshot, path: tuple[int, ...],
+                     probe: int = 1) -> None:
+    """The logits of `probe` after the snapshot's state, against those after `path`."""
+    after = model(mx.array([[probe]]), cache=clone_cache(snapshot.cache))[0, -1]
+    fresh = model(mx.array([[*path, probe]]), cache=make_prompt_cache(model))[0, -1]
+    error = mx.abs(after.astype(mx.float32) - fresh.astype(mx.float32)).max().item()
+    assert error <= TOLERANCE[after.dtype], (
+        f"the snapshot at {len(path)} tokens answers as another state (max diff {error:.3g})")
 
 
 def _read(stored: DiskCopy, edge: tuple[int, ...], start: int) -> KVSegment:
