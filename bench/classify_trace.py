@@ -110,7 +110,7 @@ async def run(engine: Engine, texts: list[str], batch: int) -> None:
         prompts = [Prompt(engine.tokenizer.encode(text)) for text in texts[start:start + batch]]
         readout = Readout(top_logprobs=0, cached_prefix=shared_prefix(prompts))
         params = SamplingParams(max_tokens=0, temperature=0.0, readout=readout)
-        streams = [engine.submit(prompt, params) for prompt in prompts]
+        streams = engine.submit_all(prompts, params)
         for stream in streams:
             async for event in stream:
                 if isinstance(event, Finish):

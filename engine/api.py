@@ -503,6 +503,11 @@ class EngineClient(Protocol):
         or ValueError at once rather than through the stream."""
         ...
 
+    def submit_all(self, prompts: Sequence[Prompt | Sequence[int]], params: SamplingParams
+                   ) -> list[EventStream]:
+        """`submit` for each prompt, all with `params`, queued together or not at all."""
+        ...
+
     def cancel(self, request_id: str) -> None: ...
 
     def clear_cache(self) -> Future[int]:

@@ -193,6 +193,10 @@ class EncoderEngine:
     def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams) -> EventStream:
         raise CannotGenerate(f"the model {self.model_id} is {self.description}")
 
+    def submit_all(self, prompts: Sequence[Prompt | Sequence[int]], params: SamplingParams
+                   ) -> list[EventStream]:
+        raise CannotGenerate(f"the model {self.model_id} is {self.description}")
+
     @property
     def token_limit(self) -> int:
         """An input's most tokens: nothing is generated after it."""

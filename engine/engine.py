@@ -56,6 +56,7 @@ from engine.scheduler import (
     Scheduler,
     Stop,
     Submit,
+    SubmitAll,
 )
 from engine.streams import LoopRelays, Relay, RequestStream, WaitingCount
 from engine.tokenizer import ModelTokenizer
@@ -432,27 +433,44 @@ class Engine:
         """Queue a generation of `prompt` (token ids, or a `Prompt` that says where its
         messages end); its events go through `relay`, by default the running asyncio
         loop's (then it must be called from one). `request_id`: the caller's, unique."""
-        if not isinstance(prompt, Prompt):
-            prompt = Prompt(list(prompt))
+        return self.submit_all([prompt], params, [request_id], relay)[0]
+
+    def submit_all(self, prompts: Sequence[Prompt | Sequence[int]], params: SamplingParams,
+                   request_ids: Sequence[str | None] | None = None,
+                   relay: Relay | None = None) -> list[RequestStream]:
+        """`submit` for each of `prompts`, with the same `params`, handed to the worker
+        together: a list of readouts is then read in one forward (`Scheduler._read`).
+        Every prompt is checked before any is queued: one refused refuses them all."""
+        prompts = [p if isinstance(p, Prompt) else Prompt(list(p)) for p in prompts]
         if self.state is not Lifecycle.READY:
             raise EngineNotReady(self.error or f"the model is {self.state.value}")
-        check_request(prompt.tokens, params, self.context_length, self.memory.kv_tokens)
         readout = params.readout
         if readout is not None and readout.hidden and not self._scheduler.generator.hidden.available:
             raise Unsupported(f"the model {self.model_id} has no hidden states to embed with")
-        check_images(prompt, self._loaded.vision is not None, self.model_id)
-        if self.group is not None and not params.greedy and params.seed is None:
-            # Every rank samples alike only from one seed; rank 0 picks it.
-            params = replace(params, seed=secrets.randbits(63))
-        self._waiting.enter()
-        stream = RequestStream(request_id or f"req-{next(self._ids)}",
-                               relay or self._relays.current(), self.cancel)
-        generation = self._scheduler.new_generation(
-            stream.request_id, list(prompt.tokens), params, stream.push,
-            on_dequeue=self._waiting.leave, message_ends=prompt.message_ends,
-            images=prompt.images)
-        self._scheduler.inbox.put(Submit(generation))
-        return stream
+        for prompt in prompts:
+            check_request(prompt.tokens, params, self.context_length, self.memory.kv_tokens)
+            check_images(prompt, self._loaded.vision is not None, self.model_id)
+        relay = relay or self._relays.current()
+        self._waiting.enter(len(prompts))
+        streams, generations = [], []
+        for prompt, request_id in zip(prompts, request_ids or [None] * len(prompts)):
+            if self.group is not None and not params.greedy and params.seed is None:
+                # Every rank samples alike only from one seed; rank 0 picks it.
+                chosen = replace(params, seed=secrets.randbits(63))
+            else:
+                chosen = params
+            stream = RequestStream(request_id or f"req-{next(self._ids)}", relay, self.cancel)
+            streams.append(stream)
+            generations.append(self._scheduler.new_generation(
+                stream.request_id, list(prompt.tokens), chosen, stream.push,
+                on_dequeue=self._waiting.leave, message_ends=prompt.message_ends,
+                images=prompt.images))
+        if self.group is not None:  # the ranks share single submits (scheduler.to_remote)
+            for generation in generations:
+                self._scheduler.inbox.put(Submit(generation))
+        else:
+            self._scheduler.inbox.put(SubmitAll(tuple(generations)))
+        return streams
 
     def cancel(self, request_id: str) -> None:
         """End a request early: its stream ends with a "cancelled" Finish within a step

@@ -155,6 +155,21 @@ class Output:
     logprobs: Scores | None
 
 
+@dataclass(frozen=True)
+class Readings:
+    """What prompts read together (`Generator.read_together`) give at their last
+    positions, read back as Python values: per row, the likeliest token and its logprob,
+    the `top` likeliest (ids, logprobs), the asked tokens' logprobs and the hidden state
+    (empty lists where not asked for)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+    asked: list[list[float]]
+    hidden: list[list[float]]
+
+
 @dataclass
 class PrefillResult:
     # Their prompt is computed: all but its last token, which they feed when they join
@@ -445,6 +460,45 @@ class Generator:
         result.done += group
         result.tokens += width * len(group)
         return True
+
+    def read_together(self, prefix: Sequence[Span], feeds: Sequence[list[int]], top: int,
+                      asked: Sequence[int], hidden: bool) -> Readings:
+        """Prompts that share the cached `prefix` (spans of its KV), each followed by its
+        own tokens (`feeds`), read at their last positions in one forward, as
+        `_prefill_together` computes a group, and nothing kept: a classify list's
+        sentences, a rerank query's documents, an embedding instruction's inputs. Every
+        row's scores come out of batch-wide ops and one read back, where a request per
+        row cost each sentence its own slices, reads and events (`Scheduler._read`)."""
+        width = max(map(len, feeds))
+        cache = prefix_batch([prefix] * len(feeds), width, self.layers)
+        for layer in cache:
+            layer.prepare(right_padding=[width - len(feed) for feed in feeds])
+        inputs = mx.array([feed + [0] * (width - len(feed)) for feed in feeds])
+        rows, ends = mx.arange(len(feeds)), mx.array([len(feed) - 1 for feed in feeds])
+        if self.hidden.available:
+            with self.hidden.narrowed(rows, ends):
+                logits = self._run(inputs, cache)[:, 0]
+        else:
+            logits = self._run(inputs, cache)[rows, ends]
+        states = self.hidden.take(rows, ends).astype(mx.float32) if hidden else None
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = mx.argmax(logits, axis=-1)
+        chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+        top_ids = top_values = picked = None
+        if top:
+            top_ids, top_values = _most_likely(logprobs, top)
+        if asked:
+            picked = logprobs[:, mx.array(asked)]
+        read = [a for a in (tokens, chosen, top_ids, top_values, picked, states)
+                if a is not None]
+        mx.eval(read)
+        empty = [[] for _ in feeds]
+        return Readings(
+            tokens.tolist(), chosen.tolist(),
+            top_ids.tolist() if top_ids is not None else empty,
+            top_values.tolist() if top_values is not None else empty,
+            picked.tolist() if picked is not None else empty,
+            states.tolist() if states is not None else empty)
 
     def _feed_together(self, group: list[SequenceState], width: int,
                        result: PrefillResult) -> bool:
@@ -870,8 +924,13 @@ def _spans(sequence: SequenceState, depth: int) -> list[Span]:
     if sequence.prefix is None:
         cache = sequence.cache
         return [([c.keys for c in cache], [c.values for c in cache], depth)] if depth else []
+    return segment_spans(sequence.prefix, depth)
+
+
+def segment_spans(segments: Sequence[Any], depth: int) -> list[Span]:
+    """The first `depth` tokens of cached segments (a tree path's), as spans."""
     spans = []
-    for segment in sequence.prefix:
+    for segment in segments:
         n = min(depth, segment.length)
         if n == 0:
             break

@@ -165,13 +165,14 @@ def serve_engine(config: EngineConfig, conn: Connection,
         except (EOFError, OSError):
             _server_gone()
         match message:
-            case ("submit", request_id, prompt, params):
+            case ("submit", request_ids, prompts, params):
                 try:
-                    engine.submit(prompt, params, request_id, outbox)
+                    engine.submit_all(prompts, params, request_ids, outbox)
                 except (EngineError, ValueError) as error:
                     # The server checked it already. As a RequestFailed, since not every
                     # engine error unpickles (QueueFull takes two arguments).
-                    outbox.send([(request_id, RequestFailed(str(error)))])
+                    outbox.send([(request_id, RequestFailed(str(error)))
+                                 for request_id in request_ids])
             case ("cancel", request_id):
                 engine.cancel(request_id)
             case ("call", call_id, "stats"):
@@ -287,21 +288,28 @@ class EngineProcess:
 
     def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams) -> RequestStream:
         """As `Engine.submit`: checked here, so refusals are immediate."""
-        if not isinstance(prompt, Prompt):
-            prompt = Prompt(list(prompt))
+        return self.submit_all([prompt], params)[0]
+
+    def submit_all(self, prompts: Sequence[Prompt | Sequence[int]], params: SamplingParams
+                   ) -> list[RequestStream]:
+        """As `Engine.submit_all`: checked here, sent to the child in one message."""
+        prompts = [p if isinstance(p, Prompt) else Prompt(list(p)) for p in prompts]
         if self.state is not Lifecycle.READY:
             raise EngineNotReady(self.error or f"the model is {self.state.value}")
-        check_request(prompt.tokens, params, self.context_length, self._kv_tokens)
-        self._waiting.enter()
-        stream = RequestStream(f"req-{next(self._ids)}", self._relays.current(), self.cancel)
+        for prompt in prompts:
+            check_request(prompt.tokens, params, self.context_length, self._kv_tokens)
+        relay = self._relays.current()
+        streams = [RequestStream(f"req-{next(self._ids)}", relay, self.cancel)
+                   for _ in prompts]
         with self._lock:
             if self.state is not Lifecycle.READY:  # the child died meanwhile
-                self._waiting.leave()
                 raise EngineNotReady(self.error)
-            self._streams[stream.request_id] = stream
-            self._unstarted.add(stream.request_id)
-        self._send(("submit", stream.request_id, prompt, params))
-        return stream
+            self._waiting.enter(len(streams))
+            for stream in streams:
+                self._streams[stream.request_id] = stream
+                self._unstarted.add(stream.request_id)
+        self._send(("submit", [s.request_id for s in streams], prompts, params))
+        return streams
 
     def cancel(self, request_id: str) -> None:
         self._send(("cancel", request_id))

@@ -59,7 +59,7 @@ from engine.disk_store import DiskStore
 from engine.distributed import Announcement, RankGroup
 from engine.draft_model import DraftModel
 from engine.generation import Generation
-from engine.generator import Generator, KVSource, Output, SequenceState
+from engine.generator import Generator, KVSource, Output, SequenceState, segment_spans
 from engine.grammar import ConstraintFailed, Grammars
 from engine.kv import KVStore
 from engine.kv_quant import KVQuantization
@@ -67,6 +67,7 @@ from engine.loader import LoadedModel
 from engine.mrope import MRoPE
 from engine.prefill_budget import GRANULE, PrefillBudget
 from engine.prompt_logprobs import prompt_logprobs
+from engine.readout import last_positions
 from engine.segment_file import BadSegmentFile
 from engine.speculation import Drafts
 from engine.tree_hold import HandleOf
@@ -88,6 +89,9 @@ MIN_SHARED_TO_WAIT = 32
 # decodes less.
 GPU_PREFILL_CHUNK = 2048
 CPU_PREFILL_CHUNK = 512
+# Readouts read together (`Scheduler._read`) hold their shared prefix once per row: a batch
+# holds at most this many idle chunks of positions, prefix copies and padding included.
+MAX_READ_CHUNKS = 16
 # How much prefill may stall decoding streams (prefill_budget.py). On the 2-core CPU a
 # 512-token chunk costs seconds, and a tenth of a step kept the shared-prefix workload's
 # ITL p50 at mlx-lm's (187 vs 193 ms, from 257). On an H100 a 2048-token chunk costs
@@ -136,6 +140,15 @@ def spaced_snapshots(message_ends: Sequence[int], depth: int, end: int,
 @dataclass(frozen=True)
 class Submit:
     generation: Generation
+
+
+@dataclass(frozen=True)
+class SubmitAll:
+    """Submits that arrive together (a classify list's prompts), so that a list of
+    readouts is read in one forward rather than in whatever parts the worker took in
+    first. Never under tensor parallelism, whose ranks share single `Submit`s."""
+
+    generations: tuple[Generation, ...]
 
 
 @dataclass(frozen=True)
@@ -218,7 +231,7 @@ class BroughtBack:
         self.waiters, self.nodes, self.nbytes = [], 0, 0
 
 
-Message = Submit | Wake | Republish | Cancel | ClearCache | Stop | BringBack
+Message = Submit | SubmitAll | Wake | Republish | Cancel | ClearCache | Stop | BringBack
 # What the scheduler's own tree callbacks post: every rank makes these itself.
 LOCAL_MESSAGES = (Wake, Republish)
 
@@ -253,6 +266,8 @@ class Scheduler:
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.generations: dict[str, Generation] = {}  # every one not ended, by request id
         self.waiting: list[Generation] = []
+        # Readouts to read together with the others of their list (`_read`), in order.
+        self.reading: list[Generation] = []
         self.running: dict[int, Generation] = {}  # by the generator's uid
         self.parked: set[Generation] = set()  # waiting for a prefix being computed
         self.counters = SchedulerCounters()
@@ -321,7 +336,8 @@ class Scheduler:
                 announced = None
                 if self._stopping:
                     break
-            idle = not self.running and not self.waiting and not self.parked
+            idle = (not self.running and not self.waiting and not self.parked
+                    and not self.reading)
             if idle and until_idle and self.inbox.empty():
                 return
             messages = self._take_inbox(block=idle and not until_idle and
@@ -343,7 +359,7 @@ class Scheduler:
                 self.kv.settle()  # what cancelled requests released, before the step
                 admit(self.waiting, self.running.values(), self.limits,
                       lambda g: self.tree.peek(g.cacheable), self._try_start)
-                if self.running:
+                if self.running or self.reading:
                     self._step()
                 elif self._bringing_back and not self.waiting and not self.parked:
                     self._bring_back_one()
@@ -387,7 +403,13 @@ class Scheduler:
             case Submit(generation):
                 log.debug("queued %s: %d prompt tokens", generation.id, len(generation.prompt))
                 self.generations[generation.id] = generation
-                self.waiting.append(generation)
+                if self._reads_together(generation):
+                    self.reading.append(generation)
+                else:
+                    self.waiting.append(generation)
+            case SubmitAll(generations):
+                for generation in generations:
+                    self._handle(Submit(generation))
             case Wake(generation) if generation in self.parked:
                 self.parked.discard(generation)
                 self.waiting.append(generation)
@@ -489,6 +511,91 @@ class Scheduler:
         self.running[sequence.uid] = generation
         generation.dequeue()
         return True
+
+    # -- readouts read together -------------------------------------------------------
+
+    def _reads_together(self, generation: Generation) -> bool:
+        """Whether a submitted generation is a readout to read in a batch with the others
+        of its list (`_read`): greedy and plain (no logits processors, constraint, prompt
+        logprobs or images), on one rank (tensor-parallel ranks would all need the same
+        batches), on a model with plain KV caches, its own part (past what it may cache)
+        no longer than a forward takes."""
+        params = generation.params
+        return (params.readout is not None and self.group is None and self.kv.segments
+                and generation.sampler is None and not generation.processors
+                and params.constraint is None and params.prompt_logprobs is None
+                and not generation.images
+                and len(generation.tokens) - len(generation.cacheable)
+                <= self.prefill_budget.idle_chunk)
+
+    def _read(self, budget: int) -> int:
+        """Read the readouts in `reading`, up to `budget` positions (padding included):
+        a list's (the same params, the same cacheable prefix) in batches, each one forward
+        over that prefix as the tree holds it, nothing cached, their events out at once
+        (`Generator.read_together`). A list whose prefix the tree does not hold whole
+        takes the general way (`waiting`), which computes and publishes it once, so that
+        its next lists find it. Returns the positions fed."""
+        fed = 0
+        while self.reading and fed < budget:
+            first = self.reading[0]
+            prefix = first.cacheable
+            group = [g for g in self.reading
+                     if g.params == first.params and g.cacheable == prefix]
+            match = self.tree.match(prefix)
+            if match.disk:
+                self._load_from_disk(match.disk)
+                continue  # match again: what was loaded is in memory now
+            if match.length < len(prefix):
+                self._leave_reading(group)
+                self.waiting.extend(group)
+                continue
+            batch, width = self._read_batch(group, len(prefix), budget - fed)
+            self._leave_reading(batch)
+            self.tree.pin(match.node)
+            try:
+                readings = self.generator.read_together(
+                    segment_spans(self.kv.segments_of(match.node), len(prefix)),
+                    [g.tokens[len(prefix):] for g in batch], first.params.readout.top_logprobs,
+                    first.params.readout.token_ids, first.params.readout.hidden)
+            except Exception:  # one by one, the general way fails the culprit alone
+                log.exception("reading %d prompts together failed", len(batch))
+                self.waiting.extend(batch)
+                continue
+            finally:
+                self.tree.unpin(match.node)
+            fed += width * len(batch)
+            for generation, last in zip(batch, last_positions(readings, self.loaded.tokenizer)):
+                generation.cached_tokens = len(prefix)
+                self.counters.prompt_tokens += len(generation.prompt)
+                self.counters.cached_tokens += len(prefix)
+                self.counters.prefill_tokens += len(generation.tokens) - len(prefix)
+                self.counters.generated_tokens += 1
+                generation.emit(last)
+                self._forget(generation)
+                generation.finish("length")
+        return fed
+
+    def _read_batch(self, group: list[Generation], depth: int, budget: int
+                    ) -> tuple[list[Generation], int]:
+        """The generations of `group` (past a shared prefix of `depth` tokens) to read in
+        one forward, and its width: shortest first, as many as `budget` positions take,
+        padding included, and `MAX_READ_CHUNKS` idle chunks with the prefix's copies; at
+        least one."""
+        batch: list[Generation] = []
+        width = 0
+        most = MAX_READ_CHUNKS * self.prefill_budget.idle_chunk
+        for generation in sorted(group, key=lambda g: len(g.tokens)):
+            longest = len(generation.tokens) - depth
+            rows = len(batch) + 1
+            if batch and (longest * rows > budget or (depth + longest) * rows > most):
+                break
+            batch.append(generation)
+            width = longest
+        return batch, width
+
+    def _leave_reading(self, generations: list[Generation]) -> None:
+        leaving = set(map(id, generations))
+        self.reading = [g for g in self.reading if id(g) not in leaving]
 
     def _mrope(self) -> MRoPE | None:
         """A Qwen-VL model's M-RoPE positions (engine/mrope.py), which the generator sets
@@ -634,19 +741,24 @@ class Scheduler:
             self._take(self.generator.decode())
         decoding = self.generator.decoding and not self.burst
         prefilled = 0
-        if self.generator.prefilling and (budget := self._prefill_tokens(decoding)):
+        budget = (self._prefill_tokens(decoding)
+                  if self.reading or self.generator.prefilling else 0)
+        if budget:
             self._deliver()
-            result = self.generator.prefill(budget)
-            prefilled = result.tokens
-            if result.failed and self.group is not None:
-                raise result.failed[0][1]
-            for sequence, error in result.failed:
-                generation = self.running.pop(sequence.uid)
-                log.error("prefill of %s failed: %r", generation.id, error)
-                self._release(generation, None)
-                self._fail(generation, error)
-            self._prompts_computed(result.done)
-            self._take(result.outputs)
+            if self.reading:
+                prefilled = self._read(budget)
+            if self.generator.prefilling and budget > prefilled:
+                result = self.generator.prefill(budget - prefilled)
+                prefilled += result.tokens
+                if result.failed and self.group is not None:
+                    raise result.failed[0][1]
+                for sequence, error in result.failed:
+                    generation = self.running.pop(sequence.uid)
+                    log.error("prefill of %s failed: %r", generation.id, error)
+                    self._release(generation, None)
+                    self._fail(generation, error)
+                self._prompts_computed(result.done)
+                self._take(result.outputs)
         self.kv.settle()  # the KV this step published and released, copied at once
         seconds = time.perf_counter() - started
         cpu_seconds = time.thread_time() - cpu_started
@@ -685,7 +797,8 @@ class Scheduler:
         budget = self.prefill_budget
         if self.group is not None:
             return budget.chunk if decoding else budget.idle_chunk
-        return budget.tokens(decoding, self.generator.prompt_tokens_left)
+        reading = sum(len(g.tokens) - len(g.cacheable) for g in self.reading)
+        return budget.tokens(decoding, self.generator.prompt_tokens_left + reading)
 
     def _prompts_computed(self, sequences: list[SequenceState]) -> None:
         """These prompts' KV (all but each one's last token) is computed: share it now,
@@ -817,9 +930,10 @@ class Scheduler:
         return not (shareable == generation.hold.depth + 1 == len(generation.tokens))
 
     def _cancel(self, generation: Generation) -> None:
-        if generation in self.waiting or generation in self.parked:
-            if generation in self.waiting:
-                self.waiting.remove(generation)
+        if generation in self.waiting or generation in self.reading or generation in self.parked:
+            for queue in (self.waiting, self.reading):
+                if generation in queue:
+                    queue.remove(generation)
             self.parked.discard(generation)
             self._forget(generation)
             generation.finish("cancelled")

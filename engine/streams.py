@@ -25,12 +25,12 @@ class WaitingCount:
         self.value = 0
         self._lock = threading.Lock()
 
-    def enter(self) -> None:
-        """Count one more, or raise QueueFull."""
+    def enter(self, count: int = 1) -> None:
+        """Count `count` more, or none and raise QueueFull."""
         with self._lock:
-            if self.value >= self.limit:
+            if self.value + count > self.limit:
                 raise QueueFull(f"{self.value} requests are already waiting", retry_after=1.0)
-            self.value += 1
+            self.value += count
 
     def leave(self) -> None:
         with self._lock:

@@ -64,9 +64,12 @@ class Job:
         # Known now, so a request whose client leaves before its Finish still logs it.
         self.stats.prompt_tokens = sum(len(prompt.tokens) for prompt in prompts)
         try:
-            for prompt in prompts:
-                for j in range(n):
-                    self._streams.append(self.engine.submit(prompt, params(j)))
+            # Each choice's prompts together: a list of readouts is read in one forward.
+            by_choice: list[list] = []
+            for j in range(n):
+                by_choice.append(self.engine.submit_all(prompts, params(j)))
+                self._streams.extend(by_choice[-1])  # what `close` cancels on a refusal
+            self._streams = [by_choice[j][p] for p in range(len(prompts)) for j in range(n)]
         except ContextLengthExceeded as error:
             self.close()
             raise APIError(400, str(error), code="context_length_exceeded") from error

@@ -1,30 +1,77 @@
 """Prefill-only requests (readouts): what each prompt's last position gives is the model's
 own, whichever way the engine computes it.
 
-A list of readouts sharing a prefix (a classify list's instruction) caches that prefix
-once, and nothing of each prompt's own part.
+A list of readouts sharing a prefix the tree holds (a classify list's instruction) is read
+together: one forward per batch over that prefix, nothing new cached. The first list of a
+new prefix goes the general way, which computes and publishes the prefix once.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx import nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.api import Finish, LastPosition, Readout, RequestFailed, SamplingParams
+from engine.api import Finish, LastPosition, QueueFull, Readout, RequestFailed, SamplingParams
 from engine.engine import Engine
 from tests.engine.kv_integrity import check_tree_kv
-from tests.engine.support import Reference, settled
+from tests.engine.support import Reference, settled, start_engine
+from tests.faults import FaultInjectingModel, loader_wrapping
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 LOGPROB_TOLERANCE = 1e-4  # float32: a padded batch's forward against one prompt's alone
+CHUNK = 96  # the engine's prefill chunk: the positions (padding included) of a forward
 PREAMBLE = "Classify the sentiment of each review as positive or negative. Review:"
 REVIEWS = ["I loved it.", "Terrible, never again.", "Fine, I guess.",
            "Best purchase of the year!", "Broke after a day.", "ok", "Meh."]
+
+
+class CountingModel:
+    """The model, recording the shape of every forward's inputs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __call__(self, inputs: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        self.shapes.append(tuple(inputs.shape))
+        return self._model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(family_model_dir) -> str:
+    return family_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def counted(llama_dir) -> Iterator[tuple[Engine, CountingModel]]:
+    """A plain-KV engine whose forwards are counted, with prefill chunks of CHUNK tokens."""
+    models: list[CountingModel] = []
+
+    def wrap(model: nn.Module) -> CountingModel:
+        models.append(CountingModel(model))
+        return models[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("engine.engine.load_model", loader_wrapping(wrap))
+        engine = start_engine(llama_dir, cache_bytes=1 << 30, prefill_chunk_tokens=CHUNK)
+    yield engine, models[0]
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llama_reference(llama_dir) -> Reference:
+    return Reference(llama_dir)
 
 
 def params(readout: Readout) -> SamplingParams:
@@ -43,10 +90,9 @@ def a_list(engine: Engine, reviews: list[str] = REVIEWS) -> tuple[list[list[int]
 
 async def read(engine: Engine, prompts: list[list[int]], readout: Readout
                ) -> list[tuple[LastPosition | None, Finish | Exception]]:
-    """Submit the prompts as one list (one params object, as a server's job does) and
-    return each one's reading and its Finish (or the error it ended with)."""
-    shared = params(readout)
-    streams = [engine.submit(prompt, shared) for prompt in prompts]
+    """Submit the prompts together, as a server's job does, and return each one's
+    reading and its Finish (or the error it ended with)."""
+    streams = engine.submit_all(prompts, params(readout))
 
     async def one(stream) -> tuple[LastPosition | None, Finish | Exception]:
         last = None
@@ -92,8 +138,66 @@ def assert_reads(last: LastPosition, reference: Reference, prompt: list[int],
         assert last.hidden == ()
 
 
+async def test_a_list_over_a_cached_prefix_is_read_in_one_forward(counted, llama_reference):
+    """The first list computes and publishes its shared preamble (and nothing of its
+    reviews); the next one over that preamble is one forward of all its rows, and reads
+    what a direct forward of each prompt reads."""
+    engine, model = counted
+    engine.clear_cache().result(timeout=30)
+    prompts, shared = a_list(engine)
+    assert len(prompts) * max(len(prompt) - shared for prompt in prompts) <= CHUNK
+    readout = Readout(top_logprobs=3, token_ids=(5, 17), cached_prefix=shared)
+    first = await read(engine, prompts, readout)
+    assert (await settled(engine)).tree.total_tokens == shared
+    model.shapes.clear()
+    again = await read(engine, prompts, readout)
+    assert [shape[0] for shape in model.shapes] == [len(prompts)]
+    for prompt, (last, finish), (cold, _) in zip(prompts, again, first):
+        assert isinstance(finish, Finish) and finish.reason == "length"
+        assert finish.cached_tokens == shared
+        assert finish.prompt_tokens == len(prompt)
+        assert last.token.token == cold.token.token
+        assert_reads(last, llama_reference, prompt, readout)
+    stats = await settled(engine)
+    assert stats.tree.total_tokens == shared  # the reviews were read, not kept
+    assert stats.tree.pinned_bytes == 0 and stats.waiting == 0 and stats.running == 0
+    assert check_tree_kv(engine, llama_reference.model).memory > 0
+
+
+async def test_hidden_states_read_together_are_each_prompts_own(counted, llama_reference):
+    """An embedding list (the last hidden state, no logprobs asked) over a cached
+    instruction: each row's hidden state is its prompt's alone."""
+    engine, _ = counted
+    prompts, shared = a_list(engine, REVIEWS[:4])
+    readout = Readout(hidden=True, cached_prefix=shared)
+    await read(engine, prompts, readout)
+    for prompt, (last, finish) in zip(prompts, await read(engine, prompts, readout)):
+        assert finish.cached_tokens == shared
+        assert_reads(last, llama_reference, prompt, readout)
+
+
+async def test_a_list_longer_than_a_forward_is_read_in_batches(counted, llama_reference):
+    """Forty reviews of many lengths behind a cached preamble, with CHUNK-token prefill
+    chunks: several forwards, none over the chunk (padding included), shortest first,
+    each row read as its prompt alone."""
+    engine, model = counted
+    reviews = [" ".join(["word"] * (1 + i % 13)) + f" {i}" for i in range(40)]
+    prompts, shared = a_list(engine, reviews)
+    readout = Readout(top_logprobs=2, cached_prefix=shared)
+    await read(engine, prompts[:2], readout)
+    model.shapes.clear()
+    results = await read(engine, prompts, readout)
+    assert len(model.shapes) > 1
+    assert all(rows * width <= CHUNK for rows, width in model.shapes)
+    assert sum(rows for rows, _ in model.shapes) == len(prompts)
+    for prompt, (last, finish) in zip(prompts, results):
+        assert finish.cached_tokens == shared
+        assert_reads(last, llama_reference, prompt, readout)
+    assert (await settled(engine)).tree.pinned_bytes == 0
+
+
 async def test_lists_on_every_cache_kind_read_what_mlx_lm_reads(engine, reference):
-    """On sliding-window and recurrent models as on plain KV: a
+    """On sliding-window and recurrent models (read the general way) as on plain KV: a
     list, then the same list over its now cached preamble. (Those models cache whole-state
     snapshots: the tree once took the state after a whole prompt as the state after its
     preamble, and every later list read from the wrong state.)"""
@@ -108,3 +212,44 @@ async def test_lists_on_every_cache_kind_read_what_mlx_lm_reads(engine, referenc
     assert checked.memory + checked.snapshots > 0
 
 
+async def test_a_failing_prompt_fails_alone(llama_dir, llama_reference):
+    """A forward that raises for one prompt of a list read together: that prompt gets the
+    error, the others their readings, and nothing stays pinned."""
+    probe = start_engine(llama_dir)
+    prompts, shared = a_list(probe, REVIEWS[:5])
+    culprit = encode(probe, " Terrible")[0]
+    probe.shutdown()
+    assert sum(culprit in prompt[shared:] for prompt in prompts) == 1
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("engine.engine.load_model",
+                      loader_wrapping(lambda model: FaultInjectingModel(model, culprit)))
+        engine = start_engine(llama_dir, cache_bytes=1 << 30)
+    try:
+        readout = Readout(cached_prefix=shared)
+        innocent = [p for p in prompts if culprit not in p[shared:]]
+        await read(engine, innocent, readout)  # the preamble is cached now
+        for prompt, (last, finish) in zip(prompts, await read(engine, prompts, readout)):
+            if culprit in prompt[shared:]:
+                assert isinstance(finish, RequestFailed) and last is None
+            else:
+                assert finish.cached_tokens == shared
+                assert_reads(last, llama_reference, prompt, readout)
+        stats = await settled(engine)
+        assert stats.tree.pinned_bytes == 0 and stats.running == 0
+    finally:
+        engine.shutdown()
+
+
+async def test_a_list_the_queue_cannot_take_is_refused_whole(llama_dir):
+    """Prompts submitted together are queued together or not at all: a list longer than
+    the room left in the queue is refused, and nothing of it stays counted."""
+    engine = start_engine(llama_dir, max_queue=8)
+    try:
+        prompts, shared = a_list(engine, [f"review {i}" for i in range(9)])
+        with pytest.raises(QueueFull):
+            engine.submit_all(prompts, params(Readout(cached_prefix=shared)))
+        assert engine.waiting == 0
+        results = await read(engine, prompts[:8], Readout(cached_prefix=shared))
+        assert all(isinstance(finish, Finish) for _, finish in results)
+    finally:
+        engine.shutdown()
