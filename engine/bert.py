@@ -41,18 +41,41 @@ EXP_SQUARINGS = 7
 EXP_COEFFICIENTS = tuple(1 / math.factorial(k) for k in range(11))
 
 
+# The same erf in x rather than x / sqrt 2: a_k / sqrt(2)^k.
+GELU_COEFFICIENTS = tuple(coefficient * 2 ** -(k / 2)
+                          for k, coefficient in enumerate(ERF_COEFFICIENTS, start=1))
+
+
 @partial(mx.compile, shapeless=True)
-def gelu(x: mx.array) -> mx.array:
-    """BERT's exact (erf) GELU: x/2 (1 + erf(x / sqrt 2))."""
-    z = mx.abs(x) * (1 / math.sqrt(2))
-    polynomial = 0.0
-    for coefficient in reversed(ERF_COEFFICIENTS):
-        polynomial = (polynomial + coefficient) * z
-    power = 1.0 + polynomial
+def _gelu_polynomial(x: mx.array) -> mx.array:
+    # Estrin's scheme: a shallow graph, so that it fuses into one loop (see `gelu`).
+    a = mx.abs(x)
+    a2 = a * a
+    c = GELU_COEFFICIENTS
+    return (((1.0 + c[0] * a) + (c[1] + c[2] * a) * a2)
+            + ((c[3] + c[4] * a) + c[5] * a2) * (a2 * a2))
+
+
+@partial(mx.compile, shapeless=True)
+def _gelu_from_polynomial(x: mx.array, polynomial: mx.array) -> mx.array:
+    power = polynomial
     for _ in range(4):
         power = power * power
-    erf = mx.sign(x) * (1.0 - 1.0 / power)
-    return 0.5 * x * (1.0 + erf)
+    half = 0.5 * mx.abs(x)
+    return (0.5 * x + half) - half / power
+
+
+def gelu(x: mx.array) -> mx.array:
+    """BERT's exact (erf) GELU: x/2 (1 + erf(x / sqrt 2)), which is
+    relu(x) - |x|/2 (1 - erf(|x| / sqrt 2)) = relu(x) - |x|/2 p(|x|)^-16.
+
+    In two compiled halves: MLX fuses a chain of at most 11 operations (a shapeless
+    compile's broadcasts count), so the whole formula as one function became five
+    loops over the activation; two shallow halves are two, each vectorised (no min, max
+    or where, on which MLX's CPU loops branch and do not vectorise): six GELUs of
+    832 x 1536 took 16 ms on a 2-core AMD EPYC, now 7.6.
+    """
+    return _gelu_from_polynomial(x, _gelu_polynomial(x))
 
 
 @partial(mx.compile, shapeless=True)
