@@ -1,6 +1,7 @@
 """Shared fixtures: tiny demo models, built once per test session (seconds, offline), and
 the real default model with a server on it for the tests of real text."""
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,6 +14,17 @@ from engine.demo_vlm import build_demo_vlm
 from engine.gguf import convert
 from engine.model_source import default_model_file
 from tests.server.support import API_KEY, ServerProcess, start_server
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Several xdist workers (`make test`: two on two cores): one OpenBLAS thread for each
+    process they and their servers start, unless the caller chose a number. OpenBLAS's
+    threads spin while they wait for work, so two processes of two threads each on two
+    cores took turns: the same real-model test, run twice at once, took 60 s with two
+    threads each and 35 s with one (31 s alone with two). Read when a process starts, so
+    it is set here, before the workers are."""
+    if getattr(config.option, "numprocesses", None):
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
