@@ -50,7 +50,9 @@ class Generation:
         self._emit = emit
         self._on_dequeue = on_dequeue
         self._tokenizer = tokenizer
-        self.text = TextStream(tokenizer, text_ids(prompt) if images else prompt, params.stop)
+        # A readout shows no text (a classify list makes 64 of these on the event loop).
+        self.text = None if params.readout is not None else TextStream(
+            tokenizer, text_ids(prompt) if images else prompt, params.stop)
         self.sampler = make_sampler(params, vocab_size)
         self.processors = make_processors(params, len(prompt))
         stop_ids = set(params.stop_token_ids)
@@ -136,7 +138,7 @@ class Generation:
 
     def finish(self, reason: FinishReason, matched_stop: str | int | None = None) -> None:
         """Emit the last event, with any text still held back (none after a cancel)."""
-        tail = "" if reason == "cancelled" else self.text.finish()
+        tail = "" if reason == "cancelled" or self.text is None else self.text.finish()
         drafts = self.drafts
         self.emit(Finish(reason, tail, len(self.prompt), len(self.generated),
                          self.cached_tokens or 0, matched_stop, self._described_miss(),

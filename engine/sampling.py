@@ -79,6 +79,9 @@ def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
 def make_processors(params: SamplingParams, prompt_length: int) -> list[LogitsProcessor]:
     """logit_bias and repetition_penalty as mlx-lm applies them; presence and frequency
     penalties as OpenAI defines them (see `openai_penalties`)."""
+    if not (params.logit_bias or params.repetition_penalty or params.presence_penalty
+            or params.frequency_penalty):
+        return []  # most requests: no call into mlx-lm for each of a list's prompts
     processors = make_logits_processors(
         logit_bias=params.logit_bias or None, repetition_penalty=params.repetition_penalty)
     if params.presence_penalty or params.frequency_penalty:

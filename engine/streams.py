@@ -184,7 +184,8 @@ class RequestStream:
         self._relay = relay
         self._cancel = cancel
         self._events = EventQueue()
-        self._done = False
+        self._done = False  # the iterator gave its last event
+        self._ended = False  # the last event arrived: nothing left to cancel
         self._sink: Callable[[object], None] | None = None
 
     def forward_to(self, sink: Callable[[object], None]) -> None:
@@ -201,14 +202,18 @@ class RequestStream:
 
     def arrive(self, event: object) -> None:
         """Called on the caller's loop, by the relay."""
+        if isinstance(event, Finish | BaseException):
+            self._ended = True
         if self._sink is not None:
             self._sink(event)
             return
         self._events.put(event)
 
     def cancel(self) -> None:
-        """Ask the engine to end this request (a no-op once it has ended)."""
-        self._cancel(self.request_id)
+        """Ask the engine to end this request, unless it has ended (a list's job closes
+        every stream it read: a message to the engine for each would be for nothing)."""
+        if not self._ended:
+            self._cancel(self.request_id)
 
     def __aiter__(self) -> RequestStream:
         return self

@@ -20,6 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine.api import Finish, LastPosition, QueueFull, Readout, RequestFailed, SamplingParams
 from engine.engine import Engine
+from engine.scheduler import IDLE_READ_CHUNKS
 from tests.engine.kv_integrity import check_tree_kv
 from tests.engine.support import Reference, settled, start_engine
 from tests.faults import FaultInjectingModel, loader_wrapping
@@ -177,18 +178,18 @@ async def test_hidden_states_read_together_are_each_prompts_own(counted, llama_r
 
 
 async def test_a_list_longer_than_a_forward_is_read_in_batches(counted, llama_reference):
-    """Forty reviews of many lengths behind a cached preamble, with CHUNK-token prefill
-    chunks: several forwards, none over the chunk (padding included), shortest first,
-    each row read as its prompt alone."""
+    """Eighty reviews of many lengths behind a cached preamble: several forwards, none
+    over what a step with nothing decoding reads (IDLE_READ_CHUNKS prefill chunks,
+    padding included), shortest first, each row read as its prompt alone."""
     engine, model = counted
-    reviews = [" ".join(["word"] * (1 + i % 13)) + f" {i}" for i in range(40)]
+    reviews = [" ".join(["word"] * (1 + i % 13)) + f" {i}" for i in range(80)]
     prompts, shared = a_list(engine, reviews)
     readout = Readout(top_logprobs=2, cached_prefix=shared)
     await read(engine, prompts[:2], readout)
     model.shapes.clear()
     results = await read(engine, prompts, readout)
     assert len(model.shapes) > 1
-    assert all(rows * width <= CHUNK for rows, width in model.shapes)
+    assert all(rows * width <= IDLE_READ_CHUNKS * CHUNK for rows, width in model.shapes)
     assert sum(rows for rows, _ in model.shapes) == len(prompts)
     for prompt, (last, finish) in zip(prompts, results):
         assert finish.cached_tokens == shared
