@@ -13,7 +13,7 @@ from engine.demo_model import build_demo_model
 from engine.demo_vlm import build_demo_vlm
 from engine.gguf import convert
 from engine.model_source import default_model_file
-from tests.server.support import API_KEY, ServerProcess, start_server
+from tests.server.support import API_KEY, ServerProcess, start_server, without_torch
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -110,3 +110,12 @@ def real_server(real_server_process: ServerProcess) -> ServerProcess:
 @pytest.fixture(scope="module")
 def real_client(real_server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{real_server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture
+def children_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's servers and children (tests/test_bench*.py; its environment is this
+    process's) run without torch, as the tests' servers do: tests/server/without_torch
+    says why. Not for the embeddings workload, whose reference is sentence-transformers,
+    on torch."""
+    monkeypatch.setenv("PYTHONPATH", without_torch(os.environ.get("PYTHONPATH")))

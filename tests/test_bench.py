@@ -1,10 +1,10 @@
-"""Smoke test of the benchmark harness: every workload at toy sizes against one radix-mlx
-server on the tiny demo model. Checks the shape of the results, never a timing."""
+"""Smoke test of the benchmark harness: the standard workloads at toy sizes against one
+radix-mlx server on the tiny demo model, and the report's tables and targets. Checks the
+shape of the results, never a timing. The speculation, several-models and prefill
+endpoints' workloads are test_bench_feature_workloads.py; the bare baselines, parity
+tools and GGUF export test_bench_baselines.py."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,38 +12,11 @@ import pytest
 pytest.importorskip("psutil")
 
 from bench import prefill_endpoints, several_models, speculation
-from bench.__main__ import (
-    BenchModel,
-    all_workloads,
-    describe_model,
-    main,
-    model_dirs,
-    parse_args,
-    server_env,
-    server_specs,
-)
+from bench.__main__ import BenchModel, all_workloads, main, parse_args, server_env, server_specs
 from bench.medians import main as medians
-from bench.report import (
-    kv_quant_section,
-    median_summary,
-    replica_rows,
-    several_models_section,
-    targets,
-    write,
-)
+from bench.report import kv_quant_section, median_summary, replica_rows, targets, write
 from bench.servers import RADIX, replicas, tensor_parallel
 from bench.workloads import QUICK, build_all, optimal_cached_tokens
-from tests.engine.gguf_files import write_demo_gguf
-from tests.server.support import without_torch
-
-
-@pytest.fixture
-def children_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bench's servers and children (its environment is this process's) run without
-    torch, as the tests' servers do: tests/server/without_torch says why. Not for the
-    embeddings workload, whose reference is sentence-transformers, on torch."""
-    monkeypatch.setenv("PYTHONPATH", without_torch(os.environ.get("PYTHONPATH")))
-
 
 TOY = ["--sp-groups", "2", "--sp-prompts-per-group", "2", "--sp-system-tokens", "64",
        "--mt-turns", "2", "--lc-document-tokens", "128", "--decode-output-tokens", "8"]
@@ -85,7 +58,7 @@ def test_optimal_cached_tokens_computes_each_shared_prefix_once() -> None:
 def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
     """Every workload but several models' (test_several_models_reload_and_report),
     speculative decoding's (test_speculation_workloads) and the prefill endpoints'
-    (test_prefill_endpoints_workloads)."""
+    (test_prefill_endpoints_workloads), all in test_bench_feature_workloads.py."""
     workloads = [name for name in all_workloads()
                  if name not in (*several_models.WORKLOADS, *speculation.WORKLOADS,
                                  *prefill_endpoints.WORKLOADS)]
@@ -152,29 +125,6 @@ def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.usefixtures("children_without_torch")
-def test_speculation_workloads(demo_model_dir: Path, tmp_path: Path) -> None:
-    """The agent edit workload with speculation off, on, auto and on with a draft model
-    (the demo model itself), and bare mlx-lm on the same chats; the standard workloads
-    without repetition, off and auto. The demo model's output does not copy its prompt:
-    what matters here is that it is the same text."""
-    main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-plots",
-          "--no-structured", "--out", str(tmp_path), "--workloads",
-          "agent_edit,spec_no_repeat", "--draft-model", str(demo_model_dir)])
-    results = json.loads((tmp_path / "results.json").read_text())
-    edit = results["speculation"]["agent_edit"]
-    assert edit["streams"] == QUICK.ae_streams
-    assert edit["draft model"]["acceptance"] > 0.5  # the model guesses its own argmax
-    for mode in ("on", "auto", "draft model"):
-        assert edit[mode]["same_output"] and edit[mode]["same_streams_output"]
-        assert edit[mode]["vs_mlx_lm"] > 0 and edit[mode]["streams_vs_off"] > 0
-    assert edit["on"]["acceptance"] is not None
-    plain = results["speculation"]["spec_no_repeat"]
-    assert set(plain) == {"single_stream", "no_share"}
-    assert all(modes["ratio"] > 0 for modes in plain.values())
-    assert "--speculation on, a draft model" in (tmp_path / "results.md").read_text()
-
-
-@pytest.mark.usefixtures("children_without_torch")
 def test_workloads_flag_runs_only_those_and_rounds_repeat_them(demo_model_dir: Path,
                                                                tmp_path: Path) -> None:
     main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-raw",
@@ -221,17 +171,6 @@ def test_targets_are_medians_over_rounds_with_each_rounds_value() -> None:
     classify = by_name["classify sentences/s vs bare mlx_lm.batch_generate(max_tokens=1)"]
     assert classify["value"] == pytest.approx(1.5)  # 3.0 sentences/s against 2.0
     assert classify["rounds"] == pytest.approx([3.0, 0.5, 1.8])
-
-
-@pytest.mark.usefixtures("children_without_torch")
-def test_a_gguf_model_is_benched_as_serve_converts_it(demo_model_dir: Path, tmp_path: Path):
-    write_demo_gguf(demo_model_dir, tmp_path / "tiny.gguf")
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    [model] = model_dirs([str(tmp_path / "tiny.gguf")], env)
-    assert model.directory.name == "tiny" and model.directory.is_relative_to(tmp_path / "cache")
-    assert model.gguf == tmp_path / "tiny.gguf"  # what llama.cpp's server loads
-    description = describe_model(model.directory)["description"]
-    assert "float32" in description and description.endswith("the weights of tiny.gguf")
 
 
 def test_kv_quant_is_reported_with_its_targets() -> None:
@@ -301,62 +240,6 @@ def test_with_replicas_pinned_to_gpus_the_one_server_baseline_gets_one_gpu() -> 
     assert server_env(RADIX, env, unpinned) == env
 
 
-@pytest.mark.usefixtures("children_without_torch")
-def test_bare_batch_baseline_runs_the_classify_prompts(demo_model_dir: Path) -> None:
-    shapes = json.dumps(QUICK.as_dict())
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.raw_batch", str(demo_model_dir), "classify",
-         "--shapes", shapes], check=True, capture_output=True, text=True, timeout=600)
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
-    assert (measured["prompts"], measured["batch"]) == (QUICK.cl_sentences, QUICK.cl_batch)
-    # batch_generate may stop a prompt at EOS before its one token.
-    assert 0 <= measured["output_tokens"] <= QUICK.cl_sentences
-    assert measured["prompts_s"] > 0
-
-
-@pytest.mark.usefixtures("children_without_torch")
-def test_decode_parity_times_every_path_against_bare_mlx_lm(demo_model_dir: Path,
-                                                             tmp_path: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "bench.decode_parity", str(demo_model_dir), "--max-tokens", "8",
-         "--repeats", "2", "--out", str(tmp_path),
-         "--server-variant", "process=--engine-process true",
-         "--server-variant", "thread=--engine-process false"],
-        check=True, capture_output=True, text=True, timeout=600)
-    results = json.loads((tmp_path / "results.json").read_text())
-    paths = {"bare", "engine", "server:process", "server:thread"}
-    assert set(results["runs"]) == paths
-    assert all(len(rates) == 2 and min(rates) > 0 for rates in results["runs"].values())
-    assert results["ratio_to_bare"]["bare"] == 1.0
-    cpu = results["host_cpu_us_per_token"]
-    assert set(cpu) == paths and set(cpu["engine"]) == {"engine", "caller"}
-    assert set(cpu["server:process"]) == {"loop", "process tree"}
-    assert cpu["engine"]["engine"] > 0
-    # The engine's own steps, in this process or in a server's (its engine process's).
-    steps = results["engine_step_us"]
-    assert set(steps) == paths - {"bare"}
-    assert all(step["wall"] >= step["cpu"] > 0 for step in steps.values())
-    assert "| server:process |" in (tmp_path / "results.md").read_text()
-
-
-@pytest.mark.usefixtures("children_without_torch")
-def test_batch_parity_times_every_path_against_bare_batch_generator(demo_model_dir: Path,
-                                                                    tmp_path: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "bench.batch_parity", str(demo_model_dir), "--streams", "4",
-         "--prompt-tokens", "16", "--max-tokens", "8", "--repeats", "1", "--out", str(tmp_path)],
-        check=True, capture_output=True, text=True, timeout=600)
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert set(results["step_ms"]) == {"bare", "engine", "server"}
-    assert all(len(runs) == 1 and min(runs) > 0 for runs in results["runs"]["output_tok_s"].values())
-    cpu = results["host_cpu_ms_per_step"]
-    assert set(cpu["engine"]) == {"engine", "caller", "process"}
-    assert set(cpu["server"]) == {"loop", "process tree"}
-    assert set(results["engine_step_ms"]) == {"engine", "server"}
-    assert results["engine_step_ms"]["server"]["cpu"] > 0
-    assert "| server |" in (tmp_path / "results.md").read_text()
-
-
 def test_medians_of_alternating_runs_per_code_and_server(tmp_path: Path) -> None:
     runs = []
     for i, (label, itl) in enumerate([("before", 200.0), ("after", 100.0), ("before", 240.0),
@@ -422,87 +305,3 @@ def test_llama_cpp_gets_its_own_ratio_table(tmp_path: Path) -> None:
     llama_table = text.split("## Ratios (radix-mlx / llama-cpp)")[1]
     assert "| no_share | 0.50x | n/a | 2.00x |" in llama_table
     assert "- llama-cpp: `llama-server --model m`" in text
-
-
-def test_a_bench_model_exported_to_gguf_computes_what_it_did(demo_model_dir: Path,
-                                                              tmp_path: Path) -> None:
-    """bench.gguf_export writes what llama.cpp loads for the GPU peer; read back the way
-    `radix-mlx serve` reads a GGUF, it gives the directory's logits and tokens."""
-    import mlx.core as mx
-    from mlx_lm import load
-
-    from bench.gguf_export import export, pre_tokenizer_name
-    from engine.gguf import GPT2_SPLIT, convert, read_gguf
-
-    path = export(demo_model_dir, tmp_path / "tiny.gguf", dtype="float32")
-    gguf = read_gguf(path)
-    assert gguf.metadata["tokenizer.ggml.pre"] == "gpt-2"  # the demo's plain byte-level BPE
-    assert pre_tokenizer_name({"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": r"\p{N}"}},
-        {"type": "Split", "pattern": {"Regex": GPT2_SPLIT}}]}}) == "smollm"
-    original, tokenizer = load(str(demo_model_dir))
-    exported, their_tokenizer = load(str(convert(path, tmp_path / "back", "float32")))
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Count: 1 2 3"}],
-                                           add_generation_prompt=True)
-    assert their_tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Count: 1 2 3"}], add_generation_prompt=True) == prompt
-    tokens = mx.array([prompt])
-    assert mx.allclose(original(tokens), exported(tokens), atol=1e-4).item()
-
-
-@pytest.mark.usefixtures("children_without_torch")
-def test_several_models_reload_and_report(demo_model_dir: Path, tmp_path: Path) -> None:
-    """idle_reload on real servers (one start: its other workloads start six, and the
-    server tests cover what they measure); the report of all three from their figures."""
-    main(["--model", str(demo_model_dir), "--quick", "--no-raw", "--no-plots",
-          "--no-structured", "--out", str(tmp_path), "--workloads", "idle_reload"])
-    results = json.loads((tmp_path / "results.json").read_text())
-    reload = results["several_models"]["idle_reload"]
-    assert reload["cached_fraction"] >= 0.9 and reload["same_output"]
-    assert reload["reload_seconds"] > 0 and reload["ttft_after_reload"] > 0
-    several = {
-        **results["several_models"],
-        "model_switching": {"one model": {"requests": 4, "ttft_p50": 1.0},
-                            "one model, own process": {"requests": 4, "ttft_p50": 1.0},
-                            "two models": {"requests": 4, "ttft_p50": 1.05},
-                            "ttft_ratio": 1.05, "ttft_ratio_in_process": 1.05},
-        "model_flood": {"models": 3, "budget_fits": 2, "concurrency": 2,
-                        "one model": {"requests": 6, "wall_s": 1.0, "errors": 0, "errors_5xx": 0},
-                        "one model again": {"requests": 6, "wall_s": 1.0, "errors": 0,
-                                            "errors_5xx": 0},
-                        "three models": {"requests": 6, "wall_s": 2.0, "errors": 1,
-                                         "errors_5xx": 1, "unloads": 2},
-                        "identical_answers": 5, "identical_answers_control": 6},
-    }
-    rows = {row["target"]: row["met"]
-            for row in targets({**results, "several_models": several})}
-    assert rows["two loaded models asked in turn: TTFT p50 / one model's"] is True
-    assert rows["flood over 3 models, budget for 2: failed requests"] is False
-    assert rows["flood over 3 models: greedy answers equal to one model's"] is False
-    assert rows["after an idle unload and reload: cached share of the prompt"] is True
-    text = "\n".join(several_models_section(several))
-    assert "1.05x" in text and "5 of 6" in text and "control) matched 6 of 6" in text
-
-
-def test_prefill_endpoints_workloads(demo_model_dir: Path, tmp_path: Path) -> None:
-    """all-MiniLM-L6-v2's embeddings against sentence-transformers, and a rerank on the
-    demo model: the query is computed once for all its documents."""
-    main(["--model", str(demo_model_dir), "--quick", "--no-raw", "--no-plots",
-          "--no-structured", "--out", str(tmp_path), "--workloads", "embeddings,rerank"])
-    results = json.loads((tmp_path / "results.json").read_text())
-    embeddings = results["prefill_endpoints"]["embeddings"]
-    assert embeddings["sentences"] == QUICK.em_sentences and embeddings["min_cosine"] > 0.9999
-    assert embeddings["sentences_s"] > 0 and embeddings["reference_sentences_s"] > 0
-    rerank = results["prefill_endpoints"]["rerank"]
-    assert len(rerank["rounds"]) == QUICK.rr_rounds
-    for one in rerank["rounds"]:
-        # Every document's prompt holds the judge's instructions and the query: computed
-        # once, the rest is each document's own tokens and the few around them.
-        assert one["computed_tokens"] < one["prompt_tokens"] / 2
-        assert one["computed_tokens"] >= one["document_tokens"]
-    rows = {row["target"]: row for row in results["targets"]}
-    assert rows["rerank, causal judge: prompt tokens computed / the documents' own"][
-        "value"] == rerank["computed_per_document_token"]
-    assert "embeddings sentences/s vs sentence-transformers (all-MiniLM-L6-v2)" in rows
-    text = (tmp_path / "results.md").read_text()
-    assert "## Prefill-only endpoints" in text and "sentence-transformers" in text
