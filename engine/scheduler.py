@@ -92,10 +92,10 @@ CPU_PREFILL_CHUNK = 512
 # Readouts read together (`Scheduler._read`) hold their shared prefix once per row: a batch
 # holds at most this many idle chunks of positions, prefix copies and padding included.
 MAX_READ_CHUNKS = 16
-# With nothing decoding, readouts may take this many idle chunks a step: on an H200 (Llama-1B
-# shape, classify lists of 64 x 17 new tokens, 4 lists in flight) the forward's fixed cost
-# was the bound, and one list a forward (2048 positions) ran 2,500-2,950 sentences/s where
-# 8192 positions ran 4,700-5,300.
+# With nothing decoding, readouts may take this many idle chunks a step: nobody waits on the
+# step, and on a GPU a forward's fixed cost is what lists read one by one pay each (an H200
+# server whose chunk gave reads 8192 positions ran classify at ~4,900 sentences/s with four
+# lists in flight; bench/results/nvidia-h200/classify-4-lists-1b-vocab49152).
 IDLE_READ_CHUNKS = 4
 # How much prefill may stall decoding streams (prefill_budget.py). On the 2-core CPU a
 # 512-token chunk costs seconds, and a tenth of a step kept the shared-prefix workload's
