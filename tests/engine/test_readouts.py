@@ -254,3 +254,51 @@ async def test_a_list_the_queue_cannot_take_is_refused_whole(llama_dir):
         assert all(isinstance(finish, Finish) for _, finish in results)
     finally:
         engine.shutdown()
+
+
+async def test_a_preamble_on_disk_is_loaded_back_for_a_list(llama_dir, llama_reference,
+                                                           tmp_path):
+    """A list's preamble that memory could not keep, left on disk by a server that
+    stopped, is loaded back for the next server's first list, which is read together
+    over it."""
+    for run in range(2):
+        # Memory for 16 of the tiny llama's tokens: the 25-token preamble lives on disk.
+        engine = start_engine(llama_dir, cache_bytes=16 * 512, disk_cache_dir=str(tmp_path),
+                              disk_cache_bytes=1 << 24)
+        try:
+            assert engine.disk.rebuilt.wait(30)
+            prompts, shared = a_list(engine)
+            readout = Readout(top_logprobs=2, cached_prefix=shared)
+            readings = await read(engine, prompts, readout)
+            for prompt, (last, finish) in zip(prompts, readings):
+                assert_reads(last, llama_reference, prompt, readout)
+                assert finish.cached_tokens == shared or run == 0
+            assert engine.stats().disk.loads > 0 or run == 0
+            assert engine.disk.flush(30)
+            assert (await settled(engine)).tree.pinned_bytes == 0
+        finally:
+            engine.shutdown()
+
+
+async def test_clearing_the_cache_while_lists_are_read_changes_no_answer(counted,
+                                                                         llama_reference):
+    """Lists read while the cache is cleared again and again: each reads what its prompts
+    alone read, whether its preamble was cached, computed again or cleared under it."""
+    engine, _ = counted
+    readout = Readout(top_logprobs=2, cached_prefix=None)
+    lists = [a_list(engine, [f"{i} {r}" for r in REVIEWS]) for i in range(6)]
+    jobs = [read(engine, prompts, Readout(top_logprobs=2, cached_prefix=shared))
+            for prompts, shared in lists]
+
+    async def clear() -> None:
+        for _ in range(6):
+            await asyncio.wrap_future(engine.clear_cache())
+            await asyncio.sleep(0)
+
+    *results, _ = await asyncio.gather(*jobs, clear())
+    for (prompts, _), readings in zip(lists, results):
+        for prompt, (last, finish) in zip(prompts, readings):
+            assert isinstance(finish, Finish)
+            assert_reads(last, llama_reference, prompt, readout)
+    stats = await settled(engine)
+    assert stats.tree.pinned_bytes == 0 and stats.waiting == 0 and stats.running == 0
