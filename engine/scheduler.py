@@ -751,10 +751,14 @@ class Scheduler:
                   if self.reading or self.generator.prefilling else 0)
         if budget:
             self._deliver()
+            # Readouts take half the budget while prompts are being prefilled: a flood of
+            # classify lists starves no chat, nor a long prompt the lists.
+            halved = bool(self.reading) and bool(self.generator.prefilling)
             if self.reading:
-                prefilled = self._read(budget if decoding else IDLE_READ_CHUNKS * budget)
-            if self.generator.prefilling and budget > prefilled:
-                result = self.generator.prefill(budget - prefilled)
+                reads = budget // 2 if halved else budget
+                prefilled = self._read(reads if decoding else IDLE_READ_CHUNKS * reads)
+            if self.generator.prefilling:
+                result = self.generator.prefill(budget - budget // 2 if halved else budget)
                 prefilled += result.tokens
                 if result.failed and self.group is not None:
                     raise result.failed[0][1]

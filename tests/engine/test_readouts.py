@@ -22,7 +22,7 @@ from engine.api import Finish, LastPosition, QueueFull, Readout, RequestFailed, 
 from engine.engine import Engine
 from engine.scheduler import IDLE_READ_CHUNKS
 from tests.engine.kv_integrity import check_tree_kv
-from tests.engine.support import Reference, settled, start_engine
+from tests.engine.support import Reference, complete, settled, start_engine
 from tests.faults import FaultInjectingModel, loader_wrapping
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -302,3 +302,28 @@ async def test_clearing_the_cache_while_lists_are_read_changes_no_answer(counted
             assert_reads(last, llama_reference, prompt, readout)
     stats = await settled(engine)
     assert stats.tree.pinned_bytes == 0 and stats.waiting == 0 and stats.running == 0
+
+
+async def test_a_flood_of_lists_starves_no_chat(counted):
+    """A prompt that arrives behind thirty lists over a cached preamble is prefilled
+    beside them, not after them: it answers before the flood is over."""
+    engine, _ = counted
+    prompts, shared = a_list(engine)
+    readout = Readout(cached_prefix=shared)
+    await read(engine, prompts, readout)  # the preamble is cached now
+    order: list[str] = []
+
+    async def flood(i: int) -> None:
+        await read(engine, a_list(engine, [f"{i} {r}" for r in REVIEWS])[0], readout)
+        order.append("list")
+
+    async def chat() -> None:
+        await complete(engine, encode(engine, "A chat prompt of a few hundred tokens. " * 25),
+                       max_tokens=2)
+        order.append("chat")
+
+    lists = [asyncio.create_task(flood(i)) for i in range(30)]
+    await asyncio.sleep(0)  # the lists are submitted first
+    await asyncio.gather(chat(), *lists)
+    assert "list" in order[order.index("chat"):]
+    assert (await settled(engine)).tree.pinned_bytes == 0
