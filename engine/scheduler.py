@@ -585,11 +585,15 @@ class Scheduler:
                     ) -> tuple[list[Generation], int]:
         """The generations of `group` (past a shared prefix of `depth` tokens) to read in
         one forward, and its width: shortest first, as many as `budget` positions take,
-        padding included, and `MAX_READ_CHUNKS` idle chunks with the prefix's copies; at
-        least one."""
+        padding included, and, with the prefix's copies, `MAX_READ_CHUNKS` idle chunks or
+        the KV the memory plan has room for beside the running requests (an idle chunk at
+        least); at least one."""
         batch: list[Generation] = []
         width = 0
-        most = MAX_READ_CHUNKS * self.prefill_budget.idle_chunk
+        chunk = self.prefill_budget.idle_chunk
+        room = self.limits.max_tokens_in_flight - sum(
+            g.tokens_reserved for g in self.running.values())
+        most = min(MAX_READ_CHUNKS * chunk, max(chunk, room))
         for generation in sorted(group, key=lambda g: len(g.tokens)):
             longest = len(generation.tokens) - depth
             rows = len(batch) + 1

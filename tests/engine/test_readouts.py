@@ -22,7 +22,7 @@ from engine.api import Finish, LastPosition, QueueFull, Readout, RequestFailed, 
 from engine.engine import Engine
 from engine.scheduler import IDLE_READ_CHUNKS
 from tests.engine.kv_integrity import check_tree_kv
-from tests.engine.support import Reference, complete, settled, start_engine
+from tests.engine.support import Reference, settled, start_engine
 from tests.faults import FaultInjectingModel, loader_wrapping
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -54,9 +54,8 @@ def llama_dir(family_model_dir) -> str:
     return family_model_dir("llama")
 
 
-@pytest.fixture(scope="module")
-def counted(llama_dir) -> Iterator[tuple[Engine, CountingModel]]:
-    """A plain-KV engine whose forwards are counted, with prefill chunks of CHUNK tokens."""
+def counting_engine(model_dir: str, **config) -> tuple[Engine, CountingModel]:
+    """An engine whose forwards are counted, with prefill chunks of CHUNK tokens."""
     models: list[CountingModel] = []
 
     def wrap(model: nn.Module) -> CountingModel:
@@ -65,8 +64,15 @@ def counted(llama_dir) -> Iterator[tuple[Engine, CountingModel]]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("engine.engine.load_model", loader_wrapping(wrap))
-        engine = start_engine(llama_dir, cache_bytes=1 << 30, prefill_chunk_tokens=CHUNK)
-    yield engine, models[0]
+        engine = start_engine(model_dir, prefill_chunk_tokens=CHUNK, **config)
+    return engine, models[0]
+
+
+@pytest.fixture(scope="module")
+def counted(llama_dir) -> Iterator[tuple[Engine, CountingModel]]:
+    """A plain-KV engine whose forwards are counted."""
+    engine, model = counting_engine(llama_dir, cache_bytes=1 << 30)
+    yield engine, model
     engine.shutdown()
 
 
@@ -305,25 +311,42 @@ async def test_clearing_the_cache_while_lists_are_read_changes_no_answer(counted
 
 
 async def test_a_flood_of_lists_starves_no_chat(counted):
-    """A prompt that arrives behind thirty lists over a cached preamble is prefilled
+    """A prompt submitted right behind thirty lists over a cached preamble is prefilled
     beside them, not after them: it answers before the flood is over."""
     engine, _ = counted
     prompts, shared = a_list(engine)
     readout = Readout(cached_prefix=shared)
     await read(engine, prompts, readout)  # the preamble is cached now
+    lists = [engine.submit_all(a_list(engine, [f"{i} {r}" for r in REVIEWS])[0],
+                               params(readout)) for i in range(30)]
+    chat = engine.submit(encode(engine, "A chat prompt of some sixty tokens. " * 6),
+                         SamplingParams(max_tokens=2, temperature=0.0))
     order: list[str] = []
 
-    async def flood(i: int) -> None:
-        await read(engine, a_list(engine, [f"{i} {r}" for r in REVIEWS])[0], readout)
-        order.append("list")
+    async def drain(streams, name: str) -> None:
+        for stream in streams:
+            async for _ in stream:
+                pass
+        order.append(name)
 
-    async def chat() -> None:
-        await complete(engine, encode(engine, "A chat prompt of a few hundred tokens. " * 25),
-                       max_tokens=2)
-        order.append("chat")
-
-    lists = [asyncio.create_task(flood(i)) for i in range(30)]
-    await asyncio.sleep(0)  # the lists are submitted first
-    await asyncio.gather(chat(), *lists)
+    await asyncio.gather(drain([chat], "chat"), *(drain(s, "list") for s in lists))
     assert "list" in order[order.index("chat"):]
     assert (await settled(engine)).tree.pinned_bytes == 0
+
+
+async def test_a_read_holds_no_more_kv_than_the_plan_has_room_for(llama_dir, llama_reference):
+    """With room for 400 tokens of running KV, a list's forwards hold at most that many
+    positions, the preamble's copy in every row included (each row's own tokens alone
+    would have fitted the chunk many times over)."""
+    engine, model = counting_engine(llama_dir, cache_bytes=1 << 24, max_tokens_in_flight=400)
+    try:
+        prompts, shared = a_list(engine, [f"review {i}" for i in range(40)])
+        readout = Readout(cached_prefix=shared)
+        await read(engine, prompts[:2], readout)
+        model.shapes.clear()
+        for prompt, (last, _) in zip(prompts, await read(engine, prompts, readout)):
+            assert_reads(last, llama_reference, prompt, readout)
+        assert sum(rows for rows, _ in model.shapes) == len(prompts)
+        assert all(rows * (shared + width) <= 400 for rows, width in model.shapes)
+    finally:
+        engine.shutdown()
