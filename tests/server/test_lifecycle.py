@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -13,20 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.support import ServerProcess, model_variant, start_server
+from tests.server.support import ServerProcess, model_variant, start_server, wait_idle
 
 LONG = {"max_tokens": 4000, "ignore_eos": True}
-
-
-def _wait_idle(server: ServerProcess, timeout: float = 10.0) -> dict[str, float]:
-    """/metrics once the engine runs nothing and pins nothing."""
-    deadline = time.monotonic() + timeout
-    while True:
-        metrics = server.metrics()
-        idle = metrics["radix_mlx_running_requests"] == 0 and metrics["radix_mlx_queue_depth"] == 0
-        if (idle and metrics["radix_mlx_tree_pinned_bytes"] == 0) or time.monotonic() > deadline:
-            return metrics
-        time.sleep(0.1)
 
 
 def test_disconnect_mid_stream_cancels_the_request(
@@ -39,7 +27,7 @@ def test_disconnect_mid_stream_cancels_the_request(
         assert sum(line.startswith("data:") for line, _ in zip(lines, range(8))) >= 3
         assert server.metrics()["radix_mlx_running_requests"] >= 1
     # Leaving the block closed the connection with ~4000 tokens still to go.
-    metrics = _wait_idle(server)
+    metrics = wait_idle(server)
     assert metrics["radix_mlx_running_requests"] == 0
     assert metrics["radix_mlx_tree_pinned_bytes"] == 0
     # The operator's line still says how big the request was.
@@ -53,7 +41,7 @@ def test_disconnect_while_waiting_for_a_whole_response(
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", headers=headers, timeout=1.0,
                    json={"prompt": "Tell me everything.", **LONG})
-    metrics = _wait_idle(server)
+    metrics = wait_idle(server)
     assert metrics["radix_mlx_running_requests"] == 0
     assert metrics["radix_mlx_tree_pinned_bytes"] == 0
     assert " 499 " in server.log()
@@ -128,7 +116,7 @@ def test_full_queue_gets_429_then_recovers(small_server: ServerProcess) -> None:
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(refused.headers["retry-after"]) >= 1
-    _wait_idle(small_server)
+    wait_idle(small_server)
     ok = httpx.post(url, json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
     assert ok.status_code == 200, ok.text
 
