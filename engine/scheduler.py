@@ -549,9 +549,12 @@ class Scheduler:
                      and g.cacheable == prefix]
             match = self.tree.match(prefix)
             if match.disk:
-                self._load_from_disk(match.disk)
-                continue  # match again: what was loaded is in memory now
-            if match.length < len(prefix):
+                try:
+                    self._load_from_disk(match.disk)
+                    continue  # match again: what was loaded is in memory now
+                except Exception:  # the general way fails each request alone
+                    log.exception("loading a list's prefix from disk failed")
+            if match.disk or match.length < len(prefix):
                 self._leave_reading(group)
                 self.waiting.extend(group)
                 continue
@@ -665,13 +668,13 @@ class Scheduler:
         instead."""
         deepest = nodes[-1]
         self.tree.pin(deepest)
-        try:
-            handles = self.disk.load(node.stored for node in nodes)
-            unreadable = None
-        except BadSegmentFile as error:
-            handles = error.loaded
-            unreadable = nodes[len(handles)]
-        try:
+        try:  # whatever the load raises (a disk gone away), the pin goes
+            try:
+                handles = self.disk.load(node.stored for node in nodes)
+                unreadable = None
+            except BadSegmentFile as error:
+                handles = error.loaded
+                unreadable = nodes[len(handles)]
             for node, handle in zip(nodes, handles):
                 self.tree.promote(node, handle)
         finally:

@@ -92,3 +92,15 @@ if __name__ == "__main__":
     from server.launch.cli import run
 
     run(["serve", *sys.argv[2:]])
+
+
+def failing_first(call: Callable[..., Any], failures: list[Exception]) -> Callable[..., Any]:
+    """`call`, raising each of `failures` (popped as they are raised) before it runs: a
+    disk tier's `load` whose disk goes away for a while, say."""
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return call(*args, **kwargs)
+
+    return flaky

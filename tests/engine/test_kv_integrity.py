@@ -15,10 +15,12 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from engine.api import RequestFailed
 from engine.demo_model import demo_model_path
 from engine.engine import Engine
 from tests.engine.kv_integrity import check_tree_kv
 from tests.engine.support import Reference, complete, settled, start_engine
+from tests.faults import failing_first
 
 BYTES_PER_TOKEN = 512  # the tiny llama: 2 layers x (K, V) x 2 heads x 16 dims x 4 bytes
 
@@ -231,3 +233,27 @@ async def test_a_prompt_cached_in_memory_only_before_a_restart_missed_as_reloade
         assert (miss.reason, miss.position) == ("model_reloaded", 0)
     finally:
         engine.shutdown()
+
+
+async def test_a_disk_load_that_raises_fails_its_request_alone_and_pins_nothing(
+        model_dir, reference, tmp_path):
+    """A prefix on disk whose load raises (the disk went away, not a bad file): the
+    request that matched it gets the error, nothing stays pinned, and once the disk
+    answers again the next request loads it and answers as mlx-lm does."""
+    prompt = [1, 2, *range(100, 160), 300]
+    # Memory for 16 tokens: the prompt's prefix lives on disk only.
+    old = start(model_dir, tmp_path, 16, 4096)
+    await answer(old, reference, prompt)
+    assert old.disk.flush(30)
+    old.shutdown()
+    new = start(model_dir, tmp_path, 16, 4096)
+    try:
+        assert new.disk.rebuilt.wait(30)
+        new.disk.load = failing_first(new.disk.load, [OSError("the disk went away")])
+        with pytest.raises(RequestFailed):
+            await complete(new, prompt, max_tokens=4)
+        assert (await settled(new)).tree.pinned_bytes == 0
+        assert await answer(new, reference, prompt) > 0
+        assert (await settled(new)).tree.pinned_bytes == 0
+    finally:
+        new.shutdown()

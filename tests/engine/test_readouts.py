@@ -23,7 +23,7 @@ from engine.engine import Engine
 from engine.scheduler import IDLE_READ_CHUNKS
 from tests.engine.kv_integrity import check_tree_kv
 from tests.engine.support import Reference, settled, start_engine
-from tests.faults import FaultInjectingModel, loader_wrapping
+from tests.faults import FaultInjectingModel, failing_first, loader_wrapping
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -262,17 +262,21 @@ async def test_a_list_the_queue_cannot_take_is_refused_whole(llama_dir):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("first_load_fails", [False, True])
 async def test_a_preamble_on_disk_is_loaded_back_for_a_list(llama_dir, llama_reference,
-                                                           tmp_path):
+                                                           tmp_path, first_load_fails):
     """A list's preamble that memory could not keep, left on disk by a server that
     stopped, is loaded back for the next server's first list, which is read together
-    over it."""
+    over it. Where that load raises, the list goes the general way, whose requests
+    load it again, each answering as before."""
     for run in range(2):
         # Memory for 16 of the tiny llama's tokens: the 25-token preamble lives on disk.
         engine = start_engine(llama_dir, cache_bytes=16 * 512, disk_cache_dir=str(tmp_path),
                               disk_cache_bytes=1 << 24)
         try:
             assert engine.disk.rebuilt.wait(30)
+            failures = [OSError("the disk went away")] if run and first_load_fails else []
+            engine.disk.load = failing_first(engine.disk.load, failures)
             prompts, shared = a_list(engine)
             readout = Readout(top_logprobs=2, cached_prefix=shared)
             readings = await read(engine, prompts, readout)
@@ -280,6 +284,7 @@ async def test_a_preamble_on_disk_is_loaded_back_for_a_list(llama_dir, llama_ref
                 assert_reads(last, llama_reference, prompt, readout)
                 assert finish.cached_tokens == shared or run == 0
             assert engine.stats().disk.loads > 0 or run == 0
+            assert not failures
             assert engine.disk.flush(30)
             assert (await settled(engine)).tree.pinned_bytes == 0
         finally:
