@@ -3,6 +3,8 @@
 A request's path through it (a `Generation`, generation.py):
 
 1. `Submit` lands it in `waiting`. Each round, `admit` (admission.py) picks who starts.
+   (A plain readout lands in `reading`: a list's are read together over their cached
+   prefix, `_read`, or, where the tree lacks it, sent on to `waiting`.)
 2. `_start` matches its tokens against the radix tree (loading back from the disk tier
    any part of the match that was evicted there, see `_load_from_disk`). Either it waits for a prefix that
    another request is computing (it is *parked*, see below), or its `TreeHold` pins the
