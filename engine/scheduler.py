@@ -551,12 +551,9 @@ class Scheduler:
                      and g.cacheable == prefix]
             match = self.tree.match(prefix)
             if match.disk:
-                try:
-                    self._load_from_disk(match.disk)
-                    continue  # match again: what was loaded is in memory now
-                except Exception:  # the general way fails each request alone
-                    log.exception("loading a list's prefix from disk failed")
-            if match.disk or match.length < len(prefix):
+                self._load_from_disk(match.disk)
+                continue  # match again: what was loaded is in memory now
+            if match.length < len(prefix):
                 self._leave_reading(group)
                 self.waiting.extend(group)
                 continue
@@ -666,17 +663,22 @@ class Scheduler:
     def _load_from_disk(self, nodes: list[Node]) -> None:
         """Load disk nodes (a match's `disk`, top first) and put them back in memory
         (pinned while loading, so making room on disk cannot delete them). A copy that
-        cannot be read is dropped with its subtree; the tokens it held are computed
-        instead."""
+        cannot be read is dropped with its subtree, and all of them where the disk
+        itself fails (an OSError): the tokens they held are computed instead, a cache
+        being no reason to fail a request."""
         deepest = nodes[-1]
         self.tree.pin(deepest)
-        try:  # whatever the load raises (a disk gone away), the pin goes
+        try:  # whatever the load raises, the pin goes
             try:
                 handles = self.disk.load(node.stored for node in nodes)
                 unreadable = None
             except BadSegmentFile as error:
                 handles = error.loaded
                 unreadable = nodes[len(handles)]
+            except OSError:
+                log.exception("disk cache: loading %d nodes failed; computing them instead",
+                              len(nodes))
+                handles, unreadable = [], nodes[0]
             for node, handle in zip(nodes, handles):
                 self.tree.promote(node, handle)
         finally:
