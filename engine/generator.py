@@ -424,18 +424,9 @@ class Generator:
                 first_seen.setdefault((id(keys), n), len(first_seen))
         rows.sort(key=lambda row: [first_seen[(id(keys), n)] for keys, _, n in row[2]])
         group = [sequence for sequence, _, _ in rows]
-        lengths = [len(feed) for _, feed, _ in rows]
         try:
-            cache = prefix_batch([spans for _, _, spans in rows], width, self.layers)
-            for layer in cache:
-                layer.prepare(right_padding=[width - n for n in lengths])
-            inputs = mx.array([feed + [0] * (width - len(feed)) for _, feed, _ in rows])
-            rows, ends = mx.arange(len(group)), mx.array(lengths) - 1
-            if self.hidden.available:
-                with self.hidden.narrowed(rows, ends):
-                    last = self._run(inputs, cache)[:, 0]
-            else:
-                last = self._run(inputs, cache)[rows, ends]
+            cache, last, rows, ends = self._forward_rows(
+                [spans for _, _, spans in rows], [feed for _, feed, _ in rows], width)
             for layer in cache:
                 layer.finalize()
             hidden = (self.hidden.take(rows, ends) if any(s.wants_hidden for s in group)
@@ -461,6 +452,23 @@ class Generator:
         result.tokens += width * len(group)
         return True
 
+    def _forward_rows(self, prefixes: Sequence[Sequence[Span]], feeds: Sequence[list[int]],
+                      width: int) -> tuple[list[Any], mx.array, mx.array, mx.array]:
+        """One forward of `feeds`, row i after the spans `prefixes[i]`, right-padded to
+        `width`: the batch cache it wrote (its rows' right padding prepared, for
+        `finalize`), each row's logits at its last real position (the head computed
+        there alone where the model allows), and those (rows, positions), where
+        `HiddenStates.take` reads the hidden states."""
+        cache = prefix_batch(prefixes, width, self.layers)
+        for layer in cache:
+            layer.prepare(right_padding=[width - len(feed) for feed in feeds])
+        inputs = mx.array([feed + [0] * (width - len(feed)) for feed in feeds])
+        rows, ends = mx.arange(len(feeds)), mx.array([len(feed) - 1 for feed in feeds])
+        if self.hidden.available:
+            with self.hidden.narrowed(rows, ends):
+                return cache, self._run(inputs, cache)[:, 0], rows, ends
+        return cache, self._run(inputs, cache)[rows, ends], rows, ends
+
     def read_together(self, prefix: Sequence[Span], feeds: Sequence[list[int]], top: int,
                       asked: Sequence[int], hidden: bool) -> Readings:
         """Prompts that share the cached `prefix` (spans of its KV), each followed by its
@@ -469,17 +477,8 @@ class Generator:
         sentences, a rerank query's documents, an embedding instruction's inputs. Every
         row's scores come out of batch-wide ops and one read back, where a request per
         row cost each sentence its own slices, reads and events (`Scheduler._read`)."""
-        width = max(map(len, feeds))
-        cache = prefix_batch([prefix] * len(feeds), width, self.layers)
-        for layer in cache:
-            layer.prepare(right_padding=[width - len(feed) for feed in feeds])
-        inputs = mx.array([feed + [0] * (width - len(feed)) for feed in feeds])
-        rows, ends = mx.arange(len(feeds)), mx.array([len(feed) - 1 for feed in feeds])
-        if self.hidden.available:
-            with self.hidden.narrowed(rows, ends):
-                logits = self._run(inputs, cache)[:, 0]
-        else:
-            logits = self._run(inputs, cache)[rows, ends]
+        _, logits, rows, ends = self._forward_rows([prefix] * len(feeds), feeds,
+                                                   max(map(len, feeds)))
         states = self.hidden.take(rows, ends).astype(mx.float32) if hidden else None
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = mx.argmax(logits, axis=-1)
