@@ -4,7 +4,8 @@ A request's path through it (a `Generation`, generation.py):
 
 1. `Submit` lands it in `waiting`. Each round, `admit` (admission.py) picks who starts.
    (A plain readout lands in `reading`: a list's are read together over their cached
-   prefix, `_read`, or, where the tree lacks it, sent on to `waiting`.)
+   prefix, `_read`; where the tree lacks it, one of them goes on to `waiting` to compute
+   it, and the rest wait for that.)
 2. `_start` matches its tokens against the radix tree (loading back from the disk tier
    any part of the match that was evicted there, see `_load_from_disk`). Either it waits for a prefix that
    another request is computing (it is *parked*, see below), or its `TreeHold` pins the
@@ -275,6 +276,9 @@ class Scheduler:
         self.waiting: list[Generation] = []
         # Readouts to read together with the others of their list (`_read`), in order.
         self.reading: list[Generation] = []
+        # By prefix: the readout computing a list's prefix the general way, for the rest
+        # of the list to read together over once it is published (`_wait_for_opener`).
+        self.opening: dict[tuple[int, ...], Generation] = {}
         self.running: dict[int, Generation] = {}  # by the generator's uid
         self.parked: set[Generation] = set()  # waiting for a prefix being computed
         self.counters = SchedulerCounters()
@@ -539,12 +543,14 @@ class Scheduler:
         """Read the readouts in `reading`, up to `budget` positions (padding included):
         a list's (the same params, the same cacheable prefix) in batches, each one forward
         over that prefix as the tree holds it, nothing cached, their events out at once
-        (`Generator.read_together`). A list whose prefix the tree does not hold whole
-        takes the general way (`waiting`), which computes and publishes it once, so that
-        its next lists find it. Returns the positions fed."""
+        (`Generator.read_together`). A list whose prefix the tree does not hold waits for
+        one of its prompts to compute it (`_wait_for_opener`). Returns the positions fed."""
         fed = 0
-        while self.reading and fed < budget:
-            first = self.reading[0]
+        passed: set[int] = set()  # the lists waiting for their prefix, by generation
+        while fed < budget:
+            first = next((g for g in self.reading if id(g) not in passed), None)
+            if first is None:
+                break
             prefix = first.cacheable
             group = [g for g in self.reading
                      if (g.params is first.params or g.params == first.params)
@@ -554,9 +560,10 @@ class Scheduler:
                 self._load_from_disk(match.disk)
                 continue  # match again: what was loaded is in memory now
             if match.length < len(prefix):
-                self._leave_reading(group)
-                self.waiting.extend(group)
+                if self._wait_for_opener(prefix, group):
+                    passed.update(map(id, group))
                 continue
+            self.opening.pop(tuple(prefix), None)
             batch, width = self._read_batch(group, len(prefix), budget - fed)
             self._leave_reading(batch)
             self.tree.pin(match.node)
@@ -583,6 +590,28 @@ class Scheduler:
                 generation.finish("length")
         return fed
 
+    def _wait_for_opener(self, prefix: list[int], group: list[Generation]) -> bool:
+        """A list whose prefix the tree lacks: one of its prompts, the opener, takes the
+        general way (`waiting`), which computes and publishes the prefix, while the rest
+        wait here to be read together over it, as the lists after them will be. Sending
+        them all the general way would admit, hold and decode each (a round's first lists
+        of 64, four in flight on an H200, are 256 such requests). True while they wait; a
+        new opener replaces one that ended first (cancelled or failed). An opener whose
+        prompt was computed while the tree still lacks the prefix (no room to keep it, or
+        evicted) sends them all the general way: False."""
+        key = tuple(prefix)
+        opener = self.opening.get(key)
+        if opener is not None and opener.prompt_done:
+            del self.opening[key]
+            self._leave_reading(group)
+            self.waiting.extend(group)
+            return False
+        if opener is None or self.generations.get(opener.id) is not opener:
+            self.opening[key] = group[0]
+            self._leave_reading(group[:1])
+            self.waiting.append(group[0])
+        return True
+
     def _read_batch(self, group: list[Generation], depth: int, budget: int
                     ) -> tuple[list[Generation], int]:
         """The generations of `group` (past a shared prefix of `depth` tokens) to read in
@@ -608,6 +637,8 @@ class Scheduler:
     def _leave_reading(self, generations: list[Generation]) -> None:
         leaving = set(map(id, generations))
         self.reading = [g for g in self.reading if id(g) not in leaving]
+        if not self.reading:
+            self.opening.clear()  # the lists their openers opened are all read
 
     def _mrope(self) -> MRoPE | None:
         """A Qwen-VL model's M-RoPE positions (engine/mrope.py), which the generator sets
@@ -952,9 +983,9 @@ class Scheduler:
 
     def _cancel(self, generation: Generation) -> None:
         if generation in self.waiting or generation in self.reading or generation in self.parked:
-            for queue in (self.waiting, self.reading):
-                if generation in queue:
-                    queue.remove(generation)
+            if generation in self.waiting:
+                self.waiting.remove(generation)
+            self._leave_reading([generation])
             self.parked.discard(generation)
             self._forget(generation)
             generation.finish("cancelled")

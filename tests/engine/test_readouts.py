@@ -2,8 +2,9 @@
 own, whichever way the engine computes it.
 
 A list of readouts sharing a prefix the tree holds (a classify list's instruction) is read
-together: one forward per batch over that prefix, nothing new cached. The first list of a
-new prefix goes the general way, which computes and publishes the prefix once.
+together: one forward per batch over that prefix, nothing new cached. Where the tree lacks
+the prefix, one prompt of the list goes the general way, which computes and publishes it,
+and the rest are read together over it.
 """
 
 from __future__ import annotations
@@ -146,15 +147,20 @@ def assert_reads(last: LastPosition, reference: Reference, prompt: list[int],
 
 
 async def test_a_list_over_a_cached_prefix_is_read_in_one_forward(counted, llama_reference):
-    """The first list computes and publishes its shared preamble (and nothing of its
-    reviews); the next one over that preamble is one forward of all its rows, and reads
-    what a direct forward of each prompt reads."""
+    """The first list's first prompt computes and publishes the shared preamble (and
+    nothing of its review), and the rest of the list is one forward over it; the next
+    list over that preamble is one forward of all its rows. Each reads what a direct
+    forward of its prompt reads."""
     engine, model = counted
     engine.clear_cache().result(timeout=30)
     prompts, shared = a_list(engine)
     assert len(prompts) * max(len(prompt) - shared for prompt in prompts) <= CHUNK
     readout = Readout(top_logprobs=3, token_ids=(5, 17), cached_prefix=shared)
+    model.shapes.clear()
     first = await read(engine, prompts, readout)
+    *opener, rest = [shape[0] for shape in model.shapes]
+    assert set(opener) == {1} and rest == len(prompts) - 1
+    assert [finish.cached_tokens for _, finish in first] == [0] + [shared] * (len(prompts) - 1)
     assert (await settled(engine)).tree.total_tokens == shared
     model.shapes.clear()
     again = await read(engine, prompts, readout)
@@ -169,6 +175,46 @@ async def test_a_list_over_a_cached_prefix_is_read_in_one_forward(counted, llama
     assert stats.tree.total_tokens == shared  # the reviews were read, not kept
     assert stats.tree.pinned_bytes == 0 and stats.waiting == 0 and stats.running == 0
     assert check_tree_kv(engine, llama_reference.model).memory > 0
+
+
+async def test_lists_of_a_new_preamble_wait_for_one_prompt_to_compute_it(counted,
+                                                                         llama_reference):
+    """Four lists arriving together with a preamble the tree lacks: one prompt of them
+    all computes it (in forwards of one row), and every other prompt is read over it in
+    one forward."""
+    engine, model = counted
+    lists = [a_list(engine, [f"{i} {r}" for r in REVIEWS]) for i in range(4)]
+    readout = Readout(top_logprobs=2, cached_prefix=lists[0][1])
+    engine.clear_cache().result(timeout=30)
+    model.shapes.clear()
+    results = await asyncio.gather(*(read(engine, prompts, readout) for prompts, _ in lists))
+    cached = [finish.cached_tokens for readings in results for _, finish in readings]
+    assert sorted(cached) == [0] + [lists[0][1]] * (len(cached) - 1)
+    assert [rows for rows, _ in model.shapes if rows > 1] == [len(cached) - 1]
+    for (prompts, _), readings in zip(lists, results):
+        for prompt, (last, _) in zip(prompts, readings):
+            assert_reads(last, llama_reference, prompt, readout)
+    assert (await settled(engine)).tree.pinned_bytes == 0
+
+
+async def test_a_preamble_the_cache_cannot_keep_is_computed_by_every_prompt(llama_dir,
+                                                                            llama_reference):
+    """A cache too small for the preamble: its opener's prompt publishes nothing, so the
+    list does not wait for another; each prompt computes it the general way and reads
+    what its prompt alone reads."""
+    engine = start_engine(llama_dir, cache_bytes=16 * 512)  # 16 of the tiny llama's tokens
+    try:
+        prompts, shared = a_list(engine)
+        assert shared > 16
+        readout = Readout(top_logprobs=2, cached_prefix=shared)
+        for _ in range(2):
+            for prompt, (last, finish) in zip(prompts, await read(engine, prompts, readout)):
+                assert isinstance(finish, Finish)
+                assert_reads(last, llama_reference, prompt, readout)
+        stats = await settled(engine)
+        assert stats.tree.pinned_bytes == 0 and stats.waiting == 0 and stats.running == 0
+    finally:
+        engine.shutdown()
 
 
 async def test_hidden_states_read_together_are_each_prompts_own(counted, llama_reference):
