@@ -145,7 +145,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "each round's numbers (default: 1)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib)")
     parser.add_argument("--no-raw", action="store_true",
-                        help="skip the bare mlx_lm.stream_generate baseline")
+                        help="skip the bare mlx-lm baselines (stream_generate and batch_generate)")
     parser.add_argument("--no-structured", action="store_true",
                         help="skip constrained vs free decoding (bench/structured.py)")
     for field in dataclasses.fields(Shapes):

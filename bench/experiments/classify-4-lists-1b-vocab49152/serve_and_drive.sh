@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A server on MODEL_DIR under classify lists, LISTS in flight: one warm-up pass of 1024
 # sentences, then 3 passes of 4096 (../classify-profile-1b/drive.py), the server's log
-# beside them in OUT; with SPY=1, py-spy samples every thread of the server meanwhile.
+# and its /metrics before and after the passes (engine steps and their seconds) beside
+# them in OUT; with SPY=1, py-spy samples every thread of the server meanwhile.
 #   bash serve_and_drive.sh MODEL_DIR OUT LISTS [server flags...]
 set -euo pipefail
 model=$1 out=$2 lists=$3
@@ -20,5 +21,7 @@ if [ -n "${SPY:-}" ]; then
     --duration 40 > "$out/py-spy.log" 2>&1 &
   spy=$!
 fi
+curl -s http://127.0.0.1:$port/metrics > "$out/metrics-before.txt"
 python3 "$drive" "$model" http://127.0.0.1:$port 3 200 "$lists" 4096 | tee "$out/passes.txt"
+curl -s http://127.0.0.1:$port/metrics > "$out/metrics-after.txt"
 if [ -n "${SPY:-}" ]; then kill -INT $spy; wait $spy || true; fi
