@@ -197,6 +197,33 @@ async def test_lists_of_a_new_preamble_wait_for_one_prompt_to_compute_it(counted
     assert (await settled(engine)).tree.pinned_bytes == 0
 
 
+async def test_a_list_whose_opener_fails_is_read_all_the_same(llama_dir, llama_reference):
+    """The prompt a list sent to compute its new preamble fails (its forward raises):
+    it gets the error, another prompt of the list computes the preamble, and every other
+    prompt reads what it alone reads."""
+    probe = start_engine(llama_dir)
+    prompts, shared = a_list(probe, [REVIEWS[1], *REVIEWS[:1], *REVIEWS[2:]])
+    culprit = encode(probe, " Terrible")[0]
+    probe.shutdown()
+    assert [culprit in prompt[shared:] for prompt in prompts].index(True) == 0
+    assert sum(culprit in prompt for prompt in prompts) == 1
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("engine.engine.load_model",
+                      loader_wrapping(lambda model: FaultInjectingModel(model, culprit)))
+        engine = start_engine(llama_dir, cache_bytes=1 << 30)
+    try:
+        readout = Readout(top_logprobs=2, cached_prefix=shared)
+        (_, failed), *readings = await read(engine, prompts, readout)
+        assert isinstance(failed, RequestFailed)
+        assert sorted(f.cached_tokens for _, f in readings) == [0] + [shared] * (len(prompts) - 2)
+        for prompt, (last, _) in zip(prompts[1:], readings):
+            assert_reads(last, llama_reference, prompt, readout)
+        stats = await settled(engine)
+        assert stats.tree.pinned_bytes == 0 and stats.waiting == 0 and stats.running == 0
+    finally:
+        engine.shutdown()
+
+
 async def test_a_preamble_the_cache_cannot_keep_is_computed_by_every_prompt(llama_dir,
                                                                             llama_reference):
     """A cache too small for the preamble: its opener's prompt publishes nothing, so the
