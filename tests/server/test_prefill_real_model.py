@@ -5,6 +5,7 @@ sharing an embedding instruction across requests."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from server.prefill.routes import JUDGE_INSTRUCTION, JUDGE_SYSTEM
-from tests.server.support import API_KEY, ServerProcess
+from tests.server.support import API_KEY, ServerProcess, wait_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SENTENCES = ["The capital of France is", "I loved this film, it was", "2 + 2 =",
@@ -101,6 +102,49 @@ def test_a_classify_list_keeps_only_what_its_prompts_share(real_server: ServerPr
     assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == shared
     assert alone["data"][0]["token_id"] == listed["data"][0]["token_id"]
     assert abs(alone["data"][0]["logprob"] - listed["data"][0]["logprob"]) < LOGPROB_TOLERANCE
+
+
+def test_lists_whose_clients_leave_change_no_other_lists_answers(real_server: ServerProcess,
+                                                                 reference) -> None:
+    """Eight lists sharing one new instruction sent at once, every other client leaving
+    as soon as it has sent its list: one prompt computes the instruction for all of them,
+    and whether or not its client stayed, the lists that stay answer as mlx-lm does and
+    the server is left running nothing and pinning nothing."""
+    model, tokenizer = reference
+    instruction = "Answer with one word: which animal is described here? "
+    lists = [[f"{instruction}It says {sound} and has {legs} legs." for sound in
+              ("moo", "woof", "meow")] for legs in range(8)]
+
+    async def send(client: httpx.AsyncClient, texts: list[str], leaves: bool) -> dict | None:
+        request = client.post("/v1/classify", json={"input": texts, "top_logprobs": 2})
+        if not leaves:
+            response = await request
+            assert response.status_code == 200, response.text
+            return response.json()
+        task = asyncio.ensure_future(request)
+        await asyncio.sleep(0.01)
+        task.cancel()
+        return None
+
+    async def everyone() -> list[dict | None]:
+        async with httpx.AsyncClient(base_url=real_server.url, headers=AUTH,
+                                     timeout=300) as client:
+            return await asyncio.gather(*(send(client, texts, i % 2 == 0)
+                                          for i, texts in enumerate(lists)))
+
+    prompts = [tokenizer.encode(text) for text in lists[0]]
+    shared = next(i for i, column in enumerate(zip(*prompts)) if len(set(column)) > 1)
+    stayed = [(texts, body) for texts, body in zip(lists, asyncio.run(everyone())) if body]
+    cached = sum(body["usage"]["prompt_tokens_details"]["cached_tokens"] for _, body in stayed)
+    assert cached >= (3 * len(stayed) - 1) * shared
+    for texts, body in stayed:
+        for item, text in zip(body["data"], texts):
+            expected = last_logprobs(model, tokenizer.encode(text))
+            assert item["token_id"] == int(np.argmax(expected))
+            assert abs(item["logprob"] - expected.max()) < LOGPROB_TOLERANCE
+    metrics = wait_idle(real_server)
+    assert metrics["radix_mlx_running_requests"] == 0
+    assert metrics["radix_mlx_tree_pinned_bytes"] == 0
 
 
 def test_rerank_judge_equals_mlx_lm(real_server: ServerProcess, reference) -> None:
