@@ -47,7 +47,7 @@ from engine import segment_file
 from engine.api import DiskStats
 from engine.kv import CacheSnapshot, KVSegment
 from engine.kv_quant import KVQuantization
-from engine.segment_file import BadSegmentFile, SegmentHeader, Tensor
+from engine.segment_file import PAGE_TOKENS, BadSegmentFile, PathState, SegmentHeader, Tensor
 from radix import Node, RadixTree
 
 log = logging.getLogger("radix_mlx.disk")
@@ -198,6 +198,7 @@ class DiskStore:
         self._lock = lock_folder(self.directory)
         self.capacity_bytes = capacity_bytes
         self.root_key = fingerprint
+        self.root_state = PathState(fingerprint)
         self.kind = "segment" if segments else "snapshot"
         # Segments are kept as this server's quantization makes them; a file of another
         # (its kv_bits and kv_group_size differ) is not this server's state of its tokens.
@@ -220,13 +221,11 @@ class DiskStore:
 
     # -- the tree's Store --------------------------------------------------------------
 
-    def key(self, parent_key: str, tokens: tuple[int, ...]) -> str:
-        return segment_file.content_key(parent_key, tokens)
-
-    def save(self, key: str, parent_key: str, start: int, tokens: tuple[int, ...],
+    def save(self, key: str, after: PathState, start: int, tokens: tuple[int, ...],
              handle: KVSegment | CacheSnapshot) -> DiskCopy | None:
-        header = SegmentHeader(fingerprint=self.root_key, key=key, parent=parent_key,
-                               start=start, tokens=list(tokens), kind=self.kind,
+        header = SegmentHeader(fingerprint=self.root_key, key=key, start_chain=after.chain,
+                               start_tail=list(after.tail), start=start, tokens=list(tokens),
+                               kind=self.kind,
                                kv_bits=self._kv_fields[0], kv_group_size=self._kv_fields[1])
         arrays = self._arrays(handle, header)
         data_bytes = sum(a.nbytes for _, _, a in arrays)
@@ -365,8 +364,10 @@ class DiskStore:
         self._check_quantization(header)
         if path.name != f"{header.key}{segment_file.SUFFIX}":
             raise BadSegmentFile(f"holds {header.key} under another name")
-        if not header.tokens or header.key != self.key(header.parent, tuple(header.tokens)):
-            raise BadSegmentFile("its key does not match its parent and tokens")
+        if not header.tokens or len(header.start_tail) != header.start % PAGE_TOKENS:
+            raise BadSegmentFile("its start and the path it follows disagree")
+        if header.key != header.start_state.follow(tuple(header.tokens)).key:
+            raise BadSegmentFile("its key does not match its path and tokens")
 
     def _check_quantization(self, header: SegmentHeader) -> None:
         if (header.kv_bits, header.kv_group_size) != self._kv_fields:

@@ -5,9 +5,9 @@ whose `__metadata__["radix_mlx"]` is a JSON header saying what the file is:
 
 - `format`: this module's version; another version is skipped.
 - `fingerprint`: the model (weights, dtype, cache layout) the KV belongs to.
-- `key` (also the file name), `parent` (the key of the node it follows, or the
-  fingerprint for the root), `start` and `tokens`: the token span it holds and its place
-  in the tree, so the tree can be rebuilt from the files alone.
+- `key` (also the file name), `start_chain` and `start_tail` (the `PathState` of the
+  path it follows, whose key is its parent's), `start` and `tokens`: the token span it
+  holds and its place in the tree, so the tree can be rebuilt from the files alone.
 - `kind`: "segment" (per-layer keys and values of the span) or "snapshot" (the whole
   cache state after the span, with the cache `classes` and non-array `scalars`).
 - `kv_bits`, `kv_group_size`: a segment's quantization (engine/kv_quant.py; 0: none,
@@ -41,9 +41,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-# Version 1 stored bfloat16 tensors under U16 and read them back as integers: its files
-# are not read (the version is part of the model fingerprint, so of the folder's name).
-FORMAT = "radix-mlx-kv/2"
+# Version 1 stored bfloat16 tensors under U16 and read them back as integers; version 2
+# keyed a file by its parent's key and its own tokens, so a split of a parent orphaned
+# the files below it. Their files are not read (the version is part of the model
+# fingerprint, so of the folder's name).
+FORMAT = "radix-mlx-kv/3"
 SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 METADATA_KEY = "radix_mlx"
@@ -63,10 +65,39 @@ class BadSegmentFile(Exception):
     """A file that must not be loaded: truncated, torn, foreign or corrupt."""
 
 
-def content_key(parent_key: str, tokens: tuple[int, ...]) -> str:
-    """A node's name: a hash of the name of the state it follows and of its tokens, so
-    a name stands for one token path (and its node boundaries), never for a location."""
-    digest = hashlib.blake2b(parent_key.encode(), digest_size=16)
+# A path's hash chain takes its tokens this many at a time (`PathState`).
+PAGE_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class PathState:
+    """A token path as content keys see it: a hash chain, from the model's fingerprint,
+    over its whole pages of PAGE_TOKENS tokens, and the tokens after the last page. Its
+    `key` names the path, whatever nodes the tree cuts it into: a node split in two keeps
+    its key for the part that ends where it ended, so the files below it still name
+    their parent (a key over the parent's key and the node's own tokens changed, and a
+    restart found those files orphaned)."""
+
+    chain: str
+    tail: tuple[int, ...] = ()
+
+    def follow(self, tokens: tuple[int, ...]) -> PathState:
+        """The state of this path followed by `tokens`."""
+        chain, tail = self.chain, self.tail + tuple(tokens)
+        whole = len(tail) - len(tail) % PAGE_TOKENS
+        for start in range(0, whole, PAGE_TOKENS):
+            chain = _digest(chain, b"page", tail[start:start + PAGE_TOKENS])
+        return PathState(chain, tail[whole:])
+
+    @property
+    def key(self) -> str:
+        """The path's content key: its chain where it ends on a page boundary (the
+        fingerprint for the empty path), else a hash of the chain and the tail."""
+        return _digest(self.chain, b"tail", self.tail) if self.tail else self.chain
+
+
+def _digest(chain: str, part: bytes, tokens: tuple[int, ...]) -> str:
+    digest = hashlib.blake2b(chain.encode() + b":" + part + b":", digest_size=16)
     digest.update(np.asarray(tokens, dtype="<i8").tobytes())
     return digest.hexdigest()
 
@@ -75,7 +106,8 @@ def content_key(parent_key: str, tokens: tuple[int, ...]) -> str:
 class SegmentHeader:
     fingerprint: str
     key: str
-    parent: str
+    start_chain: str
+    start_tail: list[int]
     start: int
     tokens: list[int]
     kind: str  # "segment" or "snapshot"
@@ -86,6 +118,16 @@ class SegmentHeader:
     # One per tensor, hex of fixed width: a file's size is known before its checksums.
     crc32: list[str] = field(default_factory=list)
     format: str = FORMAT
+
+    @property
+    def start_state(self) -> PathState:
+        return PathState(self.start_chain, tuple(self.start_tail))
+
+    @property
+    def parent(self) -> str:
+        """The key of the path the span follows: its parent's (the fingerprint's for the
+        root)."""
+        return self.start_state.key
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import enum
 import itertools
 import threading
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Handle(Protocol):
@@ -70,6 +70,7 @@ class Node(_Link):
         "memory_children",
         "on_disk",
         "parent",
+        "path_state",
         "pins",
         "state",
         "stored",
@@ -91,6 +92,7 @@ class Node(_Link):
         self.stored: Stored | None = None
         self.on_disk = False
         self.key: str | None = None  # content key, once the node has been saved
+        self.path_state: Any = None  # the store's state of its path (radix/tiers.py)
         self.memory_children = 0
         self.pins = 0
         self.last_access = 0

@@ -23,21 +23,31 @@ from radix.node import Handle, LRUList, Node, NodeState, Stored
 from radix.prefix import common_prefix_length
 
 
+class PathState(Protocol):
+    """A token path as the store names it: `key` depends on the path's tokens alone, not
+    on the nodes it is cut into, so a split leaves the key of the tail's path as it was."""
+
+    @property
+    def key(self) -> str: ...
+
+    def follow(self, tokens: tuple[int, ...]) -> PathState:
+        """The state of this path followed by `tokens`."""
+        ...
+
+
 class Store(Protocol):
     """The disk tier. Its methods are called under the tree's lock and must neither block
     nor re-enter the tree: they only queue work for the store's own thread."""
 
     capacity_bytes: int
-    root_key: str
+    root_key: str  # the key of the empty path, `root_state.key`
+    root_state: PathState
 
-    def key(self, parent_key: str, tokens: tuple[int, ...]) -> str:
-        """The content key of `tokens` following the state named `parent_key`."""
-        ...
-
-    def save(self, key: str, parent_key: str, start: int, tokens: tuple[int, ...],
+    def save(self, key: str, after: PathState, start: int, tokens: tuple[int, ...],
              handle: Handle) -> Stored | None:
-        """Queue a disk copy of `handle` (tokens [start, start + len(tokens)) of its path);
-        None when it cannot be queued now (the node then stays memory-only)."""
+        """Queue a disk copy of `handle` (tokens [start, start + len(tokens)) of its path,
+        which follow the path `after`; `key` is that of the path they end); None when it
+        cannot be queued now (the node then stays memory-only)."""
         ...
 
     def discard(self, stored: Stored) -> None:
@@ -263,9 +273,8 @@ class Tiers:
         if needed > 0 and self._evict_disk(needed) < needed:
             return
         anchor, span = self._anchor(node)
-        parent_key = self._key(anchor)
-        node.key = self.store.key(parent_key, span)
-        stored = self.store.save(node.key, parent_key, self._depth(node) - len(span), span,
+        after = self._path_state(anchor)
+        stored = self.store.save(self._key(node), after, self._depth(node) - len(span), span,
                                  node.handle)
         if stored is not None:
             self._add_stats(node, -1)
@@ -284,13 +293,18 @@ class Tiers:
         return anchor, tuple(itertools.chain.from_iterable(reversed(parts)))
 
     def _key(self, node: Node) -> str:
-        """A node's content key: its anchor's key followed by its tokens."""
+        """A node's content key: that of its whole path."""
+        return self._path_state(node).key
+
+    def _path_state(self, node: Node) -> PathState:
+        """The store's state of a node's whole path, kept on the node once computed."""
         if node is self.root:
-            return self.store.root_key
-        if node.key is None:
+            return self.store.root_state
+        if node.path_state is None:
             anchor, span = self._anchor(node)
-            node.key = self.store.key(self._key(anchor), span)
-        return node.key
+            node.path_state = self._path_state(anchor).follow(span)
+            node.key = node.path_state.key
+        return node.path_state
 
     def _depth(self, node: Node) -> int:
         depth = 0

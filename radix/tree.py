@@ -355,7 +355,9 @@ class RadixTree(Reservations, Tiers, Accounting):
         keeps the tail, so references held to `node` still mean the same position.
 
         A span's halves are new data, so its disk copy is deleted and each half is
-        saved anew; a snapshot stays whole with the tail, copy and key included."""
+        saved anew: the tail under its old key (its path ends where the node's did, so
+        the copies below it still name their parent), the head under a new one. A
+        snapshot stays whole with the tail, copy and key included."""
         spans = node.handle is not None and node.handle.splittable
         assert not (node.on_disk and node.stored is not None and node.stored.splittable), (
             f"split of a span on disk {node!r}")
@@ -366,7 +368,6 @@ class RadixTree(Reservations, Tiers, Accounting):
             if node.stored is not None:
                 self._discarded.append(node.stored)
                 node.stored = None
-            node.key = None
         head = Node(node.tokens[:at], node.parent, head_handle, self._mutex)
         head.on_disk = node.on_disk
         head.memory_children = 0 if node.on_disk else 1

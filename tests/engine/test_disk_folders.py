@@ -20,8 +20,9 @@ OLD_FORMAT = "radix-mlx-kv/1"
 
 def write_file(folder: Path, name: str, version: str = segment_file.FORMAT) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    header = SegmentHeader(fingerprint="f" * 32, key=name, parent="f" * 32, start=0,
-                           tokens=[1, 2], kind="segment", format=version)
+    header = SegmentHeader(fingerprint="f" * 32, key=name, start_chain="f" * 32,
+                           start_tail=[], start=0, tokens=[1, 2], kind="segment",
+                           format=version)
     path = folder / f"{name}{segment_file.SUFFIX}"
     segment_file.write(path, header, [Tensor("keys.0", "F32", np.ones((1, 1, 2, 4), np.float32))])
     return path

@@ -17,7 +17,7 @@ import pytest
 
 from engine.demo_model import demo_model_path
 from engine.engine import Engine
-from tests.engine.kv_integrity import check_tree_kv
+from tests.engine.kv_integrity import check_folder_kv, check_tree_kv
 from tests.engine.support import Reference, complete, settled, start_engine
 from tests.faults import failing_first
 
@@ -83,6 +83,36 @@ async def test_a_file_restored_while_traffic_cut_its_path_keeps_its_answer(
         check_tree_kv(new, reference.model)
         await answer(new, reference, head + system + question[:2] + [400])
         check_tree_kv(new, reference.model)
+    finally:
+        new.shutdown()
+
+
+async def test_files_below_a_split_node_come_back_after_a_restart(model_dir, reference,
+                                                                   tmp_path):
+    """A system prompt and an answer written to disk, a later turn below them, then a
+    prompt that parts from the system prompt midway and splits its node: after a restart
+    every file is restored (the later turn's file still names its parent, whose key the
+    split kept), each holds its path's KV, and the later turn's prompt is a disk hit."""
+    system, question = list(range(100, 180)), [300, 301, 302]
+    turn = system + question
+    old = start(model_dir, tmp_path, 4096, 4096)
+    try:
+        await answer(old, reference, turn)
+        await answer(old, reference, turn + [500, 501, 502])  # a node below the first
+        await answer(old, reference, system[:40] + [600, 601])  # splits the first
+        await settled(old)
+        assert old.disk.flush(30)
+        files = len(list(old.disk.directory.glob("*.safetensors")))
+    finally:
+        old.shutdown()
+    new = start(model_dir, tmp_path, 4096, 4096)
+    try:
+        assert new.disk.rebuilt.wait(30)
+        stats = new.stats().disk
+        assert stats.restored_nodes == files and stats.bad_files == 0
+        assert check_folder_kv(new.disk.directory, reference.model) == []
+        cached = await answer(new, reference, turn + [500, 501, 502, 503])
+        assert cached >= len(turn) + 3
     finally:
         new.shutdown()
 

@@ -90,23 +90,36 @@ class FakeStored:
         return f"FakeStored({self.prefix}+{self.tokens} {self.key})"
 
 
+class FakePathState:
+    """A path as `FakeStore` names it: its tokens, whatever nodes hold them."""
+
+    def __init__(self, path: tuple[int, ...] = ()) -> None:
+        self.path = path
+
+    @property
+    def key(self) -> str:
+        return "/".join(["root", *map(str, self.path)])
+
+    def follow(self, tokens: tuple[int, ...]) -> FakePathState:
+        return FakePathState(self.path + tuple(tokens))
+
+
 class FakeStore:
     """A disk tier in a list: every copy it made, and whether it is `full` (then it
     refuses copies, like a store whose write queue is full)."""
 
     root_key = "root"
+    root_state = FakePathState()
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.saved: list[FakeStored] = []
         self.full = False
 
-    def key(self, parent_key: str, tokens: tuple[int, ...]) -> str:
-        return f"{parent_key}/{'.'.join(map(str, tokens))}"
-
-    def save(self, key: str, parent_key: str, start: int, tokens: tuple[int, ...],
+    def save(self, key: str, after: FakePathState, start: int, tokens: tuple[int, ...],
              handle: FakeHandle) -> FakeStored | None:
-        assert key == self.key(parent_key, tokens)
+        assert key == after.follow(tokens).key and len(after.path) == start
+        parent_key = after.key
         assert handle.path[start:] == tokens and len(handle.path) == start + len(tokens), (
             f"{handle!r} saved as {start}+{tokens}")
         # A span's data is its own tokens' KV and no more, as a file of it will be.

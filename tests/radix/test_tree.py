@@ -735,6 +735,26 @@ def test_holding_finds_the_disk_nodes_of_recorded_keys_in_their_order():
     assert all(n.on_disk for n in found)
 
 
+def test_a_split_leaves_the_copies_below_it_their_parent_for_a_restart():
+    """A span with a copy below it is split by a prompt that parts from it midway: the
+    tail is saved again under its old key (its path ends where the span's did), so the
+    copy below still names its parent, and a restart restores every copy there is."""
+    tree, store = tiered()
+    tree.put([1, 2, 3, 4])
+    tree.insert(tree.match([1, 2, 3, 4]).node, [5], span([5], prefix=(1, 2, 3, 4)))
+    below = store.saved[-1]
+    tree.put([1, 2, 9])  # cuts [1, 2, 3, 4] after [1, 2]
+    tail = next(s for s in store.live() if s.span == (3, 4))
+    assert tail.key == below.parent_key
+    fresh, _ = tiered()
+    live = store.live()
+    restored, rejected = fresh.restore_all((s.parent_key, s.span, s) for s in live)
+    assert rejected == [] and restored == len(live) == 4
+    assert [n.path_tokens() for n in fresh.match([1, 2, 3, 4, 5]).disk] == [
+        (1, 2), (1, 2, 3, 4), (1, 2, 3, 4, 5)]
+    check_invariants(fresh)
+
+
 def test_disk_chain_is_what_loading_a_node_takes_top_first_and_empty_once_loaded():
     tree, _ = tiered()
     tree.put([1, 2])

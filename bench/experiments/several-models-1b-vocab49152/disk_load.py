@@ -48,7 +48,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         store = DiskStore(Path(folder), 2**36, "f" * 32, True, 2**33)
         tokens = tuple(range(args.tokens))
-        copy = store.save(store.key("f" * 32, tokens), "f" * 32, 0, tokens, KVSegment(*layers))
+        copy = store.save(store.root_state.follow(tokens).key, store.root_state, 0, tokens,
+                          KVSegment(*layers))
         assert store.flush(60) and copy is not None
         size = copy.path.stat().st_size
 
