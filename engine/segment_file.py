@@ -85,20 +85,29 @@ class PathState:
         """The state of this path followed by `tokens`."""
         chain, tail = self.chain, self.tail + tuple(tokens)
         whole = len(tail) - len(tail) % PAGE_TOKENS
-        for start in range(0, whole, PAGE_TOKENS):
-            chain = _digest(chain, b"page", tail[start:start + PAGE_TOKENS])
+        data = _token_bytes(tail[:whole])
+        page = PAGE_TOKENS * TOKEN_BYTES
+        for start in range(0, len(data), page):
+            chain = _digest(chain, b"page", data[start:start + page])
         return PathState(chain, tail[whole:])
 
     @property
     def key(self) -> str:
         """The path's content key: its chain where it ends on a page boundary (the
         fingerprint for the empty path), else a hash of the chain and the tail."""
-        return _digest(self.chain, b"tail", self.tail) if self.tail else self.chain
+        return _digest(self.chain, b"tail", _token_bytes(self.tail)) if self.tail else self.chain
 
 
-def _digest(chain: str, part: bytes, tokens: tuple[int, ...]) -> str:
+TOKEN_BYTES = 8  # a token id in a key's hash: little-endian int64
+
+
+def _token_bytes(tokens: tuple[int, ...]) -> bytes:
+    return np.asarray(tokens, dtype="<i8").tobytes()
+
+
+def _digest(chain: str, part: bytes, data: bytes) -> str:
     digest = hashlib.blake2b(chain.encode() + b":" + part + b":", digest_size=16)
-    digest.update(np.asarray(tokens, dtype="<i8").tobytes())
+    digest.update(data)
     return digest.hexdigest()
 
 
