@@ -607,9 +607,9 @@ class Scheduler:
             self.waiting.extend(group)
             return False
         if opener is None or self.generations.get(opener.id) is not opener:
-            self.opening[key] = group[0]
-            self._leave_reading(group[:1])
+            self._leave_reading(group[:1])  # first: a reading left empty forgets openers
             self.waiting.append(group[0])
+            self.opening[key] = group[0]
         return True
 
     def _read_batch(self, group: list[Generation], depth: int, budget: int
