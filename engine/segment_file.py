@@ -91,10 +91,11 @@ class PathState:
             chain = _digest(chain, b"page", data[start:start + page])
         return PathState(chain, tail[whole:])
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         """The path's content key: its chain where it ends on a page boundary (the
-        fingerprint for the empty path), else a hash of the chain and the tail."""
+        fingerprint for the empty path), else a hash of the chain and the tail; hashed
+        once (a node's key is asked for at each save and each child's)."""
         return _digest(self.chain, b"tail", _token_bytes(self.tail)) if self.tail else self.chain
 
 
