@@ -17,7 +17,7 @@ every step costs milliseconds of host time whatever its size.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from engine.generation import Generation
@@ -61,7 +61,7 @@ def admit(waiting: list[Generation], running: Collection[Generation],
     window = limits.prefill_batch_size - sum(
         not g.prompt_done and len(g.tokens) - g.hold.depth > SHORT_PROMPT_TOKENS
         for g in running)
-    token_room = limits.max_tokens_in_flight - sum(g.tokens_reserved for g in running)
+    room = token_room(limits, running)
     cached = {g: cached_length(g) for g in waiting}
     started = 0
     for generation in _order(waiting, cached):
@@ -71,7 +71,7 @@ def admit(waiting: list[Generation], running: Collection[Generation],
         if not short and window <= 0:
             continue
         # A request bigger than the whole limit still runs, alone.
-        if generation.tokens_reserved > token_room and running:
+        if generation.tokens_reserved > room and running:
             if generation.passed_over >= MAX_PASSED_OVER:
                 break  # admit nobody past it, so the batch drains until it fits
             continue
@@ -80,10 +80,16 @@ def admit(waiting: list[Generation], running: Collection[Generation],
             started += 1
             rows -= 1
             window -= not short
-            token_room -= generation.tokens_reserved
+            room -= generation.tokens_reserved
     if started:
         for generation in waiting:
             generation.passed_over += 1
+
+
+def token_room(limits: SchedulerLimits, running: Iterable[Generation]) -> int:
+    """Tokens of KV the running requests leave of `max_tokens_in_flight` (each counted at
+    its prompt plus every token it may add)."""
+    return limits.max_tokens_in_flight - sum(g.tokens_reserved for g in running)
 
 
 def _order(waiting: list[Generation], cached: dict[Generation, int]) -> list[Generation]:

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.admission import SchedulerLimits, admit
+from engine.admission import SchedulerLimits, admit, token_room
 from engine.api import (
     FinishReason,
     PromptImage,
@@ -622,8 +622,7 @@ class Scheduler:
         batch: list[Generation] = []
         width = 0
         chunk = self.prefill_budget.idle_chunk
-        room = self.limits.max_tokens_in_flight - sum(
-            g.tokens_reserved for g in self.running.values())
+        room = token_room(self.limits, self.running.values())
         most = min(MAX_READ_CHUNKS * chunk, max(chunk, room))
         for generation in sorted(group, key=lambda g: len(g.tokens)):
             longest = len(generation.tokens) - depth
