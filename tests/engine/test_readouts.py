@@ -96,6 +96,22 @@ def a_list(engine: Engine, reviews: list[str] = REVIEWS) -> tuple[list[list[int]
     return [preamble + encode(engine, " " + review) for review in reviews], len(preamble)
 
 
+def failing_on_terrible(llama_dir: str, reviews: list[str]
+                        ) -> tuple[Engine, list[list[int]], int, int]:
+    """An engine whose forward raises for any input holding the first token of
+    " Terrible", the prompts of a list of `reviews` and how many tokens they share, and
+    that token."""
+    probe = start_engine(llama_dir)
+    prompts, shared = a_list(probe, reviews)
+    culprit = encode(probe, " Terrible")[0]
+    probe.shutdown()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("engine.engine.load_model",
+                      loader_wrapping(lambda model: FaultInjectingModel(model, culprit)))
+        engine = start_engine(llama_dir, cache_bytes=1 << 30)
+    return engine, prompts, shared, culprit
+
+
 async def read(engine: Engine, prompts: list[list[int]], readout: Readout
                ) -> list[tuple[LastPosition | None, Finish | Exception]]:
     """Submit the prompts together, as a server's job does, and return each one's
@@ -201,17 +217,11 @@ async def test_a_list_whose_opener_fails_is_read_all_the_same(llama_dir, llama_r
     """The prompt a list sent to compute its new preamble fails (its forward raises):
     it gets the error, another prompt of the list computes the preamble, and every other
     prompt reads what it alone reads."""
-    probe = start_engine(llama_dir)
-    prompts, shared = a_list(probe, [REVIEWS[1], *REVIEWS[:1], *REVIEWS[2:]])
-    culprit = encode(probe, " Terrible")[0]
-    probe.shutdown()
-    assert [culprit in prompt[shared:] for prompt in prompts].index(True) == 0
-    assert sum(culprit in prompt for prompt in prompts) == 1
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("engine.engine.load_model",
-                      loader_wrapping(lambda model: FaultInjectingModel(model, culprit)))
-        engine = start_engine(llama_dir, cache_bytes=1 << 30)
+    engine, prompts, shared, culprit = failing_on_terrible(
+        llama_dir, [REVIEWS[1], *REVIEWS[:1], *REVIEWS[2:]])
     try:
+        assert [culprit in prompt[shared:] for prompt in prompts].index(True) == 0
+        assert sum(culprit in prompt for prompt in prompts) == 1
         readout = Readout(top_logprobs=2, cached_prefix=shared)
         (_, failed), *readings = await read(engine, prompts, readout)
         assert isinstance(failed, RequestFailed)
@@ -295,16 +305,9 @@ async def test_lists_on_every_cache_kind_read_what_mlx_lm_reads(engine, referenc
 async def test_a_failing_prompt_fails_alone(llama_dir, llama_reference):
     """A forward that raises for one prompt of a list read together: that prompt gets the
     error, the others their readings, and nothing stays pinned."""
-    probe = start_engine(llama_dir)
-    prompts, shared = a_list(probe, REVIEWS[:5])
-    culprit = encode(probe, " Terrible")[0]
-    probe.shutdown()
-    assert sum(culprit in prompt[shared:] for prompt in prompts) == 1
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("engine.engine.load_model",
-                      loader_wrapping(lambda model: FaultInjectingModel(model, culprit)))
-        engine = start_engine(llama_dir, cache_bytes=1 << 30)
+    engine, prompts, shared, culprit = failing_on_terrible(llama_dir, REVIEWS[:5])
     try:
+        assert sum(culprit in prompt[shared:] for prompt in prompts) == 1
         readout = Readout(cached_prefix=shared)
         innocent = [p for p in prompts if culprit not in p[shared:]]
         await read(engine, innocent, readout)  # the preamble is cached now
