@@ -63,9 +63,8 @@ from tests.reliability.support import (
     fault_token,
     launch,
     stop,
-    wait_idle,
 )
-from tests.server.support import ServerProcess
+from tests.server.support import ServerProcess, wait_idle
 
 MIB = 2**20
 # A leak of this rate would take a 64 GB machine down in weeks; growth below it over a

@@ -28,9 +28,8 @@ from tests.reliability.support import (
     MAX_BODY_BYTES,
     Outcome,
     call,
-    wait_idle,
 )
-from tests.server.support import ServerProcess
+from tests.server.support import ServerProcess, wait_idle
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 CORPUS = resources.files("engine").joinpath("demo_corpus/prose.txt").read_text()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -69,19 +68,6 @@ def fault_token(model_dir: Path) -> int:
     used = {token for text in corpus.iterdir() if text.name.endswith(".txt")
             for token in tokenizer.encode(text.read_text()).ids}
     return max(set(range(WARMUP_PROMPT_TOKENS + 1, tokenizer.get_vocab_size())) - used)
-
-
-def wait_idle(server: ServerProcess, timeout: float = 60.0) -> dict[str, float]:
-    """/metrics once nothing runs, waits or is pinned (or the timeout passed: the caller's
-    assertions then say what was left)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        metrics = server.metrics()
-        busy = (metrics["radix_mlx_running_requests"], metrics["radix_mlx_queue_depth"],
-                metrics["radix_mlx_tree_pinned_bytes"], metrics["radix_mlx_tree_pending_nodes"])
-        if not any(busy) or time.monotonic() > deadline:
-            return metrics
-        time.sleep(0.1)
 
 
 @dataclass

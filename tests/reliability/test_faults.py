@@ -29,9 +29,14 @@ from tests.reliability.support import (
     read_event,
     server_command,
     stop,
+)
+from tests.server.support import (
+    REPO_ROOT,
+    START_TIMEOUT,
+    ServerProcess,
+    server_env,
     wait_idle,
 )
-from tests.server.support import REPO_ROOT, START_TIMEOUT, ServerProcess, server_env
 
 FAILED_LOAD = "radix-mlx serve: the model failed to load: "
 

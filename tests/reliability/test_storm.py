@@ -22,8 +22,8 @@ from tests.reliability.storm import (
     rerun_alone,
     storm,
 )
-from tests.reliability.support import AUTH, CACHE_BYTES, fault_token, wait_idle
-from tests.server.support import ServerProcess
+from tests.reliability.support import AUTH, CACHE_BYTES, fault_token
+from tests.server.support import ServerProcess, wait_idle
 
 REQUESTS = 240
 CONCURRENCY = 48

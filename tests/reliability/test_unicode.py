@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.reliability.support import AUTH, launch, stop, wait_idle
-from tests.server.support import ServerProcess
+from tests.reliability.support import AUTH, launch, stop
+from tests.server.support import ServerProcess, wait_idle
 
 EXAMPLES = 40  # per endpoint; derandomized, so a failure reproduces
 

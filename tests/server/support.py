@@ -144,13 +144,14 @@ def start_server(
     raise RuntimeError(f"server not ready after {START_TIMEOUT} s:\n{server.log()}")
 
 
-def wait_idle(server: ServerProcess, timeout: float = 10.0) -> dict[str, float]:
-    """/metrics once the engine runs nothing, queues nothing and pins nothing (the reply's
-    next-turn prefill included), or at the timeout."""
+def wait_idle(server: ServerProcess, timeout: float = 60.0) -> dict[str, float]:
+    """/metrics once nothing runs, waits, is pinned or is pending (a reply's next-turn
+    prefill included), or at the timeout: the caller's assertions then say what was left."""
     deadline = time.monotonic() + timeout
     while True:
         metrics = server.metrics()
-        idle = metrics["radix_mlx_running_requests"] == 0 and metrics["radix_mlx_queue_depth"] == 0
-        if (idle and metrics["radix_mlx_tree_pinned_bytes"] == 0) or time.monotonic() > deadline:
+        busy = (metrics["radix_mlx_running_requests"], metrics["radix_mlx_queue_depth"],
+                metrics["radix_mlx_tree_pinned_bytes"], metrics["radix_mlx_tree_pending_nodes"])
+        if not any(busy) or time.monotonic() > deadline:
             return metrics
         time.sleep(0.1)
