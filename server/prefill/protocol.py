@@ -15,6 +15,11 @@ from server.schema import RequestModel, ResponseModel
 MAX_INPUTS = 2048
 TOKEN_IDS_INPUT = list[TokenId]
 MAX_TOP_LOGPROBS = 20
+# Classify's labels: how many a request scores, and a label's tokens. A label of n tokens
+# costs each input n - 1 more prompts (routes.py), so their total is bounded too.
+MAX_LABELS = 256
+MAX_LABEL_TOKENS = 64
+MAX_LABEL_READS = 4 * MAX_INPUTS
 
 
 class EmbeddingRequest(RequestModel):
@@ -88,7 +93,8 @@ class ClassifyRequest(RequestModel):
     input: list[str | TOKEN_IDS_INPUT] | None = None
     messages: list[list[ChatRequestMessage]] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0
-    labels: list[Annotated[str, Field(min_length=1)]] | None = None
+    labels: Annotated[list[Annotated[str, Field(min_length=1)]],
+                      Field(max_length=MAX_LABELS)] | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> ClassifyRequest:

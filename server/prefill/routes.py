@@ -34,9 +34,11 @@ from server.http.streaming import CLIENT_CLOSED
 from server.model_registry import ServedModel
 from server.openai.adapter import content_images, template_message
 from server.openai.protocol import ErrorResponse
-from server.prefill.jobs import read_prompts
+from server.prefill.jobs import Reading, read_prompts
 from server.prefill.protocol import (
     MAX_INPUTS,
+    MAX_LABEL_READS,
+    MAX_LABEL_TOKENS,
     Classification,
     ClassifyRequest,
     ClassifyResponse,
@@ -125,28 +127,27 @@ async def _classify(request: Request, state: ServerState, served: ServedModel,
         prompts = await asyncio.to_thread(_chat_prompts, tokenizer, body.messages)
     _check_lengths(served, [prompt.tokens for prompt in prompts], "input")
     labels = {label: _label_tokens(tokenizer, label) for label in body.labels or ()}
+    _check_label_reads(served, prompts, labels)
     firsts = tuple(dict.fromkeys(tokens[0] for tokens in labels.values()))
-    rests = tuple(dict.fromkeys(t for tokens in labels.values() for t in tokens[1:]))
     # A label of n tokens is scored exactly: its first token at the prompt's end, each
-    # next one at the end of the prompt followed by the label's tokens before it.
-    continuations = [Prompt(prompt.tokens + tokens[:i]) for prompt in prompts
-                     for tokens in labels.values() for i in range(1, len(tokens))]
+    # next one at the end of the prompt followed by the label's tokens before it. Those
+    # continuations read only their label's own tokens.
+    longer = [label for label, tokens in labels.items() if len(tokens) > 1]
     work = [(prompts, Readout(top_logprobs=body.top_logprobs, token_ids=firsts))]
-    if continuations:
-        work.append((continuations, Readout(token_ids=rests)))
+    work += [([Prompt(prompt.tokens + labels[label][:i]) for prompt in prompts
+               for i in range(1, len(labels[label]))],
+              Readout(token_ids=_distinct(labels[label][1:]))) for label in longer]
     readings = await read_prompts(request, state, served, work)
     if readings is None:
         return Response(status_code=CLIENT_CLOSED)
-    later = iter(readings[1] if continuations else ())
+    continued = dict(zip(longer, readings[1:]))
+    first_at = {token: i for i, token in enumerate(firsts)}
     data = []
     for index, reading in enumerate(readings[0]):
         last = reading.last
-        scores = {}
-        for label, tokens in labels.items():
-            logprob = last.token_logprobs[firsts.index(tokens[0])]
-            for token in tokens[1:]:
-                logprob += next(later).last.token_logprobs[rests.index(token)]
-            scores[label] = logprob
+        scores = {label: last.token_logprobs[first_at[tokens[0]]]
+                  + _later_logprobs(tokens, continued.get(label, ()), index)
+                  for label, tokens in labels.items()}
         top = [ClassifyTopLogprob(token=t.text, token_id=t.token, logprob=t.logprob)
                for t in last.top] if body.top_logprobs else None
         data.append(Classification(index=index, token=last.token.text,
@@ -188,13 +189,15 @@ def _count(items: Sequence[object], param: str) -> None:
                        code="invalid_request", param=param)
 
 
-def _prompts(tokenizer: ModelTokenizer, inputs: list[str] | list[list[int]],
+def _prompts(tokenizer: ModelTokenizer, inputs: Sequence[str | list[int]],
              param: str) -> list[Prompt]:
-    """Texts are encoded as legacy completions' prompts are; token ids taken as given."""
-    if isinstance(inputs[0], str):
-        return [Prompt(tokens) for tokens in tokenizer.encode_batch(inputs)]
-    check_token_ids((t for ids in inputs for t in ids), tokenizer.vocab_size, param)
-    return [Prompt(list(ids)) for ids in inputs]
+    """Texts are encoded as legacy completions' prompts are (together); token ids taken
+    as given. Classify's inputs may mix the two."""
+    texts = [item for item in inputs if isinstance(item, str)]
+    encoded = iter(tokenizer.encode_batch(texts) if texts else ())
+    check_token_ids((t for item in inputs if not isinstance(item, str) for t in item),
+                    tokenizer.vocab_size, param)
+    return [Prompt(next(encoded) if isinstance(item, str) else list(item)) for item in inputs]
 
 
 def _chat_prompts(tokenizer: ModelTokenizer, chats: list[list]) -> list[Prompt]:
@@ -220,7 +223,48 @@ def _label_tokens(tokenizer: ModelTokenizer, label: str) -> list[int]:
     if not tokens:
         raise APIError(400, f"the label {label!r} encodes to no tokens",
                        code="invalid_request", param="labels")
+    if len(tokens) > MAX_LABEL_TOKENS:
+        raise APIError(400, f"the label {_shown(label)} has {len(tokens)} tokens; at most "
+                       f"{MAX_LABEL_TOKENS}", code="invalid_request", param="labels")
     return tokens
+
+
+def _check_label_reads(model: ServedModel, prompts: Sequence[Prompt],
+                       labels: dict[str, list[int]]) -> None:
+    """Scoring multi-token labels reads each input again once per label token after the
+    first: a 400 where that is more than MAX_LABEL_READS prompts, or where an input and
+    its longest label go past the model's context window."""
+    reads = len(prompts) * sum(len(tokens) - 1 for tokens in labels.values())
+    if reads > MAX_LABEL_READS:
+        raise APIError(400, f"scoring these labels reads {reads} continuations of the "
+                       f"inputs; at most {MAX_LABEL_READS}: send fewer inputs or labels",
+                       code="invalid_request", param="labels")
+    longest = max((len(tokens) - 1 for tokens in labels.values()), default=0)
+    limit = model.engine.context_length
+    for index, prompt in enumerate(prompts):
+        if longest and len(prompt.tokens) + longest > limit:
+            raise APIError(
+                400, f"input {index} has {len(prompt.tokens)} tokens and the longest label "
+                f"{longest + 1}; this model's maximum context length is {limit}",
+                code="context_length_exceeded", param=f"input[{index}]")
+
+
+def _later_logprobs(tokens: list[int], continued: Sequence[Reading], index: int) -> float:
+    """The logprobs of a label's tokens after its first, for input `index`: each read at
+    that input's continuation ending just before it (`continued`, the label's readings,
+    input by input)."""
+    rest = {token: i for i, token in enumerate(_distinct(tokens[1:]))}
+    start = index * (len(tokens) - 1)
+    return sum(continued[start + k].last.token_logprobs[rest[token]]
+               for k, token in enumerate(tokens[1:]))
+
+
+def _shown(text: str, most: int = 40) -> str:
+    return repr(text if len(text) <= most else text[:most] + "...")
+
+
+def _distinct(tokens: Sequence[int]) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(tokens))
 
 
 # -- embeddings --------------------------------------------------------------------------

@@ -42,16 +42,22 @@ def post(server: ServerProcess, path: str, body: dict, request_id: str = "") -> 
     return response.json()
 
 
+def label_logprob(model, prompt: list[int], label: list[int]) -> float:
+    """A label's logprob after `prompt`: its tokens' logprobs in sequence."""
+    return sum(float(last_logprobs(model, prompt + label[:i])[token])
+               for i, token in enumerate(label))
+
+
 def test_classify_equals_mlx_lm(real_server: ServerProcess, reference) -> None:
     """The token at each prompt's last position, its logprob and the top 5 are mlx-lm's;
-    a two-token label scores as the sum of its tokens' logprobs in sequence."""
+    a label of several tokens scores as the sum of its tokens' logprobs in sequence."""
     model, tokenizer = reference
     prompts = [tokenizer.encode(text) for text in SENTENCES]
-    label = " Paris is"
-    label_tokens = tokenizer.encode(label, add_special_tokens=False)
-    assert len(label_tokens) == 2
+    labels = [" Paris is", " cold", " a very good one"]
+    label_tokens = [tokenizer.encode(label, add_special_tokens=False) for label in labels]
+    assert [len(tokens) for tokens in label_tokens] == [2, 1, 4]
     body = post(real_server, "/v1/classify", {"input": SENTENCES, "top_logprobs": 5,
-                                              "labels": [label, " cold"]})
+                                              "labels": labels})
     assert body["object"] == "list" and len(body["data"]) == len(SENTENCES)
     assert body["usage"]["prompt_tokens"] == sum(map(len, prompts))
     for item, tokens in zip(body["data"], prompts):
@@ -61,11 +67,11 @@ def test_classify_equals_mlx_lm(real_server: ServerProcess, reference) -> None:
         assert item["token"] == tokenizer.decode([top[0]])
         assert abs(item["logprob"] - expected[top[0]]) < LOGPROB_TOLERANCE
         assert [t["token_id"] for t in item["top_logprobs"]] == top
-        label_logprob = expected[label_tokens[0]] + last_logprobs(
-            model, tokens + label_tokens[:1])[label_tokens[1]]
-        assert abs(item["labels"][label] - label_logprob) < LOGPROB_TOLERANCE
+        for label, ids in zip(labels, label_tokens):
+            assert abs(item["labels"][label] - label_logprob(model, tokens, ids)) \
+                < len(ids) * LOGPROB_TOLERANCE
     paris = body["data"][0]
-    assert paris["labels"][label] > paris["labels"][" cold"]
+    assert paris["labels"][" Paris is"] > paris["labels"][" cold"]
 
 
 def test_classify_takes_chats_and_token_ids(real_server: ServerProcess, reference) -> None:
@@ -77,6 +83,10 @@ def test_classify_takes_chats_and_token_ids(real_server: ServerProcess, referenc
     expected = last_logprobs(model, tokens)
     assert by_chat["token_id"] == by_ids["token_id"] == int(np.argmax(expected))
     assert abs(by_chat["logprob"] - expected.max()) < LOGPROB_TOLERANCE
+    mixed = post(real_server, "/v1/classify", {"input": [SENTENCES[0], tokens]})["data"]
+    assert [item["token_id"] for item in mixed] == [
+        int(np.argmax(last_logprobs(model, tokenizer.encode(SENTENCES[0])))),
+        by_ids["token_id"]]
 
 
 def test_completions_with_max_tokens_1_still_answer(real_server: ServerProcess) -> None:
@@ -217,6 +227,13 @@ def test_decoder_embeddings_refuse_matryoshka(real_server: ServerProcess) -> Non
      None),
     ("/v1/classify", {"input": ["a"], "labels": [""]}, None),
     ("/v1/classify", {"input": ["short", "word " * 9000]}, "input[1]"),
+    ("/v1/classify", {"input": ["a"], "labels": [f" l{i}" for i in range(257)]}, "labels"),
+    ("/v1/classify", {"input": ["a"], "labels": [" word" * 65]}, "labels"),
+    # 2048 inputs and a label of 6 tokens: 10,240 continuations to read.
+    ("/v1/classify", {"input": ["a"] * 2048, "labels": [" one two three four five six"]},
+     "labels"),
+    ("/v1/classify", {"input": ["a", [1] * 8190], "labels": [" one two three four"]},
+     "input[1]"),
     ("/v1/rerank", {"query": "q", "documents": []}, None),
     ("/v1/embeddings", {"input": [""]}, "input[0]"),
 ])
