@@ -18,6 +18,7 @@ from server.http.errors import install_error_handlers
 from server.http.middleware import RequestMiddleware
 from server.model_registry import ModelRegistry
 from server.openai.routes import api
+from server.prefill.routes import rerank_aliases
 from server.prefill.routes import router as prefill_api
 from server.probes import probes
 from server.responses.adapter import router as responses_api
@@ -50,6 +51,7 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
     app.include_router(responses_api)
     app.include_router(messages_api)
     app.include_router(prefill_api)
+    app.include_router(rerank_aliases)
     app.include_router(admin)
     app.include_router(probes)
     app.include_router(worker_info)

@@ -83,6 +83,13 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
                                             usage=_usage(request, prompt_tokens, cached)))
 
 
+# Also where other servers' rerank clients look: llama.cpp, vLLM and Jina's at /rerank,
+# Cohere's v2 SDK at /v2/rerank (its request is a subset of ours).
+rerank_aliases = APIRouter(responses=error_responses(ErrorResponse), route_class=JSONRoute)
+
+
+@rerank_aliases.post("/rerank", response_model=RerankResponse, include_in_schema=False)
+@rerank_aliases.post("/v2/rerank", response_model=RerankResponse, include_in_schema=False)
 @router.post("/rerank", response_model=RerankResponse)
 async def rerank(body: RerankRequest, request: Request) -> Response:
     state = server_state(request)

@@ -187,6 +187,21 @@ def test_rerank_judge_equals_mlx_lm(real_server: ServerProcess, reference) -> No
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 60
 
 
+@pytest.mark.parametrize("path", ["/rerank", "/v2/rerank"])
+def test_rerank_answers_where_other_clients_look(real_server: ServerProcess,
+                                                 path: str) -> None:
+    """llama.cpp's and vLLM's clients post to /rerank, Cohere's v2 SDK to /v2/rerank with
+    a field of its own (ignored): the same results as /v1/rerank."""
+    body = {"query": "capital of France", "top_n": 2,
+            "documents": ["Paris is in France.", "Bananas are yellow.", "Lyon is French."]}
+    expected = post(real_server, "/v1/rerank", body)["results"]
+    results = post(real_server, path, {**body, "max_tokens_per_doc": 512})["results"]
+    assert [r["index"] for r in results] == [r["index"] for r in expected]
+    for result, reference in zip(results, expected):
+        # The second request finds the query cached: a forward of another shape.
+        assert abs(result["relevance_score"] - reference["relevance_score"]) < 1e-3
+
+
 def test_decoder_embeddings_share_their_instruction(real_server: ServerProcess,
                                                     reference) -> None:
     """Last-token pooling, L2-normalised, equal to the body's last hidden state; the
