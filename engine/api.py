@@ -410,6 +410,12 @@ class RequestFailed(EngineError):
     """The engine failed this one request (for example its forward pass raised)."""
 
 
+class ConstraintUnmet(EngineError):
+    """The request's output constraint let no token through where its output stood (a
+    schema no value satisfies, found as the model wrote it), or this model cannot be
+    constrained: the request's doing, not the engine's."""
+
+
 def check_request(tokens: list[int], params: SamplingParams, context_length: int,
                   kv_tokens: int) -> None:
     """Raise if a prompt cannot be generated from at all: empty, or prompt + max_tokens past

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llguidance import LLMatcher
+from llguidance import LLMatcher, LLTokenizer
 
 from engine.api import Constraint
 from engine.json_schemas import for_generation
@@ -177,11 +177,22 @@ def _grammar_from_schema(schema: Mapping[str, Any], strict: bool, close_objects:
 
 
 def _validate(grammar: str) -> None:
+    """Refuse a grammar llguidance rejects, or one that admits no first byte: whatever
+    the model's vocabulary, no output could start (a schema that is only a `$ref` to
+    itself). A schema that runs dry further in is found as the model writes it
+    (`engine.grammar.ConstraintFailed`)."""
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         message = messages[0] if messages else "invalid grammar"
         raise UnsupportedSchema(f"the schema cannot be enforced: {message}",
                                 _keyword_in(message))
+    matcher = LLMatcher(_BYTES, grammar, log_level=0)
+    matcher.compute_logit_bias()
+    if matcher.is_error():
+        raise UnsupportedSchema("the schema cannot be enforced: no value satisfies it")
+
+
+_BYTES = LLTokenizer("byte")  # llguidance's tokenizer of single bytes
 
 
 # How llguidance names the keyword at fault in its errors.

@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.api import (
     CacheMiss,
+    ConstraintUnmet,
     Finish,
     FinishReason,
     PromptImage,
@@ -157,4 +158,7 @@ class Generation:
                          decode(self.prompt[at:at + MISS_CONTEXT]), decode(miss.branch))
 
     def fail(self, error: Exception) -> None:
-        self.emit(RequestFailed(f"the engine failed this request: {error}"))
+        if isinstance(error, ConstraintFailed):
+            self.emit(ConstraintUnmet(f"the output constraint cannot be met: {error}"))
+        else:
+            self.emit(RequestFailed(f"the engine failed this request: {error}"))

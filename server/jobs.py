@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from engine.api import (
+    ConstraintUnmet,
     ContextLengthExceeded,
     EngineNotReady,
     Finish,
@@ -112,6 +113,8 @@ class Job:
                     500, f"the engine failed this request (request id {self.request_id})",
                     code="engine_error",
                 ) from event
+            if isinstance(event, ConstraintUnmet):
+                raise APIError(400, str(event), code="unsupported_schema") from event
             if isinstance(event, Exception):
                 raise event
             if isinstance(event, Finish) and event.reason == "cancelled":

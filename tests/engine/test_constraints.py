@@ -48,6 +48,13 @@ def test_malformed_schema_is_refused_even_when_not_strict():
         json_schema(["not", "a", "schema"], strict=False)  # type: ignore[arg-type]
 
 
+def test_a_schema_no_output_can_start_is_refused():
+    """A schema that is only a `$ref` to itself compiles, but no byte can begin a value:
+    the request would fail at its first token."""
+    with pytest.raises(UnsupportedSchema, match="no value satisfies it"):
+        json_schema({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}})
+
+
 def test_equal_schemas_give_equal_constraints():
     """The engine caches compiled grammars by the constraint's grammar text."""
     assert json_object() == json_object()

@@ -240,6 +240,36 @@ def test_an_unenforceable_schema_is_a_400_naming_the_keyword(
     assert raised.value.param == "response_format"
 
 
+# Compiles and lets the first bytes through ('{"a": '), but the value of "a" is a
+# $ref to itself: no JSON satisfies it, which only shows as the model writes it.
+RUNS_DRY = {"type": "json_schema", "json_schema": {"name": "dry", "schema": {
+    "type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
+    "$defs": {"x": {"$ref": "#/$defs/x"}}}}}
+
+
+def test_a_schema_that_runs_dry_mid_output_is_the_requests_error(
+    client: openai.OpenAI, server: ServerProcess, headers: dict[str, str], model_id: str
+) -> None:
+    """A 400 (unsupported_schema), not the engine's 500; streamed, the error event after
+    what was sent; the next request answers."""
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=ROOM,
+                                       response_format=RUNS_DRY)
+    assert raised.value.code == "unsupported_schema"
+    assert "cannot be met" in raised.value.message
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers=headers,
+                      timeout=60, json={"model": model_id, "messages": MESSAGES,
+                                        "max_tokens": ROOM, "stream": True,
+                                        "response_format": RUNS_DRY}) as response:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "unsupported_schema"
+    answer = client.chat.completions.create(model=model_id, messages=MESSAGES,
+                                            max_tokens=ROOM, response_format=WEATHER_FORMAT)
+    assert Weather.model_validate_json(answer.choices[0].message.content)
+
+
 def test_tool_results_render_for_the_generic_format(
     server: ServerProcess, headers: dict[str, str], model_id: str
 ) -> None:
