@@ -198,7 +198,7 @@ async def render(model: ServedModel, request: GenerationRequest) -> list[Prompt]
     images = []
     if request.images:
         if tokenizer.images is None:
-            raise APIError(400, f"the model {model.spec.id} does not read images",
+            raise APIError(400, f"the model {model.id} does not read images",
                            code="invalid_image", param="messages")
         images = await load_images(request.images, image_limits(model.settings),
                                    tokenizer.images.settings)

@@ -15,7 +15,7 @@ import pytest
 from llguidance import LLMatcher
 from mlx_lm.tool_parsers import json_tools
 
-from engine.api import Constraint, RequestFailed, SamplingParams
+from engine.api import Constraint, ConstraintUnmet, RequestFailed, SamplingParams
 from engine.constraints import FunctionTool, JsonAnswer, json_object, json_schema, tool_calls
 from tests.engine.support import cancel_after, complete, settled, start_engine
 from tests.faults import faulty_loader
@@ -229,7 +229,7 @@ async def test_logprobs_are_the_models_not_the_masks(engine):
 async def test_an_invalid_grammar_fails_only_its_request(engine, reference):
     prompt = prompt_of(engine, "Fine request.")
     good = asyncio.create_task(complete(engine, prompt, 10))
-    with pytest.raises(RequestFailed, match="invalid grammar"):
+    with pytest.raises(ConstraintUnmet, match="invalid grammar"):
         await complete(engine, prompt_of(engine, "Bad grammar."), 10,
                        constraint=lark("start: undefined_rule"))
     assert (await good).tokens == reference.greedy(prompt, 10)
