@@ -355,6 +355,11 @@ router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
                    route_class=JSONRoute)
 
 
+# The pipeline's refusals name Chat Completions' parameters; these are the same ones here.
+RESPONSES_PARAMS = {"messages": "input", "response_format": "text.format",
+                    "max_tokens": "max_output_tokens"}
+
+
 @router.post("/responses", responses={
     200: {"model": ResponseObject, "content": event_stream(StreamEvent, ErrorResponse)}})
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
@@ -366,7 +371,12 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     conversation = history + input_messages(body, history)
 
     async def respond(lease: Lease) -> Response:
-        generation = await start(request, state, lease, generation_request(body, conversation))
+        try:
+            generation = await start(request, state, lease,
+                                     generation_request(body, conversation))
+        except APIError as error:
+            error.param = RESPONSES_PARAMS.get(error.param, error.param)
+            raise
         model = state.models.name_for(lease.model, body.model)
         return await _respond(request, state, body, conversation, generation, model)
 

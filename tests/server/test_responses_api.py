@@ -174,23 +174,34 @@ def test_codex_shaped_agent_loop_is_served_from_cache(
     assert all(share >= 0.8 for share in shares[2:])
 
 
-@pytest.mark.parametrize(("body", "words"), [
+SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+
+
+@pytest.mark.parametrize(("body", "words", "param"), [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "does not read images"),  # a text model
+     "does not read images", "input"),  # a text model
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
-     "no Files API"),
-    ({"input": "x", "background": True}, "background responses are not supported"),
-    ({"input": "x", "tool_choice": "required"}, "tool_choice needs tools"),
-    ({"input": []}, "input is empty"),
+     "no Files API", None),
+    ({"input": "x", "background": True}, "background responses are not supported", None),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice needs tools", None),
+    ({"input": []}, "input is empty", None),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s",
+                                        "schema": SELF_REF}}},
+     "no value satisfies it", "text.format"),
 ])
 def test_bad_requests_are_openai_400s(
-    server: ServerProcess, headers: dict[str, str], model_id: str, body: dict, words: str
+    server: ServerProcess, headers: dict[str, str], model_id: str, body: dict, words: str,
+    param: str | None,
 ) -> None:
+    """A 400 in OpenAI's shape, naming the Responses API's own parameter where it names
+    one (text.format, not the pipeline's response_format)."""
     response = httpx.post(f"{server.url}/v1/responses", headers=headers,
                           json={"model": model_id, **body})
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and words in error["message"]
+    if param is not None:
+        assert error["param"] == param
 
 
 def test_responses_endpoint_has_its_own_metric_label(
