@@ -17,6 +17,8 @@ import base64
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -60,6 +62,9 @@ from server.state import ServerState, server_state
 
 router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
                    route_class=JSONRoute)
+
+# The most later label tokens one group's continuations read (LabelGroup).
+GROUP_TOKENS = 64
 
 JUDGE_SYSTEM = ('Judge whether the Document meets the requirements based on the Query and '
                 'the Instruct provided. Note that the answer can only be "yes" or "no".')
@@ -135,26 +140,23 @@ async def _classify(request: Request, state: ServerState, served: ServedModel,
     _check_lengths(served, [prompt.tokens for prompt in prompts], "input")
     labels = {label: _label_tokens(tokenizer, label) for label in body.labels or ()}
     _check_label_reads(served, prompts, labels)
-    firsts = tuple(dict.fromkeys(tokens[0] for tokens in labels.values()))
-    # A label of n tokens is scored exactly: its first token at the prompt's end, each
-    # next one at the end of the prompt followed by the label's tokens before it. Those
-    # continuations read only their label's own tokens.
-    longer = [label for label, tokens in labels.items() if len(tokens) > 1]
+    firsts = _distinct([tokens[0] for tokens in labels.values()])
+    groups = _label_groups(labels)
     work = [(prompts, Readout(top_logprobs=body.top_logprobs, token_ids=firsts))]
     work += [([Prompt(prompt.tokens + labels[label][:i]) for prompt in prompts
-               for i in range(1, len(labels[label]))],
-              Readout(token_ids=_distinct(labels[label][1:]))) for label in longer]
+               for label in group.labels for i in range(1, len(labels[label]))],
+              Readout(token_ids=group.tokens)) for group in groups]
     readings = await read_prompts(request, state, served, work)
     if readings is None:
         return Response(status_code=CLIENT_CLOSED)
-    continued = dict(zip(longer, readings[1:]))
     first_at = {token: i for i, token in enumerate(firsts)}
     data = []
     for index, reading in enumerate(readings[0]):
         last = reading.last
-        scores = {label: last.token_logprobs[first_at[tokens[0]]]
-                  + _later_logprobs(tokens, continued.get(label, ()), index)
-                  for label, tokens in labels.items()}
+        scores = {label: last.token_logprobs[first_at[tokens[0]]] for label, tokens
+                  in labels.items()}
+        for group, part in zip(groups, readings[1:]):
+            group.add_later_logprobs(scores, labels, part, index)
         top = [ClassifyTopLogprob(token=t.text, token_id=t.token, logprob=t.logprob)
                for t in last.top] if body.top_logprobs else None
         data.append(Classification(index=index, token=last.token.text,
@@ -256,14 +258,49 @@ def _check_label_reads(model: ServedModel, prompts: Sequence[Prompt],
                 code="context_length_exceeded", param=f"input[{index}]")
 
 
-def _later_logprobs(tokens: list[int], continued: Sequence[Reading], index: int) -> float:
-    """The logprobs of a label's tokens after its first, for input `index`: each read at
-    that input's continuation ending just before it (`continued`, the label's readings,
-    input by input)."""
-    rest = {token: i for i, token in enumerate(_distinct(tokens[1:]))}
-    start = index * (len(tokens) - 1)
-    return sum(continued[start + k].last.token_logprobs[rest[token]]
-               for k, token in enumerate(tokens[1:]))
+@dataclass(frozen=True)
+class LabelGroup:
+    """Labels of more than one token whose later tokens are read together. A label of n
+    tokens is scored exactly: its first token at each input's end, each next one at the
+    end of the input followed by the label's tokens before it. Those continuations go
+    input by input, so a job's share one input (cached once for all of them); each reads
+    only its group's later label tokens, at most GROUP_TOKENS of them, rather than every
+    label's."""
+
+    labels: tuple[str, ...]
+    tokens: tuple[int, ...]  # the later tokens the continuations read, distinct
+
+    def add_later_logprobs(self, scores: dict[str, float], labels: dict[str, list[int]],
+                           readings: Sequence[Reading], index: int) -> None:
+        """Add to input `index`'s label scores the logprobs of their later tokens, from
+        the group's `readings` (each input's continuations, label by label)."""
+        position = index * sum(len(labels[label]) - 1 for label in self.labels)
+        for label in self.labels:
+            for token in labels[label][1:]:
+                scores[label] += readings[position].last.token_logprobs[self.columns[token]]
+                position += 1
+
+    @cached_property
+    def columns(self) -> dict[int, int]:
+        """Where each token's logprob is in a reading."""
+        return {token: column for column, token in enumerate(self.tokens)}
+
+
+def _label_groups(labels: dict[str, list[int]]) -> list[LabelGroup]:
+    groups: list[LabelGroup] = []
+    members: list[str] = []
+    tokens: dict[int, None] = {}
+    for label, ids in labels.items():
+        later = dict.fromkeys(ids[1:])
+        if members and len(tokens | later) > GROUP_TOKENS:
+            groups.append(LabelGroup(tuple(members), tuple(tokens)))
+            members, tokens = [], {}
+        if later:
+            members.append(label)
+            tokens |= later
+    if members:
+        groups.append(LabelGroup(tuple(members), tuple(tokens)))
+    return groups
 
 
 def _shown(text: str, most: int = 40) -> str:

@@ -15,7 +15,7 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from server.prefill.routes import JUDGE_INSTRUCTION, JUDGE_SYSTEM
+from server.prefill.routes import GROUP_TOKENS, JUDGE_INSTRUCTION, JUDGE_SYSTEM
 from tests.server.support import API_KEY, ServerProcess, wait_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -43,9 +43,11 @@ def post(server: ServerProcess, path: str, body: dict, request_id: str = "") -> 
 
 
 def label_logprob(model, prompt: list[int], label: list[int]) -> float:
-    """A label's logprob after `prompt`: its tokens' logprobs in sequence."""
-    return sum(float(last_logprobs(model, prompt + label[:i])[token])
-               for i, token in enumerate(label))
+    """A label's logprob after `prompt`: its tokens' logprobs in sequence (one causal
+    forward of both gives each at its position)."""
+    logits = model(mx.array([prompt + label]))[0, len(prompt) - 1:-1].astype(mx.float32)
+    logprobs = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    return float(sum(logprobs[i, token] for i, token in enumerate(label)))
 
 
 def test_classify_equals_mlx_lm(real_server: ServerProcess, reference) -> None:
@@ -72,6 +74,26 @@ def test_classify_equals_mlx_lm(real_server: ServerProcess, reference) -> None:
                 < len(ids) * LOGPROB_TOLERANCE
     paris = body["data"][0]
     assert paris["labels"][" Paris is"] > paris["labels"][" cold"]
+
+
+def test_many_labels_score_as_each_alone(real_server: ServerProcess, reference) -> None:
+    """Long labels with more distinct later tokens than one group reads (so in two
+    groups, each over more than one job): every label's score is still its own tokens'
+    logprobs in sequence."""
+    model, tokenizer = reference
+    words = [w for w in (tokenizer.decode([i]) for i in range(2000, 3000))
+             if w.startswith(" ") and w[1:].isalpha()]
+    labels = ["".join(words[k * 25:(k + 1) * 25]) for k in range(3)]
+    label_tokens = {label: tokenizer.encode(label, add_special_tokens=False)
+                    for label in labels}
+    assert len({t for tokens in label_tokens.values() for t in tokens[1:]}) > GROUP_TOKENS
+    inputs = SENTENCES[:1]
+    body = post(real_server, "/v1/classify", {"input": inputs, "labels": labels})
+    for item, text in zip(body["data"], inputs):
+        prompt = tokenizer.encode(text)
+        for label, tokens in label_tokens.items():
+            assert abs(item["labels"][label] - label_logprob(model, prompt, tokens)) \
+                < len(tokens) * LOGPROB_TOLERANCE
 
 
 def test_classify_takes_chats_and_token_ids(real_server: ServerProcess, reference) -> None:
