@@ -263,9 +263,9 @@ class LabelGroup:
     """Labels of more than one token whose later tokens are read together. A label of n
     tokens is scored exactly: its first token at each input's end, each next one at the
     end of the input followed by the label's tokens before it. Those continuations go
-    input by input, so a job's share one input (cached once for all of them); each reads
-    only its group's later label tokens, at most GROUP_TOKENS of them, rather than every
-    label's."""
+    input by input, so the ones in a job share an input (cached once for all of them);
+    each reads only its group's later label tokens, at most GROUP_TOKENS of them, rather
+    than every label's."""
 
     labels: tuple[str, ...]
     tokens: tuple[int, ...]  # the later tokens the continuations read, distinct
@@ -287,6 +287,8 @@ class LabelGroup:
 
 
 def _label_groups(labels: dict[str, list[int]]) -> list[LabelGroup]:
+    """The labels of more than one token, in order, in groups of at most GROUP_TOKENS
+    distinct later tokens."""
     groups: list[LabelGroup] = []
     members: list[str] = []
     tokens: dict[int, None] = {}
