@@ -37,7 +37,7 @@ from server.events import (
     Usage,
     fold,
 )
-from server.http.errors import APIError
+from server.http.errors import APIError, PromptTooLong
 from server.images import ImageLimits, load_images
 from server.jobs import Job
 from server.model_registry import Lease, ServedModel
@@ -249,8 +249,12 @@ async def _start(http: Request, state: ServerState, lease: Lease, request: Gener
             400, f"{choices} choices (prompts x n) exceed this server's queue of "
             f"{settings.max_queue}", code="invalid_request", param="n",
         )
-    max_tokens, context_bound = _max_tokens(
-        request, settings, lease.engine.token_limit - max(len(prompt.tokens) for prompt in prompts))
+    longest = max(len(prompt.tokens) for prompt in prompts)
+    room = lease.engine.token_limit - longest
+    if request.fit_context and room < 1:
+        # Its max_tokens is only a cap, so the engine's refusal would count 1 for it.
+        raise PromptTooLong(longest, lease.engine.token_limit, param="messages")
+    max_tokens, context_bound = _max_tokens(request, settings, room)
     # Reasoning applies to chats only; raw prompts are continued as they are.
     markers = tokenizer.thinking if request.is_chat else None
     thinking = [_thinking(markers, prompt.tokens) for prompt in prompts]

@@ -26,7 +26,6 @@ from server.anthropic.protocol import (
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,
-    ErrorInfo,
     ErrorResponse,
     ImageBlock,
     InputJsonDelta,
@@ -57,7 +56,6 @@ from server.anthropic.protocol import (
     ToolUseBlock,
     ToolUseContent,
     Usage,
-    error_type,
 )
 from server.events import (
     ChoiceFinished,
@@ -328,11 +326,7 @@ async def _stream(
             yield [_sse(out) for out in stream.event(event)]
     except APIError as error:
         # The status line is sent already: the error travels as an `error` event.
-        yield [_sse(anthropic_error_body(error))]
-
-
-def anthropic_error_body(error: APIError) -> ErrorResponse:
-    return ErrorResponse(error=ErrorInfo(type=error_type(error.status), message=error.message))
+        yield [_sse(error.anthropic_body())]
 
 
 # -- routes -------------------------------------------------------------------------------
@@ -365,7 +359,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
                                                results[0]))
 
     return await respond_with_model(state.models, body.model, body.stream, respond,
-                                    lambda error: _sse(anthropic_error_body(error)), _ping)
+                                    lambda error: _sse(error.anthropic_body()), _ping)
 
 
 def _ping() -> NamedEvent:

@@ -69,6 +69,25 @@ class APIError(Exception):
         return JSONResponse(body.model_dump(), self.status, headers=self.headers)
 
 
+class PromptTooLong(APIError):
+    """A prompt that leaves no room for a reply in the context window: OpenAI's
+    context_length_exceeded, and in Anthropic's shape the API's own words for it
+    ("prompt is too long: N tokens > M maximum"), which Claude Code reads as the cue to
+    compact its conversation."""
+
+    def __init__(self, tokens: int, limit: int, param: str | None = None) -> None:
+        super().__init__(
+            400, f"This model's maximum context length is {limit} tokens. However, your "
+            f"prompt has {tokens} tokens, which leaves no room for a reply.",
+            code="context_length_exceeded", param=param)
+        self.tokens, self.limit = tokens, limit
+
+    def anthropic_body(self) -> AnthropicErrorResponse:
+        return AnthropicErrorResponse(error=AnthropicErrorInfo(
+            type=anthropic_error_type(self.status),
+            message=f"prompt is too long: {self.tokens} tokens > {self.limit} maximum"))
+
+
 def is_anthropic_path(path: str) -> bool:
     return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 

@@ -333,6 +333,22 @@ def test_max_tokens_past_the_context_window_is_a_cap(
     assert message.usage.output_tokens == MAX_POSITION_EMBEDDINGS - prompt
 
 
+def test_a_prompt_past_the_context_window_is_too_long_in_anthropics_words(
+    claude: anthropic.Anthropic, model_id: str
+) -> None:
+    """The real API's 400 for it, "prompt is too long: N tokens > M maximum", which
+    Claude Code reads as the cue to compact the conversation; streamed or not."""
+    messages = [{"role": "user", "content": "Go on. " * MAX_POSITION_EMBEDDINGS}]
+    prompt = claude.messages.count_tokens(model=model_id, messages=messages).input_tokens
+    for stream in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as raised:
+            claude.messages.create(model=model_id, max_tokens=1024, messages=messages,
+                                   stream=stream)
+        assert raised.value.body["error"] == {
+            "type": "invalid_request_error",
+            "message": f"prompt is too long: {prompt} tokens > {MAX_POSITION_EMBEDDINGS} maximum"}
+
+
 def test_a_system_message_mid_conversation_is_served(
     claude: anthropic.Anthropic, model_id: str
 ) -> None:

@@ -188,6 +188,8 @@ SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s",
                                         "schema": SELF_REF}}},
      "no value satisfies it", "text.format"),
+    ({"input": "Go on. " * 8192, "max_output_tokens": 50},
+     "leaves no room for a reply", "input"),
 ])
 def test_bad_requests_are_openai_400s(
     server: ServerProcess, headers: dict[str, str], model_id: str, body: dict, words: str,
