@@ -270,6 +270,11 @@ class Readout:
     # they share: each one's own text is read once, and caching it would cost a copy per
     # prompt and push out prefixes that other traffic reuses.
     cached_prefix: int | None = None
+    # Nothing to read: the prompt is computed only so that the tree holds it (a chat's
+    # next turn, server/next_turn.py). No `LastPosition`; where the tree already holds
+    # what it may keep, it finishes with no forward (a repeated chat, whose next turn
+    # the first one cached, would otherwise cost a forward of its own).
+    cache_only: bool = False
 
 
 @dataclass(frozen=True)

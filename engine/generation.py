@@ -116,7 +116,8 @@ class Generation:
         if grammar is not None and grammar.error is not None:
             raise ConstraintFailed(f"the output constraint failed: {grammar.error}")
         if self.params.readout is not None:  # prefill only: what the prompt's end gives
-            self.emit(last_position(logprobs, token, self._tokenizer))
+            if not self.params.readout.cache_only:
+                self.emit(last_position(logprobs, token, self._tokenizer))
             return "length", None
         if self.params.max_tokens == 0:  # the prompt alone (scored): no token is kept
             return "length", None

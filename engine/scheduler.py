@@ -52,6 +52,7 @@ import mlx.core as mx
 from engine.admission import SchedulerLimits, admit, token_room
 from engine.api import (
     FinishReason,
+    LastPosition,
     PromptImage,
     PromptLogprobs,
     SamplingParams,
@@ -564,6 +565,11 @@ class Scheduler:
                     passed.update(map(id, group))
                 continue
             self.opening.pop(tuple(prefix), None)
+            if first.params.readout.cache_only:  # the tree holds it: nothing to compute
+                self._leave_reading(group)
+                for generation in group:
+                    self._finish_read(generation, len(prefix), None)
+                continue
             batch, width = self._read_batch(group, len(prefix), budget - fed)
             self._leave_reading(batch)
             self.tree.pin(match.node)
@@ -580,15 +586,22 @@ class Scheduler:
                 self.tree.unpin(match.node)
             fed += width * len(batch)
             for generation, last in zip(batch, last_positions(readings, self.loaded.tokenizer)):
-                generation.cached_tokens = len(prefix)
-                self.counters.prompt_tokens += len(generation.prompt)
-                self.counters.cached_tokens += len(prefix)
-                self.counters.prefill_tokens += len(generation.tokens) - len(prefix)
-                self.counters.generated_tokens += 1
-                generation.emit(last)
-                self._forget(generation)
-                generation.finish("length")
+                self._finish_read(generation, len(prefix), last)
         return fed
+
+    def _finish_read(self, generation: Generation, cached: int, last: LastPosition | None
+                     ) -> None:
+        """End a readout read over `cached` tokens the tree held: `last` is what its
+        forward read (None: a cache-only readout the tree held whole, read by none)."""
+        generation.cached_tokens = cached
+        self.counters.prompt_tokens += len(generation.prompt)
+        self.counters.cached_tokens += cached
+        if last is not None:
+            self.counters.prefill_tokens += len(generation.tokens) - cached
+            self.counters.generated_tokens += 1
+            generation.emit(last)
+        self._forget(generation)
+        generation.finish("length")
 
     def _wait_for_opener(self, prefix: list[int], group: list[Generation]) -> bool:
         """A list whose prefix the tree lacks: one of its prompts, the opener, takes the

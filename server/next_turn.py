@@ -24,7 +24,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from engine.api import EngineError, ImageFile, Prompt, Readout, SamplingParams
+from engine.api import EngineError, Finish, ImageFile, Prompt, Readout, SamplingParams
 from engine.tokenizer import ModelTokenizer
 from radix.prefix import common_prefix_length
 from server.events import ChoiceResult
@@ -43,7 +43,7 @@ PROBES = ("0", "1")
 # re-rendered reply (a template that renders earlier turns otherwise once one more
 # follows): the next turn would not reuse the prompt either, so nothing is prefilled.
 MAX_EXTRA_TOKENS = 64
-READOUT = SamplingParams(max_tokens=0, temperature=0.0, readout=Readout())
+READOUT = SamplingParams(max_tokens=0, temperature=0.0, readout=Readout(cache_only=True))
 
 
 def reply_message(reply: ChoiceResult) -> TemplateMessage:
@@ -126,13 +126,15 @@ class NextTurn:
                 return  # a client's request must not meet a queue this filled
             stream = engine.submit(prompt, READOUT)
             try:
-                async for _ in stream:
-                    pass
+                finish = [event async for event in stream if isinstance(event, Finish)][-1]
             except asyncio.CancelledError:
                 stream.cancel()
                 raise
-            self.state.metrics.next_turn_tokens.inc(extra)
-            log.debug("next turn: %d tokens prefilled past the reply's %d", extra,
+            # What this prefill computed for the tree to keep: nothing where an earlier
+            # one (the same chat sent again) left it there.
+            computed = finish.prompt_tokens - 1 - finish.cached_tokens
+            self.state.metrics.next_turn_tokens.inc(computed)
+            log.debug("next turn: %d tokens prefilled past the reply's %d", computed,
                       len(generated))
         except (APIError, EngineError, ValueError) as error:
             log.debug("next turn not prefilled: %s", error)

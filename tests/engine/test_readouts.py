@@ -266,6 +266,35 @@ async def test_hidden_states_read_together_are_each_prompts_own(counted, llama_r
         assert_reads(last, llama_reference, prompt, readout)
 
 
+async def test_a_cache_only_readout_caches_its_prompt_and_reads_nothing(counted,
+                                                                       llama_reference):
+    """A chat's next turn, prefilled to be cached (server/next_turn.py): the first time
+    its prompt is computed and kept, with no LastPosition; sent again (the chat repeated)
+    with the tree holding it, it finishes with no forward at all. A request after it
+    reuses what it cached, and answers as it would cold."""
+    engine, model = counted
+    engine.clear_cache().result(timeout=30)
+    prompts = [encode(engine, f"{PREAMBLE} {review} Thanks.") for review in REVIEWS[:4]]
+    readout = Readout(cache_only=True)
+    model.shapes.clear()
+    for last, finish in await read(engine, prompts, readout):
+        assert last is None and isinstance(finish, Finish) and finish.reason == "length"
+    assert model.shapes
+    kept = (await settled(engine)).tree.total_tokens
+    assert kept >= max(map(len, prompts)) - 1
+    model.shapes.clear()
+    before = engine.stats().counters
+    for prompt, (last, finish) in zip(prompts, await read(engine, prompts, readout)):
+        assert last is None and finish.cached_tokens == len(prompt) - 1
+    after = (await settled(engine))
+    assert model.shapes == []
+    assert after.counters.prefill_tokens == before.prefill_tokens
+    assert after.tree.total_tokens == kept and after.tree.pinned_bytes == 0
+    for prompt, (last, finish) in zip(prompts, await read(engine, prompts, Readout())):
+        assert finish.cached_tokens == len(prompt) - 1
+        assert_reads(last, llama_reference, prompt, Readout())
+
+
 async def test_a_list_longer_than_a_forward_is_read_in_batches(counted, llama_reference):
     """Eighty reviews of many lengths behind a cached preamble: several forwards, none
     over what a step with nothing decoding reads (IDLE_READ_CHUNKS prefill chunks,

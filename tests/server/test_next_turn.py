@@ -22,7 +22,7 @@ from server.openai.adapter import chat_request
 from server.openai.protocol import ChatCompletionRequest
 from server.prompts import chat_prompt
 from server.request import GenerationRequest
-from tests.server.support import ServerProcess, start_server
+from tests.server.support import ServerProcess, start_server, wait_idle
 from tests.server.thinking_model import build_thinking_model
 
 SYSTEM = "You are a coding agent. Read files and answer briefly. " * 4
@@ -92,6 +92,33 @@ def test_the_next_turn_misses_only_at_its_own_text(servers, prefill: bool) -> No
     # its turn's end was never generated (the reply ran out of tokens).
     assert miss_after(second).lstrip().startswith("Which file is the largest?") == prefill
     assert (prefilled(server) > 0) == prefill
+
+
+def test_a_chat_sent_again_finds_its_next_turn_already_cached(servers) -> None:
+    """A client resending a chat (a retry, a regenerate) gets the same greedy reply, whose
+    next turn the first reply's prefill already cached: the second prefill computes
+    nothing (it used to cost a forward of its own, and 64 at once stalled the engine for
+    half a second on a GPU)."""
+    server = servers[True]
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "List the files twice."}]
+    first = turn(server, messages)
+    assert prefilled(server) > 0
+    before = server.metrics()
+    again = turn(server, messages, wait=False)
+    assert again["choices"][0]["message"] == first["choices"][0]["message"]
+    # The reply's own prompt, then its next turn's: both counted once they finish.
+    deadline = time.monotonic() + 10
+    while (server.metrics()["radix_mlx_prompt_tokens_total"]
+           <= before["radix_mlx_prompt_tokens_total"] + again["usage"]["prompt_tokens"]
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
+    after = wait_idle(server)
+    assert after[METRIC] == before[METRIC]
+    usage = again["usage"]
+    own = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+    assert (after["radix_mlx_prefill_tokens_total"]
+            == before["radix_mlx_prefill_tokens_total"] + own)
 
 
 def test_a_tool_call_comes_back_cached_up_to_its_result(servers) -> None:
