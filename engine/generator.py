@@ -469,16 +469,16 @@ class Generator:
                 return cache, self._run(inputs, cache)[:, 0], rows, ends
         return cache, self._run(inputs, cache)[rows, ends], rows, ends
 
-    def read_together(self, prefix: Sequence[Span], feeds: Sequence[list[int]], top: int,
-                      asked: Sequence[int], hidden: bool) -> Readings:
-        """Prompts that share the cached `prefix` (spans of its KV), each followed by its
-        own tokens (`feeds`), read at their last positions in one forward, as
-        `_prefill_together` computes a group, and nothing kept: a classify list's
-        sentences, a rerank query's documents, an embedding instruction's inputs. Every
+    def read_together(self, prefixes: Sequence[Sequence[Span]], feeds: Sequence[list[int]],
+                      top: int, asked: Sequence[int], hidden: bool) -> Readings:
+        """Prompts over cached prefixes (row i: the spans `prefixes[i]` of its KV), each
+        followed by its own tokens (`feeds`), read at their last positions in one forward,
+        as `_prefill_together` computes a group, and nothing kept: a classify list's
+        sentences (sharing one prefix), a rerank query's documents, an embedding
+        instruction's inputs, texts sent again whose whole prompt the tree holds. Every
         row's scores come out of batch-wide ops and one read back, where a request per
         row cost each sentence its own slices, reads and events (`Scheduler._read`)."""
-        _, logits, rows, ends = self._forward_rows([prefix] * len(feeds), feeds,
-                                                   max(map(len, feeds)))
+        _, logits, rows, ends = self._forward_rows(prefixes, feeds, max(map(len, feeds)))
         states = self.hidden.take(rows, ends).astype(mx.float32) if hidden else None
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = mx.argmax(logits, axis=-1)

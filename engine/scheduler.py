@@ -542,52 +542,77 @@ class Scheduler:
 
     def _read(self, budget: int) -> int:
         """Read the readouts in `reading`, up to `budget` positions (padding included):
-        a list's (the same params, the same cacheable prefix) in batches, each one forward
-        over that prefix as the tree holds it, nothing cached, their events out at once
-        (`Generator.read_together`). A list whose prefix the tree does not hold waits for
-        one of its prompts to compute it (`_wait_for_opener`). Returns the positions fed."""
+        those of the same params whose cacheable prefixes the tree holds, in batches, each
+        one forward with every row over its own prefix as the tree holds it (a list's rows
+        share theirs), nothing cached, their events out at once
+        (`Generator.read_together`). Readouts whose prefix the tree lacks wait, a list
+        together, for one of them to compute it (`_wait_for_opener`). Returns the
+        positions fed."""
         fed = 0
-        passed: set[int] = set()  # the lists waiting for their prefix, by generation
+        passed: set[int] = set()  # readouts waiting for their prefix
         while fed < budget:
             first = next((g for g in self.reading if id(g) not in passed), None)
             if first is None:
                 break
-            prefix = first.cacheable
-            group = [g for g in self.reading
-                     if (g.params is first.params or g.params == first.params)
-                     and g.cacheable == prefix]
+            held = self._held_prefixes(first.params, passed)
+            if first.params.readout.cache_only:  # held whole: nothing to compute
+                for group, _ in held:
+                    self._leave_reading(group)
+                    for generation in group:
+                        self._finish_read(generation, len(generation.cacheable), None)
+                continue
+            if not held:
+                continue
+            batch, width = self._read_batch(held, budget - fed)
+            self._leave_reading([generation for generation, _ in batch])
+            nodes = list({id(node): node for _, node in batch}.values())
+            segments = {id(node): self.kv.segments_of(node) for node in nodes}
+            for node in nodes:
+                self.tree.pin(node)
+            readout = first.params.readout
+            try:
+                readings = self.generator.read_together(
+                    [segment_spans(segments[id(node)], len(g.cacheable)) for g, node in batch],
+                    [g.tokens[len(g.cacheable):] for g, _ in batch], readout.top_logprobs,
+                    readout.token_ids, readout.hidden)
+            except Exception:  # one by one, the general way fails the culprit alone
+                log.exception("reading %d prompts together failed", len(batch))
+                self.waiting.extend(generation for generation, _ in batch)
+                continue
+            finally:
+                for node in nodes:
+                    self.tree.unpin(node)
+            fed += width * len(batch)
+            lasts = last_positions(readings, self.loaded.tokenizer)
+            for (generation, _), last in zip(batch, lasts):
+                self._finish_read(generation, len(generation.cacheable), last)
+        return fed
+
+    def _held_prefixes(self, params: SamplingParams, passed: set[int]
+                       ) -> list[tuple[list[Generation], Node]]:
+        """The readouts in `reading` of `params` (not in `passed`) whose cacheable prefix
+        the tree holds in memory, by prefix, with the node it ends in. Prefixes on disk
+        are loaded back first; a prefix the tree lacks has its readouts wait for an opener
+        (added to `passed`), or sent the general way."""
+        groups: dict[tuple[int, ...], list[Generation]] = {}
+        for generation in self.reading:
+            if id(generation) not in passed and (generation.params is params
+                                                 or generation.params == params):
+                groups.setdefault(tuple(generation.cacheable), []).append(generation)
+        held = []
+        for key, group in groups.items():
+            prefix = group[0].cacheable
             match = self.tree.match(prefix)
             if match.disk:
                 self._load_from_disk(match.disk)
-                continue  # match again: what was loaded is in memory now
-            if match.length < len(prefix):
+                match = self.tree.match(prefix)  # what was loaded is in memory now
+            if match.disk or match.length < len(prefix):
                 if self._wait_for_opener(prefix, group):
                     passed.update(map(id, group))
                 continue
-            self.opening.pop(tuple(prefix), None)
-            if first.params.readout.cache_only:  # the tree holds it: nothing to compute
-                self._leave_reading(group)
-                for generation in group:
-                    self._finish_read(generation, len(prefix), None)
-                continue
-            batch, width = self._read_batch(group, len(prefix), budget - fed)
-            self._leave_reading(batch)
-            self.tree.pin(match.node)
-            try:
-                readings = self.generator.read_together(
-                    segment_spans(self.kv.segments_of(match.node), len(prefix)),
-                    [g.tokens[len(prefix):] for g in batch], first.params.readout.top_logprobs,
-                    first.params.readout.token_ids, first.params.readout.hidden)
-            except Exception:  # one by one, the general way fails the culprit alone
-                log.exception("reading %d prompts together failed", len(batch))
-                self.waiting.extend(batch)
-                continue
-            finally:
-                self.tree.unpin(match.node)
-            fed += width * len(batch)
-            for generation, last in zip(batch, last_positions(readings, self.loaded.tokenizer)):
-                self._finish_read(generation, len(prefix), last)
-        return fed
+            self.opening.pop(key, None)
+            held.append((group, match.node))
+        return held
 
     def _finish_read(self, generation: Generation, cached: int, last: LastPosition | None
                      ) -> None:
@@ -625,26 +650,32 @@ class Scheduler:
             self.opening[key] = group[0]
         return True
 
-    def _read_batch(self, group: list[Generation], depth: int, budget: int
-                    ) -> tuple[list[Generation], int]:
-        """The generations of `group` (past a shared prefix of `depth` tokens) to read in
-        one forward, and its width: shortest first, as many as `budget` positions take,
-        padding included, and, with the prefix's copies, `MAX_READ_CHUNKS` idle chunks or
-        the KV the memory plan has room for beside the running requests (an idle chunk at
-        least); at least one."""
-        batch: list[Generation] = []
-        width = 0
+    def _read_batch(self, held: list[tuple[list[Generation], Node]], budget: int
+                    ) -> tuple[list[tuple[Generation, Node]], int]:
+        """The readouts of `held` (by prefix, with the node it ends in) to read in one
+        forward, and its width: shortest own part first, as many as `budget` positions
+        take, padding included, and, with their prefixes' copies (each row holds the
+        deepest prefix's columns), `MAX_READ_CHUNKS` idle chunks or the KV the memory plan
+        has room for beside the running requests (an idle chunk at least); at least one.
+        A prefix's rows side by side: the batch copies a prefix once for all of them."""
         chunk = self.prefill_budget.idle_chunk
         room = token_room(self.limits, self.running.values())
         most = min(MAX_READ_CHUNKS * chunk, max(chunk, room))
-        for generation in sorted(group, key=lambda g: len(g.tokens)):
-            longest = len(generation.tokens) - depth
-            rows = len(batch) + 1
-            if batch and (longest * rows > budget or (depth + longest) * rows > most):
+        rows = sorted(((generation, node, index) for index, (group, node) in enumerate(held)
+                       for generation in group),
+                      key=lambda row: len(row[0].tokens) - len(row[0].cacheable))
+        batch: list[tuple[Generation, Node, int]] = []
+        width = depth = 0
+        for generation, node, index in rows:
+            own = len(generation.tokens) - len(generation.cacheable)
+            deepest = max(depth, len(generation.cacheable))
+            count = len(batch) + 1
+            if batch and (own * count > budget or (deepest + own) * count > most):
                 break
-            batch.append(generation)
-            width = longest
-        return batch, width
+            batch.append((generation, node, index))
+            width, depth = own, deepest
+        batch.sort(key=lambda row: row[2])  # stable: shortest first within a prefix
+        return [(generation, node) for generation, node, _ in batch], width
 
     def _leave_reading(self, generations: list[Generation]) -> None:
         leaving = set(map(id, generations))

@@ -295,6 +295,29 @@ async def test_a_cache_only_readout_caches_its_prompt_and_reads_nothing(counted,
         assert_reads(last, llama_reference, prompt, Readout())
 
 
+async def test_texts_sent_again_are_read_in_one_forward_over_their_own_prefixes(
+        counted, llama_reference):
+    """Texts of different lengths read one by one (each its own request, as single
+    embeddings are): sent again together, every text's prompt but its last token is in
+    the tree, a prefix of its own, and all of them are read in one forward, each row over
+    its own prefix, reading what its prompt alone reads (they were a forward each, all
+    in one engine step)."""
+    engine, model = counted
+    engine.clear_cache().result(timeout=30)
+    texts = [encode(engine, text) for text in ("Short one.", "A somewhat longer text here.",
+                                               "Mid length, this.", "x")]
+    readout = Readout(top_logprobs=2)
+    for text in texts:
+        await read(engine, [text], readout)
+    model.shapes.clear()
+    again = await read(engine, texts, readout)
+    assert model.shapes == [(len(texts), 1)]
+    for text, (last, finish) in zip(texts, again):
+        assert finish.cached_tokens == len(text) - 1
+        assert_reads(last, llama_reference, text, readout)
+    assert (await settled(engine)).tree.pinned_bytes == 0
+
+
 async def test_a_list_longer_than_a_forward_is_read_in_batches(counted, llama_reference):
     """Eighty reviews of many lengths behind a cached preamble: several forwards, none
     over what a step with nothing decoding reads (IDLE_READ_CHUNKS prefill chunks,

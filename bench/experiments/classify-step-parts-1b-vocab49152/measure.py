@@ -153,7 +153,7 @@ def forward_rows(engine: Engine, lists: list[list[Prompt]]) -> dict:
         for i in range(13):
             mx.synchronize()
             start = time.perf_counter()
-            queued = generator.read_together(spans, feeds, 0, (), False)
+            queued = generator.read_together([spans] * rows, feeds, 0, (), False)
             if hasattr(queued, "readings"):
                 queued.readings()
             mx.synchronize()
