@@ -36,22 +36,33 @@ def fill(engine: Engine, prompts: list[list[int]]) -> None:
     asyncio.run(all_prompts())
 
 
-def main() -> None:
+def setup(model: Path, vocab: int, fill_prompts: int
+          ) -> tuple[Engine, list[list[int]], list[list[int]]]:
+    """A started engine for 64 streams, their 64-token prompts, and `fill_prompts`
+    distinct 2000-token prompts to fill its tree with."""
+    streams = prompts_for(64, 64, vocab)
+    rng = random.Random(0)
+    fillers = [[rng.randrange(vocab) for _ in range(2000)] for _ in range(fill_prompts)]
+    engine = Engine(EngineConfig(model=str(model), max_batch_size=64, disk_cache_bytes=0))
+    engine.start()
+    if engine.wait_ready() != "ready":
+        raise SystemExit(f"the engine did not start: {engine.error}")
+    return engine, streams, fillers
+
+
+def arguments() -> argparse.Namespace:
+    """MODEL_DIR [--fill-prompts N] [--repeats N], as this folder's scripts take them."""
     parser = argparse.ArgumentParser()
     parser.add_argument("model", type=Path)
     parser.add_argument("--fill-prompts", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments()
     _, tokenizer = load(str(args.model), lazy=True)
-    vocab = tokenizer.vocab_size
-    streams = prompts_for(64, 64, vocab)
-    rng = random.Random(0)
-    fillers = [[rng.randrange(vocab) for _ in range(2000)] for _ in range(args.fill_prompts)]
-    engine = Engine(EngineConfig(model=str(args.model), max_batch_size=64,
-                                 disk_cache_bytes=0))
-    engine.start()
-    if engine.wait_ready() != "ready":
-        raise SystemExit(f"the engine did not start: {engine.error}")
+    engine, streams, fillers = setup(args.model, tokenizer.vocab_size, args.fill_prompts)
 
     def measure(phase: str) -> None:
         for repeat in range(args.repeats):
