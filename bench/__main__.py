@@ -140,9 +140,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "at most (default); --no-restart-per-workload: one start each")
     parser.add_argument("--rounds", type=int, default=1, metavar="N",
                         help="measure every workload N times on each server, servers "
-                             "alternating, and the bare mlx-lm batch baselines N times: the "
-                             "tables and targets are medians over rounds, results.json keeps "
-                             "each round's numbers (default: 1)")
+                             "alternating, and the bare mlx-lm batch baselines once after "
+                             "each round's servers: the tables and targets are medians over "
+                             "rounds, results.json keeps each round's numbers (default: 1)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib)")
     parser.add_argument("--no-raw", action="store_true",
                         help="skip the bare mlx-lm baselines (stream_generate and batch_generate)")
@@ -426,6 +426,9 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
         specs.append(tensor_parallel(args.tensor_parallel))
     batches = [[w] for w in workloads] if args.restart_per_workload else [workloads] * bool(
         workloads)
+    raw_batch_workloads = [] if args.no_raw else [w.name for w in workloads
+                                                  if w.name in RAW_BATCH_WORKLOADS]
+    raw_batch_rounds: dict[str, list[dict]] = {name: [] for name in raw_batch_workloads}
     for round_index in range(args.rounds):
         for batch in batches:
             for spec in specs:
@@ -436,6 +439,15 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
                     served = model.gguf if spec.serves_gguf else model.directory
                     run_server(results, spec, args, served, server_env(spec, env, args),
                                out, warm_up, measured, round_index)
+        # Bare mlx-lm's batch rounds between the servers' rounds: a GPU host's speed moves
+        # by up to 1.8x over minutes (the batch steps are host-bound), so a baseline run
+        # after every server's rounds measured another host (nvidia-h200/batch-decode-64-1b).
+        for name in raw_batch_workloads:
+            print(f"bench: bare mlx_lm.batch_generate ({name}), round {round_index + 1}",
+                  file=sys.stderr, flush=True)
+            raw_batch_rounds[name].append(child_json(
+                "bench.raw_batch", model.directory, env, name, "--seed", args.seed,
+                "--shapes", json.dumps(shapes.as_dict())))
     for entry in results["servers"].values():
         entry["workloads"] = {workload: report.median_summary(rounds)
                               for workload, rounds in entry["rounds"].items()}
@@ -470,11 +482,7 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
                     "--max-tokens", shapes.decode_output_tokens,
                     "--repeats", shapes.decode_repeats,
                     "--tensor-parallel", args.tensor_parallel)
-        for name in (w.name for w in workloads if w.name in RAW_BATCH_WORKLOADS):
-            print(f"bench: bare mlx_lm.batch_generate ({name})", file=sys.stderr, flush=True)
-            rounds = [child_json("bench.raw_batch", model.directory, env, name, "--seed",
-                                 args.seed, "--shapes", json.dumps(shapes.as_dict()))
-                      for _ in range(args.rounds)]
+        for name, rounds in raw_batch_rounds.items():
             results.setdefault("raw_batch", {})[name] = {
                 **report.median_summary(rounds), "rounds": rounds}
     if not args.no_structured:

@@ -125,6 +125,22 @@ def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.usefixtures("children_without_torch")
+def test_bare_batch_baselines_run_between_the_servers_rounds(
+        demo_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A host's speed drifts over minutes, so bare mlx-lm's classify lists run once after
+    each round's server, not all after the last: each round is compared with its own."""
+    main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-plots",
+          "--no-structured", "--out", str(tmp_path), "--workloads", "classify",
+          "--rounds", "2", *TOY])
+    lines = [line for line in capsys.readouterr().err.splitlines()
+             if line.startswith(("bench: starting radix-mlx", "bench: bare mlx_lm"))]
+    assert [line.split()[1] for line in lines] == ["starting", "bare", "starting", "bare"]
+    raw = json.loads((tmp_path / "results.json").read_text())["raw_batch"]["classify"]
+    assert len(raw["rounds"]) == 2
+    assert raw["prompts_s"] == pytest.approx(sum(r["prompts_s"] for r in raw["rounds"]) / 2)
+
+
+@pytest.mark.usefixtures("children_without_torch")
 def test_workloads_flag_runs_only_those_and_rounds_repeat_them(demo_model_dir: Path,
                                                                tmp_path: Path) -> None:
     main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-raw",
