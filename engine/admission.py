@@ -2,7 +2,8 @@
 
 Cache-aware order (SGLang's): the longest cached prefix first, so shared prefixes are
 reused while they are still in the tree; a request passed over in `MAX_PASSED_OVER`
-rounds goes first, oldest first, so none starves. Limits: batch rows, prompts being
+rounds goes first, oldest first, so none starves; background work (a chat's next turn,
+prefilled only to be cached) after every request a client waits on. Limits: batch rows, prompts being
 prefilled at once, and the KV the batch may come to hold (`tokens_reserved`). After a
 failed step, suspects run one at a time (quarantine) so the request that breaks a forward
 pass is found and fails alone.
@@ -93,7 +94,13 @@ def token_room(limits: SchedulerLimits, running: Iterable[Generation]) -> int:
 
 
 def _order(waiting: list[Generation], cached: dict[Generation, int]) -> list[Generation]:
-    starving = [g for g in waiting if g.passed_over >= MAX_PASSED_OVER]
-    rest = sorted((g for g in waiting if g.passed_over < MAX_PASSED_OVER),
+    """Starving requests, then the rest by cached prefix, then background work (a chat's
+    next turn, prefilled to be cached): its prefix is the longest of all (the chat and
+    its reply), and it went first, ahead of the clients of other chats that ended with
+    it. Background work left waiting costs a guess, never an answer: it does not starve."""
+    clients = [g for g in waiting if not g.background]
+    starving = [g for g in clients if g.passed_over >= MAX_PASSED_OVER]
+    rest = sorted((g for g in clients if g.passed_over < MAX_PASSED_OVER),
                   key=lambda g: -cached[g])
-    return starving + rest
+    background = sorted((g for g in waiting if g.background), key=lambda g: -cached[g])
+    return starving + rest + background

@@ -87,6 +87,13 @@ class Generation:
         return len(self.prompt) + self.params.max_tokens
 
     @property
+    def background(self) -> bool:
+        """Work no client waits on: a prompt computed only to be cached (a chat's next
+        turn, `Readout.cache_only`)."""
+        readout = self.params.readout
+        return readout is not None and readout.cache_only
+
+    @property
     def cacheable(self) -> list[int]:
         """The tokens whose KV can come from the tree, and goes to it once computed: all
         but the last, which must run to give the first logits; a readout's first

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.admission import SchedulerLimits, admit, token_room
+from engine.admission import MAX_PASSED_OVER, SchedulerLimits, admit, token_room
 from engine.api import (
     FinishReason,
     LastPosition,
@@ -371,6 +371,7 @@ class Scheduler:
                 self.kv.settle()  # what cancelled requests released, before the step
                 admit(self.waiting, self.running.values(), self.limits,
                       lambda g: self.tree.peek(g.cacheable), self._try_start)
+                self._drop_stale_background()
                 if self.running or self.reading:
                     self._step()
                 elif self._bringing_back and not self.waiting and not self.parked:
@@ -1023,6 +1024,16 @@ class Scheduler:
         if not generation.prompt_done or generation.params.readout is not None:
             return sequence.cache is not None and shareable > generation.hold.depth
         return not (shareable == generation.hold.depth + 1 == len(generation.tokens))
+
+    def _drop_stale_background(self) -> None:
+        """Background work (a chat's next turn, prefilled to be cached) waits behind
+        every client request (admission.py); one passed over `MAX_PASSED_OVER` times is
+        dropped: the client it guessed for has likely sent that turn already, which then
+        computes those tokens itself, and waiting longer would hold queue places clients
+        need."""
+        for generation in [g for g in self.waiting
+                           if g.background and g.passed_over >= MAX_PASSED_OVER]:
+            self._cancel(generation)
 
     def _cancel(self, generation: Generation) -> None:
         if generation in self.waiting or generation in self.reading or generation in self.parked:

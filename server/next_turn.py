@@ -130,6 +130,9 @@ class NextTurn:
             except asyncio.CancelledError:
                 stream.cancel()
                 raise
+            if finish.reason == "cancelled":  # left waiting behind clients' requests
+                log.debug("next turn not prefilled: it waited behind other requests")
+                return
             # What this prefill computed for the tree to keep: nothing where an earlier
             # one (the same chat sent again) left it there.
             computed = finish.prompt_tokens - 1 - finish.cached_tokens

@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from engine.admission import SHORT_PROMPT_TOKENS, SchedulerLimits, admit
-from engine.api import SamplingParams
+from engine.api import Readout, SamplingParams
 from engine.generation import Generation
 from engine.tokenizer import ModelTokenizer
 from radix import RadixTree
@@ -68,3 +68,30 @@ def test_a_full_batch_admits_nobody_and_matches_no_waiting_prompt(tokenizer) -> 
     running.pop()
     admit(waiting, running, limits, cached_length, lambda g: running.append(g) is None)
     assert running == [queue[0], queue[2]] and matched == queue[2:]
+
+
+def test_a_chats_next_turn_waits_behind_every_client_request(tokenizer) -> None:
+    """Chats that ended together leave their next turns to prefill (cache-only readouts):
+    their prefixes, the whole chat and its reply, are the longest cached, yet a client's
+    request with nothing cached goes first, and one passed over for long still does."""
+    tree = RadixTree(1 << 20, free=lambda handle: None)
+    guess = SamplingParams(max_tokens=0, temperature=0.0, readout=Readout(cache_only=True))
+
+    def generation(name: str, params: SamplingParams) -> Generation:
+        return Generation(name, list(range(10, 300)), params, lambda event: None, tokenizer,
+                          tokenizer.vocab_size, tree)
+
+    guesses = [generation(f"next-turn{i}", guess) for i in range(3)]
+    client = generation("client", SamplingParams(max_tokens=8))
+    guesses[0].passed_over = 100
+    waiting = [*guesses, client]
+    running: list[Generation] = []
+    limits = SchedulerLimits(max_batch_size=2, prefill_batch_size=8,
+                             prefill_chunk_tokens=None, prefill_stall_ratio=None,
+                             prefill_stall_floor=0.0, max_tokens_in_flight=1 << 20,
+                             cache_bytes=1 << 20)
+    cached = {client: 0, guesses[0]: 280, guesses[1]: 289, guesses[2]: 270}
+    admit(waiting, running, limits, cached.__getitem__,
+          lambda g: running.append(g) is None)
+    assert running == [client, guesses[1]]
+    assert waiting == [guesses[0], guesses[2]]

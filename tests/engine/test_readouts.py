@@ -295,6 +295,40 @@ async def test_a_cache_only_readout_caches_its_prompt_and_reads_nothing(counted,
         assert_reads(last, llama_reference, prompt, Readout())
 
 
+async def test_a_next_turn_guess_waits_behind_clients_and_is_dropped_when_stale(llama_dir):
+    """One row, busy: a cache-only readout (a chat's next turn) and ten client requests
+    wait. Every client goes first, and the guess, passed over as each starts, is dropped
+    (cancelled) once it is stale, not run after them all."""
+    engine = start_engine(llama_dir, max_batch_size=1, cache_bytes=1 << 30)
+    try:
+        busy = engine.submit(encode(engine, PREAMBLE), SamplingParams(
+            max_tokens=400, temperature=0.0, ignore_eos=True))
+        await anext(busy)  # decoding: the row is taken
+        order: list[str] = []
+
+        async def until_finish(name: str, stream) -> Finish:
+            async for event in stream:
+                if isinstance(event, Finish):
+                    order.append(name)
+                    return event
+            raise AssertionError("stream ended without a Finish")
+
+        guess = engine.submit(encode(engine, f"{PREAMBLE} {REVIEWS[0]} Next."),
+                              params(Readout(cache_only=True)))
+        await asyncio.sleep(0.05)  # the guess waits first
+        clients = [engine.submit(encode(engine, f"{review} {i}"), SamplingParams(
+            max_tokens=1, temperature=0.0)) for i, review in enumerate(REVIEWS * 2)][:10]
+        finishes = await asyncio.gather(
+            until_finish("guess", guess), until_finish("busy", busy),
+            *(until_finish(f"client{i}", c) for i, c in enumerate(clients)))
+        assert finishes[0].reason == "cancelled"
+        assert all(f.reason == "length" for f in finishes[1:])
+        assert order.index("guess") > order.index("client0")
+        assert (await settled(engine)).tree.pinned_bytes == 0
+    finally:
+        engine.shutdown()
+
+
 async def test_texts_sent_again_are_read_in_one_forward_over_their_own_prefixes(
         counted, llama_reference):
     """Texts of different lengths read one by one (each its own request, as single
