@@ -66,23 +66,25 @@ async def test_prompts_diverging_after_a_short_header_are_each_computed_once(eng
 
 async def test_prompts_arriving_together_are_all_prefilled_before_any_decodes(
         llama_dir, reference):
-    # Three prompts of several chunks each reach an idle engine at once (a burst). None
-    # starts decoding while another's prompt is still being computed, so no stream stalls
-    # for the others' prompts once it has started: every first token comes before any
+    # Three prompts of several chunks each reach an idle engine at once (a burst; handed
+    # over together, so a loaded machine cannot spread them over steps). None starts
+    # decoding while another's prompt is still being computed, so no stream stalls for
+    # the others' prompts once it has started: every first token comes before any
     # second one.
     engine = start_engine(llama_dir, prefill_chunk_tokens=32)
     try:
         order: list[int] = []
         outputs: list[list[int]] = [[], [], []]
 
-        async def run(index: int, prompt: list[int]) -> None:
-            async for event in engine.submit(prompt, _greedy(max_tokens=3, ignore_eos=True)):
+        async def run(index: int, stream) -> None:
+            async for event in stream:
                 if isinstance(event, TokenEvent):
                     order.append(index)
                     outputs[index].append(event.token)
 
         prompts = [random_prompt(60 + i, 100) for i in range(3)]
-        await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
+        streams = engine.submit_all(prompts, _greedy(max_tokens=3, ignore_eos=True))
+        await asyncio.gather(*(run(i, stream) for i, stream in enumerate(streams)))
         firsts = [order.index(i) for i in range(3)]
         seconds = [order.index(i, first + 1) for i, first in enumerate(firsts)]
         assert max(firsts) < min(seconds)
