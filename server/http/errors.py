@@ -104,7 +104,8 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """One readable 400 from pydantic's list of problems."""
     problems = []
     for error in errors:
-        loc = [str(part) for part in error["loc"] if part != "body"]
+        # Where it was (the body, the query string, the path) is not the parameter.
+        loc = [str(part) for part in error["loc"] if part not in ("body", "query", "path")]
         if error["type"] == "json_invalid":
             # Its loc is a character position, not a field.
             position, loc = loc, []

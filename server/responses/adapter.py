@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from engine.api import SamplingKnobs
@@ -58,6 +58,7 @@ from server.responses.protocol import (
     FunctionCallOutputItem,
     FunctionChoice,
     IncompleteDetails,
+    InputItemList,
     InputTokensDetails,
     ItemEvent,
     ItemStatus,
@@ -400,7 +401,8 @@ async def _respond(request: Request, state: ServerState, body: ResponsesRequest,
         top_p=body.top_p, store=body.store, metadata=body.metadata or {},
         prompt_cache_key=body.prompt_cache_key, user=body.user,
     ))
-    save = (lambda: _save(state, builder.response, conversation)) if body.store else None
+    save = ((lambda: _save(state, builder.response, conversation, input_items(body)))
+            if body.store else None)
     if body.stream:
         return GenerationEventSource(generation, _stream(generation, builder, save))
     done = await to_the_end(request, generation, _run(generation, builder))
@@ -437,12 +439,34 @@ def _sse(event: StreamEvent) -> NamedEvent:
     return NamedEvent(event.type, event.model_dump_json())
 
 
-async def _save(
-    state: ServerState, response: ResponseObject, conversation: list[TemplateMessage]
-) -> None:
+async def _save(state: ServerState, response: ResponseObject,
+                conversation: list[TemplateMessage], items: list[dict[str, Any]]) -> None:
     entry = StoredResponse(response.model_dump(mode="json"),
-                           conversation + [assistant_message(response)])
+                           conversation + [assistant_message(response)], items)
     await asyncio.to_thread(state.responses.put, response.id, entry)
+
+
+# The id an input item the client sent without one is listed under, by type.
+ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                    "reasoning": "rs"}
+
+
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as the items OpenAI lists for a response: a string is one user
+    message; every item has an id (made where the client sent none) and a status, and a
+    message's text is a content part."""
+    if isinstance(body.input, str):
+        items = [{"type": "message", "role": "user", "content": body.input}]
+    else:
+        items = [item.model_dump(mode="json", by_alias=True, exclude_none=True)
+                 for item in body.input]
+    for item in items:
+        item.setdefault("id", _new_id(ITEM_ID_PREFIXES[item["type"]]))
+        item.setdefault("status", "completed")
+        if item["type"] == "message" and isinstance(item["content"], str):
+            kind = "output_text" if item["role"] == "assistant" else "input_text"
+            item["content"] = [{"type": kind, "text": item["content"]}]
+    return items
 
 
 async def _stored(state: ServerState, response_id: str, param: str | None) -> StoredResponse:
@@ -457,6 +481,30 @@ async def _stored(state: ServerState, response_id: str, param: str | None) -> St
 async def get_response(response_id: str, request: Request) -> ResponseObject:
     stored = await _stored(server_state(request), response_id, None)
     return ResponseObject.model_validate(stored.response)
+
+
+@router.get("/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str, request: Request, after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20, order: Literal["asc", "desc"] = "desc",
+    include: Annotated[list[str] | None, Query()] = None,
+) -> InputItemList:
+    """The input items the request that made a stored response sent, a page at a time
+    (`after` an item's id; newest first unless `order=asc`). `include` names fields
+    OpenAI can add to items; these items have nothing to add."""
+    items = (await _stored(server_state(request), response_id, None)).input_items
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise APIError(400, f"No input item with id '{after}' in response '{response_id}'.",
+                           code="invalid_request", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return InputItemList(data=page, first_id=page[0]["id"] if page else None,
+                         last_id=page[-1]["id"] if page else None,
+                         has_more=len(items) > limit)
 
 
 @router.delete("/responses/{response_id}")

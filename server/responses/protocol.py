@@ -392,6 +392,16 @@ class Response(ResponseModel):
         )
 
 
+class InputItemList(ResponseModel):
+    """A page of a stored response's input items (GET /v1/responses/{id}/input_items)."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class DeletedResponse(ResponseModel):
     id: str
     object: Literal["response.deleted"] = "response.deleted"

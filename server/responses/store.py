@@ -1,4 +1,5 @@
-"""Stored Responses API responses, for `previous_response_id` and GET/DELETE by id.
+"""Stored Responses API responses, for `previous_response_id`, GET/DELETE by id and
+the listing of a response's input items.
 
 Each entry keeps the response as sent (for GET) and the whole conversation it ended
 (for a follow-up, which then sends only its new input). The store is bounded by a count:
@@ -16,7 +17,7 @@ import json
 import sqlite3
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,9 @@ from typing import Any
 class StoredResponse:
     response: dict[str, Any]  # the Response object, as JSON
     conversation: list[dict[str, Any]]  # chat messages, the response's output included
+    # The request's input as Response items, ids included (GET .../input_items); an entry
+    # stored before these were kept has none.
+    input_items: list[dict[str, Any]] = field(default_factory=list)
 
 
 class MemoryStore:
@@ -112,7 +116,7 @@ def open_store(path: Path | None, capacity: int) -> ResponseStore:
 
 
 def _dump(entry: StoredResponse) -> str:
-    return json.dumps({"response": entry.response, "conversation": entry.conversation})
+    return json.dumps(asdict(entry))
 
 
 def _load(data: str) -> StoredResponse:

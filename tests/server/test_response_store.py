@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -52,4 +54,19 @@ def test_sqlite_store_survives_a_restart(tmp_path: Path) -> None:
     store.close()
     reopened = SQLiteStore(path, 10)
     assert reopened.get("resp_0") == _entry(0)
+    reopened.close()
+
+
+def test_an_entry_stored_before_input_items_were_kept_still_loads(tmp_path: Path) -> None:
+    """A database written by an earlier version (no input items in its entries) keeps
+    serving them after an upgrade: their input items list is empty."""
+    path = tmp_path / "responses.db"
+    SQLiteStore(path, 10).close()  # the table
+    with closing(sqlite3.connect(path)) as db, db:
+        db.execute("INSERT INTO responses (id, data) VALUES (?, ?)", (
+            "resp_old", '{"response": {"id": "resp_old"}, "conversation": []}'))
+    reopened = SQLiteStore(path, 10)
+    assert reopened.get("resp_old") == StoredResponse({"id": "resp_old"}, [], [])
+    reopened.put("resp_new", StoredResponse({"id": "resp_new"}, [], [{"id": "msg_1"}]))
+    assert reopened.get("resp_new").input_items == [{"id": "msg_1"}]
     reopened.close()

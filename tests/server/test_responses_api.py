@@ -97,6 +97,53 @@ def test_unknown_or_unstored_response_is_404(client: openai.OpenAI, model_id: st
         client.responses.retrieve(unstored.id)
 
 
+def test_a_stored_responses_input_items_are_listed_page_by_page(
+        client: openai.OpenAI, model_id: str, server: ServerProcess) -> None:
+    """The SDK's `responses.input_items.list`: the request's own items (instructions and
+    earlier responses are not input items), each with an id (the client's, or one made),
+    newest first unless asked otherwise, paged by `after`."""
+    items = [
+        {"role": "user", "content": "List the files."},
+        {"type": "function_call", "call_id": "call_1", "name": "shell", "id": "fc_mine",
+         "arguments": '{"command": "ls"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "README.md\n"},
+        {"role": "user", "content": [{"type": "input_text", "text": "And now?"}]},
+    ]
+    response = client.responses.create(model=model_id, input=items, tools=TOOLS,
+                                       instructions="Be brief.", max_output_tokens=2)
+    listed = list(client.responses.input_items.list(response.id, order="asc"))
+    assert [item.type for item in listed] == [
+        "message", "function_call", "function_call_output", "message"]
+    assert listed[0].role == "user" and listed[0].content[0].text == "List the files."
+    assert listed[1].id == "fc_mine" and listed[1].call_id == "call_1"
+    assert listed[2].output == "README.md\n"
+    assert len({item.id for item in listed}) == 4 and all(item.id for item in listed)
+    newest_first = client.responses.input_items.list(response.id, limit=3)
+    assert [item.id for item in newest_first.data] == [item.id for item in listed[::-1][:3]]
+    assert newest_first.has_more and newest_first.last_id == listed[1].id
+    rest = client.responses.input_items.list(response.id, limit=3, after=listed[1].id)
+    assert [item.id for item in rest.data] == [listed[0].id] and not rest.has_more
+    follow_up = client.responses.create(model=model_id, input="Thanks.", max_output_tokens=1,
+                                        previous_response_id=response.id)
+    (only,) = client.responses.input_items.list(follow_up.id).data
+    assert only.type == "message" and only.content[0].text == "Thanks."
+
+
+def test_input_items_of_an_unknown_response_or_cursor_are_refused(
+        client: openai.OpenAI, model_id: str, server: ServerProcess) -> None:
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.responses.input_items.list("resp_nope")
+    assert raised.value.code == "response_not_found"
+    response = client.responses.create(model=model_id, input="x", max_output_tokens=1)
+    url = f"{server.url}/v1/responses/{response.id}/input_items"
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for query, param in (("limit=0", "limit"), ("limit=101", "limit"),
+                         ("order=sideways", "order"), ("after=msg_nope", "after")):
+        reply = httpx.get(f"{url}?{query}", headers=headers, timeout=30)
+        assert reply.status_code == 400, (query, reply.text)
+        assert reply.json()["error"]["param"] == param
+
+
 def test_function_call_items_round_trip(client: openai.OpenAI, model_id: str) -> None:
     """A tool call and its output sent back as items, with the reasoning before them."""
     items = [
