@@ -507,6 +507,16 @@ async def list_input_items(
                          has_more=len(items) > limit)
 
 
+@router.post("/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request) -> ResponseObject:
+    """OpenAI cancels only background responses, which this server does not run: every
+    stored response is already complete."""
+    await _stored(server_state(request), response_id, None)
+    raise APIError(400, f"Response '{response_id}' is not a background response: only "
+                        "background responses can be cancelled, and this server runs none.",
+                   code="invalid_request")
+
+
 @router.delete("/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> DeletedResponse:
     state = server_state(request)

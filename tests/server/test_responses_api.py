@@ -129,7 +129,7 @@ def test_a_stored_responses_input_items_are_listed_page_by_page(
     assert only.type == "message" and only.content[0].text == "Thanks."
 
 
-def test_input_items_of_an_unknown_response_or_cursor_are_refused(
+def test_input_items_or_cancels_this_server_cannot_give_are_refused(
         client: openai.OpenAI, model_id: str, server: ServerProcess) -> None:
     with pytest.raises(openai.NotFoundError) as raised:
         client.responses.input_items.list("resp_nope")
@@ -137,6 +137,10 @@ def test_input_items_of_an_unknown_response_or_cursor_are_refused(
     response = client.responses.create(model=model_id, input="x", max_output_tokens=1)
     url = f"{server.url}/v1/responses/{response.id}/input_items"
     headers = {"Authorization": f"Bearer {API_KEY}"}
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(response.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_nope")
     for query, param in (("limit=0", "limit"), ("limit=101", "limit"),
                          ("order=sideways", "order"), ("after=msg_nope", "after")):
         reply = httpx.get(f"{url}?{query}", headers=headers, timeout=30)
