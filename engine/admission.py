@@ -3,10 +3,10 @@
 Cache-aware order (SGLang's): the longest cached prefix first, so shared prefixes are
 reused while they are still in the tree; a request passed over in `MAX_PASSED_OVER`
 rounds goes first, oldest first, so none starves; background work (a chat's next turn,
-prefilled only to be cached) after every request a client waits on. Limits: batch rows, prompts being
-prefilled at once, and the KV the batch may come to hold (`tokens_reserved`). After a
-failed step, suspects run one at a time (quarantine) so the request that breaks a forward
-pass is found and fails alone.
+prefilled only to be cached) after every request a client waits on. Limits: batch rows,
+prompts being prefilled at once, and the KV the batch may come to hold
+(`tokens_reserved`). After a failed step, suspects run one at a time (quarantine) so the
+request that breaks a forward pass is found and fails alone.
 
 Short prompts (at most `SHORT_PROMPT_TOKENS` not cached) are left out of the prefill
 window: the generator computes those at the front of its queue together, in one forward
@@ -97,7 +97,8 @@ def _order(waiting: list[Generation], cached: dict[Generation, int]) -> list[Gen
     """Starving requests, then the rest by cached prefix, then background work (a chat's
     next turn, prefilled to be cached): its prefix is the longest of all (the chat and
     its reply), and it went first, ahead of the clients of other chats that ended with
-    it. Background work left waiting costs a guess, never an answer: it does not starve."""
+    it. Background work passed over costs a guess, never an answer: it never goes first
+    (the scheduler drops it once stale)."""
     clients = [g for g in waiting if not g.background]
     starving = [g for g in clients if g.passed_over >= MAX_PASSED_OVER]
     rest = sorted((g for g in clients if g.passed_over < MAX_PASSED_OVER),
