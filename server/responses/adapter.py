@@ -507,10 +507,11 @@ async def list_input_items(
                          has_more=len(items) > limit)
 
 
-@router.post("/responses/{response_id}/cancel")
+@router.post("/responses/{response_id}/cancel", include_in_schema=False)
 async def cancel_response(response_id: str, request: Request) -> ResponseObject:
     """OpenAI cancels only background responses, which this server does not run: every
-    stored response is already complete."""
+    stored response is already complete. A refusal in the API's words where a client
+    calls it, not an operation the schema offers."""
     await _stored(server_state(request), response_id, None)
     raise APIError(400, f"Response '{response_id}' is not a background response: only "
                         "background responses can be cancelled, and this server runs none.",
