@@ -240,6 +240,16 @@ class BroughtBack:
         self.waiters, self.nodes, self.nbytes = [], 0, 0
 
 
+@dataclass(frozen=True)
+class HeldPrefix:
+    """Readouts of one cacheable prefix the tree holds in memory (`Scheduler._read`): the
+    node it ends in, and its length, each readout's tokens before its own part."""
+
+    readouts: list[Generation]
+    node: Node
+    depth: int
+
+
 Message = Submit | SubmitAll | Wake | Republish | Cancel | ClearCache | Stop | BringBack
 # What the scheduler's own tree callbacks post: every rank makes these itself.
 LOCAL_MESSAGES = (Wake, Republish)
@@ -557,24 +567,25 @@ class Scheduler:
                 break
             held = self._held_prefixes(first.params, passed)
             if first.params.readout.cache_only:  # held whole: nothing to compute
-                for group, _ in held:
-                    self._leave_reading(group)
-                    for generation in group:
-                        self._finish_read(generation, len(generation.cacheable), None)
+                for prefix in held:
+                    self._leave_reading(prefix.readouts)
+                    for generation in prefix.readouts:
+                        self._finish_read(generation, prefix.depth, None)
                 continue
             if not held:
                 continue
             batch, width = self._read_batch(held, budget - fed)
             self._leave_reading([generation for generation, _ in batch])
-            nodes = list({id(node): node for _, node in batch}.values())
+            nodes = list({id(prefix.node): prefix.node for _, prefix in batch}.values())
             segments = {id(node): self.kv.segments_of(node) for node in nodes}
             for node in nodes:
                 self.tree.pin(node)
             readout = first.params.readout
             try:
                 readings = self.generator.read_together(
-                    [segment_spans(segments[id(node)], len(g.cacheable)) for g, node in batch],
-                    [g.tokens[len(g.cacheable):] for g, _ in batch], readout.top_logprobs,
+                    [segment_spans(segments[id(prefix.node)], prefix.depth)
+                     for _, prefix in batch],
+                    [g.tokens[prefix.depth:] for g, prefix in batch], readout.top_logprobs,
                     readout.token_ids, readout.hidden)
             except Exception:  # one by one, the general way fails the culprit alone
                 log.exception("reading %d prompts together failed", len(batch))
@@ -585,16 +596,15 @@ class Scheduler:
                     self.tree.unpin(node)
             fed += width * len(batch)
             lasts = last_positions(readings, self.loaded.tokenizer)
-            for (generation, _), last in zip(batch, lasts):
-                self._finish_read(generation, len(generation.cacheable), last)
+            for (generation, prefix), last in zip(batch, lasts):
+                self._finish_read(generation, prefix.depth, last)
         return fed
 
-    def _held_prefixes(self, params: SamplingParams, passed: set[int]
-                       ) -> list[tuple[list[Generation], Node]]:
+    def _held_prefixes(self, params: SamplingParams, passed: set[int]) -> list[HeldPrefix]:
         """The readouts in `reading` of `params` (not in `passed`) whose cacheable prefix
-        the tree holds in memory, by prefix, with the node it ends in. Prefixes on disk
-        are loaded back first; a prefix the tree lacks has its readouts wait for an opener
-        (added to `passed`), or sent the general way."""
+        the tree holds in memory, by prefix. Prefixes on disk are loaded back first; a
+        prefix the tree lacks has its readouts wait for an opener (added to `passed`), or
+        sent the general way."""
         groups: dict[tuple[int, ...], list[Generation]] = {}
         for generation in self.reading:
             if id(generation) not in passed and (generation.params is params
@@ -612,7 +622,7 @@ class Scheduler:
                     passed.update(map(id, group))
                 continue
             self.opening.pop(key, None)
-            held.append((group, match.node))
+            held.append(HeldPrefix(group, match.node, len(prefix)))
         return held
 
     def _finish_read(self, generation: Generation, cached: int, last: LastPosition | None
@@ -651,9 +661,9 @@ class Scheduler:
             self.opening[key] = group[0]
         return True
 
-    def _read_batch(self, held: list[tuple[list[Generation], Node]], budget: int
-                    ) -> tuple[list[tuple[Generation, Node]], int]:
-        """The readouts of `held` (by prefix, with the node it ends in) to read in one
+    def _read_batch(self, held: list[HeldPrefix], budget: int
+                    ) -> tuple[list[tuple[Generation, HeldPrefix]], int]:
+        """The readouts of `held` (with the prefix each reads over) to read in one
         forward, and its width: shortest own part first, as many as `budget` positions
         take, padding included, and, with their prefixes' copies (each row holds the
         deepest prefix's columns), `MAX_READ_CHUNKS` idle chunks or the KV the memory plan
@@ -662,21 +672,21 @@ class Scheduler:
         chunk = self.prefill_budget.idle_chunk
         room = token_room(self.limits, self.running.values())
         most = min(MAX_READ_CHUNKS * chunk, max(chunk, room))
-        rows = sorted(((generation, node, index) for index, (group, node) in enumerate(held)
-                       for generation in group),
-                      key=lambda row: len(row[0].tokens) - len(row[0].cacheable))
-        batch: list[tuple[Generation, Node, int]] = []
+        rows = sorted(((generation, prefix, index) for index, prefix in enumerate(held)
+                       for generation in prefix.readouts),
+                      key=lambda row: len(row[0].tokens) - row[1].depth)
+        batch: list[tuple[Generation, HeldPrefix, int]] = []
         width = depth = 0
-        for generation, node, index in rows:
-            own = len(generation.tokens) - len(generation.cacheable)
-            deepest = max(depth, len(generation.cacheable))
+        for generation, prefix, index in rows:
+            own = len(generation.tokens) - prefix.depth
+            deepest = max(depth, prefix.depth)
             count = len(batch) + 1
             if batch and (own * count > budget or (deepest + own) * count > most):
                 break
-            batch.append((generation, node, index))
+            batch.append((generation, prefix, index))
             width, depth = own, deepest
         batch.sort(key=lambda row: row[2])  # stable: shortest first within a prefix
-        return [(generation, node) for generation, node, _ in batch], width
+        return [(generation, prefix) for generation, prefix, _ in batch], width
 
     def _leave_reading(self, generations: list[Generation]) -> None:
         leaving = set(map(id, generations))

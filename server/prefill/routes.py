@@ -149,7 +149,7 @@ async def _classify(request: Request, state: ServerState, served: ServedModel,
     readings = await read_prompts(request, state, served, work)
     if readings is None:
         return Response(status_code=CLIENT_CLOSED)
-    first_at = {token: i for i, token in enumerate(firsts)}
+    first_at = _columns(firsts)
     data = []
     for index, reading in enumerate(readings[0]):
         last = reading.last
@@ -283,7 +283,7 @@ class LabelGroup:
     @cached_property
     def columns(self) -> dict[int, int]:
         """Where each token's logprob is in a reading."""
-        return {token: column for column, token in enumerate(self.tokens)}
+        return _columns(self.tokens)
 
 
 def _label_groups(labels: dict[str, list[int]]) -> list[LabelGroup]:
@@ -311,6 +311,11 @@ def _shown(text: str, most: int = 40) -> str:
 
 def _distinct(tokens: Sequence[int]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(tokens))
+
+
+def _columns(token_ids: Sequence[int]) -> dict[int, int]:
+    """Where each of a readout's `token_ids` is in its `token_logprobs`."""
+    return {token: column for column, token in enumerate(token_ids)}
 
 
 # -- embeddings --------------------------------------------------------------------------
