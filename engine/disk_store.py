@@ -4,9 +4,11 @@ The tree (radix/tiers.py) decides what is copied and when a copy may go; this mo
 the copying. `DiskStore` is the tree's `Store`:
 
 - `save` (engine thread, under the tree's lock) readies a handle's arrays and queues
-  them for the writer thread; when the queue is full it refuses at once and the node
-  simply stays memory-only. Until written, a copy keeps its handle, so a load meanwhile
-  costs nothing.
+  them for the writer thread once they are evaluated, with the engine's other new handles
+  at its next settle (`KVStore.after_settle`: a step that publishes 64 prompts makes one
+  round trip to the device, not 64); when the queue is full it refuses at once and the
+  node simply stays memory-only. Until written, a copy keeps its handle, so a load
+  meanwhile costs nothing.
 - `discard` queues the file's deletion behind any write of it.
 - `load` (engine thread) reads a copy back as a handle, in the dtypes it was written
   in, each tensor checksummed while MLX reads the file.
@@ -210,6 +212,10 @@ class DiskStore:
         self.rebuilt = threading.Event()
         self._jobs: collections.deque[_Write | _Delete] = collections.deque()
         self._queued = 0
+        self._unevaluated = 0  # writes saved whose arrays are not evaluated yet
+        # How a write's arrays are evaluated before the writer gets them: with the
+        # engine's next settle where the scheduler says so (`Scheduler.attach_disk`).
+        self.evaluate: Callable[[list[mx.array], Callable[[], None]], None] = _evaluate_now
         self._busy = False
         self._closed = False
         self._cond = threading.Condition()
@@ -240,9 +246,16 @@ class DiskStore:
             self._live[key] = copy
             self._queued += data_bytes
             self.stats.queued_bytes = self._queued
-            self._jobs.append(_Write(copy, header, arrays))
-            self._cond.notify()
+            self._unevaluated += 1
+        job = _Write(copy, header, arrays)
+        self.evaluate([a for _, _, a in arrays], lambda: self._queue(job))
         return copy
+
+    def _queue(self, job: _Write) -> None:
+        with self._cond:
+            self._unevaluated -= 1
+            self._jobs.append(job)
+            self._cond.notify_all()
 
     def discard(self, copy: DiskCopy) -> None:
         with self._cond:
@@ -391,9 +404,10 @@ class DiskStore:
     # -- lifecycle ------------------------------------------------------------------------
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write and delete is done; False on timeout."""
+        """Wait until every write saved and every delete is done; False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout)
+            return self._cond.wait_for(
+                lambda: not self._unevaluated and not self._jobs and not self._busy, timeout)
 
     def keep_departures(self, entries: list[tuple[int, str]]) -> None:
         """Keep the tree's record of what it let go of (`RadixTree.departures_at_stop`),
@@ -479,9 +493,10 @@ class DiskStore:
 
     def _arrays(self, handle: KVSegment | CacheSnapshot,
                 header: SegmentHeader) -> list[tuple[str, str, mx.array]]:
-        """The arrays to write with their safetensors dtypes, evaluated here on the engine
-        thread; the writer only reads their memory. bfloat16 goes to numpy as its uint16
-        bits (numpy has no bfloat16) and is named BF16 in the file."""
+        """The arrays to write with their safetensors dtypes, lazy: they are evaluated on
+        the engine thread (`evaluate`) before the writer, which only reads their memory,
+        gets them. bfloat16 goes to numpy as its uint16 bits (numpy has no bfloat16) and
+        is named BF16 in the file."""
         if isinstance(handle, KVSegment):
             names = _parts(self.quantization)
             named = [(f"{name}.{i}", layer) for name, arrays in zip(names, handle.arrays)
@@ -494,10 +509,13 @@ class DiskStore:
                     named.append((name, mx.contiguous(value)))
                 else:
                     header.scalars[name] = value
-        typed = [(name, _MX_TO_ST[a.dtype], a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
-                 for name, a in named]
-        mx.eval([a for _, _, a in typed])
-        return typed
+        return [(name, _MX_TO_ST[a.dtype], a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+                for name, a in named]
+
+
+def _evaluate_now(arrays: list[mx.array], then: Callable[[], None]) -> None:
+    mx.eval(arrays)
+    then()
 
 
 def read_copy(path: Path, quantization: KVQuantization | None = None

@@ -194,6 +194,7 @@ class KVStore:
         self.segments = supports_segments(make_prompt_cache(model))
         self.quantization = quantization  # of the segments it makes
         self._unsettled: list[KVSegment | CacheSnapshot] = []
+        self._waiting: list[tuple[list[mx.array], Callable[[], None]]] = []
 
     def handle(self, cache: list[Any] | BatchRow, start: int, end: int
                ) -> KVSegment | CacheSnapshot:
@@ -215,11 +216,20 @@ class KVStore:
     def _defer(self, handle: KVSegment) -> None:
         self._unsettled.append(handle)
 
+    def after_settle(self, arrays: list[mx.array], then: Callable[[], None]) -> None:
+        """Evaluate `arrays` (derived from handles: the disk tier's copies of them) with
+        the next `settle`'s handles, then call `then`. Engine thread only."""
+        self._waiting.append((arrays, then))
+
     def settle(self) -> None:
-        """Compute every handle made (or split) since the last call, in one evaluation."""
-        if self._unsettled:
+        """Compute every handle made (or split) since the last call, and whatever waits
+        on them (`after_settle`), in one evaluation."""
+        if self._unsettled or self._waiting:
             handles, self._unsettled = self._unsettled, []
-            mx.eval([handle.arrays for handle in handles])
+            waiting, self._waiting = self._waiting, []
+            mx.eval([handle.arrays for handle in handles], [arrays for arrays, _ in waiting])
+            for _, then in waiting:
+                then()
 
     def free(self, handle: KVSegment | CacheSnapshot) -> None:
         """The tree dropped `handle`; its arrays go when the last reference does."""

@@ -328,6 +328,7 @@ class Scheduler:
         copied to disk, and memory eviction keeps copied nodes there."""
         self.disk = store
         self.tree.store = store
+        store.evaluate = self.kv.after_settle
 
     def bring_back(self, nodes: list[Node]) -> None:
         """Load `nodes` (disk nodes, most wanted first) back into memory as far as the

@@ -35,7 +35,7 @@ import struct
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -154,7 +154,9 @@ def encode(header: SegmentHeader,
            table: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[bytes, int]:
     """The safetensors head (length prefix and JSON) of a file holding tensors (name,
     dtype, shape, bytes), and its data length: a file's size is known before its data."""
-    entries: dict[str, Any] = {"__metadata__": {METADATA_KEY: json.dumps(asdict(header))}}
+    # vars, not asdict: asdict copies the token list element by element, on the engine
+    # thread (`DiskStore.save`), and json writes the same from the fields themselves.
+    entries: dict[str, Any] = {"__metadata__": {METADATA_KEY: json.dumps(vars(header))}}
     offset = 0
     for name, dtype, shape, nbytes in table:
         end = offset + nbytes

@@ -1,0 +1,71 @@
+"""When the disk tier's copies are computed: with the engine's other new handles, at its
+settle, not one evaluation per copy in the middle of a step (each a round trip to the
+device), and never by the writer thread."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from engine.demo_model import demo_model_path
+from engine.disk_store import DiskStore, read_copy
+from engine.kv import KVSegment, KVStore
+from engine.loader import load_model
+from engine.segment_file import PathState
+
+FINGERPRINT = "d" * 32
+
+
+def segment(start: float) -> KVSegment:
+    """Two layers' keys and values of three tokens, lazily computed."""
+    base = mx.arange(2 * 3 * 4, dtype=mx.float32).reshape(1, 2, 3, 4) + start
+    return KVSegment([base * 1, base * 2], [base * 3, base * 4])
+
+
+def test_a_copy_is_written_once_its_arrays_are_evaluated_and_flush_waits_for_it(tmp_path):
+    waiting = []
+    store = DiskStore(tmp_path, 2**30, FINGERPRINT, True, 2**30)
+    store.evaluate = lambda arrays, then: waiting.append((arrays, then))
+    handle = segment(1.0)
+    copy = store.save("k" * 32, PathState(FINGERPRINT), 0, (5, 6, 7), handle)
+    assert copy is not None and copy.pending is handle
+    assert not store.flush(0.2), "flush returned with a copy not yet handed to the writer"
+    assert not copy.path.exists()
+
+    (arrays, then), = waiting
+    mx.eval(arrays)
+    then()
+    assert store.flush(10)
+    assert copy.pending is None and copy.path.exists()
+    header, read = read_copy(copy.path)
+    assert header.tokens == [5, 6, 7]
+    for written, original in zip(read.arrays, handle.arrays):
+        for a, b in zip(written, original):
+            np.testing.assert_array_equal(np.array(a), np.array(b))
+    store.close(10)
+
+
+def test_a_discarded_copy_waiting_for_its_evaluation_is_never_written(tmp_path):
+    waiting = []
+    store = DiskStore(tmp_path, 2**30, FINGERPRINT, True, 2**30)
+    store.evaluate = lambda arrays, then: waiting.append((arrays, then))
+    copy = store.save("k" * 32, PathState(FINGERPRINT), 0, (5, 6, 7), segment(1.0))
+    store.discard(copy)
+    (arrays, then), = waiting
+    mx.eval(arrays)
+    then()
+    assert store.flush(10)
+    assert not copy.path.exists()
+    store.close(10)
+
+
+def test_settle_evaluates_the_waiting_arrays_with_the_handles_then_hands_them_on():
+    kv = KVStore(load_model(str(demo_model_path())).model)
+    handed = []
+    lazy = mx.arange(4) * 3
+    kv.after_settle([lazy], lambda: handed.append("copy"))
+    assert handed == []
+    kv.settle()
+    assert handed == ["copy"]
+    kv.settle()
+    assert handed == ["copy"], "a waiting write was handed on twice"
