@@ -486,7 +486,7 @@ class EngineClient(Protocol):
     `start` returns at once; `state` then moves from LOADING through WARMING_UP to READY,
     or to FAILED with `error` set, and `wait_ready` blocks until one of those two. The
     model's facts (`model_id`, `context_length`, `wants_message_ends`, `tokenizer`,
-    `disk`) hold once it is READY. `served` says it was READY once, so a failure after it
+    `disk`, `model_path`) hold once it is READY. `served` says it was READY once, so a failure after it
     is not a failed load. `shutdown` cancels what runs and stops the engine.
     """
 
@@ -502,6 +502,7 @@ class EngineClient(Protocol):
     wants_message_ends: bool
     tokenizer: ModelTokenizer | None
     disk: DiskTier | None
+    model_path: Path | None  # the local directory the model was loaded from
 
     def start(self) -> None: ...
 

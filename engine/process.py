@@ -230,6 +230,7 @@ class EngineProcess:
         self.context_length = 0
         self.wants_message_ends = False
         self.tokenizer: ModelTokenizer | None = None
+        self.model_path: Path | None = None
         self._tokenizer_path: str | None = None  # where `tokenizer` was loaded from
         self.disk: RemoteDisk | None = None
         self.process: multiprocessing.process.BaseProcess | None = None
@@ -406,6 +407,7 @@ class EngineProcess:
                 self._ready.set()
                 return
             self.model_id, self.context_length = facts.model_id, facts.context_length
+            self.model_path = Path(facts.model_path) if facts.model_path else None
             self.wants_message_ends, self._kv_tokens = facts.wants_message_ends, facts.kv_tokens
             if facts.disk_directory is not None:
                 self.disk = RemoteDisk(Path(facts.disk_directory))

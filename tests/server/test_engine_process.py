@@ -51,6 +51,20 @@ def test_the_engine_serves_from_a_child_process(own_server: ServerProcess) -> No
     assert after["radix_mlx_engine_step_cpu_seconds_total"] > 0
 
 
+def test_embeddings_read_the_models_facts_from_the_child(own_server: ServerProcess) -> None:
+    """What the embeddings route reads of the model's own files (its Matryoshka sizes, in
+    config.json) it finds where the child loaded the model from."""
+    response = httpx.post(f"{own_server.url}/v1/embeddings", timeout=30,
+                          json={"input": ["One two", "three"]})
+    assert response.status_code == 200, response.text
+    vectors = [item["embedding"] for item in response.json()["data"]]
+    assert [round(sum(v * v for v in vector), 4) for vector in vectors] == [1.0, 1.0]
+    response = httpx.post(f"{own_server.url}/v1/embeddings", timeout=30,
+                          json={"input": "One", "dimensions": 8})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "dimensions"
+
+
 def test_a_killed_engine_fails_its_requests_and_stops_the_server(
     own_server: ServerProcess,
 ) -> None:
