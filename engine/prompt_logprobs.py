@@ -6,8 +6,9 @@ not by the request's prefill: the prefill starts after the longest cached prefix
 positions produce no logits, so a cache hit would leave those tokens without logprobs
 (vLLM reports none for them). The scoring forward gives every prompt token its logprob
 whatever the cache holds, and the request's own prefill still reuses the cached prefix.
-It costs one prefill of the prompt more, computed at once when the request starts (so a
-long prompt holds up that step of the streams decoding beside it).
+It costs one prefill of the prompt more, computed a chunk per engine step before the
+request is admitted (`PromptScoring`), so a long prompt holds up no step by more than a
+chunk, and a request cancelled meanwhile stops being scored at the next step.
 """
 
 from __future__ import annotations
@@ -20,19 +21,32 @@ from engine.api import TokenEvent
 from engine.tokenizer import ModelTokenizer
 
 
-def prompt_logprobs(model: nn.Module, tokenizer: ModelTokenizer, tokens: list[int],
-                    top: int, chunk: int) -> tuple[TokenEvent, ...]:
-    """One `TokenEvent` per prompt token, its text the token's own: the first has no
-    logprob (nothing comes before it), every other its logprob under the model given the
-    tokens before it and the `top` likeliest tokens at its position. The forward runs in
-    chunks of `chunk` tokens."""
+class PromptScoring:
+    """A prompt's logprobs, computed `advance` by `advance` over a cache of its own. When
+    `done`, `events` holds one `TokenEvent` per prompt token, its text the token's own: the
+    first has no logprob (nothing comes before it), every other its logprob under the
+    model given the tokens before it and the `top` likeliest tokens at its position."""
 
-    events = [TokenEvent(tokens[0], tokenizer.decode([tokens[0]]))]
-    cache = make_prompt_cache(model)
-    for start in range(0, len(tokens) - 1, chunk):
+    def __init__(self, model: nn.Module, tokenizer: ModelTokenizer, tokens: list[int],
+                 top: int) -> None:
+        self._model = model
+        self._tokenizer = tokenizer
+        self._tokens = tokens
+        self._top = top
+        self._cache = make_prompt_cache(model)
+        self._scored = 0  # positions fed so far: the tokens after them are scored
+        self.events = [TokenEvent(tokens[0], tokenizer.decode([tokens[0]]))]
+
+    @property
+    def done(self) -> bool:
+        return self._scored >= len(self._tokens) - 1
+
+    def advance(self, chunk: int) -> None:
+        """Score the next `chunk` tokens (in one forward)."""
+        start, tokens, top = self._scored, self._tokens, self._top
         fed = tokens[start:min(start + chunk, len(tokens) - 1)]
         targets = tokens[start + 1:start + 1 + len(fed)]
-        logits = model(mx.array([fed]), cache=cache)[0].astype(mx.float32)
+        logits = self._model(mx.array([fed]), cache=self._cache)[0].astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         chosen = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)[:, 0]
         arrays = [chosen]
@@ -42,10 +56,10 @@ def prompt_logprobs(model: nn.Module, tokenizer: ModelTokenizer, tokens: list[in
             order = mx.argsort(-values, axis=-1)
             arrays += [mx.take_along_axis(ids, order, axis=-1),
                        mx.take_along_axis(values, order, axis=-1)]
-        mx.eval(arrays, [c.state for c in cache])
+        mx.eval(arrays, [c.state for c in self._cache])
         rows = zip(*(array.tolist() for array in arrays))
         for token, (logprob, *alternatives) in zip(targets, rows):
-            own = tokenizer.token_logprob(token, logprob)
-            best = tuple(tokenizer.token_logprob(i, v) for i, v in zip(*alternatives))
-            events.append(TokenEvent(token, own.text, own, best))
-    return tuple(events)
+            own = self._tokenizer.token_logprob(token, logprob)
+            best = tuple(self._tokenizer.token_logprob(i, v) for i, v in zip(*alternatives))
+            self.events.append(TokenEvent(token, own.text, own, best))
+        self._scored += len(fed)

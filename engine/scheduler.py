@@ -5,7 +5,8 @@ A request's path through it (a `Generation`, generation.py):
 1. `Submit` lands it in `waiting`. Each round, `admit` (admission.py) picks who starts.
    (A plain readout lands in `reading`: a list's are read together over their cached
    prefix, `_read`; where the tree lacks it, one of them goes on to `waiting` to compute
-   it, and the rest wait for that.)
+   it, and the rest wait for that. One that asks for its prompt's logprobs is first
+   `scoring`: they are computed a chunk a round, `_score`, prompt_logprobs.py.)
 2. `_start` matches its tokens against the radix tree (loading back from the disk tier
    any part of the match that was evicted there, see `_load_from_disk`). Either it waits for a prefix that
    another request is computing (it is *parked*, see below), or its `TreeHold` pins the
@@ -70,7 +71,7 @@ from engine.kv_quant import KVQuantization
 from engine.loader import LoadedModel
 from engine.mrope import MRoPE
 from engine.prefill_budget import GRANULE, PrefillBudget
-from engine.prompt_logprobs import prompt_logprobs
+from engine.prompt_logprobs import PromptScoring
 from engine.readout import last_positions
 from engine.segment_file import BadSegmentFile
 from engine.speculation import Drafts
@@ -285,6 +286,9 @@ class Scheduler:
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.generations: dict[str, Generation] = {}  # every one not ended, by request id
         self.waiting: list[Generation] = []
+        # Requests whose prompt logprobs are being computed, a chunk a turn, before they
+        # wait for admission (`_score`), in arrival order.
+        self.scoring: dict[Generation, PromptScoring] = {}
         # Readouts to read together with the others of their list (`_read`), in order.
         self.reading: list[Generation] = []
         # By prefix: the readout computing a list's prefix the general way, for the rest
@@ -360,7 +364,7 @@ class Scheduler:
                 if self._stopping:
                     break
             idle = (not self.running and not self.waiting and not self.parked
-                    and not self.reading)
+                    and not self.reading and not self.scoring)
             if idle and until_idle and self.inbox.empty():
                 return
             messages = self._take_inbox(block=idle and not until_idle and
@@ -380,6 +384,7 @@ class Scheduler:
             self._handle_all(messages)
             try:
                 self.kv.settle()  # what cancelled requests released, before the step
+                self._score()
                 admit(self.waiting, self.running.values(), self.limits,
                       lambda g: self.tree.peek(g.cacheable), self._try_start)
                 self._drop_stale_background()
@@ -427,7 +432,11 @@ class Scheduler:
             case Submit(generation):
                 log.debug("queued %s: %d prompt tokens", generation.id, len(generation.prompt))
                 self.generations[generation.id] = generation
-                if self._reads_together(generation):
+                if generation.params.prompt_logprobs is not None:
+                    self.scoring[generation] = PromptScoring(
+                        self.loaded.model, self.loaded.tokenizer, generation.prompt,
+                        generation.params.prompt_logprobs)
+                elif self._reads_together(generation):
                     self.reading.append(generation)
                 else:
                     self.waiting.append(generation)
@@ -454,6 +463,27 @@ class Scheduler:
                 self._stop_all()
 
     # -- starting ---------------------------------------------------------------------
+
+    def _score(self) -> None:
+        """Compute the next chunk of the first scoring request's prompt logprobs (a chunk
+        of the size a step prefills beside decoding streams, whatever decodes, so a
+        prompt's logprobs do not depend on the traffic); once it has them all, it waits
+        for admission."""
+        if not self.scoring:
+            return
+        generation, scoring = next(iter(self.scoring.items()))
+        try:
+            scoring.advance(self.prefill_budget.chunk)
+        except Exception as error:  # reported to the request
+            if self.group is not None:
+                raise
+            del self.scoring[generation]
+            self._fail(generation, error)
+            return
+        if scoring.done:
+            del self.scoring[generation]
+            generation.emit(PromptLogprobs(tuple(scoring.events)))
+            self.waiting.append(generation)
 
     def _try_start(self, generation: Generation) -> bool:
         """`_start`, except that a failure (say, no memory to rebuild the cache) fails
@@ -505,10 +535,6 @@ class Scheduler:
             self.counters.prompt_tokens += len(generation.prompt)
             self.counters.cached_tokens += hold.depth
             self.counters.constrained_requests += constraint is not None
-            if generation.params.prompt_logprobs is not None:
-                generation.emit(PromptLogprobs(prompt_logprobs(
-                    self.loaded.model, self.loaded.tokenizer, generation.prompt,
-                    generation.params.prompt_logprobs, self.prefill_budget.idle_chunk)))
         tokens = generation.tokens
         self.counters.prefill_tokens += len(tokens) - hold.depth
         generation.snapshots = []
@@ -1047,9 +1073,11 @@ class Scheduler:
             self._cancel(generation)
 
     def _cancel(self, generation: Generation) -> None:
-        if generation in self.waiting or generation in self.reading or generation in self.parked:
+        if (generation in self.waiting or generation in self.reading
+                or generation in self.parked or generation in self.scoring):
             if generation in self.waiting:
                 self.waiting.remove(generation)
+            self.scoring.pop(generation, None)
             self._leave_reading([generation])
             self.parked.discard(generation)
             self._forget(generation)

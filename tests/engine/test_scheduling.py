@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from engine.api import QueueFull, RequestFailed, TokenEvent
+from engine.api import (Finish, PromptLogprobs, QueueFull, RequestFailed, SamplingParams,
+                        TokenEvent)
 from tests.engine.support import Reference, cancel_after, complete, settled, start_engine
 from tests.faults import PrefillWatcher, faulty_loader, loader_wrapping
 
@@ -410,3 +412,36 @@ def _greedy(**options):
     from engine.api import SamplingParams
 
     return SamplingParams(temperature=0.0, **options)
+
+
+async def test_a_prompts_logprobs_are_computed_a_chunk_a_step_and_stop_when_cancelled(
+        llama_dir):
+    """Scoring a long prompt (`echo` with logprobs) neither holds the streams beside it
+    until it is done nor outlives its request's cancel: another request starts and ends
+    while it is scored, and a cancelled one ends at once, its scoring dropped."""
+    engine = start_engine(llama_dir, prefill_chunk_tokens=16)
+    try:
+        prompt = [(7 * i + 3) % 200 + 10 for i in range(1500)]
+        scored = engine.submit(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
+
+        async def scores() -> tuple[float, PromptLogprobs]:
+            async for event in scored:
+                if isinstance(event, PromptLogprobs):
+                    return time.perf_counter(), event
+            raise AssertionError("no prompt logprobs")
+
+        scoring = asyncio.create_task(scores())
+        short = await complete(engine, [5, 6, 7], max_tokens=4)
+        short_done = time.perf_counter()
+        scored_at, logprobs = await scoring
+        assert len(short.tokens) == 4 and short_done < scored_at
+        assert len(logprobs.tokens) == len(prompt)
+
+        cancelled = engine.submit(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
+        engine.cancel(cancelled.request_id)
+        seen = [event async for event in cancelled]
+        assert [type(event) for event in seen] == [Finish]
+        assert seen[0].reason == "cancelled"
+        assert (await settled(engine)).waiting == 0
+    finally:
+        engine.shutdown()
