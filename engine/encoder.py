@@ -17,7 +17,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -203,7 +203,8 @@ class EncoderEngine:
         return self.context_length
 
     def cancel(self, request_id: str) -> None:
-        """Nothing to end: `submit` never opens a stream."""
+        """Nothing to end: `submit` never opens a stream (a job ends by cancelling its
+        future, `embed`)."""
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, with the model's special tokens; safe from any thread."""
@@ -218,7 +219,8 @@ class EncoderEngine:
     def embed(self, inputs: list[list[int]]) -> Future:
         """Embed each list of token ids (checked by the caller: non-empty, in the
         vocabulary, within `context_length`); the future gets a (len(inputs), dimensions)
-        float32 array. Safe from any thread."""
+        float32 array. Cancelling the future (the client left) drops the inputs not yet
+        computed. Safe from any thread."""
         return self._submit(EncodeJob(inputs))
 
     def score(self, pairs: list[tuple[list[int], list[int]]]) -> Future:
@@ -251,48 +253,57 @@ class EncoderEngine:
         return 0  # nothing generates here: `submit` is refused
 
     def _serve(self, jobs: list[EncodeJob]) -> None:
+        owners = [job for job in jobs for _ in job.inputs]
         inputs = [ids for job in jobs for ids in job.inputs]
         # One engine's jobs are all of one kind: pairs for a cross-encoder, else texts.
         token_types = (None if jobs[0].token_types is None
                        else [types for job in jobs for types in job.token_types])
         try:
-            outputs = self._run(inputs, token_types)
+            outputs = self._run(inputs, token_types, lambda row: owners[row].done.cancelled())
         except Exception as error:
             log.exception("encoder forward failed")
             self._counters.requests_failed += len(jobs)
             for job in jobs:
-                job.done.set_exception(error)
+                if job.done.set_running_or_notify_cancel():
+                    job.done.set_exception(error)
             return
         start = 0
         for job in jobs:
-            job.done.set_result(outputs[start:start + len(job.inputs)])
-            start += len(job.inputs)
-        self._counters.prompt_tokens += sum(map(len, inputs))
+            end = start + len(job.inputs)
+            # False for a job cancelled before or during its forwards (its rows skipped).
+            if job.done.set_running_or_notify_cancel():
+                job.done.set_result(np.stack(outputs[start:end]))
+                self._counters.prompt_tokens += sum(map(len, job.inputs))
+            start = end
 
-    def _run(self, inputs: list[list[int]], token_types: list[list[int]] | None = None
-             ) -> np.ndarray:
+    def _run(self, inputs: list[list[int]], token_types: list[list[int]] | None = None,
+             skipped: Callable[[int], bool] = lambda row: False) -> list[np.ndarray | None]:
         """The model's output for each of `inputs` (with its `token_types`, for a pair),
         shortest first, in forwards of at most BATCH_TOKENS padded tokens: embeddings, or
-        scores; rows come back in the order given."""
+        scores, in the order given. A row `skipped` says no to when its forward comes (its
+        client left) is not computed: None."""
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
-        outputs = []
+        outputs: list[np.ndarray | None] = [None] * len(inputs)
         start = 0
         while start < len(order):
             end = start + 1
             while (end < len(order) and end - start < BATCH_ROWS
                    and len(inputs[order[end]]) * (end + 1 - start) <= BATCH_TOKENS):
                 end += 1
-            batch = order[start:end]
+            batch = [row for row in order[start:end] if not skipped(row)]
+            start = end
+            if not batch:
+                continue
             width = len(inputs[batch[-1]])
             ids = padded([inputs[i] for i in batch], width)
             attention = padded([[1] * len(inputs[i]) for i in batch], width)
             types = None if token_types is None else padded([token_types[i] for i in batch],
                                                             width)
-            outputs.append(self._forward(ids, attention, types))
+            for row, output in zip(batch, self._forward(ids, attention, types)):
+                outputs[row] = output
             self._counters.prefill_tokens += sum(len(inputs[i]) for i in batch)
             self._counters.steps += 1
-            start = end
-        return np.concatenate(outputs)[np.argsort(order)]
+        return outputs
 
 
     def _forward(self, ids: mx.array, attention: mx.array, types: mx.array | None

@@ -5,7 +5,7 @@ client that went away."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -140,7 +140,7 @@ async def to_the_end(
         generation.close()
 
 
-async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """`work`'s result, or None if the client disconnects first: Starlette does not cancel
     a handler whose client went away, so we watch for it ourselves."""
     task = asyncio.ensure_future(work)
@@ -151,7 +151,8 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
         watcher.cancel()
         if not task.done():
             task.cancel()
-    return task.result() if task.done() else None
+    # A future (not a task) is cancelled at once, and done.
+    return task.result() if task.done() and not task.cancelled() else None
 
 
 async def disconnected(receive: Receive) -> None:

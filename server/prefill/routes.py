@@ -32,7 +32,7 @@ from server.http.errors import APIError
 from server.http.json_body import JSONRoute
 from server.http.model_response import model_response
 from server.http.openapi import error_responses
-from server.http.streaming import CLIENT_CLOSED
+from server.http.streaming import CLIENT_CLOSED, unless_disconnected
 from server.model_registry import ServedModel
 from server.openai.adapter import content_images, template_message
 from server.openai.protocol import ErrorResponse
@@ -102,7 +102,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     async with state.models.use(body.model) as lease:
         served = lease.model
         if _is_cross_encoder(served):
-            scored = await _pair_scores(served, body.query, texts)
+            scored = await _pair_scores(request, served, body.query, texts)
         elif _is_encoder(served):
             scored = await _cosine_scores(request, state, served, body.query, texts)
         else:
@@ -345,8 +345,8 @@ async def _embed(request: Request, state: ServerState, model: ServedModel,
             check_token_ids((t for ids in inputs for t in ids), engine.vocab_size, "input")
             tokens = inputs
         _check_lengths(model, tokens, "input")
-        vectors = await asyncio.wrap_future(engine.embed(tokens))
-        return vectors, sum(map(len, tokens)), 0
+        vectors = await unless_disconnected(request, asyncio.wrap_future(engine.embed(tokens)))
+        return None if vectors is None else (vectors, sum(map(len, tokens)), 0)
     prompts = await asyncio.to_thread(_prompts, model.tokenizer(), inputs, "input")
     _check_lengths(model, [prompt.tokens for prompt in prompts], "input")
     readings = await read_prompts(request, state, model, [(prompts, Readout(hidden=True))])
@@ -404,13 +404,14 @@ async def _cosine_scores(request: Request, state: ServerState, model: ServedMode
     return (vectors[1:] @ vectors[0]).tolist(), prompt_tokens, cached
 
 
-async def _pair_scores(model: ServedModel, query: str, documents: list[str]
-                       ) -> tuple[list[float], int, int]:
-    """A cross-encoder's score of each (query, document), each pair cut to its length."""
+async def _pair_scores(request: Request, model: ServedModel, query: str, documents: list[str]
+                       ) -> tuple[list[float], int, int] | None:
+    """A cross-encoder's score of each (query, document), each pair cut to its length;
+    None if the client left (its pairs not yet scored are dropped)."""
     engine = model.engine
     pairs = await asyncio.to_thread(engine.encode_pairs, query, documents)
-    scores = await asyncio.wrap_future(engine.score(pairs))
-    return scores.tolist(), sum(len(ids) for ids, _ in pairs), 0
+    scores = await unless_disconnected(request, asyncio.wrap_future(engine.score(pairs)))
+    return None if scores is None else (scores.tolist(), sum(len(ids) for ids, _ in pairs), 0)
 
 
 async def _judge_scores(request: Request, state: ServerState, model: ServedModel,

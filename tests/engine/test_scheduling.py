@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from engine.api import (Finish, PromptLogprobs, QueueFull, RequestFailed, SamplingParams,
-                        TokenEvent)
+from engine.api import Finish, PromptLogprobs, QueueFull, RequestFailed, SamplingParams, TokenEvent
 from tests.engine.support import Reference, cancel_after, complete, settled, start_engine
 from tests.faults import PrefillWatcher, faulty_loader, loader_wrapping
 

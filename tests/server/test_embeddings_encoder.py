@@ -144,6 +144,20 @@ def test_bad_input_is_a_400_naming_it(encoder_server: ServerProcess, body: dict,
     assert embed(encoder_server, input="still serving").status_code == 200
 
 
+def test_a_request_whose_client_left_stops_and_others_go_on(
+        encoder_server: ServerProcess) -> None:
+    """Minutes of work (2,048 inputs of 200 words, on 2 cores) abandoned after a second:
+    what it had not computed yet is dropped, and the next request is answered at once
+    instead of after it."""
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{encoder_server.url}/v1/embeddings", timeout=1,
+                   json={"input": ["word " * 200] * 2048})
+    after = httpx.post(f"{encoder_server.url}/v1/embeddings", timeout=30,
+                       json={"input": "still serving"})
+    assert after.status_code == 200, after.text
+    assert " POST /v1/embeddings 499 " in encoder_server.log()
+
+
 def test_an_encoder_does_not_chat_or_classify(encoder_server: ServerProcess) -> None:
     for path, body in [("/v1/chat/completions", {"messages": [{"role": "user",
                                                                "content": "hi"}]}),
