@@ -116,6 +116,10 @@ class SequenceState:
     # reads, and whether it reads the last hidden state.
     asked: mx.array | None = None
     wants_hidden: bool = False
+    # Work no client waits on (a chat's next turn, cached ahead): computed in forwards
+    # of its own, never beside a client's rows, and done once all but its last token is
+    # fed (the scheduler ends it in `ready`), so that it never changes a client's numbers.
+    background: bool = False
     # Speculative decoding: where its drafts come from (None: it never speculates; only
     # rows without logits processors do, whose logits need no context per position).
     drafts: Drafts | None = None
@@ -300,7 +304,8 @@ class Generator:
                       else self._feed_together(group, width, result)):
             mx.clear_cache()
             return result
-        for sequence in list(self.prefilling):
+        # Background work last: it takes what the clients leave of the budget.
+        for sequence in sorted(self.prefilling, key=lambda s: s.background):
             try:
                 fed = self._feed(sequence, budget)
             except Exception as error:  # noqa: BLE001 - only this sequence's cache is touched
@@ -371,6 +376,8 @@ class Generator:
         (their chunks are fed as embeddings, one sequence at a time). ([], None): none."""
         eligible: list[SequenceState] = []
         for sequence in self.prefilling:
+            if sequence.background:
+                continue  # fed alone (`SequenceState.background`)
             if sequence.snapshot_at or sequence.images is not None or not (
                     sequence.cache is None or supports_segments(sequence.cache)):
                 break

@@ -552,6 +552,7 @@ class Scheduler:
                           else generation.params.logprobs or 0), grammar=grammar,
             asked=mx.array(readout.token_ids) if readout and readout.token_ids else None,
             wants_hidden=readout is not None and readout.hidden,
+            background=generation.background,
             images=ImageFeed(self.loaded.vision, generation.images, self.counters)
             if generation.images else None,
             drafts=self._drafts(generation))
@@ -892,6 +893,10 @@ class Scheduler:
                     self._fail(generation, error)
                 self._prompts_computed(result.done)
                 self._take(result.outputs)
+                # Background work's prompt is all it wanted: it ends before joining.
+                if background := [(self.running[s.uid], "length", None)
+                                  for s in result.done if s.background]:
+                    self._end(background)
         self.kv.settle()  # the KV this step published and released, copied at once
         seconds = time.perf_counter() - started
         cpu_seconds = time.thread_time() - cpu_started

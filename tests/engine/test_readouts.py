@@ -295,6 +295,35 @@ async def test_a_cache_only_readout_caches_its_prompt_and_reads_nothing(counted,
         assert_reads(last, llama_reference, prompt, Readout())
 
 
+async def test_a_next_turn_guess_beside_a_request_changes_none_of_its_numbers(llama_dir):
+    """A guess computed in the same steps as a client's request (a chat's next turn as
+    another chat comes in) shares none of its forwards, nor its prefill budget: the
+    request's tokens and logprobs are bit for bit those it gets alone. In one padded
+    forward with the guess, or in one decode batch, they were not, and a quantized KV
+    cache (`--kv-bits`) can turn such a difference into another token."""
+    engine = start_engine(llama_dir, cache_bytes=1 << 30, prefill_chunk_tokens=16)
+    try:
+        client = encode(engine, REVIEWS[1])[:12]
+        guess = encode(engine, " ".join([PREAMBLE, *REVIEWS] * 8))  # many steps' prefill
+        options = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+
+        async def answer(stream) -> list[tuple[int, float]]:
+            return [(event.token, event.logprob.logprob) async for event in stream
+                    if not isinstance(event, Finish)]
+
+        alone = await answer(engine.submit(client, options))
+        engine.clear_cache().result(timeout=30)
+        guessed = engine.submit(guess, params(Readout(cache_only=True)))
+        await asyncio.sleep(0.02)  # the guess is being prefilled
+        beside = await answer(engine.submit(client, options))
+        finish = [event async for event in guessed][-1]
+        assert finish.reason == "length" and finish.prompt_tokens == len(guess)
+        assert (await settled(engine)).tree.pinned_bytes == 0
+        assert beside == alone
+    finally:
+        engine.shutdown()
+
+
 async def test_a_next_turn_guess_waits_behind_clients_and_is_dropped_when_stale(llama_dir):
     """One row, busy: a cache-only readout (a chat's next turn) and ten client requests
     wait. Every client goes first, and the guess, passed over as each starts, is dropped
