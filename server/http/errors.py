@@ -11,7 +11,7 @@ server log.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,6 +26,9 @@ from server.anthropic.protocol import error_type as anthropic_error_type
 from server.openai.protocol import ErrorInfo, ErrorResponse
 
 ANTHROPIC_PATH = "/v1/messages"
+
+# Where FastAPI says a value was sent, the first part of a validation error's loc.
+REQUEST_PARTS = ("body", "query", "path", "header", "cookie")
 
 # How many validation problems one message lists; the rest are counted.
 MAX_LISTED_PROBLEMS = 3
@@ -104,8 +107,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """One readable 400 from pydantic's list of problems."""
     problems = []
     for error in errors:
-        # Where it was (the body, the query string, the path) is not the parameter.
-        loc = [str(part) for part in error["loc"] if part not in ("body", "query", "path")]
+        loc = [str(part) for part in _field_loc(error["loc"])]
         if error["type"] == "json_invalid":
             # Its loc is a character position, not a field.
             position, loc = loc, []
@@ -122,6 +124,12 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         message += f" (and {len(problems) - MAX_LISTED_PROBLEMS} more)"
     first_loc = problems[0][0] if problems else []
     return APIError(400, message, code="invalid_request", param=first_loc[0] if first_loc else None)
+
+
+def _field_loc(loc: Sequence[str | int]) -> Sequence[str | int]:
+    """The field's path, without where it was sent (the body, the query string, the path):
+    only the first part says that, so a field named "query" or "path" keeps its name."""
+    return loc[1:] if loc and loc[0] in REQUEST_PARTS else loc
 
 
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
