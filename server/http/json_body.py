@@ -16,8 +16,19 @@ import pydantic_core
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 
+# jiter's words where a string's \uXXXX escape is a lone UTF-16 surrogate (\ud800-\udfff
+# not in a high-low pair): they say where its parser stopped, not what is wrong.
+LONE_SURROGATE_WORDS = ("unexpected end of hex escape", "lone leading surrogate in hex escape")
+LONE_SURROGATE = ("a string holds an invalid unicode escape, a lone surrogate "
+                  "(\\ud800-\\udfff not in a high-low pair),")
+
 
 class JSONRequest(Request):
+    async def body(self) -> bytes:
+        """An empty body reads as `{}`, so a 400 names each required field it lacks
+        rather than the whole body."""
+        return await super().body() or b"{}"
+
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             try:
@@ -25,8 +36,17 @@ class JSONRequest(Request):
             except ValueError as error:
                 # FastAPI passes an HTTPException on as it is (our 400 invalid_request);
                 # any other error here would become its own vaguer 400.
-                raise HTTPException(400, f"the body is not valid JSON text: {error}") from None
+                raise HTTPException(
+                    400, f"the body is not valid JSON text: {_described(error)}") from None
         return self._json
+
+
+def _described(error: ValueError) -> str:
+    """jiter's message, with a lone surrogate called what it is."""
+    message = str(error)
+    for words in LONE_SURROGATE_WORDS:
+        message = message.replace(words, LONE_SURROGATE)
+    return message
 
 
 class JSONRoute(APIRoute):

@@ -32,21 +32,38 @@ async def test_a_body_is_parsed_once(loading_app, monkeypatch: pytest.MonkeyPatc
     assert parsed == ["jiter"]
 
 
+async def json_error(loading_app, path: str, content: bytes) -> dict:
+    """The error object of the 400 that `content`, sent as JSON, gets."""
+    response = await loading_app.post(path, content=content,
+                                      headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    return response.json()["error"]
+
+
 @pytest.mark.parametrize(("path", "text", "problem"), [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
-     "hex escape at line 1"),
+     ("an invalid unicode escape, a lone surrogate (\\ud800-\\udfff not in a high-low "
+      "pair), at line 1")),
+    ("/v1/embeddings", b'{"input": "\\udc00 and \\ud800\\u0041"}', "a lone surrogate"),
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', "expected value"),
     ("/v1/chat/completions", b'{"messages": [', "EOF while parsing a list at line 1"),
 ])
 async def test_what_jiter_refuses_is_a_400_naming_the_place(
         loading_app, path: str, text: bytes, problem: str) -> None:
-    response = await loading_app.post(path, content=text,
-                                      headers={"content-type": "application/json"})
-    assert response.status_code == 400
-    error = response.json()["error"]
+    error = await json_error(loading_app, path, text)
     assert error["code"] == "invalid_request"
     assert error["message"].startswith("the body is not valid JSON text: ")
     assert problem in error["message"]
+
+
+@pytest.mark.parametrize("content", [b"", b"{}"])
+@pytest.mark.parametrize(("path", "param"), [
+    ("/v1/embeddings", "input"), ("/v1/rerank", "query"), ("/v1/chat/completions", "messages"),
+])
+async def test_an_empty_body_is_a_400_naming_the_first_field_it_lacks(
+        loading_app, content: bytes, path: str, param: str) -> None:
+    error = await json_error(loading_app, path, content)
+    assert error["param"] == param and error["message"].startswith(f"{param}: Field required")
 
 
 async def test_the_messages_api_says_it_in_its_own_shape(loading_app) -> None:
