@@ -218,10 +218,18 @@ class ChatCompletionRequest(StructuredOutputRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo
+                                    ) -> int | None:
+        # A field's validator rather than the model's, so the 400 names top_logprobs;
+        # logprobs is validated before it.
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
     @model_validator(mode="after")
     def _check_combinations(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt to be false")
         if self.tool_choice is not None and not self.tools:

@@ -48,7 +48,7 @@ CASES = [
     ("top_logprobs > 20", "POST", CHAT, chat(logprobs=True, top_logprobs=21), 400,
      "invalid_request", "top_logprobs"),
     ("top_logprobs without logprobs", "POST", CHAT, chat(top_logprobs=2), 400,
-     "invalid_request", None),
+     "invalid_request", "top_logprobs"),
     ("logit_bias > 100", "POST", CHAT, chat(logit_bias={"5": 101}), 400, "invalid_request",
      "logit_bias"),
     ("logit_bias key", "POST", CHAT, chat(logit_bias={"a": 1}), 400, "invalid_request",
