@@ -16,7 +16,7 @@ import asyncio
 import base64
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -76,7 +76,8 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     state = server_state(request)
     async with state.models.use(body.model) as lease:
         served = lease.model
-        embedded = await _embed(request, state, served, _inputs(body.input, "input"))
+        inputs = _inputs(body.input, "input")
+        embedded = await _embed(request, state, served, inputs, _indexed("input", len(inputs)))
         if embedded is None:
             return Response(status_code=CLIENT_CLOSED)
         vectors, prompt_tokens, cached = embedded
@@ -99,6 +100,7 @@ rerank_aliases = APIRouter(responses=error_responses(ErrorResponse), route_class
 async def rerank(body: RerankRequest, request: Request) -> Response:
     state = server_state(request)
     texts = [document_text(document) for document in body.documents]
+    _check_not_empty(texts, "documents")
     async with state.models.use(body.model) as lease:
         served = lease.model
         if _is_cross_encoder(served):
@@ -137,7 +139,8 @@ async def _classify(request: Request, state: ServerState, served: ServedModel,
     else:
         _count(body.messages, "messages")
         prompts = await asyncio.to_thread(_chat_prompts, tokenizer, body.messages)
-    _check_lengths(served, [prompt.tokens for prompt in prompts], "input")
+    _check_lengths(served, [prompt.tokens for prompt in prompts],
+                   _indexed("input", len(prompts)))
     labels = {label: _label_tokens(tokenizer, label) for label in body.labels or ()}
     _check_label_reads(served, prompts, labels)
     firsts = _distinct([tokens[0] for tokens in labels.values()])
@@ -183,11 +186,16 @@ def _inputs(value: str | list, param: str) -> list[str] | list[list[int]]:
     if isinstance(value, str) or value and all(isinstance(item, int) for item in value):
         value = [value]
     _count(value, param)
-    for index, item in enumerate(value):
-        if len(item) == 0:
-            raise APIError(400, f"input {index} is empty", code="invalid_request",
-                           param=f"{param}[{index}]")
+    _check_not_empty(value, param)
     return value
+
+
+def _check_not_empty(items: Sequence[Sized], param: str) -> None:
+    """An empty text or token-id list is a 400 naming it: it has nothing to read."""
+    for index, item in enumerate(items):
+        if len(item) == 0:
+            raise APIError(400, f"{param}[{index}] is empty", code="invalid_request",
+                           param=f"{param}[{index}]")
 
 
 def _count(items: Sequence[object], param: str) -> None:
@@ -217,14 +225,21 @@ def _chat_prompts(tokenizer: ModelTokenizer, chats: list[list]) -> list[Prompt]:
         messages=tuple(template_message(message) for message in chat))) for chat in chats]
 
 
-def _check_lengths(model: ServedModel, prompts: Sequence[Sequence[int]], param: str) -> None:
-    """An input over the model's context window is a 400 naming it."""
+def _check_lengths(model: ServedModel, prompts: Sequence[Sequence[int]],
+                   params: Sequence[str]) -> None:
+    """A prompt over the model's context window is a 400 naming the field it came from
+    (`params`, one a prompt)."""
     limit = model.engine.context_length
-    for index, tokens in enumerate(prompts):
+    for tokens, param in zip(prompts, params, strict=True):
         if len(tokens) > limit:
             raise APIError(
-                400, f"input {index} has {len(tokens)} tokens; this model's maximum context "
-                f"length is {limit}", code="context_length_exceeded", param=f"{param}[{index}]")
+                400, f"{param} has {len(tokens)} tokens; this model's maximum context "
+                f"length is {limit}", code="context_length_exceeded", param=param)
+
+
+def _indexed(param: str, count: int) -> list[str]:
+    """The names of a list field's items, as a 400 gives them: input[0], input[1], ..."""
+    return [f"{param}[{index}]" for index in range(count)]
 
 
 def _label_tokens(tokenizer: ModelTokenizer, label: str) -> list[int]:
@@ -331,9 +346,11 @@ def _is_cross_encoder(model: ServedModel) -> bool:
 
 
 async def _embed(request: Request, state: ServerState, model: ServedModel,
-                 inputs: list[str] | list[list[int]]) -> tuple[np.ndarray, int, int] | None:
+                 inputs: list[str] | list[list[int]], params: Sequence[str]
+                 ) -> tuple[np.ndarray, int, int] | None:
     """Each input's embedding (rows L2-normalised where the model's pipeline normalises),
-    the prompt tokens and how many of them were cached; None if the client left."""
+    the prompt tokens and how many of them were cached; None if the client left. An input
+    too long is a 400 naming its field (`params`, one an input)."""
     engine = model.engine
     if _is_cross_encoder(model):
         raise APIError(400, f"the model {model.id} is {engine.description}",
@@ -344,11 +361,11 @@ async def _embed(request: Request, state: ServerState, model: ServedModel,
         else:
             check_token_ids((t for ids in inputs for t in ids), engine.vocab_size, "input")
             tokens = inputs
-        _check_lengths(model, tokens, "input")
+        _check_lengths(model, tokens, params)
         vectors = await unless_disconnected(request, asyncio.wrap_future(engine.embed(tokens)))
         return None if vectors is None else (vectors, sum(map(len, tokens)), 0)
     prompts = await asyncio.to_thread(_prompts, model.tokenizer(), inputs, "input")
-    _check_lengths(model, [prompt.tokens for prompt in prompts], "input")
+    _check_lengths(model, [prompt.tokens for prompt in prompts], params)
     readings = await read_prompts(request, state, model, [(prompts, Readout(hidden=True))])
     if readings is None:
         return None
@@ -373,9 +390,10 @@ def _cut(vectors: np.ndarray, dimensions: int | None,
     if dimensions is None or dimensions == width:
         return vectors
     if matryoshka is None:
-        raise APIError(400, f"this model's embeddings have {width} dimensions and it does "
-                       "not support Matryoshka truncation to fewer",
-                       code="invalid_request", param="dimensions")
+        raise APIError(400, f"this model's embeddings have {width} dimensions, not "
+                       f"{dimensions}, and it does not support Matryoshka truncation: send "
+                       f"dimensions {width} or none", code="invalid_request",
+                       param="dimensions")
     if dimensions not in matryoshka:
         raise APIError(400, f"dimensions must be one of {list(matryoshka)} for this model",
                        code="invalid_request", param="dimensions")
@@ -396,7 +414,8 @@ def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
 
 async def _cosine_scores(request: Request, state: ServerState, model: ServedModel, query: str,
                          documents: list[str]) -> tuple[list[float], int, int] | None:
-    embedded = await _embed(request, state, model, [query, *documents])
+    embedded = await _embed(request, state, model, [query, *documents],
+                            _rerank_params(documents))
     if embedded is None:
         return None
     vectors, prompt_tokens, cached = embedded
@@ -420,18 +439,25 @@ async def _judge_scores(request: Request, state: ServerState, model: ServedModel
     """P("yes") / (P("yes") + P("no")) after each judge prompt."""
     tokenizer = model.tokenizer()
     instruction = body.instruction or JUDGE_INSTRUCTION
+    # The first prompt has no document: where it is over the context window, the query
+    # (with the instruction) is to blame rather than every document.
     prompts = await asyncio.to_thread(_judge_prompts, tokenizer, instruction, body.query,
-                                      documents)
-    _check_lengths(model, [prompt.tokens for prompt in prompts], "documents")
+                                      ["", *documents])
+    _check_lengths(model, [prompt.tokens for prompt in prompts], _rerank_params(documents))
     yes, no = (tokenizer.encode(word, special_tokens=False)[0] for word in ("yes", "no"))
     readings = await read_prompts(request, state, model,
-                                  [(prompts, Readout(token_ids=(yes, no)))])
+                                  [(prompts[1:], Readout(token_ids=(yes, no)))])
     if readings is None:
         return None
     scores = [1 / (1 + math.exp(r.last.token_logprobs[1] - r.last.token_logprobs[0]))
               for r in readings[0]]
     return (scores, sum(r.prompt_tokens for r in readings[0]),
             sum(r.cached_tokens for r in readings[0]))
+
+
+def _rerank_params(documents: Sequence[str]) -> list[str]:
+    """The fields of a rerank's query and documents, in that order."""
+    return ["query", *_indexed("documents", len(documents))]
 
 
 def _judge_prompts(tokenizer: ModelTokenizer, instruction: str, query: str,

@@ -131,6 +131,8 @@ def test_rerank_by_cosine(encoder_server: ServerProcess, reference) -> None:
     ({"input": ["a"] * 10_000}, "input", "at most"),
     ({"input": ["short", "word " * 400]}, "input[1]", "maximum context length"),
     ({"input": "x", "dimensions": 64}, "dimensions", "Matryoshka"),
+    ({"input": "x", "dimensions": 10**9}, "dimensions",
+     "embeddings have 384 dimensions, not 1000000000, and it does not support Matryoshka"),
     ({"input": "x", "encoding_format": "int8"}, None, "encoding_format"),
 ])
 def test_bad_input_is_a_400_naming_it(encoder_server: ServerProcess, body: dict,
@@ -142,6 +144,24 @@ def test_bad_input_is_a_400_naming_it(encoder_server: ServerProcess, body: dict,
     if param is not None:
         assert error["param"] == param
     assert embed(encoder_server, input="still serving").status_code == 200
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"query": "word " * 400, "documents": ["short"]}, "query", "maximum context length"),
+    ({"query": "short", "documents": ["short", "word " * 400]}, "documents[1]",
+     "maximum context length"),
+    ({"query": "short", "documents": ["short", ""]}, "documents[1]", "is empty"),
+    ({"query": "short", "documents": [{"text": ""}]}, "documents[0]", "is empty"),
+])
+def test_a_bad_rerank_query_or_document_is_a_400_naming_it(
+        encoder_server: ServerProcess, body: dict, param: str, words: str) -> None:
+    """Named as the request names it, not by its place among the texts embedded together
+    (the query first, then the documents)."""
+    response = httpx.post(f"{encoder_server.url}/v1/rerank", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param} "), error
+    assert words in error["message"]
 
 
 def test_a_request_whose_client_left_stops_and_others_go_on(

@@ -255,6 +255,24 @@ def test_decoder_embeddings_refuse_matryoshka(real_server: ServerProcess) -> Non
     assert response.json()["error"]["param"] == "dimensions"
 
 
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"query": "word " * 9000, "documents": ["a"]}, "query", "maximum context length"),
+    ({"query": "q", "documents": ["a", "word " * 9000]}, "documents[1]",
+     "maximum context length"),
+    ({"query": "q", "documents": ["a", ""]}, "documents[1]", "is empty"),
+    ({"query": "q", "documents": [{"text": ""}]}, "documents[0]", "is empty"),
+])
+def test_a_bad_rerank_query_or_document_is_a_400_naming_it(
+        real_server: ServerProcess, body: dict, param: str, words: str) -> None:
+    """The judge reads the query in every document's prompt: one too long is the query's
+    fault, not the first document's."""
+    response = httpx.post(f"{real_server.url}/v1/rerank", json=body, headers=AUTH, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param} "), error
+    assert words in error["message"]
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/classify", {"input": []}, "input"),
     ("/v1/classify", {"input": ["ok", ""]}, "input[1]"),

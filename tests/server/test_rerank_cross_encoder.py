@@ -28,7 +28,6 @@ DOCUMENTS = [
     "The cat sleeps on the mat by the door.",
     "Quarterly revenue grew by twelve percent.",
     "x",
-    "",
     "A long document about cats and mats, " * 12,  # with the query, past the max length
 ]
 # Tiny, so the long pair is cut: the tokenizer's model_max_length, under the model's 64
@@ -220,16 +219,25 @@ def test_a_router_can_probe_a_cross_encoder(server: ServerProcess) -> None:
     assert health.status_code == 200 and health.json() == {"status": "ok"}
 
 
-@pytest.mark.parametrize("body", [
-    {"query": QUERY, "documents": []},
-    {"query": "", "documents": ["a"]},
-    {"query": QUERY, "documents": ["a"] * 10_000},
-    {"query": QUERY, "documents": ["a"], "top_n": 0},
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"query": QUERY, "documents": []}, "documents", "documents: "),
+    ({"query": "", "documents": ["a"]}, "query", "query: String should have at least 1"),
+    ({"query": None, "documents": ["a"]}, "query", "query: Input should be a valid string"),
+    ({"query": 3, "documents": ["a"]}, "query", "query: Input should be a valid string"),
+    ({"documents": ["a"]}, "query", "query: Field required"),
+    ({}, "query", "query: Field required; documents: Field required"),
+    ({"query": QUERY, "documents": ["a", ""]}, "documents[1]", "documents[1] is empty"),
+    ({"query": QUERY, "documents": [{"text": ""}]}, "documents[0]", "documents[0] is empty"),
+    ({"query": QUERY, "documents": ["a"] * 10_000}, "documents", "at most 2048"),
+    ({"query": QUERY, "documents": ["a"], "top_n": 0}, "top_n", "top_n: "),
 ])
-def test_bad_input_is_a_400(server: ServerProcess, body: dict) -> None:
+def test_bad_input_is_a_400_naming_the_field(server: ServerProcess, body: dict, param: str,
+                                             words: str) -> None:
     response = rerank(server, **body)
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["type"] == "invalid_request_error"
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param and words in error["message"], error
     assert rerank(server, query=QUERY, documents=["still serving"]).status_code == 200
 
 
