@@ -300,28 +300,81 @@ class Generator:
         finishing several per step put multi-turn TTFT p50 at 0.37 s instead of 0.10 s)."""
         result = PrefillResult()
         group, width = self._group(budget)
-        if group and (self._prefill_together(group, result, budget) if width is None
-                      else self._feed_together(group, width, result)):
-            mx.clear_cache()
-            return result
-        # Background work last: it takes what the clients leave of the budget.
-        for sequence in sorted(self.prefilling, key=lambda s: s.background):
-            try:
-                fed = self._feed(sequence, budget)
-            except Exception as error:  # noqa: BLE001 - only this sequence's cache is touched
-                self.prefilling.remove(sequence)
-                result.failed.append((sequence, error))
-                continue
-            result.tokens += fed
-            budget -= fed
-            if len(sequence.unfed) == 1:
-                self.prefilling.remove(sequence)
-                self.ready.append(sequence)
-                result.done.append(sequence)
-            if budget <= 0 or result.done:
-                break
+        if not (group and (self._prefill_together(group, result, budget) if width is None
+                           else self._feed_together(group, width, result))):
+            for sequence in [s for s in self.prefilling if not s.background]:
+                if not self._feed_one(sequence, budget - result.tokens, result):
+                    break
+        # Background work takes what the clients left of the budget. Fed at once, as it
+        # was in the clients' forwards: waiting, it keeps the rows and token room it holds.
+        if budget > result.tokens:
+            self._feed_background(budget - result.tokens, result)
         mx.clear_cache()  # a prompt's activations are large and rarely reused as they are
         return result
+
+    def _feed_one(self, sequence: SequenceState, budget: int, result: PrefillResult) -> bool:
+        """`_feed` one sequence, into `result`; whether the next may be fed in this step
+        (budget left, and no prompt completed)."""
+        try:
+            fed = self._feed(sequence, budget)
+        except Exception as error:  # noqa: BLE001 - only this sequence's cache is touched
+            self.prefilling.remove(sequence)
+            result.failed.append((sequence, error))
+            return True
+        result.tokens += fed
+        if len(sequence.unfed) == 1:
+            self.prefilling.remove(sequence)
+            self.ready.append(sequence)
+            result.done.append(sequence)
+        return budget > fed and not result.done
+
+    def _feed_background(self, budget: int, result: PrefillResult) -> None:
+        """Feed background sequences all but their last tokens, as many as `budget` takes
+        padded, in one forward of their own; each keeps its row as its cache (`_group`'s
+        rules, but for rows that never join the batch). A sequence that cannot be grouped
+        is fed alone."""
+        waiting = [s for s in self.prefilling if s.background]
+        for sequence in [s for s in waiting if len(s.unfed) == 1]:  # nothing to feed
+            self.prefilling.remove(sequence)
+            self.ready.append(sequence)
+            result.done.append(sequence)
+        group = []
+        for sequence in (s for s in waiting if len(s.unfed) > 1):
+            if sequence.snapshot_at or sequence.images is not None or not (
+                    sequence.cache is None or supports_segments(sequence.cache)):
+                break
+            width = max(len(s.unfed) - 1 for s in [*group, sequence])
+            if width * (len(group) + 1) > budget:
+                break
+            group.append(sequence)
+        if len(group) < 2 or not self._background_together(group, result):
+            first = next((s for s in self.prefilling if s.background), None)
+            if first is not None:
+                self._feed_one(first, budget, result)
+
+    def _background_together(self, group: list[SequenceState], result: PrefillResult) -> bool:
+        """`_feed_background`'s forward; False if it raised (the rows' own caches are
+        untouched: the batch is a copy), and they go one by one."""
+        feeds = [s.unfed[:-1] for s in group]
+        width = max(map(len, feeds))
+        try:
+            cache, _, _, _ = self._forward_rows([_spans(s, len(s.tokens)) for s in group],
+                                                feeds, width)
+            for layer in cache:
+                layer.finalize()
+            caches = [row_cache(cache, row) for row in range(len(group))]
+            mx.eval([layer.state for own in caches for layer in own])
+        except Exception:  # noqa: BLE001 - the one-by-one path finds and fails the culprit
+            return False
+        for sequence, own in zip(group, caches):
+            self.prefilling.remove(sequence)
+            sequence.cache, sequence.prefix = own, None
+            sequence.tokens += sequence.unfed[:-1]
+            del sequence.unfed[:-1]
+            self.ready.append(sequence)
+        result.done += group
+        result.tokens += width * len(group)
+        return True
 
     def _feed(self, sequence: SequenceState, budget: int) -> int:
         """Feed up to `budget` of the sequence's prompt tokens (never its last), in chunks

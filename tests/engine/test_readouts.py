@@ -324,6 +324,23 @@ async def test_a_next_turn_guess_beside_a_request_changes_none_of_its_numbers(ll
         engine.shutdown()
 
 
+async def test_guesses_of_different_chats_are_computed_in_one_forward_and_kept(counted):
+    """Chats ending together each leave a next-turn guess: over prefixes of their own,
+    they are fed together (all but each one's last token, which none reads), in one
+    forward, and the tree keeps every one."""
+    engine, model = counted
+    engine.clear_cache().result(timeout=30)
+    prompts = [encode(engine, f"{review} Thanks, {i}.") for i, review in enumerate(REVIEWS[:4])]
+    model.shapes.clear()
+    finishes = await asyncio.gather(*(
+        read(engine, [prompt], Readout(cache_only=True)) for prompt in prompts))
+    assert all(finish.reason == "length" for [(_, finish)] in finishes)
+    assert [rows for rows, _ in model.shapes] == [len(prompts)]
+    stats = await settled(engine)
+    assert stats.tree.total_tokens == sum(len(p) - 1 for p in prompts)
+    assert stats.tree.pinned_bytes == 0
+
+
 async def test_a_next_turn_guess_waits_behind_clients_and_is_dropped_when_stale(llama_dir):
     """One row, busy: a cache-only readout (a chat's next turn) and ten client requests
     wait. Every client goes first, and the guess, passed over as each starts, is dropped
