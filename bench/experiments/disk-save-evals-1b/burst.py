@@ -2,7 +2,7 @@
 as each node is published (`DiskStore.evaluate` = `_evaluate_now`, as before 2026-11-29)
 or with the engine's other new handles at its settle (`KVStore.after_settle`, now).
 
-    python bench/experiments/disk-save-evals/burst.py MODEL_DIR [--rounds 6] \
+    python bench/experiments/disk-save-evals-1b/burst.py MODEL_DIR [--rounds 6] \
         [--prompts 64] [--prompt-tokens 256] [--max-tokens 1,32]
 
 One engine, its disk tier on (a temporary folder); the two ways alternate round by round,
