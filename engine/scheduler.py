@@ -473,7 +473,8 @@ class Scheduler:
             return
         generation, scoring = next(iter(self.scoring.items()))
         try:
-            scoring.advance(self.prefill_budget.chunk)
+            if not scoring.done:  # a one-token prompt has nothing to score
+                scoring.advance(self.prefill_budget.chunk)
         except Exception as error:  # reported to the request
             if self.group is not None:
                 raise

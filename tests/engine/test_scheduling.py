@@ -436,6 +436,11 @@ async def test_a_prompts_logprobs_are_computed_a_chunk_a_step_and_stop_when_canc
         assert len(short.tokens) == 4 and short_done < scored_at
         assert len(logprobs.tokens) == len(prompt)
 
+        one = [event async for event in engine.submit(
+            prompt[:1], SamplingParams(max_tokens=1, prompt_logprobs=0))]
+        assert isinstance(one[0], PromptLogprobs) and isinstance(one[-1], Finish)
+        assert [event.logprob for event in one[0].tokens] == [None]  # nothing before it
+
         cancelled = engine.submit(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
         engine.cancel(cancelled.request_id)
         seen = [event async for event in cancelled]
