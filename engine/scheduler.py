@@ -456,6 +456,9 @@ class Scheduler:
                 if not self._bringing_back:
                     self._brought_back.finish()
             case ClearCache(done):
+                # Guesses in flight would put back what the clear lets go of.
+                for generation in [g for g in self.generations.values() if g.background]:
+                    self._cancel(generation)
                 freed = self.tree.clear()
                 if done is not None:
                     done.set_result(freed)
@@ -515,9 +518,14 @@ class Scheduler:
                 self._load_from_disk(match.disk)
                 continue  # match again: what was loaded is in memory now
             if (node := self._shared_in_flight(cacheable, match)) is not None:
+                if not generation.background:
+                    self._hurry(next((g for g in self.running.values()
+                                      if g.hold.reservation is node), None))
                 self._wait_for(generation, node)
                 return False
             if (leader := self._leader_for(cacheable, match)) is not None:
+                if not generation.background:
+                    self._hurry(leader)
                 self.parked.add(generation)
                 leader.followers.append(generation)
                 return False
@@ -840,6 +848,13 @@ class Scheduler:
                 if shared >= min(MIN_SHARED_TO_WAIT, remaining):
                     return leader
         return None
+
+    @staticmethod
+    def _hurry(computing: Generation | None) -> None:
+        """A client now waits for the prefix `computing` computes: if that is background
+        work, it is fed as a client's from now on (in turn, not with what is left)."""
+        if computing is not None and computing.sequence is not None:
+            computing.sequence.background = False
 
     def _wait_for(self, generation: Generation, node: Node) -> None:
         self.parked.add(generation)

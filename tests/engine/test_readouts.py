@@ -341,6 +341,53 @@ async def test_guesses_of_different_chats_are_computed_in_one_forward_and_kept(c
     assert stats.tree.pinned_bytes == 0
 
 
+async def test_a_guess_a_client_waits_for_is_fed_as_the_clients_are(llama_dir):
+    """Background work is fed with what clients leave of a step, unless a client waits
+    for the prefix it computes: then it is fed in turn, ahead of a client's prompt that
+    came after it, not once every client's prompt is done."""
+    engine = start_engine(llama_dir, cache_bytes=1 << 30, prefill_chunk_tokens=16)
+    try:
+        busy = engine.submit(encode(engine, REVIEWS[0]), SamplingParams(
+            max_tokens=2000, temperature=0.0, ignore_eos=True))
+        await anext(busy)  # decoding throughout: no burst holds first tokens back
+        long = encode(engine, " ".join([PREAMBLE, *REVIEWS] * 6))
+        other = encode(engine, " ".join([*REVIEWS, PREAMBLE] * 6))
+        guess = engine.submit(long, params(Readout(cache_only=True)))
+        await asyncio.sleep(0.02)  # its prefill under way, its prefix reserved
+        one = SamplingParams(max_tokens=1, temperature=0.0)
+        other_client = engine.submit(other, one)
+        waiting_client = engine.submit(long + encode(engine, " Why?"), one)
+        order = []
+
+        async def until_first(name: str, stream) -> None:
+            async for event in stream:
+                if isinstance(event, Finish) or name != "guess":
+                    order.append(name)
+                    return
+
+        await asyncio.gather(until_first("guess", guess), until_first("other", other_client),
+                             until_first("waiting", waiting_client))
+        assert order.index("guess") < order.index("other")
+        engine.cancel(busy.request_id)
+    finally:
+        engine.shutdown()
+
+
+async def test_a_cache_clear_cancels_the_guesses_in_flight(llama_dir):
+    """A guess computed on after the clear would put back what it let go of."""
+    engine = start_engine(llama_dir, cache_bytes=1 << 30, prefill_chunk_tokens=16)
+    try:
+        guess = engine.submit(encode(engine, " ".join([PREAMBLE, *REVIEWS] * 6)),
+                              params(Readout(cache_only=True)))
+        await asyncio.sleep(0.02)
+        engine.clear_cache().result(timeout=30)
+        assert [event async for event in guess][-1].reason == "cancelled"
+        stats = await settled(engine)
+        assert stats.tree.total_tokens == 0 and stats.tree.pinned_bytes == 0
+    finally:
+        engine.shutdown()
+
+
 async def test_a_next_turn_guess_waits_behind_clients_and_is_dropped_when_stale(llama_dir):
     """One row, busy: a cache-only readout (a chat's next turn) and ten client requests
     wait. Every client goes first, and the guess, passed over as each starts, is dropped
