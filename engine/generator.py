@@ -323,25 +323,25 @@ class Generator:
             return True
         result.tokens += fed
         if len(sequence.unfed) == 1:
-            self.prefilling.remove(sequence)
-            self.ready.append(sequence)
-            result.done.append(sequence)
+            self._prompt_done(sequence, result)
         return budget > fed and not result.done
+
+    def _prompt_done(self, sequence: SequenceState, result: PrefillResult) -> None:
+        """All but its last token fed: it joins the batch at the next decode."""
+        self.prefilling.remove(sequence)
+        self.ready.append(sequence)
+        result.done.append(sequence)
 
     def _feed_background(self, budget: int, result: PrefillResult) -> None:
         """Feed background sequences all but their last tokens, as many as `budget` takes
-        padded, in one forward of their own; each keeps its row as its cache (`_group`'s
-        rules, but for rows that never join the batch). A sequence that cannot be grouped
-        is fed alone."""
+        padded, in one forward of their own; each keeps its row as its cache (they never
+        join the batch). A sequence that cannot be grouped (`_groupable`) is fed alone."""
         waiting = [s for s in self.prefilling if s.background]
         for sequence in [s for s in waiting if len(s.unfed) == 1]:  # nothing to feed
-            self.prefilling.remove(sequence)
-            self.ready.append(sequence)
-            result.done.append(sequence)
+            self._prompt_done(sequence, result)
         group = []
         for sequence in (s for s in waiting if len(s.unfed) > 1):
-            if sequence.snapshot_at or sequence.images is not None or not (
-                    sequence.cache is None or supports_segments(sequence.cache)):
+            if not _groupable(sequence):
                 break
             width = max(len(s.unfed) - 1 for s in [*group, sequence])
             if width * (len(group) + 1) > budget:
@@ -367,12 +367,10 @@ class Generator:
         except Exception:  # noqa: BLE001 - the one-by-one path finds and fails the culprit
             return False
         for sequence, own in zip(group, caches):
-            self.prefilling.remove(sequence)
             sequence.cache, sequence.prefix = own, None
             sequence.tokens += sequence.unfed[:-1]
             del sequence.unfed[:-1]
-            self.ready.append(sequence)
-        result.done += group
+            self._prompt_done(sequence, result)
         result.tokens += width * len(group)
         return True
 
@@ -424,15 +422,12 @@ class Generator:
         tokens (padding included), most rows first: either what is left of each, right-
         padded to the longest, if the padding at most doubles the forward's tokens (width
         None); or, if the budget cannot finish even the first prompt, `width` tokens of
-        each, none finished. Only rows with plain KV caches (a padded row of a rotating or
-        recurrent cache would keep the padding's state), no snapshot positions and no images
-        (their chunks are fed as embeddings, one sequence at a time). ([], None): none."""
+        each, none finished. Only `_groupable` client rows. ([], None): none."""
         eligible: list[SequenceState] = []
         for sequence in self.prefilling:
             if sequence.background:
-                continue  # fed alone (`SequenceState.background`)
-            if sequence.snapshot_at or sequence.images is not None or not (
-                    sequence.cache is None or supports_segments(sequence.cache)):
+                continue  # fed apart from clients (`_feed_background`)
+            if not _groupable(sequence):
                 break
             eligible.append(sequence)
         for count in range(len(eligible), 1, -1):
@@ -957,6 +952,14 @@ def _agreed(row: SequenceState, draft: list[int], first: int, targets: list[int]
     if row.sampler is not None:
         row.sampler.position += accepted
     return accepted, targets[accepted]
+
+
+def _groupable(sequence: SequenceState) -> bool:
+    """Whether a prompt can be fed in a padded forward with others: plain KV caches (a
+    padded row of a rotating or recurrent cache would keep the padding's state), no
+    snapshot positions and no images (their chunks are fed as embeddings)."""
+    return not sequence.snapshot_at and sequence.images is None and (
+        sequence.cache is None or supports_segments(sequence.cache))
 
 
 def _own_from(group: list[SequenceState]) -> list[int]:
