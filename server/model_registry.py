@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from engine.api import Lifecycle
 from server.config import DEFAULT_MODEL_ID, ModelSpec, Settings
+from server.follow_ups import FollowUps
 from server.http.errors import APIError
 
 if TYPE_CHECKING:
@@ -90,6 +91,8 @@ class ServedModel:
         self.evicting = False
         self.last_error: str | None = None
         self.counters = ModelCounters()
+        # Whether its chats continue, so that next-turn guesses pay (server/next_turn.py).
+        self.follow_ups = FollowUps()
         # The prefill-only jobs (server/prefill/jobs.py) on its engine at once, whichever
         # requests they are of: each queues up to 64 prompts in the engine, and five
         # clients classifying lists of 64 at once filled its queue (256): 429s for them

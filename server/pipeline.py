@@ -279,9 +279,10 @@ async def _start(http: Request, state: ServerState, lease: Lease, request: Gener
         for choice in range(choices)
     ]
     next_turn = None
-    if (settings.prefill_next_turn and request.is_chat and request.n == 1
-            and request.chat_end == "reply"):
-        next_turn = NextTurn(state, model, _as_rendered(model, request), prompts[0])
+    if settings.prefill_next_turn and request.is_chat and request.chat_end == "reply":
+        model.follow_ups.note(request.messages)
+        if request.n == 1 and model.follow_ups.worth_guessing():
+            next_turn = NextTurn(state, model, _as_rendered(model, request), prompts[0])
     return GenerationRun(request, job, decoders, sum(len(prompt.tokens) for prompt in prompts),
                          context_bound, next_turn)
 

@@ -17,6 +17,7 @@ import pytest
 
 from engine.loader import load_tokenizer
 from server.events import ChoiceResult, ToolCall
+from server.follow_ups import MIN_SEEN
 from server.next_turn import next_turn_prompt
 from server.openai.adapter import chat_request
 from server.openai.protocol import ChatCompletionRequest
@@ -186,5 +187,33 @@ def test_a_snapshot_model_guesses_only_while_nothing_else_runs(
             assert prefilled(server) == 0
         turn(server, [*messages[:1], {"role": "user", "content": "List the files."}])
         assert prefilled(server) > 0
+    finally:
+        server.stop()
+
+
+def test_one_shot_chats_stop_the_guesses_and_a_conversation_brings_them_back(
+        demo_model_dir: Path, tmp_path: Path) -> None:
+    """Where chats end after one turn, every guess is a forward nobody reads: once most of
+    the last chats carried no earlier reply, replies are not prefilled as next turns; a
+    few chats that come back turn it on again (server/follow_ups.py)."""
+    server = start(demo_model_dir, tmp_path, True)
+    system = {"role": "system", "content": SYSTEM}
+    try:
+        for index in range(MIN_SEEN):
+            turn(server, [system, {"role": "user", "content": f"One question ({index})."}],
+                 wait=False)
+        messages = [system, {"role": "user", "content": "Describe the layout."}]
+        first = turn(server, messages, wait=False)
+        wait_idle(server)
+        messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "Which file is the largest?"}]
+        second = turn(server, messages, wait=False)
+        assert not miss_after(second).lstrip().startswith("Which file is the largest?")
+        messages += [{"role": "assistant", "content": second["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "And the smallest?"}]
+        third = turn(server, messages)  # two chats of eleven continued: guessed again
+        messages += [{"role": "assistant", "content": third["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "Thanks."}]
+        assert miss_after(turn(server, messages, wait=False)).lstrip().startswith("Thanks.")
     finally:
         server.stop()
