@@ -354,7 +354,8 @@ class Settings(BaseModel):
         True, description="when a chat's reply is done, prefill it as the next turn will "
         "send it back, where the template renders it as other tokens than were generated "
         "(re-encoded text, trimmed replies, dropped reasoning, tool calls as the template's "
-        "JSON), so that turn finds it cached"
+        "JSON), so that turn finds it cached; only while the model's chats continue (at "
+        "least one in eight of its last 32 carried an earlier reply)"
     )
     warm_prompts: Path | None = Field(
         None, description="JSON Lines file of prompts to prefill at start, one request body "
