@@ -230,6 +230,33 @@ def test_prompts_computed_one_by_one_join_the_batch_together_and_answer_as_alone
         generator.decode()
 
 
+def test_prompts_a_step_can_finish_go_ahead_of_a_long_one_every_other_step(model) -> None:
+    # A 400-token document, then a short prompt arriving before each step: the short
+    # ones go first (two waiting are computed together) and the document takes every
+    # other step's whole budget. Each answers as it would alone.
+    document = list(range(10, 410))
+    shorts = [list(range(20 + uid, 40 + uid)) for uid in range(1, 7)]
+    alone = greedy_alone(model, [document, *shorts], 2, budget=512)
+    generator = Generator(model)
+    long = sequence(model, 0, document)
+    generator.add(long)
+    generator.prefill(64)
+    fed, done, firsts = [], [], {}
+    for uid, prompt in enumerate(shorts, start=1):
+        generator.add(sequence(model, uid, prompt))
+        before = len(long.tokens)
+        result = generator.prefill(64)
+        fed.append(len(long.tokens) - before)
+        done.append([s.uid for s in result.done])
+        firsts |= {output.uid: output.token for output in result.outputs}  # grouped rows'
+    assert fed == [0, 64, 0, 64, 0, 64]
+    assert done == [[1], [], [2, 3], [], [4, 5], []]
+    tokens, failed = generate(generator, list(range(7)), 64, 2)
+    assert failed == []
+    assert {uid: [firsts[uid], *t][:2] if uid in firsts else t
+            for uid, t in tokens.items()} == alone
+
+
 def test_prompts_too_long_for_one_forward_take_equal_chunks_together(model) -> None:
     prompts = long_prompts()
     alone = {}

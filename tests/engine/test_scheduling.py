@@ -96,6 +96,35 @@ async def test_prompts_arriving_together_are_all_prefilled_before_any_decodes(
         engine.shutdown()
 
 
+async def test_a_short_prompt_does_not_wait_for_a_long_prompts_prefill(llama_dir, reference):
+    # While a stream decodes, a long document (19 chunks of 32 tokens) and a short chat
+    # arrive in that order: the chat's prompt, which one chunk finishes, goes first and
+    # its first token comes before the document's.
+    engine = start_engine(llama_dir, prefill_chunk_tokens=32)
+    try:
+        busy = engine.submit(random_prompt(70, 16), _greedy(max_tokens=4000, ignore_eos=True))
+        await anext(aiter(busy))
+        prompts = [random_prompt(71, 600), random_prompt(72, 12)]
+        firsts: list[int] = []
+        outputs: list[list[int]] = [[], []]
+
+        async def run(index: int, stream) -> None:
+            async for event in stream:
+                if isinstance(event, TokenEvent):
+                    if not outputs[index]:
+                        firsts.append(index)
+                    outputs[index].append(event.token)
+
+        streams = engine.submit_all(prompts, _greedy(max_tokens=3))
+        await asyncio.gather(*(run(i, stream) for i, stream in enumerate(streams)))
+        busy.cancel()
+        assert firsts == [1, 0]
+        for prompt, tokens in zip(prompts, outputs):
+            assert tokens == reference.greedy(prompt, 3)
+    finally:
+        engine.shutdown()
+
+
 async def test_cancel_mid_decode_releases_everything(engine):
     event = await cancel_after(engine.submit(random_prompt(2, 64), _greedy(max_tokens=4000)), 3)
     assert event.reason == "cancelled"
