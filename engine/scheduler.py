@@ -94,6 +94,10 @@ MIN_SHARED_TO_WAIT = 32
 # decodes less.
 GPU_PREFILL_CHUNK = 2048
 CPU_PREFILL_CHUNK = 512
+# A burst holds its computed prompts back until the rest are computed, unless one left
+# still needs more than this many times the tokens the cheapest computed one took
+# (`Scheduler._burst_outgrown`).
+BURST_SPREAD = 8
 # Readouts read together (`Scheduler._read`) hold their shared prefix once per row: a batch
 # holds at most this many idle chunks of positions, prefix copies and padding included.
 MAX_READ_CHUNKS = 16
@@ -877,11 +881,13 @@ class Scheduler:
         the rest are prefilled would stall each started stream by the others' prompts,
         and one forward a prompt costs a GPU its fixed per-forward time for each. A burst
         takes what the admission limits let in (at most `max_batch_size` rows); requests
-        arriving once its rows decode wait for the prefill budget as usual."""
+        arriving once its rows decode wait for the prefill budget as usual. A burst whose
+        prompts differ by far in size ends once the short ones are computed
+        (`_burst_outgrown`)."""
         started, cpu_started = time.perf_counter(), time.thread_time()
         if not self.generator.decoding:
             self.burst = True
-        if self.burst and not self.generator.prefilling:
+        if self.burst and (not self.generator.prefilling or self._burst_outgrown()):
             self.burst = False
         if not self.burst:
             self._take(self.generator.decode())
@@ -927,6 +933,19 @@ class Scheduler:
         self.counters.steps += 1
         self.counters.step_seconds += seconds
         self.counters.step_cpu_seconds += cpu_seconds
+
+    def _burst_outgrown(self) -> bool:
+        """Whether a prompt still being computed needs more than BURST_SPREAD times the
+        tokens the cheapest computed one took: then holding that one back would multiply
+        its wait for its first token (a short chat behind a long document, which it went
+        ahead of: `Generator._queue`), and it starts decoding while the rest are computed
+        with the prefill budget. Prompts of like sizes arriving together, the burst's
+        reason, stay together."""
+        computed = [len(generation.tokens) - (generation.cached_tokens or 0)
+                    for generation in (self.running[s.uid] for s in self.generator.ready
+                                       if not s.background)]
+        left = [len(s.unfed) for s in self.generator.prefilling if not s.background]
+        return bool(computed and left) and max(left) > BURST_SPREAD * min(computed)
 
     def _take(self, outputs: list[Output]) -> None:
         """Give sampled tokens to their generations; those that end leave together. A

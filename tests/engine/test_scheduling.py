@@ -96,31 +96,37 @@ async def test_prompts_arriving_together_are_all_prefilled_before_any_decodes(
         engine.shutdown()
 
 
-async def test_a_short_prompt_does_not_wait_for_a_long_prompts_prefill(llama_dir, reference):
-    # While a stream decodes, a long document (19 chunks of 32 tokens) and a short chat
-    # arrive in that order: the chat's prompt, which one chunk finishes, goes first and
-    # its first token comes before the document's.
+@pytest.mark.parametrize("decoding", [True, False])
+async def test_a_short_prompt_does_not_wait_for_a_long_prompts_prefill(
+        llama_dir, reference, decoding: bool):
+    # A long document (19 chunks of 32 tokens) and a short chat arrive in that order,
+    # while another stream decodes or at an idle engine (a burst, which would hold the
+    # chat until the document is computed): the chat's prompt, which one chunk finishes,
+    # goes first, and its whole answer comes before the document's first token.
     engine = start_engine(llama_dir, prefill_chunk_tokens=32)
     try:
-        busy = engine.submit(random_prompt(70, 16), _greedy(max_tokens=4000, ignore_eos=True))
-        await anext(aiter(busy))
+        if decoding:
+            busy = engine.submit(random_prompt(70, 16),
+                                 _greedy(max_tokens=4000, ignore_eos=True))
+            await anext(aiter(busy))
         prompts = [random_prompt(71, 600), random_prompt(72, 12)]
-        firsts: list[int] = []
+        order: list[int] = []
         outputs: list[list[int]] = [[], []]
 
         async def run(index: int, stream) -> None:
             async for event in stream:
                 if isinstance(event, TokenEvent):
-                    if not outputs[index]:
-                        firsts.append(index)
+                    order.append(index)
                     outputs[index].append(event.token)
 
-        streams = engine.submit_all(prompts, _greedy(max_tokens=3))
+        streams = engine.submit_all(prompts, _greedy(max_tokens=3, ignore_eos=True))
         await asyncio.gather(*(run(i, stream) for i, stream in enumerate(streams)))
-        busy.cancel()
-        assert firsts == [1, 0]
+        if decoding:
+            busy.cancel()
+        assert order == [1, 1, 1, 0, 0, 0]
         for prompt, tokens in zip(prompts, outputs):
-            assert tokens == reference.greedy(prompt, 3)
+            expected = reference.greedy(prompt, 3)  # up to its EOS, which ignore_eos runs past
+            assert tokens[:len(expected)] == expected
     finally:
         engine.shutdown()
 
