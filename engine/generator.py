@@ -323,13 +323,13 @@ class Generator:
         document's whole prefill (minutes on a CPU), and the document still takes every
         other step however many short prompts keep coming."""
         queue = [s for s in self.prefilling if not s.background]
-        finishable = [s for s in queue if len(s.unfed) - 1 <= budget]
-        if self._overtaken or not finishable or queue[:len(finishable)] == finishable:
+        reordered = ([s for s in queue if len(s.unfed) - 1 <= budget]
+                     + [s for s in queue if len(s.unfed) - 1 > budget])
+        if self._overtaken or all(a is b for a, b in zip(reordered, queue)):
             self._overtaken = False
             return queue
         self._overtaken = True
-        chosen = set(map(id, finishable))
-        return finishable + [s for s in queue if id(s) not in chosen]
+        return reordered
 
     def _feed_one(self, sequence: SequenceState, budget: int, result: PrefillResult) -> bool:
         """`_feed` one sequence, into `result`; whether the next may be fed in this step
