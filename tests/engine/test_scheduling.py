@@ -65,6 +65,22 @@ async def test_prompts_diverging_after_a_short_header_are_each_computed_once(eng
     assert engine.stats().counters.prefill_tokens - before == 2 * 205 + 5 * 10
 
 
+async def tokens_in_order(streams: list) -> tuple[list[int], list[list[int]]]:
+    """Read `streams` at once: the index of the stream each token came from, in the order
+    they came, and each stream's tokens."""
+    order: list[int] = []
+    outputs: list[list[int]] = [[] for _ in streams]
+
+    async def read(index: int, stream) -> None:
+        async for event in stream:
+            if isinstance(event, TokenEvent):
+                order.append(index)
+                outputs[index].append(event.token)
+
+    await asyncio.gather(*(read(i, stream) for i, stream in enumerate(streams)))
+    return order, outputs
+
+
 async def test_prompts_arriving_together_are_all_prefilled_before_any_decodes(
         llama_dir, reference):
     # Three prompts of several chunks each reach an idle engine at once (a burst; handed
@@ -74,18 +90,9 @@ async def test_prompts_arriving_together_are_all_prefilled_before_any_decodes(
     # second one.
     engine = start_engine(llama_dir, prefill_chunk_tokens=32)
     try:
-        order: list[int] = []
-        outputs: list[list[int]] = [[], [], []]
-
-        async def run(index: int, stream) -> None:
-            async for event in stream:
-                if isinstance(event, TokenEvent):
-                    order.append(index)
-                    outputs[index].append(event.token)
-
         prompts = [random_prompt(60 + i, 100) for i in range(3)]
-        streams = engine.submit_all(prompts, _greedy(max_tokens=3, ignore_eos=True))
-        await asyncio.gather(*(run(i, stream) for i, stream in enumerate(streams)))
+        order, outputs = await tokens_in_order(
+            engine.submit_all(prompts, _greedy(max_tokens=3, ignore_eos=True)))
         firsts = [order.index(i) for i in range(3)]
         seconds = [order.index(i, first + 1) for i, first in enumerate(firsts)]
         assert max(firsts) < min(seconds)
@@ -110,17 +117,8 @@ async def test_a_short_prompt_does_not_wait_for_a_long_prompts_prefill(
                                  _greedy(max_tokens=4000, ignore_eos=True))
             await anext(aiter(busy))
         prompts = [random_prompt(71, 600), random_prompt(72, 12)]
-        order: list[int] = []
-        outputs: list[list[int]] = [[], []]
-
-        async def run(index: int, stream) -> None:
-            async for event in stream:
-                if isinstance(event, TokenEvent):
-                    order.append(index)
-                    outputs[index].append(event.token)
-
-        streams = engine.submit_all(prompts, _greedy(max_tokens=3, ignore_eos=True))
-        await asyncio.gather(*(run(i, stream) for i, stream in enumerate(streams)))
+        order, outputs = await tokens_in_order(
+            engine.submit_all(prompts, _greedy(max_tokens=3, ignore_eos=True)))
         if decoding:
             busy.cancel()
         assert order == [1, 1, 1, 0, 0, 0]
