@@ -105,11 +105,13 @@ async def test_prompts_arriving_together_are_all_prefilled_before_any_decodes(
 
 @pytest.mark.parametrize("decoding", [True, False])
 async def test_a_short_prompt_does_not_wait_for_a_long_prompts_prefill(
-        llama_dir, reference, decoding: bool):
+        llama_dir, reference, monkeypatch, decoding: bool):
     # A long document (19 chunks of 32 tokens) and a short chat arrive in that order,
     # while another stream decodes or at an idle engine (a burst, which would hold the
-    # chat until the document is computed): the chat's prompt, which one chunk finishes,
-    # goes first, and its whole answer comes before the document's first token.
+    # chat until the document is computed, were that quick: here the document counts
+    # as slow): the chat's prompt, which one chunk finishes, goes first, and its whole
+    # answer comes before the document's first token.
+    monkeypatch.setattr("engine.scheduler.BURST_HOLD_SECONDS", 0.0)
     engine = start_engine(llama_dir, prefill_chunk_tokens=32)
     try:
         if decoding:
@@ -122,6 +124,25 @@ async def test_a_short_prompt_does_not_wait_for_a_long_prompts_prefill(
         if decoding:
             busy.cancel()
         assert order == [1, 1, 1, 0, 0, 0]
+        for prompt, tokens in zip(prompts, outputs):
+            expected = reference.greedy(prompt, 3)  # up to its EOS, which ignore_eos runs past
+            assert tokens[:len(expected)] == expected
+    finally:
+        engine.shutdown()
+
+
+async def test_a_burst_a_device_computes_in_a_moment_stays_whole(
+        llama_dir, reference, monkeypatch):
+    # The same document and chat at an idle engine, the document now quick to compute
+    # (under the hold): the burst keeps the chat until the document is computed, and
+    # both first tokens come from the same step.
+    monkeypatch.setattr("engine.scheduler.BURST_HOLD_SECONDS", 1e9)
+    engine = start_engine(llama_dir, prefill_chunk_tokens=32)
+    try:
+        prompts = [random_prompt(71, 600), random_prompt(72, 12)]
+        order, outputs = await tokens_in_order(
+            engine.submit_all(prompts, _greedy(max_tokens=3, ignore_eos=True)))
+        assert sorted(order[:2]) == [0, 1]
         for prompt, tokens in zip(prompts, outputs):
             expected = reference.greedy(prompt, 3)  # up to its EOS, which ignore_eos runs past
             assert tokens[:len(expected)] == expected
