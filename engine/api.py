@@ -179,7 +179,11 @@ class EngineStats:
 
     waiting: int = stat("gauge", "Requests submitted and not yet started.",
                         name="queue_depth")
-    running: int = stat("gauge", "Requests in the running batch.", name="running_requests")
+    running: int = stat("gauge", "Client requests in the running batch.",
+                        name="running_requests")
+    background: int = stat(
+        "gauge", "Next-turn guesses being computed: prompts prefilled only to be cached, "
+        "no client waiting on them.", name="background_prefills")
     active_memory_bytes: int = stat("gauge", "MLX active memory.")
     memory_limit_bytes: int = stat(
         "gauge", "Memory planned for weights, prefix cache, activations and running KV.")
@@ -188,7 +192,8 @@ class EngineStats:
         "parallelism).")
     kv_token_capacity: int = stat(
         "gauge", "Prompt + max_tokens of running requests that the memory plan holds.")
-    tokens_in_flight: int = stat("gauge", "Prompt + max_tokens of the running requests.")
+    tokens_in_flight: int = stat(
+        "gauge", "Prompt + max_tokens of the running requests and guesses (their KV).")
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     tree: TreeStats = field(default_factory=TreeStats)
     disk: DiskStats = field(default_factory=DiskStats)

@@ -497,7 +497,9 @@ class Engine:
         if scheduler is None:
             return EngineStats()
         return EngineStats(
-            waiting=self._waiting.value, running=len(scheduler.running),
+            waiting=self._waiting.value,
+            running=sum(not g.background for g in scheduler.running.values()),
+            background=sum(g.background for g in scheduler.running.values()),
             active_memory_bytes=mx.get_active_memory(),
             memory_limit_bytes=self.memory.limit_bytes,
             weight_bytes=self.memory.weight_bytes,

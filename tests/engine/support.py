@@ -73,7 +73,8 @@ async def settled(engine: Engine, timeout: float = 10.0) -> EngineStats:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         stats = engine.stats()
-        if stats.running == 0 and stats.waiting == 0 and stats.tree.pinned_bytes == 0:
+        if (stats.running, stats.background, stats.waiting, stats.tree.pinned_bytes) == (
+                0, 0, 0, 0):
             return stats
         if asyncio.get_running_loop().time() > deadline:
             return stats

@@ -373,6 +373,26 @@ async def test_a_guess_a_client_waits_for_is_fed_as_the_clients_are(llama_dir):
         engine.shutdown()
 
 
+async def test_a_guess_counts_as_background_work_not_as_a_running_request(llama_dir):
+    """/metrics' running_requests counts clients; a guess being computed shows in
+    background_prefills (its KV still counts in tokens_in_flight)."""
+    engine = start_engine(llama_dir, cache_bytes=1 << 30, prefill_chunk_tokens=16)
+    try:
+        long = encode(engine, " ".join([PREAMBLE, *REVIEWS] * 6))
+        guess = engine.submit(long, params(Readout(cache_only=True)))
+        deadline = asyncio.get_running_loop().time() + 10
+        while (stats := engine.stats()).background == 0:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.005)
+        assert (stats.running, stats.background) == (0, 1)
+        assert stats.tokens_in_flight >= len(long)
+        assert [event async for event in guess][-1].reason == "length"
+        stats = await settled(engine)
+        assert (stats.running, stats.background, stats.tokens_in_flight) == (0, 0, 0)
+    finally:
+        engine.shutdown()
+
+
 async def test_a_cache_clear_cancels_the_guesses_in_flight(llama_dir):
     """A guess computed on after the clear would put back what it let go of."""
     engine = start_engine(llama_dir, cache_bytes=1 << 30, prefill_chunk_tokens=16)

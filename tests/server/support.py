@@ -150,8 +150,9 @@ def wait_idle(server: ServerProcess, timeout: float = 60.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         metrics = server.metrics()
-        busy = (metrics["radix_mlx_running_requests"], metrics["radix_mlx_queue_depth"],
-                metrics["radix_mlx_tree_pinned_bytes"], metrics["radix_mlx_tree_pending_nodes"])
+        busy = (metrics["radix_mlx_running_requests"], metrics["radix_mlx_background_prefills"],
+                metrics["radix_mlx_queue_depth"], metrics["radix_mlx_tree_pinned_bytes"],
+                metrics["radix_mlx_tree_pending_nodes"])
         if not any(busy) or time.monotonic() > deadline:
             return metrics
         time.sleep(0.1)
