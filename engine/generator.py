@@ -323,12 +323,12 @@ class Generator:
         document's whole prefill (minutes on a CPU), and the document still takes every
         other step however many short prompts keep coming."""
         queue = [s for s in self.prefilling if not s.background]
-        reordered = ([s for s in queue if len(s.unfed) - 1 <= budget]
-                     + [s for s in queue if len(s.unfed) - 1 > budget])
-        if self._overtaken or all(a is b for a, b in zip(reordered, queue)):
+        if self._overtaken:
             self._overtaken = False
             return queue
-        self._overtaken = True
+        reordered = ([s for s in queue if len(s.unfed) - 1 <= budget]
+                     + [s for s in queue if len(s.unfed) - 1 > budget])
+        self._overtaken = any(a is not b for a, b in zip(reordered, queue))
         return reordered
 
     def _feed_one(self, sequence: SequenceState, budget: int, result: PrefillResult) -> bool:
