@@ -496,10 +496,10 @@ class Engine:
         scheduler = self._scheduler
         if scheduler is None:
             return EngineStats()
+        background = sum(g.background for g in scheduler.running.values())
         return EngineStats(
-            waiting=self._waiting.value,
-            running=sum(not g.background for g in scheduler.running.values()),
-            background=sum(g.background for g in scheduler.running.values()),
+            waiting=self._waiting.value, running=len(scheduler.running) - background,
+            background=background,
             active_memory_bytes=mx.get_active_memory(),
             memory_limit_bytes=self.memory.limit_bytes,
             weight_bytes=self.memory.weight_bytes,

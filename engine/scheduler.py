@@ -99,7 +99,7 @@ CPU_PREFILL_CHUNK = 512
 # the prompts left would hold it back more than BURST_HOLD_SECONDS, at the measured cost
 # of a prompt token (`Scheduler._burst_outgrown`). Without the time, on an H200 (1B
 # shape, shared-prefix traffic: cached 64-token questions beside cold 2,064-token
-# prompts) the bursts ended early and cost 20-27% of output for waits of ~0.1 s; on the
+# prompts) the bursts ended early and cost 13-27% of output for waits of ~0.1 s; on the
 # 2-core CPU the same split saves a short chat 15-25 s behind a document.
 BURST_SPREAD = 8
 BURST_HOLD_SECONDS = 1.0
