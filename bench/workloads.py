@@ -215,10 +215,16 @@ def classify(source: TextSource, s: Shapes) -> Workload:
 
 
 def warm_up(source: TextSource, s: Shapes) -> Workload:
-    """Untimed: one long prompt and a small batch, so kernels compile before timing."""
+    """Untimed: one long prompt and a batch as wide as batch_decode's, so kernels compile
+    before timing, for the shapes the widest batch meets too, as bare mlx-lm's batch run
+    warms up on its own batch (`bench.raw_batch`). With four short prompts, a fresh H200
+    server's first 64-stream run (1B shape) gave 7,328 tok/s and the next three, on other
+    prompts, 7,950-8,152 (bench/results/nvidia-h200/batch-decode-64-1b)."""
     long = Conversation(None, (source.text(max(s.sp_system_tokens, 64)),))
-    short = tuple(Conversation(None, (source.text(32),)) for _ in range(4))
-    return Workload("warm_up", (long, *short), 4, 8)
+    streams = max(4, s.bd_streams)
+    short = tuple(Conversation(None, (source.text(max(32, s.bd_prompt_tokens)),))
+                  for _ in range(streams))
+    return Workload("warm_up", (long, *short), streams, 8)
 
 
 WORKLOADS = {make.__name__: make for make in (
