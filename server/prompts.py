@@ -21,9 +21,10 @@ from server.request import GenerationRequest, TemplateMessage
 # apply_chat_template's own options, which chat_template_kwargs must not set: they are no
 # template variables, and would let a client swap in any template (a Jinja loop of 10^10
 # steps froze the event loop), ask for tensors (a 500) or pad its prompt to any length.
+# And `messages`, the name the template sees the conversation by (a 500 when set twice).
 TEMPLATE_OPTIONS = frozenset(
     inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-) - {"self", "conversation", "kwargs"}
+) - {"self", "conversation", "kwargs"} | {"messages"}
 
 
 # How many of a chat's last messages end where the engine may snapshot a whole-state cache
@@ -97,8 +98,9 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
     try:
         prompt = tokenizer.chat_prompt(messages, template_tools, variables, request.chat_end,
                                        counts)
-    except (TemplateError, ValueError) as error:
-        # Templates reject what they cannot render (e.g. roles that do not alternate).
+    except (TemplateError, ValueError, TypeError) as error:
+        # Templates reject what they cannot render (e.g. roles that do not alternate, or
+        # a variable of a type the template cannot use).
         raise APIError(
             400, f"the chat template rejected the messages: {error}", code="invalid_request",
             param="messages",

@@ -216,6 +216,7 @@ CHAT_TEMPLATE_OPTIONS = {
     "tensors": {"return_tensors": "np"},
     "tokenizer options": {"tokenizer_kwargs": {"add_special_tokens": 5}},
     "padding to any length": {"padding": "max_length", "max_length": 10**6},
+    "the conversation itself": {"messages": 5},
 }
 
 
