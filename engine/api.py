@@ -282,6 +282,15 @@ class Readout:
     cache_only: bool = False
 
 
+# Below this temperature a draw is the likeliest token (vLLM's threshold too); and 1 / T of
+# the smallest overflowed float32, which drew token 0 every time.
+GREEDY_TEMPERATURE = 1e-5
+# A nucleus (top_p) at most the likeliest token's probability holds that token alone, and
+# that token holds at least 1 / vocabulary: this is below it for any vocabulary under 10^8.
+# (Below float32's smallest normal, mlx-lm's top-p kept no token at all.)
+GREEDY_TOP_P = 1e-8
+
+
 @dataclass(frozen=True)
 class SamplingKnobs:
     """How a request asks its tokens to be drawn and its text to stop: what every API
@@ -303,7 +312,9 @@ class SamplingKnobs:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether every draw is the likeliest token: at temperature 0, or one or a nucleus
+        too small for any other token to be drawn."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_p < GREEDY_TOP_P
 
 
 @dataclass(frozen=True)

@@ -389,8 +389,6 @@ def _choice_params(
     given = {knob.name: getattr(knobs, knob.name) for knob in fields(SamplingKnobs)}
     given.update({name: value for name, value in defaults if value is not None
                   and name in request.unset_sampling})
-    if knobs.top_p == 0.0:  # only the most likely token survives: that is greedy
-        given.update(temperature=0.0, top_p=1.0)
     if knobs.seed is not None:
         given["seed"] = knobs.seed + choice
     if constraint is not None:

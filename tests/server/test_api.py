@@ -255,6 +255,21 @@ def test_seed_makes_sampling_reproducible(client: openai.OpenAI, model_id: str) 
     assert first.choices[0].text != first.choices[1].text  # seed + i per choice
 
 
+@pytest.mark.parametrize("knobs", [{"temperature": 1e-40}, {"temperature": 1e-6},
+                                   {"top_p": 1e-300}, {"top_p": 0}],
+                         ids=["temperature-1e-40", "temperature-1e-6", "top_p-1e-300", "top_p-0"])
+def test_a_vanishing_temperature_or_nucleus_is_greedy(client: openai.OpenAI, model_id: str,
+                                                      knobs: dict) -> None:
+    """They leave no other token a chance: the greedy answer, with its logprobs (1 / T of
+    1e-40 overflowed float32 and drew token 0 every time)."""
+    options = {"model": model_id, "prompt": "The weather", "max_tokens": 8, "logprobs": 1,
+               "extra_body": NO_EOS}
+    greedy = client.completions.create(**options, temperature=0).choices[0]
+    vanishing = client.completions.create(**options, **knobs).choices[0]
+    assert vanishing.text == greedy.text
+    assert vanishing.logprobs.tokens == greedy.logprobs.tokens
+
+
 def test_stop_string_ends_the_choice(client: openai.OpenAI, model_id: str) -> None:
     options = {"model": model_id, "prompt": [3, 4, 5, 6], "temperature": 0, "extra_body": NO_EOS}
     text = client.completions.create(**options, max_tokens=24).choices[0].text
