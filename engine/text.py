@@ -10,7 +10,10 @@ which decoding it alone would drop for many tokenizers, and a token that ends in
 multi-byte character shows no text until the character is complete.
 
 Text that could still turn out to be the start of a stop string is held back, so a stop
-string is never emitted, even when it arrives split across several tokens.
+string is never emitted, even when it arrives split across several tokens; only that
+text: the longest end of the text that begins a stop string (`StopPrefix`), not the
+length of the longest stop string, which held a 200-character stop string's whole reply
+back until it ended.
 """
 
 from __future__ import annotations
@@ -84,6 +87,40 @@ class StreamDecoder:
         return "".join(window.step(token) for token in self._unshown) + window.flush()
 
 
+class StopPrefix:
+    """How long a start of `stop` the text fed so far ends with: Knuth-Morris-Pratt's
+    automaton over the text, its failure links computed only as far as a match has
+    reached, so a long stop string costs what the text does, not its own length."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.length = 0  # of the longest start of `stop` that ends the text
+        # _links[k]: of the longest start of stop[:k] that is also its end, k < len(stop)
+        self._links = [0, 0]
+
+    def feed(self, text: str) -> int:
+        stop, k = self.stop, self.length
+        for char in text:
+            if k == len(stop):
+                k = self._link(k)
+            while k and stop[k] != char:
+                k = self._link(k)
+            if stop[k] == char:
+                k += 1
+        self.length = k
+        return k
+
+    def _link(self, k: int) -> int:
+        links, stop = self._links, self.stop
+        while len(links) <= k:
+            end = len(links) - 1  # links[end + 1], from stop[end] and links[end]
+            j = links[end]
+            while j and stop[end] != stop[j]:
+                j = links[j]
+            links.append(j + 1 if stop[end] == stop[j] else 0)
+        return links[k]
+
+
 class TextStream:
     def __init__(self, tokenizer: ModelTokenizer, prompt: Sequence[int],
                  stop: Sequence[str]) -> None:
@@ -93,7 +130,7 @@ class TextStream:
         # and Rust's DecodeStream took ~40 us to make, on the server's event loop.
         self._decoder: StreamDecoder | WindowDecoder | None = None
         self._stop = tuple(s for s in stop if s)
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._starts = [StopPrefix(s) for s in self._stop]
         self._held = ""  # decoded, not yet emitted (a stop string may start in it)
         self.matched_stop: str | None = None
 
@@ -106,7 +143,10 @@ class TextStream:
             tokenizer, context = self._tokenizer, self._context
             self._decoder = (StreamDecoder(tokenizer, context) if tokenizer.fast is not None
                              else WindowDecoder(tokenizer, context))
-        self._held += self._decoder.step(token)
+        text = self._decoder.step(token)
+        self._held += text
+        for start in self._starts:
+            start.feed(text)
         return self._release(final=False)
 
     def finish(self) -> str:
@@ -125,7 +165,7 @@ class TextStream:
                 index, self.matched_stop = min(hits)
                 text, self._held = self._held[:index], ""
                 return text
-        keep = 0 if final else self._hold
+        keep = 0 if final else max((start.length for start in self._starts), default=0)
         cut = max(len(self._held) - keep, 0)
         text, self._held = self._held[:cut], self._held[cut:]
         return text

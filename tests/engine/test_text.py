@@ -7,12 +7,14 @@ from __future__ import annotations
 import copy
 
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from engine.text import TextStream
+from engine.text import StopPrefix, TextStream
 from engine.tokenizer import ModelTokenizer
 
 EMOJI = "\U0001f600"  # 4 UTF-8 bytes, 3 tokens of the demo tokenizer
@@ -70,9 +72,29 @@ def test_a_stop_string_split_across_tokens_is_never_emitted(tokenizer) -> None:
 
 def test_text_that_may_start_a_stop_string_waits_then_is_released(tokenizer) -> None:
     text_stream, chunks = stream(tokenizer, " hello wor", stop=("world!", "xyz"))
-    assert "".join(chunks) == " hell", "the last 5 characters could start 'world!'"
+    assert "".join(chunks) == " hello ", "'wor' could start 'world!'"
     assert text_stream.matched_stop is None
-    assert text_stream.finish() == "o wor"
+    assert text_stream.finish() == "wor"
+
+
+def test_a_long_stop_string_holds_back_only_what_could_start_it(tokenizer) -> None:
+    """A 200-character stop string held every reply back until it ended."""
+    text = " hello world and more"
+    _, chunks = stream(tokenizer, text, stop=("Q" * 200,))
+    assert chunks == [piece for piece in chunks if piece] and "".join(chunks) == text
+    _, chunks = stream(tokenizer, " hello QQ", stop=("Q" * 200,))
+    assert "".join(chunks) == " hello "
+
+
+@given(st.text("ab", max_size=12), st.lists(st.text("abc", max_size=5), max_size=8))
+def test_a_stop_prefix_is_the_longest_start_of_the_stop_string_the_text_ends_with(
+        stop: str, pieces: list[str]) -> None:
+    assume(stop)
+    prefix, text = StopPrefix(stop), ""
+    for piece in pieces:
+        text += piece
+        assert prefix.feed(piece) == max(k for k in range(len(stop) + 1)
+                                         if text.endswith(stop[:k]))
 
 
 def test_the_earliest_of_several_stop_strings_wins(tokenizer) -> None:
