@@ -176,7 +176,8 @@ def chat_messages(message: AnthropicMessage) -> list[TemplateMessage]:
 
 def _result_text(block: ToolResultBlock) -> str:
     content = block.content
-    text = content if isinstance(content, str) else "\n".join(part.text for part in content)
+    text = content if isinstance(content, str) else "\n".join(
+        part.text if isinstance(part, TextBlock) else MARKER for part in content)
     # Anthropic's models see is_error; a chat template has no field for it.
     return f"Error: {text}" if block.is_error else text
 

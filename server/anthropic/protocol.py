@@ -110,7 +110,8 @@ def _str_or_list(value: Any) -> str | None:
 
 
 ToolResultContent = shaped_union(
-    _str_or_list, "a string or a list of text blocks", str=str, list=_blocks(TextBlock)
+    _str_or_list, "a string or a list of text and image blocks", str=str,
+    list=_blocks(TextBlock, ImageBlock)
 )
 
 
@@ -148,10 +149,16 @@ class AnthropicMessage(RequestModel):
 
     @property
     def images(self) -> list[str]:
-        """Its image blocks' sources as URLs (base64 as data: URLs), in order."""
+        """Its image blocks' sources as URLs (base64 as data: URLs), in the order the
+        prompt shows them: a user turn's tool results' (a screenshot a tool returned)
+        first, as they come first (`chat_messages`), then its own."""
         if isinstance(self.content, str):
             return []
-        return [block.source.url for block in self.content if isinstance(block, ImageBlock)]
+        results = [part.source.url for block in self.content
+                   if isinstance(block, ToolResultBlock) and not isinstance(block.content, str)
+                   for part in block.content if isinstance(part, ImageBlock)]
+        own = [block.source.url for block in self.content if isinstance(block, ImageBlock)]
+        return (results if self.role == "user" else []) + own
 
 
 System = shaped_union(

@@ -128,6 +128,8 @@ def input_messages(body: ResponsesRequest, history: list[TemplateMessage]) -> li
             })
         elif isinstance(item, FunctionCallOutputItem):
             result: TemplateMessage = {"role": "tool", "content": joined_text(item.output)}
+            if images := content_images(item.output):  # a screenshot a tool returned
+                result[IMAGES] = images
             call_id = item.call_id or _answered_call(history + messages, item)
             if call_id is not None:
                 result["tool_call_id"] = call_id

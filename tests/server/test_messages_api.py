@@ -158,6 +158,14 @@ def test_claude_code_shaped_agent_loop_is_served_from_cache(
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                      "data": "iVBORw0KGgo="}}]}]},
      400, "invalid_request_error", "does not read images"),  # a text model
+    ({"max_tokens": 4, "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "look",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "iVBORw0KGgo="}}]}]}]},
+     400, "invalid_request_error", "does not read images"),  # a tool's screenshot too
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
       "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      400, "invalid_request_error", "server tools"),

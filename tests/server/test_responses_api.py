@@ -231,6 +231,10 @@ SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
 @pytest.mark.parametrize(("body", "words", "param"), [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "does not read images", "input"),  # a text model
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c",
+                 "output": [{"type": "input_image", "image_url": "x"}]}]},
+     "does not read images", "input"),  # a tool's screenshot, there too
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
      "no Files API", None),
     ({"input": "x", "background": True}, "background responses are not supported", None),

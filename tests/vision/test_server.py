@@ -189,6 +189,40 @@ def test_the_responses_api_takes_an_input_image(client, model, tokenizer, refere
     assert again.usage.input_tokens_details.cached_tokens >= response.usage.input_tokens - 1
 
 
+def test_a_tools_image_output_is_read_as_in_a_chat_tool_message(vision_server, client, model):
+    """A tool's image output (a screenshot) is the model's to see in every API, as in
+    Chat's tool message: the same prompt and answer. (Responses dropped it and left its
+    marker in the text; Messages refused image blocks in a tool_result.)"""
+    url = data_url(png(16))
+    call = {"id": "c", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+    chat = client.chat.completions.create(model=model, max_tokens=MAX_TOKENS, temperature=0,
+                                          messages=[
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c",
+         "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+    response = client.responses.create(model=model, max_output_tokens=MAX_TOKENS,
+                                       temperature=0, input=[
+        {"role": "user", "content": QUESTION},
+        {"type": "function_call", "call_id": "c", "name": "look", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c",
+         "output": [{"type": "input_image", "image_url": url}]}])
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.output_text == chat.choices[0].message.content
+    claude = anthropic.Anthropic(base_url=vision_server.url, api_key="none", max_retries=0)
+    message = claude.messages.create(model=model, max_tokens=MAX_TOKENS,
+                                     extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c", "name": "look",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": url.split(",", 1)[1]}}]}]}])
+    usage = message.usage  # Anthropic's input_tokens are the ones not read from cache
+    assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert message.content[0].text == chat.choices[0].message.content
+
+
 def test_an_image_url_is_fetched_from_an_allowed_host(client, model, tokenizer, reference):
     image = png(15)
 
