@@ -42,6 +42,7 @@ async def root() -> str:
 
 
 @probes.get("/health", responses={200: {"model": Health}, 503: {"model": Health}})
+@probes.head("/health")  # load balancers probe with HEAD: the status is the answer
 async def health(request: Request) -> JSONResponse:
     state = server_state(request)
     models = state.models

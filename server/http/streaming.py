@@ -24,7 +24,9 @@ CLIENT_CLOSED = 499
 # Proxies drop a connection that stays silent for long (a long prompt computed before the
 # first token): a comment line this often keeps it open.
 PING_SECONDS = 15.0
-SSE_HEADERS = {"Cache-Control": "no-store", "Connection": "keep-alive",
+# No Connection header: uvicorn sets it, and a second one ("keep-alive" beside its
+# "close" to an HTTP/1.0 client) contradicted it.
+SSE_HEADERS = {"Cache-Control": "no-store",
                # nginx would buffer the stream, holding tokens back.
                "X-Accel-Buffering": "no"}
 

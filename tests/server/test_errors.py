@@ -162,6 +162,7 @@ def test_only_root_and_health_are_open_without_the_key(server: ServerProcess) ->
     cached and how busy the server is, so it needs the key like the API."""
     assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ready"
     assert httpx.head(f"{server.url}/", timeout=10).status_code == 200
+    assert httpx.head(f"{server.url}/health", timeout=10).status_code == 200
     assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 401
     keyed = {"Authorization": f"Bearer {API_KEY}"}
     assert httpx.get(f"{server.url}/metrics", headers=keyed, timeout=10).status_code == 200

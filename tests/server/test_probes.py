@@ -13,6 +13,8 @@ async def test_health_while_loading_says_so_and_claims_no_progress(loading_app) 
     assert health.status_code == 503
     assert health.json() == {"status": "loading", "model": "unused", "models": [
         {"id": "unused", "state": "loading", "pinned": True}]}
+    head = await loading_app.head("/health")  # a load balancer's probe: the status alone
+    assert head.status_code == 503 and not head.content
 
 
 async def test_the_root_answers_get_and_head(loading_app) -> None:
