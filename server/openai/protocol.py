@@ -25,8 +25,9 @@ from server.schema import RequestModel, ResponseModel, now, shaped_union
 # -- shared request pieces ---------------------------------------------------------------
 
 TokenId = Annotated[int, Field(ge=0)]
-# OpenAI keys logit_bias by token id written as a string.
-TokenIdKey = Annotated[str, Field(pattern=r"^\d{1,9}$")]
+# OpenAI keys logit_bias by token id written as a string: in ASCII decimal (the regex's \d
+# took other scripts' digits) without leading zeros, so no two keys name one token.
+TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,8})$")]
 LogitBias = Annotated[float, Field(ge=-100, le=100)]
 StopString = Annotated[str, Field(min_length=1)]
 
