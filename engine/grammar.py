@@ -32,6 +32,21 @@ from engine.tokenizer import ModelTokenizer
 GRAMMAR_CACHE_SIZE = 64
 
 
+# llguidance's reasons for a matcher that allows no next token, as a client reads them.
+STOP_REASONS = {"NoExtension": "nothing the grammar allows can follow the output so far",
+                "NoExtensionBias": "nothing the grammar allows can follow the output so far"}
+
+
+def matcher_error(matcher: LLMatcher) -> str | None:
+    """The matcher's error without the parser state and grammar that llguidance appends
+    (kilobytes of both, which went into the client's 400 as they were)."""
+    error = matcher.get_error()
+    if not error:
+        return None
+    first = error.split("\n", 1)[0].strip()
+    return STOP_REASONS.get(first, first)
+
+
 class ConstraintFailed(Exception):
     """A constraint cannot be enforced for this request: the grammar does not compile
     for this tokenizer, or the matcher failed while generating."""
@@ -72,7 +87,7 @@ class GrammarState:
                 self.matcher = self._compiled.deep_copy()
             return
         if not self.matcher.consume_token(token):
-            self.error = self.matcher.get_error() or f"token {token} is not allowed here"
+            self.error = matcher_error(self.matcher) or f"token {token} is not allowed here"
         self._keys.feed(self._closing.token_bytes[token])
 
     def fork(self) -> GrammarState:
@@ -92,7 +107,7 @@ class GrammarState:
         matcher computed it, and record an error the matcher entered meanwhile, or the
         dead end of a mask left empty (an object whose possible keys are all written)."""
         if self.error is None and self.matcher.is_error():
-            self.error = self.matcher.get_error()
+            self.error = matcher_error(self.matcher)
         if self.error is None and (repeating := self._keys.repeating(self._closing)):
             ids = np.array(repeating, dtype=np.uint32)
             np.bitwise_and.at(mask.view(np.uint32), ids >> 5, ~(np.uint32(1) << (ids & 31)))
