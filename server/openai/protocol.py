@@ -139,6 +139,14 @@ class AssistantMessage(RequestModel):
     # render it (Qwen3's keeps only the current turn's).
     reasoning_content: str | None = None
 
+    @model_validator(mode="after")
+    def _says_something(self) -> AssistantMessage:
+        # As OpenAI's API: content may be null only beside tool calls (a template met
+        # the null and answered in its own words: "'dict object' has no attribute").
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
 
 class ToolMessage(RequestModel):
     role: Literal["tool"]

@@ -161,6 +161,20 @@ def test_bad_request(
         assert ok.status_code == 200, ok.text
 
 
+def test_an_assistant_message_of_nothing_is_refused_in_the_apis_words(
+    server: ServerProcess, headers: dict[str, str]
+) -> None:
+    """Content may be null only beside tool calls, as OpenAI has it; the chat template
+    used to refuse it in its own words ("'dict object' has no attribute 'content'")."""
+    messages = [*HELLO, {"role": "assistant", "content": None}, *HELLO]
+    response = httpx.post(f"{server.url}{CHAT}", headers=headers, timeout=30,
+                          json={"messages": messages, "max_tokens": 2})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages"
+    assert "needs content or tool_calls" in error["message"]
+
+
 def test_only_root_and_health_are_open_without_the_key(server: ServerProcess) -> None:
     """Load balancers probe /health with no secret, clients probe /; /metrics says what is
     cached and how busy the server is, so it needs the key like the API."""
