@@ -9,6 +9,7 @@ import os
 import plistlib
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from types import MappingProxyType
 
 import httpx
 import pytest
+from uvicorn.server import STARTUP_FAILURE
 
 from engine.model_source import default_model_file
 from server.launch.replicas import free_port
@@ -163,6 +165,25 @@ def test_sigterm_while_the_model_loads_or_warms_up_exits_zero(stage, real_model_
     process, log, url = start_stage(tmp_path, real_model_dir)
     stop_when(lambda: probe(f"{url}/health", lambda h: h["status"]) == stage, process, log,
               stage)
+
+
+def test_a_port_in_use_is_an_error_exit_not_an_abort(real_model_dir, tmp_path):
+    """uvicorn cannot bind while the engine's thread is inside MLX, loading the model: the
+    exit must be uvicorn's start-up failure (3) with its reason, not std::terminate's abort
+    (134)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process, log, _ = start_stage(tmp_path, real_model_dir, flags=(
+            "--disk-cache-bytes", "0", "--port", str(port)))
+        try:
+            assert process.wait(timeout=120) == STARTUP_FAILURE, log.read_text()
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert "address already in use" in log.read_text()
+    assert "terminate called" not in log.read_text()
 
 
 def test_sigterm_while_a_gguf_is_converted_exits_zero_and_publishes_nothing(tmp_path):

@@ -177,11 +177,12 @@ def run(settings: Settings) -> int:
         print(f"radix-mlx serve: {reason}", file=sys.stderr)
         return 1
     if not engine.served:
-        # Stopped while the engine's thread loads or warms up the model, inside MLX: the
-        # interpreter's shutdown under it aborts the process (std::terminate, exit 134),
-        # which a service manager counts as a crash. Nothing is left to save.
+        # Stopped (or its port taken) while the engine's thread loads or warms up the
+        # model, inside MLX: the interpreter's shutdown under it aborts the process
+        # (std::terminate, exit 134), which a service manager counts as a crash. Nothing
+        # is left to save.
         logging.shutdown()
-        os._exit(0)
+        os._exit(status)
     return status
 
 
@@ -201,12 +202,15 @@ def _serve(settings: Settings, models: ModelRegistry, failed: Callable[[], bool]
         ssl_certfile=settings.ssl_certfile,
         ssl_keyfile=settings.ssl_keyfile,
     )
+    status = 0
     try:
         DrainingServer(http, app.state.server.drain, settings.drain_timeout, failed).run()
+    except SystemExit as stop:  # uvicorn's, when it cannot bind the port: its status
+        status = stop.code if isinstance(stop.code, int) else 1
     finally:
         models.shutdown()
         app.state.server.responses.close()
-    return 0
+    return status
 
 
 def _stop_before_serving(signum: int, frame: FrameType | None) -> None:
