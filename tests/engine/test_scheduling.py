@@ -67,17 +67,33 @@ async def test_prompts_diverging_after_a_short_header_are_each_computed_once(eng
 
 async def tokens_in_order(streams: list) -> tuple[list[int], list[list[int]]]:
     """Read `streams` at once: the index of the stream each token came from, in the order
-    they came, and each stream's tokens."""
+    the engine gave them, and each stream's tokens. Recorded as each event reaches this
+    loop (`forward_to`): a task reading a stream takes all its queued tokens at once, so
+    on a busy machine tasks reading several streams saw a second token of one before a
+    first token of another that the engine gave before it."""
     order: list[int] = []
     outputs: list[list[int]] = [[] for _ in streams]
+    errors: list[BaseException] = []
+    ended = asyncio.Event()
+    open_streams = len(streams)
 
-    async def read(index: int, stream) -> None:
-        async for event in stream:
-            if isinstance(event, TokenEvent):
-                order.append(index)
-                outputs[index].append(event.token)
+    def arrived(index: int, event: object) -> None:
+        nonlocal open_streams
+        if isinstance(event, TokenEvent):
+            order.append(index)
+            outputs[index].append(event.token)
+        elif isinstance(event, Finish | BaseException):
+            if isinstance(event, BaseException):
+                errors.append(event)
+            open_streams -= 1
+            if not open_streams:
+                ended.set()
 
-    await asyncio.gather(*(read(i, stream) for i, stream in enumerate(streams)))
+    for index, stream in enumerate(streams):
+        stream.forward_to(lambda event, index=index: arrived(index, event))
+    await ended.wait()
+    if errors:
+        raise errors[0]
     return order, outputs
 
 
