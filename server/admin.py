@@ -26,7 +26,7 @@ async def cache(request: Request, model: str | None = None) -> dict[str, Any]:
     """GET: both tiers' state. DELETE: drop every cached prefix no request is using, from
     memory and from disk."""
     if request.method == "GET":
-        return _tiers(_ready_engine(request, model))
+        return await _tiers(_ready_engine(request, model))
     return await clear_cache(request, model)
 
 
@@ -35,7 +35,7 @@ async def clear_cache(request: Request, model: str | None = None) -> dict[str, A
     /flush_cache, worker_info.py); what is left and the memory freed."""
     engine = _ready_engine(request, model)
     freed = await asyncio.wrap_future(engine.clear_cache())
-    return {"cleared": True, "memory_bytes_freed": freed, **_tiers(engine)}
+    return {"cleared": True, "memory_bytes_freed": freed, **await _tiers(engine)}
 
 
 @admin.post("/models/{model:path}/load", include_in_schema=False)
@@ -69,8 +69,12 @@ def _ready_engine(request: Request, model: str | None) -> EngineClient:
     return server_state(request).models.lookup(model).check_ready()
 
 
-def _tiers(engine: EngineClient) -> dict[str, Any]:
-    stats: EngineStats = engine.stats()
+async def _tiers(engine: EngineClient) -> dict[str, Any]:
+    try:  # off the loop: an engine process's stats are a round trip, a hung one's long
+        stats: EngineStats = await asyncio.to_thread(engine.stats)
+    except TimeoutError:
+        raise APIError(503, "the model's engine does not answer", code="engine_unresponsive",
+                       headers={"Retry-After": "5"}) from None
     tree, disk = stats.tree, stats.disk
     memory = {
         "bytes": tree.total_bytes, "evictable_bytes": tree.evictable_bytes,

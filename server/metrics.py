@@ -9,6 +9,7 @@ registry, so two apps in one process (tests) do not share series.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import fields, is_dataclass
 from typing import TYPE_CHECKING
@@ -28,6 +29,8 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from server.model_registry import ModelRegistry
+
+log = logging.getLogger("radix_mlx.server")
 
 PREFIX = "radix_mlx"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -61,7 +64,12 @@ class ModelsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
         for model, engine in self._models.engines():
-            for name, kind, help_text, value in engine_metrics(engine.stats()):
+            try:
+                stats = engine.stats()
+            except TimeoutError:  # a hung engine process: the other models still report
+                log.warning("model %s: its engine gave no stats in time", model.id)
+                continue
+            for name, kind, help_text, value in engine_metrics(stats):
                 if name not in families:
                     family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                     families[name] = family(f"{PREFIX}_{name}", help_text, labels=["model"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Literal
 
 from fastapi import APIRouter, Request
@@ -64,4 +65,7 @@ async def health(request: Request) -> JSONResponse:
 
 @probes.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
-    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
+    # Off the loop: each engine process's stats are a round trip, and a hung one's waits
+    # out its timeout (every stream of every model stalled for it).
+    body = await asyncio.to_thread(server_state(request).metrics.render)
+    return Response(body, media_type=CONTENT_TYPE)

@@ -11,6 +11,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -82,6 +84,35 @@ def test_a_killed_engine_fails_its_requests_and_stops_the_server(
     assert own_server.process.wait(timeout=60) == 1
     assert own_server.log().rstrip().splitlines()[-1] == (
         "radix-mlx serve: the engine process died (killed by SIGKILL)")
+
+
+def test_a_hung_engine_stalls_neither_the_other_routes_nor_the_scrape(
+    own_server: ServerProcess,
+) -> None:
+    """An engine process that stops answering (SIGSTOP here) makes its stats round trip
+    wait out its timeout: /metrics waits off the event loop, so /health answers in the
+    meantime, and the scrape still answers, without that model's engine series."""
+    engine = engine_process(own_server)
+    done: list[str] = []
+
+    def get(path: str) -> httpx.Response:
+        response = httpx.get(f"{own_server.url}{path}", timeout=60)
+        done.append(path)
+        return response
+
+    engine.suspend()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            scrape = pool.submit(get, "/metrics")
+            time.sleep(1)  # the scrape now waits for the engine (10 s, CALL_SECONDS)
+            assert get("/health").status_code == 200
+            metrics = scrape.result()
+    finally:
+        engine.resume()
+    assert done == ["/health", "/metrics"]
+    assert metrics.status_code == 200
+    assert "radix_mlx_model_state" in metrics.text
+    assert "radix_mlx_generated_tokens_total" not in metrics.text
 
 
 def test_only_the_server_drives_the_engines_stop(own_server: ServerProcess) -> None:
