@@ -254,16 +254,9 @@ class ModelRegistry:
                 return Lease(model)
             if model.loading is None:
                 model.loading = asyncio.create_task(self._load(model))
-            loading = model.loading
             try:
-                await asyncio.wait_for(asyncio.shield(loading),
+                await asyncio.wait_for(self._await_load(model, model.loading),
                                        max(0.0, deadline - time.monotonic()))
-            except asyncio.CancelledError:
-                if not loading.cancelled() or asyncio.current_task().cancelling():
-                    raise
-                raise APIError(503, f"the model {model.id} was unloaded while it loaded",
-                               code="model_not_ready",
-                               headers=RETRY_LATER) from None
             except TimeoutError:
                 raise self._still_loading(model) from None
 
@@ -295,7 +288,20 @@ class ModelRegistry:
             return
         if model.loading is None:
             model.loading = asyncio.create_task(self._load(model))
-        await asyncio.shield(model.loading)
+        await self._await_load(model, model.loading)
+
+    @staticmethod
+    async def _await_load(model: ServedModel, loading: asyncio.Task) -> None:
+        """`loading`, the model's load under way, shared: one waiter leaving does not
+        cancel it. An unload that cancels it is a 503 for those waiting, not their own
+        cancellation."""
+        try:
+            await asyncio.shield(loading)
+        except asyncio.CancelledError:
+            if not loading.cancelled() or asyncio.current_task().cancelling():
+                raise
+            raise APIError(503, f"the model {model.id} was unloaded while it loaded",
+                           code="model_not_ready", headers=RETRY_LATER) from None
 
     async def _load(self, model: ServedModel) -> None:
         try:
@@ -382,11 +388,11 @@ class ModelRegistry:
         if model.inflight:
             raise APIError(409, f"the model {model.id} has {model.inflight} requests in "
                            "flight", code="model_busy")
+        if model.loading is not None:  # a load that still waits for room has no engine
+            model.loading.cancel()
         engine, model.engine = model.engine, None
         if engine is None:
             return
-        if model.loading is not None:
-            model.loading.cancel()
         model.counters.unloads += 1
         await asyncio.to_thread(engine.shutdown)
         log.info("model %s unloaded", model.id)

@@ -293,6 +293,32 @@ def test_a_model_waiting_for_room_gets_it_when_a_busy_one_is_done(
     assert states(budget)[waiting_for] == "loaded"
 
 
+def test_an_unload_cancels_a_load_that_waits_for_room(budget: ServerProcess) -> None:
+    """An operator's load that waits for room (both loaded models busy) and an unload of
+    that model meanwhile: the load answers 503 in the API's shape (a plain-text 500 when
+    the unload cancelled it), and the model stays unloaded once room frees up (the
+    unload returned 'unloaded' while the load went ahead)."""
+    loaded, waiting_for = ["d0", "d1"], "d2"
+    for model in loaded:
+        assert load(budget, model).status_code == 200
+    assert states(budget)[waiting_for] == "unloaded"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with busy(budget, loaded[0]), busy(budget, loaded[1]):
+            waiting = pool.submit(load, budget, waiting_for)
+            time.sleep(1.0)
+            assert not waiting.done()
+            unload = httpx.post(f"{budget.url}/admin/models/{waiting_for}/unload",
+                                headers=AUTH, timeout=60)
+            assert unload.json() == {"id": waiting_for, "state": "unloaded"}
+            refused = waiting.result()
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "model_not_ready"
+        assert "unloaded while it loaded" in refused.json()["error"]["message"]
+    time.sleep(1.0)  # the busy streams are over: a load that went ahead would run now
+    assert states(budget)[waiting_for] == "unloaded"
+    assert sorted(m for m, state in states(budget).items() if state == "loaded") == loaded
+
+
 def load(server: ServerProcess, model: str) -> httpx.Response:
     return httpx.post(f"{server.url}/admin/models/{model}/load", headers=AUTH, timeout=120)
 
