@@ -27,6 +27,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.api import EngineNotReady
+
 if TYPE_CHECKING:
     from server.model_registry import ModelRegistry
 
@@ -66,8 +68,11 @@ class ModelsCollector(Collector):
         for model, engine in self._models.engines():
             try:
                 stats = engine.stats()
-            except TimeoutError:  # a hung engine process: the other models still report
-                log.warning("model %s: its engine gave no stats in time", model.id)
+            except (TimeoutError, EngineNotReady) as error:
+                # A hung engine process, or one that just died (dropped once the registry
+                # sees it): the other models still report.
+                log.warning("model %s: no engine stats (%s)", model.id,
+                            error or "no answer in time")
                 continue
             for name, kind, help_text, value in engine_metrics(stats):
                 if name not in families:

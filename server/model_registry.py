@@ -399,13 +399,19 @@ class ModelRegistry:
 
     def _reap(self, model: ServedModel) -> None:
         """A served engine that failed (its process died) is dropped: the next request
-        loads the model again."""
+        loads the model again, or, pinned, it loads again now."""
         engine = model.engine
         if engine is None or engine.state is not Lifecycle.FAILED or not engine.served:
             return
         model.engine = None
         model.last_error = engine.error
         model.counters.crashes += 1
+        if model.spec.pinned:  # always loaded: no request need name it first
+            log.error("model %s lost its engine (%s): loading it again", model.id,
+                      engine.error)
+            model.loading = asyncio.create_task(self._load(model))
+            model.loading.add_done_callback(_logged)
+            return
         log.error("model %s lost its engine (%s): it reloads on its next request",
                   model.id, engine.error)
 

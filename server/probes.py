@@ -49,9 +49,12 @@ async def health(request: Request) -> JSONResponse:
     models = state.models
     first = models.default
     if models.on_demand:
-        pinned_loading = any(model.spec.pinned and model.state is not ModelState.LOADED
-                             for model in models.models)
-        status = "loading" if pinned_loading else "ready"
+        down = [model for model in models.models
+                if model.spec.pinned and model.state is not ModelState.LOADED]
+        # A pinned model that is not loading failed its load: "loading" would say it
+        # comes by itself.
+        status = ("loading" if any(model.loading is not None for model in down)
+                  else "failed" if down else "ready")
     else:
         status = first.engine.state.value
     body = Health(

@@ -242,6 +242,23 @@ def test_a_killed_model_fails_its_requests_only_and_reloads(pair: ServerProcess)
     assert model_series(pair, "radix_mlx_model_loads_total")["tiny"] == loads + 1
 
 
+def test_a_pinned_model_whose_engine_dies_loads_again_by_itself(pair: ServerProcess) -> None:
+    """Pinned means always loaded: after its engine dies the server loads it again with
+    no request naming it (a load balancer that stops sending requests to a 503 /health
+    would never send the one that reloaded it), saying "loading" meanwhile."""
+    engines = [child for child in psutil.Process(pair.process.pid).children()
+               if "spawn_main" in " ".join(child.cmdline())]
+    min(engines, key=lambda child: child.create_time()).kill()  # smol's: loaded at start
+    wait_until(lambda: model_series(pair, "radix_mlx_model_crashes_total")["smol"] == 1,
+               "the crash seen")
+    health = httpx.get(f"{pair.url}/health", timeout=10)
+    assert (health.status_code, health.json()["status"]) in ((503, "loading"), (200, "ready"))
+    wait_until(lambda: httpx.get(f"{pair.url}/health", timeout=10).status_code == 200,
+               "loaded again", timeout=120)
+    assert states(pair)["smol"] == "loaded"
+    assert chat(pair, "smol").status_code == 200
+
+
 def test_the_budget_unloads_the_least_recently_used_idle_model(budget: ServerProcess) -> None:
     """Three models, room for two: the third's load unloads the least recently used idle
     one. A model with a request in flight is never unloaded: when both loaded models are
