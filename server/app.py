@@ -47,6 +47,8 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.server = state = ServerState(settings, models)
+    # The loads requests wait for are their engine work too: the deadline cancels them.
+    state.drain.jobs.add(models)
     app.include_router(api)
     app.include_router(responses_api)
     app.include_router(messages_api)

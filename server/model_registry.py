@@ -199,6 +199,7 @@ class ModelRegistry:
             self.models[0].engine = engine
         self._placing = asyncio.Lock()  # one placement at a time: room is counted once
         self._watcher: asyncio.Task | None = None
+        self.stopping = False  # past the drain's deadline: no load goes on (`cancel`)
 
     @classmethod
     def of_one(cls, settings: Settings, engine: EngineClient) -> ModelRegistry:
@@ -290,18 +291,29 @@ class ModelRegistry:
             model.loading = asyncio.create_task(self._load(model))
         await self._await_load(model, model.loading)
 
-    @staticmethod
-    async def _await_load(model: ServedModel, loading: asyncio.Task) -> None:
+    async def _await_load(self, model: ServedModel, loading: asyncio.Task) -> None:
         """`loading`, the model's load under way, shared: one waiter leaving does not
-        cancel it. An unload that cancels it is a 503 for those waiting, not their own
-        cancellation."""
+        cancel it. An unload or the drain's deadline (`cancel`) that cancels it is a 503
+        for those waiting, not their own cancellation."""
         try:
             await asyncio.shield(loading)
         except asyncio.CancelledError:
             if not loading.cancelled() or asyncio.current_task().cancelling():
                 raise
+            if self.stopping:
+                raise APIError(503, "the server is shutting down",
+                               code="shutting_down") from None
             raise APIError(503, f"the model {model.id} was unloaded while it loaded",
                            code="model_not_ready", headers=RETRY_LATER) from None
+
+    def cancel(self) -> None:
+        """The drain's deadline (the registry is one of its jobs): cancel the loads under
+        way, so that the requests waiting for them end with a 503 rather than being
+        served by a load that finished after the server began to stop."""
+        self.stopping = True
+        for model in self.models:
+            if model.loading is not None:
+                model.loading.cancel()
 
     async def _load(self, model: ServedModel) -> None:
         try:

@@ -336,6 +336,39 @@ def test_an_unload_cancels_a_load_that_waits_for_room(budget: ServerProcess) -> 
     assert sorted(m for m, state in states(budget).items() if state == "loaded") == loaded
 
 
+def test_the_drains_deadline_ends_the_requests_waiting_for_a_load(
+        real_model_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM while requests wait for their model's load: at the drain's deadline the
+    load is cancelled and they end with 503 shutting_down (streamed: an error event,
+    then [DONE]), and the server exits 0. (They were served by a load that finished after
+    the stop began, or cut off without an error by uvicorn's own shutdown.)"""
+    server = start_models(tmp_path, [{"id": "smol", "source": str(real_model_dir)}],
+                          "--drain-timeout", "0.2")
+    body = {"model": "smol", "messages": HI, "max_tokens": 4}
+
+    def streamed() -> list[str]:
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers=AUTH,
+                          timeout=120, json={**body, "stream": True}) as response:
+            assert response.status_code == 200
+            return [line for line in response.iter_lines() if line.startswith("data: ")]
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            stream = pool.submit(streamed)
+            whole = pool.submit(httpx.post, f"{server.url}/v1/chat/completions",
+                                headers=AUTH, timeout=120, json=body)
+            wait_until(lambda: "loading model smol" in server.log(), "loading")
+            server.process.terminate()
+            refused, events = whole.result(), stream.result()
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "shutting_down"
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: "):])["error"]["code"] == "shutting_down"
+        assert server.process.wait(timeout=60) == 0
+    finally:
+        server.stop()
+
+
 def load(server: ServerProcess, model: str) -> httpx.Response:
     return httpx.post(f"{server.url}/admin/models/{model}/load", headers=AUTH, timeout=120)
 
