@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from engine.api import EngineClient, EngineStats
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
-from server.model_registry import ModelRegistry, ServedModel
+from server.model_registry import RETRY_LATER, ModelRegistry, ServedModel
 from server.state import server_state
 
 admin = APIRouter(prefix="/admin", route_class=JSONRoute)
@@ -74,7 +74,7 @@ async def _tiers(engine: EngineClient) -> dict[str, Any]:
         stats: EngineStats = await asyncio.to_thread(engine.stats)
     except TimeoutError:
         raise APIError(503, "the model's engine does not answer", code="engine_unresponsive",
-                       headers={"Retry-After": "5"}) from None
+                       headers=RETRY_LATER) from None
     tree, disk = stats.tree, stats.disk
     memory = {
         "bytes": tree.total_bytes, "evictable_bytes": tree.evictable_bytes,
