@@ -8,6 +8,7 @@ import time
 import pytest
 
 from engine.api import Finish, PromptLogprobs, QueueFull, RequestFailed, SamplingParams, TokenEvent
+from engine.streams import EventQueue
 from tests.engine.support import Reference, cancel_after, complete, settled, start_engine
 from tests.faults import PrefillWatcher, faulty_loader, loader_wrapping
 
@@ -67,33 +68,25 @@ async def test_prompts_diverging_after_a_short_header_are_each_computed_once(eng
 
 async def tokens_in_order(streams: list) -> tuple[list[int], list[list[int]]]:
     """Read `streams` at once: the index of the stream each token came from, in the order
-    the engine gave them, and each stream's tokens. Recorded as each event reaches this
-    loop (`forward_to`): a task reading a stream takes all its queued tokens at once, so
-    on a busy machine tasks reading several streams saw a second token of one before a
-    first token of another that the engine gave before it."""
+    the engine gave them, and each stream's tokens. Taken as each event reaches this loop
+    (`forward_to`, as a job reads its choices): a task reading a stream takes all its
+    queued tokens at once, so on a busy machine tasks reading several streams saw a second
+    token of one before a first token of another that the engine gave before it."""
     order: list[int] = []
     outputs: list[list[int]] = [[] for _ in streams]
-    errors: list[BaseException] = []
-    ended = asyncio.Event()
+    arrived = EventQueue()
+    for index, stream in enumerate(streams):
+        stream.forward_to(lambda event, index=index: arrived.put((index, event)))
     open_streams = len(streams)
-
-    def arrived(index: int, event: object) -> None:
-        nonlocal open_streams
+    while open_streams:
+        index, event = await arrived.get()
+        if isinstance(event, BaseException):
+            raise event
         if isinstance(event, TokenEvent):
             order.append(index)
             outputs[index].append(event.token)
-        elif isinstance(event, Finish | BaseException):
-            if isinstance(event, BaseException):
-                errors.append(event)
+        elif isinstance(event, Finish):
             open_streams -= 1
-            if not open_streams:
-                ended.set()
-
-    for index, stream in enumerate(streams):
-        stream.forward_to(lambda event, index=index: arrived(index, event))
-    await ended.wait()
-    if errors:
-        raise errors[0]
     return order, outputs
 
 
