@@ -103,6 +103,9 @@ class EngineConfig:
     # Tensor parallelism: how long one scheduler step may take before the group counts
     # as lost (a rank that hangs must not hang the server).
     collective_timeout: float = 60.0
+    # One rank: how long one scheduler step may take before the engine counts as stuck
+    # and fails (0: never). A step that never ends would otherwise hold every request.
+    step_timeout: float = 120.0
     # Jinja source rendering chats instead of the model's own template (None: its own).
     chat_template: str | None = None
     speculation: SpeculationConfig = SpeculationConfig()

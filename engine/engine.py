@@ -214,7 +214,7 @@ class Engine:
         try:
             self._serve()
         except Exception as error:  # noqa: BLE001 - only a tensor-parallel scheduler lets one out
-            self._lose_group(error)
+            self._give_up(f"the tensor-parallel group failed: {error}")
         self._stopped.set()
         # Never return: when this thread ends, MLX's thread-local compile cache is
         # destroyed and needs the GIL; if that races with interpreter shutdown the process
@@ -226,41 +226,43 @@ class Engine:
         turn, and one more before a step's prompt forward, so decoded tokens do not wait
         for it (`LoopRelays.gathering`)."""
         with self._relays.gathering():
-            if self.group is None:
-                self._scheduler.run(beat=self._beat, deliver=self._relays.wake)
-                return
             self._last_turn = time.monotonic()
-            threading.Thread(target=self._watch_group, name="radix-mlx-rank-watchdog",
-                             daemon=True).start()
+            if self.group is not None:
+                timeout, name = self.config.collective_timeout, "collective_timeout"
+            else:
+                timeout, name = self.config.step_timeout, "step_timeout"
+            if timeout:
+                threading.Thread(target=self._watch, args=(timeout, name),
+                                 name="radix-mlx-engine-watchdog", daemon=True).start()
             self._scheduler.run(beat=self._turned, deliver=self._relays.wake)
-
-    def _beat(self) -> None:
-        self._relays.wake()
-        self._on_turn()
 
     def _turned(self) -> None:
         self._last_turn = time.monotonic()
-        self._beat()
+        self._relays.wake()
+        self._on_turn()
 
-    def _watch_group(self) -> None:
-        """A rank that hangs (or a collective that never returns, as NCCL's may not when
-        a peer is gone) stops every rank's loop at the next collective: fail the engine
-        rather than wait forever. Rank 0 sends a heartbeat every half second when idle,
-        so a turn longer than the timeout is a stuck one."""
-        timeout = self.config.collective_timeout
+    def _watch(self, timeout: float, name: str) -> None:
+        """A step that never ends (a device that hangs; under tensor parallelism a rank
+        that hangs, or a collective that never returns, as NCCL's may not when a peer is
+        gone) would hold every request forever: fail the engine instead. The idle loop
+        turns every half second (rank 0 of a group sends a heartbeat then), so a turn
+        longer than the timeout is a stuck one."""
         while self.state is Lifecycle.READY and not self._stopped.is_set():
             time.sleep(min(1.0, timeout / 4))
             if time.monotonic() - self._last_turn > timeout:
-                self._lose_group(TimeoutError(
-                    f"no scheduler step finished in {timeout:.0f} s (collective_timeout)"))
+                reason = f"no scheduler step finished in {timeout:g} s ({name})"
+                self._give_up(f"the tensor-parallel group failed: {reason}"
+                              if self.group is not None else f"the engine is stuck: {reason}")
                 return
 
-    def _lose_group(self, error: Exception) -> None:
-        """The tensor-parallel group is broken: the engine fails, every open request gets
-        the reason, and a rank other than 0 exits (mlx.launch then stops the others)."""
+    def _give_up(self, reason: str) -> None:
+        """The engine cannot go on (its group is broken, or a step never ends): it fails,
+        every open request gets the reason, and a rank other than 0 exits (mlx.launch
+        then stops the others). The server sees `failed` and stops, for its service
+        manager to start it again."""
         if self.state is Lifecycle.FAILED:
             return
-        self.error = f"the tensor-parallel group failed: {error}"
+        self.error = reason
         self.state = Lifecycle.FAILED
         log.error("%s", self.error)
         for generation in list(self._scheduler.generations.values()):

@@ -12,13 +12,17 @@ The wire is one duplex pipe of pickled messages:
   id), ("call", call id, "stats" | "clear_cache"), ("shutdown",);
 - engine -> server: lists. The engine's thread only appends a request's events, as
   (request id, event) pairs, and sends them all at the next turn of its scheduler loop:
-  one message per step, carrying every stream's events of that step. Besides them,
-  `Facts` at each lifecycle change, `Reply`s to calls and `DiskRebuilt`.
+  one message per step, carrying every stream's events of that step, and a `Beat` at
+  least once a second (the idle loop turns every half second). Besides them, `Facts` at
+  each lifecycle change, `Reply`s to calls and `DiskRebuilt`.
 
 The child ignores SIGINT and SIGTERM (the server drains, then sends "shutdown") and exits
 when the pipe closes: the server is gone, and the GPU memory with it. When the child dies,
 the server's reader sees the pipe close: every open request fails and the state turns
-FAILED, which stops `serve` as any failed engine does.
+FAILED, which stops `serve` as any failed engine does (a model of several loads again).
+A child whose loop sends no `Beat` for `step_timeout` seconds (a step that never ends, or
+a process stopped) is killed: the server's side keeps the engine's watchdog, since
+a stuck engine thread could not report itself.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -61,6 +66,8 @@ SPAWN = multiprocessing.get_context("spawn")  # a fork would copy the server's t
 ENGINE_PROCESS = "radix-mlx-engine"
 # How long a call (stats, from a /metrics scrape) waits for the engine's answer.
 CALL_SECONDS = 10.0
+# The engine's loop says it turned at least this often (`Beat`).
+BEAT_SECONDS = 1.0
 # How long a shutdown waits for the child: the engine's own stop, then its disk writes.
 STOP_SECONDS = 10.0 + DISK_FLUSH_SECONDS + 5.0
 LIFECYCLE_POLL_SECONDS = 0.1
@@ -91,6 +98,14 @@ class DiskRebuilt:
     """The tree has been rebuilt from the disk tier's files."""
 
 
+@dataclass(frozen=True)
+class Beat:
+    """The engine's loop turned: it is not stuck in a step."""
+
+
+BEAT = Beat()
+
+
 @dataclass
 class RemoteDisk:
     """The engine's disk tier as the server reads it (`engine.disk`)."""
@@ -113,6 +128,7 @@ class Outbox:
         self._events: list[tuple[str, object]] = []
         self._events_lock = threading.Lock()
         self._send_lock = threading.Lock()
+        self._beaten = 0.0  # when the last `Beat` went
 
     def put(self, stream: RequestStream, event: object) -> None:
         """Called from the engine's thread."""
@@ -121,9 +137,15 @@ class Outbox:
 
     def flush(self) -> None:
         """Called from the engine's thread, at every turn of its loop."""
+        batch: list[object] = []
         if self._events:
             with self._events_lock:
                 batch, self._events = self._events, []
+        now = time.monotonic()
+        if now - self._beaten >= BEAT_SECONDS:
+            self._beaten = now
+            batch.append(BEAT)
+        if batch:
             self.send(batch)
 
     def send(self, batch: list[object]) -> None:
@@ -155,7 +177,9 @@ def serve_engine(config: EngineConfig, conn: Connection,
         on_start()
     log.info("engine process: %s", describe_platform())
     outbox = Outbox(conn)
-    engine = Engine(config, on_turn=outbox.flush)
+    # The server watches this engine's beats instead: its own watchdog could fail the
+    # requests only through the loop it watches.
+    engine = Engine(replace(config, step_timeout=0), on_turn=outbox.flush)
     engine.start()
     threading.Thread(target=_report_lifecycle, args=(engine, outbox),
                      name="radix-mlx-lifecycle", daemon=True).start()
@@ -247,6 +271,8 @@ class EngineProcess:
         self._relays = LoopRelays()
         self._ready = threading.Event()
         self._stopping = False
+        self._beaten = 0.0  # when the engine's loop last said it turned (`Beat`)
+        self._stuck: str | None = None  # why it was killed, if for not beating
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -353,12 +379,17 @@ class EngineProcess:
         self._preload_tokenizer()
         while True:
             try:
+                if not self._conn.poll(BEAT_SECONDS):
+                    self._check_beating()
+                    continue
                 batch = self._conn.recv()
             except (EOFError, OSError):
                 break
             for item in batch:
                 if isinstance(item, tuple):
                     self._deliver(*item)
+                elif isinstance(item, Beat):
+                    self._beaten = time.monotonic()
                 elif isinstance(item, Reply):
                     with self._lock:
                         future = self._calls.pop(item.call_id, None)
@@ -368,8 +399,22 @@ class EngineProcess:
                     self._learn(item)
                 elif isinstance(item, DiskRebuilt) and self.disk is not None:
                     self.disk.rebuilt.set()
+            self._check_beating()
         if not self._stopping:
             self._lost()
+
+    def _check_beating(self) -> None:
+        """Kill the child if its loop has not turned for `step_timeout` seconds since it
+        became ready: a step that never ends, or a process stopped. The pipe then closes,
+        and `_lost` fails what was open with this reason."""
+        timeout = self.config.step_timeout
+        if (not timeout or self.state is not Lifecycle.READY or self._stopping
+                or self._stuck is not None or time.monotonic() - self._beaten <= timeout):
+            return
+        self._stuck = (f"the engine is stuck: its process finished no scheduler step in "
+                       f"{timeout:g} s (step_timeout) and was killed")
+        log.error("%s", self._stuck)
+        self.process.kill()
 
     def _preload_tokenizer(self) -> None:
         """Load the tokenizer of a local model directory while the engine loads the model
@@ -412,6 +457,7 @@ class EngineProcess:
             if facts.disk_directory is not None:
                 self.disk = RemoteDisk(Path(facts.disk_directory))
             self.served = True
+            self._beaten = time.monotonic()  # its loop starts now
         self.error = facts.error
         self.state = facts.state
         if facts.state in (Lifecycle.READY, Lifecycle.FAILED):
@@ -423,8 +469,9 @@ class EngineProcess:
         code = self.process.exitcode
         how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
                else f"exit code {code}")
-        reason = f"the engine process died ({how})"
-        log.error("%s", reason)
+        reason = self._stuck or f"the engine process died ({how})"
+        if self._stuck is None:
+            log.error("%s", reason)
         with self._lock:
             self.error = reason
             self.state = Lifecycle.FAILED

@@ -374,6 +374,13 @@ class Settings(BaseModel):
         description="under tensor parallelism, seconds one scheduler step may take before "
         "the rank group counts as lost and the server fails"
     )
+    step_timeout: float = Field(
+        120.0, ge=0, allow_inf_nan=False,
+        description="seconds one scheduler step may take before the engine counts as "
+        "stuck: its requests fail, an engine process is killed (a model of several loads "
+        "again), and a server of one model exits 1 for its service manager to restart; "
+        "0: wait forever"
+    )
     # Off until measured to help: on the H100 it was not faster for one stream (two
     # alternating runs), and two of six shared-prefix runs in its own process held
     # requests back for 4-9 s (none in process); engine/process.py says what is known.

@@ -1,14 +1,17 @@
 """A model whose forward pass fails on one token id, to test that a failed forward pass
-fails only the request that caused it, in engines of this process and in servers; and
-one that calls back once prefill has fed so many tokens, to cancel a request mid-prefill.
+fails only the request that caused it, in engines of this process and in servers; one
+whose forward pass never ends on one token id (a device that hangs); and one that calls
+back once prefill has fed so many tokens, to cancel a request mid-prefill.
 
 `python -m tests.faults TOKEN [serve flags]` is `python -m server [serve flags]` serving
-that model: the same code path, with the engine's loader wrapped.
+that model: the same code path, with the engine's loader wrapped (`hang:TOKEN`: the
+model that never ends).
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -21,12 +24,17 @@ from engine.loader import LoadedModel, load_model
 
 
 class FaultInjectingModel:
-    def __init__(self, model: nn.Module, token: int) -> None:
+    """A forward pass that feeds `token` raises, or with `hang` never returns."""
+
+    def __init__(self, model: nn.Module, token: int, hang: bool = False) -> None:
         self._model = model
         self._token = token
+        self._hang = hang
 
     def __call__(self, inputs: mx.array, *args: Any, **kwargs: Any) -> mx.array:
         if mx.any(inputs == self._token).item():
+            if self._hang:
+                threading.Event().wait()
             raise RuntimeError(f"injected fault on token {self._token}")
         return self._model(inputs, *args, **kwargs)
 
@@ -77,9 +85,10 @@ def loader_wrapping(wrap: Callable[[nn.Module], Any]) -> Callable[..., LoadedMod
     return load
 
 
-def faulty_loader(token: int) -> Callable[..., LoadedModel]:
-    """`load_model`, except that the model fails every forward pass that feeds `token`."""
-    return loader_wrapping(lambda model: FaultInjectingModel(model, token))
+def faulty_loader(token: int, hang: bool = False) -> Callable[..., LoadedModel]:
+    """`load_model`, except that the model fails every forward pass that feeds `token`
+    (with `hang`, never ends it)."""
+    return loader_wrapping(lambda model: FaultInjectingModel(model, token, hang))
 
 
 # The server's engine process (engine/process.py) is spawned: it runs this module again
@@ -87,7 +96,8 @@ def faulty_loader(token: int) -> Callable[..., LoadedModel]:
 if __name__ in ("__main__", "__mp_main__"):
     import engine.engine
 
-    engine.engine.load_model = faulty_loader(int(sys.argv[1]))
+    mode, _, token = sys.argv[1].rpartition(":")
+    engine.engine.load_model = faulty_loader(int(token), hang=mode == "hang")
 if __name__ == "__main__":
     from server.launch.cli import run
 

@@ -90,6 +90,7 @@ def engine_config(settings: Settings, model: str, memory_limit_bytes: int | None
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,
         collective_timeout=settings.collective_timeout,
+        step_timeout=settings.step_timeout,
         chat_template=(None if settings.chat_template is None
                        else settings.chat_template.read_text(encoding="utf-8")),
         speculation=speculation_config(settings),
@@ -175,6 +176,12 @@ def run(settings: Settings) -> int:
     if engine.state is Lifecycle.FAILED:
         reason = engine.error if engine.served else f"the model failed to load: {engine.error}"
         print(f"radix-mlx serve: {reason}", file=sys.stderr)
+        if engine.served:
+            # Its thread may still be inside a step that never ends, where the
+            # interpreter's shutdown would wait for it or abort under it.
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(1)
         return 1
     if not engine.served:
         # Stopped (or its port taken) while the engine's thread loads or warms up the

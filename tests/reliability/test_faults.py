@@ -1,7 +1,7 @@
 """The server's own failures: a forward pass that raises fails only the request that
-caused it (also while the engine is still finding out which one did), a model that cannot
-load ends the process with the reason, and a full queue answers 429 instead of dropping
-anyone."""
+caused it (also while the engine is still finding out which one did), one that never ends
+fails the engine after `step_timeout`, a model that cannot load ends the process with the
+reason, and a full queue answers 429 instead of dropping anyone."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from tests.server.support import (
     START_TIMEOUT,
     ServerProcess,
     server_env,
+    start_server,
     wait_idle,
 )
 
@@ -95,6 +96,30 @@ def test_convert_refuses_a_truncated_gguf_with_one_line(demo_model_dir: Path, tm
     [line] = result.stderr.splitlines()
     assert line.startswith(f"radix-mlx convert: {path} {cause}")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_step_that_never_ends_fails_the_engine_and_stops_the_server(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """A forward pass that never returns (a device that hangs) would hold every request
+    and answer /health ready forever: after `step_timeout` the engine fails, its request
+    gets a 500, and the server exits 1 with the reason, for its service manager to start
+    it again."""
+    hang = fault_token(demo_model_dir)
+    server = start_server(demo_model_dir, tmp_path / "server.log", "--step-timeout", "2",
+                          hang_token=hang)
+    try:
+        stuck = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                           json={"prompt": [5, 6, hang, 7], "max_tokens": 4})
+        returncode = server.process.wait(timeout=60)
+    finally:
+        server.stop()
+    assert stuck.status_code == 500, stuck.text
+    assert stuck.json()["error"]["code"] == "engine_error"
+    assert returncode == 1
+    assert server.log().rstrip().splitlines()[-1] == (
+        "radix-mlx serve: the engine is stuck: no scheduler step finished in 2 s "
+        "(step_timeout)")
 
 
 async def test_a_failing_forward_fails_only_its_own_request(

@@ -104,14 +104,18 @@ def without_torch(pythonpath: str | None) -> str:
 def start_server(
     model_dir: Path | None, log_path: Path, *flags: str, env: Mapping[str, str] = {},
     fault_token: int | None = None, cache_bytes: int | None = 256 * 2**20,
+    hang_token: int | None = None,
 ) -> ServerProcess:
     """A ready server on a free port; stopped again if it does not become ready. With a
-    `fault_token`, every forward pass that feeds it fails (tests/faults.py). Its disk cache
+    `fault_token`, every forward pass that feeds it fails, with a `hang_token` every one
+    that feeds it never ends (tests/faults.py). Its disk cache
     tier is off unless `flags` turn it on (`--disk-cache-bytes`); its prefix cache gets
     `cache_bytes` (None: what the memory plan gives it). No `model_dir`: `flags` name the
     models (a models file)."""
     port = free_port()
-    entry = ["server"] if fault_token is None else ["tests.faults", str(fault_token)]
+    entry = (["tests.faults", str(fault_token)] if fault_token is not None
+             else ["tests.faults", f"hang:{hang_token}"] if hang_token is not None
+             else ["server"])
     model = [] if model_dir is None else ["--model", str(model_dir)]
     command = [
         sys.executable, "-m", *entry, *model, "--port", str(port),

@@ -259,6 +259,38 @@ def test_a_pinned_model_whose_engine_dies_loads_again_by_itself(pair: ServerProc
     assert chat(pair, "smol").status_code == 200
 
 
+def test_an_engine_that_stops_stepping_is_killed_and_its_model_loads_again(
+        demos: list[Path], tmp_path: Path) -> None:
+    """An engine process that stops (SIGSTOP here; a step that never ends alike) would
+    hold its requests and answer /health ready forever: after `step_timeout` the server
+    kills it, the open stream ends with an error event, and the model, pinned, loads
+    again by itself."""
+    server = start_models(tmp_path, [{"id": "d", "source": str(demos[0]), "pinned": True}],
+                          "--step-timeout", "2")
+    try:
+        [engine] = [child for child in psutil.Process(server.process.pid).children()
+                    if "spawn_main" in " ".join(child.cmdline())]
+        body = {"model": "d", "messages": HI, "max_tokens": 8000, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
+                          headers=AUTH, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            engine.suspend()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: "):])["error"]["code"] == "engine_error"
+        _, alive = psutil.wait_procs([engine], timeout=30)
+        assert not alive
+        assert "its process finished no scheduler step in 2 s (step_timeout)" in server.log()
+        wait_until(lambda: httpx.get(f"{server.url}/health", timeout=10).status_code == 200,
+                   "loaded again", timeout=120)
+        assert chat(server, "d").status_code == 200
+        assert model_series(server, "radix_mlx_model_crashes_total")["d"] == 1
+    finally:
+        server.stop()
+
+
 def test_the_budget_unloads_the_least_recently_used_idle_model(budget: ServerProcess) -> None:
     """Three models, room for two: the third's load unloads the least recently used idle
     one. A model with a request in flight is never unloaded: when both loaded models are
