@@ -1,7 +1,8 @@
 """Operators' endpoints, behind the API key like every route but /health: GET
 /admin/cache reports both tiers of a model's prefix cache, DELETE /admin/cache empties
-them (`?model=`: which model; the first by default); POST /admin/models/{id}/load and
-/unload load and unload a model of several."""
+them (`?model=`: which model; the first by default; a model of several that is not
+loaded is emptied as its next load ends); POST /admin/models/{id}/load and /unload load
+and unload a model of several."""
 
 from __future__ import annotations
 
@@ -31,11 +32,21 @@ async def cache(request: Request, model: str | None = None) -> dict[str, Any]:
 
 
 async def clear_cache(request: Request, model: str | None = None) -> dict[str, Any]:
-    """Drop every cached prefix no request is using, from both tiers (also a router's
-    /flush_cache, worker_info.py); what is left and the memory freed."""
-    engine = _ready_engine(request, model)
-    freed = await asyncio.wrap_future(engine.clear_cache())
-    return {"cleared": True, "memory_bytes_freed": freed, **await _tiers(engine)}
+    """Drop every cached prefix no request is using, from both tiers (a router's
+    /flush_cache does it for every model, worker_info.py); what is left and the memory
+    freed."""
+    models = server_state(request).models
+    served = models.lookup(model)
+    return {"cleared": True, **await cleared(models, served)}
+
+
+async def cleared(models: ModelRegistry, served: ServedModel) -> dict[str, Any]:
+    """Clear `served`'s cache: the memory freed and both tiers now, or, for a model that
+    is not loaded, that its next load clears it."""
+    freed = await models.clear_cache(served)
+    if freed is None:
+        return {"memory_bytes_freed": 0, "cleared_on_load": True}
+    return {"memory_bytes_freed": freed, **await _tiers(served.engine)}
 
 
 @admin.post("/models/{model:path}/load", include_in_schema=False)

@@ -91,6 +91,8 @@ class ServedModel:
         self.evicting = False
         self.last_error: str | None = None
         self.counters = ModelCounters()
+        # A cache clear asked for while it was not loaded: done once its load ends.
+        self.clear_on_load = False
         # Whether its chats continue, so that next-turn guesses pay (server/next_turn.py).
         self.follow_ups = FollowUps()
         # The prefill-only jobs (server/prefill/jobs.py) on its engine at once, whichever
@@ -339,6 +341,9 @@ class ModelRegistry:
                 # Serving before the tree is rebuilt from the model's disk folder would
                 # make the first requests after a reload miss what the unload kept.
                 await asyncio.to_thread(engine.disk.rebuilt.wait, self.settings.load_timeout)
+            while model.clear_on_load:  # asked again during the clear: again
+                model.clear_on_load = False
+                await self._clear(engine)
             model.last_error = None
             model.counters.loads += 1
             model.counters.load_seconds += time.monotonic() - started
@@ -408,6 +413,28 @@ class ModelRegistry:
         model.counters.unloads += 1
         await asyncio.to_thread(engine.shutdown)
         log.info("model %s unloaded", model.id)
+
+    async def clear_cache(self, model: ServedModel) -> int | None:
+        """Drop `model`'s cached prefixes that no request is using, from memory and disk:
+        now if it is loaded (the memory bytes freed), else (with several models) as its
+        next load ends, before it serves (None). One model loaded at start must be ready:
+        503 before."""
+        engine = model.engine
+        if not self.on_demand:
+            return await self._clear(model.check_ready())
+        if engine is None or model.loading is not None or engine.state is not Lifecycle.READY:
+            model.clear_on_load = True
+            return None
+        return await self._clear(engine)
+
+    async def _clear(self, engine: EngineClient) -> int:
+        # While the tree is being rebuilt from the disk tier's files, a clear would keep
+        # what the rebuild reads after it.
+        if engine.disk is not None and not await asyncio.to_thread(
+                engine.disk.rebuilt.wait, self.settings.load_timeout):
+            raise APIError(503, "the disk tier is still being read; try again shortly",
+                           code="model_not_ready", headers=RETRY_LATER)
+        return await asyncio.wrap_future(engine.clear_cache())
 
     def _reap(self, model: ServedModel) -> None:
         """A served engine that failed (its process died) is dropped: the next request

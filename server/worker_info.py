@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from engine.api import EngineClient, EngineError, EngineStats, SamplingParams
-from server.admin import clear_cache
+from server.admin import cleared
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
 from server.model_registry import ServedModel
@@ -147,8 +147,13 @@ async def get_load(request: Request) -> list[WorkerLoad]:
 @worker_info.post("/flush_cache")
 @worker_info.get("/flush_cache", operation_id="flush_cache_get")
 async def flush_cache(request: Request) -> dict[str, Any]:
-    """Drop the prefix cache that no request is using (requests keep what they hold)."""
-    return await clear_cache(request)
+    """Drop the prefix cache that no request is using (requests keep what they hold), of
+    every model: each one's memory freed and tiers, or that its next load clears it."""
+    models = server_state(request).models
+    flushed = [{"id": served.id, **await cleared(models, served)} for served in models.models]
+    return {"cleared": True,
+            "memory_bytes_freed": sum(model["memory_bytes_freed"] for model in flushed),
+            "models": flushed}
 
 
 @worker_info.get("/health_generate")

@@ -9,7 +9,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,18 +104,20 @@ def without_torch(pythonpath: str | None) -> str:
 def start_server(
     model_dir: Path | None, log_path: Path, *flags: str, env: Mapping[str, str] = {},
     fault_token: int | None = None, cache_bytes: int | None = 256 * 2**20,
-    hang_token: int | None = None,
+    hang_token: int | None = None, entry: Sequence[str] = ("server",),
 ) -> ServerProcess:
     """A ready server on a free port; stopped again if it does not become ready. With a
     `fault_token`, every forward pass that feeds it fails, with a `hang_token` every one
-    that feeds it never ends (tests/faults.py). Its disk cache
+    that feeds it never ends (tests/faults.py); `entry` is the module run and its first
+    arguments otherwise (`("tests.slow_rebuild", "5")`, say). Its disk cache
     tier is off unless `flags` turn it on (`--disk-cache-bytes`); its prefix cache gets
     `cache_bytes` (None: what the memory plan gives it). No `model_dir`: `flags` name the
     models (a models file)."""
     port = free_port()
-    entry = (["tests.faults", str(fault_token)] if fault_token is not None
-             else ["tests.faults", f"hang:{hang_token}"] if hang_token is not None
-             else ["server"])
+    if fault_token is not None:
+        entry = ("tests.faults", str(fault_token))
+    elif hang_token is not None:
+        entry = ("tests.faults", f"hang:{hang_token}")
     model = [] if model_dir is None else ["--model", str(model_dir)]
     command = [
         sys.executable, "-m", *entry, *model, "--port", str(port),

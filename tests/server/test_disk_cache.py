@@ -278,6 +278,27 @@ def test_admin_cache_reports_and_clears_both_tiers_behind_the_api_key(
     assert "warm prompts: 1 prefilled" in server.log() and "line 2 skipped" in server.log()
 
 
+def test_a_clear_while_the_tree_is_rebuilt_from_disk_leaves_nothing(
+        warm_cache, demo_model_dir: Path, tmp_path: Path) -> None:
+    """The server serves while its tree is rebuilt from the files at start (slowed down
+    here, as a tier of many files is): a clear then waits for the rebuild, since cleared
+    before it, the tree would take back what the rebuild read afterwards."""
+    directory = copy_of(warm_cache, tmp_path)
+    server = start_server(demo_model_dir, tmp_path / "log", *disk_flags(directory),
+                          entry=("tests.slow_rebuild", "5"))
+    try:
+        assert cache_report(server)["disk"]["rebuilding"]
+        cleared = httpx.delete(f"{server.url}/admin/cache", headers=AUTH, timeout=60).json()
+        assert cleared["memory"]["bytes"] == cleared["disk"]["bytes"] == 0
+        assert not cleared["disk"]["rebuilding"]
+        wait_for(server, lambda r: not r["disk"]["queued_bytes"], "deletes done")
+        text, _, cached = complete(server, LONG_PROMPT)
+    finally:
+        server.stop()
+    assert cached == 0
+    assert text == warm_cache[1][LONG_PROMPT][0]
+
+
 def chat_cached_tokens(server: ServerProcess, system: str, question: str) -> int:
     response = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=120, json={
         "messages": [{"role": "system", "content": system},

@@ -167,7 +167,9 @@ def test_worker_flushes_its_cache_and_answers_a_generating_health_check(
     assert httpx.post(f"{server.url}/flush_cache").status_code == 401  # the key is needed
     flushed = httpx.post(f"{server.url}/flush_cache", headers=headers, timeout=30).json()
     assert flushed["cleared"] and flushed["memory_bytes_freed"] > 0
-    assert flushed["memory"]["bytes"] == flushed["memory"]["pinned_bytes"] == 0
+    [model] = flushed["models"]
+    assert model["id"] == model_id and model["memory_bytes_freed"] == flushed["memory_bytes_freed"]
+    assert model["memory"]["bytes"] == model["memory"]["pinned_bytes"] == 0
     steps = server.metrics()["radix_mlx_engine_steps_total"]
     health = httpx.get(f"{server.url}/health_generate", headers=headers, timeout=30)
     assert health.status_code == 200 and health.json() == {"status": "ok"}

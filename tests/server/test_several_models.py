@@ -445,6 +445,33 @@ def test_idle_models_unload_pinned_ones_stay_and_a_reload_finds_its_cache(
     assert pinned.status_code == 409
 
 
+def test_a_flush_clears_every_model_and_one_not_loaded_as_it_loads(pair: ServerProcess) -> None:
+    """A router's /flush_cache empties every model's cache, not only the first one's; a
+    model unloaded meanwhile keeps its cache in its disk tier, which its next load empties
+    before it serves."""
+    prompt = "Flushed prefixes are gone from every model. " * 30
+
+    def cached(model: str) -> int:
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "model": model}
+        reply = httpx.post(f"{pair.url}/v1/completions", headers=AUTH, timeout=120, json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    for model in ("smol", "tiny", "idle"):
+        cached(model)
+    wait_until(lambda: states(pair)["idle"] == "unloaded", "unloaded when idle")
+    flushed = httpx.post(f"{pair.url}/flush_cache", headers=AUTH, timeout=60).json()
+    by_id = {model["id"]: model for model in flushed["models"]}
+    assert set(by_id) == {"smol", "gemma", "tiny", "idle", "broken"}
+    for model in ("smol", "tiny"):
+        assert by_id[model]["memory_bytes_freed"] > 0, by_id[model]
+        assert by_id[model]["memory"]["bytes"] == 0
+        assert by_id[model]["disk"]["bytes"] == 0
+    assert by_id["idle"] == {"id": "idle", "memory_bytes_freed": 0, "cleared_on_load": True}
+    assert flushed["memory_bytes_freed"] == sum(m["memory_bytes_freed"] for m in by_id.values())
+    assert [cached(model) for model in ("smol", "tiny", "idle")] == [0, 0, 0]
+
+
 def test_operators_load_and_unload_and_a_stream_waits_for_its_load(
         pair: ServerProcess) -> None:
     assert load(pair, "tiny").json() == {"id": "tiny", "state": "loaded"}
