@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from engine.api import Lifecycle
 from server.config import DEFAULT_MODEL_ID, ModelSpec, Settings
 from server.follow_ups import FollowUps
-from server.http.errors import APIError
+from server.http.errors import APIError, shown
 
 if TYPE_CHECKING:
     from engine.api import EngineClient
@@ -223,7 +223,8 @@ class ModelRegistry:
             if name in self.names_of(model):
                 return model
         known = [served for model in self.models for served in self.names_of(model)]
-        raise APIError(404, f"The model '{name}' does not exist; this server serves {known}.",
+        raise APIError(404, f"The model {shown(name, 200)} does not exist; this server serves "
+                       f"{known}.",
                        code="model_not_found", param="model")
 
     def names_of(self, model: ServedModel) -> list[str]:

@@ -91,6 +91,12 @@ class PromptTooLong(APIError):
             message=f"prompt is too long: {self.tokens} tokens > {self.limit} maximum"))
 
 
+def shown(text: str, most: int = 40) -> str:
+    """A client's string as an error message quotes it: its first `most` characters (a
+    20,000-character name echoed whole would make the error the largest thing sent)."""
+    return repr(text if len(text) <= most else text[:most] + "...")
+
+
 def is_anthropic_path(path: str) -> bool:
     return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 

@@ -28,7 +28,7 @@ from engine.api import Prompt, Readout
 from engine.embedding_config import matryoshka_dimensions
 from engine.tokenizer import ModelTokenizer
 from server.http.access_log import RequestStats
-from server.http.errors import APIError
+from server.http.errors import APIError, shown
 from server.http.json_body import JSONRoute
 from server.http.model_response import model_response
 from server.http.openapi import error_responses
@@ -248,7 +248,7 @@ def _label_tokens(tokenizer: ModelTokenizer, label: str) -> list[int]:
         raise APIError(400, f"the label {label!r} encodes to no tokens",
                        code="invalid_request", param="labels")
     if len(tokens) > MAX_LABEL_TOKENS:
-        raise APIError(400, f"the label {_shown(label)} has {len(tokens)} tokens; at most "
+        raise APIError(400, f"the label {shown(label)} has {len(tokens)} tokens; at most "
                        f"{MAX_LABEL_TOKENS}", code="invalid_request", param="labels")
     return tokens
 
@@ -318,10 +318,6 @@ def _label_groups(labels: dict[str, list[int]]) -> list[LabelGroup]:
     if members:
         groups.append(LabelGroup(tuple(members), tuple(tokens)))
     return groups
-
-
-def _shown(text: str, most: int = 40) -> str:
-    return repr(text if len(text) <= most else text[:most] + "...")
 
 
 def _distinct(tokens: Sequence[int]) -> tuple[int, ...]:

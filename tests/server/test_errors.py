@@ -161,6 +161,20 @@ def test_bad_request(
         assert ok.status_code == 200, ok.text
 
 
+def test_an_unknown_model_name_is_quoted_short(
+    server: ServerProcess, headers: dict[str, str]
+) -> None:
+    """The 404 names the model asked for, its first 200 characters: a name of 20,000
+    would make the error that size (every API's client shows the message)."""
+    name = "m" * 20_000
+    with httpx.Client(base_url=server.url, headers=headers, timeout=30) as http:
+        responses = [http.post(CHAT, **chat(model=name)), http.get(f"/v1/models/{name}")]
+    for response in responses:
+        assert response.status_code == 404
+        message = response.json()["error"]["message"]
+        assert f"'{'m' * 200}...' does not exist" in message and len(message) < 400
+
+
 def test_an_assistant_message_of_nothing_is_refused_in_the_apis_words(
     server: ServerProcess, headers: dict[str, str]
 ) -> None:
