@@ -47,7 +47,7 @@ from typing import Any
 from llguidance import LLMatcher, LLTokenizer
 
 from engine.api import Constraint
-from engine.json_schemas import for_generation
+from engine.json_schemas import for_generation, too_low_maximum
 
 # llguidance's JSON compile options for every schema here; see the module docstring.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -169,6 +169,10 @@ def _with_layout(schema: Mapping[str, Any], strict: bool, close_objects: bool
 
 
 def _grammar_from_schema(schema: Mapping[str, Any], strict: bool, close_objects: bool) -> str:
+    if found := too_low_maximum(schema):
+        keyword, value = found
+        raise UnsupportedSchema(f"the schema cannot be enforced: {keyword} {value} is at or "
+                                "past the smallest 64-bit integer", keyword)
     try:
         return LLMatcher.grammar_from_json_schema(
             json.dumps(_with_layout(schema, strict, close_objects), ensure_ascii=False))

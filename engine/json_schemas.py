@@ -35,6 +35,9 @@ SCHEMA_VALUES = ("items", "additionalItems", "unevaluatedItems", "additionalProp
 SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 # Keywords that make an object's keys depend on other schemas too.
 COMBINATORS = ("allOf", "anyOf", "oneOf", "$ref")
+# llguidance 1.9 crashes the process (SIGSEGV) compiling an integer whose maximum lies
+# within ~512 of the smallest 64-bit integer, where it overflows; nothing real asks that.
+LOWEST_MAXIMUM = -(2**63) + 2**20
 
 
 def for_generation(schema: Any, close_objects: bool) -> Any:
@@ -75,3 +78,24 @@ def _rewrite(schema: Any, close: bool, standalone: bool) -> Any:
             key in out for key in ("additionalProperties", "unevaluatedProperties")):
         out["additionalProperties"] = False
     return out
+
+
+def too_low_maximum(schema: Any) -> tuple[str, float] | None:
+    """The first `maximum` or `exclusiveMaximum` anywhere in `schema` at or below
+    LOWEST_MAXIMUM, and its value; None if there is none."""
+    if not isinstance(schema, Mapping):
+        return None
+    for keyword in ("maximum", "exclusiveMaximum"):
+        value = schema.get(keyword)
+        if isinstance(value, int | float) and not isinstance(value, bool) \
+                and value <= LOWEST_MAXIMUM:
+            return keyword, value
+    for key in SCHEMA_MAPS:
+        if isinstance(schema.get(key), Mapping):
+            for sub in schema[key].values():
+                if found := too_low_maximum(sub):
+                    return found
+    subschemas = [schema[key] for key in SCHEMA_VALUES if isinstance(schema.get(key), Mapping)]
+    subschemas += [sub for key in SCHEMA_LISTS if isinstance(schema.get(key), list)
+                   for sub in schema[key]]
+    return next(filter(None, map(too_low_maximum, subschemas)), None)

@@ -55,6 +55,27 @@ def test_a_schema_no_output_can_start_is_refused():
         json_schema({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}})
 
 
+@pytest.mark.parametrize("integer", [
+    {"type": "integer", "minimum": -1e19, "maximum": -1e19},
+    {"type": ["integer", "null"], "minimum": -(2**63), "maximum": -(2**63) + 1},
+    {"type": "integer", "exclusiveMaximum": -(2**63) + 1, "minimum": -1e19},
+])
+def test_an_integer_at_the_edge_of_64_bits_is_refused_not_compiled(integer):
+    """llguidance 1.9 dies (SIGSEGV, the whole server with it) compiling an integer whose
+    maximum lies at the smallest 64-bit integer: such a schema is refused before it is
+    compiled, wherever it sits in the schema. Were it compiled, this test's process would
+    be the one to die."""
+    for schema in (integer, {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}},
+                             "$defs": {"n": integer}},
+                   {"anyOf": [{"type": "string"}, {"items": [integer]}]}):
+        with pytest.raises(UnsupportedSchema, match="smallest 64-bit integer") as refused:
+            json_schema(schema)
+        assert refused.value.keyword in ("maximum", "exclusiveMaximum")
+    with pytest.raises(UnsupportedSchema, match="smallest 64-bit integer"):
+        tool_calls([FunctionTool("f", {"type": "object", "properties": {"n": integer}})])
+    assert json_schema({"type": "integer", "minimum": -10**18, "maximum": -5}).grammar
+
+
 def test_equal_schemas_give_equal_constraints():
     """The engine caches compiled grammars by the constraint's grammar text."""
     assert json_object() == json_object()

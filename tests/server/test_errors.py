@@ -92,6 +92,10 @@ CASES = [
         "json_schema": {"name": "s", "strict": True, "schema": {"type": "array",
                                                                 "uniqueItems": True}},
     }), 400, "unsupported_schema", "response_format"),
+    ("integer the grammar engine dies on", "POST", CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "s", "schema": {
+            "type": "integer", "minimum": -1e19, "maximum": -1e19}},
+    }), 400, "unsupported_schema", "response_format"),
     ("unenforceable tool parameters", "POST", CHAT, chat(
         tools=[{"type": "function", "function": {
             "name": "f", "strict": True,
