@@ -63,6 +63,12 @@ class ToolCallParser:
             released, self._buffer, found = split_at(self._buffer, marker)
             if self._in_call:
                 events += self._call_text(released)
+                if found and self._in_argument_string:
+                    # The end marker as text of an argument ("</tool_call>" in a file an
+                    # agent edits): JSON has it in a string, and so may a forced call's
+                    # grammar. The call goes on.
+                    events += self._call_text(marker)
+                    continue
                 if found:
                     events += self._end_call(terminated=True)
             else:
@@ -113,6 +119,10 @@ class ToolCallParser:
         assert self._arguments is not None
         fragment = text[:self._arguments.feed(text)]
         return [ToolCallArguments(self.choice, self.calls, fragment)] if fragment else []
+
+    @property
+    def _in_argument_string(self) -> bool:
+        return self._arguments is not None and self._arguments.in_string
 
     @property
     def _dropping(self) -> bool:

@@ -81,6 +81,18 @@ def test_braces_and_markers_inside_argument_strings() -> None:
     assert _calls(_run(list(call))) == [("f", {"s": '}{ " </tool'})]
 
 
+def test_the_end_marker_inside_an_argument_string_is_text_of_the_argument() -> None:
+    """An agent's edit of a file about tool calls, or a forced call whose schema allows
+    the marker in a string: the call ends at the marker after its arguments, whole,
+    however the text arrives."""
+    call = ('<tool_call>\n{"name": "f", "arguments": {"x": "a</tool_call>b", "y": 1}}'
+            '\n</tool_call>after')
+    for pieces in ([call], list(call), [call[:40], call[40:60], call[60:]]):
+        events = _run(pieces)
+        assert _calls(events) == [("f", {"x": "a</tool_call>b", "y": 1})]
+        assert _text(events) == "after"
+
+
 def test_partial_start_marker_is_held_back_then_released() -> None:
     parser = ToolCallParser(0, JSON_FORMAT, [])
     assert parser.feed("a <tool") == [TextDelta(0, "a ")]
