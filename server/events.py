@@ -96,6 +96,7 @@ class ToolCall:
     id: str
     name: str
     arguments: str = ""
+    after_text: int = 0  # how much of its choice's text came before it
 
 
 @dataclass
@@ -127,7 +128,7 @@ def fold(result: ChoiceResult, event: Event) -> None:
     elif isinstance(event, ReasoningDelta):
         result.reasoning += event.text
     elif isinstance(event, ToolCallStarted):
-        result.tool_calls.append(ToolCall(event.id, event.name))
+        result.tool_calls.append(ToolCall(event.id, event.name, after_text=len(result.text)))
     elif isinstance(event, ToolCallArguments):
         result.tool_calls[event.index].arguments += event.fragment
     else:

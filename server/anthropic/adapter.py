@@ -227,12 +227,16 @@ def message_response(
     content: list[ResponseContent] = []
     if result.reasoning:
         content.append(ThinkingContent(thinking=result.reasoning))
-    if result.text:
-        content.append(TextContent(text=result.text))
-    content += [
-        ToolUseContent(id=call.id, name=call.name, input=_tool_input(call.arguments))
-        for call in result.tool_calls
-    ]
+    # Text and calls in the order the model wrote them, as the stream's blocks are.
+    written = 0
+    for call in result.tool_calls:
+        if text := result.text[written:call.after_text]:
+            content.append(TextContent(text=text))
+        content.append(ToolUseContent(id=call.id, name=call.name,
+                                      input=_tool_input(call.arguments)))
+        written = call.after_text
+    if text := result.text[written:]:
+        content.append(TextContent(text=text))
     reason, sequence = stop_reason(result.finish_reason, result.matched_stop, context_bound)
     return MessageResponse(
         id=message_id, model=model, content=content, stop_reason=reason,

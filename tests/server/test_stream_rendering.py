@@ -13,14 +13,16 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from server.anthropic.adapter import MessageStream
+from server.anthropic.adapter import MessageStream, message_response
 from server.events import (
     ChoiceFinished,
+    ChoiceResult,
     ReasoningDelta,
     TextDelta,
     ToolCallArguments,
     ToolCallStarted,
     Usage,
+    fold,
 )
 from server.openai.formats import ChatFormat, CompletionFormat
 from server.responses.adapter import ResponseBuilder
@@ -56,6 +58,25 @@ def test_messages_stream_is_one_block_per_kind_in_order() -> None:
     assert message.stop_reason == "tool_use"
     assert (message.usage.input_tokens, message.usage.cache_read_input_tokens,
             message.usage.output_tokens) == (20, 100, 30)
+
+
+def test_a_whole_message_has_the_streams_blocks_in_the_order_written() -> None:
+    """Text a model writes after its calls comes after them, as its stream has it, not
+    merged with the text before them."""
+    reply = [*REPLY[:-1], TextDelta(0, "Then "), TextDelta(0, "done."), REPLY[-1]]
+    stream = MessageStream("msg_1", "model", context_bound=False)
+    streamed, buffers = None, {}
+    for event in [*stream.opening(prompt_tokens=120), *(e for r in reply for e in stream.event(r))]:
+        streamed = accumulate_event(event=json.loads(event.model_dump_json()),
+                                    current_snapshot=streamed, json_bufs=buffers)
+    result = ChoiceResult()
+    for event in reply:
+        fold(result, event)
+    whole = message_response("msg_1", "model", False, result)
+    assert [block.type for block in whole.content] == [
+        "thinking", "text", "tool_use", "tool_use", "text"]
+    assert [block.model_dump(exclude_none=True) for block in whole.content] == [
+        block.model_dump(exclude_none=True) for block in streamed.content]
 
 
 def test_responses_stream_is_one_item_per_kind_in_order() -> None:
