@@ -39,9 +39,14 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
+        """Either header with the key will do: a client (or a proxy in front of it) may send
+        one of them stale beside the other."""
         headers = dict(scope["headers"])
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() != b"bearer":
-            token = headers.get(b"x-api-key", b"")
-        # Constant time, so response timing does not reveal how much of a guess was right.
-        return hmac.compare_digest(token.strip(), self._key)
+        scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
+        tokens = [headers.get(b"x-api-key", b"")]
+        if scheme.lower() == b"bearer":
+            tokens.append(bearer)
+        # Constant time, so response timing does not reveal how much of a guess was right;
+        # both compared, so it does not reveal which header held it either.
+        matches = [hmac.compare_digest(token.strip(), self._key) for token in tokens]
+        return any(matches)

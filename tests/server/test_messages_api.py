@@ -208,8 +208,15 @@ def test_authentication_takes_x_api_key_or_bearer(server: ServerProcess, model_i
     assert httpx.post(url, json=body, headers={"x-api-key": API_KEY}).status_code == 200
     bearer = {"Authorization": f"Bearer {API_KEY}"}
     assert httpx.post(url, json=body, headers=bearer).status_code == 200
+    # Either header holding the key will do, the other stale (a proxy's, an old login's).
+    stale = {"x-api-key": API_KEY, "Authorization": "Bearer stale"}
+    assert httpx.post(url, json=body, headers=stale).status_code == 200
+    stale = {"x-api-key": "stale", **bearer}
+    assert httpx.post(url, json=body, headers=stale).status_code == 200
     refused = httpx.post(url, json=body, headers={"x-api-key": "wrong"})
     assert refused.status_code == 401
+    both_wrong = {"x-api-key": "wrong", "Authorization": "Bearer wrong"}
+    assert httpx.post(url, json=body, headers=both_wrong).status_code == 401
     assert refused.json()["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=server.url, auth_token="wrong", max_retries=0) \
