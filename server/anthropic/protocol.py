@@ -20,6 +20,9 @@ from server.schema import RequestModel, ResponseModel, shaped_union
 # -- request pieces ----------------------------------------------------------------------
 
 
+# The most stop_sequences one request may give (OpenAI's `stop` takes 4).
+MAX_STOP_SEQUENCES = 64
+
 class CacheControl(RequestModel):
     """Accepted and otherwise ignored: the radix cache keeps every prefix anyway."""
 
@@ -278,7 +281,10 @@ class TokenCountRequest(RequestModel):
 
 class MessagesRequest(TokenCountRequest):
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
+    # Anthropic names no limit; every one is matched against each token's text, so a
+    # request with 300,000 of them slowed everyone's streams to a third.
+    stop_sequences: Annotated[list[Annotated[str, Field(min_length=1)]],
+                              Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, ge=0, le=1)
