@@ -44,9 +44,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher
 
 from engine.api import Constraint
+from engine.grammar_check import CHECKER
 from engine.json_schemas import for_generation, too_low_maximum
 
 # llguidance's JSON compile options for every schema here; see the module docstring.
@@ -181,22 +182,17 @@ def _grammar_from_schema(schema: Mapping[str, Any], strict: bool, close_objects:
 
 
 def _validate(grammar: str) -> None:
-    """Refuse a grammar llguidance rejects, or one that admits no first byte: whatever
-    the model's vocabulary, no output could start (a schema that is only a `$ref` to
-    itself). A schema that runs dry further in is found as the model writes it
+    """Refuse a grammar llguidance rejects (or dies on: checked in a process of its own,
+    engine/grammar_check.py), or one that admits no first byte: whatever the model's
+    vocabulary, no output could start (a schema that is only a `$ref` to itself). A
+    schema that runs dry further in is found as the model writes it
     (`engine.grammar.ConstraintFailed`)."""
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        message = messages[0] if messages else "invalid grammar"
-        raise UnsupportedSchema(f"the schema cannot be enforced: {message}",
-                                _keyword_in(message))
-    matcher = LLMatcher(_BYTES, grammar, log_level=0)
-    matcher.compute_logit_bias()
-    if matcher.is_error():
+    verdict = CHECKER.check(grammar)
+    if verdict.error is not None:
+        raise UnsupportedSchema(f"the schema cannot be enforced: {verdict.error}",
+                                _keyword_in(verdict.error))
+    if not verdict.can_start:
         raise UnsupportedSchema("the schema cannot be enforced: no value satisfies it")
-
-
-_BYTES = LLTokenizer("byte")  # llguidance's tokenizer of single bytes
 
 
 # How llguidance names the keyword at fault in its errors.

@@ -17,6 +17,7 @@ from engine.constraints import (
     json_schema,
     tool_calls,
 )
+from engine.grammar_check import GrammarChecker, Verdict
 
 WEATHER = FunctionTool("get_weather", {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
@@ -74,6 +75,20 @@ def test_an_integer_at_the_edge_of_64_bits_is_refused_not_compiled(integer):
     with pytest.raises(UnsupportedSchema, match="smallest 64-bit integer"):
         tool_calls([FunctionTool("f", {"type": "object", "properties": {"n": integer}})])
     assert json_schema({"type": "integer", "minimum": -10**18, "maximum": -5}).grammar
+
+
+def test_a_grammar_that_kills_the_grammar_engine_costs_its_check_only():
+    """Grammars compile first in a process of their own: one that kills llguidance (the
+    crash the check above now refuses earlier, sent as a grammar) is an error verdict,
+    remembered, and the next grammar gets a new process."""
+    checker = GrammarChecker()
+    deadly = LLMatcher.grammar_from_json_schema(
+        json.dumps({"type": "integer", "minimum": -1e19, "maximum": -1e19}))
+    assert checker.check(json_object().grammar) == Verdict(None)
+    for _ in range(2):
+        assert checker.check(deadly).error == "the grammar crashed the grammar engine"
+    assert checker.check(LLMatcher.grammar_from_json_schema('{"type": "string"}')) == \
+        Verdict(None)
 
 
 def test_equal_schemas_give_equal_constraints():
