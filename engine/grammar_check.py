@@ -6,22 +6,30 @@ the checker's process costs its request a 400 and the next check a new process; 
 in the server's process, it would cost every request in flight. A grammar is checked once
 (`GrammarChecker.check` remembers its verdict), so an agent that sends the same tools with
 every request pays the round trip once.
+
+The checker is `python -m engine.grammar_check`, as `ps` shows it: one grammar a line on
+its stdin (JSON), one verdict a line on its stdout. It exits when its stdin closes.
 """
 
 from __future__ import annotations
 
 import functools
-import multiprocessing
+import json
+import os
+import select
+import subprocess
+import sys
 import threading
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from llguidance import LLMatcher, LLTokenizer
 
-SPAWN = multiprocessing.get_context("spawn")  # a fork would copy the server's threads
 # A check that takes longer is a grammar too costly to compile: refused, its process ended.
 CHECK_SECONDS = 30.0
 REMEMBERED = 512  # verdicts kept, most recently asked first
+# Where `engine` is importable from, for a checkout that is not installed.
+SOURCE_ROOT = str(Path(__file__).resolve().parents[1])
 
 
 @dataclass(frozen=True)
@@ -35,56 +43,47 @@ class Verdict:
 
 
 class GrammarChecker:
-    """A child process that compiles grammars for their verdicts, started when first
-    needed and again after one of them killed it. Thread-safe: checks go one at a time."""
+    """The checker's process, started when first needed and again after a grammar killed
+    it. Thread-safe: checks go one at a time."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._process: multiprocessing.process.BaseProcess | None = None
-        self._conn: Connection | None = None
+        self._process: subprocess.Popen | None = None
         self.check = functools.lru_cache(maxsize=REMEMBERED)(self._check)
 
     def _check(self, grammar: str) -> Verdict:
         with self._lock:
-            conn = self._started()
+            process = self._started()
             try:
-                conn.send(grammar)
-                if conn.poll(CHECK_SECONDS):
-                    return conn.recv()
-                error = f"the grammar did not compile within {CHECK_SECONDS:g} s"
-            except (EOFError, OSError):
+                process.stdin.write(json.dumps(grammar) + "\n")
+                process.stdin.flush()
+                if select.select([process.stdout], [], [], CHECK_SECONDS)[0]:
+                    if line := process.stdout.readline():
+                        return Verdict(**json.loads(line))
+                    error = "the grammar crashed the grammar engine"
+                else:
+                    error = f"the grammar did not compile within {CHECK_SECONDS:g} s"
+            except OSError:  # the pipe broke: it died
                 error = "the grammar crashed the grammar engine"
             self._stop()
             return Verdict(error)
 
-    def _started(self) -> Connection:
-        if self._process is None or not self._process.is_alive():
-            self._conn, child = SPAWN.Pipe()
-            self._process = SPAWN.Process(target=_serve, args=(child,),
-                                          name="radix-mlx-grammar-check", daemon=True)
-            self._process.start()
-            child.close()  # the child's death must close the pipe
-        return self._conn
+    def _started(self) -> subprocess.Popen:
+        if self._process is None or self._process.poll() is not None:
+            path = os.pathsep.join(filter(None, [SOURCE_ROOT, os.environ.get("PYTHONPATH")]))
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "engine.grammar_check"], text=True,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                env={**os.environ, "PYTHONPATH": path})
+        return self._process
 
     def _stop(self) -> None:
         self._process.kill()
-        self._process.join()
-        self._conn.close()
-        self._process = self._conn = None
+        self._process.wait()
+        self._process = None
 
 
-def _serve(conn: Connection) -> None:
-    """The child: a verdict for each grammar sent, until the pipe closes."""
-    tokenizer = LLTokenizer("byte")  # llguidance's tokenizer of single bytes
-    while True:
-        try:
-            grammar = conn.recv()
-        except (EOFError, OSError):
-            return
-        conn.send(_verdict(grammar, tokenizer))
-
-
-def _verdict(grammar: str, tokenizer: LLTokenizer) -> Verdict:
+def verdict(grammar: str, tokenizer: LLTokenizer) -> Verdict:
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         return Verdict(messages[0] if messages else "invalid grammar")
@@ -94,3 +93,9 @@ def _verdict(grammar: str, tokenizer: LLTokenizer) -> Verdict:
 
 
 CHECKER = GrammarChecker()
+
+
+if __name__ == "__main__":
+    BYTES = LLTokenizer("byte")  # llguidance's tokenizer of single bytes
+    for request in sys.stdin:
+        print(json.dumps(asdict(verdict(json.loads(request), BYTES))), flush=True)

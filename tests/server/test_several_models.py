@@ -63,7 +63,10 @@ def chat(server: ServerProcess, model: str, **extra) -> httpx.Response:
 
 
 def engine_processes(server: ServerProcess) -> set[int]:
-    return {child.pid for child in psutil.Process(server.process.pid).children()}
+    """The server's engine processes: its spawned children (not its grammar checker, nor
+    multiprocessing's resource tracker, which are not spawned)."""
+    return {child.pid for child in psutil.Process(server.process.pid).children()
+            if "spawn_main" in " ".join(child.cmdline())}
 
 
 def wait_until(condition, what: str, timeout: float = 60) -> None:
