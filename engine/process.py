@@ -400,7 +400,12 @@ class EngineProcess:
                 elif isinstance(item, DiskRebuilt) and self.disk is not None:
                     self.disk.rebuilt.set()
             self._check_beating()
-        if not self._stopping:
+        if self._stopping:  # calls the child did not answer before it stopped
+            with self._lock:
+                calls, self._calls = self._calls, {}
+            for future in calls.values():
+                future.set_exception(EngineNotReady("the engine stopped"))
+        else:
             self._lost()
 
     def _check_beating(self) -> None:

@@ -405,6 +405,10 @@ class Scheduler:
                 if self.group is not None:
                     raise
                 self._recover(error)
+        # A clear asked for as the engine stopped has nothing left to clear here.
+        for message in self._take_inbox(block=False):
+            if isinstance(message, ClearCache) and message.done is not None:
+                message.done.set_result(0)
         self.kv.settle()
         mx.synchronize()
 

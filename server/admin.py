@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from engine.api import EngineClient, EngineStats
+from engine.api import EngineClient, EngineNotReady, EngineStats
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
 from server.model_registry import RETRY_LATER, ModelRegistry, ServedModel
@@ -43,10 +43,14 @@ async def clear_cache(request: Request, model: str | None = None) -> dict[str, A
 async def cleared(models: ModelRegistry, served: ServedModel) -> dict[str, Any]:
     """Clear `served`'s cache: the memory freed and both tiers now, or, for a model that
     is not loaded, that its next load clears it."""
+    engine = served.engine
     freed = await models.clear_cache(served)
     if freed is None:
         return {"memory_bytes_freed": 0, "cleared_on_load": True}
-    return {"memory_bytes_freed": freed, **await _tiers(served.engine)}
+    try:
+        return {"memory_bytes_freed": freed, **await _tiers(engine)}
+    except APIError:  # unloaded, or not answering, since: the clear itself is done
+        return {"memory_bytes_freed": freed}
 
 
 @admin.post("/models/{model:path}/load", include_in_schema=False)
@@ -85,6 +89,9 @@ async def _tiers(engine: EngineClient) -> dict[str, Any]:
         stats: EngineStats = await asyncio.to_thread(engine.stats)
     except TimeoutError:
         raise APIError(503, "the model's engine does not answer", code="engine_unresponsive",
+                       headers=RETRY_LATER) from None
+    except EngineNotReady:
+        raise APIError(503, "the model's engine stopped", code="model_not_ready",
                        headers=RETRY_LATER) from None
     tree, disk = stats.tree, stats.disk
     memory = {

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.api import Lifecycle
+from engine.api import EngineNotReady, Lifecycle
 from server.config import DEFAULT_MODEL_ID, ModelSpec, Settings
 from server.follow_ups import FollowUps
 from server.http.errors import APIError, shown
@@ -426,7 +426,11 @@ class ModelRegistry:
         if engine is None or model.loading is not None or engine.state is not Lifecycle.READY:
             model.clear_on_load = True
             return None
-        return await self._clear(engine)
+        try:
+            return await self._clear(engine)
+        except EngineNotReady:  # unloaded (or lost) meanwhile: its disk tier keeps the rest
+            model.clear_on_load = True
+            return None
 
     async def _clear(self, engine: EngineClient) -> int:
         # While the tree is being rebuilt from the disk tier's files, a clear would keep
