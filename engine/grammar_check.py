@@ -28,6 +28,7 @@ from llguidance import LLMatcher, LLTokenizer
 # A check that takes longer is a grammar too costly to compile: refused, its process ended.
 CHECK_SECONDS = 30.0
 REMEMBERED = 512  # verdicts kept, most recently asked first
+CRASHED = "the grammar crashed the grammar engine"
 # Where `engine` is importable from, for a checkout that is not installed.
 SOURCE_ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -60,11 +61,11 @@ class GrammarChecker:
                 if select.select([process.stdout], [], [], CHECK_SECONDS)[0]:
                     if line := process.stdout.readline():
                         return Verdict(**json.loads(line))
-                    error = "the grammar crashed the grammar engine"
+                    error = CRASHED
                 else:
                     error = f"the grammar did not compile within {CHECK_SECONDS:g} s"
             except OSError:  # the pipe broke: it died
-                error = "the grammar crashed the grammar engine"
+                error = CRASHED
             self._stop()
             return Verdict(error)
 

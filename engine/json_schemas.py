@@ -22,7 +22,7 @@ refuse valid objects, and llguidance's merge fixes the order.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 # Keywords whose value is a map of names to subschemas.
@@ -80,22 +80,32 @@ def _rewrite(schema: Any, close: bool, standalone: bool) -> Any:
     return out
 
 
-def too_low_maximum(schema: Any) -> tuple[str, float] | None:
-    """The first `maximum` or `exclusiveMaximum` anywhere in `schema` at or below
-    LOWEST_MAXIMUM, and its value; None if there is none."""
+def subschemas(schema: Any) -> Iterator[Mapping[str, Any]]:
+    """`schema` and every schema inside it, wherever a keyword holds one (true and false
+    schemas left out)."""
     if not isinstance(schema, Mapping):
-        return None
-    for keyword in ("maximum", "exclusiveMaximum"):
-        value = schema.get(keyword)
-        if isinstance(value, int | float) and not isinstance(value, bool) \
-                and value <= LOWEST_MAXIMUM:
-            return keyword, value
+        return
+    yield schema
     for key in SCHEMA_MAPS:
         if isinstance(schema.get(key), Mapping):
             for sub in schema[key].values():
-                if found := too_low_maximum(sub):
-                    return found
-    subschemas = [schema[key] for key in SCHEMA_VALUES if isinstance(schema.get(key), Mapping)]
-    subschemas += [sub for key in SCHEMA_LISTS if isinstance(schema.get(key), list)
-                   for sub in schema[key]]
-    return next(filter(None, map(too_low_maximum, subschemas)), None)
+                yield from subschemas(sub)
+    for key in SCHEMA_VALUES:
+        if isinstance(schema.get(key), Mapping):
+            yield from subschemas(schema[key])
+    for key in SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for sub in schema[key]:
+                yield from subschemas(sub)
+
+
+def too_low_maximum(schema: Any) -> tuple[str, float] | None:
+    """The first `maximum` or `exclusiveMaximum` anywhere in `schema` at or below
+    LOWEST_MAXIMUM, and its value; None if there is none."""
+    for sub in subschemas(schema):
+        for keyword in ("maximum", "exclusiveMaximum"):
+            value = sub.get(keyword)
+            if isinstance(value, int | float) and not isinstance(value, bool) \
+                    and value <= LOWEST_MAXIMUM:
+                return keyword, value
+    return None

@@ -17,11 +17,11 @@ from pydantic import Discriminator, Field, Tag, model_validator
 from engine.api import SpeculationMode
 from server.schema import RequestModel, ResponseModel, shaped_union
 
-# -- request pieces ----------------------------------------------------------------------
-
-
 # The most stop_sequences one request may give (OpenAI's `stop` takes 4).
 MAX_STOP_SEQUENCES = 64
+
+# -- request pieces ----------------------------------------------------------------------
+
 
 class CacheControl(RequestModel):
     """Accepted and otherwise ignored: the radix cache keeps every prefix anyway."""
