@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx_lm
 import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
@@ -50,6 +51,7 @@ from engine.api import DiskStats
 from engine.kv import CacheSnapshot, KVSegment
 from engine.kv_quant import KVQuantization
 from engine.segment_file import PAGE_TOKENS, BadSegmentFile, PathState, SegmentHeader, Tensor
+from engine.weights_digest import weights_digest
 from radix import Node, RadixTree
 
 log = logging.getLogger("radix_mlx.disk")
@@ -64,8 +66,6 @@ DEPARTURES_FILE = "departures.json"
 # In each model's folder: the keys of the copies of what memory held at the last stop,
 # most recently used first, brought back into memory by the next start.
 IN_MEMORY_FILE = "in-memory.json"
-# How much of the file heads of a model's weights the fingerprint reads.
-FINGERPRINT_SAMPLE_BYTES = 1 << 20
 
 # The tensors of a segment's file, per layer: keys and values, or their quantized triples.
 PLAIN_PARTS = ("keys", "values")
@@ -86,23 +86,20 @@ def default_disk_budget(directory: Path) -> int:
     return int(min(free * DEFAULT_DISK_FRACTION, DEFAULT_DISK_CAP_BYTES))
 
 
-def model_fingerprint(model_dir: Path, model: nn.Module, cache: list[Any]) -> str:
-    """What KV on disk must match to be reused: the weights (config, each weights file's
-    size and first and last bytes: cheap, and different weights differ there), their
-    dtypes, the cache layout and this file format."""
+def model_fingerprint(model_dir: Path, model: nn.Module, cache: list[Any],
+                      memo_directory: Path) -> str:
+    """What KV on disk must match to be reused: every byte of the weights (config and
+    each weights file, hashed whole: see weights_digest.py), their dtypes, the cache
+    layout, the MLX and mlx-lm that compute the KV (an upgrade may change the math) and
+    this file format."""
     digest = hashlib.blake2b(segment_file.FORMAT.encode(), digest_size=16)
     config = model_dir / "config.json"
     digest.update(config.read_bytes() if config.exists() else b"")
-    for path in sorted(model_dir.glob("*.safetensors")):
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as f:
-            digest.update(f.read(FINGERPRINT_SAMPLE_BYTES))
-            f.seek(max(0, size - FINGERPRINT_SAMPLE_BYTES))
-            digest.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+    digest.update(weights_digest(sorted(model_dir.glob("*.safetensors")),
+                                 memo_directory).encode())
     dtypes = sorted({str(p.dtype) for _, p in tree_flatten(model.parameters())})
     layout = [type(c).__name__ for c in cache]
-    digest.update(repr((dtypes, layout)).encode())
+    digest.update(repr((dtypes, layout, mx.__version__, mlx_lm.__version__)).encode())
     return digest.hexdigest()
 
 

@@ -353,7 +353,7 @@ class Engine:
             return
         scheduler = self._scheduler
         fingerprint = model_fingerprint(loaded.path, loaded.model,
-                                        make_prompt_cache(loaded.model))
+                                        make_prompt_cache(loaded.model), directory)
         low, high = DISK_QUEUE_BYTES
         queue_bytes = int(min(max(scheduler.tree.capacity_bytes * DISK_QUEUE_FRACTION, low),
                               high))

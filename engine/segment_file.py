@@ -43,9 +43,11 @@ import numpy as np
 
 # Version 1 stored bfloat16 tensors under U16 and read them back as integers; version 2
 # keyed a file by its parent's key and its own tokens, so a split of a parent orphaned
-# the files below it. Their files are not read (the version is part of the model
-# fingerprint, so of the folder's name).
-FORMAT = "radix-mlx-kv/3"
+# the files below it; version 3's folders were named by a fingerprint that sampled the
+# weights' bytes, so a fine-tune could share its base model's folder. Their files are not
+# read (the version is part of the model fingerprint, so of the folder's name), and the
+# next start deletes them.
+FORMAT = "radix-mlx-kv/4"
 SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 METADATA_KEY = "radix_mlx"

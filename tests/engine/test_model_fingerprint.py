@@ -1,0 +1,132 @@
+"""The disk tier's folder is named by every byte of the model's weights: a model that
+differs from another only in the middle of a weights file (a fine-tune of a few layers)
+never reads the other's KV, and a changed file is never taken for the one hashed before."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from engine import weights_digest as digests
+from engine.demo_model import demo_model_path, random_weights
+from engine.weights_digest import MEMO_FILE, weights_digest
+from tests.engine.support import Reference, complete, settled, start_engine
+
+MIB = 1 << 20
+PROMPT = list(range(100, 200))
+TUNED_WEIGHT = "model.layers.0.mlp.up_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> Path:
+    """The tiny llama with an MLP wide enough that its weights file is several MiB, so
+    that a change can be far from both ends of it."""
+    tiny = demo_model_path("tiny")
+    path = tmp_path_factory.mktemp("wide-base")
+    for item in tiny.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, path / item.name)
+    config = {**json.loads((tiny / "config.json").read_text()), "intermediate_size": 4096}
+    (path / "config.json").write_text(json.dumps(config))
+    save(path, {name: mx.array(value) for name, value in random_weights(config, 0).items()})
+    return path
+
+
+@pytest.fixture(scope="module")
+def tuned_model(base_model, tmp_path_factory) -> Path:
+    """A copy of the base model with one middle layer's MLP changed, as a fine-tune would."""
+    path = tmp_path_factory.mktemp("wide-tuned")
+    shutil.copytree(base_model, path, dirs_exist_ok=True)
+    weights = dict(mx.load(str(base_model / "model.safetensors")))
+    weights[TUNED_WEIGHT] = weights[TUNED_WEIGHT] * 1.5
+    save(path, weights)
+    return path
+
+
+def save(path: Path, weights: dict[str, mx.array]) -> None:
+    mx.save_safetensors(str(path / "model.safetensors"), dict(sorted(weights.items())),
+                        metadata={"format": "mlx"})
+
+
+def ends(path: Path) -> tuple[int, bytes, bytes]:
+    data = path.read_bytes()
+    return len(data), data[:MIB], data[-MIB:]
+
+
+def test_the_tuned_copy_differs_only_where_a_sample_would_not_look(base_model, tuned_model):
+    """The premise: same size, same first and last MiB, different bytes in between."""
+    base, tuned = base_model / "model.safetensors", tuned_model / "model.safetensors"
+    assert ends(base) == ends(tuned)
+    assert base.read_bytes() != tuned.read_bytes()
+
+
+async def test_a_fine_tune_gets_its_own_folder_and_none_of_the_base_models_kv(
+        base_model, tuned_model, tmp_path):
+    base = start_engine(str(base_model), disk_cache_dir=str(tmp_path),
+                        disk_cache_bytes=64 * MIB)
+    try:
+        await complete(base, PROMPT, max_tokens=4)
+        await settled(base)
+        assert base.disk.flush(30)
+        assert list(base.disk.directory.glob("*.safetensors"))
+        base_folder = base.disk.directory
+    finally:
+        base.shutdown()
+    tuned = start_engine(str(tuned_model), disk_cache_dir=str(tmp_path),
+                         disk_cache_bytes=64 * MIB)
+    try:
+        assert tuned.disk.rebuilt.wait(30)
+        assert tuned.disk.directory != base_folder
+        assert tuned.stats().disk.restored_nodes == 0
+        done = await complete(tuned, PROMPT, max_tokens=8)
+        assert done.finish.cached_tokens == 0
+        assert done.tokens == Reference(str(tuned_model)).greedy(PROMPT, 8)
+    finally:
+        tuned.shutdown()
+    assert any(base_folder.glob("*.safetensors"))  # the base model's own KV is kept
+
+
+def test_a_weights_file_is_hashed_once_until_it_changes(tmp_path, monkeypatch):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(bytes(3 * MIB))
+    hashed = []
+    real = digests.file_digest
+    monkeypatch.setattr(digests, "file_digest", lambda path: hashed.append(path) or real(path))
+    first = weights_digest([weights], tmp_path)
+    assert weights_digest([weights], tmp_path) == first
+    assert hashed == [weights]
+    # A write in the middle with the old mtime put back: the ctime still tells.
+    stat = weights.stat()
+    with open(weights, "r+b") as f:
+        f.seek(MIB + 5)
+        f.write(b"\1")
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert weights_digest([weights], tmp_path) != first
+    assert len(hashed) == 2
+
+
+def test_a_memo_that_is_not_one_costs_a_hash_not_a_wrong_digest(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"weights")
+    honest = weights_digest([weights], tmp_path)
+    memo = tmp_path / MEMO_FILE
+    for content in ("{not json", "[1, 2]", json.dumps({str(weights.resolve()): "digest"}),
+                    json.dumps({str(weights.resolve()): [[0, 0, 7, 0, 0], "0" * 64]})):
+        memo.write_text(content)
+        assert weights_digest([weights], tmp_path) == honest
+
+
+def test_the_memo_forgets_files_that_are_gone(tmp_path):
+    kept, gone = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    kept.write_bytes(b"a")
+    gone.write_bytes(b"b")
+    weights_digest([kept, gone], tmp_path)
+    gone.unlink()
+    kept.write_bytes(b"aa")
+    weights_digest([kept], tmp_path)
+    assert list(json.loads((tmp_path / MEMO_FILE).read_text())) == [str(kept.resolve())]
