@@ -412,7 +412,7 @@ class Engine:
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Cancel everything and stop the worker."""
         if self._scheduler is not None and self.state is Lifecycle.READY:
-            self._scheduler.inbox.put(Stop())
+            self._scheduler.post(Stop())
             self._stopped.wait(timeout)
             if self.disk is not None:
                 self.disk.keep_departures(self._scheduler.tree.departures_at_stop())
@@ -468,17 +468,20 @@ class Engine:
                 on_dequeue=self._waiting.leave, message_ends=prompt.message_ends,
                 images=prompt.images))
         if self.group is not None:  # the ranks share single submits (scheduler.to_remote)
-            for generation in generations:
-                self._scheduler.inbox.put(Submit(generation))
+            messages = [Submit(generation) for generation in generations]
         else:
-            self._scheduler.inbox.put(SubmitAll(tuple(generations)))
+            messages = [SubmitAll(tuple(generations))]
+        if not all(self._scheduler.post(message) for message in messages):
+            for generation in generations:  # those posted end cancelled as the loop stops
+                generation.dequeue()
+            raise EngineNotReady("the engine stopped")
         return streams
 
     def cancel(self, request_id: str) -> None:
         """End a request early: its stream ends with a "cancelled" Finish within a step
         (nothing happens if it has ended already). Safe from any thread."""
         if self._scheduler is not None:
-            self._scheduler.inbox.put(Cancel(request_id))
+            self._scheduler.post(Cancel(request_id))
 
     def clear_cache(self) -> Future:
         """Drop every cached prefix nothing is using, from memory and disk; the future
@@ -486,8 +489,8 @@ class Engine:
         done: Future = Future()
         if self._scheduler is None or self.state is not Lifecycle.READY:
             done.set_result(0)
-        else:
-            self._scheduler.inbox.put(ClearCache(done))
+        elif not self._scheduler.post(ClearCache(done)):
+            done.set_exception(EngineNotReady("the engine stopped"))
         return done
 
     @property

@@ -271,6 +271,7 @@ class EngineProcess:
         self._relays = LoopRelays()
         self._ready = threading.Event()
         self._stopping = False
+        self._closed: str | None = None  # why nothing will answer again, once so
         self._beaten = 0.0  # when the engine's loop last said it turned (`Beat`)
         self._stuck: str | None = None  # why it was killed, if for not beating
 
@@ -286,8 +287,9 @@ class EngineProcess:
         # However the server's process ends: multiprocessing's own exit handler would
         # wait forever for a child that waits for its pipe to close.
         atexit.register(self.shutdown)
-        threading.Thread(target=self._read, name="radix-mlx-engine-reader",
-                         daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="radix-mlx-engine-reader",
+                                        daemon=True)
+        self._reader.start()
 
     def wait_ready(self, timeout: float | None = None) -> Lifecycle:
         self._ready.wait(timeout)
@@ -305,6 +307,7 @@ class EngineProcess:
             log.warning("the engine process did not stop in %.0f s: killed", STOP_SECONDS)
             self.process.kill()
             self.process.join()
+        self._reader.join(STOP_SECONDS)  # then what comes after is refused (`_close`)
 
     # -- requests ---------------------------------------------------------------------
 
@@ -329,8 +332,8 @@ class EngineProcess:
         streams = [RequestStream(f"req-{next(self._ids)}", relay, self.cancel)
                    for _ in prompts]
         with self._lock:
-            if self.state is not Lifecycle.READY:  # the child died meanwhile
-                raise EngineNotReady(self.error)
+            if self.state is not Lifecycle.READY or self._closed:  # it ended meanwhile
+                raise EngineNotReady(self._closed or self.error)
             self._waiting.enter(len(streams))
             for stream in streams:
                 self._streams[stream.request_id] = stream
@@ -370,6 +373,9 @@ class EngineProcess:
     def _call(self, name: str) -> Future:
         future: Future = Future()
         with self._lock:
+            if self._closed:
+                future.set_exception(EngineNotReady(self._closed))
+                return future
             call_id = next(self._ids)
             self._calls[call_id] = future
         self._send(("call", call_id, name))
@@ -400,11 +406,8 @@ class EngineProcess:
                 elif isinstance(item, DiskRebuilt) and self.disk is not None:
                     self.disk.rebuilt.set()
             self._check_beating()
-        if self._stopping:  # calls the child did not answer before it stopped
-            with self._lock:
-                calls, self._calls = self._calls, {}
-            for future in calls.values():
-                future.set_exception(EngineNotReady("the engine stopped"))
+        if self._stopping:  # what the child did not answer before it stopped
+            self._close("the engine stopped")
         else:
             self._lost()
 
@@ -477,12 +480,18 @@ class EngineProcess:
         reason = self._stuck or f"the engine process died ({how})"
         if self._stuck is None:
             log.error("%s", reason)
+        self._close(reason, failed=True)
+        self._ready.set()
+
+    def _close(self, reason: str, failed: bool = False) -> None:
+        """Nothing will answer again: fail what is open, and refuse what comes after."""
         with self._lock:
-            self.error = reason
-            self.state = Lifecycle.FAILED
+            self._closed = reason
+            if failed:
+                self.error = reason
+                self.state = Lifecycle.FAILED
             streams, self._streams = self._streams, {}
             calls, self._calls = self._calls, {}
-        self._ready.set()
         for stream in streams.values():
             stream.push(RequestFailed(reason))
         for future in calls.values():

@@ -52,6 +52,7 @@ import mlx.core as mx
 
 from engine.admission import MAX_PASSED_OVER, SchedulerLimits, admit, token_room
 from engine.api import (
+    EngineNotReady,
     FinishReason,
     LastPosition,
     PromptImage,
@@ -293,6 +294,9 @@ class Scheduler:
         self.tree = RadixTree(limits.cache_bytes, free=self.kv.free)
         self.disk: DiskStore | None = None
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        # Set as the loop stops: nothing posted after it would ever be read (`post`).
+        self._inbox_closed = False
+        self._inbox_lock = threading.Lock()
         self.generations: dict[str, Generation] = {}  # every one not ended, by request id
         self.waiting: list[Generation] = []
         # Requests whose prompt logprobs are being computed, a chunk a turn, before they
@@ -405,12 +409,36 @@ class Scheduler:
                 if self.group is not None:
                     raise
                 self._recover(error)
-        # A clear asked for as the engine stopped has nothing left to clear here.
-        for message in self._take_inbox(block=False):
-            if isinstance(message, ClearCache) and message.done is not None:
-                message.done.set_result(0)
+        with self._inbox_lock:
+            self._inbox_closed = True
+            unread = self._take_inbox(block=False)
+        for message in unread:
+            self._answer_unread(message)
         self.kv.settle()
         mx.synchronize()
+
+    def post(self, message: Message) -> bool:
+        """Put a message from another thread in the inbox; False once the loop has
+        stopped, when nothing would ever read it: the caller answers it instead."""
+        with self._inbox_lock:
+            if self._inbox_closed:
+                return False
+            self.inbox.put(message)
+            return True
+
+    @staticmethod
+    def _answer_unread(message: Message) -> None:
+        """What reached the inbox as the loop stopped: a request ends as those it stopped
+        did (cancelled); a clear is refused, as after the stop (the disk tier keeps
+        what it did not clear)."""
+        match message:
+            case Submit(generation):
+                generation.finish("cancelled")
+            case SubmitAll(generations):
+                for generation in generations:
+                    generation.finish("cancelled")
+            case ClearCache(done) if done is not None:
+                done.set_exception(EngineNotReady("the engine stopped"))
 
     def _take_inbox(self, block: bool) -> list[Message]:
         """Everything in the inbox; if `block`, waiting up to half a second for a first."""

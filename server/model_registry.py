@@ -422,7 +422,11 @@ class ModelRegistry:
         503 before."""
         engine = model.engine
         if not self.on_demand:
-            return await self._clear(model.check_ready())
+            try:
+                return await self._clear(model.check_ready())
+            except EngineNotReady:  # stopped meanwhile: the server is on its way out
+                raise APIError(503, "the model's engine stopped", code="model_not_ready",
+                               headers=RETRY_LATER) from None
         if engine is None or model.loading is not None or engine.state is not Lifecycle.READY:
             model.clear_on_load = True
             return None
