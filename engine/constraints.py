@@ -118,21 +118,33 @@ def json_schema(schema: Mapping[str, Any], strict: bool = False, close_objects: 
 
 def tool_calls(tools: Sequence[FunctionTool], name: str | None = None, parallel: bool = False,
                call_format: ToolCallFormat = HERMES, answer: JsonAnswer | None = None,
-               close_objects: bool = True) -> Constraint:
+               text: bool = False, close_objects: bool = True) -> Constraint:
     """One call (one or more in a row if `parallel`) of the function `name`, or of any of
     `tools` when `name` is None, whose arguments validate against its parameters; or,
-    when `answer` is given, that JSON answer instead of any call."""
+    when `answer` is given, that JSON answer instead of any call; or, with `text`, any
+    text that may end in such calls: the one thing it cannot hold is a call's start
+    marker that no allowed call follows."""
     if name is not None:
         tools = [tool for tool in tools if tool.name == name]
         if not tools:
             raise ValueError(f"no function named {name!r} among the tools")
     if not tools:
         raise ValueError("tool calls need at least one function")
+    more = f" ({_literal(call_format.separator)} call)*" if parallel else ""
     rules = ["start: calls" if answer is None else "start: calls | answer",
-             f"calls: call ({_literal(call_format.separator)} call)*" if parallel
-             else "calls: call",
+             f"calls: call{more}",
              f"call: {_literal(call_format.start)} body {_literal(call_format.end)}",
              "body: " + " | ".join(f"tool_{i}" for i in range(len(tools)))]
+    if text:
+        # Free text is one greedy lexeme, which would swallow a call's marker, so what
+        # leads up to a call is a lexeme of its own that ends at the marker (a `stop`).
+        marker = call_format.start.rstrip()
+        after_marker = call_format.start[len(marker):]
+        rules[0] = "start: TEXT | lead called"
+        pattern = re.escape(marker).replace("/", "\\/")
+        rules += [f"TEXT: /(?s:.*)/ & ~/(?s:.*){pattern}(?s:.*)/",
+                  f"lead[stop={_literal(marker)}]: /(?s:.*)/",
+                  f"called: {_literal(after_marker)} body {_literal(call_format.end)}{more}"]
     if answer is not None:
         try:
             rules.append(_json_rule("answer", answer.schema, answer.strict, close_objects))

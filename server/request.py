@@ -76,9 +76,19 @@ class NamedFunction:
     name: str
 
 
+@dataclass(frozen=True)
+class AllowedTools:
+    """tool_choice letting the model call only these of the tools, which it still sees
+    all of (so the prompt, and what the cache holds of it, stays the same as the allowed
+    set changes): "auto" it may answer instead, "required" it calls at least one."""
+
+    mode: Literal["auto", "required"]
+    names: tuple[str, ...]
+
+
 # none: never call (the model still sees the tools, as OpenAI's does); auto: the model decides;
 # required: at least one call, of any tool; NamedFunction: exactly that tool.
-ToolChoice = Literal["none", "auto", "required"] | NamedFunction
+ToolChoice = Literal["none", "auto", "required"] | NamedFunction | AllowedTools
 
 
 @dataclass(frozen=True)
@@ -157,5 +167,8 @@ class GenerationRequest:
 
     @property
     def offered_tools(self) -> tuple[FunctionTool, ...]:
-        """The tools the model may call: none when tool_choice is "none"."""
+        """The tools the model may call: none when tool_choice is "none", the allowed
+        ones under `AllowedTools`."""
+        if isinstance(self.tool_choice, AllowedTools):
+            return tuple(tool for tool in self.tools if tool.name in self.tool_choice.names)
         return () if self.tool_choice == "none" else self.tools

@@ -8,7 +8,7 @@ in a front end fails its tests instead of reaching a client.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Tag
 
@@ -31,6 +31,25 @@ def shaped_union(kind: Any, what: str, **members: Any) -> Any:
             kind, custom_error_type="invalid_type", custom_error_message=f"must be {what}"
         ),
     ]
+
+
+def tool_choice_union(function: Any, allowed_tools: Any) -> Any:
+    """OpenAI's tool_choice, with each API's own shapes of a named function and of
+    allowed tools."""
+    return shaped_union(
+        _tool_choice_kind, 'a mode ("none", "auto" or "required"), a function, or allowed tools',
+        mode=Literal["none", "auto", "required"], function=function,
+        allowed_tools=allowed_tools,
+    )
+
+
+def _tool_choice_kind(value: Any) -> str | None:
+    """A mode, or an object by its type (a request's JSON, or its model, which a response
+    echoes)."""
+    if isinstance(value, str):
+        return "mode"
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in ("function", "allowed_tools") else None
 
 
 def now() -> int:

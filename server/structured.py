@@ -3,6 +3,8 @@
 - tool_choice "required" or a named function (with tools offered): the reply is one or
   more calls (exactly one when parallel_tool_calls is false) whose arguments validate
   against the function's parameters, written in the request's tool-call format.
+- tool_choice `allowed_tools`: "required" as above, of the allowed tools; "auto" free
+  text, which may end in such calls (of the allowed tools only).
 - tools offered with tool_choice "auto" and a `json_object` / `json_schema` output format
   (what the OpenAI Agents SDK sends for an agent with tools and an `output_type`): the
   reply is such calls, or the answer in that format.
@@ -24,6 +26,7 @@ from engine.api import Constraint
 from engine.tokenizer import ToolCallFormat
 from server.http.errors import APIError
 from server.request import (
+    AllowedTools,
     GenerationRequest,
     JsonObjectOutput,
     JsonSchemaOutput,
@@ -33,21 +36,24 @@ from server.request import (
 
 
 def forces_call(request: GenerationRequest) -> bool:
+    choice = request.tool_choice
     return bool(request.offered_tools) and (
-        request.tool_choice == "required" or isinstance(request.tool_choice, NamedFunction)
+        choice == "required" or isinstance(choice, NamedFunction)
+        or isinstance(choice, AllowedTools) and choice.mode == "required"
     )
 
 
 def constrained(request: GenerationRequest) -> bool:
     """Does any grammar apply to this request (`output_constraint` is not None)?"""
-    return not isinstance(request.output, TextOutput) or forces_call(request)
+    return not isinstance(request.output, TextOutput) or writes_calls(request)
 
 
 def writes_calls(request: GenerationRequest) -> bool:
     """Does the grammar write this request's tool calls (as JSON between the format's
     markers), rather than the model on its own?"""
-    return forces_call(request) or (
-        bool(request.offered_tools) and not isinstance(request.output, TextOutput)
+    return forces_call(request) or bool(request.offered_tools) and (
+        not isinstance(request.output, TextOutput)
+        or isinstance(request.tool_choice, AllowedTools)
     )
 
 
@@ -69,6 +75,7 @@ def output_constraint(
     # Beside tools the calls' grammar holds the answer and checks its schema itself;
     # otherwise (alone, or beside forced calls, where it must still be enforceable) here.
     answer_in_calls = writes_calls(request) and not forces_call(request)
+    text_before_calls = answer_in_calls and answer is None  # allowed tools, "auto"
     with _refused("response_format"):
         constraint = None if answer is None or answer_in_calls else constraints.json_schema(
             answer.schema, strict=answer.strict, close_objects=close_objects)
@@ -84,6 +91,7 @@ def output_constraint(
                     f"{tool_format.start}\n", f"\n{tool_format.end}", tool_format.separator
                 ),
                 answer=answer if answer_in_calls else None,
+                text=text_before_calls,
                 close_objects=close_objects,
             )
     if constraint is None:

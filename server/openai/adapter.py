@@ -9,6 +9,7 @@ from __future__ import annotations
 from engine.api import SamplingKnobs
 from server.images import MARKER
 from server.openai.protocol import (
+    AllowedToolsChoice,
     AssistantMessage,
     ChatCompletionRequest,
     ChatRequestMessage,
@@ -24,6 +25,7 @@ from server.openai.protocol import (
 )
 from server.request import (
     TEXT,
+    AllowedTools,
     FunctionTool,
     GenerationRequest,
     JsonObjectOutput,
@@ -135,9 +137,12 @@ def template_message(message: ChatRequestMessage) -> TemplateMessage:
     return out
 
 
-def _tool_choice(choice: str | NamedToolChoice | None) -> ToolChoice:
+def _tool_choice(choice: str | NamedToolChoice | AllowedToolsChoice | None) -> ToolChoice:
     if isinstance(choice, NamedToolChoice):
         return NamedFunction(choice.function.name)
+    if isinstance(choice, AllowedToolsChoice):
+        allowed = choice.allowed_tools
+        return AllowedTools(allowed.mode, tuple(tool.function.name for tool in allowed.tools))
     return choice or "auto"  # type: ignore[return-value]
 
 

@@ -20,7 +20,7 @@ from pydantic import (
 )
 
 from engine.api import SpeculationMode
-from server.schema import RequestModel, ResponseModel, now, shaped_union
+from server.schema import RequestModel, ResponseModel, now, shaped_union, tool_choice_union
 
 # -- shared request pieces ---------------------------------------------------------------
 
@@ -206,6 +206,21 @@ class NamedToolChoice(RequestModel):
     function: FunctionName
 
 
+class AllowedToolsSet(RequestModel):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1)
+
+
+class AllowedToolsChoice(RequestModel):
+    """Only these of the tools may be called; the model still sees them all."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedToolsSet
+
+
+ToolChoice = tool_choice_union(NamedToolChoice, AllowedToolsChoice)
+
+
 class StructuredOutputRequest(SamplingRequest):
     """Fields shared by chat and legacy completions on top of sampling: the output format."""
 
@@ -218,7 +233,7 @@ class ChatCompletionRequest(StructuredOutputRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: false ends the prompt after the final message instead of opening the reply;
@@ -243,9 +258,15 @@ class ChatCompletionRequest(StructuredOutputRequest):
             raise ValueError("continue_final_message needs add_generation_prompt to be false")
         if self.tool_choice is not None and not self.tools:
             raise ValueError("tool_choice is only allowed when tools are specified")
+        named = {tool.function.name for tool in self.tools or ()}
         if isinstance(self.tool_choice, NamedToolChoice):
-            name = self.tool_choice.function.name
-            if name not in {tool.function.name for tool in self.tools or ()}:
+            chosen = [self.tool_choice.function.name]
+        elif isinstance(self.tool_choice, AllowedToolsChoice):
+            chosen = [tool.function.name for tool in self.tool_choice.allowed_tools.tools]
+        else:
+            chosen = []
+        for name in chosen:
+            if name not in named:
                 raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
         return self
 

@@ -38,6 +38,7 @@ from server.openai.protocol import ErrorResponse
 from server.pipeline import GenerationRun, start
 from server.request import (
     TEXT,
+    AllowedTools,
     FunctionTool,
     GenerationRequest,
     JsonObjectOutput,
@@ -50,6 +51,7 @@ from server.request import (
 )
 from server.request import ToolChoice as GenerationToolChoice
 from server.responses.protocol import (
+    AllowedToolsChoice,
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
     DeletedResponse,
@@ -186,6 +188,8 @@ def generation_request(
 def _tool_choice(choice: Any) -> GenerationToolChoice:
     if isinstance(choice, FunctionChoice):
         return NamedFunction(choice.name)
+    if isinstance(choice, AllowedToolsChoice):
+        return AllowedTools(choice.mode, tuple(tool.name for tool in choice.tools))
     return choice or "auto"
 
 

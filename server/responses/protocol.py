@@ -16,7 +16,7 @@ from pydantic import Discriminator, Field, Tag, model_validator
 
 from engine.api import SpeculationMode
 from server.images import MARKER
-from server.schema import RequestModel, ResponseModel, now, shaped_union
+from server.schema import RequestModel, ResponseModel, now, shaped_union, tool_choice_union
 
 # -- input items ---------------------------------------------------------------------------
 
@@ -209,7 +209,15 @@ class FunctionChoice(RequestModel):
     name: str
 
 
-ToolChoice = Literal["none", "auto", "required"] | FunctionChoice
+class AllowedToolsChoice(RequestModel):
+    """Only these of the tools may be called; the model still sees them all."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[FunctionChoice] = Field(min_length=1)
+
+
+ToolChoice = tool_choice_union(FunctionChoice, AllowedToolsChoice)
 
 
 class TextFormat(RequestModel):
@@ -282,8 +290,15 @@ class ResponsesRequest(RequestModel):
         names = {tool.name for tool in self.function_tools}
         if self.tool_choice not in (None, "none", "auto") and not names:
             raise ValueError("tool_choice needs tools")
-        if isinstance(self.tool_choice, FunctionChoice) and self.tool_choice.name not in names:
-            raise ValueError(f"tool_choice names {self.tool_choice.name!r}, which is not a tool")
+        if isinstance(self.tool_choice, FunctionChoice):
+            chosen = [self.tool_choice.name]
+        elif isinstance(self.tool_choice, AllowedToolsChoice):
+            chosen = [tool.name for tool in self.tool_choice.tools]
+        else:
+            chosen = []
+        for name in chosen:
+            if name not in names:
+                raise ValueError(f"tool_choice names {name!r}, which is not a tool")
         return self
 
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from engine.api import Constraint
 from engine.constraints import (
     FunctionTool,
+    ToolCallFormat,
     UnsupportedSchema,
     json_object,
     json_schema,
@@ -200,3 +201,32 @@ def test_the_schema_given_is_not_changed():
     before = json.dumps(schema)
     json_schema(schema)
     assert json.dumps(schema) == before
+
+
+def test_text_or_allowed_calls_admits_text_and_text_ending_in_allowed_calls_only():
+    """tool_choice allowed_tools, mode "auto": the model may answer, or call one of the
+    allowed tools, after some text or straight away; a call of any other tool cannot
+    start, not even after text."""
+    weather = FunctionTool("get_weather", {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]})
+    constraint = tool_calls([weather], parallel=True, text=True)
+    call = '<tool_call>\n{"name": "%s", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert accepts(constraint, "It is sunny, and a < b in <tool> tags.")
+    assert accepts(constraint, "")
+    assert accepts(constraint, call % "get_weather")
+    assert accepts(constraint, "Let me look.\n" + call % "get_weather")
+    assert accepts(constraint, call % "get_weather" + "\n" + call % "get_weather")
+    assert not accepts(constraint, call % "delete_everything")
+    assert not accepts(constraint, "Let me look.\n" + call % "delete_everything")
+    assert not accepts(constraint, call % "get_weather" + " and then some text")
+    assert not accepts(tool_calls([weather], text=True),
+                       call % "get_weather" + "\n" + call % "get_weather")
+
+
+def test_text_or_calls_escapes_a_marker_with_regex_characters():
+    tool = FunctionTool("f", None)
+    bracket = ToolCallFormat("[TOOL_CALLS]|/x\n", "\n[/TOOL_CALLS]", "\n")
+    constraint = tool_calls([tool], call_format=bracket, text=True)
+    assert accepts(constraint, "text with [TOOL_CALLS] but not the whole marker")
+    assert accepts(constraint, 'so: [TOOL_CALLS]|/x\n{"name": "f", "arguments": {}}\n[/TOOL_CALLS]')
+    assert not accepts(constraint, 'so: [TOOL_CALLS]|/x\n{"name": "g", "arguments": {}}')
