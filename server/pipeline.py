@@ -206,6 +206,12 @@ async def render(model: ServedModel, request: GenerationRequest) -> list[Prompt]
                                     model.engine.wants_message_ends, images)]
 
 
+async def fits_context(lease: Lease, request: GenerationRequest) -> bool:
+    """Does `request`'s prompt leave its model room for at least one token?"""
+    prompts = await render(lease.model, request)
+    return max(len(prompt.tokens) for prompt in prompts) < lease.engine.token_limit
+
+
 def _as_rendered(model: ServedModel, request: GenerationRequest) -> GenerationRequest:
     """The chat as its template renders it: system lines the server drops gone, the
     model's template variables under the request's."""

@@ -35,7 +35,7 @@ from server.http.openapi import error_responses, event_stream
 from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
 from server.model_registry import Lease
 from server.openai.protocol import ErrorResponse
-from server.pipeline import GenerationRun, start
+from server.pipeline import GenerationRun, fits_context, start
 from server.request import (
     TEXT,
     AllowedTools,
@@ -379,8 +379,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
     async def respond(lease: Lease) -> Response:
         try:
-            generation = await start(request, state, lease,
-                                     generation_request(body, conversation))
+            shown = conversation
+            if body.truncation == "auto":
+                shown = await _truncated(lease, body, conversation)
+            generation = await start(request, state, lease, generation_request(body, shown))
         except APIError as error:
             error.param = RESPONSES_PARAMS.get(error.param, error.param)
             raise
@@ -391,6 +393,36 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         state.models, body.model, body.stream, respond,
         lambda error: _sse(ErrorEvent(code=error.code, message=error.message,
                                       param=error.param)))
+
+
+async def _truncated(lease: Lease, body: ResponsesRequest,
+                     conversation: list[TemplateMessage]) -> list[TemplateMessage]:
+    """truncation "auto": the conversation without as few of its oldest turns as leave
+    its prompt room to answer. A turn goes whole, from a user message to the next, so no
+    tool result loses its call; the system messages before the first turn stay, and so
+    does the last turn (if even that does not fit, the request is refused as too long).
+    The stored conversation keeps every item."""
+    head = 0
+    while head < len(conversation) and conversation[head]["role"] == "system":
+        head += 1
+    turns = [i for i in range(head + 1, len(conversation)) if conversation[i]["role"] == "user"]
+
+    def from_turn(start: int) -> list[TemplateMessage]:
+        return conversation[:head] + conversation[start:]
+
+    async def fits(messages: list[TemplateMessage]) -> bool:
+        return await fits_context(lease, generation_request(body, messages))
+
+    if not turns or await fits(conversation) or not await fits(from_turn(turns[-1])):
+        return conversation
+    low, high = 0, len(turns) - 1  # the earliest turn from which the rest fits is in here
+    while low < high:
+        middle = (low + high) // 2
+        if await fits(from_turn(turns[middle])):
+            high = middle
+        else:
+            low = middle + 1
+    return from_turn(turns[low])
 
 
 async def _respond(request: Request, state: ServerState, body: ResponsesRequest,
