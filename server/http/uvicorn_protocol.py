@@ -1,5 +1,5 @@
 """The HTTP/1.1 protocol uvicorn serves with: its httptools (llhttp) one, plus a limit on
-the request head.
+the request head, and streams to HTTP/1.0 clients without chunked framing.
 
 With the engine in this process, the event loop's Python per streamed token is taken
 from the decode loop (the GIL). h11's pure-Python state machine and chunk writer were
@@ -12,7 +12,8 @@ until they end, so the bytes of an unfinished head are counted here instead.
 
 from __future__ import annotations
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn._types import ASGISendEvent
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from server.http.body_limit import MAX_HEADER_BYTES
 
@@ -44,3 +45,34 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._head_bytes = None
         super().on_headers_complete()
+        if self.scope.get("http_version") == "1.0" and self.cycle.scope is self.scope:
+            _close_delimited(self.cycle)
+
+
+# More than any body sent: what a body of unknown length may hold (`_close_delimited`).
+UNBOUNDED = 1 << 62
+
+
+def _close_delimited(cycle: RequestResponseCycle) -> None:
+    """uvicorn frames a body of unknown length (a stream) in chunks, which HTTP/1.0 lacks:
+    a client or proxy speaking it (nginx does upstream unless told otherwise) reads the
+    chunk sizes as body. For HTTP/1.0 such a body is sent as it is and ends as the
+    connection closes (an HTTP/1.0 connection is never kept alive). uvicorn's cycle counts
+    the bytes it writes against a length, so the length is made unbounded, then set to
+    what the last part brings."""
+    send, unbounded = cycle.send, False
+
+    async def close_delimited(message: ASGISendEvent) -> None:
+        nonlocal unbounded
+        if message["type"] == "http.response.start" and not any(
+                name.lower() in (b"content-length", b"transfer-encoding")
+                for name, _ in message.get("headers", ())):
+            unbounded = True
+            cycle.chunked_encoding = False
+            cycle.expected_content_length = UNBOUNDED
+        elif unbounded and message["type"] == "http.response.body" and not message.get(
+                "more_body", False):
+            cycle.expected_content_length = len(message.get("body", b""))
+        await send(message)
+
+    cycle.send = close_delimited

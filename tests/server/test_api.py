@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import uuid
 
 import httpx
@@ -128,6 +129,34 @@ def test_chat_stream_on_the_wire(server: ServerProcess, headers: dict[str, str],
     for index in (0, 1):  # choices interleave; each ends with its finish
         own = [chunk["choices"][0] for chunk in choices if chunk["choices"][0]["index"] == index]
         assert [choice["finish_reason"] for choice in own][-2:] == [None, "length"]
+
+
+def _http_1_0(server: ServerProcess, headers: dict[str, str], body: dict) -> tuple[bytes, bytes]:
+    """POST /v1/chat/completions as an HTTP/1.0 client: (the response's head, its body,
+    read until the server closes the connection)."""
+    data = json.dumps(body).encode()
+    head = "".join(f"{name}: {value}\r\n" for name, value in {
+        **headers, "Content-Type": "application/json", "Content-Length": len(data)}.items())
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(f"POST /v1/chat/completions HTTP/1.0\r\n{head}\r\n".encode() + data)
+        raw = b"".join(iter(lambda: connection.recv(65536), b""))
+    response_head, _, content = raw.partition(b"\r\n\r\n")
+    assert response_head.startswith(b"HTTP/1.1 200")
+    return response_head.lower(), content
+
+
+def test_an_http_1_0_client_gets_its_stream_unchunked_until_the_connection_closes(
+        server: ServerProcess, headers: dict[str, str], model_id: str) -> None:
+    """HTTP/1.0 has no chunked transfer coding; nginx proxies upstream in HTTP/1.0
+    unless told otherwise. A whole response keeps its length."""
+    body = {"model": model_id, "messages": _messages(), "max_tokens": 3, **NO_EOS}
+    head, content = _http_1_0(server, headers, {**body, "stream": True})
+    assert b"transfer-encoding" not in head and b"connection: close" in head
+    assert content.startswith(b"data: {") and content.endswith(b"data: [DONE]\r\n\r\n")
+    head, content = _http_1_0(server, headers, body)
+    assert f"content-length: {len(content)}".encode() in head
+    assert json.loads(content)["choices"][0]["finish_reason"] == "length"
 
 
 def test_completions_batch_indexes_prompts_times_n(client: openai.OpenAI, model_id: str) -> None:
