@@ -380,6 +380,8 @@ class Scheduler:
                     and not self.reading and not self.scoring)
             if idle and until_idle and self.inbox.empty():
                 return
+            if idle:  # at rest within budget: a chain loaded over it, its request gone
+                self.tree.enforce_capacity()
             messages = self._take_inbox(block=idle and not until_idle and
                                         not self._bringing_back and
                                         (not shared or self.group.leader))

@@ -68,8 +68,10 @@ class Tiers:
         """Put `node` back in memory with `handle`, its data loaded from `node.stored` (or
         `source`, the copy read) by the caller, who pinned it (`pin`) for the load.
         Promote a match's `disk` nodes top first: a node's parent must be in memory
-        already. It counts as a disk hit. If another thread promoted the node (or cut it)
-        since `source` was read, `handle` is freed instead."""
+        already. It counts as a disk hit, and makes room for itself in the memory budget
+        (evicting what is not pinned), as an insert's caller does: the request that loads
+        it may wait, or go, before it holds it. If another thread promoted the node (or
+        cut it) since `source` was read, `handle` is freed instead."""
         with self._locked():
             assert self._attached(node), f"promote of a dropped node {node!r}"
             if not node.on_disk or node.stored is not (source or node.stored):
@@ -86,6 +88,7 @@ class Tiers:
             self._sync_lru(node.parent)
             self._disk_hits += 1
             self._disk_hit_tokens += len(node.tokens)
+            self._evict(self._memory.total_bytes - self.capacity_bytes, demote=True)
 
     def restore_all(self, copies: Iterable[tuple[str, tuple[int, ...], Stored]]
                     ) -> tuple[int, list[Stored]]:

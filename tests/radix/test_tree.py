@@ -634,6 +634,23 @@ def test_a_match_reports_disk_nodes_and_promote_brings_them_back_as_a_disk_hit()
     check_invariants(tree)
 
 
+def test_a_promotion_makes_room_in_memory_for_what_it_brings_back():
+    """The request that loads a node may wait, or go, before it holds it: whatever it
+    brings back comes into the budget at once, pushing out what nothing pins."""
+    tree, _ = tiered(capacity=4)
+    tree.put([1, 2, 3])
+    tree.evict(3)
+    tree.put([7, 8, 9])
+    (loaded,) = tree.match([1, 2, 3]).disk
+    tree.pin(loaded)
+    tree.promote(loaded, loaded.stored.load())
+    tree.unpin(loaded)
+    s = tree.stats()
+    assert s.total_bytes == 3 <= s.capacity_bytes
+    assert tree.match([1, 2, 3]).length == 3 and tree.match([7, 8, 9]).disk_length == 3
+    check_invariants(tree)
+
+
 def test_a_match_ending_inside_a_span_on_disk_reports_it_whole():
     tree, _ = tiered()
     tree.put([1, 2, 3, 4])
