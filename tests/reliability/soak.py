@@ -242,7 +242,10 @@ def describe(s: Sample) -> str:
 
 
 def slope_mib_per_hour(samples: list[Sample], name: str) -> float:
-    """The least-squares slope of one series over the samples after warm-up."""
+    """The least-squares slope of one series over the samples after warm-up (none: 0, as
+    for a process restarted as the time ran out)."""
+    if not samples:
+        return 0.0
     end = samples[-1].seconds
     kept = [s for s in samples if s.seconds >= WARM_UP_SHARE * end]
     if len(kept) < 3:
