@@ -397,32 +397,41 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
 async def _truncated(lease: Lease, body: ResponsesRequest,
                      conversation: list[TemplateMessage]) -> list[TemplateMessage]:
-    """truncation "auto": the conversation without as few of its oldest turns as leave
-    its prompt room to answer. A turn goes whole, from a user message to the next, so no
-    tool result loses its call; the system messages before the first turn stay, and so
-    does the last turn (if even that does not fit, the request is refused as too long).
-    The stored conversation keeps every item."""
+    """truncation "auto": the conversation without as few of its oldest items as leave its
+    prompt room to answer. Whole turns go first, from a user message to the next; then,
+    within the last turn (an agent's task and its tool calls), its oldest exchanges, an
+    assistant message with the tool results after it, so no result loses its call and the
+    task stays. The system messages before the first turn always stay; if even the task
+    and its latest exchange do not fit, the request is refused as too long. The stored
+    conversation keeps every item."""
     head = 0
     while head < len(conversation) and conversation[head]["role"] == "system":
         head += 1
-    turns = [i for i in range(head + 1, len(conversation)) if conversation[i]["role"] == "user"]
-
-    def from_turn(start: int) -> list[TemplateMessage]:
-        return conversation[:head] + conversation[start:]
+    users = [i for i in range(head, len(conversation)) if conversation[i]["role"] == "user"]
+    if not users:
+        return conversation
+    task = users[-1]
+    exchanges = [i for i in range(task + 1, len(conversation))
+                 if conversation[i]["role"] == "assistant"][1:]
+    # Each shorter than the one before: from a later turn, then the task from a later
+    # exchange.
+    shorter = [conversation[:head] + conversation[start:] for start in users[1:]]
+    shorter += [conversation[:head] + [conversation[task]] + conversation[start:]
+                for start in exchanges]
 
     async def fits(messages: list[TemplateMessage]) -> bool:
         return await fits_context(lease, generation_request(body, messages))
 
-    if not turns or await fits(conversation) or not await fits(from_turn(turns[-1])):
+    if not shorter or await fits(conversation) or not await fits(shorter[-1]):
         return conversation
-    low, high = 0, len(turns) - 1  # the earliest turn from which the rest fits is in here
+    low, high = 0, len(shorter) - 1  # the first of them that fits is in here
     while low < high:
         middle = (low + high) // 2
-        if await fits(from_turn(turns[middle])):
+        if await fits(shorter[middle]):
             high = middle
         else:
             low = middle + 1
-    return from_turn(turns[low])
+    return shorter[low]
 
 
 async def _respond(request: Request, state: ServerState, body: ResponsesRequest,

@@ -49,20 +49,45 @@ def test_disabled_refuses_a_conversation_over_the_window(short_server):
         assert refused.json()["error"]["code"] == "context_length_exceeded"
 
 
-def test_auto_keeps_the_instructions_and_the_latest_turns_that_fit(short_server):
-    answered = respond(short_server, TURNS + LAST, "auto")
+def assert_auto_kept_the_latest_that_fit(server: ServerProcess, before: list[dict],
+                                        pairs: list[dict], after: list[dict], **more) -> None:
+    """`truncation: "auto"` on before + pairs + after kept before, after and the most of
+    the latest pairs (two items each) that fit: counted by sending them alone with
+    truncation disabled, the same prompt, which the first request left in the cache."""
+    answered = respond(server, before + pairs + after, "auto", **more)
     assert answered.status_code == 200, answered.text
     usage = answered.json()["usage"]
-    # The most turns that fit, counted by sending them alone with truncation disabled:
-    # the same prompt, which the first request left in the cache.
-    for kept in range(len(TURNS) // 2, -1, -1):
-        alone = respond(short_server, TURNS[len(TURNS) - 2 * kept:] + LAST)
+    for kept in range(len(pairs) // 2, -1, -1):
+        alone = respond(server, before + pairs[len(pairs) - 2 * kept:] + after, **more)
         if alone.status_code == 200:
             break
-    assert 0 < kept < len(TURNS) // 2
+    assert 0 < kept < len(pairs) // 2
     same = alone.json()["usage"]
     assert same["input_tokens"] == usage["input_tokens"] < CONTEXT
     assert same["input_tokens_details"]["cached_tokens"] >= same["input_tokens"] - 1
+
+
+def test_auto_keeps_the_instructions_and_the_latest_turns_that_fit(short_server):
+    assert_auto_kept_the_latest_that_fit(short_server, [], TURNS, LAST)
+
+
+def exchange(n: int) -> list[dict]:
+    return [{"type": "function_call", "call_id": f"call_{n}", "name": "shell",
+             "arguments": '{"command": "ls ' + "dir/" * 6 + f'{n}"}}'},
+            {"type": "function_call_output", "call_id": f"call_{n}",
+             "output": "file.txt " * 8}]
+
+
+SHELL = [{"type": "function", "name": "shell", "parameters": {
+    "type": "object", "properties": {"command": {"type": "string"}}}}]
+TASK = [{"role": "user", "content": "list every file"}]
+EXCHANGES = [item for n in range(10) for item in exchange(n)]
+
+
+def test_auto_drops_an_agents_oldest_tool_exchanges_and_keeps_its_task(short_server):
+    """An agent's loop is one turn: its task, then call after call. What goes is the
+    oldest calls with their results; the task stays."""
+    assert_auto_kept_the_latest_that_fit(short_server, TASK, EXCHANGES, [], tools=SHELL)
 
 
 def test_a_conversation_that_fits_is_sent_whole(short_server):
