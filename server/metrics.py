@@ -92,6 +92,9 @@ class ModelsCollector(Collector):
                                       "model that died while serving.", labels=["model"])
         memory = GaugeMetricFamily(f"{PREFIX}_model_memory_bytes", "Each loaded model's "
                                    "share of the memory budget.", labels=["model"])
+        requests = GaugeMetricFamily(f"{PREFIX}_model_requests", "Requests holding each "
+                                     "model now, those waiting for its load included.",
+                                     labels=["model"])
         for model in self._models.models:
             engine_state = model.engine.state.value if model.engine else "unloaded"
             state.add_metric([model.id, engine_state], 1)
@@ -100,7 +103,8 @@ class ModelsCollector(Collector):
             unloads.add_metric([model.id], model.counters.unloads)
             crashes.add_metric([model.id], model.counters.crashes)
             memory.add_metric([model.id], model.share_bytes if model.engine else 0)
-        yield from (state, loads, load_seconds, unloads, crashes, memory)
+            requests.add_metric([model.id], model.inflight)
+        yield from (state, loads, load_seconds, unloads, crashes, memory, requests)
 
 
 class Metrics:

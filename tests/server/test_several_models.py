@@ -392,7 +392,8 @@ def test_the_drains_deadline_ends_the_requests_waiting_for_a_load(
             stream = pool.submit(streamed)
             whole = pool.submit(httpx.post, f"{server.url}/v1/chat/completions",
                                 headers=AUTH, timeout=120, json=body)
-            wait_until(lambda: "loading model smol" in server.log(), "loading")
+            wait_until(lambda: server.metrics()["radix_mlx_model_requests"] == 2,
+                       "both requests waiting for the load")
             server.process.terminate()
             refused, events = whole.result(), stream.result()
         assert refused.status_code == 503
