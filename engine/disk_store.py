@@ -14,8 +14,9 @@ the copying. `DiskStore` is the tree's `Store`:
   in, each tensor checksummed while MLX reads the file.
 - `rebuild` (its own thread, at start) puts every good file of this model back in the
   tree as a disk node, parents first; bad or foreign files are deleted with a log line.
-  First it removes the folders beside this one that an older format version wrote
-  (`remove_older_format`): no server of this version reads them.
+  First it removes the folders beside this one that no server will read again: those an
+  older format version wrote (`remove_older_format`), and those written for this model's
+  directory under an earlier fingerprint (`remove_superseded`).
 
 Files live in `<directory>/<model fingerprint>/`, named by content key (see
 segment_file.py and docs/disk-cache.md); another model's files are in another directory
@@ -66,6 +67,8 @@ DEPARTURES_FILE = "departures.json"
 # In each model's folder: the keys of the copies of what memory held at the last stop,
 # most recently used first, brought back into memory by the next start.
 IN_MEMORY_FILE = "in-memory.json"
+# In each model's folder: the model directory it was written for (`remove_superseded`).
+MODEL_FILE = "model.txt"
 
 # The tensors of a segment's file, per layer: keys and values, or their quantized triples.
 PLAIN_PARTS = ("keys", "values")
@@ -169,6 +172,24 @@ def remove_older_format(folder: Path) -> int:
     if not files or any(segment_file.written_format(path) in (None, segment_file.FORMAT)
                         for path in files):
         return 0
+    return _remove_folder(folder, files)
+
+
+def remove_superseded(folder: Path, model_dir: str) -> int:
+    """Delete a folder written for the same model directory under another fingerprint:
+    its weights changed where they lie, or an MLX or mlx-lm upgrade changed how KV is
+    computed, so nothing will read it again; unless a live process holds it (a server of
+    the old weights or versions still running). Returns the bytes freed."""
+    try:
+        written_for = (folder / MODEL_FILE).read_text()
+    except (OSError, UnicodeDecodeError):
+        return 0
+    if written_for != model_dir:
+        return 0
+    return _remove_folder(folder, list(folder.glob(f"*{segment_file.SUFFIX}")))
+
+
+def _remove_folder(folder: Path, files: list[Path]) -> int:
     try:
         lock = lock_folder(folder)
     except (FolderInUse, OSError):
@@ -176,7 +197,7 @@ def remove_older_format(folder: Path) -> int:
     freed = 0
     try:
         for path in [*files, *folder.glob(f"*{segment_file.TEMP_SUFFIX}"),
-                     folder / DEPARTURES_FILE, folder / IN_MEMORY_FILE]:
+                     folder / DEPARTURES_FILE, folder / IN_MEMORY_FILE, folder / MODEL_FILE]:
             with contextlib.suppress(FileNotFoundError):
                 freed += path.stat().st_size
                 path.unlink()
@@ -191,10 +212,16 @@ def remove_older_format(folder: Path) -> int:
 class DiskStore:
     def __init__(self, directory: Path, capacity_bytes: int, fingerprint: str,
                  segments: bool, queue_bytes: int,
-                 quantization: KVQuantization | None = None) -> None:
+                 quantization: KVQuantization | None = None,
+                 model_dir: Path | None = None) -> None:
         self.directory = Path(directory) / fingerprint
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock = lock_folder(self.directory)
+        # Which model directory this folder is for, so that a later fingerprint of the
+        # same directory can remove it (`remove_superseded`).
+        self.model_dir = None if model_dir is None else str(Path(model_dir).resolve())
+        if self.model_dir is not None:
+            (self.directory / MODEL_FILE).write_text(self.model_dir)
         self.capacity_bytes = capacity_bytes
         self.root_key = fingerprint
         self.root_state = PathState(fingerprint)
@@ -318,7 +345,7 @@ class DiskStore:
         started = time.perf_counter()
         self.stats.rebuilding = 1
         try:
-            self._remove_older_formats()
+            self._remove_stale_folders()
             restored = self._rebuild(tree)
             held = tree.holding(key for key in self._read_record(IN_MEMORY_FILE)
                                 if isinstance(key, str))
@@ -332,13 +359,18 @@ class DiskStore:
         self.stats.rebuilding = 0
         self.rebuilt.set()
 
-    def _remove_older_formats(self) -> None:
+    def _remove_stale_folders(self) -> None:
         for folder in self.directory.parent.iterdir():
-            if folder != self.directory and folder.is_dir():
-                freed = remove_older_format(folder)
-                if freed:
-                    log.info("disk cache: removed %s, %.1f MiB written by an older "
-                             "version's file format", folder, freed / 2**20)
+            if folder == self.directory or not folder.is_dir():
+                continue
+            if freed := remove_older_format(folder):
+                log.info("disk cache: removed %s, %.1f MiB written by an older "
+                         "version's file format", folder, freed / 2**20)
+            elif self.model_dir is not None and (
+                    freed := remove_superseded(folder, self.model_dir)):
+                log.info("disk cache: removed %s, %.1f MiB written for this model's "
+                         "earlier weights or an earlier MLX or mlx-lm", folder,
+                         freed / 2**20)
 
     def _rebuild(self, tree: RadixTree) -> int:
         tree.remember_departures(self._departures())

@@ -359,7 +359,7 @@ class Engine:
                               high))
         try:
             self.disk = DiskStore(directory, budget, fingerprint, scheduler.kv.segments,
-                                  queue_bytes, scheduler.kv.quantization)
+                                  queue_bytes, scheduler.kv.quantization, loaded.path)
         except OSError as error:  # an unusable directory costs the tier, not the server
             log.error("disk cache off: %s", error)
             return

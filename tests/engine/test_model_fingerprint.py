@@ -91,6 +91,38 @@ async def test_a_fine_tune_gets_its_own_folder_and_none_of_the_base_models_kv(
     assert any(base_folder.glob("*.safetensors"))  # the base model's own KV is kept
 
 
+async def test_a_folder_of_weights_changed_in_place_goes_once_no_process_holds_it(
+        base_model, tuned_model, tmp_path):
+    """New weights at the same path (or a new MLX) name a new folder; the old one would
+    keep its disk space for good. It goes at a start of the same model directory, once
+    no live server holds it; another model's folder stays."""
+    model = tmp_path / "model"
+    shutil.copytree(base_model, model)
+    other = start_engine(str(tuned_model), disk_cache_dir=str(tmp_path / "kv"),
+                         disk_cache_bytes=64 * MIB)
+    old = start_engine(str(model), disk_cache_dir=str(tmp_path / "kv"),
+                       disk_cache_bytes=64 * MIB)
+    await complete(old, PROMPT, max_tokens=2)
+    assert old.disk.flush(30)
+    other.shutdown()
+    shutil.copy(tuned_model / "model.safetensors", model / "model.safetensors")
+    held = old.disk.directory
+    new = start_engine(str(model), disk_cache_dir=str(tmp_path / "kv"),
+                       disk_cache_bytes=64 * MIB)
+    assert new.disk.rebuilt.wait(30) and new.disk.directory != held
+    assert held.exists()  # its server still runs
+    old.shutdown()
+    new.shutdown()
+    again = start_engine(str(model), disk_cache_dir=str(tmp_path / "kv"),
+                         disk_cache_bytes=64 * MIB)
+    try:
+        assert again.disk.rebuilt.wait(30) and again.disk.directory == new.disk.directory
+        assert not held.exists()
+        assert other.disk.directory.exists()
+    finally:
+        again.shutdown()
+
+
 def test_a_weights_file_is_hashed_once_until_it_changes(tmp_path, monkeypatch):
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(bytes(3 * MIB))
