@@ -46,7 +46,7 @@ from server.prompts import chat_prompt, check_token_ids, raw_prompts
 from server.reasoning import ReasoningSplitter
 from server.request import GenerationRequest
 from server.state import ServerState
-from server.structured import constrained, output_constraint, writes_calls
+from server.structured import constrained, free_text, output_constraint, writes_calls
 from server.tools import ToolCallParser
 from server.volatile import drop_volatile_lines
 
@@ -397,7 +397,7 @@ def _choice_params(
                   and name in request.unset_sampling})
     if knobs.seed is not None:
         given["seed"] = knobs.seed + choice
-    if constraint is not None:
+    if constraint is not None and not free_text(request):
         given["stop"] = ()  # stop sequences end free text; a grammar ends its reply itself
     return SamplingParams(
         **given,

@@ -11,7 +11,8 @@
 - otherwise a `json_object` / `json_schema` output format: the reply is that JSON.
 
 Stop sequences end free text only: a constrained reply ends where its grammar ends, so
-they are not applied to it (a stop string inside a JSON string would cut it invalid).
+they are not applied to it (a stop string inside a JSON string would cut it invalid);
+allowed tools' "auto" reply is free text, and keeps them as plain "auto" does.
 For a reasoning model the grammar starts after the end-of-thinking marker.
 """
 
@@ -46,6 +47,14 @@ def forces_call(request: GenerationRequest) -> bool:
 def constrained(request: GenerationRequest) -> bool:
     """Does any grammar apply to this request (`output_constraint` is not None)?"""
     return not isinstance(request.output, TextOutput) or writes_calls(request)
+
+
+def free_text(request: GenerationRequest) -> bool:
+    """Is the reply free text (stop sequences end it) though a grammar applies: allowed
+    tools, "auto", whose calls the grammar only restricts, as plain "auto" replies'."""
+    choice = request.tool_choice
+    return (isinstance(choice, AllowedTools) and choice.mode == "auto"
+            and isinstance(request.output, TextOutput))
 
 
 def writes_calls(request: GenerationRequest) -> bool:

@@ -38,10 +38,10 @@ def model(real_client: openai.OpenAI) -> str:
     return real_client.models.list().data[0].id
 
 
-def chat(client: openai.OpenAI, model: str, tool_choice, max_tokens: int = 40):
+def chat(client: openai.OpenAI, model: str, tool_choice, max_tokens: int = 40, **more):
     return client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": ASK_TO_DELETE}], tools=CHAT_TOOLS,
-        tool_choice=tool_choice, max_tokens=max_tokens, **GREEDY)
+        tool_choice=tool_choice, max_tokens=max_tokens, **GREEDY, **more)
 
 
 def test_required_calls_only_an_allowed_tool_from_the_same_prompt(real_client, model):
@@ -57,10 +57,16 @@ def test_required_calls_only_an_allowed_tool_from_the_same_prompt(real_client, m
 
 
 def test_auto_answers_as_auto_does_when_it_calls_nothing(real_client, model):
+    """Stop sequences included: the reply is free text, whose calls the grammar restricts."""
     free = chat(real_client, model, "auto", max_tokens=24).choices[0]
     narrowed = chat(real_client, model, allowed("auto", "get_weather"), max_tokens=24).choices[0]
     assert not free.message.tool_calls and not narrowed.message.tool_calls
     assert narrowed.message.content == free.message.content
+    stop = free.message.content.split()[3]
+    stopped = chat(real_client, model, allowed("auto", "get_weather"), max_tokens=24,
+                   stop=[stop]).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.message.content == free.message.content[:free.message.content.index(stop)]
 
 
 def test_responses_required_calls_an_allowed_tool_and_echoes_the_choice(real_client, model):
