@@ -67,8 +67,9 @@ DEPARTURES_FILE = "departures.json"
 # In each model's folder: the keys of the copies of what memory held at the last stop,
 # most recently used first, brought back into memory by the next start.
 IN_MEMORY_FILE = "in-memory.json"
-# In each model's folder: the model directory it was written for (`remove_superseded`).
-MODEL_FILE = "model.txt"
+# In each model's folder: the model directory and fingerprint it was written for
+# (`remove_superseded`).
+MODEL_FILE = "model.json"
 
 # The tensors of a segment's file, per layer: keys and values, or their quantized triples.
 PLAIN_PARTS = ("keys", "values")
@@ -175,16 +176,17 @@ def remove_older_format(folder: Path) -> int:
     return _remove_folder(folder, files)
 
 
-def remove_superseded(folder: Path, model_dir: str) -> int:
+def remove_superseded(folder: Path, model_dir: str, fingerprint: str) -> int:
     """Delete a folder written for the same model directory under another fingerprint:
     its weights changed where they lie, or an MLX or mlx-lm upgrade changed how KV is
     computed, so nothing will read it again; unless a live process holds it (a server of
     the old weights or versions still running). Returns the bytes freed."""
     try:
-        written_for = (folder / MODEL_FILE).read_text()
-    except (OSError, UnicodeDecodeError):
+        written_for = json.loads((folder / MODEL_FILE).read_text())
+    except (OSError, ValueError):
         return 0
-    if written_for != model_dir:
+    if (not isinstance(written_for, dict) or written_for.get("model") != model_dir
+            or written_for.get("fingerprint") in (None, fingerprint)):
         return 0
     return _remove_folder(folder, list(folder.glob(f"*{segment_file.SUFFIX}")))
 
@@ -221,7 +223,8 @@ class DiskStore:
         # same directory can remove it (`remove_superseded`).
         self.model_dir = None if model_dir is None else str(Path(model_dir).resolve())
         if self.model_dir is not None:
-            (self.directory / MODEL_FILE).write_text(self.model_dir)
+            (self.directory / MODEL_FILE).write_text(
+                json.dumps({"model": self.model_dir, "fingerprint": fingerprint}))
         self.capacity_bytes = capacity_bytes
         self.root_key = fingerprint
         self.root_state = PathState(fingerprint)
@@ -367,7 +370,7 @@ class DiskStore:
                 log.info("disk cache: removed %s, %.1f MiB written by an older "
                          "version's file format", folder, freed / 2**20)
             elif self.model_dir is not None and (
-                    freed := remove_superseded(folder, self.model_dir)):
+                    freed := remove_superseded(folder, self.model_dir, self.root_key)):
                 log.info("disk cache: removed %s, %.1f MiB written for this model's "
                          "earlier weights or an earlier MLX or mlx-lm", folder,
                          freed / 2**20)

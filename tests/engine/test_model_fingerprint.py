@@ -95,7 +95,8 @@ async def test_a_folder_of_weights_changed_in_place_goes_once_no_process_holds_i
         base_model, tuned_model, tmp_path):
     """New weights at the same path (or a new MLX) name a new folder; the old one would
     keep its disk space for good. It goes at a start of the same model directory, once
-    no live server holds it; another model's folder stays."""
+    no live server holds it; another model's folder stays, and so does a copy of this
+    fingerprint's."""
     model = tmp_path / "model"
     shutil.copytree(base_model, model)
     other = start_engine(str(tuned_model), disk_cache_dir=str(tmp_path / "kv"),
@@ -113,12 +114,13 @@ async def test_a_folder_of_weights_changed_in_place_goes_once_no_process_holds_i
     assert held.exists()  # its server still runs
     old.shutdown()
     new.shutdown()
+    aside = shutil.copytree(new.disk.directory, tmp_path / "kv" / "aside")  # same fingerprint
     again = start_engine(str(model), disk_cache_dir=str(tmp_path / "kv"),
                          disk_cache_bytes=64 * MIB)
     try:
         assert again.disk.rebuilt.wait(30) and again.disk.directory == new.disk.directory
         assert not held.exists()
-        assert other.disk.directory.exists()
+        assert other.disk.directory.exists() and aside.exists()
     finally:
         again.shutdown()
 
