@@ -11,7 +11,7 @@ generation in a `finally`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import fields, replace
 
 from fastapi import Request
@@ -226,12 +226,20 @@ def image_limits(settings: Settings) -> ImageLimits:
                        frozenset(host.lower() for host in settings.allow_image_urls))
 
 
-async def start(http: Request, state: ServerState, lease: Lease, request: GenerationRequest
+async def start(http: Request, state: ServerState, lease: Lease, request: GenerationRequest,
+                shorter: Callable[[], Awaitable[GenerationRequest]] | None = None,
                 ) -> GenerationRun:
     """Render, tokenize, check and submit `request` to the model `lease` holds (the
-    job releases it when the response ends); 4xx/5xx as `APIError`s."""
+    job releases it when the response ends); 4xx/5xx as `APIError`s. A prompt too long
+    for the context window is a 400, or, where `shorter` is given, replaced by what it
+    makes (a truncated conversation): only a prompt that does not fit is rendered twice."""
     try:
-        return await _start(http, state, lease, request)
+        try:
+            return await _start(http, state, lease, request)
+        except PromptTooLong:
+            if shorter is None:
+                raise
+            return await _start(http, state, lease, await shorter())
     except BaseException:
         lease.release()
         raise

@@ -379,10 +379,12 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
     async def respond(lease: Lease) -> Response:
         try:
-            shown = conversation
+            shorter = None
             if body.truncation == "auto":
-                shown = await _truncated(lease, body, conversation)
-            generation = await start(request, state, lease, generation_request(body, shown))
+                async def shorter() -> GenerationRequest:
+                    return generation_request(body, await _truncated(lease, body, conversation))
+            generation = await start(request, state, lease,
+                                     generation_request(body, conversation), shorter)
         except APIError as error:
             error.param = RESPONSES_PARAMS.get(error.param, error.param)
             raise
@@ -397,8 +399,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
 async def _truncated(lease: Lease, body: ResponsesRequest,
                      conversation: list[TemplateMessage]) -> list[TemplateMessage]:
-    """truncation "auto": the conversation without as few of its oldest items as leave its
-    prompt room to answer. Whole turns go first, from a user message to the next; then,
+    """truncation "auto", for a conversation too long for the context window: it without
+    as few of its oldest items as leave its prompt room to answer. Whole turns go first, from a user message to the next; then,
     within the last turn (an agent's task and its tool calls), its oldest exchanges, an
     assistant message with the tool results after it, so no result loses its call and the
     task stays. The system messages before the first turn always stay; if even the task
@@ -422,7 +424,7 @@ async def _truncated(lease: Lease, body: ResponsesRequest,
     async def fits(messages: list[TemplateMessage]) -> bool:
         return await fits_context(lease, generation_request(body, messages))
 
-    if not shorter or await fits(conversation) or not await fits(shorter[-1]):
+    if not shorter or not await fits(shorter[-1]):
         return conversation
     low, high = 0, len(shorter) - 1  # the first of them that fits is in here
     while low < high:
