@@ -1,7 +1,8 @@
 """An async OpenAI-compatible streaming client that times every request.
 
 Plain httpx and SSE parsing rather than an SDK: the timings are of bytes arriving, and
-the same code reads both servers' streams. TTFT is the first chunk carrying text; token
+the same code reads both servers' streams; list requests (classify) go over a socket of
+their own (`ListConnection`). TTFT is the first chunk carrying text; token
 counts come from the final usage chunk (`stream_options.include_usage`), since a server
 may pack several tokens into one chunk.
 """
@@ -111,8 +112,59 @@ async def run_conversation(client: httpx.AsyncClient, base_url: str, index: int,
     return results
 
 
-async def complete_list(client: httpx.AsyncClient, base_url: str, endpoint: str,
-                        first: int, conversations: tuple[Conversation, ...], max_tokens: int,
+class ListConnection:
+    """One keep-alive HTTP/1.1 connection for a batch workload's list requests.
+
+    Not httpx: on an H200 host its own work per request (a list of 64 classify prompts,
+    four lists in flight) held the passes at ~4,700 sentences/s where the same server
+    answered this socket's requests at 5,700-6,000 (bench/experiments/classify-client);
+    a client that takes longer to turn a list around than the server takes to read it
+    measures itself. Bodies are JSON sized by Content-Length or chunked."""
+
+    def __init__(self, base_url: str) -> None:
+        url = httpx.URL(base_url)
+        self.host, self.port = url.host, url.port or 80
+        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def post(self, path: str, body: dict) -> tuple[int, bytes]:
+        """(status, body) of one POST of `body` as JSON."""
+        if self._streams is None:
+            self._streams = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self._streams
+        data = json.dumps(body).encode()
+        try:
+            writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {len(data)}"
+                         f"\r\n\r\n".encode() + data)
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+            headers = dict(line.lower().split(": ", 1) for line in head[1:] if ": " in line)
+            if headers.get("transfer-encoding") == "chunked":
+                content = await _chunked(reader)
+            else:
+                content = await reader.readexactly(int(headers.get("content-length", 0)))
+        except BaseException:  # a timeout too: a half-read answer would be the next one's
+            self.close()
+            raise
+        if headers.get("connection") == "close":
+            self.close()
+        return int(head[0].split()[1]), content
+
+    def close(self) -> None:
+        if self._streams is not None:
+            self._streams[1].close()
+            self._streams = None
+
+
+async def _chunked(reader: asyncio.StreamReader) -> bytes:
+    parts = []
+    while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+        parts.append(await reader.readexactly(size + 2))
+    await reader.readuntil(b"\r\n")  # the empty trailer
+    return b"".join(part[:-2] for part in parts)
+
+
+async def complete_list(connection: ListConnection, endpoint: str, first: int,
+                        conversations: tuple[Conversation, ...], max_tokens: int,
                         extra: dict, t0: float) -> list[RequestResult]:
     """One non-streamed request to `endpoint` (`/v1/completions`, or `/v1/classify`: one
     token each) for the list of the conversations' first turns: a result per prompt, all
@@ -123,11 +175,13 @@ async def complete_list(client: httpx.AsyncClient, base_url: str, endpoint: str,
             {"prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0, **extra})
     start = time.perf_counter()
     try:
-        response = await client.post(f"{base_url}{endpoint}", json=body)
-        if response.status_code != 200:
-            raise StreamError(f"HTTP {response.status_code}: {response.text[:500]!r}")
-        data = response.json()
-    except (httpx.HTTPError, StreamError, ValueError) as error:
+        async with asyncio.timeout(TIMEOUT.read):
+            status, content = await connection.post(endpoint, body)
+        if status != 200:
+            raise StreamError(f"HTTP {status}: {content[:500]!r}")
+        data = json.loads(content)
+    except (OSError, asyncio.IncompleteReadError, TimeoutError, StreamError,
+            ValueError) as error:
         return [RequestResult(first + i, 0, start - t0, 0.0, 0.0, 0, 0, None, "",
                               f"{type(error).__name__}: {error}")
                 for i in range(len(conversations))]
@@ -175,17 +229,20 @@ async def run_batches(base_url: str, workload: Workload, extra: dict) -> Workloa
     pending = [(i, workload.conversations[i:i + size])
                for i in range(0, len(workload.conversations), size)][::-1]
     results: list[RequestResult] = []
-    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-        t0 = time.perf_counter()
+    t0 = time.perf_counter()
 
-        async def worker() -> None:
+    async def worker() -> None:
+        connection = ListConnection(base_url)
+        try:
             while pending:
                 first, conversations = pending.pop()
-                results.extend(await complete_list(client, base_url, workload.batch_endpoint,
+                results.extend(await complete_list(connection, workload.batch_endpoint,
                                                    first, conversations, workload.max_tokens,
                                                    extra, t0))
+        finally:
+            connection.close()
 
-        await asyncio.gather(*(worker() for _ in range(workload.concurrency)))
-        wall = time.perf_counter() - t0
+    await asyncio.gather(*(worker() for _ in range(workload.concurrency)))
+    wall = time.perf_counter() - t0
     results.sort(key=lambda r: r.conversation)
     return WorkloadRun(workload.name, wall, results)

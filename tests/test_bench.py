@@ -4,6 +4,7 @@ shape of the results, never a timing. The speculation, several-models and prefil
 endpoints' workloads are test_bench_feature_workloads.py; the bare baselines, parity
 tools and GGUF export test_bench_baselines.py."""
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -13,6 +14,7 @@ pytest.importorskip("psutil")
 
 from bench import prefill_endpoints, several_models, speculation
 from bench.__main__ import BenchModel, all_workloads, main, parse_args, server_env, server_specs
+from bench.client import ListConnection
 from bench.medians import main as medians
 from bench.report import kv_quant_section, median_summary, replica_rows, targets, write
 from bench.servers import RADIX, replicas, tensor_parallel
@@ -321,3 +323,41 @@ def test_llama_cpp_gets_its_own_ratio_table(tmp_path: Path) -> None:
     llama_table = text.split("## Ratios (radix-mlx / llama-cpp)")[1]
     assert "| no_share | 0.50x | n/a | 2.00x |" in llama_table
     assert "- llama-cpp: `llama-server --model m`" in text
+
+
+async def test_list_connection_reads_chunked_answers_and_reconnects_after_close() -> None:
+    """The list client reads both ways a server sizes a body, keeps its socket between
+    requests, and opens another where the server said it closes this one."""
+    connections = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(line.split(b": ")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            body = await reader.readexactly(length)
+            if len(connections) == 1 and b'"chunked"' in body:
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             b"5\r\n{\"a\":\r\n3;x=y\r\n 1}\r\n0\r\n\r\n")
+            else:
+                writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 2\r\n"
+                             b"Connection: close\r\n\r\n{}")
+                await writer.drain()
+                writer.close()
+                return
+            await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    connection = ListConnection(f"http://127.0.0.1:{port}")
+    try:
+        assert await connection.post("/v1/classify", {"input": "chunked"}) == (200, b'{"a": 1}')
+        assert await connection.post("/v1/classify", {"input": "chunked"}) == (200, b'{"a": 1}')
+        assert len(connections) == 1
+        assert await connection.post("/v1/classify", {"input": "x"}) == (400, b"{}")
+        assert await connection.post("/v1/classify", {"input": "x"}) == (400, b"{}")
+        assert len(connections) == 2
+    finally:
+        connection.close()
+        server.close()
