@@ -147,9 +147,17 @@ def openai_usage(usage: NeutralUsage) -> Usage:
 class ChatFormat(Format):
     chunk_type = ChatCompletionChunk
 
+    def __init__(self, response_id: str, model: str, logprobs: bool,
+                 calls_only: bool = False) -> None:
+        """`calls_only`: the reply is tool calls the request forces, with no content."""
+        super().__init__(response_id, model, logprobs)
+        self.calls_only = calls_only
+
     def opening_chunks(self, choices: int) -> list[ChatCompletionChunk]:
-        """OpenAI opens every choice with the role and empty content."""
-        opening = DeltaMessage(role="assistant", content="")
+        """OpenAI opens every choice with the role and empty content; a reply that can only
+        be tool calls without content (null, as the whole response gives it): an SDK that
+        adds the deltas up would otherwise hold "" where the response holds null."""
+        opening = DeltaMessage(role="assistant", content=None if self.calls_only else "")
         return [self._chunk([ChatChunkChoice(index=i, delta=opening)]) for i in range(choices)]
 
     def chunk(self, event: Event) -> ChatCompletionChunk | None:

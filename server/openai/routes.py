@@ -32,6 +32,7 @@ from server.openai.protocol import (
 )
 from server.pipeline import GenerationRun, start
 from server.state import ServerState, server_state
+from server.structured import forces_call
 
 
 def _events(chunk: type[BaseModel]) -> dict[str, Any]:
@@ -73,7 +74,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     async def respond(lease: Lease) -> Response:
         generation = await start(request, state, lease, chat_request(body))
         model = state.models.name_for(lease.model, body.model)
-        fmt = ChatFormat(f"chatcmpl-{generation.request_id}", model, body.logprobs)
+        fmt = ChatFormat(f"chatcmpl-{generation.request_id}", model, body.logprobs,
+                         calls_only=forces_call(generation.request))
         return await _respond(request, generation, fmt)
 
     return await respond_with_model(state.models, body.model, body.stream, respond,

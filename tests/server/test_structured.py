@@ -136,7 +136,9 @@ def test_a_forced_call_streams_its_name_then_its_arguments(
     assert rest and all(delta.id is None and delta.function.name is None for delta in rest)
     Weather.model_validate_json("".join(delta.function.arguments for delta in rest))
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    assert not any(chunk.choices[0].delta.content for chunk in chunks if chunk.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    # null from the first chunk on, as the whole response gives it: no "" to add up
+    assert all(chunk.choices[0].delta.content is None for chunk in chunks if chunk.choices)
 
 
 def test_tools_beside_a_schema_give_a_call_or_the_answer(
