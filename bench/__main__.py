@@ -62,6 +62,7 @@ from bench.workloads import (
     Shapes,
     Workload,
     build_all,
+    build_list_warm_up,
     build_warm_up,
     first_turns,
     optimal_cached_tokens,
@@ -172,6 +173,11 @@ def shapes_from(args: argparse.Namespace) -> Shapes:
     return dataclasses.replace(base, **given)
 
 
+class WarmUps(NamedTuple):
+    chats: Workload  # before a server's first workload
+    lists: Workload  # before each list workload of a server that takes lists
+
+
 class BenchModel(NamedTuple):
     directory: Path  # what the MLX servers load
     gguf: Path | None  # the file it was converted from, if any (what llama.cpp loads)
@@ -243,19 +249,27 @@ async def poll_active_memory(base_url: str, peak: list[int]) -> None:
     """Keep the highest MLX active memory seen in peak[0] until cancelled."""
     async with httpx.AsyncClient(timeout=5.0) as client:
         while True:
-            value = await scrape_active_memory(client, base_url)
-            if value is not None:
-                peak[0] = max(peak[0], value)
+            await sample_active_memory(client, base_url, peak)
             await asyncio.sleep(METRICS_POLL_SECONDS)
 
 
-async def measure(server: RunningServer, warm_up: Workload,
+async def sample_active_memory(client: httpx.AsyncClient, base_url: str,
+                               peak: list[int]) -> None:
+    value = await scrape_active_memory(client, base_url)
+    if value is not None:
+        peak[0] = max(peak[0], value)
+
+
+async def measure(server: RunningServer, warm_ups: WarmUps,
                   workloads: list[Workload]) -> tuple[dict, dict]:
-    """(summaries, per-request records) by workload, after an untimed warm-up."""
+    """(summaries, per-request records) by workload, after an untimed warm-up (and
+    before a list workload, untimed lists)."""
     extra = server.spec.extra
-    await run_workload(server.base_url, warm_up, extra)
+    await run_workload(server.base_url, warm_ups.chats, extra)
     summaries, records = {}, {}
     for workload in workloads:
+        if workload.batch:
+            await run_workload(server.base_url, warm_ups.lists, extra)
         print(f"  {server.spec.name}: {workload.name} ...", file=sys.stderr, flush=True)
         server.sampler.take_peak()
         peak = [0]
@@ -266,6 +280,9 @@ async def measure(server: RunningServer, warm_up: Workload,
         finally:
             if poller is not None:
                 poller.cancel()
+        if poller is not None:  # a run shorter than a poll gets what it left active
+            async with httpx.AsyncClient(timeout=5.0) as client:
+                await sample_active_memory(client, server.base_url, peak)
         summaries[workload.name] = report.summarize(
             run, server.sampler.take_peak(), peak[0] if poller is not None else None)
         records[workload.name] = [r.as_dict() for r in run.requests]
@@ -308,7 +325,7 @@ def server_env(spec: ServerSpec, env: dict[str, str], args: argparse.Namespace
 
 
 def run_server(results: dict, spec: ServerSpec, args: argparse.Namespace, model: Path,
-               env: dict[str, str], out: Path, warm_up: Workload,
+               env: dict[str, str], out: Path, warm_ups: WarmUps,
                workloads: list[Workload], round_index: int = 0) -> None:
     """Start one server, measure `workloads` on it, stop it, and add what it measured to
     `results` as round `round_index` (`report.median_summary` makes the tables' numbers)."""
@@ -322,7 +339,7 @@ def run_server(results: dict, spec: ServerSpec, args: argparse.Namespace, model:
     print(f"bench: starting {label} on {model}", file=sys.stderr, flush=True)
     extra_args = server_args(spec, args)
     with running(spec, model, env, out / "logs" / f"{label}.log", extra_args) as server:
-        summaries, records = asyncio.run(measure(server, warm_up, workloads))
+        summaries, records = asyncio.run(measure(server, warm_ups, workloads))
         died = server.process.poll()
     entry = results["servers"].setdefault(name, {
         "argv": server.argv, "notes": spec.notes, "workloads": {}, "rounds": {},
@@ -398,7 +415,8 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
     shapes = shapes_from(args)
     wanted = args.workloads.split(",")
     workloads = [w for w in build_all(model.directory, shapes, args.seed) if w.name in wanted]
-    warm_up = build_warm_up(model.directory, shapes, args.seed)
+    warm_ups = WarmUps(build_warm_up(model.directory, shapes, args.seed),
+                       build_list_warm_up(model.directory, shapes, args.seed))
     specs, skipped = server_specs(args, model, device)
     for name, reason in skipped.items():
         print(f"bench: not running {name}: {reason}", file=sys.stderr, flush=True)
@@ -438,7 +456,7 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
                 if measured:
                     served = model.gguf if spec.serves_gguf else model.directory
                     run_server(results, spec, args, served, server_env(spec, env, args),
-                               out, warm_up, measured, round_index)
+                               out, warm_ups, measured, round_index)
         # Bare mlx-lm's batch rounds between the servers' rounds: a GPU host's speed moves
         # by up to 1.8x over minutes (the batch steps are host-bound), so a baseline run
         # after every server's rounds measured another host (nvidia-h200/batch-decode-64-1b).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import random
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -227,6 +227,17 @@ def warm_up(source: TextSource, s: Shapes) -> Workload:
     return Workload("warm_up", (long, *short), streams, 8)
 
 
+def warm_up_lists(source: TextSource, s: Shapes) -> Workload:
+    """Untimed, before a list workload: as many lists as it sends at once, of other text,
+    so a server has met the read forward's shapes before timing, as bare mlx-lm's
+    classify runs its first list before timing (`bench.raw_batch`). A fresh H200 server's
+    first pass of four lists ran at 0.86-0.97 of its next passes' median in 11 of 14
+    servers, 1.03-1.05 in the others (bench/results/nvidia-h200/classify-client-1b-vocab49152)."""
+    lists = classify(source, s)
+    return replace(lists, name="warm_up_lists",
+                   conversations=lists.conversations[:s.cl_batch * s.cl_concurrency])
+
+
 WORKLOADS = {make.__name__: make for make in (
     shared_prefix, multi_turn, no_share, long_context, single_stream, batch_decode, classify)}
 # Served through bare mlx-lm batching as well (bench.raw_batch): mlx-lm's server crashes its
@@ -270,3 +281,7 @@ def build_all(model_dir: Path, shapes: Shapes, seed: int) -> list[Workload]:
 
 def build_warm_up(model_dir: Path, shapes: Shapes, seed: int) -> Workload:
     return warm_up(TextSource(model_dir, seed + 1000), shapes)
+
+
+def build_list_warm_up(model_dir: Path, shapes: Shapes, seed: int) -> Workload:
+    return warm_up_lists(TextSource(model_dir, seed + 2000), shapes)

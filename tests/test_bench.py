@@ -100,6 +100,10 @@ def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
     classify = server["workloads"]["classify"]
     assert classify["requests"] == classify["output_tokens"] == QUICK.cl_sentences
     assert classify["cached_tokens"] > 0  # the shared instruction
+    # Before them, untimed lists of other text, as bare mlx-lm's classify runs its first.
+    log = (tmp_path / "logs" / "radix-mlx.log").read_text()
+    assert log.count("POST /v1/classify") == (QUICK.cl_sentences // QUICK.cl_batch
+                                              + QUICK.cl_concurrency)
     bandwidth = results["batch_decode_bandwidth"]
     assert bandwidth["streams"] == QUICK.bd_streams
     assert bandwidth["step_bytes"] > results["model"]["weights_bytes"] > 0
