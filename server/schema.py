@@ -33,23 +33,26 @@ def shaped_union(kind: Any, what: str, **members: Any) -> Any:
     ]
 
 
-def tool_choice_union(function: Any, allowed_tools: Any) -> Any:
-    """OpenAI's tool_choice, with each API's own shapes of a named function and of
-    allowed tools."""
+def tool_choice_union(**objects: Any) -> Any:
+    """OpenAI's tool_choice: a mode, or one of `objects` by its type, each API's own
+    shapes (function=, allowed_tools=, custom=)."""
+    names = {"function": "a function", "custom": "a custom tool",
+             "allowed_tools": "allowed tools"}
+    shapes = [names[kind] for kind in objects]
     return shaped_union(
-        _tool_choice_kind, 'a mode ("none", "auto" or "required"), a function, or allowed tools',
-        mode=Literal["none", "auto", "required"], function=function,
-        allowed_tools=allowed_tools,
+        lambda value: _tool_choice_kind(value, objects),
+        f'a mode ("none", "auto" or "required"), {", ".join(shapes[:-1])}, or {shapes[-1]}',
+        mode=Literal["none", "auto", "required"], **objects,
     )
 
 
-def _tool_choice_kind(value: Any) -> str | None:
+def _tool_choice_kind(value: Any, objects: dict[str, Any]) -> str | None:
     """A mode, or an object by its type (a request's JSON, or its model, which a response
     echoes)."""
     if isinstance(value, str):
         return "mode"
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if kind in ("function", "allowed_tools") else None
+    return kind if isinstance(kind, str) and kind in objects else None
 
 
 def now() -> int:

@@ -218,7 +218,7 @@ class AllowedToolsChoice(RequestModel):
     allowed_tools: AllowedToolsSet
 
 
-ToolChoice = tool_choice_union(NamedToolChoice, AllowedToolsChoice)
+ToolChoice = tool_choice_union(function=NamedToolChoice, allowed_tools=AllowedToolsChoice)
 
 
 class StructuredOutputRequest(SamplingRequest):

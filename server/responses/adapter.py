@@ -1,9 +1,9 @@
 """OpenAI's Responses API onto the shared pipeline: `/v1/responses` (create, get, delete).
 
-A thin adapter: input items (messages, function calls and their outputs, reasoning)
-become chat messages after the stored conversation a `previous_response_id` names, the
-shared pipeline runs the `GenerationRequest`, and `ResponseBuilder` turns its neutral
-events into output items and the documented event sequence. The same builder makes the
+A thin adapter: input items (messages, function and custom tool calls and their outputs,
+reasoning) become chat messages after the stored conversation a `previous_response_id`
+names, the shared pipeline runs the `GenerationRequest`, and `ResponseBuilder` turns its
+neutral events into output items and the documented event sequence. The same builder makes the
 non-streaming response, so a streamed and a whole response cannot disagree; the finished
 response and its conversation go to the response store when `store` is true.
 """
@@ -11,6 +11,7 @@ response and its conversation go to the response store when `store` is true.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
@@ -54,6 +55,12 @@ from server.responses.protocol import (
     AllowedToolsChoice,
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
+    CustomChoice,
+    CustomInputDeltaEvent,
+    CustomInputDoneEvent,
+    CustomTool,
+    CustomToolCallItem,
+    CustomToolCallOutputItem,
     DeletedResponse,
     ErrorEvent,
     FunctionCallItem,
@@ -67,6 +74,7 @@ from server.responses.protocol import (
     JsonObjectFormat,
     JsonSchemaFormat,
     MessageItem,
+    OutputCustomToolCall,
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
@@ -123,11 +131,13 @@ def input_messages(body: ResponsesRequest, history: list[TemplateMessage]) -> li
         elif isinstance(item, ReasoningItem):
             turn = assistant_turn()
             turn["reasoning_content"] = turn.get("reasoning_content", "") + item.text
-        elif isinstance(item, FunctionCallItem):
-            assistant_turn().setdefault("tool_calls", []).append({
-                "id": item.call_id, "type": "function",
-                "function": {"name": item.name, "arguments": template_arguments(item.arguments)},
-            })
+        elif isinstance(item, FunctionCallItem | CustomToolCallItem):
+            assistant_turn().setdefault("tool_calls", []).append(_template_call(
+                item.call_id, item.name, item.arguments if isinstance(item, FunctionCallItem)
+                else custom_arguments(item.input)))
+        elif isinstance(item, CustomToolCallOutputItem):
+            messages.append({"role": "tool", "content": joined_text(item.output),
+                             "tool_call_id": item.call_id})
         elif isinstance(item, FunctionCallOutputItem):
             result: TemplateMessage = {"role": "tool", "content": joined_text(item.output)}
             if images := content_images(item.output):  # a screenshot a tool returned
@@ -139,6 +149,42 @@ def input_messages(body: ResponsesRequest, history: list[TemplateMessage]) -> li
                 result["name"] = item.name
             messages.append(result)
     return messages
+
+
+def _template_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": template_arguments(arguments)}}
+
+
+# A custom tool's freeform input, as a function of one string the model fills: templates
+# and tool-call formats know functions with JSON arguments.
+CUSTOM_INPUT = "input"
+
+
+def custom_function(tool: CustomTool) -> FunctionTool:
+    """A custom tool as the model is shown it. A grammar is shown, not enforced."""
+    fmt = tool.format
+    about = ("The tool's input, as free text." if fmt is None or fmt.type == "text" else
+             f"The tool's input: text in this {fmt.syntax} grammar:\n{fmt.definition}")
+    return FunctionTool(tool.name, tool.description, {
+        "type": "object", "properties": {CUSTOM_INPUT: {"type": "string", "description": about}},
+        "required": [CUSTOM_INPUT], "additionalProperties": False}, None)
+
+
+def custom_arguments(text: str) -> str:
+    return json.dumps({CUSTOM_INPUT: text}, ensure_ascii=False)
+
+
+def custom_input(arguments: str) -> str:
+    """The input a call of a custom tool holds: its one string, or, where the model wrote
+    something else (or ran out of tokens mid-call), what it wrote."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    if isinstance(value, dict) and isinstance(value.get(CUSTOM_INPUT), str):
+        return value[CUSTOM_INPUT]
+    return arguments
 
 
 def _answered_call(messages: list[TemplateMessage], item: FunctionCallOutputItem) -> str | None:
@@ -168,7 +214,7 @@ def generation_request(
         tools=tuple(
             FunctionTool(tool.name, tool.description, tool.parameters, tool.strict)
             for tool in body.function_tools
-        ),
+        ) + tuple(custom_function(tool) for tool in body.custom_tools),
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
         output=_output_format(body),
@@ -186,7 +232,7 @@ def generation_request(
 
 
 def _tool_choice(choice: Any) -> GenerationToolChoice:
-    if isinstance(choice, FunctionChoice):
+    if isinstance(choice, FunctionChoice | CustomChoice):
         return NamedFunction(choice.name)
     if isinstance(choice, AllowedToolsChoice):
         return AllowedTools(choice.mode, tuple(tool.name for tool in choice.tools))
@@ -221,6 +267,8 @@ class ResponseBuilder:
         self.response = response
         self._sequence = 0
         self._item: OutputItem | None = None  # the open one
+        self._custom = {tool.name for tool in response.tools if isinstance(tool, CustomTool)}
+        self._arguments = ""  # an open custom call's, whose input is known at its end
 
     def opening(self) -> list[StreamEvent]:
         return [self._lifecycle("response.created"), self._lifecycle("response.in_progress")]
@@ -230,10 +278,18 @@ class ResponseBuilder:
             return self._text(OutputMessage if isinstance(event, TextDelta) else OutputReasoning,
                               event.text)
         if isinstance(event, ToolCallStarted):
-            call = OutputFunctionCall(id=_new_id("fc"), call_id=event.id, name=event.name,
-                                      arguments="", status="in_progress")
+            if event.name in self._custom:
+                self._arguments = ""
+                call = OutputCustomToolCall(id=_new_id("ctc"), call_id=event.id,
+                                            name=event.name, input="", status="in_progress")
+            else:
+                call = OutputFunctionCall(id=_new_id("fc"), call_id=event.id, name=event.name,
+                                          arguments="", status="in_progress")
             return self._close() + self._add(call)
         if isinstance(event, ToolCallArguments):
+            if isinstance(self._item, OutputCustomToolCall):
+                self._arguments += event.fragment
+                return []
             if not event.fragment:
                 return []
             self._item.arguments += event.fragment
@@ -287,6 +343,15 @@ class ResponseBuilder:
             events = [self._number(ArgumentsDoneEvent(
                 item_id=item.id, output_index=self._index, name=item.name,
                 arguments=item.arguments))]
+        elif isinstance(item, OutputCustomToolCall):
+            # The input is the JSON string's value, known once the string is closed: one
+            # delta with all of it.
+            item.input = custom_input(self._arguments)
+            events = [self._number(event) for event in (
+                CustomInputDeltaEvent(item_id=item.id, output_index=self._index,
+                                      delta=item.input),
+                CustomInputDoneEvent(item_id=item.id, output_index=self._index,
+                                     input=item.input))]
         else:
             events = [
                 self._number(TextDoneEvent(
@@ -348,11 +413,10 @@ def assistant_message(response: ResponseObject) -> TemplateMessage:
     for item in response.output:
         if isinstance(item, OutputReasoning):
             message["reasoning_content"] = item.content[0].text
-        elif isinstance(item, OutputFunctionCall):
-            message.setdefault("tool_calls", []).append({
-                "id": item.call_id, "type": "function",
-                "function": {"name": item.name, "arguments": template_arguments(item.arguments)},
-            })
+        elif isinstance(item, OutputFunctionCall | OutputCustomToolCall):
+            message.setdefault("tool_calls", []).append(_template_call(
+                item.call_id, item.name, item.arguments if isinstance(item, OutputFunctionCall)
+                else custom_arguments(item.input)))
     return message
 
 
@@ -442,7 +506,7 @@ async def _respond(request: Request, state: ServerState, body: ResponsesRequest,
     builder = ResponseBuilder(ResponseObject(
         id=_new_id("resp"), status="in_progress", model=model,
         instructions=body.instructions, previous_response_id=body.previous_response_id,
-        tools=body.function_tools, tool_choice=body.tool_choice or "auto",
+        tools=body.function_tools + body.custom_tools, tool_choice=body.tool_choice or "auto",
         parallel_tool_calls=body.parallel_tool_calls is not False,
         text=body.text.model_dump(by_alias=True, exclude_none=True) if body.text else
         {"format": {"type": "text"}},
@@ -497,7 +561,8 @@ async def _save(state: ServerState, response: ResponseObject,
 
 # The id an input item the client sent without one is listed under, by type.
 ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
-                    "reasoning": "rs"}
+                    "reasoning": "rs", "custom_tool_call": "ctc",
+                    "custom_tool_call_output": "ctco"}
 
 
 def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:

@@ -101,13 +101,18 @@ class MessageItem(RequestModel):
     status: str | None = None
 
 
-class FunctionCallItem(RequestModel):
-    type: Literal["function_call"]
+class CallItem(RequestModel):
+    """A tool call the model made, sent back."""
+
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
-    arguments: str
     id: str | None = None
     status: str | None = None
+
+
+class FunctionCallItem(CallItem):
+    type: Literal["function_call"]
+    arguments: str
 
 
 class FunctionCallOutputItem(RequestModel):
@@ -121,6 +126,20 @@ class FunctionCallOutputItem(RequestModel):
     id: str | None = None
     name: str | None = None
     status: str | None = None
+
+
+class CustomToolCallItem(CallItem):
+    """A call of a freeform `custom` tool: its input is the text the model wrote."""
+
+    type: Literal["custom_tool_call"]
+    input: str
+
+
+class CustomToolCallOutputItem(RequestModel):
+    type: Literal["custom_tool_call_output"]
+    call_id: str = Field(min_length=1)
+    output: Content
+    id: str | None = None
 
 
 class ReasoningItem(RequestModel):
@@ -149,6 +168,7 @@ class UnsupportedItem(RequestModel):
 ITEM_TYPES = {
     "message": MessageItem, "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem,
+    "custom_tool_call": CustomToolCallItem, "custom_tool_call_output": CustomToolCallOutputItem,
 }
 
 
@@ -186,19 +206,45 @@ class FunctionTool(RequestModel):
     strict: bool | None = None
 
 
+class CustomToolFormat(RequestModel):
+    """What a custom tool's input is: free text, or text in a grammar (Lark or a regular
+    expression), which the model is shown."""
+
+    type: Literal["text", "grammar"]
+    syntax: Literal["lark", "regex"] | None = None
+    definition: str | None = None
+
+    @model_validator(mode="after")
+    def _grammar_given(self) -> CustomToolFormat:
+        if self.type == "grammar" and (self.syntax is None or not self.definition):
+            raise ValueError("a grammar format needs its syntax and definition")
+        return self
+
+
+class CustomTool(RequestModel):
+    """A tool whose input is freeform text (Codex's apply_patch for GPT-5 models)."""
+
+    type: Literal["custom"]
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    format: CustomToolFormat | None = None
+
+
 class HostedTool(RequestModel):
-    """A tool OpenAI runs (web_search, image_generation, ...) or a freeform `custom` one.
-    Codex sends several by default; the served model is shown only the function tools, as
-    llama.cpp's server does, so it never calls what nobody here can run."""
+    """A tool OpenAI runs (web_search, image_generation, ...). Codex sends several by
+    default; the served model is not shown them, as llama.cpp's server does, so it never
+    calls what nobody here can run."""
 
     type: str
 
 
 ToolDefinition = Annotated[
-    Annotated[FunctionTool, Tag("function")] | Annotated[HostedTool, Tag("hosted")],
+    Annotated[FunctionTool, Tag("function")] | Annotated[CustomTool, Tag("custom")]
+    | Annotated[HostedTool, Tag("hosted")],
     Discriminator(
         lambda value: (None if not isinstance(value, dict)
-                       else "function" if value.get("type") == "function" else "hosted"),
+                       else value["type"] if value.get("type") in ("function", "custom")
+                       else "hosted"),
         custom_error_type="invalid_type", custom_error_message="must be a tool object",
     ),
 ]
@@ -209,15 +255,22 @@ class FunctionChoice(RequestModel):
     name: str
 
 
+class CustomChoice(RequestModel):
+    type: Literal["custom"]
+    name: str
+
+
 class AllowedToolsChoice(RequestModel):
     """Only these of the tools may be called; the model still sees them all."""
 
     type: Literal["allowed_tools"]
     mode: Literal["auto", "required"]
-    tools: list[FunctionChoice] = Field(min_length=1)
+    tools: list[Annotated[FunctionChoice | CustomChoice, Field(discriminator="type")]] = Field(
+        min_length=1)
 
 
-ToolChoice = tool_choice_union(FunctionChoice, AllowedToolsChoice)
+ToolChoice = tool_choice_union(function=FunctionChoice, custom=CustomChoice,
+                               allowed_tools=AllowedToolsChoice)
 
 
 class TextFormat(RequestModel):
@@ -279,6 +332,10 @@ class ResponsesRequest(RequestModel):
     def function_tools(self) -> list[FunctionTool]:
         return [tool for tool in self.tools or () if isinstance(tool, FunctionTool)]
 
+    @property
+    def custom_tools(self) -> list[CustomTool]:
+        return [tool for tool in self.tools or () if isinstance(tool, CustomTool)]
+
     @model_validator(mode="after")
     def _check_combinations(self) -> ResponsesRequest:
         if self.background:
@@ -287,10 +344,12 @@ class ResponsesRequest(RequestModel):
             raise ValueError("conversation is not supported; use previous_response_id")
         if not self.input and not self.instructions and self.previous_response_id is None:
             raise ValueError("input is empty, and there are no instructions to answer")
-        names = {tool.name for tool in self.function_tools}
+        names = [tool.name for tool in self.function_tools + self.custom_tools]
+        if len(set(names)) < len(names):
+            raise ValueError("two tools have the same name")
         if self.tool_choice not in (None, "none", "auto") and not names:
             raise ValueError("tool_choice needs tools")
-        if isinstance(self.tool_choice, FunctionChoice):
+        if isinstance(self.tool_choice, FunctionChoice | CustomChoice):
             chosen = [self.tool_choice.name]
         elif isinstance(self.tool_choice, AllowedToolsChoice):
             chosen = [tool.name for tool in self.tool_choice.tools]
@@ -345,7 +404,16 @@ class OutputReasoning(ResponseModel):
     status: ItemStatus
 
 
-OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
+class OutputCustomToolCall(ResponseModel):
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    id: str
+    call_id: str
+    name: str
+    input: str
+    status: ItemStatus
+
+
+OutputItem = OutputMessage | OutputFunctionCall | OutputCustomToolCall | OutputReasoning
 
 
 class InputTokensDetails(ResponseModel):
@@ -386,7 +454,7 @@ class Response(ResponseModel):
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
     previous_response_id: str | None = None
-    tools: list[FunctionTool] = Field(default_factory=list)
+    tools: list[FunctionTool | CustomTool] = Field(default_factory=list)
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
@@ -492,6 +560,24 @@ class ArgumentsDoneEvent(Event):
     arguments: str
 
 
+class CustomInputDeltaEvent(Event):
+    type: Literal["response.custom_tool_call_input.delta"] = (
+        "response.custom_tool_call_input.delta"
+    )
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class CustomInputDoneEvent(Event):
+    type: Literal["response.custom_tool_call_input.done"] = (
+        "response.custom_tool_call_input.done"
+    )
+    item_id: str
+    output_index: int
+    input: str
+
+
 class ErrorEvent(Event):
     type: Literal["error"] = "error"
     code: str | None
@@ -501,5 +587,5 @@ class ErrorEvent(Event):
 
 StreamEvent = (
     ResponseEvent | ItemEvent | PartEvent | TextDeltaEvent | TextDoneEvent | ArgumentsDeltaEvent
-    | ArgumentsDoneEvent | ErrorEvent
+    | ArgumentsDoneEvent | CustomInputDeltaEvent | CustomInputDoneEvent | ErrorEvent
 )

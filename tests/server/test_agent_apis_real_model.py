@@ -79,6 +79,28 @@ def test_responses_tool_round_trip(real_client: openai.OpenAI, model: str) -> No
     assert usage.input_tokens_details.cached_tokens >= called.usage.input_tokens
 
 
+def test_responses_custom_tool_round_trip(real_client: openai.OpenAI, model: str) -> None:
+    """A freeform custom tool, forced: the call's input is the model's text itself, and
+    its output sent back continues the stored conversation from the cache."""
+    tools = [{"type": "custom", "name": "write_note",
+              "description": "Save a short note to the user's notebook."}]
+    called = real_client.responses.create(
+        model=model, input="Save a note saying: buy milk.", tools=tools,
+        tool_choice={"type": "custom", "name": "write_note"}, max_output_tokens=60,
+        temperature=0.0)
+    [call] = called.output
+    assert call.type == "custom_tool_call" and call.name == "write_note"
+    assert "milk" in call.input and not call.input.startswith("{")
+    answer = real_client.responses.create(
+        model=model, previous_response_id=called.id, tools=tools, max_output_tokens=16,
+        temperature=0.0,
+        input=[{"type": "custom_tool_call_output", "call_id": call.call_id,
+                "output": "Saved."}])
+    assert answer.output_text.strip()
+    usage = answer.usage
+    assert usage.input_tokens_details.cached_tokens >= called.usage.input_tokens
+
+
 def test_json_schema_through_both_apis(
     claude: anthropic.Anthropic, real_client: openai.OpenAI, model: str
 ) -> None:

@@ -86,6 +86,8 @@ def test_responses_required_calls_an_allowed_tool_and_echoes_the_choice(real_cli
     ("/v1/chat/completions", allowed("sometimes", "get_weather"), "'auto' or 'required'"),
     ("/v1/chat/completions", {"type": "allowed_tools"}, "allowed_tools: Field required"),
     ("/v1/chat/completions", {"type": "custom", "name": "x"}, "must be a mode"),
+    ("/v1/chat/completions", {"type": {}}, "must be a mode"),  # unhashable: not a 500
+    ("/v1/responses", {"type": ["custom"]}, "must be a mode"),
     ("/v1/responses", {"type": "allowed_tools", "mode": "auto",
                        "tools": [{"type": "function", "name": "rm_rf"}]}, "'rm_rf'"),
 ])

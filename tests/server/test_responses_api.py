@@ -158,12 +158,30 @@ def test_function_call_items_round_trip(client: openai.OpenAI, model_id: str) ->
          "arguments": '{"command": "ls"}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "README.md\nsrc\n"},
     ]
-    # Codex sends tools OpenAI runs itself: the model is shown the function tools only.
-    hosted = [{"type": "web_search"}, {"type": "custom", "name": "apply_patch"}]
-    response = client.responses.create(model=model_id, input=items, tools=[*TOOLS, *hosted],
+    # Codex sends tools OpenAI runs itself, which the model is not shown, and a freeform
+    # custom tool, which it is: a function of one string, its input.
+    custom = {"type": "custom", "name": "apply_patch", "description": "Edit files."}
+    tools = [*TOOLS, {"type": "web_search"}, custom]
+    response = client.responses.create(model=model_id, input=items, tools=tools,
                                        max_output_tokens=3)
-    assert [tool.name for tool in response.tools] == ["shell"]
+    assert [tool.name for tool in response.tools] == ["shell", "apply_patch"]
     assert response.usage.input_tokens > 20
+    patch = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
+    items += [{"type": "custom_tool_call", "call_id": "call_2", "name": "apply_patch",
+               "input": patch},
+              {"type": "custom_tool_call_output", "call_id": "call_2", "output": "Done."}]
+    body = ResponsesRequest.model_validate({"model": model_id, "input": items, "tools": tools})
+    *_, assistant, result = input_messages(body, [])
+    assert [call["function"] for call in assistant["tool_calls"]] == [
+        {"name": "apply_patch", "arguments": {"input": patch}}]
+    assert (result["role"], result["content"], result["tool_call_id"]) == (
+        "tool", "Done.", "call_2")
+    listed = client.responses.create(model=model_id, input=items, tools=tools,
+                                     max_output_tokens=3)
+    assert listed.usage.input_tokens > response.usage.input_tokens
+    kinds = [item.type for item in client.responses.input_items.list(listed.id, order="asc").data]
+    assert kinds == ["message", "reasoning", "function_call", "function_call_output",
+                     "custom_tool_call", "custom_tool_call_output"]
 
 
 def test_an_output_without_call_id_is_matched_by_id_or_name_or_kept_plain(
@@ -239,6 +257,14 @@ SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
      "no Files API", None),
     ({"input": "x", "background": True}, "background responses are not supported", None),
     ({"input": "x", "tool_choice": "required"}, "tool_choice needs tools", None),
+    ({"input": "x", "tools": [{"type": "custom", "name": "p"}],
+      "tool_choice": {"type": "custom", "name": "q"}}, "'q', which is not a tool", None),
+    ({"input": "x", "tools": [{"type": "custom", "name": "p"}, {"type": "function",
+                                                                "name": "p"}]},
+     "two tools have the same name", None),
+    ({"input": "x", "tools": [{"type": "custom", "name": "p",
+                               "format": {"type": "grammar", "syntax": "lark"}}]},
+     "needs its syntax and definition", None),
     ({"input": []}, "input is empty", None),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s",
                                         "schema": SELF_REF}}},

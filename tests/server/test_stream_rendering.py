@@ -25,8 +25,8 @@ from server.events import (
     fold,
 )
 from server.openai.formats import ChatFormat, CompletionFormat
-from server.responses.adapter import ResponseBuilder
-from server.responses.protocol import Response
+from server.responses.adapter import ResponseBuilder, custom_input
+from server.responses.protocol import CustomTool, FunctionTool, Response
 
 REPLY = [
     ReasoningDelta(0, "The user wants "), ReasoningDelta(0, "files."),
@@ -118,3 +118,38 @@ def test_openai_text_chunks_are_the_chunk_models_own_json() -> None:
                     choice_json = json.loads(data)["choices"][0]
                     assert choice_json["index"] == choice
                     assert choice_json.get("text", choice_json.get("delta", {}).get("content")) == text
+
+
+def test_a_custom_tools_call_is_its_input_as_text() -> None:
+    """A freeform custom tool is shown to the model as a function of one string; its call
+    comes out as a custom_tool_call item whose input is that string, streamed in
+    OpenAI's custom input events, beside a function call."""
+    patch = '*** Begin Patch\n*** Add File: a.txt\n+"hi"\n*** End Patch'
+    tools = [CustomTool(type="custom", name="apply_patch"),
+             FunctionTool(type="function", name="shell")]
+    builder = ResponseBuilder(Response(id="resp_1", status="in_progress", model="model",
+                                       tools=tools))
+    arguments = json.dumps({"input": patch})
+    reply = [ToolCallStarted(0, 0, "call_a", "apply_patch"),
+             ToolCallArguments(0, 0, arguments[:9]), ToolCallArguments(0, 0, arguments[9:]),
+             ToolCallStarted(0, 1, "call_b", "shell"),
+             ToolCallArguments(0, 1, '{"command": "ls"}'),
+             ChoiceFinished(0, "tool_calls", Usage(prompt_tokens=50, completion_tokens=40,
+                                                   cached_tokens=0))]
+    events = builder.opening()
+    for event in reply:
+        events += builder.event(event)
+    state = ResponseStreamState(input_tools=[], text_format=omit)
+    parse = TypeAdapter(ResponseStreamEvent).validate_python
+    for event in events:
+        state.handle_event(parse(json.loads(event.model_dump_json())))
+    assert [event.type for event in events[2:6]] == [
+        "response.output_item.added", "response.custom_tool_call_input.delta",
+        "response.custom_tool_call_input.done", "response.output_item.done"]
+    custom, function = events[-1].response.output
+    assert (custom.type, custom.call_id, custom.name, custom.input) == (
+        "custom_tool_call", "call_a", "apply_patch", patch)
+    assert custom.id.startswith("ctc_") and custom.status == "completed"
+    assert function.type == "function_call" and function.arguments == '{"command": "ls"}'
+    # A call the model did not write as its one string keeps what it wrote.
+    assert custom_input('{"patch": 1}') == '{"patch": 1}' and custom_input('{"inp') == '{"inp'
