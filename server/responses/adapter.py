@@ -162,12 +162,17 @@ CUSTOM_INPUT = "input"
 
 
 def custom_function(tool: CustomTool) -> FunctionTool:
-    """A custom tool as the model is shown it. A grammar is shown, not enforced."""
+    """A custom tool as the model is shown it. A grammar is shown to it; a regular
+    expression also binds a call the request forces, as an anchored JSON Schema
+    `pattern` (llguidance reads the Rust regex syntax OpenAI's grammars use)."""
     fmt = tool.format
-    about = ("The tool's input, as free text." if fmt is None or fmt.type == "text" else
-             f"The tool's input: text in this {fmt.syntax} grammar:\n{fmt.definition}")
+    text: dict[str, Any] = {"type": "string", "description": "The tool's input, as free text."}
+    if fmt is not None and fmt.type == "grammar":
+        text["description"] = f"The tool's input: text in this {fmt.syntax} grammar:\n{fmt.definition}"
+        if fmt.syntax == "regex":
+            text["pattern"] = f"^(?:{fmt.definition})$"
     return FunctionTool(tool.name, tool.description, {
-        "type": "object", "properties": {CUSTOM_INPUT: {"type": "string", "description": about}},
+        "type": "object", "properties": {CUSTOM_INPUT: text},
         "required": [CUSTOM_INPUT], "additionalProperties": False}, None)
 
 

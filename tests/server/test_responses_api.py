@@ -4,6 +4,7 @@ tests check shapes, the event sequence, stored responses, usage and the cache)."
 
 from __future__ import annotations
 
+import re
 import uuid
 from itertools import pairwise
 from typing import Literal
@@ -330,6 +331,26 @@ def test_forced_function_call_round_trip(client: openai.OpenAI, model_id: str) -
     )
     assert [item.type for item in answer.output] == ["message"]
     assert answer.usage.input_tokens > called.usage.input_tokens + called.usage.output_tokens
+
+
+def test_a_forced_custom_tool_writes_its_regular_expression(
+        client: openai.OpenAI, model_id: str) -> None:
+    """Random weights write a phone number only because the grammar makes them; an
+    expression the grammar engine cannot take is a 400 naming the tools."""
+    dial = {"type": "custom", "name": "dial", "description": "Dial a number.",
+            "format": {"type": "grammar", "syntax": "regex", "definition": "[0-9]{3}-[0-9]{4}"}}
+    called = client.responses.create(model=model_id, input="Call home.", tools=[dial],
+                                     tool_choice={"type": "custom", "name": "dial"},
+                                     max_output_tokens=ROOM)
+    [call] = called.output
+    assert call.type == "custom_tool_call" and re.fullmatch(r"[0-9]{3}-[0-9]{4}", call.input)
+    dial["format"]["definition"] = "(?=a)b"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=model_id, input="Call home.", tools=[dial],
+                                tool_choice={"type": "custom", "name": "dial"},
+                                max_output_tokens=ROOM)
+    assert refused.value.body["code"] == "unsupported_schema"
+    assert refused.value.body["param"] == "tools"
 
 
 def test_required_tool_call_streams_its_arguments(client: openai.OpenAI, model_id: str) -> None:
