@@ -283,6 +283,7 @@ class ResponseBuilder:
             return self._text(OutputMessage if isinstance(event, TextDelta) else OutputReasoning,
                               event.text)
         if isinstance(event, ToolCallStarted):
+            closed = self._close()  # a custom call before this one reads its arguments
             if event.name in self._custom:
                 self._arguments = ""
                 call = OutputCustomToolCall(id=_new_id("ctc"), call_id=event.id,
@@ -290,7 +291,7 @@ class ResponseBuilder:
             else:
                 call = OutputFunctionCall(id=_new_id("fc"), call_id=event.id, name=event.name,
                                           arguments="", status="in_progress")
-            return self._close() + self._add(call)
+            return closed + self._add(call)
         if isinstance(event, ToolCallArguments):
             if isinstance(self._item, OutputCustomToolCall):
                 self._arguments += event.fragment

@@ -132,8 +132,10 @@ def test_a_custom_tools_call_is_its_input_as_text() -> None:
     arguments = json.dumps({"input": patch})
     reply = [ToolCallStarted(0, 0, "call_a", "apply_patch"),
              ToolCallArguments(0, 0, arguments[:9]), ToolCallArguments(0, 0, arguments[9:]),
-             ToolCallStarted(0, 1, "call_b", "shell"),
-             ToolCallArguments(0, 1, '{"command": "ls"}'),
+             ToolCallStarted(0, 1, "call_c", "apply_patch"),
+             ToolCallArguments(0, 1, '{"input": "again"}'),
+             ToolCallStarted(0, 2, "call_b", "shell"),
+             ToolCallArguments(0, 2, '{"command": "ls"}'),
              ChoiceFinished(0, "tool_calls", Usage(prompt_tokens=50, completion_tokens=40,
                                                    cached_tokens=0))]
     events = builder.opening()
@@ -146,9 +148,10 @@ def test_a_custom_tools_call_is_its_input_as_text() -> None:
     assert [event.type for event in events[2:6]] == [
         "response.output_item.added", "response.custom_tool_call_input.delta",
         "response.custom_tool_call_input.done", "response.output_item.done"]
-    custom, function = events[-1].response.output
+    custom, again, function = events[-1].response.output
     assert (custom.type, custom.call_id, custom.name, custom.input) == (
         "custom_tool_call", "call_a", "apply_patch", patch)
+    assert (again.call_id, again.input) == ("call_c", "again")  # one custom call after another
     assert custom.id.startswith("ctc_") and custom.status == "completed"
     assert function.type == "function_call" and function.arguments == '{"command": "ls"}'
     # A call the model did not write as its one string keeps what it wrote.
