@@ -103,7 +103,7 @@ class ModelsCollector(Collector):
             unloads.add_metric([model.id], model.counters.unloads)
             crashes.add_metric([model.id], model.counters.crashes)
             memory.add_metric([model.id], model.share_bytes if model.engine else 0)
-            requests.add_metric([model.id], model.inflight)
+            requests.add_metric([model.id], model.inflight + model.load_waiters)
         yield from (state, loads, load_seconds, unloads, crashes, memory, requests)
 
 

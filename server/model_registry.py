@@ -84,7 +84,8 @@ class ServedModel:
         self.spec, self.settings, self.share_bytes = spec, settings, share_bytes
         self.engine = engine
         self._context_length: int | None = None
-        self.inflight = 0
+        self.inflight = 0  # requests holding it (a Lease each)
+        self.load_waiters = 0  # requests waiting in `acquire` for it to load
         self.last_used = time.monotonic()
         self.loading: asyncio.Task | None = None
         # Being unloaded to make room once its requests finish: new ones wait meanwhile.
@@ -247,22 +248,26 @@ class ModelRegistry:
             model.check_ready()  # 503 while the one model loads, as always
             return Lease(model)
         deadline = time.monotonic() + self.settings.load_timeout
-        while True:
-            self._reap(model)
-            if model.evicting:  # its requests finish, then it unloads: load it after
-                await asyncio.sleep(WATCH_SECONDS / 4)
-                if time.monotonic() > deadline:
-                    raise self._still_loading(model)
-                continue
-            if model.state is ModelState.LOADED:
-                return Lease(model)
-            if model.loading is None:
-                model.loading = asyncio.create_task(self._load(model))
-            try:
-                await asyncio.wait_for(self._await_load(model, model.loading),
-                                       max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise self._still_loading(model) from None
+        model.load_waiters += 1
+        try:
+            while True:
+                self._reap(model)
+                if model.evicting:  # its requests finish, then it unloads: load it after
+                    await asyncio.sleep(WATCH_SECONDS / 4)
+                    if time.monotonic() > deadline:
+                        raise self._still_loading(model)
+                    continue
+                if model.state is ModelState.LOADED:
+                    return Lease(model)
+                if model.loading is None:
+                    model.loading = asyncio.create_task(self._load(model))
+                try:
+                    await asyncio.wait_for(self._await_load(model, model.loading),
+                                           max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise self._still_loading(model) from None
+        finally:
+            model.load_waiters -= 1
 
     def _still_loading(self, model: ServedModel) -> APIError:
         return APIError(503, f"the model {model.id} is not loaded after "

@@ -5,13 +5,14 @@ back once prefill has fed so many tokens, to cancel a request mid-prefill.
 
 `python -m tests.faults TOKEN [serve flags]` is `python -m server [serve flags]` serving
 that model: the same code path, with the engine's loader wrapped (`hang:TOKEN`: the
-model that never ends).
+model that never ends; `slow-load:SECONDS`: any model, its loads that much slower).
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -91,13 +92,25 @@ def faulty_loader(token: int, hang: bool = False) -> Callable[..., LoadedModel]:
     return loader_wrapping(lambda model: FaultInjectingModel(model, token, hang))
 
 
+def slow_loader(seconds: float) -> Callable[..., LoadedModel]:
+    """`load_model`, `seconds` slower: a load still running whatever the machine's speed
+    when a test acts on the requests waiting for it."""
+
+    def load(*args: Any, **kwargs: Any) -> LoadedModel:
+        time.sleep(seconds)
+        return load_model(*args, **kwargs)
+
+    return load
+
+
 # The server's engine process (engine/process.py) is spawned: it runs this module again
 # as "__mp_main__", with the server's arguments, and so loads the same faulty model.
 if __name__ in ("__main__", "__mp_main__"):
     import engine.engine
 
-    mode, _, token = sys.argv[1].rpartition(":")
-    engine.engine.load_model = faulty_loader(int(token), hang=mode == "hang")
+    mode, _, value = sys.argv[1].rpartition(":")
+    engine.engine.load_model = (slow_loader(float(value)) if mode == "slow-load"
+                                else faulty_loader(int(value), hang=mode == "hang"))
 if __name__ == "__main__":
     from server.launch.cli import run
 

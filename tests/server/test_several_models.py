@@ -38,10 +38,11 @@ def write_models(path: Path, tables: list[dict]) -> Path:
     return path
 
 
-def start_models(directory: Path, tables: list[dict], *flags: str) -> ServerProcess:
+def start_models(directory: Path, tables: list[dict], *flags: str,
+                 entry: tuple[str, ...] = ("server",)) -> ServerProcess:
     models = write_models(directory / "models.toml", tables)
     return start_server(None, directory / "server.log", "--models-file", str(models),
-                        "--api-key", API_KEY, *flags)
+                        "--api-key", API_KEY, *flags, entry=entry)
 
 
 def states(server: ServerProcess) -> dict[str, str]:
@@ -377,8 +378,9 @@ def test_the_drains_deadline_ends_the_requests_waiting_for_a_load(
     load is cancelled and they end with 503 shutting_down (streamed: an error event,
     then [DONE]), and the server exits 0. (They were served by a load that finished after
     the stop began, or cut off without an error by uvicorn's own shutdown.)"""
+    # A load 5 s slower: on a quiet machine the model loaded inside the deadline.
     server = start_models(tmp_path, [{"id": "smol", "source": str(real_model_dir)}],
-                          "--drain-timeout", "0.2")
+                          "--drain-timeout", "0.2", entry=("tests.faults", "slow-load:5"))
     body = {"model": "smol", "messages": HI, "max_tokens": 4}
 
     def streamed() -> list[str]:
