@@ -3,9 +3,10 @@
 A thin adapter: input items (messages, function and custom tool calls and their outputs,
 reasoning) become chat messages after the stored conversation a `previous_response_id`
 names, the shared pipeline runs the `GenerationRequest`, and `ResponseBuilder` turns its
-neutral events into output items and the documented event sequence. The same builder makes the
-non-streaming response, so a streamed and a whole response cannot disagree; the finished
-response and its conversation go to the response store when `store` is true.
+neutral events into output items and the documented event sequence. The same builder
+makes the non-streaming response, so a streamed and a whole response cannot disagree;
+the finished response and its conversation go to the response store when `store` is
+true.
 """
 
 from __future__ import annotations
@@ -132,9 +133,7 @@ def input_messages(body: ResponsesRequest, history: list[TemplateMessage]) -> li
             turn = assistant_turn()
             turn["reasoning_content"] = turn.get("reasoning_content", "") + item.text
         elif isinstance(item, FunctionCallItem | CustomToolCallItem):
-            assistant_turn().setdefault("tool_calls", []).append(_template_call(
-                item.call_id, item.name, item.arguments if isinstance(item, FunctionCallItem)
-                else custom_arguments(item.input)))
+            assistant_turn().setdefault("tool_calls", []).append(_template_call(item))
         elif isinstance(item, CustomToolCallOutputItem):
             messages.append({"role": "tool", "content": joined_text(item.output),
                              "tool_call_id": item.call_id})
@@ -151,9 +150,14 @@ def input_messages(body: ResponsesRequest, history: list[TemplateMessage]) -> li
     return messages
 
 
-def _template_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
-    return {"id": call_id, "type": "function",
-            "function": {"name": name, "arguments": template_arguments(arguments)}}
+def _template_call(call: FunctionCallItem | CustomToolCallItem | OutputFunctionCall
+                   | OutputCustomToolCall) -> dict[str, Any]:
+    """A call, sent back or made here, as a chat template's tool call: a custom tool's
+    input as the one string of the function the model is shown (`custom_function`)."""
+    arguments = (call.arguments if isinstance(call, FunctionCallItem | OutputFunctionCall)
+                 else custom_arguments(call.input))
+    return {"id": call.call_id, "type": "function",
+            "function": {"name": call.name, "arguments": template_arguments(arguments)}}
 
 
 # A custom tool's freeform input, as a function of one string the model fills: templates
@@ -420,9 +424,7 @@ def assistant_message(response: ResponseObject) -> TemplateMessage:
         if isinstance(item, OutputReasoning):
             message["reasoning_content"] = item.content[0].text
         elif isinstance(item, OutputFunctionCall | OutputCustomToolCall):
-            message.setdefault("tool_calls", []).append(_template_call(
-                item.call_id, item.name, item.arguments if isinstance(item, OutputFunctionCall)
-                else custom_arguments(item.input)))
+            message.setdefault("tool_calls", []).append(_template_call(item))
     return message
 
 
@@ -470,12 +472,12 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 async def _truncated(lease: Lease, body: ResponsesRequest,
                      conversation: list[TemplateMessage]) -> list[TemplateMessage]:
     """truncation "auto", for a conversation too long for the context window: it without
-    as few of its oldest items as leave its prompt room to answer. Whole turns go first, from a user message to the next; then,
-    within the last turn (an agent's task and its tool calls), its oldest exchanges, an
-    assistant message with the tool results after it, so no result loses its call and the
-    task stays. The system messages before the first turn always stay; if even the task
-    and its latest exchange do not fit, the request is refused as too long. The stored
-    conversation keeps every item."""
+    as few of its oldest items as leave its prompt room to answer. Whole turns go first,
+    from a user message to the next; then, within the last turn (an agent's task and its
+    tool calls), its oldest exchanges, an assistant message with the tool results after
+    it, so no result loses its call and the task stays. The system messages before the
+    first turn always stay; if even the task and its latest exchange do not fit, the
+    request is refused as too long. The stored conversation keeps every item."""
     head = 0
     while head < len(conversation) and conversation[head]["role"] == "system":
         head += 1
