@@ -275,25 +275,41 @@ class Generator:
         deltas = [row.images.rope_delta if row.images is not None else 0 for row in self.rows]
         return Placement(shifts=mx.array(deltas)) if any(deltas) else None
 
-    def decode(self) -> list[Output]:
-        """Join the sequences whose prompt is computed, and run one decode step. Returns
-        the tokens sampled by the previous step (or, for a sequence that just joined, its
-        first token)."""
-        together = []
+    def join(self) -> list[Output]:
+        """Add the sequences whose prompt is computed to the decode batch, and return
+        their first tokens, read now: the caller can send them before the step's decode
+        forward, which they used to wait for (on a GPU, where queuing a forward returns
+        once it is nearly done, the whole decode step; on the CPU, the running batch's
+        last forward, evaluated with theirs). A constrained row's token is output when
+        it is fed, as always (its grammar says then whether it ended the output)."""
+        together, joined = [], []
         for sequence in self.ready:
             if self.mrope is not None and sequence.images is not None:
-                self._join([sequence])  # at its prompt's M-RoPE placement
+                # At its prompt's M-RoPE placement.
+                joined.append(([sequence], self._join([sequence])))
             else:
                 together.append(sequence)
         if together:
-            self._join(together)
+            joined.append((together, self._join(together)))
         self.ready = []
+        outputs = []
+        for sequences, first in joined:
+            for sequence, token in zip(sequences, first.tolist()):
+                if sequence.grammar is None:
+                    outputs.append(Output(sequence.uid, token, sequence.logprobs))
+                    sequence.reported = True
+        return outputs
+
+    def decode(self) -> list[Output]:
+        """Run one decode step (after `join`ing what is ready). Returns the tokens sampled
+        by the previous step, and the first tokens of the sequences that just joined."""
+        outputs = self.join()
         if not self.rows:
-            return []
+            return outputs
         self._steps += 1
         if self._steps % CLEAR_CACHE_STEPS == 0:
             mx.clear_cache()
-        return self._decode()
+        return outputs + self._decode()
 
     def prefill(self, budget: int) -> PrefillResult:
         """Feed up to `budget` prompt tokens, in chunks, to the sequences in order (those
@@ -595,7 +611,7 @@ class Generator:
         result.tokens += width * len(group)
         return True
 
-    def _join(self, sequences: list[SequenceState]) -> None:
+    def _join(self, sequences: list[SequenceState]) -> mx.array:
         """Feed each prompt's last token (as mlx_lm.generate does), sample the first tokens,
         and add the sequences to the decode batch: several in one forward over one batch
         of their caches. Joined one at a time, each join was a forward of its own and an
@@ -622,7 +638,7 @@ class Generator:
             if sequence.processors:
                 sequence.context = mx.concatenate([sequence.context,
                                                    mx.array([token], mx.uint32)])
-        self._enter(sequences, cache, logits, hidden)
+        return self._enter(sequences, cache, logits, hidden)
 
     def _enter(self, sequences: list[SequenceState], cache: list[Any],
                logits: mx.array, hidden: mx.array | None = None) -> mx.array:

@@ -929,6 +929,9 @@ class Scheduler:
         if self.burst and (not self.generator.prefilling or self._burst_outgrown()):
             self.burst = False
         if not self.burst:
+            if firsts := self.generator.join():
+                self._take(firsts)
+                self._deliver()  # now, not after the decode forward
             self._take(self.generator.decode())
         decoding = self.generator.decoding and not self.burst
         prefilled = 0

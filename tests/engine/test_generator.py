@@ -91,6 +91,26 @@ def greedy_tokens(generator: Generator, uids: list[int], count: int) -> dict[int
     return {uid: t[:count] for uid, t in tokens.items()}
 
 
+def test_a_prompt_joining_the_batch_gives_its_first_token_before_the_next_decode(model
+                                                                               ) -> None:
+    """Its first token comes from its own last-token forward: `join` reads it, so the
+    server sends it before the batch's decode forward of that step, not after."""
+    prompts = [list(range(10, 40)), list(range(50, 71))]
+    alone = greedy_alone(model, prompts, 3)
+    generator = Generator(model)
+    run_until_decoding(generator, sequence(model, 0, prompts[0]))
+    generator.add(sequence(model, 1, prompts[1]))
+    while generator.prefilling:
+        generator.prefill(8)
+    assert [(o.uid, o.token) for o in generator.join()] == [(1, alone[1][0])]
+    later: dict[int, list[int]] = {0: [], 1: []}
+    while len(later[1]) < 2:
+        for output in generator.decode():
+            later[output.uid].append(output.token)
+    assert later[1][:2] == alone[1][1:]
+    assert later[0][:2] == alone[0][1:]
+
+
 def test_short_prompts_fitting_one_chunk_are_prefilled_together(model) -> None:
     preamble = list(range(100, 130))
     prompts = [preamble + list(range(200 + 7 * i, 200 + 7 * i + n))
