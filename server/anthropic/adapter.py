@@ -21,7 +21,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from engine.api import SamplingKnobs
+from server.anthropic.defined_tools import DEFINED_TOOLS
 from server.anthropic.protocol import (
+    AnthropicDefinedTool,
     AnthropicMessage,
     ContentBlockDelta,
     ContentBlockStart,
@@ -48,6 +50,7 @@ from server.anthropic.protocol import (
     ThinkingDelta,
     TokenCount,
     TokenCountRequest,
+    Tool,
     ToolChoice,
     ToolChoiceAny,
     ToolChoiceNone,
@@ -111,10 +114,7 @@ def generation_request(body: TokenCountRequest) -> GenerationRequest:
     request = GenerationRequest(
         messages=tuple(messages),
         images=tuple(url for message in body.messages for url in message.images),
-        tools=tuple(
-            FunctionTool(tool.name, tool.description, tool.input_schema, tool.strict)
-            for tool in body.tools or ()
-        ),
+        tools=tuple(_function(tool) for tool in body.tools or ()),
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=_parallel(body.tool_choice),
         output=output,
@@ -185,6 +185,13 @@ def _result_text(block: ToolResultBlock) -> str:
 def _parallel(choice: ToolChoice | None) -> bool | None:
     disabled = getattr(choice, "disable_parallel_tool_use", None)
     return None if disabled is None else not disabled
+
+
+def _function(tool: Tool | AnthropicDefinedTool) -> FunctionTool:
+    if isinstance(tool, AnthropicDefinedTool):
+        defined = DEFINED_TOOLS[tool.type]
+        return FunctionTool(tool.name, defined.description, defined.input_schema)
+    return FunctionTool(tool.name, tool.description, tool.input_schema, tool.strict)
 
 
 def _tool_choice(choice: ToolChoice | None) -> GenerationToolChoice:

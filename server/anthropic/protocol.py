@@ -3,8 +3,10 @@
 Requests validate declaratively, like the OpenAI models: strict types, unknown fields
 ignored (clients such as Claude Code send many we have no use for: `metadata`,
 `context_management`, `service_tier`, ...). Image blocks (base64 or URL sources) are read
-by vision models (server/images.py); what no model here reads (document blocks,
-Anthropic's server-side tools) is refused with a 400 that names it. Responses and stream
+by vision models (server/images.py); Anthropic's schema-less client tools (bash, the
+text editor, memory) are shown with the schemas it documents (defined_tools.py); what
+no model here reads (document blocks, Anthropic's server-side tools) is refused with a
+400 that names it. Responses and stream
 events mirror what the official `anthropic` SDK parses.
 """
 
@@ -15,6 +17,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from engine.api import SpeculationMode
+from server.anthropic.defined_tools import DEFINED_TOOLS
 from server.schema import RequestModel, ResponseModel, shaped_union
 
 # The most stop_sequences one request may give (OpenAI's `stop` takes 4).
@@ -181,25 +184,48 @@ class Tool(RequestModel):
     cache_control: CacheControl | None = None
 
 
+class AnthropicDefinedTool(RequestModel):
+    """Bash, the text editor or memory, by version (defined_tools.py): named, not
+    described; the model is shown the schema Anthropic documents for it."""
+
+    type: Literal[tuple(DEFINED_TOOLS)]  # type: ignore[valid-type]
+    name: str
+    max_characters: int | None = Field(None, ge=1)
+    cache_control: CacheControl | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> AnthropicDefinedTool:
+        defined = DEFINED_TOOLS[self.type]
+        if self.name != defined.name:
+            raise ValueError(f"a {self.type} tool is named {defined.name!r}, not {self.name!r}")
+        if self.max_characters is not None and not defined.takes_max_characters:
+            raise ValueError(f"a {self.type} tool takes no max_characters")
+        return self
+
+
 class ServerTool(RequestModel):
     type: str
 
     @model_validator(mode="after")
     def _refuse(self) -> ServerTool:
         raise ValueError(
-            f"server tools such as {self.type!r} are not supported; define client tools "
-            "with a name and an input_schema"
+            f"{self.type!r} tools are not supported (server tools and computer use); "
+            "define client tools with a name and an input_schema"
         )
 
 
 def _tool_kind(value: Any) -> str | None:
     if not isinstance(value, dict):
         return None
-    return "client" if value.get("type") in (None, "custom") else "server"
+    kind = value.get("type")
+    if kind in (None, "custom"):
+        return "client"
+    return "defined" if kind in DEFINED_TOOLS else "server"
 
 
 ToolDefinition = Annotated[
-    Annotated[Tool, Tag("client")] | Annotated[ServerTool, Tag("server")],
+    Annotated[Tool, Tag("client")] | Annotated[AnthropicDefinedTool, Tag("defined")]
+    | Annotated[ServerTool, Tag("server")],
     Discriminator(_tool_kind, custom_error_type="invalid_type",
                   custom_error_message="must be a tool object"),
 ]

@@ -59,6 +59,29 @@ def test_messages_tool_round_trip(claude: anthropic.Anthropic, model: str) -> No
     print("Messages answer after the tool result:", repr(text.text))
 
 
+def test_messages_bash_tool_round_trip(claude: anthropic.Anthropic, model: str) -> None:
+    """Anthropic's bash tool, declared by type and name only: a forced call's input is
+    its documented schema's, and the command's output sent back gets an answer."""
+    tools = [{"type": "bash_20250124", "name": "bash"}]
+    messages = [{"role": "user", "content": "List the files in /tmp."}]
+    called = claude.messages.create(model=model, max_tokens=60, tools=tools,
+                                    tool_choice={"type": "tool", "name": "bash"},
+                                    messages=messages, extra_body=GREEDY)
+    assert called.stop_reason == "tool_use"
+    [use] = called.content
+    assert use.name == "bash" and use.input and set(use.input) <= {"command", "restart"}
+    assert isinstance(use.input.get("command", ""), str)
+    assert isinstance(use.input.get("restart", False), bool)
+    messages += [
+        {"role": "assistant", "content": [use.model_dump()]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                      "content": "notes.txt\nreport.pdf"}]},
+    ]
+    answer = claude.messages.create(model=model, max_tokens=16, tools=tools,
+                                    messages=messages, extra_body=GREEDY)
+    assert answer.content[0].type == "text" and answer.content[0].text.strip()
+
+
 def test_responses_tool_round_trip(real_client: openai.OpenAI, model: str) -> None:
     tools = [{"type": "function", "name": "get_weather", "description": DESCRIPTION,
               "parameters": City.model_json_schema(), "strict": True}]

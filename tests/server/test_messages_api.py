@@ -15,6 +15,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.demo_model import MAX_POSITION_EMBEDDINGS
+from server.anthropic.defined_tools import DEFINED_TOOLS
 from tests.server.support import API_KEY, ServerProcess
 
 
@@ -169,6 +170,12 @@ def test_claude_code_shaped_agent_loop_is_served_from_cache(
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
       "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      400, "invalid_request_error", "server tools"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "text_editor_20250728", "name": "editor"}]},
+     400, "invalid_request_error", "named 'str_replace_based_edit_tool'"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "bash_20250124", "name": "bash", "max_characters": 100}]},
+     400, "invalid_request_error", "takes no max_characters"),
     ({"max_tokens": 0, "messages": [{"role": "user", "content": "x"}]},
      400, "invalid_request_error", "max_tokens"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
@@ -193,6 +200,24 @@ def test_errors_are_anthropic_error_objects(
     assert error.status_code == status
     assert error.body["type"] == "error" and error.body["error"]["type"] == kind
     assert words in error.body["error"]["message"]
+
+
+@pytest.mark.parametrize("kind", sorted(DEFINED_TOOLS))
+def test_anthropic_defined_tools_are_shown_as_their_documented_schema(
+    claude: anthropic.Anthropic, model_id: str, kind: str
+) -> None:
+    """Bash, the text editor and memory come as a type and a name: the model is shown
+    the same function a client spelling out Anthropic's schema would give."""
+    defined = DEFINED_TOOLS[kind]
+    messages = [{"role": "user", "content": "Fix the typo in /repo/README.md."}]
+    named = claude.messages.count_tokens(
+        model=model_id, messages=messages, tools=[{"type": kind, "name": defined.name}])
+    spelled = claude.messages.count_tokens(
+        model=model_id, messages=messages,
+        tools=[{"name": defined.name, "description": defined.description,
+                "input_schema": defined.input_schema}])
+    bare = claude.messages.count_tokens(model=model_id, messages=messages)
+    assert named.input_tokens == spelled.input_tokens > bare.input_tokens
 
 
 def test_models_list_reads_as_anthropics(claude: anthropic.Anthropic, model_id: str) -> None:
