@@ -220,7 +220,7 @@ def _tool_kind(value: Any) -> str | None:
     kind = value.get("type")
     if kind in (None, "custom"):
         return "client"
-    return "defined" if kind in DEFINED_TOOLS else "server"
+    return "defined" if isinstance(kind, str) and kind in DEFINED_TOOLS else "server"
 
 
 ToolDefinition = Annotated[

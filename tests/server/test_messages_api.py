@@ -176,6 +176,9 @@ def test_claude_code_shaped_agent_loop_is_served_from_cache(
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
       "tools": [{"type": "bash_20250124", "name": "bash", "max_characters": 100}]},
      400, "invalid_request_error", "takes no max_characters"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": {}}]},  # unhashable, found by fuzzing: not a 500
+     400, "invalid_request_error", "type"),
     ({"max_tokens": 0, "messages": [{"role": "user", "content": "x"}]},
      400, "invalid_request_error", "max_tokens"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
