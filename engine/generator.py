@@ -277,11 +277,10 @@ class Generator:
 
     def join(self) -> list[Output]:
         """Add the sequences whose prompt is computed to the decode batch, and return
-        their first tokens, read now: the caller can send them before the step's decode
-        forward, which they used to wait for (on a GPU, where queuing a forward returns
-        once it is nearly done, the whole decode step; on the CPU, the running batch's
-        last forward, evaluated with theirs). A constrained row's token is output when
-        it is fed, as always (its grammar says then whether it ended the output)."""
+        their first tokens, read now (`_first_outputs`): the caller can send them before
+        the step's decode forward, which they used to wait for (on a GPU, where queuing a
+        forward returns once it is nearly done, the whole decode step; on the CPU, the
+        running batch's last forward, evaluated with theirs)."""
         together, joined = [], []
         for sequence in self.ready:
             if self.mrope is not None and sequence.images is not None:
@@ -292,13 +291,8 @@ class Generator:
         if together:
             joined.append((together, self._join(together)))
         self.ready = []
-        outputs = []
-        for sequences, first in joined:
-            for sequence, token in zip(sequences, first.tolist()):
-                if sequence.grammar is None:
-                    outputs.append(Output(sequence.uid, token, sequence.logprobs))
-                    sequence.reported = True
-        return outputs
+        return [output for sequences, first in joined
+                for output in _first_outputs(sequences, first)]
 
     def decode(self) -> list[Output]:
         """Run one decode step (after `join`ing what is ready). Returns the tokens sampled
@@ -531,13 +525,7 @@ class Generator:
                     [sequence.context, mx.array(sequence.unfed[-1:], mx.uint32)])
             sequence.tokens += sequence.unfed
             sequence.unfed = []
-        first = self._enter(group, cache, last, hidden)
-        for sequence, token in zip(group, first.tolist()):
-            # A constrained row's grammar takes in its token when it is fed, and whether
-            # that ends the output shows only then: it is output then, as it always is.
-            if sequence.grammar is None:
-                result.outputs.append(Output(sequence.uid, token, sequence.logprobs))
-                sequence.reported = True
+        result.outputs += _first_outputs(group, self._enter(group, cache, last, hidden))
         result.done += group
         result.tokens += width * len(group)
         return True
@@ -945,6 +933,19 @@ class Generator:
             views = row_views(self.cache, rows)
         found = dict(zip(inside, views or []))
         return [found.get(i, s.cache) for i, s in enumerate(sequences)]
+
+
+def _first_outputs(sequences: list[SequenceState], first: mx.array) -> list[Output]:
+    """The first tokens `first` of sequences that just entered the batch, read now and
+    marked reported, so that the next decode step does not output them again. A
+    constrained row's grammar takes in its token when it is fed, and whether that ends
+    the output shows only then: it is output then, as it always is."""
+    outputs = []
+    for sequence, token in zip(sequences, first.tolist()):
+        if sequence.grammar is None:
+            outputs.append(Output(sequence.uid, token, sequence.logprobs))
+            sequence.reported = True
+    return outputs
 
 
 def _targets(rows: list[SequenceState], drafts: list[list[int]], logits: mx.array,
