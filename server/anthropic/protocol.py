@@ -6,8 +6,8 @@ ignored (clients such as Claude Code send many we have no use for: `metadata`,
 by vision models (server/images.py); Anthropic's schema-less client tools (bash, the
 text editor, memory) are shown with the schemas it documents (defined_tools.py); what
 no model here reads (document blocks, Anthropic's server-side tools) is refused with a
-400 that names it. Responses and stream
-events mirror what the official `anthropic` SDK parses.
+400 that names it. Responses and stream events mirror what the official `anthropic` SDK
+parses.
 """
 
 from __future__ import annotations
