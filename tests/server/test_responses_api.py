@@ -341,7 +341,7 @@ def test_a_forced_custom_tool_writes_its_regular_expression(
             "format": {"type": "grammar", "syntax": "regex", "definition": "[0-9]{3}-[0-9]{4}"}}
     called = client.responses.create(model=model_id, input="Call home.", tools=[dial],
                                      tool_choice={"type": "custom", "name": "dial"},
-                                     max_output_tokens=ROOM)
+                                     parallel_tool_calls=False, max_output_tokens=ROOM)
     [call] = called.output
     assert call.type == "custom_tool_call" and re.fullmatch(r"[0-9]{3}-[0-9]{4}", call.input)
     dial["format"]["definition"] = "(?=a)b"
