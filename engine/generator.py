@@ -49,6 +49,7 @@ from engine.mlx_lm_internals import (
     BatchRow,
     Span,
     batch_rows,
+    causal_rows,
     drop_last,
     keep_rows,
     merge_caches,
@@ -57,6 +58,7 @@ from engine.mlx_lm_internals import (
     rounded_writes,
     row_cache,
     row_views,
+    span_tokens,
     supports_segments,
 )
 from engine.mrope import MRoPE, Placement
@@ -536,16 +538,20 @@ class Generator:
         `width`: the batch cache it wrote (its rows' right padding prepared, for
         `finalize`), each row's logits at its last real position (the head computed
         there alone where the model allows), and those (rows, positions), where
-        `HiddenStates.take` reads the hidden states."""
+        `HiddenStates.take` reads the hidden states. Rows over prefixes of one length (a
+        list's rows over its preamble, prompts with nothing cached) are masked
+        causally (`causal_rows`)."""
         cache = prefix_batch(prefixes, width, self.layers)
         for layer in cache:
             layer.prepare(right_padding=[width - len(feed) for feed in feeds])
+        aligned = len({span_tokens(spans) for spans in prefixes}) == 1
+        forward_cache = causal_rows(cache) if aligned else cache
         inputs = mx.array([feed + [0] * (width - len(feed)) for feed in feeds])
         rows, ends = mx.arange(len(feeds)), mx.array([len(feed) - 1 for feed in feeds])
         if self.hidden.available:
             with self.hidden.narrowed(rows, ends):
-                return cache, self._run(inputs, cache)[:, 0], rows, ends
-        return cache, self._run(inputs, cache)[rows, ends], rows, ends
+                return cache, self._run(inputs, forward_cache)[:, 0], rows, ends
+        return cache, self._run(inputs, forward_cache)[rows, ends], rows, ends
 
     def read_together(self, prefixes: Sequence[Sequence[Span]], feeds: Sequence[list[int]],
                       top: int, asked: Sequence[int], hidden: bool) -> Readings:

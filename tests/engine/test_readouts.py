@@ -36,14 +36,20 @@ REVIEWS = ["I loved it.", "Terrible, never again.", "Fine, I guess.",
 
 
 class CountingModel:
-    """The model, recording the shape of every forward's inputs."""
+    """The model, recording the shape of every forward's inputs and the kind of attention
+    mask its cache gives it: "causal", "array" or None."""
 
     def __init__(self, model: nn.Module) -> None:
         self._model = model
         self.shapes: list[tuple[int, ...]] = []
+        self.masks: list[str | None] = []
 
     def __call__(self, inputs: mx.array, *args: Any, **kwargs: Any) -> mx.array:
         self.shapes.append(tuple(inputs.shape))
+        cache = kwargs.get("cache")
+        mask = (cache[0].make_mask(inputs.shape[1], return_array=False, window_size=None)
+                if cache else None)
+        self.masks.append("array" if isinstance(mask, mx.array) else mask)
         return self._model(inputs, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -179,8 +185,12 @@ async def test_a_list_over_a_cached_prefix_is_read_in_one_forward(counted, llama
     assert [finish.cached_tokens for _, finish in first] == [0] + [shared] * (len(prompts) - 1)
     assert (await settled(engine)).tree.total_tokens == shared
     model.shapes.clear()
+    model.masks.clear()
     again = await read(engine, prompts, readout)
     assert [shape[0] for shape in model.shapes] == [len(prompts)]
+    # Every row over the one preamble: no row left-padded, so no mask array to build
+    # and read (MLX's CUDA backend attends far slower under one: `causal_rows`).
+    assert model.masks == ["causal"]
     for prompt, (last, finish), (cold, _) in zip(prompts, again, first):
         assert isinstance(finish, Finish) and finish.reason == "length"
         assert finish.cached_tokens == shared
@@ -457,8 +467,10 @@ async def test_texts_sent_again_are_read_in_one_forward_over_their_own_prefixes(
     for text in texts:
         await read(engine, [text], readout)
     model.shapes.clear()
+    model.masks.clear()
     again = await read(engine, texts, readout)
     assert model.shapes == [(len(texts), 1)]
+    assert model.masks == ["array"]  # prefixes of different lengths: rows left-padded
     for text, (last, finish) in zip(texts, again):
         assert finish.cached_tokens == len(text) - 1
         assert_reads(last, llama_reference, text, readout)
