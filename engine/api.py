@@ -334,6 +334,10 @@ class SamplingParams(SamplingKnobs):
     constraint: Constraint | None = None
     # Prefill only: read the prompt's last position (`LastPosition`) and generate nothing.
     readout: Readout | None = None
+    # The tokens the client expects the output to be (OpenAI's Predicted Outputs): drafts
+    # for speculative decoding, tried first; in `auto` mode where the request and the
+    # server name none (engine/speculation.py, `PredictionLookup`).
+    prediction: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -403,6 +407,9 @@ class Finish:
     cache_miss: CacheMiss | None = None  # None: all of the prompt that can be was reused
     draft_tokens: int = 0  # speculative decoding: tokens drafted, and those accepted
     accepted_draft_tokens: int = 0
+    # Of those, drafted from the request's prediction, and those accepted.
+    prediction_tokens: int = 0
+    accepted_prediction_tokens: int = 0
 
 
 class EngineError(Exception):

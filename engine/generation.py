@@ -151,7 +151,9 @@ class Generation:
         drafts = self.drafts
         self.emit(Finish(reason, tail, len(self.prompt), len(self.generated),
                          self.cached_tokens or 0, matched_stop, self._described_miss(),
-                         drafts.drafted if drafts else 0, drafts.accepted if drafts else 0))
+                         drafts.drafted if drafts else 0, drafts.accepted if drafts else 0,
+                         drafts.predicted if drafts else 0,
+                         drafts.accepted_predicted if drafts else 0))
 
     def _described_miss(self) -> CacheMiss | None:
         miss = self.cache_miss

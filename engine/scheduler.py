@@ -75,7 +75,7 @@ from engine.prefill_budget import GRANULE, PrefillBudget
 from engine.prompt_logprobs import PromptScoring
 from engine.readout import last_positions
 from engine.segment_file import BadSegmentFile
-from engine.speculation import Drafts
+from engine.speculation import Drafts, PredictionLookup
 from engine.tree_hold import HandleOf
 from engine.vision import ImageFeed
 from radix import MatchResult, Node, RadixTree, ReserveStatus
@@ -786,6 +786,8 @@ class Scheduler:
         a prefill-only request. Drafting goes on across a failed step's re-admission."""
         params = generation.params
         mode = params.speculation or self.speculation.mode
+        if params.prediction and params.speculation is None and mode == "off":
+            mode = "auto"  # a prediction asks for drafts; auto, should it be wrong
         if (mode == "off" or not self.kv.segments or generation.processors
                 or params.readout is not None or params.max_tokens == 0):
             return None
@@ -793,10 +795,13 @@ class Scheduler:
             session = None
             if self.draft_model is not None and "model" in self.speculation.sources:
                 session = self.draft_model.session()
+            prediction = (PredictionLookup(params.prediction, len(generation.prompt))
+                          if params.prediction else None)
             generation.drafts = Drafts(mode, self.speculation.max_draft,
                                        self.speculation.sources, self.tree.continuation,
                                        end=len(generation.prompt) + params.max_tokens,
-                                       vocab_size=self.loaded.vocab_size, model=session)
+                                       vocab_size=self.loaded.vocab_size, model=session,
+                                       prediction=prediction)
         return generation.drafts
 
     def _snapshot_positions(self, generation: Generation) -> list[int]:

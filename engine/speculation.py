@@ -11,6 +11,9 @@ free sources guess well:
 - the radix tree: what followed this exact context in an earlier request, prompt or
   output (`RadixTree.continuation`). No peer drafts from its prefix cache.
 
+A request may bring its own: OpenAI's Predicted Outputs (`prediction`), the text the
+client expects back, say a file it asked to have edited (`PredictionLookup`), tried first.
+
 A draft model (engine/draft_model.py), where the server has one, is a third source that
 costs its own forwards.
 
@@ -30,8 +33,10 @@ guesses (`Drafts.wants_draft`).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from engine.api import DraftSource, SpeculationMode
 
@@ -108,14 +113,63 @@ class PromptLookup:
         return []
 
 
+class PredictionLookup:
+    """Drafts from the text a client expects the output to be: what follows, in it, the
+    output so far. While the output copies it, the next tokens there; where the output
+    leaves it (the edit in a file asked back with a change), it is found again by the
+    output's longest recent n-gram that occurs in it, the first such place after where
+    it left, else the first anywhere."""
+
+    def __init__(self, prediction: Sequence[int], start: int) -> None:
+        """`start`: where the output begins in the contexts `draft` is given."""
+        self.prediction = list(prediction)
+        self._array = np.array(self.prediction, dtype=np.int64)
+        self.start = start
+        self._next: int | None = 0  # the prediction's token the output is at
+        self._left = 0  # where the output last left it
+        self._seen = 0  # output tokens followed so far
+
+    def draft(self, context: list[int], limit: int) -> list[int]:
+        output = context[self.start:]
+        for token in output[self._seen:]:
+            if self._next is not None:
+                if self._next < len(self.prediction) and self.prediction[self._next] == token:
+                    self._next += 1
+                else:
+                    self._left, self._next = self._next, None
+        self._seen = len(output)
+        if self._next is None:
+            self._next = self._found_again(output)
+        if self._next is None:
+            return []
+        return self.prediction[self._next:self._next + limit]
+
+    def _found_again(self, output: list[int]) -> int | None:
+        """Where the prediction goes on after the output's longest suffix n-gram in it.
+        A scan, not an index: an index of a long prediction took the engine's thread ~70
+        ms per 8k tokens to build; a scan of 32k tokens takes ~3 ms, and runs only while
+        the output is off the prediction."""
+        for n in (*NGRAM_SIZES, 1):
+            if len(output) < n or len(self._array) < n:
+                continue
+            windows = np.lib.stride_tricks.sliding_window_view(self._array, n)
+            ends = np.flatnonzero((windows == output[-n:]).all(axis=1)) + n
+            if ends.size:
+                after = ends[ends >= self._left + n]
+                return int(after[0] if after.size else ends[0])
+        return None
+
+
 class Drafts:
     """One sequence's drafting: its sources, its mode, and what its drafts achieved."""
 
     def __init__(self, mode: SpeculationMode, max_draft: int, sources: tuple[DraftSource, ...],
                  continuation: Continuation, end: int, vocab_size: int,
-                 model: Continuation | None = None) -> None:
+                 model: Continuation | None = None,
+                 prediction: PredictionLookup | None = None) -> None:
         """`continuation`: the radix tree's; `model`: this sequence's draft model session
-        (engine/draft_model.py), where the server has one."""
+        (engine/draft_model.py), where the server has one; `prediction`: the request's
+        own, tried before the sources."""
         self.mode = mode
         # Ids at or past it are radix keys of image positions (engine/image_tokens.py),
         # not tokens the model can be fed: a draft stops before one.
@@ -125,9 +179,17 @@ class Drafts:
         lookup = PromptLookup()
         guessers = {"prompt": lookup.draft, "tree": continuation, "model": model}
         self._guessers = [guessers[source] for source in sources if guessers[source]]
+        self._prediction = prediction.draft if prediction is not None else None
+        if self._prediction is not None:
+            self._guessers.insert(0, self._prediction)
         self.end = end  # the most tokens the sequence may hold: a draft never passes it
         self.drafted = 0
         self.accepted = 0
+        # Of those, the drafts the prediction made (OpenAI's accepted and rejected
+        # prediction tokens), and whether the latest draft is one.
+        self.predicted = 0
+        self.accepted_predicted = 0
+        self._predicting = False
         self._kept, self._cut = FIRST_KEPT, FIRST_CUT  # decayed counts, see RATE_MEMORY
         self._mean = 1.0  # accepted per chance, optimistic until measured
         self._pause = 0
@@ -155,6 +217,7 @@ class Drafts:
         for guess in self._guessers:
             if found := guess(context, limit):
                 break
+        self._predicting = bool(found) and guess is self._prediction
         found = list(itertools.takewhile(lambda token: token < self.vocab_size, found))
         if not found:
             # No guess is a guess that failed: on a GPU looking costs the step its overlap
@@ -166,6 +229,9 @@ class Drafts:
         """What one verify of this sequence's draft kept."""
         self.drafted += drafted
         self.accepted += accepted
+        if self._predicting:
+            self.predicted += drafted
+            self.accepted_predicted += accepted
         self._kept = RATE_MEMORY * self._kept + accepted
         self._cut = RATE_MEMORY * self._cut + (accepted < drafted)
         self._length = (min(self.max_draft, self._length + 2) if accepted == drafted

@@ -31,6 +31,10 @@ class Usage:
     cached_tokens: int = 0
     # Completion tokens spent thinking; None: the model does not reason.
     reasoning_tokens: int | None = None
+    # Tokens drafted from the request's prediction (OpenAI's Predicted Outputs), and of
+    # those, the ones the model agreed with.
+    prediction_tokens: int = 0
+    accepted_prediction_tokens: int = 0
     # Where the cache stopped matching the prompt and why, when the response reports it.
     cache_miss: CacheMiss | None = None
 

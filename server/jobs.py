@@ -198,8 +198,12 @@ class Job:
                 cached += min(finish.cached_tokens for finish in finishes)
                 completion += sum(finish.completion_tokens for finish in finishes)
         first = self._finishes.get(0)
+        finished = self._finishes.values()
         return Usage(prompt, completion, cached,
-                     cache_miss=first.cache_miss if first and self.report_miss else None)
+                     cache_miss=first.cache_miss if first and self.report_miss else None,
+                     prediction_tokens=sum(f.prediction_tokens for f in finished),
+                     accepted_prediction_tokens=sum(f.accepted_prediction_tokens
+                                                    for f in finished))
 
     def choice_usage(self, index: int) -> Usage:
         """Choice `index`'s own usage, once it has finished."""

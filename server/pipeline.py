@@ -280,12 +280,17 @@ async def _start(http: Request, state: ServerState, lease: Lease, request: Gener
         if constrained(request) else None
         for after in {after for _, after in thinking}
     }
+    # No answer is longer than the context window: nor need its prediction be.
+    prediction = tuple((await asyncio.to_thread(
+        tokenizer.encode, request.prediction, special_tokens=False))[:lease.engine.token_limit]
+        if request.prediction else ())
     job = Job(lease.engine, state.drain, state.metrics, http.state.request_id,
               http.state.started_at, settings.cache_miss_details, lease)
     http.state.stats = job.stats
     defaults = model.spec.sampling
     job.submit(prompts, request.n, lambda choice: _choice_params(
-        request, defaults, max_tokens, choice, constraints[thinking[choice // request.n][1]]))
+        request, defaults, max_tokens, choice, constraints[thinking[choice // request.n][1]],
+        prediction))
     echoes = [_echo(tokenizer, request, index, prompt) for index, prompt in enumerate(prompts)]
     decoders = [
         _decoder(request, markers, thinking[choice // request.n][0], tool_format, choice,
@@ -393,7 +398,7 @@ def _rfind(tokens: list[int], marker: tuple[int, ...]) -> int:
 
 def _choice_params(
     request: GenerationRequest, defaults: SamplingDefaults, max_tokens: int, choice: int,
-    constraint: Constraint | None,
+    constraint: Constraint | None, prediction: tuple[int, ...] = (),
 ) -> SamplingParams:
     """The engine's parameters for choice `choice` (which offsets the seed, so the n
     choices of a seeded request differ from each other yet stay reproducible): the one
@@ -413,4 +418,5 @@ def _choice_params(
         logprobs=request.logprobs,
         prompt_logprobs=request.logprobs if request.echo else None,
         constraint=constraint,
+        prediction=prediction,
     )

@@ -140,6 +140,9 @@ class GenerationRequest:
     # The knobs of `sampling` the client left unset (so at their defaults): a model's own
     # defaults (its table's `sampling`) replace them.
     unset_sampling: frozenset[str] = frozenset()
+    # Text the answer is expected to be mostly like (OpenAI's Predicted Outputs): drafts
+    # for speculative decoding ("": none).
+    prediction: str = ""
     max_tokens: int | None = None  # None: the server's default, within the context window
     # max_tokens is only a cap, lowered to the server's max_output_tokens and to what the
     # context window leaves instead of refusing the request, and None means the rest of

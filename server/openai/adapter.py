@@ -19,6 +19,7 @@ from server.openai.protocol import (
     JsonObjectFormat,
     JsonSchemaFormat,
     NamedToolChoice,
+    PredictionContent,
     SamplingRequest,
     StructuredOutputRequest,
     TextPart,
@@ -55,6 +56,7 @@ def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
         output=output_format(body),
         sampling=sampling_knobs(body),
         unset_sampling=unset_knobs(body),
+        prediction=_prediction_text(body.prediction),
         max_tokens=body.max_completion_tokens or body.max_tokens,
         n=body.n,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
@@ -144,6 +146,13 @@ def _tool_choice(choice: str | NamedToolChoice | AllowedToolsChoice | None) -> T
         allowed = choice.allowed_tools
         return AllowedTools(allowed.mode, tuple(tool.function.name for tool in allowed.tools))
     return choice or "auto"  # type: ignore[return-value]
+
+
+def _prediction_text(prediction: PredictionContent | None) -> str:
+    if prediction is None:
+        return ""
+    content = prediction.content
+    return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
 def _include_usage(body: SamplingRequest) -> bool:

@@ -139,8 +139,10 @@ def openai_usage(usage: NeutralUsage) -> Usage:
         prompt_tokens_details=PromptTokensDetails(
             cached_tokens=usage.cached_tokens,
             cache_miss=usage.cache_miss and CacheMissDetails(**asdict(usage.cache_miss))),
-        completion_tokens_details=None if usage.reasoning_tokens is None
-        else CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens),
+        completion_tokens_details=CompletionTokensDetails(
+            reasoning_tokens=usage.reasoning_tokens or 0,
+            accepted_prediction_tokens=usage.accepted_prediction_tokens,
+            rejected_prediction_tokens=usage.prediction_tokens - usage.accepted_prediction_tokens),
     )
 
 

@@ -227,8 +227,22 @@ class StructuredOutputRequest(SamplingRequest):
     response_format: ResponseFormat | None = None
 
 
+PredictionText = shaped_union(
+    _str_or_list, "a string or a list of text parts", str=str, list=list[TextPart]
+)
+
+
+class PredictionContent(RequestModel):
+    """Predicted Outputs: text the answer is expected to be mostly like (a file asked
+    back with an edit), drafts for speculative decoding."""
+
+    type: Literal["content"]
+    content: PredictionText
+
+
 class ChatCompletionRequest(StructuredOutputRequest):
     messages: list[ChatRequestMessage] = Field(min_length=1)
+    prediction: PredictionContent | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -373,6 +387,10 @@ class PromptTokensDetails(ResponseModel):
 
 class CompletionTokensDetails(ResponseModel):
     reasoning_tokens: int = 0
+    # Predicted Outputs: tokens of the prediction the model's answer kept, and those it
+    # did not (drafted from it and rejected: they cost a verify, not an output token).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class Usage(ResponseModel):
@@ -380,8 +398,7 @@ class Usage(ResponseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
-    # Only for reasoning models: how many completion tokens were thinking.
-    completion_tokens_details: CompletionTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails
 
 
 class TopLogprob(ResponseModel):

@@ -81,6 +81,22 @@ async def test_greedy_is_identical_under_batching(engine, reference, demo_model_
     check_tree_kv(engine, reference.model)
 
 
+async def test_a_prediction_of_the_answer_is_kept_whole_and_a_wrong_one_changes_nothing(
+        engine, reference):
+    """A request's prediction is its first draft source: a prediction of the very answer
+    is accepted token for token, under batching with a request whose prediction is
+    wrong, and both answer as without one."""
+    prompts = [encode(engine, f"Predicted outputs, case {i}: ") for i in range(2)]
+    want = [reference.greedy(p, 24) for p in prompts]
+    right, wrong = await asyncio.gather(
+        complete(engine, prompts[0], 24, prediction=tuple(want[0])),
+        complete(engine, prompts[1], 24, prediction=(want[1][0], *range(100, 140))))
+    assert [right.tokens, wrong.tokens] == want
+    assert right.finish.accepted_prediction_tokens == right.finish.prediction_tokens >= 20
+    # Its first token is the answer's, and nothing after it is.
+    assert wrong.finish.prediction_tokens > 0 == wrong.finish.accepted_prediction_tokens
+
+
 async def test_auto_drafts_a_repeated_request_and_keeps_its_answer(engine, reference):
     prompt = encode(engine, "Auto mode, asked twice: what is a fjord? ")
     first = await complete(engine, prompt, 24, speculation="auto")
@@ -196,3 +212,19 @@ async def test_the_real_model_copies_a_file_identically_with_drafts(real_engine,
         finish = [r.finish for r in result]
         assert (sum(f.accepted_draft_tokens for f in finish)
                 > sum(f.draft_tokens for f in finish) / 2)
+
+
+async def test_the_real_model_edits_a_file_identically_with_the_file_as_prediction(real_engine):
+    """OpenAI's Predicted Outputs on an engine whose speculation is off: the file the edit
+    is asked of is the prediction, drafts come from it (in auto mode) past the code fence
+    and the edit, most of them kept, and the answer is the one without it."""
+    await asyncio.wrap_future(real_engine.clear_cache())
+    prompt = edit_prompt(real_engine, "handler_1", "handle_one")
+    plain = await complete(real_engine, prompt, 64)
+    await asyncio.wrap_future(real_engine.clear_cache())
+    predicted = await complete(real_engine, prompt, 64, prediction=tuple(encode(real_engine, FILE)))
+    assert predicted.tokens == plain.tokens
+    assert plain.finish.draft_tokens == 0
+    finish = predicted.finish
+    assert finish.draft_tokens >= finish.prediction_tokens > 0
+    assert finish.accepted_prediction_tokens > finish.prediction_tokens / 2

@@ -1,5 +1,5 @@
-"""Speculative decoding's pieces on their own: prompt lookup, the `auto` back-off, and the
-rejection step of a sampled row, whose output keeps the target distribution (a chi-square
+"""Speculative decoding's pieces on their own: prompt lookup, a request's prediction, the
+`auto` back-off, and the rejection step of a sampled row, whose output keeps the target distribution (a chi-square
 test)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from engine.api import SamplingParams
 from engine.sampling import Sampler
-from engine.speculation import STEP_COST, Drafts, PromptLookup, best_width
+from engine.speculation import STEP_COST, Drafts, PredictionLookup, PromptLookup, best_width
 
 
 def test_prompt_lookup_drafts_what_followed_the_longest_earlier_ngram():
@@ -16,6 +16,46 @@ def test_prompt_lookup_drafts_what_followed_the_longest_earlier_ngram():
     assert lookup.draft([1, 2, 3, 4, 5, 6, 7, 1, 2, 3], 4) == [4, 5, 6, 7]
     assert lookup.draft([1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5], 9) == [6, 7, 1, 2, 3, 4, 5]
     assert lookup.draft([1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 9], 4) == []
+
+
+def test_a_prediction_drafts_where_the_output_is_in_it_and_finds_it_again_after_an_edit():
+    """The output (after a 3-token prompt) copies the prediction, leaves it for an edit,
+    and comes back: drafts follow it, then stop, then follow it from where the output's
+    latest n-gram occurs after the edit."""
+    prediction = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+    lookup = PredictionLookup(prediction, start=3)
+    prompt = [7, 8, 9]
+    assert lookup.draft(prompt + [10], 4) == [11, 12, 13, 14]
+    assert lookup.draft(prompt + [10, 11, 12], 3) == [13, 14, 15]
+    # An edit: 99 for 13. Nothing in the prediction follows 99.
+    assert lookup.draft(prompt + [10, 11, 12, 99], 4) == []
+    # Back at 14: found again, and followed as before.
+    assert lookup.draft(prompt + [10, 11, 12, 99, 14], 4) == [15, 16, 17, 18]
+    assert lookup.draft(prompt + [10, 11, 12, 99, 14, 15, 16], 8) == [17, 18, 19, 20, 21]
+    # The output's start need not be the prediction's (a code fence before the file).
+    fenced = PredictionLookup(prediction, start=3)
+    assert fenced.draft(prompt + [5, 6, 10, 11], 2) == [12, 13]
+
+
+def test_a_repeated_ngram_is_found_again_after_where_the_output_left():
+    prediction = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5]
+    lookup = PredictionLookup(prediction, start=0)
+    assert lookup.draft([1, 2, 3, 9, 9, 1], 3) == [2, 3, 4]
+    assert lookup.draft([1, 2, 3, 9, 9, 1, 7], 3) == []  # left at position 6
+    assert lookup.draft([1, 2, 3, 9, 9, 1, 7, 2, 3], 2) == [4, 5]  # not [9, 9] at 3
+
+
+def test_drafts_count_what_the_prediction_drafted_and_what_was_kept():
+    lookup = PredictionLookup([4, 5, 6, 7, 8, 9], start=1)
+    drafts = Drafts("on", 8, ("prompt",), lambda context, limit: [], end=1 << 20,
+                    vocab_size=1000, prediction=lookup)
+    assert drafts.draft([0, 4]) == [5, 6, 7, 8]
+    drafts.record(4, 2)
+    # The output left the prediction, which has nothing after it: prompt lookup's draft.
+    assert drafts.draft([0, 4, 5, 6, 1, 2, 3, 1, 2]) == [3, 1, 2]
+    drafts.record(3, 1)
+    assert (drafts.drafted, drafts.accepted) == (7, 3)
+    assert (drafts.predicted, drafts.accepted_predicted) == (4, 2)
 
 
 def test_auto_pauses_drafting_while_drafts_are_rejected_and_probes_again():

@@ -53,3 +53,45 @@ def test_the_messages_and_responses_apis_take_the_field_too(server):
         "input": MESSAGES[0]["content"], "speculation": "auto"})
     assert responses.status_code == 200, responses.text
     assert "tok/step=" in server.access_line("spec-messages")
+
+
+FILE = "".join(f"def handler_{i}(request):\n    value = request.get('field_{i}')\n"
+               f"    if value is None:\n        return error('missing field_{i}')\n"
+               f"    return ok(value * {i})\n\n" for i in range(3))
+EDIT = [{"role": "user", "content": f"Here is a file:\n```python\n{FILE}```\nRepeat the whole "
+         "file exactly, but rename handler_1 to handle_one. Output only the code."}]
+
+
+def test_a_prediction_drafts_the_answer_and_usage_counts_it(real_client: openai.OpenAI):
+    """OpenAI's Predicted Outputs, on the real default model with the server's
+    speculation off: the file asked back with an edit is the prediction, the answer is
+    the one without it, and usage says how much of the prediction the answer kept,
+    streamed and whole alike."""
+    asked = {"model": real_client.models.list().data[0].id, "messages": EDIT,
+             "max_tokens": 64, "temperature": 0}
+    plain = real_client.chat.completions.create(**asked)
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    predicted = real_client.chat.completions.create(
+        **asked, prediction={"type": "content", "content": FILE})
+    assert predicted.choices[0].message.content == plain.choices[0].message.content
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 32
+    assert details.accepted_prediction_tokens > details.rejected_prediction_tokens
+    stream = real_client.chat.completions.create(
+        **asked, stream=True, stream_options={"include_usage": True},
+        prediction={"type": "content", "content": [{"type": "text", "text": FILE}]})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        plain.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 32
+
+
+@pytest.mark.parametrize("prediction", [{"type": "content", "content": 5},
+                                        {"type": "file", "content": "x"},
+                                        {"type": "content", "content": [{"type": "image"}]}])
+def test_a_malformed_prediction_is_a_400(real_client: openai.OpenAI, prediction):
+    with pytest.raises(openai.BadRequestError) as refused:
+        real_client.chat.completions.create(
+            model=real_client.models.list().data[0].id, messages=EDIT, max_tokens=4,
+            prediction=prediction)
+    assert refused.value.body["param"].startswith("prediction")
