@@ -28,6 +28,7 @@ from server.anthropic.protocol import (
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,
+    DocumentBlock,
     ErrorResponse,
     ImageBlock,
     InputJsonDelta,
@@ -141,6 +142,10 @@ def system_text(system: System | None) -> str:
     return "\n".join(block.text for block in system)
 
 
+# The blocks a message's text is made of, in order: an image is its marker there.
+READ_BLOCKS = (TextBlock, ImageBlock, DocumentBlock)
+
+
 def chat_messages(message: AnthropicMessage) -> list[TemplateMessage]:
     """One Anthropic message as chat messages: a user turn's tool results become tool
     messages (first, as they answer the previous assistant turn), an assistant turn's
@@ -149,8 +154,8 @@ def chat_messages(message: AnthropicMessage) -> list[TemplateMessage]:
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     blocks = message.content
-    text = "\n".join(block.text if isinstance(block, TextBlock) else MARKER
-                     for block in blocks if isinstance(block, TextBlock | ImageBlock))
+    text = "\n".join(MARKER if isinstance(block, ImageBlock) else block.text
+                     for block in blocks if isinstance(block, READ_BLOCKS))
     if message.role == "system":
         return [{"role": "system", "content": text}]
     if message.role == "user":
@@ -158,7 +163,7 @@ def chat_messages(message: AnthropicMessage) -> list[TemplateMessage]:
             {"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block)}
             for block in blocks if isinstance(block, ToolResultBlock)
         ]
-        has_text = any(isinstance(block, TextBlock | ImageBlock) for block in blocks)
+        has_text = any(isinstance(block, READ_BLOCKS) for block in blocks)
         return results + ([{"role": "user", "content": text}] if has_text or not results else [])
     out: TemplateMessage = {"role": "assistant", "content": text}
     reasoning = "".join(block.thinking for block in blocks if isinstance(block, ThinkingBlock))
@@ -177,7 +182,7 @@ def chat_messages(message: AnthropicMessage) -> list[TemplateMessage]:
 def _result_text(block: ToolResultBlock) -> str:
     content = block.content
     text = content if isinstance(content, str) else "\n".join(
-        part.text if isinstance(part, TextBlock) else MARKER for part in content)
+        MARKER if isinstance(part, ImageBlock) else part.text for part in content)
     # Anthropic's models see is_error; a chat template has no field for it.
     return f"Error: {text}" if block.is_error else text
 

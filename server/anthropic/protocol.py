@@ -3,10 +3,11 @@
 Requests validate declaratively, like the OpenAI models: strict types, unknown fields
 ignored (clients such as Claude Code send many we have no use for: `metadata`,
 `context_management`, `service_tier`, ...). Image blocks (base64 or URL sources) are read
-by vision models (server/images.py); Anthropic's schema-less client tools (bash, the
-text editor, memory) are shown with the schemas it documents (defined_tools.py); what
-no model here reads (document blocks, Anthropic's server-side tools) is refused with a
-400 that names it. Responses and stream events mirror what the official `anthropic` SDK
+by vision models (server/images.py), text documents read in as text
+(server/documents.py); Anthropic's schema-less client tools (bash, the text editor,
+memory) are shown with the schemas it documents (defined_tools.py); what no model here
+reads (PDF documents, Anthropic's server-side tools) is refused with a 400 that names
+it. Responses and stream events mirror what the official `anthropic` SDK
 parses.
 """
 
@@ -14,10 +15,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, PrivateAttr, Tag, model_validator
 
 from engine.api import SpeculationMode
 from server.anthropic.defined_tools import DEFINED_TOOLS
+from server.documents import document, text_of
 from server.schema import RequestModel, ResponseModel, shaped_union
 
 # The most stop_sequences one request may give (OpenAI's `stop` takes 4).
@@ -87,8 +89,6 @@ class UnsupportedBlock(RequestModel):
 
     @model_validator(mode="after")
     def _refuse(self) -> UnsupportedBlock:
-        if self.type == "document":
-            raise ValueError("document blocks are not supported: send their text")
         raise ValueError(f"content blocks of type {self.type!r} are not supported")
 
 
@@ -115,9 +115,69 @@ def _str_or_list(value: Any) -> str | None:
     return "str" if isinstance(value, str) else "list" if isinstance(value, list) else None
 
 
+class PlainTextSource(RequestModel):
+    type: Literal["text"]
+    media_type: Literal["text/plain"] = "text/plain"
+    data: str
+
+
+DocumentContent = shaped_union(
+    _str_or_list, "a string or a list of text blocks", str=str, list=_blocks(TextBlock)
+)
+
+
+class ContentSource(RequestModel):
+    """A document given as content blocks: text only here (a page's images are not
+    placed in a document's text)."""
+
+    type: Literal["content"]
+    content: DocumentContent
+
+
+class FileSource(RequestModel):
+    type: Literal["file"]
+    file_id: str
+
+
+class DocumentBlock(Block):
+    """A document, read in as text (server/documents.py): a text or content source, or
+    base64 of a text/* file. A PDF, a URL or a file id is a 400 saying to send the text.
+    `citations` is accepted and ignored: answers cite nothing."""
+
+    type: Literal["document"]
+    source: Annotated[Base64Source | PlainTextSource | ContentSource | URLSource | FileSource,
+                      Field(discriminator="type")]
+    title: str | None = None
+    context: str | None = None
+    citations: dict[str, Any] | None = None
+    _text: str = PrivateAttr("")
+
+    @model_validator(mode="after")
+    def _readable(self) -> DocumentBlock:
+        self._text = document(self._source_text(), self.title, self.context)
+        return self
+
+    def _source_text(self) -> str:
+        source = self.source
+        if isinstance(source, PlainTextSource):
+            return source.data
+        if isinstance(source, ContentSource):
+            content = source.content
+            return content if isinstance(content, str) else "\n".join(b.text for b in content)
+        if isinstance(source, Base64Source):
+            return text_of(source.media_type, source.data)
+        raise ValueError(f"a document's {source.type} source is not read by this server "
+                         "(no fetching, no Files API): send the document's text")
+
+    @property
+    def text(self) -> str:
+        """The document as its message shows it."""
+        return self._text
+
+
 ToolResultContent = shaped_union(
-    _str_or_list, "a string or a list of text and image blocks", str=str,
-    list=_blocks(TextBlock, ImageBlock)
+    _str_or_list, "a string or a list of text, image and document blocks", str=str,
+    list=_blocks(TextBlock, ImageBlock, DocumentBlock)
 )
 
 
@@ -128,8 +188,8 @@ class ToolResultBlock(Block):
     is_error: bool = False
 
 
-ContentBlock = _blocks(TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
-                       RedactedThinkingBlock)
+ContentBlock = _blocks(TextBlock, ImageBlock, DocumentBlock, ToolUseBlock, ToolResultBlock,
+                       ThinkingBlock, RedactedThinkingBlock)
 Content = shaped_union(
     _str_or_list, "a string or a list of content blocks", str=str, list=ContentBlock
 )
@@ -149,8 +209,8 @@ class AnthropicMessage(RequestModel):
                 not isinstance(block, TextBlock) for block in self.content):
             raise ValueError("a system message holds text blocks only")
         if self.role == "assistant" and not isinstance(self.content, str) and any(
-                isinstance(block, ImageBlock) for block in self.content):
-            raise ValueError("image blocks belong in user messages")
+                isinstance(block, ImageBlock | DocumentBlock) for block in self.content):
+            raise ValueError("image and document blocks belong in user messages")
         return self
 
     @property

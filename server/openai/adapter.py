@@ -22,7 +22,6 @@ from server.openai.protocol import (
     PredictionContent,
     SamplingRequest,
     StructuredOutputRequest,
-    TextPart,
 )
 from server.request import (
     TEXT,
@@ -118,7 +117,7 @@ def content_text(content: Content | None) -> str | None:
     image part is its marker there."""
     if content is None or isinstance(content, str):
         return content
-    return "\n".join(part.text if isinstance(part, TextPart) else MARKER for part in content)
+    return "\n".join(MARKER if isinstance(part, ImagePart) else part.text for part in content)
 
 
 def content_images(content: Content | None) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
+    PrivateAttr,
     ValidationInfo,
     field_validator,
     model_serializer,
@@ -20,6 +21,7 @@ from pydantic import (
 )
 
 from engine.api import SpeculationMode
+from server.documents import document, text_of_data_url
 from server.schema import RequestModel, ResponseModel, now, shaped_union, tool_choice_union
 
 # -- shared request pieces ---------------------------------------------------------------
@@ -99,10 +101,38 @@ class ImagePart(RequestModel):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class FileData(RequestModel):
+    file_data: str | None = None  # a data: URL
+    file_id: str | None = None
+    filename: str | None = None
+
+
+class FilePart(RequestModel):
+    """A file, read in as text where its `file_data` is a data: URL of a text/* file
+    (server/documents.py); a PDF or a `file_id` is a 400."""
+
+    type: Literal["file"]
+    file: FileData
+    _text: str = PrivateAttr("")
+
+    @model_validator(mode="after")
+    def _readable(self) -> FilePart:
+        if self.file.file_data is None:
+            raise ValueError("a file part needs file_data (a data: URL of a text file); "
+                             "this server has no Files API for file_id")
+        self._text = document(text_of_data_url(self.file.file_data), self.file.filename)
+        return self
+
+    @property
+    def text(self) -> str:
+        """The file as its message shows it."""
+        return self._text
+
+
+ContentPart = Annotated[TextPart | ImagePart | FilePart, Field(discriminator="type")]
 
 Content = shaped_union(
-    _str_or_list, "a string or a list of text and image parts", str=str,
+    _str_or_list, "a string or a list of text, image and file parts", str=str,
     list=list[ContentPart]
 )
 

@@ -2,9 +2,9 @@
 
 Requests validate declaratively like the chat models: strict types, unknown fields
 ignored (Codex sends `include`, `reasoning`, `prompt_cache_key`, ...). `input_image` parts
-with an `image_url` are read by vision models (server/images.py); what no model here reads
-(files, audio) and hosted tools (web search, file search, ...) are refused with a 400 that
-names them. Responses, output items and stream events mirror what the official `openai`
+with an `image_url` are read by vision models (server/images.py), `input_file` parts of
+text read in as text (server/documents.py); what no model here reads (PDFs, audio) and
+hosted tools (web search, file search, ...) are refused with a 400 that names them. Responses, output items and stream events mirror what the official `openai`
 SDK parses.
 """
 
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, PrivateAttr, Tag, model_validator
 
 from engine.api import SpeculationMode
+from server.documents import document, text_of_data_url
 from server.images import MARKER
 from server.schema import RequestModel, ResponseModel, now, shaped_union, tool_choice_union
 
@@ -41,30 +42,53 @@ class InputImage(RequestModel):
         return self
 
 
+class InputFile(RequestModel):
+    """A file, read in as text where its `file_data` is a data: URL of a text/* file
+    (server/documents.py); a PDF, a `file_id` or a `file_url` is a 400."""
+
+    type: Literal["input_file"]
+    file_data: str | None = None
+    file_id: str | None = None
+    file_url: str | None = None
+    filename: str | None = None
+    _text: str = PrivateAttr("")
+
+    @model_validator(mode="after")
+    def _readable(self) -> InputFile:
+        if self.file_data is None:
+            raise ValueError("input_file needs file_data (a data: URL of a text file); this "
+                             "server fetches no file_url and has no Files API for file_id")
+        self._text = document(text_of_data_url(self.file_data), self.filename)
+        return self
+
+    @property
+    def text(self) -> str:
+        """The file as its message shows it."""
+        return self._text
+
+
 class UnsupportedPart(RequestModel):
     type: str
 
     @model_validator(mode="after")
     def _refuse(self) -> UnsupportedPart:
-        if self.type in ("input_file", "input_audio"):
-            raise ValueError(
-                f"{self.type} parts are not supported: send their text"
-            )
+        if self.type == "input_audio":
+            raise ValueError("input_audio parts are not supported: send their text")
         raise ValueError(f"content parts of type {self.type!r} are not supported")
 
 
 def _text_part_kind(value: Any) -> str | None:
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         return None
-    if value["type"] == "input_image":
-        return "image"
+    if value["type"] in ("input_image", "input_file"):
+        return value["type"]
     return "text" if value["type"] in InputText.model_fields["type"].annotation.__args__ \
         else "unsupported"
 
 
 TextPart = Annotated[
-    Annotated[InputText, Tag("text")] | Annotated[InputImage, Tag("image")]
-    | Annotated[UnsupportedPart, Tag("unsupported")],
+    Annotated[InputText, Tag("text")] | Annotated[InputImage, Tag("input_image")]
+    | Annotated[InputFile, Tag("input_file")] | Annotated[UnsupportedPart, Tag("unsupported")],
     Discriminator(_text_part_kind, custom_error_type="invalid_type",
                   custom_error_message="must be a content part object with a type"),
 ]
@@ -83,7 +107,7 @@ def joined_text(content: Content) -> str:
     """The content's text; an image part is its marker there."""
     if isinstance(content, str):
         return content
-    return "".join(part.text if isinstance(part, InputText) else MARKER for part in content)
+    return "".join(MARKER if isinstance(part, InputImage) else part.text for part in content)
 
 
 def content_images(content: Content) -> list[str]:

@@ -1,0 +1,56 @@
+"""Documents a request attaches, as the text its prompt shows: Anthropic's document blocks
+and OpenAI's file parts (Chat Completions' `file`, the Responses API's `input_file`).
+
+The models here read text, so a document is read in when its data is text (a text/*
+file, Anthropic's text and content sources) and shown in its message where it was sent,
+in the tags Anthropic's prompting guide puts documents in: `<document>`, its title as
+`<source>`, its text as `<document_content>`. A PDF or any other binary file is a 400
+that says to send its text: extracting it (layout, tables, scans) is the client's to do
+well, not this server's to do badly.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+TEXT_CHARSET = "utf-8"
+
+
+def document(text: str, title: str | None = None, context: str | None = None) -> str:
+    """How a document reads in its message."""
+    parts = ["<document>"]
+    if title:
+        parts.append(f"<source>{title}</source>")
+    if context:
+        parts.append(f"<context>{context}</context>")
+    parts += [f"<document_content>\n{text}\n</document_content>", "</document>"]
+    return "\n".join(parts)
+
+
+def text_of(media_type: str, base64_data: str) -> str:
+    """The text of a file sent in base64; ValueError if it is not text."""
+    kind = media_type.split(";", 1)[0].strip().lower()
+    if not kind.startswith("text/"):
+        raise ValueError(f"{kind or 'a file without a media type'} is not read by this "
+                         "server: send the document's text (a text/plain file or a text "
+                         "block)")
+    try:  # line breaks inside the payload (MIME-style wrapping) are no error
+        data = base64.b64decode("".join(base64_data.split()), validate=True)
+    except binascii.Error as error:
+        raise ValueError(f"the base64 data is invalid: {error}") from error
+    try:
+        return data.decode(TEXT_CHARSET)
+    except UnicodeDecodeError as error:
+        raise ValueError(f"the document is not {TEXT_CHARSET} text: {error}") from error
+
+
+def text_of_data_url(url: str) -> str:
+    """The text of a file sent as a `data:` URL (OpenAI's `file_data`); ValueError if it
+    is not a base64 data URL of text."""
+    header, comma, payload = url.partition(",")
+    scheme, _, media_type = header.partition(":")
+    if not comma or scheme.lower() != "data" or not media_type.lower().endswith(";base64"):
+        raise ValueError("file_data must be a data: URL with a base64 payload "
+                         "(data:text/plain;base64,...)")
+    return text_of(media_type[:-len(";base64")], payload)
