@@ -29,12 +29,16 @@ def test_a_prediction_drafts_where_the_output_is_in_it_and_finds_it_again_after_
     assert lookup.draft(prompt + [10, 11, 12], 3) == [13, 14, 15]
     # An edit: 99 for 13. Nothing in the prediction follows 99.
     assert lookup.draft(prompt + [10, 11, 12, 99], 4) == []
-    # Back at 14: found again, and followed as before.
-    assert lookup.draft(prompt + [10, 11, 12, 99, 14], 4) == [15, 16, 17, 18]
-    assert lookup.draft(prompt + [10, 11, 12, 99, 14, 15, 16], 8) == [17, 18, 19, 20, 21]
-    # The output's start need not be the prediction's (a code fence before the file).
-    fenced = PredictionLookup(prediction, start=3)
-    assert fenced.draft(prompt + [5, 6, 10, 11], 2) == [12, 13]
+    # Back at 14, 15: found again by that 2-gram (one token is too common to go by),
+    # and followed as before.
+    assert lookup.draft(prompt + [10, 11, 12, 99, 14], 4) == []
+    assert lookup.draft(prompt + [10, 11, 12, 99, 14, 15], 4) == [16, 17, 18, 19]
+    assert lookup.draft(prompt + [10, 11, 12, 99, 14, 15, 16, 17], 8) == [18, 19, 20, 21]
+    # The output's start need not be the prediction's (a code fence before the file):
+    # its first token found, the prediction is followed from its start, not from a later
+    # copy of its first line that a 2-gram through the fence would find.
+    fenced = PredictionLookup([10, 11, 5, 10, 11, 6], start=3)
+    assert fenced.draft(prompt + [5, 10], 2) == [11, 5]
 
 
 def test_a_repeated_ngram_is_found_again_after_where_the_output_left():
