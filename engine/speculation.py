@@ -149,7 +149,7 @@ class PredictionLookup:
         A scan, not an index: an index of a long prediction took the engine's thread ~70
         ms per 8k tokens to build; a scan of 32k tokens takes ~3 ms, and runs only while
         the output is off the prediction."""
-        if not self._left and self.prediction and output[-1] == self.prediction[0]:
+        if not self._left and output and self.prediction and output[-1] == self.prediction[0]:
             # Not yet into the prediction: its first token, after what the output opened
             # with that the prediction leaves out (a code fence). A longer n-gram through
             # that opening finds the prediction's next copy of its first line instead.
