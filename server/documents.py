@@ -1,5 +1,6 @@
-"""Documents a request attaches, as the text its prompt shows: Anthropic's document blocks
-and OpenAI's file parts (Chat Completions' `file`, the Responses API's `input_file`).
+"""Documents a request attaches, as the text its prompt shows: Anthropic's document and
+search result blocks and OpenAI's file parts (Chat Completions' `file`, the Responses
+API's `input_file`).
 
 The models here read text, so a document is read in when its data is text (a text/*
 file, Anthropic's text and content sources) and shown in its message where it was sent,
@@ -26,6 +27,13 @@ def document(text: str, title: str | None = None, context: str | None = None) ->
         parts.append(f"<context>{context}</context>")
     parts += [f"<document_content>\n{text}\n</document_content>", "</document>"]
     return "\n".join(parts)
+
+
+def search_result(source: str, title: str, text: str) -> str:
+    """How a search result (a RAG tool's hit: where it is from, its title, its text) reads
+    in its message."""
+    return "\n".join(["<search_result>", f"<source>{source}</source>", f"<title>{title}</title>",
+                      f"<content>\n{text}\n</content>", "</search_result>"])
 
 
 def text_of(media_type: str, base64_data: str) -> str:

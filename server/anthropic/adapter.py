@@ -40,6 +40,7 @@ from server.anthropic.protocol import (
     MessageStop,
     Ping,
     ResponseContent,
+    SearchResultBlock,
     StopReason,
     StreamEvent,
     System,
@@ -143,7 +144,7 @@ def system_text(system: System | None) -> str:
 
 
 # The blocks a message's text is made of, in order: an image is its marker there.
-READ_BLOCKS = (TextBlock, ImageBlock, DocumentBlock)
+READ_BLOCKS = (TextBlock, ImageBlock, DocumentBlock, SearchResultBlock)
 
 
 def chat_messages(message: AnthropicMessage) -> list[TemplateMessage]:

@@ -3,8 +3,8 @@
 Requests validate declaratively, like the OpenAI models: strict types, unknown fields
 ignored (clients such as Claude Code send many we have no use for: `metadata`,
 `context_management`, `service_tier`, ...). Image blocks (base64 or URL sources) are read
-by vision models (server/images.py), text documents read in as text
-(server/documents.py); Anthropic's schema-less client tools (bash, the text editor,
+by vision models (server/images.py), text documents and search results read in as
+text (server/documents.py); Anthropic's schema-less client tools (bash, the text editor,
 memory) are shown with the schemas it documents (defined_tools.py); what no model here
 reads (PDF documents, Anthropic's server-side tools) is refused with a 400 that names
 it. Responses and stream events mirror what the official `anthropic` SDK
@@ -19,7 +19,7 @@ from pydantic import Discriminator, Field, PrivateAttr, Tag, model_validator
 
 from engine.api import SpeculationMode
 from server.anthropic.defined_tools import DEFINED_TOOLS
-from server.documents import document, text_of
+from server.documents import document, search_result, text_of
 from server.schema import RequestModel, ResponseModel, shaped_union
 
 # The most stop_sequences one request may give (OpenAI's `stop` takes 4).
@@ -175,9 +175,26 @@ class DocumentBlock(Block):
         return self._text
 
 
+class SearchResultBlock(Block):
+    """A search result (what a RAG tool found), read in as text (server/documents.py).
+    `citations` is accepted and ignored."""
+
+    type: Literal["search_result"]
+    source: str
+    title: str
+    content: list[TextBlock]
+    citations: dict[str, Any] | None = None
+
+    @property
+    def text(self) -> str:
+        """The result as its message shows it."""
+        return search_result(self.source, self.title,
+                             "\n".join(block.text for block in self.content))
+
+
 ToolResultContent = shaped_union(
-    _str_or_list, "a string or a list of text, image and document blocks", str=str,
-    list=_blocks(TextBlock, ImageBlock, DocumentBlock)
+    _str_or_list, "a string or a list of text, image, document and search result blocks",
+    str=str, list=_blocks(TextBlock, ImageBlock, DocumentBlock, SearchResultBlock)
 )
 
 
@@ -188,8 +205,8 @@ class ToolResultBlock(Block):
     is_error: bool = False
 
 
-ContentBlock = _blocks(TextBlock, ImageBlock, DocumentBlock, ToolUseBlock, ToolResultBlock,
-                       ThinkingBlock, RedactedThinkingBlock)
+ContentBlock = _blocks(TextBlock, ImageBlock, DocumentBlock, SearchResultBlock, ToolUseBlock,
+                       ToolResultBlock, ThinkingBlock, RedactedThinkingBlock)
 Content = shaped_union(
     _str_or_list, "a string or a list of content blocks", str=str, list=ContentBlock
 )
@@ -209,8 +226,10 @@ class AnthropicMessage(RequestModel):
                 not isinstance(block, TextBlock) for block in self.content):
             raise ValueError("a system message holds text blocks only")
         if self.role == "assistant" and not isinstance(self.content, str) and any(
-                isinstance(block, ImageBlock | DocumentBlock) for block in self.content):
-            raise ValueError("image and document blocks belong in user messages")
+                isinstance(block, ImageBlock | DocumentBlock | SearchResultBlock)
+                for block in self.content):
+            raise ValueError("image, document and search result blocks belong in user "
+                             "messages")
         return self
 
     @property

@@ -1,5 +1,6 @@
-"""Documents as every API attaches them (Anthropic's document blocks, Chat Completions'
-file parts, the Responses API's input_file parts) reach the prompt as their text, in the
+"""Documents as every API attaches them (Anthropic's document and search result blocks,
+Chat Completions' file parts, the Responses API's input_file parts) reach the prompt as
+their text, in the
 same `<document>` tags whichever API sent them; what is not text is a 400 that names it.
 Each prompt is compared with the same request spelling the document out as text."""
 
@@ -11,7 +12,7 @@ import anthropic
 import openai
 import pytest
 
-from server.documents import document, text_of, text_of_data_url
+from server.documents import document, search_result, text_of, text_of_data_url
 from tests.server.support import API_KEY, ServerProcess
 
 NOTES = "Meeting notes\nThe launch moves to Thursday.\nBring the signed forms."
@@ -80,6 +81,28 @@ def test_a_tool_result_may_hold_a_document(claude, model_id):
     spelled = claude.messages.count_tokens(model=model_id, tools=tools, messages=tool_turns(
         [{"type": "text", "text": document(NOTES)}]))
     assert attached.input_tokens == spelled.input_tokens
+
+
+def test_a_search_result_is_read_as_its_text_in_a_message_and_in_a_tool_result(claude,
+                                                                               model_id):
+    hit = {"type": "search_result", "source": "https://wiki.example/launch",
+           "title": "Launch plan", "content": [{"type": "text", "text": NOTES}],
+           "citations": {"enabled": True}}
+    rendered = {"type": "text", "text": search_result("https://wiki.example/launch",
+                                                      "Launch plan", NOTES)}
+    question = {"type": "text", "text": QUESTION}
+    assert (messages_prompt(claude, model_id, [hit, question])
+            == messages_prompt(claude, model_id, [rendered, question]))
+    tools = [{"name": "search", "input_schema": {"type": "object"}}]
+
+    def searched(result: dict) -> int:
+        return claude.messages.count_tokens(model=model_id, tools=tools, messages=[
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "s1",
+                                               "name": "search", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "s1",
+                                          "content": [result]}]}]).input_tokens
+    assert searched(hit) == searched(rendered)
 
 
 @pytest.mark.parametrize(("source", "says"), [
