@@ -15,7 +15,31 @@ from __future__ import annotations
 import base64
 import binascii
 
+from pydantic import PrivateAttr, model_validator
+
+from server.schema import RequestModel
+
 TEXT_CHARSET = "utf-8"
+
+
+class ReadInText(RequestModel):
+    """A request part read in as text once, when the request is validated, so that what
+    cannot be read is a 400 naming it: `text` is how its message shows it."""
+
+    _text: str = PrivateAttr("")
+
+    @model_validator(mode="after")
+    def _read_in(self) -> ReadInText:
+        self._text = self.read_in()
+        return self
+
+    def read_in(self) -> str:
+        """The part's text; ValueError if it cannot be read."""
+        raise NotImplementedError
+
+    @property
+    def text(self) -> str:
+        return self._text
 
 
 def document(text: str, title: str | None = None, context: str | None = None) -> str:

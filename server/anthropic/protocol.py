@@ -7,19 +7,18 @@ by vision models (server/images.py), text documents and search results read in a
 text (server/documents.py); Anthropic's schema-less client tools (bash, the text editor,
 memory) are shown with the schemas it documents (defined_tools.py); what no model here
 reads (PDF documents, Anthropic's server-side tools) is refused with a 400 that names
-it. Responses and stream events mirror what the official `anthropic` SDK
-parses.
+it. Responses and stream events mirror what the official `anthropic` SDK parses.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, PrivateAttr, Tag, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from engine.api import SpeculationMode
 from server.anthropic.defined_tools import DEFINED_TOOLS
-from server.documents import document, search_result, text_of
+from server.documents import ReadInText, document, search_result, text_of
 from server.schema import RequestModel, ResponseModel, shaped_union
 
 # The most stop_sequences one request may give (OpenAI's `stop` takes 4).
@@ -139,7 +138,7 @@ class FileSource(RequestModel):
     file_id: str
 
 
-class DocumentBlock(Block):
+class DocumentBlock(Block, ReadInText):
     """A document, read in as text (server/documents.py): a text or content source, or
     base64 of a text/* file. A PDF, a URL or a file id is a 400 saying to send the text.
     `citations` is accepted and ignored: answers cite nothing."""
@@ -150,12 +149,9 @@ class DocumentBlock(Block):
     title: str | None = None
     context: str | None = None
     citations: dict[str, Any] | None = None
-    _text: str = PrivateAttr("")
 
-    @model_validator(mode="after")
-    def _readable(self) -> DocumentBlock:
-        self._text = document(self._source_text(), self.title, self.context)
-        return self
+    def read_in(self) -> str:
+        return document(self._source_text(), self.title, self.context)
 
     def _source_text(self) -> str:
         source = self.source
@@ -168,11 +164,6 @@ class DocumentBlock(Block):
             return text_of(source.media_type, source.data)
         raise ValueError(f"a document's {source.type} source is not read by this server "
                          "(no fetching, no Files API): send the document's text")
-
-    @property
-    def text(self) -> str:
-        """The document as its message shows it."""
-        return self._text
 
 
 class SearchResultBlock(Block):

@@ -13,7 +13,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
-    PrivateAttr,
     ValidationInfo,
     field_validator,
     model_serializer,
@@ -21,7 +20,7 @@ from pydantic import (
 )
 
 from engine.api import SpeculationMode
-from server.documents import document, text_of_data_url
+from server.documents import ReadInText, document, text_of_data_url
 from server.schema import RequestModel, ResponseModel, now, shaped_union, tool_choice_union
 
 # -- shared request pieces ---------------------------------------------------------------
@@ -107,26 +106,18 @@ class FileData(RequestModel):
     filename: str | None = None
 
 
-class FilePart(RequestModel):
+class FilePart(ReadInText):
     """A file, read in as text where its `file_data` is a data: URL of a text/* file
     (server/documents.py); a PDF or a `file_id` is a 400."""
 
     type: Literal["file"]
     file: FileData
-    _text: str = PrivateAttr("")
 
-    @model_validator(mode="after")
-    def _readable(self) -> FilePart:
+    def read_in(self) -> str:
         if self.file.file_data is None:
             raise ValueError("a file part needs file_data (a data: URL of a text file); "
                              "this server has no Files API for file_id")
-        self._text = document(text_of_data_url(self.file.file_data), self.file.filename)
-        return self
-
-    @property
-    def text(self) -> str:
-        """The file as its message shows it."""
-        return self._text
+        return document(text_of_data_url(self.file.file_data), self.file.filename)
 
 
 ContentPart = Annotated[TextPart | ImagePart | FilePart, Field(discriminator="type")]

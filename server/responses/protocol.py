@@ -4,18 +4,18 @@ Requests validate declaratively like the chat models: strict types, unknown fiel
 ignored (Codex sends `include`, `reasoning`, `prompt_cache_key`, ...). `input_image` parts
 with an `image_url` are read by vision models (server/images.py), `input_file` parts of
 text read in as text (server/documents.py); what no model here reads (PDFs, audio) and
-hosted tools (web search, file search, ...) are refused with a 400 that names them. Responses, output items and stream events mirror what the official `openai`
-SDK parses.
+hosted tools (web search, file search, ...) are refused with a 400 that names them.
+Responses, output items and stream events mirror what the official `openai` SDK parses.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, PrivateAttr, Tag, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from engine.api import SpeculationMode
-from server.documents import document, text_of_data_url
+from server.documents import ReadInText, document, text_of_data_url
 from server.images import MARKER
 from server.schema import RequestModel, ResponseModel, now, shaped_union, tool_choice_union
 
@@ -42,7 +42,7 @@ class InputImage(RequestModel):
         return self
 
 
-class InputFile(RequestModel):
+class InputFile(ReadInText):
     """A file, read in as text where its `file_data` is a data: URL of a text/* file
     (server/documents.py); a PDF, a `file_id` or a `file_url` is a 400."""
 
@@ -51,20 +51,12 @@ class InputFile(RequestModel):
     file_id: str | None = None
     file_url: str | None = None
     filename: str | None = None
-    _text: str = PrivateAttr("")
 
-    @model_validator(mode="after")
-    def _readable(self) -> InputFile:
+    def read_in(self) -> str:
         if self.file_data is None:
             raise ValueError("input_file needs file_data (a data: URL of a text file); this "
                              "server fetches no file_url and has no Files API for file_id")
-        self._text = document(text_of_data_url(self.file_data), self.filename)
-        return self
-
-    @property
-    def text(self) -> str:
-        """The file as its message shows it."""
-        return self._text
+        return document(text_of_data_url(self.file_data), self.filename)
 
 
 class UnsupportedPart(RequestModel):
