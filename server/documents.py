@@ -12,11 +12,9 @@ well, not this server's to do badly.
 
 from __future__ import annotations
 
-import base64
-import binascii
-
 from pydantic import PrivateAttr, model_validator
 
+from server.data_urls import decode_base64, split_data_url
 from server.schema import RequestModel
 
 TEXT_CHARSET = "utf-8"
@@ -67,10 +65,7 @@ def text_of(media_type: str, base64_data: str) -> str:
         raise ValueError(f"{kind or 'a file without a media type'} is not read by this "
                          "server: send the document's text (a text/plain file or a text "
                          "block)")
-    try:  # line breaks inside the payload (MIME-style wrapping) are no error
-        data = base64.b64decode("".join(base64_data.split()), validate=True)
-    except binascii.Error as error:
-        raise ValueError(f"the base64 data is invalid: {error}") from error
+    data = decode_base64(base64_data)
     try:
         return data.decode(TEXT_CHARSET)
     except UnicodeDecodeError as error:
@@ -80,9 +75,4 @@ def text_of(media_type: str, base64_data: str) -> str:
 def text_of_data_url(url: str) -> str:
     """The text of a file sent as a `data:` URL (OpenAI's `file_data`); ValueError if it
     is not a base64 data URL of text."""
-    header, comma, payload = url.partition(",")
-    scheme, _, media_type = header.partition(":")
-    if not comma or scheme.lower() != "data" or not media_type.lower().endswith(";base64"):
-        raise ValueError("file_data must be a data: URL with a base64 payload "
-                         "(data:text/plain;base64,...)")
-    return text_of(media_type[:-len(";base64")], payload)
+    return text_of(*split_data_url(url))

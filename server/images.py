@@ -15,8 +15,6 @@ again.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import hashlib
 import io
 import warnings
@@ -28,6 +26,7 @@ import httpx
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from engine.api import ImageFile
+from server.data_urls import decode_base64, split_data_url
 from server.http.errors import APIError
 
 # Where an image part was in a message's text: the front ends put one here per image, and
@@ -99,15 +98,10 @@ async def _read(source: str, limits: ImageLimits) -> bytes:
 
 
 def _data_url(url: str, max_bytes: int) -> bytes:
-    header, comma, payload = url.partition(",")
-    if not comma or not header.lower().endswith(";base64"):
-        raise ValueError("a data: URL needs a ;base64 payload")
+    _, payload = split_data_url(url)
     if len(payload) * 3 // 4 > max_bytes + 2:
         raise ValueError(f"the image is larger than this server's limit of {max_bytes} bytes")
-    try:  # line breaks inside the payload (MIME-style wrapping) are no error
-        data = base64.b64decode("".join(payload.split()), validate=True)
-    except binascii.Error as error:
-        raise ValueError(f"the base64 payload is invalid: {error}") from error
+    data = decode_base64(payload)
     if len(data) > max_bytes:
         raise ValueError(f"the image is larger than this server's limit of {max_bytes} bytes")
     return data

@@ -41,7 +41,7 @@ def test_text_files_are_read_and_others_refused():
         text_of_data_url(PDF_URL)
     with pytest.raises(ValueError, match="not utf-8 text"):
         text_of("text/plain", base64.b64encode(b"\xff\xfe\x00").decode())
-    with pytest.raises(ValueError, match="base64 data is invalid"):
+    with pytest.raises(ValueError, match="base64 payload is invalid"):
         text_of("text/plain", "not base64!")
     with pytest.raises(ValueError, match="data: URL"):
         text_of_data_url("https://example.com/notes.txt")
@@ -110,7 +110,7 @@ def test_a_search_result_is_read_as_its_text_in_a_message_and_in_a_tool_result(c
      "application/pdf is not read"),
     ({"type": "url", "url": "https://example.com/a.pdf"}, "url source is not read"),
     ({"type": "file", "file_id": "file_011"}, "file source is not read"),
-    ({"type": "base64", "media_type": "text/plain", "data": "%%%"}, "base64 data is invalid"),
+    ({"type": "base64", "media_type": "text/plain", "data": "%%%"}, "base64 payload is invalid"),
 ])
 def test_a_document_that_is_not_text_is_a_400_naming_it(claude, model_id, source, says):
     with pytest.raises(anthropic.BadRequestError) as refused:
