@@ -32,6 +32,8 @@ REQUEST_PARTS = ("body", "query", "path", "header", "cookie")
 
 # How many validation problems one message lists; the rest are counted.
 MAX_LISTED_PROBLEMS = 3
+# The methods a 405's Allow header may name.
+HTTP_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 
 
 class APIError(Exception):
@@ -150,16 +152,20 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     codes = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
     headers = dict(error.headers or {})
     if error.status_code == 405:
-        # Starlette names only the first route of the path; a path may have several.
-        headers["Allow"] = ", ".join(sorted({
-            method for route in request.app.router.routes
-            if route.matches(request.scope)[0] is Match.PARTIAL
-            for method in getattr(route, "methods", None) or ()
-        }))
+        headers["Allow"] = ", ".join(_allowed_methods(request))
     return APIError(
         error.status_code, str(error.detail), code=codes.get(error.status_code),
         headers=headers,
     ).response(request.url.path)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods the request's path takes: Starlette names only the first route of the
+    path (a path may have several), and routers included whole (FastAPI >= 0.165) carry
+    no methods of their own, so each method is matched as a request would be."""
+    return [method for method in HTTP_METHODS
+            if any(route.matches({**request.scope, "method": method})[0] is Match.FULL
+                   for route in request.app.router.routes)]
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -165,6 +165,20 @@ def test_bad_request(
         assert ok.status_code == 200, ok.text
 
 
+@pytest.mark.parametrize(("path", "allowed"), [
+    (CHAT, "POST"), ("/v1/messages", "POST"), ("/v1/responses/resp_x", "DELETE, GET"),
+    ("/admin/cache", "DELETE, GET"),
+])
+def test_a_wrong_method_is_told_every_method_its_path_takes(
+    server: ServerProcess, headers: dict[str, str], path: str, allowed: str
+) -> None:
+    """RFC 9110: a 405 lists what the path takes, every route of it (a stored response is
+    read and deleted), whatever the other APIs' error shapes."""
+    response = httpx.put(f"{server.url}{path}", headers=headers, timeout=30)
+    assert response.status_code == 405
+    assert response.headers["allow"] == allowed
+
+
 def test_an_unknown_model_name_is_quoted_short(
     server: ServerProcess, headers: dict[str, str]
 ) -> None:
