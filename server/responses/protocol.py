@@ -27,6 +27,18 @@ class InputText(RequestModel):
     text: str
 
 
+class Refusal(RequestModel):
+    """An assistant message's refusal, as an earlier response's output gave it (clients
+    send output items back as input): read as its text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
 class InputImage(RequestModel):
     type: Literal["input_image"]
     # A data: URL, or http(s) from the hosts the server allows (server/images.py).
@@ -72,15 +84,16 @@ class UnsupportedPart(RequestModel):
 def _text_part_kind(value: Any) -> str | None:
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         return None
-    if value["type"] in ("input_image", "input_file"):
+    if value["type"] in ("input_image", "input_file", "refusal"):
         return value["type"]
     return "text" if value["type"] in InputText.model_fields["type"].annotation.__args__ \
         else "unsupported"
 
 
 TextPart = Annotated[
-    Annotated[InputText, Tag("text")] | Annotated[InputImage, Tag("input_image")]
-    | Annotated[InputFile, Tag("input_file")] | Annotated[UnsupportedPart, Tag("unsupported")],
+    Annotated[InputText, Tag("text")] | Annotated[Refusal, Tag("refusal")]
+    | Annotated[InputImage, Tag("input_image")] | Annotated[InputFile, Tag("input_file")]
+    | Annotated[UnsupportedPart, Tag("unsupported")],
     Discriminator(_text_part_kind, custom_error_type="invalid_type",
                   custom_error_message="must be a content part object with a type"),
 ]
@@ -320,7 +333,8 @@ class ReasoningConfig(RequestModel):
 
 class ResponsesRequest(RequestModel):
     model: str | None = None
-    input: Input
+    # Optional, as in OpenAI's API: instructions alone, or a stored response to go on from.
+    input: Input = Field(default_factory=list)
     instructions: str | None = None
     previous_response_id: str | None = None
     tools: list[ToolDefinition] | None = None
@@ -364,6 +378,9 @@ class ResponsesRequest(RequestModel):
         if len(set(names)) < len(names):
             raise ValueError("two tools have the same name")
         if self.tool_choice not in (None, "none", "auto") and not names:
+            if self.tools:  # hosted ones alone, which the model is not shown
+                raise ValueError("tool_choice needs a function or custom tool: hosted tools "
+                                 "(web_search, ...) are not run by this server")
             raise ValueError("tool_choice needs tools")
         if isinstance(self.tool_choice, FunctionChoice | CustomChoice):
             chosen = [self.tool_choice.name]

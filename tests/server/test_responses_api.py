@@ -87,6 +87,30 @@ def test_previous_response_continues_the_stored_conversation(
         client.responses.retrieve(first.id)
 
 
+def test_input_may_be_left_out(client: openai.OpenAI, model_id: str) -> None:
+    """`input` is optional in OpenAI's API, and the SDK leaves it out where the caller
+    does: instructions alone are answered, and a stored response goes on as it stands."""
+    alone = client.responses.create(model=model_id, instructions="Say hi.", max_output_tokens=2)
+    assert alone.usage.input_tokens > 0 and alone.output_text
+    more = client.responses.create(model=model_id, previous_response_id=alone.id,
+                                   max_output_tokens=2)
+    assert more.previous_response_id == alone.id and more.usage.input_tokens > 0
+    assert client.responses.input_items.list(more.id).data == []
+
+
+def test_a_refusal_sent_back_reads_as_its_text(client: openai.OpenAI, model_id: str) -> None:
+    """An earlier response's refusal part, replayed as input (the Agents SDK's
+    to_input_list), is the assistant's text, as if it had been output_text."""
+    def prompt_tokens(part: dict) -> int:
+        return client.responses.create(model=model_id, max_output_tokens=1, input=[
+            {"role": "user", "content": "Tell me a secret."},
+            {"type": "message", "role": "assistant", "content": [part]},
+            {"role": "user", "content": "Why not?"}]).usage.input_tokens
+
+    assert prompt_tokens({"type": "refusal", "refusal": "I can't share that."}) == \
+        prompt_tokens({"type": "output_text", "text": "I can't share that."})
+
+
 def test_unknown_or_unstored_response_is_404(client: openai.OpenAI, model_id: str) -> None:
     with pytest.raises(openai.NotFoundError) as raised:
         client.responses.create(model=model_id, input="x", previous_response_id="resp_nope")
@@ -258,6 +282,8 @@ SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
      "no Files API", None),
     ({"input": "x", "background": True}, "background responses are not supported", None),
     ({"input": "x", "tool_choice": "required"}, "tool_choice needs tools", None),
+    ({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": "required"},
+     "hosted tools (web_search, ...) are not run by this server", None),
     ({"input": "x", "tools": [{"type": "custom", "name": "p"}],
       "tool_choice": {"type": "custom", "name": "q"}}, "'q', which is not a tool", None),
     ({"input": "x", "tools": [{"type": "custom", "name": "p"}, {"type": "function",
@@ -267,6 +293,7 @@ SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
                                "format": {"type": "grammar", "syntax": "lark"}}]},
      "needs its syntax and definition", None),
     ({"input": []}, "input is empty", None),
+    ({}, "input is empty", None),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s",
                                         "schema": SELF_REF}}},
      "no value satisfies it", "text.format"),
