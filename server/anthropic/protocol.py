@@ -216,11 +216,17 @@ class AnthropicMessage(RequestModel):
         if self.role == "system" and not isinstance(self.content, str) and any(
                 not isinstance(block, TextBlock) for block in self.content):
             raise ValueError("a system message holds text blocks only")
-        if self.role == "assistant" and not isinstance(self.content, str) and any(
-                isinstance(block, ImageBlock | DocumentBlock | SearchResultBlock)
+        if isinstance(self.content, str):
+            return self
+        if self.role == "assistant" and any(
+                isinstance(block, ImageBlock | DocumentBlock | SearchResultBlock
+                           | ToolResultBlock) for block in self.content):
+            raise ValueError("image, document, search result and tool_result blocks belong "
+                             "in user messages")
+        if self.role == "user" and any(
+                isinstance(block, ToolUseBlock | ThinkingBlock | RedactedThinkingBlock)
                 for block in self.content):
-            raise ValueError("image, document and search result blocks belong in user "
-                             "messages")
+            raise ValueError("tool_use and thinking blocks belong in assistant messages")
         return self
 
     @property
@@ -367,7 +373,9 @@ class TokenCountRequest(RequestModel):
 
     @model_validator(mode="after")
     def _check_tool_choice(self) -> TokenCountRequest:
-        names = {tool.name for tool in self.tools or ()}
+        names = [tool.name for tool in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tool names must be unique")
         if isinstance(self.tool_choice, ToolChoiceAny | ToolChoiceTool) and not names:
             raise ValueError(f"tool_choice {self.tool_choice.type!r} needs tools")
         if isinstance(self.tool_choice, ToolChoiceTool) and self.tool_choice.name not in names:

@@ -193,6 +193,19 @@ def test_claude_code_shaped_agent_loop_is_served_from_cache(
         {"role": "user", "content": "x"},
         {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
      400, "invalid_request_error", "a system message holds text blocks only"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x"},
+        {"type": "tool_use", "id": "t", "name": "look", "input": {}}]}]},
+     400, "invalid_request_error", "tool_use and thinking blocks belong in assistant"),
+    ({"max_tokens": 4, "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                           "content": "y"}]},
+        {"role": "user", "content": "z"}]},
+     400, "invalid_request_error", "tool_result blocks belong in user"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+      "tools": [TOOLS[0], TOOLS[0]]},
+     400, "invalid_request_error", "tool names must be unique"),
 ])
 def test_errors_are_anthropic_error_objects(
     claude: anthropic.Anthropic, model_id: str, body: dict, status: int, kind: str, words: str
