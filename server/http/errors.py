@@ -111,11 +111,11 @@ def error_type(status: int) -> str:
     return "invalid_request_error"
 
 
-def validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """One readable 400 from pydantic's list of problems."""
+def validation_error(errors: list[dict[str, Any]], body: Any = None) -> APIError:
+    """One readable 400 from pydantic's list of problems in `body` (the parsed JSON)."""
     problems = []
     for error in errors:
-        loc = [str(part) for part in _field_loc(error["loc"])]
+        loc = [str(part) for part in _field_loc(error["loc"], body, error["type"])]
         if error["type"] == "json_invalid":
             # Its loc is a character position, not a field.
             position, loc = loc, []
@@ -134,10 +134,37 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError(400, message, code="invalid_request", param=first_loc[0] if first_loc else None)
 
 
-def _field_loc(loc: Sequence[str | int]) -> Sequence[str | int]:
-    """The field's path, without where it was sent (the body, the query string, the path):
-    only the first part says that, so a field named "query" or "path" keeps its name."""
-    return loc[1:] if loc and loc[0] in REQUEST_PARTS else loc
+def _field_loc(loc: Sequence[str | int], body: Any, kind: str) -> Sequence[str | int]:
+    """The field's path as the request spells it: without where it was sent (the body, the
+    query string, the path: only the first part says that, so a field named "query" or
+    "path" keeps its name), and without the tags of the unions on the way, which pydantic
+    puts in it ("tools.0.function.name" is the request's "tools.0.name")."""
+    if not loc or loc[0] not in REQUEST_PARTS:
+        return loc
+    if loc[0] != "body":
+        return loc[1:]
+    spelled = _spelled(body, list(loc[1:]), kind == "missing")
+    return loc[1:] if spelled is None else spelled
+
+
+def _spelled(node: Any, parts: list[str | int], missing: bool) -> list[str | int] | None:
+    """The parts of a validation error's path that walk the JSON `node` (None: no way
+    through). A part that is no key or index of where the walk stands is a union's tag,
+    unless it is the last: a field the body lacks (missing, or checked though not sent)
+    but for a tag naming the object's own type."""
+    if not parts:
+        return []
+    part, rest = parts[0], parts[1:]
+    if isinstance(node, dict) and part in node or isinstance(node, list) \
+            and isinstance(part, int) and 0 <= part < len(node):
+        walked = _spelled(node[part], rest, missing)
+        if walked is not None:
+            return [part, *walked]
+    if not rest and (missing or isinstance(node, dict) and node.get("type") != part):
+        return [part]
+    if isinstance(part, str) and isinstance(node, dict | list):
+        return _spelled(node, rest, missing)
+    return None
 
 
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
@@ -145,7 +172,7 @@ async def _api_error(request: Request, error: APIError) -> JSONResponse:
 
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    return validation_error(list(error.errors())).response(request.url.path)
+    return validation_error(list(error.errors()), error.body).response(request.url.path)
 
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:

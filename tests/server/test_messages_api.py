@@ -203,6 +203,9 @@ def test_claude_code_shaped_agent_loop_is_served_from_cache(
                                            "content": "y"}]},
         {"role": "user", "content": "z"}]},
      400, "invalid_request_error", "tool_result blocks belong in user"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x", "cache_control": {"type": "forever"}}]}]},
+     400, "invalid_request_error", "messages.0.content.0.cache_control.type: Input should be"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
       "tools": [TOOLS[0], TOOLS[0]]},
      400, "invalid_request_error", "tool names must be unique"),

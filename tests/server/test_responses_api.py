@@ -294,6 +294,11 @@ SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
      "needs its syntax and definition", None),
     ({"input": []}, "input is empty", None),
     ({}, "input is empty", None),
+    # The path as the request spells it: no union tags ("tools.0.hosted.type").
+    ({"input": "x", "tools": [{"name": "f", "parameters": {}}]}, "tools.0.type: Field required",
+     "tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 3}]}]},
+     "input.0.content.0.text: Input should be a valid string", "input"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s",
                                         "schema": SELF_REF}}},
      "no value satisfies it", "text.format"),
