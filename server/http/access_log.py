@@ -5,8 +5,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from urllib.parse import quote
 
 access_log = logging.getLogger("radix_mlx.access")
+
+# What a logged path keeps as it is: RFC 3986's path characters. Anything else (a line
+# break, a NUL, a space, non-ASCII) is percent-encoded again, as the client sent it, so a
+# URL cannot write lines of its own into the log.
+PATH_CHARACTERS = "/:@!$&'()*+,;=-._~"
 
 
 @dataclass
@@ -48,6 +54,7 @@ def log_request(
                   f"completion={stats.completion_tokens} ttft_ms={ttft} tok/s={tok_s} "
                   f"accept={accept} tok/step={per_step}")
     access_log.info(
-        "%s %s %s %d %s duration_ms=%.1f", request_id, method, path, status, fields,
+        "%s %s %s %d %s duration_ms=%.1f", request_id, method,
+        quote(path, safe=PATH_CHARACTERS), status, fields,
         (end - started_at) * 1000,
     )

@@ -76,6 +76,20 @@ def test_health_metrics_and_access_log(server: ServerProcess, headers: dict[str,
     assert "prompt=3" in line and "completion=3" in line and "ttft_ms=" in line
 
 
+def test_a_path_cannot_write_lines_into_the_access_log(
+    server: ServerProcess, headers: dict[str, str]
+) -> None:
+    """The path is decoded by the time it is logged: a %0d%0a in a URL would end the
+    line and start one of the client's making."""
+    forged = "2026-11-30 14:00:00,000 INFO radix_mlx.access: forged-line POST /admin/cache 200"
+    response = httpx.get(f"{server.url}/v1/nope%0d%0a{forged.replace(' ', '%20')}%00",
+                         headers={**headers, "X-Request-Id": "forger-1"}, timeout=10)
+    assert response.status_code == 404
+    line = server.access_line("forger-1")
+    assert "/v1/nope%0D%0A2026-11-30%2014:00:00,000%20INFO" in line and "%00" in line
+    assert not any(row.startswith("2026-11-30 14:00:00") for row in server.log().splitlines())
+
+
 def test_the_openapi_document_is_served(server: ServerProcess, headers: dict[str, str]) -> None:
     """Users (and client generators) get the API's schema, errors in OpenAI's shape
     included."""
