@@ -57,7 +57,7 @@ from engine.api import (
 from engine.engine import DISK_FLUSH_SECONDS, Engine
 from engine.loader import load_tokenizer, model_id_for
 from engine.platform_info import describe_platform
-from engine.streams import LoopRelays, RequestStream, WaitingCount
+from engine.streams import LoopRelays, QueuePlace, RequestStream, WaitingCount
 from engine.tokenizer import ModelTokenizer
 
 log = logging.getLogger("radix_mlx.engine")
@@ -264,7 +264,8 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # the streams, the calls and the state's last change
         self._streams: dict[str, RequestStream] = {}
-        self._unstarted: set[str] = set()  # ids of streams that have had no event yet
+        # The queue places of streams that have had no event yet, by id.
+        self._unstarted: dict[str, QueuePlace] = {}
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count()
         self._waiting = WaitingCount(config.max_queue)
@@ -329,19 +330,23 @@ class EngineProcess:
         for prompt in prompts:
             check_request(prompt.tokens, params, self.context_length, self._kv_tokens)
         relay = self._relays.current()
-        streams = [RequestStream(f"req-{next(self._ids)}", relay, self.cancel)
-                   for _ in prompts]
         with self._lock:
             if self.state is not Lifecycle.READY or self._closed:  # it ended meanwhile
                 raise EngineNotReady(self._closed or self.error)
-            self._waiting.enter(len(streams))
-            for stream in streams:
+            places = self._waiting.enter(len(prompts))
+            streams = [RequestStream(f"req-{next(self._ids)}", relay, self.cancel)
+                       for _ in places]
+            for stream, place in zip(streams, places):
                 self._streams[stream.request_id] = stream
-                self._unstarted.add(stream.request_id)
+                self._unstarted[stream.request_id] = place
         self._send(("submit", [s.request_id for s in streams], prompts, params))
         return streams
 
     def cancel(self, request_id: str) -> None:
+        with self._lock:  # its queue place is free now, as in Engine.cancel
+            place = self._unstarted.pop(request_id, None)
+        if place is not None:
+            place.leave()
         self._send(("cancel", request_id))
 
     def clear_cache(self) -> Future:
@@ -440,9 +445,9 @@ class EngineProcess:
             stream = self._streams.get(request_id)
             if stream is None:
                 return
-            if request_id in self._unstarted:
-                self._unstarted.discard(request_id)
-                self._waiting.leave()
+            place = self._unstarted.pop(request_id, None)
+            if place is not None:
+                place.leave()
             if isinstance(event, (Finish, Exception)):
                 del self._streams[request_id]
         stream.push(event)

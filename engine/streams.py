@@ -23,18 +23,33 @@ class WaitingCount:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.value = 0
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
-    def enter(self, count: int = 1) -> None:
-        """Count `count` more, or none and raise QueueFull."""
-        with self._lock:
+    def enter(self, count: int = 1) -> list[QueuePlace]:
+        """A place for each of `count` more, or none and raise QueueFull."""
+        with self.lock:
             if self.value + count > self.limit:
                 raise QueueFull(f"{self.value} requests are already waiting", retry_after=1.0)
             self.value += count
+        return [QueuePlace(self) for _ in range(count)]
+
+
+class QueuePlace:
+    """One request's place in a `WaitingCount`, given up once: when the engine starts or
+    ends the request, or when it is cancelled, whichever comes first. A request refused
+    for a full queue cancels its choices queued so far, and their places are free at
+    once, not only when the engine's thread next takes its messages (requests that came
+    meanwhile were refused for places nobody would use)."""
+
+    def __init__(self, count: WaitingCount) -> None:
+        self._count = count
+        self._held = True
 
     def leave(self) -> None:
-        with self._lock:
-            self.value -= 1
+        with self._count.lock:
+            if self._held:
+                self._held = False
+                self._count.value -= 1
 
 
 class Relay(Protocol):

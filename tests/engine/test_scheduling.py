@@ -301,6 +301,31 @@ async def test_queue_limit_counts_only_requests_not_yet_admitted(llama_dir):
         engine.shutdown()
 
 
+async def test_a_cancelled_requests_queue_place_is_free_at_once(llama_dir):
+    """A request refused for a full queue cancels its choices queued so far: their places
+    are free when cancel returns, not when the engine's thread next takes its messages,
+    so requests that come meanwhile and fit are not refused for them."""
+    engine = start_engine(llama_dir, cache_bytes=1 << 30, max_batch_size=1, max_queue=3)
+    try:
+        running = engine.submit(random_prompt(610, 16), _greedy(max_tokens=4000, ignore_eos=True))
+        assert isinstance(await anext(running), TokenEvent)
+        refused = [engine.submit(random_prompt(611 + i, 16), _greedy(max_tokens=4))
+                   for i in range(3)]
+        with pytest.raises(QueueFull):
+            engine.submit(random_prompt(614, 16), _greedy(max_tokens=4))
+        for stream in refused:
+            stream.cancel()
+        assert engine.stats().waiting == 0
+        fits = [engine.submit(random_prompt(615 + i, 16), _greedy(max_tokens=4))
+                for i in range(3)]
+        running.cancel()
+        for stream in fits:
+            assert [event async for event in stream][-1].reason == "length"
+        assert (await settled(engine)).waiting == 0
+    finally:
+        engine.shutdown()
+
+
 async def test_sampling_with_a_seed_is_reproducible(engine):
     prompt = random_prompt(4, 32)
     options = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "min_p": 0.01, "seed": 1234}
