@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Tag
 
 
 class RequestModel(BaseModel):
@@ -53,6 +53,31 @@ def _tool_choice_kind(value: Any, objects: dict[str, Any]) -> str | None:
         return "mode"
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     return kind if isinstance(kind, str) and kind in objects else None
+
+
+class RefusalPart(RequestModel):
+    """An assistant's refusal, a content part of OpenAI's output that clients send back as
+    input (the Agents SDK's to_input_list, a replayed chat): read as its text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
+def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    kind = schema.get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        raise ValueError(f"a tool's parameters are a JSON object: its schema must be of type "
+                         f"'object', not {kind!r}")
+    return schema
+
+
+# A tool's parameters (input schema): what a call's arguments, a JSON object, satisfy. A
+# schema that names no type is taken as an object's, as clients often leave it out.
+ObjectSchema = Annotated[dict[str, Any], AfterValidator(_object_schema)]
 
 
 def now() -> int:

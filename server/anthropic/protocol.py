@@ -19,7 +19,7 @@ from pydantic import Discriminator, Field, Tag, model_validator
 from engine.api import SpeculationMode
 from server.anthropic.defined_tools import DEFINED_TOOLS
 from server.documents import ReadInText, document, search_result, text_of
-from server.schema import RequestModel, ResponseModel, shaped_union
+from server.schema import ObjectSchema, RequestModel, ResponseModel, shaped_union
 
 # The most stop_sequences one request may give (OpenAI's `stop` takes 4).
 MAX_STOP_SEQUENCES = 64
@@ -255,7 +255,7 @@ class Tool(RequestModel):
     type: Literal["custom"] | None = None
     name: str = Field(min_length=1, max_length=128, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: ObjectSchema
     strict: bool | None = None
     cache_control: CacheControl | None = None
 

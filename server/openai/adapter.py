@@ -131,6 +131,9 @@ def template_message(message: ChatRequestMessage) -> TemplateMessage:
     """The dict a Hugging Face chat template expects for `message`."""
     out = message.model_dump(exclude_none=True)
     out["content"] = content_text(message.content)
+    if isinstance(message, AssistantMessage) and out.pop("refusal", None) is not None \
+            and message.content is None:
+        out["content"] = message.refusal
     if isinstance(message, AssistantMessage) and message.tool_calls:
         # Templates iterate over arguments as a mapping; OpenAI sends a JSON string.
         for call in out["tool_calls"]:

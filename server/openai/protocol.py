@@ -21,7 +21,15 @@ from pydantic import (
 
 from engine.api import SpeculationMode
 from server.documents import ReadInText, document, text_of_data_url
-from server.schema import RequestModel, ResponseModel, now, shaped_union, tool_choice_union
+from server.schema import (
+    ObjectSchema,
+    RefusalPart,
+    RequestModel,
+    ResponseModel,
+    now,
+    shaped_union,
+    tool_choice_union,
+)
 
 # -- shared request pieces ---------------------------------------------------------------
 
@@ -151,9 +159,16 @@ class UserMessage(RequestModel):
     name: str | None = None
 
 
+AssistantContent = shaped_union(
+    _str_or_list, "a string or a list of text and refusal parts", str=str,
+    list=list[Annotated[TextPart | RefusalPart, Field(discriminator="type")]]
+)
+
+
 class AssistantMessage(RequestModel):
     role: Literal["assistant"]
-    content: Content | None = None
+    content: AssistantContent | None = None
+    refusal: str | None = None  # a refused turn sent back: its text is the turn's
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     # An earlier turn's thinking, as vLLM takes it back; templates decide whether to
@@ -162,10 +177,11 @@ class AssistantMessage(RequestModel):
 
     @model_validator(mode="after")
     def _says_something(self) -> AssistantMessage:
-        # As OpenAI's API: content may be null only beside tool calls (a template met
-        # the null and answered in its own words: "'dict object' has no attribute").
-        if self.content is None and not self.tool_calls:
-            raise ValueError("an assistant message needs content or tool_calls")
+        # As OpenAI's API: content may be null only beside tool calls or a refusal (a
+        # template met the null and answered in its own words: "'dict object' has no
+        # attribute").
+        if self.content is None and not self.tool_calls and self.refusal is None:
+            raise ValueError("an assistant message needs content, a refusal or tool_calls")
         return self
 
 
@@ -183,7 +199,7 @@ ChatRequestMessage = Annotated[
 class FunctionDefinition(RequestModel):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: ObjectSchema | None = None
     strict: bool | None = None
 
 
@@ -293,7 +309,10 @@ class ChatCompletionRequest(StructuredOutputRequest):
             raise ValueError("continue_final_message needs add_generation_prompt to be false")
         if self.tool_choice is not None and not self.tools:
             raise ValueError("tool_choice is only allowed when tools are specified")
-        named = {tool.function.name for tool in self.tools or ()}
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("two tools have the same name")
+        named = set(names)
         if isinstance(self.tool_choice, NamedToolChoice):
             chosen = [self.tool_choice.function.name]
         elif isinstance(self.tool_choice, AllowedToolsChoice):

@@ -17,7 +17,15 @@ from pydantic import Discriminator, Field, Tag, model_validator
 from engine.api import SpeculationMode
 from server.documents import ReadInText, document, text_of_data_url
 from server.images import MARKER
-from server.schema import RequestModel, ResponseModel, now, shaped_union, tool_choice_union
+from server.schema import (
+    ObjectSchema,
+    RefusalPart,
+    RequestModel,
+    ResponseModel,
+    now,
+    shaped_union,
+    tool_choice_union,
+)
 
 # -- input items ---------------------------------------------------------------------------
 
@@ -25,18 +33,6 @@ from server.schema import RequestModel, ResponseModel, now, shaped_union, tool_c
 class InputText(RequestModel):
     type: Literal["input_text", "output_text", "text", "summary_text", "reasoning_text"]
     text: str
-
-
-class Refusal(RequestModel):
-    """An assistant message's refusal, as an earlier response's output gave it (clients
-    send output items back as input): read as its text."""
-
-    type: Literal["refusal"]
-    refusal: str
-
-    @property
-    def text(self) -> str:
-        return self.refusal
 
 
 class InputImage(RequestModel):
@@ -91,7 +87,7 @@ def _text_part_kind(value: Any) -> str | None:
 
 
 TextPart = Annotated[
-    Annotated[InputText, Tag("text")] | Annotated[Refusal, Tag("refusal")]
+    Annotated[InputText, Tag("text")] | Annotated[RefusalPart, Tag("refusal")]
     | Annotated[InputImage, Tag("input_image")] | Annotated[InputFile, Tag("input_file")]
     | Annotated[UnsupportedPart, Tag("unsupported")],
     Discriminator(_text_part_kind, custom_error_type="invalid_type",
@@ -231,7 +227,7 @@ class FunctionTool(RequestModel):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: ObjectSchema | None = None
     strict: bool | None = None
 
 

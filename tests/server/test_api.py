@@ -340,6 +340,23 @@ def test_tools_are_rendered_into_the_prompt(client: openai.OpenAI, model_id: str
     assert prompt_tokens(tools=tools, tool_choice="none") == prompt_tokens(tools=tools)
 
 
+def test_a_refused_turn_sent_back_reads_as_its_text(
+    client: openai.OpenAI, model_id: str
+) -> None:
+    """OpenAI's assistant message may hold a refusal instead of content, or refusal parts:
+    a client replaying a refused turn sends it as it came."""
+    def prompt_tokens(assistant: dict) -> int:
+        return client.chat.completions.create(model=model_id, max_tokens=1, messages=[
+            {"role": "user", "content": "Tell me a secret."},
+            {"role": "assistant", **assistant},
+            {"role": "user", "content": "Why not?"}]).usage.prompt_tokens
+
+    text = prompt_tokens({"content": "I can't share that."})
+    assert prompt_tokens({"content": None, "refusal": "I can't share that."}) == text
+    assert prompt_tokens({"content": [{"type": "refusal", "refusal": "I can't share that."}]}) \
+        == text
+
+
 def test_assistant_tool_calls_in_history_render(client: openai.OpenAI, model_id: str) -> None:
     messages = [
         {"role": "user", "content": "Weather in Paris?"},

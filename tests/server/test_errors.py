@@ -102,6 +102,13 @@ CASES = [
             "parameters": {"type": "object", "not": {"required": ["a"]}}}}],
         tool_choice="required",
     ), 400, "unsupported_schema", "tools"),
+    ("tool parameters not an object's", "POST", CHAT, chat(
+        tools=[{"type": "function", "function": {"name": "f",
+                                                 "parameters": {"type": "string"}}}],
+    ), 400, "invalid_request", "tools"),
+    ("two tools of one name", "POST", CHAT, chat(
+        tools=[{"type": "function", "function": {"name": "f"}}] * 2,
+    ), 400, "invalid_request", None),
     ("tool_choice naming no tool", "POST", CHAT, chat(
         tools=[{"type": "function", "function": {"name": "f"}}],
         tool_choice={"type": "function", "function": {"name": "g"}},
@@ -204,7 +211,7 @@ def test_an_assistant_message_of_nothing_is_refused_in_the_apis_words(
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "messages"
-    assert "needs content or tool_calls" in error["message"]
+    assert "needs content, a refusal or tool_calls" in error["message"]
 
 
 def test_only_root_and_health_are_open_without_the_key(server: ServerProcess) -> None:

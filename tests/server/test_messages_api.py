@@ -207,6 +207,9 @@ def test_claude_code_shaped_agent_loop_is_served_from_cache(
         {"type": "text", "text": "x", "cache_control": {"type": "forever"}}]}]},
      400, "invalid_request_error", "messages.0.content.0.cache_control.type: Input should be"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"name": "f", "input_schema": {"type": "string"}}]},
+     400, "invalid_request_error", "tools.0.input_schema: a tool's parameters"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
       "tools": [TOOLS[0], TOOLS[0]]},
      400, "invalid_request_error", "tool names must be unique"),
 ])

@@ -294,6 +294,9 @@ SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
      "needs its syntax and definition", None),
     ({"input": []}, "input is empty", None),
     ({}, "input is empty", None),
+    ({"input": "x", "tools": [{"type": "function", "name": "f",
+                               "parameters": {"type": "array"}}]},
+     "its schema must be of type 'object', not 'array'", "tools"),
     # The path as the request spells it: no union tags ("tools.0.hosted.type").
     ({"input": "x", "tools": [{"name": "f", "parameters": {}}]}, "tools.0.type: Field required",
      "tools"),
