@@ -12,6 +12,9 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Tag
 
+# The likeliest alternatives a token's logprob may come with, in every API (OpenAI's 20).
+MAX_TOP_LOGPROBS = 20
+
 
 class RequestModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")

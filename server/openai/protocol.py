@@ -22,6 +22,7 @@ from pydantic import (
 from engine.api import SpeculationMode
 from server.documents import ReadInText, document, text_of_data_url
 from server.schema import (
+    MAX_TOP_LOGPROBS,
     ObjectSchema,
     RefusalPart,
     RequestModel,
@@ -282,7 +283,7 @@ class ChatCompletionRequest(StructuredOutputRequest):
     prediction: PredictionContent | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None

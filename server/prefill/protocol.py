@@ -9,12 +9,11 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from server.openai.protocol import ChatRequestMessage, TokenId
-from server.schema import RequestModel, ResponseModel
+from server.schema import MAX_TOP_LOGPROBS, RequestModel, ResponseModel
 
 # Inputs one request may carry; more is a 400 rather than a queue of thousands.
 MAX_INPUTS = 2048
 TOKEN_IDS_INPUT = list[TokenId]
-MAX_TOP_LOGPROBS = 20
 # Classify's labels: how many a request scores, and a label's tokens. A label of n tokens
 # costs each input n - 1 more prompts (routes.py), so their total is bounded too.
 MAX_LABELS = 256

@@ -36,6 +36,7 @@ from server.http.model_response import model_response
 from server.http.openapi import error_responses, event_stream
 from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
 from server.model_registry import Lease
+from server.openai.formats import chat_logprobs
 from server.openai.protocol import ErrorResponse
 from server.pipeline import GenerationRun, fits_context, start
 from server.request import (
@@ -234,6 +235,7 @@ def generation_request(
         ),
         unset_sampling=unset_knobs(body),
         max_tokens=body.max_output_tokens,
+        logprobs=body.logprobs,
         fit_context=True,
         stream=body.stream,
         include_usage=True,
@@ -278,14 +280,16 @@ class ResponseBuilder:
         self._item: OutputItem | None = None  # the open one
         self._custom = {tool.name for tool in response.tools if isinstance(tool, CustomTool)}
         self._arguments = ""  # an open custom call's, whose input is known at its end
+        self._unsent_logprobs: list[Any] = []  # a held-back token's, until its text is out
 
     def opening(self) -> list[StreamEvent]:
         return [self._lifecycle("response.created"), self._lifecycle("response.in_progress")]
 
     def event(self, event: Event) -> list[StreamEvent]:
-        if isinstance(event, TextDelta | ReasoningDelta):
-            return self._text(OutputMessage if isinstance(event, TextDelta) else OutputReasoning,
-                              event.text)
+        if isinstance(event, TextDelta):
+            return self._text(OutputMessage, event.text, chat_logprobs(event.tokens).content)
+        if isinstance(event, ReasoningDelta):
+            return self._text(OutputReasoning, event.text)
         if isinstance(event, ToolCallStarted):
             closed = self._close()  # a custom call before this one reads its arguments
             if event.name in self._custom:
@@ -320,8 +324,11 @@ class ResponseBuilder:
     def _index(self) -> int:
         return len(self.response.output) - 1
 
-    def _text(self, kind: type[TextItem], text: str) -> list[StreamEvent]:
-        if not text:
+    def _text(self, kind: type[TextItem], text: str, logprobs: list[Any] | None = None
+              ) -> list[StreamEvent]:
+        """`logprobs`: the answer tokens' behind `text`, where they were asked for (a
+        token's text may come in a later delta than its logprob, held back)."""
+        if not text and not logprobs:
             return []
         events: list[StreamEvent] = []
         if not isinstance(self._item, kind):
@@ -331,10 +338,20 @@ class ResponseBuilder:
                                                     content=[]))
             self._item.content.append(part)
             events.append(self._part_event("response.content_part.added", self._item))
-        self._item.content[0].text += text
+        part = self._item.content[0]
+        part.text += text
+        if isinstance(part, OutputText):
+            part.logprobs += logprobs or []
+            self._unsent_logprobs += logprobs or []
+            if not text:
+                return events  # the delta with its text carries them
+            unsent, self._unsent_logprobs = self._unsent_logprobs, []
+            return [*events, self._number(TextDeltaEvent(
+                type="response.output_text.delta", item_id=self._item.id,
+                output_index=self._index, delta=text, logprobs=unsent))]
         return [*events, self._number(TextDeltaEvent(
-            type=f"response.{_part_kind(self._item)}.delta", item_id=self._item.id,
-            output_index=self._index, delta=text, **_logprobs(self._item)))]
+            type="response.reasoning_text.delta", item_id=self._item.id,
+            output_index=self._index, delta=text))]
 
     def _add(self, item: OutputItem) -> list[StreamEvent]:
         self.response.output.append(item)
@@ -371,6 +388,7 @@ class ResponseBuilder:
             ]
         item.status = status
         self._item = None
+        self._unsent_logprobs = []  # the done event carried them
         return [*events, self._number(ItemEvent(type="response.output_item.done",
                                                 output_index=self._index, item=item))]
 
@@ -413,8 +431,9 @@ def _part_kind(item: TextItem) -> str:
 
 
 def _logprobs(item: TextItem) -> dict[str, list]:
-    """Answer text events carry logprobs (none asked for here); reasoning events do not."""
-    return {"logprobs": []} if isinstance(item, OutputMessage) else {}
+    """Answer text events carry their part's logprobs (none unless asked for); reasoning
+    events none."""
+    return {"logprobs": item.content[0].logprobs} if isinstance(item, OutputMessage) else {}
 
 
 def assistant_message(response: ResponseObject) -> TemplateMessage:
@@ -520,7 +539,7 @@ async def _respond(request: Request, state: ServerState, body: ResponsesRequest,
         {"format": {"type": "text"}},
         max_output_tokens=body.max_output_tokens, temperature=body.temperature,
         top_p=body.top_p, store=body.store, metadata=body.metadata or {},
-        prompt_cache_key=body.prompt_cache_key, user=body.user,
+        prompt_cache_key=body.prompt_cache_key, user=body.user, top_logprobs=body.top_logprobs,
     ))
     save = ((lambda: _save(state, builder.response, conversation, input_items(body)))
             if body.store else None)

@@ -3,8 +3,9 @@
 Requests validate declaratively like the chat models: strict types, unknown fields
 ignored (Codex sends `include`, `reasoning`, `prompt_cache_key`, ...). `input_image` parts
 with an `image_url` are read by vision models (server/images.py), `input_file` parts of
-text read in as text (server/documents.py); what no model here reads (PDFs, audio) and
-hosted tools (web search, file search, ...) are refused with a 400 that names them.
+text read in as text (server/documents.py); what no model here reads (PDFs, audio) is
+refused with a 400 that names it. Hosted tools (web search, file search, ...) are not
+shown to the model: nobody here runs them.
 Responses, output items and stream events mirror what the official `openai` SDK parses.
 """
 
@@ -18,6 +19,7 @@ from engine.api import SpeculationMode
 from server.documents import ReadInText, document, text_of_data_url
 from server.images import MARKER
 from server.schema import (
+    MAX_TOP_LOGPROBS,
     ObjectSchema,
     RefusalPart,
     RequestModel,
@@ -190,6 +192,9 @@ class UnsupportedItem(RequestModel):
         raise ValueError(f"input items of type {self.type!r} are not supported")
 
 
+# What `include` names for logprobs with the answer's text.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
 ITEM_TYPES = {
     "message": MessageItem, "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem,
@@ -341,6 +346,10 @@ class ResponsesRequest(RequestModel):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
+    # Each answer token's logprob comes with this many likeliest alternatives; asked for
+    # by it or by include's "message.output_text.logprobs".
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    include: list[str] | None = None  # what else OpenAI returns; logprobs here
     stream: bool = False
     store: bool = True
     metadata: dict[str, str] | None = None
@@ -353,6 +362,13 @@ class ResponsesRequest(RequestModel):
     speculation: SpeculationMode | None = None
     background: bool = False
     conversation: Any = None
+
+    @property
+    def logprobs(self) -> int | None:
+        """The alternatives each answer token's logprob comes with (None: no logprobs)."""
+        if self.top_logprobs is None and LOGPROBS_INCLUDE not in (self.include or ()):
+            return None
+        return self.top_logprobs or 0
 
     @property
     def function_tools(self) -> list[FunctionTool]:
@@ -494,6 +510,7 @@ class Response(ResponseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     prompt_cache_key: str | None = None
     user: str | None = None
+    top_logprobs: int | None = None
     usage: ResponseUsage | None = None
 
     @property

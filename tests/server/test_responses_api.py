@@ -87,6 +87,32 @@ def test_previous_response_continues_the_stored_conversation(
         client.responses.retrieve(first.id)
 
 
+def test_logprobs_are_the_chat_apis_whole_and_streamed(
+    client: openai.OpenAI, model_id: str
+) -> None:
+    """include's message.output_text.logprobs (with top_logprobs alternatives) gives each
+    answer token's logprob on its output_text part and its delta events, as Chat
+    Completions gives them for the same conversation."""
+    asked = {"model": model_id, "input": "Say something.", "max_output_tokens": 6,
+             "temperature": 0, "top_logprobs": 2, "include": ["message.output_text.logprobs"]}
+    chat = client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    whole = client.responses.create(**asked)
+    assert whole.top_logprobs == 2
+    assert [entry.model_dump() for entry in whole.output[0].content[0].logprobs] == expected
+    assert "".join(entry["token"] for entry in expected) == whole.output_text
+    with client.responses.stream(**asked) as stream:
+        events = list(stream)
+    deltas = [entry.model_dump() for event in events if event.type == "response.output_text.delta"
+              for entry in event.logprobs]
+    done = next(event for event in events if event.type == "response.output_text.done")
+    assert deltas == [entry.model_dump() for entry in done.logprobs] == expected
+    plain = client.responses.create(**{**asked, "top_logprobs": None, "include": None})
+    assert plain.output[0].content[0].logprobs == []
+
+
 def test_input_may_be_left_out(client: openai.OpenAI, model_id: str) -> None:
     """`input` is optional in OpenAI's API, and the SDK leaves it out where the caller
     does: instructions alone are answered, and a stored response goes on as it stands."""
