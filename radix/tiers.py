@@ -127,10 +127,14 @@ class Tiers:
         A span's data is the KV of exactly its tokens, so its copy fits only an edge of
         exactly those tokens right below `parent`. Requests served while the tree is
         rebuilt may have cut the path differently: a copy hung below a node they made
-        would hold positions that node's edge does not start at. A snapshot is the whole
-        state at its end, so it fits there whatever edges lie between."""
+        would hold positions that node's edge does not start at. Where their edge runs
+        past the copy's end (a chat after a restart goes on past a stored system prompt),
+        the edge is split there and its head takes the copy: refusing it would delete
+        every copy below it too. A snapshot is the whole state at its end, so it fits
+        there whatever edges lie between, and an edge it leaves midway (a sibling's, the
+        junction above them kept no state) is split where they part."""
         tokens = tuple(tokens)
-        with self._mutex:
+        with self._locked():  # a split here discards the copy of the edge it cuts
             if self.store is None or not self._attached(parent) or parent.state is not (
                     NodeState.READY):
                 return None
@@ -148,18 +152,35 @@ class Tiers:
                     self._add_stats(created, +1)
                     self._sync_lru(created)
                     return created
-                k = common_prefix_length(child.tokens, tokens, depth)
-                if child.state is not NodeState.READY or k < len(child.tokens):
+                if child.state is not NodeState.READY:
                     return None
+                k = common_prefix_length(child.tokens, tokens, depth)
+                if k < len(child.tokens):
+                    if not self._splits_for(child, tokens, stored, depth + k):
+                        return None
+                    child = self._split(child, k, stored if stored.splittable else None)
                 node, depth = child, depth + k
             if node.stored is not None:
                 return node if node.stored.key == stored.key else None
-            if node.handle is None or node.key not in (None, stored.key):
+            if node.key not in (None, stored.key) or node.handle is None and not node.on_disk:
                 return None
             self._add_stats(node, -1)
             node.stored, node.key = stored, stored.key
             self._add_stats(node, +1)
+            self._sync_lru(node)
             return node
+
+    def _splits_for(self, child: Node, tokens: tuple[int, ...], stored: Stored, at: int
+                    ) -> bool:
+        """Whether `restore` may split `child`'s edge `at` tokens into the copy's: a span
+        copy only where it ends and only a memory span's edge (its head then holds exactly
+        the copy's path: the same key), a snapshot copy anywhere but inside a span on
+        disk, which cannot be cut."""
+        if stored.splittable:
+            return (at == len(tokens) and not child.on_disk and child.handle is not None
+                    and child.handle.splittable
+                    and self._path_state(child.parent).follow(tokens).key == stored.key)
+        return not (child.on_disk and child.stored is not None and child.stored.splittable)
 
     def memory_keys(self) -> list[str]:
         """The keys of the disk copies of what memory holds, most recently used first:

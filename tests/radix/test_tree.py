@@ -847,6 +847,56 @@ def test_a_span_copy_is_not_restored_over_two_edges_of_its_tokens():
     check_invariants(fresh)
 
 
+def test_a_span_copy_takes_the_head_of_an_edge_made_since_that_runs_past_its_end():
+    """A chat sent while the tree is rebuilt after a restart goes on past a stored system
+    prompt's copy: its edge is split at the copy's end and the head takes the copy, so
+    the copies below it find their parent (refused, the whole folder was deleted)."""
+    old, store = tiered()
+    old.put([1, 2])
+    old.insert(old.match([1, 2]).node, [3, 4], span([3, 4], prefix=(1, 2)))
+    top, below = store.saved
+    fresh, fresh_store = tiered()
+    fresh.put([1, 2, 5, 6])
+    (live,) = fresh_store.saved
+    restored, rejected = fresh.restore_all(
+        [("root", top.span, top), (top.key, below.span, below)])
+    assert (restored, rejected) == (2, [])
+    assert edges(fresh) == {(1, 2), (1, 2, 3, 4), (1, 2, 5, 6)}
+    head = fresh.match([1, 2]).node
+    assert head.stored is top and head.handle is not None and not head.on_disk
+    assert fresh.match([1, 2, 3, 4]).disk[0].stored is below
+    # The live edge's own copy was of both halves: the tail is saved anew, the head not.
+    assert live.discarded and [copy.path for copy in fresh_store.saved[1:]] == [(1, 2, 5, 6)]
+    assert fresh_store.saved[1].span == (5, 6)
+
+
+def test_a_span_copy_an_edge_made_since_leaves_midway_is_refused():
+    old, store = tiered()
+    old.put([1, 2, 3])
+    (copy,) = store.saved
+    fresh, _ = tiered()
+    fresh.put([1, 2, 9])
+    assert fresh.restore(fresh.root, copy.span, copy) is None
+    assert edges(fresh) == {(1, 2, 9)}
+
+
+def test_sibling_snapshot_copies_below_a_junction_without_state_are_both_restored():
+    """Two chats of a sliding-window model part after a prefix whose junction holds no
+    state: both copies follow the root and start alike, and the second splits the first's
+    edge where they part (refused, every sibling but one was deleted at each restart)."""
+    old, store = tiered()
+    old.put([1, 2, 3, 4], splittable=False)
+    old.put([1, 2, 7, 8], splittable=False)
+    first, second = store.saved
+    fresh, _ = tiered()
+    restored, rejected = fresh.restore_all(
+        [("root", first.span, first), ("root", second.span, second)])
+    assert (restored, rejected) == (2, [])
+    assert edges(fresh) == {(1, 2), (1, 2, 3, 4), (1, 2, 7, 8)}
+    assert fresh.match([1, 2, 7, 8]).disk[-1].stored is second
+    assert fresh.match([1, 2, 3, 4]).disk[-1].stored is first
+
+
 def test_a_snapshot_copy_is_restored_at_its_end_whatever_the_edges_above_it():
     old, store = tiered()
     old.put([1, 2, 3, 4], splittable=False)
