@@ -110,7 +110,7 @@ def model_fingerprint(model_dir: Path, model: nn.Module, cache: list[Any],
 class DiskCopy:
     """One node's copy on disk (the tree's `Stored`)."""
 
-    __slots__ = ("failed", "key", "nbytes", "path", "pending", "splittable")
+    __slots__ = ("failed", "key", "nbytes", "path", "pending", "skip", "splittable")
 
     def __init__(self, key: str, path: Path, nbytes: int, splittable: bool,
                  pending: KVSegment | CacheSnapshot | None = None) -> None:
@@ -120,6 +120,9 @@ class DiskCopy:
         self.splittable = splittable
         self.pending = pending  # the handle, until its file is written
         self.failed = False
+        # The span's first tokens, which the node holding this copy does not stand for:
+        # a rebuild found them in nodes of the tree already (`DiskStore.tail`).
+        self.skip = 0
 
     def __repr__(self) -> str:
         return f"DiskCopy({self.path.name}, {self.nbytes} bytes)"
@@ -284,6 +287,12 @@ class DiskStore:
             self._jobs.append(job)
             self._cond.notify_all()
 
+    def tail(self, copy: DiskCopy, at: int) -> DiskCopy:
+        """The copy standing for its span from the `at`-th token on: loading it reads the
+        whole file and keeps the rest (`_load`)."""
+        copy.skip += at
+        return copy
+
     def discard(self, copy: DiskCopy) -> None:
         with self._cond:
             if self._live.get(copy.key) is copy:
@@ -311,6 +320,10 @@ class DiskStore:
         return handles
 
     def _load(self, copy: DiskCopy) -> KVSegment | CacheSnapshot:
+        handle = self._read(copy)
+        return handle.split(copy.skip)[1] if copy.skip else handle
+
+    def _read(self, copy: DiskCopy) -> KVSegment | CacheSnapshot:
         pending = copy.pending
         if pending is not None:  # still queued or being written: the data is here
             self.stats.loads += 1
@@ -338,18 +351,20 @@ class DiskStore:
     # -- rebuilding the tree at start (its own thread) ------------------------------------
 
     def rebuild(self, tree: RadixTree,
-                bring_back: Callable[[list[Node]], None] | None = None) -> None:
+                bring_back: Callable[[list[Node]], None] | None = None,
+                restore: Callable[[list], tuple[int, list[DiskCopy]]] | None = None) -> None:
         """Put every good file of this model in `tree` as a disk node, parents first.
         The engine serves meanwhile; a file the tree has no place for is deleted. Then
         `bring_back` (the scheduler's) gets the nodes of what memory held at the last
         stop, most recently used first, before the tier counts as rebuilt: a model
         reloaded after an idle unload, or a restarted server, answers the prompts it
-        held in memory from memory again."""
+        held in memory from memory again. `restore` (the scheduler's) turns the copies
+        read into nodes on the engine's thread (`tree.restore_all` here without one)."""
         started = time.perf_counter()
         self.stats.rebuilding = 1
         try:
             self._remove_stale_folders()
-            restored = self._rebuild(tree)
+            restored = self._rebuild(tree, restore or tree.restore_all)
             held = tree.holding(key for key in self._read_record(IN_MEMORY_FILE)
                                 if isinstance(key, str))
         except Exception:  # never fatal: the cache just starts emptier
@@ -375,7 +390,8 @@ class DiskStore:
                          "earlier weights or an earlier MLX or mlx-lm", folder,
                          freed / 2**20)
 
-    def _rebuild(self, tree: RadixTree) -> int:
+    def _rebuild(self, tree: RadixTree,
+                 restore: Callable[[list], tuple[int, list[DiskCopy]]]) -> int:
         tree.remember_departures(self._departures())
         copies = []
         for path in sorted(self.directory.iterdir()):
@@ -395,7 +411,7 @@ class DiskStore:
                 continue
             copy = DiskCopy(header.key, path, path.stat().st_size, self.kind == "segment")
             copies.append((header.parent, tuple(header.tokens), copy))
-        restored, rejected = tree.restore_all(copies)
+        restored, rejected = restore(copies)
         for copy in rejected:
             self._delete_unless_live(copy, "no place in the tree (budget, overlap or orphan)")
         self.stats.restored_nodes += restored

@@ -366,7 +366,8 @@ class Engine:
             log.error("disk cache off: %s", error)
             return
         scheduler.attach_disk(self.disk)
-        threading.Thread(target=self.disk.rebuild, args=(scheduler.tree, scheduler.bring_back),
+        threading.Thread(target=self.disk.rebuild,
+                         args=(scheduler.tree, scheduler.bring_back, scheduler.restore),
                          name="radix-mlx-disk-rebuild", daemon=True).start()
         log.info("disk cache: %s, budget %.1f GiB", self.disk.directory, budget / 2**30)
 

@@ -214,6 +214,17 @@ class BringBack:
 
 
 @dataclass(frozen=True)
+class Restore:
+    """The disk tier's copies found at start, to become the tree's disk nodes
+    (`RadixTree.restore_all`) on this thread: where requests served meanwhile cut a
+    copy's path, restoring it splits their memory edges, whose KV only this thread may
+    touch. `done` gets restore_all's result."""
+
+    copies: list
+    done: Future
+
+
+@dataclass(frozen=True)
 class SubmitRemote:
     """A `Submit` as rank 0 broadcasts it to the other ranks of a tensor-parallel group,
     which run the same generation with nobody to send its events to."""
@@ -261,7 +272,8 @@ class HeldPrefix:
     depth: int
 
 
-Message = Submit | SubmitAll | Wake | Republish | Cancel | ClearCache | Stop | BringBack
+Message = (Submit | SubmitAll | Wake | Republish | Cancel | ClearCache | Stop | BringBack
+           | Restore)
 # What the scheduler's own tree callbacks post: every rank makes these itself.
 LOCAL_MESSAGES = (Wake, Republish)
 
@@ -346,6 +358,14 @@ class Scheduler:
         self.disk = store
         self.tree.store = store
         store.evaluate = self.kv.after_settle
+
+    def restore(self, copies: list) -> tuple[int, list]:
+        """`RadixTree.restore_all(copies)` on this loop's thread, between steps. Called
+        from another thread (the disk tier's rebuild)."""
+        done: Future = Future()
+        if not self.post(Restore(copies, done)):
+            raise EngineNotReady("the engine stopped")  # the files stay for the next start
+        return done.result()
 
     def bring_back(self, nodes: list[Node]) -> None:
         """Load `nodes` (disk nodes, most wanted first) back into memory as far as the
@@ -441,6 +461,8 @@ class Scheduler:
                     generation.finish("cancelled")
             case ClearCache(done) if done is not None:
                 done.set_exception(EngineNotReady("the engine stopped"))
+            case Restore(_, done):  # the files stay for the next start
+                done.set_exception(EngineNotReady("the engine stopped"))
 
     def _take_inbox(self, block: bool) -> list[Message]:
         """Everything in the inbox; if `block`, waiting up to half a second for a first."""
@@ -493,6 +515,11 @@ class Scheduler:
                 self._republish(generation)
             case Cancel(request_id) if request_id in self.generations:
                 self._cancel(self.generations[request_id])
+            case Restore(copies, done):
+                try:
+                    done.set_result(self.tree.restore_all(copies))
+                except Exception as error:  # noqa: BLE001 - the rebuild logs it
+                    done.set_exception(error)
             case BringBack(nodes, done):
                 self._bringing_back.extend(nodes)
                 self._brought_back.begin(done)

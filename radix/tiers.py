@@ -54,6 +54,12 @@ class Store(Protocol):
         """Delete a copy (called outside the lock, like `free`)."""
         ...
 
+    def tail(self, stored: Stored, at: int) -> Stored:
+        """Make a span's copy stand for its tokens from the `at`-th on, the same file
+        (loading it gives their KV alone), and return it: a copy found at start whose
+        first tokens the tree already holds in nodes of its own (`restore`)."""
+        ...
+
 
 class Tiers:
     """The disk tier's part of `RadixTree`: what moves data between memory and disk.
@@ -122,17 +128,22 @@ class Tiers:
         """Add a disk node for a copy found on disk at start: `tokens` below `parent` (the
         root or an earlier `restore`'s node). Returns the node now holding a copy filed
         under `stored.key` (an existing one if it is the same copy), or None if the copy
-        has no place (over budget, parent evicted, overlapping other data): delete it.
+        has no place (over budget, parent evicted, its key not that path's, overlapping
+        other data): delete it, and so every copy below it.
 
-        A span's data is the KV of exactly its tokens, so its copy fits only an edge of
-        exactly those tokens right below `parent`. Requests served while the tree is
-        rebuilt may have cut the path differently: a copy hung below a node they made
-        would hold positions that node's edge does not start at. Where their edge runs
-        past the copy's end (a chat after a restart goes on past a stored system prompt),
-        the edge is split there and its head takes the copy: refusing it would delete
-        every copy below it too. A snapshot is the whole state at its end, so it fits
-        there whatever edges lie between, and an edge it leaves midway (a sibling's, the
-        junction above them kept no state) is split where they part."""
+        Requests served while the tree is rebuilt may have cut the copy's path at other
+        places: the first chat after a restart goes on past a stored system prompt, or
+        parts from it midway. A span's data is the KV of exactly its tokens, so a copy
+        hung below a node they made would hold positions that node's edge does not start
+        at: the tree's one wrong-KV bug. Instead the walk follows the edges the copy's
+        tokens run through, splitting a memory edge where the copy ends or parts from
+        it, and the node where the copy's tokens leave the tree (or the last one they
+        fill, unless it has a copy of its own, of the same key) takes it as the rest of
+        its span (`Store.tail`). A memory edge is split only on the engine's thread,
+        where the rebuild runs this (`Scheduler.restore`). A snapshot is the whole
+        state at its end, so it fits there whatever edges lie between; an edge it leaves
+        midway (a sibling's, the junction above them kept no state) is split where they
+        part. Only a span on disk cannot be cut: a copy parting inside one is refused."""
         tokens = tuple(tokens)
         with self._locked():  # a split here discards the copy of the edge it cuts
             if self.store is None or not self._attached(parent) or parent.state is not (
@@ -140,15 +151,15 @@ class Tiers:
                 return None
             if self._disk.total_bytes + stored.nbytes > self.store.capacity_bytes:
                 return None
-            node, depth = parent, 0
+            if self._path_state(parent).follow(tokens).key != stored.key:
+                return None
+            node, depth, start = parent, 0, 0  # `node`'s edge: tokens[start:depth]
             while depth < len(tokens):
-                if depth and stored.splittable:
-                    return None
                 child = node.children.get(tokens[depth])
                 if child is None:
                     created = self._add_child(node, tokens[depth:], None, on_disk=True)
                     self._add_stats(created, -1)
-                    created.stored, created.key = stored, stored.key
+                    created.stored, created.key = self._rest(stored, depth), stored.key
                     self._add_stats(created, +1)
                     self._sync_lru(created)
                     return created
@@ -156,30 +167,33 @@ class Tiers:
                     return None
                 k = common_prefix_length(child.tokens, tokens, depth)
                 if k < len(child.tokens):
-                    if not self._splits_for(child, tokens, stored, depth + k):
+                    if not self._cuttable(child, stored):
                         return None
-                    child = self._split(child, k, stored if stored.splittable else None)
-                node, depth = child, depth + k
+                    # A memory span's head is saved anew: where the copy ends there, the
+                    # same path, so the same key and file, and its memory's own bits.
+                    child = self._split(child, k)
+                node, depth, start = child, depth + k, depth
             if node.stored is not None:
                 return node if node.stored.key == stored.key else None
             if node.key not in (None, stored.key) or node.handle is None and not node.on_disk:
                 return None
             self._add_stats(node, -1)
-            node.stored, node.key = stored, stored.key
+            node.stored, node.key = self._rest(stored, start), stored.key
             self._add_stats(node, +1)
             self._sync_lru(node)
             return node
 
-    def _splits_for(self, child: Node, tokens: tuple[int, ...], stored: Stored, at: int
-                    ) -> bool:
-        """Whether `restore` may split `child`'s edge `at` tokens into the copy's: a span
-        copy only where it ends and only a memory span's edge (its head then holds exactly
-        the copy's path: the same key), a snapshot copy anywhere but inside a span on
-        disk, which cannot be cut."""
+    def _rest(self, stored: Stored, skip: int) -> Stored:
+        """`stored` for a node whose edge starts `skip` tokens into the copy's span."""
+        return self.store.tail(stored, skip) if skip and stored.splittable else stored
+
+    @staticmethod
+    def _cuttable(child: Node, stored: Stored) -> bool:
+        """Whether `restore` may split `child`'s edge for the copy: any edge but a span
+        on disk (its file cannot be cut), and for a span's copy only a memory span's, whose
+        head then holds the copy's tokens there in memory."""
         if stored.splittable:
-            return (at == len(tokens) and not child.on_disk and child.handle is not None
-                    and child.handle.splittable
-                    and self._path_state(child.parent).follow(tokens).key == stored.key)
+            return not child.on_disk and child.handle is not None and child.handle.splittable
         return not (child.on_disk and child.stored is not None and child.stored.splittable)
 
     def memory_keys(self) -> list[str]:

@@ -350,14 +350,13 @@ class RadixTree(Reservations, Tiers, Accounting):
         self._sync_lru(child)
         return child
 
-    def _split(self, node: Node, at: int, head_copy: Stored | None = None) -> Node:
+    def _split(self, node: Node, at: int) -> Node:
         """Cut `node`'s edge after `at` tokens; the new head node is returned and `node`
         keeps the tail, so references held to `node` still mean the same position.
 
         A span's halves are new data, so its disk copy is deleted and each half is
         saved anew: the tail under its old key (its path ends where the node's did, so
-        the copies below it still name their parent), the head under a new one, or as
-        `head_copy` where a copy of exactly the head's path is at hand (`restore`). A
+        the copies below it still name their parent), the head under a new one. A
         snapshot stays whole with the tail, copy and key included."""
         spans = node.handle is not None and node.handle.splittable
         assert not (node.on_disk and node.stored is not None and node.stored.splittable), (
@@ -370,8 +369,6 @@ class RadixTree(Reservations, Tiers, Accounting):
                 self._discarded.append(node.stored)
                 node.stored = None
         head = Node(node.tokens[:at], node.parent, head_handle, self._mutex)
-        if head_copy is not None:
-            head.stored, head.key = head_copy, head_copy.key
         head.on_disk = node.on_disk
         head.memory_children = 0 if node.on_disk else 1
         # The head's subtree holds exactly the tail's pins.

@@ -12,9 +12,9 @@ from engine.disk_store import DiskStore
 rebuild_tree = DiskStore._rebuild
 
 
-def slow_rebuild(store: DiskStore, tree) -> int:
+def slow_rebuild(store: DiskStore, tree, restore) -> int:
     time.sleep(float(sys.argv[1]))
-    return rebuild_tree(store, tree)
+    return rebuild_tree(store, tree, restore)
 
 
 DiskStore._rebuild = slow_rebuild

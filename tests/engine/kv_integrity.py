@@ -135,14 +135,17 @@ def _compare_answers(model: nn.Module, snapshot: CacheSnapshot, path: tuple[int,
 
 def _read(stored: DiskCopy, edge: tuple[int, ...], start: int) -> KVSegment:
     """The file's KV as the engine would load it, after checking its header says the
-    same span as the node."""
+    same span as the node (from the copy's `skip` on: a rebuild found the span's first
+    tokens in nodes of their own)."""
     if stored.pending is not None:  # the flush above wrote it; a copy is never re-queued
         raise AssertionError(f"{stored!r} still queued")
     header, _, _ = segment_file.read_header(stored.path)
-    assert (header.start, tuple(header.tokens)) == (start, edge), (
-        f"{stored.path.name}: file says {header.start}+{len(header.tokens)}, "
-        f"node is {start}+{len(edge)}")
-    return _read_file(stored.path)
+    skip = stored.skip
+    assert (header.start + skip, tuple(header.tokens[skip:])) == (start, edge), (
+        f"{stored.path.name}: file says {header.start}+{len(header.tokens)} from {skip} "
+        f"on, node is {start}+{len(edge)}")
+    segment = _read_file(stored.path)
+    return segment.split(skip)[1] if skip else segment
 
 
 def _read_file(path: Path) -> KVSegment:

@@ -194,7 +194,7 @@ def rebuild_from(engine: Engine, folder: Path) -> None:
             shutil.copy(file, engine.disk.directory / file.name)
     scheduler = engine._scheduler
     rebuild = threading.Thread(target=engine.disk.rebuild,
-                               args=(scheduler.tree, scheduler.bring_back))
+                               args=(scheduler.tree, scheduler.bring_back, scheduler.restore))
     rebuild.start()
     rebuild.join()
 

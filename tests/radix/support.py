@@ -41,6 +41,12 @@ class FakeHandle:
     def path(self) -> tuple[int, ...]:
         return self.prefix + self.tokens
 
+    def reread(self) -> FakeStored:
+        """The copy as a new process finds it: its whole span (`FakeStore.tail` undone)."""
+        path = self.path
+        self.prefix, self.tokens = path[:len(path) - len(self.span)], self.span
+        return self
+
     def split(self, at: int) -> tuple[FakeHandle, FakeHandle]:
         assert self.splittable, "split of an unsplittable handle"
         assert 0 < at < len(self.tokens), f"split at {at} of {len(self.tokens)} tokens"
@@ -78,6 +84,12 @@ class FakeStored:
     @property
     def path(self) -> tuple[int, ...]:
         return self.prefix + self.tokens
+
+    def reread(self) -> FakeStored:
+        """The copy as a new process finds it: its whole span (`FakeStore.tail` undone)."""
+        path = self.path
+        self.prefix, self.tokens = path[:len(path) - len(self.span)], self.span
+        return self
 
     def load(self, ledger: list[FakeHandle] | None = None) -> FakeHandle | None:
         """The data back in memory, as a new handle; None once deleted (a file gone)."""
@@ -133,6 +145,11 @@ class FakeStore:
     def discard(self, stored: FakeStored) -> None:
         assert not stored.discarded, f"double delete of {stored!r}"
         stored.discarded += 1
+
+    def tail(self, stored: FakeStored, at: int) -> FakeStored:
+        assert stored.splittable and 0 < at < len(stored.tokens)
+        stored.prefix, stored.tokens = stored.prefix + stored.tokens[:at], stored.tokens[at:]
+        return stored
 
     def live(self) -> list[FakeStored]:
         return [s for s in self.saved if not s.discarded]

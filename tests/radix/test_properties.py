@@ -276,7 +276,8 @@ class TreeMachine(RuleBasedStateMachine):
     def restart(self, traffic):
         """The process stops and a new one starts on the same disk folder, serving
         `traffic` while it rebuilds its tree from the copies there (as a server does)."""
-        copies = [(stored.parent_key, stored.span, stored) for stored in self.store.live()]
+        copies = [(stored.parent_key, stored.span, stored.reread())
+                  for stored in self.store.live()]
         for handle in self.ledger:  # memory dies with the process; copies stay
             if not handle.freed and not handle.consumed:
                 handle.freed = 1

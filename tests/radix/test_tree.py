@@ -821,36 +821,43 @@ def test_common_prefix_length_finds_the_first_difference_after_start(kind, diffe
         len(a) if differ_at is None else differ_at)
 
 
-def test_a_span_copy_is_not_restored_below_a_node_made_since_it_was_written():
+def test_a_span_copy_below_a_node_made_since_it_was_written_stands_for_its_rest():
     """The disk tier's wrong-KV bug: a server restarted and served traffic while it
     rebuilt its tree. Traffic had split off `1, 2` as a node of its own; the file of
     `1, 2, 3, 4, 5` (KV of positions 0-4) was then hung below it as `3, 4, 5`, three
-    tokens holding five positions, and every later split and child inherited the shift."""
+    tokens holding five positions, and every later split and child inherited the shift.
+    The node below `1, 2` stands for the file's positions 2-4 alone (`Store.tail`)."""
     old, store = tiered()
     old.put([1, 2, 3, 4, 5])
     (copy,) = store.saved
     fresh, _ = tiered()
     fresh.put([1, 2, 7])
     fresh.insert(fresh.match([1, 2]).node, [8], span([8], prefix=(1, 2)))
-    assert fresh.restore(fresh.root, copy.span, copy) is None
-    assert edges(fresh) == {(1, 2), (1, 2, 7), (1, 2, 8)}
+    node = fresh.restore(fresh.root, copy.span, copy)
+    assert node.tokens == (3, 4, 5) and node.stored is copy and node.on_disk
+    assert (copy.prefix, copy.tokens) == ((1, 2), (3, 4, 5))  # what loading it gives
+    assert edges(fresh) == {(1, 2), (1, 2, 7), (1, 2, 8), (1, 2, 3, 4, 5)}
 
 
-def test_a_span_copy_is_not_restored_over_two_edges_of_its_tokens():
+def test_a_span_copy_over_two_edges_of_its_tokens_is_the_last_ones():
     old, store = tiered()
     old.put([1, 2, 3, 4])
     (copy,) = store.saved
-    fresh, _ = tiered()
+    fresh = Tree()
     fresh.put([1, 2, 3, 4])
     fresh.match([1, 2])  # splits the fresh node: `3, 4` is an edge of its own, no copy
-    assert fresh.restore(fresh.root, copy.span, copy) is None
+    fresh.store = FakeStore(BIG)
+    node = fresh.restore(fresh.root, copy.span, copy)
+    assert node.path_tokens() == (1, 2, 3, 4) and node.stored is copy
+    assert copy.tokens == (3, 4)
     check_invariants(fresh)
 
 
-def test_a_span_copy_takes_the_head_of_an_edge_made_since_that_runs_past_its_end():
+def test_a_span_copy_an_edge_made_since_runs_past_is_the_split_heads_file():
     """A chat sent while the tree is rebuilt after a restart goes on past a stored system
-    prompt's copy: its edge is split at the copy's end and the head takes the copy, so
-    the copies below it find their parent (refused, the whole folder was deleted)."""
+    prompt's copy: its edge is split at the copy's end, and the head, saved anew from
+    memory, is the same path, so the same key and file: the copies below it find their
+    parent (refused, the whole folder was deleted)."""
     old, store = tiered()
     old.put([1, 2])
     old.insert(old.match([1, 2]).node, [3, 4], span([3, 4], prefix=(1, 2)))
@@ -860,24 +867,39 @@ def test_a_span_copy_takes_the_head_of_an_edge_made_since_that_runs_past_its_end
     (live,) = fresh_store.saved
     restored, rejected = fresh.restore_all(
         [("root", top.span, top), (top.key, below.span, below)])
-    assert (restored, rejected) == (2, [])
+    assert (restored, rejected) == (1, [])  # `top` is superseded, not deleted
     assert edges(fresh) == {(1, 2), (1, 2, 3, 4), (1, 2, 5, 6)}
     head = fresh.match([1, 2]).node
-    assert head.stored is top and head.handle is not None and not head.on_disk
+    assert head.stored.key == top.key and head.handle is not None and not head.on_disk
     assert fresh.match([1, 2, 3, 4]).disk[0].stored is below
-    # The live edge's own copy was of both halves: the tail is saved anew, the head not.
-    assert live.discarded and [copy.path for copy in fresh_store.saved[1:]] == [(1, 2, 5, 6)]
-    assert fresh_store.saved[1].span == (5, 6)
+    assert live.discarded and {c.path for c in fresh_store.live()} == {(1, 2), (1, 2, 5, 6)}
 
 
-def test_a_span_copy_an_edge_made_since_leaves_midway_is_refused():
+def test_a_span_copy_an_edge_made_since_leaves_midway_hangs_its_rest_where_they_part():
+    """A chat after a restart with another system prompt parts inside a stored one: the
+    live edge is split where they part, and the copy's rest hangs there."""
+    old, store = tiered()
+    old.put([1, 2, 3])
+    old.insert(old.match([1, 2, 3]).node, [4], span([4], prefix=(1, 2, 3)))
+    top, below = store.saved
+    fresh, _ = tiered()
+    fresh.put([1, 2, 9])
+    restored, rejected = fresh.restore_all(
+        [("root", top.span, top), (top.key, below.span, below)])
+    assert (restored, rejected) == (2, [])
+    assert edges(fresh) == {(1, 2), (1, 2, 9), (1, 2, 3), (1, 2, 3, 4)}
+    assert fresh.match([1, 2, 3, 4]).disk == [fresh.match([1, 2, 3]).disk[0],
+                                               fresh.match([1, 2, 3, 4]).disk[1]]
+    assert top.tokens == (3,) and below.tokens == (4,)
+
+
+def test_a_copy_whose_key_is_not_its_paths_is_refused():
     old, store = tiered()
     old.put([1, 2, 3])
     (copy,) = store.saved
     fresh, _ = tiered()
-    fresh.put([1, 2, 9])
-    assert fresh.restore(fresh.root, copy.span, copy) is None
-    assert edges(fresh) == {(1, 2, 9)}
+    assert fresh.restore(fresh.root, (1, 2, 4), copy) is None
+    assert edges(fresh) == set()
 
 
 def test_sibling_snapshot_copies_below_a_junction_without_state_are_both_restored():
