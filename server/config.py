@@ -49,6 +49,12 @@ MODEL_OVERRIDES = ("context_length", "cache_bytes", "disk_cache_bytes", "chat_te
 DEFAULT_MODEL_ID = "default"
 
 
+def model_folder(model_id: str) -> str:
+    """The name of a model's disk cache folder, with several models (a repo id's '/' is
+    no character of a name)."""
+    return model_id.replace("/", "--")
+
+
 def model_name(source: str) -> str:
     """What a model given as `source` is called: a local directory's or file's name (a
     .gguf without its suffix), else the repo id."""
@@ -441,6 +447,19 @@ class Settings(BaseModel):
         if repeated:
             raise ValueError(f"model names must be unique: {', '.join(repeated)} name "
                              "more than one model")
+        specs = self.model_specs()
+        others = {name for spec in specs[1:] for name in spec.names}
+        if shadowing := sorted(set(self.served_model_names) & others):
+            raise ValueError(f"served_model_names {', '.join(shadowing)} name another model "
+                             f"than {specs[0].id}, the one they would serve")
+        if unnamed := sorted(set(self.unnamed_model_aliases)
+                             & (set(names) | set(self.served_model_names))):
+            raise ValueError(f"unnamed_model_aliases {', '.join(unnamed)} name a model")
+        folders = [model_folder(spec.id) for spec in specs]
+        if self.several_models and (shared := sorted(
+                {spec.id for spec, folder in zip(specs, folders) if folders.count(folder) > 1})):
+            raise ValueError(f"model ids {', '.join(shared)} would share one disk cache "
+                             "folder ('/' is written as '--' in its name): rename one")
         if self.several_models and self.tensor_parallel > 1:
             raise ValueError("tensor_parallel serves one model: not with several models")
         return self
@@ -473,7 +492,7 @@ class Settings(BaseModel):
             overrides["kv_bits"] = None
         if self.several_models:
             base = self.disk_cache_dir or default_disk_cache_dir()
-            overrides["disk_cache_dir"] = base / "models" / spec.id.replace("/", "--")
+            overrides["disk_cache_dir"] = base / "models" / model_folder(spec.id)
         return self.model_copy(update=overrides)
 
     @property

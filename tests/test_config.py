@@ -1,6 +1,7 @@
 """Settings: precedence flag > env > file > default, and one-line errors naming the source."""
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,21 @@ def test_a_draft_model_is_a_draft_source_of_its_model() -> None:
             for spec in several.models)
     assert (a.sources, a.draft_model) == (("prompt", "tree", "model"), "/d")
     assert (b.sources, b.draft_model) == (("prompt", "tree"), "")
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"served_model_names": ["b"]}, "served_model_names b name another model than a"),
+    ({"unnamed_model_aliases": ["b"]}, "unnamed_model_aliases b name a model"),
+    ({"models": [{"id": "x/y", "source": "/m/a"}, {"id": "x--y", "source": "/m/b"}]},
+     "model ids x--y, x/y would share one disk cache folder"),
+])
+def test_names_that_would_route_or_cache_as_another_model_are_refused(
+    options: dict, words: str
+) -> None:
+    """A served name or an unnamed alias that is another model's name answered its
+    requests with the first model; two ids written as one folder name shared a disk
+    tier, and the second could never load."""
+    models = options.pop("models", [{"id": "a", "source": "/m/a"}, {"id": "b", "source": "/m/b"}])
+    with pytest.raises(ValueError, match=re.escape(words)):
+        Settings(models=models, **options)
+    assert Settings(models=[{"id": "a", "source": "/m/a"}], served_model_names=["a", "c"])
