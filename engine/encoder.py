@@ -38,7 +38,7 @@ from engine.api import (
 )
 from engine.bert import SentenceEncoder, is_sentence_encoder, load_sentence_encoder
 from engine.cross_encoder import CrossEncoder, is_cross_encoder, load_cross_encoder
-from engine.loader import model_id_for
+from engine.loader import failed_load, model_id_for
 from engine.platform_info import apply_mlx_env_defaults, cpu_blas_threads
 
 log = logging.getLogger("radix_mlx.engine")
@@ -124,9 +124,8 @@ class EncoderEngine:
         try:
             self._load()
             self.state, self.served = Lifecycle.READY, True
-        except Exception as error:
-            log.exception("model failed to load")
-            self.error, self.state = f"{type(error).__name__}: {error}", Lifecycle.FAILED
+        except Exception as error:  # noqa: BLE001 - failed_load logs it
+            self.error, self.state = failed_load(error), Lifecycle.FAILED
         self._ready.set()
         if self.served:
             log.info("ready: %s (%s)", self.model_id, self._summary())

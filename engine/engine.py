@@ -44,7 +44,7 @@ from engine.disk_store import DiskStore, default_disk_budget, model_fingerprint
 from engine.distributed import RankGroup, memory_domain, one_gpu_would_be_faster
 from engine.draft_model import DraftModel, DraftModelError
 from engine.kv_quant import KVQuantization, cached_bytes_per_token, kv_quantization
-from engine.loader import LoadedModel, load_model, model_id_for
+from engine.loader import LoadedModel, failed_load, load_model, model_id_for
 from engine.memory import CPU_MEMORY_FRACTION, MemoryPlan, describe, headroom, plan_memory
 from engine.mlx_lm_internals import kv_bytes_per_token, kv_layout, supports_segments
 from engine.model_source import resolve_model
@@ -202,9 +202,8 @@ class Engine:
             # the libraries, the tokenizer, the model), a pause every running stream felt.
             gc.collect()
             gc.freeze()
-        except Exception as error:
-            log.exception("model failed to load")
-            self.error = f"{type(error).__name__}: {error}"
+        except Exception as error:  # noqa: BLE001 - failed_load logs it
+            self.error = failed_load(error)
             self.state = Lifecycle.FAILED
             self._ready.set()
             return

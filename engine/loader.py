@@ -26,6 +26,20 @@ _CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_l
                  "max_sequence_length", "context_length")
 
 
+def failed_load(error: Exception) -> str:
+    """Log why a model did not load, and say it in a line (the engine's `error`). What an
+    operator got wrong (a path that is no model, a file that is no GGUF, a hub repo not
+    at hand offline, too little memory for it) is one line, at every retry; its traceback
+    is for debugging. Anything else is a bug, and logged with its traceback."""
+    reason = f"{type(error).__name__}: {error}"
+    if isinstance(error, OSError | ValueError):
+        log.error("model failed to load: %s", reason)
+        log.debug("the load that failed", exc_info=error)
+    else:
+        log.error("model failed to load", exc_info=error)
+    return reason
+
+
 @dataclass
 class LoadedModel:
     model: nn.Module

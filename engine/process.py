@@ -213,9 +213,14 @@ def serve_engine(config: EngineConfig, conn: Connection,
 
 
 def _report_lifecycle(engine: Engine, outbox: Outbox) -> None:
-    state = None
+    """Tell the server each state the engine reaches; until it is ready, beat as its loop
+    then does: a load (or warm-up) that goes on says so, a process stopped does not."""
+    state, beaten = None, time.monotonic()
     while state not in (Lifecycle.READY, Lifecycle.FAILED):
         engine.wait_ready(LIFECYCLE_POLL_SECONDS)
+        if engine.state is state and time.monotonic() - beaten >= BEAT_SECONDS:
+            outbox.send([BEAT])
+            beaten = time.monotonic()
         if engine.state is not state:
             state = engine.state
             outbox.send([Facts(
@@ -284,6 +289,7 @@ class EngineProcess:
         self.process = SPAWN.Process(target=serve_engine, name=ENGINE_PROCESS,
                                      args=(self.config, child, self._on_start))
         self.process.start()
+        self._beaten = time.monotonic()  # its first beat comes once it has started
         child.close()  # the child's death must close the pipe
         # However the server's process ends: multiprocessing's own exit handler would
         # wait forever for a child that waits for its pipe to close.
@@ -417,15 +423,18 @@ class EngineProcess:
             self._lost()
 
     def _check_beating(self) -> None:
-        """Kill the child if its loop has not turned for `step_timeout` seconds since it
-        became ready: a step that never ends, or a process stopped. The pipe then closes,
-        and `_lost` fails what was open with this reason."""
+        """Kill the child if it has not beaten for `step_timeout` seconds: a step that
+        never ends, or a process stopped, loading or serving (a load that hung kept its
+        model `loading` for good, every request for it waiting out `load_timeout`). The
+        pipe then closes, and `_lost` fails what was open with this reason."""
         timeout = self.config.step_timeout
-        if (not timeout or self.state is not Lifecycle.READY or self._stopping
+        if (not timeout or self.state is Lifecycle.FAILED or self._stopping
                 or self._stuck is not None or time.monotonic() - self._beaten <= timeout):
             return
-        self._stuck = (f"the engine is stuck: its process finished no scheduler step in "
-                       f"{timeout:g} s (step_timeout) and was killed")
+        what = ("finished no scheduler step" if self.state is Lifecycle.READY
+                else "stopped answering while it loaded its model")
+        self._stuck = (f"the engine is stuck: its process {what} in {timeout:g} s "
+                       "(step_timeout) and was killed")
         log.error("%s", self._stuck)
         self.process.kill()
 

@@ -456,6 +456,9 @@ class Settings(BaseModel):
                              & (set(names) | set(self.served_model_names))):
             raise ValueError(f"unnamed_model_aliases {', '.join(unnamed)} name a model")
         folders = [model_folder(spec.id) for spec in specs]
+        if self.several_models and (dots := sorted(set(folders) & {".", ".."})):
+            raise ValueError(f"a model id cannot be {' or '.join(map(repr, dots))}: it names "
+                             "no disk cache folder of its own")
         if self.several_models and (shared := sorted(
                 {spec.id for spec, folder in zip(specs, folders) if folders.count(folder) > 1})):
             raise ValueError(f"model ids {', '.join(shared)} would share one disk cache "

@@ -199,6 +199,8 @@ def test_a_draft_model_is_a_draft_source_of_its_model() -> None:
     ({"unnamed_model_aliases": ["b"]}, "unnamed_model_aliases b name a model"),
     ({"models": [{"id": "x/y", "source": "/m/a"}, {"id": "x--y", "source": "/m/b"}]},
      "model ids x--y, x/y would share one disk cache folder"),
+    ({"models": [{"id": "..", "source": "/m/a"}, {"id": "b", "source": "/m/b"}]},
+     "a model id cannot be '..'"),
 ])
 def test_names_that_would_route_or_cache_as_another_model_are_refused(
     options: dict, words: str

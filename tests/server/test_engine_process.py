@@ -19,7 +19,8 @@ import httpx
 import psutil
 import pytest
 
-from engine.process import server_tokenizer
+from engine.api import EngineConfig, Lifecycle
+from engine.process import EngineProcess, server_tokenizer
 from server.launch.replicas import free_port
 from tests.server.support import REPO_ROOT, ServerProcess, server_env, start_server
 
@@ -161,3 +162,19 @@ def test_a_models_tokenizer_outlives_its_engine_process(demo_model_dir: Path) ->
     first = server_tokenizer(str(demo_model_dir), None)
     assert server_tokenizer(str(demo_model_dir), None) is first
     assert server_tokenizer(str(demo_model_dir), "{{ messages[0].content }}") is not first
+
+
+def test_a_load_that_hangs_is_killed_and_fails(demo_model_dir: Path) -> None:
+    """A process stopped while it loads its model (SIGSTOP here; a machine that froze it)
+    beats no more: after step_timeout it is killed and the load fails, where the model
+    stayed `loading` for good, every request waiting out load_timeout for it."""
+    engine = EngineProcess(EngineConfig(model=str(demo_model_dir), step_timeout=3.0))
+    engine.start()
+    try:
+        os.kill(engine.process.pid, signal.SIGSTOP)
+        assert engine.wait_ready(60) is Lifecycle.FAILED
+        assert "stopped answering while it loaded its model" in engine.error
+        engine.process.join(10)
+        assert not engine.process.is_alive()
+    finally:
+        engine.shutdown()

@@ -503,3 +503,9 @@ def test_a_failed_load_names_its_cause_and_can_be_tried_again(pair: ServerProces
         assert "failed to load" in reply.json()["error"]["message"]
     assert states(pair)["broken"] == "unloaded"
     assert chat(pair, "smol").status_code == 200
+    # An operator's mistake, logged in a line each time, not as a traceback.
+    lines = pair.log().splitlines()
+    failures = [i for i, line in enumerate(lines)
+                if "model failed to load: FileNotFoundError" in line]
+    assert len(failures) >= 2
+    assert not any(lines[i + 1].startswith("Traceback") for i in failures if i + 1 < len(lines))
