@@ -367,6 +367,11 @@ class ModelRegistry:
         deadline = time.monotonic() + self.settings.load_timeout
         pinned = sum(other.share_bytes for other in self.models
                      if other is not model and other.spec.pinned and other.engine is not None)
+        if model.share_bytes > self.budget_bytes:  # never, whatever is unloaded
+            raise APIError(
+                503, f"the model {model.id} needs {model.share_bytes / 2**30:.1f} GiB, more "
+                f"than the whole memory budget of {self.budget_bytes / 2**30:.1f} GiB: lower "
+                "its memory_bytes or raise memory_limit_bytes", code="model_load_failed")
         if model.share_bytes > self.budget_bytes - pinned:  # unloading others cannot help
             raise self._no_room(model, self.budget_bytes - pinned)
         while (free := self.budget_bytes - self._placed_bytes()) < model.share_bytes:
