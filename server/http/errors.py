@@ -176,7 +176,8 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
 
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
-    codes = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
+    codes = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed",
+             415: "unsupported_media_type"}
     headers = dict(error.headers or {})
     if error.status_code == 405:
         headers["Allow"] = ", ".join(_allowed_methods(request))

@@ -26,7 +26,12 @@ LONE_SURROGATE = ("a string holds an invalid unicode escape, a lone surrogate "
 class JSONRequest(Request):
     async def body(self) -> bytes:
         """An empty body reads as `{}`, so a 400 names each required field it lacks
-        rather than the whole body."""
+        rather than the whole body. A compressed one is refused as such, not read as
+        invalid JSON (or, labelled but plain, read as if it were not)."""
+        encoding = self.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise HTTPException(415, f"the body is sent with Content-Encoding {encoding!r}: "
+                                     "send it uncompressed")
         return await super().body() or b"{}"
 
     async def json(self) -> Any:

@@ -3,6 +3,7 @@ engine is never started: the body is read before the route answers that it is lo
 
 from __future__ import annotations
 
+import gzip
 import json
 from typing import Any
 
@@ -72,3 +73,16 @@ async def test_the_messages_api_says_it_in_its_own_shape(loading_app) -> None:
     assert response.status_code == 400
     assert response.json()["type"] == "error"
     assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br"])
+async def test_a_compressed_body_is_a_415_not_invalid_json(loading_app, encoding: str) -> None:
+    """A gzipped body was a 400 "not valid JSON", and a plain one labelled gzip was read
+    as plain: the label says what the bytes are, and none is decompressed here."""
+    content = gzip.compress(json.dumps(CHAT).encode()) if encoding == "gzip" else \
+        json.dumps(CHAT).encode()
+    response = await loading_app.post("/v1/chat/completions", content=content, headers={
+        "content-type": "application/json", "content-encoding": encoding})
+    assert response.status_code == 415
+    error = response.json()["error"]
+    assert error["code"] == "unsupported_media_type" and "uncompressed" in error["message"]
