@@ -44,7 +44,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -104,6 +104,10 @@ CPU_PREFILL_CHUNK = 512
 # 2-core CPU the same split saves a short chat 15-25 s behind a document.
 BURST_SPREAD = 8
 BURST_HOLD_SECONDS = 1.0
+# A rebuild of the disk tier restores its files' copies on the engine's thread this long a
+# turn (`Scheduler._restore_some`): 2,456 files took 0.4 s to rebuild in all on the 2-core
+# CPU, headers read included, so a tier of 100k files would stall steps for seconds.
+RESTORE_SLICE = 0.01
 # Readouts read together (`Scheduler._read`) hold their shared prefix once per row: a batch
 # holds at most this many idle chunks of positions, prefix copies and padding included.
 MAX_READ_CHUNKS = 16
@@ -342,6 +346,9 @@ class Scheduler:
         self._stopping = False
         self._bringing_back: collections.deque[Node] = collections.deque()
         self._brought_back = BroughtBack()
+        # The disk tier's rebuilds under way (`Restore`): `RadixTree.restoring` and its
+        # waiter, run a slice of each turn.
+        self._restoring: collections.deque[tuple[Iterator[None], Future]] = collections.deque()
 
     def new_generation(self, request_id: str, prompt: list[int], params: SamplingParams,
                        emit: Callable[[object], None],
@@ -403,7 +410,7 @@ class Scheduler:
             if idle:  # at rest within budget: a chain loaded over it, its request gone
                 self.tree.enforce_capacity()
             messages = self._take_inbox(block=idle and not until_idle and
-                                        not self._bringing_back and
+                                        not self._bringing_back and not self._restoring and
                                         (not shared or self.group.leader))
             if shared:
                 # A busy group receives this turn's inputs at the next turn, so that the
@@ -417,6 +424,8 @@ class Scheduler:
                 else:
                     messages, announced = local, (announcement, inputs)
             self._handle_all(messages)
+            if self._restoring:
+                self._restore_some()
             try:
                 self.kv.settle()  # what cancelled requests released, before the step
                 self._score()
@@ -516,10 +525,7 @@ class Scheduler:
             case Cancel(request_id) if request_id in self.generations:
                 self._cancel(self.generations[request_id])
             case Restore(copies, done):
-                try:
-                    done.set_result(self.tree.restore_all(copies))
-                except Exception as error:  # noqa: BLE001 - the rebuild logs it
-                    done.set_exception(error)
+                self._restoring.append((self.tree.restoring(copies), done))
             case BringBack(nodes, done):
                 self._bringing_back.extend(nodes)
                 self._brought_back.begin(done)
@@ -1241,3 +1247,20 @@ class Scheduler:
         self._stopping = True
         self._bringing_back.clear()
         self._brought_back.finish()
+        while self._restoring:  # the files stay for the next start
+            self._restoring.popleft()[1].set_exception(EngineNotReady("the engine stopped"))
+
+    def _restore_some(self) -> None:
+        """Run the oldest rebuild under way for a slice of this turn (`RESTORE_SLICE`): a
+        tier of many files is restored between steps, not in one long stall of them."""
+        steps, done = self._restoring[0]
+        deadline = time.perf_counter() + RESTORE_SLICE
+        try:
+            while time.perf_counter() < deadline:
+                next(steps)
+        except StopIteration as finished:
+            self._restoring.popleft()
+            done.set_result(finished.value)
+        except Exception as error:  # noqa: BLE001 - the rebuild logs it
+            self._restoring.popleft()
+            done.set_exception(error)

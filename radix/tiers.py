@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Protocol
 
 from radix.misses import MissReason
@@ -103,6 +103,17 @@ class Tiers:
         the copy). Parents go before their children. Returns how many copies became
         nodes, and the copies that have no place (see `restore`; orphans too): delete
         those. Safe while requests use the tree, which is how a server starts."""
+        steps = self.restoring(copies)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def restoring(self, copies: Iterable[tuple[str, tuple[int, ...], Stored]]
+                  ) -> Generator[None, None, tuple[int, list[Stored]]]:
+        """`restore_all`, pausing after each copy: a thread that serves requests runs it
+        a slice of time at a time (a tier of many files)."""
         children: dict[str, list[tuple[tuple[int, ...], Stored]]] = collections.defaultdict(
             list)
         for parent_key, tokens, stored in copies:
@@ -115,6 +126,7 @@ class Tiers:
             # the longer one its node was split from, and must be in place before it.
             for tokens, stored in sorted(children.pop(parent_key, ()), key=lambda c: len(c[0])):
                 node = self.restore(places[parent_key], tokens, stored)
+                yield
                 if node is None:
                     rejected.append(stored)
                     continue

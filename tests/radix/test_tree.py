@@ -718,6 +718,27 @@ def test_restore_rebuilds_disk_nodes_from_copies_alone():
     check_invariants(fresh)
 
 
+def test_restoring_pauses_after_each_copy_and_ends_with_restore_alls_result():
+    """The engine's thread restores a tier of many files a slice at a time, serving
+    between slices: the tree is whole after each pause."""
+    tree, store = tiered()
+    tree.put([1, 2])
+    tree.insert(tree.match([1, 2]).node, [3, 4], span([3, 4], prefix=(1, 2)))
+    tree.put([7])
+    fresh, _ = tiered()
+    steps = fresh.restoring([(s.parent_key, s.span, s) for s in store.saved])
+    pauses = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            assert done.value == (3, [])
+            break
+        pauses += 1
+        check_invariants(fresh)
+    assert pauses == 3 and edges(fresh) == {(1, 2), (1, 2, 3, 4), (7,)}
+
+
 def test_restore_refuses_copies_over_the_disk_budget():
     tree, store = tiered()
     tree.put([1, 2, 3])
