@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
@@ -185,16 +186,35 @@ def custom_arguments(text: str) -> str:
     return json.dumps({CUSTOM_INPUT: text}, ensure_ascii=False)
 
 
+# How a call of a custom tool's function opens, up to its one string's first character.
+CUSTOM_OPENING = re.compile(r'\s*\{\s*"' + CUSTOM_INPUT + r'"\s*:\s*"')
+# The longest escape a JSON string may be cut inside (\uXXXX).
+LONGEST_ESCAPE = 6
+
+
 def custom_input(arguments: str) -> str:
-    """The input a call of a custom tool holds: its one string, or, where the model wrote
-    something else (or ran out of tokens mid-call), what it wrote."""
+    """The input a call of a custom tool holds: its one string; where the model ran out of
+    tokens inside that string, as much of it as was written (not the wrapper it is sent
+    in); where it wrote something else, what it wrote."""
     try:
         value = json.loads(arguments)
     except ValueError:
-        return arguments
+        opening = CUSTOM_OPENING.match(arguments)
+        return arguments if opening is None else _cut_string(arguments[opening.end():])
     if isinstance(value, dict) and isinstance(value.get(CUSTOM_INPUT), str):
         return value[CUSTOM_INPUT]
     return arguments
+
+
+def _cut_string(body: str) -> str:
+    """A JSON string's value from what follows its opening quote, cut off anywhere (inside
+    an escape too)."""
+    for end in range(len(body), max(len(body) - LONGEST_ESCAPE, 0) - 1, -1):
+        try:
+            return json.loads(f'"{body[:end]}"')
+        except ValueError:
+            continue
+    return body
 
 
 def _answered_call(messages: list[TemplateMessage], item: FunctionCallOutputItem) -> str | None:

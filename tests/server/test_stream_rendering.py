@@ -156,3 +156,7 @@ def test_a_custom_tools_call_is_its_input_as_text() -> None:
     assert function.type == "function_call" and function.arguments == '{"command": "ls"}'
     # A call the model did not write as its one string keeps what it wrote.
     assert custom_input('{"patch": 1}') == '{"patch": 1}' and custom_input('{"inp') == '{"inp'
+    # One cut off inside its string (max_output_tokens) keeps what it wrote of the string.
+    assert custom_input('{"input": "*** Begin Patch\\n*** Up') == "*** Begin Patch\n*** Up"
+    assert custom_input('{"input": "a\\u00e9 b\\u00') == "a\u00e9 b"
+    assert custom_input('{ "input" : "x\\') == "x"
