@@ -58,12 +58,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--file-tokens", type=int, default=1200)
     parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--logs", type=Path, default=None,
+                        help="keep the server's log (its access lines: accept=, tok/step=) here")
     args = parser.parse_args()
     file, names = code_file(TextSource(args.model, 4000), args.file_tokens)
     edits = [edit(file, name, f"{name}_v2") for name in names[1:4]]
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
-    with tempfile.TemporaryDirectory() as logs, running(
-            RADIX, args.model, dict(os.environ), Path(logs) / "server.log") as server:
+    with tempfile.TemporaryDirectory() as scratch, running(
+            RADIX, args.model, dict(os.environ),
+            (args.logs or Path(scratch)) / "server.log") as server:
         asyncio.run(one(server.base_url, edits[0], file, {}, 8))  # untimed
         for _ in range(args.rounds):
             for messages in edits:
