@@ -59,7 +59,7 @@ from engine.scheduler import (
     Submit,
     SubmitAll,
 )
-from engine.streams import LoopRelays, QueuePlace, Relay, RequestStream, WaitingCount
+from engine.streams import LoopRelays, Relay, RequestStream, WaitingCount
 from engine.tokenizer import ModelTokenizer
 
 log = logging.getLogger("radix_mlx.engine")
@@ -131,7 +131,6 @@ class Engine:
         self._stopped = threading.Event()
         self._ids = itertools.count()
         self._waiting = WaitingCount(config.max_queue)
-        self._places: dict[str, QueuePlace] = {}  # requests not started yet, by id
         self._relays = LoopRelays()
         self._last_turn = 0.0  # when the scheduler last went round its loop (watchdog)
         self.served = False  # became ready: a failure now is not a failed load
@@ -455,21 +454,21 @@ class Engine:
             check_request(prompt.tokens, params, self.context_length, self.memory.kv_tokens)
             check_images(prompt, self._loaded.vision is not None, self.model_id)
         relay = relay or self._relays.current()
-        places = self._waiting.enter(len(prompts))
+        ids = [request_id or f"req-{next(self._ids)}"
+               for request_id in request_ids or [None] * len(prompts)]
+        self._waiting.enter(ids)
         streams, generations = [], []
-        for prompt, request_id, place in zip(prompts, request_ids or [None] * len(prompts),
-                                             places):
+        for prompt, request_id in zip(prompts, ids):
             if self.group is not None and not params.greedy and params.seed is None:
                 # Every rank samples alike only from one seed; rank 0 picks it.
                 chosen = replace(params, seed=secrets.randbits(63))
             else:
                 chosen = params
-            stream = RequestStream(request_id or f"req-{next(self._ids)}", relay, self.cancel)
-            self._places[stream.request_id] = place
+            stream = RequestStream(request_id, relay, self.cancel)
             streams.append(stream)
             generations.append(self._scheduler.new_generation(
                 stream.request_id, list(prompt.tokens), chosen, stream.push,
-                on_dequeue=partial(self._leave_queue, stream.request_id),
+                on_dequeue=partial(self._waiting.leave, request_id),
                 message_ends=prompt.message_ends,
                 images=prompt.images))
         if self.group is not None:  # the ranks share single submits (scheduler.to_remote)
@@ -486,14 +485,9 @@ class Engine:
         """End a request early: its stream ends with a "cancelled" Finish within a step
         (nothing happens if it has ended already), and its queue place is free now. Safe
         from any thread."""
-        self._leave_queue(request_id)
+        self._waiting.leave(request_id)
         if self._scheduler is not None:
             self._scheduler.post(Cancel(request_id))
-
-    def _leave_queue(self, request_id: str) -> None:
-        place = self._places.pop(request_id, None)
-        if place is not None:
-            place.leave()
 
     def clear_cache(self) -> Future:
         """Drop every cached prefix nothing is using, from memory and disk; the future

@@ -57,7 +57,7 @@ from engine.api import (
 from engine.engine import DISK_FLUSH_SECONDS, Engine
 from engine.loader import load_tokenizer, model_id_for
 from engine.platform_info import describe_platform
-from engine.streams import LoopRelays, QueuePlace, RequestStream, WaitingCount
+from engine.streams import LoopRelays, RequestStream, WaitingCount
 from engine.tokenizer import ModelTokenizer
 
 log = logging.getLogger("radix_mlx.engine")
@@ -269,8 +269,6 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # the streams, the calls and the state's last change
         self._streams: dict[str, RequestStream] = {}
-        # The queue places of streams that have had no event yet, by id.
-        self._unstarted: dict[str, QueuePlace] = {}
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count()
         self._waiting = WaitingCount(config.max_queue)
@@ -339,20 +337,16 @@ class EngineProcess:
         with self._lock:
             if self.state is not Lifecycle.READY or self._closed:  # it ended meanwhile
                 raise EngineNotReady(self._closed or self.error)
-            places = self._waiting.enter(len(prompts))
-            streams = [RequestStream(f"req-{next(self._ids)}", relay, self.cancel)
-                       for _ in places]
-            for stream, place in zip(streams, places):
+            ids = [f"req-{next(self._ids)}" for _ in prompts]
+            self._waiting.enter(ids)
+            streams = [RequestStream(request_id, relay, self.cancel) for request_id in ids]
+            for stream in streams:
                 self._streams[stream.request_id] = stream
-                self._unstarted[stream.request_id] = place
         self._send(("submit", [s.request_id for s in streams], prompts, params))
         return streams
 
     def cancel(self, request_id: str) -> None:
-        with self._lock:  # its queue place is free now, as in Engine.cancel
-            place = self._unstarted.pop(request_id, None)
-        if place is not None:
-            place.leave()
+        self._waiting.leave(request_id)  # its queue place is free now, as in Engine.cancel
         self._send(("cancel", request_id))
 
     def clear_cache(self) -> Future:
@@ -454,9 +448,7 @@ class EngineProcess:
             stream = self._streams.get(request_id)
             if stream is None:
                 return
-            place = self._unstarted.pop(request_id, None)
-            if place is not None:
-                place.leave()
+            self._waiting.leave(request_id)  # it has started, or ended
             if isinstance(event, (Finish, Exception)):
                 del self._streams[request_id]
         stream.push(event)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -18,38 +18,33 @@ from engine.api import Finish, QueueFull, TokenEvent
 
 
 class WaitingCount:
-    """Requests submitted and not yet started, at most `limit` (`max_queue`)."""
+    """Requests submitted and not yet started, by id, at most `limit` (`max_queue`). A
+    request leaves once: when the engine starts or ends it, or when it is cancelled,
+    whichever comes first. A request refused for a full queue cancels its choices queued
+    so far, and their places are free at once, not only when the engine's thread next
+    takes its messages (requests that came meanwhile were refused for places nobody
+    would use)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.value = 0
-        self.lock = threading.Lock()
+        self._ids: set[str] = set()
+        self._lock = threading.Lock()
 
-    def enter(self, count: int = 1) -> list[QueuePlace]:
-        """A place for each of `count` more, or none and raise QueueFull."""
-        with self.lock:
-            if self.value + count > self.limit:
-                raise QueueFull(f"{self.value} requests are already waiting", retry_after=1.0)
-            self.value += count
-        return [QueuePlace(self) for _ in range(count)]
+    @property
+    def value(self) -> int:
+        return len(self._ids)
 
+    def enter(self, request_ids: Sequence[str]) -> None:
+        """Count `request_ids`, or none and raise QueueFull."""
+        with self._lock:
+            if len(self._ids) + len(request_ids) > self.limit:
+                raise QueueFull(f"{len(self._ids)} requests are already waiting",
+                                retry_after=1.0)
+            self._ids.update(request_ids)
 
-class QueuePlace:
-    """One request's place in a `WaitingCount`, given up once: when the engine starts or
-    ends the request, or when it is cancelled, whichever comes first. A request refused
-    for a full queue cancels its choices queued so far, and their places are free at
-    once, not only when the engine's thread next takes its messages (requests that came
-    meanwhile were refused for places nobody would use)."""
-
-    def __init__(self, count: WaitingCount) -> None:
-        self._count = count
-        self._held = True
-
-    def leave(self) -> None:
-        with self._count.lock:
-            if self._held:
-                self._held = False
-                self._count.value -= 1
+    def leave(self, request_id: str) -> None:
+        with self._lock:
+            self._ids.discard(request_id)
 
 
 class Relay(Protocol):

@@ -170,11 +170,7 @@ class Tiers:
                 child = node.children.get(tokens[depth])
                 if child is None:
                     created = self._add_child(node, tokens[depth:], None, on_disk=True)
-                    self._add_stats(created, -1)
-                    created.stored, created.key = self._rest(stored, depth), stored.key
-                    self._add_stats(created, +1)
-                    self._sync_lru(created)
-                    return created
+                    return self._take_copy(created, self._rest(stored, depth))
                 if child.state is not NodeState.READY:
                     return None
                 k = common_prefix_length(child.tokens, tokens, depth)
@@ -189,11 +185,15 @@ class Tiers:
                 return node if node.stored.key == stored.key else None
             if node.key not in (None, stored.key) or node.handle is None and not node.on_disk:
                 return None
-            self._add_stats(node, -1)
-            node.stored, node.key = self._rest(stored, start), stored.key
-            self._add_stats(node, +1)
-            self._sync_lru(node)
-            return node
+            return self._take_copy(node, self._rest(stored, start))
+
+    def _take_copy(self, node: Node, stored: Stored) -> Node:
+        """`node` holding `stored` as its disk copy, filed under its key."""
+        self._add_stats(node, -1)
+        node.stored, node.key = stored, stored.key
+        self._add_stats(node, +1)
+        self._sync_lru(node)
+        return node
 
     def _rest(self, stored: Stored, skip: int) -> Stored:
         """`stored` for a node whose edge starts `skip` tokens into the copy's span."""
