@@ -68,6 +68,9 @@ ENGINE_PROCESS = "radix-mlx-engine"
 CALL_SECONDS = 10.0
 # The engine's loop says it turned at least this often (`Beat`).
 BEAT_SECONDS = 1.0
+# Its first word may take longer than a step: an interpreter importing MLX, on a busy
+# machine, before the child can beat at all (over 2 s on 2 busy cores).
+SPAWN_SECONDS = 60.0
 # How long a shutdown waits for the child: the engine's own stop, then its disk writes.
 STOP_SECONDS = 10.0 + DISK_FLUSH_SECONDS + 5.0
 LIFECYCLE_POLL_SECONDS = 0.1
@@ -277,6 +280,7 @@ class EngineProcess:
         self._stopping = False
         self._closed: str | None = None  # why nothing will answer again, once so
         self._beaten = 0.0  # when the engine's loop last said it turned (`Beat`)
+        self._spoken = False  # whether the child has said anything yet
         self._stuck: str | None = None  # why it was killed, if for not beating
 
     # -- lifecycle --------------------------------------------------------------------
@@ -287,7 +291,7 @@ class EngineProcess:
         self.process = SPAWN.Process(target=serve_engine, name=ENGINE_PROCESS,
                                      args=(self.config, child, self._on_start))
         self.process.start()
-        self._beaten = time.monotonic()  # its first beat comes once it has started
+        self._beaten = time.monotonic()
         child.close()  # the child's death must close the pipe
         # However the server's process ends: multiprocessing's own exit handler would
         # wait forever for a child that waits for its pipe to close.
@@ -407,6 +411,7 @@ class EngineProcess:
                     if future is not None:
                         future.set_result(item.value)
                 elif isinstance(item, Facts):
+                    self._beaten, self._spoken = time.monotonic(), True
                     self._learn(item)
                 elif isinstance(item, DiskRebuilt) and self.disk is not None:
                     self.disk.rebuilt.set()
@@ -422,13 +427,17 @@ class EngineProcess:
         model `loading` for good, every request for it waiting out `load_timeout`). The
         pipe then closes, and `_lost` fails what was open with this reason."""
         timeout = self.config.step_timeout
+        limit = timeout if self._spoken else max(timeout, SPAWN_SECONDS)
         if (not timeout or self.state is Lifecycle.FAILED or self._stopping
-                or self._stuck is not None or time.monotonic() - self._beaten <= timeout):
+                or self._stuck is not None or time.monotonic() - self._beaten <= limit):
             return
-        what = ("finished no scheduler step" if self.state is Lifecycle.READY
-                else "stopped answering while it loaded its model")
-        self._stuck = (f"the engine is stuck: its process {what} in {timeout:g} s "
-                       "(step_timeout) and was killed")
+        if not self._spoken:
+            self._stuck = f"the engine's process did not start in {limit:g} s and was killed"
+        else:
+            what = ("finished no scheduler step" if self.state is Lifecycle.READY
+                    else "stopped answering while it loaded its model")
+            self._stuck = (f"the engine is stuck: its process {what} in {timeout:g} s "
+                           "(step_timeout) and was killed")
         log.error("%s", self._stuck)
         self.process.kill()
 
@@ -471,7 +480,6 @@ class EngineProcess:
             if facts.disk_directory is not None:
                 self.disk = RemoteDisk(Path(facts.disk_directory))
             self.served = True
-            self._beaten = time.monotonic()  # its loop starts now
         self.error = facts.error
         self.state = facts.state
         if facts.state in (Lifecycle.READY, Lifecycle.FAILED):
