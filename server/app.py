@@ -38,8 +38,9 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
         yield
         if warming is not None:
             warming.cancel()
-        for task in list(state.background):
-            task.cancel()
+        for model in models.models:
+            for task in list(model.background):
+                task.cancel()
         models.stop_watching()
 
     app = FastAPI(

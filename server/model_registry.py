@@ -96,6 +96,9 @@ class ServedModel:
         self.clear_on_load = False
         # Whether its chats continue, so that next-turn guesses pay (server/next_turn.py).
         self.follow_ups = FollowUps()
+        # Engine work no request waits for (next-turn guesses): a clear or an unload
+        # cancels it first, as it would put back what a clear lets go of, and holds a lease.
+        self.background: set[asyncio.Task] = set()
         # The prefill-only jobs (server/prefill/jobs.py) on its engine at once, whichever
         # requests they are of: each queues up to 64 prompts in the engine, and five
         # clients classifying lists of 64 at once filled its queue (256): 429s for them
@@ -392,6 +395,7 @@ class ModelRegistry:
                      victim.id, model.id)
             victim.evicting = True
             try:
+                await cancel_background(victim)
                 while victim.inflight:
                     if time.monotonic() > deadline:
                         raise self._still_loading(model)
@@ -413,6 +417,7 @@ class ModelRegistry:
     async def unload(self, model: ServedModel) -> None:
         """Stop `model`'s engine (its disk tier is flushed; the next load restores it).
         Refused (409) while requests hold it."""
+        await cancel_background(model)
         if model.inflight:
             raise APIError(409, f"the model {model.id} has {model.inflight} requests in "
                            "flight", code="model_busy")
@@ -430,6 +435,7 @@ class ModelRegistry:
         now if it is loaded (the memory bytes freed), else (with several models) as its
         next load ends, before it serves (None). One model loaded at start must be ready:
         503 before."""
+        await cancel_background(model)
         engine = model.engine
         if not self.on_demand:
             try:
@@ -518,6 +524,15 @@ class ModelRegistry:
     def engines(self) -> list[tuple[ServedModel, EngineClient]]:
         """The models with an engine, and their engines."""
         return [(model, model.engine) for model in self.models if model.engine is not None]
+
+
+async def cancel_background(model: ServedModel) -> None:
+    """Cancel `model`'s background work and wait until it has let go: a guess that was
+    submitted is cancelled in the engine before whatever the caller posts next."""
+    tasks = list(model.background)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def model_shares(specs: list[ModelSpec], budget_bytes: int) -> list[int]:

@@ -106,7 +106,7 @@ class NextTurn:
         waited 1.6 s for their first tokens with the guesses, 1.1 s without."""
         if self.model.engine.wants_message_ends and self.model.inflight > 1:
             return
-        tasks = self.state.background
+        tasks = self.model.background
         task = asyncio.create_task(self._prefill(reply, list(generated), Lease(self.model)))
         tasks.add(task)
         task.add_done_callback(tasks.discard)

@@ -3,7 +3,6 @@ the response store."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -25,8 +24,6 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     # Responses API responses stored for previous_response_id; closed by `serve`.
     responses: ResponseStore = field(init=False)
-    # Engine work no request waits for (server.next_turn), cancelled when the app stops.
-    background: set[asyncio.Task] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.models)

@@ -217,3 +217,23 @@ def test_one_shot_chats_stop_the_guesses_and_a_conversation_brings_them_back(
         assert miss_after(turn(server, messages, wait=False)).lstrip().startswith("Thanks.")
     finally:
         server.stop()
+
+
+def test_a_clear_right_after_a_reply_keeps_nothing_of_its_guess(servers) -> None:
+    """An operator's clear sent the moment a reply ends: the reply's next-turn guess,
+    whether still being rendered or already prefilling, is cancelled before the clear
+    runs, so it cannot put its chat back in the tree after it (it used to in about a
+    third of such clears)."""
+    server = servers[True]
+    for session in range(8):
+        messages = [{"role": "system", "content": f"Session {session}. {SYSTEM}"}]
+        for question in ("Describe the layout.", "Which file is the largest?", "Why?"):
+            messages.append({"role": "user", "content": question})
+            reply = turn(server, messages, wait=False, max_tokens=6)
+            messages.append({"role": "assistant",
+                             "content": reply["choices"][0]["message"]["content"]})
+        assert httpx.delete(f"{server.url}/admin/cache", timeout=30).status_code == 200
+        time.sleep(0.3)  # a guess rendered meanwhile is prefilling or prefilled by now
+        wait_idle(server)
+        memory = httpx.get(f"{server.url}/admin/cache", timeout=30).json()["memory"]
+        assert (session, memory["tokens"]) == (session, 0)

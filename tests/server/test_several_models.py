@@ -216,6 +216,20 @@ def real_server_model(server: ServerProcess) -> str:
     return httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=10).json()["data"][0]["id"]
 
 
+def test_an_unload_right_after_a_reply_is_not_held_by_its_guess(pair: ServerProcess) -> None:
+    """A chat's reply starts a guess at its next turn, which holds the model while it
+    renders and prefills: an unload sent the moment the reply ends cancels it rather
+    than answering 409 (it did at the first try)."""
+    conversation = [{"role": "system", "content": "Answer in one word. " * 200},
+                    {"role": "user", "content": "Say hi."},
+                    {"role": "assistant", "content": "Hi."},
+                    {"role": "user", "content": "Say it again, louder."}]
+    for attempt in range(4):
+        assert chat(pair, "tiny", messages=conversation).status_code == 200
+        unload = httpx.post(f"{pair.url}/admin/models/tiny/unload", headers=AUTH, timeout=60)
+        assert (attempt, unload.status_code) == (attempt, 200), unload.text
+
+
 def test_a_killed_model_fails_its_requests_only_and_reloads(pair: ServerProcess) -> None:
     """One model's engine process dies mid-stream: that stream ends with an error, the
     other model answers meanwhile, and the next request loads the model again. The model
