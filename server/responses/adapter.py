@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
+from pydantic import TypeAdapter
 
 from engine.api import SamplingKnobs
 from server.events import (
@@ -70,9 +71,11 @@ from server.responses.protocol import (
     FunctionCallOutputItem,
     FunctionChoice,
     IncompleteDetails,
+    InputItem,
     InputItemList,
     InputTokensDetails,
     ItemEvent,
+    ItemReference,
     ItemStatus,
     JsonObjectFormat,
     JsonSchemaFormat,
@@ -482,6 +485,7 @@ RESPONSES_PARAMS = {"messages": "input", "response_format": "text.format",
     200: {"model": ResponseObject, "content": event_stream(StreamEvent, ErrorResponse)}})
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = server_state(request)
+    body = await _referenced(state, body)
     history: list[TemplateMessage] = []
     if body.previous_response_id is not None:
         previous = await _stored(state, body.previous_response_id, "previous_response_id")
@@ -628,6 +632,28 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
             kind = "output_text" if item["role"] == "assistant" else "input_text"
             item["content"] = [{"type": kind, "text": item["content"]}]
     return items
+
+
+INPUT_ITEM = TypeAdapter(InputItem)
+
+
+async def _referenced(state: ServerState, body: ResponsesRequest) -> ResponsesRequest:
+    """`body` with each `item_reference` replaced by the stored item it names (an item
+    no stored response has is a 404), so the request reads as if the client had sent the
+    item itself, and is stored so."""
+    if isinstance(body.input, str) or not any(isinstance(item, ItemReference)
+                                              for item in body.input):
+        return body
+    items = []
+    for index, item in enumerate(body.input):
+        if isinstance(item, ItemReference):
+            stored = await asyncio.to_thread(state.responses.item, item.id)
+            if stored is None:
+                raise APIError(404, f"Item with id '{item.id}' not found.",
+                               code="item_not_found", param=f"input.{index}.id")
+            item = INPUT_ITEM.validate_python(stored)
+        items.append(item)
+    return body.model_copy(update={"input": items})
 
 
 async def _stored(state: ServerState, response_id: str, param: str | None) -> StoredResponse:

@@ -184,6 +184,14 @@ class ReasoningItem(RequestModel):
         return "".join(part.text for part in self.content or self.summary)
 
 
+class ItemReference(RequestModel):
+    """An item of a stored response, its input's or its output's, by id: the adapter puts
+    that item in its place before anything reads the input."""
+
+    type: Literal["item_reference"]
+    id: str = Field(min_length=1)
+
+
 class UnsupportedItem(RequestModel):
     type: str
 
@@ -199,6 +207,7 @@ ITEM_TYPES = {
     "message": MessageItem, "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem,
     "custom_tool_call": CustomToolCallItem, "custom_tool_call_output": CustomToolCallOutputItem,
+    "item_reference": ItemReference,
 }
 
 

@@ -1,5 +1,6 @@
-"""Stored Responses API responses, for `previous_response_id`, GET/DELETE by id and
-the listing of a response's input items.
+"""Stored Responses API responses, for `previous_response_id`, GET/DELETE by id, the
+listing of a response's input items, and `item_reference` input items (an item of a
+stored response, input or output, by its id).
 
 Each entry keeps the response as sent (for GET) and the whole conversation it ended
 (for a follow-up, which then sends only its new input). The store is bounded by a count:
@@ -30,28 +31,52 @@ class StoredResponse:
     # stored before these were kept has none.
     input_items: list[dict[str, Any]] = field(default_factory=list)
 
+    def items(self) -> list[dict[str, Any]]:
+        """Every item an `item_reference` may name: the input's, then the output's."""
+        return [item for item in self.input_items + self.response.get("output", [])
+                if isinstance(item.get("id"), str)]
+
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        return next((item for item in reversed(self.items()) if item.get("id") == item_id),
+                    None)
+
 
 class MemoryStore:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._entries: OrderedDict[str, str] = OrderedDict()
+        self._holders: dict[str, str] = {}  # an item's id: the response that has it
         self._lock = threading.Lock()
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
         with self._lock:
             self._entries[response_id] = _dump(entry)
             self._entries.move_to_end(response_id)
+            self._holders.update((item["id"], response_id) for item in entry.items())
             while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+                self._drop(next(iter(self._entries)))
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
             data = self._entries.get(response_id)
         return None if data is None else _load(data)
 
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            data = self._entries.get(self._holders.get(item_id, ""))
+        return None if data is None else _load(data).item(item_id)
+
     def delete(self, response_id: str) -> bool:
         with self._lock:
-            return self._entries.pop(response_id, None) is not None
+            if response_id not in self._entries:
+                return False
+            self._drop(response_id)
+            return True
+
+    def _drop(self, response_id: str) -> None:
+        for item in _load(self._entries.pop(response_id)).items():
+            if self._holders.get(item["id"]) == response_id:
+                del self._holders[item["id"]]
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -74,6 +99,10 @@ class SQLiteStore:
                 "seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, "
                 "data TEXT NOT NULL)"
             )
+            # An item's id: the response that has it (an earlier store has no such table:
+            # its responses' items are not found by id, as before).
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS items (id TEXT PRIMARY KEY, response TEXT NOT NULL)")
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
         with self._lock, self._db:
@@ -82,10 +111,13 @@ class SQLiteStore:
                 "INSERT OR REPLACE INTO responses (id, data) VALUES (?, ?)",
                 (response_id, _dump(entry)),
             )
+            self._db.executemany("INSERT OR REPLACE INTO items (id, response) VALUES (?, ?)",
+                                 [(item["id"], response_id) for item in entry.items()])
             self._db.execute(
                 "DELETE FROM responses WHERE seq NOT IN "
                 "(SELECT seq FROM responses ORDER BY seq DESC LIMIT ?)", (self.capacity,),
             )
+            self._drop_orphans()
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
@@ -94,10 +126,23 @@ class SQLiteStore:
             ).fetchone()
         return None if row is None else _load(row[0])
 
-    def delete(self, response_id: str) -> bool:
+    def item(self, item_id: str) -> dict[str, Any] | None:
         with self._lock:
+            row = self._db.execute(
+                "SELECT data FROM responses JOIN items ON items.response = responses.id "
+                "WHERE items.id = ?", (item_id,)
+            ).fetchone()
+        return None if row is None else _load(row[0]).item(item_id)
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
             cursor = self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+            self._drop_orphans()
         return cursor.rowcount > 0
+
+    def _drop_orphans(self) -> None:
+        self._db.execute("DELETE FROM items WHERE response NOT IN (SELECT id FROM responses)")
 
     def __len__(self) -> int:
         with self._lock:

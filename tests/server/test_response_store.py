@@ -70,3 +70,23 @@ def test_an_entry_stored_before_input_items_were_kept_still_loads(tmp_path: Path
     reopened.put("resp_new", StoredResponse({"id": "resp_new"}, [], [{"id": "msg_1"}]))
     assert reopened.get("resp_new").input_items == [{"id": "msg_1"}]
     reopened.close()
+
+
+def _with_items(n: int) -> StoredResponse:
+    return StoredResponse({"id": f"resp_{n}", "output": [{"id": f"msg_out_{n}", "n": n}]},
+                          [], [{"id": f"msg_in_{n}", "n": n}, {"id": "msg_shared", "n": n}])
+
+
+def test_items_are_found_by_id_while_their_response_is_stored(make_store) -> None:
+    """`item_reference`: an input or output item of any stored response, by its id; an id
+    two responses share is the newest's; evicted or deleted responses' items are gone."""
+    store = make_store(2)
+    for n in range(3):
+        store.put(f"resp_{n}", _with_items(n))
+    assert store.item("msg_in_0") is None and store.item("msg_out_0") is None
+    assert store.item("msg_in_1") == {"id": "msg_in_1", "n": 1}
+    assert store.item("msg_out_2") == {"id": "msg_out_2", "n": 2}
+    assert store.item("msg_shared") == {"id": "msg_shared", "n": 2}
+    store.delete("resp_2")
+    assert store.item("msg_out_2") is None and store.item("msg_shared") is None
+    assert store.item("msg_out_1") == {"id": "msg_out_1", "n": 1}

@@ -199,6 +199,38 @@ def test_input_items_or_cancels_this_server_cannot_give_are_refused(
         assert reply.json()["error"]["param"] == param
 
 
+def test_item_references_read_as_the_stored_items_they_name(
+        client: openai.OpenAI, model_id: str, server: ServerProcess) -> None:
+    """An `item_reference` names an item of a stored response, input or output: the
+    prompt is the one the items themselves give, and the listing shows them. An id no
+    stored response has is a 404 naming the item."""
+    first = client.responses.create(model=model_id, input="Remember the word apple.",
+                                    max_output_tokens=4)
+    (asked,) = client.responses.input_items.list(first.id).data
+    (answer,) = first.output
+    question = {"role": "user", "content": "Which word?"}
+    sent = [{"role": "user", "content": "Remember the word apple."},
+            {"role": "assistant", "content": first.output_text}, question]
+    referenced = [{"type": "item_reference", "id": asked.id},
+                  {"type": "item_reference", "id": answer.id}, question]
+    plain = client.responses.create(model=model_id, input=sent, max_output_tokens=4,
+                                    temperature=0)
+    by_reference = client.responses.create(model=model_id, input=referenced,
+                                           max_output_tokens=4, temperature=0)
+    assert by_reference.usage.input_tokens == plain.usage.input_tokens
+    assert by_reference.output_text == plain.output_text
+    listed = client.responses.input_items.list(by_reference.id, order="asc").data
+    assert [item.id for item in listed[:2]] == [asked.id, answer.id]
+    reply = httpx.post(f"{server.url}/v1/responses", timeout=30,
+                       headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"model": model_id, "input": [
+                           question, {"type": "item_reference", "id": "msg_nope"}]})
+    assert reply.status_code == 404
+    assert reply.json()["error"] | {"message": None} == {
+        "message": None, "type": "invalid_request_error", "param": "input.1.id",
+        "code": "item_not_found"}
+
+
 def test_function_call_items_round_trip(client: openai.OpenAI, model_id: str) -> None:
     """A tool call and its output sent back as items, with the reasoning before them."""
     items = [
