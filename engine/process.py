@@ -64,8 +64,9 @@ log = logging.getLogger("radix_mlx.engine")
 
 SPAWN = multiprocessing.get_context("spawn")  # a fork would copy the server's threads
 ENGINE_PROCESS = "radix-mlx-engine"
-# How long a call (stats, from a /metrics scrape) waits for the engine's answer.
-CALL_SECONDS = 10.0
+# How long a call (stats, from a /metrics scrape) waits for the engine's answer: a scrape
+# with a hung engine still answers within Prometheus' default scrape timeout (10 s).
+CALL_SECONDS = 5.0
 # The engine's loop says it turned at least this often (`Beat`).
 BEAT_SECONDS = 1.0
 # Its first word may take longer than a step: an interpreter importing MLX, on a busy

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, is_dataclass
 from typing import TYPE_CHECKING
 
@@ -27,10 +28,10 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.api import EngineNotReady
+from engine.api import EngineClient, EngineNotReady, EngineStats
 
 if TYPE_CHECKING:
-    from server.model_registry import ModelRegistry
+    from server.model_registry import ModelRegistry, ServedModel
 
 log = logging.getLogger("radix_mlx.server")
 
@@ -65,14 +66,13 @@ class ModelsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
-        for model, engine in self._models.engines():
-            try:
-                stats = engine.stats()
-            except (TimeoutError, EngineNotReady) as error:
-                # A hung engine process, or one that just died (dropped once the registry
-                # sees it): the other models still report.
-                log.warning("model %s: no engine stats (%s)", model.id,
-                            error or "no answer in time")
+        engines = self._models.engines()
+        # Read together: each engine process's stats are a round trip, and a hung one's
+        # waits out its timeout, which would otherwise add up over the hung ones.
+        with ThreadPoolExecutor(max(len(engines), 1)) as pool:
+            read = list(pool.map(_read_stats, engines))
+        for model, stats in read:
+            if stats is None:
                 continue
             for name, kind, help_text, value in engine_metrics(stats):
                 if name not in families:
@@ -105,6 +105,18 @@ class ModelsCollector(Collector):
             memory.add_metric([model.id], model.share_bytes if model.engine else 0)
             requests.add_metric([model.id], model.inflight + model.load_waiters)
         yield from (state, loads, load_seconds, unloads, crashes, memory, requests)
+
+
+def _read_stats(served: tuple[ServedModel, EngineClient]
+                ) -> tuple[ServedModel, EngineStats | None]:
+    model, engine = served
+    try:
+        return model, engine.stats()
+    except (TimeoutError, EngineNotReady) as error:
+        # A hung engine process, or one that just died (dropped once the registry sees
+        # it): the other models still report.
+        log.warning("model %s: no engine stats (%s)", model.id, error or "no answer in time")
+        return model, None
 
 
 class Metrics:

@@ -3,7 +3,14 @@ it stays loading): what a load balancer and Prometheus see before the model is r
 
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
+
 from prometheus_client.parser import text_string_to_metric_families
+
+from engine.api import EngineStats, Lifecycle
+from server.metrics import ModelsCollector
+from server.model_registry import ModelCounters
 
 
 async def test_health_while_loading_says_so_and_claims_no_progress(loading_app) -> None:
@@ -37,3 +44,26 @@ async def test_metrics_parse_and_hold_engine_tree_and_process_series(loading_app
     assert families["radix_mlx_time_to_first_token_seconds"].type == "histogram"
     assert "process_resident_memory_bytes" in families
     assert "radix_mlx_model_load_progress" not in families
+
+
+def test_a_scrape_asks_every_engine_at_once() -> None:
+    """Each engine process's stats are a round trip, which a hung one waits out: asked one
+    after another, every hung engine added its timeout to the scrape. These engines
+    answer only once both have been asked."""
+    both_asked = threading.Barrier(2, timeout=30)
+
+    class Engine:
+        state = Lifecycle.READY
+
+        def stats(self) -> EngineStats:
+            both_asked.wait()
+            return EngineStats()
+
+    models = [SimpleNamespace(id=name, engine=Engine(), counters=ModelCounters(),
+                              share_bytes=0, inflight=0, load_waiters=0)
+              for name in ("first", "second")]
+    registry = SimpleNamespace(models=models,
+                               engines=lambda: [(model, model.engine) for model in models])
+    families = {family.name: family for family in ModelsCollector(registry).collect()}
+    assert [sample.labels for sample in families["radix_mlx_generated_tokens"].samples] == [
+        {"model": "first"}, {"model": "second"}]
