@@ -75,11 +75,14 @@ def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
     if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         raise ValueError(f"a tool's parameters are a JSON object: its schema must be of type "
                          f"'object', not {kind!r}")
-    return schema
+    # Said outright, or a forced call's grammar, built from the schema, would admit any
+    # value (`true`, a string, an array) where arguments must be an object.
+    return {**schema, "type": "object"}
 
 
 # A tool's parameters (input schema): what a call's arguments, a JSON object, satisfy. A
-# schema that names no type is taken as an object's, as clients often leave it out.
+# schema that names no type (as clients often leave it out), or a list of types with
+# "object" in it, is taken as an object's.
 ObjectSchema = Annotated[dict[str, Any], AfterValidator(_object_schema)]
 
 

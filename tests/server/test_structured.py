@@ -141,6 +141,23 @@ def test_a_forced_call_streams_its_name_then_its_arguments(
     assert all(chunk.choices[0].delta.content is None for chunk in chunks if chunk.choices)
 
 
+@pytest.mark.parametrize("kind", [{}, {"type": ["object", "null"]}])
+def test_a_forced_calls_arguments_are_an_object_whatever_type_its_schema_names(
+    client: openai.OpenAI, model_id: str, kind: dict
+) -> None:
+    """A tool schema that names no type (MCP servers leave it out), or "object" among
+    others, is an object's: the call's grammar used to take the schema as written, and
+    the random weights wrote `true`, `null` or a number as arguments."""
+    tool = {"type": "function", "function": {"name": "note", "parameters": {
+        **kind, "properties": {"note": {"enum": ["a", "b"]}}, "additionalProperties": False}}}
+    for seed in range(4):
+        response = client.chat.completions.create(
+            model=model_id, messages=MESSAGES, max_tokens=ROOM, tools=[tool],
+            tool_choice="required", temperature=1, seed=seed)
+        (call,) = response.choices[0].message.tool_calls
+        assert isinstance(json.loads(call.function.arguments), dict), (seed, call)
+
+
 def test_tools_beside_a_schema_give_a_call_or_the_answer(
     client: openai.OpenAI, model_id: str, token_id
 ) -> None:
