@@ -590,13 +590,16 @@ async def _stream(
     try:
         yield [_sse(out) for out in builder.opening()]
         async for event in generation.events():
-            yield [_sse(out) for out in builder.event(event)]
+            events = builder.event(event)
+            if save is not None and builder.response.status in ("completed", "incomplete"):
+                # Before the terminal event: a client may close the stream once it has it
+                # (the SDKs' `break`), and the rest of this generator then never runs.
+                await save()
+                save = None
+            yield [_sse(out) for out in events]
     except APIError as error:
         # The status line is sent already: the failure travels as events.
         yield [_sse(out) for out in builder.failed(error)]
-        return
-    if save is not None:
-        await save()
 
 
 def _sse(event: StreamEvent) -> NamedEvent:

@@ -4,6 +4,7 @@ tests check shapes, the event sequence, stored responses, usage and the cache)."
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from itertools import pairwise
@@ -85,6 +86,26 @@ def test_previous_response_continues_the_stored_conversation(
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
+
+
+def test_a_stream_closed_at_its_terminal_event_is_stored(
+        model_id: str, server: ServerProcess) -> None:
+    """Clients stop reading at response.completed (the SDKs' `break`) and close the
+    stream: the response was stored before that event went out. It used to be stored
+    after the stream's last write, which a closed stream never reaches (9 of 20 lost)."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for attempt in range(10):
+        body = {"model": model_id, "input": f"Hello {attempt}.", "max_output_tokens": 3,
+                "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/responses", json=body, headers=headers,
+                          timeout=60) as stream:
+            for line in stream.iter_lines():
+                event = json.loads(line[5:]) if line.startswith("data:") else {}
+                if event.get("type") in ("response.completed", "response.incomplete"):
+                    break
+        stored = httpx.get(f"{server.url}/v1/responses/{event['response']['id']}",
+                           headers=headers, timeout=30)
+        assert (attempt, stored.status_code) == (attempt, 200)
 
 
 def test_logprobs_are_the_chat_apis_whole_and_streamed(
