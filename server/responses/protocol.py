@@ -42,7 +42,8 @@ class InputImage(RequestModel):
     # A data: URL, or http(s) from the hosts the server allows (server/images.py).
     image_url: str | None = None
     file_id: str | None = None  # no Files API here: refused
-    detail: Literal["auto", "low", "high"] | None = None
+    # The processor decides the resolution; Codex sends "original" for full resolution.
+    detail: Literal["auto", "low", "high", "original"] | None = None
 
     @model_validator(mode="after")
     def _has_url(self) -> InputImage:

@@ -205,8 +205,8 @@ def test_a_tools_image_output_is_read_as_in_a_chat_tool_message(vision_server, c
                                        temperature=0, input=[
         {"role": "user", "content": QUESTION},
         {"type": "function_call", "call_id": "c", "name": "look", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "c",
-         "output": [{"type": "input_image", "image_url": url}]}])
+        {"type": "function_call_output", "call_id": "c",  # as Codex's view_image sends it
+         "output": [{"type": "input_image", "image_url": url, "detail": "original"}]}])
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.output_text == chat.choices[0].message.content
     claude = anthropic.Anthropic(base_url=vision_server.url, api_key="none", max_retries=0)
