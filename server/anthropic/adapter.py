@@ -10,7 +10,6 @@ message_stop, with ping events while the prompt is computed).
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -19,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
+from pydantic_core import from_json
 
 from engine.api import SamplingKnobs
 from server.anthropic.defined_tools import DEFINED_TOOLS
@@ -258,11 +258,14 @@ def message_response(
 
 
 def _tool_input(arguments: str) -> dict[str, Any]:
-    """A call's arguments as the object Anthropic's `input` is; a model that wrote
-    something else still gets its text through, under one key."""
+    """A call's arguments as the object Anthropic's `input` is. Arguments cut short (max
+    tokens) read as far as they go, as the SDKs read a stream's input_json_deltas (jiter's
+    partial mode, which pydantic-core's `from_json` is), so a message and its stream give
+    one input; a model that wrote something else still gets its text through, under one
+    key."""
     try:
-        value = json.loads(arguments or "{}")
-    except json.JSONDecodeError:
+        value = from_json(arguments or "{}", allow_partial=True)
+    except ValueError:
         value = None
     return value if isinstance(value, dict) else {"arguments": arguments}
 

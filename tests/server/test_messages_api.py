@@ -352,6 +352,30 @@ def test_any_tool_streams_as_input_json_deltas(claude: anthropic.Anthropic, mode
     assert message.stop_reason == "tool_use"
 
 
+def test_a_forced_call_cut_short_has_the_input_its_stream_gives(
+    claude: anthropic.Anthropic, model_id: str
+) -> None:
+    """max_tokens that ends a forced call inside its input: the message's input is what
+    was written, read as far as it goes, as the SDK reads the stream's deltas (it used to
+    be the text under an `arguments` key)."""
+    options = {"model": model_id, "tools": [WEATHER_TOOL],
+               "tool_choice": {"type": "tool", "name": "get_weather"},
+               "messages": [{"role": "user", "content": "Weather?"}],
+               "extra_body": {"temperature": 0}}
+    whole = claude.messages.create(max_tokens=ROOM, **options)
+    assert whole.stop_reason == "tool_use"
+    cut = 0
+    for max_tokens in range(1, whole.usage.output_tokens):
+        message = claude.messages.create(max_tokens=max_tokens, **options)
+        with claude.messages.stream(max_tokens=max_tokens, **options) as stream:
+            streamed = stream.get_final_message()
+        assert message.stop_reason == streamed.stop_reason == "max_tokens"
+        uses = [block.input for block in message.content if block.type == "tool_use"]
+        assert uses == [block.input for block in streamed.content if block.type == "tool_use"]
+        cut += bool(uses) and "arguments" not in uses[0]
+    assert cut > 0
+
+
 def test_output_config_json_schema(claude: anthropic.Anthropic, model_id: str) -> None:
     message = claude.messages.create(
         model=model_id, max_tokens=ROOM, messages=[{"role": "user", "content": "Weather?"}],
