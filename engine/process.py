@@ -421,6 +421,11 @@ class EngineProcess:
             self._close("the engine stopped")
         else:
             self._lost()
+        # The child is gone. The exit hook held this object, and with it the pipe and the
+        # process's handles, for as long as the server runs: 3 descriptors a load, which a
+        # model unloaded when idle (or crashing) runs out of in weeks.
+        atexit.unregister(self.shutdown)
+        self._conn.close()
 
     def _check_beating(self) -> None:
         """Kill the child if it has not beaten for `step_timeout` seconds: a step that

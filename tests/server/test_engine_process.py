@@ -6,6 +6,7 @@ in the server's process. The split passed the whole suite while it was the defau
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -162,6 +163,25 @@ def test_a_models_tokenizer_outlives_its_engine_process(demo_model_dir: Path) ->
     first = server_tokenizer(str(demo_model_dir), None)
     assert server_tokenizer(str(demo_model_dir), None) is first
     assert server_tokenizer(str(demo_model_dir), "{{ messages[0].content }}") is not first
+
+
+def test_an_engine_process_that_ended_holds_no_descriptors(demo_model_dir: Path) -> None:
+    """Models of several load and unload for as long as the server runs: an engine
+    process that has ended leaves nothing open in the server's (its exit hook used to keep
+    its pipe and process handles, three descriptors a load, until the server exited)."""
+    def cycle() -> None:
+        engine = EngineProcess(EngineConfig(model=str(demo_model_dir), disk_cache_bytes=0))
+        engine.start()
+        assert engine.wait_ready(120) is Lifecycle.READY
+        engine.shutdown()
+
+    cycle()  # what a first load opens for good (the tokenizer's files)
+    gc.collect()
+    before = psutil.Process().num_fds()
+    for _ in range(2):
+        cycle()
+    gc.collect()
+    assert psutil.Process().num_fds() == before
 
 
 def test_a_load_that_hangs_is_killed_and_fails(demo_model_dir: Path,
