@@ -17,6 +17,7 @@ repeats is taken out of the mask here too, since no grammar can say it (engine/j
 from __future__ import annotations
 
 import copy
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -28,7 +29,8 @@ from engine.api import Constraint
 from engine.json_keys import ClosingTokens, JsonKeys
 from engine.tokenizer import ModelTokenizer
 
-# Compiled grammars kept for reuse (a compile is ~1 ms, a copy of one ~10-30 us).
+# Compiled grammars kept for reuse (a compile is ~1 ms, a copy of one ~10-30 us; a schema
+# of thousands of properties takes seconds), and those that failed, by their error.
 GRAMMAR_CACHE_SIZE = 64
 
 
@@ -116,15 +118,17 @@ class GrammarState:
 
 
 class Grammars:
-    """One model's view for llguidance: its tokenizer, and compiled grammars by text."""
+    """One model's view for llguidance: its tokenizer, and compiled grammars by text.
+    `compile` may run on another thread than `state` (llguidance lets go of the GIL)."""
 
     def __init__(self, tokenizer: ModelTokenizer, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._lltokenizer: LLTokenizer | None = None
         self._closing: ClosingTokens | None = None
-        self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[str, LLMatcher | str] = OrderedDict()
         self._markers: dict[str, tuple[int, ...]] = {}
+        self._lock = threading.Lock()  # the cache, and llguidance's tokenizer made once
 
     def state(self, constraint: Constraint, generated: Iterable[int] = ()) -> GrammarState:
         """A fresh state for `constraint`, advanced over the tokens already generated
@@ -138,17 +142,36 @@ class Grammars:
             raise ConstraintFailed(state.error)
         return state
 
+    def compiled(self, grammar: str) -> bool:
+        """Whether `grammar` was compiled (or failed to), so that `state` costs no compile."""
+        with self._lock:
+            return grammar in self._compiled
+
+    def compile(self, grammar: str) -> None:
+        """Compile `grammar` for a later `state`; a failure is kept for it to raise."""
+        try:
+            self._compile(grammar)
+        except ConstraintFailed:
+            pass
+
     def _compile(self, grammar: str) -> LLMatcher:
-        compiled = self._compiled.get(grammar)
-        if compiled is not None:
-            self._compiled.move_to_end(grammar)
-            return compiled
-        compiled = LLMatcher(self.prepare(), grammar, log_level=0)
-        if compiled.is_error():
-            raise ConstraintFailed(f"invalid grammar: {compiled.get_error()}")
-        self._compiled[grammar] = compiled
-        if len(self._compiled) > GRAMMAR_CACHE_SIZE:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+        if compiled is None:
+            try:
+                matcher = LLMatcher(self.prepare(), grammar, log_level=0)
+                compiled = (f"invalid grammar: {matcher.get_error()}" if matcher.is_error()
+                            else matcher)
+            except ConstraintFailed as error:  # no tokenizer llguidance can read
+                compiled = str(error)
+            with self._lock:
+                self._compiled[grammar] = compiled
+                if len(self._compiled) > GRAMMAR_CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+        if isinstance(compiled, str):
+            raise ConstraintFailed(compiled)
         return compiled
 
     def _closing_tokens(self) -> ClosingTokens:
@@ -168,6 +191,10 @@ class Grammars:
         """llguidance's copy of the tokenizer, built on first use (~0.25 s for a 49k
         vocabulary): what llguidance.hf does, without its check for transformers' class,
         which transformers 5 renamed."""
+        with self._lock:
+            return self._prepared()
+
+    def _prepared(self) -> LLTokenizer:
         if self._lltokenizer is None:
             backend = self._tokenizer.fast
             if backend is None:

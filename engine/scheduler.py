@@ -45,7 +45,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -183,6 +183,14 @@ class Wake:
 
 
 @dataclass(frozen=True)
+class Compiled:
+    """The grammar a submitted generation needs was compiled off the loop (or failed
+    to): it is taken in now, its admission costing no compile."""
+
+    generation: Generation
+
+
+@dataclass(frozen=True)
 class Republish:
     """The reservation that cut a publish short is done: publish the rest."""
 
@@ -276,8 +284,8 @@ class HeldPrefix:
     depth: int
 
 
-Message = (Submit | SubmitAll | Wake | Republish | Cancel | ClearCache | Stop | BringBack
-           | Restore)
+Message = (Submit | SubmitAll | Wake | Compiled | Republish | Cancel | ClearCache | Stop
+           | BringBack | Restore)
 # What the scheduler's own tree callbacks post: every rank makes these itself.
 LOCAL_MESSAGES = (Wake, Republish)
 
@@ -325,6 +333,7 @@ class Scheduler:
         self.opening: dict[tuple[int, ...], Generation] = {}
         self.running: dict[int, Generation] = {}  # by the generator's uid
         self.parked: set[Generation] = set()  # waiting for a prefix being computed
+        self.compiling: set[Generation] = set()  # waiting for their grammar (`Compiled`)
         self.counters = SchedulerCounters()
         self._deliver: Callable[[], None] = lambda: None  # set by `run`
         gpu = mx.default_device() == mx.gpu
@@ -342,6 +351,7 @@ class Scheduler:
         # of them decodes (see `_step`).
         self.burst = False
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size)
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="radix-mlx-grammar")
         self._uids = itertools.count()
         self._stopping = False
         self._bringing_back: collections.deque[Node] = collections.deque()
@@ -405,7 +415,7 @@ class Scheduler:
                     break
             idle = (not self.running and not self.waiting and not self.parked
                     and not self.reading and not self.scoring)
-            if idle and until_idle and self.inbox.empty():
+            if idle and until_idle and self.inbox.empty() and not self.compiling:
                 return
             if idle:  # at rest within budget: a chain loaded over it, its request gone
                 self.tree.enforce_capacity()
@@ -445,6 +455,7 @@ class Scheduler:
             unread = self._take_inbox(block=False)
         for message in unread:
             self._answer_unread(message)
+        self._compiler.shutdown(wait=False, cancel_futures=True)
         self.kv.settle()
         mx.synchronize()
 
@@ -506,17 +517,14 @@ class Scheduler:
             case Submit(generation):
                 log.debug("queued %s: %d prompt tokens", generation.id, len(generation.prompt))
                 self.generations[generation.id] = generation
-                if generation.params.prompt_logprobs is not None:
-                    self.scoring[generation] = PromptScoring(
-                        self.loaded.model, self.loaded.tokenizer, generation.prompt,
-                        generation.params.prompt_logprobs)
-                elif self._reads_together(generation):
-                    self.reading.append(generation)
-                else:
-                    self.waiting.append(generation)
+                if not self._compiling_first(generation):
+                    self._line_up(generation)
             case SubmitAll(generations):
                 for generation in generations:
                     self._handle(Submit(generation))
+            case Compiled(generation) if generation in self.compiling:
+                self.compiling.discard(generation)
+                self._line_up(generation)
             case Wake(generation) if generation in self.parked:
                 self.parked.discard(generation)
                 self.waiting.append(generation)
@@ -540,6 +548,33 @@ class Scheduler:
                     done.set_result(freed)
             case Stop():
                 self._stop_all()
+
+    def _line_up(self, generation: Generation) -> None:
+        """Queue a submitted generation for what it asks: prompt logprobs, a readout of a
+        list, or admission."""
+        if generation.params.prompt_logprobs is not None:
+            self.scoring[generation] = PromptScoring(
+                self.loaded.model, self.loaded.tokenizer, generation.prompt,
+                generation.params.prompt_logprobs)
+        elif self._reads_together(generation):
+            self.reading.append(generation)
+        else:
+            self.waiting.append(generation)
+
+    def _compiling_first(self, generation: Generation) -> bool:
+        """Whether `generation` waits for its grammar, compiled on a thread of its own: a
+        schema of thousands of properties compiles for seconds, and on this thread every
+        stream stood still meanwhile, past step_timeout for a few such requests, which
+        then failed the engine. Tensor-parallel ranks compile here: they must take
+        requests in alike."""
+        constraint = generation.params.constraint
+        if (constraint is None or self.group is not None
+                or self.grammars.compiled(constraint.grammar)):
+            return False
+        self.compiling.add(generation)
+        self._compiler.submit(self.grammars.compile, constraint.grammar).add_done_callback(
+            lambda _: self.post(Compiled(generation)))
+        return True
 
     # -- starting ---------------------------------------------------------------------
 
@@ -1198,12 +1233,14 @@ class Scheduler:
 
     def _cancel(self, generation: Generation) -> None:
         if (generation in self.waiting or generation in self.reading
-                or generation in self.parked or generation in self.scoring):
+                or generation in self.parked or generation in self.scoring
+                or generation in self.compiling):
             if generation in self.waiting:
                 self.waiting.remove(generation)
             self.scoring.pop(generation, None)
             self._leave_reading([generation])
             self.parked.discard(generation)
+            self.compiling.discard(generation)
             self._forget(generation)
             generation.finish("cancelled")
         elif generation.sequence is not None:

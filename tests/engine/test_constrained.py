@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
 from llguidance import LLMatcher
 from mlx_lm.tool_parsers import json_tools
 
-from engine.api import Constraint, ConstraintUnmet, RequestFailed, SamplingParams
+import engine.grammar as engine_grammar
+from engine.api import Constraint, ConstraintUnmet, RequestFailed, SamplingParams, TokenEvent
 from engine.constraints import FunctionTool, JsonAnswer, json_object, json_schema, tool_calls
 from tests.engine.support import cancel_after, complete, settled, start_engine
 from tests.faults import faulty_loader
@@ -313,3 +315,35 @@ async def test_real_model_repeats_no_key_of_open_arguments(real_engine):
     keys = re.findall(r'"((?:[^"\\]|\\.)*)": ', arguments)
     assert keys[:3] == ["name", "age", "gender"] and len(keys) >= 9
     assert len(set(keys)) == len(keys), keys
+
+
+async def test_a_grammar_compiles_while_the_batch_decodes(engine, monkeypatch):
+    """A request's grammar is compiled beside the engine's loop, not in it: a schema of
+    thousands of properties compiles for seconds, and in the loop every running stream
+    stood still meanwhile (past step_timeout for a few such requests, failing them all).
+    Here the compile goes on only once a running stream has decoded 8 more tokens."""
+    decoded = threading.Event()
+    waited: list[bool] = []
+    compile_matcher = engine_grammar.LLMatcher
+
+    def compiled_after_decoding(*args, **kwargs):
+        waited.append(decoded.wait(30))
+        return compile_matcher(*args, **kwargs)
+
+    monkeypatch.setattr(engine_grammar, "LLMatcher", compiled_after_decoding)
+    running = engine.submit(prompt_of(engine, "Count on."),
+                            SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    stream = aiter(running)
+    assert isinstance(await anext(stream), TokenEvent)
+    schema = {**PERSON, "description": "compiled beside the loop"}
+    constrained = asyncio.create_task(complete(engine, prompt_of(engine, "A user."), 120,
+                                               constraint=json_schema(schema, strict=True)))
+    seen = 0
+    async for event in stream:
+        seen += isinstance(event, TokenEvent)
+        if seen == 8:
+            decoded.set()
+            running.cancel()
+    result = await constrained
+    assert waited == [True]
+    jsonschema.validate(json.loads(result.text), PERSON)
