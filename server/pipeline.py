@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
 
 from fastapi import Request
@@ -49,6 +50,11 @@ from server.state import ServerState
 from server.structured import constrained, free_text, output_constraint, writes_calls
 from server.tools import ToolCallParser
 from server.volatile import drop_volatile_lines
+
+# A grammar's check waits for the one checker process (engine/grammar_check.py), up to
+# 30 s for a schema of thousands of properties. On asyncio's default pool, a few such
+# checks held every thread that prompts, /metrics and the stores need, stalling them all.
+CONSTRAINT_CHECKS = ThreadPoolExecutor(2, thread_name_prefix="radix-mlx-constraint")
 
 
 class ChoiceDecoder:
@@ -275,8 +281,9 @@ async def _start(http: Request, state: ServerState, lease: Lease, request: Gener
     # Compiling a grammar takes milliseconds too: off the loop, once per distinct start
     # (free text has none, and the hop to a thread alone costs the loop ~0.1 ms).
     constraints = {
-        after: await asyncio.to_thread(output_constraint, request, tool_format, after,
-                                       settings.close_schema_objects)
+        after: await asyncio.get_running_loop().run_in_executor(
+            CONSTRAINT_CHECKS, output_constraint, request, tool_format, after,
+            settings.close_schema_objects)
         if constrained(request) else None
         for after in {after for _, after in thinking}
     }
