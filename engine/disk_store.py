@@ -60,6 +60,8 @@ log = logging.getLogger("radix_mlx.disk")
 # The default budget: this share of the free space where the cache lives, at most the cap.
 DEFAULT_DISK_FRACTION = 0.25
 DEFAULT_DISK_CAP_BYTES = 64 * 2**30
+# A disk that stays full fails most writes: their error is logged this often at most.
+FAILURE_LOG_SECONDS = 60.0
 # In each model's folder: held by the process whose disk tier it is (`lock_folder`).
 LOCK_FILE = ".lock"
 # In each model's folder: the tree's record of what it let go of, kept at each stop.
@@ -251,6 +253,10 @@ class DiskStore:
         self._cond = threading.Condition()
         # The live copy of each key: a file is deleted only if no newer copy owns it.
         self._live: dict[str, DiskCopy] = {}
+        # Copies whose write failed, for the engine's thread to take out of the tree
+        # (`take_failed`), and when a failure was last logged.
+        self._failed: list[DiskCopy] = []
+        self._failure_logged = -FAILURE_LOG_SECONDS
         self._writer = threading.Thread(target=self._write_loop, name="radix-mlx-disk",
                                         daemon=True)
         self._writer.start()
@@ -451,6 +457,14 @@ class DiskStore:
 
     # -- lifecycle ------------------------------------------------------------------------
 
+    def take_failed(self) -> list[DiskCopy]:
+        """The copies whose write failed since the last call: they hold nothing, and
+        counted in the tier's bytes, they would make the budget evict copies that are
+        there (`RadixTree.forget_copies`)."""
+        with self._cond:
+            failed, self._failed = self._failed, []
+        return failed
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every write saved and every delete is done; False on timeout."""
         with self._cond:
@@ -530,7 +544,20 @@ class DiskStore:
         except OSError as error:
             copy.failed = True
             self.stats.write_errors += 1
-            log.error("disk cache: writing %s failed: %s", copy.path.name, error)
+            with self._cond:
+                self._failed.append(copy)
+                if self._live.get(copy.key) is copy:
+                    # A file of its name is an earlier copy of the key's that this one was
+                    # to replace (a split saves the tail under its old key), whose delete
+                    # was skipped for it: nothing in the tree names that file now.
+                    del self._live[copy.key]
+                    copy.path.unlink(missing_ok=True)
+            # A full disk fails most writes while it stays full: a line a minute at most.
+            now = time.monotonic()
+            if now - self._failure_logged >= FAILURE_LOG_SECONDS:
+                log.error("disk cache: writing %s failed: %s (%d writes failed in all)",
+                          copy.path.name, error, self.stats.write_errors)
+                self._failure_logged = now
         finally:
             copy.pending = None
             with self._cond:

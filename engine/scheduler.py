@@ -436,6 +436,8 @@ class Scheduler:
             self._handle_all(messages)
             if self._restoring:
                 self._restore_some()
+            if self.disk is not None and (failed := self.disk.take_failed()):
+                self.tree.forget_copies(failed)
             try:
                 self.kv.settle()  # what cancelled requests released, before the step
                 self._score()

@@ -272,6 +272,27 @@ class Tiers:
             self._remove_subtree(node, MissReason.UNREADABLE)
             self._sync_lru(parent)
 
+    def forget_copies(self, copies: Iterable[Stored]) -> None:
+        """The store could not write `copies` (a full disk). A node in memory keeps its
+        data without a copy; a node on disk, its only data gone, goes with its subtree, as
+        an unreadable one does (one pinned for a load is left to fail it). Either way the
+        copy no longer counts in the disk tier's bytes, whose budget would otherwise make
+        room for it by evicting copies that are there."""
+        failed = {id(stored) for stored in copies}
+        with self._locked():
+            for node in [node for node in self._below_root()
+                         if node.stored is not None and id(node.stored) in failed]:
+                if not self._attached(node):  # below one dropped already
+                    continue
+                if not node.on_disk:
+                    self._add_stats(node, -1)
+                    node.stored = None
+                    self._add_stats(node, +1)
+                elif node.pins == 0:
+                    parent = node.parent
+                    self._remove_subtree(node, MissReason.UNREADABLE)
+                    self._sync_lru(parent)
+
     def _below_root(self) -> Iterator[Node]:
         """Every node of the tree but the root."""
         stack = list(self.root.children.values())

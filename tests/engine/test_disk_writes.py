@@ -4,9 +4,12 @@ device), and never by the writer thread."""
 
 from __future__ import annotations
 
+import logging
+
 import mlx.core as mx
 import numpy as np
 
+from engine import segment_file
 from engine.demo_model import demo_model_path
 from engine.disk_store import DiskStore, read_copy
 from engine.kv import KVSegment, KVStore
@@ -56,6 +59,35 @@ def test_a_discarded_copy_waiting_for_its_evaluation_is_never_written(tmp_path):
     then()
     assert store.flush(10)
     assert not copy.path.exists()
+    store.close(10)
+
+
+def test_a_full_disk_hands_its_unwritten_copies_back_and_logs_sparingly(tmp_path, monkeypatch,
+                                                                  caplog):
+    """Writes that fail (ENOSPC) are counted and their copies handed to the engine's
+    thread to leave the tree (`take_failed`); a disk that stays full logs an error a
+    minute, not one a write."""
+    def full(path, header, tensors):
+        raise OSError(28, "No space left on device")
+
+    store = DiskStore(tmp_path, 2**30, FINGERPRINT, True, 2**30)
+    store.evaluate = lambda arrays, then: (mx.eval(arrays), then())
+    earlier = store.save("0" * 32, PathState(FINGERPRINT), 0, (5, 6, 7), segment(0.0))
+    assert store.flush(10) and earlier.path.exists()
+    write = segment_file.write
+    monkeypatch.setattr(segment_file, "write", full)
+    with caplog.at_level(logging.INFO, logger="radix_mlx.disk"):
+        copies = [store.save(f"{i}" * 32, PathState(FINGERPRINT), 0, (5, 6, 7), segment(i))
+                  for i in range(3)]
+        store.discard(earlier)  # after its key's new copy, as a split saves the tail
+        assert store.flush(10)
+        assert store.take_failed() == copies and store.take_failed() == []
+        assert not earlier.path.exists()  # named by no copy once its replacement failed
+        monkeypatch.setattr(segment_file, "write", write)
+        store.save("9" * 32, PathState(FINGERPRINT), 0, (5, 6, 7), segment(9.0))
+        assert store.flush(10)
+    assert store.stats.write_errors == 3 and store.stats.writes == 2
+    assert [record.levelname for record in caplog.records] == ["ERROR"]
     store.close(10)
 
 

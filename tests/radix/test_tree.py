@@ -815,6 +815,25 @@ def test_drop_removes_an_unreadable_disk_node_and_its_subtree():
     assert edges(tree) == set() and all(s.discarded for s in store.saved)
 
 
+def test_copies_the_store_failed_to_write_leave_the_tree_and_its_disk_bytes():
+    """A full disk: copies queued but never written. A node in memory keeps its data, a
+    node on disk (its only data gone) goes with its subtree, and the disk tier counts
+    neither copy, which its budget would otherwise make room for by evicting copies
+    that are there."""
+    tree, store = tiered()
+    tree.put([1, 2])
+    tree.insert(tree.match([1, 2]).node, [3], span([3], prefix=(1, 2)))
+    tree.evict(1)  # [3] to disk
+    tree.put([7])
+    written, *failed = store.saved
+    tree.forget_copies(failed)
+    assert edges(tree) == {(1, 2), (7,)}
+    assert tree.match([1, 2]).length == 2 and tree.match([1, 2]).node.stored is written
+    assert tree.match([7]).length == 1 and tree.match([7]).node.stored is None
+    assert tree.stats().disk_bytes == written.nbytes
+    check_invariants(tree)
+
+
 def test_publishing_over_a_span_on_disk_takes_it_back_into_memory():
     tree, _ = tiered()
     tree.put([1, 2])
