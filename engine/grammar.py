@@ -30,8 +30,12 @@ from engine.json_keys import ClosingTokens, JsonKeys
 from engine.tokenizer import ModelTokenizer
 
 # Compiled grammars kept for reuse (a compile is ~1 ms, a copy of one ~10-30 us; a schema
-# of thousands of properties takes seconds), and those that failed, by their error.
+# of thousands of properties takes seconds), and those that failed, by their error; at
+# most this many, whose texts together are at most GRAMMAR_CACHE_CHARS long: a compiled
+# grammar takes ~100 bytes a character of its text (25 schemas of ~300 kB each held
+# 730 MB), where an agent's usual schemas are a few kB.
 GRAMMAR_CACHE_SIZE = 64
+GRAMMAR_CACHE_CHARS = 2 * 2**20
 
 
 # llguidance's reasons for a matcher that allows no next token, as a client reads them.
@@ -127,6 +131,7 @@ class Grammars:
         self._lltokenizer: LLTokenizer | None = None
         self._closing: ClosingTokens | None = None
         self._compiled: OrderedDict[str, LLMatcher | str] = OrderedDict()
+        self._chars = 0  # the cached grammars' text
         self._markers: dict[str, tuple[int, ...]] = {}
         self._lock = threading.Lock()  # the cache, and llguidance's tokenizer made once
 
@@ -167,9 +172,12 @@ class Grammars:
             except ConstraintFailed as error:  # no tokenizer llguidance can read
                 compiled = str(error)
             with self._lock:
+                if grammar not in self._compiled:  # compiled on two threads at once
+                    self._chars += len(grammar)
                 self._compiled[grammar] = compiled
-                if len(self._compiled) > GRAMMAR_CACHE_SIZE:
-                    self._compiled.popitem(last=False)
+                while len(self._compiled) > 1 and (len(self._compiled) > GRAMMAR_CACHE_SIZE
+                                                   or self._chars > GRAMMAR_CACHE_CHARS):
+                    self._chars -= len(self._compiled.popitem(last=False)[0])
         if isinstance(compiled, str):
             raise ConstraintFailed(compiled)
         return compiled

@@ -347,3 +347,17 @@ async def test_a_grammar_compiles_while_the_batch_decodes(engine, monkeypatch):
     result = await constrained
     assert waited == [True]
     jsonschema.validate(json.loads(result.text), PERSON)
+
+
+async def test_compiled_grammars_are_kept_within_a_budget_of_their_text(engine, monkeypatch):
+    """Compiled grammars are kept by count and by the length of their texts together: a
+    few schemas of hundreds of kB held gigabytes while the count allowed 64. The newest
+    is always kept."""
+    monkeypatch.setattr(engine_grammar, "GRAMMAR_CACHE_CHARS", 6000)
+    grammars = engine_grammar.Grammars(engine.tokenizer, engine.tokenizer.vocab_size)
+    texts = [json_schema({**PERSON, "description": str(n) * 2000}).grammar for n in range(3)]
+    for text in texts:
+        grammars.compile(text)
+    assert [grammars.compiled(text) for text in texts] == [False, True, True]
+    grammars.compile(huge := json_schema({**PERSON, "description": "x" * 9000}).grammar)
+    assert grammars.compiled(huge) and not any(grammars.compiled(text) for text in texts)
