@@ -86,5 +86,13 @@ def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
 ObjectSchema = Annotated[dict[str, Any], AfterValidator(_object_schema)]
 
 
+def check_tool_names(names: list[str]) -> None:
+    """Each tool's name once: a model calls a tool by its name, so two of one name would
+    leave a call ambiguous."""
+    if repeated := sorted({name for name in names if names.count(name) > 1}):
+        raise ValueError("tool names must be unique: "
+                         f"{', '.join(map(repr, repeated))} given more than once")
+
+
 def now() -> int:
     return int(time.time())

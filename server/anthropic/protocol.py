@@ -19,7 +19,13 @@ from pydantic import Discriminator, Field, Tag, model_validator
 from engine.api import SpeculationMode
 from server.anthropic.defined_tools import DEFINED_TOOLS
 from server.documents import ReadInText, document, search_result, text_of
-from server.schema import ObjectSchema, RequestModel, ResponseModel, shaped_union
+from server.schema import (
+    ObjectSchema,
+    RequestModel,
+    ResponseModel,
+    check_tool_names,
+    shaped_union,
+)
 
 # The most stop_sequences one request may give (OpenAI's `stop` takes 4).
 MAX_STOP_SEQUENCES = 64
@@ -374,8 +380,7 @@ class TokenCountRequest(RequestModel):
     @model_validator(mode="after")
     def _check_tool_choice(self) -> TokenCountRequest:
         names = [tool.name for tool in self.tools or ()]
-        if len(set(names)) < len(names):
-            raise ValueError("tool names must be unique")
+        check_tool_names(names)
         if isinstance(self.tool_choice, ToolChoiceAny | ToolChoiceTool) and not names:
             raise ValueError(f"tool_choice {self.tool_choice.type!r} needs tools")
         if isinstance(self.tool_choice, ToolChoiceTool) and self.tool_choice.name not in names:

@@ -27,6 +27,7 @@ from server.schema import (
     RefusalPart,
     RequestModel,
     ResponseModel,
+    check_tool_names,
     now,
     shaped_union,
     tool_choice_union,
@@ -311,8 +312,7 @@ class ChatCompletionRequest(StructuredOutputRequest):
         if self.tool_choice is not None and not self.tools:
             raise ValueError("tool_choice is only allowed when tools are specified")
         names = [tool.function.name for tool in self.tools or ()]
-        if len(set(names)) < len(names):
-            raise ValueError("two tools have the same name")
+        check_tool_names(names)
         named = set(names)
         if isinstance(self.tool_choice, NamedToolChoice):
             chosen = [self.tool_choice.function.name]

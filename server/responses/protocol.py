@@ -24,6 +24,7 @@ from server.schema import (
     RefusalPart,
     RequestModel,
     ResponseModel,
+    check_tool_names,
     now,
     shaped_union,
     tool_choice_union,
@@ -397,8 +398,7 @@ class ResponsesRequest(RequestModel):
         if not self.input and not self.instructions and self.previous_response_id is None:
             raise ValueError("input is empty, and there are no instructions to answer")
         names = [tool.name for tool in self.function_tools + self.custom_tools]
-        if len(set(names)) < len(names):
-            raise ValueError("two tools have the same name")
+        check_tool_names(names)
         if self.tool_choice not in (None, "none", "auto") and not names:
             if self.tools:  # hosted ones alone, which the model is not shown
                 raise ValueError("tool_choice needs a function or custom tool: hosted tools "

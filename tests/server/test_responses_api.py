@@ -367,7 +367,7 @@ SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
       "tool_choice": {"type": "custom", "name": "q"}}, "'q', which is not a tool", None),
     ({"input": "x", "tools": [{"type": "custom", "name": "p"}, {"type": "function",
                                                                 "name": "p"}]},
-     "two tools have the same name", None),
+     "tool names must be unique: 'p' given more than once", None),
     ({"input": "x", "tools": [{"type": "custom", "name": "p",
                                "format": {"type": "grammar", "syntax": "lark"}}]},
      "needs its syntax and definition", None),
