@@ -41,19 +41,29 @@ class StoredResponse:
                     None)
 
 
+# Each entry keeps the whole conversation it ended, so an agent's session stores its
+# history again at every turn (a thousand turns of a 300 kB conversation: 300 MB). The
+# in-memory store also keeps its entries' JSON within this many characters, oldest out.
+MEMORY_STORE_CHARS = 256 * 2**20
+
+
 class MemoryStore:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._entries: OrderedDict[str, str] = OrderedDict()
+        self._chars = 0  # of the entries' JSON
         self._holders: dict[str, str] = {}  # an item's id: the response that has it
         self._lock = threading.Lock()
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
+        data = _dump(entry)
         with self._lock:
-            self._entries[response_id] = _dump(entry)
+            self._chars += len(data) - len(self._entries.get(response_id, ""))
+            self._entries[response_id] = data
             self._entries.move_to_end(response_id)
             self._holders.update((item["id"], response_id) for item in entry.items())
-            while len(self._entries) > self.capacity:
+            while len(self._entries) > 1 and (len(self._entries) > self.capacity
+                                              or self._chars > MEMORY_STORE_CHARS):
                 self._drop(next(iter(self._entries)))
 
     def get(self, response_id: str) -> StoredResponse | None:
@@ -74,7 +84,9 @@ class MemoryStore:
             return True
 
     def _drop(self, response_id: str) -> None:
-        for item in _load(self._entries.pop(response_id)).items():
+        data = self._entries.pop(response_id)
+        self._chars -= len(data)
+        for item in _load(data).items():
             if self._holders.get(item["id"]) == response_id:
                 del self._holders[item["id"]]
 

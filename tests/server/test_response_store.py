@@ -90,3 +90,22 @@ def test_items_are_found_by_id_while_their_response_is_stored(make_store) -> Non
     store.delete("resp_2")
     assert store.item("msg_out_2") is None and store.item("msg_shared") is None
     assert store.item("msg_out_1") == {"id": "msg_out_1", "n": 1}
+
+
+def test_memory_keeps_its_entries_within_a_budget_of_their_json(monkeypatch) -> None:
+    """An agent's session stores its whole history again at every turn: the in-memory
+    store keeps its entries' JSON within MEMORY_STORE_CHARS, oldest out, the newest
+    always."""
+    monkeypatch.setattr("server.responses.store.MEMORY_STORE_CHARS", 500)
+    store = MemoryStore(1000)
+
+    def turn(n: int) -> StoredResponse:
+        return StoredResponse({"id": f"resp_{n}", "output": []},
+                              [{"role": "user", "content": "x" * 100}] * (n + 1))
+
+    for n in range(4):
+        store.put(f"resp_{n}", turn(n))
+    assert [store.get(f"resp_{n}") is not None for n in range(4)] == [False, False, False, True]
+    store.put("resp_3", turn(0))  # stored again, smaller: room for one more
+    store.put("resp_4", turn(0))
+    assert store.get("resp_3") == turn(0) and store.get("resp_4") == turn(0)
