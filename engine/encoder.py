@@ -106,7 +106,7 @@ class EncoderEngine:
     # -- lifecycle --------------------------------------------------------------------
 
     def start(self) -> None:
-        threading.Thread(target=self._main, name="radix-mlx-encoder", daemon=True).start()
+        ENCODER_THREADS.run(self._main)
 
     def wait_ready(self, timeout: float | None = None) -> Lifecycle:
         self._ready.wait(timeout)
@@ -324,15 +324,46 @@ class EncoderEngine:
         return np.concatenate([np.array(output) for output in outputs])
 
 
+class EncoderThreads:
+    """The threads encoders run on, each kept for the next encoder once its own has
+    stopped: an MLX stream on the CPU works only on the thread that made it, and has a
+    thread of its own that MLX never ends, so every load on a new thread (a model of
+    several, loaded again after each idle unload) left one thread a core behind."""
+
+    def __init__(self) -> None:
+        self._idle: queue.SimpleQueue[queue.SimpleQueue[Callable[[], None]]] = queue.SimpleQueue()
+
+    def run(self, work: Callable[[], None]) -> None:
+        """Run `work` on an idle thread, or on a new one if none is idle."""
+        try:
+            inbox = self._idle.get_nowait()
+        except queue.Empty:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name="radix-mlx-encoder",
+                             daemon=True).start()
+        inbox.put(work)
+
+    def _serve(self, inbox: queue.SimpleQueue[Callable[[], None]]) -> None:
+        while True:
+            inbox.get()()
+            self._idle.put(inbox)
+
+
+ENCODER_THREADS = EncoderThreads()
+_thread_streams = threading.local()
+
+
 def cpu_streams() -> list[mx.Stream]:
     """One MLX stream per core this process may run on, where MLX computes on the CPU
-    (`MIN_ROWS_PER_STREAM`); none on a GPU."""
+    (`MIN_ROWS_PER_STREAM`); none on a GPU. Made once a thread (`EncoderThreads`)."""
     if mx.default_device() != mx.cpu:
         return []
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if not cores or cores < 2:
-        return []
-    return [mx.new_stream(mx.cpu) for _ in range(cores)]
+    if not hasattr(_thread_streams, "streams"):
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count())
+        _thread_streams.streams = ([mx.new_stream(mx.cpu) for _ in range(cores)]
+                                   if cores and cores >= 2 else [])
+    return _thread_streams.streams
 
 
 def padded(rows: list[list[int]], width: int) -> mx.array:

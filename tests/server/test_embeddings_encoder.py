@@ -15,8 +15,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import openai
+import psutil
 import pytest
 
+from engine.api import EngineConfig, Lifecycle
+from engine.encoder import EncoderEngine
 from tests.server.support import ServerProcess, model_variant, start_server
 
 TEXTS = [
@@ -81,6 +84,28 @@ def test_a_batch_split_over_the_cpu_cores_equals_sentence_transformers(
     assert response.status_code == 200, response.text
     ours = np.array([d["embedding"] for d in response.json()["data"]])
     assert cosines(ours, reference.encode(texts)).min() >= 0.9999
+
+
+def test_encoders_loaded_again_leave_no_threads_behind(minilm_dir: Path, reference) -> None:
+    """A model of several loads again after each idle unload: each load used to make a
+    new thread with one MLX stream a core, whose threads MLX never ends. Loads after the
+    first reuse the thread and its streams, and still embed as sentence-transformers."""
+    texts = [f"{TEXTS[i % len(TEXTS)]} #{i}" for i in range(48)]
+
+    def load_embed_unload() -> np.ndarray:
+        engine = EncoderEngine(EngineConfig(model=str(minilm_dir)))
+        engine.start()
+        assert engine.wait_ready(120) is Lifecycle.READY, engine.error
+        vectors = engine.embed(engine.encode(texts)).result(60)
+        engine.shutdown()
+        engine.wait_stopped()
+        return vectors
+
+    load_embed_unload()
+    threads = psutil.Process().num_threads()
+    for _ in range(2):
+        assert cosines(load_embed_unload(), reference.encode(texts)).min() >= 0.9999
+    assert psutil.Process().num_threads() == threads
 
 
 def test_the_access_log_counts_an_embedding_requests_tokens(
