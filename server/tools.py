@@ -37,12 +37,15 @@ class ToolCallParser:
     """Splits one choice's answer text into `TextDelta`s and tool-call events."""
 
     def __init__(
-        self, choice: int, tool_format: ToolCallFormat, tools: list[dict], parallel: bool = True
+        self, choice: int, tool_format: ToolCallFormat, tools: list[dict], parallel: bool = True,
+        forced: str | None = None,
     ) -> None:
         """`parallel` False: at most one call (OpenAI's parallel_tool_calls); any further
-        call the model writes is dropped."""
+        call the model writes is dropped. `forced`: the function tool_choice names, whose
+        call, cut short before its name was written, is still that call."""
         self.choice = choice
         self._format, self._tools, self._parallel = tool_format, tools, parallel
+        self._forced = forced
         self._buffer = ""  # text held back: maybe the start of a marker
         self._blank = ""  # blank text held back after a call: content only if text follows
         self._in_call = False
@@ -93,10 +96,22 @@ class ToolCallParser:
         beginning of a start marker held back, was a call cut short: it is dropped (a
         call whose name was complete stays, its arguments cut short as OpenAI's are)."""
         rest, self._buffer = self._buffer, ""
+        # A forced call's marker or head begun, not its name: OpenAI's call comes with its
+        # name (the function's, which was never in doubt) and the arguments written: none.
+        nameless = (cut and self._forced is not None and not self.calls
+                    and (self._in_call or rest) and self._arguments is None)
         if not self._in_call:
-            return self._content("" if cut else rest)
+            return self._forced_call() if nameless else self._content("" if cut else rest)
         self._in_call = False
-        return self._call_text(rest) + self._end_call(terminated=False, cut=cut)
+        events = self._call_text(rest)
+        if nameless and self._arguments is None:
+            self._body = ""
+            return events + self._forced_call()
+        return events + self._end_call(terminated=False, cut=cut)
+
+    def _forced_call(self) -> list[Event]:
+        self.calls += 1
+        return [ToolCallStarted(self.choice, 0, new_call_id(), self._forced)]
 
     def _call_text(self, text: str) -> list[Event]:
         if self._dropping:

@@ -158,6 +158,26 @@ def test_a_forced_calls_arguments_are_an_object_whatever_type_its_schema_names(
         assert isinstance(json.loads(call.function.arguments), dict), (seed, call)
 
 
+def test_a_forced_call_cut_before_its_name_is_still_that_call(
+    client: openai.OpenAI, model_id: str
+) -> None:
+    """max_tokens that ends a forced call within its marker or head: the call comes back
+    with the function's name (never in doubt) and what arguments were written, none, as
+    OpenAI's does; it used to come back as no call at all. Streamed, the same."""
+    options = {"model": model_id, "messages": MESSAGES, "tools": [WEATHER_TOOL],
+               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    for max_tokens in range(1, 4):  # the marker and the head begun: no name yet
+        choice = client.chat.completions.create(max_tokens=max_tokens, **options).choices[0]
+        (call,) = choice.message.tool_calls
+        assert (choice.finish_reason, call.function.name, call.function.arguments) == (
+            "length", "get_weather", ""), max_tokens
+        chunks = list(client.chat.completions.create(max_tokens=max_tokens, stream=True,
+                                                     **options))
+        names = [delta.function.name for chunk in chunks if chunk.choices
+                 for delta in chunk.choices[0].delta.tool_calls or ()]
+        assert names == ["get_weather"] and chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_tools_beside_a_schema_give_a_call_or_the_answer(
     client: openai.OpenAI, model_id: str, token_id
 ) -> None:
