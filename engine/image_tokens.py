@@ -27,9 +27,13 @@ from pathlib import Path
 from engine.api import ImageFile, PromptImage
 from engine.qwen_resize import QwenResize, read_resize
 
-# Key ids start here: past any vocabulary, inside int32 (the tree's tokens are Python ints
-# and the disk tier's are int64, but MLX arrays of token ids are int32).
+# Key ids start here, past any vocabulary. A key is never fed to the model (`model_ids`
+# puts the image token back; drafts stop before one), so it need not fit MLX's int32 ids:
+# it takes KEY_BITS of the digest, and with the base stays inside the disk tier's int64.
+# With 30 bits, as it once had, two different images made to share a key in under a
+# second shared their KV: the second answered with the first image's answer.
 KEY_BASE = 1 << 30
+KEY_BITS = 60
 
 
 @dataclass(frozen=True)
@@ -135,8 +139,9 @@ class ImageTokens:
 
 
 def key_id(digest: str) -> int:
-    """The radix key of every token of the image with `digest` (hex)."""
-    return KEY_BASE + int(digest[:16], 16) % KEY_BASE
+    """The radix key of every token of the image with `digest` (hex): two images share
+    one with a chance of 2^-60, a million cached images with one of ~10^-6."""
+    return KEY_BASE + (int(digest, 16) >> (4 * len(digest) - KEY_BITS))
 
 
 def model_ids(tokens: Sequence[int], image_token_id: int) -> list[int]:

@@ -12,6 +12,7 @@ import io
 import pytest
 from PIL import Image
 
+from engine.image_tokens import KEY_BASE, key_id
 from server.http.errors import APIError
 from server.images import ImageLimits, checked_image, load_images
 from tests.vision.support import data_url, png
@@ -91,3 +92,18 @@ def test_wrapped_base64_is_read_and_the_limits_hold():
     small = ImageLimits(max_bytes=100, max_pixels=1 << 20, max_images=4, url_hosts=frozenset())
     with pytest.raises(APIError, match="larger than this server's limit of 100 bytes"):
         asyncio.run(load_images([data_url(png(5))], small, "s"))
+
+
+def test_an_images_radix_key_is_60_bits_of_its_digest():
+    """Every token of an image is keyed on its digest in the tree: two images whose keys
+    are equal share KV. Keys once kept 30 bits (the digest's first 64 mod 2^30), and two
+    noise images made to collide in under a second shared it: the second answered as the
+    first. These two digests are such a pair."""
+    first = "0" * 64
+    second = f"{1 << 30:016x}" + "0" * 48
+    assert int(first[:16], 16) % (1 << 30) == int(second[:16], 16) % (1 << 30)
+    assert key_id(first) != key_id(second)
+    digests = [hashlib.sha256(bytes([n])).hexdigest() for n in range(256)]
+    keys = {key_id(digest) for digest in digests}
+    assert len(keys) == 256
+    assert all(KEY_BASE <= key < KEY_BASE + (1 << 60) < 1 << 63 for key in keys)
