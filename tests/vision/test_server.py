@@ -16,7 +16,12 @@ import openai
 import pytest
 from PIL import Image
 
+from engine.image_tokens import text_ids
 from engine.loader import load_tokenizer
+from server.images import checked_image
+from server.openai.adapter import chat_request
+from server.openai.protocol import ChatCompletionRequest
+from server.prompts import chat_prompt
 from tests.server.support import start_server
 from tests.vision.support import (
     QUESTION,
@@ -221,6 +226,26 @@ def test_a_tools_image_output_is_read_as_in_a_chat_tool_message(vision_server, c
     usage = message.usage  # Anthropic's input_tokens are the ones not read from cache
     assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
     assert message.content[0].text == chat.choices[0].message.content
+
+
+def test_an_object_replacement_character_in_text_is_text(tokenizer, client, model):
+    """U+FFFC stands where rich-text editors had an attachment, so pasted text holds it:
+    it is the user's text, not an image's place (as the image marker once, it left a
+    stray image token in a text chat, or moved an image to where the user's character
+    was)."""
+    pasted = "See the file \ufffc here."
+    for images in ((), (png(16),)):
+        content = [{"type": "text", "text": pasted}] + [
+            {"type": "image_url", "image_url": {"url": data_url(image)}} for image in images]
+        chat = ChatCompletionRequest.model_validate(
+            {"model": model, "messages": [{"role": "user", "content": content}]})
+        request = chat_request(chat)
+        files = [checked_image(image, 10**8, tokenizer.images.settings) for image in images]
+        prompt = chat_prompt(tokenizer, request, images=files)
+        text = tokenizer.decode(text_ids(prompt.tokens))
+        assert pasted in text and len(prompt.images) == len(images)
+        assert client.chat.completions.create(
+            model=model, max_tokens=2, messages=[{"role": "user", "content": content}]).choices
 
 
 def test_an_image_url_is_fetched_from_an_allowed_host(client, model, tokenizer, reference):
