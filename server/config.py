@@ -286,8 +286,9 @@ class Settings(BaseModel):
     max_image_bytes: PositiveInt = Field(
         20 * 1024 * 1024, description="largest image file a request sends (base64 decoded)")
     max_image_pixels: PositiveInt = Field(
-        40_000_000, description="most pixels of one image, read from its header before it "
-        "is decoded (decompression bombs)")
+        40_000_000, description="most pixels of a request's images together, each read from "
+        "its header before it is decoded (decompression bombs; a request of 16 images of "
+        "40M pixels each held 5 GB while it was decoded)")
     max_images_per_request: PositiveInt = Field(16, description="most images in one request")
     allow_image_urls: list[NonEmpty] = Field(
         [], description="hosts whose http(s) image URLs are fetched; none: images come as "

@@ -54,14 +54,19 @@ async def load_images(sources: Sequence[str], limits: ImageLimits, settings: str
     if len(sources) > limits.max_images:
         raise APIError(400, f"{len(sources)} images exceed this server's limit of "
                        f"{limits.max_images} per request", code="invalid_image")
-    loaded = []
+    loaded: list[ImageFile] = []
+    pixels = 0  # of the images before: max_pixels holds for a request's images together
     for index, source in enumerate(sources):
         try:
             data = await _read(source, limits)
-            loaded.append(await asyncio.to_thread(checked_image, data, limits.max_pixels,
-                                                  settings))
+            image = await asyncio.to_thread(checked_image, data, limits.max_pixels - pixels,
+                                            settings)
         except ValueError as error:
-            raise APIError(400, f"image {index + 1}: {error}", code="invalid_image") from error
+            together = f" (with the {index} before it)" if pixels else ""
+            raise APIError(400, f"image {index + 1}{together}: {error}",
+                           code="invalid_image") from error
+        pixels += image.size[0] * image.size[1]
+        loaded.append(image)
     return loaded
 
 
@@ -75,7 +80,7 @@ def checked_image(data: bytes, max_pixels: int, settings: str) -> ImageFile:
             width, height = image.size
             if width * height > max_pixels:
                 raise ValueError(f"{width}x{height} pixels exceed this server's limit of "
-                                 f"{max_pixels}")
+                                 f"{max(max_pixels, 0)}")
             image.load()
             pixels = ImageOps.exif_transpose(image).convert("RGB")
     except UnidentifiedImageError as error:

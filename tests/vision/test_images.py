@@ -94,6 +94,17 @@ def test_wrapped_base64_is_read_and_the_limits_hold():
         asyncio.run(load_images([data_url(png(5))], small, "s"))
 
 
+def test_the_pixel_limit_holds_for_a_requests_images_together():
+    """16 images each just under the limit, a request of under 1 MB, held 5 GB while they
+    were decoded and stalled every other request for 10 s: the limit is the request's."""
+    limits = ImageLimits(max_bytes=1 << 20, max_pixels=64 * 64 * 3, max_images=16,
+                         url_hosts=frozenset())
+    images = [data_url(png(seed, (64, 64))) for seed in range(4)]
+    assert len(asyncio.run(load_images(images[:3], limits, "s"))) == 3
+    with pytest.raises(APIError, match=r"image 4 \(with the 3 before it\): 64x64 pixels"):
+        asyncio.run(load_images(images, limits, "s"))
+
+
 def test_an_images_radix_key_is_60_bits_of_its_digest():
     """Every token of an image is keyed on its digest in the tree: two images whose keys
     are equal share KV. Keys once kept 30 bits (the digest's first 64 mod 2^30), and two
