@@ -37,6 +37,10 @@ from server.http.errors import APIError
 MARKER = "\U000f0000\ufffc"
 
 FETCH_TIMEOUT_SECONDS = 10.0
+# The formats Pillow may read an image as: the APIs' (PNG, JPEG, GIF, WebP) and plain
+# raster files, not every format Pillow knows (EPS is run through Ghostscript where
+# that is installed).
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ def checked_image(data: bytes, max_pixels: int, settings: str) -> ImageFile:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
+            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
             width, height = image.size
             if width * height > max_pixels:
                 raise ValueError(f"{width}x{height} pixels exceed this server's limit of "
@@ -84,8 +88,8 @@ def checked_image(data: bytes, max_pixels: int, settings: str) -> ImageFile:
             image.load()
             pixels = ImageOps.exif_transpose(image).convert("RGB")
     except UnidentifiedImageError as error:
-        raise ValueError("the data is not an image this server reads (PNG, JPEG, GIF, "
-                         "WebP, ...)") from error
+        raise ValueError("the data is not an image this server reads "
+                         f"({', '.join(IMAGE_FORMATS)})") from error
     except (OSError, SyntaxError, Image.DecompressionBombError,
             Image.DecompressionBombWarning) as error:
         raise ValueError(f"the image does not decode: {error}") from error

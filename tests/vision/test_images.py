@@ -74,6 +74,23 @@ def test_what_does_not_decode_whole_is_refused(data, message):
         checked_image(data, LIMITS.max_pixels, "s")
 
 
+def test_only_raster_formats_are_read():
+    """Pillow reads EPS through Ghostscript where that is installed: a client's file is
+    read as one of the APIs' formats or a plain raster one (a phone's MPO is JPEG's)."""
+    def saved(format: str, **options) -> bytes:
+        out = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(out, format=format, **options)
+        return out.getvalue()
+
+    for format in ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF"):
+        assert checked_image(saved(format), LIMITS.max_pixels, "s").size == (8, 8)
+    mpo = saved("MPO", save_all=True, append_images=[Image.new("RGB", (8, 8))])
+    assert checked_image(mpo, LIMITS.max_pixels, "s").size == (8, 8)
+    for format in ("EPS", "PPM", "TGA"):
+        with pytest.raises(ValueError, match=r"not an image this server reads \(PNG, JPEG"):
+            checked_image(saved(format), LIMITS.max_pixels, "s")
+
+
 def test_a_decompression_bomb_is_refused_from_its_header():
     out = io.BytesIO()
     Image.new("1", (4096, 4096)).save(out, format="PNG")  # 16M pixels in a few kB
