@@ -93,11 +93,12 @@ def default_disk_budget(directory: Path) -> int:
 
 
 def model_fingerprint(model_dir: Path, model: nn.Module, cache: list[Any],
-                      memo_directory: Path) -> str:
+                      memo_directory: Path, vision_code: str | None = None) -> str:
     """What KV on disk must match to be reused: every byte of the weights (config and
     each weights file, hashed whole: see weights_digest.py), their dtypes, the cache
-    layout, the MLX and mlx-lm that compute the KV (an upgrade may change the math) and
-    this file format."""
+    layout, the MLX and mlx-lm that compute the KV (an upgrade may change the math), for
+    a vision model the mlx-vlm that computes its images' features (`vision_code`, its
+    version), and this file format."""
     digest = hashlib.blake2b(segment_file.FORMAT.encode(), digest_size=16)
     config = model_dir / "config.json"
     digest.update(config.read_bytes() if config.exists() else b"")
@@ -105,7 +106,8 @@ def model_fingerprint(model_dir: Path, model: nn.Module, cache: list[Any],
                                  memo_directory).encode())
     dtypes = sorted({str(p.dtype) for _, p in tree_flatten(model.parameters())})
     layout = [type(c).__name__ for c in cache]
-    digest.update(repr((dtypes, layout, mx.__version__, mlx_lm.__version__)).encode())
+    versions = (mx.__version__, mlx_lm.__version__) + ((vision_code,) if vision_code else ())
+    digest.update(repr((dtypes, layout, *versions)).encode())
     return digest.hexdigest()
 
 

@@ -352,8 +352,9 @@ class Engine:
             log.error("disk cache off: %s", error)
             return
         scheduler = self._scheduler
-        fingerprint = model_fingerprint(loaded.path, loaded.model,
-                                        make_prompt_cache(loaded.model), directory)
+        fingerprint = model_fingerprint(
+            loaded.path, loaded.model, make_prompt_cache(loaded.model), directory,
+            loaded.vision.code_version if loaded.vision is not None else None)
         low, high = DISK_QUEUE_BYTES
         queue_bytes = int(min(max(scheduler.tree.capacity_bytes * DISK_QUEUE_FRACTION, low),
                               high))

@@ -72,6 +72,14 @@ class Vision:
             v.nbytes for name, v in nn.utils.tree_flatten(model.parameters())
             if "embed_tokens" not in name)
 
+    @property
+    def code_version(self) -> str:
+        """The mlx-vlm that computes the images' features: KV on disk computed by another
+        (an upgrade may change the math) is not reused (`model_fingerprint`)."""
+        import mlx_vlm
+
+        return mlx_vlm.__version__
+
     def embeddings(self, tokens: Sequence[int], images: Sequence[bytes]) -> mx.array:
         """The input embeddings of `tokens` (image keys in each image's span, as the
         tree holds them), with the features of the image files `images`, in order, in the

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from engine import weights_digest as digests
 from engine.demo_model import demo_model_path, random_weights
+from engine.disk_store import model_fingerprint
+from engine.loader import load_model
 from engine.weights_digest import MEMO_FILE, weights_digest
 from tests.engine.support import Reference, complete, settled, start_engine
 
@@ -164,3 +167,16 @@ def test_the_memo_forgets_files_that_are_gone(tmp_path):
     kept.write_bytes(b"aa")
     weights_digest([kept], tmp_path)
     assert list(json.loads((tmp_path / MEMO_FILE).read_text())) == [str(kept.resolve())]
+
+
+def test_a_vision_models_fingerprint_names_its_mlx_vlm(base_model, tmp_path):
+    """An image's features come from mlx-vlm's code: KV on disk that another version
+    computed is not reused. A text model's fingerprint is as it was."""
+    loaded = load_model(base_model)
+    cache = make_prompt_cache(loaded.model)
+
+    def fingerprint(vision_code):
+        return model_fingerprint(base_model, loaded.model, cache, tmp_path, vision_code)
+
+    assert len({fingerprint(None), fingerprint("0.7.10"), fingerprint("0.7.11")}) == 3
+    assert fingerprint(None) == fingerprint(None)
