@@ -37,6 +37,7 @@ from server.http.loading import respond_with_model
 from server.http.model_response import model_response
 from server.http.openapi import error_responses, event_stream
 from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
+from server.images import MARKER
 from server.model_registry import Lease
 from server.openai.formats import chat_logprobs
 from server.openai.protocol import ErrorResponse
@@ -110,6 +111,18 @@ from server.state import ServerState, server_state
 # A chat message's images, in conversations this adapter builds and stores (never shown to
 # the template).
 IMAGES = "images"
+# Where an image was in a stored message's text before `MARKER` became a pair.
+FORMER_MARKER = "\ufffc"
+
+
+def with_current_markers(message: TemplateMessage) -> TemplateMessage:
+    """A stored message with its images' markers as this server writes them: a SQLite
+    store keeps conversations written before the marker became a pair (server/images.py),
+    whose images the lone U+FFFC marked."""
+    content = message.get("content")
+    if not message.get(IMAGES) or not isinstance(content, str) or MARKER in content:
+        return message
+    return {**message, "content": content.replace(FORMER_MARKER, MARKER)}
 
 
 def input_messages(body: ResponsesRequest, history: list[TemplateMessage]) -> list[TemplateMessage]:
@@ -489,7 +502,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     history: list[TemplateMessage] = []
     if body.previous_response_id is not None:
         previous = await _stored(state, body.previous_response_id, "previous_response_id")
-        history = previous.conversation
+        history = [with_current_markers(message) for message in previous.conversation]
     conversation = history + input_messages(body, history)
 
     async def respond(lease: Lease) -> Response:

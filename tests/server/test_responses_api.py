@@ -15,7 +15,8 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.responses.adapter import input_messages
+from server.images import MARKER
+from server.responses.adapter import IMAGES, input_messages, with_current_markers
 from server.responses.protocol import ResponsesRequest
 from tests.server.support import API_KEY, ServerProcess
 
@@ -106,6 +107,17 @@ def test_a_stream_closed_at_its_terminal_event_is_stored(
         stored = httpx.get(f"{server.url}/v1/responses/{event['response']['id']}",
                            headers=headers, timeout=30)
         assert (attempt, stored.status_code) == (attempt, 200)
+
+
+def test_a_conversation_stored_with_the_former_image_marker_keeps_its_images() -> None:
+    """A SQLite store keeps conversations across upgrades: one stored when a lone U+FFFC
+    marked an image reads with today's marker; a message with no image keeps its U+FFFC
+    as the text it is."""
+    image = {"role": "user", "content": "\ufffc\nWhat is it?", IMAGES: ["data:image/png"]}
+    assert with_current_markers(image)["content"] == f"{MARKER}\nWhat is it?"
+    current = {**image, "content": f"{MARKER} \ufffc"}
+    text = {"role": "user", "content": "See \ufffc here."}
+    assert with_current_markers(current) == current and with_current_markers(text) == text
 
 
 def test_logprobs_are_the_chat_apis_whole_and_streamed(
