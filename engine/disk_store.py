@@ -548,12 +548,14 @@ class DiskStore:
             self.stats.write_errors += 1
             with self._cond:
                 self._failed.append(copy)
-                if self._live.get(copy.key) is copy:
-                    # A file of its name is an earlier copy of the key's that this one was
-                    # to replace (a split saves the tail under its old key), whose delete
-                    # was skipped for it: nothing in the tree names that file now.
+                replaced = self._live.get(copy.key) is copy
+                if replaced:
                     del self._live[copy.key]
-                    copy.path.unlink(missing_ok=True)
+            if replaced:
+                # A file of its name is an earlier copy of the key's that this one was to
+                # replace (a split saves the tail under its old key), whose delete was
+                # skipped for it: nothing in the tree names that file now.
+                copy.path.unlink(missing_ok=True)
             # A full disk fails most writes while it stays full: a line a minute at most.
             now = time.monotonic()
             if now - self._failure_logged >= FAILURE_LOG_SECONDS:

@@ -268,9 +268,7 @@ class Tiers:
             if not self._attached(node):
                 return
             assert node.on_disk and node.pins == 0, f"drop of {node!r}"
-            parent = node.parent
-            self._remove_subtree(node, MissReason.UNREADABLE)
-            self._sync_lru(parent)
+            self._drop_unreadable(node)
 
     def forget_copies(self, copies: Iterable[Stored]) -> None:
         """The store could not write `copies` (a full disk). A node in memory keeps its
@@ -289,9 +287,13 @@ class Tiers:
                     node.stored = None
                     self._add_stats(node, +1)
                 elif node.pins == 0:
-                    parent = node.parent
-                    self._remove_subtree(node, MissReason.UNREADABLE)
-                    self._sync_lru(parent)
+                    self._drop_unreadable(node)
+
+    def _drop_unreadable(self, node: Node) -> None:
+        """`node`, on disk with no data to load, goes with its subtree."""
+        parent = node.parent
+        self._remove_subtree(node, MissReason.UNREADABLE)
+        self._sync_lru(parent)
 
     def _below_root(self) -> Iterator[Node]:
         """Every node of the tree but the root."""
