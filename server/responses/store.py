@@ -53,15 +53,18 @@ class MemoryStore:
         self._entries: OrderedDict[str, str] = OrderedDict()
         self._chars = 0  # of the entries' JSON
         self._holders: dict[str, str] = {}  # an item's id: the response that has it
+        self._item_ids: dict[str, list[str]] = {}  # a response's items', for `_drop`
         self._lock = threading.Lock()
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
         data = _dump(entry)
+        item_ids = [item["id"] for item in entry.items()]
         with self._lock:
             self._chars += len(data) - len(self._entries.get(response_id, ""))
             self._entries[response_id] = data
             self._entries.move_to_end(response_id)
-            self._holders.update((item["id"], response_id) for item in entry.items())
+            self._holders.update((item_id, response_id) for item_id in item_ids)
+            self._item_ids[response_id] = item_ids
             while len(self._entries) > 1 and (len(self._entries) > self.capacity
                                               or self._chars > MEMORY_STORE_CHARS):
                 self._drop(next(iter(self._entries)))
@@ -84,11 +87,10 @@ class MemoryStore:
             return True
 
     def _drop(self, response_id: str) -> None:
-        data = self._entries.pop(response_id)
-        self._chars -= len(data)
-        for item in _load(data).items():
-            if self._holders.get(item["id"]) == response_id:
-                del self._holders[item["id"]]
+        self._chars -= len(self._entries.pop(response_id))
+        for item_id in self._item_ids.pop(response_id):
+            if self._holders.get(item_id) == response_id:
+                del self._holders[item_id]
 
     def __len__(self) -> int:
         return len(self._entries)
