@@ -99,12 +99,12 @@ class ToolCallParser:
         # A forced call's marker or head begun, not its name: OpenAI's call comes with its
         # name (the function's, which was never in doubt) and the arguments written: none.
         nameless = (cut and self._forced is not None and not self.calls
-                    and (self._in_call or rest) and self._arguments is None)
+                    and (self._in_call or rest))
         if not self._in_call:
             return self._forced_call() if nameless else self._content("" if cut else rest)
         self._in_call = False
         events = self._call_text(rest)
-        if nameless and self._arguments is None:
+        if nameless and self._arguments is None:  # what was held back gave no name either
             self._body = ""
             return events + self._forced_call()
         return events + self._end_call(terminated=False, cut=cut)
