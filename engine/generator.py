@@ -41,6 +41,7 @@ from mlx import nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.api import SchedulerCounters
+from engine.compiled_read import CompiledReads
 from engine.grammar import GrammarState, apply_masks, draft_masks, masks
 from engine.hidden_states import HiddenStates
 from engine.kv import assemble
@@ -210,6 +211,13 @@ class Generator:
         # Sees a prefilling sequence's cache at each of its `snapshot_at` positions.
         self.at_snapshot = at_snapshot
         self.hidden = HiddenStates(model)
+        # On a GPU, reads of a shape seen before run from a trace (compiled_read.py); on
+        # the CPU a trace's fused kernels are C++ built by the system's compiler, seconds
+        # each, for forwards whose Python is a sliver of their time.
+        self.compiled_reads = (
+            CompiledReads(model, self.hidden)
+            if (mx.default_device() == mx.gpu and quantization is None and mrope is None
+                and CompiledReads.supports(model, self.hidden)) else None)
         self.prefilling: list[SequenceState] = []  # in the order their chunks are computed
         # Whether the last prefill let prompts it could finish go first (`_queue`).
         self._overtaken = False
@@ -561,11 +569,24 @@ class Generator:
         sentences (sharing one prefix), a rerank query's documents, an embedding
         instruction's inputs, texts sent again whose whole prompt the tree holds. Every
         row's scores come out of batch-wide ops and one read back, where a request per
-        row cost each sentence its own slices, reads and events (`Scheduler._read`)."""
-        _, logits, rows, ends = self._forward_rows(prefixes, feeds, max(map(len, feeds)))
-        states = self.hidden.take(rows, ends).astype(mx.float32) if hidden else None
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tokens = mx.argmax(logits, axis=-1)
+        row cost each sentence its own slices, reads and events (`Scheduler._read`). On a
+        GPU, rows over prefixes of one length in a shape read before run from a trace
+        (compiled_read.py)."""
+        width = max(map(len, feeds))
+        lengths = {span_tokens(spans) for spans in prefixes}
+        prefix = max(lengths)
+        if (self.compiled_reads is not None and len(lengths) == 1 and prefix
+                and self.compiled_reads.traced(len(feeds), width, prefix, hidden)):
+            cache = prefix_batch(prefixes, width, self.layers)
+            logprobs, states = self.compiled_reads.read(
+                mx.array([feed + [0] * (width - len(feed)) for feed in feeds]),
+                [layer.keys for layer in cache], [layer.values for layer in cache],
+                mx.array([len(feed) - 1 for feed in feeds]), hidden)
+        else:
+            _, logits, rows, ends = self._forward_rows(prefixes, feeds, width)
+            states = self.hidden.take(rows, ends).astype(mx.float32) if hidden else None
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = mx.argmax(logprobs, axis=-1)
         chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
         top_ids = top_values = picked = None
         if top:
