@@ -6,6 +6,9 @@ compiles a trace's fused kernels with the system's C++ compiler."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -93,3 +96,18 @@ def test_shapes_are_traced_the_second_time_and_let_go_of_together(model, monkeyp
     assert [reads.traced(128, 17, 48, False) for _ in range(2)] == [False, True]
     assert reads._functions is not functions  # the third trace let the first two go
     assert reads.traced(64, 17, 48, False) is True  # seen before: traced anew
+
+
+def test_a_generator_let_go_of_takes_its_traces_and_model_with_it(family_model_dir):
+    """A traced read's function holds the model (its weights are the trace's constants):
+    an unloaded model's memory must not stay behind in it."""
+    model = load(family_model_dir("llama"))[0]
+    generator = Generator(model)
+    generator.compiled_reads = CompiledReads(model, generator.hidden)
+    span = preamble_span(model)
+    for _ in range(2):
+        read(generator, span, SENTENCES)
+    gone = weakref.ref(model)
+    del model, generator, span
+    gc.collect()
+    assert gone() is None
