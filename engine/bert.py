@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -327,7 +328,7 @@ class SentenceEncoder:
     max_length: int
     dimensions: int
     # Dimensions the output may be cut to (Matryoshka); None: only its full size.
-    matryoshka: tuple[int, ...] | None
+    matryoshka: Sequence[int] | None
 
     def __call__(self, ids: mx.array, attention: mx.array,
                  token_types: mx.array | None = None) -> mx.array:

@@ -154,6 +154,10 @@ def _spelled(node: Any, parts: list[str | int], missing: bool) -> list[str | int
     but for a tag naming the object's own type."""
     if not parts:
         return []
+    if not isinstance(node, dict | list):
+        # A value of the wrong type: what is left of the path names the union's members
+        # it was tried as ("input.str" for an embeddings input sent as a number).
+        return [] if all(isinstance(part, str) for part in parts) else None
     part, rest = parts[0], parts[1:]
     if isinstance(node, dict) and part in node or isinstance(node, list) \
             and isinstance(part, int) and 0 <= part < len(node):

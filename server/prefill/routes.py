@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.api import Prompt, Readout
-from engine.embedding_config import matryoshka_dimensions
+from engine.embedding_config import hidden_size, matryoshka_dimensions
 from engine.tokenizer import ModelTokenizer
 from server.http.access_log import RequestStats
 from server.http.errors import APIError, shown
@@ -77,6 +77,9 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     async with state.models.use(body.model) as lease:
         served = lease.model
         inputs = _inputs(body.input, "input")
+        width = _embedding_width(served)  # None: known once computed
+        if width is not None:  # before minutes of work rather than after
+            _check_dimensions(body.dimensions, width, _matryoshka(served, width))
         embedded = await _embed(request, state, served, inputs, _indexed("input", len(inputs)))
         if embedded is None:
             return Response(status_code=CLIENT_CLOSED)
@@ -370,29 +373,48 @@ async def _embed(request: Request, state: ServerState, model: ServedModel,
             sum(r.cached_tokens for r in readings[0]))
 
 
-def _matryoshka(model: ServedModel, width: int) -> tuple[int, ...] | None:
-    engine = model.engine
+def _embedding_width(model: ServedModel) -> int | None:
+    """The values in one of the model's embeddings: an encoder's sentence embedding, a
+    causal model's last hidden state (None: its config does not say)."""
     if _is_encoder(model):
-        return engine.matryoshka
-    config = json.loads((engine.model_path / "config.json").read_text())
-    return matryoshka_dimensions(config, width)
+        return model.engine.dimensions
+    return hidden_size(_config(model))
 
 
-def _cut(vectors: np.ndarray, dimensions: int | None,
-         matryoshka: tuple[int, ...] | None) -> np.ndarray:
-    """The first `dimensions` values of each vector, renormalised (Matryoshka), where the
-    model was trained for it; the full vectors when not asked."""
-    width = vectors.shape[1]
+def _matryoshka(model: ServedModel, width: int) -> Sequence[int] | None:
+    if _is_encoder(model):
+        return model.engine.matryoshka
+    return matryoshka_dimensions(_config(model), width)
+
+
+def _config(model: ServedModel) -> dict:
+    return json.loads((model.engine.model_path / "config.json").read_text())
+
+
+def _check_dimensions(dimensions: int | None, width: int, sizes: Sequence[int] | None) -> None:
+    """A `dimensions` other than `width` is a 400 unless the model was trained to be cut
+    there (Matryoshka, `sizes`)."""
     if dimensions is None or dimensions == width:
-        return vectors
-    if matryoshka is None:
+        return
+    if sizes is None:
         raise APIError(400, f"this model's embeddings have {width} dimensions, not "
                        f"{dimensions}, and it does not support Matryoshka truncation: send "
                        f"dimensions {width} or none", code="invalid_request",
                        param="dimensions")
-    if dimensions not in matryoshka:
-        raise APIError(400, f"dimensions must be one of {list(matryoshka)} for this model",
+    if dimensions not in sizes:
+        allowed = (f"between {sizes[0]} and {sizes[-1]}" if isinstance(sizes, range)
+                   else f"one of {list(sizes)}")
+        raise APIError(400, f"dimensions must be {allowed} for this model",
                        code="invalid_request", param="dimensions")
+
+
+def _cut(vectors: np.ndarray, dimensions: int | None, sizes: Sequence[int] | None
+         ) -> np.ndarray:
+    """The first `dimensions` values of each vector, renormalised, where the model was
+    trained for it (`_check_dimensions`); the full vectors when not asked."""
+    _check_dimensions(dimensions, vectors.shape[1], sizes)
+    if dimensions is None or dimensions == vectors.shape[1]:
+        return vectors
     return _normalised(vectors[:, :dimensions])
 
 
@@ -439,7 +461,13 @@ async def _judge_scores(request: Request, state: ServerState, model: ServedModel
     # (with the instruction) is to blame rather than every document.
     prompts = await asyncio.to_thread(_judge_prompts, tokenizer, instruction, body.query,
                                       ["", *documents])
-    _check_lengths(model, [prompt.tokens for prompt in prompts], _rerank_params(documents))
+    params = _rerank_params(documents)
+    if body.instruction and len(prompts[0].tokens) > model.engine.context_length:
+        # Over with an empty query too: the instruction is to blame.
+        alone = await asyncio.to_thread(_judge_prompts, tokenizer, instruction, "", [""])
+        if len(alone[0].tokens) > model.engine.context_length:
+            params[0] = "instruction"
+    _check_lengths(model, [prompt.tokens for prompt in prompts], params)
     yes, no = (tokenizer.encode(word, special_tokens=False)[0] for word in ("yes", "no"))
     readings = await read_prompts(request, state, model,
                                   [(prompts[1:], Readout(token_ids=(yes, no)))])

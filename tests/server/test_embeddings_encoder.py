@@ -5,6 +5,7 @@ refused with OpenAI's error shape while the server goes on."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import time
@@ -208,6 +209,33 @@ def test_a_request_whose_client_left_stops_and_others_go_on(
         time.sleep(0.2)
 
 
+def test_a_short_request_behind_a_long_one_waits_for_one_forward(
+        encoder_server: ServerProcess) -> None:
+    """A word sent while another client's 1,024 long inputs are computed (13 forwards)
+    is answered a forward or two later, not after all of them: requests take turns a
+    forward at a time. The long one, abandoned then, stops."""
+
+    def forwards() -> float:
+        return encoder_server.metrics()["radix_mlx_engine_steps_total"]
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=encoder_server.url, timeout=600) as client:
+            before = forwards()
+            long = asyncio.create_task(client.post(
+                "/v1/embeddings", json={"input": ["word " * 200] * 1024}))
+            while forwards() == before:  # the long one is being computed
+                await asyncio.sleep(0.1)
+            short = await client.post("/v1/embeddings", json={"input": "a word"})
+            assert short.status_code == 200, short.text
+            assert forwards() - before <= 4
+            long.cancel()
+
+    asyncio.run(scenario())
+    after = httpx.post(f"{encoder_server.url}/v1/embeddings", timeout=60,
+                       json={"input": "still serving"})
+    assert after.status_code == 200, after.text
+
+
 def test_an_encoder_does_not_chat_or_classify(encoder_server: ServerProcess) -> None:
     for path, body in [("/v1/chat/completions", {"messages": [{"role": "user",
                                                                "content": "hi"}]}),
@@ -232,9 +260,10 @@ def test_a_router_can_register_and_probe_an_encoder(encoder_server: ServerProces
 def test_matryoshka_dimensions_truncate_and_renormalise(
         minilm_dir: Path, tmp_path: Path, reference) -> None:
     """Where config.json declares Matryoshka sizes (as vLLM reads them), `dimensions`
-    cuts each vector and renormalises it; a size not declared is a 400."""
+    cuts each vector and renormalises it; a size not declared, or wider than the
+    vector, is a 400."""
     variant = model_variant(minilm_dir, tmp_path / "minilm-matryoshka",
-                            {"config.json": {"matryoshka_dimensions": [384, 128, 64]}})
+                            {"config.json": {"matryoshka_dimensions": [768, 384, 128, 64]}})
     server = start_server(variant, tmp_path / "server.log")
     try:
         response = embed(server, input=TEXTS[:2], dimensions=64)
@@ -246,5 +275,8 @@ def test_matryoshka_dimensions_truncate_and_renormalise(
         assert np.allclose(np.linalg.norm(ours, axis=1), 1, atol=1e-5)
         assert cosines(ours, expected).min() >= 0.9999
         assert embed(server, input="x", dimensions=100).status_code == 400
+        too_wide = embed(server, input="x", dimensions=768)  # declared, but past 384
+        assert too_wide.status_code == 400, too_wide.text
+        assert "[384, 128, 64]" in too_wide.json()["error"]["message"]
     finally:
         server.stop()

@@ -248,15 +248,20 @@ def test_decoder_embeddings_share_their_instruction(real_server: ServerProcess,
         assert float(ours @ hidden) >= 0.9999
 
 
-def test_decoder_embeddings_refuse_matryoshka(real_server: ServerProcess) -> None:
+def test_decoder_embeddings_refuse_matryoshka_before_computing_any(
+        real_server: ServerProcess) -> None:
+    steps = real_server.metrics()["radix_mlx_engine_steps_total"]
     response = httpx.post(f"{real_server.url}/v1/embeddings", headers=AUTH, timeout=60,
-                          json={"input": "hi", "dimensions": 8})
+                          json={"input": ["a sentence to embed"] * 256, "dimensions": 8})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "dimensions"
+    assert real_server.metrics()["radix_mlx_engine_steps_total"] == steps
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"query": "word " * 9000, "documents": ["a"]}, "query", "maximum context length"),
+    ({"query": "q", "instruction": "word " * 9000, "documents": ["a"]}, "instruction",
+     "maximum context length"),
     ({"query": "q", "documents": ["a", "word " * 9000]}, "documents[1]",
      "maximum context length"),
     ({"query": "q", "documents": ["a", ""]}, "documents[1]", "is empty"),
