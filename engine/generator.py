@@ -1053,14 +1053,19 @@ def _spans(sequence: SequenceState, depth: int) -> list[Span]:
 
 
 def segment_spans(segments: Sequence[Any], depth: int) -> list[Span]:
-    """The first `depth` tokens of cached segments (a tree path's), as spans."""
+    """The first `depth` tokens of cached segments (a tree path's), as spans. Segments
+    holding fewer are a ValueError: a path with a node evicted from memory has no segment
+    for its tokens, and reading past the gap would attend to other positions' KV."""
     spans = []
+    left = depth
     for segment in segments:
-        n = min(depth, segment.length)
+        n = min(left, segment.length)
         if n == 0:
             break
         spans.append((segment.keys, segment.values, n))
-        depth -= n
+        left -= n
+    if left:
+        raise ValueError(f"the cached segments hold {depth - left} of {depth} tokens")
     return spans
 
 

@@ -57,6 +57,7 @@ from engine.api import (
     LastPosition,
     PromptImage,
     PromptLogprobs,
+    Readout,
     SamplingParams,
     SchedulerCounters,
     SpeculationConfig,
@@ -277,7 +278,8 @@ class BroughtBack:
 @dataclass(frozen=True)
 class HeldPrefix:
     """Readouts of one cacheable prefix the tree holds in memory (`Scheduler._read`): the
-    node it ends in, and its length, each readout's tokens before its own part."""
+    node it ends in (pinned while they are read), and its length, each readout's tokens
+    before its own part."""
 
     readouts: list[Generation]
     node: Node
@@ -716,45 +718,48 @@ class Scheduler:
             if first is None:
                 break
             held = self._held_prefixes(first.params, passed)
-            if first.params.readout.cache_only:  # held whole: nothing to compute
-                for prefix in held:
-                    self._leave_reading(prefix.readouts)
-                    for generation in prefix.readouts:
-                        self._finish_read(generation, prefix.depth, None)
-                continue
-            if not held:
-                continue
-            batch, width = self._read_batch(held, budget - fed)
-            self._leave_reading([generation for generation, _ in batch])
-            nodes = list({id(prefix.node): prefix.node for _, prefix in batch}.values())
-            segments = {id(node): self.kv.segments_of(node) for node in nodes}
-            for node in nodes:
-                self.tree.pin(node)
-            readout = first.params.readout
             try:
-                readings = self.generator.read_together(
-                    [segment_spans(segments[id(prefix.node)], prefix.depth)
-                     for _, prefix in batch],
-                    [g.tokens[prefix.depth:] for g, prefix in batch], readout.top_logprobs,
-                    readout.token_ids, readout.hidden)
-            except Exception:  # one by one, the general way fails the culprit alone
-                log.exception("reading %d prompts together failed", len(batch))
-                self.waiting.extend(generation for generation, _ in batch)
-                continue
+                fed += self._read_held(first.params.readout, held, budget - fed)
             finally:
-                for node in nodes:
-                    self.tree.unpin(node)
-            fed += width * len(batch)
-            lasts = last_positions(readings, self.loaded.tokenizer)
-            for (generation, prefix), last in zip(batch, lasts):
-                self._finish_read(generation, prefix.depth, last)
+                for prefix in held:
+                    self.tree.unpin(prefix.node)
         return fed
+
+    def _read_held(self, readout: Readout, held: list[HeldPrefix], budget: int) -> int:
+        """Read one batch of the readouts of `held` (`_read`); the positions fed."""
+        if readout.cache_only:  # held whole: nothing to compute
+            for prefix in held:
+                self._leave_reading(prefix.readouts)
+                for generation in prefix.readouts:
+                    self._finish_read(generation, prefix.depth, None)
+            return 0
+        if not held:
+            return 0
+        batch, width = self._read_batch(held, budget)
+        self._leave_reading([generation for generation, _ in batch])
+        segments = {id(prefix.node): self.kv.segments_of(prefix.node) for _, prefix in batch}
+        try:
+            readings = self.generator.read_together(
+                [segment_spans(segments[id(prefix.node)], prefix.depth)
+                 for _, prefix in batch],
+                [g.tokens[prefix.depth:] for g, prefix in batch], readout.top_logprobs,
+                readout.token_ids, readout.hidden)
+        except Exception:  # one by one, the general way fails the culprit alone
+            log.exception("reading %d prompts together failed", len(batch))
+            self.waiting.extend(generation for generation, _ in batch)
+            return 0
+        lasts = last_positions(readings, self.loaded.tokenizer)
+        for (generation, prefix), last in zip(batch, lasts):
+            self._finish_read(generation, prefix.depth, last)
+        return width * len(batch)
 
     def _held_prefixes(self, params: SamplingParams, passed: set[int]) -> list[HeldPrefix]:
         """The readouts in `reading` of `params` (not in `passed`) whose cacheable prefix
-        the tree holds in memory, by prefix. Prefixes on disk are loaded back first; a
-        prefix the tree lacks has its readouts wait for an opener (added to `passed`), or
-        sent the general way."""
+        the tree holds in memory, by prefix, each prefix's node pinned (the caller unpins
+        it): loading the next prefix from disk makes room in memory, and would otherwise
+        evict one already found, whose readouts would then read over what is left of it.
+        Prefixes on disk are loaded back first; a prefix the tree lacks has its readouts
+        wait for an opener (added to `passed`), or sent the general way."""
         groups: dict[tuple[int, ...], list[Generation]] = {}
         for generation in self.reading:
             if id(generation) not in passed and (generation.params is params
@@ -772,6 +777,7 @@ class Scheduler:
                     passed.update(map(id, group))
                 continue
             self.opening.pop(key, None)
+            self.tree.pin(match.node)
             held.append(HeldPrefix(group, match.node, len(prefix)))
         return held
 

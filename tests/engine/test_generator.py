@@ -4,12 +4,14 @@ tokens, the same keys and values a fresh prefill of those tokens gives."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from engine.generator import Generator, PrefillResult, SequenceState
+from engine.generator import Generator, PrefillResult, SequenceState, segment_spans
 from engine.kv import KVSegment
 from tests.faults import FaultInjectingModel
 
@@ -349,3 +351,12 @@ def test_a_gpu_batch_stops_looking_for_drafts_that_do_not_pay_but_on_rows_still_
             assert looked.count(0) >= 39
         else:  # 4 rows looking at every step would look 160 times
             assert len(set(looked)) == 4 and len(looked) <= 20
+
+
+def test_segments_holding_fewer_tokens_than_asked_are_refused() -> None:
+    """A path whose node left memory has no segment for its tokens: reading on past the
+    gap would attend over other positions' KV."""
+    segment = SimpleNamespace(keys=[], values=[], length=10)  # what a span reads of one
+    assert [n for _, _, n in segment_spans([segment, segment], 15)] == [10, 5]
+    with pytest.raises(ValueError, match="hold 20 of 25 tokens"):
+        segment_spans([segment, segment], 25)
