@@ -151,24 +151,39 @@ def _spelled(node: Any, parts: list[str | int], missing: bool) -> list[str | int
     """The parts of a validation error's path that walk the JSON `node` (None: no way
     through). A part that is no key or index of where the walk stands is a union's tag,
     unless it is the last: a field the body lacks (missing, or checked though not sent)
-    but for a tag naming the object's own type."""
+    but for a tag naming the object's own type. A value of the wrong type ends the walk
+    where no other reading of the path gets through the body: what is left of it names
+    the union's members the value was tried as ("input.str", an embeddings input sent
+    as a number, is "input")."""
     if not parts:
         return []
-    if not isinstance(node, dict | list):
-        # A value of the wrong type: what is left of the path names the union's members
-        # it was tried as ("input.str" for an embeddings input sent as a number).
-        return [] if all(isinstance(part, str) for part in parts) else None
     part, rest = parts[0], parts[1:]
-    if isinstance(node, dict) and part in node or isinstance(node, list) \
-            and isinstance(part, int) and 0 <= part < len(node):
+    inside = isinstance(node, dict) and part in node or isinstance(node, list) \
+        and isinstance(part, int) and 0 <= part < len(node)
+    if inside:
         walked = _spelled(node[part], rest, missing)
         if walked is not None:
             return [part, *walked]
     if not rest and (missing or isinstance(node, dict) and node.get("type") != part):
         return [part]
     if isinstance(part, str) and isinstance(node, dict | list):
-        return _spelled(node, rest, missing)
+        skipped = _spelled(node, rest, missing)
+        if (inside and not isinstance(node[part], dict | list)
+                and all(isinstance(tag, str) for tag in rest)
+                and (skipped is None or not _in_body(node, skipped))):
+            return [part]
+        return skipped
     return None
+
+
+def _in_body(node: Any, path: list[str | int]) -> bool:
+    for part in path:
+        if isinstance(node, dict) and part in node or isinstance(node, list) \
+                and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        else:
+            return False
+    return True
 
 
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
