@@ -765,20 +765,25 @@ class Scheduler:
             if id(generation) not in passed and (generation.params is params
                                                  or generation.params == params):
                 groups.setdefault(tuple(generation.cacheable), []).append(generation)
-        held = []
-        for key, group in groups.items():
-            prefix = group[0].cacheable
-            match = self.tree.match(prefix)
-            if match.disk:
-                self._load_from_disk(match.disk)
-                match = self.tree.match(prefix)  # what was loaded is in memory now
-            if match.disk or match.length < len(prefix):
-                if self._wait_for_opener(prefix, group):
-                    passed.update(map(id, group))
-                continue
-            self.opening.pop(key, None)
-            self.tree.pin(match.node)
-            held.append(HeldPrefix(group, match.node, len(prefix)))
+        held: list[HeldPrefix] = []
+        try:
+            for key, group in groups.items():
+                prefix = group[0].cacheable
+                match = self.tree.match(prefix)
+                if match.disk:
+                    self._load_from_disk(match.disk)
+                    match = self.tree.match(prefix)  # what was loaded is in memory now
+                if match.disk or match.length < len(prefix):
+                    if self._wait_for_opener(prefix, group):
+                        passed.update(map(id, group))
+                    continue
+                self.opening.pop(key, None)
+                self.tree.pin(match.node)
+                held.append(HeldPrefix(group, match.node, len(prefix)))
+        except BaseException:
+            for prefix in held:
+                self.tree.unpin(prefix.node)
+            raise
         return held
 
     def _finish_read(self, generation: Generation, cached: int, last: LastPosition | None

@@ -582,39 +582,74 @@ async def test_a_preamble_on_disk_is_loaded_back_for_a_list(llama_dir, llama_ref
             engine.shutdown()
 
 
+TWO_PREAMBLES = [PREAMBLE, PREAMBLE.replace("positive", "happy")]
+
+
+async def two_lists_on_disk(llama_dir, tmp_path, readout_of) -> tuple[Engine, list, int]:
+    """An engine over a disk tier holding two lists' 25-token preambles (one params for
+    both: the same length), with memory for 16 tokens, neither preamble in it; and the
+    lists and their shared length."""
+    for run in range(2):
+        # Memory for 16 of the tiny llama's tokens: each preamble lives on disk.
+        engine = start_engine(llama_dir, cache_bytes=16 * 512, disk_cache_dir=str(tmp_path),
+                              disk_cache_bytes=1 << 24)
+        assert engine.disk.rebuilt.wait(30)
+        lists = [[encode(engine, preamble) + encode(engine, " " + review)
+                  for review in REVIEWS] for preamble in TWO_PREAMBLES]
+        shared = len(encode(engine, TWO_PREAMBLES[0]))
+        assert shared == len(encode(engine, TWO_PREAMBLES[1])) > 16
+        if run == 0:
+            for prompts in lists:
+                await read(engine, prompts, readout_of(shared))
+            assert engine.disk.flush(30)
+            engine.shutdown()
+    return engine, lists, shared
+
+
 async def test_lists_whose_preambles_are_loaded_from_disk_together_read_over_them_whole(
         llama_dir, llama_reference, tmp_path):
     """Two lists over two preambles on disk, read in one step, with memory for neither:
     loading the second preamble makes room in memory, and must not take the first, found
     just before, from under its list (its rows read over what is left of it: a sweep saw
     a classify answer from another state). Each prompt reads what it alone reads."""
-    preambles = [PREAMBLE, PREAMBLE.replace("positive", "happy")]
-    for run in range(2):
-        # Memory for 16 of the tiny llama's tokens: each 25-token preamble lives on disk.
-        engine = start_engine(llama_dir, cache_bytes=16 * 512, disk_cache_dir=str(tmp_path),
-                              disk_cache_bytes=1 << 24)
-        try:
-            assert engine.disk.rebuilt.wait(30)
-            lists = [[encode(engine, preamble) + encode(engine, " " + review)
-                      for review in REVIEWS] for preamble in preambles]
-            shared = len(encode(engine, preambles[0]))
-            assert shared == len(encode(engine, preambles[1])) > 16  # one params for both
-            readout = Readout(top_logprobs=2, cached_prefix=shared)
-            if run == 0:
-                for prompts in lists:
-                    await read(engine, prompts, readout)
-            else:
-                results = await asyncio.gather(*(read(engine, prompts, readout)
-                                                 for prompts in lists))
-                for prompts, readings in zip(lists, results):
-                    for prompt, (last, finish) in zip(prompts, readings):
-                        assert finish.cached_tokens == shared
-                        assert_reads(last, llama_reference, prompt, readout)
-                assert engine.stats().disk.loads >= 2
-            assert engine.disk.flush(30)
-            assert (await settled(engine)).tree.pinned_bytes == 0
-        finally:
-            engine.shutdown()
+    engine, lists, shared = await two_lists_on_disk(
+        llama_dir, tmp_path, lambda shared: Readout(top_logprobs=2, cached_prefix=shared))
+    try:
+        readout = Readout(top_logprobs=2, cached_prefix=shared)
+        results = await asyncio.gather(*(read(engine, prompts, readout) for prompts in lists))
+        for prompts, readings in zip(lists, results):
+            for prompt, (last, finish) in zip(prompts, readings):
+                assert finish.cached_tokens == shared
+                assert_reads(last, llama_reference, prompt, readout)
+        assert engine.stats().disk.loads >= 2
+        assert (await settled(engine)).tree.pinned_bytes == 0
+    finally:
+        engine.shutdown()
+
+
+async def test_a_read_whose_second_prefix_fails_to_load_leaves_nothing_pinned(
+        llama_dir, tmp_path):
+    """The first list's preamble is found and held, then the second one's load raises
+    what nothing expected: the step fails its readouts, and lets go of the first."""
+    engine, lists, shared = await two_lists_on_disk(
+        llama_dir, tmp_path, lambda shared: Readout(cached_prefix=shared))
+    try:
+        loads = []
+        load = engine.disk.load
+
+        def second_raises(*args: Any) -> Any:
+            loads.append(args)
+            if len(loads) == 2:
+                raise RuntimeError("a bug below the disk tier")
+            return load(*args)
+
+        engine.disk.load = second_raises
+        await asyncio.gather(*(read(engine, prompts, Readout(cached_prefix=shared))
+                               for prompts in lists))
+        assert len(loads) >= 2
+        assert (await settled(engine)).tree.pinned_bytes == 0
+    finally:
+        engine.shutdown()
 
 
 async def test_clearing_the_cache_while_lists_are_read_changes_no_answer(counted,
