@@ -39,6 +39,7 @@ tokens, and is woken through the inbox (`Wake`) to be admitted again.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import queue
@@ -717,12 +718,8 @@ class Scheduler:
             first = next((g for g in self.reading if id(g) not in passed), None)
             if first is None:
                 break
-            held = self._held_prefixes(first.params, passed)
-            try:
+            with self._held_prefixes(first.params, passed) as held:
                 fed += self._read_held(first.params.readout, held, budget - fed)
-            finally:
-                for prefix in held:
-                    self.tree.unpin(prefix.node)
         return fed
 
     def _read_held(self, readout: Readout, held: list[HeldPrefix], budget: int) -> int:
@@ -753,13 +750,16 @@ class Scheduler:
             self._finish_read(generation, prefix.depth, last)
         return width * len(batch)
 
-    def _held_prefixes(self, params: SamplingParams, passed: set[int]) -> list[HeldPrefix]:
+    @contextlib.contextmanager
+    def _held_prefixes(self, params: SamplingParams, passed: set[int]
+                       ) -> Iterator[list[HeldPrefix]]:
         """The readouts in `reading` of `params` (not in `passed`) whose cacheable prefix
-        the tree holds in memory, by prefix, each prefix's node pinned (the caller unpins
-        it): loading the next prefix from disk makes room in memory, and would otherwise
-        evict one already found, whose readouts would then read over what is left of it.
-        Prefixes on disk are loaded back first; a prefix the tree lacks has its readouts
-        wait for an opener (added to `passed`), or sent the general way."""
+        the tree holds in memory, by prefix, each prefix's node pinned from when it is
+        found until the block ends: loading the next prefix from disk makes room in
+        memory, and would otherwise evict one already found, whose readouts would then
+        read over what is left of it. Prefixes on disk are loaded back first; a prefix
+        the tree lacks has its readouts wait for an opener (added to `passed`), or sent
+        the general way."""
         groups: dict[tuple[int, ...], list[Generation]] = {}
         for generation in self.reading:
             if id(generation) not in passed and (generation.params is params
@@ -780,11 +780,10 @@ class Scheduler:
                 self.opening.pop(key, None)
                 self.tree.pin(match.node)
                 held.append(HeldPrefix(group, match.node, len(prefix)))
-        except BaseException:
+            yield held
+        finally:
             for prefix in held:
                 self.tree.unpin(prefix.node)
-            raise
-        return held
 
     def _finish_read(self, generation: Generation, cached: int, last: LastPosition | None
                      ) -> None:
