@@ -158,8 +158,7 @@ def _spelled(node: Any, parts: list[str | int], missing: bool) -> list[str | int
     if not parts:
         return []
     part, rest = parts[0], parts[1:]
-    inside = isinstance(node, dict) and part in node or isinstance(node, list) \
-        and isinstance(part, int) and 0 <= part < len(node)
+    inside = _has(node, part)
     if inside:
         walked = _spelled(node[part], rest, missing)
         if walked is not None:
@@ -178,12 +177,16 @@ def _spelled(node: Any, parts: list[str | int], missing: bool) -> list[str | int
 
 def _in_body(node: Any, path: list[str | int]) -> bool:
     for part in path:
-        if isinstance(node, dict) and part in node or isinstance(node, list) \
-                and isinstance(part, int) and 0 <= part < len(node):
-            node = node[part]
-        else:
+        if not _has(node, part):
             return False
+        node = node[part]
     return True
+
+
+def _has(node: Any, part: str | int) -> bool:
+    """Whether `part` is a key of the JSON object `node`, or an index of the array."""
+    return (isinstance(node, dict) and part in node
+            or isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node))
 
 
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
