@@ -77,14 +77,16 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     async with state.models.use(body.model) as lease:
         served = lease.model
         inputs = _inputs(body.input, "input")
-        width = _embedding_width(served)  # None: known once computed
+        width, sizes = _embedding_sizes(served)
         if width is not None:  # before minutes of work rather than after
-            _check_dimensions(body.dimensions, width, _matryoshka(served, width))
+            _check_dimensions(body.dimensions, width, sizes)
         embedded = await _embed(request, state, served, inputs, _indexed("input", len(inputs)))
         if embedded is None:
             return Response(status_code=CLIENT_CLOSED)
         vectors, prompt_tokens, cached = embedded
-        vectors = _cut(vectors, body.dimensions, _matryoshka(served, vectors.shape[1]))
+        if width is None:  # the model's config did not say: the vectors do
+            _check_dimensions(body.dimensions, *_embedding_sizes(served, vectors.shape[1]))
+        vectors = _cut(vectors, body.dimensions)
     model = state.models.name_for(served, body.model)
     data = [Embedding(index=i, embedding=_encoded(vector, body.encoding_format))
             for i, vector in enumerate(vectors)]
@@ -373,22 +375,16 @@ async def _embed(request: Request, state: ServerState, model: ServedModel,
             sum(r.cached_tokens for r in readings[0]))
 
 
-def _embedding_width(model: ServedModel) -> int | None:
-    """The values in one of the model's embeddings: an encoder's sentence embedding, a
-    causal model's last hidden state (None: its config does not say)."""
+def _embedding_sizes(model: ServedModel, width: int | None = None
+                     ) -> tuple[int | None, Sequence[int] | None]:
+    """The values in one of the model's embeddings, an encoder's sentence embedding or a
+    causal model's last hidden state (`width` where known; None where its config does
+    not say), and the sizes it may be cut to (Matryoshka; None: only its own)."""
     if _is_encoder(model):
-        return model.engine.dimensions
-    return hidden_size(_config(model))
-
-
-def _matryoshka(model: ServedModel, width: int) -> Sequence[int] | None:
-    if _is_encoder(model):
-        return model.engine.matryoshka
-    return matryoshka_dimensions(_config(model), width)
-
-
-def _config(model: ServedModel) -> dict:
-    return json.loads((model.engine.model_path / "config.json").read_text())
+        return model.engine.dimensions, model.engine.matryoshka
+    config = json.loads((model.engine.model_path / "config.json").read_text())
+    width = width or hidden_size(config)
+    return width, None if width is None else matryoshka_dimensions(config, width)
 
 
 def _check_dimensions(dimensions: int | None, width: int, sizes: Sequence[int] | None) -> None:
@@ -408,11 +404,9 @@ def _check_dimensions(dimensions: int | None, width: int, sizes: Sequence[int] |
                        code="invalid_request", param="dimensions")
 
 
-def _cut(vectors: np.ndarray, dimensions: int | None, sizes: Sequence[int] | None
-         ) -> np.ndarray:
-    """The first `dimensions` values of each vector, renormalised, where the model was
-    trained for it (`_check_dimensions`); the full vectors when not asked."""
-    _check_dimensions(dimensions, vectors.shape[1], sizes)
+def _cut(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
+    """The first `dimensions` values of each vector (checked: `_check_dimensions`),
+    renormalised; the full vectors when not asked."""
     if dimensions is None or dimensions == vectors.shape[1]:
         return vectors
     return _normalised(vectors[:, :dimensions])
