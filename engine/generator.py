@@ -554,8 +554,8 @@ class Generator:
             layer.prepare(right_padding=[width - len(feed) for feed in feeds])
         aligned = len({span_tokens(spans) for spans in prefixes}) == 1
         forward_cache = causal_rows(cache) if aligned else cache
-        inputs = mx.array([feed + [0] * (width - len(feed)) for feed in feeds])
-        rows, ends = mx.arange(len(feeds)), mx.array([len(feed) - 1 for feed in feeds])
+        inputs, ends = _right_padded(feeds, width)
+        rows = mx.arange(len(feeds))
         if self.hidden.available:
             with self.hidden.narrowed(rows, ends):
                 return cache, self._run(inputs, forward_cache)[:, 0], rows, ends
@@ -578,10 +578,10 @@ class Generator:
         if (self.compiled_reads is not None and len(lengths) == 1 and prefix
                 and self.compiled_reads.traced(len(feeds), width, prefix, hidden)):
             cache = prefix_batch(prefixes, width, self.layers)
+            inputs, ends = _right_padded(feeds, width)
             logprobs, states = self.compiled_reads.read(
-                mx.array([feed + [0] * (width - len(feed)) for feed in feeds]),
-                [layer.keys for layer in cache], [layer.values for layer in cache],
-                mx.array([len(feed) - 1 for feed in feeds]), hidden)
+                inputs, [layer.keys for layer in cache], [layer.values for layer in cache],
+                ends, hidden)
         else:
             _, logits, rows, ends = self._forward_rows(prefixes, feeds, width)
             states = self.hidden.take(rows, ends).astype(mx.float32) if hidden else None
@@ -1050,6 +1050,13 @@ def _spans(sequence: SequenceState, depth: int) -> list[Span]:
         cache = sequence.cache
         return [([c.keys for c in cache], [c.values for c in cache], depth)] if depth else []
     return segment_spans(sequence.prefix, depth)
+
+
+def _right_padded(feeds: Sequence[list[int]], width: int) -> tuple[mx.array, mx.array]:
+    """`feeds` as one (rows, width) array, each right-padded, and each one's last
+    position."""
+    return (mx.array([feed + [0] * (width - len(feed)) for feed in feeds]),
+            mx.array([len(feed) - 1 for feed in feeds]))
 
 
 def segment_spans(segments: Sequence[Any], depth: int) -> list[Span]:
