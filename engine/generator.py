@@ -1,5 +1,6 @@
 """Continuous batching on mlx-lm models: each prompt is prefilled on its own cache, in
-chunks; then it joins the decode batch, which runs one forward per step for all.
+chunks, the last of which samples its first token and adds it to the decode batch, which
+runs one forward per step for all.
 
 Why not mlx-lm's `BatchGenerator`: it prefills prompts together, right-padded to the
 longest prompt and left-padded to the longest cached prefix, so a 40-token question
@@ -103,7 +104,8 @@ class SequenceState:
     wants_logprobs: bool
     top_logprobs: int = 0  # alternatives reported beside the sampled token's logprob
     # Positions (lengths of `tokens`) where prefill ends a chunk and calls the generator's
-    # `at_snapshot`: ascending, inside the prompt's `unfed` tokens but its last.
+    # `at_snapshot`: ascending, inside the prompt's `unfed` tokens but its last. (Only a
+    # model whose cache is not all plain KV snapshots; its prompts `join` the batch.)
     snapshot_at: list[int] = field(default_factory=list)
     # The cached segments (each `length` tokens of per-layer `keys` and `values`) `cache`
     # was built from, the same objects for sequences that share them, until it is fed:
@@ -179,13 +181,14 @@ class Readings:
 
 @dataclass
 class PrefillResult:
-    # Their prompt is computed: all but its last token, which they feed when they join
-    # the batch at the next `decode`, or (prefilled together) all of it, and they are in
-    # the batch already. Either way `Generator.caches_of` holds their `tokens`' KV.
+    # Their prompt is computed: all of it, and they are in the batch already; or, where
+    # they `join` the batch at the next `decode` (background work, models whose caches
+    # are not all plain KV), all but its last token. Either way `Generator.caches_of`
+    # holds their `tokens`' KV.
     done: list[SequenceState] = field(default_factory=list)
-    # The first tokens of those prefilled together (unconstrained ones), sampled and read
-    # back in this step: a request that ends at its first token (a classifier's one-token
-    # answer) leaves before any decode step feeds it.
+    # The first tokens of those in the batch already (unconstrained ones), sampled and
+    # read back in this step: a request that ends at its first token (a classifier's
+    # one-token answer) leaves before any decode step feeds it.
     outputs: list[Output] = field(default_factory=list)
     # A prefill chunk raised: only that sequence failed, and it is out of the generator.
     failed: list[tuple[SequenceState, Exception]] = field(default_factory=list)
@@ -207,7 +210,12 @@ class Generator:
         self.mrope = mrope
         self.counters = counters or SchedulerCounters()  # where it counts speculative steps
         self.quantization = quantization  # a quantized server's (kv_quant.py)
-        self.layers = len(make_prompt_cache(model))
+        cache = make_prompt_cache(model)
+        self.layers = len(cache)
+        # Whether a client's prompt is fed whole in prefill (`_finishes`).
+        self.plain_kv = supports_segments(cache)
+        if mrope is not None and not self.plain_kv:  # `_join` feeds no M-RoPE placement
+            raise ValueError("an M-RoPE model's caches must all be plain KV")
         # Sees a prefilling sequence's cache at each of its `snapshot_at` positions.
         self.at_snapshot = at_snapshot
         self.hidden = HiddenStates(model)
@@ -221,7 +229,9 @@ class Generator:
         self.prefilling: list[SequenceState] = []  # in the order their chunks are computed
         # Whether the last prefill let prompts it could finish go first (`_queue`).
         self._overtaken = False
-        self.ready: list[SequenceState] = []  # prompt computed but its last token: joins next
+        # Prompts computed but their last token (`_finishes` not): they join at the next
+        # decode, or (background work) end there.
+        self.ready: list[SequenceState] = []
         self.rows: list[SequenceState] = []  # the decode batch, in the order of its cache rows
         self.cache: list[Any] | None = None  # the batch's; a lone row's own cache when B=1
         self.inputs: mx.array | None = None  # (B,) tokens to feed next: sampled, lazy
@@ -286,23 +296,15 @@ class Generator:
         return Placement(shifts=mx.array(deltas)) if any(deltas) else None
 
     def join(self) -> list[Output]:
-        """Add the sequences whose prompt is computed to the decode batch, and return
-        their first tokens, read now (`_first_outputs`): the caller can send them before
-        the step's decode forward, which they used to wait for (on a GPU, where queuing a
-        forward returns once it is nearly done, the whole decode step; on the CPU, the
-        running batch's last forward, evaluated with theirs)."""
-        together, joined = [], []
-        for sequence in self.ready:
-            if self.mrope is not None and sequence.images is not None:
-                # At its prompt's M-RoPE placement.
-                joined.append(([sequence], self._join([sequence])))
-            else:
-                together.append(sequence)
-        if together:
-            joined.append((together, self._join(together)))
-        self.ready = []
-        return [output for sequences, first in joined
-                for output in _first_outputs(sequences, first)]
+        """Add the sequences whose prompt is computed but its last token to the decode
+        batch, and return their first tokens, read now (`_first_outputs`): the caller can
+        send them before the step's decode forward, which they used to wait for (on a
+        GPU, where queuing a forward returns once it is nearly done, the whole decode
+        step; on the CPU, the running batch's last forward, evaluated with theirs)."""
+        if not self.ready:
+            return []
+        sequences, self.ready = self.ready, []
+        return _first_outputs(sequences, self._join(sequences))
 
     def decode(self) -> list[Output]:
         """Run one decode step (after `join`ing what is ready). Returns the tokens sampled
@@ -318,7 +320,7 @@ class Generator:
     def prefill(self, budget: int) -> PrefillResult:
         """Feed up to `budget` prompt tokens, in chunks, to the sequences in order (those
         it can finish first, every other step: `_queue`), and stop once a prompt is
-        complete: its first token then comes at the next step instead of waiting for the
+        complete: its first token, sampled in this step, then does not wait for the
         prompts behind it (with 8 prompts arriving together on an H100, finishing several
         per step put multi-turn TTFT p50 at 0.37 s instead of 0.10 s)."""
         result = PrefillResult()
@@ -346,27 +348,47 @@ class Generator:
         if self._overtaken:
             self._overtaken = False
             return queue
-        reordered = ([s for s in queue if len(s.unfed) - 1 <= budget]
-                     + [s for s in queue if len(s.unfed) - 1 > budget])
+        reordered = ([s for s in queue if self._to_feed(s) <= budget]
+                     + [s for s in queue if self._to_feed(s) > budget])
         self._overtaken = any(a is not b for a, b in zip(reordered, queue))
         return reordered
+
+    def _finishes(self, sequence: SequenceState) -> bool:
+        """Whether prefill feeds the prompt's last token too, and samples its first token
+        from it: a client's, on a plain KV cache. A prompt computed alone used to feed
+        that token when it joined the batch at the next step, a forward of its own that
+        its first token waited for (on an H200, of a 6,000-token document's warm TTFT of
+        ~20 ms in process, 7.6 ms). Background work wants only its prompt's KV; a
+        whole-state snapshot is published as the cache holds it at the prompt's end but
+        its last token (the tree's key), so those prompts still `join`."""
+        return self.plain_kv and not sequence.background
+
+    def _to_feed(self, sequence: SequenceState) -> int:
+        """The prompt tokens prefill still feeds `sequence`."""
+        return len(sequence.unfed) - (0 if self._finishes(sequence) else 1)
 
     def _feed_one(self, sequence: SequenceState, budget: int, result: PrefillResult) -> bool:
         """`_feed` one sequence, into `result`; whether the next may be fed in this step
         (budget left, and no prompt completed)."""
         try:
-            fed = self._feed(sequence, budget)
+            fed, last = self._feed(sequence, budget)
+            first = None if last is None else self._enter([sequence], sequence.cache, *last)
         except Exception as error:  # noqa: BLE001 - only this sequence's cache is touched
             self.prefilling.remove(sequence)
             result.failed.append((sequence, error))
             return True
         result.tokens += fed
-        if len(sequence.unfed) == 1:
+        if first is not None:
+            self.prefilling.remove(sequence)
+            result.outputs += _first_outputs([sequence], first)
+            result.done.append(sequence)
+        elif not self._to_feed(sequence):
             self._prompt_done(sequence, result)
         return budget > fed and not result.done
 
     def _prompt_done(self, sequence: SequenceState, result: PrefillResult) -> None:
-        """All but its last token fed: it joins the batch at the next decode."""
+        """All but its last token fed: it joins the batch at the next decode (background
+        work: it ends there)."""
         self.prefilling.remove(sequence)
         self.ready.append(sequence)
         result.done.append(sequence)
@@ -413,43 +435,65 @@ class Generator:
         result.tokens += width * len(group)
         return True
 
-    def _feed(self, sequence: SequenceState, budget: int) -> int:
-        """Feed up to `budget` of the sequence's prompt tokens (never its last), in chunks
-        that end at each of its `snapshot_at` positions, where `at_snapshot` sees the cache.
-        Returns how many."""
+    def _feed(self, sequence: SequenceState, budget: int
+              ) -> tuple[int, tuple[mx.array, mx.array | None] | None]:
+        """Feed up to `budget` of the sequence's prompt tokens (its last only if it
+        `_finishes`), in chunks that end at each of its `snapshot_at` positions, where
+        `at_snapshot` sees the cache. Returns how many, and once the last is fed, the
+        logits at it and its hidden state (None unless `wants_hidden`)."""
         self._build_cache(sequence)
-        fed = 0
-        while fed < budget and len(sequence.unfed) > 1:
-            count = min(len(sequence.unfed) - 1, budget - fed)
+        fed, last = 0, None
+        while fed < budget and self._to_feed(sequence):
+            count = min(self._to_feed(sequence), budget - fed)
             if sequence.snapshot_at:
                 count = min(count, sequence.snapshot_at[0] - len(sequence.tokens))
             chunk = sequence.unfed[:count]
             sequence.prefix = None  # the cache holds more from now on
-            self._forward(sequence, chunk)
+            if count < len(sequence.unfed):
+                self._forward(sequence, chunk)
+            else:
+                last = self._forward_last(sequence, chunk)
+                if sequence.processors:
+                    sequence.context = mx.concatenate(
+                        [sequence.context, mx.array(chunk[-1:], mx.uint32)])
             # Computed before the step goes on, as mlx_lm.generate does: a step's wall
             # time is then its own work, which the prefill budget measures.
-            mx.eval([c.state for c in sequence.cache])
+            mx.eval([c.state for c in sequence.cache],
+                    [a for a in last if a is not None] if last else [])
             sequence.tokens += chunk
             del sequence.unfed[:count]
             fed += count
             if sequence.snapshot_at and sequence.snapshot_at[0] == len(sequence.tokens):
                 sequence.snapshot_at.pop(0)
                 self.at_snapshot(sequence)
-        return fed
+        return fed, last
 
-    def _forward(self, sequence: SequenceState, chunk: list[int]) -> None:
+    def _forward_last(self, sequence: SequenceState, chunk: list[int]
+                      ) -> tuple[mx.array, mx.array | None]:
+        """`_forward` of a prompt's last chunk: the logits at its last position (the
+        head computed there alone where the model allows), and the hidden state there if
+        the sequence `wants_hidden`."""
+        row, end = mx.array([0]), mx.array([len(chunk) - 1])
+        if self.hidden.available:
+            with self.hidden.narrowed(row, end):
+                logits = self._forward(sequence, chunk)[:, 0]
+        else:
+            logits = self._forward(sequence, chunk)[:, -1]
+        return logits, self.hidden.take(row, end) if sequence.wants_hidden else None
+
+    def _forward(self, sequence: SequenceState, chunk: list[int]) -> mx.array:
         """Run `chunk`, the sequence's next prompt tokens, into its cache: as ids, or as
-        input embeddings where it holds image tokens."""
+        input embeddings where it holds image tokens. Returns the logits, lazily (the
+        head runs only if they are evaluated)."""
         embeddings = placement = None
         if sequence.images is not None:
             prompt, start = sequence.tokens + sequence.unfed, len(sequence.tokens)
             embeddings = sequence.images.inputs(prompt, start, start + len(chunk))
             placement = sequence.images.placement(prompt, start, start + len(chunk))
         if embeddings is None:
-            self._run(mx.array([chunk]), sequence.cache, placement)
-        else:
-            self._run(mx.array([sequence.images.model_ids(chunk)]), sequence.cache, placement,
-                      input_embeddings=embeddings[None])
+            return self._run(mx.array([chunk]), sequence.cache, placement)
+        return self._run(mx.array([sequence.images.model_ids(chunk)]), sequence.cache,
+                         placement, input_embeddings=embeddings[None])
 
     def _build_cache(self, sequence: SequenceState) -> None:
         """Give a sequence its own cache, assembled from `prefix`, if it has none yet."""
@@ -632,18 +676,12 @@ class Generator:
         of their caches. Joined one at a time, each join was a forward of its own and an
         extend of every layer of the batch, evaluated together at the next step: eight
         image turns of a 4B-shaped Gemma 3 (sliding layers) took 15-20 ms each and then a
-        270-320 ms step on an H200 (`bench/experiments/snapshot-join-4b`). A Qwen-VL row
-        with images joins alone, at its prompt's M-RoPE placement."""
-        placement = None
-        if len(sequences) == 1 and sequences[0].images is not None:
-            sequence = sequences[0]
-            last = len(sequence.tokens)
-            placement = sequence.images.placement(sequence.tokens + sequence.unfed, last,
-                                                  last + 1)
+        270-320 ms step on an H200 (`bench/experiments/snapshot-join-4b`). (A Qwen-VL
+        prompt, on plain KV caches, `_finishes` in prefill at its M-RoPE placement.)"""
         tokens = [sequence.unfed.pop() for sequence in sequences]
         cache = (sequences[0].cache if len(sequences) == 1
                  else merge_caches([sequence.cache for sequence in sequences]))
-        logits = self._run(mx.array(tokens)[:, None], cache, placement)[:, -1, :]
+        logits = self._run(mx.array(tokens)[:, None], cache)[:, -1, :]
         hidden = None
         if any(sequence.wants_hidden for sequence in sequences):
             hidden = self.hidden.take(mx.arange(len(sequences)),

@@ -1070,7 +1070,8 @@ class Scheduler:
         prefill budget. Prompts of like sizes arriving together, the burst's reason, stay
         together, and so does a burst a fast device computes in a moment."""
         computed = [len(generation.tokens) - (generation.cached_tokens or 0)
-                    for generation in (self.running[s.uid] for s in self.generator.ready
+                    for generation in (self.running[s.uid]
+                                       for s in self.generator.rows + self.generator.ready
                                        if not s.background)]
         left = [len(s.unfed) for s in self.generator.prefilling if not s.background]
         if not (computed and left) or max(left) <= BURST_SPREAD * min(computed):
@@ -1105,7 +1106,7 @@ class Scheduler:
         return budget.tokens(decoding, self.generator.prompt_tokens_left + reading)
 
     def _prompts_computed(self, sequences: list[SequenceState]) -> None:
-        """These prompts' KV (all but each one's last token) is computed: share it now,
+        """These prompts' KV (of the tokens their cache holds) is computed: share it now,
         while their generations go on to decode. Only the KV of those with something to
         publish is read from the batch."""
         generations = [self.running[sequence.uid] for sequence in sequences]

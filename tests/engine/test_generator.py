@@ -52,8 +52,7 @@ def greedy_alone(model, prompts: list[list[int]], count: int,
     for uid, prompt in enumerate(prompts):
         generator = Generator(model)
         generator.add(sequence(model, uid, prompt))
-        generator.prefill(budget)  # the prompt but its last token, fed on joining
-        alone |= greedy_tokens(generator, [uid], count)
+        alone |= generate(generator, [uid], budget, count)[0]
     return alone
 
 
@@ -93,18 +92,23 @@ def greedy_tokens(generator: Generator, uids: list[int], count: int) -> dict[int
     return {uid: t[:count] for uid, t in tokens.items()}
 
 
-def test_a_prompt_joining_the_batch_gives_its_first_token_before_the_next_decode(model
-                                                                               ) -> None:
-    """Its first token comes from its own last-token forward: `join` reads it, so the
-    server sends it before the batch's decode forward of that step, not after."""
+def test_a_prompt_computed_alone_gives_its_first_token_in_its_last_prefill_step(model
+                                                                              ) -> None:
+    """The chunk that feeds its last token samples its first token and adds it to the
+    batch, beside a decoding row: the server sends that token at the end of this step,
+    and nothing is left to `join` at the next. It answers as it does alone."""
     prompts = [list(range(10, 40)), list(range(50, 71))]
     alone = greedy_alone(model, prompts, 3)
     generator = Generator(model)
     run_until_decoding(generator, sequence(model, 0, prompts[0]))
     generator.add(sequence(model, 1, prompts[1]))
+    firsts = []
     while generator.prefilling:
-        generator.prefill(8)
-    assert [(o.uid, o.token) for o in generator.join()] == [(1, alone[1][0])]
+        result = generator.prefill(8)
+        assert result.tokens == 8 or not generator.prefilling
+        firsts += [(o.uid, o.token) for o in result.outputs]
+    assert firsts == [(1, alone[1][0])]
+    assert generator.join() == [] and [row.uid for row in generator.rows] == [0, 1]
     later: dict[int, list[int]] = {0: [], 1: []}
     while len(later[1]) < 2:
         for output in generator.decode():
