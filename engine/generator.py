@@ -1,6 +1,6 @@
 """Continuous batching on mlx-lm models: each prompt is prefilled on its own cache, in
-chunks, the last of which samples its first token and adds it to the decode batch, which
-runs one forward per step for all.
+chunks; its last token alone then gives its first token and adds it to the decode batch,
+which runs one forward per step for all.
 
 Why not mlx-lm's `BatchGenerator`: it prefills prompts together, right-padded to the
 longest prompt and left-padded to the longest cached prefix, so a 40-token question
@@ -104,8 +104,8 @@ class SequenceState:
     wants_logprobs: bool
     top_logprobs: int = 0  # alternatives reported beside the sampled token's logprob
     # Positions (lengths of `tokens`) where prefill ends a chunk and calls the generator's
-    # `at_snapshot`: ascending, inside the prompt's `unfed` tokens but its last. (Only a
-    # model whose cache is not all plain KV snapshots; its prompts `join` the batch.)
+    # `at_snapshot`: ascending, inside the prompt's `unfed` tokens but its last. (Only on
+    # a model whose caches are not all plain KV, reused as whole-state snapshots.)
     snapshot_at: list[int] = field(default_factory=list)
     # The cached segments (each `length` tokens of per-layer `keys` and `values`) `cache`
     # was built from, the same objects for sequences that share them, until it is fed:
@@ -212,9 +212,9 @@ class Generator:
         self.quantization = quantization  # a quantized server's (kv_quant.py)
         cache = make_prompt_cache(model)
         self.layers = len(cache)
-        # Whether a client's prompt is fed whole in prefill (`_finishes`).
+        # Whether a client's prompt enters the batch from prefill (`_finishes`).
         self.plain_kv = supports_segments(cache)
-        if mrope is not None and not self.plain_kv:  # `_join` feeds no M-RoPE placement
+        if mrope is not None and not self.plain_kv:  # `join` places no rows together
             raise ValueError("an M-RoPE model's caches must all be plain KV")
         # Sees a prefilling sequence's cache at each of its `snapshot_at` positions.
         self.at_snapshot = at_snapshot
@@ -354,13 +354,16 @@ class Generator:
         return reordered
 
     def _finishes(self, sequence: SequenceState) -> bool:
-        """Whether prefill feeds the prompt's last token too, and samples its first token
-        from it: a client's, on a plain KV cache. A prompt computed alone used to feed
-        that token when it joined the batch at the next step, a forward of its own that
-        its first token waited for (on an H200, of a 6,000-token document's warm TTFT of
-        ~20 ms in process, 7.6 ms). Background work wants only its prompt's KV; a
-        whole-state snapshot is published as the cache holds it at the prompt's end but
-        its last token (the tree's key), so those prompts still `join`."""
+        """Whether prefill also feeds the prompt's last token, in a forward of its own
+        right after the chunk before it (`_join`), and adds the sequence to the batch: a
+        client's, on a plain KV cache. That token used to wait for the next step, behind
+        the running batch's decode (on an H200, a 6,000-token document's warm TTFT was
+        ~20 ms in process, of it 7.6 ms the joining step). Alone, as it always was: a
+        prompt sent again, whose tree match stops short of its last token, then computes
+        its first logits exactly as its cold run did (fed with the chunk, they differed in
+        the last bits). Background work wants only its prompt's KV; a whole-state
+        snapshot is published as the cache holds it at the prompt's end but its last
+        token (the tree's key), so those prompts `join` at the next decode."""
         return self.plain_kv and not sequence.background
 
     def _to_feed(self, sequence: SequenceState) -> int:
@@ -371,8 +374,9 @@ class Generator:
         """`_feed` one sequence, into `result`; whether the next may be fed in this step
         (budget left, and no prompt completed)."""
         try:
-            fed, last = self._feed(sequence, budget)
-            first = None if last is None else self._enter([sequence], sequence.cache, *last)
+            fed, first = self._feed(sequence, budget), None
+            if fed < budget and len(sequence.unfed) == 1 and self._finishes(sequence):
+                first, fed = self._join([sequence]), fed + 1
         except Exception as error:  # noqa: BLE001 - only this sequence's cache is touched
             self.prefilling.remove(sequence)
             result.failed.append((sequence, error))
@@ -435,65 +439,43 @@ class Generator:
         result.tokens += width * len(group)
         return True
 
-    def _feed(self, sequence: SequenceState, budget: int
-              ) -> tuple[int, tuple[mx.array, mx.array | None] | None]:
-        """Feed up to `budget` of the sequence's prompt tokens (its last only if it
-        `_finishes`), in chunks that end at each of its `snapshot_at` positions, where
-        `at_snapshot` sees the cache. Returns how many, and once the last is fed, the
-        logits at it and its hidden state (None unless `wants_hidden`)."""
+    def _feed(self, sequence: SequenceState, budget: int) -> int:
+        """Feed up to `budget` of the sequence's prompt tokens (never its last), in chunks
+        that end at each of its `snapshot_at` positions, where `at_snapshot` sees the cache.
+        Returns how many."""
         self._build_cache(sequence)
-        fed, last = 0, None
-        while fed < budget and self._to_feed(sequence):
-            count = min(self._to_feed(sequence), budget - fed)
+        fed = 0
+        while fed < budget and len(sequence.unfed) > 1:
+            count = min(len(sequence.unfed) - 1, budget - fed)
             if sequence.snapshot_at:
                 count = min(count, sequence.snapshot_at[0] - len(sequence.tokens))
             chunk = sequence.unfed[:count]
             sequence.prefix = None  # the cache holds more from now on
-            if count < len(sequence.unfed):
-                self._forward(sequence, chunk)
-            else:
-                last = self._forward_last(sequence, chunk)
-                if sequence.processors:
-                    sequence.context = mx.concatenate(
-                        [sequence.context, mx.array(chunk[-1:], mx.uint32)])
+            self._forward(sequence, chunk)
             # Computed before the step goes on, as mlx_lm.generate does: a step's wall
             # time is then its own work, which the prefill budget measures.
-            mx.eval([c.state for c in sequence.cache],
-                    [a for a in last if a is not None] if last else [])
+            mx.eval([c.state for c in sequence.cache])
             sequence.tokens += chunk
             del sequence.unfed[:count]
             fed += count
             if sequence.snapshot_at and sequence.snapshot_at[0] == len(sequence.tokens):
                 sequence.snapshot_at.pop(0)
                 self.at_snapshot(sequence)
-        return fed, last
+        return fed
 
-    def _forward_last(self, sequence: SequenceState, chunk: list[int]
-                      ) -> tuple[mx.array, mx.array | None]:
-        """`_forward` of a prompt's last chunk: the logits at its last position (the
-        head computed there alone where the model allows), and the hidden state there if
-        the sequence `wants_hidden`."""
-        row, end = mx.array([0]), mx.array([len(chunk) - 1])
-        if self.hidden.available:
-            with self.hidden.narrowed(row, end):
-                logits = self._forward(sequence, chunk)[:, 0]
-        else:
-            logits = self._forward(sequence, chunk)[:, -1]
-        return logits, self.hidden.take(row, end) if sequence.wants_hidden else None
-
-    def _forward(self, sequence: SequenceState, chunk: list[int]) -> mx.array:
+    def _forward(self, sequence: SequenceState, chunk: list[int]) -> None:
         """Run `chunk`, the sequence's next prompt tokens, into its cache: as ids, or as
-        input embeddings where it holds image tokens. Returns the logits, lazily (the
-        head runs only if they are evaluated)."""
+        input embeddings where it holds image tokens."""
         embeddings = placement = None
         if sequence.images is not None:
             prompt, start = sequence.tokens + sequence.unfed, len(sequence.tokens)
             embeddings = sequence.images.inputs(prompt, start, start + len(chunk))
             placement = sequence.images.placement(prompt, start, start + len(chunk))
         if embeddings is None:
-            return self._run(mx.array([chunk]), sequence.cache, placement)
-        return self._run(mx.array([sequence.images.model_ids(chunk)]), sequence.cache,
-                         placement, input_embeddings=embeddings[None])
+            self._run(mx.array([chunk]), sequence.cache, placement)
+        else:
+            self._run(mx.array([sequence.images.model_ids(chunk)]), sequence.cache, placement,
+                      input_embeddings=embeddings[None])
 
     def _build_cache(self, sequence: SequenceState) -> None:
         """Give a sequence its own cache, assembled from `prefix`, if it has none yet."""
@@ -676,12 +658,19 @@ class Generator:
         of their caches. Joined one at a time, each join was a forward of its own and an
         extend of every layer of the batch, evaluated together at the next step: eight
         image turns of a 4B-shaped Gemma 3 (sliding layers) took 15-20 ms each and then a
-        270-320 ms step on an H200 (`bench/experiments/snapshot-join-4b`). (A Qwen-VL
-        prompt, on plain KV caches, `_finishes` in prefill at its M-RoPE placement.)"""
+        270-320 ms step on an H200 (`bench/experiments/snapshot-join-4b`). A Qwen-VL
+        prompt with images (plain KV caches: it `_finishes` in prefill) joins alone, at its
+        M-RoPE placement."""
+        placement = None
+        if len(sequences) == 1 and sequences[0].images is not None:
+            sequence = sequences[0]
+            last = len(sequence.tokens)
+            placement = sequence.images.placement(sequence.tokens + sequence.unfed, last,
+                                                  last + 1)
         tokens = [sequence.unfed.pop() for sequence in sequences]
         cache = (sequences[0].cache if len(sequences) == 1
                  else merge_caches([sequence.cache for sequence in sequences]))
-        logits = self._run(mx.array(tokens)[:, None], cache)[:, -1, :]
+        logits = self._run(mx.array(tokens)[:, None], cache, placement)[:, -1, :]
         hidden = None
         if any(sequence.wants_hidden for sequence in sequences):
             hidden = self.hidden.take(mx.arange(len(sequences)),

@@ -1042,6 +1042,10 @@ class Scheduler:
                     self._fail(generation, error)
                 self._prompts_computed(result.done)
                 self._take(result.outputs)
+                if result.outputs:
+                    # Before `settle`: copying a row's KV out of the batch computes the
+                    # batch's decode forward (on the CPU, still lazy until then).
+                    self._deliver()
                 # Background work's prompt is all it wanted: it ends before joining.
                 if background := [(self.running[s.uid], "length", None)
                                   for s in result.done if s.background]:

@@ -94,9 +94,10 @@ def greedy_tokens(generator: Generator, uids: list[int], count: int) -> dict[int
 
 def test_a_prompt_computed_alone_gives_its_first_token_in_its_last_prefill_step(model
                                                                               ) -> None:
-    """The chunk that feeds its last token samples its first token and adds it to the
-    batch, beside a decoding row: the server sends that token at the end of this step,
-    and nothing is left to `join` at the next. It answers as it does alone."""
+    """Its last token is fed alone right after the chunk before it, which samples its
+    first token and adds it to the batch beside a decoding row: the server sends that
+    token at the end of this step, and nothing is left to `join` at the next. It answers
+    as it does alone."""
     prompts = [list(range(10, 40)), list(range(50, 71))]
     alone = greedy_alone(model, prompts, 3)
     generator = Generator(model)

@@ -381,6 +381,18 @@ async def test_logprobs_report_the_chosen_token_and_sorted_alternatives(engine):
         assert event.logprob.logprob == pytest.approx(values[0])
 
 
+async def test_a_prompt_sent_again_scores_its_answer_exactly_as_its_cold_run(engine):
+    # Its tree match stops short of its last token, which both runs feed alone after
+    # the rest: the same forward on the same KV, so every logprob is equal to the bit.
+    prompt = random_prompt(17, 300)
+    cold = await complete(engine, prompt, 4, logprobs=5)
+    again = await complete(engine, prompt, 4, logprobs=5)
+    assert (cold.finish.cached_tokens, again.finish.cached_tokens) == (0, len(prompt) - 1)
+    assert again.tokens == cold.tokens
+    for mine, theirs in zip(again.events, cold.events):
+        assert mine.logprob == theirs.logprob and mine.top_logprobs == theirs.top_logprobs
+
+
 async def test_stop_string_is_never_emitted(engine):
     prompt = random_prompt(8, 16)
     free = await complete(engine, prompt, 24, ignore_eos=True)
