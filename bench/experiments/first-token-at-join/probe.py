@@ -3,8 +3,8 @@
     python probe.py BASE_URL [PROBES]
 
 Eight 300-token streams start, then PROBES chats of one new line each (2 tokens out) go
-one at a time; prints their TTFT p50. A probe's prompt is computed in one step and joins
-the decode batch in the next, so its TTFT holds that join step.
+one at a time; prints their TTFT p50. A probe's prompt is computed in one step; before
+805aa8f it joined the decode batch at the next, and its TTFT held that joining step.
 """
 
 import asyncio
