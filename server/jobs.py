@@ -32,6 +32,7 @@ from server.http.access_log import RequestStats
 from server.http.drain import Drain
 from server.http.errors import APIError
 from server.metrics import Metrics
+from server.model_registry import RETRY_LATER
 
 if TYPE_CHECKING:
     from engine.api import EngineClient
@@ -83,9 +84,10 @@ class Job:
         except Unsupported as error:
             self.close()
             raise APIError(400, str(error), code="model_not_supported") from error
-        except EngineNotReady as error:
+        except EngineNotReady as error:  # stopped: restarting, or unloaded meanwhile
             self.close()
-            raise APIError(503, str(error), code="model_not_ready") from error
+            raise APIError(503, str(error), code="model_not_ready",
+                           headers=RETRY_LATER) from error
         self.drain.jobs.add(self)
 
     @property

@@ -146,17 +146,19 @@ class ServedModel:
         return self.spec.idle_timeout or self.settings.model_idle_timeout
 
     def check_ready(self) -> EngineClient:
-        """The engine, ready; 503 before (or after a failed load)."""
+        """The engine, ready; 503 before, with Retry-After while it loads (none after a
+        failed load: waiting does not mend that)."""
         engine = self.engine
         if engine is None:
-            raise APIError(503, f"the model {self.id} is not loaded", code="model_not_ready")
+            raise APIError(503, f"the model {self.id} is not loaded", code="model_not_ready",
+                           headers=RETRY_LATER)
         if engine.state is Lifecycle.READY:
             return engine
         if engine.state is Lifecycle.FAILED:
-            message = f"the model failed to load: {engine.error}"
-        else:
-            message = f"the model is {engine.state.value}"
-        raise APIError(503, message, code="model_not_ready")
+            raise APIError(503, f"the model failed to load: {engine.error}",
+                           code="model_not_ready")
+        raise APIError(503, f"the model is {engine.state.value}", code="model_not_ready",
+                       headers=RETRY_LATER)
 
     def tokenizer(self) -> ModelTokenizer:
         """The tokenizer once the engine is ready; 503 before, 400 for an encoder."""

@@ -24,6 +24,16 @@ async def test_health_while_loading_says_so_and_claims_no_progress(loading_app) 
     assert head.status_code == 503 and not head.content
 
 
+async def test_a_request_while_loading_is_told_when_to_come_back(loading_app) -> None:
+    """503 in the API's shape with Retry-After, which the OpenAI SDKs wait out before
+    their retry."""
+    reply = await loading_app.post("/v1/chat/completions", json={
+        "model": "unused", "messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status_code == 503 and int(reply.headers["retry-after"]) > 0
+    assert reply.json()["error"]["code"] == "model_not_ready"
+    assert reply.json()["error"]["message"] == "the model is loading"
+
+
 async def test_the_root_answers_get_and_head(loading_app) -> None:
     """Claude Code sends HEAD / before it starts."""
     assert (await loading_app.head("/")).status_code == 200
