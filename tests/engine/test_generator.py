@@ -224,6 +224,22 @@ def generate(generator: Generator, uids: list[int], budget: int, count: int
     return {uid: t[:count] for uid, t in tokens.items()}, failed
 
 
+def test_prompts_computed_in_successive_steps_join_the_batch_together(model) -> None:
+    """The first of two prompts being computed does not join alone once finished, nor
+    the second with the first ready: both join at the next decode, in one forward, as a
+    burst's prompts do (a forward each cost the CPU's multi-turn 10% of ITL)."""
+    prompts = [list(range(10, 110)), list(range(200, 210))]
+    alone = greedy_alone(model, prompts, 3)
+    generator = Generator(model)
+    generator.add(sequence(model, 0, prompts[0]))
+    generator.prefill(64)
+    generator.add(sequence(model, 1, prompts[1]))
+    while generator.prefilling:
+        assert generator.prefill(64).outputs == []
+    assert [s.uid for s in generator.ready] == [0, 1] and generator.rows == []
+    assert generate(generator, [0, 1], 64, 3)[0] == alone
+
+
 def long_prompts() -> list[list[int]]:
     return [list(range(10 + 3 * i, 10 + 3 * i + n)) for i, n in enumerate((300, 320, 290))]
 
