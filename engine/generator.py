@@ -321,9 +321,10 @@ class Generator:
     def prefill(self, budget: int) -> PrefillResult:
         """Feed up to `budget` prompt tokens, in chunks, to the sequences in order (those
         it can finish first, every other step: `_queue`), and stop once a prompt is
-        complete: its first token, sampled in this step, then does not wait for the
-        prompts behind it (with 8 prompts arriving together on an H100, finishing several
-        per step put multi-turn TTFT p50 at 0.37 s instead of 0.10 s)."""
+        complete: its first token (sampled in this step where it `_finishes`, else at
+        the next) then does not wait for the prompts behind it (with 8 prompts arriving
+        together on an H100, finishing several per step put multi-turn TTFT p50 at 0.37 s
+        instead of 0.10 s)."""
         result = PrefillResult()
         queue = self._queue(budget)
         group, width = self._group(queue, budget)

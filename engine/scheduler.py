@@ -1074,8 +1074,7 @@ class Scheduler:
         prefill budget. Prompts of like sizes arriving together, the burst's reason, stay
         together, and so does a burst a fast device computes in a moment."""
         computed = [len(generation.tokens) - (generation.cached_tokens or 0)
-                    for generation in (self.running[s.uid]
-                                       for s in self.generator.rows + self.generator.ready
+                    for generation in (self.running[s.uid] for s in self.generator.ready
                                        if not s.background)]
         left = [len(s.unfed) for s in self.generator.prefilling if not s.background]
         if not (computed and left) or max(left) <= BURST_SPREAD * min(computed):
