@@ -215,8 +215,6 @@ class Generator:
         self.layers = len(cache)
         # Whether a client's prompt enters the batch from prefill (`_finishes`).
         self.plain_kv = supports_segments(cache)
-        if mrope is not None and not self.plain_kv:  # `join` places no rows together
-            raise ValueError("an M-RoPE model's caches must all be plain KV")
         # Sees a prefilling sequence's cache at each of its `snapshot_at` positions.
         self.at_snapshot = at_snapshot
         self.hidden = HiddenStates(model)
@@ -302,10 +300,18 @@ class Generator:
         send them before the step's decode forward, which they used to wait for (on a
         GPU, where queuing a forward returns once it is nearly done, the whole decode
         step; on the CPU, the running batch's last forward, evaluated with theirs)."""
-        if not self.ready:
-            return []
-        sequences, self.ready = self.ready, []
-        return _first_outputs(sequences, self._join(sequences))
+        together, joined = [], []
+        for sequence in self.ready:
+            if self.mrope is not None and sequence.images is not None:
+                # At its prompt's M-RoPE placement.
+                joined.append(([sequence], self._join([sequence])))
+            else:
+                together.append(sequence)
+        if together:
+            joined.append((together, self._join(together)))
+        self.ready = []
+        return [output for sequences, first in joined
+                for output in _first_outputs(sequences, first)]
 
     def decode(self) -> list[Output]:
         """Run one decode step (after `join`ing what is ready). Returns the tokens sampled
@@ -662,9 +668,8 @@ class Generator:
         of their caches. Joined one at a time, each join was a forward of its own and an
         extend of every layer of the batch, evaluated together at the next step: eight
         image turns of a 4B-shaped Gemma 3 (sliding layers) took 15-20 ms each and then a
-        270-320 ms step on an H200 (`bench/experiments/snapshot-join-4b`). A Qwen-VL
-        prompt with images (plain KV caches: it `_finishes` in prefill) joins alone, at its
-        M-RoPE placement."""
+        270-320 ms step on an H200 (`bench/experiments/snapshot-join-4b`). A Qwen-VL row
+        with images joins alone, at its prompt's M-RoPE placement."""
         placement = None
         if len(sequences) == 1 and sequences[0].images is not None:
             sequence = sequences[0]
