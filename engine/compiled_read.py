@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache
 
 from engine.hidden_states import HiddenStates
 
@@ -48,12 +48,6 @@ class CompiledReads:
         self._seen: set[Shape] = set()
         self._traced: set[Shape] = set()
         self._functions = self._compiled()
-
-    @staticmethod
-    def supports(model: nn.Module, hidden: HiddenStates) -> bool:
-        """Whether this model's reads can be traced: a narrowable body, plain KV layers."""
-        return hidden.available and all(type(layer) is KVCache
-                                        for layer in make_prompt_cache(model))
 
     def traced(self, rows: int, width: int, prefix: int, hidden: bool) -> bool:
         """Whether a read of `rows` rows of `width` tokens after `prefix` cached ones runs

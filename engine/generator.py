@@ -213,18 +213,20 @@ class Generator:
         self.quantization = quantization  # a quantized server's (kv_quant.py)
         cache = make_prompt_cache(model)
         self.layers = len(cache)
-        # Whether a client's prompt enters the batch from prefill (`_finishes`).
+        # Whether a client's prompt enters the batch from prefill (`_finishes`), and
+        # reads may run from a trace.
         self.plain_kv = supports_segments(cache)
         # Sees a prefilling sequence's cache at each of its `snapshot_at` positions.
         self.at_snapshot = at_snapshot
         self.hidden = HiddenStates(model)
-        # On a GPU, reads of a shape seen before run from a trace (compiled_read.py); on
-        # the CPU a trace's fused kernels are C++ built by the system's compiler, seconds
-        # each, for forwards whose Python is a sliver of their time.
+        # On a GPU, reads of a shape seen before run from a trace (compiled_read.py), on
+        # models whose every layer is plain KV and whose head can be narrowed; on the CPU
+        # a trace's fused kernels are C++ built by the system's compiler, seconds each,
+        # for forwards whose Python is a sliver of their time.
         self.compiled_reads = (
             CompiledReads(model, self.hidden)
             if (mx.default_device() == mx.gpu and quantization is None and mrope is None
-                and CompiledReads.supports(model, self.hidden)) else None)
+                and self.plain_kv and self.hidden.available) else None)
         self.prefilling: list[SequenceState] = []  # in the order their chunks are computed
         # Whether the last prefill let prompts it could finish go first (`_queue`).
         self._overtaken = False
