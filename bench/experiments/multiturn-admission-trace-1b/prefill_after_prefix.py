@@ -1,12 +1,14 @@
 """What a multi-turn admission's prefill costs on the device, by cached prefix length.
 
-    MLX_CUDA_USE_CUDNN_SDPA=0 python prefill_after_prefix.py MODEL_DIR
+    MLX_CUDA_USE_CUDNN_SDPA=0 python prefill_after_prefix.py MODEL_DIR [--new-lengths]
 
 For each cached length C (0, then the multi-turn workload's 1214, 1490, 1770, 2045), a
 266-token forward over a single-sequence cache holding C tokens, as the engine's `_feed`
 runs it: the cache built (a) as one presized segment, (b) assembled from 7 segments as a
 4-turn path is (`engine.kv.assemble`). Median of 7 timed runs after 2 warm-ups, each run
-synchronized before and after; the assembly timed apart from the forward.
+synchronized before and after; the assembly timed apart from the forward. With
+`--new-lengths` each forward feeds one token more than the one before (266, 267, ...), so
+that no forward repeats a shape, as a server's turns do not.
 """
 
 import itertools
@@ -55,12 +57,12 @@ def timed(setup, fn, runs=7, warm=2):
 
 def main():
     model, _ = load(sys.argv[1])
+    lengths = itertools.count(NEW) if "--new-lengths" in sys.argv[2:] else itertools.repeat(NEW)
     vocab = model.args.vocab_size
-    tokens = mx.random.randint(0, vocab, (1, 2045 + NEW))
+    tokens = mx.random.randint(0, vocab, (1, 2045 + NEW + 128))
     full = assemble([], model)
     model(tokens[:, :2045], cache=full)
     mx.eval([c.state for c in full])
-    new = tokens[:, 2045:2045 + NEW]
     print("cached  parts  assemble_ms  forward_ms")
     for cached in (0, 1214, 1490, 1770, 2045):
         for parts in (1, 7):
@@ -74,7 +76,7 @@ def main():
                 return cache
 
             def forward(cache):
-                model(new, cache=cache)
+                model(tokens[:, 2045:2045 + next(lengths)], cache=cache)
                 mx.eval([c.state for c in cache])
 
             assemble_ms = timed(lambda: None, lambda _, segs=segs: built(segs))
