@@ -41,7 +41,14 @@ CUDNN_ATTENTION_ENV = "MLX_CUDA_USE_CUDNN_SDPA"
 # every new shape (query length, key length, cache buffer) it meets: 60-90 ms each on an
 # H100, and a server rarely sees the same prompt shape twice. 32 distinct 1000-token
 # prompts took 7.0 s with cuDNN and 2.9 s with MLX's own attention, which has no such cost.
-MLX_ENV_DEFAULTS = {CUDNN_ATTENTION_ENV: "0"}
+CUDA_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
+# MLX's CUDA backend records each step's kernels into CUDA graphs and keeps executable
+# ones for the shapes it has met. A server's prompt steps are of shapes it has not met
+# (every turn's length over every cached length), so each builds and instantiates graphs
+# anew on the host: on an H200 an 8B step computing one turn over its cached chat took
+# 90-95 ms with graphs and 62-68 ms launched plainly, and multi-turn TTFT p50 fell from
+# 0.24-0.26 s to 0.21 s with decode steps no slower (bench/experiments/cuda-graphs-prefill).
+MLX_ENV_DEFAULTS = {CUDNN_ATTENTION_ENV: "0", CUDA_GRAPHS_ENV: "0"}
 
 
 def openblas_library() -> Path | None:
@@ -132,9 +139,11 @@ def describe_platform() -> str:
         if mx.metal.is_available():
             return f"mlx {mx.__version__}, device gpu (Metal)"
         # What the engine will run with: it applies our defaults before its first forward.
-        setting = os.environ.get(CUDNN_ATTENTION_ENV, MLX_ENV_DEFAULTS[CUDNN_ATTENTION_ENV])
-        cudnn = "off" if setting == "0" else "on"
-        return f"mlx {mx.__version__}, device gpu (CUDA), cuDNN attention {cudnn}"
+        cudnn, graphs = (
+            "off" if os.environ.get(name, MLX_ENV_DEFAULTS[name]) == "0" else "on"
+            for name in (CUDNN_ATTENTION_ENV, CUDA_GRAPHS_ENV))
+        return (f"mlx {mx.__version__}, device gpu (CUDA), cuDNN attention {cudnn}, "
+                f"CUDA graphs {graphs}")
     return f"mlx {mx.__version__}, device cpu, BLAS: {_blas_in_use()}"
 
 

@@ -16,6 +16,7 @@ from mlx_lm.utils import load_tokenizer
 from engine import demo_model
 from engine.demo_model import IM_END, IM_START, SLIDING_WINDOW, build_demo_model
 from engine.platform_info import (
+    CUDA_GRAPHS_ENV,
     CUDNN_ATTENTION_ENV,
     OPENBLAS_CORE_ENV,
     OPT_OUT_ENV,
@@ -204,13 +205,14 @@ def test_python_m_server_preloads_openblas_like_radix_mlx_serve(
     assert "BLAS: OpenBLAS" in log_path.read_text()
 
 
-def test_mlx_env_defaults_keep_what_the_operator_set(monkeypatch) -> None:
-    monkeypatch.delenv(CUDNN_ATTENTION_ENV, raising=False)
+@pytest.mark.parametrize("name", [CUDNN_ATTENTION_ENV, CUDA_GRAPHS_ENV])
+def test_mlx_env_defaults_keep_what_the_operator_set(monkeypatch, name: str) -> None:
+    monkeypatch.delenv(name, raising=False)
     apply_mlx_env_defaults()
-    assert os.environ[CUDNN_ATTENTION_ENV] == "0"
-    monkeypatch.setenv(CUDNN_ATTENTION_ENV, "1")
+    assert os.environ[name] == "0"
+    monkeypatch.setenv(name, "1")
     apply_mlx_env_defaults()
-    assert os.environ[CUDNN_ATTENTION_ENV] == "1"
+    assert os.environ[name] == "1"
 
 
 def test_rebuild_replaces_existing_directory(tmp_path: Path) -> None:
