@@ -7,9 +7,9 @@ reasoning, tool calls come back in the template's own JSON. The next turn's matc
 ends where the reply starts, and its prefill computes the reply again while the client
 waits.
 
-So when a chat's reply is done, the conversation is rendered again with the reply as a
-client sends it back (its text and tool calls; not its reasoning, which OpenAI's clients
-drop) and a turn after it (a user message, or the results its tool calls ask for), twice,
+So a moment after a chat's reply is done, the conversation is rendered again with the
+reply as a client sends it back (its text and tool calls; not its reasoning, which
+OpenAI's clients drop) and a turn after it (a user message, or the results its tool calls ask for), twice,
 with two different texts in that turn. The tokens both renderings share are how the next
 turn begins. Where they go past what the request left in the tree (its prompt and the
 generated tokens), they are prefilled in the background, prefill-only: the next turn finds
@@ -44,6 +44,14 @@ PROBES = ("0", "1")
 # follows): the next turn would not reuse the prompt either, so nothing is prefilled.
 MAX_EXTRA_TOKENS = 64
 READOUT = SamplingParams(max_tokens=0, temperature=0.0, readout=Readout(cache_only=True))
+# Seconds a guess waits after its reply before computing anything. A guess is for the
+# pause a person or a slow tool leaves; a client that sends its next turn at once (an
+# agent whose tool answers in milliseconds, a script) has sent it by then, and that turn
+# computes these tokens itself, where a guess started at once is a forward the turn waits
+# behind. On an H200 (8B shape, 8 chats each sending its next turn as its reply ended),
+# guesses started at once put multi-turn TTFT p50 at 0.28-0.43 s, none at 0.21-0.26 s
+# (bench/experiments/cuda-graphs-prefill).
+DELAY_SECONDS = 0.25
 
 
 def reply_message(reply: ChoiceResult) -> TemplateMessage:
@@ -98,8 +106,8 @@ class NextTurn:
     prompt: Prompt
 
     def prefill(self, reply: ChoiceResult, generated: Sequence[int]) -> None:
-        """Start the prefill in the background (the server cancels it if it stops first),
-        unless it would hold up other requests: a model that snapshots its cache at
+        """Start the prefill in the background, `DELAY_SECONDS` from now (the server
+        cancels it if it stops first), unless it would hold up other requests: a model that snapshots its cache at
         message ends computes each prompt in a forward of its own, so with others in
         flight (this request holds one lease) a guess in front of their next prompts
         costs each a whole step. On an H100, 8 image chats at once on Gemma 3 4B's shape
@@ -114,6 +122,7 @@ class NextTurn:
     async def _prefill(self, reply: ChoiceResult, generated: list[int], lease: Lease) -> None:
         engine = lease.engine
         try:
+            await asyncio.sleep(DELAY_SECONDS)
             images = [image.file for image in self.prompt.images]
             prompt = await asyncio.to_thread(
                 next_turn_prompt, engine.tokenizer, self.request, images, reply,

@@ -18,7 +18,7 @@ import pytest
 from engine.loader import load_tokenizer
 from server.events import ChoiceResult, ToolCall
 from server.follow_ups import MIN_SEEN
-from server.next_turn import next_turn_prompt
+from server.next_turn import DELAY_SECONDS, next_turn_prompt
 from server.openai.adapter import chat_request
 from server.openai.protocol import ChatCompletionRequest
 from server.prompts import chat_prompt
@@ -204,6 +204,7 @@ def test_one_shot_chats_stop_the_guesses_and_a_conversation_brings_them_back(
                  wait=False)
         messages = [system, {"role": "user", "content": "Describe the layout."}]
         first = turn(server, messages, wait=False)
+        time.sleep(DELAY_SECONDS)  # past when a guess would have started
         wait_idle(server)
         messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
                      {"role": "user", "content": "Which file is the largest?"}]
@@ -220,8 +221,8 @@ def test_one_shot_chats_stop_the_guesses_and_a_conversation_brings_them_back(
 
 
 def test_a_clear_right_after_a_reply_keeps_nothing_of_its_guess(servers) -> None:
-    """An operator's clear sent the moment a reply ends: the reply's next-turn guess,
-    whether still being rendered or already prefilling, is cancelled before the clear
+    """An operator's clear sent as a reply ends: the reply's next-turn guess, whether
+    still waiting, being rendered or already prefilling, is cancelled before the clear
     runs, so it cannot put its chat back in the tree after it (it used to in about a
     third of such clears)."""
     server = servers[True]
@@ -232,8 +233,10 @@ def test_a_clear_right_after_a_reply_keeps_nothing_of_its_guess(servers) -> None
             reply = turn(server, messages, wait=False, max_tokens=6)
             messages.append({"role": "assistant",
                              "content": reply["choices"][0]["message"]["content"]})
+        # While the last reply's guess waits, is being rendered, or is prefilling.
+        time.sleep(session % 4 * DELAY_SECONDS / 2)
         assert httpx.delete(f"{server.url}/admin/cache", timeout=30).status_code == 200
-        time.sleep(0.3)  # a guess rendered meanwhile is prefilling or prefilled by now
+        time.sleep(DELAY_SECONDS + 0.3)  # a guess that outlived the clear would have run
         wait_idle(server)
         memory = httpx.get(f"{server.url}/admin/cache", timeout=30).json()["memory"]
         assert (session, memory["tokens"]) == (session, 0)
