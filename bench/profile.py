@@ -61,6 +61,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     parser.add_argument("--radix-mlx-args", default="", metavar="FLAGS")
+    parser.add_argument("--py-spy-args", default="", metavar="FLAGS",
+                        help="more py-spy flags (--py-spy-args=...): --idle to sample threads "
+                        "that wait (device syncs that block, the GIL), --native for MLX's own "
+                        "frames")
     parser.add_argument("--quick", action="store_true")
     for name in Shapes.__dataclass_fields__:
         parser.add_argument("--" + name.replace("_", "-"), type=int)
@@ -75,9 +79,12 @@ def main() -> None:
                  shlex.split(args.radix_mlx_args)) as server:
         asyncio.run(run_workload(server.base_url, build_warm_up(args.model, shapes, 0),
                                  RADIX.extra))
+        extra = shlex.split(args.py_spy_args)
+        # py-spy reads native frames only from a stopped process.
+        blocking = [] if "--native" in extra else ["--nonblocking"]
         spy = subprocess.Popen([py_spy, "record", "--pid", str(server.process.pid),
-                                "--rate", str(args.rate), "--threads", "--subprocesses", "--nonblocking",
-                                "--format", "raw", "-o", str(raw)],
+                                "--rate", str(args.rate), "--threads", "--subprocesses",
+                                *blocking, "--format", "raw", "-o", str(raw), *extra],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             run = asyncio.run(run_workload(server.base_url, workload, RADIX.extra))

@@ -20,15 +20,5 @@ for round in $(seq "${ROUNDS:-2}"); do for variant in guesses no-guesses; do
     --workloads multi_turn --rounds 1 --no-structured --no-plots --no-raw \
     --radix-mlx-args "$flags" --mt-conversations 8 --mt-turns 4 --mt-system-tokens 1000 \
     --mt-user-tokens 200 --mt-output-tokens 64 > "$OUT/$name.log" 2>&1
-  python3 - "$OUT/$name/results.json" $name <<'PY' | tee -a "$OUT/summary.txt"
-import json, statistics, sys
-server = json.load(open(sys.argv[1]))["servers"]["radix-mlx"]
-mt = server["workloads"]["multi_turn"]
-turns = {}
-for request in server["requests"]["multi_turn"]:
-    turns.setdefault(request["turn"], []).append(request["ttft"])
-by_turn = " ".join("%.0f" % (1000 * statistics.median(turns[t])) for t in sorted(turns))
-print(sys.argv[2], "ttft p50 %.0f ms" % (1000 * mt["ttft_p50"]),
-      "tok/s %.0f" % mt["output_tok_s"], "by turn (ms):", by_turn, flush=True)
-PY
+  python3 "$(dirname "$0")/by_turn.py" "$OUT/$name/results.json" $name | tee -a "$OUT/summary.txt"
 done; done
