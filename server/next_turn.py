@@ -9,12 +9,13 @@ waits.
 
 So a moment after a chat's reply is done, the conversation is rendered again with the
 reply as a client sends it back (its text and tool calls; not its reasoning, which
-OpenAI's clients drop) and a turn after it (a user message, or the results its tool calls ask for), twice,
-with two different texts in that turn. The tokens both renderings share are how the next
-turn begins. Where they go past what the request left in the tree (its prompt and the
-generated tokens), they are prefilled in the background, prefill-only: the next turn finds
-them cached. This only chooses which tokens to compute; what is cached is still the
-state of exactly those tokens, so a wrong guess costs a prefill, never an answer.
+OpenAI's clients drop) and a turn after it (a user message, or the results its tool
+calls ask for), twice, with two different texts in that turn. The tokens both renderings
+share are how the next turn begins. Where they go past what the request left in the tree
+(its prompt and the generated tokens), they are prefilled in the background,
+prefill-only: the next turn finds them cached. This only chooses which tokens to
+compute; what is cached is still the state of exactly those tokens, so a wrong guess
+costs a prefill, never an answer.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ READOUT = SamplingParams(max_tokens=0, temperature=0.0, readout=Readout(cache_on
 # computes these tokens itself, where a guess started at once is a forward the turn waits
 # behind. On an H200 (8B shape, 8 chats each sending its next turn as its reply ended),
 # guesses started at once put multi-turn TTFT p50 at 0.28-0.43 s, none at 0.21-0.26 s
-# (bench/experiments/cuda-graphs-prefill).
+# (bench/experiments/multi-turn-guesses, bench/experiments/cuda-graphs-prefill).
 DELAY_SECONDS = 0.25
 
 
@@ -107,22 +108,28 @@ class NextTurn:
 
     def prefill(self, reply: ChoiceResult, generated: Sequence[int]) -> None:
         """Start the prefill in the background, `DELAY_SECONDS` from now (the server
-        cancels it if it stops first), unless it would hold up other requests: a model that snapshots its cache at
-        message ends computes each prompt in a forward of its own, so with others in
-        flight (this request holds one lease) a guess in front of their next prompts
-        costs each a whole step. On an H100, 8 image chats at once on Gemma 3 4B's shape
-        waited 1.6 s for their first tokens with the guesses, 1.1 s without."""
+        cancels it if it stops first, or unloads the model), unless it would hold up
+        other requests: a model that snapshots its cache at message ends computes each
+        prompt in a forward of its own, so with others in flight (this request holds one
+        lease) a guess in front of their next prompts costs each a whole step. On an
+        H100, 8 image chats at once on Gemma 3 4B's shape waited 1.6 s for their first
+        tokens with the guesses, 1.1 s without."""
         if self.model.engine.wants_message_ends and self.model.inflight > 1:
             return
         tasks = self.model.background
-        task = asyncio.create_task(self._prefill(reply, list(generated), Lease(self.model)))
+        task = asyncio.create_task(self._prefill(reply, list(generated)))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    async def _prefill(self, reply: ChoiceResult, generated: list[int], lease: Lease) -> None:
+    async def _prefill(self, reply: ChoiceResult, generated: list[int]) -> None:
+        # Waiting holds no lease: a model whose only work is a guess is idle, and
+        # unloading it cancels the guess.
+        await asyncio.sleep(DELAY_SECONDS)
+        if self.model.engine is None:
+            return
+        lease = Lease(self.model)
         engine = lease.engine
         try:
-            await asyncio.sleep(DELAY_SECONDS)
             images = [image.file for image in self.prompt.images]
             prompt = await asyncio.to_thread(
                 next_turn_prompt, engine.tokenizer, self.request, images, reply,
