@@ -95,6 +95,9 @@ class ModelsCollector(Collector):
         requests = GaugeMetricFamily(f"{PREFIX}_model_requests", "Requests holding each "
                                      "model now, those waiting for its load included.",
                                      labels=["model"])
+        guesses = GaugeMetricFamily(f"{PREFIX}_model_next_turn_guesses", "Next-turn guesses "
+                                    "of each model waiting to start or computing "
+                                    "(server/next_turn.py).", labels=["model"])
         for model in self._models.models:
             engine_state = model.engine.state.value if model.engine else "unloaded"
             state.add_metric([model.id, engine_state], 1)
@@ -104,7 +107,8 @@ class ModelsCollector(Collector):
             crashes.add_metric([model.id], model.counters.crashes)
             memory.add_metric([model.id], model.share_bytes if model.engine else 0)
             requests.add_metric([model.id], model.inflight + model.load_waiters)
-        yield from (state, loads, load_seconds, unloads, crashes, memory, requests)
+            guesses.add_metric([model.id], len(model.background))
+        yield from (state, loads, load_seconds, unloads, crashes, memory, requests, guesses)
 
 
 def _read_stats(served: tuple[ServedModel, EngineClient]

@@ -97,7 +97,8 @@ class ServedModel:
         # Whether its chats continue, so that next-turn guesses pay (server/next_turn.py).
         self.follow_ups = FollowUps()
         # Engine work no request waits for (next-turn guesses): a clear or an unload
-        # cancels it first, as it would put back what a clear lets go of, and holds a lease.
+        # cancels it first, as it would put back what a clear lets go of; it holds a lease
+        # while it computes.
         self.background: set[asyncio.Task] = set()
         # The prefill-only jobs (server/prefill/jobs.py) on its engine at once, whichever
         # requests they are of: each queues up to 64 prompts in the engine, and five

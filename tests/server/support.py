@@ -152,11 +152,13 @@ def start_server(
 
 def wait_idle(server: ServerProcess, timeout: float = 60.0) -> dict[str, float]:
     """/metrics once nothing runs, waits, is pinned or is pending (a reply's next-turn
-    prefill included), or at the timeout: the caller's assertions then say what was left."""
+    guess included, from the moment the reply ends), or at the timeout: the caller's
+    assertions then say what was left."""
     deadline = time.monotonic() + timeout
     while True:
         metrics = server.metrics()
         busy = (metrics["radix_mlx_running_requests"], metrics["radix_mlx_background_prefills"],
+                metrics["radix_mlx_model_next_turn_guesses"],
                 metrics["radix_mlx_queue_depth"], metrics["radix_mlx_tree_pinned_bytes"],
                 metrics["radix_mlx_tree_pending_nodes"])
         if not any(busy) or time.monotonic() > deadline:

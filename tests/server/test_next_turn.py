@@ -59,6 +59,8 @@ def prefilled(server: ServerProcess) -> float:
 def turn(server: ServerProcess, messages: list[dict], wait: bool = True, **extra) -> dict:
     """One chat turn's response; with `wait`, once the server has prefilled the next
     (if the reply asks for it: the tokens may come back as they were generated)."""
+    if wait:
+        wait_idle(server)  # an earlier reply's guess, ending now, would count as this one's
     before = prefilled(server)
     response = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
         "model": served_model(server), "messages": messages, "max_tokens": 24,
@@ -204,8 +206,7 @@ def test_one_shot_chats_stop_the_guesses_and_a_conversation_brings_them_back(
                  wait=False)
         messages = [system, {"role": "user", "content": "Describe the layout."}]
         first = turn(server, messages, wait=False)
-        time.sleep(DELAY_SECONDS)  # past when a guess would have started
-        wait_idle(server)
+        wait_idle(server)  # a guess, had one been made, would have run by now
         messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
                      {"role": "user", "content": "Which file is the largest?"}]
         second = turn(server, messages, wait=False)
@@ -236,7 +237,6 @@ def test_a_clear_right_after_a_reply_keeps_nothing_of_its_guess(servers) -> None
         # While the last reply's guess waits, is being rendered, or is prefilling.
         time.sleep(session % 4 * DELAY_SECONDS / 2)
         assert httpx.delete(f"{server.url}/admin/cache", timeout=30).status_code == 200
-        time.sleep(DELAY_SECONDS + 0.3)  # a guess that outlived the clear would have run
-        wait_idle(server)
+        wait_idle(server)  # a guess that outlived the clear would have run by now
         memory = httpx.get(f"{server.url}/admin/cache", timeout=30).json()["memory"]
         assert (session, memory["tokens"]) == (session, 0)

@@ -22,7 +22,7 @@ from server.images import checked_image
 from server.openai.adapter import chat_request
 from server.openai.protocol import ChatCompletionRequest
 from server.prompts import chat_prompt
-from tests.server.support import start_server
+from tests.server.support import start_server, wait_idle
 from tests.vision.support import (
     QUESTION,
     VlmReference,
@@ -111,6 +111,7 @@ def test_an_image_chats_next_turn_is_cached_up_to_its_own_text(
     """The reply, as the template renders it back after the image, is prefilled once it
     is done (server/next_turn.py): only the new question is computed."""
     image = png(13)
+    wait_idle(vision_server)  # an earlier reply's guess, ending now, would count as this one's
     before = vision_server.metrics()["radix_mlx_next_turn_prefilled_tokens_total"]
     first = client.chat.completions.create(model=model, messages=chat_image(data_url(image)),
                                            max_tokens=MAX_TOKENS, temperature=0)
