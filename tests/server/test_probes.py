@@ -70,7 +70,7 @@ def test_a_scrape_asks_every_engine_at_once() -> None:
             return EngineStats()
 
     models = [SimpleNamespace(id=name, engine=Engine(), counters=ModelCounters(),
-                              share_bytes=0, inflight=0, load_waiters=0)
+                              share_bytes=0, inflight=0, load_waiters=0, background=set())
               for name in ("first", "second")]
     registry = SimpleNamespace(models=models,
                                engines=lambda: [(model, model.engine) for model in models])
