@@ -362,10 +362,11 @@ class Settings(BaseModel):
         "where the cache stopped matching the prompt, and why (the access log always says)"
     )
     prefill_next_turn: bool = Field(
-        True, description="when a chat's reply is done, prefill it as the next turn will "
-        "send it back, where the template renders it as other tokens than were generated "
-        "(re-encoded text, trimmed replies, dropped reasoning, tool calls as the template's "
-        "JSON), so that turn finds it cached; only while the model's chats continue (at "
+        True, description="a quarter second after a chat's reply is done (unless its "
+        "next turn came first), prefill it as that turn will send it back, where the "
+        "template renders it as other tokens than were generated (re-encoded text, trimmed "
+        "replies, dropped reasoning, tool calls as the template's JSON), so that turn finds "
+        "it cached; only while the model's chats continue (at "
         "least one in eight of its last 32 carried an earlier reply)"
     )
     warm_prompts: Path | None = Field(
