@@ -14,7 +14,10 @@ HTTP). Each rate is (tokens - 1) / (last token - first token): prefill excluded.
 one JSON object (medians, ratios to bare, every run, the load average around the runs,
 and for the in-process paths the CPU time per token of their Python threads, which the
 machine's load disturbs far less than wall time: the host cost per step, measured);
-with --out also writes results.json and results.md there.
+with --out also writes results.json and results.md there. Bare mlx-lm and the engine in
+process share MLX's process-wide CUDA settings, fixed by the first work on the device
+(bare mlx-lm's load, so MLX's defaults: CUDA graphs on); the server process runs with the
+engine's own (engine/platform_info.py: graphs off).
 """
 
 from __future__ import annotations
