@@ -113,11 +113,14 @@ RESTORE_SLICE = 0.01
 # Readouts read together (`Scheduler._read`) hold their shared prefix once per row: a batch
 # holds at most this many idle chunks of positions, prefix copies and padding included.
 MAX_READ_CHUNKS = 16
-# With nothing decoding, readouts may take this many idle chunks a step: nobody waits on the
-# step, and on a GPU a forward's fixed cost is what lists read one by one pay each (an H200
-# server whose chunk gave reads 8192 positions ran classify at ~4,900 sentences/s with four
-# lists in flight; bench/results/nvidia-h200/classify-4-lists-1b-vocab49152).
-IDLE_READ_CHUNKS = 4
+# On a GPU, with nothing decoding, readouts may take this many idle chunks a step: nobody
+# waits on the step, and a forward's fixed cost is what lists read one by one pay each (an
+# H200 server whose chunk gave reads 8192 positions ran classify at ~4,900 sentences/s with
+# four lists in flight; bench/results/nvidia-h200/classify-4-lists-1b-vocab49152). On the
+# CPU a forward costs its tokens, not a fixed cost, and four chunks made a step four
+# prefill steps long: 64 embeddings of SmolLM2 without OpenBLAS ran past the engine's
+# step timeout, which stops the server.
+GPU_IDLE_READ_CHUNKS = 4
 # How much prefill may stall decoding streams (prefill_budget.py). On the 2-core CPU a
 # 512-token chunk costs seconds, and a tenth of a step kept the shared-prefix workload's
 # ITL p50 at mlx-lm's (187 vs 193 ms, from 257). On an H100 a 2048-token chunk costs
@@ -345,6 +348,7 @@ class Scheduler:
         if stall_ratio is None:
             stall_ratio = GPU_PREFILL_STALL_RATIO if gpu else CPU_PREFILL_STALL_RATIO
         # With nothing decoding there is no stream to keep smooth.
+        self.idle_read_chunks = GPU_IDLE_READ_CHUNKS if gpu else 1
         self.prefill_budget = PrefillBudget(
             stall_ratio, limits.prefill_stall_floor, chunk,
             idle_chunk=max(GPU_PREFILL_CHUNK, chunk) if gpu else chunk)
@@ -1029,7 +1033,7 @@ class Scheduler:
             halved = bool(self.reading) and bool(self.generator.prefilling)
             if self.reading:
                 reads = budget // 2 if halved else budget
-                prefilled = self._read(reads if decoding else IDLE_READ_CHUNKS * reads)
+                prefilled = self._read(reads if decoding else self.idle_read_chunks * reads)
             if self.generator.prefilling:
                 result = self.generator.prefill(budget - budget // 2 if halved else budget)
                 prefilled += result.tokens

@@ -21,7 +21,6 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine.api import Finish, LastPosition, QueueFull, Readout, RequestFailed, SamplingParams
 from engine.engine import Engine
-from engine.scheduler import IDLE_READ_CHUNKS
 from tests.engine.kv_integrity import check_tree_kv
 from tests.engine.support import Reference, settled, start_engine
 from tests.faults import FaultInjectingModel, failing_first, loader_wrapping
@@ -206,8 +205,8 @@ async def test_a_list_over_a_cached_prefix_is_read_in_one_forward(counted, llama
 async def test_lists_of_a_new_preamble_wait_for_one_prompt_to_compute_it(counted,
                                                                          llama_reference):
     """Four lists arriving together with a preamble the tree lacks: one prompt of them
-    all computes it (in forwards of one row), and every other prompt is read over it in
-    one forward."""
+    all computes it (in forwards of one row), and every other prompt is read over it,
+    many rows a forward (as many as a prefill chunk's positions hold)."""
     engine, model = counted
     lists = [a_list(engine, [f"{i} {r}" for r in REVIEWS]) for i in range(4)]
     readout = Readout(top_logprobs=2, cached_prefix=lists[0][1])
@@ -216,7 +215,11 @@ async def test_lists_of_a_new_preamble_wait_for_one_prompt_to_compute_it(counted
     results = await asyncio.gather(*(read(engine, prompts, readout) for prompts, _ in lists))
     cached = [finish.cached_tokens for readings in results for _, finish in readings]
     assert sorted(cached) == [0] + [lists[0][1]] * (len(cached) - 1)
-    assert [rows for rows, _ in model.shapes if rows > 1] == [len(cached) - 1]
+    first_read = next(i for i, (rows, _) in enumerate(model.shapes) if rows > 1)
+    computing, reads = model.shapes[:first_read], model.shapes[first_read:]
+    assert all(rows == 1 for rows, _ in computing)
+    assert sum(rows for rows, _ in reads) == len(cached) - 1
+    assert all(rows * width <= CHUNK for rows, width in reads)
     for (prompts, _), readings in zip(lists, results):
         for prompt, (last, _) in zip(prompts, readings):
             assert_reads(last, llama_reference, prompt, readout)
@@ -479,8 +482,8 @@ async def test_texts_sent_again_are_read_in_one_forward_over_their_own_prefixes(
 
 async def test_a_list_longer_than_a_forward_is_read_in_batches(counted, llama_reference):
     """Eighty reviews of many lengths behind a cached preamble: several forwards, none
-    over what a step with nothing decoding reads (IDLE_READ_CHUNKS prefill chunks,
-    padding included), shortest first, each row read as its prompt alone."""
+    over what a step reads on the CPU (one prefill chunk, padding included, whether or
+    not anything decodes), shortest first, each row read as its prompt alone."""
     engine, model = counted
     reviews = [" ".join(["word"] * (1 + i % 13)) + f" {i}" for i in range(80)]
     prompts, shared = a_list(engine, reviews)
@@ -489,7 +492,7 @@ async def test_a_list_longer_than_a_forward_is_read_in_batches(counted, llama_re
     model.shapes.clear()
     results = await read(engine, prompts, readout)
     assert len(model.shapes) > 1
-    assert all(rows * width <= IDLE_READ_CHUNKS * CHUNK for rows, width in model.shapes)
+    assert all(rows * width <= CHUNK for rows, width in model.shapes)
     assert sum(rows for rows, _ in model.shapes) == len(prompts)
     for prompt, (last, finish) in zip(prompts, results):
         assert finish.cached_tokens == shared
