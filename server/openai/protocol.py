@@ -328,7 +328,8 @@ class ChatCompletionRequest(StructuredOutputRequest):
 
 # -- legacy completion requests ----------------------------------------------------------
 
-def _prompt_kind(value: Any) -> str | None:
+def prompt_kind(value: Any) -> str | None:
+    """Which shape of OpenAI's prompt (or embeddings input) `value` has, if any."""
     if isinstance(value, str):
         return "text"
     if not isinstance(value, list):
@@ -338,8 +339,9 @@ def _prompt_kind(value: Any) -> str | None:
 
 
 NonEmptyTokens = Annotated[list[TokenId], Field(min_length=1)]
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of those"
 Prompt = shaped_union(
-    _prompt_kind, "a string, a list of strings, a list of token ids or a list of those",
+    prompt_kind, PROMPT_SHAPES,
     text=Annotated[str, Field(min_length=1)],
     texts=Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)],
     tokens=NonEmptyTokens,

@@ -8,8 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from server.openai.protocol import ChatRequestMessage, TokenId
-from server.schema import MAX_TOP_LOGPROBS, RequestModel, ResponseModel
+from server.openai.protocol import PROMPT_SHAPES, ChatRequestMessage, TokenId, prompt_kind
+from server.schema import MAX_TOP_LOGPROBS, RequestModel, ResponseModel, shaped_union
 
 # Inputs one request may carry; more is a 400 rather than a queue of thousands.
 MAX_INPUTS = 2048
@@ -19,11 +19,18 @@ TOKEN_IDS_INPUT = list[TokenId]
 MAX_LABELS = 256
 MAX_LABEL_TOKENS = 64
 MAX_LABEL_READS = 4 * MAX_INPUTS
+# Validated by their shape (server.schema.shaped_union), so a bad input gets one error that
+# says what it should be. Empty ones pass here: routes.py names the empty item.
+EmbeddingInput = shaped_union(prompt_kind, PROMPT_SHAPES, text=str, texts=list[str],
+                              tokens=TOKEN_IDS_INPUT, batch=list[TOKEN_IDS_INPUT])
+ClassifyInput = shaped_union(
+    lambda value: "text" if isinstance(value, str) else "tokens" if isinstance(value, list)
+    else None, "a string or a list of token ids", text=str, tokens=TOKEN_IDS_INPUT)
 
 
 class EmbeddingRequest(RequestModel):
     model: str | None = None
-    input: str | list[str] | TOKEN_IDS_INPUT | list[TOKEN_IDS_INPUT]
+    input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
@@ -89,7 +96,7 @@ class ClassifyRequest(RequestModel):
     the model's template), not both."""
 
     model: str | None = None
-    input: list[str | TOKEN_IDS_INPUT] | None = None
+    input: list[ClassifyInput] | None = None
     messages: list[list[ChatRequestMessage]] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     labels: Annotated[list[Annotated[str, Field(min_length=1)]],

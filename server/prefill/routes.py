@@ -139,15 +139,18 @@ async def _classify(request: Request, state: ServerState, served: ServedModel,
     model = state.models.name_for(served, body.model)
     tokenizer = served.tokenizer()
     if body.input is not None:
-        prompts = await asyncio.to_thread(_prompts, tokenizer, _inputs(body.input, "input"),
-                                          "input")
+        param = "input"
+        inputs = _inputs(body.input, param)
+        prompts = await asyncio.to_thread(_prompts, tokenizer, inputs,
+                                          _indexed(param, len(inputs)))
     else:
-        _count(body.messages, "messages")
+        param = "messages"
+        _count(body.messages, param)
         prompts = await asyncio.to_thread(_chat_prompts, tokenizer, body.messages)
     _check_lengths(served, [prompt.tokens for prompt in prompts],
-                   _indexed("input", len(prompts)))
+                   _indexed(param, len(prompts)))
     labels = {label: _label_tokens(tokenizer, label) for label in body.labels or ()}
-    _check_label_reads(served, prompts, labels)
+    _check_label_reads(served, prompts, labels, param)
     firsts = _distinct([tokens[0] for tokens in labels.values()])
     groups = _label_groups(labels)
     work = [(prompts, Readout(top_logprobs=body.top_logprobs, token_ids=firsts))]
@@ -212,17 +215,28 @@ def _count(items: Sequence[object], param: str) -> None:
 
 
 def _prompts(tokenizer: ModelTokenizer, inputs: Sequence[str | list[int]],
-             param: str) -> list[Prompt]:
+             params: Sequence[str]) -> list[Prompt]:
     """Texts are encoded as legacy completions' prompts are (together); token ids taken
-    as given. Classify's inputs may mix the two."""
+    as given, a 400 naming the input (`params`, one an input) where one is out of the
+    vocabulary. Classify's inputs may mix the two."""
+    _check_token_id_inputs(inputs, tokenizer.vocab_size, params)
     texts = [item for item in inputs if isinstance(item, str)]
     encoded = iter(tokenizer.encode_batch(texts) if texts else ())
-    check_token_ids((t for item in inputs if not isinstance(item, str) for t in item),
-                    tokenizer.vocab_size, param)
     return [Prompt(next(encoded) if isinstance(item, str) else list(item)) for item in inputs]
 
 
+def _check_token_id_inputs(inputs: Sequence[str | list[int]], vocab_size: int,
+                           params: Sequence[str]) -> None:
+    for item, param in zip(inputs, params, strict=True):
+        if not isinstance(item, str):
+            check_token_ids(item, vocab_size, param)
+
+
 def _chat_prompts(tokenizer: ModelTokenizer, chats: list[list]) -> list[Prompt]:
+    if not tokenizer.has_chat_template:
+        raise APIError(400, "this model has no chat template to render messages with: "
+                       "send input (texts or token ids) instead", code="invalid_request",
+                       param="messages")
     if any(content_images(message.content) for chat in chats for message in chat):
         raise APIError(400, "these endpoints read text: send the chats without image parts",
                        code="invalid_image", param="messages")
@@ -259,10 +273,11 @@ def _label_tokens(tokenizer: ModelTokenizer, label: str) -> list[int]:
 
 
 def _check_label_reads(model: ServedModel, prompts: Sequence[Prompt],
-                       labels: dict[str, list[int]]) -> None:
+                       labels: dict[str, list[int]], param: str) -> None:
     """Scoring multi-token labels reads each input again once per label token after the
     first: a 400 where that is more than MAX_LABEL_READS prompts, or where an input and
-    its longest label go past the model's context window."""
+    its longest label go past the model's context window (naming it as an item of
+    `param`, the field the prompts came from)."""
     reads = len(prompts) * sum(len(tokens) - 1 for tokens in labels.values())
     if reads > MAX_LABEL_READS:
         raise APIError(400, f"scoring these labels reads {reads} continuations of the "
@@ -273,9 +288,9 @@ def _check_label_reads(model: ServedModel, prompts: Sequence[Prompt],
     for index, prompt in enumerate(prompts):
         if longest and len(prompt.tokens) + longest > limit:
             raise APIError(
-                400, f"input {index} has {len(prompt.tokens)} tokens and the longest label "
-                f"{longest + 1}; this model's maximum context length is {limit}",
-                code="context_length_exceeded", param=f"input[{index}]")
+                400, f"{param}[{index}] has {len(prompt.tokens)} tokens and the longest "
+                f"label {longest + 1}; this model's maximum context length is {limit}",
+                code="context_length_exceeded", param=f"{param}[{index}]")
 
 
 @dataclass(frozen=True)
@@ -360,12 +375,12 @@ async def _embed(request: Request, state: ServerState, model: ServedModel,
         if isinstance(inputs[0], str):
             tokens = await asyncio.to_thread(engine.encode, inputs)
         else:
-            check_token_ids((t for ids in inputs for t in ids), engine.vocab_size, "input")
+            _check_token_id_inputs(inputs, engine.vocab_size, params)
             tokens = inputs
         _check_lengths(model, tokens, params)
         vectors = await unless_disconnected(request, asyncio.wrap_future(engine.embed(tokens)))
         return None if vectors is None else (vectors, sum(map(len, tokens)), 0)
-    prompts = await asyncio.to_thread(_prompts, model.tokenizer(), inputs, "input")
+    prompts = await asyncio.to_thread(_prompts, model.tokenizer(), inputs, params)
     _check_lengths(model, [prompt.tokens for prompt in prompts], params)
     readings = await read_prompts(request, state, model, [(prompts, Readout(hidden=True))])
     if readings is None:
@@ -450,6 +465,11 @@ async def _judge_scores(request: Request, state: ServerState, model: ServedModel
                         ) -> tuple[list[float], int, int] | None:
     """P("yes") / (P("yes") + P("no")) after each judge prompt."""
     tokenizer = model.tokenizer()
+    if not tokenizer.has_chat_template:
+        raise APIError(400, f"the model {model.id} has no chat template, which a causal "
+                       "model judges documents through: rerank with a model that has one, "
+                       "a cross-encoder or an embedding model", code="model_not_supported",
+                       param="model")
     instruction = body.instruction or JUDGE_INSTRUCTION
     # The first prompt has no document: where it is over the context window, the query
     # (with the instruction) is to blame rather than every document.

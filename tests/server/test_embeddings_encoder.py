@@ -153,7 +153,7 @@ def test_rerank_by_cosine(encoder_server: ServerProcess, reference) -> None:
     ({"input": []}, "input", "empty"),
     ({"input": ""}, "input[0]", "empty"),
     ({"input": ["fine", ""]}, "input[1]", "empty"),
-    ({"input": [[101, 999999, 102]]}, "input", "out of range"),
+    ({"input": [[101, 102], [101, 999999, 102]]}, "input[1]", "out of range"),
     ({"input": [-775, 1, -775]}, None, "input"),  # no token id is negative
     ({"input": ["a"] * 10_000}, "input", "at most"),
     ({"input": ["short", "word " * 400]}, "input[1]", "maximum context length"),

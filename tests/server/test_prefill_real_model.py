@@ -15,6 +15,7 @@ import mlx_lm
 import numpy as np
 import pytest
 
+from server.openai.protocol import PROMPT_SHAPES
 from server.prefill.routes import GROUP_TOKENS, JUDGE_INSTRUCTION, JUDGE_SYSTEM
 from tests.server.support import API_KEY, ServerProcess, wait_idle
 
@@ -278,10 +279,27 @@ def test_a_bad_rerank_query_or_document_is_a_400_naming_it(
     assert words in error["message"]
 
 
+@pytest.mark.parametrize(("path", "body", "message"), [
+    ("/v1/embeddings", {"input": {"text": "a"}},
+     f"input: must be {PROMPT_SHAPES}"),
+    ("/v1/embeddings", {"input": [-1]}, "input.0: Input should be greater than or equal to 0"),
+    ("/v1/embeddings", {"input": ["a", 1]}, "input.1: Input should be a valid string"),
+    ("/v1/classify", {"input": ["a", {"text": "b"}]},
+     "input.1: must be a string or a list of token ids"),
+])
+def test_an_input_of_the_wrong_shape_gets_one_error_saying_what_it_must_be(
+        real_server: ServerProcess, path: str, body: dict, message: str) -> None:
+    """Not one error per member of the union the field's type is."""
+    response = httpx.post(f"{real_server.url}{path}", json=body, headers=AUTH, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"] == message
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/classify", {"input": []}, "input"),
     ("/v1/classify", {"input": ["ok", ""]}, "input[1]"),
-    ("/v1/classify", {"input": [[1, 10**8]]}, "input"),
+    ("/v1/classify", {"input": [[1, 2], [1, 10**8]]}, "input[1]"),
+    ("/v1/embeddings", {"input": [[1, 2], [1, 10**8]]}, "input[1]"),
     ("/v1/classify", {"input": ["a"] * 10_000}, "input"),
     ("/v1/classify", {"input": ["a"], "messages": [[{"role": "user", "content": "a"}]]},
      None),
@@ -294,6 +312,12 @@ def test_a_bad_rerank_query_or_document_is_a_400_naming_it(
      "labels"),
     ("/v1/classify", {"input": ["a", [1] * 8190], "labels": [" one two three four"]},
      "input[1]"),
+    # A chat too long, alone or with its longest label, is named as the chat.
+    ("/v1/classify", {"messages": [[{"role": "user", "content": "hi"}],
+                                   [{"role": "user", "content": "word " * 9000}]]},
+     "messages[1]"),
+    ("/v1/classify", {"messages": [[{"role": "user", "content": "word " * 8150}]],
+                      "labels": [" word" * 40]}, "messages[0]"),
     ("/v1/rerank", {"query": "q", "documents": []}, None),
     ("/v1/embeddings", {"input": [""]}, "input[0]"),
 ])
