@@ -347,8 +347,8 @@ class Scheduler:
         stall_ratio = limits.prefill_stall_ratio
         if stall_ratio is None:
             stall_ratio = GPU_PREFILL_STALL_RATIO if gpu else CPU_PREFILL_STALL_RATIO
-        # With nothing decoding there is no stream to keep smooth.
         self.idle_read_chunks = GPU_IDLE_READ_CHUNKS if gpu else 1
+        # With nothing decoding there is no stream to keep smooth.
         self.prefill_budget = PrefillBudget(
             stall_ratio, limits.prefill_stall_floor, chunk,
             idle_chunk=max(GPU_PREFILL_CHUNK, chunk) if gpu else chunk)

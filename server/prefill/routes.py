@@ -141,16 +141,16 @@ async def _classify(request: Request, state: ServerState, served: ServedModel,
     if body.input is not None:
         param = "input"
         inputs = _inputs(body.input, param)
-        prompts = await asyncio.to_thread(_prompts, tokenizer, inputs,
-                                          _indexed(param, len(inputs)))
+        params = _indexed(param, len(inputs))
+        prompts = await asyncio.to_thread(_prompts, tokenizer, inputs, params)
     else:
         param = "messages"
         _count(body.messages, param)
+        params = _indexed(param, len(body.messages))
         prompts = await asyncio.to_thread(_chat_prompts, tokenizer, body.messages)
-    _check_lengths(served, [prompt.tokens for prompt in prompts],
-                   _indexed(param, len(prompts)))
+    _check_lengths(served, [prompt.tokens for prompt in prompts], params)
     labels = {label: _label_tokens(tokenizer, label) for label in body.labels or ()}
-    _check_label_reads(served, prompts, labels, param)
+    _check_label_reads(served, prompts, labels, params)
     firsts = _distinct([tokens[0] for tokens in labels.values()])
     groups = _label_groups(labels)
     work = [(prompts, Readout(top_logprobs=body.top_logprobs, token_ids=firsts))]
@@ -273,11 +273,11 @@ def _label_tokens(tokenizer: ModelTokenizer, label: str) -> list[int]:
 
 
 def _check_label_reads(model: ServedModel, prompts: Sequence[Prompt],
-                       labels: dict[str, list[int]], param: str) -> None:
+                       labels: dict[str, list[int]], params: Sequence[str]) -> None:
     """Scoring multi-token labels reads each input again once per label token after the
     first: a 400 where that is more than MAX_LABEL_READS prompts, or where an input and
-    its longest label go past the model's context window (naming it as an item of
-    `param`, the field the prompts came from)."""
+    its longest label go past the model's context window (naming its field: `params`,
+    one a prompt)."""
     reads = len(prompts) * sum(len(tokens) - 1 for tokens in labels.values())
     if reads > MAX_LABEL_READS:
         raise APIError(400, f"scoring these labels reads {reads} continuations of the "
@@ -285,12 +285,12 @@ def _check_label_reads(model: ServedModel, prompts: Sequence[Prompt],
                        code="invalid_request", param="labels")
     longest = max((len(tokens) - 1 for tokens in labels.values()), default=0)
     limit = model.engine.context_length
-    for index, prompt in enumerate(prompts):
+    for prompt, param in zip(prompts, params, strict=True):
         if longest and len(prompt.tokens) + longest > limit:
             raise APIError(
-                400, f"{param}[{index}] has {len(prompt.tokens)} tokens and the longest "
-                f"label {longest + 1}; this model's maximum context length is {limit}",
-                code="context_length_exceeded", param=f"{param}[{index}]")
+                400, f"{param} has {len(prompt.tokens)} tokens and the longest label "
+                f"{longest + 1}; this model's maximum context length is {limit}",
+                code="context_length_exceeded", param=param)
 
 
 @dataclass(frozen=True)

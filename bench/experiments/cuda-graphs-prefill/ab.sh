@@ -6,8 +6,9 @@
 # and instantiates new ones. gpu.sh's multi-turn at 8B, radix-mlx alone, graphs on
 # (MLX_USE_CUDA_GRAPHS=1, MLX's default) against off (plain launches, the engine's default
 # since 3e6e87c; the recorded runs predate it and left the variable unset for "on"), with
-# and without next-turn guesses, alternating, ROUNDS rounds; MLX's JIT cache (/tmp/mlx) counted after each run, the
-# step logs kept. summary.txt: each run's TTFT p50, output tok/s, TTFT p50 by turn.
+# and without next-turn guesses, alternating, ROUNDS rounds; MLX's JIT cache (/tmp/mlx)
+# counted after each run, the step logs kept. summary.txt: each run's TTFT p50, output
+# tok/s, TTFT p50 by turn.
 #   SHAPE=llama-8b ROUNDS=2 bash ab.sh OUT   (on the GPU machine: ../multi-turn-guesses/
 #                                             multi_turn.sh says what it needs there)
 OUT=${1:?output folder}
