@@ -109,6 +109,9 @@ class EngineConfig:
     # Jinja source rendering chats instead of the model's own template (None: its own).
     chat_template: str | None = None
     speculation: SpeculationConfig = SpeculationConfig()
+    # Run each kind of step once before serving (engine.py `_warm_up`); None: where
+    # kernels compile in every process, a GPU.
+    warm_up: bool | None = None
 
 
 @dataclass

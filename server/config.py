@@ -393,6 +393,13 @@ class Settings(BaseModel):
         "again), and a server of one model exits 1 for its service manager to restart; "
         "0: wait forever"
     )
+    warm_up: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="run each kind of step once before serving, so that the first requests "
+        "do not wait for kernels to compile; auto: on a GPU, where they compile in every "
+        "process (on CUDA for seconds each). On a CPU they do not: there it only delayed "
+        "readiness (9 s for SmolLM2-135M on 2 cores) and no first request ran faster",
+    )
     # Off until measured to help: on the H100 it was not faster for one stream (two
     # alternating runs), and two of six shared-prefix runs in its own process held
     # requests back for 4-9 s (none in process); engine/process.py says what is known.

@@ -173,6 +173,15 @@ def test_kv_bits_reach_the_engine_config() -> None:
     assert (config.kv_bits, config.kv_group_size) == (4, 32)
 
 
+def test_warm_up_is_the_engines_choice_unless_set() -> None:
+    from server.launch.serve import engine_config
+
+    assert engine_config(Settings(), "a-model").warm_up is None
+    for flag, value in (("on", True), ("off", False)):
+        settings = load_settings(parse("--warm-up", flag), environ={})
+        assert engine_config(settings, "a-model").warm_up is value
+
+
 def test_a_draft_model_is_a_draft_source_of_its_model() -> None:
     """Given a draft model, drafts come from it after the sources named; a `model` source
     without one is an error; a model's own draft model is a source for it alone."""

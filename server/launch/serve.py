@@ -94,6 +94,7 @@ def engine_config(settings: Settings, model: str, memory_limit_bytes: int | None
         chat_template=(None if settings.chat_template is None
                        else settings.chat_template.read_text(encoding="utf-8")),
         speculation=speculation_config(settings),
+        warm_up={"auto": None, "on": True, "off": False}[settings.warm_up],
     )
 
 

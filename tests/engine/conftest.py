@@ -24,7 +24,8 @@ def family(request) -> str:
 
 @pytest.fixture(scope="module")
 def engine(family, family_model_dir) -> Iterator[Engine]:
-    engine = start_engine(family_model_dir(family), cache_bytes=1 << 30)
+    """Warmed up as on a GPU, so the tests of each cache kind also run after a warm-up."""
+    engine = start_engine(family_model_dir(family), cache_bytes=1 << 30, warm_up=True)
     yield engine
     engine.shutdown()
 

@@ -50,10 +50,11 @@ def bfloat16_model_dir(model_dir, tmp_path_factory) -> str:
     return str(path)
 
 
-def start(model_dir: str, directory, memory_tokens: int, disk_tokens: int) -> Engine:
+def start(model_dir: str, directory, memory_tokens: int, disk_tokens: int,
+          warm_up: bool | None = None) -> Engine:
     return start_engine(model_dir, cache_bytes=memory_tokens * BYTES_PER_TOKEN,
                         disk_cache_dir=str(directory),
-                        disk_cache_bytes=disk_tokens * BYTES_PER_TOKEN)
+                        disk_cache_bytes=disk_tokens * BYTES_PER_TOKEN, warm_up=warm_up)
 
 
 async def answer(engine: Engine, reference: Reference, prompt: list[int],
@@ -234,7 +235,7 @@ async def test_a_miss_is_explained_and_warm_up_leaves_nothing_to_explain(
         model_dir, reference, tmp_path):
     """The warm-up's prompts start with the token ids chat templates start with; what it
     cached and cleared before the engine was ready is no request's cache."""
-    engine = start(model_dir, tmp_path, 4096, 4096)
+    engine = start(model_dir, tmp_path, 4096, 4096, warm_up=True)
     try:
         first = await complete(engine, [1, 2, 3, 4, 5], max_tokens=1)
         assert (first.finish.cache_miss.reason, first.finish.cache_miss.position) == (

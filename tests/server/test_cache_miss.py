@@ -20,7 +20,7 @@ def miss_server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("cache-miss") / "server.log"
     process = start_server(demo_model_dir, log, "--api-key", API_KEY, "--cache-miss-details",
-                           "true")
+                           "true", "--warm-up", "on")
     yield process
     process.stop()
 

@@ -211,8 +211,8 @@ def test_a_request_whose_client_left_stops_and_others_go_on(
 
 def test_a_short_request_behind_a_long_one_waits_for_one_forward(
         encoder_server: ServerProcess) -> None:
-    """A word sent while another client's 1,024 long inputs are computed (13 forwards)
-    is answered a forward or two later, not after all of them: requests take turns a
+    """A word sent while another client's 2,048 inputs are computed (8 forwards of 256
+    rows) is answered a forward or two later, not after all of them: requests take turns a
     forward at a time. The long one, abandoned then, stops."""
 
     def forwards() -> float:
@@ -222,7 +222,7 @@ def test_a_short_request_behind_a_long_one_waits_for_one_forward(
         async with httpx.AsyncClient(base_url=encoder_server.url, timeout=600) as client:
             before = forwards()
             long = asyncio.create_task(client.post(
-                "/v1/embeddings", json={"input": ["word " * 200] * 1024}))
+                "/v1/embeddings", json={"input": ["word " * 20] * 2048}))
             while forwards() == before:  # the long one is being computed
                 await asyncio.sleep(0.1)
             short = await client.post("/v1/embeddings", json={"input": "a word"})
