@@ -27,7 +27,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if getattr(config.option, "numprocesses", None):
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     # Bytecode is written, whatever PYTHONDONTWRITEBYTECODE says: without it each of the
-    # ~150 processes the suite starts compiled the project from source (0.4-0.7 s on 2
+    # hundred-odd processes the suite starts compiled the project from source (0.4-0.7 s on 2
     # cores), and each run rewrote every test module's asserts anew (~6 s a worker).
     if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
         sys.dont_write_bytecode = False
