@@ -374,9 +374,9 @@ class Engine:
     def _warms_up(self) -> bool:
         """`EngineConfig.warm_up`, by default where kernels compile in every process: a
         GPU. On a 2-core CPU the warm-up held SmolLM2-135M's readiness back 9 s and Gemma 3
-        270M's 9.4 s, and the first requests after it ran no faster than without it (0.81
-        against 0.87 s, 1.55 against 1.38 s): MLX's CPU kernels are compiled ahead or
-        kept on disk."""
+        270M's 9.4 s, and the first requests took as long without it (0.87 against 0.81 s,
+        1.38 against 1.55 s), but for a first constrained one (0.5 s more, llguidance's
+        copy of the tokenizer): MLX's CPU kernels are compiled ahead or kept on disk."""
         if self.config.warm_up is not None:
             return self.config.warm_up
         return mx.default_device() == mx.gpu
