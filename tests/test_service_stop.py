@@ -161,8 +161,10 @@ def probe(url: str, read):
 
 @pytest.mark.parametrize("stage", ["loading", "warming_up"])
 def test_sigterm_while_the_model_loads_or_warms_up_exits_zero(stage, real_model_dir, tmp_path):
-    """The engine's thread is inside MLX then."""
-    process, log, url = start_stage(tmp_path, real_model_dir)
+    """The engine's thread is inside MLX then. The warm-up forced on, as a GPU runs it:
+    on a CPU the engine does not warm up, and the stage would last milliseconds."""
+    process, log, url = start_stage(tmp_path, real_model_dir,
+                                    flags=("--disk-cache-bytes", "0", "--warm-up", "on"))
     stop_when(lambda: probe(f"{url}/health", lambda h: h["status"]) == stage, process, log,
               stage)
 
