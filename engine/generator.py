@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -65,11 +65,9 @@ from engine.mlx_lm_internals import (
     supports_segments,
 )
 from engine.mrope import MRoPE, Placement
+from engine.sampling import Sampler, draw
 from engine.speculation import FIRST_PAUSE, MAX_PAUSE, STEP_COST, Drafts, best_width
 from engine.vision import ImageFeed
-
-if TYPE_CHECKING:  # engine.sampling imports this module's Scores
-    from engine.sampling import Sampler
 
 # What a sequence's KV is copied from (`Generator.caches_of`): a single-sequence cache, or
 # a row of the batch's.
@@ -929,12 +927,14 @@ class Generator:
             logits = apply_masks(logits, mask)
             if any(r.sampler is not None for r in rows):
                 allowed = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if all(r.sampler is None for r in rows):
-            sampled = mx.argmax(logits, axis=-1)
+        drawn = [i for i, r in enumerate(rows) if r.sampler is not None]
+        if len(drawn) == len(rows):
+            sampled = draw([r.sampler for r in rows], allowed)
         else:
-            sampled = mx.concatenate([
-                mx.argmax(logits[i:i + 1], axis=-1) if r.sampler is None
-                else r.sampler(allowed[i:i + 1]) for i, r in enumerate(rows)])
+            sampled = mx.argmax(logits, axis=-1)
+            if drawn:
+                at = mx.array(drawn)
+                sampled[at] = draw([rows[i].sampler for i in drawn], allowed[at])
         return sampled.astype(mx.uint32), _rows_scores(rows, logprobs, sampled)
 
     # -- leaving ----------------------------------------------------------------------

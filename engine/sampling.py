@@ -1,21 +1,25 @@
 """Per-request samplers, logits processors and logprobs, built on mlx-lm's.
 
 Greedy requests get no sampler of their own (None), so a batch of greedy requests is
-sampled with one batched argmax instead of one call per row.
+sampled with one batched argmax instead of one call per row, and a batch's sampled rows
+are drawn together (`draw`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from engine.api import SamplingParams, TokenLogprob
-from engine.generator import Scores
 from engine.tokenizer import ModelTokenizer
+
+if TYPE_CHECKING:  # engine.generator imports this module's samplers
+    from engine.generator import Scores
 
 # (the tokens so far, prompt included; logits) -> logits
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -36,39 +40,71 @@ class Sampler:
     with its randomness shared with plain decoding."""
 
     def __init__(self, params: SamplingParams, vocab_size: int) -> None:
-        self._filters: list[Callable[[mx.array], mx.array]] = []
-        if 0.0 < params.top_p < 1.0:
-            self._filters.append(lambda x: apply_top_p(x, params.top_p))
-        if params.min_p > 0.0:
-            self._filters.append(lambda x: apply_min_p(x, params.min_p))
-        if 0 < params.top_k < vocab_size:
-            self._filters.append(lambda x: apply_top_k(x, params.top_k))
+        # top-p, min-p and top-k where they filter anything; samplers of equal filtering
+        # filter a batch's rows in one pass (`draw`).
+        self.filtering = (params.top_p if 0.0 < params.top_p < 1.0 else None,
+                          params.min_p if params.min_p > 0.0 else None,
+                          params.top_k if 0 < params.top_k < vocab_size else None)
         self._seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self._inverse_temperature = 1.0 / params.temperature
+        self.inverse_temperature = 1.0 / params.temperature
         self.position = 0  # the output index of the next token drawn
 
-    def logits(self, logprobs: mx.array) -> mx.array:
-        """The unnormalized log-distribution tokens are drawn from."""
-        for apply in self._filters:
-            logprobs = apply(logprobs)
-        return logprobs * self._inverse_temperature
+    def filtered(self, logprobs: mx.array) -> mx.array:
+        """`logprobs` (rows of one vocabulary) past this sampler's filters."""
+        top_p, min_p, top_k = self.filtering
+        if top_p is not None:
+            logprobs = apply_top_p(logprobs, top_p)
+        if min_p is not None:
+            logprobs = apply_min_p(logprobs, min_p)
+        if top_k is not None:
+            logprobs = apply_top_k(logprobs, top_k)
+        return logprobs
 
     def draws(self, logprobs: mx.array, first: int) -> mx.array:
         """The tokens drawn at output positions first, first + 1, ... from each row of
         `logprobs`; advances nothing."""
-        noise = mx.stack([mx.random.gumbel(logprobs.shape[-1:], key=self._key(first + i))
-                          for i in range(logprobs.shape[0])])
-        return mx.argmax(self.logits(logprobs) + noise, axis=-1)
+        keys = [self.key(position) for position in range(first, first + logprobs.shape[0])]
+        return _gumbel_max(self.filtered(logprobs), self.inverse_temperature, keys)
 
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        """The next output token, drawn from `logprobs` [1, vocab]."""
-        token = self.draws(logprobs, self.position)
-        self.position += 1
-        return token
-
-    def _key(self, position: int) -> mx.array:
+    def key(self, position: int) -> tuple[int, int]:
+        """The random key of output index `position`, as `mx.random.key`'s two words."""
         digest = hashlib.blake2b(f"{self._seed}:{position}".encode(), digest_size=8).digest()
-        return mx.random.key(int.from_bytes(digest, "little") >> 1)
+        seed = int.from_bytes(digest, "little") >> 1
+        return seed >> 32, seed & 0xFFFFFFFF
+
+
+def draw(samplers: Sequence[Sampler], logprobs: mx.array) -> mx.array:
+    """The next output token of each row of `logprobs` [rows, vocabulary], row i's drawn
+    by `samplers[i]` exactly as that sampler alone would draw it, and each sampler
+    advanced. One pass over the batch, rows grouped by their filters: drawn one call per
+    row, 64 rows of the Llama-1B shape stepped in 12.8-21.1 ms on an H200 at temperature 1
+    against 5.9-6.6 greedy (bench/experiments/batched-sampling)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, sampler in enumerate(samplers):
+        groups.setdefault(sampler.filtering, []).append(i)
+    if len(groups) == 1:
+        filtered = samplers[0].filtered(logprobs)
+    else:
+        order = [i for rows in groups.values() for i in rows]
+        filtered = mx.concatenate([samplers[rows[0]].filtered(logprobs[mx.array(rows)])
+                                   for rows in groups.values()])
+        filtered = filtered[mx.argsort(mx.array(order))]
+    inverse_temperatures = mx.array([[s.inverse_temperature] for s in samplers],
+                                    logprobs.dtype)
+    keys = [s.key(s.position) for s in samplers]
+    for sampler in samplers:
+        sampler.position += 1
+    return _gumbel_max(filtered, inverse_temperatures, keys)
+
+
+def _gumbel_max(filtered: mx.array, inverse_temperature: float | mx.array,
+                keys: list[tuple[int, int]]) -> mx.array:
+    """Row i's token: the argmax of its tempered log-distribution plus Gumbel noise drawn
+    with key i (what `mx.random.categorical` does), the noise of every row in one
+    batched operation."""
+    noise = mx.vmap(lambda key: mx.random.gumbel(filtered.shape[-1:], key=key))(
+        mx.array(keys, mx.uint32))
+    return mx.argmax(filtered * inverse_temperature + noise, axis=-1)
 
 
 def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:

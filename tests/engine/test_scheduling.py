@@ -336,6 +336,26 @@ async def test_sampling_with_a_seed_is_reproducible(engine):
     assert first.tokens != other.tokens
 
 
+async def test_seeded_requests_sample_alike_alone_and_in_a_mixed_batch(engine):
+    """A batch's sampled rows are drawn together, grouped by their filters: a seeded
+    request's tokens are the ones it samples alone, whatever temperatures, filters, seeds
+    and greedy rows decode beside it."""
+    seeded = [{"temperature": 0.8, "top_k": 3, "seed": 4321},
+              {"temperature": 1.2, "top_p": 0.5, "seed": 8765},
+              {"temperature": 0.7, "min_p": 0.2, "seed": 1}]
+    prompts = [random_prompt(7 + i, 24) for i in range(len(seeded))]
+    alone = [(await complete(engine, prompt, 20, ignore_eos=True, **options)).tokens
+             for prompt, options in zip(prompts, seeded)]
+    neighbours = [{"temperature": 1.3, "seed": 5}, {"temperature": 0.5, "top_k": 40},
+                  {"temperature": 0.0}, {"temperature": 0.8, "top_k": 3, "seed": 6}]
+    together = await asyncio.gather(
+        *(complete(engine, random_prompt(20 + i, 24), 20, ignore_eos=True, **options)
+          for i, options in enumerate(neighbours)),
+        *(complete(engine, prompt, 20, ignore_eos=True, **options)
+          for prompt, options in zip(prompts, seeded)))
+    assert [c.tokens for c in together[len(neighbours):]] == alone
+
+
 async def test_logit_bias_forces_a_token(engine):
     result = await complete(engine, random_prompt(5, 16), 5, logit_bias={777: 100.0},
                             ignore_eos=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from engine.api import SamplingParams
-from engine.sampling import Sampler
+from engine.sampling import Sampler, draw
 from engine.speculation import STEP_COST, Drafts, PredictionLookup, PromptLookup, best_width
 
 
@@ -108,7 +108,7 @@ def test_a_sampled_token_depends_on_its_seed_and_output_index_alone():
     position does: a seeded request's output does not depend on its drafts."""
     logprobs = mx.log(mx.array([[0.25] * 8] * 3))
     stepwise = Sampler(SamplingParams(max_tokens=3, temperature=0.7, top_k=6, seed=5), 8)
-    one_by_one = [stepwise(logprobs[i:i + 1]).item() for i in range(3)]
+    one_by_one = [draw([stepwise], logprobs[i:i + 1]).item() for i in range(3)]
     at_once = Sampler(SamplingParams(max_tokens=3, temperature=0.7, top_k=6, seed=5), 8)
     assert at_once.draws(logprobs, 0).tolist() == one_by_one
     assert stepwise.position == 3
