@@ -144,6 +144,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "alternating, and the bare mlx-lm batch baselines once after "
                              "each round's servers: the tables and targets are medians over "
                              "rounds, results.json keeps each round's numbers (default: 1)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request's temperature (default 0: greedy, so that the "
+                             "servers generate alike); above 0, sampled traffic as chat "
+                             "clients send it by default")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib)")
     parser.add_argument("--no-raw", action="store_true",
                         help="skip the bare mlx-lm baselines (stream_generate and batch_generate)")
@@ -260,11 +264,11 @@ async def sample_active_memory(client: httpx.AsyncClient, base_url: str,
         peak[0] = max(peak[0], value)
 
 
-async def measure(server: RunningServer, warm_ups: WarmUps,
-                  workloads: list[Workload]) -> tuple[dict, dict]:
+async def measure(server: RunningServer, warm_ups: WarmUps, workloads: list[Workload],
+                  temperature: float = 0.0) -> tuple[dict, dict]:
     """(summaries, per-request records) by workload, after an untimed warm-up (and
     before a list workload, untimed lists)."""
-    extra = server.spec.extra
+    extra = {**server.spec.extra, "temperature": temperature}
     await run_workload(server.base_url, warm_ups.chats, extra)
     summaries, records = {}, {}
     for workload in workloads:
@@ -339,7 +343,8 @@ def run_server(results: dict, spec: ServerSpec, args: argparse.Namespace, model:
     print(f"bench: starting {label} on {model}", file=sys.stderr, flush=True)
     extra_args = server_args(spec, args)
     with running(spec, model, env, out / "logs" / f"{label}.log", extra_args) as server:
-        summaries, records = asyncio.run(measure(server, warm_ups, workloads))
+        summaries, records = asyncio.run(measure(server, warm_ups, workloads,
+                                                 args.temperature))
         died = server.process.poll()
     entry = results["servers"].setdefault(name, {
         "argv": server.argv, "notes": spec.notes, "workloads": {}, "rounds": {},
