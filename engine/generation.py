@@ -1,8 +1,8 @@
 """One request's engine-side state: how it samples, what it has generated, its text, its
 hold on the radix tree, and what a generated token does to it.
 
-`Generation.__init__` is where a request's sampling is set up (sampler, logits
-processors, stop tokens); `Generation.accept` is where each generated token is taken in
+`Generation.__init__` is where a request's sampling is set up (sampler, penalties,
+stop tokens); `Generation.accept` is where each generated token is taken in
 (its constraint, stop tokens, text, stop strings, max_tokens). The constraint's matcher
 lives with the generator's sequence (the generator feeds it every token before masking
 the next); the scheduler builds it at each admission (`Grammars.state`).
@@ -27,7 +27,7 @@ from engine.generator import SequenceState
 from engine.grammar import ConstraintFailed
 from engine.image_tokens import text_ids
 from engine.readout import last_position
-from engine.sampling import make_processors, make_sampler, token_logprobs
+from engine.sampling import make_penalties, make_sampler, token_logprobs
 from engine.speculation import Drafts
 from engine.text import TextStream
 from engine.tokenizer import ModelTokenizer
@@ -55,7 +55,7 @@ class Generation:
         self.text = None if params.readout is not None else TextStream(
             tokenizer, text_ids(prompt) if images else prompt, params.stop)
         self.sampler = make_sampler(params, vocab_size)
-        self.processors = make_processors(params, len(prompt))
+        self.penalties = make_penalties(params, len(prompt))
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= tokenizer.eos_token_ids

@@ -65,14 +65,13 @@ from engine.mlx_lm_internals import (
     supports_segments,
 )
 from engine.mrope import MRoPE, Placement
-from engine.sampling import Sampler, draw
+from engine.sampling import Penalties, Sampler, draw, penalize
 from engine.speculation import FIRST_PAUSE, MAX_PAUSE, STEP_COST, Drafts, best_width
 from engine.vision import ImageFeed
 
 # What a sequence's KV is copied from (`Generator.caches_of`): a single-sequence cache, or
 # a row of the batch's.
 KVSource = list[Any] | BatchRow
-LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 # Prompts prefilled together are right-padded to the longest of them: at most to this
 # many times their own tokens, so a short question is not computed as a long document.
@@ -99,7 +98,7 @@ class SequenceState:
     tokens: list[int]  # what the cache holds
     unfed: list[int]  # prompt tokens still to feed; the last one yields the first logits
     sampler: Sampler | None  # None: greedy
-    processors: list[LogitsProcessor]
+    penalties: Penalties | None  # logit bias and penalties; None: none
     wants_logprobs: bool
     top_logprobs: int = 0  # alternatives reported beside the sampled token's logprob
     # Positions (lengths of `tokens`) where prefill ends a chunk and calls the generator's
@@ -110,7 +109,6 @@ class SequenceState:
     # was built from, the same objects for sequences that share them, until it is fed:
     # prompts prefilled together copy a segment they share into their batch once for all.
     prefix: list[Any] | None = field(default=None, repr=False)
-    context: mx.array | None = None  # the token history processors see
     grammar: GrammarState | None = None  # the output constraint; it takes in every token
     logprobs: Scores | None = field(default=None, repr=False)  # of the token being fed
     # The token it is fed next was output already (sampled when its prompt was prefilled
@@ -125,7 +123,7 @@ class SequenceState:
     # fed (the scheduler ends it in `ready`), so that it never changes a client's numbers.
     background: bool = False
     # Speculative decoding: where its drafts come from (None: it never speculates; only
-    # rows without logits processors do, whose logits need no context per position).
+    # rows without penalties do, whose logits need no context per position).
     drafts: Drafts | None = None
     # As a batch row after a verify step rolled it back (`drop_last`): the token each of
     # its first slots holds (None: all in order).
@@ -265,11 +263,6 @@ class Generator:
                 not fed < position <= last for position in sequence.snapshot_at):
             raise ValueError(f"snapshot positions {sequence.snapshot_at} are not ascending "
                              f"inside the unfed prompt ({fed}, {last}]")
-        if sequence.processors:
-            context = sequence.tokens + sequence.unfed[:-1]
-            if sequence.images is not None:
-                context = sequence.images.model_ids(context)
-            sequence.context = mx.array(context, mx.uint32)
         self.prefilling.append(sequence)
 
     # -- steps ------------------------------------------------------------------------
@@ -566,9 +559,6 @@ class Generator:
             return False
         for sequence in group:
             self.prefilling.remove(sequence)
-            if sequence.processors:
-                sequence.context = mx.concatenate(
-                    [sequence.context, mx.array(sequence.unfed[-1:], mx.uint32)])
             sequence.tokens += sequence.unfed
             sequence.unfed = []
         result.outputs += _first_outputs(group, self._enter(group, cache, last, hidden))
@@ -686,9 +676,6 @@ class Generator:
                                       mx.zeros(len(sequences), mx.int32))
         for sequence, token in zip(sequences, tokens):
             sequence.tokens.append(token)
-            if sequence.processors:
-                sequence.context = mx.concatenate([sequence.context,
-                                                   mx.array([token], mx.uint32)])
         return self._enter(sequences, cache, logits, hidden)
 
     def _enter(self, sequences: list[SequenceState], cache: list[Any],
@@ -758,13 +745,10 @@ class Generator:
                                         fed_width or width)
         fed = self.inputs
         logits = self._run(fed[:, None], self.cache, self._shifts())[:, -1, :]
-        for i, row in enumerate(self.rows):
-            if row.processors:
-                row.context = mx.concatenate([row.context, fed[i:i + 1]])
         tokens = mask = None  # the tokens sampled by the previous step
-        if any(row.grammar is not None for row in self.rows):
+        if any(row.grammar is not None or row.penalties is not None for row in self.rows):
             tokens, mask = self._constrain(self.rows, fed, logits)
-        sampled, logprobs = self._sample(self.rows, logits, mask)
+        sampled, logprobs = self._sample(self.rows, logits, mask, tokens)
         if self.pipelined:
             mx.async_eval(sampled, *_arrays(logprobs))
         if tokens is None:
@@ -805,14 +789,11 @@ class Generator:
         position is masked as that token would be. Then every row's cache drops what it
         did not keep (`drop_last`). Synchronous: what is kept decides the next step."""
         rows = self.rows
-        for i, row in enumerate(rows):
-            if row.processors:
-                row.context = mx.concatenate([row.context, self.inputs[i:i + 1]])
         first_mask, position_masks = self._draft_masks(fed, drafts)
         inputs = mx.array([[token, *draft] + [token] * (width - len(draft))
                            for token, draft in zip(fed, drafts)], mx.uint32)
         logits = self._run(inputs, self.cache, self._shifts())
-        first, first_scores = self._sample(rows, logits[:, 0, :], first_mask)
+        first, first_scores = self._sample(rows, logits[:, 0, :], first_mask, fed)
         targets = _targets(rows, drafts, logits, position_masks)
         mx.eval(first, *targets.values())  # one wait for the device, not one per row
         following = first.tolist()  # what rows without a draft are fed next
@@ -908,18 +889,22 @@ class Generator:
         return tokens, masks([row.grammar for row in rows], tokens)
 
     @staticmethod
-    def _sample(rows: list[SequenceState], logits: mx.array, mask: np.ndarray | None = None
-                ) -> tuple[mx.array, list[Scores | None]]:
+    def _sample(rows: list[SequenceState], logits: mx.array, mask: np.ndarray | None = None,
+                fed: list[int] | None = None) -> tuple[mx.array, list[Scores | None]]:
         """The next token of each row, and its scores where the row asked for logprobs.
-        All-greedy batches take one argmax.
+        All-greedy batches take one argmax. `fed`: the tokens the rows were fed to give
+        `logits`, where their `tokens` do not hold them yet (penalties need them).
 
         A row's reported logprobs are the model's (after the request's own penalties and
         logit_bias), not renormalized over what its grammar allows, as OpenAI reports them:
         they say how likely the model found each token. Its token is sampled from the
         masked distribution."""
-        if any(r.processors for r in rows):
-            logits = mx.concatenate([
-                _apply(r.processors, r.context, logits[i:i + 1]) for i, r in enumerate(rows)])
+        penalized = [(i, r.penalties, *r.penalties.seen(
+                          r.tokens, None if fed is None else fed[i],
+                          None if r.images is None else r.images.model_ids))
+                     for i, r in enumerate(rows) if r.penalties is not None]
+        if penalized:
+            logits = penalize(logits, penalized)
         needs = [r.wants_logprobs or r.sampler is not None for r in rows]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if any(needs) else None
         allowed = logprobs
@@ -1157,9 +1142,3 @@ def _rows_scores(rows: list[SequenceState], logprobs: mx.array | None, sampled: 
 
 def _arrays(scores: Iterable[Scores | None]) -> list[mx.array]:
     return [a for s in scores if s is not None for a in s.arrays()]
-
-
-def _apply(processors: list[LogitsProcessor], context: mx.array, logits: mx.array) -> mx.array:
-    for processor in processors:
-        logits = processor(context, logits)
-    return logits

@@ -1,4 +1,4 @@
-"""Per-request samplers, logits processors and logprobs, built on mlx-lm's.
+"""Per-request samplers, logit bias and penalties, and logprobs, built on mlx-lm's.
 
 Greedy requests get no sampler of their own (None), so a batch of greedy requests is
 sampled with one batched argmax instead of one call per row, and a batch's sampled rows
@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from engine.api import SamplingParams, TokenLogprob
 from engine.tokenizer import ModelTokenizer
 
 if TYPE_CHECKING:  # engine.generator imports this module's samplers
     from engine.generator import Scores
-
-# (the tokens so far, prompt included; logits) -> logits
-LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
 class Sampler:
@@ -112,33 +110,91 @@ def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
     return None if params.greedy else Sampler(params, vocab_size)
 
 
-def make_processors(params: SamplingParams, prompt_length: int) -> list[LogitsProcessor]:
-    """logit_bias and repetition_penalty as mlx-lm applies them; presence and frequency
-    penalties as OpenAI defines them (see `openai_penalties`)."""
+# The context a repetition penalty looks at, as mlx-lm's (`repetition_context_size`).
+REPETITION_CONTEXT = 20
+
+
+class Penalties:
+    """A request's logit bias and penalties: `logit_bias` and `repetition_penalty` as
+    mlx-lm's logits processors apply them, presence and frequency penalties as OpenAI
+    defines them (over every token generated so far, the prompt not counted:
+    `logit[t] -= frequency * count[t] + presence * (count[t] > 0)`; mlx-lm's own count the
+    last 20 tokens, prompt included). A batch's rows are penalized together (`penalize`),
+    from each row's context held on the host: applied one row at a time, each penalized
+    row of a step launched its own handful of operations."""
+
+    def __init__(self, params: SamplingParams, prompt_length: int) -> None:
+        self.logit_bias = dict(params.logit_bias)
+        self.repetition = params.repetition_penalty or None
+        self.presence = params.presence_penalty
+        self.frequency = params.frequency_penalty
+        self._prompt_length = prompt_length
+        self._counts: Counter[int] = Counter()  # generated tokens in the context so far
+        self._counted = prompt_length  # the context's length they were counted to
+
+    def seen(self, context: Sequence[int], fed: int | None,
+             model_ids: Callable[[Sequence[int]], list[int]] | None = None
+             ) -> tuple[list[int], dict[int, int]]:
+        """The tokens a repetition penalty looks at and the generated tokens' counts, for
+        `context` (what the row's cache holds) followed by the token `fed` (None: none);
+        `model_ids` maps a prompt's image keys to the ids the model reads."""
+        window: list[int] = []
+        if self.repetition:
+            window = [*context[-REPETITION_CONTEXT:], *([] if fed is None else [fed])]
+            window = window[-REPETITION_CONTEXT:]
+            if model_ids is not None:
+                window = model_ids(window)
+        if not (self.presence or self.frequency):
+            return window, {}
+        if len(context) < self._counted:  # the row was cut back: count afresh
+            self._counts, self._counted = Counter(), self._prompt_length
+        self._counts.update(context[self._counted:])
+        self._counted = max(self._counted, len(context))
+        counts = self._counts
+        if fed is not None and len(context) >= self._prompt_length:
+            counts = counts.copy()
+            counts[fed] += 1
+        return window, counts
+
+
+def make_penalties(params: SamplingParams, prompt_length: int) -> Penalties | None:
+    """The request's penalties; None where it asks for none (most requests)."""
     if not (params.logit_bias or params.repetition_penalty or params.presence_penalty
             or params.frequency_penalty):
-        return []  # most requests: no call into mlx-lm for each of a list's prompts
-    processors = make_logits_processors(
-        logit_bias=params.logit_bias or None, repetition_penalty=params.repetition_penalty)
-    if params.presence_penalty or params.frequency_penalty:
-        processors.append(openai_penalties(params.presence_penalty, params.frequency_penalty,
-                                           prompt_length))
-    return processors
+        return None
+    return Penalties(params, prompt_length)
 
 
-def openai_penalties(presence: float, frequency: float, prompt_length: int) -> LogitsProcessor:
-    """OpenAI's presence and frequency penalties: over every token generated so far (the
-    prompt does not count), `logit[t] -= frequency * count[t] + presence * (count[t] > 0)`.
-    (mlx-lm's own count the last 20 tokens, prompt included.)"""
+def penalize(logits: mx.array, rows: Sequence[tuple[int, Penalties, list[int], dict[int, int]]]
+             ) -> mx.array:
+    """`logits` [rows, vocabulary] with each listed row (its index, its penalties and what
+    `Penalties.seen` gives for it) biased, then repetition-penalized, then
+    presence- and frequency-penalized, in that order as mlx-lm's processors and OpenAI's
+    penalties would, each step one scatter over every row."""
+    bias = [(i, token, value) for i, penalties, _, _ in rows
+            for token, value in penalties.logit_bias.items()]
+    if bias:
+        at, values = _positions(bias)
+        logits = logits.at[at].add(mx.array(values))
+    repeated = [(i, token, penalties.repetition) for i, penalties, window, _ in rows
+                if penalties.repetition for token in set(window)]
+    if repeated:
+        at, factors = _positions(repeated)
+        factors = mx.array(factors, logits.dtype)
+        selected = logits[at]
+        logits[at] = mx.where(selected < 0, selected * factors, selected / factors)
+    counted = [(i, token, penalties.frequency * count + penalties.presence)
+               for i, penalties, _, counts in rows for token, count in counts.items()]
+    if counted:
+        at, amounts = _positions(counted)
+        logits[at] = logits[at] - mx.array(amounts, logits.dtype)
+    return logits
 
-    def process(tokens: mx.array, logits: mx.array) -> mx.array:
-        generated = tokens[prompt_length:]
-        if generated.size == 0:
-            return logits
-        counts = mx.zeros((logits.shape[-1],), logits.dtype).at[generated].add(1)
-        return logits - (frequency * counts + presence * (counts > 0))
 
-    return process
+def _positions(entries: list[tuple[int, int, float]]
+               ) -> tuple[tuple[mx.array, mx.array], list[float]]:
+    rows, tokens, values = zip(*entries)
+    return (mx.array(rows), mx.array(tokens)), list(values)
 
 
 def token_logprobs(scores: Scores, token: int, tokenizer: ModelTokenizer

@@ -675,7 +675,7 @@ class Scheduler:
             tokens=tokens[:hold.depth], unfed=tokens[hold.depth:],
             snapshot_at=self._snapshot_positions(generation), prefix=prefix,
             sampler=generation.sampler,
-            processors=generation.processors,
+            penalties=generation.penalties,
             wants_logprobs=generation.params.logprobs is not None or readout is not None,
             top_logprobs=(readout.top_logprobs if readout is not None
                           else generation.params.logprobs or 0), grammar=grammar,
@@ -696,13 +696,13 @@ class Scheduler:
 
     def _reads_together(self, generation: Generation) -> bool:
         """Whether a submitted generation is a readout to read in a batch with the others
-        of its list (`_read`): greedy and plain (no logits processors, constraint, prompt
+        of its list (`_read`): greedy and plain (no penalties or logit bias, constraint, prompt
         logprobs or images), on one rank (tensor-parallel ranks would all need the same
         batches), on a model with plain KV caches, its own part (past what it may cache)
         no longer than a forward takes."""
         params = generation.params
         return (params.readout is not None and self.group is None and self.kv.segments
-                and generation.sampler is None and not generation.processors
+                and generation.sampler is None and generation.penalties is None
                 and params.constraint is None and params.prompt_logprobs is None
                 and not generation.images
                 and len(generation.tokens) - len(generation.cacheable)
@@ -866,13 +866,13 @@ class Scheduler:
     def _drafts(self, generation: Generation) -> Drafts | None:
         """The generation's speculative decoding, unless its mode is off or it cannot
         have any: a model whose cache cannot be rolled back (sliding windows, recurrent
-        state), logits processors (each position's logits would need its own context), or
-        a prefill-only request. Drafting goes on across a failed step's re-admission."""
+        state), penalties or a logit bias (each position's logits would need its own
+        context), or a prefill-only request. Drafting goes on across a failed step's re-admission."""
         params = generation.params
         mode = params.speculation or self.speculation.mode
         if params.prediction and params.speculation is None and mode == "off":
             mode = "auto"  # a prediction asks for drafts; auto, should it be wrong
-        if (mode == "off" or not self.kv.segments or generation.processors
+        if (mode == "off" or not self.kv.segments or generation.penalties is not None
                 or params.readout is not None or params.max_tokens == 0):
             return None
         if generation.drafts is None:

@@ -23,7 +23,7 @@ def model(family_model_dir):
 
 def sequence(model, uid: int, prompt: list[int]) -> SequenceState:
     return SequenceState(uid, make_prompt_cache(model), tokens=[], unfed=list(prompt),
-                    sampler=None, processors=[], wants_logprobs=False)
+                    sampler=None, penalties=None, wants_logprobs=False)
 
 
 def run_until_decoding(generator: Generator, *sequences: SequenceState) -> None:
@@ -136,7 +136,7 @@ def test_short_prompts_fitting_one_chunk_are_prefilled_together(model) -> None:
                                    shared.values[..., :len(preamble), :])
         generator.add(SequenceState(uid, cache, tokens=list(preamble),
                                     unfed=prompt[len(preamble):], sampler=None,
-                                    processors=[], wants_logprobs=False))
+                                    penalties=None, wants_logprobs=False))
     result = generator.prefill(64)
     done = result.done
     assert [s.uid for s in done] == [0, 1, 2, 3]
@@ -190,7 +190,7 @@ def test_turns_behind_cached_histories_prefilled_together_answer_as_alone(model)
     generator = Generator(model)
     for uid, (history, turn, prefix) in enumerate(zip(histories, turns, prefixes)):
         generator.add(SequenceState(uid, None, tokens=list(history), unfed=list(turn),
-                                    sampler=None, processors=[], wants_logprobs=False,
+                                    sampler=None, penalties=None, wants_logprobs=False,
                                     prefix=prefix))
     result = generator.prefill(64)
     assert sorted(s.uid for s in result.done) == [0, 1, 2] and not generator.prefilling

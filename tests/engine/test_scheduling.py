@@ -374,6 +374,24 @@ async def test_penalties_push_back_a_repeated_token(engine):
         assert penalised.tokens.count(777) < 24, penalty
 
 
+async def test_penalized_requests_decode_alike_alone_and_in_a_batch(engine):
+    """A batch's penalties and biases are applied together, each row from its own
+    context: a request's tokens are the ones it generates alone, beside rows with other
+    penalties and rows with none."""
+    bias = {777: 3.0, 901: 2.5}
+    asks = [{"logit_bias": bias}, {"logit_bias": bias, "frequency_penalty": 1.5},
+            {"logit_bias": bias, "presence_penalty": 1.0, "repetition_penalty": 1.3},
+            {"repetition_penalty": 2.0}, {"logit_bias": {5: -100.0}, "frequency_penalty": 0.5}]
+    prompts = [random_prompt(40 + i, 20) for i in range(len(asks))]
+    alone = [(await complete(engine, prompt, 24, ignore_eos=True, **ask)).tokens
+             for prompt, ask in zip(prompts, asks)]
+    together = await asyncio.gather(
+        *(complete(engine, random_prompt(60 + i, 20), 24, ignore_eos=True) for i in range(3)),
+        *(complete(engine, prompt, 24, ignore_eos=True, **ask)
+          for prompt, ask in zip(prompts, asks)))
+    assert [c.tokens for c in together[3:]] == alone
+
+
 async def test_presence_and_frequency_penalties_count_generated_tokens_only(engine):
     """OpenAI's definition: the prompt does not count, so a token the prompt repeats is
     not pushed back before the model generates it."""

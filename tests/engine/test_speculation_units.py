@@ -1,6 +1,6 @@
 """Speculative decoding's pieces on their own: prompt lookup, a request's prediction, the
 `auto` back-off, and the rejection step of a sampled row, whose output keeps the target distribution (a chi-square
-test); and the sampling it shares with decoding: a batch's rows drawn together."""
+test)."""
 
 from __future__ import annotations
 
@@ -159,21 +159,3 @@ def test_a_draft_stops_before_an_image_key():
                     vocab_size=1000)
     assert drafts.draft([1, 2, 3]) == [5, 6]
 
-
-def test_a_batch_draws_each_row_as_its_sampler_alone_would():
-    """`draw` filters, tempers and draws a batch's rows together: each row's token is the
-    one its sampler draws from that row alone, whatever filters and seeds its neighbours
-    have, in the model's dtype or float32."""
-    vocabulary = 512
-    options = [{"temperature": 1.0, "seed": 1}, {"temperature": 0.7, "top_p": 0.9, "seed": 2},
-               {"temperature": 1.3, "top_k": 5, "seed": 3}, {"temperature": 0.7, "top_p": 0.9, "seed": 4},
-               {"temperature": 0.9, "min_p": 0.2, "seed": 5}, {"temperature": 1.0, "seed": 6}]
-    for dtype in (mx.bfloat16, mx.float32):
-        logits = (mx.random.normal((len(options), vocabulary), key=mx.random.key(3)) * 3)
-        logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(dtype)
-        samplers = [Sampler(SamplingParams(max_tokens=8, **o), vocabulary) for o in options]
-        alone = [Sampler(SamplingParams(max_tokens=8, **o), vocabulary) for o in options]
-        for _ in range(8):
-            together = draw(samplers, logprobs).tolist()
-            assert together == [draw([s], logprobs[i:i + 1]).item() for i, s in enumerate(alone)]
-        assert all(s.position == 8 for s in samplers + alone)

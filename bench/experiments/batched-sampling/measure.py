@@ -1,6 +1,6 @@
-"""Decode steps of sampled rows against greedy ones, the engine in process: 64 streams of
-random token prompts, each variant's median time per token once every stream decodes
-(medians over alternating rounds).
+"""Decode steps of sampled and penalized rows against greedy ones, the engine in process:
+64 streams of random token prompts, each variant's median time per token once every
+stream decodes (medians over alternating rounds).
 
     python bench/experiments/batched-sampling/measure.py MODEL_DIR [STREAMS] [TOKENS] [ROUNDS]
 
@@ -25,6 +25,9 @@ VARIANTS = {
     "temperature 1": {"temperature": 1.0},
     "temperature 0.7, top_p 0.9": {"temperature": 0.7, "top_p": 0.9},
     "half greedy, half temperature 1": None,  # row parity picks
+    "frequency_penalty 0.5": {"temperature": 0.0, "frequency_penalty": 0.5},
+    "repetition_penalty 1.1": {"temperature": 0.0, "repetition_penalty": 1.1},
+    "logit_bias": {"temperature": 0.0, "logit_bias": {5: 1.0}},
 }
 
 
