@@ -171,6 +171,7 @@ def penalize(logits: mx.array, rows: Sequence[tuple[int, Penalties, list[int], d
     `Penalties.seen` gives for it) biased, then repetition-penalized, then
     presence- and frequency-penalized, in that order as mlx-lm's processors and OpenAI's
     penalties would, each step one scatter over every row."""
+    logits = mx.array(logits)  # a handle of its own: the scatters below leave the caller's
     bias = [(i, token, value) for i, penalties, _, _ in rows
             for token, value in penalties.logit_bias.items()]
     if bias:
