@@ -877,9 +877,10 @@ class Generator:
 
     def _constrain(self, rows: list[SequenceState], fed: mx.array | None, logits: mx.array
                    ) -> tuple[list[int] | None, np.ndarray | None]:
-        """Start the forward pass that gives `logits`, and meanwhile let each constrained
-        row take in the token it was fed (None: none sampled yet) and compute its mask.
-        Returns the fed tokens and the masks."""
+        """Start the forward pass that gives `logits`, and meanwhile read the tokens the
+        rows were fed (None: none sampled yet; penalized rows count them) and let each
+        constrained row take in its token and compute its mask. Returns the fed tokens and
+        the masks (None: no row constrained)."""
         if self.pipelined or fed is None:
             mx.async_eval(logits)
             tokens = fed.tolist() if fed is not None else None
