@@ -137,7 +137,8 @@ class Penalties:
              ) -> tuple[list[int], dict[int, int]]:
         """The tokens a repetition penalty looks at and the generated tokens' counts, for
         `context` (what the row's cache holds) followed by the token `fed` (None: none);
-        `model_ids` maps a prompt's image keys to the ids the model reads."""
+        `model_ids` maps a prompt's image keys to the ids the model reads. The counts are
+        kept from call to call: each step counts only the context's new tokens."""
         window: list[int] = []
         if self.repetition:
             window = [*context[-REPETITION_CONTEXT:], *([] if fed is None else [fed])]
