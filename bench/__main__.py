@@ -265,7 +265,7 @@ async def sample_active_memory(client: httpx.AsyncClient, base_url: str,
 
 
 async def measure(server: RunningServer, warm_ups: WarmUps, workloads: list[Workload],
-                  temperature: float = 0.0) -> tuple[dict, dict]:
+                  temperature: float) -> tuple[dict, dict]:
     """(summaries, per-request records) by workload, after an untimed warm-up (and
     before a list workload, untimed lists)."""
     extra = {**server.spec.extra, "temperature": temperature}
