@@ -19,8 +19,8 @@ next round's requests racing its rebuild from the folder. At the end every file 
 folder is checked against a fresh forward of its tokens (tests/engine/kv_integrity.py).
 
 It fails (exit status 1) when a disk file's KV is not that of its tokens, or when an answer is not one its kind allows, a 5xx comes from
-anything but a deliberately failed forward pass, a greedy answer differs from the same
-request run alone, anything stays running or pinned, the tree exceeds its budget, or
+anything but a deliberately failed forward pass, a repeatable answer (greedy or seeded)
+differs from the same request run alone, anything stays running or pinned, the tree exceeds its budget, or
 memory grows without bound: the slope of RSS or of MLX active memory, fitted over the
 samples after the first fifth of the run (warm-up), above `MAX_SLOPE_MIB_PER_HOUR`.
 """
@@ -194,7 +194,7 @@ def soak(servers: Servers, model: Path, args: argparse.Namespace, out: Path) -> 
          f"{WARM_UP_SHARE:.0%} of the run)"),
         f"5xx answers          {samples[-1].server_errors} (besides the failed forward passes)",
         f"pinned after         {after['radix_mlx_tree_pinned_tokens']:.0f} tokens",
-        f"greedy mismatches    {len(mismatches)}",
+        f"repeatable mismatches {len(mismatches)}",
         *(f"PROBLEM: {problem}" for problem in problems[:20]),
         "soak: " + ("FAILED" if problems else "passed"),
     ])

@@ -3,8 +3,10 @@ test and `make soak` run the same one, for a few hundred requests or for minutes
 
 Every request has a kind, and every kind a set of answers it may get; anything else
 (another status, a transport error, a stream without its end) is recorded as unexpected.
-Greedy requests come from a small pool, so the same body runs many times, concurrently
-and under eviction; afterwards each is run alone and must give the same text.
+Repeatable requests (greedy, or sampled from a seed; some with penalties or a repetition
+penalty) come from a small pool, so the same body runs many times, concurrently, beside
+any neighbours and under eviction; afterwards each is run alone and must give the same
+text.
 """
 
 from __future__ import annotations
@@ -35,12 +37,20 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 CORPUS = resources.files("engine").joinpath("demo_corpus/prose.txt").read_text()
 SENTENCES = [s.strip() + "." for s in CORPUS.replace("\n", " ").split(".") if s.strip()]
 
-# Kind -> relative frequency. Greedy kinds are checked against a run alone afterwards.
+# Kind -> relative frequency. Repeatable requests are checked against a run alone afterwards.
 WEIGHTS = {
-    "greedy": 30, "sampled": 8, "disconnect mid-stream": 10, "abandon while waiting": 6,
+    "repeatable": 30, "sampled": 8, "disconnect mid-stream": 10, "abandon while waiting": 6,
     "malformed body": 8, "oversized body": 4, "wrong key": 6, "beyond context": 5,
     "failing forward": 3, "forced tool call": 4, "structured output": 4,
 }
+# What makes an answer repeatable, beyond the pool's greedy defaults: a seed (each row's
+# noise comes from its seed and output index alone), penalties and a repetition penalty
+# (applied to a batch's rows together: engine/sampling.py), and the two at once.
+REPEATABLE = (
+    {}, {"temperature": 0.8, "top_p": 0.9, "seed": 7},
+    {"frequency_penalty": 0.6, "presence_penalty": 0.4}, {"repetition_penalty": 1.3},
+    {"temperature": 1.0, "top_k": 20, "min_p": 0.02, "seed": 11, "frequency_penalty": 0.5},
+)
 # What agent frameworks send: a forced call of a tool, an answer in a JSON schema.
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -82,7 +92,7 @@ class Tally:
     answers: Counter[tuple[str, int]] = field(default_factory=Counter)
     disconnects: int = 0
     unexpected: list[str] = field(default_factory=list)
-    greedy: dict[str, set[str]] = field(default_factory=dict)  # body (JSON) -> texts seen
+    repeatable: dict[str, set[str]] = field(default_factory=dict)  # body (JSON) -> texts seen
     latencies: list[float] = field(default_factory=list)
 
     @property
@@ -102,12 +112,12 @@ class Workload:
         self.fault, self.context = fault, context
         self.no_fault = {"logit_bias": {str(fault): -100}}
         systems = [" ".join(self.rng.choices(SENTENCES, k=system_sentences)) for _ in range(4)]
-        self.pool = [self._greedy(systems[i % 4], i) for i in range(24)]
+        self.pool = [self._repeatable(systems[i % 4], i) for i in range(24)]
 
-    def _greedy(self, system: str, i: int) -> tuple[str, dict[str, Any]]:
+    def _repeatable(self, system: str, i: int) -> tuple[str, dict[str, Any]]:
         question = self.rng.choice(SENTENCES)
         body = {"max_tokens": self.rng.randint(4, 24), "temperature": 0,
-                "stream": i % 2 == 0, **self.no_fault}
+                "stream": i % 2 == 0, **self.no_fault, **REPEATABLE[i % len(REPEATABLE)]}
         if i % 3:
             messages = [{"role": "system", "content": system},
                         {"role": "user", "content": question}]
@@ -125,7 +135,7 @@ class Workload:
     def spec(self, kind: str) -> Spec:
         rng = self.rng
         text = " ".join(rng.sample(SENTENCES, rng.randint(1, 4)))
-        if kind == "greedy":
+        if kind == "repeatable":
             path, body = rng.choice(self.pool)
             return Spec(kind, path, body)
         if kind == "sampled":
@@ -229,9 +239,9 @@ async def _send(client: httpx.AsyncClient, spec: Spec, tally: Tally) -> None:
         return
     if outcome.status == 200 and outcome.error is None:
         tally.latencies.append(time.perf_counter() - started)
-        if spec.kind == "greedy":
+        if spec.kind == "repeatable":
             key = json.dumps([spec.path, spec.body], sort_keys=True)
-            tally.greedy.setdefault(key, set()).add(outcome.text)
+            tally.repeatable.setdefault(key, set()).add(outcome.text)
 
 
 async def _first(lines: AsyncIterator[str], count: int) -> AsyncIterator[str]:
@@ -246,7 +256,7 @@ async def _first(lines: AsyncIterator[str], count: int) -> AsyncIterator[str]:
 def _check(spec: Spec, outcome: Outcome) -> str | None:
     """Why `outcome` is not an answer `spec` may get, or None."""
     status, error = outcome.status, outcome.error
-    if status == 429 and spec.kind in ("greedy", "sampled", "abandon while waiting",
+    if status == 429 and spec.kind in ("repeatable", "sampled", "abandon while waiting",
                                        "forced tool call", "structured output",
                                        "failing forward"):
         return None  # the queue was full: refused whole, with Retry-After, never dropped
@@ -304,10 +314,10 @@ def baseline(server: ServerProcess) -> dict[str, float]:
 
 
 async def rerun_alone(url: str, tally: Tally) -> list[str]:
-    """Each greedy body run again, alone; the bodies whose storm answers differ from it."""
+    """Each repeatable body run again, alone; the bodies whose storm answers differ from it."""
     mismatches = []
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        for key, texts in sorted(tally.greedy.items()):
+        for key, texts in sorted(tally.repeatable.items()):
             path, body = json.loads(key)
             alone = await call(client, path, body)
             if texts != {alone.text}:
@@ -336,7 +346,7 @@ def figures(tally: Tally, before: dict[str, float], after: dict[str, float],
         f"bad inputs tried     {tally.bad_inputs}",
         f"failures survived    {tally.failures_survived} failing forward passes",
         f"unexpected answers   {len(tally.unexpected)}",
-        f"greedy bodies        {len(tally.greedy)} distinct",
+        f"repeatable bodies    {len(tally.repeatable)} distinct",
         f"p50 latency          {p50 * 1000:.0f} ms (answered requests)",
         f"MLX active memory    {memory_before:.2f} MiB before, {memory_after:.2f} MiB after",
         f"radix tree           {tree:.2f} of {budget:.2f} MiB, {evictions:.0f} evictions, "
