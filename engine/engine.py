@@ -33,6 +33,7 @@ from engine.api import (
     EngineStats,
     Lifecycle,
     Prompt,
+    Readout,
     SamplingParams,
     SchedulerCounters,
     Unsupported,
@@ -98,6 +99,30 @@ def _verify_phases(prompt: list[int]) -> dict[str, list[tuple[list[int], Samplin
                 replace(answer, speculation="on", temperature=0.05, seed=0)]
     return {"answer": [(prompt, answer)],
             "verify": [(prompt, params) for params in drafting] + [(prompt[1:], answer)]}
+
+
+def _read_phases(instruction: list[int], vocab: int
+                 ) -> dict[str, list[tuple[list[int], SamplingParams]]]:
+    """Warm-up phases for prompts read together over a cached instruction (classify,
+    rerank, a decoder's embeddings: `Scheduler._read`): the list's first prompt computes
+    the instruction while the others wait, then lists of the same shape are read again,
+    with the next tokens' logprobs and with hidden states, the last of each twice alike.
+    On a GPU a read of a shape seen before replays a trace (compiled_read.py), whose
+    fused kernels compile when it is first traced: without these phases, a server's first
+    repeated classify list compiled them (a benchmark's first round on a fresh H200 had
+    one list wait 20 s, which those compiles were taken to be)."""
+    prompts = [instruction + [(instruction[n] + 5 * t) % vocab for t in range(8)]
+               for n in range(4)]
+
+    def read(**wanted) -> list[tuple[list[int], SamplingParams]]:
+        readout = Readout(cached_prefix=len(instruction), **wanted)
+        return [(tokens, SamplingParams(max_tokens=0, temperature=0.0, readout=readout))
+                for tokens in prompts]
+
+    logprobs = read(top_logprobs=2, token_ids=(1, 2))
+    hidden = read(hidden=True)
+    return {"read": logprobs, "read again": logprobs, "read traced": logprobs,
+            "read hidden": hidden, "read hidden traced": hidden}
 
 
 class Engine:
@@ -389,7 +414,8 @@ class Engine:
         a grammar (which also converts the tokenizer for the grammar engine); then
         prompts of different lengths prefilled in one padded forward, sampled with the
         usual filters, with logprobs, and under penalties, leaving the batch in turn;
-        speculative decoding's verify steps (`_verify_phases`); then forget it all."""
+        speculative decoding's verify steps (`_verify_phases`); prompts read together
+        (`_read_phases`); then forget it all."""
         scheduler = self._scheduler
         vocab = self._loaded.vocab_size
         prompt = [t % vocab for t in range(1, WARMUP_PROMPT_TOKENS + 1)]
@@ -407,6 +433,7 @@ class Engine:
                   "padded": [(other[n:], p) for n, p in enumerate(padded)]}
         if scheduler.kv.segments:  # a cache that rolls back can verify drafts
             phases |= _verify_phases([(11 * t) % vocab for t in range(1, WARMUP_PROMPT_TOKENS)])
+        phases |= _read_phases([(13 * t) % vocab for t in range(1, WARMUP_PROMPT_TOKENS)], vocab)
         configured = scheduler.speculation
         # Drafts from the tree, whatever the server's sources: the first phase's answer,
         # repeated, is a draft a random model can keep.
