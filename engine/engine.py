@@ -101,12 +101,13 @@ def _verify_phases(prompt: list[int]) -> dict[str, list[tuple[list[int], Samplin
             "verify": [(prompt, params) for params in drafting] + [(prompt[1:], answer)]}
 
 
-def _read_phases(instruction: list[int], vocab: int
+def _read_phases(instruction: list[int], vocab: int, hidden_states: bool
                  ) -> dict[str, list[tuple[list[int], SamplingParams]]]:
     """Warm-up phases for prompts read together over a cached instruction (classify,
     rerank, a decoder's embeddings: `Scheduler._read`): the list's first prompt computes
     the instruction while the others wait, then lists of the same shape are read again,
-    with the next tokens' logprobs and with hidden states, the last of each twice alike.
+    with the next tokens' logprobs and, where the model gives them (`hidden_states`),
+    with hidden states, the last of each twice alike.
     On a GPU a read of a shape seen before replays a trace (compiled_read.py), whose
     fused kernels compile when it is first traced: without these phases, a server's first
     repeated classify list compiled them (a benchmark's first round on a fresh H200 had
@@ -120,9 +121,11 @@ def _read_phases(instruction: list[int], vocab: int
                 for tokens in prompts]
 
     logprobs = read(top_logprobs=2, token_ids=(1, 2))
-    hidden = read(hidden=True)
-    return {"read": logprobs, "read again": logprobs, "read traced": logprobs,
-            "read hidden": hidden, "read hidden traced": hidden}
+    phases = {"read": logprobs, "read again": logprobs, "read traced": logprobs}
+    if hidden_states:
+        hidden = read(hidden=True)
+        phases |= {"read hidden": hidden, "read hidden traced": hidden}
+    return phases
 
 
 class Engine:
@@ -433,7 +436,8 @@ class Engine:
                   "padded": [(other[n:], p) for n, p in enumerate(padded)]}
         if scheduler.kv.segments:  # a cache that rolls back can verify drafts
             phases |= _verify_phases([(11 * t) % vocab for t in range(1, WARMUP_PROMPT_TOKENS)])
-        phases |= _read_phases([(13 * t) % vocab for t in range(1, WARMUP_PROMPT_TOKENS)], vocab)
+        phases |= _read_phases([(13 * t) % vocab for t in range(1, WARMUP_PROMPT_TOKENS)], vocab,
+                               scheduler.generator.hidden.available)
         configured = scheduler.speculation
         # Drafts from the tree, whatever the server's sources: the first phase's answer,
         # repeated, is a draft a random model can keep.
