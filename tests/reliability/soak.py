@@ -18,11 +18,12 @@ prompts are agent-sized (~600 tokens); every round clears the cache (`DELETE
 next round's requests racing its rebuild from the folder. At the end every file in the
 folder is checked against a fresh forward of its tokens (tests/engine/kv_integrity.py).
 
-It fails (exit status 1) when a disk file's KV is not that of its tokens, or when an answer is not one its kind allows, a 5xx comes from
-anything but a deliberately failed forward pass, a repeatable answer (greedy or seeded)
-differs from the same request run alone, anything stays running or pinned, the tree exceeds its budget, or
-memory grows without bound: the slope of RSS or of MLX active memory, fitted over the
-samples after the first fifth of the run (warm-up), above `MAX_SLOPE_MIB_PER_HOUR`.
+It fails (exit status 1) when a disk file's KV is not that of its tokens, or when an
+answer is not one its kind allows, a 5xx comes from anything but a deliberately failed
+forward pass, a repeatable answer (greedy or seeded) differs from the same request run
+alone, anything stays running or pinned, the tree exceeds its budget, or memory grows
+without bound: the slope of RSS or of MLX active memory, fitted over the samples after
+the first fifth of the run (warm-up), above `MAX_SLOPE_MIB_PER_HOUR`.
 """
 
 from __future__ import annotations
