@@ -867,7 +867,8 @@ class Scheduler:
         """The generation's speculative decoding, unless its mode is off or it cannot
         have any: a model whose cache cannot be rolled back (sliding windows, recurrent
         state), penalties or a logit bias (each position's logits would need its own
-        context), or a prefill-only request. Drafting goes on across a failed step's re-admission."""
+        context), or a prefill-only request. Drafting goes on across a failed step's
+        re-admission."""
         params = generation.params
         mode = params.speculation or self.speculation.mode
         if params.prediction and params.speculation is None and mode == "off":

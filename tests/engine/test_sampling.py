@@ -16,7 +16,8 @@ def test_a_batch_draws_each_row_as_its_sampler_alone_would():
     have, in the model's dtype or float32."""
     vocabulary = 512
     options = [{"temperature": 1.0, "seed": 1}, {"temperature": 0.7, "top_p": 0.9, "seed": 2},
-               {"temperature": 1.3, "top_k": 5, "seed": 3}, {"temperature": 0.7, "top_p": 0.9, "seed": 4},
+               {"temperature": 1.3, "top_k": 5, "seed": 3},
+               {"temperature": 0.7, "top_p": 0.9, "seed": 4},
                {"temperature": 0.9, "min_p": 0.2, "seed": 5}, {"temperature": 1.0, "seed": 6}]
     for dtype in (mx.bfloat16, mx.float32):
         logits = (mx.random.normal((len(options), vocabulary), key=mx.random.key(3)) * 3)
