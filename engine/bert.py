@@ -10,7 +10,6 @@ below are Hugging Face's, so a `model.safetensors` loads as it is.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -20,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
+from engine import cpu_math
 from engine.embedding_config import matryoshka_dimensions
 
 # The pooling modes sentence-transformers' Pooling config can switch on, in its order.
@@ -29,17 +29,14 @@ POOLING_MODES = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens
 
 # MLX's CPU backend computes `erf` and `exp` at 20-40 ns an element, so GELU over every
 # intermediate activation and softmax over every attention score cost more than all of
-# MiniLM's matrix products there. Written below in multiplies and adds, which `mx.compile`
-# fuses into one loop, they cost 2-4 ns an element (tests check them against MLX's own).
+# MiniLM's matrix products there. GELU is written below in multiplies and adds, which
+# `mx.compile` fuses into one loop, at 2-4 ns an element (tests check it against MLX's
+# own); softmax is engine.cpu_math's.
 
 # Abramowitz and Stegun 7.1.28: erf(x) = 1 - (1 + a1 x + ... + a6 x^6)^-16 for x >= 0,
 # within 3e-7.
 ERF_COEFFICIENTS = (0.0705230784, 0.0422820123, 0.0092705272, 0.0001520143, 0.0002765672,
                     0.0000430638)
-# exp(y) = exp(y / 128)^128: the Taylor series to degree 10 on [-0.68, 0], then seven
-# squarings, within 3e-5 relative for y in [-87, 0] (a softmax weight's error).
-EXP_SQUARINGS = 7
-EXP_COEFFICIENTS = tuple(1 / math.factorial(k) for k in range(11))
 
 
 # The same erf in x rather than x / sqrt 2: a_k / sqrt(2)^k.
@@ -77,25 +74,6 @@ def gelu(x: mx.array) -> mx.array:
     832 x 1536 took 16 ms on a 2-core AMD EPYC, now 7.6.
     """
     return _gelu_from_polynomial(x, _gelu_polynomial(x))
-
-
-@partial(mx.compile, shapeless=True)
-def exp_nonpositive(x: mx.array) -> mx.array:
-    """exp(x) for x <= 0; 0 below float32's smallest normal (about -87)."""
-    y = x * (1 / 2 ** EXP_SQUARINGS)
-    result = EXP_COEFFICIENTS[-1]
-    for coefficient in reversed(EXP_COEFFICIENTS[:-1]):
-        result = result * y + coefficient
-    for _ in range(EXP_SQUARINGS):
-        result = result * result
-    return mx.where(x > -87.0, result, 0.0)
-
-
-def softmax(scores: mx.array) -> mx.array:
-    """Softmax over the last axis; a row that is all -inf gives zeros, not NaN."""
-    peak = mx.maximum(scores.max(axis=-1, keepdims=True), -1e30)
-    weights = exp_nonpositive(scores - peak)
-    return weights / mx.maximum(weights.sum(axis=-1, keepdims=True), 1e-30)
 
 
 @partial(mx.compile, shapeless=True)
@@ -211,7 +189,7 @@ class SelfAttention(nn.Module):
             queries = laid_out(self.query, (0, 2, 1, 3), (self.heads, 1, size))
             keys = laid_out(self.key, (0, 2, 3, 1), (self.heads, size, 1))
             values = laid_out(self.value, (0, 2, 1, 3), (self.heads, 1, size))
-            out = softmax((queries * scale) @ keys + mask) @ values
+            out = cpu_math.softmax((queries * scale) @ keys + mask) @ values
         else:
             def heads(projection: nn.Linear) -> mx.array:
                 return projection(x).reshape(batch, length, self.heads, size).transpose(

@@ -14,7 +14,7 @@ from mlx_lm.utils import load_tokenizer as load_mlx_lm_tokenizer
 
 from engine.distributed import RankGroup, shard
 from engine.image_tokens import read_image_tokens
-from engine.mlx_lm_internals import fold_masked_decode_attention
+from engine.mlx_lm_internals import use_engine_kernels
 from engine.tokenizer import ModelTokenizer
 from engine.vision import Vision
 
@@ -72,7 +72,7 @@ def load_model(path_or_repo: str, group: RankGroup | None = None,
     source = str(local) if local.exists() else path_or_repo
     model, tokenizer, config = load(source, tokenizer_config=_template_config(chat_template),
                                     return_config=True, lazy=group is not None)
-    fold_masked_decode_attention(model)
+    use_engine_kernels(model)
     if group is not None:
         shard(model, config, group)
         mx.eval(model.parameters())

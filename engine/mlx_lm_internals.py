@@ -17,10 +17,10 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 from mlx_lm.generate import _merge_caches
-from mlx_lm.models import base
+from mlx_lm.models import activations, base
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from engine import attention
+from engine import attention, cpu_math
 
 
 def owned(x: mx.array) -> mx.array:
@@ -52,17 +52,26 @@ def _copy_arrays(value: Any) -> Any:
     return value
 
 
-def fold_masked_decode_attention(model: nn.Module) -> None:
+def use_engine_kernels(model: nn.Module) -> None:
     """Off Metal, give the mlx-lm modules `model` is built from engine.attention's
-    `scaled_dot_product_attention` (its docstring says why). They import mlx-lm's by
-    name, so the name is rebound in each: for every model of those modules in this
-    process, which computes the same values."""
+    `scaled_dot_product_attention`, and `swiglu` below (their docstrings say why). They
+    import mlx-lm's by name, so the names are rebound in each: for every model of those
+    modules in this process."""
     if mx.metal.is_available():
         return
     for name in {type(module).__module__ for module in model.modules()}:
         module = sys.modules.get(name)
         if getattr(module, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
             module.scaled_dot_product_attention = attention.scaled_dot_product_attention
+        if getattr(module, "swiglu", None) is activations.swiglu:
+            module.swiglu = swiglu
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """mlx-lm's `swiglu`, on the CPU with engine.cpu_math's, whose `exp` vectorises."""
+    if mx.default_device() == mx.cpu and gate.size >= cpu_math.SMALL:
+        return cpu_math.swiglu(gate, x)
+    return activations.swiglu(gate, x)
 
 
 def cache_arrays(cache: Sequence[Any]) -> list[Any]:
