@@ -11,12 +11,12 @@ with no mask. Folding a KV head's query heads into the rows of one batched matmu
 computes the same ops in the same precision in 3.2 ms, and 1.7x faster on a CPU
 (bench/experiments/decode-attention). Metal's fused kernel takes the mask itself.
 
-On the CPU every query takes the folded ops, with engine.cpu_math's softmax where the
-scores are many (MLX's own spends most of a prompt's attention in `exp` there; that module
-says how much), a block of queries at a time: glibc serves a buffer over 32 MB with
-fresh pages, whose faults made a prompt's scores 2.5x slower to exponentiate. Over 1,024
-cached tokens 512 queries of the `bench` model attended in 117 ms a layer in blocks of
-4 MB of scores, 280 ms in one, and 267 ms through MLX's fallback.
+On the CPU, queries with many scores take the folded ops with engine.cpu_math's softmax
+(MLX's own spends most of a prompt's attention in `exp` there; that module says how
+much), a block of queries at a time: glibc serves a buffer over 32 MB with fresh pages,
+whose faults made a prompt's scores 2.5x slower to exponentiate. Over 1,024 cached tokens
+512 queries of the `bench` model attended in 119 ms a layer in blocks of 8 MB of scores,
+280 ms in one, and 267 ms through MLX's fallback (bench/experiments/cpu-exp).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
                                  sinks: mx.array | None = None) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention`, folded where MLX would not fuse it."""
     if sinks is None and not hasattr(cache, "bits"):
-        if mx.default_device() == mx.cpu:
+        if mx.default_device() == mx.cpu and _scores(queries, keys) >= cpu_math.SMALL:
             return cpu_attention(queries, keys, values, scale, mask)
         if isinstance(mask, mx.array) and queries.shape[2] == 1:
             return folded_attention(queries, keys, values, scale, mask)
@@ -71,23 +71,24 @@ def folded_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
 
 def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                   mask: mx.array | str | None) -> mx.array:
-    """`folded_attention` on the CPU: engine.cpu_math's softmax unless the scores are
-    few, over blocks of queries whose scores take at most BLOCK_BYTES."""
-    batch, heads, length, _ = queries.shape
-    total = keys.shape[2]
-    per_query = batch * heads * total
-    if per_query * length < cpu_math.SMALL:
-        return folded_attention(queries, keys, values, scale, mask)
-    block = max(1, BLOCK_BYTES // (4 * per_query))
+    """`folded_attention` on the CPU with engine.cpu_math's softmax, over blocks of
+    queries whose scores take at most BLOCK_BYTES."""
+    length = queries.shape[2]
+    block = max(1, BLOCK_BYTES // (4 * _scores(queries[:, :, :1], keys)))
     if block >= length:
         return folded_attention(queries, keys, values, scale, mask, cpu_math.softmax)
     outputs = []
     for start in range(0, length, block):
         end = min(start + block, length)
         outputs.append(folded_attention(queries[:, :, start:end], keys, values, scale,
-                                        _rows(mask, start, end, length, total),
+                                        _rows(mask, start, end, length, keys.shape[2]),
                                         cpu_math.softmax))
     return mx.concatenate(outputs, axis=2)
+
+
+def _scores(queries: mx.array, keys: mx.array) -> int:
+    """How many scores the queries' attention computes."""
+    return queries.shape[0] * queries.shape[1] * queries.shape[2] * keys.shape[2]
 
 
 def _rows(mask: mx.array | str | None, start: int, end: int, length: int, total: int

@@ -85,7 +85,6 @@ def test_a_prompt_attends_as_mlx_attends(heads: int, kv_heads: int, name: str) -
 def test_a_prompt_attends_as_mlx_attends_in_blocks_of_queries(monkeypatch, name: str) -> None:
     queries, keys, values = _inputs(3, 8, 2, 29, queries_length=9)
     mask = _prompt_masks(3, 8, 9, 29)[name]
-    monkeypatch.setattr(cpu_math, "SMALL", 0)
     monkeypatch.setattr(attention, "BLOCK_BYTES", 4 * (3 * 8 * 29) * 2)  # 2 queries a block
     ours = attention.cpu_attention(queries, keys, values, 0.3, mask)
     theirs = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.3, mask=mask)
