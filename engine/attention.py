@@ -62,7 +62,7 @@ def folded_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
                                                            dim)
     scores = (q @ keys.swapaxes(-1, -2)).reshape(batch, kv_heads, repeats, length, total)
     if isinstance(mask, str):
-        mask = mx.arange(total - length, total)[:, None] >= mx.arange(total)[None]
+        mask = _causal(total - length, total, total)
     if mask is not None:
         scores = _masked(scores, _per_kv_head(mask, heads, kv_heads))
     weights = softmax(scores).reshape(batch, kv_heads, repeats * length, total)
@@ -74,7 +74,7 @@ def cpu_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
     """`folded_attention` on the CPU with engine.cpu_math's softmax, over blocks of
     queries whose scores take at most BLOCK_BYTES."""
     length = queries.shape[2]
-    block = max(1, BLOCK_BYTES // (4 * _scores(queries[:, :, :1], keys)))
+    block = max(1, BLOCK_BYTES // (4 * (_scores(queries, keys) // length)))
     if block >= length:
         return folded_attention(queries, keys, values, scale, mask, cpu_math.softmax)
     outputs = []
@@ -97,10 +97,15 @@ def _rows(mask: mx.array | str | None, start: int, end: int, length: int, total:
     [start, end) take."""
     if isinstance(mask, str):  # "causal": the queries are the last `length` positions
         first = total - length
-        return mx.arange(first + start, first + end)[:, None] >= mx.arange(total)[None]
+        return _causal(first + start, first + end, total)
     if mask is None or mask.ndim < 2 or mask.shape[-2] == 1:
         return mask
     return mask[..., start:end, :]
+
+
+def _causal(first: int, end: int, total: int) -> mx.array:
+    """MLX's "causal" for the queries at positions [first, end) over `total` keys."""
+    return mx.arange(first, end)[:, None] >= mx.arange(total)[None]
 
 
 def _per_kv_head(mask: mx.array, heads: int, kv_heads: int) -> mx.array:
