@@ -1014,6 +1014,7 @@ class Scheduler:
         prompts differ by far in size ends once the short ones are computed
         (`_burst_outgrown`)."""
         started, cpu_started = time.perf_counter(), time.thread_time()
+        verified = self.counters.verified_rows
         if not self.generator.decoding:
             self.burst = True
         if self.burst and (not self.generator.prefilling or self._burst_outgrown()):
@@ -1063,8 +1064,9 @@ class Scheduler:
             # The thread's CPU time: its host work (building and launching graphs), plus
             # whatever of an evaluation MLX runs on it (CPU kernels; on CUDA, its waits
             # spin, so there CPU time is about wall time and tells little).
-            log.debug("step: %d rows, %d prompt tokens fed, %d prompts left, %.1f ms, "
-                      "%.1f ms CPU", len(self.generator.rows), prefilled,
+            log.debug("step: %d rows (%d verified), %d prompt tokens fed, %d prompts left, "
+                      "%.1f ms, %.1f ms CPU", len(self.generator.rows),
+                      self.counters.verified_rows - verified, prefilled,
                       len(self.generator.prefilling), seconds * 1e3, cpu_seconds * 1e3)
         self.counters.steps += 1
         self.counters.step_seconds += seconds

@@ -33,8 +33,8 @@ SETTINGS = {
     "prefill-batch-64": ["--prefill-batch-size", "64"],
     "engine-process": ["--engine-process", "true"],
 }
-STEP = re.compile(r"step: (\d+) rows, (\d+) prompt tokens fed, (\d+) prompts left, "
-                  r"([\d.]+) ms")
+STEP = re.compile(r"step: (\d+) rows(?: \(\d+ verified\))?, (\d+) prompt tokens fed, "
+                  r"(\d+) prompts left, ([\d.]+) ms")
 SHAPES = Shapes(bd_streams=64, bd_prompt_tokens=64, bd_output_tokens=128)
 
 
