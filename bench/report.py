@@ -580,7 +580,8 @@ def speculation_section(speculation: dict) -> list[str]:
     if edit:
         bare = edit["mlx_lm"]["decode_tok_s"]
         lines += [("Agent edit (repeat a file with one rename; re-emit a tool call's JSON "
-                   "with one argument changed; greedy):"), "",
+                   "with one argument changed; greedy; the modes taking turns, medians of "
+                   f"{edit.get('rounds', 1)} rounds):"), "",
                   ("| server | single-stream decode tok/s | vs bare mlx-lm | acceptance "
                    f"| tokens/verify | same output | {edit['streams']} streams output tok/s | vs off "
                    "| acceptance (streams) | same output (streams) | cold batch vs off |"),

@@ -5,7 +5,9 @@ on and auto, and bare `mlx_lm.stream_generate`.
   `ae_file_tokens` with one function renamed, and to re-emit a tool call's JSON with one
   argument changed; one request at a time (single-stream decode tok/s, against bare
   mlx-lm on the same prompt), then `ae_streams` edits of the file at once (output tok/s),
-  after as many edits of another file (their rate is reported as the cold one).
+  after as many edits of another file (their rate is reported as the cold one). The
+  modes' servers run together and take turns, `ae_rounds` rounds on a new file each:
+  medians of the rounds, and each round's batch against off's of the same round.
   Targets: single stream >= 1.8x bare mlx-lm, 16 streams >= 1.3x speculation off, greedy
   output identical. A random-weight model does not copy its prompt, so its drafts are
   rejected and this measures only their cost: the workload means something on a real
@@ -19,6 +21,7 @@ on and auto, and bare `mlx_lm.stream_generate`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import statistics
@@ -130,44 +133,73 @@ def bare_mlx_lm(model: Path, env: dict[str, str], requests: list[list[dict]],
 
 def agent_edit(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
                seed: int, draft_model: str | None = None) -> dict:
-    single, streams = agent_requests(TextSource(model, seed + 4000), shapes)
+    """Every mode's server at once, the measured requests taking turns between them: each
+    single-stream request on every mode, then each mode's batch, for `ae_rounds` rounds on
+    a new file each (the mode order turning round by round). A GPU host's decode step is
+    host-bound and its speed drifts within seconds (an H200 server's 16-row step moved
+    from 10 to 15 ms between two batches a second apart), so modes measured one server
+    after another compared the host's moments as much as the modes."""
+    rounds = [agent_requests(TextSource(model, seed + 4000 + 2 * r), shapes)
+              for r in range(shapes.ae_rounds)]
     _, warm_streams = agent_requests(TextSource(model, seed + 4001), shapes)  # another file
-    result: dict = {"streams": len(streams)}
     flags = {mode: ["--speculation", mode] for mode in MODES}
     if draft_model:
         flags[DRAFT_MODEL] = ["--speculation", "on", "--speculation-sources", "model",
                               "--speculation-draft-model", draft_model]
-    for mode, mode_flags in flags.items():
-        print(f"  speculation: agent_edit, {mode} ...", file=sys.stderr, flush=True)
-        with running(RADIX, model, env, logs / f"agent_edit-{mode}.log",
-                     mode_flags) as server:
-            asyncio.run(one(server.base_url, single[0], 8))  # untimed: kernels, caches
-            runs = [asyncio.run(one(server.base_url, m, shapes.ae_output_tokens))
-                    for m in single]
+    share = ["--memory-share", str(1 / len(flags))]
+    runs: dict[str, list[dict]] = {mode: [] for mode in flags}
+    batches: dict[str, list[dict]] = {mode: [] for mode in flags}
+    single_counters: dict[str, dict[str, float]] = {mode: {} for mode in flags}
+    batch_counters: dict[str, dict[str, float]] = {mode: {} for mode in flags}
+    cold: dict[str, dict] = {}
+    with contextlib.ExitStack() as stack:
+        servers = {mode: stack.enter_context(running(
+                       RADIX, model, env, logs / f"agent_edit-{mode}.log", [*mode_flags, *share]))
+                   for mode, mode_flags in flags.items()}
+        for mode, server in servers.items():
+            print(f"  speculation: agent_edit, {mode}: warming up ...", file=sys.stderr,
+                  flush=True)
+            asyncio.run(one(server.base_url, rounds[0][0][0], 8))  # untimed: kernels, caches
             # A batch meets shapes one stream never does, and MLX's CUDA backend pays
             # 10-70 ms the first time it meets each (bench/experiments/speculation-engine):
             # a batch editing another file first, its rate kept as the cold one.
-            cold = asyncio.run(together(server.base_url, warm_streams,
-                                        shapes.ae_stream_output_tokens))
-            single_counters = metrics(server.base_url)
-            batch = asyncio.run(together(server.base_url, streams,
-                                         shapes.ae_stream_output_tokens))
-            batch_counters = metrics(server.base_url)
+            cold[mode] = asyncio.run(together(server.base_url, warm_streams,
+                                              shapes.ae_stream_output_tokens))
+        for number, (single, streams) in enumerate(rounds):
+            print(f"  speculation: agent_edit, round {number + 1} of {len(rounds)} ...",
+                  file=sys.stderr, flush=True)
+            order = list(servers)[number % len(servers):] + list(servers)[:number % len(servers)]
+            before = {mode: metrics(servers[mode].base_url) for mode in order}
+            for messages in single:
+                for mode in order:
+                    runs[mode].append(asyncio.run(one(servers[mode].base_url, messages,
+                                                      shapes.ae_output_tokens)))
+            for mode in order:
+                after = metrics(servers[mode].base_url)
+                add_counts(single_counters[mode], before[mode], after)
+                batches[mode].append(asyncio.run(together(
+                    servers[mode].base_url, streams, shapes.ae_stream_output_tokens)))
+                add_counts(batch_counters[mode], after, metrics(servers[mode].base_url))
+    result: dict = {"streams": shapes.ae_streams, "rounds": len(rounds)}
+    for mode in flags:
         result[mode] = {
-            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
-            "runs": [r["decode_tok_s"] for r in runs], "texts": [r["text"] for r in runs],
-            **acceptance(single_counters),
-            "streams_output_tok_s": batch["output_tok_s"], "streams_wall_s": batch["wall_s"],
-            "cold_streams_output_tok_s": cold["output_tok_s"],
-            "streams_texts": batch["texts"],
-            "streams": acceptance({k: batch_counters[k] - single_counters.get(k, 0)
-                                   for k in batch_counters}),
+            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs[mode]),
+            "runs": [r["decode_tok_s"] for r in runs[mode]],
+            "texts": [r["text"] for r in runs[mode]],
+            **acceptance(single_counters[mode]),
+            "streams_output_tok_s": statistics.median(b["output_tok_s"] for b in batches[mode]),
+            "streams_rounds": [b["output_tok_s"] for b in batches[mode]],
+            "streams_wall_s": [b["wall_s"] for b in batches[mode]],
+            "cold_streams_output_tok_s": cold[mode]["output_tok_s"],
+            "streams_texts": [text for b in batches[mode] for text in b["texts"]],
+            "streams": acceptance(batch_counters[mode]),
         }
-        print(f"    {json.dumps({k: v for k, v in result[mode].items() if 'texts' not in k})}",
-              file=sys.stderr, flush=True)
+        figures = {k: v for k, v in result[mode].items() if "texts" not in k}
+        print(f"    {mode}: {json.dumps(figures)}", file=sys.stderr, flush=True)
     print("  speculation: agent_edit, bare mlx_lm.stream_generate ...", file=sys.stderr,
           flush=True)
-    bare = bare_mlx_lm(model, env, single, shapes.ae_output_tokens)
+    bare = bare_mlx_lm(model, env, [m for single, _ in rounds for m in single],
+                       shapes.ae_output_tokens)
     result["mlx_lm"] = {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in bare),
                         "runs": [r["decode_tok_s"] for r in bare],
                         "texts": [r["text"] for r in bare]}
@@ -176,14 +208,23 @@ def agent_edit(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
         row = result[mode]
         row["vs_mlx_lm"] = report.ratio(row["decode_tok_s"], result["mlx_lm"]["decode_tok_s"])
         row["vs_off"] = report.ratio(row["decode_tok_s"], off["decode_tok_s"])
-        row["streams_vs_off"] = report.ratio(row["streams_output_tok_s"],
-                                             off["streams_output_tok_s"])
+        # Each round's batch against off's in the same round, seconds apart.
+        row["streams_vs_off_rounds"] = [report.ratio(ours, theirs) for ours, theirs in
+                                        zip(row["streams_rounds"], off["streams_rounds"])]
+        row["streams_vs_off"] = statistics.median(row["streams_vs_off_rounds"])
         row["cold_streams_vs_off"] = report.ratio(row["cold_streams_output_tok_s"],
                                                   off["cold_streams_output_tok_s"])
         row["same_output"] = row["texts"] == off["texts"] == result["mlx_lm"]["texts"]
         row["same_streams_output"] = row["streams_texts"] == off["streams_texts"]
     off["vs_mlx_lm"] = report.ratio(off["decode_tok_s"], result["mlx_lm"]["decode_tok_s"])
     return result
+
+
+def add_counts(total: dict[str, float], before: dict[str, float],
+               after: dict[str, float]) -> None:
+    """Add to `total` what each counter grew by from `before` to `after`."""
+    for name, value in after.items():
+        total[name] = total.get(name, 0.0) + value - before.get(name, 0.0)
 
 
 def spec_no_repeat(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
