@@ -1,23 +1,66 @@
 """The pydantic bases every API's schema builds on.
 
 Requests validate strictly (`"n": "2"` is a 400, not a silent coercion) and ignore unknown
-fields, as OpenAI and Anthropic do; responses forbid fields they do not declare, so a typo
-in a front end fails its tests instead of reaching a client.
+fields, as OpenAI and Anthropic do, and null for an optional field is its default: the
+OpenAI SDK sends null for an argument given as None, and frameworks forward every option
+they hold. Responses forbid fields they do not declare, so a typo in a front end fails its
+tests instead of reaching a client.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Annotated, Any, Literal, Union
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Tag
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Tag, model_validator
 
 # The likeliest alternatives a token's logprob may come with, in every API (OpenAI's 20).
 MAX_TOP_LOGPROBS = 20
 
 
+def _nullable_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """The JSON schema (the OpenAPI document) allows what `_null_is_unset` takes: null for
+    each optional field that holds no null."""
+    properties = schema.get("properties", {})
+    for name in _defaulted_without_null(model) & properties.keys():
+        field = properties[name]
+        notes = {key: field.pop(key) for key in ("title", "description", "default")
+                 if key in field}
+        properties[name] = {"anyOf": [field, {"type": "null"}], **notes}
+
+
 class RequestModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_nullable_defaults)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """Drop nulls sent for optional fields that hold no null (`"n": null`, `"stream":
+        null`): each takes its default, as an absent one does."""
+        if isinstance(data, dict) and None in data.values():
+            unset = _defaulted_without_null(cls)
+            return {key: value for key, value in data.items()
+                    if value is not None or key not in unset}
+        return data
+
+
+@functools.cache
+def _defaulted_without_null(model: type[BaseModel]) -> frozenset[str]:
+    """The names (as sent) of `model`'s fields that have a default and do not take None."""
+    return frozenset(field.alias or name for name, field in model.model_fields.items()
+                     if not field.is_required() and not _takes_none(field.annotation))
+
+
+def _takes_none(annotation: Any) -> bool:
+    if annotation is None or annotation is type(None) or annotation is Any:
+        return True
+    if get_origin(annotation) is Annotated:
+        return _takes_none(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        return any(_takes_none(member) for member in get_args(annotation))
+    return False
 
 
 class ResponseModel(BaseModel):

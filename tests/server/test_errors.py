@@ -220,6 +220,32 @@ def test_an_assistant_message_of_nothing_is_refused_in_the_apis_words(
     assert "needs content, a refusal or tool_calls" in error["message"]
 
 
+@pytest.mark.parametrize(("path", "body", "required"), [
+    (CHAT, {**chat()["json"], "n": None, "stream": None, "logprobs": None,
+            "presence_penalty": None, "frequency_penalty": None}, "messages"),
+    (COMPLETIONS, {**completion()["json"], "n": None, "stream": None, "echo": None,
+                   "presence_penalty": None, "frequency_penalty": None}, "prompt"),
+    ("/v1/responses", {"input": "Hello", "max_output_tokens": 16, "stream": None,
+                       "store": None, "background": None}, "input"),
+    ("/v1/messages", {"messages": HELLO, "max_tokens": 2, "stream": None}, "messages"),
+], ids=["chat", "completions", "responses", "messages"])
+def test_null_for_an_optional_field_is_its_default(
+    server: ServerProcess, headers: dict[str, str], model_id: str, path: str, body: dict,
+    required: str,
+) -> None:
+    """OpenAI's optional parameters are nullable: the OpenAI SDK sends null for one given
+    as None, and frameworks forward every option they hold. Each took a 400 ("n: Input
+    should be a valid integer") where null is the default; a required field still may not
+    be null."""
+    body = {"model": model_id, **body}  # Anthropic's Messages API requires it
+    with httpx.Client(base_url=server.url, headers=headers, timeout=30) as http:
+        answer = http.post(path, json=body)
+        assert answer.status_code == 200, answer.text
+        assert "text/event-stream" not in answer.headers["content-type"]  # stream's default
+        refused = http.post(path, json={**body, required: None})
+    assert refused.status_code == 400, refused.text
+
+
 def test_only_root_and_health_are_open_without_the_key(server: ServerProcess) -> None:
     """Load balancers probe /health with no secret, clients probe /; /metrics says what is
     cached and how busy the server is, so it needs the key like the API."""
