@@ -305,24 +305,36 @@ class ChatCompletionRequest(StructuredOutputRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         return value
 
-    @model_validator(mode="after")
-    def _check_combinations(self) -> ChatCompletionRequest:
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt to be false")
-        if self.tool_choice is not None and not self.tools:
+    @field_validator("tools")
+    @classmethod
+    def _tool_names_are_unique(cls, value: list[Tool] | None) -> list[Tool] | None:
+        check_tool_names([tool.function.name for tool in value or ()])
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_tools(cls, value: ToolChoice, info: ValidationInfo) -> ToolChoice:
+        # A field's validator rather than the model's, so the 400 names tool_choice;
+        # tools is validated before it.
+        tools = info.data.get("tools")
+        if not tools:
             raise ValueError("tool_choice is only allowed when tools are specified")
-        names = [tool.function.name for tool in self.tools or ()]
-        check_tool_names(names)
-        named = set(names)
-        if isinstance(self.tool_choice, NamedToolChoice):
-            chosen = [self.tool_choice.function.name]
-        elif isinstance(self.tool_choice, AllowedToolsChoice):
-            chosen = [tool.function.name for tool in self.tool_choice.allowed_tools.tools]
+        named = {tool.function.name for tool in tools}
+        if isinstance(value, NamedToolChoice):
+            chosen = [value.function.name]
+        elif isinstance(value, AllowedToolsChoice):
+            chosen = [tool.function.name for tool in value.allowed_tools.tools]
         else:
             chosen = []
         for name in chosen:
             if name not in named:
                 raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+        return value
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt to be false")
         return self
 
 

@@ -108,11 +108,13 @@ CASES = [
     ), 400, "invalid_request", "tools"),
     ("two tools of one name", "POST", CHAT, chat(
         tools=[{"type": "function", "function": {"name": "f"}}] * 2,
-    ), 400, "invalid_request", None),
+    ), 400, "invalid_request", "tools"),
     ("tool_choice naming no tool", "POST", CHAT, chat(
         tools=[{"type": "function", "function": {"name": "f"}}],
         tool_choice={"type": "function", "function": {"name": "g"}},
-    ), 400, "invalid_request", None),
+    ), 400, "invalid_request", "tool_choice"),
+    ("tool_choice without tools", "POST", CHAT, chat(tool_choice="required"), 400,
+     "invalid_request", "tool_choice"),
     ("legacy unenforceable schema", "POST", COMPLETIONS, completion(response_format={
         "type": "json_schema",
         "json_schema": {"name": "s", "strict": True, "schema": {"type": "string",
