@@ -29,7 +29,7 @@ from engine.api import (
 from engine.streams import EventQueue
 from server.events import Usage
 from server.http.access_log import RequestStats
-from server.http.drain import Drain
+from server.http.drain import Drain, shutting_down
 from server.http.errors import APIError
 from server.metrics import Metrics
 from server.model_registry import RETRY_LATER
@@ -129,7 +129,7 @@ class Job:
         if len(self._finishes) < self.choices:
             # A stream ends without a Finish only when cancelled, and only the drain
             # cancels a job that is still being read.
-            raise APIError(503, "the server is shutting down", code="shutting_down")
+            raise shutting_down()
 
     async def _arrivals(self) -> AsyncIterator[tuple[int, TokenEvent | PromptLogprobs | Finish | Exception]]:
         """(choice, event) as they arrive, or the exception a choice's stream raised. One

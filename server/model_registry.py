@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from engine.api import EngineNotReady, Lifecycle
 from server.config import DEFAULT_MODEL_ID, ModelSpec, Settings
 from server.follow_ups import FollowUps
+from server.http.drain import shutting_down
 from server.http.errors import APIError, shown
 
 if TYPE_CHECKING:
@@ -315,8 +316,7 @@ class ModelRegistry:
             if not loading.cancelled() or asyncio.current_task().cancelling():
                 raise
             if self.stopping:
-                raise APIError(503, "the server is shutting down",
-                               code="shutting_down") from None
+                raise shutting_down() from None
             raise APIError(503, f"the model {model.id} was unloaded while it loaded",
                            code="model_not_ready", headers=RETRY_LATER) from None
 

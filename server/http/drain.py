@@ -6,8 +6,20 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from server.http.errors import APIError
+
 # After the deadline's cancellations, how long responses get to end before we stop anyway.
 CANCEL_GRACE_SECONDS = 2.0
+# What a client the stopping server turns away waits before asking again: the service
+# manager starts the server again, or a router sends the retry to another replica.
+RESTART_RETRY_SECONDS = 5
+
+
+def shutting_down() -> APIError:
+    """The 503 for a request the stopping server turns away or cuts short (a stream that
+    has begun carries it as its error event, without the header)."""
+    return APIError(503, "the server is shutting down", code="shutting_down",
+                    headers={"Retry-After": str(RESTART_RETRY_SECONDS)})
 
 
 class Cancellable(Protocol):

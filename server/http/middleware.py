@@ -15,6 +15,7 @@ import uuid
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.http.access_log import log_request
+from server.http.drain import shutting_down
 from server.http.errors import APIError
 from server.state import ServerState
 
@@ -60,7 +61,7 @@ class RequestMiddleware:
         drain.inflight += 1
         try:
             if drain.draining and scope["path"] not in PROBES:
-                raise APIError(503, "the server is shutting down", code="shutting_down")
+                raise shutting_down()
             await self.app(scope, receive, send_with_id)
         except APIError as error:
             await error.response(scope["path"])(scope, receive, send_with_id)

@@ -170,6 +170,7 @@ async def test_sigterm_drains_then_exits_zero(
     finally:
         server.stop()
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    assert refused.headers["retry-after"] == "5"  # a restart, or another replica
     assert health.status_code == 503 and health.json()["status"] == "draining"
     # The short request finished normally within the drain timeout ...
     assert short_events[-1] == "[DONE]"
