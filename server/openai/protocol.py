@@ -63,8 +63,9 @@ class SamplingRequest(RequestModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1, le=128)
-    # MLX seeds are unsigned 64-bit; choice i of n uses seed + i.
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    # MLX seeds are unsigned 64-bit; choice i of n uses seed + i. -1 is no seed, as in
+    # llama.cpp, whose front ends send it for "random" (`_minus_one_is_no_seed`).
+    seed: int | None = Field(None, ge=-1, lt=2**63)
     stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -84,6 +85,11 @@ class SamplingRequest(RequestModel):
     ignore_eos: bool = False
     # radix-mlx's: speculative decoding for this request (none: the server's mode).
     speculation: SpeculationMode | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _minus_one_is_no_seed(cls, value: int | None) -> int | None:
+        return None if value == -1 else value
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:

@@ -284,6 +284,17 @@ def test_seed_makes_sampling_reproducible(client: openai.OpenAI, model_id: str) 
     assert first.choices[0].text != first.choices[1].text  # seed + i per choice
 
 
+def test_seed_minus_one_is_no_seed(client: openai.OpenAI, model_id: str) -> None:
+    """llama.cpp's front ends send seed -1 for "random": each request samples anew, as
+    one with no seed does (OpenAI's seeds are otherwise non-negative here)."""
+    options = {"model": model_id, "prompt": "The weather", "max_tokens": 8,
+               "temperature": 1.0, "seed": -1, "extra_body": NO_EOS}
+    texts = {client.completions.create(**options).choices[0].text for _ in range(3)}
+    assert len(texts) > 1
+    with pytest.raises(openai.BadRequestError, match="seed"):
+        client.completions.create(**{**options, "seed": -2})
+
+
 @pytest.mark.parametrize("knobs", [{"temperature": 1e-40}, {"temperature": 1e-6},
                                    {"top_p": 1e-300}, {"top_p": 0}],
                          ids=["temperature-1e-40", "temperature-1e-6", "top_p-1e-300", "top_p-0"])
