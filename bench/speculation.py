@@ -6,7 +6,7 @@ on and auto, and bare `mlx_lm.stream_generate`.
   argument changed; one request at a time (single-stream decode tok/s, against bare
   mlx-lm on the same prompt), then `ae_streams` edits of the file at once (output tok/s),
   after as many edits of another file (their rate is reported as the cold one). The
-  modes' servers run together and take turns, `ae_rounds` rounds on a new file each:
+  modes' servers run together and take turns, `spec_rounds` rounds on a new file each:
   medians of the rounds, and each round's batch against off's of the same round.
   Targets: single stream >= 1.8x bare mlx-lm, 16 streams >= 1.3x speculation off, greedy
   output identical. A random-weight model does not copy its prompt, so its drafts are
@@ -15,7 +15,8 @@ on and auto, and bare `mlx_lm.stream_generate`.
   it also runs `on` with that draft model as the only source.
 - `spec_no_repeat`: the standard `single_stream` and `no_share` workloads (random words,
   nothing to copy) with speculation off and auto, each after a run of other prompts of
-  the same shapes (reported as cold). Target: auto >= 0.95x off.
+  the same shapes (reported as cold), the two servers taking turns over `spec_rounds`
+  rounds of new prompts. Target: auto >= 0.95x off.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import httpx
@@ -35,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import report
 from bench.client import TIMEOUT, chat, run_workload
-from bench.servers import RADIX, running
+from bench.servers import RADIX, RunningServer, running
 from bench.workloads import WORKLOADS as STANDARD
 from bench.workloads import Shapes, TextSource
 
@@ -133,29 +135,21 @@ def bare_mlx_lm(model: Path, env: dict[str, str], requests: list[list[dict]],
 
 def agent_edit(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
                seed: int, draft_model: str | None = None) -> dict:
-    """Every mode's server at once, the measured requests taking turns between them: each
-    single-stream request on every mode, then each mode's batch, for `ae_rounds` rounds on
-    a new file each (the mode order turning round by round). A GPU host's decode step is
-    host-bound and its speed drifts within seconds (an H200 server's 16-row step moved
-    from 10 to 15 ms between two batches a second apart), so modes measured one server
-    after another compared the host's moments as much as the modes."""
+    """Every mode's server at once (`side_by_side`): each single-stream request on every
+    mode in turn, then each mode's batch, for `spec_rounds` rounds on a new file each."""
     rounds = [agent_requests(TextSource(model, seed + 4000 + 2 * r), shapes)
-              for r in range(shapes.ae_rounds)]
+              for r in range(shapes.spec_rounds)]
     _, warm_streams = agent_requests(TextSource(model, seed + 4001), shapes)  # another file
     flags = {mode: ["--speculation", mode] for mode in MODES}
     if draft_model:
         flags[DRAFT_MODEL] = ["--speculation", "on", "--speculation-sources", "model",
                               "--speculation-draft-model", draft_model]
-    share = ["--memory-share", str(1 / len(flags))]
     runs: dict[str, list[dict]] = {mode: [] for mode in flags}
     batches: dict[str, list[dict]] = {mode: [] for mode in flags}
     single_counters: dict[str, dict[str, float]] = {mode: {} for mode in flags}
     batch_counters: dict[str, dict[str, float]] = {mode: {} for mode in flags}
     cold: dict[str, dict] = {}
-    with contextlib.ExitStack() as stack:
-        servers = {mode: stack.enter_context(running(
-                       RADIX, model, env, logs / f"agent_edit-{mode}.log", [*mode_flags, *share]))
-                   for mode, mode_flags in flags.items()}
+    with side_by_side(model, env, logs, "agent_edit", flags) as servers:
         for mode, server in servers.items():
             print(f"  speculation: agent_edit, {mode}: warming up ...", file=sys.stderr,
                   flush=True)
@@ -168,7 +162,7 @@ def agent_edit(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
         for number, (single, streams) in enumerate(rounds):
             print(f"  speculation: agent_edit, round {number + 1} of {len(rounds)} ...",
                   file=sys.stderr, flush=True)
-            order = list(servers)[number % len(servers):] + list(servers)[:number % len(servers)]
+            order = turned(list(servers), number)
             before = {mode: metrics(servers[mode].base_url) for mode in order}
             for messages in single:
                 for mode in order:
@@ -220,6 +214,27 @@ def agent_edit(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
     return result
 
 
+@contextlib.contextmanager
+def side_by_side(model: Path, env: dict[str, str], logs: Path, workload: str,
+                 flags: dict[str, list[str]]) -> Iterator[dict[str, RunningServer]]:
+    """A server for each mode, all running at once, each planning its share of memory, so
+    that the measured requests can take turns between them. A GPU host's decode step is
+    host-bound and its speed drifts within seconds (an H200 server's 16-row step moved
+    from 10 to 15 ms between two batches a second apart), so modes measured one server
+    after another compared the host's moments as much as the modes."""
+    share = ["--memory-share", str(1 / len(flags))]
+    with contextlib.ExitStack() as stack:
+        yield {mode: stack.enter_context(running(
+                   RADIX, model, env, logs / f"{workload}-{mode}.log", [*mode_flags, *share]))
+               for mode, mode_flags in flags.items()}
+
+
+def turned(modes: list[str], number: int) -> list[str]:
+    """The order the modes take their turns in round `number`: each goes first in turn."""
+    start = number % len(modes)
+    return modes[start:] + modes[:start]
+
+
 def add_counts(total: dict[str, float], before: dict[str, float],
                after: dict[str, float]) -> None:
     """Add to `total` what each counter grew by from `before` to `after`."""
@@ -229,28 +244,47 @@ def add_counts(total: dict[str, float], before: dict[str, float],
 
 def spec_no_repeat(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
                    seed: int) -> dict:
+    """Each workload on off's and auto's servers at once (`side_by_side`), after a run of
+    other prompts on each, then `spec_rounds` rounds of new prompts taking turns; the
+    ratio is the median of each round's auto against off's."""
     result: dict = {}
+    flags = {mode: ["--speculation", mode] for mode in ("off", "auto")}
     for name in ("single_stream", "no_share"):
-        workload = STANDARD[name](TextSource(model, seed + 5000), shapes)
+        workloads = [STANDARD[name](TextSource(model, seed + 5000 + 2 * r), shapes)
+                     for r in range(shapes.spec_rounds)]
         warm = STANDARD[name](TextSource(model, seed + 5001), shapes)  # as agent_edit's
-        for mode in ("off", "auto"):
-            print(f"  speculation: {name}, {mode} ...", file=sys.stderr, flush=True)
-            with running(RADIX, model, env, logs / f"{name}-{mode}.log",
-                         ["--speculation", mode]) as server:
-                cold = asyncio.run(run_workload(server.base_url, warm, RADIX.extra))
-                before = metrics(server.base_url)
-                run = asyncio.run(run_workload(server.base_url, workload, RADIX.extra))
-                counters = metrics(server.base_url)
-            summary = report.summarize(run, 0, None)
-            result.setdefault(name, {})[mode] = {
-                "output_tok_s": summary["output_tok_s"],
-                "cold_output_tok_s": report.summarize(cold, 0, None)["output_tok_s"],
-                "decode_tok_s": summary.get("decode_tok_s"),
-                **acceptance({k: counters[k] - before.get(k, 0) for k in counters})}
-        modes = result[name]
-        modes["ratio"] = report.ratio(modes["auto"]["output_tok_s"], modes["off"]["output_tok_s"])
+        summaries: dict[str, list[dict]] = {mode: [] for mode in flags}
+        counters: dict[str, dict[str, float]] = {mode: {} for mode in flags}
+        with side_by_side(model, env, logs, name, flags) as servers:
+            print(f"  speculation: {name}, off and auto ...", file=sys.stderr, flush=True)
+            cold = {mode: report.summarize(asyncio.run(run_workload(
+                        server.base_url, warm, RADIX.extra)), 0, None)["output_tok_s"]
+                    for mode, server in servers.items()}
+            for number, workload in enumerate(workloads):
+                for mode in turned(list(servers), number):
+                    before = metrics(servers[mode].base_url)
+                    run = asyncio.run(run_workload(servers[mode].base_url, workload,
+                                                   RADIX.extra))
+                    add_counts(counters[mode], before, metrics(servers[mode].base_url))
+                    summaries[mode].append(report.summarize(run, 0, None))
+        modes: dict = {mode: {
+            "output_tok_s": statistics.median(s["output_tok_s"] for s in summaries[mode]),
+            "rounds": [s["output_tok_s"] for s in summaries[mode]],
+            "cold_output_tok_s": cold[mode],
+            "decode_tok_s": median_of(s.get("decode_tok_s") for s in summaries[mode]),
+            **acceptance(counters[mode])} for mode in flags}
+        modes["ratio"] = statistics.median(
+            report.ratio(auto, off) for auto, off in zip(modes["auto"]["rounds"],
+                                                         modes["off"]["rounds"]))
+        result[name] = modes
         print(f"    {json.dumps(modes)}", file=sys.stderr, flush=True)
     return result
+
+
+def median_of(values: Iterable[float | None]) -> float | None:
+    """The median of the values given (None where none is)."""
+    given = [value for value in values if value is not None]
+    return statistics.median(given) if given else None
 
 
 # Each workload's measure, called as (model, shapes, env, logs, seed), in the order they run.

@@ -17,20 +17,19 @@ from bench.workloads import QUICK
 @pytest.mark.usefixtures("children_without_torch")
 def test_speculation_workloads(demo_model_dir: Path, tmp_path: Path) -> None:
     """The agent edit workload with speculation off, on, auto and on with a draft model
-    (the demo model itself), their servers taking turns over two rounds, and bare mlx-lm
-    on the same chats; the standard workloads without repetition, off and auto. The demo
-    model's output does not copy its prompt: what matters here is that it is the same
-    text."""
+    (the demo model itself), their servers running together and taking turns, and bare
+    mlx-lm on the same chats; the standard workloads without repetition, off and auto. The
+    demo model's output does not copy its prompt: what matters here is that it is the
+    same text."""
     main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-plots",
           "--no-structured", "--out", str(tmp_path), "--workloads",
-          "agent_edit,spec_no_repeat", "--draft-model", str(demo_model_dir),
-          "--ae-rounds", "2"])
+          "agent_edit,spec_no_repeat", "--draft-model", str(demo_model_dir)])
     results = json.loads((tmp_path / "results.json").read_text())
     edit = results["speculation"]["agent_edit"]
-    assert edit["streams"] == QUICK.ae_streams and edit["rounds"] == 2
-    # Each round's batch against off's of the same round; texts of both rounds compared.
-    assert len(edit["on"]["streams_vs_off_rounds"]) == 2
-    assert len(edit["off"]["streams_texts"]) == 2 * QUICK.ae_streams
+    assert edit["streams"] == QUICK.ae_streams and edit["rounds"] == QUICK.spec_rounds
+    # Each round's batch against off's of the same round; every round's texts compared.
+    assert len(edit["on"]["streams_vs_off_rounds"]) == QUICK.spec_rounds
+    assert len(edit["off"]["streams_texts"]) == QUICK.spec_rounds * QUICK.ae_streams
     assert edit["draft model"]["acceptance"] > 0.5  # the model guesses its own argmax
     for mode in ("on", "auto", "draft model"):
         assert edit[mode]["same_output"] and edit[mode]["same_streams_output"]
@@ -39,6 +38,7 @@ def test_speculation_workloads(demo_model_dir: Path, tmp_path: Path) -> None:
     plain = results["speculation"]["spec_no_repeat"]
     assert set(plain) == {"single_stream", "no_share"}
     assert all(modes["ratio"] > 0 for modes in plain.values())
+    assert all(len(modes["off"]["rounds"]) == QUICK.spec_rounds for modes in plain.values())
     assert "--speculation on, a draft model" in (tmp_path / "results.md").read_text()
 
 
