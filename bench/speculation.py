@@ -29,7 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -267,11 +267,12 @@ def spec_no_repeat(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
                                                    RADIX.extra))
                     add_counts(counters[mode], before, metrics(servers[mode].base_url))
                     summaries[mode].append(report.summarize(run, 0, None))
+        merged = {mode: report.median_summary(summaries[mode]) for mode in flags}
         modes: dict = {mode: {
-            "output_tok_s": statistics.median(s["output_tok_s"] for s in summaries[mode]),
+            "output_tok_s": merged[mode]["output_tok_s"],
             "rounds": [s["output_tok_s"] for s in summaries[mode]],
             "cold_output_tok_s": cold[mode],
-            "decode_tok_s": median_of(s.get("decode_tok_s") for s in summaries[mode]),
+            "decode_tok_s": merged[mode].get("decode_tok_s"),
             **acceptance(counters[mode])} for mode in flags}
         modes["ratio"] = statistics.median(
             report.ratio(auto, off) for auto, off in zip(modes["auto"]["rounds"],
@@ -279,12 +280,6 @@ def spec_no_repeat(model: Path, shapes: Shapes, env: dict[str, str], logs: Path,
         result[name] = modes
         print(f"    {json.dumps(modes)}", file=sys.stderr, flush=True)
     return result
-
-
-def median_of(values: Iterable[float | None]) -> float | None:
-    """The median of the values given (None where none is)."""
-    given = [value for value in values if value is not None]
-    return statistics.median(given) if given else None
 
 
 # Each workload's measure, called as (model, shapes, env, logs, seed), in the order they run.

@@ -94,8 +94,8 @@ class Shapes:
     ae_output_tokens: int = 192
     ae_repeats: int = 1  # single-stream: this many file edits and as many tool calls
     ae_streams: int = 16
-    spec_rounds: int = 3  # speculation's modes take turns this often, new prompts each time
     ae_stream_output_tokens: int = 192
+    spec_rounds: int = 3  # speculation's modes take turns this often, new prompts each time
     em_sentences: int = 1024  # embeddings (bench/prefill_endpoints.py), all-MiniLM-L6-v2
     em_batch: int = 64
     em_sentence_tokens: int = 24
@@ -121,8 +121,8 @@ QUICK = Shapes(
     mf_requests=12, mf_concurrency=4, mf_prompt_tokens=32, mf_output_tokens=4,
     bd_streams=4,
     bd_prompt_tokens=16, bd_output_tokens=8, cl_sentences=8, cl_batch=4, cl_preamble_tokens=16,
-    cl_sentence_tokens=8, ae_file_tokens=200, ae_output_tokens=16, ae_streams=4, spec_rounds=1,
-    ae_stream_output_tokens=8, em_sentences=8, em_batch=4, em_sentence_tokens=8,
+    cl_sentence_tokens=8, ae_file_tokens=200, ae_output_tokens=16, ae_streams=4,
+    ae_stream_output_tokens=8, spec_rounds=1, em_sentences=8, em_batch=4, em_sentence_tokens=8,
     rr_documents=6, rr_document_tokens=24, rr_query_tokens=8, rr_rounds=2,
 )
 
