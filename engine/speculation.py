@@ -205,6 +205,12 @@ class Drafts:
         """The chance its next draft token is kept, given those before it were."""
         return self._kept / (self._kept + self._cut)
 
+    @property
+    def has_prediction(self) -> bool:
+        """Whether the request brought a prediction: a draft source known to be worth a
+        look from its first step."""
+        return self._prediction is not None
+
     def wants_draft(self) -> bool:
         """Whether to draft at this step (called once a step): not while pausing."""
         if self._skip:

@@ -13,6 +13,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from engine.generator import Generator, PrefillResult, SequenceState, segment_spans
 from engine.kv import KVSegment
+from engine.speculation import Drafts, PredictionLookup
 from tests.faults import FaultInjectingModel
 
 
@@ -340,8 +341,6 @@ def test_a_prompt_whose_forward_fails_fails_alone_in_a_group(model) -> None:
 def drafting(model, uid: int, prompt: list[int], mode: str, looked: list[int]):
     """A sequence whose drafts come from a source that always guesses wrong, and which
     counts how often it was asked."""
-    from engine.speculation import Drafts
-
     def wrong(context: list[int], limit: int) -> list[int]:
         looked.append(uid)
         return [(context[-1] + 1 + i) % 1000 for i in range(limit)]
@@ -372,6 +371,84 @@ def test_a_gpu_batch_stops_looking_for_drafts_that_do_not_pay_but_on_rows_still_
             assert looked.count(0) >= 39
         else:  # 4 rows looking at every step would look 160 times
             assert len(set(looked)) == 4 and len(looked) <= 20
+
+
+def test_a_gpu_batch_whose_rows_find_no_drafts_stops_looking_also_as_rows_join(
+        model) -> None:
+    """Short answers that never repeat: each row joining looks at its first steps and
+    probes after its pauses, so with rows joining one after another some row would look
+    at most steps, each look reading the fed tokens. A look that finds nothing holds the
+    whole batch off, and the rows answer as without speculation."""
+    prompts = [list(range(10 + n, 40 + n)) for n in range(6)]
+    step = [0]
+    looked_at: set[int] = set()
+
+    def nothing(context: list[int], limit: int) -> list[int]:
+        looked_at.add(step[0])
+        return []
+
+    def run(drafting: bool) -> dict[int, list[int]]:
+        generator = Generator(model)
+        generator.pipelined = True
+        tokens: dict[int, list[int]] = {uid: [] for uid in range(len(prompts))}
+        for uid, prompt in enumerate(prompts):
+            state = sequence(model, uid, prompt)
+            if drafting:
+                state.drafts = Drafts("auto", 8, ("tree",), nothing, end=1 << 20,
+                                      vocab_size=1000)
+            generator.add(state)
+            for _ in range(6):
+                while generator.prefilling:
+                    generator.prefill(64)
+                for output in generator.decode():
+                    tokens[output.uid].append(output.token)
+                step[0] += 1
+        while min(map(len, tokens.values())) < 32:
+            for output in generator.decode():
+                tokens[output.uid].append(output.token)
+            step[0] += 1
+        return {uid: t[:32] for uid, t in tokens.items()}
+
+    plain = run(drafting=False)
+    step[0] = 0
+    assert run(drafting=True) == plain
+    # Each row on its own looks at its first two steps and after pauses of 4, 8 and 16
+    # steps: 5 looks in its first 32 steps, 30 steps of 66 apart for 6 rows joined 6
+    # steps apart. Held off 4, 8, 16 and 32 steps, the batch looks at 5.
+    assert step[0] >= 60 and len(looked_at) <= 6
+
+
+def test_a_row_with_a_prediction_is_looked_at_as_it_joins_a_held_off_batch(model) -> None:
+    """The batch holds off looking after a look found nothing; a row that brings a
+    prediction (the client's expected answer) ends the hold-off as it joins."""
+    prompts = [list(range(10, 40)), list(range(60, 90))]
+    alone = greedy_alone(model, prompts, 12)
+    looks: list[int] = []
+
+    class Watched(PredictionLookup):
+        def draft(self, context: list[int], limit: int) -> list[int]:
+            looks.append(len(context))
+            return super().draft(context, limit)
+
+    generator = Generator(model)
+    generator.pipelined = True
+    guessless = sequence(model, 0, prompts[0])
+    guessless.drafts = Drafts("auto", 8, ("tree",), lambda context, limit: [],
+                              end=1 << 20, vocab_size=1 << 20)
+    run_until_decoding(generator, guessless)
+    generator.decode()  # looks, finds nothing: held off
+    predicted = sequence(model, 1, prompts[1])
+    predicted.drafts = Drafts("auto", 8, ("tree",), lambda context, limit: [],
+                              end=1 << 20, vocab_size=1 << 20,
+                              prediction=Watched(alone[1], len(prompts[1])))
+    generator.add(predicted)
+    tokens = [o.token for r in prefill_all(generator, 64) for o in r.outputs if o.uid == 1]
+    while not looks:
+        tokens += [o.token for o in generator.decode() if o.uid == 1]
+    assert len(tokens) <= 2  # its first steps
+    while len(tokens) < 12:
+        tokens += [o.token for o in generator.decode() if o.uid == 1]
+    assert tokens[:12] == alone[1]
 
 
 def test_segments_holding_fewer_tokens_than_asked_are_refused() -> None:
