@@ -232,6 +232,7 @@ class Generator:
         self.rows: list[SequenceState] = []  # the decode batch, in the order of its cache rows
         self.cache: list[Any] | None = None  # the batch's; a lone row's own cache when B=1
         self.inputs: mx.array | None = None  # (B,) tokens to feed next: sampled, lazy
+        self._inputs_read: list[int] | None = None  # them on the host, where known (a verify's)
         # On a GPU the next step is queued before the last one's tokens are read, so the
         # host builds graphs while the device computes. On the CPU, MLX's async_eval keeps
         # at most 10 tasks of 10 operations in flight, so for any real model it returns
@@ -699,6 +700,7 @@ class Generator:
             sequence.logprobs = row_logprobs
             sequence.cache = []  # the batch owns it now
             sequence.prefix = None  # nor hold the arrays it was copied from
+        self._inputs_read = None  # the joining rows' first tokens are being computed
         if not self.rows:
             self.cache = cache
             self.inputs = first
@@ -721,9 +723,8 @@ class Generator:
             self._undrafted_steps -= 1
             eager = [False]
         if any(eager):
-            fed = self.inputs.tolist()  # a draft follows the token fed: read it now
-            drafts = [row.drafts.draft(row.tokens + [token]) if wants else []
-                      for row, token, wants in zip(self.rows, fed, eager)]
+            fed, drafts, waited = self._look(eager)
+            width = 0
             if any(drafts):
                 width = max(map(len, drafts))
                 # On a GPU every verify feeds the longest draft allowed: on an H200, at
@@ -738,16 +739,15 @@ class Generator:
                     width = best_width(drafts, [row.drafts.rate if row.drafts else 0.0
                                                 for row in self.rows], self.step_cost,
                                        fed_width)
-                    self._hold_off(verifies=width > 0)
                     if not width:
                         for row, draft in zip(self.rows, drafts):
                             if draft:
                                 row.drafts.declined()
-                if width:
-                    return self._verify(fed, [draft[:width] for draft in drafts],
-                                        fed_width or width)
-            elif not insisting:  # auto found no draft at all
-                self._hold_off(verifies=False)
+            if not insisting:
+                self._hold_off(verifies=width > 0, waited=waited)
+            if width:
+                return self._verify(fed, [draft[:width] for draft in drafts],
+                                    fed_width or width)
         fed = self.inputs
         logits = self._run(fed[:, None], self.cache, self._shifts())[:, -1, :]
         tokens = mask = None  # the tokens sampled by the previous step
@@ -767,24 +767,47 @@ class Generator:
             row.reported = False
             row.tokens.append(token)
             row.logprobs = next_logprobs
-        self.inputs = sampled
+        self.inputs, self._inputs_read = sampled, None
         return outputs
 
-    def _hold_off(self, verifies: bool) -> None:
-        """On a GPU, after `auto` found no draft, or none worth a verify, decode a few steps
-        without looking (doubling while it keeps finding none): looking reads the fed
-        tokens first, so the step loses its overlap with the last one (on an H200, 16
-        streams whose drafts never paid decoded at 0.67x of speculation off; short answers
-        that never repeat, each row looking at its own few first steps and probes, 0.84x)."""
-        if not self.pipelined or verifies:
+    def _look(self, eager: list[bool]) -> tuple[list[int] | None, list[list[int]], bool]:
+        """Each eager row's draft: the tokens fed this step (None where not read), the
+        drafts, and whether reading the fed tokens waited for the device.
+        A draft follows the token fed. On a GPU that token is still being computed where
+        the last step decoded: reading it would cost this step its overlap with that one,
+        so the rows guess it too and draft past the guess (a wrong guess wastes its
+        verify's positions, never a token: each is kept only where the model agrees after
+        the true one). Rows with a grammar or penalties read it: their masks need it."""
+        known = self._inputs_read
+        if (self.pipelined and known is None
+                and not any(row.grammar is not None or row.penalties is not None
+                            for row in self.rows)):
+            drafts = [row.drafts.draft_past_unread(row.tokens) if wants else []
+                      for row, wants in zip(self.rows, eager)]
+            return None, drafts, False
+        fed = known if known is not None else self.inputs.tolist()
+        drafts = [row.drafts.draft(row.tokens + [token]) if wants else []
+                  for row, token, wants in zip(self.rows, fed, eager)]
+        return fed, drafts, self.pipelined and known is None
+
+    def _hold_off(self, verifies: bool, waited: bool) -> None:
+        """After `auto` found no draft, or none worth a verify, in a look that waited for
+        the device (`_look`), decode a few steps without looking (doubling while it keeps
+        finding none): that look cost the step its overlap with the last one (on an H200,
+        16 streams whose drafts never paid decoded at 0.67x of speculation off; short
+        answers that never repeat, each row looking at its own few first steps and
+        probes, 0.84x)."""
+        if verifies or not waited:
             self._hold_off_length = 0
             return
         self._hold_off_length = min(MAX_PAUSE, 2 * self._hold_off_length or FIRST_PAUSE)
         self._undrafted_steps = self._hold_off_length
 
-    def _verify(self, fed: list[int], drafts: list[list[int]], width: int) -> list[Output]:
-        """A speculative step: feed each row its token and `width` more, its draft padded
-        with the token (padding is never kept), in one forward; keep each draft's longest
+    def _verify(self, fed: list[int] | None, drafts: list[list[int]], width: int
+                ) -> list[Output]:
+        """A speculative step: feed each row its token (`fed`, None where not read yet)
+        and `width` more, its draft padded with the token (padding is never kept), in one
+        forward; keep each draft's longest
         prefix the row's own sampling agrees with, and the token that sampling gives after
         it, which the row is fed next. A row keeps a
         draft token where it is the token its sampling gives at that position: the
@@ -796,12 +819,16 @@ class Generator:
         did not keep (`drop_last`). Synchronous: what is kept decides the next step."""
         rows = self.rows
         first_mask, position_masks = self._draft_masks(fed, drafts)
-        inputs = mx.array([[token, *draft] + [token] * (width - len(draft))
-                           for token, draft in zip(fed, drafts)], mx.uint32)
+        column = self.inputs[:, None]
+        padded = np.array([draft + [-1] * (width - len(draft)) for draft in drafts])
+        inputs = mx.concatenate([column, mx.where(mx.array(padded < 0), column,
+                                                  mx.array(padded.clip(0), mx.uint32))], axis=1)
         logits = self._run(inputs, self.cache, self._shifts())
         first, first_scores = self._sample(rows, logits[:, 0, :], first_mask, fed)
         targets = _targets(rows, drafts, logits, position_masks)
         mx.eval(first, *targets.values())  # one wait for the device, not one per row
+        if fed is None:
+            fed = self.inputs.tolist()  # computed by now
         following = first.tolist()  # what rows without a draft are fed next
         kept: list[int] = []
         for i, (row, draft) in enumerate(zip(rows, drafts)):
@@ -838,7 +865,7 @@ class Generator:
                 self.counters.accepted_draft_tokens += accepted
                 self.counters.verified_tokens += 1 + accepted
         self._roll_back([width - accepted for accepted in kept])
-        self.inputs = next_inputs
+        self.inputs, self._inputs_read = next_inputs, following
         return outputs
 
     def _draft_masks(self, fed: list[int], drafts: list[list[int]]
@@ -958,6 +985,8 @@ class Generator:
 
     def _keep(self, keep: list[int]) -> None:
         rows = [self.rows[i] for i in keep]
+        if self._inputs_read is not None:
+            self._inputs_read = [self._inputs_read[i] for i in keep]
         if not rows:
             self.cache, self.inputs = None, None
         elif len(rows) == 1:

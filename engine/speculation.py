@@ -221,18 +221,29 @@ class Drafts:
     def draft(self, context: list[int]) -> list[int]:
         """Guessed tokens to follow `context` (the sequence's tokens and the one it is fed
         next), none past `end`; [] when no source has a guess."""
-        limit = min(self._length, self.end - len(context))
-        if limit <= 0:
+        return self._guess(context, 0)
+
+    def draft_past_unread(self, context: list[int]) -> list[int]:
+        """`draft` where the token fed next is not read yet (on a GPU it is still being
+        computed): `context` is the sequence's tokens without it, the sources guess it
+        too, and the draft is what they guess after it."""
+        return self._guess(context, 1)
+
+    def _guess(self, context: list[int], unread: int) -> list[int]:
+        limit = min(self._length + unread, self.end - len(context))
+        if limit <= unread:
             return []
         found: list[int] = []
         for guess in self._guessers:
             if found := guess(context, limit):
                 break
-        self._predicting = bool(found) and guess is self._prediction
         found = list(itertools.takewhile(lambda token: token < self.vocab_size, found))
+        found = found[unread:]
+        self._predicting = bool(found) and guess is self._prediction
         if not found:
-            # No guess is a guess that failed: on a GPU looking costs the step its overlap
-            # with the next one's graph building (the token fed must be read first).
+            # No guess is a guess that failed, so a sequence that never repeats pauses its
+            # looks: each costs the engine's thread its sources' lookups, and on a GPU a
+            # look that reads the token fed costs the step its overlap with the last.
             self._judge(0)
         return found
 

@@ -11,9 +11,11 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from engine.api import SamplingParams
 from engine.generator import Generator, PrefillResult, SequenceState, segment_spans
 from engine.kv import KVSegment
-from engine.speculation import Drafts, PredictionLookup
+from engine.sampling import Penalties
+from engine.speculation import STEP_COST, Drafts, PredictionLookup
 from tests.faults import FaultInjectingModel
 
 
@@ -373,12 +375,14 @@ def test_a_gpu_batch_stops_looking_for_drafts_that_do_not_pay_but_on_rows_still_
             assert len(set(looked)) == 4 and len(looked) <= 20
 
 
-def test_a_gpu_batch_whose_rows_find_no_drafts_stops_looking_also_as_rows_join(
-        model) -> None:
-    """Short answers that never repeat: each row joining looks at its first steps and
-    probes after its pauses, so with rows joining one after another some row would look
-    at most steps, each look reading the fed tokens. A look that finds nothing holds the
-    whole batch off, and the rows answer as without speculation."""
+@pytest.mark.parametrize("penalized", [False, True])
+def test_a_gpu_batch_whose_rows_find_no_drafts_holds_off_looks_that_wait(
+        model, penalized: bool) -> None:
+    """Short answers that never repeat, rows joining one after another: each row looks at
+    its first steps and probes after its pauses, so some row looks at most steps. A look
+    on a GPU guesses past the token being computed and waits for nothing; where rows'
+    penalties need that token read, each look waits for the device, and one that finds
+    nothing holds the whole batch off. The rows answer as without speculation."""
     prompts = [list(range(10 + n, 40 + n)) for n in range(6)]
     step = [0]
     looked_at: set[int] = set()
@@ -393,6 +397,9 @@ def test_a_gpu_batch_whose_rows_find_no_drafts_stops_looking_also_as_rows_join(
         tokens: dict[int, list[int]] = {uid: [] for uid in range(len(prompts))}
         for uid, prompt in enumerate(prompts):
             state = sequence(model, uid, prompt)
+            if penalized:
+                state.penalties = Penalties(SamplingParams(max_tokens=64, presence_penalty=0.5),
+                                            len(prompt))
             if drafting:
                 state.drafts = Drafts("auto", 8, ("tree",), nothing, end=1 << 20,
                                       vocab_size=1000)
@@ -412,10 +419,49 @@ def test_a_gpu_batch_whose_rows_find_no_drafts_stops_looking_also_as_rows_join(
     plain = run(drafting=False)
     step[0] = 0
     assert run(drafting=True) == plain
+    assert step[0] >= 60
     # Each row on its own looks at its first two steps and after pauses of 4, 8 and 16
-    # steps: 5 looks in its first 32 steps, 30 steps of 66 apart for 6 rows joined 6
-    # steps apart. Held off 4, 8, 16 and 32 steps, the batch looks at 5.
-    assert step[0] >= 60 and len(looked_at) <= 6
+    # steps: 5 looks in its first 32 steps, 25 steps of 63 for 6 rows joined 6 steps
+    # apart. Held off 4, 8, 16 and 32 steps, the batch looks at 5.
+    assert len(looked_at) <= 6 if penalized else len(looked_at) >= 20
+
+
+def test_a_gpu_look_drafts_past_the_token_being_computed(model) -> None:
+    """Pipelined, the last step's tokens are still being computed when the next is built:
+    a look drafts from the tokens read, its first guessed token standing for the one fed.
+    A source that always guesses that token wrong and the rest right has the rest kept
+    (each is checked after the true token), and the rows answer as without drafts."""
+    prompts = [list(range(10 + n, 40 + n)) for n in range(3)]
+    alone = greedy_alone(model, prompts, 24)
+    contexts = {tuple(p): p + alone[uid] for uid, p in enumerate(prompts)}
+
+    def wrong_then_right(context: list[int], limit: int) -> list[int]:
+        full = contexts[tuple(context[:30])]
+        ahead = full[len(context):len(context) + limit]
+        return [ahead[0] ^ 1, *ahead[1:]] if ahead else []
+
+    generator = Generator(model)
+    generator.pipelined, generator.step_cost = True, STEP_COST["gpu"]
+    states = []
+    for uid, prompt in enumerate(prompts):
+        states.append(sequence(model, uid, prompt))
+        states[-1].drafts = Drafts("auto", 8, ("tree",), wrong_then_right, end=1 << 20,
+                                   vocab_size=1 << 20)
+    tokens = {uid: [] for uid in range(len(prompts))}
+    for output in (o for r in prefill_all_states(generator, states) for o in r.outputs):
+        tokens[output.uid].append(output.token)
+    while min(map(len, tokens.values())) < 24:
+        for output in generator.decode():
+            tokens[output.uid].append(output.token)
+    assert {uid: t[:24] for uid, t in tokens.items()} == alone
+    assert generator.counters.accepted_draft_tokens > 0
+
+
+def prefill_all_states(generator: Generator, states: list[SequenceState]
+                       ) -> list[PrefillResult]:
+    for state in states:
+        generator.add(state)
+    return prefill_all(generator, 64)
 
 
 def test_a_row_with_a_prediction_is_looked_at_as_it_joins_a_held_off_batch(model) -> None:
