@@ -718,7 +718,8 @@ class Generator:
         insisting = any(row.drafts is not None and row.drafts.mode == "on" for row in self.rows)
         # Every step counts down each row's pause, looked or not: a row's pauses and the
         # batch's hold-offs run side by side, not one inside the other.
-        eager = [row.drafts is not None and row.drafts.wants_draft() for row in self.rows]
+        eager = [row.drafts is not None and row.drafts.wants_draft(self._steps)
+                 for row in self.rows]
         if self._undrafted_steps and not insisting:
             self._undrafted_steps -= 1
             eager = [False]

@@ -886,7 +886,8 @@ class Scheduler:
                                        self.speculation.sources, self.tree.continuation,
                                        end=len(generation.prompt) + params.max_tokens,
                                        vocab_size=self.loaded.vocab_size, model=session,
-                                       prediction=prediction)
+                                       prediction=prediction,
+                                       padded=self.generator.pipelined)
         return generation.drafts
 
     def _snapshot_positions(self, generation: Generation) -> list[int]:

@@ -171,16 +171,21 @@ class Drafts:
     def __init__(self, mode: SpeculationMode, max_draft: int, sources: tuple[DraftSource, ...],
                  continuation: Continuation, end: int, vocab_size: int,
                  model: Continuation | None = None,
-                 prediction: PredictionLookup | None = None) -> None:
+                 prediction: PredictionLookup | None = None,
+                 padded: bool = False) -> None:
         """`continuation`: the radix tree's; `model`: this sequence's draft model session
         (engine/draft_model.py), where the server has one; `prediction`: the request's
-        own, tried before the sources."""
+        own, tried before the sources; `padded`: every verify feeds `max_draft` tokens
+        (on a GPU), so a shorter draft would cost as much: drafts are as long as allowed
+        from the first, where elsewhere their length adapts."""
         self.mode = mode
         # Ids at or past it are radix keys of image positions (engine/image_tokens.py),
         # not tokens the model can be fed: a draft stops before one.
         self.vocab_size = vocab_size
         self.max_draft = max_draft
-        self._length = min(FIRST_LENGTH, max_draft)  # the longest draft it makes now
+        self._adapts = not padded
+        # The longest draft it makes now.
+        self._length = min(FIRST_LENGTH, max_draft) if self._adapts else max_draft
         lookup = PromptLookup()
         guessers = {"prompt": lookup.draft, "tree": continuation, "model": model}
         self._guessers = [guessers[source] for source in sources if guessers[source]]
@@ -197,8 +202,9 @@ class Drafts:
         self._predicting = False
         self._kept, self._cut = FIRST_KEPT, FIRST_CUT  # decayed counts, see RATE_MEMORY
         self._mean = 1.0  # accepted per chance, optimistic until measured
-        self._pause = 0
-        self._skip = 0  # draft chances left to skip
+        self._pause = 0  # the length of its latest pause, in decode steps
+        self._paused = False  # judged to pause, from the next step asked
+        self._resume = 0  # the step it drafts again from
 
     @property
     def rate(self) -> float:
@@ -211,12 +217,15 @@ class Drafts:
         look from its first step."""
         return self._prediction is not None
 
-    def wants_draft(self) -> bool:
-        """Whether to draft at this step (called once a step): not while pausing."""
-        if self._skip:
-            self._skip -= 1
-            return False
-        return True
+    def wants_draft(self, step: int) -> bool:
+        """Whether to draft at the batch's decode step `step`: not while pausing. A pause
+        lasts until the next step that is a multiple of its length, so rows paused alike
+        probe together: a verify pays only for enough rows' drafts (`best_width`), and
+        rows probing one at a time had every probe declined and paused longer."""
+        if self._paused:
+            self._paused = False
+            self._resume = (step // self._pause + 1) * self._pause
+        return step >= self._resume
 
     def draft(self, context: list[int]) -> list[int]:
         """Guessed tokens to follow `context` (the sequence's tokens and the one it is fed
@@ -256,8 +265,9 @@ class Drafts:
             self.accepted_predicted += accepted
         self._kept = RATE_MEMORY * self._kept + accepted
         self._cut = RATE_MEMORY * self._cut + (accepted < drafted)
-        self._length = (min(self.max_draft, self._length + 2) if accepted == drafted
-                        else max(1, self._length - 1))
+        if self._adapts:
+            self._length = (min(self.max_draft, self._length + 2) if accepted == drafted
+                            else max(1, self._length - 1))
         self._judge(accepted)
 
     def declined(self) -> None:
@@ -274,10 +284,10 @@ class Drafts:
             return
         self._mean += EMA_WEIGHT * (accepted - self._mean)
         if self._mean >= MIN_ACCEPTED:
-            self._pause = 0
+            self._pause, self._paused = 0, False
             return
         self._pause = min(MAX_PAUSE, 2 * self._pause or FIRST_PAUSE)
-        self._skip = self._pause
+        self._paused = True
         self._mean = MIN_ACCEPTED
         self._kept, self._cut = FIRST_KEPT, FIRST_CUT
 

@@ -63,20 +63,26 @@ def test_drafts_count_what_the_prediction_drafted_and_what_was_kept():
 
 
 def test_auto_pauses_drafting_while_drafts_are_rejected_and_probes_again():
+    """A pause lasts until the batch's next step that is a multiple of its length (4,
+    doubling while probes fail), so rows paused alike probe at one step."""
     drafts = Drafts("auto", 8, ("prompt",), lambda context, limit: [], end=1 << 20, vocab_size=1000)
-    for _ in range(2):
-        assert drafts.wants_draft()
+    for step in (0, 1):
+        assert drafts.wants_draft(step)
         drafts.record(4, 0)
-    assert [drafts.wants_draft() for _ in range(5)] == [False] * 4 + [True]
-    drafts.record(4, 0)  # still rejected: a longer pause
-    assert [drafts.wants_draft() for _ in range(9)] == [False] * 8 + [True]
+    assert [drafts.wants_draft(step) for step in range(2, 6)] == [False] * 2 + [True] * 2
+    drafts.record(4, 0)  # the probe at step 4 still rejected: a longer pause
+    assert [drafts.wants_draft(step) for step in range(5, 9)] == [False] * 3 + [True]
+    late = Drafts("auto", 8, ("prompt",), lambda context, limit: [], end=1 << 20, vocab_size=1000)
+    late.record(4, 0)
+    late.record(4, 0)
+    assert not late.wants_draft(6) and late.wants_draft(8)  # with `drafts`, paused at 4
     nothing = Drafts("auto", 8, ("tree",), lambda context, limit: [], end=1 << 20, vocab_size=1000)
     assert nothing.draft([1, 2, 3]) == nothing.draft([1, 2, 3, 4]) == []
-    assert not nothing.wants_draft()  # finding no draft counts as a draft rejected
+    assert not nothing.wants_draft(2)  # finding no draft counts as a draft rejected
     on = Drafts("on", 8, ("prompt",), lambda context, limit: [], end=1 << 20, vocab_size=1000)
     on.record(4, 0)
     on.record(4, 0)
-    assert on.wants_draft()
+    assert on.wants_draft(2)
 
 
 def test_rejection_sampling_keeps_the_target_distribution():
@@ -138,9 +144,9 @@ def test_auto_probes_again_after_its_rate_vetoed_every_verify():
     drafts = Drafts("auto", 8, ("prompt",), lambda context, limit: [], end=1 << 20, vocab_size=1000)
     drafts.record(8, 0)
     assert best_width([[1] * 8], [drafts.rate], gpu, fed_width=8) == 0
-    assert drafts.wants_draft()
+    assert drafts.wants_draft(0)
     drafts.declined()
-    assert [drafts.wants_draft() for _ in range(5)] == [False] * 4 + [True]  # a pause
+    assert [drafts.wants_draft(step) for step in range(1, 5)] == [False] * 3 + [True]
     assert best_width([[1] * 8], [drafts.rate], gpu, fed_width=8) == 8  # the probe
 
 

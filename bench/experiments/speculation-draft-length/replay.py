@@ -43,7 +43,7 @@ def replay(prompt: list[int], out: list[int], max_draft: int) -> dict:
     k, verifies, decodes, spent = 1, 0, 0, 0.0
     while k < len(out):
         context = prompt + out[:k]
-        draft = drafts.draft(context) if drafts.wants_draft() else []
+        draft = drafts.draft(context) if drafts.wants_draft(k) else []
         if not draft:
             decodes += 1
             spent += cost.decode(1)
