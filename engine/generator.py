@@ -716,8 +716,8 @@ class Generator:
 
     def _decode(self) -> list[Output]:
         insisting = any(row.drafts is not None and row.drafts.mode == "on" for row in self.rows)
-        # Every step counts down each row's pause, looked or not: a row's pauses and the
-        # batch's hold-offs run side by side, not one inside the other.
+        # Every row is asked at every step, held off or not: a row's pause ends at a step
+        # of the batch's count (`Drafts.wants_draft`), beside the batch's hold-offs.
         eager = [row.drafts is not None and row.drafts.wants_draft(self._steps)
                  for row in self.rows]
         if self._undrafted_steps and not insisting:
@@ -808,9 +808,8 @@ class Generator:
                 ) -> list[Output]:
         """A speculative step: feed each row its token (`fed`, None where not read yet)
         and `width` more, its draft padded with the token (padding is never kept), in one
-        forward; keep each draft's longest
-        prefix the row's own sampling agrees with, and the token that sampling gives after
-        it, which the row is fed next. A row keeps a
+        forward; keep each draft's longest prefix the row's own sampling agrees with, and
+        the token that sampling gives after it, which the row is fed next. A row keeps a
         draft token where it is the token its sampling gives at that position: the
         argmax, or for a sampled row the token its `Sampler.draws` for that output index
         (rejection sampling with the randomness plain decoding uses), so its tokens are
@@ -869,11 +868,12 @@ class Generator:
         self.inputs, self._inputs_read = next_inputs, following
         return outputs
 
-    def _draft_masks(self, fed: list[int], drafts: list[list[int]]
+    def _draft_masks(self, fed: list[int] | None, drafts: list[list[int]]
                      ) -> tuple[np.ndarray | None, list[np.ndarray | None]]:
         """Let each constrained row take in its token, and cut its draft (in place) at the
         first token its grammar forbids. Returns the rows' masks of the verify's first
-        position, and each constrained drafting row's masks of all its positions."""
+        position, and each constrained drafting row's masks of all its positions. `fed`
+        is read wherever a row is constrained (`_look`)."""
         first_mask = None
         position_masks: list[np.ndarray | None] = [None] * len(self.rows)
         if not any(row.grammar is not None for row in self.rows):
