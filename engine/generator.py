@@ -252,6 +252,11 @@ class Generator:
         return bool(self.rows or self.ready)
 
     @property
+    def _constrained(self) -> bool:
+        """Whether a row's grammar or penalties need the tokens it was fed on the host."""
+        return any(row.grammar is not None or row.penalties is not None for row in self.rows)
+
+    @property
     def prompt_tokens_left(self) -> int:
         """Prompt tokens the sequences being prefilled still need fed."""
         return sum(len(s.unfed) for s in self.prefilling)
@@ -752,7 +757,7 @@ class Generator:
         fed = self.inputs
         logits = self._run(fed[:, None], self.cache, self._shifts())[:, -1, :]
         tokens = mask = None  # the tokens sampled by the previous step
-        if any(row.grammar is not None or row.penalties is not None for row in self.rows):
+        if self._constrained:
             tokens, mask = self._constrain(self.rows, fed, logits)
         sampled, logprobs = self._sample(self.rows, logits, mask, tokens)
         if self.pipelined:
@@ -780,9 +785,7 @@ class Generator:
         verify's positions, never a token: each is kept only where the model agrees after
         the true one). Rows with a grammar or penalties read it: their masks need it."""
         known = self._inputs_read
-        if (self.pipelined and known is None
-                and not any(row.grammar is not None or row.penalties is not None
-                            for row in self.rows)):
+        if self.pipelined and known is None and not self._constrained:
             drafts = [row.drafts.draft_past_unread(row.tokens) if wants else []
                       for row, wants in zip(self.rows, eager)]
             return None, drafts, False

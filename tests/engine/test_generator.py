@@ -446,26 +446,19 @@ def test_a_gpu_look_drafts_past_the_token_being_computed(model) -> None:
 
     generator = Generator(model)
     generator.pipelined, generator.step_cost = True, STEP_COST["gpu"]
-    states = []
     for uid, prompt in enumerate(prompts):
-        states.append(sequence(model, uid, prompt))
-        states[-1].drafts = Drafts("auto", 8, ("tree",), wrong_then_right, end=1 << 20,
-                                   vocab_size=1 << 20)
+        state = sequence(model, uid, prompt)
+        state.drafts = Drafts("auto", 8, ("tree",), wrong_then_right, end=1 << 20,
+                              vocab_size=1 << 20)
+        generator.add(state)
     tokens = {uid: [] for uid in range(len(prompts))}
-    for output in (o for r in prefill_all_states(generator, states) for o in r.outputs):
+    for output in (o for r in prefill_all(generator, 64) for o in r.outputs):
         tokens[output.uid].append(output.token)
     while min(map(len, tokens.values())) < 24:
         for output in generator.decode():
             tokens[output.uid].append(output.token)
     assert {uid: t[:24] for uid, t in tokens.items()} == alone
     assert generator.counters.accepted_draft_tokens > 0
-
-
-def prefill_all_states(generator: Generator, states: list[SequenceState]
-                       ) -> list[PrefillResult]:
-    for state in states:
-        generator.add(state)
-    return prefill_all(generator, 64)
 
 
 def test_a_row_with_a_prediction_is_looked_at_as_it_joins_a_held_off_batch(model) -> None:
