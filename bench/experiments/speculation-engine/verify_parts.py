@@ -6,8 +6,12 @@ methods with timers, in this process only. Greedy, EOS ignored.
     python bench/experiments/speculation-engine/verify_parts.py MODEL_DIR [--streams 16]
         [--prompt-tokens 512] [--stream-tokens 128] [--agent-edit]
 
-With --agent-edit the streams are bench/speculation.py's agent edit batch (a real model
-copies the file, so prompt lookup drafts), else random prompts repeated (the tree drafts).
+With --agent-edit the streams are bench/speculation.py's agent edit batch, else random
+prompts. Either way the passes (off, off, on, on) send the same prompts, so the measured
+`on` pass is drafted whole answers by the tree, which holds the earlier passes': its rate
+is that of repeated requests, not of the benchmark's new edits (2.4x off in process on an
+H200 where the benchmark's new edits ran 1.0-1.17x, bench/results/nvidia-h200/
+speculation-smollm2/probes-2026-12-02).
 
 Prints one JSON object: per mode, output tok/s, steps, verify steps, and each part's
 milliseconds per step (a part's time includes the parts it calls; `.tolist()` waits for
