@@ -252,6 +252,16 @@ class Generator:
         return bool(self.rows or self.ready)
 
     @property
+    def pads_verifies(self) -> bool:
+        """Whether every verify feeds the longest draft allowed (on a GPU): on an H200, at
+        640 tokens of context, a forward over 16 rows x 9 positions took what one over
+        16 x 2 did, but each shape MLX's CUDA backend meets the first time costs 10-70 ms
+        more, and verifies as wide as their drafts met a new one at most steps
+        (bench/experiments/speculation-engine). Drafts are then as long as allowed too
+        (`Drafts`' `padded`)."""
+        return self.pipelined
+
+    @property
     def _constrained(self) -> bool:
         """Whether a row's grammar or penalties need the tokens it was fed on the host."""
         return any(row.grammar is not None or row.penalties is not None for row in self.rows)
@@ -733,13 +743,8 @@ class Generator:
             width = 0
             if any(drafts):
                 width = max(map(len, drafts))
-                # On a GPU every verify feeds the longest draft allowed: on an H200, at
-                # 640 tokens of context, a forward over 16 rows x 9 positions took what
-                # one over 16 x 2 did, but each shape MLX's CUDA backend meets the first
-                # time costs 10-70 ms more, and verifies as wide as their drafts met a
-                # new one at most steps (bench/experiments/speculation-engine).
                 fed_width = None
-                if self.pipelined:
+                if self.pads_verifies:
                     fed_width = max(row.drafts.max_draft for row in self.rows if row.drafts)
                 if not insisting:  # auto: only what pays for itself
                     width = best_width(drafts, [row.drafts.rate if row.drafts else 0.0

@@ -887,7 +887,7 @@ class Scheduler:
                                        end=len(generation.prompt) + params.max_tokens,
                                        vocab_size=self.loaded.vocab_size, model=session,
                                        prediction=prediction,
-                                       padded=self.generator.pipelined)
+                                       padded=self.generator.pads_verifies)
         return generation.drafts
 
     def _snapshot_positions(self, generation: Generation) -> list[int]:
