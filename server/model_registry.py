@@ -326,8 +326,7 @@ class ModelRegistry:
         served by a load that finished after the server began to stop."""
         self.stopping = True
         for model in self.models:
-            if model.loading is not None:
-                model.loading.cancel()
+            _cancel_load(model)
 
     async def _load(self, model: ServedModel) -> None:
         try:
@@ -362,7 +361,8 @@ class ModelRegistry:
             model.last_used = time.monotonic()
             log.info("model %s loaded in %.1f s", model.id, time.monotonic() - started)
         finally:
-            model.loading = None
+            if model.loading is asyncio.current_task():  # not a later load's
+                model.loading = None
 
     async def _make_room(self, model: ServedModel) -> None:
         """Unload least recently used models until `model`'s share fits: an idle one at
@@ -424,8 +424,7 @@ class ModelRegistry:
         if model.inflight:
             raise APIError(409, f"the model {model.id} has {model.inflight} requests in "
                            "flight", code="model_busy")
-        if model.loading is not None:  # a load that still waits for room has no engine
-            model.loading.cancel()
+        _cancel_load(model)  # a load that still waits for room has no engine
         engine, model.engine = model.engine, None
         if engine is None:
             return
@@ -512,8 +511,7 @@ class ModelRegistry:
         if self._watcher is not None:
             self._watcher.cancel()
         for model in self.models:
-            if model.loading is not None:
-                model.loading.cancel()
+            _cancel_load(model)
 
     def shutdown(self) -> None:
         """Stop every engine (each flushes its disk tier), all at once."""
@@ -550,3 +548,13 @@ def model_shares(specs: list[ModelSpec], budget_bytes: int) -> list[int]:
 def _logged(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("%s", task.exception())
+
+
+def _cancel_load(model: ServedModel) -> None:
+    """Cancel `model`'s load under way, if any: those waiting for it get a 503, and the
+    model has no load under way from now on. A load cancelled before it began running
+    never runs its own cleanup, and left behind would answer every later request for
+    the model with that 503."""
+    if model.loading is not None:
+        model.loading.cancel()
+        model.loading = None

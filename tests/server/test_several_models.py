@@ -509,6 +509,22 @@ def test_operators_load_and_unload_and_a_stream_waits_for_its_load(
     assert json.loads(events[0][len("data: "):])["model"] == "tiny"
 
 
+def test_a_burst_of_loads_and_unloads_leaves_the_model_loadable(pair: ServerProcess) -> None:
+    """Operators' loads and unloads of one model all at once: each answers (a load an
+    unload cancelled is a 503), and then the model loads and answers. An unload that
+    cancelled a load before it began running had left the model answering every later
+    request with that 503, for good."""
+    unload = f"{pair.url}/admin/models/tiny/unload"
+    assert httpx.post(unload, headers=AUTH, timeout=60).status_code == 200
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        replies = list(pool.map(
+            lambda i: load(pair, "tiny") if i % 2 == 0 else httpx.post(
+                unload, headers=AUTH, timeout=60), range(12)))
+    assert {reply.status_code for reply in replies} <= {200, 503}
+    assert load(pair, "tiny").json() == {"id": "tiny", "state": "loaded"}
+    assert chat(pair, "tiny").status_code == 200
+
+
 def test_a_failed_load_names_its_cause_and_can_be_tried_again(pair: ServerProcess) -> None:
     for _ in range(2):  # each request tries again
         reply = chat(pair, "broken")
