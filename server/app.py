@@ -43,9 +43,11 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
                 task.cancel()
         models.stop_watching()
 
+    # A path with a trailing slash is a 404, not Starlette's redirect to the path without
+    # it, whose Location is built from the request's Host header.
     app = FastAPI(
         title="radix-mlx", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
-        lifespan=lifespan,
+        lifespan=lifespan, redirect_slashes=False,
     )
     app.state.server = state = ServerState(settings, models)
     # The loads requests wait for are their engine work too: the deadline cancels them.

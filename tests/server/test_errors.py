@@ -143,6 +143,10 @@ CASES = [
     ("unknown model", "POST", CHAT, chat(model="gpt-4o"), 404, "model_not_found", "model"),
     ("unknown model card", "GET", "/v1/models/gpt-4o", {}, 404, "model_not_found", "model"),
     ("unknown route", "GET", "/v1/engines", {}, 404, "not_found", None),
+    # Not Starlette's redirect, whose Location would come from the Host header.
+    ("trailing slash", "POST", CHAT + "/", {**chat(), "headers": {
+        "Authorization": f"Bearer {API_KEY}", "Host": "elsewhere.example"}}, 404,
+     "not_found", None),
     ("wrong method", "GET", CHAT, {}, 405, "method_not_allowed", None),
     ("body too large", "POST", CHAT, {"content": b" " * BIG}, 413, "request_too_large", None),
     ("chunked body too large", "POST", CHAT, {"content": _chunks()}, 413, "request_too_large",
