@@ -84,7 +84,8 @@ FAST_TESTS := tests/radix tests/test_layering.py tests/test_config.py \
 	tests/server/test_generic_tools.py tests/server/test_json_body.py \
 	tests/server/test_output_constraint.py tests/server/test_reasoning.py \
 	tests/server/test_response_store.py tests/server/test_sse_lines.py \
-	tests/server/test_stream_rendering.py tests/server/test_tools.py tests/server/test_volatile.py \
+	tests/server/test_stream_rendering.py tests/server/test_tools.py \
+	tests/server/test_validation_errors.py tests/server/test_volatile.py \
 	tests/vision/test_images.py
 
 test-fast: $(STAMP)

@@ -27,6 +27,8 @@ from server.openai.protocol import ErrorInfo, ErrorResponse
 
 ANTHROPIC_PATH = "/v1/messages"
 
+# The keys the request's tagged unions choose their member by.
+TAG_KEYS = {"type", "role"}
 # Where FastAPI says a value was sent, the first part of a validation error's loc.
 REQUEST_PARTS = ("body", "query", "path", "header", "cookie")
 
@@ -143,30 +145,40 @@ def _field_loc(loc: Sequence[str | int], body: Any, kind: str) -> Sequence[str |
         return loc
     if loc[0] != "body":
         return loc[1:]
-    spelled = _spelled(body, list(loc[1:]), kind == "missing")
+    spelled = _spelled(body, list(loc[1:]), kind)
     return loc[1:] if spelled is None else spelled
 
 
-def _spelled(node: Any, parts: list[str | int], missing: bool) -> list[str | int] | None:
+def _spelled(node: Any, parts: list[str | int], kind: str) -> list[str | int] | None:
     """The parts of a validation error's path that walk the JSON `node` (None: no way
-    through). A part that is no key or index of where the walk stands is a union's tag,
-    unless it is the last: a field the body lacks (missing, or checked though not sent)
-    but for a tag naming the object's own type. A value of the wrong type ends the walk
-    where no other reading of the path gets through the body: what is left of it names
-    the union's members the value was tried as ("input.str", an embeddings input sent
-    as a number, is "input")."""
+    through), for an error of pydantic's type `kind`. A part that is no key or index of
+    where the walk stands is a union's tag, unless it is the last: a field the body lacks
+    (missing, or checked though not sent) but for a tag naming the object's own type, or
+    one that a type error or our validators' error (a value_error) names in an object of
+    a tagged union (by "type" or "role"): that is the tag of the member that refused the
+    object ("tools.0.server" is the request's "tools.0"). A value of the wrong type ends
+    the walk where no other reading of the path gets through the body: what is left of
+    it names the union's members the value was tried as ("input.str", an embeddings
+    input sent as a number, is "input"; "documents.0.str", a number among rerank
+    documents, "documents.0")."""
     if not parts:
         return []
     part, rest = parts[0], parts[1:]
     inside = _has(node, part)
     if inside:
-        walked = _spelled(node[part], rest, missing)
+        walked = _spelled(node[part], rest, kind)
         if walked is not None:
             return [part, *walked]
-    if not rest and (missing or isinstance(node, dict) and node.get("type") != part):
+        if (isinstance(part, int) and not isinstance(node[part], dict | list)
+                and all(isinstance(tag, str) for tag in rest)):
+            return [part]
+    if (not rest and not inside and isinstance(node, dict) and TAG_KEYS & node.keys()
+            and (kind == "value_error" or kind.endswith("_type"))):
+        return []
+    if not rest and (kind == "missing" or isinstance(node, dict) and node.get("type") != part):
         return [part]
     if isinstance(part, str) and isinstance(node, dict | list):
-        skipped = _spelled(node, rest, missing)
+        skipped = _spelled(node, rest, kind)
         if (inside and not isinstance(node[part], dict | list)
                 and all(isinstance(tag, str) for tag in rest)
                 and (skipped is None or not _in_body(node, skipped))):
