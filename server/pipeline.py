@@ -45,9 +45,15 @@ from server.model_registry import Lease, ServedModel
 from server.next_turn import NextTurn
 from server.prompts import chat_prompt, check_token_ids, raw_prompts
 from server.reasoning import ReasoningSplitter
-from server.request import GenerationRequest, NamedFunction
+from server.request import GenerationRequest
 from server.state import ServerState
-from server.structured import constrained, free_text, output_constraint, writes_calls
+from server.structured import (
+    constrained,
+    forced_function,
+    free_text,
+    output_constraint,
+    writes_calls,
+)
 from server.tools import ToolCallParser
 from server.volatile import drop_volatile_lines
 
@@ -349,11 +355,9 @@ def _decoder(
     if markers is not None:
         reasoning = ReasoningSplitter(markers.start, markers.end, inside)
     if request.offered_tools:
-        forced = request.tool_choice
         tools = ToolCallParser(
             choice, tool_format, [tool.template_form() for tool in request.offered_tools],
-            parallel=request.parallel_tool_calls is not False,
-            forced=forced.name if isinstance(forced, NamedFunction) else None,
+            parallel=request.parallel_tool_calls is not False, forced=forced_function(request),
         )
     return ChoiceDecoder(choice, reasoning, tools, request.logprobs is not None, echo)
 

@@ -44,6 +44,17 @@ def forces_call(request: GenerationRequest) -> bool:
     )
 
 
+def forced_function(request: GenerationRequest) -> str | None:
+    """The function a call must be of, known before the model writes its name: the one
+    tool_choice names, or the only tool offered where a call is forced."""
+    choice = request.tool_choice
+    if isinstance(choice, NamedFunction):
+        return choice.name
+    if forces_call(request) and len(request.offered_tools) == 1:
+        return request.offered_tools[0].name
+    return None
+
+
 def constrained(request: GenerationRequest) -> bool:
     """Does any grammar apply to this request (`output_constraint` is not None)?"""
     return not isinstance(request.output, TextOutput) or writes_calls(request)

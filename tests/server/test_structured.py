@@ -162,10 +162,18 @@ def test_a_forced_call_cut_before_its_name_is_still_that_call(
     client: openai.OpenAI, model_id: str
 ) -> None:
     """max_tokens that ends a forced call within its marker or head: the call comes back
-    with the function's name (never in doubt) and what arguments were written, none, as
-    OpenAI's does; it used to come back as no call at all. Streamed, the same."""
+    with the function's name (never in doubt: the one tool_choice names, or the only
+    tool where a call is required) and what arguments were written, none, as OpenAI's
+    does; it used to come back as no call at all. Streamed, the same."""
+    for tool_choice in ({"type": "function", "function": {"name": "get_weather"}},
+                        "required"):
+        a_forced_call_cut_before_its_name(client, model_id, tool_choice)
+
+
+def a_forced_call_cut_before_its_name(client: openai.OpenAI, model_id: str,
+                                      tool_choice: object) -> None:
     options = {"model": model_id, "messages": MESSAGES, "tools": [WEATHER_TOOL],
-               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+               "tool_choice": tool_choice}
     for max_tokens in range(1, 4):  # the marker and the head begun: no name yet
         choice = client.chat.completions.create(max_tokens=max_tokens, **options).choices[0]
         (call,) = choice.message.tool_calls
@@ -254,10 +262,13 @@ def test_max_completion_tokens_bounds_the_answer(client: openai.OpenAI, model_id
         response_format={"type": "json_object"},
     )
     assert response.usage.completion_tokens <= 3
-    # A call cut short before its name is complete is no call, and no text either.
+    # A call of one of two tools cut short before its name is complete is no call, and
+    # no text either (of the only tool, it is that tool's call: the test above).
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}}}}
     cut = client.chat.completions.create(
-        model=model_id, messages=MESSAGES, max_completion_tokens=3, tools=[WEATHER_TOOL],
-        tool_choice="required", temperature=0,
+        model=model_id, messages=MESSAGES, max_completion_tokens=3,
+        tools=[WEATHER_TOOL, other], tool_choice="required", temperature=0,
     ).choices[0]
     assert cut.finish_reason == "length"
     assert not cut.message.content and not cut.message.tool_calls
