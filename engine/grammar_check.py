@@ -90,7 +90,18 @@ def verdict(grammar: str, tokenizer: LLTokenizer) -> Verdict:
         return Verdict(messages[0] if messages else "invalid grammar")
     matcher = LLMatcher(tokenizer, grammar, log_level=0)
     matcher.compute_logit_bias()
-    return Verdict(None, can_start=not matcher.is_error())
+    if matcher.is_error():
+        return Verdict(None, can_start=False)
+    # What it forces from the start, taken in as if written: a required property whose
+    # value is its own object type forces an output without end, which llguidance's
+    # limits stop here rather than when the model's grammar is made (a 400, not an
+    # error inside a stream that has begun).
+    matcher.consume_tokens(matcher.compute_ff_tokens())
+    if matcher.is_error():
+        return Verdict("the output it forces from the start exceeds the grammar engine's "
+                       "limits (as a required property of its own object type does: that "
+                       f"output never ends): {matcher.get_error().splitlines()[0]}")
+    return Verdict(None)
 
 
 CHECKER = GrammarChecker()

@@ -57,6 +57,17 @@ def test_a_schema_no_output_can_start_is_refused():
         json_schema({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}})
 
 
+def test_a_schema_that_forces_an_output_without_end_is_refused():
+    """A required property whose value is its own object type: every value starts
+    `{"n": {"n": ...` and none ends. The model's grammar failed at its creation, inside a
+    stream already begun; a 100 kB constant, forced too, ends and is enforced."""
+    endless = {"$ref": "#/$defs/a", "$defs": {"a": {
+        "type": "object", "properties": {"n": {"$ref": "#/$defs/a"}}, "required": ["n"]}}}
+    with pytest.raises(UnsupportedSchema, match="the output it forces from the start exceeds"):
+        json_schema(endless)
+    assert json_schema({"const": "x" * 100_000}).grammar
+
+
 @pytest.mark.parametrize("integer", [
     {"type": "integer", "minimum": -1e19, "maximum": -1e19},
     {"type": ["integer", "null"], "minimum": -(2**63), "maximum": -(2**63) + 1},

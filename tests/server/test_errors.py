@@ -120,6 +120,11 @@ CASES = [
         "json_schema": {"name": "s", "strict": True, "schema": {"type": "string",
                                                                 "format": "ipv9"}},
     }), 400, "unsupported_schema", "response_format"),
+    ("a streamed schema forcing an endless value", "POST", CHAT, chat(
+        stream=True, response_format={"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"$ref": "#/$defs/a", "$defs": {"a": {
+                "type": "object", "properties": {"n": {"$ref": "#/$defs/a"}},
+                "required": ["n"]}}}}}), 400, "unsupported_schema", "response_format"),
     ("stream_options without stream", "POST", CHAT,
      chat(stream_options={"include_usage": True}), 400, "invalid_request", None),
     ("context length", "POST", CHAT, chat(max_tokens=10**6), 400, "context_length_exceeded",
