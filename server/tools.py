@@ -41,8 +41,9 @@ class ToolCallParser:
         forced: str | None = None,
     ) -> None:
         """`parallel` False: at most one call (OpenAI's parallel_tool_calls); any further
-        call the model writes is dropped. `forced`: the function tool_choice names, whose
-        call, cut short before its name was written, is still that call."""
+        call the model writes is dropped. `forced`: the function a forced call must be of
+        (`server.structured.forced_function`), whose call, cut short before its name was
+        written, is still that call."""
         self.choice = choice
         self._format, self._tools, self._parallel = tool_format, tools, parallel
         self._forced = forced
