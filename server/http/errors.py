@@ -165,12 +165,14 @@ def _spelled(node: Any, parts: list[str | int], kind: str) -> list[str | int] | 
         return []
     part, rest = parts[0], parts[1:]
     inside = _has(node, part)
+    # A value no union member of its type could take: what is left names those tried.
+    tried_as_members = (inside and not isinstance(node[part], dict | list)
+                        and all(isinstance(tag, str) for tag in rest))
     if inside:
         walked = _spelled(node[part], rest, kind)
         if walked is not None:
             return [part, *walked]
-        if (isinstance(part, int) and not isinstance(node[part], dict | list)
-                and all(isinstance(tag, str) for tag in rest)):
+        if tried_as_members and isinstance(part, int):  # an index is never a tag
             return [part]
     if (not rest and not inside and isinstance(node, dict) and TAG_KEYS & node.keys()
             and (kind == "value_error" or kind.endswith("_type"))):
@@ -179,9 +181,7 @@ def _spelled(node: Any, parts: list[str | int], kind: str) -> list[str | int] | 
         return [part]
     if isinstance(part, str) and isinstance(node, dict | list):
         skipped = _spelled(node, rest, kind)
-        if (inside and not isinstance(node[part], dict | list)
-                and all(isinstance(tag, str) for tag in rest)
-                and (skipped is None or not _in_body(node, skipped))):
+        if tried_as_members and (skipped is None or not _in_body(node, skipped)):
             return [part]
         return skipped
     return None

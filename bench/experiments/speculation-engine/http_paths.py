@@ -43,8 +43,9 @@ def main() -> None:
     rounds = [agent_requests(TextSource(args.model, args.seed + 4000 + 2 * r), shapes)[1]
               for r in range(args.rounds)]
     rates: dict[str, list[float]] = {name: [] for name in FLAGS}
+    env = cpu_reexec_env() or dict(os.environ)
     with tempfile.TemporaryDirectory() as logs, side_by_side(
-            args.model, cpu_reexec_env() or dict(os.environ), Path(logs), "http_paths", FLAGS) as servers:
+            args.model, env, Path(logs), "http_paths", FLAGS) as servers:
         for server in servers.values():  # kernels, and the shapes a batch meets
             asyncio.run(together(server.base_url, warm, shapes.ae_stream_output_tokens))
         for number, streams in enumerate(rounds):
