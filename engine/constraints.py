@@ -184,8 +184,8 @@ def _with_layout(schema: Mapping[str, Any], strict: bool, close_objects: bool
 def _grammar_from_schema(schema: Mapping[str, Any], strict: bool, close_objects: bool) -> str:
     if found := too_low_maximum(schema):
         keyword, value = found
-        raise UnsupportedSchema(f"the schema cannot be enforced: {keyword} {value} is at or "
-                                "past the smallest 64-bit integer", keyword)
+        raise UnsupportedSchema(f"{keyword} {value} is at or past the smallest 64-bit integer",
+                                keyword)
     try:
         return LLMatcher.grammar_from_json_schema(
             json.dumps(_with_layout(schema, strict, close_objects), ensure_ascii=False))
@@ -201,10 +201,9 @@ def _validate(grammar: str) -> None:
     (`engine.grammar.ConstraintFailed`)."""
     verdict = CHECKER.check(grammar)
     if verdict.error is not None:
-        raise UnsupportedSchema(f"the schema cannot be enforced: {verdict.error}",
-                                _keyword_in(verdict.error))
+        raise UnsupportedSchema(verdict.error, _keyword_in(verdict.error))
     if not verdict.can_start:
-        raise UnsupportedSchema("the schema cannot be enforced: no value satisfies it")
+        raise UnsupportedSchema("no value satisfies it")
 
 
 # How llguidance names the keyword at fault in its errors.

@@ -395,7 +395,7 @@ SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
      "input.0.content.0.text: Input should be a valid string", "input"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s",
                                         "schema": SELF_REF}}},
-     "no value satisfies it", "text.format"),
+     "this server cannot enforce the schema: no value satisfies it", "text.format"),
     ({"input": "Go on. " * 8192, "max_output_tokens": 50},
      "leaves no room for a reply", "input"),
 ])
