@@ -33,16 +33,17 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
-from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from engine.chat_templates import KnownTemplate, known_template
 from engine.files import cache_dir, publish_directory
+
+if TYPE_CHECKING:
+    from gguf import ReaderTensor
 
 log = logging.getLogger("radix_mlx.engine")
 
@@ -52,11 +53,11 @@ CONVERTER_VERSION = 2
 MAGIC = b"GGUF"
 GROUP_SIZE = 32  # llama.cpp's block size, and what mx.load gives its quantized types
 
-Q = GGMLQuantizationType
+# Tensor types by their names in the `gguf` package's GGMLQuantizationType.
 # What mx.load reads without error, and the MLX (bits) its quantized types become.
-MLX_NATIVE_BITS = {Q.F32: None, Q.F16: None, Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8}
-FLOAT_TYPES = {Q.F32, Q.F16, Q.BF16, Q.F64}
-FILE_FLOAT_DTYPES = {Q.F16: mx.float16, Q.BF16: mx.bfloat16}
+MLX_NATIVE_BITS = {"F32": None, "F16": None, "Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
+FILE_FLOAT_DTYPES = {"F16": mx.float16, "BF16": mx.bfloat16}
 # Below 4 bits MLX's per-group affine format loses more than llama.cpp's K-quant super
 # blocks do, so a re-quantized tensor never gets fewer than 4 bits.
 REQUANTIZE_BITS = {2: 4, 3: 4, 4: 4, 5: 5, 6: 6, 8: 8}
@@ -181,6 +182,10 @@ def read_gguf(path: str | Path) -> GGUFFile:
         raise GGUFError(f"cannot read {path}: {error.strerror}") from None
     if magic != MAGIC:
         raise GGUFError(f"{path} is not a GGUF file (it does not start with {MAGIC!r})")
+    # Imported here: the `gguf` package imports mistral-common's tokenizers (~0.5 s of
+    # CPU), which a server of an MLX model directory, every engine process, never needs.
+    from gguf import GGUFReader
+
     try:
         reader = GGUFReader(path)
     except (ValueError, IndexError) as error:
@@ -387,13 +392,13 @@ def convert_weights(gguf: GGUFFile, dtype: str) -> tuple[dict[str, mx.array], di
     native = dtype == "native"
     weights: dict[str, mx.array] = {}
     layers: dict[str, dict[str, int]] = {}
-    mlx_loaded = _mlx_load(gguf) if all(t.tensor_type in MLX_NATIVE_BITS
+    mlx_loaded = _mlx_load(gguf) if all(t.tensor_type.name in MLX_NATIVE_BITS
                                         for t in gguf.tensors) else None
     norm_offset = gguf.mapping.norm_offset
     for tensor in gguf.tensors:
         name = gguf.mlx_name(tensor.name)
         base = name.removesuffix(".weight")
-        kind = tensor.tensor_type
+        kind = tensor.tensor_type.name
         if mlx_loaded is not None and MLX_NATIVE_BITS[kind] is not None:
             bits = MLX_NATIVE_BITS[kind]
             stem = tensor.name.removesuffix(".weight")
@@ -433,6 +438,8 @@ def _mlx_load(gguf: GGUFFile) -> dict[str, mx.array]:
 
 
 def _dequantized(tensor: ReaderTensor) -> np.ndarray:
+    from gguf.quants import dequantize  # see read_gguf
+
     try:
         return dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
@@ -440,9 +447,9 @@ def _dequantized(tensor: ReaderTensor) -> np.ndarray:
                         "which cannot be dequantized") from None
 
 
-def _nominal_bits(kind: GGMLQuantizationType) -> int:
+def _nominal_bits(kind: str) -> int:
     """Q4_K -> 4, IQ3_S -> 3, Q8_0 -> 8."""
-    digits = [c for c in kind.name if c.isdigit()]
+    digits = [c for c in kind if c.isdigit()]
     return int(digits[0]) if digits else 8
 
 
