@@ -65,8 +65,10 @@ replicas: $(STAMP)
 	$(BIN)/radix-mlx replicas --workers $(N) $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT)
 
 # Two test files at a time (pytest-xdist; a file's tests stay on one worker, with its
-# module's servers): most of the suite waits on server processes, so on two cores it took
-# 10.6 minutes where one process took 15.6.
+# module's servers). On two cores the suite is CPU-bound (1.8 cores busy): 745-809 s with
+# two workers, 769 with three. Much of it is process starts: ~200 servers, engine processes
+# and bench children, each importing transformers (1.7 s of CPU; transformers 5 reads the
+# `__all__` of its ~3,300 model files at import).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(CPU_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
