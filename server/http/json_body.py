@@ -4,11 +4,14 @@ FastAPI parses a JSON body with `Request.json()`, Python's json module. That mod
 accepts a lone UTF-16 surrogate escape (\\ud800) and NaN, which are not valid Unicode or
 JSON: a surrogate then fails a tokenizer deep inside a request. jiter refuses both. So
 routes use `JSONRoute`, whose requests parse with jiter alone, and a body either module
-refuses is a 400 that names the place.
+refuses is a 400 that names the place. A UTF-8 byte order mark in front of the text is
+skipped, as RFC 8259 lets a parser do: Windows editors and PowerShell 5's `Out-File`
+write one, and a body saved by them and sent with `curl -d @file` is otherwise valid.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,7 +40,8 @@ class JSONRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             try:
-                self._json = pydantic_core.from_json(await self.body(), allow_inf_nan=False)
+                text = (await self.body()).removeprefix(codecs.BOM_UTF8) or b"{}"
+                self._json = pydantic_core.from_json(text, allow_inf_nan=False)
             except ValueError as error:
                 # FastAPI passes an HTTPException on as it is (our 400 invalid_request);
                 # any other error here would become its own vaguer 400.

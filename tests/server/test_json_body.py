@@ -3,6 +3,7 @@ engine is never started: the body is read before the route answers that it is lo
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 from typing import Any
@@ -55,6 +56,17 @@ async def test_what_jiter_refuses_is_a_400_naming_the_place(
     assert error["code"] == "invalid_request"
     assert error["message"].startswith("the body is not valid JSON text: ")
     assert problem in error["message"]
+
+
+async def test_a_byte_order_mark_before_the_text_is_skipped(loading_app) -> None:
+    """A body saved with a UTF-8 BOM (Windows editors, PowerShell 5's Out-File) reads as
+    its JSON; a BOM alone as an empty body."""
+    bom = codecs.BOM_UTF8
+    response = await loading_app.post("/v1/chat/completions", content=bom + json.dumps(CHAT).encode(),
+                                      headers={"content-type": "application/json"})
+    assert response.status_code == 503  # loading: the body was read and validated first
+    error = await json_error(loading_app, "/v1/chat/completions", bom)
+    assert error["param"] == "messages" and error["message"].startswith("messages: Field required")
 
 
 @pytest.mark.parametrize("content", [b"", b"{}"])
