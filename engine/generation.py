@@ -139,7 +139,7 @@ class Generation:
         self.emit(TokenEvent(token, text, logprob, top))
         if self.text.matched_stop is not None:
             return "stop", self.text.matched_stop
-        if grammar is not None and grammar.done:  # the grammar allows nothing more
+        if grammar is not None and grammar.complete_after(len(self.generated)):
             return "stop", None
         if len(self.generated) >= self.params.max_tokens:
             return "length", None

@@ -73,18 +73,23 @@ class GrammarState:
         self._recent: list[int] = []
         self.matcher: LLMatcher | None = None if marker else compiled.deep_copy()
         self.error: str | None = None
+        self.taken = 0  # tokens taken in (`accept`), those before the marker too
+        self._complete_at: int | None = None  # `taken` when the grammar became complete
 
     @property
     def constraining(self) -> bool:
         """The next token is masked."""
         return self.matcher is not None and self.error is None
 
-    @property
-    def done(self) -> bool:
-        """The grammar is complete: it allows no further token (but EOS)."""
-        return self.constraining and self.matcher.is_stopped()
+    def complete_after(self, tokens: int) -> bool:
+        """Whether the grammar was complete, allowing no further token (but EOS), once it
+        had taken in the output's first `tokens` tokens. A speculative step takes in a
+        whole accepted draft before its tokens reach the request one by one: the state
+        after the last of them would have ended the request at the first."""
+        return self._complete_at is not None and tokens >= self._complete_at
 
     def accept(self, token: int) -> None:
+        self.taken += 1
         if self.error is not None:
             return
         if self.matcher is None:
@@ -94,6 +99,8 @@ class GrammarState:
             return
         if not self.matcher.consume_token(token):
             self.error = matcher_error(self.matcher) or f"token {token} is not allowed here"
+        elif self._complete_at is None and self.matcher.is_stopped():
+            self._complete_at = self.taken
         self._keys.feed(self._closing.token_bytes[token])
 
     def fork(self) -> GrammarState:

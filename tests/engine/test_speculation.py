@@ -17,6 +17,8 @@ from llguidance import LLMatcher
 
 from engine.api import Constraint, SpeculationConfig
 from engine.constraints import json_schema
+from engine.generator import Generator
+from engine.speculation import STEP_COST
 from tests.engine.kv_integrity import check_tree_kv
 from tests.engine.support import Reference, complete, settled, start_engine
 
@@ -42,14 +44,28 @@ def reference(demo_model_dir) -> Reference:
     return Reference(str(demo_model_dir))
 
 
-@pytest.fixture(scope="module", params=[("prompt",), ("tree",), ("model",)],
-                ids=["prompt", "tree", "model"])
+def as_on_a_gpu(init):
+    """`Generator.__init__`, then the steps a GPU's generator takes: decode pipelined
+    (a look drafts past the token still being computed), every verify as wide as the
+    longest draft allowed, the GPU's step costs."""
+    def init_as_on_a_gpu(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.pipelined, self.step_cost = True, STEP_COST["gpu"]
+    return init_as_on_a_gpu
+
+
+@pytest.fixture(scope="module", params=["prompt", "tree", "model", "tree, GPU steps"])
 def engine(request, demo_model_dir):
     """Drafts from one source; the draft model is the demo model itself (other weights
-    are in test_draft_model.py)."""
-    draft_model = str(demo_model_dir) if request.param == ("model",) else ""
-    engine = start_engine(str(demo_model_dir), cache_bytes=1 << 30, speculation=(
-        SpeculationConfig(mode="on", sources=request.param, draft_model=draft_model)))
+    are in test_draft_model.py). "GPU steps" runs the GPU's paths here: on an H200 they
+    once cut an answer whose grammar a verified draft completed at its first token."""
+    source = request.param.split(",")[0]
+    draft_model = str(demo_model_dir) if source == "model" else ""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param.endswith("GPU steps"):
+            patch.setattr(Generator, "__init__", as_on_a_gpu(Generator.__init__))
+        engine = start_engine(str(demo_model_dir), cache_bytes=1 << 30, speculation=(
+            SpeculationConfig(mode="on", sources=(source,), draft_model=draft_model)))
     yield engine
     engine.shutdown()
 
