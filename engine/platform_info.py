@@ -48,7 +48,15 @@ CUDA_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
 # anew on the host: on an H200 an 8B step computing one turn over its cached chat took
 # 90-95 ms with graphs and 62-68 ms launched plainly, and multi-turn TTFT p50 fell from
 # 0.24-0.26 s to 0.21 s with decode steps no slower (bench/experiments/cuda-graphs-prefill).
-MLX_ENV_DEFAULTS = {CUDNN_ATTENTION_ENV: "0", CUDA_GRAPHS_ENV: "0"}
+TF32_ENV = "MLX_ENABLE_TF32"
+# MLX's CUDA backend multiplies float32 matrices in TF32 (a 10-bit mantissa) unless told
+# not to. Where a model runs in float32 (our demo models; any an operator converts so),
+# the same tokens' keys then came out of a batched forward and a forward of their own
+# ~1e-3 apart (H200: 1.23005 against 1.22844), and 42 of the engine tests' comparisons
+# with mlx-lm's forwards failed where float32 on the CPU passes them; with it off, none
+# for that reason. Float32 is asked for to be float32, as PyTorch's matmuls default to;
+# bfloat16 and float16 models are not affected.
+MLX_ENV_DEFAULTS = {CUDNN_ATTENTION_ENV: "0", CUDA_GRAPHS_ENV: "0", TF32_ENV: "0"}
 
 
 def openblas_library() -> Path | None:
@@ -139,11 +147,11 @@ def describe_platform() -> str:
         if mx.metal.is_available():
             return f"mlx {mx.__version__}, device gpu (Metal)"
         # What the engine will run with: it applies our defaults before its first forward.
-        cudnn, graphs = (
+        cudnn, graphs, tf32 = (
             "off" if os.environ.get(name, MLX_ENV_DEFAULTS[name]) == "0" else "on"
-            for name in (CUDNN_ATTENTION_ENV, CUDA_GRAPHS_ENV))
+            for name in (CUDNN_ATTENTION_ENV, CUDA_GRAPHS_ENV, TF32_ENV))
         return (f"mlx {mx.__version__}, device gpu (CUDA), cuDNN attention {cudnn}, "
-                f"CUDA graphs {graphs}")
+                f"CUDA graphs {graphs}, TF32 {tf32}")
     return f"mlx {mx.__version__}, device cpu, BLAS: {_blas_in_use()}"
 
 

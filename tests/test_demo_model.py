@@ -20,6 +20,7 @@ from engine.platform_info import (
     CUDNN_ATTENTION_ENV,
     OPENBLAS_CORE_ENV,
     OPT_OUT_ENV,
+    TF32_ENV,
     apply_mlx_env_defaults,
     openblas_core_type,
     openblas_library,
@@ -205,7 +206,7 @@ def test_python_m_server_preloads_openblas_like_radix_mlx_serve(
     assert "BLAS: OpenBLAS" in log_path.read_text()
 
 
-@pytest.mark.parametrize("name", [CUDNN_ATTENTION_ENV, CUDA_GRAPHS_ENV])
+@pytest.mark.parametrize("name", [CUDNN_ATTENTION_ENV, CUDA_GRAPHS_ENV, TF32_ENV])
 def test_mlx_env_defaults_keep_what_the_operator_set(monkeypatch, name: str) -> None:
     monkeypatch.delenv(name, raising=False)
     apply_mlx_env_defaults()
