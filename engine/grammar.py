@@ -73,8 +73,8 @@ class GrammarState:
         self._recent: list[int] = []
         self.matcher: LLMatcher | None = None if marker else compiled.deep_copy()
         self.error: str | None = None
-        self.taken = 0  # tokens taken in (`accept`), those before the marker too
-        self._complete_at: int | None = None  # `taken` when the grammar became complete
+        self._taken = 0  # tokens taken in (`accept`), those before the marker too
+        self._complete_at: int | None = None  # `_taken` when the grammar became complete
 
     @property
     def constraining(self) -> bool:
@@ -89,7 +89,7 @@ class GrammarState:
         return self._complete_at is not None and tokens >= self._complete_at
 
     def accept(self, token: int) -> None:
-        self.taken += 1
+        self._taken += 1
         if self.error is not None:
             return
         if self.matcher is None:
@@ -100,7 +100,7 @@ class GrammarState:
         if not self.matcher.consume_token(token):
             self.error = matcher_error(self.matcher) or f"token {token} is not allowed here"
         elif self._complete_at is None and self.matcher.is_stopped():
-            self._complete_at = self.taken
+            self._complete_at = self._taken
         self._keys.feed(self._closing.token_bytes[token])
 
     def fork(self) -> GrammarState:

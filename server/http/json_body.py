@@ -28,20 +28,20 @@ LONE_SURROGATE = ("a string holds an invalid unicode escape, a lone surrogate "
 
 class JSONRequest(Request):
     async def body(self) -> bytes:
-        """An empty body reads as `{}`, so a 400 names each required field it lacks
-        rather than the whole body. A compressed one is refused as such, not read as
-        invalid JSON (or, labelled but plain, read as if it were not)."""
+        """The JSON text, without a byte order mark. An empty body reads as `{}`, so a
+        400 names each required field it lacks rather than the whole body. A compressed
+        one is refused as such, not read as invalid JSON (or, labelled but plain, read
+        as if it were not)."""
         encoding = self.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
             raise HTTPException(415, f"the body is sent with Content-Encoding {encoding!r}: "
                                      "send it uncompressed")
-        return await super().body() or b"{}"
+        return (await super().body()).removeprefix(codecs.BOM_UTF8) or b"{}"
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             try:
-                text = (await self.body()).removeprefix(codecs.BOM_UTF8) or b"{}"
-                self._json = pydantic_core.from_json(text, allow_inf_nan=False)
+                self._json = pydantic_core.from_json(await self.body(), allow_inf_nan=False)
             except ValueError as error:
                 # FastAPI passes an HTTPException on as it is (our 400 invalid_request);
                 # any other error here would become its own vaguer 400.
