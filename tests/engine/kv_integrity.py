@@ -23,6 +23,7 @@ from engine.disk_store import DiskCopy, read_copy
 from engine.engine import Engine
 from engine.kv import CacheSnapshot, KVSegment
 from engine.mlx_lm_internals import clone_cache
+from engine.platform_info import apply_mlx_env_defaults
 
 # Float32 demo models: a correct node differs from a fresh forward by ~1e-5, a node
 # holding other positions' KV by ~1 (shared/evidence: 1.4-18.7). In bfloat16 a chunked
@@ -72,7 +73,10 @@ def check_tree_kv(engine: Engine, model: nn.Module) -> Checked:
 def check_folder_kv(folder: Path, model: nn.Module) -> list[str]:
     """The same check for the files of a disk tier's model folder alone, each against a
     forward of its token path (its chain of parents): what a restart would load. Returns
-    one line per file that is wrong, or whose chain is broken."""
+    one line per file that is wrong, or whose chain is broken. Its forwards compute as the
+    engine's do: a process with no engine of its own (the soak's, after its servers) would
+    otherwise multiply in MLX's defaults, TF32 on a GPU, ~1e-3 from the engine's float32."""
+    apply_mlx_env_defaults()
     headers = {}
     for path in folder.glob(f"*{segment_file.SUFFIX}"):
         header, _, _ = segment_file.read_header(path)
