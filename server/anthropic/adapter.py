@@ -10,6 +10,7 @@ message_stop, with ping events while the prompt is computed).
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -107,6 +108,9 @@ def generation_request(body: TokenCountRequest) -> GenerationRequest:
         messages += chat_messages(message)
     # A final assistant message is a prefill: the reply continues it.
     messages, chat_end = assistant_prefill(messages)
+    if not messages:
+        raise APIError(400, "messages: the only message is an empty assistant message, "
+                       "which leaves nothing to reply to", param="messages")
     output = TEXT
     if body.output_config is not None and body.output_config.format is not None:
         output = JsonSchemaOutput("output", body.output_config.format.schema_, strict=True)
@@ -264,7 +268,7 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     one input; a model that wrote something else still gets its text through, under one
     key."""
     try:
-        value = from_json(arguments or "{}", allow_partial=True)
+        value = from_json(arguments.strip() or "{}", allow_partial=True)
     except ValueError:
         value = None
     return value if isinstance(value, dict) else {"arguments": arguments}
@@ -278,6 +282,10 @@ class MessageStream:
         self.message_id, self.model, self.context_bound = message_id, model, context_bound
         self._index = -1
         self._open: str | None = None  # "text", "thinking" or "tool_use"
+        # The open call's arguments until they show whether they are an object: only an
+        # object streams as it comes; anything else goes out whole at the block's end,
+        # under one key, as `_tool_input` gives it in a message.
+        self._arguments: str | None = None
 
     def opening(self, prompt_tokens: int) -> list[StreamEvent]:
         # The cache's share is known once the prompt is computed: message_delta says it.
@@ -296,11 +304,22 @@ class MessageStream:
                                ThinkingDelta(thinking=event.text), bool(event.text))
         if isinstance(event, ToolCallStarted):
             block = ToolUseContent(id=event.id, name=event.name, input={})
-            return self._close() + self._start("tool_use", block)
+            events = self._close() + self._start("tool_use", block)
+            self._arguments = ""
+            return events
         if isinstance(event, ToolCallArguments):
-            return self._delta("tool_use", None, InputJsonDelta(partial_json=event.fragment),
-                               bool(event.fragment))
+            return self._arguments_delta(event.fragment)
         return self._finish(event)
+
+    def _arguments_delta(self, fragment: str) -> list[StreamEvent]:
+        if self._arguments is None:  # an object: it streams
+            return self._delta("tool_use", None, InputJsonDelta(partial_json=fragment),
+                               bool(fragment))
+        self._arguments += fragment
+        if not self._arguments.lstrip().startswith("{"):
+            return []  # undecided, or not an object: `_close` sends it
+        fragment, self._arguments = self._arguments, None
+        return self._arguments_delta(fragment)
 
     def _delta(self, kind: str, block: ResponseContent | None, delta: Any, nonempty: bool):
         if not nonempty:
@@ -318,8 +337,13 @@ class MessageStream:
     def _close(self) -> list[StreamEvent]:
         if self._open is None:
             return []
-        self._open = None
-        return [ContentBlockStop(index=self._index)]
+        events: list[StreamEvent] = []
+        if self._open == "tool_use" and self._arguments:
+            verbatim = json.dumps(_tool_input(self._arguments))
+            events.append(ContentBlockDelta(index=self._index,
+                                            delta=InputJsonDelta(partial_json=verbatim)))
+        self._open, self._arguments = None, None
+        return [*events, ContentBlockStop(index=self._index)]
 
     def _finish(self, finished: ChoiceFinished) -> list[StreamEvent]:
         reason, sequence = stop_reason(finished.reason, finished.matched_stop,

@@ -212,6 +212,11 @@ def test_claude_code_shaped_agent_loop_is_served_from_cache(
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
       "tools": [TOOLS[0], TOOLS[0]]},
      400, "invalid_request_error", "tool names must be unique"),
+    ({"max_tokens": 4, "messages": [{"role": "assistant", "content": ""}]},
+     400, "invalid_request_error", "leaves nothing to reply to"),
+    ({"max_tokens": 4, "messages": [{"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "hm", "signature": "s"}]}]},
+     400, "invalid_request_error", "leaves nothing to reply to"),
 ])
 def test_errors_are_anthropic_error_objects(
     claude: anthropic.Anthropic, model_id: str, body: dict, status: int, kind: str, words: str
@@ -453,3 +458,12 @@ def test_a_system_message_mid_conversation_is_served(
     without = claude.messages.count_tokens(model=model_id, messages=[*turns, later])
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens > (
         without.input_tokens)
+
+
+def test_an_empty_assistant_message_alone_is_a_400_when_counted_too(
+    claude: anthropic.Anthropic, model_id: str
+) -> None:
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        claude.messages.count_tokens(model=model_id,
+                                     messages=[{"role": "assistant", "content": "  "}])
+    assert "leaves nothing to reply to" in raised.value.body["error"]["message"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from openai import omit
 from openai.lib.streaming.responses._responses import ResponseStreamState
@@ -60,10 +61,8 @@ def test_messages_stream_is_one_block_per_kind_in_order() -> None:
             message.usage.output_tokens) == (20, 100, 30)
 
 
-def test_a_whole_message_has_the_streams_blocks_in_the_order_written() -> None:
-    """Text a model writes after its calls comes after them, as its stream has it, not
-    merged with the text before them."""
-    reply = [*REPLY[:-1], TextDelta(0, "Then "), TextDelta(0, "done."), REPLY[-1]]
+def streamed_and_whole(reply: list) -> tuple:
+    """`reply` as the Anthropic SDK reads its stream, and as a whole message."""
     stream = MessageStream("msg_1", "model", context_bound=False)
     streamed, buffers = None, {}
     for event in [*stream.opening(prompt_tokens=120), *(e for r in reply for e in stream.event(r))]:
@@ -72,11 +71,35 @@ def test_a_whole_message_has_the_streams_blocks_in_the_order_written() -> None:
     result = ChoiceResult()
     for event in reply:
         fold(result, event)
-    whole = message_response("msg_1", "model", False, result)
+    return streamed, message_response("msg_1", "model", False, result)
+
+
+def test_a_whole_message_has_the_streams_blocks_in_the_order_written() -> None:
+    """Text a model writes after its calls comes after them, as its stream has it, not
+    merged with the text before them."""
+    reply = [*REPLY[:-1], TextDelta(0, "Then "), TextDelta(0, "done."), REPLY[-1]]
+    streamed, whole = streamed_and_whole(reply)
     assert [block.type for block in whole.content] == [
         "thinking", "text", "tool_use", "tool_use", "text"]
     assert [block.model_dump(exclude_none=True) for block in whole.content] == [
         block.model_dump(exclude_none=True) for block in streamed.content]
+
+
+@pytest.mark.parametrize("pieces", [
+    ['"Par', 'is"'], ["[1, ", "2]"], ["null"], ["  ", "Paris"], ["  ", '{"city": ', '"Rome"'],
+    ["{", '"city": "Paris"}'], ["   "],
+], ids=["string", "array", "null", "bare word", "object cut short", "object", "blank"])
+def test_a_calls_input_streamed_is_the_one_its_message_gives(pieces: list[str]) -> None:
+    """A model may write a call's arguments as something other than an object. Anthropic's
+    `input` is one: the message puts such text under one key, and its stream must give the
+    SDK the same input, not deltas its JSON reader refuses."""
+    reply = [ToolCallStarted(0, 0, "call_a", "get_weather"),
+             *(ToolCallArguments(0, 0, piece) for piece in pieces), TextDelta(0, "So."),
+             REPLY[-1]]
+    streamed, whole = streamed_and_whole(reply)
+    assert isinstance(whole.content[0].input, dict)
+    assert streamed.content[0].input == whole.content[0].input
+    assert streamed.content[1].text == "So."
 
 
 def test_responses_stream_is_one_item_per_kind_in_order() -> None:
