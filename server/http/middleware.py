@@ -53,8 +53,10 @@ class RequestMiddleware:
             nonlocal status, response_started
             if message["type"] == "http.response.start":
                 status, response_started = message["status"], True
+                # OpenAI's SDKs read the first name, Anthropic's the second.
+                value = request_id.encode("latin-1")
                 message["headers"] = [*message.get("headers", []),
-                                      (b"x-request-id", request_id.encode("latin-1"))]
+                                      (b"x-request-id", value), (b"request-id", value)]
             await send(message)
 
         drain = self.state.drain

@@ -58,6 +58,8 @@ def test_message_shape_and_usage(claude: anthropic.Anthropic, model_id: str) -> 
     beta = claude.beta.messages.create(model=model_id, max_tokens=2, messages=messages,
                                        betas=["interleaved-thinking-2025-05-14"])
     assert beta.usage.cache_read_input_tokens == counted - 1
+    # The SDK keeps the id of the request a message answers (request-id), for support.
+    assert message._request_id and message._request_id != beta._request_id
 
 
 def test_stream_events_build_the_same_message(claude: anthropic.Anthropic, model_id: str) -> None:
