@@ -322,6 +322,8 @@ class ChatCompletionRequest(StructuredOutputRequest):
     def _tool_choice_names_tools(cls, value: ToolChoice, info: ValidationInfo) -> ToolChoice:
         # A field's validator rather than the model's, so the 400 names tool_choice;
         # tools is validated before it.
+        if value is None:  # null is the default, as for any optional field
+            return value
         tools = info.data.get("tools")
         if not tools:
             raise ValueError("tool_choice is only allowed when tools are specified")

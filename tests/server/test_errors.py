@@ -233,7 +233,8 @@ def test_an_assistant_message_of_nothing_is_refused_in_the_apis_words(
 
 @pytest.mark.parametrize(("path", "body", "required"), [
     (CHAT, {**chat()["json"], "n": None, "stream": None, "logprobs": None,
-            "presence_penalty": None, "frequency_penalty": None}, "messages"),
+            "presence_penalty": None, "frequency_penalty": None, "tools": None,
+            "tool_choice": None}, "messages"),
     (COMPLETIONS, {**completion()["json"], "n": None, "stream": None, "echo": None,
                    "presence_penalty": None, "frequency_penalty": None}, "prompt"),
     ("/v1/responses", {"input": "Hello", "max_output_tokens": 16, "stream": None,
