@@ -190,7 +190,7 @@ class ItemReference(RequestModel):
     """An item of a stored response, its input's or its output's, by id: the adapter puts
     that item in its place before anything reads the input."""
 
-    type: Literal["item_reference"]
+    type: Literal["item_reference"] | None = None
     id: str = Field(min_length=1)
 
 
@@ -216,7 +216,9 @@ ITEM_TYPES = {
 def _item_kind(value: Any) -> str | None:
     if not isinstance(value, dict):
         return None
-    kind = value.get("type", "message")  # EasyInputMessage may omit its type
+    kind = value.get("type")
+    if kind is None:  # EasyInputMessage and ItemReference may omit their type
+        kind = "item_reference" if "id" in value and "role" not in value else "message"
     if not isinstance(kind, str):
         return None
     return kind if kind in ITEM_TYPES else "unsupported"

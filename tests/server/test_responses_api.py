@@ -244,8 +244,8 @@ def test_item_references_read_as_the_stored_items_they_name(
     question = {"role": "user", "content": "Which word?"}
     sent = [{"role": "user", "content": "Remember the word apple."},
             {"role": "assistant", "content": first.output_text}, question]
-    referenced = [{"type": "item_reference", "id": asked.id},
-                  {"type": "item_reference", "id": answer.id}, question]
+    # The type may be left out, as OpenAI's ItemReference has it optional.
+    referenced = [{"type": "item_reference", "id": asked.id}, {"id": answer.id}, question]
     plain = client.responses.create(model=model_id, input=sent, max_output_tokens=4,
                                     temperature=0)
     by_reference = client.responses.create(model=model_id, input=referenced,
