@@ -80,6 +80,9 @@ class ChoiceDecoder:
         self._echo = echo  # the prompt's text, until it is sent
         # Tokens written inside the thinking block, markers included (None: no thinking).
         self.reasoning_tokens = None if reasoning is None else 0
+        # Answer tokens whose text the tool parser holds back (maybe a call's marker):
+        # their logprobs go out with that text, or not at all where it starts a call.
+        self._held: list[TokenEvent] = []
 
     def prompt(self, event: PromptLogprobs) -> list[Event]:
         return self._echoed(event.tokens)
@@ -98,18 +101,34 @@ class ChoiceDecoder:
         events = self._echoed() + self._text(event.text, close=False)
         if self._reasoning is not None and (thinking or self._reasoning.inside):
             self.reasoning_tokens += 1
-        if self._logprobs and event.logprob is not None and answering and self._answering():
+        if not self._logprobs:
+            return events
+        if answering and self._answering() and event.logprob is not None:
             # OpenAI's logprobs cover the answer's tokens, not thinking or tool calls.
-            at = next((i for i, e in enumerate(events) if isinstance(e, TextDelta)), None)
-            if at is None:
-                events.append(TextDelta(self.choice, "", (event,)))
-            else:
-                events[at] = TextDelta(self.choice, events[at].text, (event,))
+            self._held.append(event)
+        if self._attach_held(events):
+            return events
+        if not self._answering():
+            self._held = []  # what was held back began a call
+        elif self._held and (self._tools is None or not self._tools.holding):
+            events.append(TextDelta(self.choice, "", tuple(self._held)))  # wrote nothing
+            self._held = []
         return events
+
+    def _attach_held(self, events: list[Event]) -> bool:
+        """Put the held tokens' logprobs on the first text of `events`, if there is one."""
+        at = next((i for i, e in enumerate(events) if isinstance(e, TextDelta)), None)
+        if at is None:
+            return False
+        events[at] = TextDelta(self.choice, events[at].text, tuple(self._held))
+        self._held = []
+        return True
 
     def finish(self, finish: Finish, usage: Usage) -> list[Event]:
         events = self._echoed() + self._text(finish.text, close=True,
                                              cut=finish.reason == "length")
+        if self._logprobs:  # held text that was no call's marker goes out with them
+            self._attach_held(events)
         called = self._tools is not None and self._tools.calls > 0
         reason = "tool_calls" if called and finish.reason == "stop" else finish.reason
         assert reason != "cancelled"  # the job reports cancellation as an error

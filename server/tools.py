@@ -58,6 +58,12 @@ class ToolCallParser:
     def in_call(self) -> bool:
         return self._in_call
 
+    @property
+    def holding(self) -> bool:
+        """Is answer text held back: maybe a call's start marker, or blank text after a
+        call that is content only if more text follows?"""
+        return not self._in_call and bool(self._buffer or self._blank)
+
     def feed(self, text: str) -> list[Event]:
         """The events `text` completes; a possible marker's beginning is held back."""
         self._buffer += text

@@ -7,8 +7,10 @@ import json
 
 from mlx_lm.tool_parsers import json_tools
 
+from engine.api import Finish, TokenEvent, TokenLogprob
 from engine.tokenizer import ToolCallFormat
-from server.events import Event, TextDelta, ToolCallArguments, ToolCallStarted
+from server.events import Event, TextDelta, ToolCallArguments, ToolCallStarted, Usage
+from server.pipeline import ChoiceDecoder
 from server.tools import ToolCallParser
 
 JSON_FORMAT = ToolCallFormat(
@@ -124,3 +126,31 @@ def test_other_formats_are_parsed_whole_at_the_end_marker() -> None:
 def test_unparseable_call_stays_as_content() -> None:
     events = _run(["<tool_call>not json</tool_call> after"])
     assert _text(events) == "<tool_call>not json</tool_call> after" and _calls(events) == []
+
+
+def _logprob_texts(pieces: list[str], cut: bool = False) -> tuple[str, list[str]]:
+    """The answer's text and the tokens its logprobs cover, one token a piece."""
+    decoder = ChoiceDecoder(0, None, ToolCallParser(0, JSON_FORMAT, []), logprobs=True)
+    events: list[Event] = []
+    for token, piece in enumerate(pieces):
+        events += decoder.token(
+            TokenEvent(token, piece, TokenLogprob(token, piece, -1.0, piece.encode())))
+    events += decoder.finish(Finish("length" if cut else "stop", "", 10, len(pieces), 0),
+                             Usage(10, len(pieces)))
+    texts = [event for event in events if isinstance(event, TextDelta)]
+    return ("".join(event.text for event in texts),
+            [token.text for event in texts for token in event.tokens])
+
+
+def test_logprobs_cover_the_answers_tokens_not_a_calls_marker() -> None:
+    """A call's start marker is held back until it is whole; the tokens that wrote it are
+    the call's, not the answer's, so their logprobs are not the answer's either."""
+    call = ["<", "tool", "_call", ">\n", '{"name": "f", ', '"arguments": {}}', "\n</tool_call>"]
+    assert _logprob_texts(["Check", "ing.", "\n", *call]) == (
+        "Checking.\n", ["Check", "ing.", "\n"])
+    assert _logprob_texts(call) == ("", [])
+    # Held back as a marker's beginning, then text after all: its tokens are the text's.
+    assert _logprob_texts(["a ", "<", "tool", "box>"]) == ("a <toolbox>", ["a ", "<", "tool", "box>"])
+    assert _logprob_texts(["a ", "<", "tool"]) == ("a <tool", ["a ", "<", "tool"])
+    # A token that writes nothing (part of a character) still has its logprob.
+    assert _logprob_texts(["x", "", "y"]) == ("xy", ["x", "", "y"])
