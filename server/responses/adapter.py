@@ -366,14 +366,7 @@ class ResponseBuilder:
         token's text may come in a later delta than its logprob, held back)."""
         if not text and not logprobs:
             return []
-        events: list[StreamEvent] = []
-        if not isinstance(self._item, kind):
-            prefix = "msg" if kind is OutputMessage else "rs"
-            part = OutputText(text="") if kind is OutputMessage else ReasoningText(text="")
-            events = self._close() + self._add(kind(id=_new_id(prefix), status="in_progress",
-                                                    content=[]))
-            self._item.content.append(part)
-            events.append(self._part_event("response.content_part.added", self._item))
+        events = [] if isinstance(self._item, kind) else self._open(kind)
         part = self._item.content[0]
         part.text += text
         if isinstance(part, OutputText):
@@ -388,6 +381,15 @@ class ResponseBuilder:
         return [*events, self._number(TextDeltaEvent(
             type="response.reasoning_text.delta", item_id=self._item.id,
             output_index=self._index, delta=text))]
+
+    def _open(self, kind: type[TextItem]) -> list[StreamEvent]:
+        """Close the open item and open a `kind` item of one empty part."""
+        prefix = "msg" if kind is OutputMessage else "rs"
+        part = OutputText(text="") if kind is OutputMessage else ReasoningText(text="")
+        events = self._close() + self._add(kind(id=_new_id(prefix), status="in_progress",
+                                                content=[]))
+        self._item.content.append(part)
+        return [*events, self._part_event("response.content_part.added", self._item)]
 
     def _add(self, item: OutputItem) -> list[StreamEvent]:
         self.response.output.append(item)
@@ -429,7 +431,10 @@ class ResponseBuilder:
                                                 output_index=self._index, item=item))]
 
     def _finish(self, finished: ChoiceFinished) -> list[StreamEvent]:
-        events = self._close("incomplete" if finished.reason == "length" else "completed")
+        # A reply of nothing (the model ended at once) is still an assistant message, as
+        # OpenAI's is: a client reads a response of no items as one still to come.
+        events = [] if self.response.output else self._open(OutputMessage)
+        events += self._close("incomplete" if finished.reason == "length" else "completed")
         usage = finished.usage
         self.response.usage = ResponseUsage(
             input_tokens=usage.prompt_tokens,

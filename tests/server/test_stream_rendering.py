@@ -125,6 +125,22 @@ def test_responses_stream_is_one_item_per_kind_in_order() -> None:
     assert builder.response == response
 
 
+def test_a_reply_of_nothing_is_one_empty_message() -> None:
+    """A model that ends at once still answers with an assistant message, as OpenAI's
+    does, streamed in its documented order (no item at all reads as no answer)."""
+    builder = ResponseBuilder(Response(id="resp_1", status="in_progress", model="model"))
+    events = builder.opening() + builder.event(
+        ChoiceFinished(0, "stop", Usage(prompt_tokens=12, completion_tokens=1)))
+    state = ResponseStreamState(input_tools=[], text_format=omit)
+    parse = TypeAdapter(ResponseStreamEvent).validate_python
+    for event in events:
+        state.handle_event(parse(json.loads(event.model_dump_json())))
+    response = events[-1].response
+    assert [(item.type, item.role, item.status) for item in response.output] == [
+        ("message", "assistant", "completed")]
+    assert response.output_text == "" and response.status == "completed"
+
+
 def test_openai_text_chunks_are_the_chunk_models_own_json() -> None:
     # A text chunk is written into an envelope cut once per choice (server/openai/formats.py):
     # byte for byte what dumping its model gives, whatever the text holds.
