@@ -294,6 +294,10 @@ class ChatCompletionRequest(StructuredOutputRequest):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated function calling: refused by name, where ignoring it served the
+    # request as if no function were offered.
+    functions: list[Any] | None = None
+    function_call: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: false ends the prompt after the final message instead of opening the reply;
     # continue_final_message (with add_generation_prompt false) makes the reply continue
@@ -309,6 +313,14 @@ class ChatCompletionRequest(StructuredOutputRequest):
         # logprobs is validated before it.
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_legacy_function_calling(cls, value: Any) -> Any:
+        if value not in (None, [], "none"):
+            raise ValueError("deprecated function calling is not supported: send tools "
+                             '([{"type": "function", "function": {...}}]) and tool_choice')
         return value
 
     @field_validator("tools")

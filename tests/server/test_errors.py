@@ -115,6 +115,10 @@ CASES = [
     ), 400, "invalid_request", "tool_choice"),
     ("tool_choice without tools", "POST", CHAT, chat(tool_choice="required"), 400,
      "invalid_request", "tool_choice"),
+    ("deprecated functions", "POST", CHAT, chat(functions=[{"name": "f", "parameters": {}}]),
+     400, "invalid_request", "functions"),
+    ("deprecated function_call", "POST", CHAT, chat(function_call={"name": "f"}),
+     400, "invalid_request", "function_call"),
     ("legacy unenforceable schema", "POST", COMPLETIONS, completion(response_format={
         "type": "json_schema",
         "json_schema": {"name": "s", "strict": True, "schema": {"type": "string",
