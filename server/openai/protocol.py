@@ -298,6 +298,7 @@ class ChatCompletionRequest(StructuredOutputRequest):
     # request as if no function were offered.
     functions: list[Any] | None = None
     function_call: Any = None
+    modalities: list[Literal["text"]] | None = None  # no audio out: a 400, not text alone
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: false ends the prompt after the final message instead of opening the reply;
     # continue_final_message (with add_generation_prompt false) makes the reply continue

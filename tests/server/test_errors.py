@@ -119,6 +119,8 @@ CASES = [
      400, "invalid_request", "functions"),
     ("deprecated function_call", "POST", CHAT, chat(function_call={"name": "f"}),
      400, "invalid_request", "function_call"),
+    ("audio out", "POST", CHAT, chat(modalities=["text", "audio"]), 400, "invalid_request",
+     "modalities"),
     ("legacy unenforceable schema", "POST", COMPLETIONS, completion(response_format={
         "type": "json_schema",
         "json_schema": {"name": "s", "strict": True, "schema": {"type": "string",
