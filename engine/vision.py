@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from io import BytesIO
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import mlx.core as mx
 from mlx import nn
 
 from engine.api import PromptImage, SchedulerCounters
+from engine.image_files import open_image, rgb_pixels
 from engine.image_tokens import ImageTokens, model_ids
 from engine.mrope import MRoPE, Placement, PromptPositions
 from engine.qwen_resize import QwenResize
@@ -63,7 +63,6 @@ class Vision:
         mx.eval(model.parameters())
         self.model = model
         self.image_processor = utils.load_processor(path, add_detokenizer=False).image_processor
-        self._load_image = utils.load_image
         self.image_token_id = images.image_token_id
         self.resize = images.resize
         if self.resize is not None:
@@ -84,7 +83,7 @@ class Vision:
         """The input embeddings of `tokens` (image keys in each image's span, as the
         tree holds them), with the features of the image files `images`, in order, in the
         spans: each file decoded, and run through the processor, here only."""
-        pictures = [self._load_image(BytesIO(data)) for data in images]
+        pictures = [rgb_pixels(open_image(data)) for data in images]
         processed = self.image_processor(pictures, return_tensors="np")
         ids = mx.array([model_ids(tokens, self.image_token_id)])
         grids = ({"image_grid_thw": mx.array(processed["image_grid_thw"])}

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import io
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from engine.api import ImageFile
+from engine.image_files import IMAGE_FORMATS, open_image, rgb_pixels
 from server.data_urls import decode_base64, split_data_url
 from server.http.errors import APIError
 
@@ -37,10 +37,6 @@ from server.http.errors import APIError
 MARKER = "\U000f0000\ufffc"
 
 FETCH_TIMEOUT_SECONDS = 10.0
-# The formats Pillow may read an image as: the APIs' (PNG, JPEG, GIF, WebP) and plain
-# raster files, not every format Pillow knows (EPS is run through Ghostscript where
-# that is installed).
-IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
 
 
 @dataclass(frozen=True)
@@ -80,13 +76,12 @@ def checked_image(data: bytes, max_pixels: int, settings: str) -> ImageFile:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+            image = open_image(data)
             width, height = image.size
             if width * height > max_pixels:
                 raise ValueError(f"{width}x{height} pixels exceed this server's limit of "
                                  f"{max(max_pixels, 0)}")
-            image.load()
-            pixels = ImageOps.exif_transpose(image).convert("RGB")
+            pixels = rgb_pixels(image)
     except UnidentifiedImageError as error:
         raise ValueError("the data is not an image this server reads "
                          f"({', '.join(IMAGE_FORMATS)})") from error

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import struct
 import tempfile
 from pathlib import Path
 
@@ -83,3 +84,18 @@ class VlmReference:
             result = generate(self.model, self.processor, text, image=files or None,
                               max_tokens=max_tokens, temperature=0.0, verbose=False)
         return list(result.token_ids)
+
+
+def webp_hiding_a_photocd(image: Image.Image, shade: int) -> bytes:
+    """`image` as a lossless WebP that also holds a Kodak PhotoCD picture of one `shade`,
+    in a chunk WebP readers skip: a reader that tries every format Pillow knows finds
+    PhotoCD's signature at byte 2048 and decodes a 768x512 picture instead."""
+    out = io.BytesIO()
+    image.save(out, format="WEBP", lossless=True)
+    body = out.getvalue()[12:]  # after RIFF, its size and WEBP
+    start = 12 + len(body) + 8  # where the new chunk's data begins
+    assert start < 2048, "a WebP small enough to end before PhotoCD's signature"
+    data = bytes(2048 - start) + b"PCD_IPI" + bytes(1539 - 7)
+    data += bytes(96 * 2048 - (start + len(data))) + bytes([shade]) * (768 * 512 * 2)
+    body += b"ZZZZ" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", 4 + len(body)) + b"WEBP" + body

@@ -9,8 +9,10 @@ import asyncio
 
 import pytest
 
+from engine import vision as engine_vision
 from engine.api import SamplingParams, SpeculationConfig
 from engine.demo_vlm import build_demo_vlm
+from engine.image_files import open_image
 from tests.engine.support import cancel_after, complete, settled, start_engine
 from tests.vision.support import VlmReference, image_prompt, png, prompt_text, user_turn
 
@@ -74,17 +76,17 @@ async def test_a_cold_image_prompt_decodes_and_processes_each_image_once_and_a_h
     images' grids from their sizes, and a cached image is not read at all."""
     engine.clear_cache().result()
     vision, seen = engine._loaded.vision, {"decoded": 0, "processed": 0}
-    load_image, processor = vision._load_image, vision.image_processor
+    processor = vision.image_processor
 
-    def counted_load(source):
+    def counted_open(data):
         seen["decoded"] += 1
-        return load_image(source)
+        return open_image(data)
 
     def counted_processor(images, **options):
         seen["processed"] += len(images)
         return processor(images, **options)
 
-    monkeypatch.setattr(vision, "_load_image", counted_load)
+    monkeypatch.setattr(engine_vision, "open_image", counted_open)
     monkeypatch.setattr(vision, "image_processor", counted_processor)
     tokenizer = engine.tokenizer
     turn = {"role": "user", "content": tokenizer.images.placeholder + "This one, and "

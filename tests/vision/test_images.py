@@ -12,10 +12,11 @@ import io
 import pytest
 from PIL import Image
 
+from engine.image_files import open_image, rgb_pixels
 from engine.image_tokens import KEY_BASE, key_id
 from server.http.errors import APIError
 from server.images import ImageLimits, checked_image, load_images
-from tests.vision.support import data_url, png
+from tests.vision.support import data_url, png, webp_hiding_a_photocd
 
 LIMITS = ImageLimits(max_bytes=1 << 20, max_pixels=1 << 20, max_images=4,
                      url_hosts=frozenset())
@@ -62,6 +63,31 @@ def test_the_size_is_the_decoded_pixels_turned_as_their_exif_orientation_says():
     assert image.size == (20, 40)
     assert image.data == out.getvalue()
     assert checked_image(png(1, size=(30, 50)), LIMITS.max_pixels, "s").size == (50, 30)
+
+
+def test_a_malformed_tag_beside_the_orientation_still_turns_the_picture():
+    """Pillow's exif_transpose rewrites the EXIF it turns, and raised struct.error where a
+    tag was malformed (a TileLength typed ASCII): a 500. The picture turns all the same."""
+    exif = bytes.fromhex("4d4d002a000000080002014300020000000500000026011200030000000100"
+                         "06000000000000646573630000")  # Orientation 6, and that tag
+    pixels = Image.open(io.BytesIO(png(4, size=(16, 24))))
+    out = io.BytesIO()
+    pixels.save(out, format="PNG", exif=exif)
+    image = checked_image(out.getvalue(), LIMITS.max_pixels, "s")
+    assert image.size == (16, 24)
+    upright = pixels.convert("RGB").transpose(Image.Transpose.ROTATE_270)
+    assert rgb_pixels(open_image(out.getvalue())).tobytes() == upright.tobytes()
+
+
+def test_a_file_is_read_as_one_of_the_formats_it_was_checked_as():
+    """The digest and the model's input come from one decoding (engine/image_files.py): a
+    WebP that also holds a PhotoCD picture is its WebP to both."""
+    picture = Image.new("RGB", (32, 32), (30, 120, 200))
+    picture.paste((250, 20, 20), (4, 4, 20, 12))
+    data = webp_hiding_a_photocd(picture, 0x10)
+    assert Image.open(io.BytesIO(data)).format == "PCD"  # what reading every format finds
+    assert checked_image(data, LIMITS.max_pixels, "s").size == (32, 32)
+    assert rgb_pixels(open_image(data)).tobytes() == picture.tobytes()
 
 
 @pytest.mark.parametrize(("data", "message"), [

@@ -30,6 +30,7 @@ from tests.vision.support import (
     image_count,
     png,
     prompt_text,
+    webp_hiding_a_photocd,
 )
 
 MAX_TOKENS = 10
@@ -271,6 +272,26 @@ def test_an_image_url_is_fetched_from_an_allowed_host(client, model, tokenizer, 
     finally:
         host.shutdown()
     assert reply.choices[0].message.content == expected_answer(tokenizer, reference, image)
+
+
+def test_a_file_read_two_ways_is_fed_as_the_image_it_was_keyed_as(
+        client, model, tokenizer, reference):
+    """Two WebPs of one picture, each hiding another PhotoCD picture that a reader of
+    every format decodes instead: the server keyed both on their WebP, and the model was
+    fed the PhotoCD, so the second reused the first one's KV for another picture. Each
+    is now its WebP to both: the answer is the WebP's, and the second is cached."""
+    picture = Image.new("RGB", (32, 32), (30, 120, 200))
+    picture.paste((250, 20, 20), (4, 4, 20, 12))
+    webp = io.BytesIO()
+    picture.save(webp, format="WEBP", lossless=True)
+    expected = expected_answer(tokenizer, reference, webp.getvalue())
+    replies = [client.chat.completions.create(
+        model=model, messages=chat_image(data_url(webp_hiding_a_photocd(picture, shade),
+                                                  "image/webp")),
+        max_tokens=MAX_TOKENS, temperature=0) for shade in (0x10, 0xE0)]
+    assert [reply.choices[0].message.content for reply in replies] == [expected, expected]
+    assert replies[1].usage.prompt_tokens_details.cached_tokens >= (
+        replies[1].usage.prompt_tokens - 1)
 
 
 def truncated_png() -> bytes:
