@@ -36,6 +36,7 @@ from server.http.errors import APIError
 # or refused a text chat with no image; no text holds the pair by accident.
 MARKER = "\U000f0000\ufffc"
 
+# The most one image's fetch may take, from the request to its last byte.
 FETCH_TIMEOUT_SECONDS = 10.0
 
 
@@ -115,14 +116,23 @@ def _data_url(url: str, max_bytes: int) -> bytes:
 
 
 async def _fetch(url: str, limits: ImageLimits) -> bytes:
-    host = urlsplit(url).hostname or ""
+    # The host is checked as the client that fetches reads it (a tab in the authority, say,
+    # is not read alike by every parser), and a port out of range is refused here: httpx
+    # took it to the socket, which raised OverflowError.
+    try:
+        target = httpx.URL(url)
+        urlsplit(url).port  # noqa: B018 - read for its ValueError
+    except (httpx.InvalidURL, ValueError) as error:
+        raise ValueError(f"the image URL does not parse: {error}") from error
+    host = target.host
     if host.lower() not in limits.url_hosts:
         raise ValueError(f"image URLs from {host!r} are not fetched by this server "
                          "(allow_image_urls); send the image as a data: URL")
     try:
-        async with (httpx.AsyncClient(timeout=FETCH_TIMEOUT_SECONDS,
+        async with (asyncio.timeout(FETCH_TIMEOUT_SECONDS),
+                    httpx.AsyncClient(timeout=FETCH_TIMEOUT_SECONDS,
                                       follow_redirects=False) as client,
-                    client.stream("GET", url) as response):
+                    client.stream("GET", target) as response):
             if response.status_code != 200:
                 raise ValueError(f"fetching it answered {response.status_code}")
             data = bytearray()
@@ -132,5 +142,7 @@ async def _fetch(url: str, limits: ImageLimits) -> bytes:
                     raise ValueError(f"the image is larger than this server's limit of "
                                      f"{limits.max_bytes} bytes")
             return bytes(data)
+    except TimeoutError as error:
+        raise ValueError(f"fetching it took over {FETCH_TIMEOUT_SECONDS:g} s") from error
     except httpx.HTTPError as error:
         raise ValueError(f"fetching it failed: {error}") from error

@@ -7,13 +7,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import http.server
 import io
+import threading
+import time
+from dataclasses import replace
 
 import pytest
 from PIL import Image
 
 from engine.image_files import open_image, rgb_pixels
 from engine.image_tokens import KEY_BASE, key_id
+from server import images
 from server.http.errors import APIError
 from server.images import ImageLimits, checked_image, load_images
 from tests.vision.support import data_url, png, webp_hiding_a_photocd
@@ -161,3 +166,30 @@ def test_an_images_radix_key_is_60_bits_of_its_digest():
     keys = {key_id(digest) for digest in digests}
     assert len(keys) == 256
     assert all(KEY_BASE <= key < KEY_BASE + (1 << 60) < 1 << 63 for key in keys)
+
+
+def test_a_host_that_sends_slowly_is_cut_off_at_the_fetch_timeout(monkeypatch):
+    """httpx's timeout is per read: an allowed host sending a byte at a time held the
+    request for as long as it kept sending."""
+    class Trickle(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            for byte in png(6)[:40]:  # 2 s of it
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.05)
+
+        def log_message(self, *args):
+            pass
+
+    monkeypatch.setattr(images, "FETCH_TIMEOUT_SECONDS", 0.5)
+    host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    limits = replace(LIMITS, url_hosts=frozenset({"127.0.0.1"}))
+    try:
+        with pytest.raises(APIError, match="fetching it took over 0.5 s"):
+            asyncio.run(load_images([f"http://127.0.0.1:{host.server_port}/a.png"],
+                                    limits, "s"))
+    finally:
+        host.shutdown()

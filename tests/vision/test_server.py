@@ -313,6 +313,7 @@ BAD_IMAGES = {
     "a file path": "/etc/passwd",
     "a file URL": "file:///etc/passwd",
     "a host not allowed": "http://localhost:1/picture.png",
+    "an allowed host's URL no client can open": "http://127.0.0.1:99999/picture.png",
 }
 
 
