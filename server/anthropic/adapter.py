@@ -74,7 +74,7 @@ from server.events import (
 )
 from server.events import TextDelta as TextEvent
 from server.events import Usage as GenerationUsage
-from server.http.errors import APIError
+from server.http.errors import APIError, request_id_of
 from server.http.json_body import JSONRoute
 from server.http.loading import respond_with_model
 from server.http.model_response import model_response
@@ -371,7 +371,7 @@ async def _stream(
             yield [_sse(out) for out in stream.event(event)]
     except APIError as error:
         # The status line is sent already: the error travels as an `error` event.
-        yield [_sse(error.anthropic_body())]
+        yield [_sse(error.anthropic_body(generation.request_id))]
 
 
 # -- routes -------------------------------------------------------------------------------
@@ -404,7 +404,8 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
                                                results[0]))
 
     return await respond_with_model(state.models, body.model, body.stream, respond,
-                                    lambda error: _sse(error.anthropic_body()), _ping)
+                                    lambda error: _sse(error.anthropic_body(request_id_of(request.scope))),
+                                    _ping)
 
 
 def _ping() -> NamedEvent:

@@ -538,6 +538,7 @@ class ErrorInfo(ResponseModel):
 class ErrorResponse(ResponseModel):
     type: Literal["error"] = "error"
     error: ErrorInfo
+    request_id: str | None = None
 
 
 def error_type(status: int) -> ErrorType:

@@ -34,7 +34,7 @@ class APIKeyMiddleware:
                 401, "missing or invalid API key (send 'Authorization: Bearer <key>' or "
                 "'x-api-key: <key>')",
                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
-            ).response(scope["path"])(scope, receive, send)
+            ).response(scope)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -30,7 +30,7 @@ class BodyLimitMiddleware:
         try:
             receive = await self._buffered(scope, receive)
         except APIError as error:
-            await error.response(scope["path"])(scope, receive, send)
+            await error.response(scope)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
+from starlette.types import Scope
 
 from server.anthropic.protocol import ErrorInfo as AnthropicErrorInfo
 from server.anthropic.protocol import ErrorResponse as AnthropicErrorResponse
@@ -65,14 +66,19 @@ class APIError(Exception):
             )
         )
 
-    def anthropic_body(self) -> AnthropicErrorResponse:
+    def anthropic_body(self, request_id: str | None = None) -> AnthropicErrorResponse:
         return AnthropicErrorResponse(
-            error=AnthropicErrorInfo(type=anthropic_error_type(self.status), message=self.message)
+            error=AnthropicErrorInfo(type=anthropic_error_type(self.status), message=self.message),
+            request_id=request_id,
         )
 
-    def response(self, path: str) -> JSONResponse:
-        """The error in the shape of the API that `path` belongs to."""
-        body = self.anthropic_body() if is_anthropic_path(path) else self.body()
+    def response(self, scope: Scope) -> JSONResponse:
+        """The error in the shape of the API that the request's path belongs to; Anthropic's
+        names the request in its body as well as in its header."""
+        if is_anthropic_path(scope["path"]):
+            body = self.anthropic_body(request_id_of(scope))
+        else:
+            body = self.body()
         return JSONResponse(body.model_dump(), self.status, headers=self.headers)
 
 
@@ -89,16 +95,22 @@ class PromptTooLong(APIError):
             code="context_length_exceeded", param=param)
         self.tokens, self.limit = tokens, limit
 
-    def anthropic_body(self) -> AnthropicErrorResponse:
+    def anthropic_body(self, request_id: str | None = None) -> AnthropicErrorResponse:
         return AnthropicErrorResponse(error=AnthropicErrorInfo(
             type=anthropic_error_type(self.status),
-            message=f"prompt is too long: {self.tokens} tokens > {self.limit} maximum"))
+            message=f"prompt is too long: {self.tokens} tokens > {self.limit} maximum"),
+            request_id=request_id)
 
 
 def shown(text: str, most: int = 40) -> str:
     """A client's string as an error message quotes it: its first `most` characters (a
     20,000-character name echoed whole would make the error the largest thing sent)."""
     return repr(text if len(text) <= most else text[:most] + "...")
+
+
+def request_id_of(scope: Scope) -> str | None:
+    """The id the request middleware gave the request (none outside it)."""
+    return scope.get("state", {}).get("request_id")
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -202,11 +214,11 @@ def _has(node: Any, part: str | int) -> bool:
 
 
 async def _api_error(request: Request, error: APIError) -> JSONResponse:
-    return error.response(request.url.path)
+    return error.response(request.scope)
 
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    return validation_error(list(error.errors()), error.body).response(request.url.path)
+    return validation_error(list(error.errors()), error.body).response(request.scope)
 
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -218,7 +230,7 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     return APIError(
         error.status_code, str(error.detail), code=codes.get(error.status_code),
         headers=headers,
-    ).response(request.url.path)
+    ).response(request.scope)
 
 
 def _allowed_methods(request: Request) -> list[str]:

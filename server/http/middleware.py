@@ -66,14 +66,14 @@ class RequestMiddleware:
                 raise shutting_down()
             await self.app(scope, receive, send_with_id)
         except APIError as error:
-            await error.response(scope["path"])(scope, receive, send_with_id)
+            await error.response(scope)(scope, receive, send_with_id)
         except Exception:
             log.exception("request %s failed", request_id)
             if not response_started:
                 await APIError(
                     500, f"internal server error (request id {request_id})",
                     code="internal_error",
-                ).response(scope["path"])(scope, receive, send_with_id)
+                ).response(scope)(scope, receive, send_with_id)
         finally:
             drain.inflight -= 1
             self.state.metrics.count_request(_endpoint(scope["path"]), status)

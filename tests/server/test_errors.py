@@ -282,7 +282,9 @@ def test_only_root_and_health_are_open_without_the_key(server: ServerProcess) ->
 ])
 def test_errors_under_v1_messages_take_anthropics_shape(status: int, kind: str) -> None:
     error = APIError(status, "what went wrong", headers={"Retry-After": "1"})
-    body = json.loads(error.response("/v1/messages/count_tokens").body)
-    assert body == {"type": "error", "error": {"type": kind, "message": "what went wrong"}}
-    assert json.loads(error.response("/v1/responses").body)["error"]["message"] == \
-        "what went wrong"
+    scope = {"path": "/v1/messages/count_tokens", "state": {"request_id": "abc"}}
+    body = json.loads(error.response(scope).body)
+    assert body == {"type": "error", "error": {"type": kind, "message": "what went wrong"},
+                    "request_id": "abc"}
+    scope["path"] = "/v1/responses"
+    assert json.loads(error.response(scope).body)["error"]["message"] == "what went wrong"

@@ -229,6 +229,8 @@ def test_errors_are_anthropic_error_objects(
     assert error.status_code == status
     assert error.body["type"] == "error" and error.body["error"]["type"] == kind
     assert words in error.body["error"]["message"]
+    # The body names the request as its header does, as Anthropic's errors do.
+    assert error.body["request_id"] == error.response.headers["request-id"]
 
 
 @pytest.mark.parametrize("kind", sorted(DEFINED_TOOLS))
@@ -275,6 +277,7 @@ def test_authentication_takes_x_api_key_or_bearer(server: ServerProcess, model_i
     both_wrong = {"x-api-key": "wrong", "Authorization": "Bearer wrong"}
     assert httpx.post(url, json=body, headers=both_wrong).status_code == 401
     assert refused.json()["error"]["type"] == "authentication_error"
+    assert refused.json()["request_id"] == refused.headers["request-id"]
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=server.url, auth_token="wrong", max_retries=0) \
             .messages.count_tokens(model=model_id, messages=body["messages"])
