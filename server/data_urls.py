@@ -18,9 +18,11 @@ def split_data_url(url: str) -> tuple[str, str]:
 
 
 def decode_base64(payload: str) -> bytes:
-    """The bytes of a base64 payload; line breaks inside it (MIME-style wrapping) are no
-    error, anything else outside the alphabet is a ValueError."""
+    """The bytes of a base64 payload; line breaks inside it (MIME-style wrapping) and
+    missing padding (RFC 4648 lets a use of it leave the padding out, as JWTs and some
+    encoders do) are no error, anything else outside the alphabet is a ValueError."""
+    text = "".join(payload.split())
     try:
-        return base64.b64decode("".join(payload.split()), validate=True)
+        return base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
     except binascii.Error as error:
         raise ValueError(f"the base64 payload is invalid: {error}") from error

@@ -135,6 +135,12 @@ def test_wrapped_base64_is_read_and_the_limits_hold():
         payload[i:i + 76] for i in range(0, len(payload), 76))
     [image] = asyncio.run(load_images([wrapped], LIMITS, "s"))
     assert image.data == png(4)
+    padded = next(data for rows in range(40, 46) if len(data := png(4, (rows, 48))) % 3)
+    unpadded = "data:image/png;base64," + base64.b64encode(padded).decode().rstrip("=")
+    [image] = asyncio.run(load_images([unpadded], LIMITS, "s"))
+    assert image.data == padded
+    with pytest.raises(APIError, match="base64 payload is invalid"):
+        asyncio.run(load_images(["data:image/png;base64," + payload + "A"], LIMITS, "s"))
     with pytest.raises(APIError, match="5 images exceed"):
         asyncio.run(load_images([data_url(png(5))] * 5, LIMITS, "s"))
     small = ImageLimits(max_bytes=100, max_pixels=1 << 20, max_images=4, url_hosts=frozenset())
