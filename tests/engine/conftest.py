@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from engine import demo_model
+from engine.demo_model import build_demo_model
 from engine.engine import Engine
 from tests.engine.support import Reference, start_engine
 
@@ -15,6 +18,17 @@ def family_model_dir(demo_model_family):
     """The session's demo model of a family (tests/conftest.py builds each once), as a
     path string."""
     return lambda family: str(demo_model_family(family))
+
+
+@pytest.fixture(scope="session")
+def head64_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny demo llama with heads 64 wide, which kv_group_size 64 tiles (the demo's
+    are 16): a quantized engine (`kv_bits`) that starts in a second (the real model's
+    three took ~40 s on 2 loaded cores)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(demo_model.SIZES, "tiny-head64", {**demo_model.SIZES["tiny"], "head_dim": 64})
+        return build_demo_model(tmp_path_factory.mktemp("head64") / "tiny-head64",
+                                size="tiny-head64")
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3_text", "qwen3_next"])

@@ -10,9 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from engine import demo_model
 from engine.api import EngineConfig
-from engine.demo_model import build_demo_model
 from engine.engine import Engine
 from engine.kv import KVSegment
 from engine.kv_quant import KVQuantization, cached_bytes_per_token, kv_quantization
@@ -124,17 +122,6 @@ async def test_the_tree_holds_quantized_bytes(quantized) -> None:
 
 
 # -- the disk tier ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def head64_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny demo llama with heads 64 wide, which kv_group_size 64 tiles (the demo's
-    are 16): the disk tier's mechanics on an engine that starts in a second (the real
-    model's three took ~40 s on 2 loaded cores)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(demo_model.SIZES, "tiny-head64", {**demo_model.SIZES["tiny"], "head_dim": 64})
-        return build_demo_model(tmp_path_factory.mktemp("head64") / "tiny-head64",
-                                size="tiny-head64")
 
 
 async def test_quantized_segments_come_back_from_disk_and_other_bits_are_dropped(
