@@ -541,20 +541,16 @@ class Generator:
         prefix again instead of padding, as far as that prefix is its own (not a span
         another row of the group holds too): the forward costs the same, and a row with
         no padding needs no roll afterwards (`BatchKVCache.finalize`: 12 ms for seven
-        2000-token multi-turn rows on an H100, `grouped-prefill-1b`)."""
+        2000-token multi-turn rows on an H100, `grouped-prefill-1b`). Neither on a
+        quantized server, whose rows attend over their cached prefixes as kept."""
         depths = [len(s.tokens) for s in group]
-        shallowest = min((d for s, d in zip(group, depths) if s.prefix is not None),
-                         default=0)
-        cuts = [shallowest if s.prefix is not None and d - shallowest <= REFEED_TOKENS
-                else d for s, d in zip(group, depths)]
-        width = max(d - c + len(s.unfed) for s, d, c in zip(group, depths, cuts))
-        if width * len(group) > budget:
-            cuts = depths
-            width = max(len(s.unfed) for s in group)
-        own_from = _own_from(group)
-        # Deep enough that the row feeds `width` tokens, if its own prefix reaches there.
-        cuts = [max(d + len(s.unfed) - width, min(own, c))
-                for s, d, c, own in zip(group, depths, cuts, own_from)]
+        if self.quantization is not None:
+            # A cached token fed again is rounded anew (kv_quant.py), and can land a grid
+            # step from the value its prefix keeps: the row would attend over other KV
+            # than the tree's, and publish KV computed over it below the tree's.
+            cuts, width = depths, max(len(s.unfed) for s in group)
+        else:
+            cuts, width = self._refeeds(group, depths, budget)
         rows = [(s, s.tokens[c:] + s.unfed, _spans(s, c)) for s, c in zip(group, cuts)]
         # Rows holding the same spans side by side, each run where its first row was.
         first_seen: dict[tuple[int, int], int] = {}
@@ -581,6 +577,23 @@ class Generator:
         result.done += group
         result.tokens += width * len(group)
         return True
+
+    def _refeeds(self, group: list[SequenceState], depths: list[int], budget: int
+                 ) -> tuple[list[int], int]:
+        """Where each row of `_prefill_together`'s group is cut (its tokens from there on
+        fed), and the forward's width."""
+        shallowest = min((d for s, d in zip(group, depths) if s.prefix is not None),
+                         default=0)
+        cuts = [shallowest if s.prefix is not None and d - shallowest <= REFEED_TOKENS
+                else d for s, d in zip(group, depths)]
+        width = max(d - c + len(s.unfed) for s, d, c in zip(group, depths, cuts))
+        if width * len(group) > budget:
+            cuts = depths
+            width = max(len(s.unfed) for s in group)
+        own_from = _own_from(group)
+        # Deep enough that the row feeds `width` tokens, if its own prefix reaches there.
+        return [max(d + len(s.unfed) - width, min(own, c))
+                for s, d, c, own in zip(group, depths, cuts, own_from)], width
 
     def _forward_rows(self, prefixes: Sequence[Sequence[Span]], feeds: Sequence[list[int]],
                       width: int) -> tuple[list[Any], mx.array, mx.array, mx.array]:

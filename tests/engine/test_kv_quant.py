@@ -12,9 +12,10 @@ import pytest
 
 from engine.api import EngineConfig
 from engine.engine import Engine
+from engine.generator import Generator
 from engine.kv import KVSegment
 from engine.kv_quant import KVQuantization, cached_bytes_per_token, kv_quantization
-from engine.mlx_lm_internals import kv_bytes_per_token
+from engine.mlx_lm_internals import kv_bytes_per_token, span_tokens
 from tests.engine.kv_integrity import tree_nodes
 from tests.engine.support import complete, settled, start_engine
 
@@ -154,6 +155,41 @@ async def test_quantized_segments_come_back_from_disk_and_other_bits_are_dropped
         assert missed.finish.cached_tokens == 0
     finally:
         other.shutdown()
+
+
+@pytest.mark.parametrize(("bits", "refeeds"), [(None, True), (8, False), (4, False)])
+async def test_prompts_prefilled_together_attend_over_their_prefixes_as_kept(
+        head64_model_dir: Path, bits: int | None, refeeds: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two prompts prefilled in one forward, their cached prefixes 4 tokens apart: an
+    unquantized engine feeds the deeper one's last 4 cached tokens again, so that both
+    hold their prefixes at the same place. A quantized one must not: a token fed again is
+    rounded anew and can land a grid step from its kept value, so the row would attend
+    over other KV than the tree's, and the tree would keep KV computed over it below the
+    kept prefix (kv_integrity's check saw a value 2.1 steps off at 4 bits)."""
+    rows: list[tuple[int, list[int]]] = []  # (cached tokens under the row, tokens fed)
+    forward_rows = Generator._forward_rows
+
+    def recorded(self, prefixes, feeds, width):
+        rows.extend((span_tokens(spans), list(feed)) for spans, feed in zip(prefixes, feeds))
+        return forward_rows(self, prefixes, feeds, width)
+
+    monkeypatch.setattr(Generator, "_forward_rows", recorded)
+    engine = start_engine(str(head64_model_dir), kv_bits=bits, cache_bytes=1 << 24)
+    try:
+        prefix = [1, 2, *range(100, 140)]
+        await complete(engine, [*prefix, 7], max_tokens=1)
+        first, second = [*prefix, 300, 301, 302], [*prefix[:38], 400, 401, 402]
+        done = await asyncio.gather(complete(engine, first, max_tokens=1),
+                                    complete(engine, second, max_tokens=1))
+    finally:
+        engine.shutdown()
+    # One forward of both rows: each row's tokens end its prompt.
+    depths = {len(prompt): d.finish.cached_tokens for prompt, d in zip((first, second), done)}
+    assert depths == {45: len(prefix), 41: 38}
+    assert sorted(cached + len(fed) for cached, fed in rows) == [41, 45]
+    assert all(cached < depths[cached + len(fed)] for cached, fed in rows) is refeeds
+    assert all(cached == depths[cached + len(fed)] for cached, fed in rows) is not refeeds
 
 
 # -- models it does not apply to ----------------------------------------------------------------
