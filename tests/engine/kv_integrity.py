@@ -7,11 +7,35 @@ from scratch computes them (within float tolerance: the engine computes in chunk
 batches). A whole-state snapshot is checked by the answer it gives instead (its layout
 depends on how the state was reached): the logits of one more token after it, against a
 forward of its path and that token from scratch.
+
+A quantized segment (`--kv-bits`, engine/kv_quant.py) is checked against a forward that
+computes as a quantized engine does, every token attending over the KV its path keeps
+(`_AsKept`), its own new KV rounded by the engine's own `round`; each node of a path is
+checked so against the nodes above it, down to the root. Not a forward from scratch:
+rounding turns the float noise of forwards of other shapes into whole grid steps where a
+value lies near a step's edge, each step moves every later layer's KV a little, which
+rounds into more steps (on SmolLM2 at 8 bits, up to 6% of a correct node's values came
+out a step or two off). Over the kept KV, what remains is rounding noise: a value a step
+off, a group's whole grid moved where its largest value rounded the other way (mlx's
+scale depends on how it rounds), and where a node was computed over a prefix that is
+not the one kept (two requests computed it at once; the tree kept one), that prefix's
+steps moved through the later layers (up to 2.1 steps here). So:
+- the first layer's keys and values, which depend on the token and its position alone,
+  may be at most `MAX_STEPS` steps (its group's scale in the segment) off: KV of other
+  tokens, or shifted by two positions (shared/evidence/disk-tier-wrong-kv), are 8 to
+  2,400 steps off;
+- at most `MAX_FLIPPED` of a segment's values (beyond two groups') may be more than half
+  a step off: the same tokens after another prefix put 23% to 50% there.
+Measured on correct nodes under mixed traffic, clears and restarts (the tiny demo llama
+with 64-wide heads, SmolLM2-135M, at 8 and 4 bits): the first layer at most 1.04 steps
+off, at most 0.4% of a node's values (a tenth of what is allowed) more than half a step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,14 +45,20 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine import segment_file
 from engine.disk_store import DiskCopy, read_copy
 from engine.engine import Engine
-from engine.kv import CacheSnapshot, KVSegment
-from engine.mlx_lm_internals import clone_cache
+from engine.kv import CacheSnapshot, KVSegment, assemble
+from engine.kv_quant import KVQuantization
+from engine.mlx_lm_internals import RoundedWrites, clone_cache, kv_layout
 from engine.platform_info import apply_mlx_env_defaults
 
 # Float32 demo models: a correct node differs from a fresh forward by ~1e-5, a node
 # holding other positions' KV by ~1 (shared/evidence: 1.4-18.7). In bfloat16 a chunked
 # forward and a whole one round apart by up to a few of its steps (~1e-2 here).
 TOLERANCE = {mx.float32: 1e-3, mx.float16: 2e-2, mx.bfloat16: 0.1}
+# A quantized segment's values against a forward as a quantized engine computes it (see
+# the module's docstring): how many grid steps a value of the first layer may be off,
+# and the share of values more than half a step off, beyond two groups' worth.
+MAX_STEPS = 2.0
+MAX_FLIPPED = 0.05
 
 
 @dataclass
@@ -38,6 +68,14 @@ class Checked:
     snapshots: int = 0  # nodes whose whole-state snapshot was compared
 
 
+@dataclass
+class FolderChecked:
+    segments: int = 0  # KV segment files compared
+    snapshots: int = 0  # whole-state snapshot files compared
+    orphans: int = 0  # files no chain of parents leads to: a rebuild deletes them unread
+    problems: list[str] = field(default_factory=list)  # a line per wrong file
+
+
 def check_tree_kv(engine: Engine, model: nn.Module) -> Checked:
     """Assert that every span the engine's tree holds is the KV of its tokens. Call it
     while the engine is idle (it reads the tree's handles from this thread)."""
@@ -45,24 +83,45 @@ def check_tree_kv(engine: Engine, model: nn.Module) -> Checked:
     if engine.disk is not None:
         assert engine.disk.flush(30), "disk writes still queued"
     with scheduler.tree._mutex:
-        nodes = tree_nodes(scheduler.tree.root)
-        held = [(node.tokens, node.path_tokens_locked(), node.handle, node.stored) for node in nodes]
+        held = {node: (node.tokens, node.path_tokens_locked(), node.handle, node.stored)
+                for node in tree_nodes(scheduler.tree.root)}
+    quantization = scheduler.kv.quantization
+    copies: dict = {}
+
+    def copy_of(node) -> KVSegment:
+        """The node's disk copy, read once."""
+        if node not in copies:
+            edge, path, _, stored = held[node]
+            copies[node] = _read(stored, edge, len(path) - len(edge), quantization)
+        return copies[node]
+
+    def kept(node) -> list[KVSegment]:
+        """The segments the tree keeps for `node`'s path, memory before disk."""
+        segments = []
+        while node in held:
+            _, path, handle, stored = held[node]
+            assert isinstance(handle, KVSegment) or isinstance(stored, DiskCopy), (
+                f"the node ending at token {len(path)} of a quantized path keeps no KV")
+            segments.append(handle if isinstance(handle, KVSegment) else copy_of(node))
+            node = node.parent
+        return segments[::-1]
+
     checked = Checked()
     forwards: dict[tuple[int, ...], list] = {}
-    for edge, path, handle, stored in sorted(held, key=lambda h: -len(h[1])):
+    for node, (edge, path, handle, stored) in sorted(held.items(), key=lambda h: -len(h[1][1])):
         if isinstance(handle, CacheSnapshot):
             _compare_answers(model, handle, path)
             checked.snapshots += 1
             continue
         if not isinstance(handle, KVSegment) and not (stored and stored.splittable):
             continue  # junctions
-        fresh = _fresh(model, path, forwards)
+        fresh = _fresh(model, path, forwards, quantization and (quantization, kept(node)))
         start = len(path) - len(edge)
         if isinstance(handle, KVSegment):
             _compare(handle, fresh, start, path, "memory")
             checked.memory += 1
         if isinstance(stored, DiskCopy) and stored.splittable:
-            copy = _read(stored, edge, start)
+            copy = copy_of(node)
             _compare(copy, fresh, start, path, "disk")
             if isinstance(handle, KVSegment):
                 _same_bits(copy, handle, start, path)
@@ -73,34 +132,50 @@ def check_tree_kv(engine: Engine, model: nn.Module) -> Checked:
 def check_folder_kv(folder: Path, model: nn.Module) -> list[str]:
     """The same check for the files of a disk tier's model folder alone, each against a
     forward of its token path (its chain of parents): what a restart would load. Returns
-    one line per file that is wrong, or whose chain is broken. Its forwards compute as the
-    engine's do: a process with no engine of its own (the soak's, after its servers) would
-    otherwise multiply in MLX's defaults, TF32 on a GPU, ~1e-3 from the engine's float32."""
+    one line per file that is wrong (`check_folder` says what it checked as well)."""
+    return check_folder(folder, model).problems
+
+
+def check_folder(folder: Path, model: nn.Module) -> FolderChecked:
+    """`check_folder_kv`, with the count of files checked. Its forwards compute as the
+    engine's do: a process with no engine of its own (the soak's, after its servers)
+    would otherwise multiply in MLX's defaults, TF32 on a GPU, ~1e-3 from the engine's
+    float32."""
     apply_mlx_env_defaults()
     headers = {}
     for path in folder.glob(f"*{segment_file.SUFFIX}"):
         header, _, _ = segment_file.read_header(path)
         headers[header.key] = (path, header)
-    spans = []
+    checked, chains = FolderChecked(), []
     for path, header in headers.values():
-        if header.kind != "segment":
-            continue
-        chain, parent = [header], header.parent
+        chain, parent = [(path, header)], header.parent
         while parent in headers:
-            chain.append(headers[parent][1])
-            parent = chain[-1].parent
+            chain.append(headers[parent])
+            parent = chain[-1][1].parent
         if parent != header.fingerprint:
-            continue  # an orphan: a rebuild deletes it unread
-        spans.append((path, header, tuple(t for part in reversed(chain) for t in part.tokens)))
-    problems, forwards = [], {}
+            checked.orphans += 1
+            continue
+        chains.append(chain[::-1])
+    read = _file_reader(model)
+    forwards: dict[tuple[int, ...], list] = {}
     # Longest paths first: a prefix's forward is then a slice of one already made.
-    for path, header, tokens in sorted(spans, key=lambda span: -len(span[2])):
+    for chain in sorted(chains, key=len, reverse=True):
+        path, header = chain[-1]
+        tokens = tuple(t for _, part in chain for t in part.tokens)
         try:
-            segment = _read_file(path)
-            _compare(segment, _fresh(model, tokens, forwards), header.start, tokens, "disk")
+            handle = read(path, header)
+            if isinstance(handle, CacheSnapshot):
+                _compare_answers(model, handle, tokens)
+                checked.snapshots += 1
+                continue
+            kept = handle.quantization and (handle.quantization,
+                                            [read(*link) for link in chain])
+            _compare(handle, _fresh(model, tokens, forwards, kept), header.start, tokens,
+                     "disk")
+            checked.segments += 1
         except AssertionError as error:
-            problems.append(f"{path.name}: {error}")
-    return problems
+            checked.problems.append(f"{path.name}: {error}")
+    return checked
 
 
 def tree_nodes(root) -> list:
@@ -113,18 +188,44 @@ def tree_nodes(root) -> list:
     return found
 
 
-def _fresh(model: nn.Module, path: tuple[int, ...], forwards: dict) -> list:
-    """Per layer (keys, values) of a forward of `path` from scratch, reusing a longer
-    path's forward when `path` is its prefix (causal: later tokens change nothing)."""
+def _fresh(model: nn.Module, path: tuple[int, ...], forwards: dict,
+           kept: tuple[KVQuantization, list[KVSegment]] | None = None) -> list:
+    """Per layer (keys, values) of a forward of `path` from scratch, or with `kept` (a
+    quantized tree's segments of the path) as a quantized engine computes it, reusing a
+    longer path's forward when `path` is its prefix (causal: later tokens change
+    nothing; and a prefix's segments are the longer path's first)."""
     for longer, layers in forwards.items():
         if longer[:len(path)] == path:
             return layers
-    cache = make_prompt_cache(model)
-    model(mx.array([path]), cache=cache)
-    layers = [(c.keys[..., :len(path), :], c.values[..., :len(path), :]) for c in cache]
+    if kept is None:
+        cache = make_prompt_cache(model)
+        model(mx.array([path]), cache=cache)
+        layers = [(c.keys[..., :len(path), :], c.values[..., :len(path), :]) for c in cache]
+    else:
+        quantization, segments = kept
+        cache = [_AsKept(layer, held, quantization.round) for layer, held
+                 in zip(make_prompt_cache(model), assemble(segments, model), strict=True)]
+        model(mx.array([path]), cache=cache)
+        layers = [layer.computed for layer in cache]
     mx.eval(layers)
     forwards[path] = layers
     return layers
+
+
+class _AsKept(RoundedWrites):
+    """A cache layer whose forward attends over the KV a quantized tree keeps for its path
+    (`held`, the engine's own `assemble` of the path's segments) and records the keys and
+    values it computed instead, rounded as the engine rounds them (`computed`)."""
+
+    def __init__(self, layer, held, round: Callable[[mx.array], mx.array]) -> None:
+        super().__init__(layer, round)
+        self._held, self.computed = held, None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        start, end = self.offset, self.offset + keys.shape[-2]
+        self.computed = (self._round(keys), self._round(values))
+        return self._layer.update_and_fetch(self._held.keys[..., start:end, :],
+                                            self._held.values[..., start:end, :])
 
 
 def _compare_answers(model: nn.Module, snapshot: CacheSnapshot, path: tuple[int, ...],
@@ -137,7 +238,8 @@ def _compare_answers(model: nn.Module, snapshot: CacheSnapshot, path: tuple[int,
         f"the snapshot at {len(path)} tokens answers as another state (max diff {error:.3g})")
 
 
-def _read(stored: DiskCopy, edge: tuple[int, ...], start: int) -> KVSegment:
+def _read(stored: DiskCopy, edge: tuple[int, ...], start: int,
+          quantization: KVQuantization | None) -> KVSegment:
     """The file's KV as the engine would load it, after checking its header says the
     same span as the node (from the copy's `skip` on: a rebuild found the span's first
     tokens in nodes of their own)."""
@@ -148,21 +250,41 @@ def _read(stored: DiskCopy, edge: tuple[int, ...], start: int) -> KVSegment:
     assert (header.start + skip, tuple(header.tokens[skip:])) == (start, edge), (
         f"{stored.path.name}: file says {header.start}+{len(header.tokens)} from {skip} "
         f"on, node is {start}+{len(edge)}")
-    segment = _read_file(stored.path)
+    _, segment = read_copy(stored.path, quantization)
+    assert isinstance(segment, KVSegment)
     return segment.split(skip)[1] if skip else segment
 
 
-def _read_file(path: Path) -> KVSegment:
-    _, segment = read_copy(path)
-    assert isinstance(segment, KVSegment)
-    return segment
+def _file_reader(model: nn.Module) -> Callable[[Path, segment_file.SegmentHeader],
+                                               KVSegment | CacheSnapshot]:
+    """Reads a file as a server of its header's quantization loads it, each file once."""
+    handles: dict[Path, KVSegment | CacheSnapshot] = {}
+    dtype = functools.cache(lambda: kv_layout(model)[0])
+
+    def read(path: Path, header: segment_file.SegmentHeader) -> KVSegment | CacheSnapshot:
+        if path not in handles:
+            quantization = header.kv_bits and KVQuantization(
+                header.kv_bits, header.kv_group_size, dtype())
+            handles[path] = read_copy(path, quantization or None)[1]
+        return handles[path]
+
+    return read
+
+
+def _kept_arrays(segment: KVSegment) -> list[tuple[str, Sequence[mx.array]]]:
+    """What a segment keeps, by name: keys and values, or their quantized triples."""
+    if segment.quantization is None:
+        return [("keys", segment.keys), ("values", segment.values)]
+    return [(f"{side} {part}", arrays)
+            for side, triple in zip(("keys", "values"), segment.stored, strict=True)
+            for part, arrays in zip(("packed", "scales", "biases"), triple, strict=True)]
 
 
 def _same_bits(copy: KVSegment, handle: KVSegment, start: int, path: tuple[int, ...]) -> None:
     """A disk copy is its memory handle's arrays written out: it must come back bit for
     bit, in the same dtype."""
-    for side, copied, held in (("keys", copy.keys, handle.keys),
-                               ("values", copy.values, handle.values)):
+    for (side, copied), (_, held) in zip(_kept_arrays(copy), _kept_arrays(handle),
+                                         strict=True):
         for layer, (a, b) in enumerate(zip(copied, held, strict=True)):
             assert a.dtype == b.dtype and mx.array_equal(a, b).item(), (
                 f"disk {side}[{layer}] of tokens {start}-{len(path)} is not its memory "
@@ -172,17 +294,41 @@ def _same_bits(copy: KVSegment, handle: KVSegment, start: int, path: tuple[int, 
 def _compare(segment: KVSegment, fresh: list, start: int, path: tuple[int, ...],
              tier: str) -> None:
     end = len(path)
-    for layer, (keys, values) in enumerate(fresh):
-        for name, stored, expected in (("keys", segment.keys[layer], keys),
-                                       ("values", segment.values[layer], values)):
+    flipped = values = 0
+    for side, (name, stored_layers) in enumerate(
+            (("keys", segment.keys), ("values", segment.values))):
+        for layer, computed in enumerate(fresh):
+            stored, want = stored_layers[layer], computed[side][..., start:end, :]
+            where = f"{tier} {name}[{layer}] of tokens {start}-{end}"
             positions = stored.shape[-2]
-            assert positions == end - start, (
-                f"{tier} {name}[{layer}] of tokens {start}-{end} holds {positions} positions")
-            want = expected[..., start:end, :]
+            assert positions == end - start, f"{where} holds {positions} positions"
             assert stored.dtype == want.dtype, (
-                f"{tier} {name}[{layer}] of tokens {start}-{end} is {stored.dtype}, "
-                f"the model computes {want.dtype}")
-            worst = float(mx.abs(stored.astype(mx.float32) - want.astype(mx.float32)).max())
-            assert worst < TOLERANCE[want.dtype], (
-                f"{tier} {name}[{layer}] of tokens {start}-{end}: max |stored - fresh| = "
-                f"{worst:.3g}")
+                f"{where} is {stored.dtype}, the model computes {want.dtype}")
+            off = mx.abs(stored.astype(mx.float32) - want.astype(mx.float32))
+            if segment.quantization is None:
+                worst = float(off.max())
+                assert worst < TOLERANCE[want.dtype], (
+                    f"{where}: max |stored - fresh| = {worst:.3g}")
+                continue
+            steps = off / _step(segment, side, layer, stored)
+            worst = float(steps.max())
+            assert layer > 0 or worst <= MAX_STEPS, (
+                f"{where}: a value {worst:.3g} grid steps from a forward of its tokens "
+                f"(max |stored - fresh| = {float(off.max()):.3g})")
+            flipped += int((steps > 0.5).sum())
+            values += steps.size
+    if segment.quantization is not None:
+        allowed = MAX_FLIPPED * values + 2 * segment.quantization.group_size
+        assert flipped <= allowed, (
+            f"{tier} tokens {start}-{end}: {flipped} of {values} values more than half a "
+            f"grid step from a forward over the path's kept KV (at most {allowed:.0f})")
+
+
+def _step(segment: KVSegment, side: int, layer: int, stored: mx.array) -> mx.array:
+    """The grid step of each of a quantized segment's values: its group's scale (float32;
+    mlx makes it negative where the group's largest magnitude is its maximum), or where
+    the model's dtype is coarser there, that dtype's step."""
+    quantization = segment.quantization
+    scales = mx.abs(segment.stored[side][1][layer])
+    step = mx.repeat(scales, quantization.group_size, axis=-1)
+    return mx.maximum(step, mx.abs(stored.astype(mx.float32)) * mx.finfo(stored.dtype).eps)

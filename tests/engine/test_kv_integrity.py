@@ -7,17 +7,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import math
 import random
 import shutil
 import threading
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
+from engine import segment_file
 from engine.demo_model import demo_model_path
 from engine.engine import Engine
-from tests.engine.kv_integrity import check_folder_kv, check_tree_kv
+from engine.kv_quant import KVQuantization, cached_bytes_per_token
+from tests.engine import kv_integrity
+from tests.engine.kv_integrity import check_folder, check_folder_kv, check_tree_kv, tree_nodes
 from tests.engine.support import Reference, complete, settled, start_engine
 from tests.faults import failing_first
 
@@ -287,3 +292,122 @@ async def test_a_disk_load_that_raises_is_computed_instead(model_dir, reference,
         assert await answer(new, reference, prompt) > 0  # computed, cached again
     finally:
         new.shutdown()
+
+
+# -- a quantized server (`--kv-bits`) ---------------------------------------------------------
+
+
+def start_quantized(model_dir: Path, directory, bits: int, memory_tokens: int,
+                    disk_tokens: int) -> Engine:
+    """A `--kv-bits` engine on the tiny llama with 64-wide heads, budgets in its tokens."""
+    per_token = cached_bytes_per_token(2 * BYTES_PER_TOKEN,  # its float32 KV, heads 64 wide
+                                       KVQuantization(bits, 64, mx.float32))
+    return start_engine(str(model_dir), kv_bits=bits, cache_bytes=memory_tokens * per_token,
+                        disk_cache_dir=str(directory),
+                        disk_cache_bytes=disk_tokens * per_token)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+async def test_a_quantized_tree_and_its_files_hold_the_kv_of_their_tokens(
+        head64_model_dir, tmp_path, bits):
+    """Mixed traffic behind shared heads (2 tokens, a system prompt, earlier turns), some
+    at once, a memory budget of ~2 prompts and a disk budget of ~6, a clear while
+    requests run, and a restart whose rebuild races the next requests: after every step
+    every node's quantized KV, in memory and on disk, and every file of the folder, is
+    that of its tokens as a quantized engine computes it (kv_integrity's docstring)."""
+    model = Reference(str(head64_model_dir)).model
+    rng = random.Random(bits)
+    heads = [[1, 2] + [rng.randrange(50, 900) for _ in range(rng.randrange(20, 60))]
+             for _ in range(3)]
+    conversations: list[list[int]] = []
+    engine = start_quantized(head64_model_dir, tmp_path, bits, 150, 400)
+    tiers: collections.Counter[str] = collections.Counter()
+    checked = 0
+    try:
+        for step in range(8):
+            if step == 5:
+                tiers.update(_tier_moves(engine))
+                engine.shutdown()
+                engine = start_quantized(head64_model_dir, tmp_path, bits, 150, 400)
+            prompts = []
+            for _ in range(rng.choice([2, 3])):
+                if conversations and rng.random() < 0.4:
+                    base = rng.choice(conversations)
+                else:
+                    base = rng.choice(heads)[:rng.randrange(2, 60)]
+                prompts.append(base + [rng.randrange(50, 900) for _ in range(rng.randrange(1, 30))])
+            conversations += prompts
+            runs = [complete(engine, prompt, max_tokens=4) for prompt in prompts]
+            if step == 3:
+                runs.append(asyncio.wrap_future(engine.clear_cache()))
+            await asyncio.gather(*runs)
+            await settled(engine)
+            assert engine.disk.rebuilt.wait(30)
+            counted = check_tree_kv(engine, model)
+            checked += counted.memory + counted.disk
+        tiers.update(_tier_moves(engine))
+        assert engine.disk.flush(30)
+        folder = check_folder(engine.disk.directory, model)
+    finally:
+        engine.shutdown()
+    assert folder.problems == [] and folder.segments > 0
+    assert checked > 0
+    assert tiers["demoted"] and tiers["promoted"] and tiers["restored"], tiers
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+async def test_quantized_kv_of_another_path_fails_the_check(head64_model_dir, tmp_path, bits,
+                                                             monkeypatch):
+    """The check is not blind to a quantized span holding another path's KV: the spans
+    of equally long token runs T and U after a head A, and of T after another head B,
+    swapped in memory and in their files (each file's header kept, as the evidence's
+    wrong files were whole and well formed): other tokens at the same positions, and
+    the same tokens after another prefix, each fail."""
+    rng = random.Random(bits)
+    a, b, t, u = ([rng.randrange(50, 900) for _ in range(24)] for _ in range(4))
+    engine = start_quantized(head64_model_dir, tmp_path, bits, 4096, 4096)
+    model = Reference(str(head64_model_dir)).model
+    try:
+        for prompt in ([1, 2, *a, *t], [1, 2, *a, *u], [1, 2, *b, 7], [1, 2, *b, *t]):
+            await complete(engine, prompt, max_tokens=1)
+        await settled(engine)
+        assert check_tree_kv(engine, model).disk > 0
+        nodes = {tuple(node.path_tokens_locked()): node
+                 for node in tree_nodes(engine._scheduler.tree.root)}
+        # A prompt's last token is computed by its first decode step, and cached with it.
+        at, au, bt = (nodes[(1, 2, *head, *tail[:-1])]
+                      for head, tail in ((a, t), (a, u), (b, t)))
+        assert len(at.tokens) == len(au.tokens) == len(bt.tokens) == len(t) - 1
+        for node, other in ((at, au), (at, bt)):
+            node.handle, other.handle = other.handle, node.handle
+            with pytest.raises(AssertionError, match="memory"):
+                check_tree_kv(engine, model)
+            node.handle, other.handle = other.handle, node.handle
+        files = {node: node.stored.path for node in (at, au, bt)}
+    finally:
+        engine.shutdown()
+    folder = files[at].parent
+    assert check_folder_kv(folder, model) == []
+    # Other tokens fail by how far their first layer is off and by how many values are
+    # off, each alone; the same tokens after another prefix by how many are off.
+    for other, rules in ((au, ("MAX_STEPS", "MAX_FLIPPED")), (bt, ("MAX_FLIPPED",))):
+        swap_kv(files[at], files[other])
+        for rule in (None, *rules):
+            for name in {"MAX_STEPS", "MAX_FLIPPED"} - {rule} if rule else ():
+                monkeypatch.setattr(kv_integrity, name, math.inf)  # only `rule` speaks
+            wrong = check_folder_kv(folder, model)
+            assert sorted(line.split(":")[0] for line in wrong) == sorted(
+                (files[at].name, files[other].name)), rule
+            monkeypatch.undo()
+        swap_kv(files[at], files[other])
+
+
+def swap_kv(first: Path, second: Path) -> None:
+    """Give each of two files of equally long spans the other's tensors, keeping its own
+    header (its checksums written anew)."""
+    tensors = {path: mx.load(str(path)) for path in (first, second)}
+    for path, other in ((first, second), (second, first)):
+        header, _, _ = segment_file.read_header(path)
+        segment_file.write(path, header, [
+            segment_file.Tensor(name, {mx.float32: "F32", mx.uint32: "U32"}[array.dtype],
+                                np.array(array)) for name, array in tensors[other].items()])
