@@ -30,6 +30,7 @@ from server.anthropic.protocol import (
     ContentBlockStart,
     ContentBlockStop,
     DocumentBlock,
+    ErrorInfo,
     ErrorResponse,
     ImageBlock,
     InputJsonDelta,
@@ -62,6 +63,7 @@ from server.anthropic.protocol import (
     ToolUseBlock,
     ToolUseContent,
     Usage,
+    error_type,
 )
 from server.events import (
     ChoiceFinished,
@@ -376,6 +378,24 @@ async def _stream(
 
 # -- routes -------------------------------------------------------------------------------
 
+
+class ThreadNotHeld(APIError):
+    """A request in a message thread, which this server does not hold: Anthropic's
+    `thread_unsupported_request`, on which the SDKs' tool runners (threaded by default)
+    send the turn again with the whole conversation and stop threading."""
+
+    def __init__(self) -> None:
+        super().__init__(400, "thread: message threads are not held by this server; send "
+                              "the whole conversation without thread",
+                         code="thread_unsupported_request", param="thread")
+
+    def anthropic_body(self, request_id: str | None = None) -> ErrorResponse:
+        details = {"error_code": self.code, "unsupported": ["thread"]}
+        return ErrorResponse(error=ErrorInfo(type=error_type(self.status), message=self.message,
+                                             details=details),
+                             request_id=request_id)
+
+
 router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
                    route_class=JSONRoute)
 
@@ -383,6 +403,8 @@ router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
 @router.post("/messages", responses={
     200: {"model": MessageResponse, "content": event_stream(StreamEvent, ErrorResponse)}})
 async def create_message(body: MessagesRequest, request: Request) -> Response:
+    if body.thread is not None:
+        raise ThreadNotHeld()
     state = server_state(request)
 
     async def respond(lease: Lease) -> Response:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, Tag, model_serializer, model_validator
 
 from engine.api import SpeculationMode
 from server.anthropic.defined_tools import DEFINED_TOOLS
@@ -400,6 +400,11 @@ class MessagesRequest(TokenCountRequest):
     top_k: int | None = Field(None, ge=0)
     # radix-mlx's: speculative decoding for this request (none: the server's mode).
     speculation: SpeculationMode | None = None
+    # Anthropic's message threads: the server holds the conversation, and a `continue`
+    # sends only the new messages, without `system` and `tools`. Nothing is held here, so
+    # a thread is refused (the route's `ThreadNotHeld`) rather than ignored, which would
+    # answer a tool result alone.
+    thread: Any = None
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -533,6 +538,15 @@ ErrorType = Literal[
 class ErrorInfo(ResponseModel):
     type: ErrorType
     message: str
+    # What a client acts on (`error_code`, ...), where Anthropic's error has it.
+    details: dict[str, Any] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_details(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("details") is None:
+            data.pop("details", None)
+        return data
 
 
 class ErrorResponse(ResponseModel):

@@ -251,6 +251,56 @@ def test_anthropic_defined_tools_are_shown_as_their_documented_schema(
     assert named.input_tokens == spelled.input_tokens > bare.input_tokens
 
 
+def test_a_message_thread_is_refused_so_the_sdk_tool_runner_sends_each_turn_whole(
+    claude: anthropic.Anthropic, model_id: str
+) -> None:
+    """The SDK's tool runner threads its turns by default: `thread: {"type": "create"}`,
+    then a `continue` carrying the tool results alone, without system and tools, for the
+    server to put after the conversation it holds. Nothing is held here: a thread is
+    Anthropic's thread_unsupported_request, on which the runner sends each turn whole."""
+    ran = []
+
+    @anthropic.beta_tool
+    def read_file(path: Literal["README.md"]) -> str:
+        """Read a file of the project."""
+        ran.append(path)
+        return "# radix-mlx"
+
+    runner = claude.beta.messages.tool_runner(
+        model=model_id, max_tokens=40, system="You read files.", tools=[read_file],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True}, max_iterations=2,
+        extra_body=GREEDY,
+        messages=[{"role": "user", "content": "What does the README say?"}])
+    first, second = list(runner)
+    assert ran and [block.type for block in first.content] == ["tool_use"]
+    # The second turn's prompt is the whole conversation: the first one's, then more.
+    first_prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens > first_prompt
+
+
+@pytest.mark.parametrize("thread", [
+    {"type": "create"}, {"type": "continue", "previous_message_id": "msg_0"}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_thread_is_a_400_the_sdks_recognise(server: ServerProcess, model_id: str,
+                                               thread: dict, stream: bool) -> None:
+    body = {"model": model_id, "max_tokens": 2, "stream": stream, "thread": thread,
+            "messages": [{"role": "user", "content": "x"}]}
+    response = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60,
+                          headers={"x-api-key": API_KEY})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and "thread" in error["message"]
+    assert error["details"] == {"error_code": "thread_unsupported_request",
+                                "unsupported": ["thread"]}
+    # No thread is no thread; other errors have no details.
+    del body["thread"]
+    assert httpx.post(f"{server.url}/v1/messages", json={**body, "thread": None}, timeout=60,
+                      headers={"x-api-key": API_KEY}).status_code == 200
+    other = httpx.post(f"{server.url}/v1/messages", json={**body, "max_tokens": 0},
+                       headers={"x-api-key": API_KEY}).json()["error"]
+    assert "details" not in other
+
+
 def test_models_list_reads_as_anthropics(claude: anthropic.Anthropic, model_id: str) -> None:
     """Claude Code's model discovery (CLAUDE_CODE_ENABLE_GATEWAY_MODEL_DISCOVERY) reads
     /v1/models with this SDK; OpenAI's clients read the same list."""
