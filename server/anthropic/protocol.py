@@ -376,6 +376,21 @@ class TokenCountRequest(RequestModel):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    # The structured-outputs beta's name for output_config.format, which clients written
+    # for that beta (the SDKs of its time sent it as given) still send: read as
+    # output_config.format, not ignored.
+    output_format: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _output_format_is_output_config_format(self) -> TokenCountRequest:
+        if self.output_format is None:
+            return self
+        if self.output_config is not None and self.output_config.format is not None:
+            raise ValueError("output_format is the former name of output_config.format: "
+                             "send one of them")
+        config = self.output_config or OutputConfig()
+        self.output_config = config.model_copy(update={"format": self.output_format})
+        return self
 
     @model_validator(mode="after")
     def _check_tool_choice(self) -> TokenCountRequest:

@@ -436,13 +436,24 @@ def test_a_forced_call_cut_short_has_the_input_its_stream_gives(
     assert cut > 0
 
 
-def test_output_config_json_schema(claude: anthropic.Anthropic, model_id: str) -> None:
+@pytest.mark.parametrize("field", ["output_config", "output_format"])
+def test_output_config_json_schema(claude: anthropic.Anthropic, model_id: str,
+                                   field: str) -> None:
+    """output_format is the structured-outputs beta's name for output_config.format,
+    which its clients still send."""
+    schema_format = {"type": "json_schema", "schema": Weather.model_json_schema()}
+    given = ({"output_config": {"format": schema_format}} if field == "output_config"
+             else {"extra_body": {"output_format": schema_format}})
     message = claude.messages.create(
         model=model_id, max_tokens=ROOM, messages=[{"role": "user", "content": "Weather?"}],
-        output_config={"format": {"type": "json_schema", "schema": Weather.model_json_schema()}},
-    )
+        **given)
     Weather.model_validate_json(message.content[0].text)
     assert message.stop_reason == "end_turn"
+    if field == "output_format":
+        with pytest.raises(anthropic.BadRequestError, match="send one of them"):
+            claude.messages.create(
+                model=model_id, max_tokens=ROOM, messages=[{"role": "user", "content": "x"}],
+                output_config={"format": schema_format}, **given)
 
 
 def test_thinking_streams_as_a_thinking_block(thinking_server: ServerProcess) -> None:
