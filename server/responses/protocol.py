@@ -375,6 +375,9 @@ class ResponsesRequest(RequestModel):
     speculation: SpeculationMode | None = None
     background: bool = False
     conversation: Any = None
+    # A prompt stored on OpenAI's platform, by id, with its variables: none is stored
+    # here, and answered without it the reply would lack the caller's instructions.
+    prompt: Any = None
 
     @property
     def logprobs(self) -> int | None:
@@ -397,6 +400,9 @@ class ResponsesRequest(RequestModel):
             raise ValueError("background responses are not supported")
         if self.conversation is not None:
             raise ValueError("conversation is not supported; use previous_response_id")
+        if self.prompt is not None:
+            raise ValueError("prompt: stored prompts are not supported; send their text as "
+                             "instructions and input")
         if not self.input and not self.instructions and self.previous_response_id is None:
             raise ValueError("input is empty, and there are no instructions to answer")
         names = [tool.name for tool in self.function_tools + self.custom_tools]

@@ -372,6 +372,8 @@ SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
      "no Files API", None),
     ({"input": "x", "background": True}, "background responses are not supported", None),
+    ({"input": "x", "prompt": {"id": "pmpt_1", "variables": {"city": "Paris"}}},
+     "stored prompts are not supported", None),
     ({"input": "x", "tool_choice": "required"}, "tool_choice needs tools", None),
     ({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": "required"},
      "hosted tools (web_search, ...) are not run by this server", None),
