@@ -1,8 +1,9 @@
 """Error objects for every failure, with the right status and nothing leaked.
 
-Every error leaves in the shape of the API its path belongs to: Anthropic's
-`{"type": "error", "error": {"type", "message"}}` under /v1/messages, OpenAI's
-`{"error": {"message", "type", "param", "code"}}` everywhere else. That covers our own
+Every error leaves in the shape of the API the request speaks: Anthropic's
+`{"type": "error", "error": {"type", "message"}, "request_id"}` under /v1/messages and
+to Anthropic's SDKs on shared paths, OpenAI's `{"error": {"message", "type", "param",
+"code"}}` everywhere else. That covers our own
 `APIError`s, FastAPI's validation errors (400 instead of FastAPI's 422, as OpenAI does),
 Starlette's routing errors (404/405) and, through the request middleware, unexpected
 exceptions, which become a 500 naming the request id while the traceback stays in the
@@ -73,9 +74,9 @@ class APIError(Exception):
         )
 
     def response(self, scope: Scope) -> JSONResponse:
-        """The error in the shape of the API that the request's path belongs to; Anthropic's
-        names the request in its body as well as in its header."""
-        if is_anthropic_path(scope["path"]):
+        """The error in the shape of the API the request speaks; Anthropic's names the
+        request in its body as well as in its header."""
+        if speaks_anthropic(scope):
             body = self.anthropic_body(request_id_of(scope))
         else:
             body = self.body()
@@ -113,8 +114,13 @@ def request_id_of(scope: Scope) -> str | None:
     return scope.get("state", {}).get("request_id")
 
 
-def is_anthropic_path(path: str) -> bool:
-    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+def speaks_anthropic(scope: Scope) -> bool:
+    """A request to the Messages API, or from one of Anthropic's SDKs to a path both APIs
+    share (/v1/models): they send `anthropic-version` with every request, and read an
+    error by Anthropic's shape."""
+    path = scope["path"]
+    return (path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+            or any(name == b"anthropic-version" for name, _ in scope.get("headers", ())))
 
 
 def error_type(status: int) -> str:

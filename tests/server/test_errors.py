@@ -288,3 +288,6 @@ def test_errors_under_v1_messages_take_anthropics_shape(status: int, kind: str) 
                     "request_id": "abc"}
     scope["path"] = "/v1/responses"
     assert json.loads(error.response(scope).body)["error"]["message"] == "what went wrong"
+    # Anthropic's SDKs name their API version in every request, to shared paths too.
+    scope.update(path="/v1/models/nope", headers=[(b"anthropic-version", b"2023-06-01")])
+    assert json.loads(error.response(scope).body)["error"]["type"] == kind

@@ -309,6 +309,11 @@ def test_models_list_reads_as_anthropics(claude: anthropic.Anthropic, model_id: 
     assert first.id == model_id and first.type == "model" and first.display_name == model_id
     assert first.created_at.year >= 2024 and first.max_input_tokens > 0
     assert not models.has_more
+    assert claude.models.retrieve(model_id).id == model_id
+    with pytest.raises(anthropic.NotFoundError) as raised:
+        claude.models.retrieve("no-such-model")
+    assert raised.value.body["type"] == "error"  # Anthropic's shape, on a path both APIs share
+    assert raised.value.body["error"]["type"] == "not_found_error"
 
 
 def test_authentication_takes_x_api_key_or_bearer(server: ServerProcess, model_id: str) -> None:
