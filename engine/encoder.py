@@ -41,6 +41,7 @@ from engine.bert import SentenceEncoder, is_sentence_encoder, load_sentence_enco
 from engine.cross_encoder import CrossEncoder, is_cross_encoder, load_cross_encoder
 from engine.loader import failed_load, model_id_for
 from engine.platform_info import apply_mlx_env_defaults, cpu_blas_threads
+from engine.tokenizer import trailing_specials
 
 log = logging.getLogger("radix_mlx.engine")
 
@@ -119,6 +120,7 @@ class EncoderEngine:
         self.dimensions = 0
         self.matryoshka: Sequence[int] | None = None
         self.vocab_size = 0
+        self.trailing_specials = 0  # after a text's own tokens ([SEP]): trailing_specials
         self._encoder: SentenceEncoder | CrossEncoder | None = None
         self._tokenizer: Tokenizer | None = None
         self._streams: list[mx.Stream] = []
@@ -179,6 +181,7 @@ class EncoderEngine:
         self._streams = cpu_streams()
         self.context_length = self._encoder.max_length
         self.vocab_size = tokenizer.get_vocab_size()
+        self.trailing_specials = trailing_specials(tokenizer)
         warm_up = [[tokenizer.token_to_id("[CLS]") or 0] * 8]
         self._forward(padded(warm_up, 8), padded([[1] * 8], 8), padded([[0] * 8], 8))
 

@@ -13,6 +13,7 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 from typing import Any, Literal
 
 from jinja2 import TemplateError
@@ -80,6 +81,7 @@ class ModelTokenizer:
         # Prompt text encoded in cached segments, when the tokenizer allows it exactly.
         self._segments = _segment_cache(getattr(wrapper.encode, "__self__", None))
         self._special_ids = special_ids(self.fast) if self._segments is not None else None
+        self.trailing_specials: int = 0 if self.fast is None else trailing_specials(self.fast)
         self._token_pieces: dict[int, tuple[str, bytes]] = {}  # text and bytes, by id
 
     def token_logprob(self, token: int, logprob: float) -> TokenLogprob:
@@ -179,6 +181,17 @@ class ModelTokenizer:
             if shared := common_prefix_length(rendered, prompt):
                 lengths.add(shared)
         return tuple(sorted(lengths))
+
+
+def trailing_specials(backend: Any) -> int:
+    """How many special tokens the Rust tokenizer `backend` puts after a text's own (BERT's
+    [SEP], the EOS an embedding model's tokenizer appends; none after Llama's BOS): a text
+    cut short keeps them at its end, as Hugging Face's truncation does. Padding its file
+    may set is not counted."""
+    encoding = backend.post_process(backend.encode("a", add_special_tokens=False))
+    specials = [special for special, attended
+                in zip(encoding.special_tokens_mask, encoding.attention_mask) if attended]
+    return sum(1 for _ in takewhile(bool, reversed(specials)))
 
 
 def _segment_cache(tokenizer: Any) -> SegmentCache | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from server.openai.protocol import PROMPT_SHAPES, ChatRequestMessage, TokenId, prompt_kind
 from server.schema import MAX_TOP_LOGPROBS, RequestModel, ResponseModel, shaped_union
@@ -28,12 +28,25 @@ ClassifyInput = shaped_union(
     else None, "a string or a list of token ids", text=str, tokens=TOKEN_IDS_INPUT)
 
 
+def _tokens_kept(count: int) -> int:
+    if count < 1 and count != -1:
+        raise ValueError(f"must be a number of tokens, at least 1, or -1 for the model's "
+                         f"maximum (got {count})")
+    return count
+
+
+# vLLM's truncate_prompt_tokens: each input cut to its first k tokens (-1: the model's
+# context window) rather than refused when longer (routes.py says which tokens stay).
+TruncatePromptTokens = Annotated[int, AfterValidator(_tokens_kept)]
+
+
 class EmbeddingRequest(RequestModel):
     model: str | None = None
     input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
 
 
 class Embedding(ResponseModel):

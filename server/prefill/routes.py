@@ -80,7 +80,8 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
         width, sizes = _embedding_sizes(served)
         if width is not None:  # before minutes of work rather than after
             _check_dimensions(body.dimensions, width, sizes)
-        embedded = await _embed(request, state, served, inputs, _indexed("input", len(inputs)))
+        embedded = await _embed(request, state, served, inputs, _indexed("input", len(inputs)),
+                                 _kept_tokens(served, body.truncate_prompt_tokens))
         if embedded is None:
             return Response(status_code=CLIENT_CLOSED)
         vectors, prompt_tokens, cached = embedded
@@ -362,32 +363,68 @@ def _is_cross_encoder(model: ServedModel) -> bool:
 
 
 async def _embed(request: Request, state: ServerState, model: ServedModel,
-                 inputs: list[str] | list[list[int]], params: Sequence[str]
-                 ) -> tuple[np.ndarray, int, int] | None:
+                 inputs: list[str] | list[list[int]], params: Sequence[str],
+                 most: int | None) -> tuple[np.ndarray, int, int] | None:
     """Each input's embedding (rows L2-normalised where the model's pipeline normalises),
-    the prompt tokens and how many of them were cached; None if the client left. An input
-    too long is a 400 naming its field (`params`, one an input)."""
+    the prompt tokens embedded and how many of them were cached; None if the client left.
+    Inputs are cut to their first `most` tokens (`_truncated`); with None, an input too long
+    is a 400 naming its field (`params`, one an input)."""
     engine = model.engine
     if _is_cross_encoder(model):
         raise APIError(400, f"the model {model.id} is {engine.description}",
                        code="model_not_supported", param="model")
+    texts = isinstance(inputs[0], str)
     if _is_encoder(model):
-        if isinstance(inputs[0], str):
+        if texts:
             tokens = await asyncio.to_thread(engine.encode, inputs)
         else:
             _check_token_id_inputs(inputs, engine.vocab_size, params)
             tokens = inputs
-        _check_lengths(model, tokens, params)
+        ending = engine.trailing_specials
+    else:
+        tokenizer = model.tokenizer()
+        prompts = await asyncio.to_thread(_prompts, tokenizer, inputs, params)
+        tokens, ending = [prompt.tokens for prompt in prompts], tokenizer.trailing_specials
+    tokens = [_truncated(ids, most, ending if texts else 0) for ids in tokens]
+    _check_lengths(model, tokens, params)
+    if _is_encoder(model):
         vectors = await unless_disconnected(request, asyncio.wrap_future(engine.embed(tokens)))
         return None if vectors is None else (vectors, sum(map(len, tokens)), 0)
-    prompts = await asyncio.to_thread(_prompts, model.tokenizer(), inputs, params)
-    _check_lengths(model, [prompt.tokens for prompt in prompts], params)
-    readings = await read_prompts(request, state, model, [(prompts, Readout(hidden=True))])
+    readings = await read_prompts(request, state, model,
+                                  [([Prompt(ids) for ids in tokens], Readout(hidden=True))])
     if readings is None:
         return None
     vectors = np.array([reading.last.hidden for reading in readings[0]], np.float32)
     return (_normalised(vectors), sum(r.prompt_tokens for r in readings[0]),
             sum(r.cached_tokens for r in readings[0]))
+
+
+def _kept_tokens(model: ServedModel, requested: int | None) -> int | None:
+    """The most tokens an embedding input keeps: the request's truncate_prompt_tokens (-1:
+    the model's context window; more than the window is a 400, as vLLM answers); None: an
+    input over the window is a 400, as OpenAI answers."""
+    limit = model.engine.context_length
+    if requested is None:
+        return None
+    if requested > limit:
+        raise APIError(400, f"truncate_prompt_tokens is {requested}, more than this model's "
+                       f"maximum context length {limit}: send at most {limit}, or -1 for "
+                       "the maximum", code="invalid_request", param="truncate_prompt_tokens")
+    return limit if requested == -1 else requested
+
+
+def _truncated(tokens: list[int], most: int | None, ending: int) -> list[int]:
+    """`tokens` cut to their first `most` (None: all), their last `ending` kept at the end:
+    a text keeps the special tokens its tokenizer ends it with ([SEP]), token ids none. On
+    an encoder that is sentence-transformers' cut, so the embedding is its reference's. On
+    a causal model it is vLLM's for a pooling model (its tokenizer truncates on the right,
+    token ids keep their first k): last-token pooling still reads the token it was trained
+    to pool (the EOS an embedding model's tokenizer appends), after the text's start, where
+    an instruction goes, which cutting the start instead would drop."""
+    if most is None or len(tokens) <= most:
+        return tokens
+    ending = min(ending, most - 1)
+    return tokens[:most - ending] + tokens[len(tokens) - ending:]
 
 
 def _embedding_sizes(model: ServedModel, width: int | None = None
@@ -442,7 +479,7 @@ def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
 async def _cosine_scores(request: Request, state: ServerState, model: ServedModel, query: str,
                          documents: list[str]) -> tuple[list[float], int, int] | None:
     embedded = await _embed(request, state, model, [query, *documents],
-                            _rerank_params(documents))
+                            _rerank_params(documents), None)
     if embedded is None:
         return None
     vectors, prompt_tokens, cached = embedded

@@ -30,6 +30,7 @@ TEXTS = [
     "Embeddings map text to vectors; ünïcödé and 東京 too.",
     "x",
 ]
+LONG = " ".join(TEXTS * 10)  # 400 tokens, over all-MiniLM-L6-v2's max_seq_length of 256
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +162,12 @@ def test_rerank_by_cosine(encoder_server: ServerProcess, reference) -> None:
     ({"input": "x", "dimensions": 10**9}, "dimensions",
      "embeddings have 384 dimensions, not 1000000000, and it does not support Matryoshka"),
     ({"input": "x", "encoding_format": "int8"}, None, "encoding_format"),
+    ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens",
+     "must be a number of tokens, at least 1, or -1 for the model's maximum (got 0)"),
+    ({"input": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "(got -2)"),
+    ({"input": "x", "truncate_prompt_tokens": "8"}, "truncate_prompt_tokens", "integer"),
+    ({"input": "x", "truncate_prompt_tokens": 257}, "truncate_prompt_tokens",
+     "257, more than this model's maximum context length 256"),
 ])
 def test_bad_input_is_a_400_naming_it(encoder_server: ServerProcess, body: dict,
                                       param: str | None, words: str) -> None:
@@ -280,3 +287,32 @@ def test_matryoshka_dimensions_truncate_and_renormalise(
         assert "[384, 128, 64]" in too_wide.json()["error"]["message"]
     finally:
         server.stop()
+
+
+def test_truncate_prompt_tokens_cuts_as_sentence_transformers(
+        encoder_server: ServerProcess, reference) -> None:
+    """-1 cuts a text over the window to its first 256 tokens, [SEP] kept at its end, as
+    sentence-transformers cuts every text: the embedding is the reference's of the whole
+    text; k cuts to k tokens as the reference does at max_seq_length k; token ids keep
+    their first k. A short input stays whole, and usage counts the tokens embedded."""
+    assert len(reference.tokenizer(LONG)["input_ids"]) > 256
+    short = len(reference.tokenizer(TEXTS[0])["input_ids"])
+    response = embed(encoder_server, input=[LONG, TEXTS[0]], truncate_prompt_tokens=-1)
+    assert response.status_code == 200, response.text
+    ours = np.array([d["embedding"] for d in response.json()["data"]])
+    assert cosines(ours, reference.encode([LONG, TEXTS[0]])).min() >= 0.9999
+    assert response.json()["usage"]["prompt_tokens"] == 256 + short
+    reference.max_seq_length = 16
+    try:
+        expected = reference.encode([LONG])
+    finally:
+        reference.max_seq_length = 256
+    response = embed(encoder_server, input=LONG, truncate_prompt_tokens=16)
+    assert response.status_code == 200, response.text
+    assert cosines(np.array([response.json()["data"][0]["embedding"]]), expected)[0] >= 0.9999
+    assert response.json()["usage"]["prompt_tokens"] == 16
+    ids = reference.tokenizer(LONG)["input_ids"]
+    by_ids = embed(encoder_server, input=ids, truncate_prompt_tokens=16).json()
+    assert by_ids["usage"]["prompt_tokens"] == 16
+    first = embed(encoder_server, input=ids[:16]).json()["data"][0]["embedding"]
+    assert np.allclose(by_ids["data"][0]["embedding"], first, atol=1e-6)

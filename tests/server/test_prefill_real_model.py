@@ -14,9 +14,11 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, processors
 
+from engine.tokenizer import trailing_specials
 from server.openai.protocol import PROMPT_SHAPES
-from server.prefill.routes import GROUP_TOKENS, JUDGE_INSTRUCTION, JUDGE_SYSTEM
+from server.prefill.routes import GROUP_TOKENS, JUDGE_INSTRUCTION, JUDGE_SYSTEM, _truncated
 from tests.server.support import API_KEY, ServerProcess, wait_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -249,6 +251,43 @@ def test_decoder_embeddings_share_their_instruction(real_server: ServerProcess,
         assert float(ours @ hidden) >= 0.9999
 
 
+def test_decoder_embeddings_cut_to_truncate_prompt_tokens(real_server: ServerProcess,
+                                                          reference) -> None:
+    """A text keeps its first k tokens (SmolLM2's tokenizer ends a text with no special
+    token), the last-token embedding read there, as vLLM cuts a pooling model's input;
+    token ids keep their first k too. A short input stays whole, and usage counts the
+    tokens embedded."""
+    model, tokenizer = reference
+    text = "Instruct: find passages about fruit\nQuery: " + "ripe apples and pears " * 8
+    ids, short = tokenizer.encode(text), tokenizer.encode(SENTENCES[0])
+    assert len(short) < 12 < len(ids)
+    body = post(real_server, "/v1/embeddings", {"input": [text, SENTENCES[0]],
+                                                "truncate_prompt_tokens": 12})
+    assert body["usage"]["prompt_tokens"] == 12 + len(short)
+    for item, tokens in zip(body["data"], [ids[:12], short]):
+        hidden = np.array(model.model(mx.array([tokens]))[0, -1])
+        assert float(np.array(item["embedding"]) @ hidden) / np.linalg.norm(hidden) >= 0.9999
+    by_ids = post(real_server, "/v1/embeddings", {"input": [ids], "truncate_prompt_tokens": 12})
+    assert by_ids["usage"]["prompt_tokens"] == 12
+    assert float(np.array(by_ids["data"][0]["embedding"])
+                 @ np.array(body["data"][0]["embedding"])) >= 0.9999
+
+
+def test_a_cut_text_keeps_the_special_token_its_tokenizer_ends_it_with(
+        real_model_dir: Path) -> None:
+    """Qwen3-Embedding's tokenizer appends <|endoftext|>, the token its last-token pooling
+    reads: a text cut short keeps it at its end, as Hugging Face's truncation does."""
+    backend = Tokenizer.from_file(str(real_model_dir / "tokenizer.json"))
+    eos = backend.token_to_id("<|endoftext|>")
+    backend.post_processor = processors.TemplateProcessing(
+        single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", eos)])
+    assert trailing_specials(backend) == 1
+    ids = backend.encode("one two three four five six").ids
+    assert ids[-1] == eos and _truncated(ids, 4, 1) == [*ids[:3], eos]
+    backend.enable_truncation(4)
+    assert backend.encode("one two three four five six").ids == _truncated(ids, 4, 1)
+
+
 def test_decoder_embeddings_refuse_matryoshka_before_computing_any(
         real_server: ServerProcess) -> None:
     steps = real_server.metrics()["radix_mlx_engine_steps_total"]
@@ -320,6 +359,7 @@ def test_an_input_of_the_wrong_shape_gets_one_error_saying_what_it_must_be(
                       "labels": [" word" * 40]}, "messages[0]"),
     ("/v1/rerank", {"query": "q", "documents": []}, None),
     ("/v1/embeddings", {"input": [""]}, "input[0]"),
+    ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
 ])
 def test_bad_input_is_a_400(real_server: ServerProcess, path: str, body: dict,
                             param: str | None) -> None:
