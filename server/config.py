@@ -43,7 +43,7 @@ CLAUDE_CODE_BILLING_LINE = r"x-anthropic-billing-header:.*"
 # The settings a model's table may set for it alone.
 MODEL_OVERRIDES = ("context_length", "cache_bytes", "disk_cache_bytes", "chat_template", "gguf_dtype",
                    "default_max_tokens", "max_output_tokens", "kv_bits", "kv_group_size",
-                   "speculation_draft_model")
+                   "speculation_draft_model", "truncate_embedding_inputs")
 # What a request that names no model, or the default model, is answered with before its
 # engine says its own name.
 DEFAULT_MODEL_ID = "default"
@@ -116,6 +116,7 @@ class ModelSpec(BaseModel):
     kv_bits: int | None = None
     kv_group_size: int | None = None
     speculation_draft_model: NonEmpty | None = None  # a draft model of this model's tokenizer
+    truncate_embedding_inputs: bool | None = None
 
     @property
     def names(self) -> list[str]:
@@ -356,6 +357,13 @@ class Settings(BaseModel):
     kv_group_size: int = Field(
         64, description="with kv_bits: values per quantization group along the head "
         "dimension (32, 64 or 128), each with its own scale and bias"
+    )
+    truncate_embedding_inputs: bool = Field(
+        False, description="cut an embedding input over the model's context window (on "
+        "an embedding model, a rerank query or document too) to its first tokens that "
+        "fit, as sentence-transformers cuts it, where the request sets no "
+        "truncate_prompt_tokens (TEI's --auto-truncate); false: it is a 400, as OpenAI's "
+        "API answers"
     )
     cache_miss_details: bool = Field(
         False, description="add usage.prompt_tokens_details.cache_miss to OpenAI responses: "

@@ -222,6 +222,8 @@ def test_example_models_file_shows_every_key_of_a_model_and_is_valid(tmp_path: P
     per_model = {spec.id: settings.for_model(spec) for spec in settings.models}
     assert (per_model["coder"].kv_bits, per_model["gemma"].kv_bits) == (8, None)
     assert per_model["small"].kv_bits == 4  # the server's
+    assert per_model["embed"].truncate_embedding_inputs
+    assert not per_model["small"].truncate_embedding_inputs  # the server's
 
 
 def test_newsyslog_entry_is_well_formed() -> None:

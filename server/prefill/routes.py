@@ -401,11 +401,12 @@ async def _embed(request: Request, state: ServerState, model: ServedModel,
 
 def _kept_tokens(model: ServedModel, requested: int | None) -> int | None:
     """The most tokens an embedding input keeps: the request's truncate_prompt_tokens (-1:
-    the model's context window; more than the window is a 400, as vLLM answers); None: an
-    input over the window is a 400, as OpenAI answers."""
+    the model's context window; more than the window is a 400, as vLLM answers), else the
+    window where the model's settings say truncate_embedding_inputs (TEI's
+    --auto-truncate); None: an input over the window is a 400, as OpenAI answers."""
     limit = model.engine.context_length
     if requested is None:
-        return None
+        return limit if model.settings.truncate_embedding_inputs else None
     if requested > limit:
         raise APIError(400, f"truncate_prompt_tokens is {requested}, more than this model's "
                        f"maximum context length {limit}: send at most {limit}, or -1 for "
@@ -479,7 +480,7 @@ def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
 async def _cosine_scores(request: Request, state: ServerState, model: ServedModel, query: str,
                          documents: list[str]) -> tuple[list[float], int, int] | None:
     embedded = await _embed(request, state, model, [query, *documents],
-                            _rerank_params(documents), None)
+                            _rerank_params(documents), _kept_tokens(model, None))
     if embedded is None:
         return None
     vectors, prompt_tokens, cached = embedded

@@ -48,6 +48,20 @@ def encoder_server(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="module")
+def variant_server(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[ServerProcess]:
+    """A server whose model declares Matryoshka sizes, and which truncates embedding
+    inputs over the window where a request does not say."""
+    folder = tmp_path_factory.mktemp("variant")
+    variant = model_variant(minilm_dir, folder / "minilm-matryoshka",
+                            {"config.json": {"matryoshka_dimensions": [768, 384, 128, 64]}})
+    process = start_server(variant, folder / "server.log",
+                           "--truncate-embedding-inputs", "true")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
 def reference(minilm_dir: Path):
     os.environ["HF_HUB_OFFLINE"] = "1"
     from sentence_transformers import SentenceTransformer
@@ -264,29 +278,23 @@ def test_a_router_can_register_and_probe_an_encoder(encoder_server: ServerProces
     assert health.status_code == 200 and health.json() == {"status": "ok"}
 
 
-def test_matryoshka_dimensions_truncate_and_renormalise(
-        minilm_dir: Path, tmp_path: Path, reference) -> None:
+def test_matryoshka_dimensions_truncate_and_renormalise(variant_server: ServerProcess,
+                                                       reference) -> None:
     """Where config.json declares Matryoshka sizes (as vLLM reads them), `dimensions`
     cuts each vector and renormalises it; a size not declared, or wider than the
     vector, is a 400."""
-    variant = model_variant(minilm_dir, tmp_path / "minilm-matryoshka",
-                            {"config.json": {"matryoshka_dimensions": [768, 384, 128, 64]}})
-    server = start_server(variant, tmp_path / "server.log")
-    try:
-        response = embed(server, input=TEXTS[:2], dimensions=64)
-        assert response.status_code == 200, response.text
-        ours = np.array([d["embedding"] for d in response.json()["data"]])
-        expected = reference.encode(TEXTS[:2])[:, :64]
-        expected /= np.linalg.norm(expected, axis=1, keepdims=True)
-        assert ours.shape == (2, 64)
-        assert np.allclose(np.linalg.norm(ours, axis=1), 1, atol=1e-5)
-        assert cosines(ours, expected).min() >= 0.9999
-        assert embed(server, input="x", dimensions=100).status_code == 400
-        too_wide = embed(server, input="x", dimensions=768)  # declared, but past 384
-        assert too_wide.status_code == 400, too_wide.text
-        assert "[384, 128, 64]" in too_wide.json()["error"]["message"]
-    finally:
-        server.stop()
+    response = embed(variant_server, input=TEXTS[:2], dimensions=64)
+    assert response.status_code == 200, response.text
+    ours = np.array([d["embedding"] for d in response.json()["data"]])
+    expected = reference.encode(TEXTS[:2])[:, :64]
+    expected /= np.linalg.norm(expected, axis=1, keepdims=True)
+    assert ours.shape == (2, 64)
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1, atol=1e-5)
+    assert cosines(ours, expected).min() >= 0.9999
+    assert embed(variant_server, input="x", dimensions=100).status_code == 400
+    too_wide = embed(variant_server, input="x", dimensions=768)  # declared, but past 384
+    assert too_wide.status_code == 400, too_wide.text
+    assert "[384, 128, 64]" in too_wide.json()["error"]["message"]
 
 
 def test_truncate_prompt_tokens_cuts_as_sentence_transformers(
@@ -316,3 +324,19 @@ def test_truncate_prompt_tokens_cuts_as_sentence_transformers(
     assert by_ids["usage"]["prompt_tokens"] == 16
     first = embed(encoder_server, input=ids[:16]).json()["data"][0]["embedding"]
     assert np.allclose(by_ids["data"][0]["embedding"], first, atol=1e-6)
+
+
+def test_a_server_that_truncates_embedding_inputs_cuts_them_unasked(
+        variant_server: ServerProcess, reference) -> None:
+    """--truncate-embedding-inputs: an input over the window is cut as
+    truncate_prompt_tokens -1 cuts it (a rerank document too), unless the request says."""
+    response = embed(variant_server, input=[LONG, TEXTS[0]])
+    assert response.status_code == 200, response.text
+    ours = np.array([d["embedding"] for d in response.json()["data"]])
+    assert cosines(ours, reference.encode([LONG, TEXTS[0]])).min() >= 0.9999
+    asked = embed(variant_server, input=LONG, truncate_prompt_tokens=16)
+    assert asked.json()["usage"]["prompt_tokens"] == 16
+    rerank = httpx.post(f"{variant_server.url}/v1/rerank", timeout=60,
+                        json={"query": "a cat on a mat", "documents": [LONG, TEXTS[2]]})
+    assert rerank.status_code == 200, rerank.text
+    assert rerank.json()["results"][0]["index"] == 0
