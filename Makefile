@@ -115,10 +115,12 @@ bench: $(BENCH_STAMP)
 # The load test with faults on the default model, for SOAK_MINUTES; writes its series,
 # plot and figures to SOAK_OUT (default build/soak/<time>), exits 1 on a failure. With
 # SOAK_DISK=DIR: a disk tier there, clears mid-round, restarts, every file checked.
+# SOAK_SERVER_ARGS: more flags for its server, e.g. SOAK_SERVER_ARGS="--kv-bits 8".
 SOAK_MINUTES ?= 5
 SOAK_OUT ?=
+SOAK_SERVER_ARGS ?=
 soak: $(BENCH_STAMP)
-	$(BIN)/python -m tests.reliability.soak --minutes $(SOAK_MINUTES) $(if $(SOAK_OUT),--out $(SOAK_OUT)) $(if $(SOAK_DISK),--disk-cache-dir $(SOAK_DISK))
+	$(BIN)/python -m tests.reliability.soak --minutes $(SOAK_MINUTES) $(if $(SOAK_OUT),--out $(SOAK_OUT)) $(if $(SOAK_DISK),--disk-cache-dir $(SOAK_DISK)) $(if $(SOAK_SERVER_ARGS),--server-args "$(SOAK_SERVER_ARGS)")
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

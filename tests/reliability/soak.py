@@ -2,6 +2,7 @@
 model, with its figures over time.
 
     python -m tests.reliability.soak [--minutes 30] [--out DIR] [--model M]
+        [--disk-cache-dir DIR] [--server-args "--kv-bits 8"]
 
 One server (API key, 2 MiB radix budget, a queue of 16 so bursts overflow it, the fault
 token armed) takes rounds of the storm until the time is up: chat and legacy requests,
@@ -34,6 +35,7 @@ import csv
 import itertools
 import json
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -47,7 +49,7 @@ import mlx_lm
 import psutil
 
 from engine.model_source import resolve_model
-from tests.engine.kv_integrity import check_folder_kv
+from tests.engine.kv_integrity import check_folder
 from tests.reliability.storm import (
     Spec,
     Tally,
@@ -102,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep a disk tier here: clears mid-round, restarts, file check")
     parser.add_argument("--restart-every", type=int, default=2,
                         help="rounds between restarts, with --disk-cache-dir")
+    parser.add_argument("--server-args", default="",
+                        help='more flags for the server, in one string: "--kv-bits 8"')
     args = parser.parse_args(argv)
     out = args.out or Path("build/soak") / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
@@ -111,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.disk_cache_dir:
         flags += ["--disk-cache-dir", str(args.disk_cache_dir),
                   "--disk-cache-bytes", str(DISK_CACHE_BYTES)]
+    flags += shlex.split(args.server_args)
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "server.log"
         servers = Servers(lambda: launch(model, log.with_suffix(f".{time.time()}.log"), *flags,
@@ -150,7 +155,8 @@ def soak(servers: Servers, model: Path, args: argparse.Namespace, out: Path) -> 
     tally = Tally()
     started = time.monotonic()
     samples = [sample(0.0, tally, before, process)]
-    print(f"soak of {model.name} for {args.minutes:g} min into {out}", flush=True)
+    print(f"soak of {model.name} for {args.minutes:g} min into {out}"
+          + (f", server flags {args.server_args}" if args.server_args else ""), flush=True)
     deadline = started + args.minutes * 60
     rounds = since_restart = 0
     while time.monotonic() < deadline:
@@ -168,12 +174,15 @@ def soak(servers: Servers, model: Path, args: argparse.Namespace, out: Path) -> 
     after = wait_idle(server)
     mismatches = asyncio.run(rerun_alone(server.url, tally))
     problems = [*tally.unexpected, *mismatches]
+    tier = []
     if disk:
         servers.stop()
-        wrong = check_folder_kv(only_folder(args.disk_cache_dir), mlx_lm.load(str(model))[0])
-        problems += [f"disk file: {line}" for line in wrong]
-        print(f"disk tier: {servers.restarts} restarts, {rounds} mid-round clears, "
-              f"{len(wrong)} wrong files", flush=True)
+        checked = check_folder(only_folder(args.disk_cache_dir), mlx_lm.load(str(model))[0])
+        problems += [f"disk file: {line}" for line in checked.problems]
+        tier.append(f"disk tier            {servers.restarts} restarts, {rounds} mid-round "
+                    f"clears, {checked.segments} segment and {checked.snapshots} snapshot "
+                    f"files checked ({checked.orphans} orphans unread), "
+                    f"{len(checked.problems)} wrong")
     if samples[-1].server_errors:
         problems.append(f"{samples[-1].server_errors} answers were 5xx")
     if any(after[name] for name in ("radix_mlx_running_requests", "radix_mlx_queue_depth",
@@ -190,6 +199,7 @@ def soak(servers: Servers, model: Path, args: argparse.Namespace, out: Path) -> 
                             f"(limit {MAX_SLOPE_MIB_PER_HOUR:g})")
     summary = "\n".join([
         figures(tally, before, after, time.monotonic() - started),
+        *tier,
         (f"memory slope         RSS {slopes['rss_mib']:+.2f} MiB/hour, MLX active "
          f"{slopes['mlx_active_mib']:+.2f} MiB/hour (after the first "
          f"{WARM_UP_SHARE:.0%} of the run)"),
