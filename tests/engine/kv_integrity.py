@@ -15,21 +15,22 @@ checked so against the nodes above it, down to the root. Not a forward from scra
 rounding turns the float noise of forwards of other shapes into whole grid steps where a
 value lies near a step's edge, each step moves every later layer's KV a little, which
 rounds into more steps (on SmolLM2 at 8 bits, up to 6% of a correct node's values came
-out a step or two off). Over the kept KV, what remains is rounding noise: a value a step
-off, a group's whole grid moved where its largest value rounded the other way (mlx's
-scale depends on how it rounds), and where a node was computed over a prefix that is
-not the one kept (two requests computed it at once; the tree kept one), that prefix's
-steps moved through the later layers (up to 2.1 steps here). So:
+out a step or two off). Over the kept KV what remains is rounding noise: a value a step
+off, or a group's whole grid moved (mlx's scale depends on how the group's largest value
+rounds); and where a node was computed over another computation of its prefix than the
+one kept (a request that computed it beside another, or before a restart's rebuild put
+the old files below it), that prefix's own steps moved through the later layers. So, in
+grid steps (the group's scale in the segment):
 - the first layer's keys and values, which depend on the token and its position alone,
-  may be at most `MAX_STEPS` steps (its group's scale in the segment) off: KV of other
-  tokens, or shifted by two positions (shared/evidence/disk-tier-wrong-kv), are 8 to
-  2,400 steps off;
-- at most `MAX_FLIPPED` of a segment's values (beyond two groups') may be more than half
-  a step off: the same tokens after another prefix put 23% to 50% there.
-Measured on correct nodes under mixed traffic, clears and restarts, at 8 and 4 bits (the
-tiny demo llama with 64-wide heads; SmolLM2-135M's soak folders, 67 and 84 files): the
-first layer at most 1.04 steps off, later ones up to 2.0; at most 0.4% of a node's
-values (a tenth of what is allowed) more than half a step.
+  may be at most `MAX_STEPS` off: KV of other tokens, or shifted by two positions
+  (shared/evidence/disk-tier-wrong-kv), are 8 to 2,400 off;
+- at most `MAX_FAR` of all the segment's values may be more than `FAR_STEPS` off: the
+  same tokens after another prefix put 2.2% (SmolLM2, 4 bits) to 48% there.
+Measured (the tiny demo llama with 64-wide heads under mixed traffic, clears and
+restarts; SmolLM2-135M's soak folders, 67 and 84 files; at 8 and 4 bits): the first
+layer at most 1.04 off, no value more than 2.0. 40 tokens of SmolLM2 checked over another
+computation of the 600 before them: up to 10% of their values more than half a step off,
+0.1% more than 2.5 (bench/results/cpu-intel-r-xeon-r-processor-2c/kv-integrity-rounding).
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ from engine.platform_info import apply_mlx_env_defaults
 TOLERANCE = {mx.float32: 1e-3, mx.float16: 2e-2, mx.bfloat16: 0.1}
 # A quantized segment's values against a forward as a quantized engine computes it (see
 # the module's docstring): how many grid steps a value of the first layer may be off,
-# and the share of values more than half a step off, beyond two groups' worth.
+# and the share of all its values that may be more than FAR_STEPS off.
 MAX_STEPS = 2.0
-MAX_FLIPPED = 0.05
+FAR_STEPS = 2.5
+MAX_FAR = 0.005
 
 
 @dataclass
@@ -295,7 +297,7 @@ def _same_bits(copy: KVSegment, handle: KVSegment, start: int, path: tuple[int, 
 def _compare(segment: KVSegment, fresh: list, start: int, path: tuple[int, ...],
              tier: str) -> None:
     end = len(path)
-    flipped = values = 0
+    far = values = 0
     for side, (name, stored_layers) in enumerate(
             (("keys", segment.keys), ("values", segment.values))):
         for layer, computed in enumerate(fresh):
@@ -316,13 +318,12 @@ def _compare(segment: KVSegment, fresh: list, start: int, path: tuple[int, ...],
             assert layer > 0 or worst <= MAX_STEPS, (
                 f"{where}: a value {worst:.3g} grid steps from a forward of its tokens "
                 f"(max |stored - fresh| = {float(off.max()):.3g})")
-            flipped += int((steps > 0.5).sum())
+            far += int((steps > FAR_STEPS).sum())
             values += steps.size
     if segment.quantization is not None:
-        allowed = MAX_FLIPPED * values + 2 * segment.quantization.group_size
-        assert flipped <= allowed, (
-            f"{tier} tokens {start}-{end}: {flipped} of {values} values more than half a "
-            f"grid step from a forward over the path's kept KV (at most {allowed:.0f})")
+        assert far <= MAX_FAR * values, (
+            f"{tier} tokens {start}-{end}: {far} of {values} values more than {FAR_STEPS:g} "
+            f"grid steps from a forward over the path's kept KV (at most {MAX_FAR:.1%})")
 
 
 def _step(segment: KVSegment, side: int, layer: int, stored: mx.array) -> mx.array:

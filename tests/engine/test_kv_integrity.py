@@ -389,11 +389,11 @@ async def test_quantized_kv_of_another_path_fails_the_check(head64_model_dir, tm
     folder = files[at].parent
     assert check_folder_kv(folder, model) == []
     # Other tokens fail by how far their first layer is off and by how many values are
-    # off, each alone; the same tokens after another prefix by how many are off.
-    for other, rules in ((au, ("MAX_STEPS", "MAX_FLIPPED")), (bt, ("MAX_FLIPPED",))):
+    # far off, each alone; the same tokens after another prefix by how many are far off.
+    for other, rules in ((au, ("MAX_STEPS", "MAX_FAR")), (bt, ("MAX_FAR",))):
         swap_kv(files[at], files[other])
         for rule in (None, *rules):
-            for name in {"MAX_STEPS", "MAX_FLIPPED"} - {rule} if rule else ():
+            for name in {"MAX_STEPS", "MAX_FAR"} - {rule} if rule else ():
                 monkeypatch.setattr(kv_integrity, name, math.inf)  # only `rule` speaks
             wrong = check_folder_kv(folder, model)
             assert sorted(line.split(":")[0] for line in wrong) == sorted(
