@@ -8,6 +8,9 @@ whose `__metadata__["radix_mlx"]` is a JSON header saying what the file is:
 - `key` (also the file name), `start_chain` and `start_tail` (the `PathState` of the
   path it follows, whose key is its parent's), `start` and `tokens`: the token span it
   holds and its place in the tree, so the tree can be rebuilt from the files alone.
+- `parent`: that key written out (the fingerprint for a span at the root), so a tool
+  walks a file's chain from the JSON alone, as shared/evidence's verify.py does; a file
+  whose `parent` is not its start's key is refused.
 - `kind`: "segment" (per-layer keys and values of the span) or "snapshot" (the whole
   cache state after the span, with the cache `classes` and non-array `scalars`).
 - `kv_bits`, `kv_group_size`: a segment's quantization (engine/kv_quant.py; 0: none,
@@ -158,7 +161,8 @@ def encode(header: SegmentHeader,
     dtype, shape, bytes), and its data length: a file's size is known before its data."""
     # vars, not asdict: asdict copies the token list element by element, on the engine
     # thread (`DiskStore.save`), and json writes the same from the fields themselves.
-    entries: dict[str, Any] = {"__metadata__": {METADATA_KEY: json.dumps(vars(header))}}
+    metadata = {**vars(header), "parent": header.parent}
+    entries: dict[str, Any] = {"__metadata__": {METADATA_KEY: json.dumps(metadata)}}
     offset = 0
     for name, dtype, shape, nbytes in table:
         end = offset + nbytes
@@ -256,8 +260,11 @@ def _read_header(f) -> tuple[SegmentHeader, dict[str, Any], int]:
     metadata, table, length, size = _metadata(f)
     if metadata.get("format") != FORMAT:
         raise BadSegmentFile(f"format {metadata.get('format')!r}, not {FORMAT!r}")
+    parent = metadata.pop("parent", None)  # files written before it was: none
     try:
         header = SegmentHeader(**metadata)
+        if parent is not None and parent != header.parent:
+            raise BadSegmentFile("its parent is not the key of the path it follows")
     except TypeError as error:
         raise BadSegmentFile(f"unreadable header: {error!r}") from None
     try:

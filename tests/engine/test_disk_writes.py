@@ -8,13 +8,14 @@ import logging
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from engine import segment_file
 from engine.demo_model import demo_model_path
 from engine.disk_store import DiskStore, read_copy
 from engine.kv import KVSegment, KVStore
 from engine.loader import load_model
-from engine.segment_file import PathState
+from engine.segment_file import BadSegmentFile, PathState, SegmentHeader, Tensor
 
 FINGERPRINT = "d" * 32
 
@@ -46,6 +47,21 @@ def test_a_copy_is_written_once_its_arrays_are_evaluated_and_flush_waits_for_it(
         for a, b in zip(written, original):
             np.testing.assert_array_equal(np.array(a), np.array(b))
     store.close(10)
+
+
+def test_a_header_names_its_parent_and_a_file_naming_another_is_refused(tmp_path):
+    """`parent` lets a tool walk a file's chain from the JSON alone (shared/evidence's
+    verify.py does); it must say what the start state says."""
+    header = SegmentHeader(fingerprint=FINGERPRINT, key="k" * 32, start_chain=FINGERPRINT,
+                           start_tail=[1, 2], start=2, tokens=[3], kind="segment")
+    path = tmp_path / f"{header.key}.safetensors"
+    segment_file.write(path, header, [Tensor("keys.0", "F32", np.zeros(4, np.float32))])
+    data = path.read_bytes()
+    assert f'\\"parent\\": \\"{header.parent}\\"'.encode() in data
+    assert segment_file.read_header(path)[0] == header
+    path.write_bytes(data.replace(header.parent.encode(), b"0" * len(header.parent)))
+    with pytest.raises(BadSegmentFile, match="parent"):
+        segment_file.read_header(path)
 
 
 def test_a_discarded_copy_waiting_for_its_evaluation_is_never_written(tmp_path):

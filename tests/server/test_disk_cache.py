@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import struct
 import time
 from pathlib import Path
 
@@ -165,6 +166,25 @@ def test_after_kill_9_a_prompt_written_before_it_is_cached_and_answers_the_same(
         assert cached >= 0.9 * prompt_tokens
     finally:
         server.stop()
+
+
+def test_a_files_header_alone_leads_through_its_parents_to_the_model(warm_cache) -> None:
+    """What a tool outside the server reads (shared/evidence's verify.py): each file's
+    JSON names its parent's key, and the chain of parents ends at the model's
+    fingerprint, having held the `start` tokens the file's span follows."""
+    headers = {}
+    for path in files(warm_cache[0]):
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(json.loads(f.read(length))["__metadata__"]["radix_mlx"])
+        headers[header["key"]] = header
+    assert len(headers) >= 2
+    for header in headers.values():
+        before, link = 0, header
+        while link["parent"] != header["fingerprint"]:
+            link = headers[link["parent"]]
+            before += len(link["tokens"])
+        assert before == header["start"]
 
 
 def test_torn_truncated_corrupt_and_foreign_files_are_skipped_deleted_and_logged(
