@@ -120,7 +120,7 @@ SOAK_MINUTES ?= 5
 SOAK_OUT ?=
 SOAK_SERVER_ARGS ?=
 soak: $(BENCH_STAMP)
-	$(BIN)/python -m tests.reliability.soak --minutes $(SOAK_MINUTES) $(if $(SOAK_OUT),--out $(SOAK_OUT)) $(if $(SOAK_DISK),--disk-cache-dir $(SOAK_DISK)) $(if $(SOAK_SERVER_ARGS),--server-args "$(SOAK_SERVER_ARGS)")
+	$(CPU_ENV) $(BIN)/python -m tests.reliability.soak --minutes $(SOAK_MINUTES) $(if $(SOAK_OUT),--out $(SOAK_OUT)) $(if $(SOAK_DISK),--disk-cache-dir $(SOAK_DISK)) $(if $(SOAK_SERVER_ARGS),--server-args "$(SOAK_SERVER_ARGS)")
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
