@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -212,9 +213,12 @@ async def test_a_drain_cuts_agent_streams_with_their_own_error_events(
         server.process.wait(timeout=30)
     finally:
         server.stop()
-    assert json.loads(messages_events[-1]) == {
+    cut = json.loads(messages_events[-1])
+    assert cut == {
         "type": "error",
-        "error": {"type": "overloaded_error", "message": "the server is shutting down"}}
+        "error": {"type": "overloaded_error", "message": "the server is shutting down"},
+        "request_id": cut["request_id"]}
+    assert re.fullmatch(r"[0-9a-f]{32}", cut["request_id"])  # the request's, as in errors
     error, failed = (json.loads(data) for data in responses_events[-2:])
     assert error["type"] == "error" and error["code"] == "shutting_down"
     assert failed["type"] == "response.failed"
