@@ -30,7 +30,6 @@ from server.anthropic.protocol import (
     ContentBlockStart,
     ContentBlockStop,
     DocumentBlock,
-    ErrorInfo,
     ErrorResponse,
     ImageBlock,
     InputJsonDelta,
@@ -63,7 +62,6 @@ from server.anthropic.protocol import (
     ToolUseBlock,
     ToolUseContent,
     Usage,
-    error_type,
 )
 from server.events import (
     ChoiceFinished,
@@ -390,10 +388,9 @@ class ThreadNotHeld(APIError):
                          code="thread_unsupported_request", param="thread")
 
     def anthropic_body(self, request_id: str | None = None) -> ErrorResponse:
-        details = {"error_code": self.code, "unsupported": ["thread"]}
-        return ErrorResponse(error=ErrorInfo(type=error_type(self.status), message=self.message,
-                                             details=details),
-                             request_id=request_id)
+        body = super().anthropic_body(request_id)
+        body.error.details = {"error_code": self.code, "unsupported": ["thread"]}
+        return body
 
 
 router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
@@ -425,9 +422,11 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         return model_response(message_response(message_id, model, generation.context_bound,
                                                results[0]))
 
+    def error_event(error: APIError) -> NamedEvent:
+        return _sse(error.anthropic_body(request_id_of(request.scope)))
+
     return await respond_with_model(state.models, body.model, body.stream, respond,
-                                    lambda error: _sse(error.anthropic_body(request_id_of(request.scope))),
-                                    _ping)
+                                    error_event, _ping)
 
 
 def _ping() -> NamedEvent:
