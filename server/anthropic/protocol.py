@@ -380,6 +380,22 @@ class TokenCountRequest(RequestModel):
     # for that beta (the SDKs of its time sent it as given) still send: read as
     # output_config.format, not ignored.
     output_format: JsonSchemaFormat | None = None
+    # Anthropic's MCP connector (tools that Anthropic's side fetches from remote MCP
+    # servers and runs) and the code-execution container (with its Agent Skills): both
+    # are server-side, as its server tools are. Ignored, the model would answer without
+    # the tools the client counts on, so each is refused with a 400 that names it.
+    mcp_servers: list[Any] | None = None
+    container: Any = None
+
+    @model_validator(mode="after")
+    def _refuse_server_side_features(self) -> TokenCountRequest:
+        if self.mcp_servers:
+            raise ValueError("mcp_servers: this server does not connect to MCP servers; "
+                             "run the MCP client on your side and pass its tools as tools")
+        if self.container is not None:
+            raise ValueError("container: this server runs no code-execution container "
+                             "(nor its skills); define client tools instead")
+        return self
 
     @model_validator(mode="after")
     def _output_format_is_output_config_format(self) -> TokenCountRequest:
