@@ -5,6 +5,7 @@
   against the function's parameters, written in the request's tool-call format.
 - tool_choice `allowed_tools`: "required" as above, of the allowed tools; "auto" free
   text, which may end in such calls (of the allowed tools only).
+- tool_choice "auto" with a tool marked `strict`: free text, which may end in such calls.
 - tools offered with tool_choice "auto" and a `json_object` / `json_schema` output format
   (what the OpenAI Agents SDK sends for an agent with tools and an `output_type`): the
   reply is such calls, or the answer in that format.
@@ -55,6 +56,14 @@ def forced_function(request: GenerationRequest) -> str | None:
     return None
 
 
+def enforces_strict_tools(request: GenerationRequest) -> bool:
+    """Plain "auto" offering a tool marked strict: OpenAI's `strict: true` binds a call's
+    arguments to the tool's schema whatever the tool choice, so the reply is free text that
+    may end in calls the grammar writes, as allowed tools' "auto" reply is."""
+    return (request.tool_choice == "auto" and isinstance(request.output, TextOutput)
+            and any(tool.strict for tool in request.offered_tools))
+
+
 def constrained(request: GenerationRequest) -> bool:
     """Does any grammar apply to this request (`output_constraint` is not None)?"""
     return not isinstance(request.output, TextOutput) or writes_calls(request)
@@ -62,19 +71,20 @@ def constrained(request: GenerationRequest) -> bool:
 
 def free_text(request: GenerationRequest) -> bool:
     """Is the reply free text (stop sequences end it) though a grammar applies: allowed
-    tools, "auto", whose calls the grammar only restricts, as plain "auto" replies'."""
+    tools' or strict tools' "auto", whose calls the grammar only restricts, as plain
+    "auto" replies'."""
     choice = request.tool_choice
-    return (isinstance(choice, AllowedTools) and choice.mode == "auto"
-            and isinstance(request.output, TextOutput))
+    return enforces_strict_tools(request) or (
+        isinstance(choice, AllowedTools) and choice.mode == "auto"
+        and isinstance(request.output, TextOutput))
 
 
 def writes_calls(request: GenerationRequest) -> bool:
     """Does the grammar write this request's tool calls (as JSON between the format's
     markers), rather than the model on its own?"""
-    return forces_call(request) or bool(request.offered_tools) and (
-        not isinstance(request.output, TextOutput)
-        or isinstance(request.tool_choice, AllowedTools)
-    )
+    return forces_call(request) or enforces_strict_tools(request) or bool(
+        request.offered_tools) and (not isinstance(request.output, TextOutput)
+                                    or isinstance(request.tool_choice, AllowedTools))
 
 
 def output_constraint(

@@ -1,11 +1,15 @@
 """tool_choice `allowed_tools` (OpenAI's Chat Completions and Responses), on the real
 default model: the model may call only the allowed tools but still sees them all, so the
 prompt, and what the cache holds of it, does not change with the allowed set. pydantic-ai
-sends it whenever an agent narrows its tools (`ToolOrOutput`, a list of names)."""
+sends it whenever an agent narrows its tools (`ToolOrOutput`, a list of names). And plain
+"auto" with a strict tool, whose calls the grammar binds as it binds allowed tools'."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
+import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
@@ -78,6 +82,54 @@ def test_responses_required_calls_an_allowed_tool_and_echoes_the_choice(real_cli
     assert {item.name for item in response.output if item.type == "function_call"} == {
         "get_weather"}
     assert response.tool_choice.model_dump() == choice
+
+
+FLIGHT = {"type": "object", "properties": {
+    "origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+    "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
+    "passengers": {"type": "integer", "minimum": 1}},
+    "required": ["origin", "destination", "passengers"], "additionalProperties": False}
+THERMOSTAT = {"type": "object", "properties": {
+    "degrees": {"type": "integer"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["degrees", "unit"], "additionalProperties": False}
+
+
+def ask_with_strict(client: openai.OpenAI, model: str, ask: str, strict: bool, **more):
+    tools = [{"type": "function", "function": {
+        "name": name, "description": name.replace("_", " "), "parameters": schema,
+        "strict": strict}} for name, schema in (("book_flight", FLIGHT),
+                                                 ("set_thermostat", THERMOSTAT))]
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": ask}], tools=tools,
+        max_tokens=80, **GREEDY, **more).choices[0]
+
+
+def test_auto_binds_a_strict_tools_call_to_its_schema(real_client, model):
+    """OpenAI's `strict` holds whatever the tool choice: under plain "auto" the model still
+    decides whether to call, and the call it makes validates. Unbound, the same model's
+    call of the same tool is not even JSON."""
+    ask = "Book a flight from Paris to Tokyo for me and my wife."
+    [loose] = ask_with_strict(real_client, model, ask, strict=False).message.tool_calls
+    assert loose.function.name == "book_flight"
+    with pytest.raises(ValueError):
+        json.loads(loose.function.arguments)
+    bound = ask_with_strict(real_client, model, ask, strict=True)
+    [call] = bound.message.tool_calls
+    assert call.function.name == "book_flight" and bound.finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), FLIGHT)
+
+
+def test_auto_with_a_strict_tool_answers_in_text_as_auto_does(real_client, model):
+    """A reply that calls nothing is the model's own text, stop sequences included."""
+    ask = "Set the thermostat to twenty degrees please."
+    loose = ask_with_strict(real_client, model, ask, strict=False)
+    bound = ask_with_strict(real_client, model, ask, strict=True)
+    assert not loose.message.tool_calls and not bound.message.tool_calls
+    assert bound.message.content == loose.message.content
+    stop = loose.message.content.split()[4]
+    stopped = ask_with_strict(real_client, model, ask, strict=True, stop=[stop])
+    assert stopped.finish_reason == "stop"
+    assert stopped.message.content == loose.message.content[:loose.message.content.index(stop)]
 
 
 @pytest.mark.parametrize(("path", "tool_choice", "message"), [
