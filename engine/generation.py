@@ -32,6 +32,7 @@ from engine.speculation import Drafts
 from engine.text import TextStream
 from engine.tokenizer import ModelTokenizer
 from engine.tree_hold import TreeHold
+from engine.vision import Pixels
 from radix import Miss, RadixTree
 
 # Prompt tokens on each side of a cache miss that its description shows.
@@ -47,6 +48,9 @@ class Generation:
         self.id = request_id
         self.prompt = prompt
         self.images = images  # see api.Prompt
+        # The pixels of the images its prefill computes, by index, prepared off the loop
+        # before admission (`Scheduler._preparing_images`).
+        self.pixels: dict[int, Pixels] = {}
         self.params = params
         self._emit = emit
         self._on_dequeue = on_dequeue

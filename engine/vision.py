@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx import nn
 
 from engine.api import PromptImage, SchedulerCounters
@@ -31,6 +32,10 @@ from engine.image_files import open_image, rgb_pixels
 from engine.image_tokens import ImageTokens, model_ids
 from engine.mrope import MRoPE, Placement, PromptPositions
 from engine.qwen_resize import QwenResize
+
+# One image's pixels as the tower reads them: its processor's outputs (`pixel_values`, and
+# Qwen-VL's `image_grid_thw`), as NumPy arrays.
+Pixels = dict[str, np.ndarray]
 
 
 def _mlx_vlm_utils():
@@ -79,17 +84,26 @@ class Vision:
 
         return mlx_vlm.__version__
 
-    def embeddings(self, tokens: Sequence[int], images: Sequence[bytes]) -> mx.array:
+    def pixels(self, data: bytes) -> Pixels:
+        """The image file `data` decoded and run through the processor, alone: NumPy and
+        Pillow only, no MLX, so the scheduler runs it on a thread of its own while streams
+        decode (a 2-megapixel photo takes ~60 ms of CPU). Alone, so that an image's
+        features never depend on the images sent beside it."""
+        processed = self.image_processor([rgb_pixels(open_image(data))], return_tensors="np")
+        return {key: np.asarray(processed[key]) for key in ("pixel_values", "image_grid_thw")
+                if key in processed}
+
+    def embeddings(self, tokens: Sequence[int], images: Sequence[Pixels]) -> mx.array:
         """The input embeddings of `tokens` (image keys in each image's span, as the
-        tree holds them), with the features of the image files `images`, in order, in the
-        spans: each file decoded, and run through the processor, here only."""
-        pictures = [rgb_pixels(open_image(data)) for data in images]
-        processed = self.image_processor(pictures, return_tensors="np")
+        tree holds them), with the features of the images whose `pixels` are `images`,
+        in order, in the spans."""
         ids = mx.array([model_ids(tokens, self.image_token_id)])
-        grids = ({"image_grid_thw": mx.array(processed["image_grid_thw"])}
-                 if "image_grid_thw" in processed else {})
+        grids = ({"image_grid_thw": mx.array(np.concatenate(
+            [image["image_grid_thw"] for image in images]))}
+            if "image_grid_thw" in images[0] else {})
+        values = np.concatenate([image["pixel_values"] for image in images])
         features = self.model.get_input_embeddings(
-            ids, mx.array(processed["pixel_values"]), mask=mx.ones(ids.shape), **grids)
+            ids, mx.array(values), mask=mx.ones(ids.shape), **grids)
         return features.inputs_embeds[0]
 
     def positions(self, tokens: Sequence[int], images: Sequence[PromptImage]
@@ -109,11 +123,14 @@ class Vision:
 @dataclass(eq=False)
 class ImageFeed:
     """A prompt's images as its prefill reads them: the embeddings from the first chunk
-    that holds an image on to the prompt's end, computed once, when that chunk is fed."""
+    that holds an image on to the prompt's end, computed once, when that chunk is fed.
+    `pixels` holds, by index, the images the scheduler prepared before admission (those
+    past the cached prefix it matched); any other one fed is prepared here."""
 
     vision: Vision
     images: tuple[PromptImage, ...]
     counters: SchedulerCounters
+    pixels: dict[int, Pixels] = field(default_factory=dict)
     _start: int = 0  # where `_embeddings` start in the prompt
     _embeddings: mx.array | None = field(default=None, repr=False)
     _positions: PromptPositions | None = field(default=None, repr=False)
@@ -129,12 +146,15 @@ class ImageFeed:
             first = self.images.index(inside[0])
             self._start = min(start, inside[0].start)
             self._embeddings = self.vision.embeddings(
-                prompt[self._start:], [image.file.data for image in self.images[first:]])
+                prompt[self._start:],
+                [self.pixels.get(index) or self.vision.pixels(self.images[index].file.data)
+                 for index in range(first, len(self.images))])
             self.counters.images_encoded += len(self.images) - first
         embeddings = self._embeddings[start - self._start:end - self._start]
         last = self.images[-1]
         if end >= last.start + last.length:
             self._embeddings = None  # no image is left to feed
+            self.pixels.clear()
         return embeddings
 
     def placement(self, prompt: Sequence[int], start: int, end: int) -> Placement | None:

@@ -6,12 +6,15 @@ batched, and the radix tree keys each image on its pixels."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
 from engine import vision as engine_vision
-from engine.api import SamplingParams, SpeculationConfig
+from engine.api import RequestFailed, SamplingParams, SpeculationConfig
 from engine.demo_vlm import build_demo_vlm
+from engine.engine import ENGINE_THREAD
 from engine.image_files import open_image
 from tests.engine.support import cancel_after, complete, settled, start_engine
 from tests.vision.support import VlmReference, image_prompt, png, prompt_text, user_turn
@@ -101,6 +104,64 @@ async def test_a_cold_image_prompt_decodes_and_processes_each_image_once_and_a_h
     assert seen == after_cold
     assert cold.tokens == hit.tokens
     assert hit.finish.cached_tokens == len(prompt.tokens) - 1
+
+
+async def test_a_new_image_is_prepared_while_running_streams_decode(
+        engine, reference, monkeypatch):
+    """Decoding a new image and running the processor over it take tens of milliseconds
+    of CPU for a photo: on a thread of their own, so the streams already decoding go on
+    meanwhile. Here the processor holds until the engine has stepped four more times;
+    on the engine's thread it would never see a step."""
+    engine.clear_cache().result()
+    vision = engine._loaded.vision
+    processor, threads = vision.image_processor, []
+
+    def held_processor(images, **options):
+        threads.append(threading.current_thread().name)
+        steps, deadline = engine.stats().counters.steps, time.monotonic() + 60
+        while engine.stats().counters.steps < steps + 4:
+            assert time.monotonic() < deadline, "no engine step while an image is prepared"
+            time.sleep(0.01)
+        return processor(images, **options)
+
+    monkeypatch.setattr(vision, "image_processor", held_processor)
+    tokenizer, image = engine.tokenizer, png(31)
+    text = tokenizer.chat_prompt([{"role": "user", "content": "Count to a thousand."}])
+    running = engine.submit(text, SamplingParams(max_tokens=4000, temperature=0.0,
+                                                 ignore_eos=True))
+    first = await anext(aiter(running))
+    prompt = image_prompt(tokenizer, [user_turn(tokenizer)], [image])
+    pictured = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
+    running.cancel()
+
+    assert first.token is not None and threads and ENGINE_THREAD not in threads
+    assert pictured.tokens == reference.greedy(reference_text(engine, prompt), [image],
+                                               MAX_TOKENS)
+    assert (await settled(engine)).tree.pinned_bytes == 0
+
+
+async def test_an_image_the_processor_refuses_fails_its_request_alone(
+        engine, reference, monkeypatch):
+    vision = engine._loaded.vision
+    processor, refused = vision.image_processor, png(32)
+
+    def choosy_processor(images, **options):
+        if images[0].tobytes() == open_image(refused).convert("RGB").tobytes():
+            raise ValueError("an image this processor cannot size")
+        return processor(images, **options)
+
+    monkeypatch.setattr(vision, "image_processor", choosy_processor)
+    tokenizer, image = engine.tokenizer, png(33)
+    bad = image_prompt(tokenizer, [user_turn(tokenizer)], [refused])
+    good = image_prompt(tokenizer, [user_turn(tokenizer)], [image])
+    failed, answered = await asyncio.gather(
+        complete(engine, bad, MAX_TOKENS), complete(engine, good, MAX_TOKENS, ignore_eos=True),
+        return_exceptions=True)
+
+    assert isinstance(failed, RequestFailed) and "cannot size" in str(failed)
+    assert answered.tokens == reference.greedy(reference_text(engine, good), [image],
+                                               MAX_TOKENS)
+    assert (await settled(engine)).tree.pinned_bytes == 0
 
 
 async def test_image_prompts_batched_give_each_its_own_tokens(engine, reference):
