@@ -94,14 +94,15 @@ THERMOSTAT = {"type": "object", "properties": {
     "required": ["degrees", "unit"], "additionalProperties": False}
 
 
-def ask_with_strict(client: openai.OpenAI, model: str, ask: str, strict: bool, **more):
+def ask_with_strict(client: openai.OpenAI, model: str, ask: str, strict: bool,
+                    max_tokens: int = 80, **more):
     tools = [{"type": "function", "function": {
         "name": name, "description": name.replace("_", " "), "parameters": schema,
         "strict": strict}} for name, schema in (("book_flight", FLIGHT),
                                                  ("set_thermostat", THERMOSTAT))]
     return client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": ask}], tools=tools,
-        max_tokens=80, **GREEDY, **more).choices[0]
+        max_tokens=max_tokens, **GREEDY, **more).choices[0]
 
 
 def test_auto_binds_a_strict_tools_call_to_its_schema(real_client, model):
@@ -122,12 +123,13 @@ def test_auto_binds_a_strict_tools_call_to_its_schema(real_client, model):
 def test_auto_with_a_strict_tool_answers_in_text_as_auto_does(real_client, model):
     """A reply that calls nothing is the model's own text, stop sequences included."""
     ask = "Set the thermostat to twenty degrees please."
-    loose = ask_with_strict(real_client, model, ask, strict=False)
-    bound = ask_with_strict(real_client, model, ask, strict=True)
+    loose = ask_with_strict(real_client, model, ask, strict=False, max_tokens=24)
+    bound = ask_with_strict(real_client, model, ask, strict=True, max_tokens=24)
     assert not loose.message.tool_calls and not bound.message.tool_calls
     assert bound.message.content == loose.message.content
     stop = loose.message.content.split()[4]
-    stopped = ask_with_strict(real_client, model, ask, strict=True, stop=[stop])
+    stopped = ask_with_strict(real_client, model, ask, strict=True, max_tokens=24,
+                              stop=[stop])
     assert stopped.finish_reason == "stop"
     assert stopped.message.content == loose.message.content[:loose.message.content.index(stop)]
 
