@@ -118,12 +118,20 @@ def json_schema(schema: Mapping[str, Any], strict: bool = False, close_objects: 
 
 def tool_calls(tools: Sequence[FunctionTool], name: str | None = None, parallel: bool = False,
                call_format: ToolCallFormat = HERMES, answer: JsonAnswer | None = None,
-               text: bool = False, close_objects: bool = True) -> Constraint:
+               text: bool = False, close_objects: bool = True, lazy: bool = False
+               ) -> Constraint:
     """One call (one or more in a row if `parallel`) of the function `name`, or of any of
     `tools` when `name` is None, whose arguments validate against its parameters; or,
     when `answer` is given, that JSON answer instead of any call; or, with `text`, any
     text that may end in such calls: the one thing it cannot hold is a call's start
-    marker that no allowed call follows."""
+    marker that no allowed call follows.
+
+    `lazy` says the same as `text` with a grammar that waits for the start marker
+    (`Constraint.after`): the text before it is the model's own, unmasked, as llama.cpp's
+    lazy grammars leave it. Masking every token of a reply that calls nothing cost a batch
+    of 16 such replies 9-14% of its rate on an H200 (the host's work for each masked row);
+    the grammar cannot wait for a marker after another (a reasoning model's end of
+    thinking), so those take `text`."""
     if name is not None:
         tools = [tool for tool in tools if tool.name == name]
         if not tools:
@@ -135,7 +143,12 @@ def tool_calls(tools: Sequence[FunctionTool], name: str | None = None, parallel:
              f"calls: call{more}",
              f"call: {_literal(call_format.start)} body {_literal(call_format.end)}",
              "body: " + " | ".join(f"tool_{i}" for i in range(len(tools)))]
-    if text:
+    if lazy:
+        marker = call_format.start.rstrip()
+        rules[0] = "start: called"
+        rules.append(f"called: {_literal(call_format.start[len(marker):])} body "
+                     f"{_literal(call_format.end)}{more}")
+    elif text:
         # Free text is one greedy lexeme, which would swallow a call's marker, so what
         # leads up to a call is a lexeme of its own that ends at the marker (a `stop`).
         marker = call_format.start.rstrip()
@@ -161,7 +174,7 @@ def tool_calls(tools: Sequence[FunctionTool], name: str | None = None, parallel:
             raise UnsupportedSchema(f"function {tool.name!r}: {error}", error.keyword) from None
     grammar = LLMatcher.grammar_from_lark("\n".join(rules))
     _validate(grammar)
-    return Constraint(grammar)
+    return Constraint(grammar, after=call_format.start.rstrip() if lazy else None)
 
 
 def _json_rule(rule: str, schema: Mapping[str, Any], strict: bool, close_objects: bool) -> str:

@@ -64,13 +64,18 @@ class GrammarState:
     repeats a key of the JSON it writes."""
 
     def __init__(self, compiled: LLMatcher, marker: tuple[int, ...], words: int,
-                 closing: ClosingTokens) -> None:
+                 closing: ClosingTokens, marker_text: bytes = b"") -> None:
+        """`marker`: the tokens after which the grammar starts (none: at once), and
+        `marker_text` their text: a model may write a marker of plain text in other
+        tokens than its encoding's (`<tool` `_call>`), which end the text alike."""
         self._compiled = compiled
         self.words = words  # 32-bit words in one row of a token mask
         self._marker = marker
+        self._marker_text = marker_text
         self._closing = closing
         self._keys = JsonKeys()
         self._recent: list[int] = []
+        self._tail = b""  # the output's last bytes, as long as `marker_text`
         self.matcher: LLMatcher | None = None if marker else compiled.deep_copy()
         self.error: str | None = None
         self._taken = 0  # tokens taken in (`accept`), those before the marker too
@@ -94,7 +99,11 @@ class GrammarState:
             return
         if self.matcher is None:
             self._recent = (self._recent + [token])[-len(self._marker):]
-            if tuple(self._recent) == self._marker:
+            if self._marker_text:
+                self._tail = (self._tail + self._closing.token_bytes[token])[
+                    -len(self._marker_text):]
+            if tuple(self._recent) == self._marker or (
+                    self._marker_text and self._tail == self._marker_text):
                 self.matcher = self._compiled.deep_copy()
             return
         if not self.matcher.consume_token(token):
@@ -147,7 +156,8 @@ class Grammars:
         (a request admitted again after a failed step)."""
         marker = self._marker(constraint.after) if constraint.after else ()
         state = GrammarState(self._compile(constraint.grammar), marker,
-                             words=(self._vocab_size + 31) // 32, closing=self._closing_tokens())
+                             words=(self._vocab_size + 31) // 32, closing=self._closing_tokens(),
+                             marker_text=(constraint.after or "").encode())
         for token in generated:
             state.accept(token)
         if state.error is not None:

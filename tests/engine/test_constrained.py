@@ -10,6 +10,7 @@ import asyncio
 import json
 import re
 import threading
+from functools import partial
 
 import jsonschema
 import pytest
@@ -361,3 +362,19 @@ async def test_compiled_grammars_are_kept_within_a_budget_of_their_text(engine, 
     assert [grammars.compiled(text) for text in texts] == [False, True, True]
     grammars.compile(huge := json_schema({**PERSON, "description": "x" * 9000}).grammar)
     assert grammars.compiled(huge) and not any(grammars.compiled(text) for text in texts)
+
+
+async def test_a_marker_written_in_other_tokens_still_starts_the_grammar(engine):
+    """A model may write a plain-text marker in other tokens than its encoding's
+    (`<tool` then `_call>`): the text it ends is the marker all the same."""
+    grammars = engine_grammar.Grammars(engine.tokenizer, engine.tokenizer.vocab_size)
+    constraint = tool_calls([FunctionTool("f", None)], lazy=True)
+    encode = partial(engine.tokenizer.encode, special_tokens=False)
+    split = encode("Sure. <tool") + encode("_call>")
+    assert split[-len(encode("<tool_call>")):] != encode("<tool_call>")
+    state = grammars.state(constraint)
+    for token in split[:-1]:
+        state.accept(token)
+        assert not state.constraining
+    state.accept(split[-1])
+    assert state.constraining
