@@ -7,7 +7,8 @@ function tool) under tool_choice "auto" is decoded under a grammar: free text th
 in calls. Against a running server, `streams` such chats at once, greedy, 128 tokens each
 (`ignore_eos`), the same tools with `strict` true and false in alternating rounds (the
 prompt is the same either way, so both hit the same cached prefix). Prints output tok/s
-per round and mode, and the medians' ratio.
+per round and mode with the engine's steps, their mean time and their thread's CPU time
+per step (from /metrics), and the medians' ratio.
 """
 
 from __future__ import annotations
@@ -42,6 +43,18 @@ async def one(client: httpx.AsyncClient, url: str, model: str, ask: str, strict:
     return response.json()["usage"]["completion_tokens"]
 
 
+STEP_METRICS = ("radix_mlx_engine_steps_total", "radix_mlx_engine_step_seconds_total",
+                "radix_mlx_engine_step_cpu_seconds_total")
+
+
+async def step_counters(client: httpx.AsyncClient, url: str) -> list[float]:
+    """The engine's steps, their seconds and their thread's CPU seconds so far."""
+    text = (await client.get(f"{url}/metrics")).text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+              for line in text.splitlines() if line.startswith(STEP_METRICS)}
+    return [values[name] for name in STEP_METRICS]
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("url")
@@ -53,14 +66,19 @@ async def main() -> None:
         rates: dict[str, list[float]] = {"strict": [], "loose": []}
         for round_ in range(args.rounds + 1):  # the first round warms both up
             for strict in ((True, False) if round_ % 2 else (False, True)):
+                before = await step_counters(client, args.url)
                 started = time.perf_counter()
                 tokens = await asyncio.gather(*[
                     one(client, args.url, model, ASKS[i % len(ASKS)], strict)
                     for i in range(args.streams)])
                 rate = sum(tokens) / (time.perf_counter() - started)
+                steps, seconds, cpu = (after - first for after, first in zip(
+                    await step_counters(client, args.url), before, strict=True))
                 if round_:
                     rates["strict" if strict else "loose"].append(rate)
-                print(f"round {round_} strict={strict}: {rate:.0f} tok/s", flush=True)
+                print(f"round {round_} strict={strict}: {rate:.0f} tok/s, {steps:.0f} steps "
+                      f"of {1e3 * seconds / steps:.2f} ms ({1e3 * cpu / steps:.2f} ms CPU)",
+                      flush=True)
     medians = {mode: statistics.median(values) for mode, values in rates.items()}
     print(json.dumps({"rates": rates, "medians": medians,
                       "strict_over_loose": medians["strict"] / medians["loose"]}))
