@@ -6,6 +6,7 @@
 - tool_choice `allowed_tools`: "required" as above, of the allowed tools; "auto" free
   text, which may end in such calls (of the allowed tools only).
 - tool_choice "auto" with a tool marked `strict`: free text, which may end in such calls.
+  In both, the grammar starts at a call's marker: the text before it is unmasked.
 - tools offered with tool_choice "auto" and a `json_object` / `json_schema` output format
   (what the OpenAI Agents SDK sends for an agent with tools and an `output_type`): the
   reply is such calls, or the answer in that format.
