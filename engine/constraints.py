@@ -131,9 +131,8 @@ def tool_calls(tools: Sequence[FunctionTool], name: str | None = None, parallel:
     lazy grammars leave it. Masking every token of a reply that calls nothing cost a batch
     of 16 such replies 9-14% of its rate on an H200 (the host's work for each masked row);
     the grammar cannot wait for a marker after another (a reasoning model's end of
-    thinking), so those take `text`. One gap `text` does not have: a marker whose last
-    character the model writes inside a longer token (`<tool_call` then `></`) is not
-    seen, and what follows it stays unmasked."""
+    thinking), so those take `text`. While it waits, a plain-text marker is kept from
+    ending inside a token (`grammar.MarkerGuard`), where it would not be seen."""
     if name is not None:
         tools = [tool for tool in tools if tool.name == name]
         if not tools:

@@ -58,20 +58,59 @@ class ConstraintFailed(Exception):
     for this tokenizer, or the matcher failed while generating."""
 
 
+class MarkerGuard:
+    """Keeps a plain-text marker from ending inside a token: the tokens in which it would
+    end before their last byte, after each proper prefix of it that the output may end
+    with. SmolLM2 writes `<tool_call` then `></`; a grammar waiting for `<tool_call>`
+    would never see it end, and what follows would go unmasked."""
+
+    def __init__(self, marker: bytes, token_bytes: Sequence[bytes], words: int) -> None:
+        self.marker = marker
+        banned: dict[int, list[int]] = {}  # by the prefix's length (0: none needed)
+        last = marker[-1:]
+        for token, data in enumerate(token_bytes):
+            end = data.find(last)
+            while 0 <= end < len(data) - 1:  # the marker would end at data[:end + 1]
+                head = data[:end + 1]
+                if len(head) >= len(marker):
+                    if head.endswith(marker):
+                        banned.setdefault(0, []).append(token)
+                elif marker.endswith(head):
+                    banned.setdefault(len(marker) - len(head), []).append(token)
+                end = data.find(last, end + 1)
+        self._allowed = {prefix: _without(tokens, words) for prefix, tokens in banned.items()}
+
+    def allowed(self, tail: bytes) -> np.ndarray | None:
+        """The mask of a row whose output ends with `tail` (at least the marker's length
+        less one byte, where it has as much), None where no token is banned."""
+        rows = [allowed for prefix, allowed in self._allowed.items()
+                if prefix == 0 or tail.endswith(self.marker[:prefix])]
+        return np.bitwise_and.reduce(rows) if rows else None
+
+
+def _without(tokens: list[int], words: int) -> np.ndarray:
+    mask = np.full(words, -1, dtype=np.int32)
+    ids = np.array(tokens, dtype=np.uint32)
+    np.bitwise_and.at(mask.view(np.uint32), ids >> 5, ~(np.uint32(1) << (ids & 31)))
+    return mask
+
+
 class GrammarState:
     """The constraint of one sequence: free text until the marker (if any), then the
     grammar's matcher, which must accept every token from there on, and no token that
     repeats a key of the JSON it writes."""
 
     def __init__(self, compiled: LLMatcher, marker: tuple[int, ...], words: int,
-                 closing: ClosingTokens, marker_text: bytes = b"") -> None:
-        """`marker`: the tokens after which the grammar starts (none: at once), and
-        `marker_text` their text: a model may write a marker of plain text in other
-        tokens than its encoding's (`<tool` `_call>`), which end the text alike."""
+                 closing: ClosingTokens, guard: MarkerGuard | None = None) -> None:
+        """`marker`: the tokens after which the grammar starts (none: at once). A model
+        may write a marker of plain text in other tokens than its encoding's (`<tool`
+        `_call>`): the output's text ending with it starts the grammar too, and `guard`
+        keeps it from ending inside a token, where that would not be seen."""
         self._compiled = compiled
         self.words = words  # 32-bit words in one row of a token mask
         self._marker = marker
-        self._marker_text = marker_text
+        self._guard = guard
+        self._marker_text = guard.marker if guard is not None else b""
         self._closing = closing
         self._keys = JsonKeys()
         self._recent: list[int] = []
@@ -83,8 +122,21 @@ class GrammarState:
 
     @property
     def constraining(self) -> bool:
-        """The next token is masked."""
-        return self.matcher is not None and self.error is None
+        """The next token is masked: by the grammar, or while waiting for the marker,
+        where a token would end it inside itself."""
+        return self.error is None and (self.matcher is not None or self._guarded() is not None)
+
+    def _guarded(self) -> np.ndarray | None:
+        if self.matcher is not None or self._guard is None:
+            return None
+        return self._guard.allowed(self._tail)
+
+    def fill(self, row: np.ndarray) -> None:
+        """Write the next token's mask into `row` (int32 words, all set)."""
+        if self.matcher is not None:
+            self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, self.words * 4)
+        elif (allowed := self._guarded()) is not None:
+            row[:] = allowed
 
     def complete_after(self, tokens: int) -> bool:
         """Whether the grammar was complete, allowing no further token (but EOS), once it
@@ -128,6 +180,8 @@ class GrammarState:
         """Take the tokens that would repeat a key out of `mask`, this row's as the
         matcher computed it, and record an error the matcher entered meanwhile, or the
         dead end of a mask left empty (an object whose possible keys are all written)."""
+        if self.matcher is None:  # waiting for the marker: nothing of the grammar's yet
+            return
         if self.error is None and self.matcher.is_error():
             self.error = matcher_error(self.matcher)
         if self.error is None and (repeating := self._keys.repeating(self._closing)):
@@ -149,6 +203,7 @@ class Grammars:
         self._compiled: OrderedDict[str, LLMatcher | str] = OrderedDict()
         self._chars = 0  # the cached grammars' text
         self._markers: dict[str, tuple[int, ...]] = {}
+        self._guards: dict[str, MarkerGuard] = {}
         self._lock = threading.Lock()  # the cache, and llguidance's tokenizer made once
 
     def state(self, constraint: Constraint, generated: Iterable[int] = ()) -> GrammarState:
@@ -157,7 +212,7 @@ class Grammars:
         marker = self._marker(constraint.after) if constraint.after else ()
         state = GrammarState(self._compile(constraint.grammar), marker,
                              words=(self._vocab_size + 31) // 32, closing=self._closing_tokens(),
-                             marker_text=(constraint.after or "").encode())
+                             guard=self._guard(constraint.after) if constraint.after else None)
         for token in generated:
             state.accept(token)
         if state.error is not None:
@@ -206,6 +261,12 @@ class Grammars:
                 b"" if tokenizer.is_special_token(token) else tokenizer.decode_bytes([token])
                 for token in range(self._vocab_size)])
         return self._closing
+
+    def _guard(self, text: str) -> MarkerGuard:
+        if text not in self._guards:  # ~10 ms for a 49k vocabulary
+            self._guards[text] = MarkerGuard(text.encode(), self._closing_tokens().token_bytes,
+                                             (self._vocab_size + 31) // 32)
+        return self._guards[text]
 
     def _marker(self, text: str) -> tuple[int, ...]:
         if text not in self._markers:
@@ -272,16 +333,15 @@ def masks(states: Sequence[GrammarState | None], tokens: Sequence[int] | None
         for state, token in zip(states, tokens):
             if state is not None:
                 state.accept(token)
-    rows = [(s.matcher, i) for i, s in enumerate(states) if s is not None and s.constraining]
+    rows = [i for i, s in enumerate(states) if s is not None and s.constraining]
     if not rows:
         return None
-    words = states[rows[0][1]].words
-    bitmask = np.full((len(states), words), -1, dtype=np.int32)
+    bitmask = np.full((len(states), states[rows[0]].words), -1, dtype=np.int32)
     # One after another: ~10 us a row on an H100's host for a JSON Schema over a 49k
     # vocabulary; llguidance's thread pool took longer for 16 rows (0.24 ms vs 0.17 ms).
-    for matcher, i in rows:
-        matcher.unsafe_compute_mask_ptr(bitmask[i].ctypes.data, words * 4)
-    for _, i in rows:
+    for i in rows:
+        states[i].fill(bitmask[i])
+    for i in rows:
         states[i].check(bitmask[i])
         if states[i].error is not None:
             bitmask[i] = -1  # the row fails at this token; keep its sampling finite

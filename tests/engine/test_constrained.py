@@ -375,6 +375,27 @@ async def test_a_marker_written_in_other_tokens_still_starts_the_grammar(engine)
     state = grammars.state(constraint)
     for token in split[:-1]:
         state.accept(token)
-        assert not state.constraining
+        assert state.matcher is None
     state.accept(split[-1])
-    assert state.constraining
+    assert state.matcher is not None and state.constraining
+
+
+async def test_a_marker_cannot_end_inside_a_token(engine):
+    """SmolLM2 writes `<tool_call></tool_call>` as `... <tool _ call ></ ...`: the marker
+    would end inside `></`, where nothing sees it end. After `<tool_call`, every token in
+    which it would end before its last byte is masked; plain text is not."""
+    grammars = engine_grammar.Grammars(engine.tokenizer, engine.tokenizer.vocab_size)
+    constraint = tool_calls([FunctionTool("f", None)], lazy=True)
+    encode = partial(engine.tokenizer.encode, special_tokens=False)
+    state = grammars.state(constraint)
+    for token in encode("Sure, I can book it"):
+        state.accept(token)
+    assert not state.constraining
+    for token in encode(" <tool_call"):
+        state.accept(token)
+    assert state.constraining and not state.matcher
+    [mask] = engine_grammar.masks([state], None)
+    allowed = {token for token in range(engine.tokenizer.vocab_size)
+               if mask[token >> 5] >> (token & 31) & 1}
+    [inside] = encode("></")
+    assert inside not in allowed and encode(">")[0] in allowed
