@@ -262,10 +262,10 @@ class Constraint:
     # Text the model writes freely before the grammar applies: the grammar starts right
     # after the first time the generated tokens contain this marker's tokens, or their
     # text ends with it (e.g. the end-of-thinking "</think>" of a reasoning model, or a
-    # tool call's start marker: `constraints.tool_calls(lazy=True)`). None: from the
-    # first token. Leave
-    # it None when the prompt already closed the reasoning (a template that renders
-    # "<think></think>" when thinking is off), or the grammar would never start.
+    # tool call's start marker: `constraints.tool_calls(text=True, lazy=True)`). None: from the
+    # first token. Leave it None when the prompt already closed the reasoning (a template
+    # that renders "<think></think>" when thinking is off), or the grammar would never
+    # start.
     after: str | None = None
 
 

@@ -110,11 +110,10 @@ class GrammarState:
         self.words = words  # 32-bit words in one row of a token mask
         self._marker = marker
         self._guard = guard
-        self._marker_text = guard.marker if guard is not None else b""
         self._closing = closing
         self._keys = JsonKeys()
         self._recent: list[int] = []
-        self._tail = b""  # the output's last bytes, as long as `marker_text`
+        self._tail = b""  # the output's last bytes, as long as the guard's marker
         self.matcher: LLMatcher | None = None if marker else compiled.deep_copy()
         self.error: str | None = None
         self._taken = 0  # tokens taken in (`accept`), those before the marker too
@@ -151,11 +150,12 @@ class GrammarState:
             return
         if self.matcher is None:
             self._recent = (self._recent + [token])[-len(self._marker):]
-            if self._marker_text:
+            guard = self._guard
+            if guard is not None:
                 self._tail = (self._tail + self._closing.token_bytes[token])[
-                    -len(self._marker_text):]
+                    -len(guard.marker):]
             if tuple(self._recent) == self._marker or (
-                    self._marker_text and self._tail == self._marker_text):
+                    guard is not None and self._tail == guard.marker):
                 self.matcher = self._compiled.deep_copy()
             return
         if not self.matcher.consume_token(token):

@@ -107,9 +107,6 @@ def output_constraint(
     # otherwise (alone, or beside forced calls, where it must still be enforceable) here.
     answer_in_calls = writes_calls(request) and not forces_call(request)
     text_before_calls = answer_in_calls and answer is None  # allowed or strict tools, "auto"
-    # Such text is the model's own up to a call's marker, unless the grammar already
-    # waits for another (a reasoning model's end of thinking).
-    lazy = text_before_calls and after is None
     with _refused("response_format"):
         constraint = None if answer is None or answer_in_calls else constraints.json_schema(
             answer.schema, strict=answer.strict, close_objects=close_objects)
@@ -125,9 +122,11 @@ def output_constraint(
                     f"{tool_format.start}\n", f"\n{tool_format.end}", tool_format.separator
                 ),
                 answer=answer if answer_in_calls else None,
-                text=text_before_calls and not lazy,
+                text=text_before_calls,
                 close_objects=close_objects,
-                lazy=lazy,
+                # The text is the model's own up to a call's marker, unless the grammar
+                # already waits for another (a reasoning model's end of thinking).
+                lazy=after is None,
             )
     if constraint is None:
         return None

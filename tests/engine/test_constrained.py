@@ -368,7 +368,7 @@ async def test_a_marker_written_in_other_tokens_still_starts_the_grammar(engine)
     """A model may write a plain-text marker in other tokens than its encoding's
     (`<tool` then `_call>`): the text it ends is the marker all the same."""
     grammars = engine_grammar.Grammars(engine.tokenizer, engine.tokenizer.vocab_size)
-    constraint = tool_calls([FunctionTool("f", None)], lazy=True)
+    constraint = tool_calls([FunctionTool("f", None)], text=True, lazy=True)
     encode = partial(engine.tokenizer.encode, special_tokens=False)
     split = encode("Sure. <tool") + encode("_call>")
     assert split[-len(encode("<tool_call>")):] != encode("<tool_call>")
@@ -385,7 +385,7 @@ async def test_a_marker_cannot_end_inside_a_token(engine):
     would end inside `></`, where nothing sees it end. After `<tool_call`, every token in
     which it would end before its last byte is masked; plain text is not."""
     grammars = engine_grammar.Grammars(engine.tokenizer, engine.tokenizer.vocab_size)
-    constraint = tool_calls([FunctionTool("f", None)], lazy=True)
+    constraint = tool_calls([FunctionTool("f", None)], text=True, lazy=True)
     encode = partial(engine.tokenizer.encode, special_tokens=False)
     state = grammars.state(constraint)
     for token in encode("Sure, I can book it"):

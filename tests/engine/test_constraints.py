@@ -133,13 +133,13 @@ def test_reasoning_marker_is_set_on_the_built_constraint():
 def test_a_lazy_call_grammar_starts_after_the_marker_and_binds_the_call():
     """The text before a call is the model's own, unmasked: the grammar waits for the
     call's marker, then admits only calls of the tools, and ends with them."""
-    constraint = tool_calls([WEATHER], parallel=True, lazy=True)
+    constraint = tool_calls([WEATHER], parallel=True, text=True, lazy=True)
     assert constraint.after == "<tool_call>"
     call = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert accepts(constraint, call) and accepts(constraint, call + "\n<tool_call>" + call)
     assert not accepts(constraint, call.replace("get_weather", "rm_rf"))
     assert not accepts(constraint, call + " Done.")
-    single = tool_calls([WEATHER], parallel=False, lazy=True)
+    single = tool_calls([WEATHER], parallel=False, text=True, lazy=True)
     assert accepts(single, call) and not accepts(single, call + "\n<tool_call>" + call)
 
 
