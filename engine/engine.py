@@ -243,7 +243,7 @@ class Engine:
         try:
             self._serve()
         except Exception as error:  # noqa: BLE001 - only a tensor-parallel scheduler lets one out
-            self._give_up(f"the tensor-parallel group failed: {error}")
+            self.give_up(f"the tensor-parallel group failed: {error}")
         self._stopped.set()
         # Never return: when this thread ends, MLX's thread-local compile cache is
         # destroyed and needs the GIL; if that races with interpreter shutdown the process
@@ -280,11 +280,11 @@ class Engine:
             time.sleep(min(1.0, timeout / 4))
             if time.monotonic() - self._last_turn > timeout:
                 reason = f"no scheduler step finished in {timeout:g} s ({name})"
-                self._give_up(f"the tensor-parallel group failed: {reason}"
+                self.give_up(f"the tensor-parallel group failed: {reason}"
                               if self.group is not None else f"the engine is stuck: {reason}")
                 return
 
-    def _give_up(self, reason: str) -> None:
+    def give_up(self, reason: str) -> None:
         """The engine cannot go on (its group is broken, or a step never ends): it fails,
         every open request gets the reason, and a rank other than 0 exits (mlx.launch
         then stops the others). The server sees `failed` and stops, for its service

@@ -8,8 +8,11 @@ spins, and on the 2-core CPU machine an all-sum of 64 floats between two ranks t
 here the threads wait for output only. SIGTERM and SIGINT are ignored, here and (inherited) in the
 ranks, which get them from a terminal or a service manager too: the launcher signals
 rank 0 alone, which drains and then stops the others (rank 0's server sets handlers of
-its own). And if the launcher that started us dies, even by SIGKILL, the whole launch
-group is killed, so no rank outlives it holding the port or the GPU.
+its own). When a rank exits with an error, mlx.launch stops the others with SIGTERM,
+which rank 0 would take for a drain and the others ignore: here a local rank gets SIGUSR1
+instead, on which it fails its engine and exits (server/launch/tensor_parallel.py). And if
+the launcher that started us dies, even by SIGKILL, the whole launch group is killed, so
+no rank outlives it holding the port or the GPU.
 """
 
 import os
@@ -29,6 +32,16 @@ def _select_without_stdin(rlist: list, wlist: list, xlist: list, timeout: float
     return select.select(rlist, [], xlist, timeout)
 
 
+def _terminate(command: launch.RemoteProcess) -> None:
+    """mlx.launch's stop of a rank after another one exited: SIGUSR1 to a local rank
+    (the launch script execs it, so the process is the rank) and a wait for its exit,
+    then mlx.launch's own stop, which a remote rank still needs."""
+    if command._is_local and command.process.poll() is None:
+        command.process.send_signal(signal.SIGUSR1)
+        command.process.wait()
+    _terminate_remote(command)
+
+
 def _die_with(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(ORPHAN_POLL_SECONDS)
@@ -40,5 +53,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_die_with, args=(os.getppid(),), daemon=True).start()
     launch.select = _select_without_stdin
+    _terminate_remote = launch.RemoteProcess.terminate
+    launch.RemoteProcess.terminate = _terminate
     sys.argv[0] = "mlx.launch"
     launch.main()

@@ -171,6 +171,7 @@ def run(settings: Settings) -> int:
         engine = EncoderEngine(config)
     else:  # a tensor-parallel rank group runs its engine in the process that joined it
         engine = Engine(config, group)
+        tensor_parallel.fail_when_a_rank_exits(engine)
     engine.start()
     status = _serve(settings, ModelRegistry.of_one(settings, engine),
                     failed=lambda: engine.state is Lifecycle.FAILED)

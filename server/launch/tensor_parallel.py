@@ -13,8 +13,11 @@ Stopping: the launcher sends its first SIGTERM/SIGINT on to the launch's process
 where only rank 0 acts on it (mlx.launch and the other ranks ignore both, also when a
 terminal or a service manager signals them: server/launch/rank_launcher.py): rank 0
 drains, then its engine's `Stop` reaches every rank, and all exit 0. A rank that dies
-fails the group (rank 0's /health says `failed`, its requests get the reason); mlx.launch
-then stops the rest, and the launcher exits 1 so that a service manager restarts it.
+fails the group (rank 0's /health says `failed`, its requests get the reason) and the
+launcher exits 1, so that a service manager restarts it. The ring backend notices a lost
+peer only when it sends to it: a rank waiting to receive from it spins inside MLX until
+the collective timeout. So mlx.launch, which sees the exit at once, tells the others: a
+local rank gets SIGUSR1 (server/launch/rank_launcher.py) and fails its engine on it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping
 from types import FrameType
 
@@ -158,12 +162,34 @@ def launch(settings: Settings, model: str) -> int:
     return 1
 
 
+def fail_when_a_rank_exits(engine: Engine) -> None:
+    """Fail `engine` when mlx.launch says another rank of its group exited (SIGUSR1).
+
+    The handler only sets an event, since it may run in the middle of whatever the main
+    thread holds; a thread of its own fails the engine. A rank still loading its model
+    has nothing to report: it exits."""
+    exited = threading.Event()
+
+    def fail() -> None:
+        exited.wait()
+        if not engine.served:
+            print("radix-mlx serve: another tensor-parallel rank exited while the model "
+                  "loaded", file=sys.stderr)
+            logging.shutdown()
+            os._exit(1)
+        engine.give_up("the tensor-parallel group failed: another rank exited")
+
+    signal.signal(signal.SIGUSR1, lambda signum, frame: exited.set())
+    threading.Thread(target=fail, name="radix-mlx-rank-exit", daemon=True).start()
+
+
 def run_rank(config: EngineConfig, group: RankGroup) -> int:
     """A rank other than 0: the same engine as rank 0's, fed by rank 0, until rank 0
     stops it (0) or the group fails (1; the engine exits the process itself then)."""
     for signum in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop
         signal.signal(signum, signal.SIG_IGN)
     engine = Engine(config, group)
+    fail_when_a_rank_exits(engine)
     engine.start()
     if engine.wait_ready() is Lifecycle.FAILED:
         print(f"radix-mlx serve: rank {group.rank}: the model failed to load: "

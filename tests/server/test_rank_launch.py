@@ -80,6 +80,36 @@ def test_nccl_ranks_listed_together_on_a_host_get_a_gpu_each(tmp_path: Path) -> 
     assert command[command.index("-n") + 1] == "2"
 
 
+# Rank 0 waits for a signal; rank 1 exits with an error once rank 0 listens for it.
+SIGNALLED = """
+import os, signal, sys, time
+from pathlib import Path
+ready = Path(sys.argv[1])
+if os.environ["MLX_RANK"] == "0":
+    signal.signal(signal.SIGUSR1, lambda signum, frame: sys.exit(print("rank 0: SIGUSR1")))
+    ready.touch()
+    time.sleep(30)
+    print("rank 0: no signal")
+else:
+    while not ready.exists():
+        time.sleep(0.05)
+    sys.exit(1)
+"""
+
+
+def test_a_rank_that_exits_with_an_error_is_told_to_the_others_by_sigusr1(
+        tmp_path: Path) -> None:
+    """The ring backend may never notice a lost peer (a rank waiting to receive from it
+    spins), and mlx.launch's own SIGTERM would start rank 0's drain: the ranks left hear
+    SIGUSR1, on which they fail their engine (server/launch/tensor_parallel.py)."""
+    command = launch_command(Settings(tensor_parallel=2),
+                             ["-c", SIGNALLED, str(tmp_path / "ready")], ENVIRON)
+    result = subprocess.run(command, cwd=REPO_ROOT, env=server_env(ENVIRON),
+                            stdin=subprocess.PIPE, capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert "rank 0: SIGUSR1" in result.stdout, result.stdout + result.stderr
+
+
 @pytest.mark.parametrize(("hosts", "backend", "message"), [
     (["127.0.0.1"] * 3, "ring", "lists 3 ranks but --tensor-parallel is 2"),
     (["a", "b", "a", "b"], "nccl", "every host is listed the same number of times"),

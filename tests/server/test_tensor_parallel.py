@@ -7,6 +7,7 @@ One server serves every test here, in file order; the last one kills a rank.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -35,7 +36,7 @@ def tp_server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
               ) -> Iterator[ServerProcess]:
     log_path = tmp_path_factory.mktemp("tensor-parallel") / "server.log"
     server = start_server(demo_model_dir, log_path, "--tensor-parallel", "2",
-                          "--collective-timeout", "20", cache_bytes=None)
+                          "--collective-timeout", "300", cache_bytes=None)
     yield server
     server.stop()
 
@@ -123,7 +124,9 @@ def test_a_cancelled_request_leaves_the_others_running_and_nothing_pinned(
 def test_a_lost_rank_fails_the_server_without_a_hang(tp_server: ServerProcess) -> None:
     """Rank 1 killed mid-stream: the stream ends with an error, from then on /health
     says failed (while rank 0 still answers: it exits once failed), and the launcher
-    exits 1 instead of hanging, so a service manager restarts it."""
+    exits 1 instead of hanging, so a service manager restarts it. What tells rank 0 is
+    the ring's failed send or mlx.launch's signal, whichever comes first; never the
+    collective timeout, which is longer than this test waits."""
     body = {"prompt": PROMPTS[2], "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", f"{tp_server.url}/v1/completions", json=body,
@@ -137,8 +140,8 @@ def test_a_lost_rank_fails_the_server_without_a_hang(tp_server: ServerProcess) -
     assert all(status == 503 and body["status"] in ("failed", "draining")
                for status, body in health), health
     assert tp_server.process.wait(timeout=30) == 1
-    assert "the tensor-parallel group failed: [ring] connection to a peer was lost" in \
-        tp_server.log()
+    assert re.search(r"the tensor-parallel group failed: (\[ring\] connection to a peer "
+                     r"was lost|another rank exited)", tp_server.log())
 
 
 def _health_until_gone(url: str) -> list[tuple[int, dict]]:
