@@ -47,26 +47,40 @@ def for_generation(schema: Any, close_objects: bool) -> Any:
     return _rewrite(schema, close_objects, standalone=True)
 
 
-def _rewrite(schema: Any, close: bool, standalone: bool) -> Any:
+def strict_mode(schema: Any) -> Any:
+    """`schema` normalized to OpenAI's strict mode, as the Responses API does with a
+    function's parameters where `strict` is unsaid: an object that lists its properties
+    requires every one of them, and is closed to them unless it says otherwise. The input
+    is not changed."""
+    return _rewrite(schema, close=True, standalone=True, require_all=True)
+
+
+def _rewrite(schema: Any, close: bool, standalone: bool, require_all: bool = False) -> Any:
     """`standalone`: no sibling schema shares this one's keys (not a member of a
-    several-schema `allOf`)."""
+    several-schema `allOf`). `require_all`: every listed property becomes required."""
     if not isinstance(schema, Mapping):
         return schema  # true / false schemas
     out = dict(schema)
     for key in SCHEMA_MAPS:
         if isinstance(out.get(key), Mapping):
-            out[key] = {name: _rewrite(sub, close, True) for name, sub in out[key].items()}
+            out[key] = {name: _rewrite(sub, close, True, require_all)
+                        for name, sub in out[key].items()}
     for key in SCHEMA_VALUES:
         if isinstance(out.get(key), Mapping):
-            out[key] = _rewrite(out[key], close, True)
+            out[key] = _rewrite(out[key], close, True, require_all)
     for key in SCHEMA_LISTS:
         if isinstance(out.get(key), list):
             alone = key != "allOf" or len(out[key]) == 1
-            out[key] = [_rewrite(sub, close, alone) for sub in out[key]]
+            out[key] = [_rewrite(sub, close, alone, require_all) for sub in out[key]]
     properties = out.get("properties")
     if not (standalone and isinstance(properties, Mapping)) or any(
             key in out for key in COMBINATORS):
         return out
+    if require_all:
+        listed = list(properties)
+        given = out.get("required")
+        extra = [name for name in given if name not in properties] if isinstance(given, list) else []
+        out["required"] = listed + extra
     required = out.get("required")
     if isinstance(required, list):
         first = [name for name in properties if name in required]

@@ -58,7 +58,18 @@ class FunctionTool:
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema for the arguments object
+    # Exact adherence asked (OpenAI's `strict: true`): a keyword the grammar cannot
+    # enforce is refused.
     strict: bool | None = None
+    # The Responses API's default where `strict` is unsaid: the call is bound to the
+    # schema (`parameters`, normalized to strict mode by the front end) as a strict one
+    # is, but a keyword the grammar cannot enforce is ignored rather than refused.
+    strict_by_default: bool = False
+
+    @property
+    def bound(self) -> bool:
+        """Is a call of it written by the grammar whatever the tool choice?"""
+        return bool(self.strict) or self.strict_by_default
 
     def template_form(self) -> dict[str, Any]:
         """The OpenAI-shaped dict chat templates render tools from."""

@@ -58,11 +58,12 @@ def forced_function(request: GenerationRequest) -> str | None:
 
 
 def enforces_strict_tools(request: GenerationRequest) -> bool:
-    """Plain "auto" offering a tool marked strict: OpenAI's `strict: true` binds a call's
-    arguments to the tool's schema whatever the tool choice, so the reply is free text that
-    may end in calls the grammar writes, as allowed tools' "auto" reply is."""
+    """Plain "auto" offering a bound tool: OpenAI's `strict: true` (and the Responses API's
+    default) binds a call's arguments to the tool's schema whatever the tool choice, so the
+    reply is free text that may end in calls the grammar writes, as allowed tools' "auto"
+    reply is."""
     return (request.tool_choice == "auto" and isinstance(request.output, TextOutput)
-            and any(tool.strict for tool in request.offered_tools))
+            and any(tool.bound for tool in request.offered_tools))
 
 
 def constrained(request: GenerationRequest) -> bool:

@@ -23,6 +23,7 @@ from fastapi.responses import Response
 from pydantic import TypeAdapter
 
 from engine.api import SamplingKnobs
+from engine.json_schemas import strict_mode
 from server.events import (
     ChoiceFinished,
     Event,
@@ -101,6 +102,7 @@ from server.responses.protocol import (
     content_images,
     joined_text,
 )
+from server.responses.protocol import FunctionTool as ResponsesFunctionTool
 from server.responses.protocol import Response as ResponseObject
 from server.responses.store import StoredResponse
 from server.state import ServerState, server_state
@@ -183,6 +185,17 @@ def _template_call(call: FunctionCallItem | CustomToolCallItem | OutputFunctionC
 CUSTOM_INPUT = "input"
 
 
+def function_tool(tool: ResponsesFunctionTool) -> FunctionTool:
+    """A function tool; where `strict` is unsaid, strict by default as OpenAI's Responses
+    API has it (Chat Completions' default is the opposite): its parameters normalized to
+    strict mode (every listed property required, objects closed) and its calls bound to
+    them, whatever the tool choice. `strict: false` opts out."""
+    if tool.strict is not None:
+        return FunctionTool(tool.name, tool.description, tool.parameters, tool.strict)
+    parameters = None if tool.parameters is None else strict_mode(tool.parameters)
+    return FunctionTool(tool.name, tool.description, parameters, strict_by_default=True)
+
+
 def custom_function(tool: CustomTool) -> FunctionTool:
     """A custom tool as the model is shown it. A grammar is shown to it; a regular
     expression also binds a call the request forces, as an anchored JSON Schema
@@ -257,10 +270,8 @@ def generation_request(
         messages=tuple({key: value for key, value in message.items() if key != IMAGES}
                        for message in system + conversation),
         images=tuple(url for message in conversation for url in message.get(IMAGES, ())),
-        tools=tuple(
-            FunctionTool(tool.name, tool.description, tool.parameters, tool.strict)
-            for tool in body.function_tools
-        ) + tuple(custom_function(tool) for tool in body.custom_tools),
+        tools=tuple(function_tool(tool) for tool in body.function_tools)
+        + tuple(custom_function(tool) for tool in body.custom_tools),
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
         output=_output_format(body),

@@ -19,6 +19,7 @@ from engine.constraints import (
     tool_calls,
 )
 from engine.grammar_check import GrammarChecker, Verdict
+from engine.json_schemas import strict_mode
 
 WEATHER = FunctionTool("get_weather", {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
@@ -192,6 +193,24 @@ def test_a_forced_calls_arguments_are_closed():
     assert accepts(tool_calls([tool], name="add_person"), call % "")
     assert not accepts(tool_calls([tool], name="add_person"), call % ', "x": 1')
     assert accepts(tool_calls([tool], name="add_person", close_objects=False), call % ', "x": 1')
+
+
+def test_strict_mode_requires_every_listed_property_at_every_depth():
+    """OpenAI's Responses API normalizes a function's parameters so (`strict` unsaid):
+    an optional property must be written, a `$defs` object's too."""
+    class Team(BaseModel):
+        lead: Person
+        name: str | None = None
+
+    schema = strict_mode(Team.model_json_schema())
+    assert schema["required"] == ["lead", "name"]
+    assert schema["$defs"]["Person"]["required"] == ["role", "name", "age"]
+    constraint = json_schema(schema)
+    whole = '{"role": "engineer", "name": "Alice", "age": 30}'
+    assert accepts(constraint, f'{{"lead": {whole}, "name": null}}')
+    assert not accepts(constraint, f'{{"lead": {whole}}}')
+    assert not accepts(constraint, '{"lead": {"name": "Alice", "age": 30}, "name": null}')
+    assert Team.model_json_schema()["required"] == ["lead"]  # the input is not changed
 
 
 def test_objects_that_say_additional_properties_keep_their_word():

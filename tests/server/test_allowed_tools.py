@@ -134,6 +134,37 @@ def test_auto_with_a_strict_tool_answers_in_text_as_auto_does(real_client, model
     assert stopped.message.content == loose.message.content[:loose.message.content.index(stop)]
 
 
+def ask_responses(client: openai.OpenAI, model: str, parameters: dict, **strict):
+    tool = {"type": "function", "name": "book_flight", "description": "book flight",
+            "parameters": parameters, **strict}
+    response = client.responses.create(
+        model=model, input="Book a flight from Paris to Tokyo for me and my wife.",
+        tools=[tool], max_output_tokens=80, **GREEDY)
+    [call] = [item for item in response.output if item.type == "function_call"]
+    return call
+
+
+def test_responses_tools_are_strict_unless_they_say_otherwise(real_client, model):
+    """OpenAI's Responses API binds a function tool whose `strict` is unsaid, its schema
+    normalized to strict mode (every property required, objects closed): the call is the
+    one `strict: true` with that schema gives. Chat Completions' default is the opposite;
+    `strict: false` opts out. A keyword the grammar cannot enforce, which `strict: true`
+    refuses, is ignored under the default."""
+    optional = {**FLIGHT, "required": ["origin"]}
+    del optional["additionalProperties"]
+    unsaid = ask_responses(real_client, model, optional)
+    jsonschema.validate(json.loads(unsaid.arguments), FLIGHT)
+    assert unsaid.arguments == ask_responses(real_client, model, FLIGHT, strict=True).arguments
+    loose = ask_responses(real_client, model, optional, strict=False)
+    with pytest.raises(ValueError):
+        json.loads(loose.arguments)
+    unknown = {**FLIGHT, "properties": {**FLIGHT["properties"],
+                                        "origin": {"type": "string", "format": "airport"}}}
+    json.loads(ask_responses(real_client, model, unknown).arguments)
+    with pytest.raises(openai.BadRequestError, match="format"):
+        ask_responses(real_client, model, unknown, strict=True)
+
+
 @pytest.mark.parametrize(("path", "tool_choice", "message"), [
     ("/v1/chat/completions", allowed("auto", "rm_rf"), "'rm_rf', which is not in tools"),
     ("/v1/chat/completions", allowed("auto"), "at least 1 item"),

@@ -78,7 +78,9 @@ def exchange(n: int) -> list[dict]:
              "output": "file.txt " * 8}]
 
 
-SHELL = [{"type": "function", "name": "shell", "parameters": {
+# As Codex sends its tools: not strict, so the schema is shown as written (a strict one's
+# normalized form would leave this 256-token window no room for the task and one call).
+SHELL = [{"type": "function", "name": "shell", "strict": False, "parameters": {
     "type": "object", "properties": {"command": {"type": "string"}}}}]
 TASK = [{"role": "user", "content": "list every file"}]
 EXCHANGES = [item for n in range(10) for item in exchange(n)]
