@@ -79,7 +79,9 @@ def _rewrite(schema: Any, close: bool, standalone: bool, require_all: bool = Fal
     if require_all:
         listed = list(properties)
         given = out.get("required")
-        extra = [name for name in given if name not in properties] if isinstance(given, list) else []
+        # What is not a listed name stays, for the grammar's check to judge as before.
+        extra = [name for name in given if not (isinstance(name, str) and name in properties)
+                 ] if isinstance(given, list) else []
         out["required"] = listed + extra
     required = out.get("required")
     if isinstance(required, list):
@@ -87,7 +89,8 @@ def _rewrite(schema: Any, close: bool, standalone: bool, require_all: bool = Fal
         out["properties"] = {name: properties[name]
                              for name in first + [n for n in properties if n not in first]}
     # A required name that is not listed can only come in as an extra key.
-    unlisted = isinstance(required, list) and any(name not in properties for name in required)
+    unlisted = isinstance(required, list) and any(
+        not (isinstance(name, str) and name in properties) for name in required)
     if close and not unlisted and not any(
             key in out for key in ("additionalProperties", "unevaluatedProperties")):
         out["additionalProperties"] = False

@@ -131,6 +131,12 @@ CASES = [
             "name": "s", "schema": {"$ref": "#/$defs/a", "$defs": {"a": {
                 "type": "object", "properties": {"n": {"$ref": "#/$defs/a"}},
                 "required": ["n"]}}}}}), 400, "unsupported_schema", "response_format"),
+    # A Responses tool's `strict` unsaid: its schema is normalized to strict mode first.
+    ("a required entry that names nothing", "POST", "/v1/responses", {"json": {
+        "input": "Hello", "max_output_tokens": 2, "tools": [{
+            "type": "function", "name": "f", "parameters": {
+                "type": "object", "properties": {"a": {}}, "required": [{}]}}]}},
+     400, "unsupported_schema", "tools"),
     ("stream_options without stream", "POST", CHAT,
      chat(stream_options={"include_usage": True}), 400, "invalid_request", None),
     ("context length", "POST", CHAT, chat(max_tokens=10**6), 400, "context_length_exceeded",
