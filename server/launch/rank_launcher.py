@@ -25,6 +25,8 @@ import time
 from mlx._distributed_utils import launch
 
 ORPHAN_POLL_SECONDS = 1.0
+# mlx.launch's own stop of a rank, which `_terminate` ends with.
+_mlx_terminate = launch.RemoteProcess.terminate
 
 
 def _select_without_stdin(rlist: list, wlist: list, xlist: list, timeout: float
@@ -39,7 +41,7 @@ def _terminate(command: launch.RemoteProcess) -> None:
     if command._is_local and command.process.poll() is None:
         command.process.send_signal(signal.SIGUSR1)
         command.process.wait()
-    _terminate_remote(command)
+    _mlx_terminate(command)
 
 
 def _die_with(parent: int) -> None:
@@ -53,7 +55,6 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_die_with, args=(os.getppid(),), daemon=True).start()
     launch.select = _select_without_stdin
-    _terminate_remote = launch.RemoteProcess.terminate
     launch.RemoteProcess.terminate = _terminate
     sys.argv[0] = "mlx.launch"
     launch.main()
