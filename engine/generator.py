@@ -1047,10 +1047,12 @@ def _first_outputs(sequences: list[SequenceState], first: mx.array) -> list[Outp
     """The first tokens `first` of sequences that just entered the batch, read now and
     marked reported, so that the next decode step does not output them again. A
     constrained row's grammar takes in its token when it is fed, and whether that ends
-    the output shows only then: it is output then, as it always is."""
+    the output shows only then: it is output then, as it always is, unless the grammar
+    still waits for its marker (a lazy call grammar, a reasoning model's), which no token
+    ends."""
     outputs = []
     for sequence, token in zip(sequences, first.tolist()):
-        if sequence.grammar is None:
+        if sequence.grammar is None or sequence.grammar.waiting:
             outputs.append(Output(sequence.uid, token, sequence.logprobs))
             sequence.reported = True
     return outputs

@@ -120,6 +120,12 @@ class GrammarState:
         self._complete_at: int | None = None  # `_taken` when the grammar became complete
 
     @property
+    def waiting(self) -> bool:
+        """Before its marker: a token taken in now may start the grammar, but can neither
+        complete it nor break it."""
+        return self.matcher is None
+
+    @property
     def constraining(self) -> bool:
         """The next token is masked: by the grammar, or while waiting for the marker,
         where a token would end it inside itself."""

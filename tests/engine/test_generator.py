@@ -4,18 +4,23 @@ tokens, the same keys and values a fresh prefill of those tokens gives."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+from llguidance import LLMatcher
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from engine.api import SamplingParams
+from engine.api import Constraint, SamplingParams
 from engine.generator import Generator, PrefillResult, SequenceState, segment_spans
+from engine.grammar import Grammars
 from engine.kv import KVSegment
 from engine.sampling import Penalties
 from engine.speculation import STEP_COST, Drafts, PredictionLookup
+from engine.tokenizer import ModelTokenizer
 from tests.faults import FaultInjectingModel
 
 
@@ -119,6 +124,33 @@ def test_a_prompt_computed_alone_gives_its_first_token_in_its_last_prefill_step(
             later[output.uid].append(output.token)
     assert later[1][:2] == alone[1][1:]
     assert later[0][:2] == alone[0][1:]
+
+
+def test_a_grammar_waiting_for_its_marker_holds_back_no_first_token(model, family_model_dir
+                                                                      ) -> None:
+    """A row's first token comes out before the next decode forward (`join`). A grammar
+    that constrains from the start holds it back to that forward's step, where it takes
+    it in and may end the output there; one that waits for its marker (a lazy call
+    grammar, a reasoning model's) cannot be ended by a token, and holds back nothing."""
+    tokenizer = ModelTokenizer(load_tokenizer(Path(family_model_dir("llama"))))
+    grammars = Grammars(tokenizer, model.args.vocab_size)
+
+    def first_steps(after: str | None) -> tuple[list[int], list[int]]:
+        """The row's tokens out before the first decode forward, and out of its step."""
+        generator = Generator(model)
+        row = sequence(model, 0, list(range(10, 40)))
+        row.grammar = grammars.state(Constraint(
+            LLMatcher.grammar_from_lark('start: "x" "y"*'), after))
+        generator.add(row)
+        before = []
+        while generator.prefilling:
+            before += [o.token for o in generator.prefill(64).outputs]
+        before += [o.token for o in generator.join()]
+        return before, [o.token for o in generator.decode()]
+
+    waiting, constraining = first_steps("</think>"), first_steps(None)
+    assert len(waiting[0]) == 1 and waiting[1] == []
+    assert constraining[0] == [] and tokenizer.decode(constraining[1]) == "x"
 
 
 def test_short_prompts_fitting_one_chunk_are_prefilled_together(model) -> None:
