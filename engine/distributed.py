@@ -19,8 +19,9 @@ free) would have had to mirror the tree's ids and every scheduling decision in a
 
 A rank that dies breaks the next collective that sends to it (the ring backend raises
 "connection to a peer was lost"; a receive from it spins forever), and mlx.launch tells the
-others (server/launch/tensor_parallel.py); a rank that hangs is caught by a watchdog. Either way the engine fails
-(rank 0's /health says `failed`, open requests get an error) instead of waiting forever.
+others (server/launch/tensor_parallel.py); a rank that hangs is caught by a watchdog.
+Either way the engine fails (rank 0's /health says `failed`, open requests get an error)
+instead of waiting forever.
 """
 
 from __future__ import annotations

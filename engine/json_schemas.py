@@ -76,22 +76,23 @@ def _rewrite(schema: Any, close: bool, standalone: bool, require_all: bool = Fal
     if not (standalone and isinstance(properties, Mapping)) or any(
             key in out for key in COMBINATORS):
         return out
+
+    def unlisted(name: Any) -> bool:
+        return not (isinstance(name, str) and name in properties)
+
     if require_all:
-        listed = list(properties)
         given = out.get("required")
-        # What is not a listed name stays, for the grammar's check to judge as before.
-        extra = [name for name in given if not (isinstance(name, str) and name in properties)
-                 ] if isinstance(given, list) else []
-        out["required"] = listed + extra
+        # An entry that is not a listed name stays, for the grammar's check to judge.
+        out["required"] = [*properties, *(name for name in given if unlisted(name))
+                           ] if isinstance(given, list) else list(properties)
     required = out.get("required")
     if isinstance(required, list):
         first = [name for name in properties if name in required]
         out["properties"] = {name: properties[name]
                              for name in first + [n for n in properties if n not in first]}
     # A required name that is not listed can only come in as an extra key.
-    unlisted = isinstance(required, list) and any(
-        not (isinstance(name, str) and name in properties) for name in required)
-    if close and not unlisted and not any(
+    extra_required = isinstance(required, list) and any(unlisted(name) for name in required)
+    if close and not extra_required and not any(
             key in out for key in ("additionalProperties", "unevaluatedProperties")):
         out["additionalProperties"] = False
     return out
