@@ -196,6 +196,15 @@ def function_tool(tool: ResponsesFunctionTool) -> FunctionTool:
     return FunctionTool(tool.name, tool.description, parameters, strict_by_default=True)
 
 
+def echoed_tool(tool: ResponsesFunctionTool | CustomTool) -> ResponsesFunctionTool | CustomTool:
+    """A tool as the response object lists it: a function whose `strict` was unsaid shows
+    the strict mode it ran under, as OpenAI's response does."""
+    if not isinstance(tool, ResponsesFunctionTool) or tool.strict is not None:
+        return tool
+    parameters = None if tool.parameters is None else strict_mode(tool.parameters)
+    return tool.model_copy(update={"strict": True, "parameters": parameters})
+
+
 def custom_function(tool: CustomTool) -> FunctionTool:
     """A custom tool as the model is shown it. A grammar is shown to it; a regular
     expression also binds a call the request forces, as an anchored JSON Schema
@@ -586,7 +595,8 @@ async def _respond(request: Request, state: ServerState, body: ResponsesRequest,
     builder = ResponseBuilder(ResponseObject(
         id=_new_id("resp"), status="in_progress", model=model,
         instructions=body.instructions, previous_response_id=body.previous_response_id,
-        tools=body.function_tools + body.custom_tools, tool_choice=body.tool_choice or "auto",
+        tools=[echoed_tool(tool) for tool in body.function_tools + body.custom_tools],
+        tool_choice=body.tool_choice or "auto",
         parallel_tool_calls=body.parallel_tool_calls is not False,
         text=body.text.model_dump(by_alias=True, exclude_none=True) if body.text else
         {"format": {"type": "text"}},

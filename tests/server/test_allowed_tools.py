@@ -137,9 +137,12 @@ def test_auto_with_a_strict_tool_answers_in_text_as_auto_does(real_client, model
 def ask_responses(client: openai.OpenAI, model: str, parameters: dict, **strict):
     tool = {"type": "function", "name": "book_flight", "description": "book flight",
             "parameters": parameters, **strict}
-    response = client.responses.create(
+    return client.responses.create(
         model=model, input="Book a flight from Paris to Tokyo for me and my wife.",
         tools=[tool], max_output_tokens=80, **GREEDY)
+
+
+def only_call(response):
     [call] = [item for item in response.output if item.type == "function_call"]
     return call
 
@@ -147,20 +150,24 @@ def ask_responses(client: openai.OpenAI, model: str, parameters: dict, **strict)
 def test_responses_tools_are_strict_unless_they_say_otherwise(real_client, model):
     """OpenAI's Responses API binds a function tool whose `strict` is unsaid, its schema
     normalized to strict mode (every property required, objects closed): the call is the
-    one `strict: true` with that schema gives. Chat Completions' default is the opposite;
-    `strict: false` opts out. A keyword the grammar cannot enforce, which `strict: true`
-    refuses, is ignored under the default."""
+    one `strict: true` with that schema gives, and the response lists the tool as it ran.
+    Chat Completions' default is the opposite; `strict: false` opts out. A keyword the
+    grammar cannot enforce, which `strict: true` refuses, is ignored under the default."""
     optional = {**FLIGHT, "required": ["origin"]}
     del optional["additionalProperties"]
     unsaid = ask_responses(real_client, model, optional)
-    jsonschema.validate(json.loads(unsaid.arguments), FLIGHT)
-    assert unsaid.arguments == ask_responses(real_client, model, FLIGHT, strict=True).arguments
+    jsonschema.validate(json.loads(only_call(unsaid).arguments), FLIGHT)
+    strict = ask_responses(real_client, model, FLIGHT, strict=True)
+    assert only_call(unsaid).arguments == only_call(strict).arguments
+    [listed] = unsaid.tools
+    assert listed.strict is True and listed.parameters == FLIGHT
     loose = ask_responses(real_client, model, optional, strict=False)
+    assert loose.tools[0].strict is False and loose.tools[0].parameters == optional
     with pytest.raises(ValueError):
-        json.loads(loose.arguments)
+        json.loads(only_call(loose).arguments)
     unknown = {**FLIGHT, "properties": {**FLIGHT["properties"],
                                         "origin": {"type": "string", "format": "airport"}}}
-    json.loads(ask_responses(real_client, model, unknown).arguments)
+    json.loads(only_call(ask_responses(real_client, model, unknown)).arguments)
     with pytest.raises(openai.BadRequestError, match="format"):
         ask_responses(real_client, model, unknown, strict=True)
 
