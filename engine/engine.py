@@ -192,6 +192,8 @@ class Engine:
                 # since).
                 self.config = replace(self.group.share(self.config), model=self.config.model)
             model = resolve_model(self.config.model or None, self.config.gguf_dtype)
+            if Path(model).is_dir():  # known before its weights load: its tokenizer can be
+                self.model_path = Path(model)
             loaded = load_model(model, self.group, self.config.chat_template)
             self._loaded = loaded
             self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer

@@ -219,14 +219,16 @@ def serve_engine(config: EngineConfig, conn: Connection,
 def _report_lifecycle(engine: Engine, outbox: Outbox) -> None:
     """Tell the server each state the engine reaches; until it is ready, beat as its loop
     then does: a load (or warm-up) that goes on says so, a process stopped does not."""
-    state, beaten = None, time.monotonic()
+    state, path, beaten = None, None, time.monotonic()
     while state not in (Lifecycle.READY, Lifecycle.FAILED):
         engine.wait_ready(LIFECYCLE_POLL_SECONDS)
         if engine.state is state and time.monotonic() - beaten >= BEAT_SECONDS:
             outbox.send([BEAT])
             beaten = time.monotonic()
-        if engine.state is not state:
-            state = engine.state
+        # A model path known while the weights load (a converted GGUF's folder) is told
+        # at once: the server loads its tokenizer meanwhile.
+        if engine.state is not state or engine.model_path != path:
+            state, path = engine.state, engine.model_path
             outbox.send([Facts(
                 state, engine.error, engine.model_id, engine.context_length,
                 engine.wants_message_ends,
@@ -392,7 +394,7 @@ class EngineProcess:
         return future
 
     def _read(self) -> None:
-        self._preload_tokenizer()
+        self._preload_tokenizer(Path(self.config.model).expanduser())
         while True:
             try:
                 if not self._conn.poll(BEAT_SECONDS):
@@ -447,11 +449,10 @@ class EngineProcess:
         log.error("%s", self._stuck)
         self.process.kill()
 
-    def _preload_tokenizer(self) -> None:
+    def _preload_tokenizer(self, path: Path) -> None:
         """Load the tokenizer of a local model directory while the engine loads the model
         (which takes longer): the server is ready as soon as the engine is."""
-        path = Path(self.config.model).expanduser()
-        if path.is_dir():
+        if path.is_dir() and str(path) != self._tokenizer_path:
             try:
                 self.tokenizer = server_tokenizer(str(path), self.config.chat_template)
                 self._tokenizer_path = str(path)
@@ -469,6 +470,8 @@ class EngineProcess:
         stream.push(event)
 
     def _learn(self, facts: Facts) -> None:
+        if facts.state is Lifecycle.LOADING and facts.model_path is not None:
+            self._preload_tokenizer(Path(facts.model_path))
         if facts.state is Lifecycle.READY:
             try:
                 if facts.model_path != self._tokenizer_path:

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +22,7 @@ import psutil
 import pytest
 
 from engine.api import EngineConfig, Lifecycle
-from engine.process import EngineProcess, server_tokenizer
+from engine.process import EngineProcess, Facts, _report_lifecycle, server_tokenizer
 from server.launch.replicas import free_port
 from tests.server.support import REPO_ROOT, ServerProcess, server_env, start_server
 
@@ -163,6 +164,49 @@ def test_a_models_tokenizer_outlives_its_engine_process(demo_model_dir: Path) ->
     first = server_tokenizer(str(demo_model_dir), None)
     assert server_tokenizer(str(demo_model_dir), None) is first
     assert server_tokenizer(str(demo_model_dir), "{{ messages[0].content }}") is not first
+
+
+class LoadingEngine:
+    """What `_report_lifecycle` reads of an engine, moved by the test."""
+
+    def __init__(self) -> None:
+        self.state, self.model_path, self.error = Lifecycle.LOADING, None, None
+        self.model_id, self.context_length, self.wants_message_ends = "", 0, False
+        self.memory = self.disk = None
+
+    def wait_ready(self, timeout: float) -> Lifecycle:
+        time.sleep(timeout)
+        return self.state
+
+
+def test_a_converted_models_tokenizer_loads_beside_its_weights(demo_model_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """A GGUF file's folder is known once it is converted, before its weights load: the
+    engine names it then, and the server loads its own tokenizer from it meanwhile (~7 s
+    for Gemma 3's) instead of after the engine is ready."""
+    engine, told = LoadingEngine(), []
+    outbox = type("Recorder", (), {"send": lambda self, batch: told.extend(batch)})()
+    reporter = threading.Thread(target=_report_lifecycle, args=(engine, outbox))
+    reporter.start()
+
+    def wait_for_facts(count: int) -> None:
+        deadline = time.monotonic() + 10
+        while sum(isinstance(f, Facts) for f in told) < count:
+            assert time.monotonic() < deadline, f"fewer than {count} facts told"
+            time.sleep(0.05)
+
+    wait_for_facts(1)
+    engine.model_path = demo_model_dir
+    wait_for_facts(2)
+    engine.state = Lifecycle.READY
+    reporter.join(10)
+    facts = [(f.state, f.model_path) for f in told if isinstance(f, Facts)]
+    assert facts == [(Lifecycle.LOADING, None), (Lifecycle.LOADING, str(demo_model_dir)),
+                     (Lifecycle.READY, str(demo_model_dir))]
+    server_side = EngineProcess(EngineConfig(model=str(tmp_path / "model.gguf")))
+    server_side._learn(Facts(Lifecycle.LOADING, model_path=str(demo_model_dir)))
+    assert server_side.state is Lifecycle.LOADING
+    assert server_side.tokenizer is server_tokenizer(str(demo_model_dir), None)
 
 
 def test_an_engine_process_that_ended_holds_no_descriptors(demo_model_dir: Path) -> None:
