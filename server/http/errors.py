@@ -12,14 +12,14 @@ server log.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
-from starlette.routing import Match
+from starlette.routing import BaseRoute, Match, Route
 from starlette.types import Scope
 
 from server.anthropic.protocol import ErrorInfo as AnthropicErrorInfo
@@ -241,11 +241,22 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
 
 def _allowed_methods(request: Request) -> list[str]:
     """The methods the request's path takes: Starlette names only the first route of the
-    path (a path may have several), and routers included whole (FastAPI >= 0.165) carry
-    no methods of their own, so each method is matched as a request would be."""
-    return [method for method in HTTP_METHODS
-            if any(route.matches({**request.scope, "method": method})[0] is Match.FULL
-                   for route in request.app.router.routes)]
+    path (a path may have several), so each method is matched as a request would be. A
+    path spelled out by a route is that route's resource, not also an id in a templated
+    one (`/v1/responses/input_tokens` is no response's id)."""
+    matches = [(method, route) for method in HTTP_METHODS
+               for route in _routes(request.app.router.routes)
+               if route.matches({**request.scope, "method": method})[0] is Match.FULL]
+    spelled = [(method, route) for method, route in matches if not route.param_convertors]
+    return list(dict.fromkeys(method for method, _ in spelled or matches))
+
+
+def _routes(routes: list[BaseRoute]) -> Iterator[Route]:
+    """The app's routes, through the routers it includes (whole, as FastAPI >= 0.165
+    includes them, with their routes' own paths: the app gives them no prefix)."""
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        yield from _routes(included.routes) if included is not None else (route,)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -42,7 +42,7 @@ from server.images import MARKER
 from server.model_registry import Lease
 from server.openai.formats import chat_logprobs
 from server.openai.protocol import ErrorResponse
-from server.pipeline import GenerationRun, fits_context, start
+from server.pipeline import GenerationRun, fits_context, render, start
 from server.request import (
     TEXT,
     AllowedTools,
@@ -75,6 +75,7 @@ from server.responses.protocol import (
     IncompleteDetails,
     InputItem,
     InputItemList,
+    InputTokenCount,
     InputTokensDetails,
     ItemEvent,
     ItemReference,
@@ -523,12 +524,7 @@ RESPONSES_PARAMS = {"messages": "input", "response_format": "text.format",
     200: {"model": ResponseObject, "content": event_stream(StreamEvent, ErrorResponse)}})
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = server_state(request)
-    body = await _referenced(state, body)
-    history: list[TemplateMessage] = []
-    if body.previous_response_id is not None:
-        previous = await _stored(state, body.previous_response_id, "previous_response_id")
-        history = [with_current_markers(message) for message in previous.conversation]
-    conversation = history + input_messages(body, history)
+    body, conversation = await _conversation(state, body)
 
     async def respond(lease: Lease) -> Response:
         try:
@@ -548,6 +544,31 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         state.models, body.model, body.stream, respond,
         lambda error: _sse(ErrorEvent(code=error.code, message=error.message,
                                       param=error.param)))
+
+
+@router.post("/responses/input_tokens")
+async def count_input_tokens(body: ResponsesRequest, request: Request) -> InputTokenCount:
+    """The tokens of the prompt a response request makes (its instructions, tools, input
+    items and the conversation of the response it goes on from), rendered as
+    /v1/responses renders it. Fields that shape only the output are taken and change
+    nothing."""
+    state = server_state(request)
+    body, conversation = await _conversation(state, body)
+    async with state.models.use(body.model) as lease:
+        prompts = await render(lease.model, generation_request(body, conversation))
+    return InputTokenCount(input_tokens=len(prompts[0].tokens))
+
+
+async def _conversation(state: ServerState, body: ResponsesRequest
+                        ) -> tuple[ResponsesRequest, list[TemplateMessage]]:
+    """`body` with its item references resolved, and the conversation it asks about: the
+    stored one of its previous response, then its own input."""
+    body = await _referenced(state, body)
+    history: list[TemplateMessage] = []
+    if body.previous_response_id is not None:
+        previous = await _stored(state, body.previous_response_id, "previous_response_id")
+        history = [with_current_markers(message) for message in previous.conversation]
+    return body, history + input_messages(body, history)
 
 
 async def _truncated(lease: Lease, body: ResponsesRequest,

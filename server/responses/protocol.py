@@ -549,6 +549,13 @@ class InputItemList(ResponseModel):
     has_more: bool
 
 
+class InputTokenCount(ResponseModel):
+    """What POST /v1/responses/input_tokens answers."""
+
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int
+
+
 class DeletedResponse(ResponseModel):
     id: str
     object: Literal["response.deleted"] = "response.deleted"

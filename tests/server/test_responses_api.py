@@ -89,6 +89,26 @@ def test_previous_response_continues_the_stored_conversation(
         client.responses.retrieve(first.id)
 
 
+def test_input_tokens_are_counted_as_the_response_would_read_them(
+    client: openai.OpenAI, model_id: str
+) -> None:
+    """POST /v1/responses/input_tokens: the prompt a request would make, instructions,
+    tools and a previous response's conversation included, counted without running it."""
+    ask = {"model": model_id, "input": "Which shell?", "instructions": "Be terse.",
+           "tools": TOOLS}
+    first = client.responses.create(**ask, max_output_tokens=4)
+    count = client.responses.input_tokens.count(**ask)
+    assert count.object == "response.input_tokens"
+    assert count.input_tokens == first.usage.input_tokens
+    follow = {**ask, "input": "And then?", "previous_response_id": first.id}
+    counted = client.responses.input_tokens.count(**follow).input_tokens
+    assert counted == client.responses.create(**follow, max_output_tokens=4).usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_tokens.count(**{**follow, "previous_response_id": "resp_x"})
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_tokens.count(model=model_id, input=[{"type": "nope"}])
+
+
 def test_a_stream_closed_at_its_terminal_event_is_stored(
         model_id: str, server: ServerProcess) -> None:
     """Clients stop reading at response.completed (the SDKs' `break`) and close the
