@@ -59,7 +59,7 @@ def request_for(
         body["messages"] = HELLO
     elif path == "/v1/completions":
         body["prompt"] = "Hello"
-    elif path == "/v1/responses":
+    elif path in ("/v1/responses", "/v1/responses/input_tokens"):
         body |= {"input": "Hello", "max_output_tokens": 2}
     elif path in ("/v1/embeddings", "/v1/classify"):
         body["input"] = ["Hello"]
