@@ -192,7 +192,7 @@ class Engine:
                 # since).
                 self.config = replace(self.group.share(self.config), model=self.config.model)
             model = resolve_model(self.config.model or None, self.config.gguf_dtype)
-            if Path(model).is_dir():  # known before its weights load: its tokenizer can be
+            if Path(model).is_dir():  # named before the weights load (engine/process.py)
                 self.model_path = Path(model)
             loaded = load_model(model, self.group, self.config.chat_template)
             self._loaded = loaded

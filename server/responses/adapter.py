@@ -193,13 +193,13 @@ def function_tool(tool: ResponsesFunctionTool) -> FunctionTool:
     them, whatever the tool choice. `strict: false` opts out."""
     if tool.strict is not None:
         return FunctionTool(tool.name, tool.description, tool.parameters, tool.strict)
-    parameters = None if tool.parameters is None else strict_mode(tool.parameters)
-    return FunctionTool(tool.name, tool.description, parameters, strict_by_default=True)
+    return FunctionTool(tool.name, tool.description, echoed_tool(tool).parameters,
+                        strict_by_default=True)
 
 
 def echoed_tool(tool: ResponsesFunctionTool | CustomTool) -> ResponsesFunctionTool | CustomTool:
-    """A tool as the response object lists it: a function whose `strict` was unsaid shows
-    the strict mode it ran under, as OpenAI's response does."""
+    """A tool as it runs, and as the response object lists it: a function whose `strict`
+    was unsaid shows the strict mode it ran under, as OpenAI's response does."""
     if not isinstance(tool, ResponsesFunctionTool) or tool.strict is not None:
         return tool
     parameters = None if tool.parameters is None else strict_mode(tool.parameters)
