@@ -42,12 +42,13 @@ CUDNN_ATTENTION_ENV = "MLX_CUDA_USE_CUDNN_SDPA"
 # H100, and a server rarely sees the same prompt shape twice. 32 distinct 1000-token
 # prompts took 7.0 s with cuDNN and 2.9 s with MLX's own attention, which has no such cost.
 CUDA_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
-# MLX's CUDA backend records each step's kernels into CUDA graphs and keeps executable
-# ones for the shapes it has met. A server's prompt steps are of shapes it has not met
-# (every turn's length over every cached length), so each builds and instantiates graphs
-# anew on the host: on an H200 an 8B step computing one turn over its cached chat took
-# 90-95 ms with graphs and 62-68 ms launched plainly, and multi-turn TTFT p50 fell from
-# 0.24-0.26 s to 0.21 s with decode steps no slower (bench/experiments/cuda-graphs-prefill).
+# MLX's CUDA backend records each step's kernels into CUDA graphs, updating a cached
+# executable one of the same topology. Recording costs a prompt step's host more than
+# launching its kernels, a length met before or not: on an H200 an 8B step computing one
+# turn over its cached chat took 90-95 ms with graphs and 62-68 ms launched plainly, and
+# multi-turn TTFT p50 fell from 0.24-0.26 s to 0.21 s (bench/experiments/cuda-graphs-prefill).
+# A decode step saves 0.5-0.9 ms with them, within the host's spread through the server
+# (bench/experiments/cuda-graphs-turns).
 TF32_ENV = "MLX_ENABLE_TF32"
 # MLX's CUDA backend multiplies float32 matrices in TF32 (a 10-bit mantissa) unless told
 # not to. Where a model runs in float32 (our demo models; any an operator converts so),
