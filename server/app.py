@@ -15,6 +15,7 @@ from server.config import Settings
 from server.http.auth import APIKeyMiddleware
 from server.http.body_limit import BodyLimitMiddleware
 from server.http.errors import install_error_handlers
+from server.http.head import HeadAsGet
 from server.http.middleware import RequestMiddleware
 from server.model_registry import ModelRegistry
 from server.openai.routes import api
@@ -61,6 +62,7 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
     app.include_router(probes)
     app.include_router(worker_info)
     install_error_handlers(app)
+    app.add_middleware(HeadAsGet)  # innermost: a HEAD is keyed and limited as it came
     if settings.api_key is not None:
         app.add_middleware(APIKeyMiddleware, key=settings.api_key)
     if settings.cors_origins:

@@ -36,14 +36,13 @@ probes = APIRouter(route_class=JSONRoute)
 
 
 @probes.get("/", response_class=PlainTextResponse)
-@probes.head("/", response_class=PlainTextResponse)
 async def root() -> str:
     """Clients probe the base URL before they start (Claude Code sends HEAD /)."""
     return "radix-mlx is running\n"
 
 
+# Load balancers probe with HEAD (server/http/head.py): the status is the answer.
 @probes.get("/health", responses={200: {"model": Health}, 503: {"model": Health}})
-@probes.head("/health")  # load balancers probe with HEAD: the status is the answer
 async def health(request: Request) -> JSONResponse:
     state = server_state(request)
     models = state.models

@@ -248,7 +248,10 @@ def _allowed_methods(request: Request) -> list[str]:
                for route in _routes(request.app.router.routes)
                if route.matches({**request.scope, "method": method})[0] is Match.FULL]
     spelled = [(method, route) for method, route in matches if not route.param_convertors]
-    return list(dict.fromkeys(method for method, _ in spelled or matches))
+    methods = [method for method, _ in spelled or matches]
+    if "GET" in methods:  # server/http/head.py answers it
+        methods.append("HEAD")
+    return sorted(set(methods), key=HTTP_METHODS.index)
 
 
 def _routes(routes: list[BaseRoute]) -> Iterator[Route]:

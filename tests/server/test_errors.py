@@ -202,8 +202,8 @@ def test_bad_request(
 
 
 @pytest.mark.parametrize(("path", "allowed"), [
-    (CHAT, "POST"), ("/v1/messages", "POST"), ("/v1/responses/resp_x", "DELETE, GET"),
-    ("/admin/cache", "DELETE, GET"),
+    (CHAT, "POST"), ("/v1/messages", "POST"), ("/v1/responses/resp_x", "DELETE, GET, HEAD"),
+    ("/admin/cache", "DELETE, GET, HEAD"), ("/v1/models", "GET, HEAD"),
 ])
 def test_a_wrong_method_is_told_every_method_its_path_takes(
     server: ServerProcess, headers: dict[str, str], path: str, allowed: str
@@ -213,6 +213,23 @@ def test_a_wrong_method_is_told_every_method_its_path_takes(
     response = httpx.put(f"{server.url}{path}", headers=headers, timeout=30)
     assert response.status_code == 405
     assert response.headers["allow"] == allowed
+
+
+def test_head_answers_as_get_does_without_the_body(
+    server: ServerProcess, headers: dict[str, str]
+) -> None:
+    """`curl -I` and HTTP monitors send HEAD: GET's status and headers, no body, on every
+    path that answers GET, keyed like GET; a path without GET says what it takes."""
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for path in ("/v1/models", "/health", "/"):
+            got, head = http.get(path, headers=headers), http.head(path, headers=headers)
+            assert (head.status_code, head.content) == (got.status_code, b"")
+            assert head.headers["content-type"] == got.headers["content-type"]
+            assert head.headers["content-length"] == got.headers["content-length"]
+        assert http.head("/v1/models").status_code == 401
+        assert http.head("/v1/models/nope", headers=headers).status_code == 404
+        refused = http.head(CHAT, headers=headers)
+        assert (refused.status_code, refused.headers["allow"]) == (405, "POST")
 
 
 def test_an_unknown_model_name_is_quoted_short(
