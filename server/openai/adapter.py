@@ -6,22 +6,30 @@ internal request (`server.request`), which the shared pipeline runs.
 
 from __future__ import annotations
 
+from typing import Any
+
 from engine.api import SamplingKnobs
+from server.custom_tools import custom_arguments, custom_function
 from server.images import MARKER
 from server.openai.protocol import (
     AllowedToolsChoice,
+    AnyTool,
+    AnyToolCall,
     AssistantMessage,
     ChatCompletionRequest,
     ChatRequestMessage,
     CompletionRequest,
     Content,
+    CustomTool,
+    CustomToolCall,
     ImagePart,
     JsonObjectFormat,
     JsonSchemaFormat,
-    NamedToolChoice,
+    NamedChoice,
     PredictionContent,
     SamplingRequest,
     StructuredOutputRequest,
+    chosen_name,
 )
 from server.request import (
     TEXT,
@@ -43,13 +51,7 @@ def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
     return GenerationRequest(
         messages=tuple(template_message(message) for message in body.messages),
         images=tuple(url for message in body.messages for url in content_images(message.content)),
-        tools=tuple(
-            FunctionTool(
-                tool.function.name, tool.function.description, tool.function.parameters,
-                tool.function.strict,
-            )
-            for tool in body.tools or ()
-        ),
+        tools=tuple(_function_tool(tool) for tool in body.tools or ()),
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
         output=output_format(body),
@@ -65,6 +67,23 @@ def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
         chat_end="continue" if body.continue_final_message
         else "reply" if body.add_generation_prompt else "as_is",
     )
+
+
+def custom_tool_names(body: ChatCompletionRequest) -> frozenset[str]:
+    """The request's custom tools, whose calls the reply gives as custom calls."""
+    return frozenset(tool.custom.name for tool in body.tools or ()
+                     if isinstance(tool, CustomTool))
+
+
+def _function_tool(tool: AnyTool) -> FunctionTool:
+    """A tool as the model is shown it: a custom tool as a function of one string."""
+    if isinstance(tool, CustomTool):
+        custom, grammar = tool.custom, tool.custom.format and tool.custom.format.grammar
+        return custom_function(custom.name, custom.description,
+                               grammar and (grammar.syntax, grammar.definition))
+    function = tool.function
+    return FunctionTool(function.name, function.description, function.parameters,
+                        function.strict)
 
 
 def completion_request(body: CompletionRequest) -> GenerationRequest:
@@ -135,18 +154,28 @@ def template_message(message: ChatRequestMessage) -> TemplateMessage:
             and message.content is None:
         out["content"] = message.refusal
     if isinstance(message, AssistantMessage) and message.tool_calls:
-        # Templates iterate over arguments as a mapping; OpenAI sends a JSON string.
-        for call in out["tool_calls"]:
-            call["function"]["arguments"] = template_arguments(call["function"]["arguments"])
+        out["tool_calls"] = [_template_call(call) for call in message.tool_calls]
     return out
 
 
-def _tool_choice(choice: str | NamedToolChoice | AllowedToolsChoice | None) -> ToolChoice:
-    if isinstance(choice, NamedToolChoice):
-        return NamedFunction(choice.function.name)
+def _template_call(call: AnyToolCall) -> dict[str, Any]:
+    """A call sent back, as a chat template's: its arguments a mapping, which templates
+    iterate over (OpenAI sends a JSON string); a custom call's input as the one string of
+    the function the model was shown."""
+    if isinstance(call, CustomToolCall):
+        name, arguments = call.custom.name, custom_arguments(call.custom.input)
+    else:
+        name, arguments = call.function.name, call.function.arguments
+    return {"id": call.id, "type": "function",
+            "function": {"name": name, "arguments": template_arguments(arguments)}}
+
+
+def _tool_choice(choice: str | NamedChoice | AllowedToolsChoice | None) -> ToolChoice:
+    if isinstance(choice, NamedChoice):
+        return NamedFunction(chosen_name(choice))
     if isinstance(choice, AllowedToolsChoice):
         allowed = choice.allowed_tools
-        return AllowedTools(allowed.mode, tuple(tool.function.name for tool in allowed.tools))
+        return AllowedTools(allowed.mode, tuple(chosen_name(tool) for tool in allowed.tools))
     return choice or "auto"  # type: ignore[return-value]
 
 

@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pydantic_core import to_json
 
 from engine.api import TokenEvent, TokenLogprob
+from server.custom_tools import InputReader, custom_input
 from server.events import (
     ChoiceFinished,
     ChoiceResult,
@@ -24,6 +25,7 @@ from server.events import (
     ToolCallArguments,
     ToolCallStarted,
 )
+from server.events import ToolCall as NeutralToolCall
 from server.events import Usage as NeutralUsage
 from server.openai.protocol import (
     CacheMissDetails,
@@ -38,6 +40,9 @@ from server.openai.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     CompletionTokensDetails,
+    CustomCallDelta,
+    CustomCallOut,
+    CustomToolCallOut,
     DeltaMessage,
     FunctionCallDelta,
     FunctionCallOut,
@@ -150,10 +155,13 @@ class ChatFormat(Format):
     chunk_type = ChatCompletionChunk
 
     def __init__(self, response_id: str, model: str, logprobs: bool,
-                 calls_only: bool = False) -> None:
-        """`calls_only`: the reply is tool calls the request forces, with no content."""
+                 calls_only: bool = False, custom_tools: frozenset[str] = frozenset()) -> None:
+        """`calls_only`: the reply is tool calls the request forces, with no content.
+        `custom_tools`: the names of the request's custom tools, whose calls are custom
+        calls with their input, not function calls with arguments."""
         super().__init__(response_id, model, logprobs)
-        self.calls_only = calls_only
+        self.calls_only, self.custom_tools = calls_only, custom_tools
+        self._inputs: dict[int, tuple[int, InputReader]] = {}  # choice -> its open custom call
 
     def opening_chunks(self, choices: int) -> list[ChatCompletionChunk]:
         """OpenAI opens every choice with the role and empty content; a reply that can only
@@ -173,19 +181,45 @@ class ChatFormat(Format):
         elif isinstance(event, ReasoningDelta):
             delta.reasoning_content = event.text
         elif isinstance(event, ToolCallStarted):
-            delta.tool_calls = [ToolCallDelta(
-                index=event.index, id=event.id, type="function",
-                function=FunctionCallDelta(name=event.name, arguments=""),
-            )]
+            delta.tool_calls = self._close_input(event.choice) + [self._started(event)]
         elif isinstance(event, ToolCallArguments):
-            delta.tool_calls = [ToolCallDelta(
-                index=event.index, function=FunctionCallDelta(arguments=event.fragment)
-            )]
+            if event.choice not in self._inputs:
+                delta.tool_calls = [ToolCallDelta(
+                    index=event.index, function=FunctionCallDelta(arguments=event.fragment))]
+            elif text := self._inputs[event.choice][1].feed(event.fragment):
+                delta.tool_calls = [ToolCallDelta(index=event.index,
+                                                  custom=CustomCallDelta(input=text))]
+            else:
+                return None
         else:
+            delta.tool_calls = self._close_input(event.choice) or None
             finish_reason = event.reason
         return self._chunk([ChatChunkChoice(
             index=event.choice, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
         )])
+
+    def _started(self, event: ToolCallStarted) -> ToolCallDelta:
+        if event.name not in self.custom_tools:
+            return ToolCallDelta(index=event.index, id=event.id, type="function",
+                                 function=FunctionCallDelta(name=event.name, arguments=""))
+        self._inputs[event.choice] = event.index, InputReader()
+        return ToolCallDelta(index=event.index, id=event.id, type="custom",
+                             custom=CustomCallDelta(name=event.name, input=""))
+
+    def _close_input(self, choice: int) -> list[ToolCallDelta]:
+        """The end of the choice's open custom call: what its input held back."""
+        if choice not in self._inputs:
+            return []
+        index, reader = self._inputs.pop(choice)
+        text = reader.finish()
+        return [ToolCallDelta(index=index, custom=CustomCallDelta(input=text))] if text else []
+
+    def _call(self, call: NeutralToolCall) -> ToolCallOut | CustomToolCallOut:
+        if call.name in self.custom_tools:
+            return CustomToolCallOut(id=call.id, custom=CustomCallOut(
+                name=call.name, input=custom_input(call.arguments)))
+        return ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name,
+                                                                arguments=call.arguments))
 
     def response(self, results: list[ChoiceResult], usage: NeutralUsage) -> ChatCompletionResponse:
         return ChatCompletionResponse(
@@ -201,11 +235,7 @@ class ChatFormat(Format):
                         content=None if result.tool_calls and not result.text.strip()
                         else result.text,
                         reasoning_content=result.reasoning or None,
-                        tool_calls=[
-                            ToolCallOut(id=call.id, function=FunctionCallOut(
-                                name=call.name, arguments=call.arguments))
-                            for call in result.tool_calls
-                        ],
+                        tool_calls=[self._call(call) for call in result.tool_calls],
                     ),
                     logprobs=chat_logprobs(result.tokens) if self.logprobs else None,
                     finish_reason=result.finish_reason,

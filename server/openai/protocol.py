@@ -155,6 +155,32 @@ class ToolCall(RequestModel):
     function: FunctionCall
 
 
+class CustomCall(RequestModel):
+    name: str
+    input: str
+
+
+class CustomToolCall(RequestModel):
+    """A call of a custom tool, sent back: its input is freeform text."""
+
+    id: str
+    type: Literal["custom"]
+    custom: CustomCall
+
+
+def _call_kind(value: Any) -> str | None:
+    """A call's type, in a request's JSON (where a function call's may be left out) or
+    its model (dumped for the template)."""
+    if isinstance(value, ToolCall | CustomToolCall):
+        return value.type
+    kind = value.get("type", "function") if isinstance(value, dict) else None
+    return kind if kind in ("function", "custom") else None
+
+
+AnyToolCall = shaped_union(_call_kind, "a function or custom tool call",
+                           function=ToolCall, custom=CustomToolCall)
+
+
 class SystemMessage(RequestModel):
     role: Literal["system", "developer"]
     content: Content
@@ -178,7 +204,7 @@ class AssistantMessage(RequestModel):
     content: AssistantContent | None = None
     refusal: str | None = None  # a refused turn sent back: its text is the turn's
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[AnyToolCall] | None = None
     # An earlier turn's thinking, as vLLM takes it back; templates decide whether to
     # render it (Qwen3's keeps only the current turn's).
     reasoning_content: str | None = None
@@ -216,6 +242,45 @@ class Tool(RequestModel):
     function: FunctionDefinition
 
 
+class CustomGrammar(RequestModel):
+    definition: str = Field(min_length=1)
+    syntax: Literal["lark", "regex"]
+
+
+class CustomFormat(RequestModel):
+    """What a custom tool's input is: free text, or text in a grammar (Lark or a regular
+    expression), which the model is shown."""
+
+    type: Literal["text", "grammar"]
+    grammar: CustomGrammar | None = None
+
+    @model_validator(mode="after")
+    def _grammar_given(self) -> CustomFormat:
+        if self.type == "grammar" and self.grammar is None:
+            raise ValueError("a grammar format needs its grammar (syntax and definition)")
+        return self
+
+
+class CustomDefinition(RequestModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    format: CustomFormat | None = None
+
+
+class CustomTool(RequestModel):
+    """A tool whose input is freeform text (a patch, a shell command, a query)."""
+
+    type: Literal["custom"]
+    custom: CustomDefinition
+
+
+AnyTool = Annotated[Tool | CustomTool, Field(discriminator="type")]
+
+
+def tool_name(tool: Tool | CustomTool) -> str:
+    return tool.function.name if isinstance(tool, Tool) else tool.custom.name
+
+
 class TextFormat(RequestModel):
     type: Literal["text"]
 
@@ -251,9 +316,21 @@ class NamedToolChoice(RequestModel):
     function: FunctionName
 
 
+class NamedCustomChoice(RequestModel):
+    type: Literal["custom"]
+    custom: FunctionName
+
+
+NamedChoice = NamedToolChoice | NamedCustomChoice
+
+
+def chosen_name(choice: NamedChoice) -> str:
+    return choice.function.name if isinstance(choice, NamedToolChoice) else choice.custom.name
+
+
 class AllowedToolsSet(RequestModel):
     mode: Literal["auto", "required"]
-    tools: list[NamedToolChoice] = Field(min_length=1)
+    tools: list[Annotated[NamedChoice, Field(discriminator="type")]] = Field(min_length=1)
 
 
 class AllowedToolsChoice(RequestModel):
@@ -263,7 +340,8 @@ class AllowedToolsChoice(RequestModel):
     allowed_tools: AllowedToolsSet
 
 
-ToolChoice = tool_choice_union(function=NamedToolChoice, allowed_tools=AllowedToolsChoice)
+ToolChoice = tool_choice_union(function=NamedToolChoice, custom=NamedCustomChoice,
+                               allowed_tools=AllowedToolsChoice)
 
 
 class StructuredOutputRequest(SamplingRequest):
@@ -291,7 +369,7 @@ class ChatCompletionRequest(StructuredOutputRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Tool] | None = None
+    tools: list[AnyTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # OpenAI's deprecated function calling: refused by name, where ignoring it served the
@@ -326,8 +404,8 @@ class ChatCompletionRequest(StructuredOutputRequest):
 
     @field_validator("tools")
     @classmethod
-    def _tool_names_are_unique(cls, value: list[Tool] | None) -> list[Tool] | None:
-        check_tool_names([tool.function.name for tool in value or ()])
+    def _tool_names_are_unique(cls, value: list[AnyTool] | None) -> list[AnyTool] | None:
+        check_tool_names([tool_name(tool) for tool in value or ()])
         return value
 
     @field_validator("tool_choice")
@@ -340,16 +418,15 @@ class ChatCompletionRequest(StructuredOutputRequest):
         tools = info.data.get("tools")
         if not tools:
             raise ValueError("tool_choice is only allowed when tools are specified")
-        named = {tool.function.name for tool in tools}
-        if isinstance(value, NamedToolChoice):
-            chosen = [value.function.name]
-        elif isinstance(value, AllowedToolsChoice):
-            chosen = [tool.function.name for tool in value.allowed_tools.tools]
-        else:
-            chosen = []
-        for name in chosen:
-            if name not in named:
-                raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+        named = {(tool.type, tool_name(tool)) for tool in tools}
+        chosen = ([value] if isinstance(value, NamedChoice)
+                  else value.allowed_tools.tools if isinstance(value, AllowedToolsChoice)
+                  else [])
+        for choice in chosen:
+            name = chosen_name(choice)
+            if (choice.type, name) not in named:
+                kind = "function" if choice.type == "function" else "custom tool"
+                raise ValueError(f"tool_choice names {kind} {name!r}, which is not in tools")
         return value
 
     @model_validator(mode="after")
@@ -512,26 +589,44 @@ class ToolCallOut(ResponseModel):
     function: FunctionCallOut
 
 
+class CustomCallOut(ResponseModel):
+    name: str
+    input: str
+
+
+class CustomToolCallOut(ResponseModel):
+    id: str
+    type: Literal["custom"] = "custom"
+    custom: CustomCallOut
+
+
 class FunctionCallDelta(ResponseModel):
     name: str | None = None
     arguments: str
 
 
+class CustomCallDelta(ResponseModel):
+    name: str | None = None
+    input: str
+
+
 class ToolCallDelta(ResponseModel):
-    """A streamed call: the first delta of call `index` has its id and name, later ones
-    only the next fragment of its arguments."""
+    """A streamed call: the first delta of call `index` has its id, type and name, later
+    ones only the next fragment of its arguments (a custom call's: of its input)."""
 
     index: int
     id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionCallDelta
+    type: Literal["function", "custom"] | None = None
+    function: FunctionCallDelta | None = None
+    custom: CustomCallDelta | None = None
 
     @model_serializer(mode="wrap")
     def _only_present(self, handler: Any) -> dict[str, Any]:
-        out = handler(self)
-        if out["function"]["name"] is None:
-            del out["function"]["name"]
-        return {key: value for key, value in out.items() if value is not None}
+        out = {key: value for key, value in handler(self).items() if value is not None}
+        for call in ("function", "custom"):
+            if call in out and out[call]["name"] is None:
+                del out[call]["name"]
+        return out
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -542,7 +637,7 @@ class ChatCompletionMessage(ResponseModel):
     content: str | None
     # The model's thinking, as vLLM and llama.cpp return it (never part of `content`).
     reasoning_content: str | None = None
-    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+    tool_calls: list[ToolCallOut | CustomToolCallOut] = Field(default_factory=list)
     refusal: None = None
 
 

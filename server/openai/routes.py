@@ -18,7 +18,7 @@ from server.http.model_response import model_response
 from server.http.openapi import error_responses, event_stream
 from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, to_the_end
 from server.model_registry import Lease, ServedModel
-from server.openai.adapter import chat_request, completion_request
+from server.openai.adapter import chat_request, completion_request, custom_tool_names
 from server.openai.formats import ChatFormat, CompletionFormat, Format
 from server.openai.protocol import (
     ChatCompletionChunk,
@@ -75,7 +75,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         generation = await start(request, state, lease, chat_request(body))
         model = state.models.name_for(lease.model, body.model)
         fmt = ChatFormat(f"chatcmpl-{generation.request_id}", model, body.logprobs,
-                         calls_only=forces_call(generation.request))
+                         calls_only=forces_call(generation.request),
+                         custom_tools=custom_tool_names(body))
         return await _respond(request, generation, fmt)
 
     return await respond_with_model(state.models, body.model, body.stream, respond,

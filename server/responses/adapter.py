@@ -12,8 +12,6 @@ true.
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
@@ -24,6 +22,7 @@ from pydantic import TypeAdapter
 
 from engine.api import SamplingKnobs
 from engine.json_schemas import strict_mode
+from server.custom_tools import InputReader, custom_arguments, custom_function
 from server.events import (
     ChoiceFinished,
     Event,
@@ -181,11 +180,6 @@ def _template_call(call: FunctionCallItem | CustomToolCallItem | OutputFunctionC
             "function": {"name": call.name, "arguments": template_arguments(arguments)}}
 
 
-# A custom tool's freeform input, as a function of one string the model fills: templates
-# and tool-call formats know functions with JSON arguments.
-CUSTOM_INPUT = "input"
-
-
 def function_tool(tool: ResponsesFunctionTool) -> FunctionTool:
     """A function tool; where `strict` is unsaid, strict by default as OpenAI's Responses
     API has it (Chat Completions' default is the opposite): its parameters normalized to
@@ -204,56 +198,6 @@ def echoed_tool(tool: ResponsesFunctionTool | CustomTool) -> ResponsesFunctionTo
         return tool
     parameters = None if tool.parameters is None else strict_mode(tool.parameters)
     return tool.model_copy(update={"strict": True, "parameters": parameters})
-
-
-def custom_function(tool: CustomTool) -> FunctionTool:
-    """A custom tool as the model is shown it. A grammar is shown to it; a regular
-    expression also binds a call the request forces, as an anchored JSON Schema
-    `pattern` (llguidance reads the Rust regex syntax OpenAI's grammars use)."""
-    fmt = tool.format
-    text: dict[str, Any] = {"type": "string", "description": "The tool's input, as free text."}
-    if fmt is not None and fmt.type == "grammar":
-        text["description"] = f"The tool's input: text in this {fmt.syntax} grammar:\n{fmt.definition}"
-        if fmt.syntax == "regex":
-            text["pattern"] = f"^(?:{fmt.definition})$"
-    return FunctionTool(tool.name, tool.description, {
-        "type": "object", "properties": {CUSTOM_INPUT: text},
-        "required": [CUSTOM_INPUT], "additionalProperties": False}, None)
-
-
-def custom_arguments(text: str) -> str:
-    return json.dumps({CUSTOM_INPUT: text}, ensure_ascii=False)
-
-
-# How a call of a custom tool's function opens, up to its one string's first character.
-CUSTOM_OPENING = re.compile(r'\s*\{\s*"' + CUSTOM_INPUT + r'"\s*:\s*"')
-# The longest escape a JSON string may be cut inside (\uXXXX).
-LONGEST_ESCAPE = 6
-
-
-def custom_input(arguments: str) -> str:
-    """The input a call of a custom tool holds: its one string; where the model ran out of
-    tokens inside that string, as much of it as was written (not the wrapper it is sent
-    in); where it wrote something else, what it wrote."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        opening = CUSTOM_OPENING.match(arguments)
-        return arguments if opening is None else _cut_string(arguments[opening.end():])
-    if isinstance(value, dict) and isinstance(value.get(CUSTOM_INPUT), str):
-        return value[CUSTOM_INPUT]
-    return arguments
-
-
-def _cut_string(body: str) -> str:
-    """A JSON string's value from what follows its opening quote, cut off anywhere (inside
-    an escape too)."""
-    for end in range(len(body), max(len(body) - LONGEST_ESCAPE, 0) - 1, -1):
-        try:
-            return json.loads(f'"{body[:end]}"')
-        except ValueError:
-            continue
-    return body
 
 
 def _answered_call(messages: list[TemplateMessage], item: FunctionCallOutputItem) -> str | None:
@@ -281,7 +225,10 @@ def generation_request(
                        for message in system + conversation),
         images=tuple(url for message in conversation for url in message.get(IMAGES, ())),
         tools=tuple(function_tool(tool) for tool in body.function_tools)
-        + tuple(custom_function(tool) for tool in body.custom_tools),
+        + tuple(custom_function(tool.name, tool.description,
+                                tool.format and tool.format.type == "grammar"
+                                and (tool.format.syntax, tool.format.definition))
+                for tool in body.custom_tools),
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
         output=_output_format(body),
@@ -336,7 +283,7 @@ class ResponseBuilder:
         self._sequence = 0
         self._item: OutputItem | None = None  # the open one
         self._custom = {tool.name for tool in response.tools if isinstance(tool, CustomTool)}
-        self._arguments = ""  # an open custom call's, whose input is known at its end
+        self._input = InputReader()  # an open custom call's input, out of its arguments
         self._unsent_logprobs: list[Any] = []  # a held-back token's, until its text is out
 
     def opening(self) -> list[StreamEvent]:
@@ -350,7 +297,7 @@ class ResponseBuilder:
         if isinstance(event, ToolCallStarted):
             closed = self._close()  # a custom call before this one reads its arguments
             if event.name in self._custom:
-                self._arguments = ""
+                self._input = InputReader()
                 call = OutputCustomToolCall(id=_new_id("ctc"), call_id=event.id,
                                             name=event.name, input="", status="in_progress")
             else:
@@ -359,8 +306,7 @@ class ResponseBuilder:
             return closed + self._add(call)
         if isinstance(event, ToolCallArguments):
             if isinstance(self._item, OutputCustomToolCall):
-                self._arguments += event.fragment
-                return []
+                return self._custom_input(self._input.feed(event.fragment))
             if not event.fragment:
                 return []
             self._item.arguments += event.fragment
@@ -403,6 +349,14 @@ class ResponseBuilder:
             type="response.reasoning_text.delta", item_id=self._item.id,
             output_index=self._index, delta=text))]
 
+    def _custom_input(self, text: str) -> list[StreamEvent]:
+        """The open custom call's input, as much more of it as its arguments gave."""
+        if not text:
+            return []
+        self._item.input += text
+        return [self._number(CustomInputDeltaEvent(item_id=self._item.id,
+                                                   output_index=self._index, delta=text))]
+
     def _open(self, kind: type[TextItem]) -> list[StreamEvent]:
         """Close the open item and open a `kind` item of one empty part."""
         prefix = "msg" if kind is OutputMessage else "rs"
@@ -430,12 +384,7 @@ class ResponseBuilder:
                 item_id=item.id, output_index=self._index, name=item.name,
                 arguments=item.arguments))]
         elif isinstance(item, OutputCustomToolCall):
-            # The input is the JSON string's value, known once the string is closed: one
-            # delta with all of it.
-            item.input = custom_input(self._arguments)
-            events = [self._number(event) for event in (
-                CustomInputDeltaEvent(item_id=item.id, output_index=self._index,
-                                      delta=item.input),
+            events = [*self._custom_input(self._input.finish()), self._number(
                 CustomInputDoneEvent(item_id=item.id, output_index=self._index,
                                      input=item.input))]
         else:

@@ -177,7 +177,7 @@ def test_responses_tools_are_strict_unless_they_say_otherwise(real_client, model
     ("/v1/chat/completions", allowed("auto"), "at least 1 item"),
     ("/v1/chat/completions", allowed("sometimes", "get_weather"), "'auto' or 'required'"),
     ("/v1/chat/completions", {"type": "allowed_tools"}, "allowed_tools: Field required"),
-    ("/v1/chat/completions", {"type": "custom", "name": "x"}, "must be a mode"),
+    ("/v1/chat/completions", {"type": "custom", "name": "x"}, "custom: Field required"),
     ("/v1/chat/completions", {"type": {}}, "must be a mode"),  # unhashable: not a 500
     ("/v1/responses", {"type": ["custom"]}, "must be a mode"),
     ("/v1/responses", {"type": "allowed_tools", "mode": "auto",

@@ -15,6 +15,7 @@ from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from server.anthropic.adapter import MessageStream, message_response
+from server.custom_tools import custom_input
 from server.events import (
     ChoiceFinished,
     ChoiceResult,
@@ -26,7 +27,7 @@ from server.events import (
     fold,
 )
 from server.openai.formats import ChatFormat, CompletionFormat
-from server.responses.adapter import ResponseBuilder, custom_input
+from server.responses.adapter import ResponseBuilder
 from server.responses.protocol import CustomTool, FunctionTool, Response
 
 REPLY = [
