@@ -171,7 +171,7 @@ def test_a_custom_tools_call_is_its_input_as_text() -> None:
                                        tools=tools))
     arguments = json.dumps({"input": patch})
     reply = [ToolCallStarted(0, 0, "call_a", "apply_patch"),
-             ToolCallArguments(0, 0, arguments[:9]), ToolCallArguments(0, 0, arguments[9:]),
+             *(ToolCallArguments(0, 0, arguments[at:at + 9]) for at in range(0, len(arguments), 9)),
              ToolCallStarted(0, 1, "call_c", "apply_patch"),
              ToolCallArguments(0, 1, '{"input": "again"}'),
              ToolCallStarted(0, 2, "call_b", "shell"),
@@ -185,9 +185,15 @@ def test_a_custom_tools_call_is_its_input_as_text() -> None:
     parse = TypeAdapter(ResponseStreamEvent).validate_python
     for event in events:
         state.handle_event(parse(json.loads(event.model_dump_json())))
-    assert [event.type for event in events[2:6]] == [
-        "response.output_item.added", "response.custom_tool_call_input.delta",
+    # The input streams as its string is written, a delta for each piece that adds to it.
+    kinds = [event.type for event in events]
+    first = events[2:kinds.index("response.output_item.done") + 1]
+    deltas = first[1:-2]
+    assert [event.type for event in first] == [
+        "response.output_item.added", *["response.custom_tool_call_input.delta"] * len(deltas),
         "response.custom_tool_call_input.done", "response.output_item.done"]
+    assert len(deltas) == len(arguments) // 9 - 1  # the opening's piece and the closing's
+    assert "".join(event.delta for event in deltas) == patch
     custom, again, function = events[-1].response.output
     assert (custom.type, custom.call_id, custom.name, custom.input) == (
         "custom_tool_call", "call_a", "apply_patch", patch)
