@@ -318,8 +318,9 @@ class Settings(BaseModel):
         "none (each running request reserves KV for prompt + max_tokens)"
     )
     max_output_tokens: PositiveInt | None = Field(
-        None, description="the most tokens a Responses or Messages reply generates: their "
-        "requests' max_output_tokens / max_tokens are caps lowered to it and to what the "
+        None, description="the most tokens a Responses, Messages or Ollama reply generates: "
+        "their requests' max_output_tokens / max_tokens / num_predict are caps lowered to it "
+        "and to what the "
         "context window leaves; none: only the context window bounds them, and a Responses "
         "request without max_output_tokens may use all of it (OpenAI's default)"
     )

@@ -2,8 +2,8 @@
 
 Every error leaves in the shape of the API the request speaks: Anthropic's
 `{"type": "error", "error": {"type", "message"}, "request_id"}` under /v1/messages and
-to Anthropic's SDKs on shared paths, OpenAI's `{"error": {"message", "type", "param",
-"code"}}` everywhere else. That covers our own
+to Anthropic's SDKs on shared paths, Ollama's `{"error": "..."}` under /api, OpenAI's
+`{"error": {"message", "type", "param", "code"}}` everywhere else. That covers our own
 `APIError`s, FastAPI's validation errors (400 instead of FastAPI's 422, as OpenAI does),
 Starlette's routing errors (404/405) and, through the request middleware, unexpected
 exceptions, which become a 500 naming the request id while the traceback stays in the
@@ -25,9 +25,11 @@ from starlette.types import Scope
 from server.anthropic.protocol import ErrorInfo as AnthropicErrorInfo
 from server.anthropic.protocol import ErrorResponse as AnthropicErrorResponse
 from server.anthropic.protocol import error_type as anthropic_error_type
+from server.ollama.protocol import ErrorResponse as OllamaErrorResponse
 from server.openai.protocol import ErrorInfo, ErrorResponse
 
 ANTHROPIC_PATH = "/v1/messages"
+OLLAMA_PATH = "/api/"
 
 # The keys the request's tagged unions choose their member by.
 TAG_KEYS = {"type", "role"}
@@ -78,6 +80,8 @@ class APIError(Exception):
         request in its body as well as in its header."""
         if speaks_anthropic(scope):
             body = self.anthropic_body(request_id_of(scope))
+        elif scope["path"].startswith(OLLAMA_PATH):
+            body = OllamaErrorResponse(error=self.message)
         else:
             body = self.body()
         return JSONResponse(body.model_dump(), self.status, headers=self.headers)

@@ -79,6 +79,7 @@ class GenerationEventSource(Response):
     lookups were a fifth of it (bench/results/cpu-amd-epyc-2c/server-hotpath)."""
 
     media_type = "text/event-stream"
+    frame = staticmethod(frame)
 
     def __init__(
         self, generation: GenerationRun, events: AsyncGenerator[SSEvents, None],
@@ -109,7 +110,7 @@ class GenerationEventSource(Response):
                         "headers": self.raw_headers})
             pinger = asyncio.ensure_future(self._pings(send))
             async for event in self.events:
-                if body := frame(event):  # an empty list: nothing to say yet
+                if body := self.frame(event):  # an empty list: nothing to say yet
                     await send({"type": "http.response.body", "body": body, "more_body": True})
             pinger.cancel()  # no ping after the end, which must be the last message
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -129,6 +130,26 @@ class GenerationEventSource(Response):
         while True:
             await asyncio.sleep(self.ping_seconds)
             await send({"type": "http.response.body", "body": self._ping(), "more_body": True})
+
+
+class JSONLinesSource(GenerationEventSource):
+    """A generation's stream as JSON lines (Ollama's `application/x-ndjson`): each item of
+    `events` is one object's JSON, or a list of them. No pings: every line must be an
+    object, and Ollama's clients read a silent stream until its first token."""
+
+    media_type = "application/x-ndjson"
+
+    def __init__(self, generation: GenerationRun, events: AsyncGenerator[str | list[str], None]
+                 ) -> None:
+        super().__init__(generation, events)
+
+    @staticmethod
+    def frame(event: str | list[str]) -> bytes:
+        lines = event if isinstance(event, list) else [event]
+        return "".join(f"{_one_line(line)}\n" for line in lines).encode()
+
+    async def _pings(self, send: Send) -> None:
+        await asyncio.Event().wait()
 
 
 async def to_the_end(

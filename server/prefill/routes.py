@@ -73,26 +73,40 @@ JUDGE_INSTRUCTION = "Given a web search query, retrieve relevant passages that a
 
 @router.post("/embeddings", response_model=EmbeddingResponse)
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    state = server_state(request)
-    async with state.models.use(body.model) as lease:
-        served = lease.model
-        inputs = _inputs(body.input, "input")
-        width, sizes = _embedding_sizes(served)
-        if width is not None:  # before minutes of work rather than after
-            _check_dimensions(body.dimensions, width, sizes)
-        embedded = await _embed(request, state, served, inputs, _indexed("input", len(inputs)),
-                                 _kept_tokens(served, body.truncate_prompt_tokens))
-        if embedded is None:
-            return Response(status_code=CLIENT_CLOSED)
-        vectors, prompt_tokens, cached = embedded
-        if width is None:  # the model's config did not say: the vectors do
-            _check_dimensions(body.dimensions, *_embedding_sizes(served, vectors.shape[1]))
-        vectors = _cut(vectors, body.dimensions)
-    model = state.models.name_for(served, body.model)
+    inputs = _inputs(body.input, "input")
+    embedded = await embed_texts(request, body.model, inputs, body.dimensions,
+                                 body.truncate_prompt_tokens)
+    if embedded is None:
+        return Response(status_code=CLIENT_CLOSED)
+    model, vectors, prompt_tokens, cached = embedded
     data = [Embedding(index=i, embedding=_encoded(vector, body.encoding_format))
             for i, vector in enumerate(vectors)]
     return model_response(EmbeddingResponse(data=data, model=model,
                                             usage=_usage(request, prompt_tokens, cached)))
+
+
+async def embed_texts(request: Request, name: str | None, inputs: list[str] | list[list[int]],
+                      dimensions: int | None, truncate: int | None
+                      ) -> tuple[str, np.ndarray, int, int] | None:
+    """Each input's embedding by the model `name` names (every API's embeddings): the
+    name it answers with, the vectors (cut to `dimensions`), the prompt tokens embedded and
+    how many of them were cached; None if the client left. `truncate`: as
+    truncate_prompt_tokens (-1: the context window)."""
+    state = server_state(request)
+    async with state.models.use(name) as lease:
+        served = lease.model
+        width, sizes = _embedding_sizes(served)
+        if width is not None:  # before minutes of work rather than after
+            _check_dimensions(dimensions, width, sizes)
+        embedded = await _embed(request, state, served, inputs, _indexed("input", len(inputs)),
+                                 _kept_tokens(served, truncate))
+        if embedded is None:
+            return None
+        vectors, prompt_tokens, cached = embedded
+        if width is None:  # the model's config did not say: the vectors do
+            _check_dimensions(dimensions, *_embedding_sizes(served, vectors.shape[1]))
+    return (state.models.name_for(served, name), _cut(vectors, dimensions), prompt_tokens,
+            cached)
 
 
 # Also where other servers' rerank clients look: llama.cpp, vLLM and Jina's at /rerank,

@@ -38,23 +38,29 @@ def map_body(context: schemathesis.HookContext, body: Any) -> Any:
 
 
 @schemathesis.check
-def openai_error_object(ctx: schemathesis.CheckContext, response: schemathesis.Response,
-                        case: schemathesis.Case) -> None:
-    """Any /v1 status other than 200 carries {"error": {"message", "type", ...}}."""
-    if response.status_code == 200 or not case.path.startswith("/v1"):
+def api_error_object(ctx: schemathesis.CheckContext, response: schemathesis.Response,
+                     case: schemathesis.Case) -> None:
+    """Any /v1 status other than 200 carries OpenAI's {"error": {"message", "type", ...}},
+    any /api one Ollama's {"error": "..."}."""
+    if response.status_code == 200:
         return
-    error = response.json()["error"]
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["type"], str) and error["type"]
+    if case.path.startswith("/api/"):
+        assert list(response.json()) == ["error"] and response.json()["error"]
+    elif case.path.startswith("/v1"):
+        error = response.json()["error"]
+        assert isinstance(error["message"], str) and error["message"]
+        assert isinstance(error["type"], str) and error["type"]
 
 
 @pytest.fixture(scope="module")
 def fuzzed(
     demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    # A chat request that names no limit gets the server's default, here as small.
+    # A chat request that names no limit gets the server's default, here as small, and
+    # one whose limit is a cap (Responses, Messages, Ollama's num_predict) the server's.
     server = launch(demo_model_dir, tmp_path_factory.mktemp("fuzzed") / "server.log",
-                    "--default-max-tokens", str(CAPS["max_tokens"]))
+                    "--default-max-tokens", str(CAPS["max_tokens"]),
+                    "--max-output-tokens", str(CAPS["max_tokens"]))
     yield server
     stop(server)
 
@@ -66,7 +72,7 @@ def fuzzing_test() -> Callable[[schemathesis.Case, ServerProcess], None]:
         # pass.
         case.call_and_validate(
             base_url=fuzzed.url, headers=AUTH, timeout=60,
-            additional_checks=[openai_error_object],
+            additional_checks=[api_error_object],
             excluded_checks=[positive_data_acceptance],
         )
     return settings(max_examples=MAX_EXAMPLES, derandomize=True, deadline=None,

@@ -1,0 +1,1 @@
+"""Ollama's native API: schema, adapter and routes."""

@@ -1,0 +1,280 @@
+"""Ollama's /api/chat and /api/generate requests as `GenerationRequest`s, and the
+pipeline's neutral events as Ollama's JSON objects.
+
+A thin adapter, as the other front ends: messages (their base64 images, tool calls and
+tool results), tools, `format`, `think` and `options` map onto the internal request;
+events come back as Ollama's objects, the answer's text as it is written, each tool call
+whole (Ollama's arguments are an object, not JSON text), and a last object with
+`done: true`, the reason, the counts and the durations.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from engine.api import SamplingKnobs
+from server.events import (
+    ChoiceFinished,
+    Event,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArguments,
+    ToolCallStarted,
+)
+from server.http.errors import APIError
+from server.images import MARKER
+from server.ollama.protocol import (
+    ChatChunk,
+    ChatRequest,
+    Format,
+    GenerateChunk,
+    GenerateRequest,
+    GenerationFields,
+    Message,
+    Options,
+    OutCall,
+    OutMessage,
+    Think,
+    Timings,
+)
+from server.request import (
+    TEXT,
+    FunctionTool,
+    GenerationRequest,
+    JsonObjectOutput,
+    JsonSchemaOutput,
+    OutputFormat,
+    TemplateMessage,
+    template_arguments,
+    unset_knobs,
+)
+
+# An image's media type by its first bytes: Ollama's clients send bare base64, where the
+# other APIs' data: URLs name it.
+IMAGE_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"),
+                    (b"GIF8", "image/gif"), (b"RIFF", "image/webp"), (b"BM", "image/bmp"))
+
+
+def chat_request(body: ChatRequest) -> GenerationRequest:
+    messages: list[TemplateMessage] = []
+    images: list[str] = []
+    calls: list[dict[str, Any]] = []  # the history's calls, which tool results answer
+    for number, message in enumerate(body.messages):
+        out, message_images = _template_message(message, number, calls)
+        messages.append(out)
+        images += message_images
+    return _generation(body, messages=tuple(messages), images=tuple(images),
+                       tools=tuple(FunctionTool(tool.function.name, tool.function.description,
+                                                tool.function.parameters)
+                                   for tool in body.tools or ()))
+
+
+def generate_request(body: GenerateRequest) -> GenerationRequest:
+    for name in ("suffix", "template", "context"):
+        if getattr(body, name):  # "" and [] say nothing
+            raise APIError(400, f"{name} is not supported by this server", param=name)
+    if body.raw:
+        if body.images or body.system:
+            raise APIError(400, "a raw prompt is the model's whole input: send images and "
+                           "system without raw", param="raw")
+        return _generation(body, prompts=(body.prompt,))
+    images = [image_url(image, f"images.{i}") for i, image in enumerate(body.images or ())]
+    messages = [{"role": "system", "content": body.system}] if body.system else []
+    messages.append({"role": "user", "content": MARKER * len(images) + body.prompt})
+    return _generation(body, messages=tuple(messages), images=tuple(images))
+
+
+def _generation(body: GenerationFields, **prompt: Any) -> GenerationRequest:
+    options = body.options or Options()
+    limit = options.num_predict
+    return GenerationRequest(
+        **prompt,
+        output=output_format(body.format),
+        sampling=SamplingKnobs(
+            temperature=1.0 if options.temperature is None else options.temperature,
+            top_p=1.0 if options.top_p is None else options.top_p,
+            top_k=options.top_k or 0,
+            min_p=options.min_p or 0.0,
+            seed=None if options.seed in (None, -1) else options.seed,
+            repetition_penalty=options.repeat_penalty,
+            presence_penalty=options.presence_penalty,
+            frequency_penalty=options.frequency_penalty,
+            stop=tuple(options.stop or ()),
+        ),
+        unset_sampling=unset_knobs(options),
+        max_tokens=limit if limit is not None and limit > 0 else None,
+        fit_context=True,  # Ollama's num_predict is a cap; none fills the context
+        stream=body.stream,
+        include_usage=True,
+        chat_template_kwargs=_thinking(body.think),
+    )
+
+
+def output_format(value: Format | None) -> OutputFormat:
+    if not value:
+        return TEXT
+    if value == "json":
+        return JsonObjectOutput()
+    return JsonSchemaOutput("format", value, strict=True)
+
+
+def _thinking(think: Think | None) -> dict[str, Any]:
+    """`think` as the template variables thinking models read (Qwen3's enable_thinking,
+    gpt-oss's reasoning_effort); unsaid, the model's own default."""
+    if think is None:
+        return {}
+    if isinstance(think, bool):
+        return {"enable_thinking": think}
+    return {"enable_thinking": True, "reasoning_effort": think}
+
+
+def _template_message(message: Message, number: int, calls: list[dict[str, Any]]
+                      ) -> tuple[TemplateMessage, list[str]]:
+    """A message as chat templates take it, and its images as data: URLs (their markers
+    open its text, where Ollama puts a message's images). A call in the history gets an
+    id of its place, so a conversation renders alike each time it is sent; a tool result
+    answers the latest call of its tool (or the latest call)."""
+    param = f"messages.{number}.images"
+    images = [image_url(image, f"{param}.{i}") for i, image in enumerate(message.images or ())]
+    out: TemplateMessage = {"role": message.role,
+                            "content": MARKER * len(images) + message.content}
+    if message.thinking:
+        out["reasoning_content"] = message.thinking
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": f"call_{number}_{i}", "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}
+            for i, call in enumerate(message.tool_calls)]
+        calls += out["tool_calls"]
+    if message.role == "tool":
+        answered = next((call for call in reversed(calls)
+                         if call["function"]["name"] == message.tool_name), None)
+        if answered is None and calls:
+            answered = calls[-1]
+        if answered is not None:
+            out["tool_call_id"] = answered["id"]
+        if message.tool_name:
+            out["name"] = message.tool_name
+    return out, images
+
+
+def image_url(image: str, param: str) -> str:
+    """An image Ollama's way, bare base64 (or a data: URL, which some clients send), as
+    the data: URL the pipeline reads."""
+    if image.startswith("data:"):
+        return image
+    try:
+        head = base64.b64decode("".join(image[:64].split())[:32] + "==", validate=False)
+    except (binascii.Error, ValueError):
+        head = b""
+    kind = next((media for signature, media in IMAGE_SIGNATURES if head.startswith(signature)),
+                None)
+    if kind is None:
+        raise APIError(400, f"{param}: not a base64 PNG, JPEG, GIF, WebP or BMP image",
+                       param=param)
+    return f"data:{kind};base64,{image}"
+
+
+def created_at() -> str:
+    """Now, as Ollama stamps each object (RFC 3339, UTC)."""
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+@dataclass
+class Clock:
+    """When a request began, its model was ready, and its first token came: Ollama's
+    durations (nanoseconds)."""
+
+    started: int = field(default_factory=time.monotonic_ns)
+    loaded: int | None = None
+    first: int | None = None
+
+    def ready(self) -> None:
+        self.loaded = time.monotonic_ns()
+
+    def elapsed(self) -> int:
+        return time.monotonic_ns() - self.started
+
+    def token(self) -> None:
+        if self.first is None:
+            self.first = time.monotonic_ns()
+
+    def timings(self, finished: ChoiceFinished) -> Timings:
+        now = time.monotonic_ns()
+        loaded = self.loaded or self.started
+        first = self.first or now
+        return Timings(
+            done_reason="length" if finished.reason == "length" else "stop",
+            total_duration=now - self.started, load_duration=loaded - self.started,
+            prompt_eval_count=finished.usage.prompt_tokens,
+            prompt_eval_duration=first - loaded,
+            eval_count=finished.usage.completion_tokens, eval_duration=now - first)
+
+
+class OllamaReply:
+    """One reply's events as Ollama's objects: text and thinking as they come, a tool
+    call once its arguments are whole, then the last object."""
+
+    def __init__(self, model: str, clock: Clock, chat: bool) -> None:
+        self.model, self.clock, self.chat = model, clock, chat
+        self._call: tuple[str, list[str]] | None = None  # the open call: name, arguments
+        self._calls = 0
+
+    def objects(self, event: Event) -> list[ChatChunk | GenerateChunk]:
+        self.clock.token()
+        if isinstance(event, TextDelta):
+            return [self._chunk(content=event.text)] if event.text else []
+        if isinstance(event, ReasoningDelta):
+            return [self._chunk(thinking=event.text)] if event.text else []
+        if isinstance(event, ToolCallStarted):
+            done = self._close_call()
+            self._call = event.name, []
+            return done
+        if isinstance(event, ToolCallArguments):
+            if self._call is not None:
+                self._call[1].append(event.fragment)
+            return []
+        assert isinstance(event, ChoiceFinished)
+        return [*self._close_call(),
+                self._chunk(done=True, **self.clock.timings(event).model_dump())]
+
+    def _close_call(self) -> list[ChatChunk | GenerateChunk]:
+        if self._call is None:
+            return []
+        name, fragments = self._call
+        self._call = None
+        arguments = template_arguments("".join(fragments) or "{}")
+        call = OutCall(function={"index": self._calls, "name": name,
+                                 "arguments": arguments if isinstance(arguments, dict) else {}})
+        self._calls += 1
+        return [self._chunk(tool_calls=[call])]
+
+    def _chunk(self, content: str = "", thinking: str | None = None,
+               tool_calls: list[OutCall] | None = None, done: bool = False,
+               **timings: Any) -> ChatChunk | GenerateChunk:
+        if self.chat:
+            message = OutMessage(content=content, thinking=thinking, tool_calls=tool_calls)
+            return ChatChunk(model=self.model, created_at=created_at(), message=message,
+                             done=done, **timings)
+        return GenerateChunk(model=self.model, created_at=created_at(), response=content,
+                             thinking=thinking, done=done, **timings)
+
+
+def whole(objects: list[ChatChunk | GenerateChunk]) -> ChatChunk | GenerateChunk:
+    """A reply's objects as the one object a request with `stream: false` gets."""
+    last = objects[-1]
+    if isinstance(last, ChatChunk):
+        calls = [call for chunk in objects for call in chunk.message.tool_calls or ()]
+        message = OutMessage(
+            content="".join(chunk.message.content for chunk in objects),
+            thinking="".join(chunk.message.thinking or "" for chunk in objects) or None,
+            tool_calls=calls or None)
+        return last.model_copy(update={"message": message})
+    thinking = "".join(chunk.thinking or "" for chunk in objects) or None
+    return last.model_copy(update={"response": "".join(chunk.response for chunk in objects),
+                                   "thinking": thinking})

@@ -1,0 +1,240 @@
+"""Ollama's native API, as its clients send it: requests and responses.
+
+Ollama's own `api/types.go` and its Python client (`ollama._types`) are the reference.
+Its errors are `{"error": "..."}`; its streams are JSON lines, one object per line, the
+last with `done: true` and the counts and durations (nanoseconds) of the whole reply.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+
+from server.schema import ObjectSchema, RequestModel, ResponseModel, check_tool_names
+
+# The Ollama version this server answers /api/version with: clients check for a minimum
+# (Copilot's and Open WebUI's look at it before they list models).
+OLLAMA_VERSION = "0.12.0"
+
+
+class Options(RequestModel):
+    """The runtime options that mean something here; the rest (num_ctx, num_gpu,
+    num_thread, mirostat, ...) are the machine's to choose, and ignored as Ollama ignores
+    an option a model's runner does not use."""
+
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=-1, lt=2**63)
+    # Ollama's -1 is "until the context is full", -2 "fill the context": no cap either way.
+    num_predict: int | None = Field(None, ge=-2)
+    repeat_penalty: float | None = Field(None, ge=0.01, le=10)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    stop: list[str] | None = None
+
+    @property
+    def repetition_penalty(self) -> float | None:
+        """Ollama's name for what the sampler calls a repetition penalty (1 is none)."""
+        return self.repeat_penalty
+
+
+# "json": any JSON value, as Ollama's JSON mode; an object: a JSON schema the reply follows.
+Format = Literal["", "json"] | dict[str, Any]
+Think = bool | Literal["low", "medium", "high"]
+# A duration ("5m", "1h"), or seconds; the server's own idle_timeout decides unloads here.
+KeepAlive = float | int | str
+
+
+class CallFunction(RequestModel):
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolCall(RequestModel):
+    function: CallFunction
+
+
+class Message(RequestModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    thinking: str | None = None
+    images: list[str] | None = None  # base64, as Ollama's clients send them
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None  # the tool a "tool" message answers
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: ObjectSchema | None = None
+
+
+class Tool(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class GenerationFields(RequestModel):
+    """What /api/chat and /api/generate share."""
+
+    model: str = Field(min_length=1)
+    format: Format | None = None
+    options: Options | None = None
+    stream: bool = True  # Ollama streams unless told not to
+    keep_alive: KeepAlive | None = None
+    think: Think | None = None
+
+
+class ChatRequest(GenerationFields):
+    messages: list[Message] = Field(default_factory=list)
+    tools: list[Tool] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names_are_unique(cls, value: list[Tool] | None) -> list[Tool] | None:
+        check_tool_names([tool.function.name for tool in value or ()])
+        return value
+
+
+class GenerateRequest(GenerationFields):
+    prompt: str = ""
+    system: str | None = None
+    images: list[str] | None = None
+    raw: bool = False  # the prompt as the model reads it: no chat template
+    # Refused by name where set: ignoring them would answer another request than the one
+    # sent (a fill-in-the-middle, another template, an earlier reply's token context).
+    suffix: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+
+
+class EmbedRequest(RequestModel):
+    model: str = Field(min_length=1)
+    input: str | Annotated[list[str], Field(min_length=1)]
+    truncate: bool = True
+    dimensions: int | None = Field(None, ge=1)
+    options: Options | None = None
+    keep_alive: KeepAlive | None = None
+
+
+class EmbeddingsRequest(RequestModel):
+    """The older /api/embeddings: one prompt, one embedding."""
+
+    model: str = Field(min_length=1)
+    prompt: str
+    options: Options | None = None
+    keep_alive: KeepAlive | None = None
+
+
+class ShowRequest(RequestModel):
+    model: str | None = None
+    name: str | None = None  # the field's older name, which clients still send
+    verbose: bool = False
+
+
+# -- responses ---------------------------------------------------------------------------
+
+
+class ModelDetails(ResponseModel):
+    parent_model: str = ""
+    format: str
+    family: str
+    families: list[str]
+    parameter_size: str
+    quantization_level: str
+
+
+class ListedModel(ResponseModel):
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: ModelDetails
+
+
+class ModelList(ResponseModel):
+    models: list[ListedModel]
+
+
+class RunningModel(ListedModel):
+    expires_at: str
+    size_vram: int
+    context_length: int
+
+
+class RunningModels(ResponseModel):
+    models: list[RunningModel]
+
+
+class ShowResponse(ResponseModel):
+    license: str = ""
+    modelfile: str
+    parameters: str
+    template: str
+    details: ModelDetails
+    model_info: dict[str, Any]
+    capabilities: list[str]
+    modified_at: str
+
+
+class Version(ResponseModel):
+    version: str
+
+
+class OutCall(ResponseModel):
+    function: dict[str, Any]  # {"name", "arguments": object, "index"}
+
+
+class OutMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str = ""
+    thinking: str | None = None
+    tool_calls: list[OutCall] | None = None
+
+
+class Timings(ResponseModel):
+    """The last object's counts and durations, in nanoseconds as Ollama's."""
+
+    # load and unload: what an empty request did (the model loaded, or unloaded).
+    done_reason: Literal["stop", "length", "load", "unload"] | None = None
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+
+
+class ChatChunk(Timings):
+    model: str
+    created_at: str
+    message: OutMessage
+    done: bool
+
+
+class GenerateChunk(Timings):
+    model: str
+    created_at: str
+    response: str
+    thinking: str | None = None
+    done: bool
+
+
+class EmbedResponse(ResponseModel):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int
+    load_duration: int = 0
+    prompt_eval_count: int
+
+
+class EmbeddingsResponse(ResponseModel):
+    embedding: list[float]
+
+
+class ErrorResponse(ResponseModel):
+    error: str

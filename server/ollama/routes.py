@@ -1,0 +1,309 @@
+"""Ollama's native API under /api: what clients built for Ollama call (its Python and
+JavaScript libraries, Open WebUI, editors' Ollama providers), answered by the same
+engines and cache as the OpenAI and Anthropic routes.
+
+/api/chat and /api/generate (streamed as JSON lines unless `stream: false`; an empty
+chat or prompt loads the model, and with `keep_alive: 0` unloads it, as `ollama stop`
+asks), /api/embed and the older /api/embeddings, /api/tags (the configured models),
+/api/ps (the loaded ones), /api/show and /api/version. Pulling, pushing, creating,
+copying and deleting models are Ollama's model store's, which this server does not keep:
+those paths are a 404.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from server.http.errors import APIError
+from server.http.json_body import JSONRoute
+from server.http.loading import respond_with_model
+from server.http.model_response import model_response
+from server.http.openapi import error_responses
+from server.http.streaming import CLIENT_CLOSED, JSONLinesSource, to_the_end
+from server.model_registry import Lease, ModelState, ServedModel
+from server.ollama.adapter import (
+    Clock,
+    OllamaReply,
+    chat_request,
+    created_at,
+    generate_request,
+    whole,
+)
+from server.ollama.protocol import (
+    OLLAMA_VERSION,
+    ChatChunk,
+    ChatRequest,
+    EmbeddingsRequest,
+    EmbeddingsResponse,
+    EmbedRequest,
+    EmbedResponse,
+    ErrorResponse,
+    GenerateChunk,
+    GenerateRequest,
+    GenerationFields,
+    KeepAlive,
+    ListedModel,
+    ModelDetails,
+    ModelList,
+    OutMessage,
+    RunningModel,
+    RunningModels,
+    ShowRequest,
+    ShowResponse,
+    Version,
+)
+from server.pipeline import GenerationRun, start
+from server.prefill.routes import embed_texts
+from server.request import GenerationRequest
+from server.state import ServerState, server_state
+
+Body = TypeVar("Body", ChatRequest, GenerateRequest)
+# 9999-12-31T23:59:59Z: a pinned model's expiry.
+NEVER = 253402300799
+
+router = APIRouter(prefix="/api", responses=error_responses(ErrorResponse),
+                   route_class=JSONRoute)
+
+
+@router.post("/chat")
+async def chat(body: ChatRequest, request: Request) -> Response:
+    body = _untagged(request, body)
+    if not body.messages:
+        return await _load_or_unload(request, body, chat=True)
+    return await _reply(request, body, chat_request(body), chat=True)
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    body = _untagged(request, body)
+    if not body.prompt and not body.images:
+        return await _load_or_unload(request, body, chat=False)
+    return await _reply(request, body, generate_request(body), chat=False)
+
+
+def _untagged(request: Request, body: Body) -> Body:
+    """Ollama names a model `name:tag`, `name` alone meaning `name:latest`, and its clients
+    add the tag: a served name with `:latest` is that name."""
+    name = _served_name(request, body.model)
+    return body if name == body.model else body.model_copy(update={"model": name})
+
+
+def _served_name(request: Request, name: str) -> str:
+    models = server_state(request).models
+    names = {known for model in models.models for known in models.names_of(model)}
+    untagged = name.removesuffix(":latest")
+    return untagged if name not in names and untagged in names else name
+
+
+async def _reply(request: Request, body: GenerationFields, generation: GenerationRequest,
+                 chat: bool) -> Response:
+    """The model's reply, streamed or whole; a stream's status line waits for the model's
+    load, as Ollama's does, so a failed load is still an error status."""
+    state, clock = server_state(request), Clock()
+
+    async def respond(lease: Lease) -> Response:
+        clock.ready()
+        run = await start(request, state, lease, generation)
+        reply = OllamaReply(state.models.name_for(lease.model, body.model), clock, chat)
+        if body.stream:
+            return JSONLinesSource(run, _lines(run, reply))
+        objects = await to_the_end(request, run, _objects(run, reply))
+        if objects is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return model_response(whole(objects), exclude_none=True)
+
+    return await respond_with_model(state.models, body.model, False, respond, _error_line)
+
+
+async def _objects(run: GenerationRun, reply: OllamaReply) -> list[ChatChunk | GenerateChunk]:
+    return [out async for event in run.events() for out in reply.objects(event)]
+
+
+async def _lines(run: GenerationRun, reply: OllamaReply) -> AsyncIterator[list[str]]:
+    try:
+        async for event in run.events():
+            yield [out.model_dump_json(exclude_none=True) for out in reply.objects(event)]
+    except APIError as error:
+        # The status line is sent already: the error is the stream's last line, as
+        # Ollama's own.
+        yield [_error_line(error)]
+
+
+def _error_line(error: APIError) -> str:
+    return ErrorResponse(error=error.message).model_dump_json()
+
+
+async def _load_or_unload(request: Request, body: GenerationFields, chat: bool) -> Response:
+    """An empty chat or prompt: load the model (and answer at once), or with keep_alive 0
+    unload it."""
+    models = server_state(request).models
+    served = models.lookup(body.model)
+    if _zero(body.keep_alive):
+        if not models.on_demand or served.spec.pinned:
+            kept = "pinned" if models.on_demand else "the one this server serves"
+            raise APIError(409, f"the model {served.id} stays loaded: it is {kept}")
+        await models.unload(served)
+        reason = "unload"
+    else:
+        async with models.use(body.model):
+            reason = "load"
+    fields: dict[str, Any] = {"model": models.name_for(served, body.model),
+                              "created_at": created_at(), "done": True, "done_reason": reason}
+    done = (ChatChunk(**fields, message=OutMessage()) if chat
+            else GenerateChunk(**fields, response=""))
+    return model_response(done, exclude_none=True)
+
+
+def _zero(keep_alive: KeepAlive | None) -> bool:
+    """Is `keep_alive` zero ("0", 0, "0s", "0m", ...): unload now."""
+    if isinstance(keep_alive, int | float):
+        return keep_alive == 0
+    return keep_alive is not None and keep_alive.rstrip("hms").strip() in ("0", "0.0")
+
+
+# -- embeddings ---------------------------------------------------------------------------
+
+
+@router.post("/embed")
+async def embed(body: EmbedRequest, request: Request) -> Response:
+    clock = Clock()
+    inputs = [body.input] if isinstance(body.input, str) else body.input
+    embedded = await embed_texts(request, _served_name(request, body.model), inputs, body.dimensions,
+                                 -1 if body.truncate else None)
+    if embedded is None:
+        return Response(status_code=CLIENT_CLOSED)
+    name, vectors, prompt_tokens, _ = embedded
+    return model_response(EmbedResponse(
+        model=name, embeddings=vectors.tolist(), prompt_eval_count=prompt_tokens,
+        total_duration=max(clock.elapsed(), 1)))
+
+
+@router.post("/embeddings")
+async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
+    embedded = await embed_texts(request, _served_name(request, body.model), [body.prompt],
+                                 None, -1)
+    if embedded is None:
+        return Response(status_code=CLIENT_CLOSED)
+    return model_response(EmbeddingsResponse(embedding=embedded[1][0].tolist()))
+
+
+# -- models ---------------------------------------------------------------------------------
+
+
+@router.get("/version")
+async def version() -> Version:
+    return Version(version=OLLAMA_VERSION)
+
+
+@router.get("/tags")
+async def tags(request: Request) -> ModelList:
+    """Every configured model under each of its names, loaded or not."""
+    state = server_state(request)
+    return ModelList(models=[_listed(state, model, name) for model in state.models.models
+                             for name in state.models.names_of(model)])
+
+
+@router.get("/ps")
+async def running(request: Request) -> RunningModels:
+    """The loaded models, each until its idle timeout (a pinned one's: never, the last
+    time RFC 3339 writes)."""
+    state = server_state(request)
+    listed = []
+    for model in state.models.models:
+        if model.state is not ModelState.LOADED:
+            continue
+        timeout = model.idle_timeout()
+        expires = NEVER if timeout is None else time.time() + timeout
+        entry = _listed(state, model, model.id)
+        listed.append(RunningModel(
+            **entry.model_dump(), size_vram=entry.size, context_length=model.context_length or 0,
+            expires_at=_stamp(min(expires, NEVER))))
+    return RunningModels(models=listed)
+
+
+@router.post("/show")
+async def show(body: ShowRequest, request: Request) -> ShowResponse:
+    state = server_state(request)
+    name = body.model or body.name
+    if not name:
+        raise APIError(400, "model is required", param="model")
+    model = state.models.lookup(_served_name(request, name))
+    details, config = _details(model), _config(model)
+    family = details.family or "model"
+    info: dict[str, Any] = {"general.architecture": family}
+    if model.context_length:
+        info[f"{family}.context_length"] = model.context_length
+    sampling = model.spec.sampling.model_dump(exclude_none=True)
+    return ShowResponse(
+        modelfile=f"FROM {model.spec.source or model.id}\n",
+        parameters="\n".join(f"{key} {value}" for key, value in sampling.items()),
+        template=str(config.get("chat_template") or ""), details=details,
+        model_info=info, capabilities=_capabilities(model),
+        modified_at=_stamp(state.started))
+
+
+def _listed(state: ServerState, model: ServedModel, name: str) -> ListedModel:
+    size = model.engine.stats().weight_bytes if model.state is ModelState.LOADED else 0
+    digest = hashlib.sha256(f"{model.id}\0{model.spec.source}".encode()).hexdigest()
+    return ListedModel(name=name, model=name, modified_at=_stamp(state.started), size=size,
+                       digest=digest, details=_details(model))
+
+
+def _details(model: ServedModel) -> ModelDetails:
+    config = _config(model)
+    family = str(config.get("model_type") or "")
+    quantization = config.get("quantization") or {}
+    source = str(model.spec.source or (model.engine.config.model if model.engine else ""))
+    return ModelDetails(
+        format="gguf" if source.endswith(".gguf") else "safetensors", family=family,
+        families=[family] if family else [], parameter_size="",
+        quantization_level=f"Q{quantization['bits']}" if "bits" in quantization else "")
+
+
+def _config(model: ServedModel) -> dict[str, Any]:
+    """The loaded model's config.json (and its tokenizer's chat template); {} unloaded."""
+    path = model.engine.model_path if model.state is ModelState.LOADED else None
+    return _read_config(path) if path is not None else {}
+
+
+@functools.cache
+def _read_config(directory: Path) -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            read = json.loads((directory / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(read, dict):
+            config = {**read, **config}
+    return config
+
+
+def _capabilities(model: ServedModel) -> list[str]:
+    """What Ollama's clients read to offer tools, images or thinking: every chat model
+    takes tools (a template without a tool format gets the generic one)."""
+    if model.state is not ModelState.LOADED:
+        return ["completion"]
+    tokenizer = model.engine.tokenizer
+    if tokenizer is None:
+        return ["embedding"]
+    found = ["completion", "tools"]
+    if tokenizer.images is not None:
+        found.append("vision")
+    if tokenizer.thinking is not None:
+        found.append("thinking")
+    return found
+
+
+def _stamp(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")

@@ -1,0 +1,180 @@
+"""Ollama's native API (/api), driven by Ollama's own Python client: what a client built
+for Ollama sends, answered by the same engine and cache as the OpenAI routes."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import jsonschema
+import ollama
+import openai
+import pytest
+
+from server.images import MARKER
+from server.ollama.adapter import chat_request, image_url
+from server.ollama.protocol import ChatRequest
+from tests.server.support import API_KEY, ServerProcess
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+GREEDY = {"temperature": 0, "num_predict": 8}
+HI = [{"role": "user", "content": "Say hi."}]
+CITY = {"type": "object", "properties": {"name": {"type": "string"},
+                                         "population": {"type": "integer"}},
+        "required": ["name", "population"], "additionalProperties": False}
+PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(32)).decode()
+
+
+@pytest.fixture(scope="module")
+def olla(server: ServerProcess) -> ollama.Client:
+    return ollama.Client(host=server.url, headers=AUTH)
+
+
+def test_clients_find_the_served_model_and_what_it_can_do(olla: ollama.Client,
+                                                          model_id: str) -> None:
+    version = olla._client.get("/api/version").json()["version"]
+    assert tuple(map(int, version.split("."))) >= (0, 6)  # what clients check for
+    listed = {model.model: model for model in olla.list().models}
+    assert model_id in listed and listed[model_id].size > 0
+    assert len(listed[model_id].digest) == 64
+    shown = olla.show(model_id)
+    assert shown.capabilities == ["completion", "tools"]
+    assert shown.modelinfo[f"{shown.details.family}.context_length"] > 0
+    [running] = [model for model in olla.ps().models if model.model == model_id]
+    assert running.size_vram == listed[model_id].size and running.expires_at.year == 9999
+    with pytest.raises(ollama.ResponseError) as missing:
+        olla.show("no-such-model")
+    assert missing.value.status_code == 404 and "no-such-model" in missing.value.error
+
+
+def test_a_streamed_chat_adds_up_to_the_whole_one_and_to_openais(
+        olla: ollama.Client, client: openai.OpenAI, model_id: str) -> None:
+    whole = olla.chat(model=model_id, messages=HI, options=GREEDY)
+    parts = list(olla.chat(model=model_id, messages=HI, options=GREEDY, stream=True))
+    assert "".join(part.message.content for part in parts) == whole.message.content
+    assert [part.done for part in parts] == [False] * (len(parts) - 1) + [True]
+    last = parts[-1]
+    assert (last.done_reason, last.eval_count) == ("length", 8)
+    assert last.prompt_eval_count == whole.prompt_eval_count > 0
+    assert 0 < last.eval_duration < last.total_duration
+    # The same engine, template and cache answer the same chat through OpenAI's API.
+    same = client.chat.completions.create(model=model_id, messages=HI, max_tokens=8,
+                                          temperature=0)
+    assert same.choices[0].message.content == whole.message.content
+    assert same.usage.prompt_tokens == whole.prompt_eval_count
+
+
+def test_generate_templated_or_raw_answers_as_openais_chat_and_completions(
+        olla: ollama.Client, client: openai.OpenAI, model_id: str) -> None:
+    templated = olla.generate(model=model_id, prompt="Say hi.", options=GREEDY)
+    chat = client.chat.completions.create(model=model_id, messages=HI, max_tokens=8,
+                                          temperature=0)
+    assert templated.response == chat.choices[0].message.content
+    raw = olla.generate(model=model_id, prompt="Once upon a time", raw=True, options=GREEDY)
+    completion = client.completions.create(model=model_id, prompt="Once upon a time",
+                                           max_tokens=8, temperature=0)
+    assert raw.response == completion.choices[0].text
+
+
+def test_a_format_schema_binds_the_reply(olla: ollama.Client, model_id: str) -> None:
+    """Random weights write the schema's object only because the grammar makes them."""
+    reply = olla.chat(model=model_id, messages=[{"role": "user", "content": "A city?"}],
+                      format=CITY, options={"num_predict": 80, "seed": 3})
+    assert reply.done_reason == "stop"
+    jsonschema.validate(json.loads(reply.message.content), CITY)
+
+
+def test_embed_gives_the_vectors_openais_embeddings_do(
+        olla: ollama.Client, client: openai.OpenAI, model_id: str) -> None:
+    embedded = olla.embed(model=model_id, input=["hello there", "general kenobi"])
+    theirs = client.embeddings.create(model=model_id, input=["hello there", "general kenobi"])
+    for ours, openais in zip(embedded.embeddings, theirs.data, strict=True):
+        assert ours == pytest.approx(openais.embedding, abs=1e-6)
+    assert embedded.prompt_eval_count == theirs.usage.prompt_tokens
+    assert olla.embeddings(model=model_id, prompt="hello there").embedding == pytest.approx(
+        embedded.embeddings[0], abs=1e-6)
+
+
+def test_an_empty_request_loads_the_model_and_the_only_one_is_not_unloaded(
+        olla: ollama.Client, model_id: str) -> None:
+    loaded = olla.generate(model=model_id, prompt="")
+    assert (loaded.done, loaded.done_reason, loaded.response) == (True, "load", "")
+    assert olla.chat(model=model_id, messages=[]).done_reason == "load"
+    # Ollama's clients add its default tag to a name.
+    tagged = olla.generate(model=f"{model_id}:latest", prompt="")
+    assert (tagged.model, tagged.done_reason) == (model_id, "load")
+    assert olla.show(f"{model_id}:latest").capabilities == olla.show(model_id).capabilities
+    with pytest.raises(ollama.ResponseError) as kept:
+        olla.generate(model=model_id, prompt="", keep_alive=0)
+    assert kept.value.status_code == 409 and "stays loaded" in kept.value.error
+
+
+def test_a_stream_left_early_ends_its_generation(server: ServerProcess, model_id: str) -> None:
+    body = {"model": model_id, "messages": HI, "options": {"num_predict": 2000,
+                                                           "temperature": 0}}
+    with httpx.stream("POST", f"{server.url}/api/chat", json=body, headers=AUTH,
+                      timeout=60) as response:
+        assert response.headers["content-type"] == "application/x-ndjson"
+        first = json.loads(next(response.iter_lines()))
+    assert first["done"] is False and first["model"] == model_id
+    for _ in range(100):
+        load = httpx.get(f"{server.url}/get_load", headers=AUTH, timeout=10).json()[0]
+        if load["num_reqs"] == 0:
+            break
+    assert load["num_reqs"] == 0
+
+
+@pytest.mark.parametrize(("path", "body", "status", "message"), [
+    ("/api/chat", {"messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages.0.role: Input should be"),
+    ("/api/chat", {"messages": HI, "options": {"temperature": "hot"}}, 400,
+     "options.temperature"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "x", "images": ["bm90IGFu"]}]},
+     400, "not a base64 PNG, JPEG"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "x", "images": [PNG]}]}, 400,
+     "does not read images"),
+    ("/api/generate", {"prompt": "x", "suffix": "y"}, 400, "suffix is not supported"),
+    ("/api/generate", {"prompt": "x", "raw": True, "system": "s"}, 400, "a raw prompt"),
+    ("/api/chat", {"model": "no-such-model", "messages": HI}, 404, "no-such-model"),
+    ("/api/show", {"model": None}, 400, "model is required"),
+    ("/api/pull", {}, 404, "Not Found"),  # Ollama's model store is not kept here
+])
+def test_requests_the_server_cannot_answer_get_ollamas_error(
+        server: ServerProcess, model_id: str, path: str, body: dict, status: int,
+        message: str) -> None:
+    sent = {"model": model_id, "stream": False, **body}
+    response = httpx.post(f"{server.url}{path}", json=sent, headers=AUTH, timeout=60)
+    assert response.status_code == status, response.text
+    assert list(response.json()) == ["error"] and message in response.json()["error"]
+
+
+def test_thinking_comes_apart_from_the_answer(thinking_server: ServerProcess) -> None:
+    olla = ollama.Client(host=thinking_server.url)
+    [model] = olla.list().models
+    assert "thinking" in olla.show(model.model).capabilities
+    reply = olla.chat(model=model.model, messages=HI, think=True,
+                      options={"num_predict": 40, "seed": 1})
+    assert reply.message.thinking and "<think>" not in reply.message.content
+
+
+def test_a_conversation_with_tool_calls_renders_as_chat_templates_take_it() -> None:
+    """Ollama's calls have no ids: each gets one of its place, so a conversation sent again
+    renders (and hits the cache) alike; a tool's result answers its tool's latest call."""
+    body = ChatRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "Weather in Paris and Rome?", "images": [PNG]},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "weather", "arguments": {"city": "Paris"}}},
+            {"function": {"name": "time", "arguments": {}}}]},
+        {"role": "tool", "tool_name": "weather", "content": "Sunny."},
+        {"role": "tool", "content": "Noon."}]})
+    request = chat_request(body)
+    user, assistant, weather, clock = request.messages
+    assert user["content"] == MARKER + "Weather in Paris and Rome?"
+    assert request.images == (f"data:image/png;base64,{PNG}",)
+    assert [call["id"] for call in assistant["tool_calls"]] == ["call_1_0", "call_1_1"]
+    assert assistant["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert (weather["tool_call_id"], weather["name"]) == ("call_1_0", "weather")
+    assert clock["tool_call_id"] == "call_1_1"
+    assert chat_request(body) == request
+    assert image_url("data:image/jpeg;base64,/9j/", "images.0") == "data:image/jpeg;base64,/9j/"
