@@ -12,8 +12,16 @@ import ollama
 import openai
 import pytest
 
+from server.events import (
+    ChoiceFinished,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArguments,
+    ToolCallStarted,
+    Usage,
+)
 from server.images import MARKER
-from server.ollama.adapter import chat_request, image_url
+from server.ollama.adapter import Clock, OllamaReply, chat_request, image_url, whole
 from server.ollama.protocol import ChatRequest
 from tests.server.support import API_KEY, ServerProcess
 
@@ -178,3 +186,26 @@ def test_a_conversation_with_tool_calls_renders_as_chat_templates_take_it() -> N
     assert clock["tool_call_id"] == "call_1_1"
     assert chat_request(body) == request
     assert image_url("data:image/jpeg;base64,/9j/", "images.0") == "data:image/jpeg;base64,/9j/"
+
+
+def test_tool_calls_come_whole_with_their_arguments_as_objects() -> None:
+    """Ollama's calls are objects, sent once whole (its clients do not add up fragments),
+    numbered; text and thinking stream as they come."""
+    events = [ReasoningDelta(0, "Weather, then time."), TextDelta(0, "Checking."),
+              ToolCallStarted(0, 0, "call_a", "weather"),
+              ToolCallArguments(0, 0, '{"city": '), ToolCallArguments(0, 0, '"Paris"}'),
+              ToolCallStarted(0, 1, "call_b", "time"),
+              ChoiceFinished(0, "tool_calls", Usage(prompt_tokens=20, completion_tokens=9))]
+    reply = OllamaReply("m", Clock(), chat=True)
+    objects = [out for event in events for out in reply.objects(event)]
+    assert [(o.message.thinking, o.message.content) for o in objects[:2]] == [
+        ("Weather, then time.", ""), (None, "Checking.")]
+    assert [o.message.tool_calls[0].function for o in objects[2:4]] == [
+        {"index": 0, "name": "weather", "arguments": {"city": "Paris"}},
+        {"index": 1, "name": "time", "arguments": {}}]
+    last = objects[-1]
+    assert (last.done, last.done_reason, last.prompt_eval_count, last.eval_count) == (
+        True, "stop", 20, 9)
+    merged = whole(objects).message
+    assert (merged.content, merged.thinking, len(merged.tool_calls)) == (
+        "Checking.", "Weather, then time.", 2)
