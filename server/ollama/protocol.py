@@ -28,7 +28,8 @@ class Options(RequestModel):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=-1, lt=2**63)
-    # Ollama's -1 is "until the context is full", -2 "fill the context": no cap either way.
+    # Ollama's -1 is "until the context is full", -2 "fill the context", and Go clients
+    # send 0 for unset: no cap, each of them.
     num_predict: int | None = Field(None, ge=-2)
     repeat_penalty: float | None = Field(None, ge=0.01, le=10)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
