@@ -25,6 +25,7 @@ from server.prefill.routes import router as prefill_api
 from server.probes import probes
 from server.responses.adapter import router as responses_api
 from server.state import ServerState
+from server.tokenize import router as tokenize_api
 from server.warm import prefill_warm_prompts
 from server.worker_info import worker_info
 
@@ -58,6 +59,7 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
     app.include_router(responses_api)
     app.include_router(messages_api)
     app.include_router(ollama_api)
+    app.include_router(tokenize_api)
     app.include_router(prefill_api)
     app.include_router(rerank_aliases)
     app.include_router(admin)

@@ -51,7 +51,7 @@ def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
     return GenerationRequest(
         messages=tuple(template_message(message) for message in body.messages),
         images=tuple(url for message in body.messages for url in content_images(message.content)),
-        tools=tuple(_function_tool(tool) for tool in body.tools or ()),
+        tools=tuple(function_tool(tool) for tool in body.tools or ()),
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
         output=output_format(body),
@@ -75,7 +75,7 @@ def custom_tool_names(body: ChatCompletionRequest) -> frozenset[str]:
                      if isinstance(tool, CustomTool))
 
 
-def _function_tool(tool: AnyTool) -> FunctionTool:
+def function_tool(tool: AnyTool) -> FunctionTool:
     """A tool as the model is shown it: a custom tool as a function of one string."""
     if isinstance(tool, CustomTool):
         custom, grammar = tool.custom, tool.custom.format and tool.custom.format.grammar
