@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from engine.api import SamplingKnobs
+from engine.api import SamplingKnobs, TokenEvent
 from server.events import (
     ChoiceFinished,
     Event,
@@ -35,12 +35,14 @@ from server.ollama.protocol import (
     GenerateChunk,
     GenerateRequest,
     GenerationFields,
+    Logprob,
     Message,
     Options,
     OutCall,
     OutMessage,
     Think,
     Timings,
+    TokenLogprob,
 )
 from server.request import (
     TEXT,
@@ -109,6 +111,7 @@ def _generation(body: GenerationFields, **prompt: Any) -> GenerationRequest:
         unset_sampling=unset_knobs(options),
         max_tokens=limit if limit is not None and limit > 0 else None,
         fit_context=True,  # Ollama's num_predict is a cap; none fills the context
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         stream=body.stream,
         include_usage=True,
         chat_template_kwargs=_thinking(body.think),
@@ -228,7 +231,10 @@ class OllamaReply:
     def objects(self, event: Event) -> list[ChatChunk | GenerateChunk]:
         self.clock.token()
         if isinstance(event, TextDelta):
-            return [self._chunk(content=event.text)] if event.text else []
+            logprobs = _logprobs(event.tokens)
+            if not event.text and not logprobs:
+                return []
+            return [self._chunk(content=event.text, logprobs=logprobs)]
         if isinstance(event, ReasoningDelta):
             return [self._chunk(thinking=event.text)] if event.text else []
         if isinstance(event, ToolCallStarted):
@@ -256,18 +262,30 @@ class OllamaReply:
 
     def _chunk(self, content: str = "", thinking: str | None = None,
                tool_calls: list[OutCall] | None = None, done: bool = False,
-               **timings: Any) -> ChatChunk | GenerateChunk:
+               logprobs: list[Logprob] | None = None, **timings: Any
+               ) -> ChatChunk | GenerateChunk:
         if self.chat:
             message = OutMessage(content=content, thinking=thinking, tool_calls=tool_calls)
             return ChatChunk(model=self.model, created_at=created_at(), message=message,
-                             done=done, **timings)
+                             done=done, logprobs=logprobs, **timings)
         return GenerateChunk(model=self.model, created_at=created_at(), response=content,
-                             thinking=thinking, done=done, **timings)
+                             thinking=thinking, done=done, logprobs=logprobs, **timings)
+
+
+def _logprobs(tokens: tuple[TokenEvent, ...]) -> list[Logprob] | None:
+    """The answer tokens' logprobs, where the request asked for them (a token whose text
+    is still held back comes with the text that shows it, or alone)."""
+    listed = [Logprob(token=token.logprob.text, logprob=token.logprob.logprob,
+                      top_logprobs=[TokenLogprob(token=top.text, logprob=top.logprob)
+                                    for top in token.top_logprobs] or None)
+              for token in tokens if token.logprob is not None]
+    return listed or None
 
 
 def whole(objects: list[ChatChunk | GenerateChunk]) -> ChatChunk | GenerateChunk:
     """A reply's objects as the one object a request with `stream: false` gets."""
-    last = objects[-1]
+    logprobs = [logprob for chunk in objects for logprob in chunk.logprobs or ()] or None
+    last = objects[-1].model_copy(update={"logprobs": logprobs})
     if isinstance(last, ChatChunk):
         calls = [call for chunk in objects for call in chunk.message.tool_calls or ()]
         message = OutMessage(

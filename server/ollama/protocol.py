@@ -11,7 +11,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from server.schema import ObjectSchema, RequestModel, ResponseModel, check_tool_names
+from server.schema import (
+    MAX_TOP_LOGPROBS,
+    ObjectSchema,
+    RequestModel,
+    ResponseModel,
+    check_tool_names,
+)
 
 # The Ollama version this server answers /api/version with: clients check for a minimum
 # (Copilot's and Open WebUI's look at it before they list models).
@@ -87,6 +93,8 @@ class GenerationFields(RequestModel):
     stream: bool = True  # Ollama streams unless told not to
     keep_alive: KeepAlive | None = None
     think: Think | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class ChatRequest(GenerationFields):
@@ -210,11 +218,21 @@ class Timings(ResponseModel):
     eval_duration: int | None = None
 
 
+class TokenLogprob(ResponseModel):
+    token: str
+    logprob: float
+
+
+class Logprob(TokenLogprob):
+    top_logprobs: list[TokenLogprob] | None = None
+
+
 class ChatChunk(Timings):
     model: str
     created_at: str
     message: OutMessage
     done: bool
+    logprobs: list[Logprob] | None = None  # the answer tokens' behind this object's text
 
 
 class GenerateChunk(Timings):
@@ -223,6 +241,7 @@ class GenerateChunk(Timings):
     response: str
     thinking: str | None = None
     done: bool
+    logprobs: list[Logprob] | None = None
 
 
 class EmbedResponse(ResponseModel):

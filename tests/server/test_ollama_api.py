@@ -73,6 +73,24 @@ def test_a_streamed_chat_adds_up_to_the_whole_one_and_to_openais(
     assert same.usage.prompt_tokens == whole.prompt_eval_count
 
 
+def test_logprobs_are_the_answer_tokens_streamed_or_whole_as_openais(
+        olla: ollama.Client, client: openai.OpenAI, model_id: str) -> None:
+    whole = olla.chat(model=model_id, messages=HI, options=GREEDY, logprobs=True,
+                      top_logprobs=2)
+    assert len(whole.logprobs) == whole.eval_count == 8
+    assert "".join(logprob.token for logprob in whole.logprobs) == whole.message.content
+    assert all(len(logprob.top_logprobs) == 2 for logprob in whole.logprobs)
+    parts = list(olla.chat(model=model_id, messages=HI, options=GREEDY, logprobs=True,
+                           top_logprobs=2, stream=True))
+    assert [lp.model_dump() for part in parts for lp in part.logprobs or ()] == [
+        lp.model_dump() for lp in whole.logprobs]
+    theirs = client.chat.completions.create(model=model_id, messages=HI, max_tokens=8,
+                                            temperature=0, logprobs=True, top_logprobs=2)
+    assert [lp.logprob for lp in whole.logprobs] == pytest.approx(
+        [lp.logprob for lp in theirs.choices[0].logprobs.content], abs=1e-4)
+    assert olla.chat(model=model_id, messages=HI, options=GREEDY).logprobs is None
+
+
 def test_generate_templated_or_raw_answers_as_openais_chat_and_completions(
         olla: ollama.Client, client: openai.OpenAI, model_id: str) -> None:
     templated = olla.generate(model=model_id, prompt="Say hi.", options=GREEDY)
