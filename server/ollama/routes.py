@@ -132,7 +132,7 @@ async def _objects(run: GenerationRun, reply: OllamaReply) -> list[ChatChunk | G
 async def _lines(run: GenerationRun, reply: OllamaReply) -> AsyncIterator[list[str]]:
     try:
         async for event in run.events():
-            yield [out.model_dump_json(exclude_none=True) for out in reply.objects(event)]
+            yield reply.lines(event)
     except APIError as error:
         # The status line is sent already: the error is the stream's last line, as
         # Ollama's own.

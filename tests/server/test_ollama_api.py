@@ -227,3 +227,18 @@ def test_tool_calls_come_whole_with_their_arguments_as_objects() -> None:
     merged = whole(objects).message
     assert (merged.content, merged.thinking, len(merged.tool_calls)) == (
         "Checking.", "Weather, then time.", 2)
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "generate"])
+def test_a_text_line_is_the_object_it_stands_for(chat: bool) -> None:
+    """Text lines are written into an envelope, not dumped from the models: the same JSON
+    but for the time they were stamped."""
+    reply = OllamaReply("m", Clock(), chat=chat)
+    for text in ("Hello", ' "quoted" \\ \n', "\u2028 é 😀", "\x00text\x00"):
+        event = TextDelta(0, text)
+        [line] = reply.lines(event)
+        [dumped] = [out.model_dump_json(exclude_none=True) for out in reply.objects(event)]
+        line_object, dumped_object = json.loads(line), json.loads(dumped)
+        assert line_object.pop("created_at").endswith("Z")
+        dumped_object.pop("created_at")
+        assert line_object == dumped_object
