@@ -78,9 +78,8 @@ def custom_tool_names(body: ChatCompletionRequest) -> frozenset[str]:
 def function_tool(tool: AnyTool) -> FunctionTool:
     """A tool as the model is shown it: a custom tool as a function of one string."""
     if isinstance(tool, CustomTool):
-        custom, grammar = tool.custom, tool.custom.format and tool.custom.format.grammar
-        return custom_function(custom.name, custom.description,
-                               grammar and (grammar.syntax, grammar.definition))
+        custom = tool.custom
+        return custom_function(custom.name, custom.description, custom.grammar)
     function = tool.function
     return FunctionTool(function.name, function.description, function.parameters,
                         function.strict)

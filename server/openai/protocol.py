@@ -266,6 +266,14 @@ class CustomDefinition(RequestModel):
     description: str | None = None
     format: CustomFormat | None = None
 
+    @property
+    def grammar(self) -> tuple[Literal["lark", "regex"], str] | None:
+        """Its input's grammar (syntax, definition); None: free text."""
+        fmt = self.format
+        if fmt is None or fmt.type != "grammar" or fmt.grammar is None:
+            return None
+        return fmt.grammar.syntax, fmt.grammar.definition
+
 
 class CustomTool(RequestModel):
     """A tool whose input is freeform text (a patch, a shell command, a query)."""

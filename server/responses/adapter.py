@@ -225,9 +225,7 @@ def generation_request(
                        for message in system + conversation),
         images=tuple(url for message in conversation for url in message.get(IMAGES, ())),
         tools=tuple(function_tool(tool) for tool in body.function_tools)
-        + tuple(custom_function(tool.name, tool.description,
-                                tool.format and tool.format.type == "grammar"
-                                and (tool.format.syntax, tool.format.definition))
+        + tuple(custom_function(tool.name, tool.description, tool.grammar)
                 for tool in body.custom_tools),
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,

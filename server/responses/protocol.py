@@ -272,6 +272,14 @@ class CustomTool(RequestModel):
     description: str | None = None
     format: CustomToolFormat | None = None
 
+    @property
+    def grammar(self) -> tuple[Literal["lark", "regex"], str] | None:
+        """Its input's grammar (syntax, definition); None: free text."""
+        fmt = self.format
+        if fmt is None or fmt.type != "grammar":
+            return None
+        return fmt.syntax, fmt.definition
+
 
 class HostedTool(RequestModel):
     """A tool OpenAI runs (web_search, image_generation, ...). Codex sends several by

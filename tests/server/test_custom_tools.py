@@ -25,6 +25,8 @@ from server.events import (
 from server.openai.adapter import chat_request
 from server.openai.formats import ChatFormat
 from server.openai.protocol import ChatCompletionRequest
+from server.responses.adapter import generation_request
+from server.responses.protocol import ResponsesRequest
 from tests.server.support import ServerProcess
 
 DIAL = {"type": "custom", "custom": {
@@ -176,3 +178,25 @@ def test_custom_tools_a_request_cannot_have_are_a_400(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("chat_format", "responses_format", "shown"), [
+    (None, None, "The tool's input, as free text."),
+    ({"type": "text"}, {"type": "text"}, "The tool's input, as free text."),
+    ({"type": "grammar", "grammar": {"syntax": "lark", "definition": "start: WORD"}},
+     {"type": "grammar", "syntax": "lark", "definition": "start: WORD"},
+     "The tool's input: text in this lark grammar:\nstart: WORD"),
+])
+def test_both_apis_show_a_custom_tool_as_the_same_function(
+        chat_format: dict | None, responses_format: dict | None, shown: str) -> None:
+    """A `text` format is free text, as no format is (it was a 500 on the Responses API)."""
+    chat_tool = {"type": "custom", "custom": {"name": "note", "format": chat_format}}
+    responses_tool = {"type": "custom", "name": "note", "format": responses_format}
+    [from_chat] = chat_request(ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+         "tools": [chat_tool]})).tools
+    [from_responses] = generation_request(ResponsesRequest.model_validate(
+        {"model": "m", "input": "hi", "tools": [responses_tool]}), []).tools
+    assert from_chat == from_responses
+    assert from_chat.parameters["properties"]["input"] == {"type": "string",
+                                                           "description": shown}
