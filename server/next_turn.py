@@ -32,7 +32,7 @@ from server.events import ChoiceResult
 from server.http.errors import APIError
 from server.model_registry import Lease, ServedModel
 from server.prompts import chat_prompt
-from server.request import GenerationRequest, TemplateMessage, template_arguments
+from server.request import GenerationRequest, TemplateMessage, template_arguments, template_call
 from server.state import ServerState
 
 log = logging.getLogger("radix_mlx.server")
@@ -58,8 +58,7 @@ DELAY_SECONDS = 0.25
 def reply_message(reply: ChoiceResult) -> TemplateMessage:
     """The reply as the assistant message a client sends back: OpenAI's shape (null
     content for a reply of only tool calls), arguments as the mapping templates read."""
-    calls = [{"id": call.id, "type": "function",
-              "function": {"name": call.name, "arguments": template_arguments(call.arguments)}}
+    calls = [template_call(call.id, call.name, template_arguments(call.arguments))
              for call in reply.tool_calls]
     message: TemplateMessage = {
         "role": "assistant",

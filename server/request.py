@@ -51,6 +51,13 @@ def template_arguments(arguments: str) -> Any:
         return arguments
 
 
+def template_call(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
+    """A tool call as chat templates take it (a `TemplateMessage`'s `tool_calls` entry),
+    its `arguments` the mapping they iterate over. Every front end and the next-turn
+    guess build it here, so a conversation renders alike whichever way it arrives."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 @dataclass(frozen=True)
 class FunctionTool:
     """A function the model may call: what every API's tool definition comes down to."""

@@ -91,6 +91,7 @@ from server.request import (
     JsonSchemaOutput,
     NamedFunction,
     TemplateMessage,
+    template_call,
     unset_knobs,
 )
 from server.request import ToolChoice as GenerationToolChoice
@@ -174,11 +175,8 @@ def chat_messages(message: AnthropicMessage) -> list[TemplateMessage]:
     reasoning = "".join(block.thinking for block in blocks if isinstance(block, ThinkingBlock))
     if reasoning:
         out["reasoning_content"] = reasoning
-    calls = [
-        {"id": block.id, "type": "function", "function": {"name": block.name,
-                                                          "arguments": block.input}}
-        for block in blocks if isinstance(block, ToolUseBlock)
-    ]
+    calls = [template_call(block.id, block.name, block.input)
+             for block in blocks if isinstance(block, ToolUseBlock)]
     if calls:
         out["tool_calls"] = calls
     return [out]

@@ -55,6 +55,7 @@ from server.request import (
     OutputFormat,
     TemplateMessage,
     template_arguments,
+    template_call,
     unset_knobs,
 )
 
@@ -152,8 +153,7 @@ def _template_message(message: Message, number: int, calls: list[dict[str, Any]]
         out["reasoning_content"] = message.thinking
     if message.tool_calls:
         out["tool_calls"] = [
-            {"id": f"call_{number}_{i}", "type": "function",
-             "function": {"name": call.function.name, "arguments": call.function.arguments}}
+            template_call(f"call_{number}_{i}", call.function.name, call.function.arguments)
             for i, call in enumerate(message.tool_calls)]
         calls += out["tool_calls"]
     if message.role == "tool":

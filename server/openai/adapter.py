@@ -43,6 +43,7 @@ from server.request import (
     TemplateMessage,
     ToolChoice,
     template_arguments,
+    template_call,
     unset_knobs,
 )
 
@@ -165,8 +166,7 @@ def _template_call(call: AnyToolCall) -> dict[str, Any]:
         name, arguments = call.custom.name, custom_arguments(call.custom.input)
     else:
         name, arguments = call.function.name, call.function.arguments
-    return {"id": call.id, "type": "function",
-            "function": {"name": name, "arguments": template_arguments(arguments)}}
+    return template_call(call.id, name, template_arguments(arguments))
 
 
 def _tool_choice(choice: str | NamedChoice | AllowedToolsChoice | None) -> ToolChoice:

@@ -53,6 +53,7 @@ from server.request import (
     OutputFormat,
     TemplateMessage,
     template_arguments,
+    template_call,
     unset_knobs,
 )
 from server.request import ToolChoice as GenerationToolChoice
@@ -176,8 +177,7 @@ def _template_call(call: FunctionCallItem | CustomToolCallItem | OutputFunctionC
     input as the one string of the function the model is shown (`custom_function`)."""
     arguments = (call.arguments if isinstance(call, FunctionCallItem | OutputFunctionCall)
                  else custom_arguments(call.input))
-    return {"id": call.call_id, "type": "function",
-            "function": {"name": call.name, "arguments": template_arguments(arguments)}}
+    return template_call(call.call_id, call.name, template_arguments(arguments))
 
 
 def function_tool(tool: ResponsesFunctionTool) -> FunctionTool:
