@@ -139,10 +139,6 @@ class JSONLinesSource(GenerationEventSource):
 
     media_type = "application/x-ndjson"
 
-    def __init__(self, generation: GenerationRun, events: AsyncGenerator[str | list[str], None]
-                 ) -> None:
-        super().__init__(generation, events)
-
     @staticmethod
     def frame(event: str | list[str]) -> bytes:
         lines = event if isinstance(event, list) else [event]
