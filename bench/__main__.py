@@ -58,6 +58,7 @@ from bench.servers import (
 from bench.workloads import (
     QUICK,
     RAW_BATCH_WORKLOADS,
+    RAW_ROUND_MODULES,
     WORKLOADS,
     Shapes,
     Workload,
@@ -449,9 +450,8 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
         specs.append(tensor_parallel(args.tensor_parallel))
     batches = [[w] for w in workloads] if args.restart_per_workload else [workloads] * bool(
         workloads)
-    raw_batch_workloads = [] if args.no_raw else [w.name for w in workloads
-                                                  if w.name in RAW_BATCH_WORKLOADS]
-    raw_batch_rounds: dict[str, list[dict]] = {name: [] for name in raw_batch_workloads}
+    raw_rounds: dict[str, list[dict]] = {} if args.no_raw else {
+        w.name: [] for w in workloads if w.name in RAW_ROUND_MODULES}
     for round_index in range(args.rounds):
         for batch in batches:
             for spec in specs:
@@ -462,15 +462,16 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
                     served = model.gguf if spec.serves_gguf else model.directory
                     run_server(results, spec, args, served, server_env(spec, env, args),
                                out, warm_ups, measured, round_index)
-        # Bare mlx-lm's batch rounds between the servers' rounds: a GPU host's speed moves
-        # by up to 1.8x over minutes (the batch steps are host-bound), so a baseline run
-        # after every server's rounds measured another host (nvidia-h200/batch-decode-64-1b).
-        for name in raw_batch_workloads:
-            print(f"bench: bare mlx_lm.batch_generate ({name}), round {round_index + 1}",
+        # Bare mlx-lm's rounds between the servers' rounds: a GPU host's speed moves by up
+        # to 1.8x over minutes (its steps are host-bound), so a baseline run after every
+        # server's rounds measured another host (nvidia-h200/batch-decode-64-1b).
+        for name, rounds in raw_rounds.items():
+            module = RAW_ROUND_MODULES[name]
+            print(f"bench: bare mlx_lm ({name}), round {round_index + 1}",
                   file=sys.stderr, flush=True)
-            raw_batch_rounds[name].append(child_json(
-                "bench.raw_batch", model.directory, env, name, "--seed", args.seed,
-                "--shapes", json.dumps(shapes.as_dict())))
+            rounds.append(child_json(
+                module, model.directory, env, *([name] if name in RAW_BATCH_WORKLOADS else []),
+                "--seed", args.seed, "--shapes", json.dumps(shapes.as_dict())))
     for entry in results["servers"].values():
         entry["workloads"] = {workload: report.median_summary(rounds)
                               for workload, rounds in entry["rounds"].items()}
@@ -505,9 +506,12 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
                     "--max-tokens", shapes.decode_output_tokens,
                     "--repeats", shapes.decode_repeats,
                     "--tensor-parallel", args.tensor_parallel)
-        for name, rounds in raw_batch_rounds.items():
-            results.setdefault("raw_batch", {})[name] = {
-                **report.median_summary(rounds), "rounds": rounds}
+        for name, rounds in raw_rounds.items():
+            measured = {**report.median_summary(rounds), "rounds": rounds}
+            if name in RAW_BATCH_WORKLOADS:
+                results.setdefault("raw_batch", {})[name] = measured
+            else:
+                results[f"raw_{name}"] = measured
     if not args.no_structured:
         print("bench: constrained vs free decoding", file=sys.stderr, flush=True)
         results["structured"] = child_json(

@@ -116,6 +116,8 @@ def round_view(results: dict, index: int) -> dict:
     view["raw_batch"] = {name: measured["rounds"][index]
                          for name, measured in results.get("raw_batch", {}).items()
                          if index < len(measured.get("rounds", []))}
+    rounds = results.get("raw_long_context", {}).get("rounds", [])
+    view["raw_long_context"] = rounds[index] if index < len(rounds) else {}
     return view
 
 
@@ -183,8 +185,13 @@ def target_values(results: dict) -> list[tuple]:
         # One decode step plus the uncached tokens at the cold request's prefill rate.
         bound = 1 / single["decode_tok_s"] + (
             lc["warm_uncached_tokens"] * lc["ttft_cold"] / lc["cold_prompt_tokens"])
-        rows.append(("long-context warm TTFT / (decode step + uncached prefill)",
-                     lc["ttft_warm_p50"] / bound, "<= 2.0", lambda v: v <= 2.0))
+        name = "long-context warm TTFT / (decode step + uncached tokens at the cold prompt's rate)"
+        rows.append((name, lc["ttft_warm_p50"] / bound, "<= 2.0", lambda v: v <= 2.0))
+    measured_bound = results.get("raw_long_context", {}).get("bound_s")
+    if lc.get("ttft_warm_p50") and measured_bound:
+        name = ("long-context warm TTFT / bare mlx-lm's (uncached tokens' forward over the "
+                "cached document + decode step)")
+        rows.append((name, lc["ttft_warm_p50"] / measured_bound, "<= 2.0", lambda v: v <= 2.0))
     raw = results.get("raw_decode", {}).get("decode_tok_s")
     rows.append(("single-stream decode tok/s vs raw mlx_lm.stream_generate",
                  ratio(single.get("decode_tok_s"), raw), ">= 0.95", lambda v: v >= 0.95))
@@ -424,6 +431,17 @@ def markdown(results: dict) -> str:
     if raw_tp:
         lines.append(f"| raw mlx_lm.stream_generate, sharded {raw_tp['tensor_parallel']} "
                      f"ways | {fmt(raw_tp['decode_tok_s'], '{:.1f}')} |")
+    bare_lc = results.get("raw_long_context")
+    if bare_lc:
+        warm = results["servers"].get(OURS, {}).get("workloads", {}).get("long_context", {})
+        lines += ["", "## Warm long context: bare mlx-lm over the same cached document", "",
+                  (f"{bare_lc['questions']} questions, {bare_lc['uncached_tokens']:.0f} tokens "
+                   f"each after {bare_lc['document_tokens']} cached (ms, medians)"), "",
+                  "| bare first token | bare decode step | bound | radix-mlx warm TTFT p50 |",
+                  "|---:|---:|---:|---:|",
+                  (f"| {bare_lc['first_token_s'] * 1e3:.1f} "
+                   f"| {bare_lc['decode_step_s'] * 1e3:.1f} | {bare_lc['bound_s'] * 1e3:.1f} "
+                   f"| {fmt(warm.get('ttft_warm_p50') and warm['ttft_warm_p50'] * 1e3, '{:.1f}')} |")]
     raw_batch = results.get("raw_batch", {})
     if raw_batch:
         lines += ["", "## Batch workloads: radix-mlx vs bare mlx-lm batching", "",

@@ -244,6 +244,9 @@ WORKLOADS = {make.__name__: make for make in (
 # Served through bare mlx-lm batching as well (bench.raw_batch): mlx-lm's server crashes its
 # generation thread on list prompts, and caps its decode batch at 32 by default.
 RAW_BATCH_WORKLOADS = ("batch_decode", "classify")
+# The bare mlx-lm baseline of each workload measured once a round, between the servers'.
+RAW_ROUND_MODULES = {**dict.fromkeys(RAW_BATCH_WORKLOADS, "bench.raw_batch"),
+                     "long_context": "bench.raw_long_context"}
 
 
 def first_turns(tokenizer, workload: Workload, chat: bool) -> list[list[int]]:

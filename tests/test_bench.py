@@ -147,6 +147,29 @@ def test_bare_batch_baselines_run_between_the_servers_rounds(
 
 
 @pytest.mark.usefixtures("children_without_torch")
+def test_warm_long_context_is_held_to_bare_mlx_lm_over_the_same_cached_document(
+        demo_model_dir: Path, tmp_path: Path) -> None:
+    """Rated at the cold prompt's mean rate, a few dozen tokens after a long document cost
+    less than their forward does; the bound is also measured: bare mlx-lm's first token
+    over the same document in its own prompt cache, and a decode step."""
+    main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-plots",
+          "--no-structured", "--out", str(tmp_path), "--workloads", "long_context,single_stream",
+          "--lc-questions", "3", *TOY])
+    results = json.loads((tmp_path / "results.json").read_text())
+    bare = results["raw_long_context"]
+    assert bare["questions"] == 2 and len(bare["rounds"]) == 1
+    assert bare["document_tokens"] >= 128 and bare["uncached_tokens"] >= 1
+    assert bare["bound_s"] == pytest.approx(bare["first_token_s"] + bare["decode_step_s"])
+    warm = results["servers"]["radix-mlx"]["workloads"]["long_context"]["ttft_warm_p50"]
+    targets = {row["target"]: row["value"] for row in results["targets"]}
+    measured = next(value for target, value in targets.items()
+                    if target.startswith("long-context warm TTFT / bare mlx-lm's"))
+    assert measured == pytest.approx(warm / bare["bound_s"])
+    assert any(target.endswith("at the cold prompt's rate)") for target in targets)
+    assert "## Warm long context: bare mlx-lm" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.usefixtures("children_without_torch")
 def test_workloads_flag_runs_only_those_and_rounds_repeat_them(demo_model_dir: Path,
                                                                tmp_path: Path) -> None:
     main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-raw",
