@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.api import EngineNotReady, Lifecycle
@@ -85,6 +86,10 @@ class ServedModel:
         self.spec, self.settings, self.share_bytes = spec, settings, share_bytes
         self.engine = engine
         self._context_length: int | None = None
+        # What its last load found, kept through an unload: what a client reads of an idle
+        # model (Ollama's /api/show: its capabilities, its config) does not shrink then.
+        self._model_dir: Path | None = None
+        self._capabilities: list[str] | None = None
         self.inflight = 0  # requests holding it (a Lease each)
         self.load_waiters = 0  # requests waiting in `acquire` for it to load
         self.last_used = time.monotonic()
@@ -113,6 +118,34 @@ class ServedModel:
         if self.engine is not None and self.engine.state is Lifecycle.READY:
             self._context_length = self.engine.context_length
         return self._context_length
+
+    @property
+    def model_dir(self) -> Path | None:
+        """The directory its weights and config load from: the loaded engine's, after an
+        unload the last one's, before any load its source where that is a local directory
+        (None for a hub id or a GGUF file never converted yet)."""
+        engine = self.engine
+        if engine is not None and engine.state is Lifecycle.READY and engine.model_path:
+            self._model_dir = engine.model_path
+        if self._model_dir is None:
+            source = Path(self.spec.source).expanduser() if self.spec.source else None
+            if source is not None and source.is_dir():
+                return source
+        return self._model_dir
+
+    @property
+    def capabilities(self) -> list[str] | None:
+        """What it serves, in Ollama's words: "completion" and "tools" for a chat model
+        (a template without a tool format gets the generic one), "vision", "thinking";
+        "embedding" for an encoder. None before its first load."""
+        engine = self.engine
+        if engine is not None and engine.state is Lifecycle.READY:
+            tokenizer = engine.tokenizer
+            found = ["embedding"] if tokenizer is None else [
+                "completion", "tools", *(["vision"] if tokenizer.images is not None else []),
+                *(["thinking"] if tokenizer.thinking is not None else [])]
+            self._capabilities = found
+        return self._capabilities
 
     @property
     def id(self) -> str:

@@ -271,8 +271,9 @@ def _details(model: ServedModel) -> ModelDetails:
 
 
 def _config(model: ServedModel) -> dict[str, Any]:
-    """The loaded model's config.json (and its tokenizer's chat template); {} unloaded."""
-    path = model.engine.model_path if model.state is ModelState.LOADED else None
+    """The model's config.json (and its tokenizer's chat template); {} where no directory
+    of it is known yet (a hub id or a GGUF file before its first load)."""
+    path = model.model_dir
     return _read_config(path) if path is not None else {}
 
 
@@ -290,19 +291,15 @@ def _read_config(directory: Path) -> dict[str, Any]:
 
 
 def _capabilities(model: ServedModel) -> list[str]:
-    """What Ollama's clients read to offer tools, images or thinking: every chat model
-    takes tools (a template without a tool format gets the generic one)."""
-    if model.state is not ModelState.LOADED:
+    """What Ollama's clients read to offer tools, images or thinking. Before a model's
+    first load, what its config says: a chat template (tools), a vision tower."""
+    known = model.capabilities
+    if known is not None:
+        return known
+    config = _config(model)
+    if not (config.get("chat_template") or model.spec.chat_template):
         return ["completion"]
-    tokenizer = model.engine.tokenizer
-    if tokenizer is None:
-        return ["embedding"]
-    found = ["completion", "tools"]
-    if tokenizer.images is not None:
-        found.append("vision")
-    if tokenizer.thinking is not None:
-        found.append("thinking")
-    return found
+    return ["completion", "tools", *(["vision"] if "vision_config" in config else [])]
 
 
 def _stamp(seconds: float) -> str:

@@ -509,6 +509,31 @@ def test_operators_load_and_unload_and_a_stream_waits_for_its_load(
     assert json.loads(events[0][len("data: "):])["model"] == "tiny"
 
 
+def test_ollama_clients_read_what_a_model_can_do_loaded_or_not(pair: ServerProcess,
+                                                              budget: ServerProcess) -> None:
+    """Editors' Ollama providers read /api/show's capabilities before they offer tools: an
+    idle model unloaded, or one never loaded, is still a chat model with tools."""
+    def show(server: ServerProcess, model: str) -> dict:
+        reply = httpx.post(f"{server.url}/api/show", json={"model": model}, headers=AUTH,
+                           timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    assert load(pair, "tiny").status_code == 200
+    loaded = show(pair, "tiny")
+    assert loaded["capabilities"] == ["completion", "tools"]
+    assert httpx.post(f"{pair.url}/admin/models/tiny/unload", headers=AUTH,
+                      timeout=60).json() == {"id": "tiny", "state": "unloaded"}
+    unloaded = show(pair, "tiny")
+    assert (unloaded["capabilities"], unloaded["details"], unloaded["template"]) == (
+        loaded["capabilities"], loaded["details"], loaded["template"])
+    # "huge" never fits its budget, so never loads: its directory says what it is.
+    never = show(budget, "huge")
+    assert never["capabilities"] == ["completion", "tools"]
+    assert never["details"]["family"] == loaded["details"]["family"] != ""
+    assert show(pair, "broken")["capabilities"] == ["completion"]  # no template
+
+
 def test_a_burst_of_loads_and_unloads_leaves_the_model_loadable(pair: ServerProcess) -> None:
     """Operators' loads and unloads of one model all at once: each answers (a load an
     unload cancelled is a 503), and then the model loads and answers. An unload that
