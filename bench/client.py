@@ -1,8 +1,8 @@
 """An async OpenAI-compatible streaming client that times every request.
 
-Plain httpx and SSE parsing rather than an SDK: the timings are of bytes arriving, and
-the same code reads both servers' streams; list requests (classify) go over a socket of
-their own (`ListConnection`). TTFT is the first chunk carrying text; token
+Plain sockets and SSE parsing rather than an SDK: the timings are of bytes arriving, the
+client's own work stays small beside the server's (`Connection`), and the same code reads
+every server's streams. TTFT is the first chunk carrying text; token
 counts come from the final usage chunk (`stream_options.include_usage`), since a server
 may pack several tokens into one chunk.
 """
@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
+from typing import Self
 
 import httpx
 
@@ -53,8 +55,8 @@ class StreamError(RuntimeError):
     """The server answered with an error status or an error event."""
 
 
-async def chat(client: httpx.AsyncClient, base_url: str, messages: list[dict[str, str]],
-               max_tokens: int, extra: dict) -> tuple[float, float, dict, str]:
+async def chat(connection: Connection, messages: list[dict[str, str]], max_tokens: int,
+               extra: dict) -> tuple[float, float, dict, str]:
     """One streamed chat completion: (ttft, latency, usage, text)."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}, **extra}
@@ -62,15 +64,10 @@ async def chat(client: httpx.AsyncClient, base_url: str, messages: list[dict[str
     first = None
     usage: dict = {}
     parts: list[str] = []
-    async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise StreamError(f"HTTP {response.status_code}: {(await response.aread())[:500]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
+    async with asyncio.timeout(TIMEOUT.read):
+        async for data in connection.events("/v1/chat/completions", body):
             if data == "[DONE]":
-                break
+                continue
             chunk = json.loads(data)
             if "error" in chunk:
                 raise StreamError(f"server error: {chunk['error']}")
@@ -84,9 +81,8 @@ async def chat(client: httpx.AsyncClient, base_url: str, messages: list[dict[str
     return (first or ended) - started, ended - started, usage, "".join(parts)
 
 
-async def run_conversation(client: httpx.AsyncClient, base_url: str, index: int,
-                           conversation: Conversation, max_tokens: int, extra: dict,
-                           t0: float) -> list[RequestResult]:
+async def run_conversation(connection: Connection, index: int, conversation: Conversation,
+                           max_tokens: int, extra: dict, t0: float) -> list[RequestResult]:
     messages = [{"role": "system", "content": conversation.system}] if conversation.system \
         else []
     results = []
@@ -94,9 +90,8 @@ async def run_conversation(client: httpx.AsyncClient, base_url: str, index: int,
         messages.append({"role": "user", "content": user})
         start = time.perf_counter() - t0
         try:
-            ttft, latency, usage, text = await chat(client, base_url, messages, max_tokens,
-                                                    extra)
-        except (httpx.HTTPError, StreamError) as error:
+            ttft, latency, usage, text = await chat(connection, messages, max_tokens, extra)
+        except REQUEST_ERRORS as error:
             # Counted and reported; the conversation cannot go on without this reply.
             results.append(RequestResult(index, turn, start, 0.0, 0.0, 0, 0, None, "",
                                          f"{type(error).__name__}: {error}"))
@@ -112,24 +107,52 @@ async def run_conversation(client: httpx.AsyncClient, base_url: str, index: int,
     return results
 
 
-class ListConnection:
-    """One keep-alive HTTP/1.1 connection for a batch workload's list requests.
+class Connection:
+    """One keep-alive HTTP/1.1 connection, reopened after a server closes it: a worker's
+    requests, streamed chats and list requests alike.
 
-    Not httpx: on an H200 host its own work per request (a list of 64 classify prompts,
-    four lists in flight) held the passes at ~4,700 sentences/s where the same server
-    answered this socket's requests at 5,700-6,000 (bench/experiments/classify-client);
-    a client that takes longer to turn a list around than the server takes to read it
-    measures itself. Bodies are JSON sized by Content-Length or chunked."""
+    Not httpx: its own work is the client's share of what a run measures. On an H200 host
+    it held classify lists at ~4,700 sentences/s where the same server answered this
+    socket's requests at 5,700-6,000 (bench/experiments/classify-client). On the 2-core
+    CPU, 64 streams opened through one httpx client had their first tokens 20-70 ms later
+    and took 25% longer than over these sockets (bench/experiments/batch-decode-ramp), as
+    would 64 clients of one server that each had a core of their own; 64 requests at once
+    on its reused connections took 300 ms where these take 12. Bodies come sized by
+    Content-Length, chunked, or (mlx-lm's HTTP/1.0 streams) up to the server's close."""
 
     def __init__(self, base_url: str) -> None:
         url = httpx.URL(base_url)
         self.host, self.port = url.host, url.port or 80
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
     async def post(self, path: str, body: dict) -> tuple[int, bytes]:
         """(status, body) of one POST of `body` as JSON."""
+        status, pieces = await self._send(path, body)
+        return status, b"".join([piece async for piece in pieces])
+
+    async def events(self, path: str, body: dict) -> AsyncIterator[str]:
+        """The `data:` payloads of one streamed POST of `body`, as they arrive; an error
+        status raises StreamError with the body."""
+        status, pieces = await self._send(path, body)
+        if status != 200:
+            raise StreamError(f"HTTP {status}: {b''.join([p async for p in pieces])[:500]!r}")
+        pending = b""
+        async for piece in pieces:
+            *lines, pending = (pending + piece).split(b"\n")
+            for line in lines:
+                if line.startswith(b"data:"):
+                    yield line[5:].strip().decode()
+
+    async def _send(self, path: str, body: dict) -> tuple[int, AsyncIterator[bytes]]:
         if self._streams is None:
-            self._streams = await asyncio.open_connection(self.host, self.port)
+            self._streams = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port), TIMEOUT.connect)
         reader, writer = self._streams
         data = json.dumps(body).encode()
         try:
@@ -137,17 +160,35 @@ class ListConnection:
                          f"Content-Type: application/json\r\nContent-Length: {len(data)}"
                          f"\r\n\r\n".encode() + data)
             head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-            headers = dict(line.lower().split(": ", 1) for line in head[1:] if ": " in line)
-            if headers.get("transfer-encoding") == "chunked":
-                content = await _chunked(reader)
-            else:
-                content = await reader.readexactly(int(headers.get("content-length", 0)))
-        except BaseException:  # a timeout too: a half-read answer would be the next one's
+        except BaseException:
             self.close()
             raise
-        if headers.get("connection") == "close":
-            self.close()
-        return int(head[0].split()[1]), content
+        headers = dict(line.lower().split(": ", 1) for line in head[1:] if ": " in line)
+        return int(head[0].split()[1]), self._body(reader, head[0], headers)
+
+    async def _body(self, reader: asyncio.StreamReader, status_line: str,
+                    headers: dict[str, str]) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive; the connection closed after it unless both
+        sides keep it, and whenever the body was not read to its end (a timeout too: a
+        half-read answer would be the next one's)."""
+        kept = status_line.startswith("HTTP/1.1") and headers.get("connection") != "close"
+        try:
+            if headers.get("transfer-encoding") == "chunked":
+                while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+                    yield (await reader.readexactly(size + 2))[:-2]
+                await reader.readuntil(b"\r\n")  # the empty trailer
+            elif "content-length" in headers:
+                yield await reader.readexactly(int(headers["content-length"]))
+            else:
+                kept = False
+                while piece := await reader.read(65536):
+                    yield piece
+        except BaseException:
+            kept = False
+            raise
+        finally:
+            if not kept:
+                self.close()
 
     def close(self) -> None:
         if self._streams is not None:
@@ -155,15 +196,13 @@ class ListConnection:
             self._streams = None
 
 
-async def _chunked(reader: asyncio.StreamReader) -> bytes:
-    parts = []
-    while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
-        parts.append(await reader.readexactly(size + 2))
-    await reader.readuntil(b"\r\n")  # the empty trailer
-    return b"".join(part[:-2] for part in parts)
+# What a request that did not complete raises: the connection's errors, a timeout, a
+# malformed answer, the server's error.
+REQUEST_ERRORS = (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                  TimeoutError, StreamError, ValueError)
 
 
-async def complete_list(connection: ListConnection, endpoint: str, first: int,
+async def complete_list(connection: Connection, endpoint: str, first: int,
                         conversations: tuple[Conversation, ...], max_tokens: int,
                         extra: dict, t0: float) -> list[RequestResult]:
     """One non-streamed request to `endpoint` (`/v1/completions`, or `/v1/classify`: one
@@ -180,8 +219,7 @@ async def complete_list(connection: ListConnection, endpoint: str, first: int,
         if status != 200:
             raise StreamError(f"HTTP {status}: {content[:500]!r}")
         data = json.loads(content)
-    except (OSError, asyncio.IncompleteReadError, TimeoutError, StreamError,
-            ValueError) as error:
+    except REQUEST_ERRORS as error:
         return [RequestResult(first + i, 0, start - t0, 0.0, 0.0, 0, 0, None, "",
                               f"{type(error).__name__}: {error}")
                 for i in range(len(conversations))]
@@ -207,18 +245,17 @@ async def run_workload(base_url: str, workload: Workload, extra: dict) -> Worklo
         return await run_batches(base_url, workload, extra)
     pending = list(enumerate(workload.conversations))[::-1]
     results: list[RequestResult] = []
-    limits = httpx.Limits(max_connections=workload.concurrency + 4)
-    async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as client:
-        t0 = time.perf_counter()
+    t0 = time.perf_counter()
 
-        async def worker() -> None:
+    async def worker() -> None:
+        async with Connection(base_url) as connection:
             while pending:
                 index, conversation = pending.pop()
                 results.extend(await run_conversation(
-                    client, base_url, index, conversation, workload.max_tokens, extra, t0))
+                    connection, index, conversation, workload.max_tokens, extra, t0))
 
-        await asyncio.gather(*(worker() for _ in range(workload.concurrency)))
-        wall = time.perf_counter() - t0
+    await asyncio.gather(*(worker() for _ in range(workload.concurrency)))
+    wall = time.perf_counter() - t0
     results.sort(key=lambda r: (r.conversation, r.turn))
     return WorkloadRun(workload.name, wall, results)
 
@@ -232,15 +269,12 @@ async def run_batches(base_url: str, workload: Workload, extra: dict) -> Workloa
     t0 = time.perf_counter()
 
     async def worker() -> None:
-        connection = ListConnection(base_url)
-        try:
+        async with Connection(base_url) as connection:
             while pending:
                 first, conversations = pending.pop()
                 results.extend(await complete_list(connection, workload.batch_endpoint,
                                                    first, conversations, workload.max_tokens,
                                                    extra, t0))
-        finally:
-            connection.close()
 
     await asyncio.gather(*(worker() for _ in range(workload.concurrency)))
     wall = time.perf_counter() - t0

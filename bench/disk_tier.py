@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from bench import report
-from bench.client import chat
+from bench.client import Connection, chat
 from bench.servers import RADIX, running
 from bench.workloads import Shapes, TextSource
 
@@ -66,9 +66,8 @@ def rebuilt(base_url: str) -> dict:
 
 
 async def ask(base_url: str, messages: list[dict], max_tokens: int) -> dict:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0, connect=10.0)) as client:
-        ttft, latency, usage, text = await chat(client, base_url, messages, max_tokens,
-                                                RADIX.extra)
+    async with Connection(base_url) as connection:
+        ttft, latency, usage, text = await chat(connection, messages, max_tokens, RADIX.extra)
     details = usage.get("prompt_tokens_details") or {}
     return {"ttft": ttft, "latency": latency, "text": text,
             "prompt_tokens": usage.get("prompt_tokens", 0),

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from bench import report
-from bench.client import StreamError, chat
+from bench.client import Connection, StreamError, chat
 from bench.servers import RADIX, running
 from bench.workloads import Shapes, TextSource
 
@@ -55,9 +55,9 @@ async def ask(base_url: str, model: str | None, messages: list[dict], max_tokens
               ) -> dict:
     """One streamed greedy chat: its TTFT, text and usage, or the HTTP status it failed with."""
     extra = {**RADIX.extra, **({"model": model} if model else {})}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0, connect=10.0)) as client:
+    async with Connection(base_url) as connection:
         try:
-            ttft, _, usage, text = await chat(client, base_url, messages, max_tokens, extra)
+            ttft, _, usage, text = await chat(connection, messages, max_tokens, extra)
         except StreamError as error:
             return {"error": str(error)}
     details = usage.get("prompt_tokens_details") or {}

@@ -36,7 +36,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import report
-from bench.client import TIMEOUT, chat, run_workload
+from bench.client import Connection, chat, run_workload
 from bench.servers import RADIX, RunningServer, running
 from bench.workloads import WORKLOADS as STANDARD
 from bench.workloads import Shapes, TextSource
@@ -90,8 +90,8 @@ def agent_requests(source: TextSource, shapes: Shapes) -> tuple[list[list[dict]]
 
 
 async def one(base_url: str, messages: list[dict], max_tokens: int) -> dict:
-    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-        ttft, latency, usage, text = await chat(client, base_url, messages, max_tokens, EXTRA)
+    async with Connection(base_url) as connection:
+        ttft, latency, usage, text = await chat(connection, messages, max_tokens, EXTRA)
     tokens = usage.get("completion_tokens", 0)
     return {"decode_tok_s": (tokens - 1) / (latency - ttft) if tokens > 1 else None,
             "completion_tokens": tokens, "text": text}

@@ -14,7 +14,7 @@ pytest.importorskip("psutil")
 
 from bench import prefill_endpoints, several_models, speculation
 from bench.__main__ import BenchModel, all_workloads, main, parse_args, server_env, server_specs
-from bench.client import ListConnection
+from bench.client import Connection, StreamError
 from bench.medians import main as medians
 from bench.report import kv_quant_section, median_summary, replica_rows, targets, write
 from bench.servers import RADIX, replicas, tensor_parallel
@@ -352,18 +352,23 @@ def test_llama_cpp_gets_its_own_ratio_table(tmp_path: Path) -> None:
     assert "- llama-cpp: `llama-server --model m`" in text
 
 
-async def test_list_connection_reads_chunked_answers_and_reconnects_after_close() -> None:
-    """The list client reads both ways a server sizes a body, keeps its socket between
+async def request_body(reader: asyncio.StreamReader) -> bytes:
+    """The body of the next request a fake server reads (sized by Content-Length)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(next(line.split(b": ")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    return await reader.readexactly(length)
+
+
+async def test_connection_reads_chunked_answers_and_reconnects_after_close() -> None:
+    """The client reads both ways a server sizes a body, keeps its socket between
     requests, and opens another where the server said it closes this one."""
     connections = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(writer)
         while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = int(next(line.split(b": ")[1] for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length")))
-            body = await reader.readexactly(length)
+            body = await request_body(reader)
             if len(connections) == 1 and b'"chunked"' in body:
                 writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
                              b"5\r\n{\"a\":\r\n3;x=y\r\n 1}\r\n0\r\n\r\n")
@@ -377,7 +382,7 @@ async def test_list_connection_reads_chunked_answers_and_reconnects_after_close(
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    connection = ListConnection(f"http://127.0.0.1:{port}")
+    connection = Connection(f"http://127.0.0.1:{port}")
     try:
         assert await connection.post("/v1/classify", {"input": "chunked"}) == (200, b'{"a": 1}')
         assert await connection.post("/v1/classify", {"input": "chunked"}) == (200, b'{"a": 1}')
@@ -387,4 +392,52 @@ async def test_list_connection_reads_chunked_answers_and_reconnects_after_close(
         assert len(connections) == 2
     finally:
         connection.close()
+        server.close()
+
+
+async def test_connection_streams_events_however_the_server_frames_them() -> None:
+    """A stream's `data:` lines come out whole and in order whether a chunk ends inside a
+    line or the server (mlx-lm's, HTTP/1.0) sends no framing and closes; an error status
+    raises with the server's body; the socket is kept only after a framed stream."""
+    connections = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        while True:
+            body = await request_body(reader)
+            if b'"chunked"' in body:
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             b"9\r\ndata: {\"a\r\nc\r\n\": 1}\n\ndata:\r\n"
+                             b"9\r\n [DONE]\n\n\r\n0\r\n\r\n")
+                await writer.drain()
+                continue
+            if b'"unframed"' in body:
+                writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+                             b": ping\ndata: x\n\ndata: [DONE]\n\n")
+            else:
+                writer.write(b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 11\r\n"
+                             b"Connection: close\r\n\r\n{\"busy\": 1}")
+            await writer.drain()
+            writer.close()
+            return
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with Connection(f"http://127.0.0.1:{port}") as connection:
+            for _ in range(2):
+                events = [e async for e in connection.events("/v1/chat/completions",
+                                                             {"mode": "chunked"})]
+                assert events == ['{"a": 1}', "[DONE]"]
+            assert len(connections) == 1
+            events = [e async for e in connection.events("/v1/chat/completions",
+                                                         {"mode": "unframed"})]
+            assert events == ["x", "[DONE]"]
+            assert [e async for e in connection.events("/v1/chat/completions",
+                                                       {"mode": "chunked"})][-1] == "[DONE]"
+            assert len(connections) == 2
+            with pytest.raises(StreamError, match="HTTP 429.*busy"):
+                async for _ in connection.events("/v1/chat/completions", {"mode": "no"}):
+                    pass
+    finally:
         server.close()

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.client import TIMEOUT, chat
+from bench.client import TIMEOUT, Connection, chat
 from bench.servers import RADIX, running
 from bench.speculation import code_file, edit
 from bench.workloads import TextSource
@@ -44,7 +44,8 @@ async def one(base_url: str, messages: list[dict], file: str, mode: dict,
         extra["prediction"] = {"type": "content", "content": file}
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         await client.delete(f"{base_url}/admin/cache")
-        ttft, latency, usage, text = await chat(client, base_url, messages, max_tokens, extra)
+    async with Connection(base_url) as connection:
+        ttft, latency, usage, text = await chat(connection, messages, max_tokens, extra)
     tokens = usage["completion_tokens"]
     details = usage.get("completion_tokens_details") or {}
     return {"decode_tok_s": (tokens - 1) / (latency - ttft), "text": text,
