@@ -124,6 +124,9 @@ class Connection:
         url = httpx.URL(base_url)
         self.host, self.port = url.host, url.port or 80
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        # An answer not read to its end (its reader stopped early, or failed): the socket
+        # holds the rest of it, so the next request opens another.
+        self._unread = False
 
     async def __aenter__(self) -> Self:
         return self
@@ -150,6 +153,8 @@ class Connection:
                     yield line[5:].strip().decode()
 
     async def _send(self, path: str, body: dict) -> tuple[int, AsyncIterator[bytes]]:
+        if self._unread:
+            self.close()
         if self._streams is None:
             self._streams = await asyncio.wait_for(
                 asyncio.open_connection(self.host, self.port), TIMEOUT.connect)
@@ -164,13 +169,16 @@ class Connection:
             self.close()
             raise
         headers = dict(line.lower().split(": ", 1) for line in head[1:] if ": " in line)
-        return int(head[0].split()[1]), self._body(reader, head[0], headers)
+        self._unread = True
+        return int(head[0].split()[1]), self._body(self._streams, head[0], headers)
 
-    async def _body(self, reader: asyncio.StreamReader, status_line: str,
-                    headers: dict[str, str]) -> AsyncIterator[bytes]:
+    async def _body(self, streams: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+                    status_line: str, headers: dict[str, str]) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive; the connection closed after it unless both
         sides keep it, and whenever the body was not read to its end (a timeout too: a
-        half-read answer would be the next one's)."""
+        half-read answer would be the next one's). An abandoned body finalized late
+        closes its own socket only, never one opened since."""
+        reader = streams[0]
         kept = status_line.startswith("HTTP/1.1") and headers.get("connection") != "close"
         try:
             if headers.get("transfer-encoding") == "chunked":
@@ -183,17 +191,19 @@ class Connection:
                 kept = False
                 while piece := await reader.read(65536):
                     yield piece
+            self._unread = False
         except BaseException:
             kept = False
             raise
         finally:
-            if not kept:
+            if not kept and self._streams is streams:
                 self.close()
 
     def close(self) -> None:
         if self._streams is not None:
             self._streams[1].close()
             self._streams = None
+        self._unread = False
 
 
 # What a request that did not complete raises: the connection's errors, a timeout, a

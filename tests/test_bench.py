@@ -398,13 +398,17 @@ async def test_connection_reads_chunked_answers_and_reconnects_after_close() -> 
 async def test_connection_streams_events_however_the_server_frames_them() -> None:
     """A stream's `data:` lines come out whole and in order whether a chunk ends inside a
     line or the server (mlx-lm's, HTTP/1.0) sends no framing and closes; an error status
-    raises with the server's body; the socket is kept only after a framed stream."""
+    raises with the server's body; the socket is kept only after a framed stream read to
+    its end."""
     connections = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(writer)
         while True:
-            body = await request_body(reader)
+            try:
+                body = await request_body(reader)
+            except asyncio.IncompleteReadError:  # the client closed it
+                return
             if b'"chunked"' in body:
                 writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
                              b"9\r\ndata: {\"a\r\nc\r\n\": 1}\n\ndata:\r\n"
@@ -430,12 +434,14 @@ async def test_connection_streams_events_however_the_server_frames_them() -> Non
                                                              {"mode": "chunked"})]
                 assert events == ['{"a": 1}', "[DONE]"]
             assert len(connections) == 1
+            async for _ in connection.events("/v1/chat/completions", {"mode": "chunked"}):
+                break  # the rest of this answer stays on that socket
             events = [e async for e in connection.events("/v1/chat/completions",
                                                          {"mode": "unframed"})]
             assert events == ["x", "[DONE]"]
             assert [e async for e in connection.events("/v1/chat/completions",
                                                        {"mode": "chunked"})][-1] == "[DONE]"
-            assert len(connections) == 2
+            assert len(connections) == 3
             with pytest.raises(StreamError, match="HTTP 429.*busy"):
                 async for _ in connection.events("/v1/chat/completions", {"mode": "no"}):
                     pass
