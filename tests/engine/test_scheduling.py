@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 
 from engine.api import Finish, PromptLogprobs, QueueFull, RequestFailed, SamplingParams, TokenEvent
+from engine.generator import Generator
 from engine.streams import EventQueue
 from tests.engine.support import Reference, cancel_after, complete, settled, start_engine
 from tests.faults import PrefillWatcher, faulty_loader, loader_wrapping
@@ -156,6 +158,36 @@ async def test_a_burst_a_device_computes_in_a_moment_stays_whole(
             expected = reference.greedy(prompt, 3)  # up to its EOS, which ignore_eos runs past
             assert tokens[:len(expected)] == expected
     finally:
+        engine.shutdown()
+
+
+async def test_a_stream_ends_before_its_kv_is_copied_to_the_tree(
+        llama_dir, reference, monkeypatch):
+    # Copying an ended row's KV out of the batch waits for the step queued behind the
+    # one that ended it: the stream's end (an agent waits for it to send its next turn)
+    # does not. Here the copy cannot start until the client has seen that end. The next
+    # turn, sent at once, still finds the whole reply in the tree: the engine takes it
+    # in after the copy.
+    ended = threading.Event()
+    remove = Generator.remove
+
+    def remove_once_the_client_saw_the_end(self, uids, read=None):
+        assert ended.wait(60)
+        return remove(self, uids, read)
+
+    monkeypatch.setattr(Generator, "remove", remove_once_the_client_saw_the_end)
+    engine = start_engine(llama_dir, cache_bytes=1 << 30)
+    try:
+        prompt = random_prompt(80, 40)
+        async with asyncio.timeout(30):
+            reply = await complete(engine, prompt, 6, ignore_eos=True)
+        ended.set()
+        turn = prompt + reply.tokens + random_prompt(81, 5)
+        result = await complete(engine, turn, 4)
+        assert result.finish.cached_tokens >= len(prompt) + len(reply.tokens) - 1
+        assert result.tokens == reference.greedy(turn, 4)
+    finally:
+        ended.set()
         engine.shutdown()
 
 
