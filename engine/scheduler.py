@@ -360,10 +360,18 @@ class Scheduler:
         if stall_ratio is None:
             stall_ratio = GPU_PREFILL_STALL_RATIO if gpu else CPU_PREFILL_STALL_RATIO
         self.idle_read_chunks = GPU_IDLE_READ_CHUNKS if gpu else 1
-        # With nothing decoding there is no stream to keep smooth.
+        # With nothing decoding there is no stream to keep smooth. A burst's short prompts
+        # go in one forward of up to mlx-lm's prefill step, each within the chunk (on the
+        # CPU the chunk bounds one prompt's attention, whose scores grow with its own
+        # length, not with the rows beside it). With the CPU's 512 tokens in all, four
+        # chats' next turns (~150 tokens each) took two forwards, and the rows of the
+        # first waited out the second (0.4-0.6 s on 2 cores) after their first tokens:
+        # multi-turn ITL p50 84 ms against mlx-lm's 76, in one forward 77, for first
+        # tokens that all come at the end of it (docs/benchmarks.md).
         self.prefill_budget = PrefillBudget(
             stall_ratio, limits.prefill_stall_floor, chunk,
             idle_chunk=max(GPU_PREFILL_CHUNK, chunk) if gpu else chunk)
+        self.idle_together = max(GPU_PREFILL_CHUNK, chunk)
         self.generator = Generator(loaded.model, self._take_snapshot, self.counters,
                                    quantization, self._mrope())
         # Prompts that find the engine with nothing decoding are all prefilled before any
@@ -1084,7 +1092,9 @@ class Scheduler:
                 reads = budget // 2 if halved else budget
                 prefilled = self._read(reads if decoding else self.idle_read_chunks * reads)
             if self.generator.prefilling:
-                result = self.generator.prefill(budget - budget // 2 if halved else budget)
+                result = self.generator.prefill(
+                    budget - budget // 2 if halved else budget,
+                    None if decoding or halved else self.idle_together)
                 prefilled += result.tokens
                 if result.failed and self.group is not None:
                     raise result.failed[0][1]

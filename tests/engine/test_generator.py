@@ -335,6 +335,35 @@ def test_prompts_a_step_can_finish_go_ahead_of_a_long_one_every_other_step(model
             for uid, t in tokens.items()} == alone
 
 
+def test_short_prompts_past_the_chunk_in_all_are_prefilled_together_within_together(
+        model) -> None:
+    # The next turns of chats that ended together, at an idle engine whose chunk is
+    # small (a CPU's): each turn within the chunk, more than it in all. They are computed
+    # in one forward of up to `together` tokens and answer as they do alone; a prompt
+    # longer than the chunk is not taken with them.
+    prompts = [list(range(300 + 50 * i, 300 + 50 * i + n))
+               for i, n in enumerate((30, 24, 28, 20, 45))]
+    alone = greedy_alone(model, prompts[:4], 3, budget=32)
+
+    generator = Generator(model)
+    for uid, prompt in enumerate(prompts):
+        generator.add(sequence(model, uid, prompt))
+    result = generator.prefill(32, together=128)
+    assert [s.uid for s in result.done] == [0, 1, 2, 3]
+    assert result.tokens == 4 * 30  # right-padded to the longest
+    assert [o.uid for o in result.outputs] == [0, 1, 2, 3]
+    assert [s.uid for s in generator.prefilling] == [4]
+    later = greedy_tokens(generator, [0, 1, 2, 3], 2)
+    assert {o.uid: [o.token, *later[o.uid]] for o in result.outputs} == {
+        uid: alone[uid] for uid in range(4)}
+
+    # Within the chunk in all, as while others decode: one prompt a forward.
+    generator = Generator(model)
+    for uid, prompt in enumerate(prompts[:4]):
+        generator.add(sequence(model, uid, prompt))
+    assert [s.uid for s in generator.prefill(32).done] == [0]
+
+
 def test_prompts_too_long_for_one_forward_take_equal_chunks_together(model) -> None:
     prompts = long_prompts()
     alone = {}
