@@ -552,15 +552,17 @@ class Engine:
         scheduler = self._scheduler
         if scheduler is None:
             return EngineStats()
-        background = sum(g.background for g in scheduler.running.values())
+        # A copy taken at once: the engine's thread adds and removes generations meanwhile.
+        running = list(scheduler.running.values())
+        background = sum(g.background for g in running)
         return EngineStats(
-            waiting=self._waiting.value, running=len(scheduler.running) - background,
+            waiting=self._waiting.value, running=len(running) - background,
             background=background,
             active_memory_bytes=mx.get_active_memory(),
             memory_limit_bytes=self.memory.limit_bytes,
             weight_bytes=self.memory.weight_bytes,
             kv_token_capacity=self.memory.kv_tokens,
-            tokens_in_flight=sum(g.tokens_reserved for g in scheduler.running.values()),
+            tokens_in_flight=sum(g.tokens_reserved for g in running),
             counters=replace(scheduler.counters), tree=scheduler.tree.stats(),
             disk=replace(self.disk.stats) if self.disk is not None else DiskStats(),
         )

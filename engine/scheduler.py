@@ -1257,9 +1257,12 @@ class Scheduler:
             read={g.sequence.uid: g.hold.depth for g, _, _ in endings
                   if self._shares_on_release(g)})
         for generation, _, _ in endings:
-            del self.running[generation.sequence.uid]
-            self._release(generation, sequences[generation.sequence.uid])
+            uid = generation.sequence.uid
+            self._release(generation, sequences[uid])
             self._forget(generation)
+            # Last: a client that saw its stream end and waits for nothing to run (its
+            # tests, an operator's script) then finds the KV shared and the hold let go.
+            del self.running[uid]
 
     def _release(self, generation: Generation, sequence: SequenceState | None) -> None:
         """Share what `sequence`'s cache holds beyond the tree, then let go. A request that
