@@ -153,24 +153,38 @@ class Connection:
                     yield line[5:].strip().decode()
 
     async def _send(self, path: str, body: dict) -> tuple[int, AsyncIterator[bytes]]:
-        if self._unread:
+        if self._unread or (self._streams is not None and self._streams[0].at_eof()):
             self.close()
+        data = json.dumps(body).encode()
+        request = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: {len(data)}"
+                   f"\r\n\r\n".encode() + data)
+        reused = self._streams is not None
+        try:
+            head = await self._head(request)
+        except (asyncio.IncompleteReadError, ConnectionError) as error:
+            # A server may close a kept socket whenever it is idle between answers (llama.cpp's
+            # does after a stream, without saying so): a reused socket that gave no byte of an
+            # answer is retried once on a new one, as HTTP clients do.
+            if not reused or getattr(error, "partial", b""):
+                raise
+            head = await self._head(request)
+        headers = dict(line.lower().split(": ", 1) for line in head[1:] if ": " in line)
+        self._unread = True
+        return int(head[0].split()[1]), self._body(self._streams, head[0], headers)
+
+    async def _head(self, request: bytes) -> list[str]:
+        """Send `request` (on a new socket unless one is kept) and read its answer's head."""
         if self._streams is None:
             self._streams = await asyncio.wait_for(
                 asyncio.open_connection(self.host, self.port), TIMEOUT.connect)
         reader, writer = self._streams
-        data = json.dumps(body).encode()
         try:
-            writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                         f"Content-Type: application/json\r\nContent-Length: {len(data)}"
-                         f"\r\n\r\n".encode() + data)
-            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+            writer.write(request)
+            return (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
         except BaseException:
             self.close()
             raise
-        headers = dict(line.lower().split(": ", 1) for line in head[1:] if ": " in line)
-        self._unread = True
-        return int(head[0].split()[1]), self._body(self._streams, head[0], headers)
 
     async def _body(self, streams: tuple[asyncio.StreamReader, asyncio.StreamWriter],
                     status_line: str, headers: dict[str, str]) -> AsyncIterator[bytes]:

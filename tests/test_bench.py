@@ -395,6 +395,37 @@ async def test_connection_reads_chunked_answers_and_reconnects_after_close() -> 
         server.close()
 
 
+async def test_connection_retries_a_kept_socket_the_server_closed_but_not_a_new_one() -> None:
+    """A server may close a kept socket between answers without saying so (llama.cpp's
+    does after a stream): the request goes again once on a new socket. A new socket that
+    closes without an answer is the server's failure, and raises."""
+    connections = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        answers = {1: 1, 2: 1, 3: 0}[len(connections)]
+        for _ in range(answers):
+            await request_body(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+        if len(connections) != 2:  # the second closes at once, idle
+            await request_body(reader)
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with Connection(f"http://127.0.0.1:{port}") as connection:
+            assert await connection.post("/v1/completions", {}) == (200, b"{}")
+            assert await connection.post("/v1/completions", {}) == (200, b"{}")
+            assert len(connections) == 2
+            with pytest.raises(asyncio.IncompleteReadError):
+                await connection.post("/v1/completions", {})
+            assert len(connections) == 3
+    finally:
+        server.close()
+
+
 async def test_connection_streams_events_however_the_server_frames_them() -> None:
     """A stream's `data:` lines come out whole and in order whether a chunk ends inside a
     line or the server (mlx-lm's, HTTP/1.0) sends no framing and closes; an error status
