@@ -368,10 +368,10 @@ class Scheduler:
         # first waited out the second (0.4-0.6 s on 2 cores) after their first tokens:
         # multi-turn ITL p50 84 ms against mlx-lm's 76, in one forward 77, for first
         # tokens that all come at the end of it (docs/benchmarks.md).
+        self.idle_together = max(GPU_PREFILL_CHUNK, chunk)
         self.prefill_budget = PrefillBudget(
             stall_ratio, limits.prefill_stall_floor, chunk,
-            idle_chunk=max(GPU_PREFILL_CHUNK, chunk) if gpu else chunk)
-        self.idle_together = max(GPU_PREFILL_CHUNK, chunk)
+            idle_chunk=self.idle_together if gpu else chunk)
         self.generator = Generator(loaded.model, self._take_snapshot, self.counters,
                                    quantization, self._mrope())
         # Prompts that find the engine with nothing decoding are all prefilled before any
