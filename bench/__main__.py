@@ -142,9 +142,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "at most (default); --no-restart-per-workload: one start each")
     parser.add_argument("--rounds", type=int, default=1, metavar="N",
                         help="measure every workload N times on each server, servers "
-                             "alternating, and the bare mlx-lm batch baselines once after "
-                             "each round's servers: the tables and targets are medians over "
-                             "rounds, results.json keeps each round's numbers (default: 1)")
+                             "alternating, and the bare mlx-lm batch baselines once in each "
+                             "round, every other round in mirror order (bare first, servers "
+                             "reversed): the tables and targets are medians over rounds, "
+                             "results.json keeps each round's numbers (default: 1)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="every request's temperature (default 0: greedy, so that the "
                              "servers generate alike); above 0, sampled traffic as chat "
@@ -359,6 +360,21 @@ def run_server(results: dict, spec: ServerSpec, args: argparse.Namespace, model:
         entry["exit_code_during_run"] = died
 
 
+def run_bare_rounds(raw_rounds: dict[str, list[dict]], model: Path, env: dict[str, str],
+                    shapes: Shapes, seed: int, round_index: int) -> None:
+    """One round of each bare mlx-lm baseline, appended to its list in `raw_rounds`. They
+    run in every round beside the servers', not all at the end: a GPU host's speed moves
+    by up to 1.8x over minutes (its steps are host-bound), so a baseline run after every
+    server's rounds measured another host (nvidia-h200/batch-decode-64-1b)."""
+    for name, rounds in raw_rounds.items():
+        print(f"bench: bare mlx_lm ({name}), round {round_index + 1}",
+              file=sys.stderr, flush=True)
+        rounds.append(child_json(
+            RAW_ROUND_MODULES[name], model, env,
+            *([name] if name in RAW_BATCH_WORKLOADS else []),
+            "--seed", seed, "--shapes", json.dumps(shapes.as_dict())))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     env = cpu_reexec_env() or dict(os.environ)
@@ -453,8 +469,16 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
     raw_rounds: dict[str, list[dict]] = {} if args.no_raw else {
         w.name: [] for w in workloads if w.name in RAW_ROUND_MODULES}
     for round_index in range(args.rounds):
+        # Every other round runs in mirror order, bare mlx-lm first and the servers
+        # reversed, so that a drift over the run, or whatever one path leaves the host or
+        # device in for the next, falls on every path alike: run in one order, our 8B
+        # batch decode was the slower in its second round, right after bare's, in six of
+        # seven leases (nvidia-h200/llama-cpp-8b-vocab49152).
+        mirrored = round_index % 2 == 1
+        if mirrored:
+            run_bare_rounds(raw_rounds, model.directory, env, shapes, args.seed, round_index)
         for batch in batches:
-            for spec in specs:
+            for spec in reversed(specs) if mirrored else specs:
                 measured = [w for w in batch
                             if (not spec.router_workers or w.name in REPLICA_WORKLOADS)
                             and (not spec.tensor_parallel or w.name in TP_WORKLOADS)]
@@ -462,16 +486,8 @@ def bench_model(args: argparse.Namespace, model: BenchModel, device: str,
                     served = model.gguf if spec.serves_gguf else model.directory
                     run_server(results, spec, args, served, server_env(spec, env, args),
                                out, warm_ups, measured, round_index)
-        # Bare mlx-lm's rounds between the servers' rounds: a GPU host's speed moves by up
-        # to 1.8x over minutes (its steps are host-bound), so a baseline run after every
-        # server's rounds measured another host (nvidia-h200/batch-decode-64-1b).
-        for name, rounds in raw_rounds.items():
-            module = RAW_ROUND_MODULES[name]
-            print(f"bench: bare mlx_lm ({name}), round {round_index + 1}",
-                  file=sys.stderr, flush=True)
-            rounds.append(child_json(
-                module, model.directory, env, *([name] if name in RAW_BATCH_WORKLOADS else []),
-                "--seed", args.seed, "--shapes", json.dumps(shapes.as_dict())))
+        if not mirrored:
+            run_bare_rounds(raw_rounds, model.directory, env, shapes, args.seed, round_index)
     for entry in results["servers"].values():
         entry["workloads"] = {workload: report.median_summary(rounds)
                               for workload, rounds in entry["rounds"].items()}

@@ -131,16 +131,18 @@ def test_bench_against_radix_only(demo_model_dir: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.usefixtures("children_without_torch")
-def test_bare_batch_baselines_run_between_the_servers_rounds(
+def test_bare_batch_baselines_run_in_each_round_and_every_other_round_mirrors(
         demo_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A host's speed drifts over minutes, so bare mlx-lm's classify lists run once after
-    each round's server, not all after the last: each round is compared with its own."""
+    """A host's speed drifts over minutes, so bare mlx-lm's classify lists run once in
+    each round beside its servers, not all after the last: each round is compared with its
+    own. The second round runs in mirror order (bare first), so that what one path leaves
+    behind for the next falls on each alike."""
     main(["--model", str(demo_model_dir), "--servers", "radix-mlx", "--quick", "--no-plots",
           "--no-structured", "--out", str(tmp_path), "--workloads", "classify",
           "--rounds", "2", *TOY])
     lines = [line for line in capsys.readouterr().err.splitlines()
              if line.startswith(("bench: starting radix-mlx", "bench: bare mlx_lm"))]
-    assert [line.split()[1] for line in lines] == ["starting", "bare", "starting", "bare"]
+    assert [line.split()[1] for line in lines] == ["starting", "bare", "bare", "starting"]
     raw = json.loads((tmp_path / "results.json").read_text())["raw_batch"]["classify"]
     assert len(raw["rounds"]) == 2
     assert raw["prompts_s"] == pytest.approx(sum(r["prompts_s"] for r in raw["rounds"]) / 2)
