@@ -7,7 +7,7 @@ last with `done: true` and the counts and durations (nanoseconds) of the whole r
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -122,7 +122,7 @@ class GenerateRequest(GenerationFields):
 
 class EmbedRequest(RequestModel):
     model: str = Field(min_length=1)
-    input: str | Annotated[list[str], Field(min_length=1)]
+    input: str | list[str]  # "" or []: load the model, as Ollama does
     truncate: bool = True
     dimensions: int | None = Field(None, ge=1)
     options: Options | None = None
@@ -130,7 +130,7 @@ class EmbedRequest(RequestModel):
 
 
 class EmbeddingsRequest(RequestModel):
-    """The older /api/embeddings: one prompt, one embedding."""
+    """The older /api/embeddings: one prompt, one embedding ("": load the model)."""
 
     model: str = Field(min_length=1)
     prompt: str

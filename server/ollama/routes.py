@@ -177,8 +177,13 @@ def _zero(keep_alive: KeepAlive | None) -> bool:
 @router.post("/embed")
 async def embed(body: EmbedRequest, request: Request) -> Response:
     clock = Clock()
-    inputs = [body.input] if isinstance(body.input, str) else body.input
-    embedded = await embed_texts(request, _served_name(request, body.model), inputs, body.dimensions,
+    name = _served_name(request, body.model)
+    inputs = body.input if isinstance(body.input, list) else [body.input] * bool(body.input)
+    if not inputs:  # Ollama's way to load an embedding model
+        return model_response(EmbedResponse(model=await _load(request, name), embeddings=[],
+                                            prompt_eval_count=0,
+                                            total_duration=max(clock.elapsed(), 1)))
+    embedded = await embed_texts(request, name, inputs, body.dimensions,
                                  -1 if body.truncate else None)
     if embedded is None:
         return Response(status_code=CLIENT_CLOSED)
@@ -190,11 +195,21 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
 
 @router.post("/embeddings")
 async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
-    embedded = await embed_texts(request, _served_name(request, body.model), [body.prompt],
-                                 None, -1)
+    name = _served_name(request, body.model)
+    if not body.prompt:
+        await _load(request, name)
+        return model_response(EmbeddingsResponse(embedding=[]))
+    embedded = await embed_texts(request, name, [body.prompt], None, -1)
     if embedded is None:
         return Response(status_code=CLIENT_CLOSED)
     return model_response(EmbeddingsResponse(embedding=embedded[1][0].tolist()))
+
+
+async def _load(request: Request, name: str) -> str:
+    """Load the model `name` names, if it is not, and answer with its name."""
+    models = server_state(request).models
+    async with models.use(name) as lease:
+        return models.name_for(lease.model, name)
 
 
 # -- models ---------------------------------------------------------------------------------

@@ -91,7 +91,8 @@ async def embed_texts(request: Request, name: str | None, inputs: list[str] | li
     """Each input's embedding by the model `name` names (every API's embeddings): the
     name it answers with, the vectors (cut to `dimensions`), the prompt tokens embedded and
     how many of them were cached; None if the client left. `truncate`: as
-    truncate_prompt_tokens (-1: the context window)."""
+    truncate_prompt_tokens (-1: the context window). An empty input is a 400 naming it."""
+    _check_not_empty(inputs, "input")
     state = server_state(request)
     async with state.models.use(name) as lease:
         served = lease.model

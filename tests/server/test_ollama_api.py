@@ -127,6 +127,9 @@ def test_an_empty_request_loads_the_model_and_the_only_one_is_not_unloaded(
     loaded = olla.generate(model=model_id, prompt="")
     assert (loaded.done, loaded.done_reason, loaded.response) == (True, "load", "")
     assert olla.chat(model=model_id, messages=[]).done_reason == "load"
+    assert olla.embed(model=model_id, input="").embeddings == []
+    assert olla.embed(model=model_id, input=[]).embeddings == []
+    assert olla.embeddings(model=model_id, prompt="").embedding == []
     # Ollama's clients add its default tag to a name.
     tagged = olla.generate(model=f"{model_id}:latest", prompt="")
     assert (tagged.model, tagged.done_reason) == (model_id, "load")
@@ -161,6 +164,7 @@ def test_a_stream_left_early_ends_its_generation(server: ServerProcess, model_id
     ("/api/chat", {"messages": [{"role": "user", "content": "x", "images": [PNG]}]}, 400,
      "does not read images"),
     ("/api/generate", {"prompt": "x", "suffix": "y"}, 400, "suffix is not supported"),
+    ("/api/embed", {"input": ["x", ""]}, 400, "input[1] is empty"),
     ("/api/generate", {"prompt": "x", "raw": True, "system": "s"}, 400, "a raw prompt"),
     ("/api/chat", {"model": "no-such-model", "messages": HI}, 404, "no-such-model"),
     ("/api/show", {"model": None}, 400, "model is required"),
