@@ -267,6 +267,11 @@ class Constraint:
     # that renders "<think></think>" when thinking is off), or the grammar would never
     # start.
     after: str | None = None
+    # Some object of the grammar takes keys by pattern (`patternProperties`) and no others,
+    # so its keys can run out: the output is looked ahead for a way to a key it has not
+    # written (engine/json_keys.py). Open objects always have one, listed properties are
+    # written once by the grammar itself.
+    bounded_keys: bool = False
 
 
 @dataclass(frozen=True)

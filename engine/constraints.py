@@ -113,7 +113,7 @@ def json_schema(schema: Mapping[str, Any], strict: bool = False, close_objects: 
     """JSON that validates against `schema`."""
     grammar = _grammar_from_schema(schema, strict, close_objects)
     _validate(grammar)
-    return Constraint(grammar)
+    return Constraint(grammar, bounded_keys=_keys_by_pattern(schema))
 
 
 def tool_calls(tools: Sequence[FunctionTool], name: str | None = None, parallel: bool = False,
@@ -175,7 +175,18 @@ def tool_calls(tools: Sequence[FunctionTool], name: str | None = None, parallel:
             raise UnsupportedSchema(f"function {tool.name!r}: {error}", error.keyword) from None
     grammar = LLMatcher.grammar_from_lark("\n".join(rules))
     _validate(grammar)
-    return Constraint(grammar, after=after)
+    schemas = [tool.parameters for tool in tools] + [answer.schema if answer else None]
+    return Constraint(grammar, after=after, bounded_keys=_keys_by_pattern(schemas))
+
+
+def _keys_by_pattern(schema: Any) -> bool:
+    """Whether a `patternProperties` appears anywhere in `schema` (a JSON document)."""
+    if isinstance(schema, Mapping):
+        return bool(schema.get("patternProperties")) or any(
+            _keys_by_pattern(value) for value in schema.values())
+    if isinstance(schema, list):
+        return any(_keys_by_pattern(item) for item in schema)
+    return False
 
 
 def _json_rule(rule: str, schema: Mapping[str, Any], strict: bool, close_objects: bool) -> str:

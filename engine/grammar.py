@@ -26,7 +26,14 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
 from engine.api import Constraint
-from engine.json_keys import ClosingTokens, JsonKeys
+from engine.json_keys import (
+    IN_KEY,
+    JsonKeys,
+    KeyTokens,
+    continuing,
+    repeating_after,
+    toward_key,
+)
 from engine.tokenizer import ModelTokenizer
 
 # Compiled grammars kept for reuse (a compile is ~1 ms, a copy of one ~10-30 us; a schema
@@ -36,6 +43,10 @@ from engine.tokenizer import ModelTokenizer
 # 730 MB), where an agent's usual schemas are a few kB.
 GRAMMAR_CACHE_SIZE = 64
 GRAMMAR_CACHE_CHARS = 2 * 2**20
+# How many tokens ahead a step looks for a way to its object's next key that repeats none
+# (`GrammarState._cornered`): the separators and a key as long as the longest written,
+# where a grammar of fixed separators needs three tokens or so before the key.
+LOOKAHEAD_TOKENS = 64
 
 
 # llguidance's reasons for a matcher that allows no next token, as a client reads them.
@@ -101,17 +112,21 @@ class GrammarState:
     repeats a key of the JSON it writes."""
 
     def __init__(self, compiled: LLMatcher, marker: tuple[int, ...], words: int,
-                 closing: ClosingTokens, guard: MarkerGuard | None = None) -> None:
+                 key_tokens: KeyTokens, guard: MarkerGuard | None = None,
+                 look_ahead: bool = False) -> None:
         """`marker`: the tokens after which the grammar starts (none: at once). A model
         may write a marker of plain text in other tokens than its encoding's (`<tool`
         `_call>`): the output's text ending with it starts the grammar too, and `guard`
-        keeps it from ending inside a token, where that would not be seen."""
+        keeps it from ending inside a token, where that would not be seen. `look_ahead`:
+        the grammar's objects may run out of keys (`Constraint.bounded_keys`), so each
+        step looks ahead for a way to a key not written (`_cornered`)."""
         self._compiled = compiled
         self.words = words  # 32-bit words in one row of a token mask
         self._marker = marker
         self._guard = guard
-        self._closing = closing
+        self._key_tokens = key_tokens
         self._keys = JsonKeys()
+        self._look_ahead = look_ahead
         self._recent: list[int] = []
         self._tail = b""  # the output's last bytes, as long as the guard's marker
         self.matcher: LLMatcher | None = None if marker else compiled.deep_copy()
@@ -158,7 +173,7 @@ class GrammarState:
             self._recent = (self._recent + [token])[-len(self._marker):]
             guard = self._guard
             if guard is not None:
-                self._tail = (self._tail + self._closing.token_bytes[token])[
+                self._tail = (self._tail + self._key_tokens.token_bytes[token])[
                     -len(guard.marker):]
             if tuple(self._recent) == self._marker or (
                     guard is not None and self._tail == guard.marker):
@@ -168,7 +183,7 @@ class GrammarState:
             self.error = matcher_error(self.matcher) or f"token {token} is not allowed here"
         elif self._complete_at is None and self.matcher.is_stopped():
             self._complete_at = self._taken
-        self._keys.feed(self._closing.token_bytes[token])
+        self._keys.feed(self._key_tokens.token_bytes[token])
 
     def fork(self) -> GrammarState:
         """A copy to advance over draft tokens (speculative decoding) while this one stays
@@ -184,17 +199,75 @@ class GrammarState:
 
     def check(self, mask: np.ndarray) -> None:
         """Take the tokens that would repeat a key out of `mask`, this row's as the
-        matcher computed it, and record an error the matcher entered meanwhile, or the
-        dead end of a mask left empty (an object whose possible keys are all written)."""
+        matcher computed it, and those after which the grammar lets the key end only so
+        (`_cornered`); record an error the matcher entered meanwhile, or the dead end of a
+        mask left empty (an object whose possible keys are all written)."""
         if self.matcher is None:  # waiting for the marker: nothing of the grammar's yet
             return
         if self.error is None and self.matcher.is_error():
             self.error = matcher_error(self.matcher)
-        if self.error is None and (repeating := self._keys.repeating(self._closing)):
-            ids = np.array(repeating, dtype=np.uint32)
-            np.bitwise_and.at(mask.view(np.uint32), ids >> 5, ~(np.uint32(1) << (ids & 31)))
-            if not mask.any():
-                self.error = "every token the grammar allows here repeats a key"
+        if self.error is not None:
+            return
+        removed = self._keys.repeating(self._key_tokens)
+        _clear(mask, removed)
+        if self._look_ahead and (cornered := self._cornered(mask)):
+            _clear(mask, cornered)
+            removed += cornered
+        if removed and not mask.any():
+            self.error = "every token the grammar allows here repeats a key"
+
+    def _cornered(self, mask: np.ndarray) -> list[int]:
+        """The tokens `mask` allows after which every way the grammar allows, up to the
+        next key of the innermost object, ends it as a key the object has: under
+        `^(a|b)$`, `b` after `{"b": 0, "`, and the comma after `{"a": 0, "b": 1`. Found
+        by taking each in and looking at the masks that follow, while the output stays
+        on its way to that key and the key on a written one's bytes (`toward_key`)."""
+        position = self._keys.position()
+        if position is None:
+            return []
+        phase, raw, keys = position
+        token_bytes = self._key_tokens.token_bytes
+        way_out: dict[bytes, bool] = {}  # by the bytes written since this position
+
+        def candidates(phase: int, raw: bytes, mask: np.ndarray) -> np.ndarray:
+            """The tokens `mask` allows that may not leave the way to the key, the
+            longest first (they get further)."""
+            if phase == IN_KEY:
+                ids = np.fromiter(continuing(self._key_tokens, raw, keys).union(
+                    repeating_after(self._key_tokens, raw, False, keys)), dtype=np.uint32)
+                ids = ids[np.argsort(-self._key_tokens.lengths[ids], kind="stable")]
+            else:
+                ids = self._key_tokens.separating  # longest first already
+            return ids[mask.view(np.uint32)[ids >> 5] >> (ids & 31) & 1 == 1]
+
+        def leaves(written: bytes, phase: int, raw: bytes, token: int, depth: int) -> bool:
+            after = toward_key(phase, raw, token_bytes[token], keys)
+            if isinstance(after, bool):
+                return after
+            written += token_bytes[token]
+            if written not in way_out:
+                if depth == LOOKAHEAD_TOKENS or not self.matcher.consume_token(token):
+                    return True  # not seen to the end: a way out is assumed
+                mask = np.full(self.words, -1, dtype=np.int32)
+                self.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, self.words * 4)
+                near = candidates(*after, mask)
+                others = mask.copy()
+                _clear(others, near)
+                way_out[written] = bool(others.any()) or any(
+                    leaves(written, *after, int(following), depth + 1) for following in near)
+                self.matcher.rollback(1)
+            return way_out[written]
+
+        return [int(token) for token in candidates(phase, raw, mask)
+                if not leaves(b"", phase, raw, int(token), 0)]
+
+
+def _clear(mask: np.ndarray, tokens: Sequence[int] | np.ndarray) -> None:
+    """Take `tokens` out of `mask`."""
+    if not len(tokens):
+        return
+    ids = np.asarray(tokens, dtype=np.uint32)
+    np.bitwise_and.at(mask.view(np.uint32), ids >> 5, ~(np.uint32(1) << (ids & 31)))
 
 
 class Grammars:
@@ -205,7 +278,7 @@ class Grammars:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._lltokenizer: LLTokenizer | None = None
-        self._closing: ClosingTokens | None = None
+        self._key_tokens: KeyTokens | None = None
         self._compiled: OrderedDict[str, LLMatcher | str] = OrderedDict()
         self._chars = 0  # the cached grammars' text
         self._markers: dict[str, tuple[int, ...]] = {}
@@ -217,8 +290,10 @@ class Grammars:
         (a request admitted again after a failed step)."""
         marker = self._marker(constraint.after) if constraint.after else ()
         state = GrammarState(self._compile(constraint.grammar), marker,
-                             words=(self._vocab_size + 31) // 32, closing=self._closing_tokens(),
-                             guard=self._guard(constraint.after) if constraint.after else None)
+                             words=(self._vocab_size + 31) // 32,
+                             key_tokens=self._vocabulary_key_tokens(),
+                             guard=self._guard(constraint.after) if constraint.after else None,
+                             look_ahead=constraint.bounded_keys)
         for token in generated:
             state.accept(token)
         if state.error is not None:
@@ -260,17 +335,17 @@ class Grammars:
             raise ConstraintFailed(compiled)
         return compiled
 
-    def _closing_tokens(self) -> ClosingTokens:
-        if self._closing is None:  # ~15 ms for a 49k vocabulary
+    def _vocabulary_key_tokens(self) -> KeyTokens:
+        if self._key_tokens is None:  # ~15 ms for a 49k vocabulary
             tokenizer = self.prepare()
-            self._closing = ClosingTokens([
+            self._key_tokens = KeyTokens([
                 b"" if tokenizer.is_special_token(token) else tokenizer.decode_bytes([token])
                 for token in range(self._vocab_size)])
-        return self._closing
+        return self._key_tokens
 
     def _guard(self, text: str) -> MarkerGuard:
         if text not in self._guards:  # ~10 ms for a 49k vocabulary
-            self._guards[text] = MarkerGuard(text.encode(), self._closing_tokens().token_bytes,
+            self._guards[text] = MarkerGuard(text.encode(), self._vocabulary_key_tokens().token_bytes,
                                              (self._vocab_size + 31) // 32)
         return self._guards[text]
 

@@ -14,10 +14,10 @@ from llguidance import LLMatcher, LLTokenizer
 from engine.api import Constraint
 from engine.constraints import FunctionTool, ToolCallFormat, json_object, json_schema, tool_calls
 from engine.grammar import GrammarState, masks
-from engine.json_keys import ClosingTokens, JsonKeys
+from engine.json_keys import JsonKeys, KeyTokens
 
 BYTES = LLTokenizer("byte")
-BYTE_TOKENS = ClosingTokens([b"" if BYTES.is_special_token(token) else BYTES.decode_bytes([token])
+BYTE_TOKENS = KeyTokens([b"" if BYTES.is_special_token(token) else BYTES.decode_bytes([token])
                              for token in range(BYTES.vocab_size)])
 OPEN = {"type": "object", "additionalProperties": True}
 
@@ -26,7 +26,7 @@ def state_after(constraint: Constraint, text: str) -> tuple[GrammarState, np.nda
     """The state of a sequence that wrote `text` under `constraint`, and its next mask."""
     matcher = LLMatcher(BYTES, constraint.grammar, log_level=0)
     state = GrammarState(matcher, (), words=(BYTES.vocab_size + 31) // 32,
-                         closing=BYTE_TOKENS)
+                         key_tokens=BYTE_TOKENS, look_ahead=constraint.bounded_keys)
     for token in BYTES.tokenize_str(text):
         state.accept(token)
     assert state.error is None, state.error
@@ -109,10 +109,42 @@ def test_an_object_whose_keys_are_all_written_fails_instead_of_repeating_one():
 
 def test_tokens_of_several_bytes_close_keys_as_a_whole():
     vocab = [b'{"', b'a', b'a"', b'"', b'": 1', b', "', b'ab"', b'\\u0061"', b'b": 2}', b'a":']
-    closing = ClosingTokens(vocab)
+    tokens = KeyTokens(vocab)
     keys = JsonKeys()
     for token in (b'{"', b'a', b'": 1', b', "'):
         keys.feed(token)
-    assert sorted(vocab[t] for t in keys.repeating(closing)) == [b'\\u0061"', b'a"', b'a":']
+    assert sorted(vocab[t] for t in keys.repeating(tokens)) == [b'\\u0061"', b'a"', b'a":']
     keys.feed(b"a")
-    assert sorted(vocab[t] for t in keys.repeating(closing)) == [b'"', b'": 1']
+    assert sorted(vocab[t] for t in keys.repeating(tokens)) == [b'"', b'": 1']
+
+
+def test_a_key_is_not_written_into_a_corner_where_it_can_only_repeat_one():
+    a_or_b = {"type": "object", "patternProperties": {"^(a|b)$": {"type": "integer"}},
+              "additionalProperties": False}
+    assert not allows(json_schema(a_or_b), '{"b": 0, "', "b")  # then only `"` would follow
+    assert allows(json_schema(a_or_b), '{"b": 0, "', "a")
+    long_names = {"type": "object", "additionalProperties": False,
+                  "patternProperties": {"^(abc|abd|x)$": {"type": "integer"}}}
+    assert allows(json_schema(long_names), '{"abc": 0, "', "a")  # on to "abd"
+    assert not allows(json_schema(long_names), '{"abc": 0, "abd": 1, "', "a")
+    assert allows(json_schema(long_names), '{"abc": 0, "abd": 1, "', "x")
+    assert allows(json_schema(OPEN), '{"a": 0, "', "a")  # "ab", "a2", ... are other keys
+
+
+
+def test_an_object_whose_keys_are_all_written_ends_instead_of_taking_a_comma():
+    a_or_b = {"type": "object", "patternProperties": {"^(a|b)$": {"type": "integer"}},
+              "additionalProperties": False}
+    assert not allows(json_schema(a_or_b), '{"a": 0, "b": 1', ",")
+    assert allows(json_schema(a_or_b), '{"a": 0, "b": 1', "}")
+    assert allows(json_schema(a_or_b), '{"a": 0', ",")
+    assert allows(json_schema(OPEN), '{"a": 0, "b": 1', ",")
+
+
+def test_only_grammars_whose_keys_can_run_out_are_looked_ahead():
+    by_pattern = {"type": "object", "additionalProperties": False,
+                  "properties": {"inner": {"patternProperties": {"^x$": {}}}}}
+    assert json_schema(by_pattern).bounded_keys
+    assert tool_calls([FunctionTool("f", by_pattern)]).bounded_keys
+    assert not json_schema(OPEN).bounded_keys and not json_object().bounded_keys
+    assert not tool_calls([FunctionTool("f", OPEN)]).bounded_keys
