@@ -65,6 +65,9 @@ class ModelTokenizer:
         """Token ids the tokenizer knows; an id at or past it is not one of the model's."""
         self.eos_token_ids: frozenset[int] = frozenset(wrapper.eos_token_ids)
         self.has_chat_template: bool = bool(wrapper.has_chat_template)
+        # The template's text (several templates by name: all of them), for what the
+        # server asks of it.
+        self.chat_template_text: str = str(getattr(wrapper, "chat_template", None) or "")
         self.tool_calls: ToolCallFormat | None = None
         if wrapper.has_tool_calling:
             self.tool_calls = ToolCallFormat(wrapper.tool_call_start, wrapper.tool_call_end,

@@ -5,6 +5,10 @@ Agents send two shapes that many templates refuse:
 - Runs of one role. Codex sends developer, developer, user, user; a template that enforces
   alternation (Gemma 3's) raises on it. A run becomes one message, its texts joined by a
   blank line (an assistant run also joins its tool calls and reasoning).
+- The developer role, OpenAI's successor to the system message, which Codex and the
+  OpenAI SDKs send. A template that does not name it (all but gpt-oss's) would render a
+  turn of a role its model never saw, or refuse it (Gemma 3's): it becomes a system
+  message, and joins the system messages around it.
 - System messages after the conversation has begun (Claude Code's mid-conversation system
   messages). A template that renders a system turn anywhere (ChatML, Llama 3) gets them
   where they are. For one that does not (Gemma 3's has a system prompt only up front), the
@@ -41,13 +45,23 @@ def renders_late_system(tokenizer: ModelTokenizer) -> bool:
         return False
 
 
-def normalize(messages: Sequence[TemplateMessage], late_system: bool) -> list[TemplateMessage]:
-    """`messages` with system messages after the first other one kept as such only when
-    `late_system` (the template renders them), else made user text; then every run of
-    one role merged into one message."""
+def knows_developer(tokenizer: ModelTokenizer) -> bool:
+    """Does the model's chat template name the developer role (gpt-oss's renders it as
+    a turn of its own)?"""
+    return "developer" in tokenizer.chat_template_text
+
+
+def normalize(messages: Sequence[TemplateMessage], late_system: bool,
+              developer: bool = False) -> list[TemplateMessage]:
+    """`messages` with developer messages made system ones unless `developer` (the
+    template knows the role), and system messages after the first other one kept as such
+    only when `late_system` (the template renders them), else made user text; then every
+    run of one role merged into one message."""
     started = False
     out: list[TemplateMessage] = []
     for message in messages:
+        if message["role"] == "developer" and not developer:
+            message = {**message, "role": "system"}
         role = message["role"]
         if role in SYSTEM_ROLES and started and not late_system:
             message = {"role": "user", "content": message.get("content") or ""}

@@ -13,7 +13,7 @@ from engine.api import ImageFile, Prompt
 from engine.image_tokens import ImageTokens
 from engine.tokenizer import ChatEnd, ModelTokenizer
 from server import generic_tools as generic
-from server.conversation import SYSTEM_ROLES, normalize, renders_late_system
+from server.conversation import SYSTEM_ROLES, knows_developer, normalize, renders_late_system
 from server.http.errors import APIError
 from server.images import MARKER
 from server.request import GenerationRequest, TemplateMessage
@@ -89,7 +89,7 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
         )
     if generic.template_ignores_tools(tokenizer):
         messages, tools = generic.rewrite(request.messages, tools), ()
-    messages = normalize(messages, renders_late_system(tokenizer))
+    messages = normalize(messages, renders_late_system(tokenizer), knows_developer(tokenizer))
     if tokenizer.images is not None:
         messages = [_with_placeholders(message, tokenizer.images.placeholder)
                     for message in messages]

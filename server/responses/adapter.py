@@ -143,8 +143,7 @@ def input_messages(body: ResponsesRequest, history: list[TemplateMessage]) -> li
 
     for item in body.input:
         if isinstance(item, MessageItem) and item.role != "assistant":
-            role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": joined_text(item.content)})
+            messages.append({"role": item.role, "content": joined_text(item.content)})
             if images := content_images(item.content):
                 # Kept with the message, so a stored conversation keeps its images.
                 messages[-1][IMAGES] = images

@@ -8,7 +8,7 @@ from pathlib import Path
 from mlx_lm.tokenizer_utils import load
 
 from engine.tokenizer import ModelTokenizer
-from server.conversation import normalize, renders_late_system
+from server.conversation import knows_developer, normalize, renders_late_system
 
 
 def test_codex_runs_of_one_role_become_one_message_each() -> None:
@@ -18,10 +18,18 @@ def test_codex_runs_of_one_role_become_one_message_each() -> None:
         {"role": "user", "content": "<environment_context/>"},
         {"role": "user", "content": "List the files."},
     ]
-    assert normalize(messages, late_system=True) == [
+    assert normalize(messages, late_system=True, developer=True) == [
         {"role": "developer", "content": "Be careful.\n\nUse the shell."},
         {"role": "user", "content": "<environment_context/>\n\nList the files."},
     ]
+
+
+def test_a_developer_message_is_a_system_one_where_the_template_lacks_the_role() -> None:
+    messages = [{"role": "system", "content": "You are an agent."},
+                {"role": "developer", "content": "Use the shell."},
+                {"role": "user", "content": "Hi."}]
+    assert normalize(messages, late_system=False) == [
+        {"role": "system", "content": "You are an agent.\n\nUse the shell."}, messages[2]]
 
 
 def test_an_assistant_run_joins_text_calls_and_reasoning() -> None:
@@ -52,6 +60,8 @@ def test_a_late_system_message_stays_or_joins_the_next_user_turn() -> None:
         *messages[:3], {"role": "user", "content": "The user switched to plan mode.\n\nPlan it."}]
 
 
-def test_the_probe_tells_which_templates_render_a_late_system_turn(real_model_dir: Path) -> None:
-    """SmolLM2's ChatML template renders every message as a turn of its role."""
-    assert renders_late_system(ModelTokenizer(load(real_model_dir)))
+def test_the_probes_tell_what_a_template_renders(real_model_dir: Path) -> None:
+    """SmolLM2's ChatML template renders every message as a turn of its role, and names
+    no developer role."""
+    tokenizer = ModelTokenizer(load(real_model_dir))
+    assert renders_late_system(tokenizer) and not knows_developer(tokenizer)

@@ -31,6 +31,15 @@ def test_a_chat_counts_the_prompt_tokens_its_request_reports(
     assert counted["max_model_len"] > counted["count"]
 
 
+def test_a_developer_message_is_the_system_message_of_a_template_without_the_role(
+        server: ServerProcess, headers: dict, model_id: str) -> None:
+    developer = [{**CHAT[0], "role": "developer"}, CHAT[1]]
+    as_developer, as_system = (
+        post(server, headers, "/tokenize", {"model": model_id, "messages": messages}).json()
+        for messages in (developer, CHAT))
+    assert as_developer["tokens"] == as_system["tokens"]
+
+
 def test_text_round_trips_through_its_ids_in_both_servers_shapes(
         server: ServerProcess, headers: dict) -> None:
     text = "Hello, world! Ça va?"
