@@ -111,6 +111,10 @@ BURST_HOLD_SECONDS = 1.0
 # turn (`Scheduler._restore_some`): 2,456 files took 0.4 s to rebuild in all on the 2-core
 # CPU, headers read included, so a tier of 100k files would stall steps for seconds.
 RESTORE_SLICE = 0.01
+# How long a copy whose path runs through a node a request is computing waits for it
+# (`RadixTree.restoring`) before it is deleted as having no place: longer than a long
+# prompt takes to compute on 2 CPU cores.
+RESTORE_PATIENCE = 300.0
 # Readouts read together (`Scheduler._read`) hold their shared prefix once per row: a batch
 # holds at most this many idle chunks of positions, prefix copies and padding included.
 MAX_READ_CHUNKS = 16
@@ -386,7 +390,8 @@ class Scheduler:
         self._brought_back = BroughtBack()
         # The disk tier's rebuilds under way (`Restore`): `RadixTree.restoring` and its
         # waiter, run a slice of each turn.
-        self._restoring: collections.deque[tuple[Iterator[None], Future]] = collections.deque()
+        self._restoring: collections.deque[tuple[Iterator[bool], Future]] = collections.deque()
+        self._restore_waits = False  # the oldest waits for a node a request computes
 
     def new_generation(self, request_id: str, prompt: list[int], params: SamplingParams,
                        emit: Callable[[object], None],
@@ -449,7 +454,8 @@ class Scheduler:
             if idle:  # at rest within budget: a chain loaded over it, its request gone
                 self.tree.enforce_capacity()
             messages = self._take_inbox(block=idle and not until_idle and
-                                        not self._bringing_back and not self._restoring and
+                                        not self._bringing_back and
+                                        (not self._restoring or self._restore_waits) and
                                         (not shared or self.group.leader))
             if shared:
                 # A busy group receives this turn's inputs at the next turn, so that the
@@ -571,7 +577,7 @@ class Scheduler:
             case Cancel(request_id) if request_id in self.generations:
                 self._cancel(self.generations[request_id])
             case Restore(copies, done):
-                self._restoring.append((self.tree.restoring(copies), done))
+                self._restoring.append((self.tree.restoring(copies, RESTORE_PATIENCE), done))
             case BringBack(nodes, done):
                 self._bringing_back.extend(nodes)
                 self._brought_back.begin(done)
@@ -1379,12 +1385,15 @@ class Scheduler:
 
     def _restore_some(self) -> None:
         """Run the oldest rebuild under way for a slice of this turn (`RESTORE_SLICE`): a
-        tier of many files is restored between steps, not in one long stall of them."""
+        tier of many files is restored between steps, not in one long stall of them. A
+        rebuild whose copies left all wait for nodes requests compute ends the slice."""
         steps, done = self._restoring[0]
         deadline = time.perf_counter() + RESTORE_SLICE
         try:
             while time.perf_counter() < deadline:
-                next(steps)
+                self._restore_waits = next(steps)
+                if self._restore_waits:
+                    break  # for a node a request computes: the engine steps first
         except StopIteration as finished:
             self._restoring.popleft()
             done.set_result(finished.value)

@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Protocol
 
 from radix.misses import MissReason
 from radix.node import Handle, LRUList, Node, NodeState, Stored
 from radix.prefix import common_prefix_length
+
+
+class RestoreLater(Exception):
+    """A copy's path runs through a node a request is computing: it has its place once
+    that node is done (or gone)."""
 
 
 class PathState(Protocol):
@@ -102,7 +108,9 @@ class Tiers:
         given as (the key of the copy it follows, or the store's root key; its tokens;
         the copy). Parents go before their children. Returns how many copies became
         nodes, and the copies that have no place (see `restore`; orphans too): delete
-        those. Safe while requests use the tree, which is how a server starts."""
+        those. Safe while requests use the tree, which is how a server starts; a copy
+        whose path runs through a node a request is computing has no place here (the
+        engine's thread waits for it: `restoring`)."""
         steps = self.restoring(copies)
         while True:
             try:
@@ -110,23 +118,56 @@ class Tiers:
             except StopIteration as done:
                 return done.value
 
-    def restoring(self, copies: Iterable[tuple[str, tuple[int, ...], Stored]]
-                  ) -> Generator[None, None, tuple[int, list[Stored]]]:
-        """`restore_all`, pausing after each copy: a thread that serves requests runs it
-        a slice of time at a time (a tier of many files)."""
+    def restoring(self, copies: Iterable[tuple[str, tuple[int, ...], Stored]],
+                  patience: float = 0.0) -> Generator[bool, None, tuple[int, list[Stored]]]:
+        """`restore_all`, pausing after each copy (yielding False): a thread that serves
+        requests runs it a slice of time at a time (a tier of many files).
+
+        A copy whose path runs through a node a request is computing (`RestoreLater`)
+        waits, with the copies after it below the same node (shortest first, see below)
+        and every copy below them: those were deleted, a third of a 2,017-file tier by
+        one request that came during the rebuild. While every copy left waits, it yields
+        True (let the engine step first); after `patience` seconds of that, what still
+        waits has no place. A copy may also follow one that is not on the list but live
+        in the tree: its file was written after the listing, by requests served meanwhile
+        that cut the path elsewhere and saved the tail under its own key anew."""
         children: dict[str, list[tuple[tuple[int, ...], Stored]]] = collections.defaultdict(
             list)
         for parent_key, tokens, stored in copies:
             children[parent_key].append((tuple(tokens), stored))
         places, queue = {self.store.root_key: self.root}, collections.deque([self.store.root_key])
         restored, rejected = 0, []
-        while queue:
-            parent_key = queue.popleft()
-            # Shortest first: a snapshot taken at a message end hangs from the same node as
-            # the longer one its node was split from, and must be in place before it.
-            for tokens, stored in sorted(children.pop(parent_key, ()), key=lambda c: len(c[0])):
-                node = self.restore(places[parent_key], tokens, stored)
-                yield
+        waiting: list[tuple[str, tuple[int, ...], Stored]] = []
+        give_up: float | None = None
+        while True:
+            if not queue and not waiting and children:
+                # Requests served meanwhile wrote copies under their tree's cuts: a file
+                # listed may follow one written after the listing, whose node is live.
+                queue.extend(self._places_of(set(children) - set(places), places))
+            if not queue and not waiting:
+                break
+            if queue:
+                parent_key = queue.popleft()
+                # Shortest first: a snapshot taken at a message end hangs from the same node
+                # as the longer one its node was split from, and must be in place before it.
+                turn = [(parent_key, tokens, stored) for tokens, stored in
+                        sorted(children.pop(parent_key, ()), key=lambda c: len(c[0]))]
+            else:
+                now = time.monotonic()
+                give_up = give_up if give_up is not None else now + patience
+                if now >= give_up:
+                    rejected += [stored for _, _, stored in waiting]
+                    break
+                yield True
+                turn, waiting = waiting, []
+            for index, (parent_key, tokens, stored) in enumerate(turn):
+                try:
+                    node = self.restore(places[parent_key], tokens, stored)
+                except RestoreLater:
+                    waiting += turn[index:]
+                    yield False
+                    break
+                yield False
                 if node is None:
                     rejected.append(stored)
                     continue
@@ -141,7 +182,8 @@ class Tiers:
         root or an earlier `restore`'s node). Returns the node now holding a copy filed
         under `stored.key` (an existing one if it is the same copy), or None if the copy
         has no place (over budget, parent evicted, its key not that path's, overlapping
-        other data): delete it, and so every copy below it.
+        other data): delete it, and so every copy below it. Raises RestoreLater where a
+        node on the path is being computed.
 
         Requests served while the tree is rebuilt may have cut the copy's path at other
         places: the first chat after a restart goes on past a stored system prompt, or
@@ -172,7 +214,7 @@ class Tiers:
                     created = self._add_child(node, tokens[depth:], None, on_disk=True)
                     return self._take_copy(created, self._rest(stored, depth))
                 if child.state is not NodeState.READY:
-                    return None
+                    raise RestoreLater
                 k = common_prefix_length(child.tokens, tokens, depth)
                 if k < len(child.tokens):
                     if not self._cuttable(child, stored):
@@ -294,6 +336,14 @@ class Tiers:
         parent = node.parent
         self._remove_subtree(node, MissReason.UNREADABLE)
         self._sync_lru(parent)
+
+    def _places_of(self, keys: set[str], places: dict[str, Node]) -> list[str]:
+        """Add to `places` the ready nodes holding copies filed under `keys`; their keys."""
+        with self._mutex:
+            found = {node.key: node for node in self._below_root()
+                     if node.key in keys and node.state is NodeState.READY}
+        places.update(found)
+        return list(found)
 
     def _below_root(self) -> Iterator[Node]:
         """Every node of the tree but the root."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -737,6 +738,47 @@ def test_restoring_pauses_after_each_copy_and_ends_with_restore_alls_result():
         pauses += 1
         check_invariants(fresh)
     assert pauses == 3 and edges(fresh) == {(1, 2), (1, 2, 3, 4), (7,)}
+
+
+def test_a_copy_through_a_node_being_computed_waits_for_it_with_those_below():
+    """A request that came during the rebuild computes the path of a stored prompt: its
+    copy, and every copy below it, wait for that node instead of being deleted."""
+    tree, store = tiered()
+    tree.put([1, 2])
+    tree.insert(tree.match([1, 2]).node, [3, 4], span([3, 4], prefix=(1, 2)))
+    copies = [(s.parent_key, s.span, s) for s in store.saved]
+    fresh, _ = tiered()
+    computing = fresh.reserve(fresh.root, [1, 2, 3]).node
+    steps = fresh.restoring(copies, patience=60)
+    assert set(itertools.takewhile(lambda waits: not waits, steps)) == {False}  # then True
+    fresh.finalize(computing, span([1, 2, 3]))
+    fresh.unpin(computing)
+    restored = None
+    while restored is None:
+        try:
+            next(steps)
+        except StopIteration as done:
+            restored = done.value
+    assert restored[1] == []  # none deleted
+    assert [node.path_tokens() for node in fresh.match([1, 2, 3, 4]).disk] == [(1, 2, 3, 4)]
+    check_invariants(fresh)
+    impatient, _ = tiered()
+    impatient.reserve(impatient.root, [1, 2, 3])
+    assert impatient.restore_all(copies)[1] == [s for _, _, s in copies]  # as before
+
+
+def test_a_copy_following_one_written_since_the_listing_hangs_below_its_live_node():
+    """The rebuild lists the files, then reads them while requests are served: a file
+    rewritten meanwhile names a parent written after the listing, which the tree holds."""
+    tree, store = tiered()
+    tree.put([1, 2])
+    tree.insert(tree.match([1, 2]).node, [3, 4], span([3, 4], prefix=(1, 2)))
+    _, below = store.saved
+    fresh, _ = tiered()
+    fresh.put([1, 2])  # a request's, filed under the same key as the file not listed
+    restored, rejected = fresh.restore_all([(below.parent_key, below.span, below)])
+    assert (restored, rejected) == (1, [])
+    assert [node.path_tokens() for node in fresh.match([1, 2, 3, 4]).disk] == [(1, 2, 3, 4)]
 
 
 def test_restore_refuses_copies_over_the_disk_budget():
