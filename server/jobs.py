@@ -57,11 +57,14 @@ class Job:
         self._tokens: Counter[int] = Counter()
 
     def submit(
-        self, prompts: Sequence[Prompt], n: int, params: Callable[[int], SamplingParams]
+        self, prompts: Sequence[Prompt], n: int, params: Callable[[int], SamplingParams],
+        prompt_param: str | None = None,
     ) -> None:
         """Queue every choice: choice `p * n + j` is prompt p's j-th, with `params(j)`.
 
-        All or nothing: if the engine refuses one, those already queued are cancelled."""
+        All or nothing: if the engine refuses one, those already queued are cancelled.
+        `prompt_param`: the request's field a prompt too long for the context is named
+        by."""
         self.n = n
         # Known now, so a request whose client leaves before its Finish still logs it.
         self.stats.prompt_tokens = sum(len(prompt.tokens) for prompt in prompts)
@@ -74,7 +77,8 @@ class Job:
             self._streams = [by_choice[j][p] for p in range(len(prompts)) for j in range(n)]
         except ContextLengthExceeded as error:
             self.close()
-            raise APIError(400, str(error), code="context_length_exceeded") from error
+            raise APIError(400, str(error), code="context_length_exceeded",
+                           param=prompt_param) from error
         except QueueFull as error:
             self.close()
             raise APIError(

@@ -322,7 +322,7 @@ async def _start(http: Request, state: ServerState, lease: Lease, request: Gener
     defaults = model.spec.sampling
     job.submit(prompts, request.n, lambda choice: _choice_params(
         request, defaults, max_tokens, choice, constraints[thinking[choice // request.n][1]],
-        prediction))
+        prediction), prompt_param="messages" if request.is_chat else "prompt")
     echoes = [_echo(tokenizer, request, index, prompt) for index, prompt in enumerate(prompts)]
     decoders = [
         _decoder(request, markers, thinking[choice // request.n][0], tool_format, choice,

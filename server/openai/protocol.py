@@ -91,11 +91,13 @@ class SamplingRequest(RequestModel):
     def _minus_one_is_no_seed(cls, value: int | None) -> int | None:
         return None if value == -1 else value
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> SamplingRequest:
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        return self
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo
+                                    ) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return value
 
 
 # -- chat requests -------------------------------------------------------------------------
