@@ -414,9 +414,7 @@ class ModelRegistry:
         if model.share_bytes > self.budget_bytes - pinned:  # unloading others cannot help
             raise self._no_room(model, self.budget_bytes - pinned)
         while (free := self.budget_bytes - self._placed_bytes()) < model.share_bytes:
-            movable = [other for other in self.models
-                       if other is not model and other.engine is not None
-                       and not other.spec.pinned and other.loading is None]
+            movable = self._movable(model)
             if not movable:
                 if not any(other.loading for other in self.models if other is not model):
                     raise self._no_room(model, free)
@@ -432,13 +430,29 @@ class ModelRegistry:
             victim.evicting = True
             try:
                 await cancel_background(victim)
-                while victim.inflight:
+                # Until its requests finish, or room comes free otherwise (another model
+                # gone idle, unloaded or crashed): then look again.
+                while victim.inflight and not self._other_way(model, victim):
                     if time.monotonic() > deadline:
                         raise self._still_loading(model)
                     await asyncio.sleep(WATCH_SECONDS / 4)
-                await self.unload(victim)
+                if not victim.inflight:
+                    await self.unload(victim)
             finally:
                 victim.evicting = False
+
+    def _movable(self, model: ServedModel) -> list[ServedModel]:
+        """The loaded models `model` may unload to make room."""
+        return [other for other in self.models
+                if other is not model and other.engine is not None
+                and not other.spec.pinned and other.loading is None]
+
+    def _other_way(self, model: ServedModel, victim: ServedModel) -> bool:
+        """Whether `model` now fits without waiting for `victim`: the room is free, or
+        another model it may unload is idle."""
+        return (self.budget_bytes - self._placed_bytes() >= model.share_bytes
+                or any(other is not victim and other.inflight == 0
+                       for other in self._movable(model)))
 
     def _no_room(self, model: ServedModel, free: int) -> APIError:
         return APIError(

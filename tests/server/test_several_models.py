@@ -360,6 +360,24 @@ def test_a_model_waiting_for_room_gets_it_when_a_busy_one_is_done(
     assert states(budget)[waiting_for] == "loaded"
 
 
+def test_a_model_waiting_for_a_busy_one_takes_the_room_another_leaves_first(
+        budget: ServerProcess) -> None:
+    """The third model waits for the least recently used loaded one, which is busy; the
+    other loaded one goes idle first: the third takes its room then, not once the first is
+    done."""
+    older, newer, waiting_for = "d0", "d1", "d2"
+    for model in (older, newer):
+        assert load(budget, model).status_code == 200
+    with busy(budget, older), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with busy(budget, newer):
+            waiting = pool.submit(chat, budget, waiting_for)
+            time.sleep(1.0)
+            assert not waiting.done()
+        assert waiting.result().status_code == 200
+        assert states(budget) == {older: "loaded", newer: "unloaded", waiting_for: "loaded",
+                                  "huge": "unloaded"}
+
+
 def test_an_unload_cancels_a_load_that_waits_for_room(budget: ServerProcess) -> None:
     """An operator's load that waits for room (both loaded models busy) and an unload of
     that model meanwhile: the load answers 503 in the API's shape (a plain-text 500 when
