@@ -61,10 +61,26 @@ def _described(error: ValueError) -> str:
 class JSONRoute(APIRoute):
     """The route class of every router: its handler sees a JSONRequest."""
 
+    any_content_type = False  # read the body as JSON whatever its Content-Type says
+
     def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
         handler = super().get_route_handler()
 
         async def with_json_request(request: Request) -> Response:
-            return await handler(JSONRequest(request.scope, request.receive))
+            scope = _labelled_json(request.scope) if self.any_content_type else request.scope
+            return await handler(JSONRequest(scope, request.receive))
 
         return with_json_request
+
+
+class AnyTypeJSONRoute(JSONRoute):
+    """Ollama's routes: a body is JSON whatever its Content-Type says, as Ollama's server
+    reads it. Its own documented examples (`curl .../api/generate -d '{...}'`) send curl's
+    default, application/x-www-form-urlencoded."""
+
+    any_content_type = True
+
+
+def _labelled_json(scope: dict[str, Any]) -> dict[str, Any]:
+    headers = [(name, value) for name, value in scope["headers"] if name != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}

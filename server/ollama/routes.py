@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.http.errors import APIError
-from server.http.json_body import JSONRoute
+from server.http.json_body import AnyTypeJSONRoute
 from server.http.loading import respond_with_model
 from server.http.model_response import model_response
 from server.http.openapi import error_responses
@@ -72,7 +72,7 @@ Body = TypeVar("Body", ChatRequest, GenerateRequest)
 NEVER = 253402300799
 
 router = APIRouter(prefix="/api", responses=error_responses(ErrorResponse),
-                   route_class=JSONRoute)
+                   route_class=AnyTypeJSONRoute)
 
 
 @router.post("/chat")

@@ -139,6 +139,15 @@ def test_an_empty_request_loads_the_model_and_the_only_one_is_not_unloaded(
     assert kept.value.status_code == 409 and "stays loaded" in kept.value.error
 
 
+def test_a_body_is_json_whatever_its_content_type_says(server: ServerProcess,
+                                                      model_id: str) -> None:
+    """Ollama's own examples send curl's default type: `curl .../api/generate -d '{...}'`."""
+    body = json.dumps({"model": model_id, "prompt": "Hi", "stream": False, "options": GREEDY})
+    sent = httpx.post(f"{server.url}/api/generate", content=body, timeout=60, headers={
+        **AUTH, "Content-Type": "application/x-www-form-urlencoded"})
+    assert sent.status_code == 200 and sent.json()["done"] is True
+
+
 def test_a_stream_left_early_ends_its_generation(server: ServerProcess, model_id: str) -> None:
     body = {"model": model_id, "messages": HI, "options": {"num_predict": 2000,
                                                            "temperature": 0}}
