@@ -187,12 +187,6 @@ def _spelled(node: Any, parts: list[str | int], kind: str) -> list[str | int] | 
         return []
     part, rest = parts[0], parts[1:]
     inside = _has(node, part)
-    if inside and isinstance(node, dict) and part in (node.get(key) for key in TAG_KEYS):
-        # A key named as the object's own tag: pydantic's tag first ("tool_calls.0.function
-        # .id" is a call's own "id", where the call also has a "function").
-        tagged = _spelled(node, rest, kind)
-        if tagged:
-            return tagged
     # A value no union member of its type could take: what is left names those tried.
     tried_as_members = (inside and not isinstance(node[part], dict | list)
                         and all(isinstance(tag, str) for tag in rest))
