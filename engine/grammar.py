@@ -233,9 +233,10 @@ class GrammarState:
             """The tokens `mask` allows that may not leave the way to the key, the
             longest first (they get further)."""
             if phase == IN_KEY:
-                ids = np.fromiter(continuing(self._key_tokens, raw, keys).union(
-                    repeating_after(self._key_tokens, raw, False, keys)), dtype=np.uint32)
-                ids = ids[np.argsort(-self._key_tokens.lengths[ids], kind="stable")]
+                ids = np.array(sorted(
+                    continuing(self._key_tokens, raw, keys).union(
+                        repeating_after(self._key_tokens, raw, False, keys)),
+                    key=lambda token: -len(token_bytes[token])), dtype=np.uint32)
             else:
                 ids = self._key_tokens.separating  # longest first already
             return ids[mask.view(np.uint32)[ids >> 5] >> (ids & 31) & 1 == 1]
@@ -249,7 +250,7 @@ class GrammarState:
                 if depth == LOOKAHEAD_TOKENS or not self.matcher.consume_token(token):
                     return True  # not seen to the end: a way out is assumed
                 mask = np.full(self.words, -1, dtype=np.int32)
-                self.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, self.words * 4)
+                self.fill(mask)
                 near = candidates(*after, mask)
                 others = mask.copy()
                 _clear(others, near)
