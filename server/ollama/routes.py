@@ -155,8 +155,8 @@ async def _load_or_unload(request: Request, body: GenerationFields, chat: bool) 
         await models.unload(served)
         reason = "unload"
     else:
-        async with models.use(body.model):
-            reason = "load"
+        await _load(request, body.model)
+        reason = "load"
     fields: dict[str, Any] = {"model": models.name_for(served, body.model),
                               "created_at": created_at(), "done": True, "done_reason": reason}
     done = (ChatChunk(**fields, message=OutMessage()) if chat
