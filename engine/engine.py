@@ -44,6 +44,7 @@ from engine.constraints import json_object
 from engine.disk_store import DiskStore, default_disk_budget, model_fingerprint
 from engine.distributed import RankGroup, memory_domain, one_gpu_would_be_faster
 from engine.draft_model import DraftModel, DraftModelError
+from engine.grammar_check import GRAMMAR_THREAD_STACK_BYTES
 from engine.kv_quant import KVQuantization, cached_bytes_per_token, kv_quantization
 from engine.loader import LoadedModel, failed_load, load_model, model_id_for
 from engine.memory import CPU_MEMORY_FRACTION, MemoryPlan, describe, headroom, plan_memory
@@ -168,6 +169,9 @@ class Engine:
 
     def start(self) -> None:
         """Load, warm up and serve in the worker thread; returns at once."""
+        # The worker and the threads it starts compile and run grammars: llguidance's
+        # recursion needs the stack the grammar check allowed for (engine/grammar_check.py).
+        threading.stack_size(GRAMMAR_THREAD_STACK_BYTES)
         self._thread = threading.Thread(target=self._main, name=ENGINE_THREAD,
                                         daemon=True)
         self._thread.start()

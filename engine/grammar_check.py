@@ -7,6 +7,11 @@ in the server's process, it would cost every request in flight. A grammar is che
 (`GrammarChecker.check` remembers its verdict), so an agent that sends the same tools with
 every request pays the round trip once.
 
+llguidance also recurses on a grammar's nesting as it compiles it (a chain of ~2,700 lark
+rules, each naming the next, needs 8 MiB of stack). The checker compiles on a thread of
+`CHECK_STACK_BYTES`, a quarter of the stack the engine gives the threads that compile and
+run grammars (`GRAMMAR_THREAD_STACK_BYTES`): a grammar that passes here has room there.
+
 The checker is `python -m engine.grammar_check`, as `ps` shows it: one grammar a line on
 its stdin (JSON), one verdict a line on its stdout. It exits when its stdin closes.
 """
@@ -28,6 +33,8 @@ from llguidance import LLMatcher, LLTokenizer
 # A check that takes longer is a grammar too costly to compile: refused, its process ended.
 CHECK_SECONDS = 30.0
 REMEMBERED = 512  # verdicts kept, most recently asked first
+GRAMMAR_THREAD_STACK_BYTES = 16 * 2**20
+CHECK_STACK_BYTES = GRAMMAR_THREAD_STACK_BYTES // 4
 CRASHED = "the grammar crashed the grammar engine"
 # Where `engine` is importable from, for a checkout that is not installed.
 SOURCE_ROOT = str(Path(__file__).resolve().parents[1])
@@ -107,7 +114,14 @@ def verdict(grammar: str, tokenizer: LLTokenizer) -> Verdict:
 CHECKER = GrammarChecker()
 
 
-if __name__ == "__main__":
-    BYTES = LLTokenizer("byte")  # llguidance's tokenizer of single bytes
+def _serve() -> None:
+    tokenizer = LLTokenizer("byte")  # llguidance's tokenizer of single bytes
     for request in sys.stdin:
-        print(json.dumps(asdict(verdict(json.loads(request), BYTES))), flush=True)
+        print(json.dumps(asdict(verdict(json.loads(request), tokenizer))), flush=True)
+
+
+if __name__ == "__main__":
+    threading.stack_size(CHECK_STACK_BYTES)
+    checks = threading.Thread(target=_serve, name="radix-mlx-grammar-check")
+    checks.start()
+    checks.join()

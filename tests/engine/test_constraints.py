@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 
 import pytest
 from llguidance import LLMatcher, LLTokenizer
@@ -18,7 +19,7 @@ from engine.constraints import (
     json_schema,
     tool_calls,
 )
-from engine.grammar_check import GrammarChecker, Verdict
+from engine.grammar_check import GRAMMAR_THREAD_STACK_BYTES, GrammarChecker, Verdict
 from engine.json_schemas import strict_mode
 
 WEATHER = FunctionTool("get_weather", {
@@ -102,6 +103,33 @@ def test_a_grammar_that_kills_the_grammar_engine_costs_its_check_only():
         assert checker.check(deadly).error == "the grammar crashed the grammar engine"
     assert checker.check(LLMatcher.grammar_from_json_schema('{"type": "string"}')) == \
         Verdict(None)
+
+
+def rule_chain(rules: int) -> str:
+    """A lark grammar of `rules` rules, each naming the next: llguidance recurses once
+    per rule as it compiles it."""
+    return LLMatcher.grammar_from_lark("start: r0\n" + "".join(
+        f'r{i}: "a" r{i + 1}\n' for i in range(rules)) + f'r{rules}: "b"\n')
+
+
+def test_a_grammar_deeper_than_the_check_s_stack_is_refused_with_room_to_spare():
+    """The check compiles on a quarter of the stack the engine's grammar threads get: a
+    chain of 2,000 rules, which an engine thread compiles, is refused by the check (it
+    overflows the checker's stack, not the server's), and one of 1,000 passes."""
+    checker = GrammarChecker()
+    assert checker.check(rule_chain(1000)) == Verdict(None)
+    assert checker.check(rule_chain(2000)).error == "the grammar crashed the grammar engine"
+
+    compiled: list[bool] = []
+    threading.stack_size(GRAMMAR_THREAD_STACK_BYTES)
+    try:
+        engine_thread = threading.Thread(target=lambda: compiled.append(
+            not LLMatcher(LLTokenizer("byte"), rule_chain(2000), log_level=0).is_error()))
+        engine_thread.start()
+        engine_thread.join()
+    finally:
+        threading.stack_size(0)
+    assert compiled == [True]
 
 
 def test_equal_schemas_give_equal_constraints():

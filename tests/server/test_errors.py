@@ -96,6 +96,14 @@ CASES = [
         "type": "json_schema", "json_schema": {"name": "s", "schema": {
             "type": "integer", "minimum": -1e19, "maximum": -1e19}},
     }), 400, "unsupported_schema", "response_format"),
+    # llguidance recurses once a reference compiling it: checked on a smaller stack than
+    # the server's (engine/grammar_check.py), it ends the checker's process, not the server.
+    ("references nested past the grammar engine's stack", "POST", CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "s", "schema": {
+            "$ref": "#/$defs/d0", "$defs": {
+                **{f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(3000)},
+                "d3000": {"type": "integer"}}}},
+    }), 400, "unsupported_schema", "response_format"),
     ("unenforceable tool parameters", "POST", CHAT, chat(
         tools=[{"type": "function", "function": {
             "name": "f", "strict": True,
