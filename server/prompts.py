@@ -109,7 +109,9 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
     if message_ends:
         ends = tokenizer.shared_lengths(prompt, _heads(messages), template_tools, variables,
                                         counts)
-    if tokenizer.images is None:
+    if tokenizer.images is None or not images:
+        # A text chat runs as on the language model: an image token the user wrote as
+        # text (a coding agent pasting a vision model's code) is one of its tokens.
         return Prompt(prompt, ends)
     try:
         keyed, placed = tokenizer.images.key(prompt, images)

@@ -250,6 +250,17 @@ def test_an_object_replacement_character_in_text_is_text(tokenizer, client, mode
             model=model, max_tokens=2, messages=[{"role": "user", "content": content}]).choices
 
 
+def test_image_tokens_written_as_text_in_a_text_chat_are_text(tokenizer, client, model):
+    """A coding agent pastes a vision model's source, which names its image tokens: with
+    no image in the chat, they are tokens of its text, as on the language model (they were
+    counted as images, and the chat refused for holding more images than it sent)."""
+    images = tokenizer.images
+    pasted = f"The processor writes {images.placeholder} then {images.image * 3}."
+    reply = client.chat.completions.create(
+        model=model, max_tokens=2, messages=[{"role": "user", "content": pasted}])
+    assert reply.choices[0].finish_reason == "length"
+
+
 def test_an_image_url_is_fetched_from_an_allowed_host(client, model, tokenizer, reference):
     image = png(15)
 
