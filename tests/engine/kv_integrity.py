@@ -85,6 +85,10 @@ def check_tree_kv(engine: Engine, model: nn.Module) -> Checked:
     scheduler = engine._scheduler
     if engine.disk is not None:
         assert engine.disk.flush(30), "disk writes still queued"
+    # An idle engine's last step may still compute on MLX's stream (a cancelled prefill's
+    # logits): this thread's evaluations below detach the graph they share with it, which
+    # crashed MLX now and then (SIGSEGV in eval_impl).
+    mx.synchronize()
     with scheduler.tree._mutex:
         held = {node: (node.tokens, node.path_tokens_locked(), node.handle, node.stored)
                 for node in tree_nodes(scheduler.tree.root)}
