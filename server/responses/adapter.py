@@ -61,6 +61,7 @@ from server.responses.protocol import (
     AllowedToolsChoice,
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
+    Content,
     CustomChoice,
     CustomInputDeltaEvent,
     CustomInputDoneEvent,
@@ -143,10 +144,7 @@ def input_messages(body: ResponsesRequest, history: list[TemplateMessage]) -> li
 
     for item in body.input:
         if isinstance(item, MessageItem) and item.role != "assistant":
-            messages.append({"role": item.role, "content": joined_text(item.content)})
-            if images := content_images(item.content):
-                # Kept with the message, so a stored conversation keeps its images.
-                messages[-1][IMAGES] = images
+            messages.append(_with_images(item.role, item.content))
         elif isinstance(item, MessageItem):
             assistant_turn()["content"] += joined_text(item.content)
         elif isinstance(item, ReasoningItem):
@@ -155,12 +153,9 @@ def input_messages(body: ResponsesRequest, history: list[TemplateMessage]) -> li
         elif isinstance(item, FunctionCallItem | CustomToolCallItem):
             assistant_turn().setdefault("tool_calls", []).append(_template_call(item))
         elif isinstance(item, CustomToolCallOutputItem):
-            messages.append({"role": "tool", "content": joined_text(item.output),
-                             "tool_call_id": item.call_id})
+            messages.append({**_with_images("tool", item.output), "tool_call_id": item.call_id})
         elif isinstance(item, FunctionCallOutputItem):
-            result: TemplateMessage = {"role": "tool", "content": joined_text(item.output)}
-            if images := content_images(item.output):  # a screenshot a tool returned
-                result[IMAGES] = images
+            result = _with_images("tool", item.output)
             call_id = item.call_id or _answered_call(history + messages, item)
             if call_id is not None:
                 result["tool_call_id"] = call_id
@@ -168,6 +163,16 @@ def input_messages(body: ResponsesRequest, history: list[TemplateMessage]) -> li
                 result["name"] = item.name
             messages.append(result)
     return messages
+
+
+def _with_images(role: str, content: Content) -> TemplateMessage:
+    """A chat message of `content` with the URLs of its images (a user's picture, a tool's
+    screenshot), kept with it so a stored conversation keeps them, and each one loaded
+    where its marker is."""
+    message: TemplateMessage = {"role": role, "content": joined_text(content)}
+    if images := content_images(content):
+        message[IMAGES] = images
+    return message
 
 
 def _template_call(call: FunctionCallItem | CustomToolCallItem | OutputFunctionCall

@@ -389,6 +389,10 @@ SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
                 {"type": "function_call_output", "call_id": "c",
                  "output": [{"type": "input_image", "image_url": "x"}]}]},
      "does not read images", "input"),  # a tool's screenshot, there too
+    ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": "x"},
+                {"type": "custom_tool_call_output", "call_id": "c",
+                 "output": [{"type": "input_image", "image_url": "x"}]}]},
+     "does not read images", "input"),  # a custom tool's as a function's
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
      "no Files API", None),
     ({"input": "x", "background": True}, "background responses are not supported", None),

@@ -230,6 +230,43 @@ def test_a_tools_image_output_is_read_as_in_a_chat_tool_message(vision_server, c
     assert message.content[0].text == chat.choices[0].message.content
 
 
+def test_a_custom_tools_image_output_is_read_where_it_is_as_in_chat(
+        vision_server, client, model):
+    """A custom tool's image output is loaded as a function's is: Chat's prompt and answer
+    for the same turns, a later user image in its own place, a bad image a 400. (It was
+    never loaded: its marker stood with no image, a later user image was fed there.)"""
+    tool, later = data_url(png(16)), data_url(png(17))
+    call = {"id": "c", "type": "custom", "custom": {"name": "look", "input": "screen"}}
+    chat = client.chat.completions.create(
+        model=model, max_tokens=MAX_TOKENS, temperature=0,
+        tools=[{"type": "custom", "custom": {"name": "look"}}], messages=[
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c",
+             "content": [{"type": "image_url", "image_url": {"url": tool}}]},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": later}}]}])
+
+    def respond(url: str) -> httpx.Response:
+        return httpx.post(f"{vision_server.url}/v1/responses", timeout=60, json={
+            "model": model, "max_output_tokens": MAX_TOKENS, "temperature": 0,
+            "tools": [{"type": "custom", "name": "look"}], "input": [
+                {"role": "user", "content": QUESTION},
+                {"type": "custom_tool_call", "call_id": "c", "name": "look", "input": "screen"},
+                {"type": "custom_tool_call_output", "call_id": "c",
+                 "output": [{"type": "input_image", "image_url": url}]},
+                {"role": "user", "content": [{"type": "input_image", "image_url": later}]}]})
+
+    response = respond(tool).json()
+    assert response["usage"]["input_tokens"] == chat.usage.prompt_tokens
+    text = "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"])
+    assert text == chat.choices[0].message.content
+    for bad in (BAD_IMAGES["invalid base64"], BAD_IMAGES["a file URL"]):
+        refused = respond(bad)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "invalid_image"
+
+
 def test_an_object_replacement_character_in_text_is_text(tokenizer, client, model):
     """U+FFFC stands where rich-text editors had an attachment, so pasted text holds it:
     it is the user's text, not an image's place (as the image marker once, it left a
