@@ -145,7 +145,7 @@ def input_messages(body: ResponsesRequest, history: list[TemplateMessage]) -> li
     for item in body.input:
         if isinstance(item, MessageItem) and item.role != "assistant":
             messages.append(_with_images(item.role, item.content))
-        elif isinstance(item, MessageItem):
+        elif isinstance(item, MessageItem):  # text only (MessageItem refuses images)
             assistant_turn()["content"] += joined_text(item.content)
         elif isinstance(item, ReasoningItem):
             turn = assistant_turn()

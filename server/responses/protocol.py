@@ -129,6 +129,15 @@ class MessageItem(RequestModel):
     id: str | None = None
     status: str | None = None
 
+    @model_validator(mode="after")
+    def _assistant_has_no_images(self) -> MessageItem:
+        # A model's own turn is the text it wrote: refused as Chat Completions and
+        # Messages refuse an image in an assistant message.
+        if self.role == "assistant" and content_images(self.content):
+            raise ValueError("input_image parts belong in user messages and tool outputs, "
+                             "not in assistant messages")
+        return self
+
 
 class CallItem(RequestModel):
     """A tool call the model made, sent back."""

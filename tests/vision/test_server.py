@@ -267,6 +267,24 @@ def test_a_custom_tools_image_output_is_read_where_it_is_as_in_chat(
         assert refused.json()["error"]["code"] == "invalid_image"
 
 
+def test_an_image_in_an_assistant_message_is_a_400_in_each_api(vision_server, model):
+    """A model's own turn is text: each API refuses an image there alike (Responses took
+    its marker into the text and never loaded the image)."""
+    url = data_url(png(16))
+    chat = httpx.post(f"{vision_server.url}/v1/chat/completions", timeout=30, json={
+        "model": model, "max_tokens": 4, "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": url}}]},
+            {"role": "user", "content": "And?"}]})
+    responses = httpx.post(f"{vision_server.url}/v1/responses", timeout=30, json={
+        "model": model, "max_output_tokens": 4, "input": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": [{"type": "input_image", "image_url": url}]},
+            {"role": "user", "content": "And?"}]})
+    assert (chat.status_code, responses.status_code) == (400, 400), responses.text
+    assert "assistant" in responses.json()["error"]["message"]
+
+
 def test_an_object_replacement_character_in_text_is_text(tokenizer, client, model):
     """U+FFFC stands where rich-text editors had an attachment, so pasted text holds it:
     it is the user's text, not an image's place (as the image marker once, it left a
