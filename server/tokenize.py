@@ -95,6 +95,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
                                              special_tokens=body.special_tokens)
         else:
             tokens = (await render(model, _chat(body)))[0].tokens
+            if tokenizer.images is not None:
+                # An image's tokens hold its radix key (engine/image_tokens.py), past the
+                # vocabulary: the client is given the image token the model reads, as vLLM.
+                tokens = tokenizer.images.model_ids(tokens)
         pieces = [tokenizer.decode([token]) for token in tokens] \
             if body.with_pieces or body.return_token_strs else []
         limit = model.engine.context_length

@@ -285,6 +285,22 @@ def test_an_image_in_an_assistant_message_is_a_400_in_each_api(vision_server, mo
     assert "assistant" in responses.json()["error"]["message"]
 
 
+def test_tokenize_gives_a_chat_with_an_image_in_the_models_own_token_ids(
+        vision_server, model, tokenizer):
+    """As vLLM's /tokenize: the image is its image token, repeated as the model reads it,
+    and each id has its piece (the radix cache's image keys, past the vocabulary, came out
+    instead, and decoding them for pieces was a 500)."""
+    image = png(16)
+    expected = tokenizer.chat_prompt(chat_text(tokenizer),
+                                     image_counts=[image_count(tokenizer, image)])
+    counted = httpx.post(f"{vision_server.url}/tokenize", timeout=30, json={
+        "model": model, "messages": chat_image(data_url(image)), "return_token_strs": True,
+        "with_pieces": True}).json()
+    assert [piece["id"] for piece in counted["tokens"]] == expected
+    assert counted["token_strs"] == [tokenizer.decode([token]) for token in expected]
+    assert expected.count(tokenizer.images.image_token_id) == image_count(tokenizer, image)
+
+
 def test_an_object_replacement_character_in_text_is_text(tokenizer, client, model):
     """U+FFFC stands where rich-text editors had an attachment, so pasted text holds it:
     it is the user's text, not an image's place (as the image marker once, it left a
