@@ -148,6 +148,17 @@ def test_wrapped_base64_is_read_and_the_limits_hold():
         asyncio.run(load_images([data_url(png(5))], small, "s"))
 
 
+def test_the_byte_limit_counts_the_image_not_the_line_breaks_of_its_base64():
+    """A MIME-wrapped payload (76 columns, CRLF) of an image at the limit is read: its
+    line breaks are no bytes of the image (they were counted, and refused it)."""
+    data = png(4)
+    wrapped = "data:image/png;base64," + base64.encodebytes(data).decode().replace("\n", "\r\n")
+    [image] = asyncio.run(load_images([wrapped], replace(LIMITS, max_bytes=len(data)), "s"))
+    assert image.data == data
+    with pytest.raises(APIError, match=f"larger than this server's limit of {len(data) - 1}"):
+        asyncio.run(load_images([wrapped], replace(LIMITS, max_bytes=len(data) - 1), "s"))
+
+
 def test_the_pixel_limit_holds_for_a_requests_images_together():
     """16 images each just under the limit, a request of under 1 MB, held 5 GB while they
     were decoded and stalled every other request for 10 s: the limit is the request's."""
