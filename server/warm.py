@@ -2,10 +2,11 @@
 shared few-shot block) at start, so the first real request finds them cached.
 
 The file is JSON Lines, one request body per line, validated like the API's own:
-`{"messages": [...]}` renders through the chat template as /v1/chat/completions would,
-`{"prompt": "..."}` tokenizes as /v1/completions would. Each runs once, for one token,
-after the model is ready and the disk tier has been read back (what is already cached
-there is then a hit, not a second computation). A bad line is logged and skipped.
+`{"messages": [...]}` renders through the chat template as /v1/chat/completions would
+(its images loaded), `{"prompt": "..."}` tokenizes as /v1/completions would. Each runs
+once, for one token, after the model is ready and the disk tier has been read back (what
+is already cached there is then a hit, not a second computation). A bad line is logged
+and skipped.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from pathlib import Path
 
 from engine.api import EngineError, Lifecycle, Prompt, SamplingParams
 from server.http.errors import APIError
+from server.model_registry import ServedModel
 from server.openai.adapter import chat_request, completion_request
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
-from server.prompts import chat_prompt, raw_prompts
+from server.pipeline import render
 from server.state import ServerState
 
 log = logging.getLogger("radix_mlx.server")
@@ -48,8 +50,7 @@ async def prefill_warm_prompts(state: ServerState, path: Path) -> None:
         if not line.strip():
             continue
         try:
-            prompts = await asyncio.to_thread(_prompts, engine.tokenizer, line,
-                                              engine.wants_message_ends)
+            prompts = await _prompts(model, line)
             for prompt in prompts:
                 stream = engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0.0))
                 async for event in stream:
@@ -61,12 +62,13 @@ async def prefill_warm_prompts(state: ServerState, path: Path) -> None:
              prefilled, path, cached)
 
 
-def _prompts(tokenizer, line: str, message_ends: bool) -> list[Prompt]:
+async def _prompts(model: ServedModel, line: str) -> list[Prompt]:
+    """The line's prompts rendered as its request's are (server/pipeline.py): a chat's
+    images loaded, the model's template variables and volatile system lines applied, or
+    the first real request would find only part of it cached."""
     body = json.loads(line)
     if isinstance(body, dict) and "messages" in body:
-        request = chat_request(ChatCompletionRequest.model_validate(body))
-        return [chat_prompt(tokenizer, request, message_ends)]
+        return await render(model, chat_request(ChatCompletionRequest.model_validate(body)))
     if isinstance(body, dict) and "prompt" in body:
-        request = completion_request(CompletionRequest.model_validate(body))
-        return raw_prompts(tokenizer, request)
+        return await render(model, completion_request(CompletionRequest.model_validate(body)))
     raise ValueError('each line must be an object with "messages" or "prompt"')

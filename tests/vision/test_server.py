@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import io
+import json
 import threading
 import time
 
@@ -299,6 +300,26 @@ def test_tokenize_gives_a_chat_with_an_image_in_the_models_own_token_ids(
     assert [piece["id"] for piece in counted["tokens"]] == expected
     assert counted["token_strs"] == [tokenizer.decode([token]) for token in expected]
     assert expected.count(tokenizer.images.image_token_id) == image_count(tokenizer, image)
+
+
+def test_a_warm_prompt_with_an_image_is_cached_past_its_image(demo_vlm_dir, tmp_path):
+    """--warm-prompts loads a chat's images as its request does, so the first real request
+    finds all of it cached (the image was left out: only the text before it was)."""
+    messages = [{"role": "system", "content": "You are a screenshot analyst. " * 30},
+                *chat_image(data_url(png(18)))]
+    warm = tmp_path / "warm.jsonl"
+    warm.write_text(json.dumps({"messages": messages}) + "\n")
+    server = start_server(demo_vlm_dir, tmp_path / "server.log", "--warm-prompts", str(warm))
+    try:
+        deadline = time.monotonic() + 60
+        while "warm prompts:" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        usage = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "messages": messages, "max_tokens": 1}).json()["usage"]
+    finally:
+        server.stop()
+    assert "warm prompts: 1 prefilled" in server.log()
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
 
 
 def test_an_object_replacement_character_in_text_is_text(tokenizer, client, model):
