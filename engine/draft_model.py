@@ -28,15 +28,17 @@ class DraftModelError(ValueError):
 class DraftModel:
     """A loaded draft model, checked against the model it drafts for."""
 
-    def __init__(self, model: nn.Module, weight_bytes: int) -> None:
+    def __init__(self, model: nn.Module, weight_bytes: int, vocab_size: int) -> None:
         self.model = model
         self.weight_bytes = weight_bytes
+        self.vocab_size = vocab_size  # its embedding's rows
 
     @classmethod
     def load(cls, path: str, target: LoadedModel) -> DraftModel:
         """Load `path` (a local directory or hub repo id) with mlx-lm; refuse a model whose
-        tokenizer maps text to other ids than `target`'s, or whose cache cannot be rolled
-        back (a sliding window or recurrent state)."""
+        tokenizer maps text to other ids than `target`'s, that embeds fewer ids than the
+        tokenizer makes (MLX does not check an index: a larger id reads other memory), or
+        whose cache cannot be rolled back (a sliding window or recurrent state)."""
         draft = load_model(path)
         theirs, ours = draft.tokenizer.vocabulary(), target.tokenizer.vocabulary()
         if theirs != ours:
@@ -45,29 +47,38 @@ class DraftModel:
                 f"the draft model {draft.model_id} has another tokenizer than "
                 f"{target.model_id} ({len(theirs)} against {len(ours)} tokens, "
                 f"{differing} entries differ): its token ids would mean other text")
+        if draft.vocab_size < target.tokenizer.vocab_size:
+            raise DraftModelError(
+                f"the draft model {draft.model_id} embeds {draft.vocab_size} token ids, "
+                f"fewer than the {target.tokenizer.vocab_size} its tokenizer makes")
         if not supports_segments(make_prompt_cache(draft.model)):
             raise DraftModelError(f"the draft model {draft.model_id} keeps a cache that "
                                   "cannot be rolled back (sliding window or recurrent)")
-        return cls(draft.model, draft.weight_bytes)
+        return cls(draft.model, draft.weight_bytes, draft.vocab_size)
 
     def session(self) -> DraftSession:
-        return DraftSession(self.model)
+        return DraftSession(self.model, self.vocab_size)
 
 
 class DraftSession:
     """One sequence's drafting: a cache of the draft model and the tokens it holds."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, vocab_size: int) -> None:
         self.model = model
+        self.vocab_size = vocab_size
         self.cache = make_prompt_cache(model)
         self.tokens: list[int] = []
 
     def __call__(self, context: list[int], limit: int) -> list[int]:
-        """The draft model's greedy `limit` tokens after `context`."""
+        """The draft model's greedy `limit` tokens after `context`; none where the context
+        holds an id past the draft model's embedding (a served model's padding row, which
+        sampling or a logit bias can pick)."""
         if not context or limit <= 0:
             return []
         # The last token is fed again for its logits, whatever the cache holds.
         kept = min(common_prefix_length(self.tokens, context), len(context) - 1)
+        if max(context[kept:]) >= self.vocab_size:
+            return []
         trim_prompt_cache(self.cache, len(self.tokens) - kept)
         *unseen, last = context[kept:]
         for start in range(0, len(unseen), CATCH_UP_CHUNK):

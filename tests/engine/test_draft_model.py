@@ -6,7 +6,11 @@ model stops it loading with a clear error."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from engine.api import EngineConfig, SpeculationConfig
@@ -81,3 +85,37 @@ def test_a_draft_model_whose_cache_cannot_roll_back_is_refused(demo_model_dir,
     loaded = load_model(str(demo_model_dir))
     with pytest.raises(DraftModelError, match="cannot be rolled back"):
         DraftModel.load(str(demo_model_family("gemma3_text")), loaded)
+
+
+def with_embedded_ids(source: Path, target: Path, rows: int) -> Path:
+    """A copy of the model at `source` whose embedding and output layer keep their first
+    `rows` ids (its tokenizer unchanged)."""
+    shutil.copytree(source, target)
+    config = json.loads((source / "config.json").read_text())
+    weights = mx.load(str(source / "model.safetensors"))
+    mx.save_safetensors(str(target / "model.safetensors"), {
+        name: array[:rows] if array.shape[0] == config["vocab_size"] else array
+        for name, array in weights.items()})
+    (target / "config.json").write_text(json.dumps({**config, "vocab_size": rows}))
+    return target
+
+
+def test_a_draft_model_that_embeds_fewer_ids_than_its_tokenizer_is_refused(
+        demo_model_dir, tmp_path):
+    """Fed a larger id, MLX's embedding would read past its rows: such a draft model
+    would guess from other memory."""
+    loaded = load_model(str(demo_model_dir))
+    small = with_embedded_ids(Path(demo_model_dir), tmp_path / "small", rows=1024)
+    with pytest.raises(DraftModelError, match="embeds 1024 token ids, fewer than"):
+        DraftModel.load(str(small), loaded)
+
+
+def test_a_session_drafts_nothing_after_an_id_past_its_embedding(demo_model_dir, reference):
+    """The served model may embed more ids than its tokenizer makes (padding rows, which
+    sampling or a logit bias can pick): past the draft model's rows, a context gets no
+    guess, and fed nothing, the session guesses as before once the context leaves it."""
+    loaded = load_model(str(demo_model_dir))
+    session = DraftModel.load(str(demo_model_dir), loaded).session()
+    prompt = loaded.tokenizer.encode("a padding id ends the guesses " * 2)
+    assert session([*prompt, session.vocab_size], 4) == []
+    assert session(prompt, 4) == reference.greedy(prompt, 4)
