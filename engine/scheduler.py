@@ -1160,8 +1160,12 @@ class Scheduler:
         ended: set[int] = set()
         for output in outputs:
             generation = self.running.get(output.uid)
-            if generation is not None and output.uid not in ended and (
-                    ending := self._on_token(generation, output)):
+            if generation is None:
+                continue
+            if output.uid in ended:  # an accepted draft token past the end
+                generation.drafts.unused(1)
+                self.counters.accepted_draft_tokens -= 1
+            elif ending := self._on_token(generation, output):
                 endings.append((generation, *ending))
                 ended.add(output.uid)
         if endings:

@@ -270,6 +270,13 @@ class Drafts:
                             else max(1, self._length - 1))
         self._judge(accepted)
 
+    def unused(self, tokens: int) -> None:
+        """The last verify's final `tokens` accepted came after the sequence ended (a stop
+        inside the draft): not output, so not counted as accepted."""
+        self.accepted -= tokens
+        if self._predicting:
+            self.accepted_predicted -= tokens
+
     def declined(self) -> None:
         """`auto` found this draft not worth a verify (`best_width`): a chance that kept
         nothing, as a failed guess is."""

@@ -113,6 +113,23 @@ async def test_a_prediction_of_the_answer_is_kept_whole_and_a_wrong_one_changes_
     assert wrong.finish.prediction_tokens > 0 == wrong.finish.accepted_prediction_tokens
 
 
+async def test_a_stop_inside_an_accepted_prediction_counts_only_what_was_output(
+        engine, reference):
+    """A verify accepts the whole predicted answer, and a stop token within it ends the
+    reply there: the tokens after it were never output, so they are not accepted ones
+    (accepted prediction tokens once outnumbered the completion's)."""
+    prompt = encode(engine, "Predicted, then stopped: ")
+    want = reference.greedy(prompt, 24)
+    stop = next(token for token in want[4:] if token not in want[:4])
+    stopped = await complete(engine, prompt, 24, prediction=tuple(want),
+                             stop_token_ids=(stop,))
+    assert stopped.tokens == want[:want.index(stop)]
+    finish = stopped.finish
+    assert finish.matched_stop == stop
+    assert finish.accepted_prediction_tokens <= finish.accepted_draft_tokens <= \
+        finish.completion_tokens
+
+
 async def test_auto_drafts_a_repeated_request_and_keeps_its_answer(engine, reference):
     prompt = encode(engine, "Auto mode, asked twice: what is a fjord? ")
     first = await complete(engine, prompt, 24, speculation="auto")
