@@ -13,6 +13,7 @@ become `max_tokens`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -49,6 +50,13 @@ def template_arguments(arguments: str) -> Any:
         return pydantic_core.from_json(arguments)
     except ValueError:
         return arguments
+
+
+def turn_text(pieces: Iterable[str]) -> str:
+    """One chat message's text out of the pieces a front end sends it in (Anthropic's
+    text blocks, a run of Responses' assistant message items): a line apart, so words at
+    the seams stay apart; an empty piece adds no blank line."""
+    return "\n".join(piece for piece in pieces if piece)
 
 
 def template_call(call_id: str, name: str, arguments: Any) -> dict[str, Any]:

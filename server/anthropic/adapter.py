@@ -92,6 +92,7 @@ from server.request import (
     NamedFunction,
     TemplateMessage,
     template_call,
+    turn_text,
     unset_knobs,
 )
 from server.request import ToolChoice as GenerationToolChoice
@@ -160,7 +161,7 @@ def chat_messages(message: AnthropicMessage) -> list[TemplateMessage]:
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     blocks = message.content
-    text = "\n".join(MARKER if isinstance(block, ImageBlock) else block.text
+    text = turn_text(MARKER if isinstance(block, ImageBlock) else block.text
                      for block in blocks if isinstance(block, READ_BLOCKS))
     if message.role == "system":
         return [{"role": "system", "content": text}]

@@ -54,6 +54,7 @@ from server.request import (
     TemplateMessage,
     template_arguments,
     template_call,
+    turn_text,
     unset_knobs,
 )
 from server.request import ToolChoice as GenerationToolChoice
@@ -132,7 +133,7 @@ def with_current_markers(message: TemplateMessage) -> TemplateMessage:
 def input_messages(body: ResponsesRequest, history: list[TemplateMessage]) -> list[TemplateMessage]:
     """The new input as chat messages, after `history` (a stored conversation). A run of
     assistant-side items (reasoning, an assistant message, function calls) is one
-    assistant turn, as a chat template sees it."""
+    assistant turn, as a chat template sees it, its messages' texts a line apart."""
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
     messages: list[TemplateMessage] = []
@@ -146,7 +147,8 @@ def input_messages(body: ResponsesRequest, history: list[TemplateMessage]) -> li
         if isinstance(item, MessageItem) and item.role != "assistant":
             messages.append(_with_images(item.role, item.content))
         elif isinstance(item, MessageItem):  # text only (MessageItem refuses images)
-            assistant_turn()["content"] += joined_text(item.content)
+            turn = assistant_turn()
+            turn["content"] = turn_text((turn["content"], joined_text(item.content)))
         elif isinstance(item, ReasoningItem):
             turn = assistant_turn()
             turn["reasoning_content"] = turn.get("reasoning_content", "") + item.text
@@ -451,7 +453,9 @@ def _logprobs(item: TextItem) -> dict[str, list]:
 
 def assistant_message(response: ResponseObject) -> TemplateMessage:
     """The response's output as the assistant turn a follow-up continues after."""
-    message: TemplateMessage = {"role": "assistant", "content": response.output_text}
+    message: TemplateMessage = {"role": "assistant", "content": turn_text(
+        "".join(part.text for part in item.content)
+        for item in response.output if isinstance(item, OutputMessage))}
     for item in response.output:
         if isinstance(item, OutputReasoning):
             message["reasoning_content"] = item.content[0].text

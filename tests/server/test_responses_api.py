@@ -15,9 +15,22 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.anthropic.adapter import chat_messages
+from server.anthropic.protocol import AnthropicMessage
 from server.images import MARKER
-from server.responses.adapter import IMAGES, input_messages, with_current_markers
-from server.responses.protocol import ResponsesRequest
+from server.responses.adapter import (
+    IMAGES,
+    assistant_message,
+    input_messages,
+    with_current_markers,
+)
+from server.responses.protocol import (
+    OutputFunctionCall,
+    OutputMessage,
+    OutputText,
+    ResponsesRequest,
+)
+from server.responses.protocol import Response as ResponseObject
 from tests.server.support import API_KEY, ServerProcess
 
 TOOLS = [{
@@ -318,6 +331,33 @@ def test_function_call_items_round_trip(client: openai.OpenAI, model_id: str) ->
     kinds = [item.type for item in client.responses.input_items.list(listed.id, order="asc").data]
     assert kinds == ["message", "reasoning", "function_call", "function_call_output",
                      "custom_tool_call", "custom_tool_call_output"]
+
+
+def test_a_run_of_assistant_text_is_one_turn_a_line_apart_as_anthropics_blocks_are() -> None:
+    """Consecutive assistant message items (an agent's commentary, then its answer) are
+    one assistant turn, their texts a line apart as an Anthropic turn's text blocks are;
+    so is a stored response's text around a call, when a follow-up goes on from it. They
+    used to be glued together ("Let me look.Done.")."""
+    said = [{"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": text}]}
+            for text in ("Let me look.", "Done.")]
+    body = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "Fix it."},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Look first."}]},
+        *said]})
+    _, turn = input_messages(body, [])
+    assert turn == {"role": "assistant", "content": "Let me look.\nDone.",
+                    "reasoning_content": "Look first."}
+    (anthropic,) = chat_messages(AnthropicMessage.model_validate({
+        "role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                         {"type": "text", "text": "Done."}]}))
+    assert anthropic["content"] == turn["content"]
+    response = ResponseObject(id="resp_1", status="completed", model="m", output=[
+        OutputMessage(id="msg_1", status="completed", content=[OutputText(text="Let me look.")]),
+        OutputFunctionCall(id="fc_1", call_id="call_1", name="shell", arguments="{}",
+                           status="completed"),
+        OutputMessage(id="msg_2", status="completed", content=[OutputText(text="Done.")])])
+    assert assistant_message(response)["content"] == turn["content"]
 
 
 def test_an_output_without_call_id_is_matched_by_id_or_name_or_kept_plain(
