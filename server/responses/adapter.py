@@ -59,6 +59,7 @@ from server.request import (
 )
 from server.request import ToolChoice as GenerationToolChoice
 from server.responses.protocol import (
+    TEXT_PART_TYPES,
     AllowedToolsChoice,
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
@@ -637,7 +638,7 @@ ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_outp
 def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's input as the items OpenAI lists for a response: a string is one user
     message; every item has an id (made where the client sent none) and a status, and a
-    message's text is a content part."""
+    message's text is in content parts of the kind its role is listed with."""
     if isinstance(body.input, str):
         items = [{"type": "message", "role": "user", "content": body.input}]
     else:
@@ -646,10 +647,22 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
     for item in items:
         item.setdefault("id", _new_id(ITEM_ID_PREFIXES[item["type"]]))
         item.setdefault("status", "completed")
-        if item["type"] == "message" and isinstance(item["content"], str):
-            kind = "output_text" if item["role"] == "assistant" else "input_text"
-            item["content"] = [{"type": kind, "text": item["content"]}]
+        if item["type"] == "message":
+            content = item["content"]
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            item["content"] = [_listed_part(part, item["role"]) for part in parts]
     return items
+
+
+def _listed_part(part: dict[str, Any], role: str) -> dict[str, Any]:
+    """A message's text part as OpenAI lists it: an assistant's is output text with its
+    annotations (none here), which the SDK's ResponseOutputMessage requires; anyone
+    else's is input text. Other parts (images, files, refusals) stay as sent."""
+    if part["type"] not in TEXT_PART_TYPES:
+        return part
+    if role == "assistant":
+        return {"type": "output_text", "text": part["text"], "annotations": []}
+    return {"type": "input_text", "text": part["text"]}
 
 
 INPUT_ITEM = TypeAdapter(InputItem)

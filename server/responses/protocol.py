@@ -11,7 +11,7 @@ Responses, output items and stream events mirror what the official `openai` SDK 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
@@ -33,8 +33,14 @@ from server.schema import (
 # -- input items ---------------------------------------------------------------------------
 
 
+# The content parts read as text: OpenAI's input text, and the kinds clients send back
+# from output and reasoning items.
+TextPartType = Literal["input_text", "output_text", "text", "summary_text", "reasoning_text"]
+TEXT_PART_TYPES = get_args(TextPartType)
+
+
 class InputText(RequestModel):
-    type: Literal["input_text", "output_text", "text", "summary_text", "reasoning_text"]
+    type: TextPartType
     text: str
 
 
@@ -86,8 +92,7 @@ def _text_part_kind(value: Any) -> str | None:
         return None
     if value["type"] in ("input_image", "input_file", "refusal"):
         return value["type"]
-    return "text" if value["type"] in InputText.model_fields["type"].annotation.__args__ \
-        else "unsupported"
+    return "text" if value["type"] in TEXT_PART_TYPES else "unsupported"
 
 
 TextPart = Annotated[

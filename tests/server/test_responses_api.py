@@ -13,7 +13,8 @@ from typing import Literal
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel, ConfigDict, Field
+from openai.types.responses import ResponseInputMessageItem, ResponseItem, ResponseOutputMessage
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from server.anthropic.adapter import chat_messages
 from server.anthropic.protocol import AnthropicMessage
@@ -38,6 +39,7 @@ TOOLS = [{
     "parameters": {"type": "object", "properties": {"command": {"type": "string"}},
                    "required": ["command"]},
 }]
+RESPONSE_ITEM = TypeAdapter(ResponseItem)
 
 
 def test_response_shape_and_usage(client: openai.OpenAI, model_id: str) -> None:
@@ -244,6 +246,31 @@ def test_a_stored_responses_input_items_are_listed_page_by_page(
                                         previous_response_id=response.id)
     (only,) = client.responses.input_items.list(follow_up.id).data
     assert only.type == "message" and only.content[0].text == "Thanks."
+
+
+def test_listed_input_items_are_the_sdks_response_items(
+        client: openai.OpenAI, model_id: str, server: ServerProcess) -> None:
+    """Each listed item validates as the SDK's ResponseItem: an assistant message sent
+    back is listed as OpenAI lists it, a ResponseOutputMessage whose output_text parts
+    carry their `annotations` (none). They used to be listed as sent, without them, and
+    validated as no ResponseItem."""
+    items = [
+        {"role": "user", "content": "a"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "ok"}]},
+        {"role": "assistant", "content": "fine"},
+        {"role": "user", "content": [{"type": "input_text", "text": "b"}]},
+    ]
+    response = client.responses.create(model=model_id, input=items, max_output_tokens=2)
+    listed = httpx.get(f"{server.url}/v1/responses/{response.id}/input_items?order=asc",
+                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    parsed = [RESPONSE_ITEM.validate_python(item) for item in listed.json()["data"]]
+    assert [type(item) for item in parsed] == [
+        ResponseInputMessageItem, ResponseOutputMessage, ResponseOutputMessage,
+        ResponseInputMessageItem]
+    assert [(part.text, part.annotations) for item in parsed[1:3] for part in item.content] \
+        == [("ok", []), ("fine", [])]
+    assert all(item.status == "completed" for item in parsed[1:3])
 
 
 def test_input_items_or_cancels_this_server_cannot_give_are_refused(
