@@ -18,6 +18,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Tag, 
 
 # The likeliest alternatives a token's logprob may come with, in every API (OpenAI's 20).
 MAX_TOP_LOGPROBS = 20
+# The tools one request may offer in OpenAI's APIs (OpenAI's 128). Refused as they are
+# validated: thousands took seconds of rendering and tokenizing, every other stream
+# stalled meanwhile, only to be refused as too long.
+MAX_TOOLS = 128
 
 
 def _nullable_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:

@@ -38,6 +38,10 @@ REQUEST_PARTS = ("body", "query", "path", "header", "cookie")
 
 # How many validation problems one message lists; the rest are counted.
 MAX_LISTED_PROBLEMS = 3
+# OpenAI's codes for the validation problems it gives a code of their own, by pydantic's
+# type for the problem (too_long: a list past its max_length); the rest are
+# invalid_request.
+VALIDATION_CODES = {"too_long": "array_above_max_length"}
 # The methods a 405's Allow header may name.
 HTTP_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 
@@ -155,7 +159,9 @@ def validation_error(errors: list[dict[str, Any]], body: Any = None) -> APIError
     if len(problems) > MAX_LISTED_PROBLEMS:
         message += f" (and {len(problems) - MAX_LISTED_PROBLEMS} more)"
     first_loc = problems[0][0] if problems else []
-    return APIError(400, message, code="invalid_request", param=first_loc[0] if first_loc else None)
+    first_type = errors[0]["type"] if errors else None
+    return APIError(400, message, code=VALIDATION_CODES.get(first_type, "invalid_request"),
+                    param=first_loc[0] if first_loc else None)
 
 
 def _field_loc(loc: Sequence[str | int], body: Any, kind: str) -> Sequence[str | int]:

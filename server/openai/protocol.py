@@ -22,6 +22,7 @@ from pydantic import (
 from engine.api import SpeculationMode
 from server.documents import ReadInText, document, text_of_data_url
 from server.schema import (
+    MAX_TOOLS,
     MAX_TOP_LOGPROBS,
     ObjectSchema,
     RefusalPart,
@@ -379,7 +380,7 @@ class ChatCompletionRequest(StructuredOutputRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[AnyTool] | None = None
+    tools: list[AnyTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # OpenAI's deprecated function calling: refused by name, where ignoring it served the

@@ -19,6 +19,7 @@ from engine.api import SpeculationMode
 from server.documents import ReadInText, document, text_of_data_url
 from server.images import MARKER
 from server.schema import (
+    MAX_TOOLS,
     MAX_TOP_LOGPROBS,
     ObjectSchema,
     RefusalPart,
@@ -373,7 +374,7 @@ class ResponsesRequest(RequestModel):
     input: Input = Field(default_factory=list)
     instructions: str | None = None
     previous_response_id: str | None = None
-    tools: list[ToolDefinition] | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # None: OpenAI's default (true for free choice)
     text: TextConfig | None = None

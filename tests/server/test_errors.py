@@ -15,7 +15,9 @@ from tests.server.support import API_KEY, ServerProcess
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 HELLO = [{"role": "user", "content": "Hello"}]
+FUNCTIONS = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]
 BIG = 4 * 1024 * 1024 + 1  # one byte over the default max_body_bytes
 ONE_PIXEL_PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGNgYGAAAAAEAAH2FzhVAAAAAElFTkSuQmCC"
 
@@ -59,8 +61,8 @@ CASES = [
      400, "invalid_request", "logit_bias"),
     ("logit_bias token out of vocab", "POST", CHAT, chat(logit_bias={"999999": 1}), 400,
      "invalid_request", "logit_bias"),
-    ("five stop strings", "POST", CHAT, chat(stop=list("abcde")), 400, "invalid_request",
-     "stop"),
+    ("five stop strings", "POST", CHAT, chat(stop=list("abcde")), 400,
+     "array_above_max_length", "stop"),
     ("n = 0", "POST", CHAT, chat(n=0), 400, "invalid_request", "n"),
     ("max_tokens = 0", "POST", CHAT, chat(max_tokens=0), 400, "invalid_request", "max_tokens"),
     ("empty messages", "POST", CHAT, {"json": {"messages": []}}, 400, "invalid_request",
@@ -178,6 +180,14 @@ CASES = [
     ("body too large", "POST", CHAT, {"content": b" " * BIG}, 413, "request_too_large", None),
     ("chunked body too large", "POST", CHAT, {"content": _chunks()}, 413, "request_too_large",
      None),
+    # OpenAI's limit, refused as the body is read: 10,000 tools took seconds to render
+    # and tokenize, every other stream stalled meanwhile, before a too-long refusal.
+    ("129 tools", "POST", CHAT, chat(tools=FUNCTIONS), 400, "array_above_max_length",
+     "tools"),
+    ("129 tools in a response", "POST", RESPONSES,
+     {"json": {"input": "Hello", "max_output_tokens": 2, "tools": [
+        {"type": "function", **tool["function"]} for tool in FUNCTIONS]}},
+     400, "array_above_max_length", "tools"),
     ("missing key", "POST", CHAT, {**chat(), "headers": {}}, 401, "invalid_api_key", None),
     ("wrong key", "POST", CHAT, {**chat(), "headers": {"Authorization": "Bearer nope"}}, 401,
      "invalid_api_key", None),
