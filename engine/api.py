@@ -565,6 +565,13 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of a prompt's `tokens` the cache holds now, as a request of them
+        started at once would reuse them (its last token is always computed): a peek that
+        changes nothing, so the request's own count may differ (an eviction, another
+        request's prefill, before it starts). 0 unless the engine is ready."""
+        ...
+
     @property
     def waiting(self) -> int:
         """Requests submitted and not yet started (`stats().waiting` without a round trip

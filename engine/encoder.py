@@ -286,6 +286,9 @@ class EncoderEngine:
     def stats(self) -> EngineStats:
         return EngineStats(counters=replace(self._counters))
 
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        return 0  # no cache: nothing generates here
+
     @property
     def waiting(self) -> int:
         return 0  # nothing generates here: `submit` is refused

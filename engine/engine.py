@@ -552,6 +552,14 @@ class Engine:
     def waiting(self) -> int:
         return self._waiting.value
 
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        """Safe from any thread: the tree's own lock, held for one walk down it (as the
+        scheduler peeks for its queue's order), is all the engine's thread shares."""
+        scheduler = self._scheduler
+        if scheduler is None or self.state is not Lifecycle.READY:
+            return 0
+        return scheduler.tree.peek(tokens[:-1])
+
     def stats(self) -> EngineStats:
         scheduler = self._scheduler
         if scheduler is None:

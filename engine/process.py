@@ -205,6 +205,8 @@ def serve_engine(config: EngineConfig, conn: Connection,
                 engine.cancel(request_id)
             case ("call", call_id, "stats"):
                 outbox.send([Reply(call_id, engine.stats())])
+            case ("call", call_id, "cached_prefix", tokens):
+                outbox.send([Reply(call_id, engine.cached_prefix(tokens))])
             case ("call", call_id, "clear_cache"):
                 engine.clear_cache().add_done_callback(
                     lambda done, call_id=call_id: outbox.send([Reply(call_id, done.result())]))
@@ -373,6 +375,16 @@ class EngineProcess:
             return EngineStats()
         return self._call("stats").result(CALL_SECONDS)
 
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        """A round trip to the child; 0 unless it is ready and answers (a peek is no
+        reason to fail a request: its submit says what is wrong)."""
+        if self.state is not Lifecycle.READY:
+            return 0
+        try:
+            return self._call("cached_prefix", list(tokens)).result(CALL_SECONDS)
+        except (EngineNotReady, TimeoutError):
+            return 0
+
     # -- the wire ---------------------------------------------------------------------
 
     def _send(self, message: tuple) -> None:
@@ -382,7 +394,7 @@ class EngineProcess:
             except (OSError, ValueError):
                 pass  # the child is gone: the reader fails what was open
 
-    def _call(self, name: str) -> Future:
+    def _call(self, name: str, *arguments: object) -> Future:
         future: Future = Future()
         with self._lock:
             if self._closed:
@@ -390,7 +402,7 @@ class EngineProcess:
                 return future
             call_id = next(self._ids)
             self._calls[call_id] = future
-        self._send(("call", call_id, name))
+        self._send(("call", call_id, name, *arguments))
         return future
 
     def _read(self) -> None:

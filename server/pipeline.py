@@ -165,15 +165,20 @@ class GenerationRun:
 
     def __init__(
         self, request: GenerationRequest, job: Job, decoders: list[ChoiceDecoder],
-        prompt_tokens: int, context_bound: bool = False, next_turn: NextTurn | None = None,
+        prompt_tokens: int, cached_tokens: int = 0, context_bound: bool = False,
+        next_turn: NextTurn | None = None,
     ) -> None:
         self.request, self.job, self._decoders = request, job, decoders
         # A chat of one choice: its reply, folded as it goes, for the next turn's prefill.
         self._next_turn = next_turn
         self._reply = ChoiceResult()
         self._generated: list[int] = []
-        # Known before the engine starts (Anthropic's message_start reports it).
+        # Known before the engine starts (Anthropic's message_start reports them). The
+        # cached share is a peek (`usage_at_start`, else 0): an eviction or another
+        # request's prefill before this one starts can change it, and the final usage
+        # gives the count the engine found.
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
         # The end of the context window, not a limit of the request or the server, is
         # where a reply that runs out of tokens stops.
         self.context_bound = context_bound
@@ -316,6 +321,12 @@ async def _start(http: Request, state: ServerState, lease: Lease, request: Gener
     prediction = tuple((await asyncio.to_thread(
         tokenizer.encode, request.prediction, special_tokens=False))[:lease.engine.token_limit]
         if request.prediction else ())
+    cached_tokens = 0
+    if request.usage_at_start:
+        # Before the job is submitted, after which its own prefill could read as cached;
+        # off the loop: a round trip to an engine process.
+        cached_tokens = sum([await asyncio.to_thread(lease.engine.cached_prefix, prompt.tokens)
+                             for prompt in prompts])
     job = Job(lease.engine, state.drain, state.metrics, http.state.request_id,
               http.state.started_at, settings.cache_miss_details, lease)
     http.state.stats = job.stats
@@ -335,7 +346,7 @@ async def _start(http: Request, state: ServerState, lease: Lease, request: Gener
         if request.n == 1 and model.follow_ups.worth_guessing():
             next_turn = NextTurn(state, model, _as_rendered(model, request), prompts[0])
     return GenerationRun(request, job, decoders, sum(len(prompt.tokens) for prompt in prompts),
-                         context_bound, next_turn)
+                         cached_tokens, context_bound, next_turn)
 
 
 def _max_tokens(request: GenerationRequest, settings: Settings, room: int) -> tuple[int, bool]:

@@ -183,6 +183,10 @@ class GenerationRequest:
     echo: bool = False
     stream: bool = False
     include_usage: bool = False  # a streamed response ends with the usage
+    # A streamed response opens with the cache's share of the prompt too (Anthropic's
+    # message_start): peeked before the engine starts, a round trip to an engine process
+    # that only the responses which report it wait for.
+    usage_at_start: bool = False
     # Template variables, e.g. {"enable_thinking": False}.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # How the rendered chat ends: "reply" opens the assistant's turn (the template's

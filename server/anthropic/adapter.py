@@ -140,7 +140,7 @@ def generation_request(body: TokenCountRequest) -> GenerationRequest:
     )
     return replace(request, sampling=knobs, unset_sampling=unset_knobs(body),
                    max_tokens=body.max_tokens, fit_context=True, stream=body.stream,
-                   include_usage=True)
+                   include_usage=True, usage_at_start=body.stream)
 
 
 def system_text(system: System | None) -> str:
@@ -286,11 +286,14 @@ class MessageStream:
         # under one key, as `_tool_input` gives it in a message.
         self._arguments: str | None = None
 
-    def opening(self, prompt_tokens: int) -> list[StreamEvent]:
-        # The cache's share is known once the prompt is computed: message_delta says it.
+    def opening(self, prompt_tokens: int, cached_tokens: int) -> list[StreamEvent]:
+        """`cached_tokens`: what the cache held of the prompt before the engine started;
+        message_delta's usage gives what the engine found (an eviction meanwhile can
+        make it less, another request's prefill more)."""
         start = MessageResponse(
             id=self.message_id, model=self.model, content=[], stop_reason=None,
-            stop_sequence=None, usage=Usage(input_tokens=prompt_tokens, output_tokens=0),
+            stop_sequence=None,
+            usage=usage(GenerationUsage(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)),
         )
         return [MessageStart(message=start), Ping()]
 
@@ -365,7 +368,8 @@ async def _stream(
 ) -> AsyncIterator[list[NamedEvent]]:
     """Each list goes out in one write: what one generation event becomes."""
     try:
-        yield [_sse(event) for event in stream.opening(generation.prompt_tokens)]
+        yield [_sse(event) for event in stream.opening(generation.prompt_tokens,
+                                                        generation.cached_tokens)]
         async for event in generation.events():
             yield [_sse(out) for out in stream.event(event)]
     except APIError as error:

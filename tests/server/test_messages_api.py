@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterator
 from itertools import pairwise
+from pathlib import Path
 from typing import Literal
 
 import anthropic
@@ -16,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.demo_model import MAX_POSITION_EMBEDDINGS
 from server.anthropic.defined_tools import DEFINED_TOOLS
-from tests.server.support import API_KEY, ServerProcess
+from tests.server.support import API_KEY, ServerProcess, start_server
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,39 @@ def test_stream_events_build_the_same_message(claude: anthropic.Anthropic, model
     total = streamed.usage.input_tokens + streamed.usage.cache_read_input_tokens
     # Same prompt as the whole message's, which is in the cache now.
     assert streamed.usage.cache_read_input_tokens == total - 1
+
+
+@pytest.fixture(scope="module")
+def engine_process_server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                          ) -> Iterator[ServerProcess]:
+    """The engine in a process of its own, where a peek at its cache is a round trip."""
+    log_path = tmp_path_factory.mktemp("engine_process") / "server.log"
+    process = start_server(demo_model_dir, log_path, "--api-key", API_KEY,
+                           "--engine-process", "true")
+    yield process
+    process.stop()
+
+
+@pytest.mark.parametrize("serving", ["server", "engine_process_server"])
+def test_message_start_splits_the_prompt_by_what_the_cache_holds(
+        serving: str, model_id: str, request: pytest.FixtureRequest) -> None:
+    """message_start's usage already says how much of the prompt the cache holds, as
+    Anthropic's does (context meters and cost trackers read it there), the split that
+    message_delta then gives. It used to count the whole prompt as uncached."""
+    claude = anthropic.Anthropic(base_url=request.getfixturevalue(serving).url,
+                                 api_key=API_KEY, max_retries=0)
+    options = {"model": model_id, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
+               "system": f"You are terse ({uuid.uuid4().hex}). " + "Answer briefly. " * 20}
+    splits = []
+    for _ in range(2):  # the second's prompt is in the cache, all but its last token
+        with claude.messages.stream(**options) as stream:
+            events = list(stream)
+        (start,) = [event.message.usage for event in events if event.type == "message_start"]
+        (end,) = [event.usage for event in events if event.type == "message_delta"]
+        assert (start.input_tokens, start.cache_read_input_tokens) == (
+            end.input_tokens, end.cache_read_input_tokens)
+        splits.append((start.input_tokens, start.cache_read_input_tokens))
+    assert splits[1][1] > splits[0][1] and splits[1][0] == 1
 
 
 def test_raw_stream_names_events_and_pings(server: ServerProcess, model_id: str) -> None:

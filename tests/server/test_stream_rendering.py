@@ -44,7 +44,7 @@ REPLY = [
 
 def test_messages_stream_is_one_block_per_kind_in_order() -> None:
     stream = MessageStream("msg_1", "model", context_bound=False)
-    events = stream.opening(prompt_tokens=120)
+    events = stream.opening(prompt_tokens=120, cached_tokens=100)
     for event in REPLY:
         events += stream.event(event)
     message, buffers = None, {}
@@ -66,7 +66,7 @@ def streamed_and_whole(reply: list) -> tuple:
     """`reply` as the Anthropic SDK reads its stream, and as a whole message."""
     stream = MessageStream("msg_1", "model", context_bound=False)
     streamed, buffers = None, {}
-    for event in [*stream.opening(prompt_tokens=120), *(e for r in reply for e in stream.event(r))]:
+    for event in [*stream.opening(prompt_tokens=120, cached_tokens=100), *(e for r in reply for e in stream.event(r))]:
         streamed = accumulate_event(event=json.loads(event.model_dump_json()),
                                     current_snapshot=streamed, json_bufs=buffers)
     result = ChoiceResult()
