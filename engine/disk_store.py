@@ -97,8 +97,8 @@ def model_fingerprint(model_dir: Path, model: nn.Module, cache: list[Any],
     """What KV on disk must match to be reused: every byte of the weights (config and
     each weights file, hashed whole: see weights_digest.py), their dtypes, the cache
     layout, the MLX and mlx-lm that compute the KV (an upgrade may change the math), for
-    a vision model the mlx-vlm that computes its images' features (`vision_code`, its
-    version), and this file format."""
+    a vision model the code that computes its images' features (`vision_code`:
+    `Vision.code_version`), and this file format."""
     digest = hashlib.blake2b(segment_file.FORMAT.encode(), digest_size=16)
     config = model_dir / "config.json"
     digest.update(config.read_bytes() if config.exists() else b"")

@@ -78,11 +78,17 @@ class Vision:
 
     @property
     def code_version(self) -> str:
-        """The mlx-vlm that computes the images' features: KV on disk computed by another
-        (an upgrade may change the math) is not reused (`model_fingerprint`)."""
+        """The code that turns an image into its features: mlx-vlm's vision tower, and
+        the processor that makes its pixels (transformers' class, a fast one where
+        torchvision is installed, and Pillow, which resizes). KV on disk that other code
+        computed is not reused (`model_fingerprint`): an upgrade or a new package may
+        change the pixels, or the math, of an image whose key stays the same."""
         import mlx_vlm
+        import PIL
+        import transformers
 
-        return mlx_vlm.__version__
+        return (f"mlx-vlm {mlx_vlm.__version__}, transformers {transformers.__version__} "
+                f"{type(self.image_processor).__name__}, Pillow {PIL.__version__}")
 
     def pixels(self, data: bytes) -> Pixels:
         """The image file `data` decoded and run through the processor, alone: NumPy and

@@ -9,13 +9,17 @@ import asyncio
 import threading
 import time
 
+import mlx_vlm
+import PIL
 import pytest
+import transformers
 
 from engine import vision as engine_vision
 from engine.api import RequestFailed, SamplingParams, SpeculationConfig
 from engine.demo_vlm import build_demo_vlm
 from engine.engine import ENGINE_THREAD
 from engine.image_files import open_image
+from engine.loader import load_model
 from tests.engine.support import cancel_after, complete, settled, start_engine
 from tests.vision.support import VlmReference, image_prompt, png, prompt_text, user_turn
 
@@ -207,6 +211,18 @@ async def test_a_second_turn_reuses_the_image_and_another_image_does_not(engine,
     assert elsewhere.tokens == reference.greedy(reference_text(engine, swapped), [other],
                                                 MAX_TOKENS)
     assert (await settled(engine)).tree.pinned_bytes == 0
+
+
+def test_the_disk_tiers_fingerprint_names_the_code_that_makes_an_images_pixels(vlm_dir):
+    """An image's key is its decoded pixels and the processor's settings; its features
+    also depend on the code: mlx-vlm's tower, and transformers' processor class (a fast
+    one where torchvision is installed) and Pillow, which make its pixel values. KV on
+    disk that other code computed must not be read back for the same key."""
+    vision = load_model(str(vlm_dir)).vision
+    code = vision.code_version
+    assert f"mlx-vlm {mlx_vlm.__version__}" in code
+    assert f"transformers {transformers.__version__}" in code
+    assert type(vision.image_processor).__name__ in code and PIL.__version__ in code
 
 
 async def test_text_only_prompts_on_a_vision_model_run_as_they_do_on_its_language_model(
