@@ -101,8 +101,8 @@ async def _read(source: str, limits: ImageLimits) -> bytes:
         return _data_url(source, limits.max_bytes)
     if scheme in ("http", "https"):
         return await _fetch(source, limits)
-    raise ValueError("images come as data: URLs or base64 (http(s) URLs only from the "
-                     "hosts the server allows); files are never read")
+    raise ValueError("an image URL is a data: URL (data:image/png;base64,...) or, from the "
+                     "hosts the server allows, an http(s) URL; files are never read")
 
 
 def _data_url(url: str, max_bytes: int) -> bytes:

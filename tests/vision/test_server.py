@@ -449,6 +449,16 @@ def test_a_bad_image_is_a_400_in_each_apis_shape_and_the_server_goes_on(
     assert alive.choices[0].finish_reason in ("stop", "length")
 
 
+def test_base64_without_its_data_url_is_a_400_that_shows_the_form(vision_server, model):
+    """Some clients send an image_url's base64 alone, as Ollama's images are: the error
+    says what the URL should look like (it said images came as "data: URLs or base64")."""
+    raw = data_url(png(3)).split(",", 1)[1]
+    reply = httpx.post(f"{vision_server.url}/v1/chat/completions", timeout=30, json={
+        "model": model, "max_tokens": 4, "messages": chat_image(raw)})
+    assert reply.status_code == 400
+    assert "data:image/png;base64," in reply.json()["error"]["message"]
+
+
 def test_more_images_than_the_limit_are_a_400(vision_server, model):
     parts = [{"type": "image_url", "image_url": {"url": data_url(png(seed))}}
              for seed in range(3)]
