@@ -67,6 +67,9 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
     app.include_router(worker_info)
     install_error_handlers(app)
     app.add_middleware(HeadAsGet)  # innermost: a HEAD is keyed and limited as it came
+    # Inside the key's check: a client without the key gets its 401 from the request's
+    # head, before a byte of its body is read or held.
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     if settings.api_key is not None:
         app.add_middleware(APIKeyMiddleware, key=settings.api_key)
     if settings.cors_origins:
@@ -76,7 +79,6 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
             allow_headers=["authorization", "content-type", "x-request-id", "x-api-key",
                            "anthropic-version", "anthropic-beta"],
         )
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     # Added last, so outermost: it sees (and logs) every request, CORS preflights too.
     app.add_middleware(RequestMiddleware, state=state)
     return app

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 import pytest
@@ -111,6 +111,19 @@ def test_the_key_is_checked_before_the_body_is_read(hardened: ServerProcess, bod
                           headers={"Content-Type": "application/json"})
     assert response.status_code == 401
     assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_a_client_without_the_key_gets_its_401_before_sending_its_body(
+        hardened: ServerProcess) -> None:
+    """The key is read from the request's head: a client without it is answered before
+    any of its body is read (4 MiB bodies that never arrive, sent by hundreds, were read
+    and held, up to the body limit each, before their 401)."""
+    host, port = urlsplit(hardened.url).hostname, urlsplit(hardened.url).port
+    with socket.create_connection((host, port), timeout=10) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
+        head = conn.recv(65536)  # no byte of the body sent
+    assert head.startswith(b"HTTP/1.1 401"), head[:200]
 
 
 @pytest.mark.parametrize(("method", "path"), v1_operations())
