@@ -425,6 +425,16 @@ class Settings(BaseModel):
     def _one_model_is_a_list_of_one(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
+    @field_validator("api_key")
+    @classmethod
+    def _key_is_not_blank(cls, key: SecretStr | None) -> SecretStr | None:
+        # A blank key would match a request without one: every route open, though the
+        # operator meant to close them (`--api-key "$UNSET"`, say).
+        if key is not None and not key.get_secret_value().strip():
+            raise ValueError("an empty API key would let any request in; give a key, or "
+                             "leave the setting out to serve without one")
+        return key
+
     @field_validator("ssl_certfile", "ssl_keyfile", "chat_template", "models_file")
     @classmethod
     def _readable_file(cls, path: Path | None) -> Path | None:

@@ -108,6 +108,9 @@ def test_unrelated_namespace_attributes_are_ignored() -> None:
         (["--cache-bytes", "lots"], {}, "", "invalid cache_bytes from flag --cache-bytes: "),
         ([], {}, "served_model_names = 'one'\n", "invalid served_model_names from file "),
         (["--kv-bits", "3"], {}, "", "invalid kv_bits from flag --kv-bits: Value error, must be one of 4, 8"),
+        # A blank key would match requests that send none: every route open.
+        (["--api-key", ""], {}, "", "invalid api_key from flag --api-key: Value error, an empty"),
+        ([], {}, 'api_key = " "\n', "invalid api_key from file "),
         ([], {}, "kv_group_size = 48\n", "invalid kv_group_size from file "),
         ([], {}, "prot = 1\n", "unknown option prot"),
         ([], {}, "port = \n", "config file "),
