@@ -7,10 +7,11 @@ last with `done: true` and the counts and durations (nanoseconds) of the whole r
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
+from server.prefill.protocol import MAX_INPUTS
 from server.schema import (
     MAX_TOP_LOGPROBS,
     ObjectSchema,
@@ -122,7 +123,8 @@ class GenerateRequest(GenerationFields):
 
 class EmbedRequest(RequestModel):
     model: str = Field(min_length=1)
-    input: str | list[str]  # "" or []: load the model, as Ollama does
+    # "" or []: load the model, as Ollama does; as many texts as /v1/embeddings takes.
+    input: str | Annotated[list[str], Field(max_length=MAX_INPUTS)]
     truncate: bool = True
     dimensions: int | None = Field(None, ge=1)
     options: Options | None = None
