@@ -67,7 +67,10 @@ class JSONRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def with_json_request(request: Request) -> Response:
-            scope = _labelled_json(request.scope) if self.any_content_type else request.scope
+            scope = request.scope
+            if self.any_content_type:
+                _refuse_a_web_forms_post(request)
+                scope = _labelled_json(scope)
             return await handler(JSONRequest(scope, request.receive))
 
         return with_json_request
@@ -79,6 +82,17 @@ class AnyTypeJSONRoute(JSONRoute):
     default, application/x-www-form-urlencoded."""
 
     any_content_type = True
+
+
+def _refuse_a_web_forms_post(request: Request) -> None:
+    """A body of a type a web form can send (no CORS preflight) from a page on another
+    origin: any site the user visits could make a keyless local server generate. curl
+    sends no Origin; a page of an origin CORS allows sends JSON as JSON."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if "origin" in request.headers and media_type not in ("application/json", ""):
+        raise HTTPException(403, f"a {media_type} body from the web page at "
+                                 f"{request.headers['origin']} is refused: send JSON as "
+                                 "application/json")
 
 
 def _labelled_json(scope: dict[str, Any]) -> dict[str, Any]:
