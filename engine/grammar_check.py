@@ -18,13 +18,14 @@ its stdin (JSON), one verdict a line on its stdout. It exits when its stdin clos
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
 import os
 import select
 import subprocess
 import sys
 import threading
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,24 +58,37 @@ class GrammarChecker:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
-        self.check = functools.lru_cache(maxsize=REMEMBERED)(self._check)
+        # Verdicts by the grammar's digest, not its text: a schema's text (descriptions
+        # and all) can be megabytes, and 512 of them held 2 GB.
+        self._verdicts: OrderedDict[bytes, Verdict] = OrderedDict()
 
-    def _check(self, grammar: str) -> Verdict:
+    def check(self, grammar: str) -> Verdict:
+        key = hashlib.blake2b(grammar.encode(), digest_size=32).digest()
         with self._lock:
-            process = self._started()
-            try:
-                process.stdin.write(json.dumps(grammar) + "\n")
-                process.stdin.flush()
-                if select.select([process.stdout], [], [], CHECK_SECONDS)[0]:
-                    if line := process.stdout.readline():
-                        return Verdict(**json.loads(line))
-                    error = CRASHED
-                else:
-                    error = f"the grammar did not compile within {CHECK_SECONDS:g} s"
-            except OSError:  # the pipe broke: it died
+            verdict = self._verdicts.get(key)
+            if verdict is not None:
+                self._verdicts.move_to_end(key)
+                return verdict
+            verdict = self._verdicts[key] = self._ask(grammar)
+            if len(self._verdicts) > REMEMBERED:
+                self._verdicts.popitem(last=False)
+            return verdict
+
+    def _ask(self, grammar: str) -> Verdict:
+        process = self._started()
+        try:
+            process.stdin.write(json.dumps(grammar) + "\n")
+            process.stdin.flush()
+            if select.select([process.stdout], [], [], CHECK_SECONDS)[0]:
+                if line := process.stdout.readline():
+                    return Verdict(**json.loads(line))
                 error = CRASHED
-            self._stop()
-            return Verdict(error)
+            else:
+                error = f"the grammar did not compile within {CHECK_SECONDS:g} s"
+        except OSError:  # the pipe broke: it died
+            error = CRASHED
+        self._stop()
+        return Verdict(error)
 
     def _started(self) -> subprocess.Popen:
         if self._process is None or self._process.poll() is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import tracemalloc
 
 import pytest
 from llguidance import LLMatcher, LLTokenizer
@@ -103,6 +104,24 @@ def test_a_grammar_that_kills_the_grammar_engine_costs_its_check_only():
         assert checker.check(deadly).error == "the grammar crashed the grammar engine"
     assert checker.check(LLMatcher.grammar_from_json_schema('{"type": "string"}')) == \
         Verdict(None)
+
+
+def test_remembered_verdicts_hold_no_grammar_text():
+    """A verdict is remembered by its grammar's digest: a schema's text can be megabytes
+    (a long description), and 512 remembered by their text held 2 GB of a server."""
+    def described(i: int) -> str:  # a schema of 1 MiB, gone once checked
+        return LLMatcher.grammar_from_json_schema(json.dumps(
+            {"type": "string", "description": f"{i} " + "x" * 2**20}))
+
+    checker = GrammarChecker()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        assert [checker.check(described(i)) for i in range(4)] == [Verdict(None)] * 4
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 2**20, f"{held} bytes held after checking 4 MiB of grammars"
 
 
 def rule_chain(rules: int) -> str:
