@@ -284,6 +284,9 @@ class Settings(BaseModel):
     # sentences/s on an H200 (bench/experiments/classify-client).
     max_queue: PositiveInt = Field(512, description="waiting requests before answering 429")
     max_body_bytes: PositiveInt = Field(4 * 1024 * 1024, description="largest request body")
+    request_head_timeout: float = Field(
+        30.0, gt=0, allow_inf_nan=False, description="seconds a connection has to send a "
+        "request's head (a client trickling one holds a connection and a file descriptor)")
     max_image_bytes: PositiveInt = Field(
         20 * 1024 * 1024, description="largest image file a request sends (base64 decoded)")
     max_image_pixels: PositiveInt = Field(

@@ -12,6 +12,8 @@ until they end, so the bytes of an unfinished head are counted here instead.
 
 from __future__ import annotations
 
+import asyncio
+
 from uvicorn._types import ASGISendEvent
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
@@ -19,14 +21,28 @@ from server.http.body_limit import MAX_HEADER_BYTES
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
-    """Refuses (400, connection closed) a request whose head goes on past MAX_HEADER_BYTES.
+    """Refuses (400, connection closed) a request whose head goes on past MAX_HEADER_BYTES,
+    and closes (408) a connection whose head is not complete `head_timeout` seconds after
+    it opened or the head began: clients that trickle a head byte by byte (slowloris) held
+    their connections, and a file descriptor each, for as long as they liked, until the
+    server could accept no one.
 
     Counted in whole socket reads that leave a head unfinished, as h11 did: a head that
     ends within the read that brought it is measured by `BodyLimitMiddleware` instead."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, head_timeout: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._head_bytes: int | None = 0  # None: the head is complete, the body follows
+        self._head_timeout = head_timeout
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._head_arrived()
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -41,13 +57,36 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         self._head_bytes = 0
         super().on_message_begin()
+        self._await_head()
 
     def on_headers_complete(self) -> None:
         self._head_bytes = None
+        self._head_arrived()
         super().on_headers_complete()
         if self.scope.get("http_version") == "1.0" and self.cycle.scope is self.scope:
             _close_delimited(self.cycle)
 
+
+    def _await_head(self) -> None:
+        self._head_arrived()
+        self._head_timer = self.loop.call_later(self._head_timeout, self._head_timed_out)
+
+    def _head_arrived(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        # A pipelined head behind a response still being sent is left to that response.
+        if self.transport.is_closing() or (self.cycle and not self.cycle.response_complete):
+            return
+        self.transport.write(REQUEST_TIMEOUT)
+        self.transport.close()
+
+
+REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n"
+                   b"connection: close\r\n\r\n")
 
 # More than any body sent: what a body of unknown length may hold (`_close_delimited`).
 UNBOUNDED = 1 << 62

@@ -8,6 +8,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import sys
+import time
 from logging.handlers import WatchedFileHandler
 from pathlib import Path
 
@@ -27,3 +28,26 @@ def configure_logging(level: str, log_file: Path | None) -> None:
     handler.setFormatter(
         logging.Formatter(f"%(asctime)s %(levelname)s{rank} %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    logging.getLogger("asyncio").addFilter(_AcceptFailures())
+
+
+class _AcceptFailures(logging.Filter):
+    """At most one of asyncio's 'socket.accept() out of system resource' a minute. Out of
+    file descriptors, its accept loop logs a traceback for each of up to a backlog's
+    (2,048) waiting connections, every second: 184 MB of log in 30 s of a flood."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last = -ACCEPT_FAILURE_LOG_SECONDS
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("socket.accept() out of system resource"):
+            return True
+        now = time.monotonic()
+        if now - self._last < ACCEPT_FAILURE_LOG_SECONDS:
+            return False
+        self._last = now
+        return True
+
+
+ACCEPT_FAILURE_LOG_SECONDS = 60.0

@@ -4,8 +4,10 @@ at once), and uvicorn with a drain on SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
+import resource
 import signal
 import sys
 from collections.abc import Callable
@@ -32,6 +34,9 @@ from server.launch.logs import configure_logging
 from server.model_registry import ModelRegistry
 
 log = logging.getLogger("radix_mlx.server")
+# The soft limit of open files the server raises itself to where the hard one allows
+# (macOS's OPEN_MAX).
+OPEN_FILES = 10240
 
 
 class DrainingServer(uvicorn.Server):
@@ -137,6 +142,7 @@ def run(settings: Settings) -> int:
     checked and converted before any port opens; with several, each model's is converted
     as it loads."""
     configure_logging(settings.log_level, settings.log_file)
+    _raise_open_files_limit()
     # Until uvicorn installs its draining handlers, a stop has nothing to drain.
     signal.signal(signal.SIGTERM, _stop_before_serving)
     if settings.several_models:
@@ -195,13 +201,26 @@ def run(settings: Settings) -> int:
     return status
 
 
+def _raise_open_files_limit() -> None:
+    """Every connection holds a file descriptor, and so does each disk-tier file read.
+    Service managers give few by default (launchd: 256): the soft limit
+    is raised to the hard one, up to OPEN_FILES, as nginx's worker_rlimit_nofile does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as error:  # macOS refuses more than its kernel's cap
+            log.warning("open files stay at %d: %s", soft, error)
+
+
 def _serve(settings: Settings, models: ModelRegistry, failed: Callable[[], bool]) -> int:
     app = create_app(settings, models)
     http = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        http=BoundedHeadProtocol,
+        http=functools.partial(BoundedHeadProtocol, head_timeout=settings.request_head_timeout),
         log_config=None,  # keep the logging configured above
         access_log=False,  # radix_mlx.access writes a richer line
         # The drain above already waited for in-flight requests; uvicorn only closes

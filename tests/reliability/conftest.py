@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.support import CACHE_BYTES, MAX_BODY_BYTES, fault_token, launch, stop
+from tests.reliability.support import (
+    CACHE_BYTES,
+    HEAD_TIMEOUT,
+    MAX_BODY_BYTES,
+    fault_token,
+    launch,
+    stop,
+)
 from tests.server.support import ServerProcess
 
 
@@ -16,11 +23,13 @@ from tests.server.support import ServerProcess
 def hardened(
     demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """API key, small body limit, a 2 MiB radix budget (so eviction runs) and the fault
-    token armed: a request that sends it fails its forward pass."""
+    """API key, small body limit, a short wait for a request's head, a 2 MiB radix budget
+    (so eviction runs) and the fault token armed: a request that sends it fails its
+    forward pass."""
     server = launch(
         demo_model_dir, tmp_path_factory.mktemp("hardened") / "server.log",
         "--cache-bytes", str(CACHE_BYTES), "--max-body-bytes", str(MAX_BODY_BYTES),
+        "--request-head-timeout", str(HEAD_TIMEOUT),
         fault_token=fault_token(demo_model_dir),
     )
     yield server

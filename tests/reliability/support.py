@@ -26,6 +26,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # Small enough that a few dozen requests overflow it, so eviction runs during the storm.
 CACHE_BYTES = 2 * 2**20
 MAX_BODY_BYTES = 256 * 1024
+HEAD_TIMEOUT = 3.0  # seconds the hardened server waits for a request's head
 
 
 def app_schema() -> dict[str, Any]:

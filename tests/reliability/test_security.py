@@ -22,11 +22,12 @@ from engine.api import Lifecycle
 from engine.engine import Engine
 from server.app import create_app
 from server.config import Settings
-from server.launch.serve import engine_config
+from server.launch.serve import OPEN_FILES, engine_config
 from server.model_registry import ModelRegistry
 from tests.reliability.support import (
     API_KEY,
     AUTH,
+    HEAD_TIMEOUT,
     MAX_BODY_BYTES,
     app_schema,
     fault_token,
@@ -124,6 +125,55 @@ def test_a_client_without_the_key_gets_its_401_before_sending_its_body(
                      b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
         head = conn.recv(65536)  # no byte of the body sent
     assert head.startswith(b"HTTP/1.1 401"), head[:200]
+
+
+@pytest.mark.parametrize("sent", [b"", b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"])
+def test_a_connection_whose_head_never_ends_is_closed(hardened: ServerProcess,
+                                                       sent: bytes) -> None:
+    """Slowloris: clients that open connections and send nothing, or a head a byte at a
+    time, held a connection and a file descriptor each as long as they liked, until the
+    server could accept no one. A head has --request-head-timeout seconds to arrive."""
+    host, port = urlsplit(hardened.url).hostname, urlsplit(hardened.url).port
+    with socket.create_connection((host, port), timeout=HEAD_TIMEOUT + 30) as conn:
+        conn.sendall(sent)
+        answer = b""
+        while chunk := conn.recv(4096):  # until the server closes it
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+
+
+@pytest.mark.skipif(not Path("/proc/self/limits").exists(), reason="reads /proc")
+def test_the_server_raises_its_open_files_limit(hardened: ServerProcess) -> None:
+    """Each connection holds a descriptor: the soft limit a service manager gives (launchd:
+    256) is raised to the hard one, up to OPEN_FILES."""
+    limits = Path(f"/proc/{hardened.process.pid}/limits").read_text()
+    [line] = [line for line in limits.splitlines() if line.startswith("Max open files")]
+    soft, hard = (int(value) if value.isdigit() else None for value in line.split()[3:5])
+    assert soft == (OPEN_FILES if hard is None else min(hard, OPEN_FILES))
+
+
+FLOODED_LOG = """
+import logging, sys
+from pathlib import Path
+from server.launch.logs import configure_logging
+configure_logging("info", Path(sys.argv[1]))
+for _ in range(100):
+    logging.getLogger("asyncio").error(
+        "socket.accept() out of system resource\\nsocket: <...>", exc_info=OSError(24))
+logging.getLogger("asyncio").error("Task exception was never retrieved")
+"""
+
+
+def test_running_out_of_descriptors_logs_once_a_minute_not_per_connection(
+        tmp_path: Path) -> None:
+    """asyncio logs a traceback for each connection it cannot accept, every second, while
+    the process is out of descriptors: 184 MB of log in 30 s of a flood."""
+    log_file = tmp_path / "server.log"
+    subprocess.run([sys.executable, "-c", FLOODED_LOG, str(log_file)], check=True,
+                   cwd=Path(__file__).parents[2])
+    text = log_file.read_text()
+    assert text.count("socket.accept() out of system resource") == 1
+    assert "Task exception was never retrieved" in text
 
 
 @pytest.mark.parametrize(("method", "path"), v1_operations())
