@@ -85,12 +85,14 @@ class AnyTypeJSONRoute(JSONRoute):
 
 
 def _refuse_a_web_forms_post(request: Request) -> None:
-    """A body of a type a web form can send (no CORS preflight) from a page on another
-    origin: any site the user visits could make a keyless local server generate. curl
-    sends no Origin; a page of an origin CORS allows sends JSON as JSON."""
+    """A body of a type a web form or a no-cors fetch can send (no CORS preflight: a form
+    type, text/plain, or none at all) from a page on another origin: any site the user
+    visits could make a keyless local server generate. curl sends no Origin; a page of an
+    origin CORS allows sends JSON as JSON."""
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if "origin" in request.headers and media_type not in ("application/json", ""):
-        raise HTTPException(403, f"a {media_type} body from the web page at "
+    if ("origin" in request.headers and request.method not in ("GET", "HEAD")
+            and media_type != "application/json"):
+        raise HTTPException(403, f"a {media_type or 'untyped'} body from the web page at "
                                  f"{request.headers['origin']} is refused: send JSON as "
                                  "application/json")
 
