@@ -11,6 +11,7 @@ the next); the scheduler builds it at each admission (`Grammars.state`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from engine.api import (
@@ -84,6 +85,7 @@ class Generation:
         self.publishing = False
         self.followers: list[Generation] = []
         self.drafts: Drafts | None = None  # speculative decoding's, see Scheduler._drafts
+        self._waiting = WaitingTokens()
 
     @property
     def tokens_reserved(self) -> int:
@@ -136,11 +138,15 @@ class Generation:
         self.suspect = False
         if token in self.stop_ids:  # a stop token: never shown as text
             return "stop", token
+        start = self.text.decoded
         text = self.text.add(token)
-        logprob, top = None, ()
-        if self.params.logprobs is not None:
-            logprob, top = token_logprobs(logprobs, token, self._tokenizer)
-        self.emit(TokenEvent(token, text, logprob, top))
+        if self.params.logprobs is None:
+            self.emit(TokenEvent(token, text))
+        else:
+            event = TokenEvent(token, text, *token_logprobs(logprobs, token, self._tokenizer))
+            stopped = self.text.matched_stop is not None
+            for ready in self._waiting.add(event, start, self.text.shown, stopped):
+                self.emit(ready)
         if self.text.matched_stop is not None:
             return "stop", self.text.matched_stop
         if grammar is not None and grammar.complete_after(len(self.generated)):
@@ -152,6 +158,9 @@ class Generation:
     def finish(self, reason: FinishReason, matched_stop: str | int | None = None) -> None:
         """Emit the last event, with any text still held back (none after a cancel)."""
         tail = "" if reason == "cancelled" or self.text is None else self.text.finish()
+        events, tail = self._waiting.end(tail)
+        for event in events:
+            self.emit(event)
         drafts = self.drafts
         self.emit(Finish(reason, tail, len(self.prompt), len(self.generated),
                          self.cached_tokens or 0, matched_stop, self._described_miss(),
@@ -176,3 +185,45 @@ class Generation:
             self.emit(ConstraintUnmet(f"the output constraint cannot be met: {error}"))
         else:
             self.emit(RequestFailed(f"the engine failed this request: {error}"))
+
+
+class WaitingTokens:
+    """A request's token events (with logprobs) that wait while their text is held back
+    (it may start a stop string): a token's logprobs go out with its text, and never where
+    all of its text is in the stop string that ended the reply, as the text is not
+    returned (OpenAI's logprobs cover the tokens of the text returned)."""
+
+    def __init__(self) -> None:
+        self._waiting: list[tuple[int, TokenEvent]] = []  # (where its text starts, event)
+        self._text = ""  # returned text that no event has carried yet
+
+    def add(self, event: TokenEvent, start: int, shown: int, stopped: bool
+            ) -> list[TokenEvent]:
+        """The events to emit now that `event`'s token, whose text starts at character
+        `start` of the decoded text, made the first `shown` characters returned; a token
+        whose text starts at or after them waits, or once `stopped` goes without logprobs."""
+        self._waiting.append((start, event))
+        self._text += event.text
+        count = sum(1 for begins, _ in self._waiting if begins < shown)
+        ready = [waiting for _, waiting in self._waiting[:count]]
+        if stopped:
+            ready += [TokenEvent(waiting.token, "") for _, waiting in self._waiting[count:]]
+            count = len(self._waiting)
+        self._waiting = self._waiting[count:]
+        return self._carrying(ready)
+
+    def end(self, tail: str) -> tuple[list[TokenEvent], str]:
+        """At the reply's end, with `tail` its last text: the waiting events, and the text
+        no event carries."""
+        self._text += tail
+        ready = self._carrying([event for _, event in self._waiting])
+        self._waiting = []
+        text, self._text = self._text, ""
+        return ready, text
+
+    def _carrying(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        """`events`, the text returned so far on the first, none on the others."""
+        if not events:
+            return []
+        text, self._text = self._text, ""
+        return [replace(events[0], text=text), *(replace(e, text="") for e in events[1:])]

@@ -133,6 +133,8 @@ class TextStream:
         self._starts = [StopPrefix(s) for s in self._stop]
         self._held = ""  # decoded, not yet emitted (a stop string may start in it)
         self.matched_stop: str | None = None
+        self.decoded = 0  # characters decoded so far, held ones included
+        self.shown = 0  # characters returned so far
 
     def add(self, token: int) -> str:
         """Feed one token; return the text that is now safe to emit. When a stop string
@@ -144,6 +146,7 @@ class TextStream:
             self._decoder = (StreamDecoder(tokenizer, context) if tokenizer.fast is not None
                              else WindowDecoder(tokenizer, context))
         text = self._decoder.step(token)
+        self.decoded += len(text)
         self._held += text
         for start in self._starts:
             start.feed(text)
@@ -155,10 +158,17 @@ class TextStream:
         if self.matched_stop is not None:
             return ""
         if self._decoder is not None:
-            self._held += self._decoder.flush()
+            flushed = self._decoder.flush()
+            self.decoded += len(flushed)
+            self._held += flushed
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
+        text = self._released(final)
+        self.shown += len(text)
+        return text
+
+    def _released(self, final: bool) -> str:
         if self._stop:
             hits = [(i, s) for s in self._stop if (i := self._held.find(s)) >= 0]
             if hits:

@@ -319,6 +319,29 @@ def test_stop_string_ends_the_choice(client: openai.OpenAI, model_id: str) -> No
     assert stopped.text == text[: text.index(stop)]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_stop_strings_tokens_get_no_logprobs(client: openai.OpenAI, model_id: str,
+                                               stream: bool) -> None:
+    """The logprobs cover the tokens of the text returned: those of a stop string, held
+    back until it matched, are not listed (they were, streamed or not)."""
+    options = {"model": model_id, "prompt": [3, 4, 5, 6], "temperature": 0, "logprobs": 1,
+               "max_tokens": 16, "extra_body": NO_EOS}
+    tokens = client.completions.create(**options).choices[0].logprobs.tokens
+    whole = "".join(tokens)
+    kept = next(k for k in range(2, 12)
+                if whole.index("".join(tokens[k:k + 3])) == len("".join(tokens[:k])))
+    stop = "".join(tokens[kept:kept + 3])
+    if stream:
+        chunks = [c.choices[0] for c in client.completions.create(**options, stop=[stop], stream=True)]
+        listed = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+        text, reason = "".join(c.text for c in chunks), chunks[-1].finish_reason
+    else:
+        stopped = client.completions.create(**options, stop=[stop]).choices[0]
+        listed, text, reason = stopped.logprobs.tokens, stopped.text, stopped.finish_reason
+    assert reason == "stop" and text == "".join(tokens[:kept])
+    assert listed == tokens[:kept]
+
+
 def test_logit_bias_forces_a_token(client: openai.OpenAI, model_id: str) -> None:
     response = client.completions.create(
         model=model_id, prompt=[3, 4, 5], max_tokens=4, temperature=0, logprobs=0,
