@@ -8,7 +8,7 @@ same way.
 
 from __future__ import annotations
 
-from collections import Counter
+import codecs
 from collections.abc import Sequence
 from dataclasses import asdict
 
@@ -74,14 +74,29 @@ def chat_logprobs(tokens: Sequence[TokenEvent]) -> ChatLogprobs:
     )
 
 
-def legacy_logprobs(tokens: Sequence[TokenEvent], offset: int) -> CompletionLogprobs:
-    """`offset` is where the first token's text starts in the choice's text. A token
-    without a logprob (an echoed prompt's first) gets nulls, as OpenAI's and vLLM's."""
+class TextOffsets:
+    """Where each token of a choice starts in its text (legacy `text_offset`), counted in
+    the text's characters from the tokens' bytes: a token holding part of a character
+    starts at that character. (Counted from the tokens' own texts, each part of a split
+    character was a U+FFFD of its own, and a reply of emoji had offsets past its end.)"""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._characters = 0
+
+    def starts(self, tokens: Sequence[TokenEvent]) -> list[int]:
+        offsets = []
+        for token in tokens:
+            offsets.append(self._characters)
+            own = token.text.encode() if token.logprob is None else token.logprob.bytes
+            self._characters += len(self._decoder.decode(own))
+        return offsets
+
+
+def legacy_logprobs(tokens: Sequence[TokenEvent], offsets: TextOffsets) -> CompletionLogprobs:
+    """`offsets`: the choice's, up to these tokens. A token without a logprob (an echoed
+    prompt's first) gets nulls, as OpenAI's and vLLM's."""
     texts = [token.text if token.logprob is None else token.logprob.text for token in tokens]
-    offsets = []
-    for text in texts:
-        offsets.append(offset)
-        offset += len(text)
     return CompletionLogprobs(
         tokens=texts,
         token_logprobs=[None if token.logprob is None else token.logprob.logprob
@@ -91,7 +106,7 @@ def legacy_logprobs(tokens: Sequence[TokenEvent], offset: int) -> CompletionLogp
             {alternative.text: alternative.logprob for alternative in token.top_logprobs}
             for token in tokens
         ],
-        text_offset=offsets,
+        text_offset=offsets.starts(tokens),
     )
 
 # Stands for a text delta's text in the chunk made once per choice to cut its envelope from.
@@ -251,8 +266,8 @@ class CompletionFormat(Format):
 
     def __init__(self, response_id: str, model: str, logprobs: bool) -> None:
         super().__init__(response_id, model, logprobs)
-        # Per choice, where the next token's text starts (legacy `text_offset`).
-        self._offsets: Counter[int] = Counter()
+        # Per choice, where its tokens' texts start (legacy `text_offset`).
+        self._offsets: dict[int, TextOffsets] = {}
 
     def opening_chunks(self, choices: int) -> list[CompletionResponse]:
         return []
@@ -263,8 +278,8 @@ class CompletionFormat(Format):
         finish_reason = event.reason if isinstance(event, ChoiceFinished) else None
         logprobs = None
         if self.logprobs and isinstance(event, TextDelta) and event.tokens:
-            logprobs = legacy_logprobs(event.tokens, self._offsets[event.choice])
-            self._offsets[event.choice] += sum(len(token) for token in logprobs.tokens)
+            offsets = self._offsets.setdefault(event.choice, TextOffsets())
+            logprobs = legacy_logprobs(event.tokens, offsets)
         if not (text or logprobs or finish_reason):
             return None
         return self._chunk([
@@ -279,7 +294,8 @@ class CompletionFormat(Format):
                 CompletionChoice(
                     index=i,
                     text=result.text,
-                    logprobs=legacy_logprobs(result.tokens, 0) if self.logprobs else None,
+                    logprobs=(legacy_logprobs(result.tokens, TextOffsets())
+                              if self.logprobs else None),
                     finish_reason=result.finish_reason,
                 )
                 for i, result in enumerate(results)

@@ -14,6 +14,7 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from engine.api import TokenEvent, TokenLogprob
 from server.anthropic.adapter import MessageStream, message_response
 from server.custom_tools import custom_input
 from server.events import (
@@ -206,3 +207,20 @@ def test_a_custom_tools_call_is_its_input_as_text() -> None:
     assert custom_input('{"input": "*** Begin Patch\\n*** Up') == "*** Begin Patch\n*** Up"
     assert custom_input('{"input": "a\\u00e9 b\\u00') == "a\u00e9 b"
     assert custom_input('{ "input" : "x\\') == "x"
+
+
+def test_legacy_text_offsets_count_an_emoji_split_across_tokens_once() -> None:
+    """A token holding part of a character starts at that character: the offsets index
+    the choice's text, streamed or whole (each part counted as a U+FFFD of its own, a
+    reply of emoji split across tokens had offsets past its text's end)."""
+    emoji = "\U0001f383\U0001f384".encode()
+    pieces = [b"A", emoji[:2], emoji[2:4], emoji[4:7], emoji[7:], b" ok"]
+    tokens = [TokenEvent(i, "", TokenLogprob(i, piece.decode(errors="replace"), -1.0, piece))
+              for i, piece in enumerate(pieces)]
+    text = b"".join(pieces).decode()
+    fmt = CompletionFormat("cmpl-1", "m", logprobs=True)
+    streamed = [fmt.chunk(TextDelta(0, "", tuple(tokens[at:at + 2]))) for at in (0, 2, 4)]
+    whole = fmt.response([ChoiceResult(text=text, tokens=tokens, finish_reason="length")],
+                         Usage()).choices[0].logprobs.text_offset
+    assert whole == [o for c in streamed for o in c.choices[0].logprobs.text_offset]
+    assert whole == [0, 1, 1, 2, 2, 3] and text[3:] == " ok"
