@@ -30,7 +30,8 @@ class Options(RequestModel):
     num_thread, mirostat, ...) are the machine's to choose, and ignored as Ollama ignores
     an option a model's runner does not use."""
 
-    temperature: float | None = Field(None, ge=0, le=2)
+    # No upper bound: Ollama has none (OpenAI's 2 is OpenAI's), and its users send more.
+    temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)

@@ -91,6 +91,14 @@ def test_logprobs_are_the_answer_tokens_streamed_or_whole_as_openais(
     assert olla.chat(model=model_id, messages=HI, options=GREEDY).logprobs is None
 
 
+def test_a_temperature_past_openais_bound_is_ollamas_to_take(
+        olla: ollama.Client, model_id: str) -> None:
+    """Ollama bounds no option's temperature (OpenAI's is 2): a hot one is sampled, not a
+    400."""
+    hot = olla.chat(model=model_id, messages=HI, options={"temperature": 5, "num_predict": 4})
+    assert hot.done and hot.eval_count == 4
+
+
 def test_generate_templated_or_raw_answers_as_openais_chat_and_completions(
         olla: ollama.Client, client: openai.OpenAI, model_id: str) -> None:
     templated = olla.generate(model=model_id, prompt="Say hi.", options=GREEDY)
