@@ -551,9 +551,12 @@ class EngineClient(Protocol):
         or ValueError at once rather than through the stream."""
         ...
 
-    def submit_all(self, prompts: Sequence[Prompt | Sequence[int]], params: SamplingParams
-                   ) -> list[EventStream]:
-        """`submit` for each prompt, all with `params`, queued together or not at all."""
+    def submit_all(self, prompts: Sequence[Prompt | Sequence[int]], params: SamplingParams,
+                   owner: str | None = None) -> list[EventStream]:
+        """`submit` for each prompt, all with `params`, queued together or not at all.
+        `owner`: the client request they are part of, shared by the calls that queue its
+        other choices, so they take their share of the batch as one (admission.py); by
+        default the prompts of this call are one request."""
         ...
 
     def cancel(self, request_id: str) -> None: ...

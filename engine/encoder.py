@@ -231,8 +231,8 @@ class EncoderEngine:
     def submit(self, prompt: Prompt | Sequence[int], params: SamplingParams) -> EventStream:
         raise CannotGenerate(f"the model {self.model_id} is {self.description}")
 
-    def submit_all(self, prompts: Sequence[Prompt | Sequence[int]], params: SamplingParams
-                   ) -> list[EventStream]:
+    def submit_all(self, prompts: Sequence[Prompt | Sequence[int]], params: SamplingParams,
+                   owner: str | None = None) -> list[EventStream]:
         raise CannotGenerate(f"the model {self.model_id} is {self.description}")
 
     @property

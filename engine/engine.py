@@ -489,10 +489,12 @@ class Engine:
 
     def submit_all(self, prompts: Sequence[Prompt | Sequence[int]], params: SamplingParams,
                    request_ids: Sequence[str | None] | None = None,
-                   relay: Relay | None = None) -> list[RequestStream]:
+                   relay: Relay | None = None, owner: str | None = None
+                   ) -> list[RequestStream]:
         """`submit` for each of `prompts`, with the same `params`, handed to the worker
         together: a list of readouts is then read in one forward (`Scheduler._read`).
-        Every prompt is checked before any is queued: one refused refuses them all."""
+        Every prompt is checked before any is queued: one refused refuses them all.
+        `owner`: see `EngineClient.submit_all`."""
         prompts = [p if isinstance(p, Prompt) else Prompt(list(p)) for p in prompts]
         if self.state is not Lifecycle.READY:
             raise EngineNotReady(self.error or f"the model is {self.state.value}")
@@ -506,6 +508,7 @@ class Engine:
         ids = [request_id or f"req-{next(self._ids)}"
                for request_id in request_ids or [None] * len(prompts)]
         self._waiting.enter(ids)
+        owner = owner or ids[0]
         streams, generations = [], []
         for prompt, request_id in zip(prompts, ids):
             if self.group is not None and not params.greedy and params.seed is None:
@@ -519,7 +522,7 @@ class Engine:
                 stream.request_id, list(prompt.tokens), chosen, stream.push,
                 on_dequeue=partial(self._waiting.leave, request_id),
                 message_ends=prompt.message_ends,
-                images=prompt.images))
+                images=prompt.images, owner=owner))
         if self.group is not None:  # the ranks share single submits (scheduler.to_remote)
             messages = [Submit(generation) for generation in generations]
         else:

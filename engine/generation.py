@@ -45,8 +45,11 @@ class Generation:
                  emit: Callable[[object], None], tokenizer: ModelTokenizer, vocab_size: int,
                  tree: RadixTree, on_dequeue: Callable[[], None] | None = None,
                  message_ends: tuple[int, ...] = (),
-                 images: tuple[PromptImage, ...] = ()) -> None:
+                 images: tuple[PromptImage, ...] = (), owner: str | None = None) -> None:
         self.id = request_id
+        # The client request it is part of (one of its n choices, or of its prompts):
+        # admission shares the batch among requests, not generations (admission.py).
+        self.owner = owner or request_id
         self.prompt = prompt
         self.images = images  # see api.Prompt
         # The pixels of the images its prefill computes, by index, prepared off the loop

@@ -8,7 +8,7 @@ scheduler in separate processes, `serve` starts the real `Engine` in a child pro
 (spawned) and talks to it through an `EngineProcess`, which has the engine's surface.
 
 The wire is one duplex pipe of pickled messages:
-- server -> engine: ("submit", request id, Prompt, SamplingParams), ("cancel", request
+- server -> engine: ("submit", request ids, Prompts, SamplingParams, owner), ("cancel", request
   id), ("call", call id, "stats" | "clear_cache"), ("shutdown",);
 - engine -> server: lists. The engine's thread only appends a request's events, as
   (request id, event) pairs, and sends them all at the next turn of its scheduler loop:
@@ -193,9 +193,9 @@ def serve_engine(config: EngineConfig, conn: Connection,
         except (EOFError, OSError):
             _server_gone()
         match message:
-            case ("submit", request_ids, prompts, params):
+            case ("submit", request_ids, prompts, params, owner):
                 try:
-                    engine.submit_all(prompts, params, request_ids, outbox)
+                    engine.submit_all(prompts, params, request_ids, outbox, owner)
                 except (EngineError, ValueError) as error:
                     # The server checked it already. As a RequestFailed, since not every
                     # engine error unpickles (QueueFull takes two arguments).
@@ -334,8 +334,8 @@ class EngineProcess:
         """As `Engine.submit`: checked here, so refusals are immediate."""
         return self.submit_all([prompt], params)[0]
 
-    def submit_all(self, prompts: Sequence[Prompt | Sequence[int]], params: SamplingParams
-                   ) -> list[RequestStream]:
+    def submit_all(self, prompts: Sequence[Prompt | Sequence[int]], params: SamplingParams,
+                   owner: str | None = None) -> list[RequestStream]:
         """As `Engine.submit_all`: checked here, sent to the child in one message."""
         prompts = [p if isinstance(p, Prompt) else Prompt(list(p)) for p in prompts]
         if self.state is not Lifecycle.READY:
@@ -351,7 +351,7 @@ class EngineProcess:
             streams = [RequestStream(request_id, relay, self.cancel) for request_id in ids]
             for stream in streams:
                 self._streams[stream.request_id] = stream
-        self._send(("submit", [s.request_id for s in streams], prompts, params))
+        self._send(("submit", [s.request_id for s in streams], prompts, params, owner))
         return streams
 
     def cancel(self, request_id: str) -> None:

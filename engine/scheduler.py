@@ -265,6 +265,7 @@ class SubmitRemote:
     prompt: list[int]
     params: SamplingParams
     message_ends: tuple[int, ...]
+    owner: str  # admission's order depends on it, so every rank admits alike
 
 
 class BroughtBack:
@@ -316,7 +317,7 @@ def to_remote(message: Message) -> object:
     match message:
         case Submit(generation):
             return SubmitRemote(generation.id, generation.prompt, generation.params,
-                                generation.message_ends)
+                                generation.message_ends, generation.owner)
         case ClearCache():
             return ClearCache(None)
     return message
@@ -397,10 +398,12 @@ class Scheduler:
                        emit: Callable[[object], None],
                        on_dequeue: Callable[[], None] | None = None,
                        message_ends: tuple[int, ...] = (),
-                       images: tuple[PromptImage, ...] = ()) -> Generation:
+                       images: tuple[PromptImage, ...] = (),
+                       owner: str | None = None) -> Generation:
         """A generation for this model and tree; the caller submits it (`Submit`)."""
         return Generation(request_id, prompt, params, emit, self.loaded.tokenizer,
-                          self.loaded.vocab_size, self.tree, on_dequeue, message_ends, images)
+                          self.loaded.vocab_size, self.tree, on_dequeue, message_ends, images,
+                          owner)
 
     def attach_disk(self, store: DiskStore) -> None:
         """Give the tree its disk tier (before `run`): from now on what it publishes is
@@ -543,7 +546,7 @@ class Scheduler:
         if isinstance(message, SubmitRemote):
             return Submit(self.new_generation(
                 message.request_id, message.prompt, message.params, lambda event: None,
-                message_ends=message.message_ends))
+                message_ends=message.message_ends, owner=message.owner))
         return message
 
     def _handle_all(self, messages: list[Message]) -> None:

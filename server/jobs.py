@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
@@ -68,11 +69,14 @@ class Job:
         self.n = n
         # Known now, so a request whose client leaves before its Finish still logs it.
         self.stats.prompt_tokens = sum(len(prompt.tokens) for prompt in prompts)
+        # Every choice of every prompt is one request to the engine's admission: it gets
+        # its share of the batch, whatever n (`EngineClient.submit_all`).
+        owner = uuid.uuid4().hex
         try:
             # Each choice's prompts together: a list of readouts is read in one forward.
             by_choice: list[list] = []
             for j in range(n):
-                by_choice.append(self.engine.submit_all(prompts, params(j)))
+                by_choice.append(self.engine.submit_all(prompts, params(j), owner=owner))
                 self._streams.extend(by_choice[-1])  # what `close` cancels on a refusal
             self._streams = [by_choice[j][p] for p in range(len(prompts)) for j in range(n)]
         except ContextLengthExceeded as error:

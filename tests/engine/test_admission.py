@@ -95,3 +95,78 @@ def test_a_chats_next_turn_waits_behind_every_client_request(tokenizer) -> None:
           lambda g: running.append(g) is None)
     assert running == [client, guesses[1]]
     assert waiting == [guesses[0], guesses[2]]
+
+
+def _limits(rows: int, tokens: int = 1 << 20) -> SchedulerLimits:
+    return SchedulerLimits(max_batch_size=rows, prefill_batch_size=8, prefill_chunk_tokens=None,
+                           prefill_stall_ratio=None, prefill_stall_floor=0.0,
+                           max_tokens_in_flight=tokens, cache_bytes=1 << 20)
+
+
+def _choices(tokenizer, tree: RadixTree, owner: str, n: int, max_tokens: int
+             ) -> list[Generation]:
+    """A request's n choices: one prompt, which the first computes for all."""
+    return [Generation(f"{owner}-{j}", list(range(10, 30)), SamplingParams(max_tokens=max_tokens),
+                       lambda event: None, tokenizer, tokenizer.vocab_size, tree, owner=owner)
+            for j in range(n)]
+
+
+def _rounds_waited(chat: Generation, waiting: list[Generation], limits: SchedulerLimits,
+                   arrives: int) -> int:
+    """Admission rounds, each after the oldest running generation ends, from the one
+    `chat` arrives at (once the others have run that many) to the one that starts it."""
+    running: list[Generation] = []
+
+    def cached_length(g: Generation) -> int:
+        return 0 if g is chat else len(g.tokens) - 1  # the choices' prompt is cached
+
+    for rounds in range(len(waiting) + arrives + 1):
+        if rounds == arrives:
+            waiting.append(chat)
+        admit(waiting, running, limits, cached_length, lambda g: running.append(g) is None)
+        if chat in running:
+            return rounds - arrives
+        running.pop(0)
+    raise AssertionError("the chat never started")
+
+
+@pytest.mark.parametrize("limits", [_limits(rows=4), _limits(rows=64, tokens=4 * 1020 + 40)],
+                         ids=["rows", "tokens"])
+def test_a_requests_many_choices_leave_a_short_chat_the_next_free_place(tokenizer, limits
+                                                                       ) -> None:
+    """n=32 choices that fill the batch's rows (or its tokens in flight), each passed over
+    in every round that started one of the others: counted per choice, they all starved,
+    went first, and the 8-token chat that came meanwhile waited for nearly every one."""
+    tree = RadixTree(1 << 20, free=lambda handle: None)
+    chat = Generation("chat", list(range(10, 20)), SamplingParams(max_tokens=8),
+                      lambda event: None, tokenizer, tokenizer.vocab_size, tree)
+    waiting = _choices(tokenizer, tree, "many", 32, 1000)
+    assert _rounds_waited(chat, waiting, limits, arrives=12) <= 1
+
+
+def test_a_starving_request_goes_first_as_one(tokenizer) -> None:
+    """A request that does not fit beside others holds the room once passed over for long,
+    until one of its choices starts; its other choices then wait their turn, not each in
+    turn holding the room, and a small request that fits beside them starts."""
+    tree = RadixTree(1 << 20, free=lambda handle: None)
+    big = _choices(tokenizer, tree, "big", 3, 500)
+    small = [_choices(tokenizer, tree, f"small{i}", 1, 10)[0] for i in range(2)]
+    running = _choices(tokenizer, tree, "other", 1, 500)
+    limits = _limits(rows=8, tokens=600)
+    for generation in big:
+        generation.passed_over = 8
+    waiting = [*big, small[0]]
+
+    def start(generation: Generation) -> bool:
+        running.append(generation)
+        return True
+
+    admit(waiting, running, limits, lambda g: 0, start)
+    assert len(running) == 1 and waiting == [*big, small[0]]  # the room is held for big[0]
+    running.clear()
+    admit(waiting, running, limits, lambda g: 0, start)
+    assert running == [big[0], small[0]]
+    assert waiting == big[1:] and [g.passed_over for g in waiting] == [0, 0]
+    waiting.append(small[1])
+    admit(waiting, running, limits, lambda g: 0, start)
+    assert running == [big[0], *small] and waiting == big[1:]
