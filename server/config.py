@@ -287,6 +287,10 @@ class Settings(BaseModel):
     request_head_timeout: float = Field(
         30.0, gt=0, allow_inf_nan=False, description="seconds a connection has to send a "
         "request's head (a client trickling one holds a connection and a file descriptor)")
+    write_timeout: float = Field(
+        60.0, gt=0, allow_inf_nan=False, description="seconds a response waits for its "
+        "client to take any of its bytes before the connection is closed and its generation "
+        "cancelled (a client that stops reading a stream had its tokens held in memory)")
     max_image_bytes: PositiveInt = Field(
         20 * 1024 * 1024, description="largest image file a request sends (base64 decoded)")
     max_image_pixels: PositiveInt = Field(

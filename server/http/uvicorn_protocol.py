@@ -1,5 +1,6 @@
-"""The HTTP/1.1 protocol uvicorn serves with: its httptools (llhttp) one, plus a limit on
-the request head, and streams to HTTP/1.0 clients without chunked framing.
+"""The HTTP/1.1 protocol uvicorn serves with: its httptools (llhttp) one, plus limits on
+the request head and on how long a response waits for its client to read, and streams to
+HTTP/1.0 clients without chunked framing.
 
 With the engine in this process, the event loop's Python per streamed token is taken
 from the decode loop (the GIL). h11's pure-Python state machine and chunk writer were
@@ -13,14 +14,17 @@ until they end, so the bytes of an unfinished head are counted here instead.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from uvicorn._types import ASGISendEvent
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from server.http.body_limit import MAX_HEADER_BYTES
 
+log = logging.getLogger("radix_mlx.server")
 
-class BoundedHeadProtocol(HttpToolsProtocol):
+
+class BoundedProtocol(HttpToolsProtocol):
     """Refuses (400, connection closed) a request whose head goes on past MAX_HEADER_BYTES,
     and closes (408) a connection whose head is not complete `head_timeout` seconds after
     it opened or the head began: clients that trickle a head byte by byte (slowloris) held
@@ -28,13 +32,23 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     server could accept no one.
 
     Counted in whole socket reads that leave a head unfinished, as h11 did: a head that
-    ends within the read that brought it is measured by `BodyLimitMiddleware` instead."""
+    ends within the read that brought it is measured by `BodyLimitMiddleware` instead.
 
-    def __init__(self, *args, head_timeout: float, **kwargs) -> None:
+    Drops a connection whose client has taken none of its response for `write_timeout`
+    seconds (nginx's send_timeout). uvicorn's `send` waits while the transport's buffer is
+    full, but the engine goes on decoding the request to its max_tokens and its events
+    pile up unread in the request's stream (engine/streams.py): 30 streams whose clients
+    never read held 107 MiB. The connection is aborted, not closed, because a close waits
+    for the buffer to flush; the response then sees the disconnect and cancels its
+    generation (server/http/streaming.py)."""
+
+    def __init__(self, *args, head_timeout: float, write_timeout: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._head_bytes: int | None = 0  # None: the head is complete, the body follows
         self._head_timeout = head_timeout
         self._head_timer: asyncio.TimerHandle | None = None
+        self._write_timeout = write_timeout
+        self._write_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -42,7 +56,16 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._head_arrived()
+        self._written()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._await_reader(self.transport.get_write_buffer_size())
+
+    def resume_writing(self) -> None:
+        self._written()
+        super().resume_writing()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -83,6 +106,28 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             return
         self.transport.write(REQUEST_TIMEOUT)
         self.transport.close()
+
+    def _await_reader(self, waiting: int) -> None:
+        self._written()
+        self._write_timer = self.loop.call_later(
+            self._write_timeout, self._write_timed_out, waiting)
+
+    def _written(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_timed_out(self, waiting: int) -> None:
+        self._write_timer = None
+        left = self.transport.get_write_buffer_size()
+        if left < waiting:  # the client reads, if slowly
+            self._await_reader(left)
+            return
+        request_id = (self.cycle.scope.get("state", {}).get("request_id", "-")
+                      if self.cycle else "-")
+        log.warning("request %s: its client took no bytes of the response for %g s "
+                    "(write_timeout): connection closed", request_id, self._write_timeout)
+        self.transport.abort()
 
 
 REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n"

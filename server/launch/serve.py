@@ -27,7 +27,7 @@ from engine.process import EngineProcess
 from server.app import create_app
 from server.config import ConfigError, ModelSpec, Settings, default_disk_cache_dir, load_settings
 from server.http.drain import CANCEL_GRACE_SECONDS, Drain
-from server.http.uvicorn_protocol import BoundedHeadProtocol
+from server.http.uvicorn_protocol import BoundedProtocol
 from server.launch import tensor_parallel
 from server.launch.env import in_launch
 from server.launch.logs import configure_logging
@@ -220,7 +220,8 @@ def _serve(settings: Settings, models: ModelRegistry, failed: Callable[[], bool]
         app,
         host=settings.host,
         port=settings.port,
-        http=functools.partial(BoundedHeadProtocol, head_timeout=settings.request_head_timeout),
+        http=functools.partial(BoundedProtocol, head_timeout=settings.request_head_timeout,
+                               write_timeout=settings.write_timeout),
         log_config=None,  # keep the logging configured above
         access_log=False,  # radix_mlx.access writes a richer line
         # The drain above already waited for in-flight requests; uvicorn only closes

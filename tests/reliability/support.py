@@ -27,6 +27,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CACHE_BYTES = 2 * 2**20
 MAX_BODY_BYTES = 256 * 1024
 HEAD_TIMEOUT = 3.0  # seconds the hardened server waits for a request's head
+WRITE_TIMEOUT = 1.0  # seconds it waits for a client to take any of a response
 
 
 def app_schema() -> dict[str, Any]:

@@ -4,6 +4,7 @@ sizes, and a key that never shows up in a response or a log line."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from tests.reliability.support import (
     AUTH,
     HEAD_TIMEOUT,
     MAX_BODY_BYTES,
+    WRITE_TIMEOUT,
     app_schema,
     fault_token,
     server_command,
@@ -140,6 +142,35 @@ def test_a_connection_whose_head_never_ends_is_closed(hardened: ServerProcess,
         while chunk := conn.recv(4096):  # until the server closes it
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+
+
+def test_a_stream_whose_client_stops_reading_is_cut_off(
+        hardened: ServerProcess, demo_model_dir: Path) -> None:
+    """A client that keeps its connection open and reads nothing: the engine decoded the
+    request to its max_tokens and held every event unread in memory (30 such streams: 107
+    MiB). After --write-timeout seconds without a byte taken, the connection is closed
+    and the generation cancelled. 16 choices with logprobs fill the socket's buffers in
+    a fraction of the 6000 tokens asked for."""
+    body = json.dumps({
+        "model": demo_model_dir.name, "prompt": "Hello", "stream": True, "n": 16,
+        "max_tokens": 6000, "ignore_eos": True, "logprobs": 5,
+        "logit_bias": {str(fault_token(demo_model_dir)): -100}}).encode()
+    host, port = urlsplit(hardened.url).hostname, urlsplit(hardened.url).port
+    with socket.socket() as conn:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        conn.settimeout(WRITE_TIMEOUT + 60)
+        conn.connect((host, port))
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: unread\r\n"
+                     b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (API_KEY.encode(), len(body), body))
+        line = hardened.access_line("unread", timeout=60)
+        answer = b""
+        while chunk := conn.recv(1 << 20):  # what the kernel holds, then the close
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200") and not answer.endswith(b"0\r\n\r\n")
+    assert "request unread: its client took no bytes" in hardened.log()
+    completion = int(line.split(" completion=")[1].split()[0])
+    assert completion < 16 * 6000
 
 
 @pytest.mark.skipif(not Path("/proc/self/limits").exists(), reason="reads /proc")
