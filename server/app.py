@@ -16,6 +16,7 @@ from server.http.auth import APIKeyMiddleware
 from server.http.body_limit import BodyLimitMiddleware
 from server.http.errors import install_error_handlers
 from server.http.head import HeadAsGet
+from server.http.hosts import ANY_HOST, LocalHostMiddleware, loopback
 from server.http.middleware import RequestMiddleware
 from server.model_registry import ModelRegistry
 from server.ollama.routes import router as ollama_api
@@ -79,6 +80,8 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
             allow_headers=["authorization", "content-type", "x-request-id", "x-api-key",
                            "anthropic-version", "anthropic-beta"],
         )
+    if loopback(settings.host) and ANY_HOST not in settings.allowed_hosts:
+        app.add_middleware(LocalHostMiddleware, allowed=settings.allowed_hosts)
     # Added last, so outermost: it sees (and logs) every request, CORS preflights too.
     app.add_middleware(RequestMiddleware, state=state)
     return app

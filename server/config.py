@@ -302,6 +302,11 @@ class Settings(BaseModel):
         [], description="hosts whose http(s) image URLs are fetched; none: images come as "
         "data: URLs or base64 only")
     cors_origins: list[NonEmpty] = Field([], description="origins allowed by CORS; none: CORS off")
+    allowed_hosts: list[NonEmpty] = Field(
+        [], description="Host header names a server on a loopback address answers besides "
+        "localhost, *.localhost, *.local, *.internal, this machine's name and IP addresses "
+        "(others: 403, against DNS rebinding); '*': any, as a reverse proxy that passes "
+        "its clients' Host on needs")
     ssl_certfile: Path | None = Field(
         None, description="serve HTTPS with this PEM certificate (chain); needs ssl_keyfile"
     )
@@ -558,12 +563,13 @@ class ConfigError(ValueError):
     """A one-line message naming the source and the option; the CLI prints it and exits."""
 
 
-LIST_FIELDS = ("served_model_names", "unnamed_model_aliases", "cors_origins",
+LIST_FIELDS = ("served_model_names", "unnamed_model_aliases", "cors_origins", "allowed_hosts",
                "volatile_system_lines", "allow_image_urls", "speculation_sources")
 FLAGS = {
     "served_model_names": "--served-model-name",
     "unnamed_model_aliases": "--unnamed-model-alias",
     "cors_origins": "--cors-origin",
+    "allowed_hosts": "--allowed-host",
     "config_file": "--config",
 }
 # Repeated, never split at commas (a path may hold one).

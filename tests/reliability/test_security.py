@@ -123,13 +123,13 @@ def test_a_client_without_the_key_gets_its_401_before_sending_its_body(
     and held, up to the body limit each, before their 401)."""
     host, port = urlsplit(hardened.url).hostname, urlsplit(hardened.url).port
     with socket.create_connection((host, port), timeout=10) as conn:
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
                      b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
         head = conn.recv(65536)  # no byte of the body sent
     assert head.startswith(b"HTTP/1.1 401"), head[:200]
 
 
-@pytest.mark.parametrize("sent", [b"", b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"])
+@pytest.mark.parametrize("sent", [b"", b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n"])
 def test_a_connection_whose_head_never_ends_is_closed(hardened: ServerProcess,
                                                        sent: bytes) -> None:
     """Slowloris: clients that open connections and send nothing, or a head a byte at a
@@ -160,7 +160,7 @@ def test_a_stream_whose_client_stops_reading_is_cut_off(
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         conn.settimeout(WRITE_TIMEOUT + 60)
         conn.connect((host, port))
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: unread\r\n"
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nX-Request-Id: unread\r\n"
                      b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (API_KEY.encode(), len(body), body))
         line = hardened.access_line("unread", timeout=60)
@@ -288,7 +288,7 @@ async def test_no_model_name_reaches_the_filesystem_network_or_loader(
 ) -> None:
     app, side_effects = in_process
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://app", headers=AUTH,
+    async with httpx.AsyncClient(transport=transport, base_url="http://app.localhost", headers=AUTH,
                                  timeout=60) as client:
         # Warm: lazy imports on the error path would otherwise count as file reads.
         served = request_for(method, path, demo_model_dir.name)
@@ -346,7 +346,7 @@ def raw_exchange(url: str, request: bytes, piece: int | None = None) -> bytes:
         return sock.makefile("rb").readline()
 
 
-HEAD = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
+HEAD = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer " + API_KEY.encode()
 KIB = 1024
 # The protocol refuses an incomplete request head past 64 KiB (server/http/uvicorn_protocol.py); a
 # head that arrives within one socket read (up to ~128 KiB on loopback) is parsed whole,
@@ -360,7 +360,7 @@ OVERSIZED = {
     "unfinished 1 MiB header in 8 KiB pieces": (HEAD + b"\r\nX-Big: " + b"a" * KIB * KIB, 8 * KIB),
     "30000 headers": (
         HEAD + b"\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(30000)) + b"\r\n", None),
-    "256 KiB path": (b"GET /" + b"a" * 256 * KIB + b" HTTP/1.1\r\nHost: x\r\n\r\n", None),
+    "256 KiB path": (b"GET /" + b"a" * 256 * KIB + b" HTTP/1.1\r\nHost: localhost\r\n\r\n", None),
     "body over the limit": (
         HEAD.replace(b"GET /v1/models", b"POST /v1/completions")
         + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"

@@ -74,5 +74,5 @@ async def loading_app() -> AsyncIterator[httpx.AsyncClient]:
     """A client of the app in process, whose engine never starts: it stays loading."""
     app = create_app(Settings(), ModelRegistry.of_one(Settings(), Engine(EngineConfig(model="unused"))))
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://test.localhost") as client:
         yield client

@@ -174,7 +174,7 @@ CASES = [
     ("unknown route", "GET", "/v1/engines", {}, 404, "not_found", None),
     # Not Starlette's redirect, whose Location would come from the Host header.
     ("trailing slash", "POST", CHAT + "/", {**chat(), "headers": {
-        "Authorization": f"Bearer {API_KEY}", "Host": "elsewhere.example"}}, 404,
+        "Authorization": f"Bearer {API_KEY}", "Host": "elsewhere.localhost"}}, 404,
      "not_found", None),
     ("wrong method", "GET", CHAT, {}, 405, "method_not_allowed", None),
     ("body too large", "POST", CHAT, {"content": b" " * BIG}, 413, "request_too_large", None),
