@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from engine.api import EngineClient, EngineError, EngineStats, SamplingParams
 from server.admin import cleared
 from server.http.errors import APIError
-from server.http.json_body import JSONRoute
+from server.http.json_body import JSONRoute, refuse_a_web_pages_post
 from server.model_registry import ServedModel
 from server.state import ServerState, server_state
 
@@ -142,13 +142,13 @@ async def get_load(request: Request) -> list[WorkerLoad]:
     )]
 
 
-# Both methods, as SGLang serves it; one route with two methods would give the OpenAPI
-# schema two operations of the same id.
+# POST only, as every sgl-router sends it (SGLang's own server takes GET too): a GET is
+# what any web page can make a browser send, by an image's URL, with no Origin to check.
 @worker_info.post("/flush_cache")
-@worker_info.get("/flush_cache", operation_id="flush_cache_get")
 async def flush_cache(request: Request) -> dict[str, Any]:
     """Drop the prefix cache that no request is using (requests keep what they hold), of
     every model: each one's memory freed and tiers, or that its next load clears it."""
+    refuse_a_web_pages_post(request)  # it reads no body, so nothing else would refuse it
     models = server_state(request).models
     flushed = [{"id": served.id, **await cleared(models, served)} for served in models.models]
     return {"cleared": True,

@@ -69,7 +69,7 @@ class JSONRoute(APIRoute):
         async def with_json_request(request: Request) -> Response:
             scope = request.scope
             if self.any_content_type:
-                _refuse_a_web_forms_post(request)
+                refuse_a_web_pages_post(request)
                 scope = _labelled_json(scope)
             return await handler(JSONRequest(scope, request.receive))
 
@@ -84,11 +84,11 @@ class AnyTypeJSONRoute(JSONRoute):
     any_content_type = True
 
 
-def _refuse_a_web_forms_post(request: Request) -> None:
+def refuse_a_web_pages_post(request: Request) -> None:
     """A body of a type a web form or a no-cors fetch can send (no CORS preflight: a form
     type, text/plain, or none at all) from a page on another origin: any site the user
-    visits could make a keyless local server generate. curl sends no Origin; a page of an
-    origin CORS allows sends JSON as JSON."""
+    visits could make a keyless local server act (generate, flush its cache). curl and
+    routers send no Origin; a page of an origin CORS allows sends JSON as JSON."""
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if ("origin" in request.headers and request.method not in ("GET", "HEAD")
             and media_type != "application/json"):

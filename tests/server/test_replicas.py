@@ -176,6 +176,19 @@ def test_worker_flushes_its_cache_and_answers_a_generating_health_check(
     assert server.metrics()["radix_mlx_engine_steps_total"] > steps  # it ran the model
 
 
+@pytest.mark.parametrize("labelled", [{"Content-Type": "text/plain"}, {}],
+                         ids=["a form's post", "a no-cors fetch"])
+def test_a_web_page_on_another_origin_cannot_flush_the_cache(
+        server: ServerProcess, headers: dict[str, str], labelled: dict[str, str]) -> None:
+    """Routers POST /flush_cache. A GET, which any page makes a browser send (an image's
+    URL, with no Origin), is not served; a POST that a page sends without asking CORS
+    first is refused, as Ollama's routes refuse it (server/http/json_body.py)."""
+    assert httpx.get(f"{server.url}/flush_cache", headers=headers).status_code == 405
+    sent = httpx.post(f"{server.url}/flush_cache", headers={
+        **headers, **labelled, "Origin": "https://evil.example"}, content=b"x" if labelled else b"")
+    assert sent.status_code == 403 and "evil.example" in sent.json()["error"]["message"]
+
+
 # -- two replicas behind the router ---------------------------------------------------------
 
 
