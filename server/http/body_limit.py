@@ -40,9 +40,11 @@ class BodyLimitMiddleware:
         if head > MAX_HEADER_BYTES:
             raise APIError(400, f"the request head is larger than {MAX_HEADER_BYTES} bytes",
                            code="request_header_too_large")
+        # Sent before the rest of the body is read: the connection is closed (as nginx
+        # does) rather than kept to read and drop all the body the client declared.
         too_large = APIError(
-            413, f"request body is larger than {self.limit} bytes", code="request_too_large"
-        )
+            413, f"request body is larger than {self.limit} bytes", code="request_too_large",
+            headers={"Connection": "close"})
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.limit:
             raise too_large

@@ -377,6 +377,21 @@ def test_oversized_requests_are_refused_not_hung(
     assert httpx.get(f"{hardened.url}/v1/models", headers=AUTH, timeout=30).status_code == 200
 
 
+def test_a_body_over_the_limit_is_refused_and_its_connection_closed(
+        hardened: ServerProcess) -> None:
+    """The 413 goes out before the body is read: the connection is closed (as nginx does),
+    not kept for the client to send, and the server to read and drop, all it declared."""
+    host, port = urlsplit(hardened.url).hostname, urlsplit(hardened.url).port
+    with socket.create_connection((host, port), timeout=30) as conn:
+        conn.sendall(HEAD.replace(b"GET /v1/models", b"POST /v1/completions")
+                     + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                     % (MAX_BODY_BYTES + 1))
+        answer = b""
+        while chunk := conn.recv(4096):  # until the server closes it
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413") and b"\r\nconnection: close\r\n" in answer
+
+
 # -- the key stays secret ------------------------------------------------------------------
 
 
