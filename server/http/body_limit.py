@@ -1,17 +1,21 @@
 """Refusing requests before anything parses them: a head (request line and headers) over
-MAX_HEADER_BYTES (400) or a body over the configured size (413). (The body's JSON is
-parsed once, by the route: server/http/json_body.py.)"""
+MAX_HEADER_BYTES (400), a body in a transfer coding other than chunked (501) or over the
+configured size (413). (The body's JSON is parsed once, by the route:
+server/http/json_body.py.)"""
 
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.http.errors import APIError
+from server.http.errors import APIError, shown
 
 # The largest request head. server/http/uvicorn_protocol.py enforces it only while a head is
 # incomplete: one that arrives within a single socket read (up to ~128 KiB on loopback) is
 # parsed whole, so it is checked again here, whatever the reads were.
 MAX_HEADER_BYTES = 64 * 1024
+# A refusal sent before the body is read closes the connection (as nginx does), rather
+# than keep it to read and drop all the body the client declared.
+CLOSE = {"Connection": "close"}
 
 
 class BodyLimitMiddleware:
@@ -40,11 +44,17 @@ class BodyLimitMiddleware:
         if head > MAX_HEADER_BYTES:
             raise APIError(400, f"the request head is larger than {MAX_HEADER_BYTES} bytes",
                            code="request_header_too_large")
-        # Sent before the rest of the body is read: the connection is closed (as nginx
-        # does) rather than kept to read and drop all the body the client declared.
+        # llhttp frames a body by its last transfer coding, chunked, and passes on the
+        # bytes of any before it undecoded: gzip's were read as JSON (RFC 9112 6.1: 501).
+        codings = b",".join(value for name, value in scope["headers"]
+                            if name == b"transfer-encoding").decode("latin-1")
+        if any(coding.strip().lower() not in ("", "chunked") for coding in codings.split(",")):
+            raise APIError(501, f"the transfer coding {shown(codings)} is not supported: send "
+                           "the body chunked or with a Content-Length, uncompressed",
+                           code="unsupported_transfer_encoding", headers=CLOSE)
         too_large = APIError(
             413, f"request body is larger than {self.limit} bytes", code="request_too_large",
-            headers={"Connection": "close"})
+            headers=CLOSE)
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.limit:
             raise too_large

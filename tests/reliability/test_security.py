@@ -392,6 +392,26 @@ def test_a_body_over_the_limit_is_refused_and_its_connection_closed(
     assert answer.startswith(b"HTTP/1.1 413") and b"\r\nconnection: close\r\n" in answer
 
 
+@pytest.mark.parametrize("codings", [b"gzip, chunked", b"x-unknown,chunked",
+                                     b"gzip\r\nTransfer-Encoding: chunked"])
+def test_a_body_in_a_transfer_coding_other_than_chunked_is_refused(
+        hardened: ServerProcess, demo_model_dir: Path, codings: bytes) -> None:
+    """The parser frames such a body by its chunks and hands on the bytes inside them
+    undecoded: a gzip body was read as (invalid) JSON, an unknown coding's as if none.
+    RFC 9112 6.1: a coding the server does not know is a 501."""
+    body = b'{"model": "%s", "prompt": "Hi", "max_tokens": 1}' % demo_model_dir.name.encode()
+    host, port = urlsplit(hardened.url).hostname, urlsplit(hardened.url).port
+    with socket.create_connection((host, port), timeout=30) as conn:
+        conn.sendall(HEAD.replace(b"GET /v1/models", b"POST /v1/completions")
+                     + b"\r\nContent-Type: application/json\r\nTransfer-Encoding: %s\r\n\r\n"
+                     b"%x\r\n%s\r\n0\r\n\r\n" % (codings, len(body), body))
+        answer = b""
+        while chunk := conn.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 501"), answer[:200]
+    assert b'"code":"unsupported_transfer_encoding"' in answer
+
+
 # -- the key stays secret ------------------------------------------------------------------
 
 
