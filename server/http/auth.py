@@ -16,6 +16,7 @@ import hmac
 from pydantic import SecretStr
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from server.http.body_limit import CLOSE
 from server.http.errors import APIError
 
 # "/" says only that a server is there; clients probe it before they authenticate.
@@ -33,7 +34,7 @@ class APIKeyMiddleware:
             await APIError(
                 401, "missing or invalid API key (send 'Authorization: Bearer <key>' or "
                 "'x-api-key: <key>')",
-                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer", **CLOSE},
             ).response(scope)(scope, receive, send)
             return
         await self.app(scope, receive, send)

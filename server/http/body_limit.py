@@ -43,7 +43,7 @@ class BodyLimitMiddleware:
             scope.get("query_string", b"")) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
         if head > MAX_HEADER_BYTES:
             raise APIError(400, f"the request head is larger than {MAX_HEADER_BYTES} bytes",
-                           code="request_header_too_large")
+                           code="request_header_too_large", headers=CLOSE)
         # llhttp frames a body by its last transfer coding, chunked, and passes on the
         # bytes of any before it undecoded: gzip's were read as JSON (RFC 9112 6.1: 501).
         codings = b",".join(value for name, value in scope["headers"]

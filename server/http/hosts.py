@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from server.http.body_limit import CLOSE
 from server.http.errors import APIError, shown
 
 # Names only this machine or its local network answers for.
@@ -47,7 +48,7 @@ class LocalHostMiddleware:
                 await APIError(
                     403, f"the Host {shown(host)} is not a name of this server, which "
                     "listens on a loopback address (DNS rebinding); --allowed-host names "
-                    "more", code="host_not_allowed",
+                    "more", code="host_not_allowed", headers=CLOSE,
                 ).response(scope)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

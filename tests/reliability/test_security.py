@@ -392,6 +392,32 @@ def test_a_body_over_the_limit_is_refused_and_its_connection_closed(
     assert answer.startswith(b"HTTP/1.1 413") and b"\r\nconnection: close\r\n" in answer
 
 
+UNREAD_BODIES = {
+    "401 without the key": b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+    b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n",
+    "403 for a foreign Host": b"POST /v1/completions HTTP/1.1\r\nHost: rebound.example\r\n"
+    b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n",
+    "400 for a head over the limit": HEAD.replace(b"GET /v1/models", b"POST /v1/completions")
+    + b"\r\nX-Big: " + b"a" * 100 * KIB + b"\r\nContent-Length: 1000\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("request_bytes", UNREAD_BODIES.values(), ids=UNREAD_BODIES.keys())
+def test_other_answers_before_the_body_is_read_close_the_connection_too(
+        hardened: ServerProcess, request_bytes: bytes) -> None:
+    """As a 413 does: the 401 for a missing key, the 403 for a Host not of this server and
+    the 400 for a head over the limit go out before the body is read, and the connection stayed open for the server to read
+    and drop all the body the client declared."""
+    host, port = urlsplit(hardened.url).hostname, urlsplit(hardened.url).port
+    with socket.create_connection((host, port), timeout=30) as conn:
+        conn.sendall(request_bytes)
+        answer = b""
+        while chunk := conn.recv(4096):  # until the server closes it
+            answer += chunk
+    assert answer.startswith((b"HTTP/1.1 401", b"HTTP/1.1 403", b"HTTP/1.1 400")), answer[:200]
+    assert b"\r\nconnection: close\r\n" in answer
+
+
 @pytest.mark.parametrize("codings", [b"gzip, chunked", b"x-unknown,chunked",
                                      b"gzip\r\nTransfer-Encoding: chunked"])
 def test_a_body_in_a_transfer_coding_other_than_chunked_is_refused(
