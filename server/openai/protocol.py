@@ -359,6 +359,30 @@ class StructuredOutputRequest(SamplingRequest):
     """Fields shared by chat and legacy completions on top of sampling: the output format."""
 
     response_format: ResponseFormat | None = None
+    # Other servers' grammar fields (vLLM's structured_outputs and guided_*, llama.cpp's
+    # json_schema and grammar, SGLang's regex and ebnf). Ignored as unknown fields are,
+    # they would leave free text where the client counts on its grammar: refused instead.
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structural_tag: Any = None
+    json_schema: Any = None
+    grammar: Any = None
+    regex: Any = None
+    ebnf: Any = None
+
+    @field_validator("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "structural_tag", "json_schema", "grammar", "regex",
+                     "ebnf")
+    @classmethod
+    def _no_foreign_grammar(cls, value: Any) -> Any:
+        if value not in (None, "", [], {}):
+            raise ValueError("not supported: for JSON send response_format "
+                             '({"type": "json_schema", "json_schema": {"name": ..., '
+                             '"schema": ...}})')
+        return value
 
 
 PredictionText = shaped_union(
