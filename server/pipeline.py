@@ -454,7 +454,8 @@ def _choice_params(
     if knobs.seed is not None:
         given["seed"] = knobs.seed + choice
     if constraint is not None and not free_text(request):
-        given["stop"] = ()  # stop sequences end free text; a grammar ends its reply itself
+        # Stop sequences and stop token ids end free text; a grammar ends its reply itself.
+        given["stop"] = given["stop_token_ids"] = ()
     return SamplingParams(
         **given,
         max_tokens=max_tokens,

@@ -12,8 +12,9 @@
   reply is such calls, or the answer in that format.
 - otherwise a `json_object` / `json_schema` output format: the reply is that JSON.
 
-Stop sequences end free text only: a constrained reply ends where its grammar ends, so
-they are not applied to it (a stop string inside a JSON string would cut it invalid);
+Stop sequences and stop token ids end free text only: a constrained reply ends where its
+grammar ends, so they are not applied to it (a stop string inside a JSON string, or a
+stop token id the grammar allows, would cut it invalid);
 allowed tools' "auto" reply is free text, and keeps them as plain "auto" does.
 For a reasoning model the grammar starts after the end-of-thinking marker.
 """

@@ -254,6 +254,19 @@ def test_stop_strings_do_not_cut_a_forced_call(client: openai.OpenAI, model_id: 
         assert name == "get_weather" and Weather.model_validate(arguments)
 
 
+def test_stop_token_ids_do_not_cut_a_schemas_answer(client: openai.OpenAI, model_id: str,
+                                                     demo_model_dir) -> None:
+    # The greedy answer's first token as a stop token id: applied, it left "" as a
+    # finished ("stop") answer.
+    options = {"model": model_id, "messages": MESSAGES, "max_tokens": ROOM, "temperature": 0,
+               "response_format": WEATHER_FORMAT}
+    answer = client.chat.completions.create(**options).choices[0].message.content
+    tokenizer = Tokenizer.from_file(str(demo_model_dir / "tokenizer.json"))
+    first = tokenizer.encode(answer, add_special_tokens=False).ids[0]
+    cut = client.chat.completions.create(**options, extra_body={"stop_token_ids": [first]})
+    assert cut.choices[0].message.content == answer
+
+
 def test_max_completion_tokens_bounds_the_answer(client: openai.OpenAI, model_id: str) -> None:
     # Greedy, so the answer does not depend on a draw. The grammar may still close the JSON
     # within the bound ("{}" is an object), so only the bound is asserted.
