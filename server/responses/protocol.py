@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from engine.api import SpeculationMode
 from server.documents import ReadInText, document, text_of_data_url
@@ -428,23 +428,43 @@ class ResponsesRequest(RequestModel):
                              "instructions and input")
         if not self.input and not self.instructions and self.previous_response_id is None:
             raise ValueError("input is empty, and there are no instructions to answer")
-        names = [tool.name for tool in self.function_tools + self.custom_tools]
-        check_tool_names(names)
-        if self.tool_choice not in (None, "none", "auto") and not names:
-            if self.tools:  # hosted ones alone, which the model is not shown
+        return self
+
+    # Fields' validators rather than the model's, so a 400 names its field; tools is
+    # validated before tool_choice.
+    @field_validator("tools")
+    @classmethod
+    def _tool_names_are_unique(cls, value: list[ToolDefinition] | None
+                               ) -> list[ToolDefinition] | None:
+        check_tool_names(_model_tool_names(value))
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_tools(cls, value: ToolChoice | None, info: ValidationInfo
+                                 ) -> ToolChoice | None:
+        tools = info.data.get("tools")
+        names = _model_tool_names(tools)
+        if value not in (None, "none", "auto") and not names:
+            if tools:  # hosted ones alone, which the model is not shown
                 raise ValueError("tool_choice needs a function or custom tool: hosted tools "
                                  "(web_search, ...) are not run by this server")
             raise ValueError("tool_choice needs tools")
-        if isinstance(self.tool_choice, FunctionChoice | CustomChoice):
-            chosen = [self.tool_choice.name]
-        elif isinstance(self.tool_choice, AllowedToolsChoice):
-            chosen = [tool.name for tool in self.tool_choice.tools]
+        if isinstance(value, FunctionChoice | CustomChoice):
+            chosen = [value.name]
+        elif isinstance(value, AllowedToolsChoice):
+            chosen = [tool.name for tool in value.tools]
         else:
             chosen = []
         for name in chosen:
             if name not in names:
                 raise ValueError(f"tool_choice names {name!r}, which is not a tool")
-        return self
+        return value
+
+
+def _model_tool_names(tools: list[ToolDefinition] | None) -> list[str]:
+    """The names of the function and custom tools among `tools`: those the model sees."""
+    return [tool.name for tool in tools or () if isinstance(tool, FunctionTool | CustomTool)]
 
 
 # -- responses -----------------------------------------------------------------------------

@@ -125,6 +125,13 @@ CASES = [
     ), 400, "invalid_request", "tool_choice"),
     ("tool_choice without tools", "POST", CHAT, chat(tool_choice="required"), 400,
      "invalid_request", "tool_choice"),
+    ("a response's tool_choice naming no tool", "POST", RESPONSES, {"json": {
+        "input": "Hello", "max_output_tokens": 2, "tools": [{"type": "function", "name": "f"}],
+        "tool_choice": {"type": "function", "name": "g"}}}, 400, "invalid_request",
+     "tool_choice"),
+    ("a response's two tools of one name", "POST", RESPONSES, {"json": {
+        "input": "Hello", "max_output_tokens": 2,
+        "tools": [{"type": "function", "name": "f"}] * 2}}, 400, "invalid_request", "tools"),
     ("deprecated functions", "POST", CHAT, chat(functions=[{"name": "f", "parameters": {}}]),
      400, "invalid_request", "functions"),
     ("deprecated function_call", "POST", CHAT, chat(function_call={"name": "f"}),
