@@ -27,6 +27,8 @@ log = logging.getLogger("radix_mlx.server")
 JSON_CALL_HEAD = re.compile(
     r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
 )
+# The same head cut off inside the name's string.
+JSON_CALL_NAME_OPEN = re.compile(r'\s*\{\s*"name"\s*:\s*"(?:[^"\\]|\\.)*\\?\Z')
 
 
 def new_call_id() -> str:
@@ -73,10 +75,10 @@ class ToolCallParser:
             released, self._buffer, found = split_at(self._buffer, marker)
             if self._in_call:
                 events += self._call_text(released)
-                if found and self._in_argument_string:
+                if found and self._in_json_string:
                     # The end marker as text of an argument ("</tool_call>" in a file an
-                    # agent edits): JSON has it in a string, and so may a forced call's
-                    # grammar. The call goes on.
+                    # agent edits) or of the name: JSON has it in a string, and so may a
+                    # forced call's grammar. The call goes on.
                     events += self._call_text(marker)
                     continue
                 if found:
@@ -143,8 +145,10 @@ class ToolCallParser:
         return [ToolCallArguments(self.choice, self.calls, fragment)] if fragment else []
 
     @property
-    def _in_argument_string(self) -> bool:
-        return self._arguments is not None and self._arguments.in_string
+    def _in_json_string(self) -> bool:
+        if self._arguments is not None:
+            return self._arguments.in_string
+        return JSON_CALL_NAME_OPEN.match(self._body) is not None
 
     @property
     def _dropping(self) -> bool:

@@ -95,6 +95,16 @@ def test_the_end_marker_inside_an_argument_string_is_text_of_the_argument() -> N
         assert _text(events) == "after"
 
 
+def test_the_end_marker_inside_the_name_is_text_of_the_name() -> None:
+    """A tool named with the marker in it (a chat's names are free text): a forced call of
+    it was content, and no call."""
+    call = '<tool_call>\n{"name": "a</tool_call>", "arguments": {"y": 1}}\n</tool_call>after'
+    for pieces in ([call], list(call), [call[:20], call[20:30], call[30:]]):
+        events = _run(pieces)
+        assert _calls(events) == [("a</tool_call>", {"y": 1})]
+        assert _text(events) == "after"
+
+
 def test_partial_start_marker_is_held_back_then_released() -> None:
     parser = ToolCallParser(0, JSON_FORMAT, [])
     assert parser.feed("a <tool") == [TextDelta(0, "a ")]
