@@ -237,7 +237,7 @@ _KEYWORD_PATTERNS = (
     (re.compile(r"Unknown format"), "format"),
     (re.compile(r"Invalid type"), "type"),
     (re.compile(r"oneOf"), "oneOf"),
-    (re.compile(r"\$ref|reference|Pointer", re.IGNORECASE), "$ref"),
+    (re.compile(r"\$ref|\breference|Pointer", re.IGNORECASE), "$ref"),
     (re.compile(r"pattern|regex", re.IGNORECASE), "pattern"),
 )
 

@@ -34,6 +34,8 @@ WEATHER = FunctionTool("get_weather", {
     ({"type": "strng"}, "type"),
     ({"$ref": "#/$defs/missing"}, "$ref"),
     ({"type": "string", "pattern": "(("}, "pattern"),
+    # The regex engine's "backreferences are not supported" is no `$ref`'s.
+    ({"type": "string", "pattern": "^(a)\\1$"}, "pattern"),
 ])
 def test_strict_schema_the_engine_cannot_enforce_is_refused_naming_the_keyword(schema, keyword):
     with pytest.raises(UnsupportedSchema) as refused:
