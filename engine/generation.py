@@ -130,7 +130,7 @@ class Generation:
         ConstraintFailed when the constraint's matcher failed at this token."""
         grammar = self.sequence.grammar
         if grammar is not None and grammar.error is not None:
-            raise ConstraintFailed(f"the output constraint failed: {grammar.error}")
+            raise ConstraintFailed(grammar.error)
         if self.params.readout is not None:  # prefill only: what the prompt's end gives
             if not self.params.readout.cache_only:
                 self.emit(last_position(logprobs, token, self._tokenizer))

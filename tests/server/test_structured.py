@@ -320,8 +320,8 @@ def test_a_schema_that_runs_dry_mid_output_is_the_requests_error(
                                        response_format=RUNS_DRY)
     assert raised.value.code == "unsupported_schema"
     assert raised.value.message.endswith(
-        "cannot be met: the output constraint failed: "
-        "nothing the grammar allows can follow the output so far"), "no parser state dump"
+        "the output constraint cannot be met: "
+        "nothing the grammar allows can follow the output so far"), "said once, no state dump"
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers=headers,
                       timeout=60, json={"model": model_id, "messages": MESSAGES,
                                         "max_tokens": ROOM, "stream": True,
