@@ -133,7 +133,6 @@ class TextStream:
         self._starts = [StopPrefix(s) for s in self._stop]
         self._held = ""  # decoded, not yet emitted (a stop string may start in it)
         self.matched_stop: str | None = None
-        self.decoded = 0  # characters decoded so far, held ones included
         self.shown = 0  # characters returned so far
 
     def add(self, token: int) -> str:
@@ -146,7 +145,6 @@ class TextStream:
             self._decoder = (StreamDecoder(tokenizer, context) if tokenizer.fast is not None
                              else WindowDecoder(tokenizer, context))
         text = self._decoder.step(token)
-        self.decoded += len(text)
         self._held += text
         for start in self._starts:
             start.feed(text)
@@ -158,10 +156,13 @@ class TextStream:
         if self.matched_stop is not None:
             return ""
         if self._decoder is not None:
-            flushed = self._decoder.flush()
-            self.decoded += len(flushed)
-            self._held += flushed
+            self._held += self._decoder.flush()
         return self._release(final=True)
+
+    @property
+    def decoded(self) -> int:
+        """Characters decoded so far, held ones included (until a stop string matches)."""
+        return self.shown + len(self._held)
 
     def _release(self, final: bool) -> str:
         text = self._released(final)
