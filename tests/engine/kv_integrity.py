@@ -36,6 +36,7 @@ computation of the 600 before them: up to 10% of their values more than half a s
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ from engine.kv import CacheSnapshot, KVSegment, assemble
 from engine.kv_quant import KVQuantization
 from engine.mlx_lm_internals import RoundedWrites, clone_cache, kv_layout
 from engine.platform_info import apply_mlx_env_defaults
+from tests.engine.support import idle
 
 # Float32 demo models: a correct node differs from a fresh forward by ~1e-5, a node
 # holding other positions' KV by ~1 (shared/evidence: 1.4-18.7). In bfloat16 a chunked
@@ -83,6 +85,12 @@ def check_tree_kv(engine: Engine, model: nn.Module) -> Checked:
     """Assert that every span the engine's tree holds is the KV of its tokens. Call it
     while the engine is idle (it reads the tree's handles from this thread)."""
     scheduler = engine._scheduler
+    # A request's stream ends before its KV goes to the tree (and its disk copy is
+    # queued): a check straight after its Finish found a copy queued after the flush.
+    deadline = time.monotonic() + 30
+    while not idle(engine.stats()):
+        assert time.monotonic() < deadline, "the engine never went idle"
+        time.sleep(0.01)
     if engine.disk is not None:
         assert engine.disk.flush(30), "disk writes still queued"
     # An idle engine's last step may still compute on MLX's stream (a cancelled prefill's

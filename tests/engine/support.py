@@ -68,13 +68,19 @@ async def cancel_after(stream: RequestStream, tokens: int) -> Finish:
     return event
 
 
+def idle(stats: EngineStats) -> bool:
+    """Nothing runs, waits or holds a pin: an ended request's KV is in the tree (its
+    stream ends a step before its KV is copied there, scheduler.py)."""
+    return (stats.running, stats.background, stats.waiting, stats.tree.pinned_bytes) == (
+        0, 0, 0, 0)
+
+
 async def settled(engine: Engine, timeout: float = 10.0) -> EngineStats:
     """Stats once nothing runs or waits: cancellations are processed asynchronously."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         stats = engine.stats()
-        if (stats.running, stats.background, stats.waiting, stats.tree.pinned_bytes) == (
-                0, 0, 0, 0):
+        if idle(stats):
             return stats
         if asyncio.get_running_loop().time() > deadline:
             return stats
