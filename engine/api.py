@@ -247,13 +247,12 @@ class PromptImage:
 class Constraint:
     """A grammar the generated text must follow (structured output, forced tool calls).
 
-    Build one with `engine.constraints` (json_object, json_schema, tool_calls) rather
-    than by hand. The engine masks every token the grammar does not allow, from the
+    Build one with `engine.constraints` (json_object, json_schema, tool_calls; regex,
+    choice, grammar) rather than by hand. The engine masks every token the grammar does not allow, from the
     first generated token on, allows EOS only where the grammar accepts, and ends the
     request with finish reason "stop" once the grammar is complete. Logprobs, when asked
     for, stay the model's own (before the mask), as OpenAI reports them. A grammar that
-    does not compile fails the request (RequestFailed) at its start. The text is read as
-    JSON too: no object in it repeats a key (engine/json_keys.py).
+    does not compile fails the request (RequestFailed) at its start.
     """
 
     # llguidance's serialized grammar (what `LLMatcher.grammar_from_*` return); equal
@@ -272,6 +271,11 @@ class Constraint:
     # written (engine/json_keys.py). Open objects always have one, listed properties are
     # written once by the grammar itself.
     bounded_keys: bool = False
+    # The text is JSON (or JSON between a tool format's markers), read as it is written so
+    # that no object repeats a key (engine/json_keys.py). False: a grammar of plain text (a
+    # regular expression, a list of choices, a Lark or GBNF grammar), whose braces and
+    # quotes mean what the grammar says and nothing more.
+    json_text: bool = True
 
 
 @dataclass(frozen=True)

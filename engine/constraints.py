@@ -9,7 +9,15 @@ The server builds a constraint here and passes it in `SamplingParams.constraint`
     tool_calls(tools, parallel=p,            tool_choice "auto" beside a response_format:
                answer=JsonAnswer(schema))    calls, or the answer in that format instead
 
-with p = parallel_tool_calls (one or more calls, one after another, or exactly one). Pass
+with p = parallel_tool_calls (one or more calls, one after another, or exactly one); and
+for text that is not JSON (other servers' grammar fields: vLLM's guided_regex,
+guided_choice and guided_grammar, llama.cpp's grammar, SGLang's regex and ebnf):
+
+    regex(pattern)                           the whole text matches the pattern
+    choice(options)                          exactly one of the options
+    grammar(definition)                      text in a Lark or GBNF grammar
+
+Pass
 the model format's call markers as `call_format` (default: Hermes/Qwen's <tool_call>...).
 The generated text then parses with mlx-lm's `json_tools` parser between the markers.
 
@@ -45,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llguidance import LLMatcher
+from llguidance.gbnf_to_lark import any_to_lark
 
 from engine.api import Constraint
 from engine.grammar_check import CHECKER
@@ -60,6 +69,10 @@ class UnsupportedSchema(ValueError):
     def __init__(self, message: str, keyword: str | None = None) -> None:
         super().__init__(message)
         self.keyword = keyword
+
+
+class UnsupportedGrammar(ValueError):
+    """A regular expression or grammar the engine cannot compile, or that admits no text."""
 
 
 class UnsupportedAnswer(UnsupportedSchema):
@@ -177,6 +190,36 @@ def tool_calls(tools: Sequence[FunctionTool], name: str | None = None, parallel:
     _validate(grammar)
     schemas = [tool.parameters for tool in tools] + [answer.schema if answer else None]
     return Constraint(grammar, after=after, bounded_keys=_keys_by_pattern(schemas))
+
+
+def regex(pattern: str) -> Constraint:
+    """Text the whole of which matches `pattern`, in the Rust regex syntax llguidance reads
+    (Python's, less lookaround and backreferences)."""
+    return _plain_text(LLMatcher.grammar_from_regex(pattern))
+
+
+def choice(options: Sequence[str]) -> Constraint:
+    """Exactly one of `options`, as written."""
+    return _plain_text(LLMatcher.grammar_from_lark(
+        "start: " + " | ".join(_literal(option) for option in options)))
+
+
+def grammar(definition: str) -> Constraint:
+    """Text in a context-free grammar: Lark, as llguidance writes it, or GBNF, llama.cpp's,
+    which is turned into Lark first (each is told from the other by its syntax)."""
+    try:
+        lark = any_to_lark(definition)
+    except Exception as error:  # noqa: BLE001 - the converter raises its own and others
+        raise UnsupportedGrammar(f"not a Lark or GBNF grammar: {error}") from None
+    return _plain_text(LLMatcher.grammar_from_lark(lark))
+
+
+def _plain_text(compiled: str) -> Constraint:
+    try:
+        _validate(compiled)
+    except UnsupportedSchema as error:
+        raise UnsupportedGrammar(str(error)) from None
+    return Constraint(compiled, json_text=False)
 
 
 def _keys_by_pattern(schema: Any) -> bool:

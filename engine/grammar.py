@@ -10,8 +10,8 @@ Lark grammars embed JSON Schemas (`%json {...}`), which the tool-call grammars n
 
 Masks are computed on the CPU while the device runs the forward pass that they will mask
 (see `Generator._constrain`), and applied with plain MLX ops (llguidance's own MLX helper
-is a Metal kernel, which the CPU and CUDA backends do not run). A key an open object
-repeats is taken out of the mask here too, since no grammar can say it (engine/json_keys.py).
+is a Metal kernel, which the CPU and CUDA backends do not run). A key an open object of
+JSON repeats is taken out of the mask here too, since no grammar can say it (json_keys.py).
 """
 
 from __future__ import annotations
@@ -113,19 +113,20 @@ class GrammarState:
 
     def __init__(self, compiled: LLMatcher, marker: tuple[int, ...], words: int,
                  key_tokens: KeyTokens, guard: MarkerGuard | None = None,
-                 look_ahead: bool = False) -> None:
+                 look_ahead: bool = False, json_text: bool = True) -> None:
         """`marker`: the tokens after which the grammar starts (none: at once). A model
         may write a marker of plain text in other tokens than its encoding's (`<tool`
         `_call>`): the output's text ending with it starts the grammar too, and `guard`
         keeps it from ending inside a token, where that would not be seen. `look_ahead`:
         the grammar's objects may run out of keys (`Constraint.bounded_keys`), so each
-        step looks ahead for a way to a key not written (`_cornered`)."""
+        step looks ahead for a way to a key not written (`_cornered`). `json_text` False:
+        the text is no JSON (`Constraint.json_text`), so no key is tracked in it."""
         self._compiled = compiled
         self.words = words  # 32-bit words in one row of a token mask
         self._marker = marker
         self._guard = guard
         self._key_tokens = key_tokens
-        self._keys = JsonKeys()
+        self._keys = JsonKeys() if json_text else None
         self._look_ahead = look_ahead
         self._recent: list[int] = []
         self._tail = b""  # the output's last bytes, as long as the guard's marker
@@ -183,7 +184,8 @@ class GrammarState:
             self.error = matcher_error(self.matcher) or f"token {token} is not allowed here"
         elif self._complete_at is None and self.matcher.is_stopped():
             self._complete_at = self._taken
-        self._keys.feed(self._key_tokens.token_bytes[token])
+        if self._keys is not None:
+            self._keys.feed(self._key_tokens.token_bytes[token])
 
     def fork(self) -> GrammarState:
         """A copy to advance over draft tokens (speculative decoding) while this one stays
@@ -206,7 +208,7 @@ class GrammarState:
             return
         if self.error is None and self.matcher.is_error():
             self.error = matcher_error(self.matcher)
-        if self.error is not None:
+        if self.error is not None or self._keys is None:
             return
         removed = self._keys.repeating(self._key_tokens)
         _clear(mask, removed)
@@ -294,7 +296,8 @@ class Grammars:
                              words=(self._vocab_size + 31) // 32,
                              key_tokens=self._vocabulary_key_tokens(),
                              guard=self._guard(constraint.after) if constraint.after else None,
-                             look_ahead=constraint.bounded_keys)
+                             look_ahead=constraint.bounded_keys,
+                             json_text=constraint.json_text)
         for token in generated:
             state.accept(token)
         if state.error is not None:

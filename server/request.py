@@ -129,14 +129,26 @@ class JsonObjectOutput:
 
 @dataclass(frozen=True)
 class JsonSchemaOutput:
-    """A JSON value valid against `schema` (OpenAI's `json_schema`)."""
+    """A JSON value valid against `schema` (OpenAI's `json_schema`, or another server's
+    field: `param`, which a 400 for the schema names)."""
 
     name: str
     schema: dict[str, Any]
     strict: bool = False
+    param: str = "response_format"
 
 
-OutputFormat = TextOutput | JsonObjectOutput | JsonSchemaOutput
+@dataclass(frozen=True)
+class GrammarOutput:
+    """Text that is no JSON, in a grammar of another server's field (`param`, named in
+    errors): a regular expression, a list of choices, or a Lark or GBNF grammar."""
+
+    kind: Literal["regex", "choice", "grammar"]
+    definition: str | tuple[str, ...]  # the choices: a tuple
+    param: str
+
+
+OutputFormat = TextOutput | JsonObjectOutput | JsonSchemaOutput | GrammarOutput
 TEXT = TextOutput()
 
 

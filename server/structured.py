@@ -11,6 +11,9 @@
   (what the OpenAI Agents SDK sends for an agent with tools and an `output_type`): the
   reply is such calls, or the answer in that format.
 - otherwise a `json_object` / `json_schema` output format: the reply is that JSON.
+- a grammar of another server's field (a regular expression, choices, a Lark or GBNF
+  grammar): the reply is text in it. Never beside tools a call may be made of: its text
+  is no JSON a call's grammar could hold as an answer.
 
 Stop sequences and stop token ids end free text only: a constrained reply ends where its
 grammar ends, so they are not applied to it (a stop string inside a JSON string, or a
@@ -32,6 +35,7 @@ from server.http.errors import APIError
 from server.request import (
     AllowedTools,
     GenerationRequest,
+    GrammarOutput,
     JsonObjectOutput,
     JsonSchemaOutput,
     NamedFunction,
@@ -100,6 +104,8 @@ def output_constraint(
     (`engine.json_schemas`). A schema or tool the engine cannot enforce is a 400 naming
     the keyword."""
     output = request.output
+    if isinstance(output, GrammarOutput):
+        return _text_grammar(request, output, after)
     answer = None
     if isinstance(output, JsonObjectOutput):
         answer = constraints.ANY_JSON_OBJECT
@@ -109,7 +115,8 @@ def output_constraint(
     # otherwise (alone, or beside forced calls, where it must still be enforceable) here.
     answer_in_calls = writes_calls(request) and not forces_call(request)
     text_before_calls = answer_in_calls and answer is None  # allowed or strict tools, "auto"
-    with _refused("response_format"):
+    param = output.param if isinstance(output, JsonSchemaOutput) else "response_format"
+    with _refused(param):
         constraint = None if answer is None or answer_in_calls else constraints.json_schema(
             answer.schema, strict=answer.strict, close_objects=close_objects)
     if writes_calls(request):
@@ -132,6 +139,22 @@ def output_constraint(
             )
     if constraint is None:
         return None
+    return replace(constraint, after=after) if after else constraint
+
+
+def _text_grammar(request: GenerationRequest, output: GrammarOutput, after: str | None
+                  ) -> Constraint:
+    if request.offered_tools:
+        raise APIError(400, f"{output.param} cannot go with tools the model may call "
+                       '(send tool_choice "none", or no tools)', code="invalid_request",
+                       param=output.param)
+    build = {"regex": constraints.regex, "choice": constraints.choice,
+             "grammar": constraints.grammar}[output.kind]
+    try:
+        constraint = build(output.definition)
+    except constraints.UnsupportedGrammar as error:
+        raise APIError(400, f"this server cannot enforce {output.param}: {error}",
+                       code="unsupported_grammar", param=output.param) from error
     return replace(constraint, after=after) if after else constraint
 
 

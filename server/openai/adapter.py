@@ -12,6 +12,7 @@ from engine.api import SamplingKnobs
 from server.custom_tools import custom_arguments, custom_function
 from server.images import MARKER
 from server.openai.protocol import (
+    FOREIGN_OUTPUT_FIELDS,
     AllowedToolsChoice,
     AnyTool,
     AnyToolCall,
@@ -29,6 +30,7 @@ from server.openai.protocol import (
     PredictionContent,
     SamplingRequest,
     StructuredOutputRequest,
+    StructuredOutputs,
     chosen_name,
 )
 from server.request import (
@@ -36,6 +38,7 @@ from server.request import (
     AllowedTools,
     FunctionTool,
     GenerationRequest,
+    GrammarOutput,
     JsonObjectOutput,
     JsonSchemaOutput,
     NamedFunction,
@@ -109,7 +112,26 @@ def output_format(body: StructuredOutputRequest) -> OutputFormat:
     if isinstance(response_format, JsonSchemaFormat):
         schema = response_format.json_schema
         return JsonSchemaOutput(schema.name, schema.json_schema, bool(schema.strict))
-    return TEXT
+    return _foreign_output(body) or TEXT
+
+
+def _foreign_output(body: StructuredOutputRequest) -> OutputFormat | None:
+    """The output format of another server's grammar field (one at most is set). Its JSON
+    Schemas are not strict: those servers enforce what their grammar engine can."""
+    param, given = next(((name, value) for name in FOREIGN_OUTPUT_FIELDS
+                         if (value := getattr(body, name)) is not None), (None, None))
+    if param is None:
+        return None
+    kind = FOREIGN_OUTPUT_FIELDS[param]
+    if isinstance(given, StructuredOutputs):
+        if (constraint := given.constraint()) is None:
+            return None
+        kind, given = constraint
+    if kind == "json_object":
+        return JsonObjectOutput()
+    if kind == "json":
+        return JsonSchemaOutput(param, given, strict=False, param=param)
+    return GrammarOutput(kind, tuple(given) if kind == "choice" else given, param)
 
 
 def sampling_knobs(body: SamplingRequest) -> SamplingKnobs:

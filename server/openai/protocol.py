@@ -9,9 +9,12 @@ requests into the internal `GenerationRequest`.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
+    BeforeValidator,
     Field,
     ValidationInfo,
     field_validator,
@@ -355,33 +358,100 @@ ToolChoice = tool_choice_union(function=NamedToolChoice, custom=NamedCustomChoic
                                allowed_tools=AllowedToolsChoice)
 
 
+def _schema_document(value: Any) -> Any:
+    """A JSON Schema as vLLM and SGLang take it: an object, or the JSON text of one."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        raise ValueError("a JSON Schema, as an object or its JSON text; this text is not "
+                         "valid JSON") from None
+
+
+def _empty_is_unset(value: Any) -> Any:
+    # llama.cpp's front ends send "grammar": "" for no grammar.
+    return None if value == "" else value
+
+
+SchemaDocument = Annotated[dict[str, Any], BeforeValidator(_schema_document)]
+GrammarText = Annotated[str | None, BeforeValidator(_empty_is_unset)]
+Choices = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+
+
+def _no_structural_tag(value: Any) -> Any:
+    if value not in (None, "", [], {}):
+        raise ValueError("not supported: for tool calls send tools and tool_choice")
+    return value
+
+
+class StructuredOutputs(RequestModel):
+    """vLLM's `structured_outputs`: one constraint of these. Its backend's options
+    (`disable_fallback`, `whitespace_pattern`, ...) are ignored, as unknown fields are."""
+
+    json_: SchemaDocument | None = Field(None, alias="json")
+    regex: GrammarText = None
+    choice: Choices | None = None
+    grammar: GrammarText = None
+    json_object: bool | None = None
+    structural_tag: Annotated[Any, AfterValidator(_no_structural_tag)] = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        given = [kind for kind, value in self._constraints() if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"one constraint at most, not {given[0]} and {given[1]}")
+        return self
+
+    def _constraints(self) -> list[tuple[str, Any]]:
+        return [("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                ("grammar", self.grammar), ("json_object", self.json_object or None)]
+
+    def constraint(self) -> tuple[str, Any] | None:
+        """(the kind of output asked for: json, regex, choice, grammar or json_object, its
+        definition), or None where none is."""
+        return next(((kind, value) for kind, value in self._constraints() if value is not None),
+                    None)
+
+
+# Other servers' grammar fields, in the order a request's fields are validated, with the
+# kind of output each asks for (structured_outputs says its own).
+FOREIGN_OUTPUT_FIELDS = {"structured_outputs": None, "guided_json": "json",
+                         "guided_regex": "regex", "guided_choice": "choice",
+                         "guided_grammar": "grammar", "json_schema": "json", "grammar": "grammar",
+                         "regex": "regex", "ebnf": "grammar"}
+
+
 class StructuredOutputRequest(SamplingRequest):
-    """Fields shared by chat and legacy completions on top of sampling: the output format."""
+    """Fields shared by chat and legacy completions on top of sampling: the output format,
+    OpenAI's `response_format` or one of other servers' grammar fields, honoured as those
+    servers do (a client moving from them counts on its grammar): vLLM's
+    `structured_outputs` and `guided_*`, llama.cpp's `json_schema` and GBNF `grammar`,
+    SGLang's `regex`, `ebnf` and `json_schema` (its text)."""
 
     response_format: ResponseFormat | None = None
-    # Other servers' grammar fields (vLLM's structured_outputs and guided_*, llama.cpp's
-    # json_schema and grammar, SGLang's regex and ebnf). Ignored as unknown fields are,
-    # they would leave free text where the client counts on its grammar: refused instead.
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structural_tag: Any = None
-    json_schema: Any = None
-    grammar: Any = None
-    regex: Any = None
-    ebnf: Any = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: SchemaDocument | None = None
+    guided_regex: GrammarText = None
+    guided_choice: Choices | None = None
+    guided_grammar: GrammarText = None
+    json_schema: SchemaDocument | None = None
+    grammar: GrammarText = None
+    regex: GrammarText = None
+    ebnf: GrammarText = None
+    structural_tag: Annotated[Any, AfterValidator(_no_structural_tag)] = None
 
-    @field_validator("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar", "structural_tag", "json_schema", "grammar", "regex",
-                     "ebnf")
+    @field_validator(*FOREIGN_OUTPUT_FIELDS)
     @classmethod
-    def _no_foreign_grammar(cls, value: Any) -> Any:
-        if value not in (None, "", [], {}):
-            raise ValueError("not supported: for JSON send response_format "
-                             '({"type": "json_schema", "json_schema": {"name": ..., '
-                             '"schema": ...}})')
+    def _one_output_format(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            return value
+        response_format = info.data.get("response_format")
+        if response_format is not None and not isinstance(response_format, TextFormat):
+            raise ValueError("one output format at most, and response_format is one")
+        if earlier := next((name for name in FOREIGN_OUTPUT_FIELDS
+                            if info.data.get(name) is not None), None):
+            raise ValueError(f"one output format at most, and {earlier} is one")
         return value
 
 

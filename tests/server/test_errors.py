@@ -168,14 +168,10 @@ CASES = [
      "invalid_request", "prompt"),
     ("nothing to return", "POST", COMPLETIONS, completion(max_tokens=0), 400,
      "invalid_request", "echo"),
-    # Another server's grammar field would leave the reply free text where a grammar is due.
-    ("vLLM's guided_json", "POST", CHAT, chat(guided_json={"type": "object"}), 400,
-     "invalid_request", "guided_json"),
-    ("vLLM's structured_outputs", "POST", COMPLETIONS,
-     completion(structured_outputs={"choice": ["yes", "no"]}), 400, "invalid_request",
-     "structured_outputs"),
-    ("llama.cpp's grammar", "POST", CHAT, chat(grammar='root ::= "yes"'), 400,
-     "invalid_request", "grammar"),
+    # Two output formats, one of them another server's grammar field.
+    ("vLLM's guided_choice beside response_format", "POST", COMPLETIONS,
+     completion(response_format={"type": "json_object"}, guided_choice=["yes", "no"]), 400,
+     "invalid_request", "guided_choice"),
     ("suffix", "POST", COMPLETIONS, completion(suffix="x"), 400, "invalid_request", "suffix"),
     ("best_of", "POST", COMPLETIONS, completion(best_of=3), 400, "invalid_request", "best_of"),
     ("embeddings input a number", "POST", "/v1/embeddings", {"json": {"input": 5}}, 400,

@@ -9,6 +9,7 @@ weights prefer.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Literal
 
@@ -18,6 +19,9 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer
 
+from server.openai.adapter import output_format
+from server.openai.protocol import ChatCompletionRequest
+from server.request import JsonObjectOutput
 from tests.server.support import ServerProcess, model_variant, start_server
 
 
@@ -353,3 +357,96 @@ def test_tool_results_render_for_the_generic_format(
     response = httpx.post(f"{server.url}/v1/chat/completions", headers=headers, timeout=60, json={
         "model": model_id, "messages": messages, "tools": [WEATHER_TOOL], "max_tokens": 2})
     assert response.status_code == 200, response.text
+
+
+# Other servers' grammar fields, honoured as those servers do: (field, value, what the
+# reply must be). The demo model's random weights write none of these by themselves.
+GBNF_ANSWER = 'root ::= ("yes" | "no") ", " [0-9] [0-9]? "%"'
+LARK_ANSWER = 'start: ("yes" | "no") ", " /[0-9]{1,2}/ "%"'
+ANSWER = r"(yes|no), [0-9]{1,2}%"
+FOREIGN_GRAMMARS = [
+    ("guided_choice", ["north", "south"], "north|south"),  # vLLM
+    ("guided_regex", ANSWER, ANSWER),
+    ("guided_grammar", LARK_ANSWER, ANSWER),
+    ("guided_grammar", GBNF_ANSWER, ANSWER),
+    ("grammar", GBNF_ANSWER, ANSWER),  # llama.cpp
+    ("regex", ANSWER, ANSWER),  # SGLang
+    ("ebnf", GBNF_ANSWER, ANSWER),
+    ("structured_outputs", {"choice": ["north", "south"]}, "north|south"),  # vLLM's newer
+    ("structured_outputs", {"regex": ANSWER}, ANSWER),
+    ("structured_outputs", {"grammar": LARK_ANSWER}, ANSWER),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "reply"), FOREIGN_GRAMMARS)
+def test_other_servers_grammar_fields_bind_the_reply(
+    client: openai.OpenAI, model_id: str, field: str, value: object, reply: str
+) -> None:
+    response = client.chat.completions.create(
+        model=model_id, messages=MESSAGES, max_tokens=ROOM, extra_body={field: value})
+    assert re.fullmatch(reply, response.choices[0].message.content)
+    assert response.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("guided_json", Weather.model_json_schema()),  # vLLM: the schema
+    ("guided_json", json.dumps(Weather.model_json_schema())),  # or its text
+    ("json_schema", Weather.model_json_schema()),  # llama.cpp
+    ("json_schema", json.dumps(Weather.model_json_schema())),  # SGLang
+    ("structured_outputs", {"json": Weather.model_json_schema()}),
+])
+def test_other_servers_json_schema_fields_bind_the_reply(
+    client: openai.OpenAI, model_id: str, field: str, value: object
+) -> None:
+    response = client.chat.completions.create(
+        model=model_id, messages=MESSAGES, max_tokens=ROOM, extra_body={field: value})
+    Weather.model_validate_json(response.choices[0].message.content)
+
+
+def test_a_grammar_field_binds_streamed_and_legacy_completions(
+    client: openai.OpenAI, model_id: str
+) -> None:
+    chunks = client.completions.create(model=model_id, prompt="Which way?", max_tokens=ROOM,
+                                       stream=True, extra_body={"guided_choice": ["up", "down"]})
+    assert "".join(chunk.choices[0].text for chunk in chunks) in ("up", "down")
+    answer = client.completions.create(
+        model=model_id, prompt="Weather:", max_tokens=ROOM,
+        extra_body={"structured_outputs": {"json": Weather.model_json_schema()}})
+    Weather.model_validate_json(answer.choices[0].text)
+
+
+def test_vllms_json_object_is_openais() -> None:
+    body = ChatCompletionRequest.model_validate(
+        {"messages": MESSAGES, "structured_outputs": {"json_object": True}})
+    assert output_format(body) == JsonObjectOutput()
+
+
+def test_a_grammars_text_is_not_read_as_json(client: openai.OpenAI, model_id: str) -> None:
+    """A JSON answer never repeats a key, token by token (engine/json_keys.py); text in a
+    grammar of its own says what the grammar says, a key written twice too."""
+    response = client.chat.completions.create(
+        model=model_id, messages=MESSAGES, max_tokens=ROOM,
+        extra_body={"guided_regex": r'\{"a": 1, "a": 2\}'})
+    assert response.choices[0].message.content == '{"a": 1, "a": 2}'
+
+
+@pytest.mark.parametrize(("body", "param", "code"), [
+    ({"guided_regex": "a", "regex": "b"}, "regex", "invalid_request"),
+    ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice",
+     "invalid_request"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "invalid_request"),
+    ({"guided_json": "{not json"}, "guided_json", "invalid_request"),
+    ({"guided_choice": []}, "guided_choice", "invalid_request"),
+    ({"guided_regex": "[0-9"}, "guided_regex", "unsupported_grammar"),
+    ({"grammar": "root ::= ((("}, "grammar", "unsupported_grammar"),
+    ({"guided_choice": ["a"], "tools": [WEATHER_TOOL]}, "guided_choice", "invalid_request"),
+    ({"structural_tag": {"begin": "<f>"}}, "structural_tag", "invalid_request"),
+])
+def test_a_grammar_field_that_cannot_bind_is_a_400_naming_it(
+    client: openai.OpenAI, model_id: str, body: dict, param: str, code: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=ROOM,
+                                       extra_body=body)
+    assert (raised.value.param, raised.value.code) == (param, code)
