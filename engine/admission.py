@@ -17,6 +17,14 @@ passed over each other, all starved, and went first one after another: 32 choice
 1,000 tokens in a 4-row batch kept an 8-token chat sent a second later waiting 27 s, for
 the last of them (tiny model, 2-core CPU); now 2.2 s, for the first free row.
 
+A request is counted at its prompt plus what it may add, but at most `output_reserve`
+tokens of its `max_tokens` ahead (SGLang clips its estimate the same way, at 4,096):
+a client that sets no limit (Ollama's, the Responses and Messages APIs') may add the
+whole context window, and reserving all of it let one such request on a 128k-token model
+hold every row of the KV room while it wrote a few hundred tokens. What a generation
+has written past its reserve is counted as it grows; when the batch's KV would outgrow
+`max_tokens_in_flight`, the scheduler preempts the newest (`Scheduler._make_room`).
+
 Short prompts (at most `SHORT_PROMPT_TOKENS` not cached) are left out of the prefill
 window: the generator computes those at the front of its queue together, in one forward
 (a classification job: a list of 64 one-line sentences behind a cached instruction), so
@@ -37,6 +45,8 @@ from engine.generation import Generation
 MAX_PASSED_OVER = 8
 # A prompt with at most this many tokens to compute is short (see above).
 SHORT_PROMPT_TOKENS = 32
+# The most of a request's max_tokens its admission counts ahead (see above).
+OUTPUT_RESERVE = 4096
 
 
 @dataclass
@@ -48,6 +58,7 @@ class SchedulerLimits:
     prefill_stall_floor: float  # seconds
     max_tokens_in_flight: int
     cache_bytes: int
+    output_reserve: int = OUTPUT_RESERVE
 
 
 def admit(waiting: list[Generation], running: Collection[Generation],
@@ -82,7 +93,8 @@ def admit(waiting: list[Generation], running: Collection[Generation],
         if not short and window <= 0:
             continue
         # A request bigger than the whole limit still runs, alone.
-        if generation.tokens_reserved > room and running:
+        reserved = tokens_reserved(generation, limits)
+        if reserved > room and running:
             if generation.passed_over >= MAX_PASSED_OVER:
                 break  # admit nobody past it, so the batch drains until it fits
             continue
@@ -91,7 +103,7 @@ def admit(waiting: list[Generation], running: Collection[Generation],
             served.add(generation.owner)
             rows -= 1
             window -= not short
-            room -= generation.tokens_reserved
+            room -= reserved
     if served:
         for generation in waiting:
             # Served, a starving request's other choices no longer go first, one by one.
@@ -100,9 +112,21 @@ def admit(waiting: list[Generation], running: Collection[Generation],
 
 
 def token_room(limits: SchedulerLimits, running: Iterable[Generation]) -> int:
-    """Tokens of KV the running requests leave of `max_tokens_in_flight` (each counted at
-    its prompt plus every token it may add)."""
-    return limits.max_tokens_in_flight - sum(g.tokens_reserved for g in running)
+    """Tokens of KV the running requests leave of `max_tokens_in_flight`."""
+    return limits.max_tokens_in_flight - sum(tokens_reserved(g, limits) for g in running)
+
+
+def tokens_reserved(generation: Generation, limits: SchedulerLimits) -> int:
+    """The KV admission counts `generation` for: its prompt and what it may add, at most
+    `output_reserve` ahead, or all it has written where that is more."""
+    ahead = max(limits.output_reserve, len(generation.generated) + 1)
+    return len(generation.prompt) + min(generation.params.max_tokens, ahead)
+
+
+def tokens_held(generation: Generation) -> int:
+    """The KV `generation` holds after its next step: its prompt, what it wrote, and
+    the token that step feeds."""
+    return len(generation.prompt) + len(generation.generated) + 1
 
 
 def _order(waiting: list[Generation], running: Iterable[Generation],

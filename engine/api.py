@@ -126,6 +126,9 @@ class SchedulerCounters:
                                "the radix cache holds is not).", name="engine_images_encoded")
     requests_failed: int = stat("counter", "Requests the engine failed.",
                                 name="engine_requests_failed")
+    requests_preempted: int = stat("counter", "Times a running request left the batch, its "
+                                   "KV cached, to wait for room: the batch's KV outgrew "
+                                   "the limit.", name="engine_requests_preempted")
     constrained_requests: int = stat("counter", "Requests decoded under a grammar "
                                      "(structured output, forced tool calls).",
                                      name="engine_constrained_requests")
@@ -197,9 +200,10 @@ class EngineStats:
         "gauge", "Bytes of the model's weights in this process (its shard under tensor "
         "parallelism).")
     kv_token_capacity: int = stat(
-        "gauge", "Prompt + max_tokens of running requests that the memory plan holds.")
+        "gauge", "Tokens of running requests' KV that the memory plan holds.")
     tokens_in_flight: int = stat(
-        "gauge", "Prompt + max_tokens of the running requests and guesses (their KV).")
+        "gauge", "KV tokens admission counts for the running requests and guesses: each "
+        "one's prompt + max_tokens, at most 4,096 of max_tokens ahead of what it wrote.")
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     tree: TreeStats = field(default_factory=TreeStats)
     disk: DiskStats = field(default_factory=DiskStats)

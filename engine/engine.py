@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.admission import SchedulerLimits
+from engine.admission import SchedulerLimits, tokens_reserved
 from engine.api import (
     DiskStats,
     EngineConfig,
@@ -577,7 +577,7 @@ class Engine:
             memory_limit_bytes=self.memory.limit_bytes,
             weight_bytes=self.memory.weight_bytes,
             kv_token_capacity=self.memory.kv_tokens,
-            tokens_in_flight=sum(g.tokens_reserved for g in running),
+            tokens_in_flight=sum(tokens_reserved(g, scheduler.limits) for g in running),
             counters=replace(scheduler.counters), tree=scheduler.tree.stats(),
             disk=replace(self.disk.stats) if self.disk is not None else DiskStats(),
         )

@@ -68,8 +68,8 @@ class Generation:
         if not params.ignore_eos:
             stop_ids |= tokenizer.eos_token_ids
         self.stop_ids = frozenset(stop_ids)
-        # The tokens fed as this request's prompt: the prompt, or after a failed step the
-        # prompt plus what was generated before it.
+        # The tokens fed as this request's prompt: the prompt, or after a failed step or a
+        # preemption the prompt plus what was generated before it.
         self.tokens = prompt
         self.message_ends = message_ends  # see api.Prompt
         # Whole-state snapshots prefill took at message ends, (position, handle), until
@@ -89,11 +89,6 @@ class Generation:
         self.followers: list[Generation] = []
         self.drafts: Drafts | None = None  # speculative decoding's, see Scheduler._drafts
         self._waiting = WaitingTokens()
-
-    @property
-    def tokens_reserved(self) -> int:
-        """The most KV this request can hold: its prompt plus every token it may add."""
-        return len(self.prompt) + self.params.max_tokens
 
     @property
     def background(self) -> bool:

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.admission import MAX_PASSED_OVER, SchedulerLimits, admit, token_room
+from engine.admission import MAX_PASSED_OVER, SchedulerLimits, admit, token_room, tokens_held
 from engine.api import (
     EngineNotReady,
     FinishReason,
@@ -478,6 +478,7 @@ class Scheduler:
                 self.tree.forget_copies(failed)
             try:
                 self.kv.settle()  # what cancelled requests released, before the step
+                self._make_room()
                 self._score()
                 admit(self.waiting, self.running.values(), self.limits,
                       lambda g: self.tree.peek(g.cacheable), self._try_start)
@@ -1348,6 +1349,43 @@ class Scheduler:
             generation.finish("cancelled")
         elif generation.sequence is not None:
             self._end([(generation, "cancelled", None)])
+
+    def _make_room(self) -> None:
+        """Preempt running generations, the newest first (guesses before any client's),
+        while the KV the batch holds after its next step would pass `max_tokens_in_flight`:
+        admission counted each at most `output_reserve` tokens ahead (admission.py), and
+        some wrote further. The oldest always stays, so a request bigger than the limit
+        still runs, alone, as admission lets it."""
+        over = sum(map(tokens_held, self.running.values())) - self.limits.max_tokens_in_flight
+        if over <= 0:
+            return
+        newest_first = [generation for _, generation in sorted(
+            self.running.items(), key=lambda item: (not item[1].background, -item[0]))]
+        for generation in newest_first[:-1]:
+            over -= tokens_held(generation)
+            self._preempt(generation)
+            if over <= 0:
+                break
+
+    def _preempt(self, generation: Generation) -> None:
+        """Take a running generation out of the batch and queue it first: its KV goes to
+        the tree as an ending one's does, and admitted again it reads it back from there
+        as a prompt of its tokens so far (a failed step's path, `_recover`), then goes on
+        where it was. A guess, which no client waits on, is dropped instead."""
+        if generation.background:
+            self._end([(generation, "cancelled", None)])
+            return
+        uid = generation.sequence.uid
+        read = {uid: generation.hold.depth} if self._shares_on_release(generation) else {}
+        self._release(generation, self.generator.remove([uid], read=read)[uid])
+        del self.running[uid]
+        log.info("preempted %s at %d tokens: the batch's KV outgrew %d tokens", generation.id,
+                 len(generation.prompt) + len(generation.generated),
+                 self.limits.max_tokens_in_flight)
+        self.counters.requests_preempted += 1
+        generation.tokens = generation.prompt + generation.generated
+        generation.passed_over = MAX_PASSED_OVER
+        self.waiting.insert(0, generation)
 
     def _recover(self, error: Exception) -> None:
         """A step failed. Its batch state is unusable, so every member restarts from its

@@ -239,7 +239,9 @@ class Settings(BaseModel):
     )
     max_tokens_in_flight: PositiveInt = Field(
         131072,
-        description="prompt + max_tokens summed over running requests; bounds KV memory",
+        description="prompt + max_tokens summed over running requests (at most 4,096 of "
+        "max_tokens ahead of what each wrote; past the limit the newest is preempted); "
+        "bounds KV memory",
     )
     speculation: SpeculationMode = Field(
         "off",

@@ -37,11 +37,15 @@ class Reference:
 
     def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
         tokens = []
-        for token, _ in generate_step(mx.array(prompt), self.model, max_tokens=max_tokens):
+        for token in self.greedy_ignoring_eos(prompt, max_tokens):
             if token in self.tokenizer.eos_token_ids:
                 break
             tokens.append(token)
         return tokens
+
+    def greedy_ignoring_eos(self, prompt: list[int], max_tokens: int) -> list[int]:
+        return [token for token, _ in
+                generate_step(mx.array(prompt), self.model, max_tokens=max_tokens)]
 
 
 async def complete(engine: Engine, prompt: list[int] | Prompt, max_tokens: int = 16,

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from engine.admission import tokens_reserved
 from engine.api import Finish, PromptLogprobs, QueueFull, RequestFailed, SamplingParams, TokenEvent
 from engine.generator import Generator
 from engine.streams import EventQueue
@@ -302,7 +303,8 @@ async def test_tokens_in_flight_limit_bounds_the_batch(llama_dir, reference):
         step, reserved = scheduler._step, []
 
         def observed_step():
-            reserved.append(sum(r.tokens_reserved for r in scheduler.running.values()))
+            reserved.append(sum(tokens_reserved(r, scheduler.limits)
+                                for r in scheduler.running.values()))
             step()
 
         scheduler._step = observed_step
@@ -311,6 +313,29 @@ async def test_tokens_in_flight_limit_bounds_the_batch(llama_dir, reference):
         assert [r.tokens for r in results] == [reference.greedy(p, 20) for p in prompts]
         # Two requests of 60 tokens fit in 130, a third never joins them.
         assert max(reserved) == 120
+    finally:
+        engine.shutdown()
+
+
+async def test_a_request_that_outgrows_its_reserve_is_preempted_and_answers_the_same(
+        llama_dir, reference):
+    """Admission counts a request at most `output_reserve` tokens ahead: two that may add
+    60 run together in a room of 130, and when their KV outgrows it the newer leaves the
+    batch, its KV cached, and comes back to finish where it was, as greedy as alone."""
+    engine = start_engine(llama_dir, cache_bytes=1 << 30, max_tokens_in_flight=130)
+    try:
+        engine._scheduler.limits.output_reserve = 10
+        prompts = [random_prompt(520 + i, 40) for i in range(2)]
+        results = await asyncio.gather(*(complete(engine, p, 60, ignore_eos=True)
+                                         for p in prompts))
+        for prompt, result in zip(prompts, results):
+            assert result.tokens == reference.greedy_ignoring_eos(prompt, 60)
+            assert result.finish.reason == "length"
+        stats = await settled(engine)
+        assert stats.counters.requests_preempted == 1
+        # Come back, it read its KV from the tree: only its last token was fed again.
+        assert stats.counters.prefill_tokens == 2 * 40 + 1
+        assert stats.tree.pinned_bytes == 0
     finally:
         engine.shutdown()
 
