@@ -19,7 +19,14 @@ from mlx_lm.tool_parsers import json_tools
 
 import engine.grammar as engine_grammar
 from engine.api import Constraint, ConstraintUnmet, RequestFailed, SamplingParams, TokenEvent
-from engine.constraints import FunctionTool, JsonAnswer, json_object, json_schema, tool_calls
+from engine.constraints import (
+    FunctionTool,
+    JsonAnswer,
+    json_object,
+    json_schema,
+    regex,
+    tool_calls,
+)
 from tests.engine.support import cancel_after, complete, settled, start_engine
 from tests.faults import faulty_loader
 
@@ -275,6 +282,25 @@ async def test_a_failed_step_rebuilds_the_constraint(family_model_dir, reference
     finally:
         faulty.shutdown()
 
+
+async def test_a_preempted_row_goes_on_in_its_grammar(family_model_dir, engine):
+    """A row preempted when the batch's KV outgrew the limit comes back with its matcher
+    rebuilt over what it wrote, and writes what it would have written in the batch."""
+    constraint = regex("[a-z]+( [a-z]+)*")
+    prompts = [prompt_of(engine, f"Words, list {i}:") for i in range(2)]
+    expected = [await complete(engine, p, 50, constraint=constraint, ignore_eos=True)
+                for p in prompts]
+    tight = start_engine(family_model_dir("llama"), cache_bytes=1 << 30,
+                         max_tokens_in_flight=2 * len(prompts[0]) + 60)
+    try:
+        tight._scheduler.limits.output_reserve = 8
+        results = await asyncio.gather(*(complete(tight, p, 50, constraint=constraint,
+                                                  ignore_eos=True) for p in prompts))
+        assert [r.tokens for r in results] == [e.tokens for e in expected]
+        assert all(re.fullmatch("[a-z]+( [a-z]+)*", r.text) for r in results)
+        assert (await settled(tight)).counters.requests_preempted >= 1
+    finally:
+        tight.shutdown()
 
 
 async def test_real_model_answers_in_the_schema_and_calls_the_forced_tool(real_engine):
