@@ -119,9 +119,10 @@ def verdict(grammar: str, tokenizer: LLTokenizer) -> Verdict:
     # error inside a stream that has begun).
     matcher.consume_tokens(matcher.compute_ff_tokens())
     if matcher.is_error():
-        return Verdict("the output it forces from the start exceeds the grammar engine's "
-                       "limits (as a required property of its own object type does: that "
-                       f"output never ends): {matcher.get_error().splitlines()[0]}")
+        return Verdict("the output it forces from the start (a long fixed text, or a "
+                       "required property of its own object type, which never ends) exceeds "
+                       "the grammar engine's limits: "
+                       f"{matcher.get_error().splitlines()[0]}")
     return Verdict(None)
 
 

@@ -15,9 +15,13 @@ from engine.api import Constraint
 from engine.constraints import (
     FunctionTool,
     ToolCallFormat,
+    UnsupportedGrammar,
     UnsupportedSchema,
+    choice,
+    grammar,
     json_object,
     json_schema,
+    regex,
     tool_calls,
 )
 from engine.grammar_check import GRAMMAR_THREAD_STACK_BYTES, GrammarChecker, Verdict
@@ -68,7 +72,7 @@ def test_a_schema_that_forces_an_output_without_end_is_refused():
     stream already begun; a 100 kB constant, forced too, ends and is enforced."""
     endless = {"$ref": "#/$defs/a", "$defs": {"a": {
         "type": "object", "properties": {"n": {"$ref": "#/$defs/a"}}, "required": ["n"]}}}
-    with pytest.raises(UnsupportedSchema, match="the output it forces from the start exceeds"):
+    with pytest.raises(UnsupportedSchema, match="the output it forces from the start .* exceeds"):
         json_schema(endless)
     assert json_schema({"const": "x" * 100_000}).grammar
 
@@ -322,3 +326,23 @@ def test_text_or_calls_escapes_a_marker_with_regex_characters():
     assert accepts(constraint, "text with [TOOL_CALLS] but not the whole marker")
     assert accepts(constraint, 'so: [TOOL_CALLS]|/x\n{"name": "f", "arguments": {}}\n[/TOOL_CALLS]')
     assert not accepts(constraint, 'so: [TOOL_CALLS]|/x\n{"name": "g", "arguments": {}}')
+
+
+def test_grammars_of_plain_text_are_not_read_as_json() -> None:
+    """Other servers' grammar fields: a regex, choices, Lark or GBNF (turned into Lark)."""
+    for constraint in (regex("[0-9]{3}"), choice(["yes", "no"]), grammar('start: "a" | "b"'),
+                       grammar('root ::= "a" | "b"')):
+        assert constraint.json_text is False and constraint.after is None
+    assert json_object().json_text is True
+
+
+@pytest.mark.parametrize(("build", "source", "says"), [
+    (regex, "[0-9", "unclosed character class"),
+    (regex, "(a)\\1", "backreferences"),
+    (regex, "[^\\s\\S]", "no value satisfies it"),
+    (grammar, "root ::= (((", "not a Lark or GBNF grammar"),
+    (grammar, "start: A\nA: /a/ & /b/", "no value satisfies it"),
+])
+def test_a_grammar_of_plain_text_that_cannot_be_enforced_is_refused(build, source, says) -> None:
+    with pytest.raises(UnsupportedGrammar, match=says):
+        build(source)
