@@ -52,6 +52,7 @@ class Job:
         self.started_at = started_at
         self.stats = RequestStats()
         self.n = 1
+        self.constraint_param: str | None = None
         self._streams: list = []
         self._finishes: dict[int, Finish] = {}
         self._least_cached: dict[int, int] = {}  # per prompt: its choices' fewest cached
@@ -59,14 +60,16 @@ class Job:
 
     def submit(
         self, prompts: Sequence[Prompt], n: int, params: Callable[[int], SamplingParams],
-        prompt_param: str | None = None,
+        prompt_param: str | None = None, constraint_param: str | None = None,
     ) -> None:
         """Queue every choice: choice `p * n + j` is prompt p's j-th, with `params(j)`.
 
         All or nothing: if the engine refuses one, those already queued are cancelled.
         `prompt_param`: the request's field a prompt too long for the context is named
-        by."""
+        by; `constraint_param`: the one whose grammar binds the reply, named where the
+        model's output runs into a dead end of it."""
         self.n = n
+        self.constraint_param = constraint_param
         # Known now, so a request whose client leaves before its Finish still logs it.
         self.stats.prompt_tokens = sum(len(prompt.tokens) for prompt in prompts)
         # Every choice of every prompt is one request to the engine's admission: it gets
@@ -124,7 +127,8 @@ class Job:
                     code="engine_error",
                 ) from event
             if isinstance(event, ConstraintUnmet):
-                raise APIError(400, str(event), code="unsupported_schema") from event
+                raise APIError(400, str(event), code="unsupported_schema",
+                               param=self.constraint_param) from event
             if isinstance(event, Exception):
                 raise event
             if isinstance(event, Finish) and event.reason == "cancelled":

@@ -49,6 +49,7 @@ from server.request import GenerationRequest
 from server.state import ServerState
 from server.structured import (
     constrained,
+    constraint_param,
     forced_function,
     free_text,
     output_constraint,
@@ -333,7 +334,8 @@ async def _start(http: Request, state: ServerState, lease: Lease, request: Gener
     defaults = model.spec.sampling
     job.submit(prompts, request.n, lambda choice: _choice_params(
         request, defaults, max_tokens, choice, constraints[thinking[choice // request.n][1]],
-        prediction), prompt_param="messages" if request.is_chat else "prompt")
+        prediction), prompt_param="messages" if request.is_chat else "prompt",
+        constraint_param=constraint_param(request))
     echoes = [_echo(tokenizer, request, index, prompt) for index, prompt in enumerate(prompts)]
     decoders = [
         _decoder(request, markers, thinking[choice // request.n][0], tool_format, choice,

@@ -94,6 +94,17 @@ def writes_calls(request: GenerationRequest) -> bool:
                                     or isinstance(request.tool_choice, AllowedTools))
 
 
+def constraint_param(request: GenerationRequest) -> str | None:
+    """The request's field whose grammar binds the reply (None: free text): the tools'
+    where the grammar writes calls, else the output format's."""
+    output = request.output
+    if writes_calls(request) and (forces_call(request) or isinstance(output, TextOutput)):
+        return "tools"
+    if isinstance(output, JsonSchemaOutput | GrammarOutput):
+        return output.param
+    return None if isinstance(output, TextOutput) else "response_format"
+
+
 def output_constraint(
     request: GenerationRequest, tool_format: ToolCallFormat, after: str | None,
     close_objects: bool = True,

@@ -322,7 +322,7 @@ def test_a_schema_that_runs_dry_mid_output_is_the_requests_error(
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=ROOM,
                                        response_format=RUNS_DRY)
-    assert raised.value.code == "unsupported_schema"
+    assert (raised.value.code, raised.value.param) == ("unsupported_schema", "response_format")
     assert raised.value.message.endswith(
         "the output constraint cannot be met: "
         "nothing the grammar allows can follow the output so far"), "said once, no state dump"
@@ -337,6 +337,13 @@ def test_a_schema_that_runs_dry_mid_output_is_the_requests_error(
     answer = client.chat.completions.create(model=model_id, messages=MESSAGES,
                                             max_tokens=ROOM, response_format=WEATHER_FORMAT)
     assert Weather.model_validate_json(answer.choices[0].message.content)
+    # A forced call whose arguments run dry names the tools.
+    dry_tool = {"type": "function", "function": {
+        "name": "dry", "parameters": RUNS_DRY["json_schema"]["schema"]}}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=ROOM,
+                                       tools=[dry_tool], tool_choice="required")
+    assert (raised.value.code, raised.value.param) == ("unsupported_schema", "tools")
 
 
 def test_tool_results_render_for_the_generic_format(
