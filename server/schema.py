@@ -14,10 +14,20 @@ import time
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Tag, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    model_validator,
+)
 
 # The likeliest alternatives a token's logprob may come with, in every API (OpenAI's 20).
 MAX_TOP_LOGPROBS = 20
+# A response format's name, as OpenAI checks it in both of its APIs.
+FormatName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 # The tools one request may offer in OpenAI's APIs (OpenAI's 128). Refused as they are
 # validated: thousands took seconds of rendering and tokenizing, every other stream
 # stalled meanwhile, only to be refused as too long.

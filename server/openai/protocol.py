@@ -27,6 +27,7 @@ from server.documents import ReadInText, document, text_of_data_url
 from server.schema import (
     MAX_TOOLS,
     MAX_TOP_LOGPROBS,
+    FormatName,
     ObjectSchema,
     RefusalPart,
     RequestModel,
@@ -304,7 +305,7 @@ class JsonObjectFormat(RequestModel):
 
 
 class JsonSchema(RequestModel):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    name: FormatName
     description: str | None = None
     # "schema" would shadow a BaseModel attribute, hence the alias.
     json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")

@@ -21,6 +21,7 @@ from server.images import MARKER
 from server.schema import (
     MAX_TOOLS,
     MAX_TOP_LOGPROBS,
+    FormatName,
     ObjectSchema,
     RefusalPart,
     RequestModel,
@@ -349,7 +350,7 @@ class JsonObjectFormat(RequestModel):
 
 class JsonSchemaFormat(RequestModel):
     type: Literal["json_schema"]
-    name: str = Field(min_length=1, max_length=64)
+    name: FormatName
     schema_: dict[str, Any] = Field(alias="schema")
     description: str | None = None
     strict: bool | None = None

@@ -129,6 +129,10 @@ CASES = [
         "input": "Hello", "max_output_tokens": 2, "tools": [{"type": "function", "name": "f"}],
         "tool_choice": {"type": "function", "name": "g"}}}, 400, "invalid_request",
      "tool_choice"),
+    ("a response format's name with a space", "POST", RESPONSES, {"json": {
+        "input": "x", "text": {"format": {"type": "json_schema", "name": "my schema",
+                                          "schema": {"type": "object"}}}}}, 400,
+     "invalid_request", "text"),
     ("a response's two tools of one name", "POST", RESPONSES, {"json": {
         "input": "Hello", "max_output_tokens": 2,
         "tools": [{"type": "function", "name": "f"}] * 2}}, 400, "invalid_request", "tools"),
