@@ -252,11 +252,11 @@ class Constraint:
     """A grammar the generated text must follow (structured output, forced tool calls).
 
     Build one with `engine.constraints` (json_object, json_schema, tool_calls; regex,
-    choice, grammar) rather than by hand. The engine masks every token the grammar does not allow, from the
-    first generated token on, allows EOS only where the grammar accepts, and ends the
-    request with finish reason "stop" once the grammar is complete. Logprobs, when asked
-    for, stay the model's own (before the mask), as OpenAI reports them. A grammar that
-    does not compile fails the request (RequestFailed) at its start.
+    choice, grammar) rather than by hand. The engine masks every token the grammar does
+    not allow, from the first generated token on, allows EOS only where the grammar
+    accepts, and ends the request with finish reason "stop" once the grammar is complete.
+    Logprobs, when asked for, stay the model's own (before the mask), as OpenAI reports
+    them. A grammar that does not compile fails the request (RequestFailed) at its start.
     """
 
     # llguidance's serialized grammar (what `LLMatcher.grammar_from_*` return); equal

@@ -17,9 +17,9 @@ guided_choice and guided_grammar, llama.cpp's grammar, SGLang's regex and ebnf):
     choice(options)                          exactly one of the options
     grammar(definition)                      text in a Lark or GBNF grammar
 
-Pass
-the model format's call markers as `call_format` (default: Hermes/Qwen's <tool_call>...).
-The generated text then parses with mlx-lm's `json_tools` parser between the markers.
+Pass the model format's call markers as `call_format` (default: Hermes/Qwen's
+<tool_call>...). The generated text then parses with mlx-lm's `json_tools` parser between
+the markers.
 
 Every schema is first rewritten by `engine.json_schemas.for_generation`: required
 properties first and, unless `close_objects=False`, objects that list their properties
