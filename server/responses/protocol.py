@@ -116,10 +116,12 @@ Content = shaped_union(
 
 
 def joined_text(content: Content) -> str:
-    """The content's text; an image part is its marker there."""
+    """The content's text, its parts a line apart as Chat Completions' are (and vLLM's
+    Responses API joins them), so words at the seams stay apart; an image part is its
+    marker there."""
     if isinstance(content, str):
         return content
-    return "".join(MARKER if isinstance(part, InputImage) else part.text for part in content)
+    return "\n".join(MARKER if isinstance(part, InputImage) else part.text for part in content)
 
 
 def content_images(content: Content) -> list[str]:

@@ -205,6 +205,20 @@ def test_a_refusal_sent_back_reads_as_its_text(client: openai.OpenAI, model_id: 
         prompt_tokens({"type": "output_text", "text": "I can't share that."})
 
 
+def test_a_messages_text_parts_are_a_line_apart_as_chat_completions_parts_are(
+        client: openai.OpenAI, model_id: str) -> None:
+    """A message of several input_text parts reads as Chat Completions' text parts do, and
+    as vLLM's Responses API joins them: a line apart. They used to be glued together
+    ("Read the file.Then fix it.")."""
+    parts = ["Read the file.", "Then fix it."]
+    responses = client.responses.input_tokens.count(model=model_id, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": text} for text in parts]}])
+    chat = client.chat.completions.create(model=model_id, max_tokens=1, messages=[
+        {"role": "user", "content": [{"type": "text", "text": text} for text in parts]}])
+    spelled = client.responses.input_tokens.count(model=model_id, input="\n".join(parts))
+    assert responses.input_tokens == chat.usage.prompt_tokens == spelled.input_tokens
+
+
 def test_unknown_or_unstored_response_is_404(client: openai.OpenAI, model_id: str) -> None:
     with pytest.raises(openai.NotFoundError) as raised:
         client.responses.create(model=model_id, input="x", previous_response_id="resp_nope")

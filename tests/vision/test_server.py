@@ -63,15 +63,15 @@ def model(client) -> str:
     return client.models.list().data[0].id
 
 
-def chat_text(tokenizer, joiner: str = "\n") -> list[dict]:
-    """The chat of an image then QUESTION, their parts joined as the API joins them (Chat
-    and Messages with a newline, Responses with nothing)."""
-    return [{"role": "user", "content": f"{tokenizer.images.placeholder}{joiner}{QUESTION}"}]
+def chat_text(tokenizer) -> list[dict]:
+    """The chat of an image then QUESTION, their parts a line apart as every API joins
+    them."""
+    return [{"role": "user", "content": f"{tokenizer.images.placeholder}\n{QUESTION}"}]
 
 
-def expected_answer(tokenizer, reference, image: bytes, joiner: str = "\n") -> str:
+def expected_answer(tokenizer, reference, image: bytes) -> str:
     """mlx_vlm.generate's greedy answer to `chat_text` with `image`."""
-    tokens = tokenizer.chat_prompt(chat_text(tokenizer, joiner),
+    tokens = tokenizer.chat_prompt(chat_text(tokenizer),
                                    image_counts=[image_count(tokenizer, image)])
     answer = reference.greedy(prompt_text(tokenizer, tokens), [image], MAX_TOKENS)
     ends = tokenizer.eos_token_ids
@@ -193,7 +193,7 @@ def test_the_responses_api_takes_an_input_image(client, model, tokenizer, refere
         model=model, max_output_tokens=MAX_TOKENS, temperature=0,
         previous_response_id=response.id, input="Tell me more.")
     # The previous turns' image came back from the stored conversation, and was cached.
-    assert response.output_text == expected_answer(tokenizer, reference, image, joiner="")
+    assert response.output_text == expected_answer(tokenizer, reference, image)
     assert again.usage.input_tokens_details.cached_tokens >= response.usage.input_tokens - 1
 
 
