@@ -46,6 +46,7 @@ from server.ollama.protocol import (
     Timings,
     TokenLogprob,
 )
+from server.prompts import assistant_prefill
 from server.request import (
     TEXT,
     FunctionTool,
@@ -73,7 +74,11 @@ def chat_request(body: ChatRequest) -> GenerationRequest:
         out, message_images = _template_message(message, number, calls)
         messages.append(out)
         images += message_images
-    return _generation(body, messages=tuple(messages), images=tuple(images),
+    # Ollama's templates leave a final assistant message open: the reply continues it. An
+    # empty one is left out, unless it is all there is to render.
+    prefilled, chat_end = assistant_prefill(messages)
+    return _generation(body, messages=tuple(prefilled or messages), images=tuple(images),
+                       chat_end=chat_end,
                        tools=tuple(FunctionTool(tool.function.name, tool.function.description,
                                                 tool.function.parameters)
                                    for tool in body.tools or ()))

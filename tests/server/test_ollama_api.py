@@ -111,6 +111,27 @@ def test_generate_templated_or_raw_answers_as_openais_chat_and_completions(
     assert raw.response == completion.choices[0].text
 
 
+def test_a_final_assistant_message_is_continued_as_ollama_continues_it(
+        olla: ollama.Client, client: openai.OpenAI, model_id: str) -> None:
+    """Ollama's templates leave a final assistant message open, and the reply continues
+    it (its answer to a prefill); it was closed, and a new assistant turn answered."""
+    prefill = [*HI, {"role": "assistant", "content": "Hi! I am"}]
+    continued = olla.chat(model=model_id, messages=prefill, options=GREEDY)
+    same = client.chat.completions.create(
+        model=model_id, messages=prefill, max_tokens=8, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert continued.message.content == same.choices[0].message.content
+    assert continued.prompt_eval_count == same.usage.prompt_tokens
+    # An empty one asks for a plain reply, as the chat without it; alone, it is rendered.
+    plain = olla.chat(model=model_id, messages=[*HI, {"role": "assistant", "content": ""}],
+                      options=GREEDY)
+    assert plain.message.content == olla.chat(model=model_id, messages=HI,
+                                              options=GREEDY).message.content
+    alone = olla.chat(model=model_id, messages=[{"role": "assistant", "content": ""}],
+                      options=GREEDY)
+    assert alone.eval_count == 8
+
+
 def test_a_format_schema_binds_the_reply(olla: ollama.Client, model_id: str) -> None:
     """Random weights write the schema's object only because the grammar makes them."""
     reply = olla.chat(model=model_id, messages=[{"role": "user", "content": "A city?"}],
