@@ -131,14 +131,15 @@ def _with_placeholders(message: TemplateMessage, placeholder: str) -> TemplateMe
 
 def assistant_prefill(messages: list[TemplateMessage]) -> tuple[list[TemplateMessage], ChatEnd]:
     """A chat that ends with an assistant message, as Anthropic's API reads it: the
-    message's text is the start of the reply, which continues it; an empty one (no text,
-    no tool calls) asks for a plain reply and is left out."""
+    message's text is the start of the reply, which continues it; an empty one asks for a
+    plain reply and is left out. One that made tool calls is a whole turn, which the reply
+    follows: continuing its text would cut its calls out of the prompt."""
     last = messages[-1] if messages else {}
-    if last.get("role") != "assistant":
+    if last.get("role") != "assistant" or last.get("tool_calls"):
         return messages, "reply"
     if (last.get("content") or "").strip():
         return messages, "continue"
-    return (messages, "reply") if last.get("tool_calls") else (messages[:-1], "reply")
+    return messages[:-1], "reply"
 
 
 def _heads(messages: list[TemplateMessage]) -> list[list[TemplateMessage]]:

@@ -13,6 +13,7 @@ from typing import Literal
 
 import anthropic
 import httpx
+import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -572,6 +573,29 @@ def test_a_system_message_mid_conversation_is_served(
     without = claude.messages.count_tokens(model=model_id, messages=[*turns, later])
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens > (
         without.input_tokens)
+
+
+def test_a_final_assistant_turn_with_tool_use_is_rendered_whole(
+    claude: anthropic.Anthropic, client: openai.OpenAI, model_id: str
+) -> None:
+    """A final assistant message that made a call is no prefill to continue: its text was
+    continued, and its tool_use blocks left out of the prompt. It is rendered whole, and
+    the reply follows, as a Chat Completions chat ending in that turn is."""
+    call = {"path": "README.md"}
+    counted = claude.messages.count_tokens(model=model_id, tools=TOOLS, messages=[
+        {"role": "user", "content": "What is in README.md?"},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "toolu_1", "name": "read_file", "input": call}]}])
+    tool = TOOLS[0]
+    chat = client.chat.completions.create(model=model_id, max_tokens=1, tools=[
+        {"type": "function", "function": {"name": tool["name"], "description": tool["description"],
+                                          "parameters": tool["input_schema"]}}], messages=[
+        {"role": "user", "content": "What is in README.md?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "read_file", "arguments": json.dumps(call)}}]}])
+    assert counted.input_tokens == chat.usage.prompt_tokens
 
 
 def test_an_empty_assistant_message_alone_is_a_400_when_counted_too(
