@@ -37,8 +37,10 @@ probes = APIRouter(route_class=JSONRoute)
 
 @probes.get("/", response_class=PlainTextResponse)
 async def root() -> str:
-    """Clients probe the base URL before they start (Claude Code sends HEAD /)."""
-    return "radix-mlx is running\n"
+    """Clients probe the base URL before they start (Claude Code sends HEAD /). Clients
+    built for Ollama compare the body, whole, with Ollama's own, to tell that its API
+    (/api, served here too) is there."""
+    return "Ollama is running"
 
 
 # Load balancers probe with HEAD (server/http/head.py): the status is the answer.

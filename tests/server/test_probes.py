@@ -34,11 +34,13 @@ async def test_a_request_while_loading_is_told_when_to_come_back(loading_app) ->
     assert reply.json()["error"]["message"] == "the model is loading"
 
 
-async def test_the_root_answers_get_and_head(loading_app) -> None:
-    """Claude Code sends HEAD / before it starts."""
+async def test_the_root_answers_get_and_head_as_ollama(loading_app) -> None:
+    """Claude Code sends HEAD / before it starts; clients built for Ollama GET / and
+    compare the body with Ollama's own, whole ("Ollama is running")."""
     assert (await loading_app.head("/")).status_code == 200
     root = await loading_app.get("/")
-    assert root.status_code == 200 and "radix-mlx" in root.text
+    assert root.status_code == 200 and root.text == "Ollama is running"
+    assert root.headers["content-type"].startswith("text/plain")
 
 
 async def test_metrics_parse_and_hold_engine_tree_and_process_series(loading_app) -> None:
