@@ -88,13 +88,18 @@ class ModelTokenizer:
         self._token_pieces: dict[int, tuple[str, bytes]] = {}  # text and bytes, by id
 
     def token_logprob(self, token: int, logprob: float) -> TokenLogprob:
-        """A logprob entry: the token's own text and bytes, looked up once per token id
-        (a readout or a top-k list asks for them per row and per alternative, and
-        decoding each took ~20 us of the engine's thread)."""
+        """A logprob entry: the token's own text and bytes (`token_piece`)."""
+        text, data = self.token_piece(token)
+        return TokenLogprob(token, text, logprob, data)
+
+    def token_piece(self, token: int) -> tuple[str, bytes]:
+        """Token `token`'s own text and bytes, looked up once per token id (a readout or
+        a top-k list asks for them per row and per alternative, and decoding each took
+        ~20 us of the engine's thread)."""
         piece = self._token_pieces.get(token)
         if piece is None:
             piece = self._token_pieces[token] = (self.decode([token]), self._token_bytes(token))
-        return TokenLogprob(token, piece[0], logprob, piece[1])
+        return piece
 
     def _token_bytes(self, token: int) -> bytes:
         """The bytes token `token` stands for: for a token holding part of a UTF-8

@@ -63,7 +63,7 @@ class TokenizeRequest(RequestModel):
 
 class TokenPiece(ResponseModel):
     id: int
-    piece: str
+    piece: str | list[int]  # llama.cpp's: the bytes of a piece that is no whole character
 
 
 class TokenizeResponse(ResponseModel):
@@ -99,14 +99,15 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
                 # An image's tokens hold its radix key (engine/image_tokens.py), past the
                 # vocabulary: the client is given the image token the model reads, as vLLM.
                 tokens = tokenizer.images.model_ids(tokens)
-        pieces = [tokenizer.decode([token]) for token in tokens] \
+        pieces = [tokenizer.token_piece(token) for token in tokens] \
             if body.with_pieces or body.return_token_strs else []
         limit = model.engine.context_length
     return TokenizeResponse(
         count=len(tokens), max_model_len=limit,
-        tokens=[TokenPiece(id=token, piece=piece) for token, piece in zip(tokens, pieces)]
+        tokens=[TokenPiece(id=token, piece=_llama_piece(*piece))
+                for token, piece in zip(tokens, pieces)]
         if body.with_pieces else list(tokens),
-        token_strs=pieces if body.return_token_strs else None)
+        token_strs=[text for text, _ in pieces] if body.return_token_strs else None)
 
 
 @router.post("/detokenize")
@@ -117,6 +118,16 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
         check_token_ids(body.tokens, tokenizer.vocab_size, "tokens")
         text = tokenizer.decode(body.tokens)
     return DetokenizeResponse(prompt=text, content=text)
+
+
+def _llama_piece(text: str, data: bytes) -> str | list[int]:
+    """A piece as llama.cpp gives it: its text, or where its bytes are not whole UTF-8
+    characters (part of an emoji's), those bytes, which its text would show as U+FFFD."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)
+    return text
 
 
 def _chat(body: TokenizeRequest) -> GenerationRequest:
