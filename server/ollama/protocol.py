@@ -124,8 +124,8 @@ class GenerateRequest(GenerationFields):
 
 class EmbedRequest(RequestModel):
     model: str = Field(min_length=1)
-    # "" or []: load the model, as Ollama does; as many texts as /v1/embeddings takes.
-    input: str | Annotated[list[str], Field(max_length=MAX_INPUTS)]
+    # None, "" or []: load the model, as Ollama does; as many texts as /v1/embeddings takes.
+    input: str | Annotated[list[str], Field(max_length=MAX_INPUTS)] = ""
     truncate: bool = True
     dimensions: int | None = Field(None, ge=1)
     options: Options | None = None
@@ -133,10 +133,11 @@ class EmbedRequest(RequestModel):
 
 
 class EmbeddingsRequest(RequestModel):
-    """The older /api/embeddings: one prompt, one embedding ("": load the model)."""
+    """The older /api/embeddings: one prompt, one embedding (none or "": load the model;
+    Ollama's Python client leaves out a prompt it is not given)."""
 
     model: str = Field(min_length=1)
-    prompt: str
+    prompt: str = ""
     options: Options | None = None
     keep_alive: KeepAlive | None = None
 

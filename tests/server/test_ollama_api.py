@@ -159,6 +159,9 @@ def test_an_empty_request_loads_the_model_and_the_only_one_is_not_unloaded(
     assert olla.embed(model=model_id, input="").embeddings == []
     assert olla.embed(model=model_id, input=[]).embeddings == []
     assert olla.embeddings(model=model_id, prompt="").embedding == []
+    # Ollama's client leaves a prompt it was not given out of the body; so may an input.
+    assert olla.embeddings(model=model_id).embedding == []
+    assert olla._client.post("/api/embed", json={"model": model_id}).json()["embeddings"] == []
     # Ollama's clients add its default tag to a name.
     tagged = olla.generate(model=f"{model_id}:latest", prompt="")
     assert (tagged.model, tagged.done_reason) == (model_id, "load")
