@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from engine.embedding_config import hidden_size
 from server.http.errors import APIError
 from server.http.json_body import AnyTypeJSONRoute
 from server.http.loading import respond_with_model
@@ -258,6 +259,9 @@ async def show(body: ShowRequest, request: Request) -> ShowResponse:
     info: dict[str, Any] = {"general.architecture": family}
     if model.context_length:
         info[f"{family}.context_length"] = model.context_length
+    width = _embedding_length(model, config)
+    if width:
+        info[f"{family}.embedding_length"] = width
     sampling = model.spec.sampling.model_dump(exclude_none=True)
     return ShowResponse(
         modelfile=f"FROM {model.spec.source or model.id}\n",
@@ -303,6 +307,14 @@ def _read_config(directory: Path) -> dict[str, Any]:
         if isinstance(read, dict):
             config = {**read, **config}
     return config
+
+
+def _embedding_length(model: ServedModel, config: dict[str, Any]) -> int | None:
+    """How many values the model's embeddings have, which clients size a vector index
+    by: a loaded encoder's (after its pooling and any dense layer), else the hidden size
+    its config names (a causal model embeds its last hidden state)."""
+    loaded = model.state is ModelState.LOADED
+    return (getattr(model.engine, "dimensions", 0) if loaded else 0) or hidden_size(config)
 
 
 def _capabilities(model: ServedModel) -> list[str]:

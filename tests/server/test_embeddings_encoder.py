@@ -278,6 +278,20 @@ def test_a_router_can_register_and_probe_an_encoder(encoder_server: ServerProces
     assert health.status_code == 200 and health.json() == {"status": "ok"}
 
 
+def test_ollamas_clients_read_the_embeddings_length_from_show(
+        encoder_server: ServerProcess, minilm_dir: Path) -> None:
+    """Clients built for Ollama size their vector index by /api/show's
+    `<architecture>.embedding_length` of a model whose capabilities say "embedding"."""
+    model = minilm_dir.name
+    shown = httpx.post(f"{encoder_server.url}/api/show", json={"model": model},
+                       timeout=30).json()
+    info = shown["model_info"]
+    embedded = httpx.post(f"{encoder_server.url}/api/embed", timeout=30,
+                          json={"model": model, "input": "x"}).json()["embeddings"][0]
+    assert shown["capabilities"] == ["embedding"]
+    assert info[f"{info['general.architecture']}.embedding_length"] == len(embedded) == 384
+
+
 def test_matryoshka_dimensions_truncate_and_renormalise(variant_server: ServerProcess,
                                                        reference) -> None:
     """Where config.json declares Matryoshka sizes (as vLLM reads them), `dimensions`

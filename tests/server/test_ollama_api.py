@@ -49,6 +49,8 @@ def test_clients_find_the_served_model_and_what_it_can_do(olla: ollama.Client,
     shown = olla.show(model_id)
     assert shown.capabilities == ["completion", "tools"]
     assert shown.modelinfo[f"{shown.details.family}.context_length"] > 0
+    assert shown.modelinfo[f"{shown.details.family}.embedding_length"] == len(
+        olla.embed(model=model_id, input="x").embeddings[0])
     [running] = [model for model in olla.ps().models if model.model == model_id]
     assert running.size_vram == listed[model_id].size and running.expires_at.year == 9999
     with pytest.raises(ollama.ResponseError) as missing:
