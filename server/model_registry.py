@@ -137,13 +137,19 @@ class ServedModel:
     def capabilities(self) -> list[str] | None:
         """What it serves, in Ollama's words: "completion" and "tools" for a chat model
         (a template without a tool format gets the generic one), "vision", "thinking";
-        "embedding" for an encoder. None before its first load."""
+        "embedding" for an encoder; none for a cross-encoder, which only reranks (Ollama has
+        no word for that), so that clients do not offer it for embedding. None before its
+        first load."""
         engine = self.engine
         if engine is not None and engine.state is Lifecycle.READY:
             tokenizer = engine.tokenizer
-            found = ["embedding"] if tokenizer is None else [
-                "completion", "tools", *(["vision"] if tokenizer.images is not None else []),
-                *(["thinking"] if tokenizer.thinking is not None else [])]
+            if tokenizer is None:
+                found = [] if engine.is_cross_encoder else ["embedding"]
+            else:
+                found = [
+                    "completion", "tools",
+                    *(["vision"] if tokenizer.images is not None else []),
+                    *(["thinking"] if tokenizer.thinking is not None else [])]
             self._capabilities = found
         return self._capabilities
 

@@ -212,6 +212,18 @@ def test_embeddings_chat_and_classify_are_a_400(server: ServerProcess) -> None:
         assert "cross-encoder" in error["message"] and "/v1/rerank" in error["message"]
 
 
+def test_ollamas_clients_are_not_told_a_cross_encoder_embeds(server: ServerProcess,
+                                                             model_dir: Path) -> None:
+    """Clients built for Ollama offer the models whose /api/show capabilities say
+    "embedding" for embedding; a cross-encoder's /api/embed is a 400."""
+    model = model_dir.name
+    shown = httpx.post(f"{server.url}/api/show", json={"model": model}, timeout=30)
+    assert "embedding" not in shown.json()["capabilities"]
+    embedded = httpx.post(f"{server.url}/api/embed", json={"model": model, "input": "x"},
+                          timeout=30)
+    assert embedded.status_code == 400 and "cross-encoder" in embedded.json()["error"]
+
+
 def test_a_router_can_probe_a_cross_encoder(server: ServerProcess) -> None:
     model = httpx.get(f"{server.url}/model_info", timeout=30).json()
     assert model["is_generation"] is False
