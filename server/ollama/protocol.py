@@ -18,6 +18,7 @@ from server.schema import (
     RequestModel,
     ResponseModel,
     check_tool_names,
+    shaped_union,
 )
 
 # The Ollama version this server answers /api/version with: clients check for a minimum
@@ -122,10 +123,17 @@ class GenerateRequest(GenerationFields):
     context: list[int] | None = None
 
 
+# Validated by its shape (server.schema.shaped_union): a bad input gets one error.
+EmbedInput = shaped_union(
+    lambda value: "text" if isinstance(value, str) else "texts" if isinstance(value, list)
+    else None, "a string or a list of strings",
+    text=str, texts=Annotated[list[str], Field(max_length=MAX_INPUTS)])
+
+
 class EmbedRequest(RequestModel):
     model: str = Field(min_length=1)
     # None, "" or []: load the model, as Ollama does; as many texts as /v1/embeddings takes.
-    input: str | Annotated[list[str], Field(max_length=MAX_INPUTS)] = ""
+    input: EmbedInput = ""
     truncate: bool = True
     dimensions: int | None = Field(None, ge=1)
     options: Options | None = None

@@ -76,11 +76,15 @@ class RerankDocument(RequestModel):
     text: str
 
 
+RerankDocumentInput = shaped_union(
+    lambda value: "text" if isinstance(value, str) else "document" if isinstance(value, dict)
+    else None, "a string or an object with a text field", text=str, document=RerankDocument)
+
+
 class RerankRequest(RequestModel):
     model: str | None = None
     query: Annotated[str, Field(min_length=1)]
-    documents: Annotated[list[str | RerankDocument], Field(min_length=1,
-                                                           max_length=MAX_INPUTS)]
+    documents: Annotated[list[RerankDocumentInput], Field(min_length=1, max_length=MAX_INPUTS)]
     top_n: Annotated[int, Field(ge=1)] | None = None
     return_documents: bool = True
     # What the causal judge is told relevance means (Qwen3-Reranker's "Instruct").

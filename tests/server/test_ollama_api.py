@@ -230,6 +230,18 @@ def test_requests_the_server_cannot_answer_get_ollamas_error(
     assert list(response.json()) == ["error"] and message in response.json()["error"]
 
 
+@pytest.mark.parametrize(("value", "message"), [
+    (["a", 1], "input.1: Input should be a valid string"),
+    ({"text": "x"}, "input: must be a string or a list of strings"),
+])
+def test_an_embed_input_of_the_wrong_shape_gets_one_error(
+        server: ServerProcess, model_id: str, value: object, message: str) -> None:
+    """Not one error per member of the union the field's type is."""
+    response = httpx.post(f"{server.url}/api/embed", json={"model": model_id, "input": value},
+                          headers=AUTH, timeout=60)
+    assert (response.status_code, response.json()) == (400, {"error": message})
+
+
 def test_thinking_comes_apart_from_the_answer(thinking_server: ServerProcess) -> None:
     olla = ollama.Client(host=thinking_server.url)
     [model] = olla.list().models

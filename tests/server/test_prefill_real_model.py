@@ -325,6 +325,10 @@ def test_a_bad_rerank_query_or_document_is_a_400_naming_it(
     ("/v1/embeddings", {"input": ["a", 1]}, "input.1: Input should be a valid string"),
     ("/v1/classify", {"input": ["a", {"text": "b"}]},
      "input.1: must be a string or a list of token ids"),
+    ("/v1/rerank", {"query": "q", "documents": ["a", 1]},
+     "documents.1: must be a string or an object with a text field"),
+    ("/v1/rerank", {"query": "q", "documents": ["a", {"title": "b"}]},
+     "documents.1.text: Field required"),
 ])
 def test_an_input_of_the_wrong_shape_gets_one_error_saying_what_it_must_be(
         real_server: ServerProcess, path: str, body: dict, message: str) -> None:
