@@ -25,6 +25,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
 from engine.api import (
@@ -120,6 +121,7 @@ class EncoderEngine:
         self.dimensions = 0
         self.matryoshka: Sequence[int] | None = None
         self.vocab_size = 0
+        self.weight_bytes = 0
         self.trailing_specials = 0  # after a text's own tokens ([SEP]): trailing_specials
         self._encoder: SentenceEncoder | CrossEncoder | None = None
         self._tokenizer: Tokenizer | None = None
@@ -178,6 +180,8 @@ class EncoderEngine:
             # An input too long is refused before it gets here.
             tokenizer.no_truncation()
         self._tokenizer = tokenizer
+        self.weight_bytes = sum(value.nbytes for _, value
+                                in tree_flatten(self._encoder.model.parameters()))
         self._streams = cpu_streams()
         self.context_length = self._encoder.max_length
         self.vocab_size = tokenizer.get_vocab_size()
@@ -284,7 +288,7 @@ class EncoderEngine:
         return done
 
     def stats(self) -> EngineStats:
-        return EngineStats(counters=replace(self._counters))
+        return EngineStats(weight_bytes=self.weight_bytes, counters=replace(self._counters))
 
     def cached_prefix(self, tokens: Sequence[int]) -> int:
         return 0  # no cache: nothing generates here

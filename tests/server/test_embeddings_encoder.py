@@ -290,6 +290,11 @@ def test_ollamas_clients_read_the_embeddings_length_from_show(
                           json={"model": model, "input": "x"}).json()["embeddings"][0]
     assert shown["capabilities"] == ["embedding"]
     assert info[f"{info['general.architecture']}.embedding_length"] == len(embedded) == 384
+    # Its weights' size, as the loaded model's in /api/ps: all-MiniLM-L6-v2 is 22.7M
+    # float32 parameters.
+    [listed] = httpx.get(f"{encoder_server.url}/api/tags", timeout=30).json()["models"]
+    [running] = httpx.get(f"{encoder_server.url}/api/ps", timeout=30).json()["models"]
+    assert 80e6 < listed["size"] == running["size"] == running["size_vram"] < 100e6
 
 
 def test_matryoshka_dimensions_truncate_and_renormalise(variant_server: ServerProcess,
