@@ -216,6 +216,20 @@ async def _load(request: Request, name: str) -> str:
 # -- models ---------------------------------------------------------------------------------
 
 
+@router.post("/pull", include_in_schema=False)
+@router.post("/push", include_in_schema=False)
+@router.post("/create", include_in_schema=False)
+@router.post("/copy", include_in_schema=False)
+@router.delete("/delete", include_in_schema=False)
+async def model_store(request: Request) -> None:
+    """Ollama's model store, which this server does not keep: a 404 that says so, where
+    the bare "Not Found" of an unknown path read as a wrong base URL (`ollama pull`)."""
+    models = server_state(request).models
+    served = [name for model in models.models for name in models.names_of(model)]
+    raise APIError(404, f"{request.url.path} is Ollama's model store, which this server "
+                   f"does not keep: it serves the models it is configured with, {served}")
+
+
 @router.get("/version")
 async def version() -> Version:
     return Version(version=OLLAMA_VERSION)

@@ -219,7 +219,6 @@ def test_a_stream_left_early_ends_its_generation(server: ServerProcess, model_id
     ("/api/generate", {"prompt": "x", "raw": True, "system": "s"}, 400, "a raw prompt"),
     ("/api/chat", {"model": "no-such-model", "messages": HI}, 404, "no-such-model"),
     ("/api/show", {"model": None}, 400, "model is required"),
-    ("/api/pull", {}, 404, "Not Found"),  # Ollama's model store is not kept here
 ])
 def test_requests_the_server_cannot_answer_get_ollamas_error(
         server: ServerProcess, model_id: str, path: str, body: dict, status: int,
@@ -228,6 +227,22 @@ def test_requests_the_server_cannot_answer_get_ollamas_error(
     response = httpx.post(f"{server.url}{path}", json=sent, headers=AUTH, timeout=60)
     assert response.status_code == status, response.text
     assert list(response.json()) == ["error"] and message in response.json()["error"]
+
+
+@pytest.mark.parametrize(("method", "action"), [
+    ("POST", "pull"), ("POST", "push"), ("POST", "create"), ("POST", "copy"),
+    ("DELETE", "delete")])
+def test_ollamas_model_store_is_a_404_that_says_it_is_not_kept_here(
+        olla: ollama.Client, server: ServerProcess, model_id: str, method: str,
+        action: str) -> None:
+    """`ollama pull` printed "Error: Not Found", as a wrong URL gets."""
+    response = httpx.request(method, f"{server.url}/api/{action}", json={"model": model_id},
+                             headers=AUTH, timeout=30)
+    assert response.status_code == 404
+    assert "model store" in response.json()["error"] and model_id in response.json()["error"]
+    with pytest.raises(ollama.ResponseError) as pulled:
+        olla.pull(model_id)
+    assert pulled.value.status_code == 404 and "model store" in pulled.value.error
 
 
 @pytest.mark.parametrize(("value", "message"), [
