@@ -27,6 +27,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from engine.tokenizer import ModelTokenizer, ToolCallFormat
+from server.conversation import SYSTEM_ROLES
 from server.request import FunctionTool, TemplateMessage
 
 START, END = "<tool_call>", "</tool_call>"
@@ -102,7 +103,9 @@ def rewrite(
     if not tools:
         return out
     section = instructions(tools)
-    if out and out[0]["role"] == "system":
+    # A developer message first (the Responses API's instructions, Codex's) is the system
+    # message once the template is given it: the section follows its text as it would.
+    if out and out[0]["role"] in SYSTEM_ROLES:
         out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{section}".lstrip()}
     else:
         out.insert(0, {"role": "system", "content": section})

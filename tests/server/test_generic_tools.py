@@ -38,6 +38,13 @@ def test_tools_join_the_system_message_and_turns_become_text() -> None:
                        for text in ("sunny", "rain")]
 
 
+def test_tools_follow_a_first_developer_messages_text_as_a_system_messages() -> None:
+    developer = {"role": "developer", "content": "Be brief."}
+    first, user = rewrite((developer, HISTORY[1]), (WEATHER,))
+    assert first["role"] == "developer" and first["content"].startswith("Be brief.\n\n# Tools")
+    assert user == HISTORY[1]
+
+
 def test_without_a_system_message_the_tools_make_one() -> None:
     [system, user] = rewrite(HISTORY[1:2], (WEATHER,))
     assert system["content"].startswith("# Tools") and "<tools>" in system["content"]
