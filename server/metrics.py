@@ -70,7 +70,7 @@ class ModelsCollector(Collector):
         # Read together: each engine process's stats are a round trip, and a hung one's
         # waits out its timeout, which would otherwise add up over the hung ones.
         with ThreadPoolExecutor(max(len(engines), 1)) as pool:
-            read = list(pool.map(_read_stats, engines))
+            read = list(pool.map(read_stats, engines))
         for model, stats in read:
             if stats is None:
                 continue
@@ -111,8 +111,10 @@ class ModelsCollector(Collector):
         yield from (state, loads, load_seconds, unloads, crashes, memory, requests, guesses)
 
 
-def _read_stats(served: tuple[ServedModel, EngineClient]
-                ) -> tuple[ServedModel, EngineStats | None]:
+def read_stats(served: tuple[ServedModel, EngineClient]
+               ) -> tuple[ServedModel, EngineStats | None]:
+    """The engine's stats, or None from a hung or dead engine: a blocking call (a round
+    trip to an engine process, as long as CALL_SECONDS for a hung one), so off the loop."""
     model, engine = served
     try:
         return model, engine.stats()

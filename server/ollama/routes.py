@@ -12,6 +12,7 @@ those paths are a 404.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import json
@@ -31,6 +32,7 @@ from server.http.loading import respond_with_model
 from server.http.model_response import model_response
 from server.http.openapi import error_responses
 from server.http.streaming import CLIENT_CLOSED, JSONLinesSource, to_the_end
+from server.metrics import read_stats
 from server.model_registry import Lease, ModelState, ServedModel
 from server.ollama.adapter import (
     Clock,
@@ -239,7 +241,8 @@ async def version() -> Version:
 async def tags(request: Request) -> ModelList:
     """Every configured model under each of its names, loaded or not."""
     state = server_state(request)
-    return ModelList(models=[_listed(state, model, name) for model in state.models.models
+    sizes = await _sizes(state)
+    return ModelList(models=[_listed(state, model, name, sizes) for model in state.models.models
                              for name in state.models.names_of(model)])
 
 
@@ -248,13 +251,13 @@ async def running(request: Request) -> RunningModels:
     """The loaded models, each until its idle timeout (a pinned one's: never, the last
     time RFC 3339 writes)."""
     state = server_state(request)
-    listed = []
+    sizes, listed = await _sizes(state), []
     for model in state.models.models:
         if model.state is not ModelState.LOADED:
             continue
         timeout = model.idle_timeout()
         expires = NEVER if timeout is None else time.time() + timeout
-        entry = _listed(state, model, model.id)
+        entry = _listed(state, model, model.id, sizes)
         listed.append(RunningModel(
             **entry.model_dump(), size_vram=entry.size, context_length=model.context_length or 0,
             expires_at=_stamp(min(expires, NEVER))))
@@ -285,8 +288,20 @@ async def show(body: ShowRequest, request: Request) -> ShowResponse:
         modified_at=_stamp(state.started))
 
 
-def _listed(state: ServerState, model: ServedModel, name: str) -> ListedModel:
-    size = model.engine.stats().weight_bytes if model.state is ModelState.LOADED else 0
+async def _sizes(state: ServerState) -> dict[ServedModel, int]:
+    """Each loaded model's weight bytes, read off the loop and all at once: a stopped or
+    stuck engine process (until step_timeout kills it) does not answer for its stats,
+    and waited for on the loop, it stalled every stream of every model 5 s a listed name,
+    then made the listing a 500. Such a model is listed with no size."""
+    loaded = [served for served in state.models.engines()
+              if served[0].state is ModelState.LOADED]
+    read = await asyncio.gather(*(asyncio.to_thread(read_stats, served) for served in loaded))
+    return {model: stats.weight_bytes for model, stats in read if stats is not None}
+
+
+def _listed(state: ServerState, model: ServedModel, name: str,
+            sizes: dict[ServedModel, int]) -> ListedModel:
+    size = sizes.get(model, 0)
     digest = hashlib.sha256(f"{model.id}\0{model.spec.source}".encode()).hexdigest()
     return ListedModel(name=name, model=name, modified_at=_stamp(state.started), size=size,
                        digest=digest, details=_details(model))

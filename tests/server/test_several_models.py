@@ -582,3 +582,39 @@ def test_a_failed_load_names_its_cause_and_can_be_tried_again(pair: ServerProces
                 if "model failed to load: FileNotFoundError" in line]
     assert len(failures) >= 2
     assert not any(lines[i + 1].startswith("Traceback") for i in failures if i + 1 < len(lines))
+
+
+def test_a_stopped_engine_stalls_no_ollama_listing_nor_the_other_models(
+        demos: list[Path], tmp_path: Path) -> None:
+    """Open WebUI polls /api/tags. With one model's engine process stopped (until
+    step_timeout kills it), the listing read each loaded model's size from its engine on
+    the event loop: every stream of every model stalled 5 s per listed name, and the
+    listing was a 500. It lists the stopped model with no size, and the server goes on."""
+    server = start_models(tmp_path, [
+        {"id": "up", "source": str(demos[0])},
+        {"id": "stopped", "source": str(demos[1]), "aliases": ["halted"]}])
+    try:
+        others = set()
+        for model in ("up", "stopped"):
+            assert load(server, model).status_code == 200
+            (engine,) = engine_processes(server) - others
+            others.add(engine)
+        stopped = psutil.Process(engine)
+        stopped.suspend()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                listings = [pool.submit(httpx.get, f"{server.url}/api/{path}", headers=AUTH,
+                                        timeout=60) for path in ("tags", "ps")]
+                time.sleep(0.5)
+                started = time.monotonic()
+                assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+                assert time.monotonic() - started < 1.0
+                tags, running = (listing.result() for listing in listings)
+        finally:
+            stopped.resume()
+        assert (tags.status_code, running.status_code) == (200, 200), tags.text
+        sizes = {entry["name"]: entry["size"] for entry in tags.json()["models"]}
+        assert sizes["up"] > 0 and sizes["stopped"] == sizes["halted"] == 0
+        assert {entry["name"] for entry in running.json()["models"]} == {"up", "stopped"}
+    finally:
+        server.stop()
