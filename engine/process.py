@@ -33,6 +33,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 import time
@@ -40,6 +41,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 from engine.api import (
@@ -274,7 +276,8 @@ class EngineProcess:
         self._on_start = on_start
         self._kv_tokens = 0
         self._conn: Connection | None = None
-        self._send_lock = threading.Lock()
+        # Pickled messages for the writer thread; None: the child is gone, close the pipe.
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # the streams, the calls and the state's last change
         self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, Future] = {}
@@ -304,6 +307,9 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, name="radix-mlx-engine-reader",
                                         daemon=True)
         self._reader.start()
+        self._writer = threading.Thread(target=self._write, name="radix-mlx-engine-writer",
+                                        daemon=True)
+        self._writer.start()
 
     def wait_ready(self, timeout: float | None = None) -> Lifecycle:
         self._ready.wait(timeout)
@@ -322,6 +328,7 @@ class EngineProcess:
             self.process.kill()
             self.process.join()
         self._reader.join(STOP_SECONDS)  # then what comes after is refused (`_close`)
+        self._writer.join(STOP_SECONDS)  # and the pipe is closed
 
     # -- requests ---------------------------------------------------------------------
 
@@ -388,11 +395,21 @@ class EngineProcess:
     # -- the wire ---------------------------------------------------------------------
 
     def _send(self, message: tuple) -> None:
-        with self._send_lock:
+        """Pickled here (what is sent is the message as it is now), written by the writer
+        thread: a write blocks once the pipe's buffer is full, as it is soon when the child
+        reads nothing (a process stopped, until step_timeout kills it), and written on the
+        server's event loop, it froze every model's requests until then."""
+        self._outbox.put(ForkingPickler.dumps(message))
+
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
             try:
-                self._conn.send(message)
+                self._conn.send_bytes(message)
             except (OSError, ValueError):
                 pass  # the child is gone: the reader fails what was open
+        # Closed here, by the one thread that writes to it: closed by the reader, a
+        # write under way could go to another file given the descriptor's number since.
+        self._conn.close()
 
     def _call(self, name: str, *arguments: object) -> Future:
         future: Future = Future()
@@ -439,7 +456,7 @@ class EngineProcess:
         # process's handles, for as long as the server runs: 3 descriptors a load, which a
         # model unloaded when idle (or crashing) runs out of in weeks.
         atexit.unregister(self.shutdown)
-        self._conn.close()
+        self._outbox.put(None)
 
     def _check_beating(self) -> None:
         """Kill the child if it has not beaten for `step_timeout` seconds: a step that

@@ -9,6 +9,7 @@ tiny demo model, which load in a second.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import shutil
 import time
@@ -584,37 +585,71 @@ def test_a_failed_load_names_its_cause_and_can_be_tried_again(pair: ServerProces
     assert not any(lines[i + 1].startswith("Traceback") for i in failures if i + 1 < len(lines))
 
 
+@contextlib.contextmanager
+def one_stopped(demos: list[Path], directory: Path
+                ) -> Iterator[tuple[ServerProcess, psutil.Process]]:
+    """A server with two demo models loaded, `up` and `stopped` (alias `halted`), whose
+    `stopped` engine process is stopped (SIGSTOP) while the block runs, and that process."""
+    server = start_models(directory, [
+        {"id": "up", "source": str(demos[0])},
+        {"id": "stopped", "source": str(demos[1]), "aliases": ["halted"]}])
+    try:
+        for model in ("up", "stopped"):
+            before = engine_processes(server)
+            assert load(server, model).status_code == 200
+        (engine,) = engine_processes(server) - before
+        stopped = psutil.Process(engine)
+        stopped.suspend()
+        try:
+            yield server, stopped
+        finally:
+            with contextlib.suppress(psutil.NoSuchProcess):  # killed, failing the test
+                stopped.resume()
+    finally:
+        server.stop()
+
+
 def test_a_stopped_engine_stalls_no_ollama_listing_nor_the_other_models(
         demos: list[Path], tmp_path: Path) -> None:
     """Open WebUI polls /api/tags. With one model's engine process stopped (until
     step_timeout kills it), the listing read each loaded model's size from its engine on
     the event loop: every stream of every model stalled 5 s per listed name, and the
     listing was a 500. It lists the stopped model with no size, and the server goes on."""
-    server = start_models(tmp_path, [
-        {"id": "up", "source": str(demos[0])},
-        {"id": "stopped", "source": str(demos[1]), "aliases": ["halted"]}])
-    try:
-        others = set()
-        for model in ("up", "stopped"):
-            assert load(server, model).status_code == 200
-            (engine,) = engine_processes(server) - others
-            others.add(engine)
-        stopped = psutil.Process(engine)
-        stopped.suspend()
-        try:
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                listings = [pool.submit(httpx.get, f"{server.url}/api/{path}", headers=AUTH,
-                                        timeout=60) for path in ("tags", "ps")]
-                time.sleep(0.5)
-                started = time.monotonic()
-                assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
-                assert time.monotonic() - started < 1.0
-                tags, running = (listing.result() for listing in listings)
-        finally:
+    with one_stopped(demos, tmp_path) as (server, _), \
+            concurrent.futures.ThreadPoolExecutor(2) as pool:
+        listings = [pool.submit(httpx.get, f"{server.url}/api/{path}", headers=AUTH,
+                                timeout=60) for path in ("tags", "ps")]
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert time.monotonic() - started < 1.0
+        tags, running = (listing.result() for listing in listings)
+    assert (tags.status_code, running.status_code) == (200, 200), tags.text
+    sizes = {entry["name"]: entry["size"] for entry in tags.json()["models"]}
+    assert sizes["up"] > 0 and sizes["stopped"] == sizes["halted"] == 0
+    assert {entry["name"] for entry in running.json()["models"]} == {"up", "stopped"}
+
+
+def test_requests_for_a_stopped_engine_do_not_stall_the_other_models(
+        demos: list[Path], tmp_path: Path) -> None:
+    """A stopped engine process (SIGSTOP; until step_timeout kills it) reads no more of
+    its pipe. Requests for its model filled the pipe, and the next send, on the event
+    loop, blocked the whole server: /health and the other model did not answer for the
+    two minutes until the kill. They answer at once, and its requests go on once it
+    runs again."""
+    prompt = " ".join(f"w{i}" for i in range(2000))  # ~14 kB a choice on the wire
+    with one_stopped(demos, tmp_path) as (server, stopped):
+        def long_prompt() -> httpx.Response:
+            return httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=300,
+                              json={"model": "stopped", "prompt": prompt, "max_tokens": 1,
+                                    "n": 8})
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            waiting = [pool.submit(long_prompt) for _ in range(6)]
+            wait_until(lambda: model_series(server, "radix_mlx_model_requests")["stopped"]
+                       == 6, "the requests sent")
+            time.sleep(1.0)
+            assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+            assert chat(server, "up").status_code == 200
             stopped.resume()
-        assert (tags.status_code, running.status_code) == (200, 200), tags.text
-        sizes = {entry["name"]: entry["size"] for entry in tags.json()["models"]}
-        assert sizes["up"] > 0 and sizes["stopped"] == sizes["halted"] == 0
-        assert {entry["name"] for entry in running.json()["models"]} == {"up", "stopped"}
-    finally:
-        server.stop()
+            assert [reply.result().status_code for reply in waiting] == [200] * 6
