@@ -379,6 +379,13 @@ class ModelRegistry:
             started = time.monotonic()
             while engine.state not in (Lifecycle.READY, Lifecycle.FAILED):
                 await asyncio.sleep(WATCH_SECONDS / 2)
+            # Serving before the tree is rebuilt from the model's disk folder would make the
+            # first requests after a reload miss what the unload kept. An engine process
+            # that dies meanwhile fails the load: waited for, its rebuild never ends.
+            rebuilt_by = time.monotonic() + self.settings.load_timeout
+            while (engine.disk is not None and engine.state is Lifecycle.READY
+                   and not engine.disk.rebuilt.is_set() and time.monotonic() < rebuilt_by):
+                await asyncio.sleep(WATCH_SECONDS / 2)
             if engine.state is Lifecycle.FAILED:
                 model.last_error = f"the model {model.id} failed to load: {engine.error}"
                 log.error("%s", model.last_error)
@@ -387,10 +394,6 @@ class ModelRegistry:
                 await asyncio.to_thread(engine.shutdown)
                 raise APIError(503, model.last_error, code="model_load_failed",
                                headers=RETRY_LATER)
-            if engine.disk is not None:
-                # Serving before the tree is rebuilt from the model's disk folder would
-                # make the first requests after a reload miss what the unload kept.
-                await asyncio.to_thread(engine.disk.rebuilt.wait, self.settings.load_timeout)
             while model.clear_on_load:  # asked again during the clear: again
                 model.clear_on_load = False
                 await self._clear(engine)

@@ -653,3 +653,32 @@ def test_requests_for_a_stopped_engine_do_not_stall_the_other_models(
             assert chat(server, "up").status_code == 200
             stopped.resume()
             assert [reply.result().status_code for reply in waiting] == [200] * 6
+
+
+def test_an_engine_that_dies_while_its_disk_tier_is_read_fails_its_load(
+        demos: list[Path], tmp_path: Path) -> None:
+    """A model is ready, then rebuilds its tree from its disk tier before it serves. Its
+    engine process dying meanwhile (an out-of-memory reading a large tier) left the
+    requests waiting for the rebuild until load_timeout, for a 503 that blamed room or a
+    slow load, and the load then counted as done. They get the load's failure at once."""
+    server = start_models(tmp_path, [{"id": "d", "source": str(demos[0])}],
+                          "--disk-cache-bytes", str(GIB), "--disk-cache-dir",
+                          str(tmp_path / "kv"), "--load-timeout", "120",
+                          entry=("tests.slow_rebuild", "30"))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(chat, server, "d")
+            wait_until(lambda: states(server)["d"] == "loaded", "the model ready",
+                       timeout=120)
+            time.sleep(1.0)  # the load has seen it ready: it waits for the rebuild
+            (engine,) = engine_processes(server)
+            started = time.monotonic()
+            psutil.Process(engine).kill()
+            refused = waiting.result()
+        assert time.monotonic() - started < 15
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "model_load_failed"
+        assert "the engine process died" in refused.json()["error"]["message"]
+        assert model_series(server, "radix_mlx_model_loads_total")["d"] == 0
+    finally:
+        server.stop()
