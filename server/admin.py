@@ -84,15 +84,21 @@ def _ready_engine(request: Request, model: str | None) -> EngineClient:
     return server_state(request).models.lookup(model).check_ready()
 
 
-async def _tiers(engine: EngineClient) -> dict[str, Any]:
-    try:  # off the loop: an engine process's stats are a round trip, a hung one's long
-        stats: EngineStats = await asyncio.to_thread(engine.stats)
+async def engine_stats(engine: EngineClient) -> EngineStats:
+    """The engine's stats, read off the loop: an engine process's are a round trip, a hung
+    one's as long as its timeout. A 503 when it does not answer, or has stopped."""
+    try:
+        return await asyncio.to_thread(engine.stats)
     except TimeoutError:
         raise APIError(503, "the model's engine does not answer", code="engine_unresponsive",
                        headers=RETRY_LATER) from None
     except EngineNotReady:
         raise APIError(503, "the model's engine stopped", code="model_not_ready",
                        headers=RETRY_LATER) from None
+
+
+async def _tiers(engine: EngineClient) -> dict[str, Any]:
+    stats = await engine_stats(engine)
     tree, disk = stats.tree, stats.disk
     memory = {
         "bytes": tree.total_bytes, "evictable_bytes": tree.evictable_bytes,

@@ -24,9 +24,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from engine.api import EngineClient, EngineError, EngineStats, SamplingParams
-from server.admin import cleared
+from server.admin import cleared, engine_stats
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute, refuse_a_web_pages_post
+from server.metrics import read_stats
 from server.model_registry import ServedModel
 from server.state import ServerState, server_state
 
@@ -101,7 +102,7 @@ def _ready(request: Request) -> tuple[ServerState, ServedModel]:
 async def server_info(request: Request) -> ServerInfo:
     state, model = _ready(request)
     engine = model.engine
-    stats = engine.stats()
+    stats = await engine_stats(engine)
     names = state.models.names_of(model)
     return ServerInfo(
         model_path=engine.config.model,
@@ -135,7 +136,9 @@ async def get_load(request: Request) -> list[WorkerLoad]:
     """The queue and running batch now; answered before the model is ready too (all
     zeros then), since a load probe must not fail a worker that is still loading."""
     engines = server_state(request).models.engines()
-    stats = engines[0][1].stats() if engines else EngineStats()
+    stats = EngineStats()
+    if engines:  # off the loop: a hung engine process's wait out their timeout (zeros)
+        stats = (await asyncio.to_thread(read_stats, engines[0]))[1] or stats
     return [WorkerLoad(
         num_reqs=stats.waiting + stats.running, num_waiting_reqs=stats.waiting,
         num_running_reqs=stats.running, num_tokens=stats.tokens_in_flight,

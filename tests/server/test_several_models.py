@@ -588,11 +588,12 @@ def test_a_failed_load_names_its_cause_and_can_be_tried_again(pair: ServerProces
 @contextlib.contextmanager
 def one_stopped(demos: list[Path], directory: Path
                 ) -> Iterator[tuple[ServerProcess, psutil.Process]]:
-    """A server with two demo models loaded, `up` and `stopped` (alias `halted`), whose
-    `stopped` engine process is stopped (SIGSTOP) while the block runs, and that process."""
+    """A server with two demo models loaded, `stopped` (the first, alias `halted`) and
+    `up`, whose `stopped` engine process is stopped (SIGSTOP) while the block runs, and
+    that process."""
     server = start_models(directory, [
-        {"id": "up", "source": str(demos[0])},
-        {"id": "stopped", "source": str(demos[1]), "aliases": ["halted"]}])
+        {"id": "stopped", "source": str(demos[1]), "aliases": ["halted"]},
+        {"id": "up", "source": str(demos[0])}])
     try:
         for model in ("up", "stopped"):
             before = engine_processes(server)
@@ -628,6 +629,26 @@ def test_a_stopped_engine_stalls_no_ollama_listing_nor_the_other_models(
     sizes = {entry["name"]: entry["size"] for entry in tags.json()["models"]}
     assert sizes["up"] > 0 and sizes["stopped"] == sizes["halted"] == 0
     assert {entry["name"] for entry in running.json()["models"]} == {"up", "stopped"}
+
+
+def test_a_stopped_engine_stalls_no_routers_probe(demos: list[Path], tmp_path: Path) -> None:
+    """sgl-router polls /get_load, and reads /server_info, of the first model: with its
+    engine process stopped, they read its stats on the event loop, stalling every
+    model's requests 5 s a probe, and answered a 500. /get_load says zeros, as before a
+    model is loaded; /server_info a 503 saying the engine does not answer."""
+    with one_stopped(demos, tmp_path) as (server, _), \
+            concurrent.futures.ThreadPoolExecutor(2) as pool:
+        probes = [pool.submit(httpx.get, f"{server.url}/{path}", headers=AUTH, timeout=60)
+                  for path in ("get_load", "server_info")]
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert time.monotonic() - started < 1.0
+        load_now, info = (probe.result() for probe in probes)
+    assert load_now.status_code == 200, load_now.text
+    assert load_now.json()[0]["num_reqs"] == 0
+    assert info.status_code == 503, info.text
+    assert info.json()["error"]["code"] == "engine_unresponsive"
 
 
 def test_requests_for_a_stopped_engine_do_not_stall_the_other_models(
