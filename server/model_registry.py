@@ -112,11 +112,28 @@ class ServedModel:
         # and for any chat request meanwhile. The rest wait here instead.
         self.prefill_slots = asyncio.Semaphore(prefill_jobs_at_once(settings.max_queue))
 
+    def learn(self) -> None:
+        """Keep what its engine, once ready, says of it: what a client reads of the model
+        unloaded (Ollama's /api/show, /v1/models) is what its last load found, whether or
+        not a client read it while it was loaded."""
+        engine = self.engine
+        if engine is None or engine.state is not Lifecycle.READY:
+            return
+        self._context_length = engine.context_length
+        if engine.model_path:
+            self._model_dir = engine.model_path
+        tokenizer = engine.tokenizer
+        if tokenizer is None:
+            self._capabilities = [] if engine.is_cross_encoder else ["embedding"]
+        else:
+            self._capabilities = [
+                "completion", "tools", *(["vision"] if tokenizer.images is not None else []),
+                *(["thinking"] if tokenizer.thinking is not None else [])]
+
     @property
     def context_length(self) -> int | None:
         """The engine's context window; None before the model was ever loaded."""
-        if self.engine is not None and self.engine.state is Lifecycle.READY:
-            self._context_length = self.engine.context_length
+        self.learn()
         return self._context_length
 
     @property
@@ -124,9 +141,7 @@ class ServedModel:
         """The directory its weights and config load from: the loaded engine's, after an
         unload the last one's, before any load its source where that is a local directory
         (None for a hub id or a GGUF file never converted yet)."""
-        engine = self.engine
-        if engine is not None and engine.state is Lifecycle.READY and engine.model_path:
-            self._model_dir = engine.model_path
+        self.learn()
         if self._model_dir is None:
             source = Path(self.spec.source).expanduser() if self.spec.source else None
             if source is not None and source.is_dir():
@@ -140,17 +155,7 @@ class ServedModel:
         "embedding" for an encoder; none for a cross-encoder, which only reranks (Ollama has
         no word for that), so that clients do not offer it for embedding. None before its
         first load."""
-        engine = self.engine
-        if engine is not None and engine.state is Lifecycle.READY:
-            tokenizer = engine.tokenizer
-            if tokenizer is None:
-                found = [] if engine.is_cross_encoder else ["embedding"]
-            else:
-                found = [
-                    "completion", "tools",
-                    *(["vision"] if tokenizer.images is not None else []),
-                    *(["thinking"] if tokenizer.thinking is not None else [])]
-            self._capabilities = found
+        self.learn()
         return self._capabilities
 
     @property
@@ -397,6 +402,7 @@ class ModelRegistry:
             while model.clear_on_load:  # asked again during the clear: again
                 model.clear_on_load = False
                 await self._clear(engine)
+            model.learn()
             model.last_error = None
             model.counters.loads += 1
             model.counters.load_seconds += time.monotonic() - started

