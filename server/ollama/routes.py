@@ -248,15 +248,17 @@ async def tags(request: Request) -> ModelList:
 
 @router.get("/ps")
 async def running(request: Request) -> RunningModels:
-    """The loaded models, each until its idle timeout (a pinned one's: never, the last
-    time RFC 3339 writes)."""
+    """The loaded models, each until its idle timeout after its last request (a pinned
+    one's: never, the last time RFC 3339 writes)."""
     state = server_state(request)
     sizes, listed = await _sizes(state), []
     for model in state.models.models:
         if model.state is not ModelState.LOADED:
             continue
         timeout = model.idle_timeout()
-        expires = NEVER if timeout is None else time.time() + timeout
+        # Busy, it stays at least the timeout from now, as Ollama's does.
+        idle = time.monotonic() - model.last_used if model.inflight == 0 else 0.0
+        expires = NEVER if timeout is None else time.time() - idle + timeout
         entry = _listed(state, model, model.id, sizes)
         listed.append(RunningModel(
             **entry.model_dump(), size_vram=entry.size, context_length=model.context_length or 0,

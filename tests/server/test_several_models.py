@@ -15,6 +15,7 @@ import json
 import shutil
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import anthropic
@@ -728,5 +729,22 @@ def test_an_unloaded_models_card_is_what_its_last_load_found(demos: list[Path],
         assert shown["model_info"]["bert.context_length"] == 256
         cards = httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=10).json()["data"]
         assert {card["id"]: card["max_input_tokens"] for card in cards}["embed"] == 256
+    finally:
+        server.stop()
+
+
+def test_ollamas_ps_says_when_an_idle_model_unloads(demos: list[Path], tmp_path: Path) -> None:
+    """/api/ps' expires_at is when the idle timeout unloads the model: its last request's
+    end plus the timeout, not always the timeout from now (a model idle for most of its
+    timeout was listed as staying that long again)."""
+    server = start_models(tmp_path, [{"id": "d", "source": str(demos[0]),
+                                      "idle_timeout": 60.0}])
+    try:
+        assert chat(server, "d").status_code == 200
+        done = time.time()
+        time.sleep(3.0)
+        [running] = httpx.get(f"{server.url}/api/ps", headers=AUTH, timeout=10).json()["models"]
+        expires = datetime.fromisoformat(running["expires_at"]).timestamp()
+        assert done + 58 < expires < done + 61
     finally:
         server.stop()
