@@ -557,17 +557,29 @@ class ModelRegistry:
         self._watcher = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
+        """Reap crashed engines and unload idle models, for as long as the server runs:
+        what goes wrong with one model is logged and the watch goes on (a request that
+        took the model while its guesses were cancelled made `unload` a 409, which ended
+        the watch, and with it every idle unload and crash reload after)."""
         while True:
             await asyncio.sleep(WATCH_SECONDS)
             now = time.monotonic()
             for model in self.models:
-                self._reap(model)
-                timeout = model.idle_timeout()
-                if (timeout is not None and model.state is ModelState.LOADED
-                        and model.loading is None and model.inflight == 0
-                        and now - model.last_used > timeout):
-                    log.info("model %s idle for %.0f s: unloading", model.id, timeout)
-                    await self.unload(model)
+                try:
+                    await self._look_after(model, now)
+                except APIError as error:
+                    log.info("model %s stays loaded: %s", model.id, error)
+                except Exception:  # logged; the next model, the next look
+                    log.exception("watching model %s failed", model.id)
+
+    async def _look_after(self, model: ServedModel, now: float) -> None:
+        self._reap(model)
+        timeout = model.idle_timeout()
+        if (timeout is not None and model.state is ModelState.LOADED
+                and model.loading is None and model.inflight == 0
+                and now - model.last_used > timeout):
+            log.info("model %s idle for %.0f s: unloading", model.id, timeout)
+            await self.unload(model)
 
     def stop_watching(self) -> None:
         if self._watcher is not None:
