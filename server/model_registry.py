@@ -96,6 +96,9 @@ class ServedModel:
         self.loading: asyncio.Task | None = None
         # Being unloaded to make room once its requests finish: new ones wait meanwhile.
         self.evicting = False
+        # Asked to unload while requests held it (Ollama's keep_alive 0): it unloads once
+        # they are done, as Ollama's does.
+        self.unload_when_idle = False
         self.last_error: str | None = None
         self.counters = ModelCounters()
         # A cache clear asked for while it was not loaded: done once its load ends.
@@ -309,6 +312,9 @@ class ModelRegistry:
                         raise self._still_loading(model)
                     continue
                 if model.state is ModelState.LOADED:
+                    # A request after a keep_alive 0 keeps it, as its keep_alive would
+                    # in Ollama's.
+                    model.unload_when_idle = False
                     return Lease(model)
                 if model.loading is None:
                     model.loading = asyncio.create_task(self._load(model))
@@ -487,6 +493,7 @@ class ModelRegistry:
             raise APIError(409, f"the model {model.id} has {model.inflight} requests in "
                            "flight", code="model_busy")
         _cancel_load(model)  # a load that still waits for room has no engine
+        model.unload_when_idle = False
         engine, model.engine = model.engine, None
         if engine is None:
             return
@@ -574,7 +581,7 @@ class ModelRegistry:
 
     async def _look_after(self, model: ServedModel, now: float) -> None:
         self._reap(model)
-        timeout = model.idle_timeout()
+        timeout = 0.0 if model.unload_when_idle else model.idle_timeout()
         if (timeout is not None and model.state is ModelState.LOADED
                 and model.loading is None and model.inflight == 0
                 and now - model.last_used > timeout):

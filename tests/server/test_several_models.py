@@ -233,6 +233,27 @@ def test_an_unload_right_after_a_reply_is_not_held_by_its_guess(pair: ServerProc
         assert (attempt, unload.status_code) == (attempt, 200), unload.text
 
 
+def test_ollamas_stop_of_a_busy_model_unloads_it_once_its_requests_are_done(
+        pair: ServerProcess) -> None:
+    """`ollama stop` (an empty generate with keep_alive 0) answers at once, as Ollama's;
+    the reply under way goes on, then the model unloads. It was a 409."""
+    body = {"model": "tiny", "prompt": "Tell a story.", "stream": True,
+            "options": {"num_predict": 400}}
+    with httpx.stream("POST", f"{pair.url}/api/generate", json=body, headers=AUTH,
+                      timeout=60) as reply:
+        lines = reply.iter_lines()
+        next(lines)
+        stop = httpx.post(f"{pair.url}/api/generate", headers=AUTH, timeout=60,
+                          json={"model": "tiny", "prompt": "", "keep_alive": 0})
+        assert stop.status_code == 200 and stop.json()["done_reason"] == "unload", stop.text
+        assert states(pair)["tiny"] == "loaded"
+        assert json.loads(list(lines)[-1])["done"] is True
+    deadline = time.monotonic() + 30
+    while states(pair)["tiny"] != "unloaded":
+        assert time.monotonic() < deadline, "still loaded 30 s after its last reply"
+        time.sleep(0.1)
+
+
 def test_a_killed_model_fails_its_requests_only_and_reloads(pair: ServerProcess) -> None:
     """One model's engine process dies mid-stream: that stream ends with an error, the
     other model answers meanwhile, and the next request loads the model again. The model
