@@ -29,6 +29,7 @@ import collections
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -92,13 +93,30 @@ def default_disk_budget(directory: Path) -> int:
     return int(min(free * DEFAULT_DISK_FRACTION, DEFAULT_DISK_CAP_BYTES))
 
 
+# The engine's own code that computes a forward pass's numbers where mlx-lm's would
+# (attention and SwiGLU off Metal, and their exp: mlx_lm_internals.use_engine_kernels;
+# M-RoPE's positions).
+FORWARD_CODE = ("engine.attention", "engine.cpu_math", "engine.mlx_lm_internals",
+                "engine.mrope")
+
+
+def forward_code_digest() -> str:
+    """A digest of `FORWARD_CODE`'s source: read from its files, so that a checkout that
+    is not pip-installed has one too."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in FORWARD_CODE:
+        digest.update(Path(importlib.util.find_spec(name).origin).read_bytes())
+    return digest.hexdigest()
+
+
 def model_fingerprint(model_dir: Path, model: nn.Module, cache: list[Any],
                       memo_directory: Path, vision_code: str | None = None) -> str:
     """What KV on disk must match to be reused: every byte of the weights (config and
     each weights file, hashed whole: see weights_digest.py), their dtypes, the cache
-    layout, the MLX and mlx-lm that compute the KV (an upgrade may change the math), for
-    a vision model the code that computes its images' features (`vision_code`:
-    `Vision.code_version`), and this file format."""
+    layout, the MLX and mlx-lm that compute the KV and the engine's own code that does
+    (`FORWARD_CODE`: an upgrade may change the math), for a vision model the code that
+    computes its images' features (`vision_code`: `Vision.code_version`), and this file
+    format."""
     digest = hashlib.blake2b(segment_file.FORMAT.encode(), digest_size=16)
     config = model_dir / "config.json"
     digest.update(config.read_bytes() if config.exists() else b"")
@@ -106,7 +124,8 @@ def model_fingerprint(model_dir: Path, model: nn.Module, cache: list[Any],
                                  memo_directory).encode())
     dtypes = sorted({str(p.dtype) for _, p in tree_flatten(model.parameters())})
     layout = [type(c).__name__ for c in cache]
-    versions = (mx.__version__, mlx_lm.__version__) + ((vision_code,) if vision_code else ())
+    versions = (mx.__version__, mlx_lm.__version__, forward_code_digest()) + (
+        (vision_code,) if vision_code else ())
     digest.update(repr((dtypes, layout, *versions)).encode())
     return digest.hexdigest()
 
@@ -277,10 +296,10 @@ class DiskStore:
             if self._closed or self._queued + data_bytes > self.queue_bytes:
                 self.stats.writes_dropped += 1
                 return None
-            head, _ = segment_file.encode(header, [
+            nbytes = segment_file.file_bytes(header, [
                 (name, dtype, a.shape, a.nbytes) for name, dtype, a in arrays])
             copy = DiskCopy(key, self.directory / f"{key}{segment_file.SUFFIX}",
-                            len(head) + data_bytes, handle.splittable, pending=handle)
+                            nbytes, handle.splittable, pending=handle)
             self._live[key] = copy
             self._queued += data_bytes
             self.stats.queued_bytes = self._queued
@@ -616,6 +635,12 @@ def _handle(header: SegmentHeader, loaded: dict[str, mx.array],
         names = _parts(quantization)
         layers = len(loaded) // len(names)
         parts = [[loaded[f"{name}.{i}"] for i in range(layers)] for name in names]
+        # Every array holds one position per token of the header, or the file is not
+        # the KV of its tokens (the wrong-KV bug wrote 623 positions for 621 tokens).
+        lengths = {array.shape[-2] for arrays in parts for array in arrays}
+        if lengths != {len(header.tokens)}:
+            raise BadSegmentFile(f"its KV holds {sorted(lengths)} positions for "
+                                 f"{len(header.tokens)} tokens")
         if quantization is None:
             return KVSegment(*parts)
         return KVSegment(tuple(parts[:3]), tuple(parts[3:]), quantization=quantization)

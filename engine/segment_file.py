@@ -38,7 +38,7 @@ import struct
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -171,6 +171,14 @@ def encode(header: SegmentHeader,
     text = json.dumps(entries, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # safetensors aligns the data section to 8 bytes
     return struct.pack("<Q", len(text)) + text, offset
+
+
+def file_bytes(header: SegmentHeader, table: list[tuple[str, str, tuple[int, ...], int]]
+               ) -> int:
+    """The size of the file `write` makes of these tensors, its checksums included (each
+    of a fixed width), known before they are computed."""
+    head, data = encode(replace(header, crc32=[crc(b"")] * len(table)), table)
+    return len(head) + data
 
 
 def crc(data: memoryview | np.ndarray) -> str:

@@ -41,6 +41,7 @@ def test_a_copy_is_written_once_its_arrays_are_evaluated_and_flush_waits_for_it(
     then()
     assert store.flush(10)
     assert copy.pending is None and copy.path.exists()
+    assert copy.nbytes == copy.path.stat().st_size  # what the tier's budget counts
     header, read = read_copy(copy.path)
     assert header.tokens == [5, 6, 7]
     for written, original in zip(read.arrays, handle.arrays):
@@ -117,3 +118,17 @@ def test_settle_evaluates_the_waiting_arrays_with_the_handles_then_hands_them_on
     assert handed == ["copy"]
     kv.settle()
     assert handed == ["copy"], "a waiting write was handed on twice"
+
+
+def test_a_file_whose_kv_is_not_as_long_as_its_tokens_is_refused(tmp_path):
+    """Checksums prove the bytes are the writer's; a file that says 3 tokens and holds the
+    KV of 4 positions (the wrong-KV bug's 621 tokens over 623) is not the KV of its
+    tokens, and is refused as it is read."""
+    header = SegmentHeader(fingerprint=FINGERPRINT, key="k" * 32, start_chain=FINGERPRINT,
+                           start_tail=[], start=0, tokens=[5, 6, 7], kind="segment")
+    path = tmp_path / f"{header.key}.safetensors"
+    four = np.zeros((1, 2, 4, 4), np.float32)
+    segment_file.write(path, header, [Tensor(f"{part}.{layer}", "F32", four)
+                                      for part in ("keys", "values") for layer in range(2)])
+    with pytest.raises(BadSegmentFile, match=r"\[4\] positions for 3 tokens"):
+        read_copy(path)

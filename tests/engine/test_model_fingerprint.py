@@ -13,6 +13,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine import disk_store
 from engine import weights_digest as digests
 from engine.demo_model import demo_model_path, random_weights
 from engine.disk_store import model_fingerprint
@@ -180,3 +181,13 @@ def test_a_vision_models_fingerprint_names_its_mlx_vlm(base_model, tmp_path):
 
     assert len({fingerprint(None), fingerprint("0.7.10"), fingerprint("0.7.11")}) == 3
     assert fingerprint(None) == fingerprint(None)
+
+
+def test_the_fingerprint_names_the_engines_own_forward_code(base_model, tmp_path, monkeypatch):
+    """The engine computes some of a forward pass itself (attention and SwiGLU off Metal):
+    KV that another version of that code computed is not reused, as for MLX's own."""
+    loaded = load_model(base_model)
+    cache = make_prompt_cache(loaded.model)
+    before = model_fingerprint(base_model, loaded.model, cache, tmp_path)
+    monkeypatch.setattr(disk_store, "FORWARD_CODE", (*disk_store.FORWARD_CODE, "engine.text"))
+    assert model_fingerprint(base_model, loaded.model, cache, tmp_path) != before
