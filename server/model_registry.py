@@ -501,6 +501,16 @@ class ModelRegistry:
         await asyncio.to_thread(engine.shutdown)
         log.info("model %s unloaded", model.id)
 
+    async def unload_once_idle(self, model: ServedModel) -> None:
+        """Unload `model` now, or while requests hold it, once they are done (Ollama's
+        keep_alive 0; a request in between keeps it, `acquire`)."""
+        try:
+            await self.unload(model)
+        except APIError as error:
+            if error.code != "model_busy":
+                raise
+            model.unload_when_idle = True
+
     async def clear_cache(self, model: ServedModel) -> int | None:
         """Drop `model`'s cached prefixes that no request is using, from memory and disk:
         now if it is loaded (the memory bytes freed), else (with several models) as its

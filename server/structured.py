@@ -39,6 +39,7 @@ from server.request import (
     JsonObjectOutput,
     JsonSchemaOutput,
     NamedFunction,
+    OutputFormat,
     TextOutput,
 )
 
@@ -100,9 +101,15 @@ def constraint_param(request: GenerationRequest) -> str | None:
     output = request.output
     if writes_calls(request) and (forces_call(request) or isinstance(output, TextOutput)):
         return "tools"
+    return None if isinstance(output, TextOutput) else _format_param(output)
+
+
+def _format_param(output: OutputFormat) -> str:
+    """The field an output format came in: OpenAI's response_format (the Responses API's
+    text.format, as its errors name it), or another server's grammar field."""
     if isinstance(output, JsonSchemaOutput | GrammarOutput):
         return output.param
-    return None if isinstance(output, TextOutput) else "response_format"
+    return "response_format"
 
 
 def output_constraint(
@@ -126,8 +133,7 @@ def output_constraint(
     # otherwise (alone, or beside forced calls, where it must still be enforceable) here.
     answer_in_calls = writes_calls(request) and not forces_call(request)
     text_before_calls = answer_in_calls and answer is None  # allowed or strict tools, "auto"
-    param = output.param if isinstance(output, JsonSchemaOutput) else "response_format"
-    with _refused(param):
+    with _refused(_format_param(output)):
         constraint = None if answer is None or answer_in_calls else constraints.json_schema(
             answer.schema, strict=answer.strict, close_objects=close_objects)
     if writes_calls(request):

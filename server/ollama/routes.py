@@ -4,8 +4,9 @@ engines and cache as the OpenAI and Anthropic routes.
 
 /api/chat and /api/generate (streamed as JSON lines unless `stream: false`; an empty
 chat or prompt loads the model, and with `keep_alive: 0` unloads it, as `ollama stop`
-asks, once its running requests are done), /api/embed and the older /api/embeddings, /api/tags (the configured models),
-/api/ps (the loaded ones), /api/show and /api/version. Pulling, pushing, creating,
+asks, once its running requests are done), /api/embed and the older /api/embeddings,
+/api/tags (the configured models), /api/ps (the loaded ones), /api/show and
+/api/version. Pulling, pushing, creating,
 copying and deleting models are Ollama's model store's, which this server does not keep:
 those paths are a 404.
 """
@@ -155,12 +156,7 @@ async def _load_or_unload(request: Request, body: GenerationFields, chat: bool) 
         if not models.on_demand or served.spec.pinned:
             kept = "pinned" if models.on_demand else "the one this server serves"
             raise APIError(409, f"the model {served.id} stays loaded: it is {kept}")
-        try:
-            await models.unload(served)
-        except APIError as error:
-            if error.status != 409:
-                raise
-            served.unload_when_idle = True  # busy: once its requests are done, as Ollama
+        await models.unload_once_idle(served)
         reason = "unload"
     else:
         await _load(request, body.model)
