@@ -51,6 +51,9 @@ BOS, EOS, PAD, IM_START, IM_END = (
     "<|im_end|>",
 )
 SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]
+# Qwen2.5-Coder's fill-in-the-middle tokens, for a demo model that has them.
+FILL_IN_MIDDLE_TOKENS = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>",
+                         "<|repo_name|>", "<|file_sep|>"]
 
 # Small enough that a short test prompt already makes the rotating cache wrap.
 SLIDING_WINDOW = 32
@@ -123,24 +126,30 @@ def demo_model_path(size: str = "tiny", seed: int = 0) -> Path:
 
 
 def build_demo_model(
-    path: str | Path, size: str = "tiny", seed: int = 0, family: str = "llama"
+    path: str | Path, size: str = "tiny", seed: int = 0, family: str = "llama",
+    fill_in_middle: bool = False,
 ) -> Path:
-    """Write a complete model directory to `path`, replacing whatever was there."""
+    """Write a complete model directory to `path`, replacing whatever was there; with
+    `fill_in_middle`, its vocabulary has Qwen2.5-Coder's fill-in-the-middle tokens."""
     path = Path(path)
-    _build(path, size, seed, family, replace=True)
+    _build(path, size, seed, family, replace=True, fill_in_middle=fill_in_middle)
     return path
 
 
-def _build(path: Path, size: str, seed: int, family: str, replace: bool) -> None:
+def _build(path: Path, size: str, seed: int, family: str, replace: bool,
+           fill_in_middle: bool = False) -> None:
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {list(FAMILIES)}")
-    publish_directory(path, lambda staging: _write_model(staging, size, seed, family), replace)
+    specials = SPECIAL_TOKENS + (FILL_IN_MIDDLE_TOKENS if fill_in_middle else [])
+    publish_directory(
+        path, lambda staging: _write_model(staging, size, seed, family, specials), replace)
 
 
-def _write_model(directory: Path, size: str, seed: int, family: str) -> None:
-    tokenizer = train_tokenizer(SIZES[size]["vocab_size"])
+def _write_model(directory: Path, size: str, seed: int, family: str,
+                 specials: list[str]) -> None:
+    tokenizer = train_tokenizer(SIZES[size]["vocab_size"], specials)
     config = model_config(family, size, tokenizer)
     weights = random_weights(config, seed)
 
@@ -152,7 +161,7 @@ def _write_model(directory: Path, size: str, seed: int, family: str) -> None:
         metadata={"format": "mlx"},
     )
     write_json(directory / "config.json", config)
-    write_json(directory / "tokenizer_config.json", tokenizer_config(tokenizer))
+    write_json(directory / "tokenizer_config.json", tokenizer_config(tokenizer, specials))
     write_json(
         directory / "special_tokens_map.json",
         {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD},
@@ -187,12 +196,12 @@ def train_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS)
     return tokenizer
 
 
-def tokenizer_config(tokenizer: Tokenizer) -> dict:
+def tokenizer_config(tokenizer: Tokenizer, specials: list[str] = SPECIAL_TOKENS) -> dict:
     """What transformers' AutoTokenizer (used by mlx_lm.load) reads next to tokenizer.json."""
     return {
         "add_bos_token": False,
         "add_eos_token": False,
-        "added_tokens_decoder": special_tokens_decoder(tokenizer, SPECIAL_TOKENS),
+        "added_tokens_decoder": special_tokens_decoder(tokenizer, specials),
         "bos_token": BOS,
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,

@@ -1,5 +1,5 @@
 """The model's tokenizer as its callers see it: encode/decode, the chat template, and the
-markers the model writes around tool calls and reasoning.
+markers the model writes around tool calls and reasoning, and its fill-in-the-middle tokens.
 
 It wraps mlx-lm's `TokenizerWrapper` (which knows each model family's markers and tool
 parser) behind the few operations the server needs, so the server never drives mlx-lm's
@@ -13,12 +13,14 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import takewhile
 from typing import Any, Literal
 
 from jinja2 import TemplateError
 
 from engine.api import TokenLogprob
+from engine.fill_in_middle import FillInMiddleTokens, find_tokens
 from engine.image_tokens import ImageTokens
 from engine.token_cache import NotCacheable, SegmentCache, cut_tokens, special_ids
 from radix.prefix import common_prefix_length
@@ -111,6 +113,17 @@ class ModelTokenizer:
             except KeyError:  # an added token (e.g. <|im_end|>) is stored as its text
                 pass
         return self.decode([token]).encode("utf-8")
+
+    @cached_property
+    def fill_in_middle(self) -> FillInMiddleTokens | None:
+        """The model's fill-in-the-middle tokens; None when it was not trained for it."""
+        return find_tokens(self.vocabulary())
+
+    @cached_property
+    def prompt_head(self) -> tuple[int, ...]:
+        """What encoding a whole prompt puts before its text (Llama's BOS)."""
+        text, whole = self.encode("a", special_tokens=False), self.encode("a")
+        return tuple(whole[:whole.index(text[0])]) if text and text[0] in whole else ()
 
     def vocabulary(self) -> dict[str, int]:
         """Each vocabulary piece's id, added tokens included."""

@@ -131,7 +131,8 @@ class ServedModel:
         else:
             self._capabilities = [
                 "completion", "tools", *(["vision"] if tokenizer.images is not None else []),
-                *(["thinking"] if tokenizer.thinking is not None else [])]
+                *(["thinking"] if tokenizer.thinking is not None else []),
+                *(["insert"] if tokenizer.fill_in_middle is not None else [])]
 
     @property
     def context_length(self) -> int | None:
@@ -154,7 +155,8 @@ class ServedModel:
     @property
     def capabilities(self) -> list[str] | None:
         """What it serves, in Ollama's words: "completion" and "tools" for a chat model
-        (a template without a tool format gets the generic one), "vision", "thinking";
+        (a template without a tool format gets the generic one), "vision", "thinking",
+        "insert" (fill in the middle: a suffix);
         "embedding" for an encoder; none for a cross-encoder, which only reranks (Ollama has
         no word for that), so that clients do not offer it for embedding. None before its
         first load."""

@@ -289,6 +289,10 @@ async def _start(http: Request, state: ServerState, lease: Lease, request: Gener
     tokenizer = model.tokenizer()
     tool_format = _tool_format(tokenizer, request)
     prompts = await render(model, request)
+    if request.infill is not None:
+        # A middle also ends where the model goes on to another file of the project, or pads.
+        request = replace(request, sampling=replace(request.sampling, stop_token_ids=(
+            *request.sampling.stop_token_ids, *tokenizer.fill_in_middle.ends)))
     vocab_size = tokenizer.vocab_size
     sampling = request.sampling
     check_token_ids(sampling.logit_bias, vocab_size, "logit_bias")

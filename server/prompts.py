@@ -1,22 +1,25 @@
 """Requests into prompt token ids: chat through the model's own chat template, legacy
-prompts by encoding (or taking token ids as given, after a range check)."""
+prompts by encoding (or taking token ids as given, after a range check), or around a
+suffix with the model's fill-in-the-middle tokens."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Sequence
+from functools import partial
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from engine.api import ImageFile, Prompt
+from engine.fill_in_middle import infill_prompt
 from engine.image_tokens import ImageTokens
 from engine.tokenizer import ChatEnd, ModelTokenizer
 from server import generic_tools as generic
 from server.conversation import SYSTEM_ROLES, knows_developer, normalize, renders_late_system
 from server.http.errors import APIError
 from server.images import MARKER
-from server.request import GenerationRequest, TemplateMessage
+from server.request import GenerationRequest, Infill, TemplateMessage
 
 # apply_chat_template's own options, which chat_template_kwargs must not set: they are no
 # template variables, and would let a client swap in any template (a Jinja loop of 10^10
@@ -159,6 +162,8 @@ def raw_prompts(tokenizer: ModelTokenizer, request: GenerationRequest) -> list[P
     """Legacy completions' prompts: text is encoded, token ids are taken as given (no
     message ends: they are no chat)."""
     prompts = request.prompts
+    if request.infill is not None:
+        return [Prompt(_infill(tokenizer, prefix, request.infill)) for prefix in prompts]
     if isinstance(prompts[0], str):
         encoded = [tokenizer.encode(prompt) for prompt in prompts]
         if not all(encoded):
@@ -168,3 +173,14 @@ def raw_prompts(tokenizer: ModelTokenizer, request: GenerationRequest) -> list[P
         (token for prompt in prompts for token in prompt), tokenizer.vocab_size, "prompt"
     )
     return [Prompt(list(prompt)) for prompt in prompts]
+
+
+def _infill(tokenizer: ModelTokenizer, prefix: str, infill: Infill) -> list[int]:
+    """The prompt for the middle between `prefix` and the infill's suffix."""
+    tokens = tokenizer.fill_in_middle
+    if tokens is None:
+        raise APIError(400, "this model has no fill-in-the-middle tokens, so it does not "
+                       "support insert: send the prompt without a suffix",
+                       code="invalid_request", param=infill.param)
+    return infill_prompt(tokens, partial(tokenizer.encode, special_tokens=False), prefix,
+                         infill.suffix, infill.files, tokenizer.prompt_head)

@@ -153,6 +153,17 @@ TEXT = TextOutput()
 
 
 @dataclass(frozen=True)
+class Infill:
+    """Fill in the middle (engine/fill_in_middle.py): each raw prompt is the text before
+    the gap and `suffix` the text after it; `files` are other files of the project, as
+    (name, text), for context. `param` names the suffix's field in errors."""
+
+    suffix: str
+    files: tuple[tuple[str, str], ...] = ()
+    param: str = "suffix"
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One request, whatever API it came through.
 
@@ -166,6 +177,8 @@ class GenerationRequest:
     # message's text is a `server.images.MARKER`.
     images: tuple[str, ...] = ()
     prompts: tuple[str | tuple[int, ...], ...] = ()
+    # Raw text prompts only: the model writes what goes between each prompt and a suffix.
+    infill: Infill | None = None
     tools: tuple[FunctionTool, ...] = ()
     tool_choice: ToolChoice = "auto"
     # None: not said, which is OpenAI's default, true: a reply may make several calls.

@@ -51,6 +51,7 @@ from server.request import (
     TEXT,
     FunctionTool,
     GenerationRequest,
+    Infill,
     JsonObjectOutput,
     JsonSchemaOutput,
     OutputFormat,
@@ -85,14 +86,22 @@ def chat_request(body: ChatRequest) -> GenerationRequest:
 
 
 def generate_request(body: GenerateRequest) -> GenerationRequest:
-    for name in ("suffix", "template", "context"):
+    for name in ("template", "context"):
         if getattr(body, name):  # "" and [] say nothing
             raise APIError(400, f"{name} is not supported by this server", param=name)
     if body.raw:
         if body.images or body.system:
             raise APIError(400, "a raw prompt is the model's whole input: send images and "
                            "system without raw", param="raw")
+        # Ollama's raw prompt is the whole input, a suffix's fill-in-the-middle included.
         return _generation(body, prompts=(body.prompt,))
+    if body.suffix:
+        # Ollama's insert: the model writes what goes between prompt and suffix; its
+        # fill-in-the-middle templates leave the system prompt out.
+        if body.images:
+            raise APIError(400, "a suffix asks for the code between prompt and suffix, "
+                           "which reads no images", param="images")
+        return _generation(body, prompts=(body.prompt,), infill=Infill(body.suffix))
     images = [image_url(image, f"images.{i}") for i, image in enumerate(body.images or ())]
     messages = [{"role": "system", "content": body.system}] if body.system else []
     messages.append({"role": "user", "content": MARKER * len(images) + body.prompt})

@@ -39,6 +39,7 @@ from server.request import (
     FunctionTool,
     GenerationRequest,
     GrammarOutput,
+    Infill,
     JsonObjectOutput,
     JsonSchemaOutput,
     NamedFunction,
@@ -93,6 +94,7 @@ def completion_request(body: CompletionRequest) -> GenerationRequest:
     prompts = body.prompts
     return GenerationRequest(
         prompts=tuple(prompt if isinstance(prompt, str) else tuple(prompt) for prompt in prompts),
+        infill=None if body.suffix is None else Infill(body.suffix),
         output=output_format(body),
         sampling=sampling_knobs(body),
         unset_sampling=unset_knobs(body),

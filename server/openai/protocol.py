@@ -577,6 +577,8 @@ class CompletionRequest(StructuredOutputRequest):
     # The prompt comes back before the completion, with its tokens' logprobs if logprobs
     # is set (the first token's is null).
     echo: bool = Field(False, validate_default=True)
+    # The text after the completion: the model fills in the middle, where it knows how
+    # (engine/fill_in_middle.py). "" says none, as Ollama reads it.
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
 
@@ -595,9 +597,15 @@ class CompletionRequest(StructuredOutputRequest):
 
     @field_validator("suffix")
     @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError("suffix is not supported")
+    def _suffix_after_text(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if not value:
+            return None
+        if info.data.get("echo"):
+            raise ValueError("echo returns the prompt before its completion, which a "
+                             "suffix puts elsewhere: send one of them")
+        prompt = info.data.get("prompt")
+        if prompt is not None and prompt_kind(prompt) not in ("text", "texts"):
+            raise ValueError("a suffix follows a text prompt, not token ids")
         return value
 
     @field_validator("best_of")

@@ -212,7 +212,7 @@ def test_a_stream_left_early_ends_its_generation(server: ServerProcess, model_id
      400, "not a base64 PNG, JPEG"),
     ("/api/chat", {"messages": [{"role": "user", "content": "x", "images": [PNG]}]}, 400,
      "does not read images"),
-    ("/api/generate", {"prompt": "x", "suffix": "y"}, 400, "suffix is not supported"),
+    ("/api/generate", {"prompt": "x", "suffix": "y"}, 400, "does not support insert"),
     ("/api/embed", {"input": ["x", ""]}, 400, "input[1] is empty"),
     # As many as /v1/embeddings takes: 200,000 held the engine 30 s, answered in 265 MB.
     ("/api/embed", {"input": ["x"] * 2049}, 400, "input: List should have at most 2048"),

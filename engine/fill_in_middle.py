@@ -1,0 +1,91 @@
+"""Fill in the middle: a code model writes what goes between the text before a gap
+(prefix) and the text after it (suffix), as editors' autocomplete asks at the cursor.
+
+Code models learn it with control tokens in their vocabulary, in prefix-suffix-middle
+order: `<PRE> prefix <SUF> suffix <MID>`, and the model writes the middle. The tokens are
+found by their text, as llama.cpp's vocabulary does it, since no tokenizer config names
+them. Repository-level context (Qwen2.5-Coder's, arXiv 2409.12186) goes before the
+prefix: `<REPO> name` and one `<FILE_SEP> filename` + text per other file of the
+project, then a `<FILE_SEP>` line for the file being edited (llama.cpp's /infill builds
+the same prompt from its `input_extra`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+# Each family's (prefix, suffix, middle) tokens.
+MARKERS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, CodeGemma
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder 1 and 2, Granite Code
+    ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),  # Replit
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
+    ("▁<PRE>", "▁<SUF>", "▁<MID>"),  # CodeLlama
+    ("<PRE>", "<SUF>", "<MID>"),
+    ("<|code_prefix|>", "<|code_suffix|>", "<|code_middle|>"),  # CodeGeeX4
+)
+REPOSITORY = ("<|repo_name|>", "<repo_name>", "<|fim_repo|>", "<reponame>", "<fim-repo>")
+FILE_SEPARATOR = ("<|file_sep|>", "<file_sep>", "<fim-sep>")
+PAD = ("<|fim_pad|>", "<fim_pad>", "<fim-pad>")
+# What llama.cpp names the project and the edited file: the model only sees that there is one.
+PROJECT_NAME = "myproject"
+EDITED_FILE_NAME = "filename"
+
+
+@dataclass(frozen=True)
+class FillInMiddleTokens:
+    """A model's fill-in-the-middle token ids."""
+
+    prefix: int
+    suffix: int
+    middle: int
+    repository: int | None = None
+    file_separator: int | None = None
+    pad: int | None = None
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        """Tokens that end a middle besides the model's EOS: a model that goes on past its
+        middle writes the next file of the repository, or pads."""
+        return tuple(token for token in (self.repository, self.file_separator, self.pad)
+                     if token is not None)
+
+
+def find_tokens(vocabulary: Mapping[str, int]) -> FillInMiddleTokens | None:
+    """The model's fill-in-the-middle tokens, or None when its vocabulary has no family's
+    complete set (it was not trained to fill in the middle)."""
+    for names in MARKERS:
+        ids = [vocabulary.get(name) for name in names]
+        if None not in ids:
+            prefix, suffix, middle = ids
+            return FillInMiddleTokens(prefix, suffix, middle, _first(vocabulary, REPOSITORY),
+                                      _first(vocabulary, FILE_SEPARATOR), _first(vocabulary, PAD))
+    return None
+
+
+def _first(vocabulary: Mapping[str, int], names: Sequence[str]) -> int | None:
+    return next((vocabulary[name] for name in names if name in vocabulary), None)
+
+
+def infill_prompt(tokens: FillInMiddleTokens, encode: Callable[[str], list[int]],
+                  prefix: str, suffix: str, files: Sequence[tuple[str, str]] = (),
+                  head: Sequence[int] = ()) -> list[int]:
+    """The prompt for the middle between `prefix` and `suffix`, after the other files
+    (`files`: name and text), as a repository where the model knows them; `encode`
+    tokenizes text without special tokens, and `head` is what the tokenizer puts before
+    a prompt (BOS). A model without a file separator gets the files' texts as they are,
+    each after a blank line (llama.cpp separates them with a `--- snippet ---` line)."""
+    context: list[int] = []
+    if files and tokens.repository is not None and tokens.file_separator is not None:
+        context += [tokens.repository, *encode(PROJECT_NAME + "\n")]
+    for name, text in files:
+        if tokens.file_separator is not None:
+            context += [tokens.file_separator, *encode(name + "\n")]
+        else:
+            context += encode("\n\n")
+        context += encode(text)
+    if files and tokens.file_separator is not None:
+        context += [tokens.file_separator, *encode(EDITED_FILE_NAME + "\n")]
+    return [*head, *context, tokens.prefix, *encode(prefix), tokens.suffix, *encode(suffix),
+            tokens.middle]

@@ -1,0 +1,43 @@
+"""Which vocabularies fill in the middle, and the prompt they are given (no MLX)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.fill_in_middle import MARKERS, FillInMiddleTokens, find_tokens, infill_prompt
+
+
+def encode(text: str) -> list[int]:
+    """A stand-in tokenizer: one id per character, above the control tokens."""
+    return [1000 + ord(character) for character in text]
+
+
+@pytest.mark.parametrize("names", MARKERS, ids=[names[0] for names in MARKERS])
+def test_each_familys_tokens_are_found_by_their_text(names: tuple[str, str, str]) -> None:
+    vocabulary = {"hello": 5, names[0]: 10, names[1]: 11, names[2]: 12}
+    assert find_tokens(vocabulary) == FillInMiddleTokens(10, 11, 12)
+
+
+def test_a_vocabulary_without_a_whole_set_does_not_fill_in_the_middle() -> None:
+    # SmolLM2's vocabulary has StarCoder's file separator and repository name, no prefix.
+    assert find_tokens({"<file_sep>": 3, "<repo_name>": 4, "<fim_prefix>": 5}) is None
+
+
+def test_a_middle_ends_at_what_starts_another_file_or_pads() -> None:
+    tokens = find_tokens({"<|fim_prefix|>": 1, "<|fim_suffix|>": 2, "<|fim_middle|>": 3,
+                          "<|fim_pad|>": 4, "<|repo_name|>": 5, "<|file_sep|>": 6})
+    assert tokens is not None and sorted(tokens.ends) == [4, 5, 6]
+
+
+def test_files_go_before_the_prefix_as_a_repository() -> None:
+    tokens = FillInMiddleTokens(1, 2, 3, repository=5, file_separator=6)
+    prompt = infill_prompt(tokens, encode, "ab", "c", [("u", "x")], head=[9])
+    assert prompt == [9, 5, *encode("myproject\n"), 6, *encode("u\n"), *encode("x"),
+                      6, *encode("filename\n"), 1, *encode("ab"), 2, *encode("c"), 3]
+    assert infill_prompt(tokens, encode, "ab", "c") == [1, *encode("ab"), 2, *encode("c"), 3]
+
+
+def test_without_a_file_separator_files_are_text_apart() -> None:
+    tokens = FillInMiddleTokens(1, 2, 3)
+    assert infill_prompt(tokens, encode, "a", "b", [("u", "x"), ("v", "y")]) == [
+        *encode("\n\nx"), *encode("\n\ny"), 1, *encode("a"), 2, *encode("b"), 3]
