@@ -1,0 +1,77 @@
+"""llama.cpp's native /completion, for clients written for llama.cpp's server: the same
+text as OpenAI's Completions, its `completion_probabilities`, streamed `data:` events,
+its grammar fields binding the text, and its counts and stop type."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.support import ServerProcess
+
+PROMPT = "The three primary colours are"
+
+
+def post(server: ServerProcess, headers: dict, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)
+
+
+def test_completion_writes_what_openais_completions_write(
+        server: ServerProcess, headers: dict, model_id: str) -> None:
+    openai_style = post(server, headers, "/v1/completions", {
+        "model": model_id, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+        "logprobs": 2}).json()
+    native = post(server, headers, "/completion", {
+        "prompt": PROMPT, "n_predict": 8, "temperature": 0, "n_probs": 2,
+        "cache_prompt": True, "id_slot": -1}).json()
+    assert native["content"] == openai_style["choices"][0]["text"]
+    assert native["tokens_predicted"] == 8 and native["stop_type"] == "limit"
+    assert native["tokens_evaluated"] == openai_style["usage"]["prompt_tokens"]
+    logprobs = openai_style["choices"][0]["logprobs"]
+    assert [entry["token"] for entry in native["completion_probabilities"]] == (
+        logprobs["tokens"])
+    for entry, top in zip(native["completion_probabilities"], logprobs["top_logprobs"]):
+        assert {alt["token"]: alt["logprob"] for alt in entry["top_logprobs"]} == (
+            pytest.approx(top))
+
+
+def test_a_streamed_completion_is_its_whole_text_in_data_events(
+        server: ServerProcess, headers: dict) -> None:
+    body = {"prompt": [5, 6, 7], "n_predict": 6, "temperature": 0}
+    whole = post(server, headers, "/completion", body).json()
+    with httpx.stream("POST", f"{server.url}/completion", headers=headers, timeout=60,
+                      json={**body, "stream": True}) as stream:
+        events = [json.loads(line.removeprefix("data: ")) for line in stream.iter_lines()
+                  if line.startswith("data: ")]
+    assert "".join(event["content"] for event in events) == whole["content"]
+    assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] == 6
+    assert all(event["tokens_evaluated"] == 3 for event in events)
+
+
+def test_llama_cpps_grammar_fields_bind_the_text(server: ServerProcess, headers: dict) -> None:
+    choice = post(server, headers, "/completion", {
+        "prompt": PROMPT, "temperature": 0, "n_predict": 16,
+        "grammar": 'root ::= "red" | "green" | "blue"'}).json()
+    assert choice["content"] in ("red", "green", "blue")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    shaped = post(server, headers, "/completion", {
+        "prompt": PROMPT, "temperature": 0, "n_predict": 64, "json_schema": schema}).json()
+    assert isinstance(json.loads(shaped["content"])["n"], int)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [1, 10**6]}, "prompt"),
+    ({"prompt": "x", "n_probs": 21}, "n_probs"),
+    ({"prompt": "x", "n_predict": -2}, "n_predict"),
+    ({"prompt": "x", "grammar": "root ::= x", "json_schema": {"type": "object"}}, "grammar"),
+    ({"prompt": "x", "grammar": "root ::= ("}, "grammar"),
+], ids=["empty", "token out of vocabulary", "n_probs", "n_predict", "two formats",
+        "bad grammar"])
+def test_a_bad_completion_is_a_400_naming_its_field(
+        server: ServerProcess, headers: dict, body: dict, param: str) -> None:
+    response = post(server, headers, "/completion", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
