@@ -43,6 +43,7 @@ class FillInMiddleTokens:
     repository: int | None = None
     file_separator: int | None = None
     pad: int | None = None
+    names: tuple[str, ...] = ()  # the prefix, suffix and middle tokens' text
 
     @property
     def ends(self) -> tuple[int, ...]:
@@ -60,7 +61,8 @@ def find_tokens(vocabulary: Mapping[str, int]) -> FillInMiddleTokens | None:
         if None not in ids:
             prefix, suffix, middle = ids
             return FillInMiddleTokens(prefix, suffix, middle, _first(vocabulary, REPOSITORY),
-                                      _first(vocabulary, FILE_SEPARATOR), _first(vocabulary, PAD))
+                                      _first(vocabulary, FILE_SEPARATOR), _first(vocabulary, PAD),
+                                      names)
     return None
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.api import EngineNotReady, Lifecycle
+from engine.fill_in_middle import FillInMiddleTokens
 from server.config import DEFAULT_MODEL_ID, ModelSpec, Settings
 from server.follow_ups import FollowUps
 from server.http.drain import shutting_down
@@ -90,6 +91,7 @@ class ServedModel:
         # model (Ollama's /api/show: its capabilities, its config) does not shrink then.
         self._model_dir: Path | None = None
         self._capabilities: list[str] | None = None
+        self._fill_in_middle: FillInMiddleTokens | None = None
         self.inflight = 0  # requests holding it (a Lease each)
         self.load_waiters = 0  # requests waiting in `acquire` for it to load
         self.last_used = time.monotonic()
@@ -133,6 +135,7 @@ class ServedModel:
                 "completion", "tools", *(["vision"] if tokenizer.images is not None else []),
                 *(["thinking"] if tokenizer.thinking is not None else []),
                 *(["insert"] if tokenizer.fill_in_middle is not None else [])]
+            self._fill_in_middle = tokenizer.fill_in_middle
 
     @property
     def context_length(self) -> int | None:
@@ -162,6 +165,12 @@ class ServedModel:
         first load."""
         self.learn()
         return self._capabilities
+
+    @property
+    def fill_in_middle(self) -> FillInMiddleTokens | None:
+        """Its fill-in-the-middle tokens, as its last load found them."""
+        self.learn()
+        return self._fill_in_middle
 
     @property
     def id(self) -> str:

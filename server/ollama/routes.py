@@ -286,7 +286,7 @@ async def show(body: ShowRequest, request: Request) -> ShowResponse:
     return ShowResponse(
         modelfile=f"FROM {model.spec.source or model.id}\n",
         parameters="\n".join(f"{key} {value}" for key, value in sampling.items()),
-        template=str(config.get("chat_template") or ""), details=details,
+        template=_template(model, config), details=details,
         model_info=info, capabilities=_capabilities(model),
         modified_at=_stamp(state.started))
 
@@ -347,6 +347,19 @@ def _embedding_length(model: ServedModel, config: dict[str, Any]) -> int | None:
     its config names (a causal model embeds its last hidden state)."""
     loaded = model.state is ModelState.LOADED
     return (getattr(model.engine, "dimensions", 0) if loaded else 0) or hidden_size(config)
+
+
+def _template(model: ServedModel, config: dict[str, Any]) -> str:
+    """Its chat template; for a model that fills in the middle, inside the clause for a
+    suffix that Ollama's templates of such models open with: Continue offers a model for
+    autocomplete where its template reads `.Suffix`."""
+    chat = str(config.get("chat_template") or "")
+    tokens = model.fill_in_middle
+    if tokens is None:
+        return chat
+    prefix, suffix, middle = tokens.names
+    return (f"{{{{- if .Suffix }}}}{prefix}{{{{ .Prompt }}}}{suffix}{{{{ .Suffix }}}}{middle}"
+            f"{{{{- else }}}}{chat}{{{{- end }}}}")
 
 
 def _capabilities(model: ServedModel) -> list[str]:

@@ -15,7 +15,7 @@ def encode(text: str) -> list[int]:
 @pytest.mark.parametrize("names", MARKERS, ids=[names[0] for names in MARKERS])
 def test_each_familys_tokens_are_found_by_their_text(names: tuple[str, str, str]) -> None:
     vocabulary = {"hello": 5, names[0]: 10, names[1]: 11, names[2]: 12}
-    assert find_tokens(vocabulary) == FillInMiddleTokens(10, 11, 12)
+    assert find_tokens(vocabulary) == FillInMiddleTokens(10, 11, 12, names=names)
 
 
 def test_a_vocabulary_without_a_whole_set_does_not_fill_in_the_middle() -> None:

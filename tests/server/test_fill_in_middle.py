@@ -90,6 +90,9 @@ def test_ollama_inserts_between_prompt_and_suffix_and_says_the_model_can(
     assert reply["prompt_eval_count"] == expected["usage"]["prompt_tokens"]
     shown = httpx.post(f"{coder.url}/api/show", json={"model": "tiny-coder"}).json()
     assert "insert" in shown["capabilities"]
+    # Continue offers a model for autocomplete where its template reads the suffix.
+    assert shown["template"].startswith(
+        "{{- if .Suffix }}<|fim_prefix|>{{ .Prompt }}<|fim_suffix|>{{ .Suffix }}<|fim_middle|>")
 
 
 def test_infill_puts_the_projects_files_before_the_prefix_as_a_repository(
@@ -148,6 +151,7 @@ def test_a_model_without_fill_in_the_middle_tokens_refuses_a_suffix(
     assert infill.status_code == 400 and infill.json()["error"]["param"] == "input_suffix"
     shown = httpx.post(f"{server.url}/api/show", headers=headers, json={"model": model_id})
     assert "insert" not in shown.json()["capabilities"]
+    assert ".Suffix" not in shown.json()["template"]
     # An empty suffix asks for nothing to follow: a plain completion.
     plain = httpx.post(f"{server.url}/v1/completions", headers=headers, json={
         "model": model_id, "prompt": PREFIX, "suffix": "", "max_tokens": 2})
