@@ -18,6 +18,7 @@ from engine.api import (
     TokenEvent,
 )
 from engine.engine import Engine
+from engine.speculation import STEP_COST
 from engine.streams import RequestStream
 
 
@@ -96,3 +97,13 @@ def start_engine(path: str, **config) -> Engine:
     engine.start()
     assert engine.wait_ready(120) == "ready", engine.error
     return engine
+
+
+def as_on_a_gpu(init):
+    """`Generator.__init__`, then the steps a GPU's generator takes: decode pipelined
+    (a look drafts past the token still being computed), every verify as wide as the
+    longest draft allowed, the GPU's step costs."""
+    def init_as_on_a_gpu(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.pipelined, self.step_cost = True, STEP_COST["gpu"]
+    return init_as_on_a_gpu

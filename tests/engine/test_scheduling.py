@@ -12,7 +12,14 @@ from engine.admission import tokens_reserved
 from engine.api import Finish, PromptLogprobs, QueueFull, RequestFailed, SamplingParams, TokenEvent
 from engine.generator import Generator
 from engine.streams import EventQueue
-from tests.engine.support import Reference, cancel_after, complete, settled, start_engine
+from tests.engine.support import (
+    Reference,
+    as_on_a_gpu,
+    cancel_after,
+    complete,
+    settled,
+    start_engine,
+)
 from tests.faults import PrefillWatcher, faulty_loader, loader_wrapping
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -317,11 +324,15 @@ async def test_tokens_in_flight_limit_bounds_the_batch(llama_dir, reference):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("gpu_steps", [False, True], ids=["CPU steps", "GPU steps"])
 async def test_a_request_that_outgrows_its_reserve_is_preempted_and_answers_the_same(
-        llama_dir, reference):
+        llama_dir, reference, monkeypatch, gpu_steps):
     """Admission counts a request at most `output_reserve` tokens ahead: two that may add
     60 run together in a room of 130, and when their KV outgrows it the newer leaves the
-    batch, its KV cached, and comes back to finish where it was, as greedy as alone."""
+    batch, its KV cached, and comes back to finish where it was, as greedy as alone; with
+    a GPU's pipelined steps too, where the row leaves with a token still being computed."""
+    if gpu_steps:
+        monkeypatch.setattr(Generator, "__init__", as_on_a_gpu(Generator.__init__))
     engine = start_engine(llama_dir, cache_bytes=1 << 30, max_tokens_in_flight=130)
     try:
         engine._scheduler.limits.output_reserve = 10

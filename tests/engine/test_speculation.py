@@ -18,9 +18,8 @@ from llguidance import LLMatcher
 from engine.api import Constraint, SpeculationConfig
 from engine.constraints import json_schema
 from engine.generator import Generator
-from engine.speculation import STEP_COST
 from tests.engine.kv_integrity import check_tree_kv
-from tests.engine.support import Reference, complete, settled, start_engine
+from tests.engine.support import Reference, as_on_a_gpu, complete, settled, start_engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -42,16 +41,6 @@ def edit_prompt(engine, old: str, new: str) -> list[int]:
 @pytest.fixture(scope="module")
 def reference(demo_model_dir) -> Reference:
     return Reference(str(demo_model_dir))
-
-
-def as_on_a_gpu(init):
-    """`Generator.__init__`, then the steps a GPU's generator takes: decode pipelined
-    (a look drafts past the token still being computed), every verify as wide as the
-    longest draft allowed, the GPU's step costs."""
-    def init_as_on_a_gpu(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.pipelined, self.step_cost = True, STEP_COST["gpu"]
-    return init_as_on_a_gpu
 
 
 @pytest.fixture(scope="module", params=["prompt", "tree", "model", "tree, GPU steps"])
