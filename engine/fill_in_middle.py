@@ -28,6 +28,8 @@ MARKERS = (
 REPOSITORY = ("<|repo_name|>", "<repo_name>", "<|fim_repo|>", "<reponame>", "<fim-repo>")
 FILE_SEPARATOR = ("<|file_sep|>", "<file_sep>", "<fim-sep>")
 PAD = ("<|fim_pad|>", "<fim_pad>", "<fim-pad>")
+# CodeLlama ends a middle with its own token, not with its EOS.
+END_OF_MIDDLE = ("▁<EOT>", "<EOT>")
 # What llama.cpp names the project and the edited file: the model only sees that there is one.
 PROJECT_NAME = "myproject"
 EDITED_FILE_NAME = "filename"
@@ -43,14 +45,16 @@ class FillInMiddleTokens:
     repository: int | None = None
     file_separator: int | None = None
     pad: int | None = None
+    end: int | None = None
     names: tuple[str, ...] = ()  # the prefix, suffix and middle tokens' text
 
     @property
     def ends(self) -> tuple[int, ...]:
-        """Tokens that end a middle besides the model's EOS: a model that goes on past its
-        middle writes the next file of the repository, or pads."""
-        return tuple(token for token in (self.repository, self.file_separator, self.pad)
-                     if token is not None)
+        """Tokens that end a middle besides the model's EOS: its own end of a middle, or,
+        for a model that goes on past its middle, the next file of the repository or a
+        pad."""
+        return tuple(token for token in (self.end, self.repository, self.file_separator,
+                                         self.pad) if token is not None)
 
 
 def find_tokens(vocabulary: Mapping[str, int]) -> FillInMiddleTokens | None:
@@ -62,7 +66,7 @@ def find_tokens(vocabulary: Mapping[str, int]) -> FillInMiddleTokens | None:
             prefix, suffix, middle = ids
             return FillInMiddleTokens(prefix, suffix, middle, _first(vocabulary, REPOSITORY),
                                       _first(vocabulary, FILE_SEPARATOR), _first(vocabulary, PAD),
-                                      names)
+                                      _first(vocabulary, END_OF_MIDDLE), names)
     return None
 
 

@@ -41,3 +41,8 @@ def test_without_a_file_separator_files_are_text_apart() -> None:
     tokens = FillInMiddleTokens(1, 2, 3)
     assert infill_prompt(tokens, encode, "a", "b", [("u", "x"), ("v", "y")]) == [
         *encode("\n\nx"), *encode("\n\ny"), 1, *encode("a"), 2, *encode("b"), 3]
+
+
+def test_codellamas_middle_ends_at_its_own_token() -> None:
+    tokens = find_tokens({"▁<PRE>": 32007, "▁<SUF>": 32008, "▁<MID>": 32009, "▁<EOT>": 32010})
+    assert tokens is not None and tokens.ends == (32010,)
