@@ -33,6 +33,13 @@ END_OF_MIDDLE = ("▁<EOT>", "<EOT>")
 # What llama.cpp names the project and the edited file: the model only sees that there is one.
 PROJECT_NAME = "myproject"
 EDITED_FILE_NAME = "filename"
+# llama.cpp's /infill fits its prompt into a batch of 2,048 tokens and the project's files
+# into the rest of the context: at most the prefix's last three quarters of the batch,
+# the suffix's first quarter (less the three control tokens), then the files' last tokens
+# that fit. Editor plugins send a ring of recently seen code that may outgrow any window.
+INFILL_BATCH = 2048
+PREFIX_TOKENS = 3 * INFILL_BATCH // 4
+SUFFIX_TOKENS = INFILL_BATCH // 4 - 3
 
 
 @dataclass(frozen=True)
@@ -76,12 +83,14 @@ def _first(vocabulary: Mapping[str, int], names: Sequence[str]) -> int | None:
 
 def infill_prompt(tokens: FillInMiddleTokens, encode: Callable[[str], list[int]],
                   prefix: str, suffix: str, files: Sequence[tuple[str, str]] = (),
-                  head: Sequence[int] = ()) -> list[int]:
+                  head: Sequence[int] = (), fit: int | None = None) -> list[int]:
     """The prompt for the middle between `prefix` and `suffix`, after the other files
     (`files`: name and text), as a repository where the model knows them; `encode`
     tokenizes text without special tokens, and `head` is what the tokenizer puts before
     a prompt (BOS). A model without a file separator gets the files' texts as they are,
-    each after a blank line (llama.cpp separates them with a `--- snippet ---` line)."""
+    each after a blank line (llama.cpp separates them with a `--- snippet ---` line).
+    With `fit`, a number of tokens, the prompt is cut to it as llama.cpp's /infill cuts
+    one (`INFILL_BATCH`)."""
     context: list[int] = []
     if files and tokens.repository is not None and tokens.file_separator is not None:
         context += [tokens.repository, *encode(PROJECT_NAME + "\n")]
@@ -93,5 +102,9 @@ def infill_prompt(tokens: FillInMiddleTokens, encode: Callable[[str], list[int]]
         context += encode(text)
     if files and tokens.file_separator is not None:
         context += [tokens.file_separator, *encode(EDITED_FILE_NAME + "\n")]
-    return [*head, *context, tokens.prefix, *encode(prefix), tokens.suffix, *encode(suffix),
-            tokens.middle]
+    before, after = encode(prefix), encode(suffix)
+    if fit is not None:
+        before, after = before[len(before) - min(len(before), PREFIX_TOKENS):], after[:SUFFIX_TOKENS]
+        room = max(0, fit - len(head) - len(before) - len(after) - 3)
+        context = context[len(context) - min(len(context), room):]
+    return [*head, *context, tokens.prefix, *before, tokens.suffix, *after, tokens.middle]

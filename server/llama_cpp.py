@@ -9,7 +9,8 @@ llama.cpp ignores fields it does not know. /infill fills in the middle: the text
 the cursor (`input_prefix`, with `prompt`, what is typed at the cursor, after it), the
 text after it (`input_suffix`) and other files of the project (`input_extra`), prompted
 with the model's fill-in-the-middle tokens (engine/fill_in_middle.py) as the OpenAI and
-Ollama APIs' `suffix` is. The answer is /completion's object, or with `stream`, its
+Ollama APIs' `suffix` is, and cut as llama.cpp cuts it to leave the reply its room (the
+code at the gap first, then the files' latest tokens). The answer is /completion's object, or with `stream`, its
 `data:` events: partial ones with `content` as it comes, then the final one with `stop:
 true`, the counts and `timings`.
 """
@@ -160,7 +161,7 @@ async def infill(body: InfillRequest, request: Request) -> Response:
     extra = tuple((chunk.filename, chunk.text) for chunk in body.input_extra)
     return await _answer(request, body, _generation(
         body, prompts=(body.input_prefix + body.prompt,),
-        infill=Infill(body.input_suffix, extra, param="input_suffix")))
+        infill=Infill(body.input_suffix, extra, param="input_suffix", fit=True)))
 
 
 async def _answer(request: Request, body: LlamaRequest, generation: GenerationRequest

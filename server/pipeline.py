@@ -228,7 +228,8 @@ async def render(model: ServedModel, request: GenerationRequest) -> list[Prompt]
     snapshots there), or raw prompts."""
     tokenizer = model.tokenizer()
     if not request.is_chat:
-        return await asyncio.to_thread(raw_prompts, tokenizer, request)
+        return await asyncio.to_thread(raw_prompts, tokenizer, request,
+                                       model.engine.token_limit)
     request = _as_rendered(model, request)
     # Rendering and tokenizing a long conversation takes milliseconds: off the event
     # loop, so streams in flight keep flowing meanwhile.

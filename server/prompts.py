@@ -12,7 +12,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from engine.api import ImageFile, Prompt
-from engine.fill_in_middle import infill_prompt
+from engine.fill_in_middle import INFILL_BATCH, infill_prompt
 from engine.image_tokens import ImageTokens
 from engine.tokenizer import ChatEnd, ModelTokenizer
 from server import generic_tools as generic
@@ -158,12 +158,18 @@ def _heads(messages: list[TemplateMessage]) -> list[list[TemplateMessage]]:
     return heads + [messages[:count] for count in range(first, len(messages) + 1)]
 
 
-def raw_prompts(tokenizer: ModelTokenizer, request: GenerationRequest) -> list[Prompt]:
+def raw_prompts(tokenizer: ModelTokenizer, request: GenerationRequest, token_limit: int
+                ) -> list[Prompt]:
     """Legacy completions' prompts: text is encoded, token ids are taken as given (no
-    message ends: they are no chat)."""
+    message ends: they are no chat). An infill that fits (llama.cpp's) is cut to leave
+    its reply room in `token_limit`, the model's context."""
     prompts = request.prompts
     if request.infill is not None:
-        return [Prompt(_infill(tokenizer, prefix, request.infill)) for prefix in prompts]
+        fit = None
+        if request.infill.fit:
+            reply = INFILL_BATCH if request.max_tokens is None else request.max_tokens
+            fit = max(0, token_limit - min(reply, token_limit // 2))
+        return [Prompt(_infill(tokenizer, prefix, request.infill, fit)) for prefix in prompts]
     if isinstance(prompts[0], str):
         encoded = [tokenizer.encode(prompt) for prompt in prompts]
         if not all(encoded):
@@ -175,7 +181,8 @@ def raw_prompts(tokenizer: ModelTokenizer, request: GenerationRequest) -> list[P
     return [Prompt(list(prompt)) for prompt in prompts]
 
 
-def _infill(tokenizer: ModelTokenizer, prefix: str, infill: Infill) -> list[int]:
+def _infill(tokenizer: ModelTokenizer, prefix: str, infill: Infill, fit: int | None
+            ) -> list[int]:
     """The prompt for the middle between `prefix` and the infill's suffix."""
     tokens = tokenizer.fill_in_middle
     if tokens is None:
@@ -183,4 +190,4 @@ def _infill(tokenizer: ModelTokenizer, prefix: str, infill: Infill) -> list[int]
                        "support insert: send the prompt without a suffix",
                        code="invalid_request", param=infill.param)
     return infill_prompt(tokens, partial(tokenizer.encode, special_tokens=False), prefix,
-                         infill.suffix, infill.files, tokenizer.prompt_head)
+                         infill.suffix, infill.files, tokenizer.prompt_head, fit)

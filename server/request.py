@@ -156,11 +156,13 @@ TEXT = TextOutput()
 class Infill:
     """Fill in the middle (engine/fill_in_middle.py): each raw prompt is the text before
     the gap and `suffix` the text after it; `files` are other files of the project, as
-    (name, text), for context. `param` names the suffix's field in errors."""
+    (name, text), for context. `param` names the suffix's field in errors. `fit`: the
+    prompt is cut to leave room for the reply, as llama.cpp's /infill cuts it."""
 
     suffix: str
     files: tuple[tuple[str, str], ...] = ()
     param: str = "suffix"
+    fit: bool = False
 
 
 @dataclass(frozen=True)

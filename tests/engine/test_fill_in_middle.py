@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.fill_in_middle import MARKERS, FillInMiddleTokens, find_tokens, infill_prompt
+from engine.fill_in_middle import (
+    MARKERS,
+    PREFIX_TOKENS,
+    SUFFIX_TOKENS,
+    FillInMiddleTokens,
+    find_tokens,
+    infill_prompt,
+)
 
 
 def encode(text: str) -> list[int]:
@@ -46,3 +53,20 @@ def test_without_a_file_separator_files_are_text_apart() -> None:
 def test_codellamas_middle_ends_at_its_own_token() -> None:
     tokens = find_tokens({"▁<PRE>": 32007, "▁<SUF>": 32008, "▁<MID>": 32009, "▁<EOT>": 32010})
     assert tokens is not None and tokens.ends == (32010,)
+
+
+def test_a_fitted_prompt_keeps_the_code_nearest_the_gap_and_the_latest_files() -> None:
+    """As llama.cpp's /infill: the prefix's end, the suffix's start, then as much of the
+    files' context, from its end, as the rest of the room holds."""
+    tokens = FillInMiddleTokens(1, 2, 3)
+    prefix, suffix = "p" * (PREFIX_TOKENS + 10), "s" * (SUFFIX_TOKENS + 10)
+    prompt = infill_prompt(tokens, encode, prefix, suffix, [("u", "old" + "x" * 5000)],
+                           fit=3000)
+    assert len(prompt) == 3000
+    assert prompt[-(SUFFIX_TOKENS + 2):] == [2, *encode("s" * SUFFIX_TOKENS), 3]
+    files = 3000 - PREFIX_TOKENS - SUFFIX_TOKENS - 3
+    assert prompt[:files] == encode("x" * files)
+    assert prompt[files:files + PREFIX_TOKENS + 1] == [1, *encode("p" * PREFIX_TOKENS)]
+    # Less room than the code itself: no files at all, the code as cut.
+    assert infill_prompt(tokens, encode, prefix, suffix, [("u", "x")], fit=10) == [
+        1, *encode("p" * PREFIX_TOKENS), 2, *encode("s" * SUFFIX_TOKENS), 3]

@@ -128,6 +128,18 @@ def test_infill_puts_the_projects_files_before_the_prefix_as_a_repository(
     assert events[-1]["tokens_predicted"] == MAX_TOKENS
 
 
+def test_infill_cuts_a_project_larger_than_the_context_as_llama_cpp_does(
+        coder: ServerProcess) -> None:
+    """llama.vscode sends a ring of recently seen code that may outgrow the window: the
+    prompt keeps the code at the gap and the files' latest tokens that fit, and answers."""
+    files = [{"filename": f"f{i}.py", "text": f"value_{i} = {i}\n" * 40} for i in range(200)]
+    answer = httpx.post(f"{coder.url}/infill", timeout=120, json={
+        "input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": files,
+        "n_predict": 4, "temperature": 0})
+    assert answer.status_code == 200, answer.text
+    assert 8192 - 4 - 2048 <= answer.json()["tokens_evaluated"] <= 8192 - 4
+
+
 def test_a_middle_ends_where_the_model_starts_another_file(
         coder: ServerProcess, vocabulary: Tokenizer) -> None:
     file_separator = vocabulary.token_to_id("<|file_sep|>")
