@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import ollama
 import openai
 import pytest
 from tokenizers import Tokenizer
@@ -82,12 +83,12 @@ def test_a_suffix_prompts_the_model_with_its_fill_in_the_middle_tokens(
 def test_ollama_inserts_between_prompt_and_suffix_and_says_the_model_can(
         coder: ServerProcess, vocabulary: Tokenizer) -> None:
     expected = spelled_out(coder, vocabulary, fim_prompt(vocabulary, PREFIX, SUFFIX))
-    reply = httpx.post(f"{coder.url}/api/generate", timeout=60, json={
-        "model": "tiny-coder", "prompt": PREFIX, "suffix": SUFFIX, "stream": False,
-        "system": "left out, as Ollama's templates leave it out",
-        "options": {"temperature": 0, "num_predict": MAX_TOKENS}}).json()
-    assert reply["response"] == expected["choices"][0]["text"]
-    assert reply["prompt_eval_count"] == expected["usage"]["prompt_tokens"]
+    reply = ollama.Client(host=coder.url).generate(
+        model="tiny-coder", prompt=PREFIX, suffix=SUFFIX,
+        system="left out, as Ollama's templates leave it out",
+        options={"temperature": 0, "num_predict": MAX_TOKENS})
+    assert reply.response == expected["choices"][0]["text"]
+    assert reply.prompt_eval_count == expected["usage"]["prompt_tokens"]
     shown = httpx.post(f"{coder.url}/api/show", json={"model": "tiny-coder"}).json()
     assert "insert" in shown["capabilities"]
     # Continue offers a model for autocomplete where its template reads the suffix.
