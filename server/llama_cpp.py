@@ -60,18 +60,18 @@ class LlamaRequest(RequestModel):
     """/completion's fields besides the prompt, which /infill takes too."""
 
     model: str | None = None
-    # llama.cpp's -1 (and /completion's default): until the model ends or the context does.
-    n_predict: int = Field(-1, ge=-1)
-    max_tokens: int | None = Field(None, ge=-1)  # its other name
-    temperature: float | None = Field(None, ge=0)
-    top_k: int | None = Field(None, ge=0)
+    # llama.cpp's -1 (/completion's default) and -2: until the model ends, or the context.
+    n_predict: int = Field(-1, ge=-2)
+    max_tokens: int | None = Field(None, ge=-2)  # its other name
+    temperature: float | None = None  # at or below 0: greedy, as llama.cpp's
+    top_k: int | None = None  # at or below 0: off, as llama.cpp's
     top_p: float | None = Field(None, gt=0, le=1)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = None  # -1: a random one
     repeat_penalty: float | None = Field(None, gt=0)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    stop: list[str] = Field(default_factory=list)
+    stop: str | list[str] = Field(default_factory=list)
     ignore_eos: bool = False
     n_probs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     json_schema: SchemaDocument | None = None
@@ -190,15 +190,15 @@ def _generation(body: LlamaRequest, **prompt: Any) -> GenerationRequest:
         **prompt,
         output=_output_format(body),
         sampling=SamplingKnobs(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_k=body.top_k or 0,
+            temperature=1.0 if body.temperature is None else max(body.temperature, 0.0),
+            top_k=max(body.top_k or 0, 0),
             top_p=1.0 if body.top_p is None else body.top_p,
             min_p=body.min_p or 0.0,
             seed=None if body.seed in (None, -1) else body.seed,
             repetition_penalty=body.repeat_penalty,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
-            stop=tuple(body.stop),
+            stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop),
             ignore_eos=body.ignore_eos,
         ),
         unset_sampling=unset_knobs(body),

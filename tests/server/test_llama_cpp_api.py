@@ -50,6 +50,20 @@ def test_a_streamed_completion_is_its_whole_text_in_data_events(
     assert all(event["tokens_evaluated"] == 3 for event in events)
 
 
+def test_llama_cpps_own_readings_of_its_fields(server: ServerProcess, headers: dict) -> None:
+    """A negative temperature is greedy, a top_k at or below 0 is off, n_predict -2 runs
+    to the context's end, and stop may be one string, as llama.cpp reads them."""
+    greedy = post(server, headers, "/completion", {
+        "prompt": PROMPT, "n_predict": 6, "temperature": 0}).json()
+    read = post(server, headers, "/completion", {
+        "prompt": PROMPT, "n_predict": 6, "temperature": -1, "top_k": -1, "stop": "\u0000"}
+    ).json()
+    assert read["content"] == greedy["content"]
+    to_the_end = post(server, headers, "/completion", {
+        "prompt": PROMPT, "n_predict": -2, "temperature": 0, "stop": greedy["content"][-3:]})
+    assert to_the_end.status_code == 200 and to_the_end.json()["stop_type"] == "word"
+
+
 def test_llama_cpps_grammar_fields_bind_the_text(server: ServerProcess, headers: dict) -> None:
     choice = post(server, headers, "/completion", {
         "prompt": PROMPT, "temperature": 0, "n_predict": 16,
@@ -65,7 +79,7 @@ def test_llama_cpps_grammar_fields_bind_the_text(server: ServerProcess, headers:
     ({"prompt": ""}, "prompt"),
     ({"prompt": [1, 10**6]}, "prompt"),
     ({"prompt": "x", "n_probs": 21}, "n_probs"),
-    ({"prompt": "x", "n_predict": -2}, "n_predict"),
+    ({"prompt": "x", "n_predict": -3}, "n_predict"),
     ({"prompt": "x", "grammar": "root ::= x", "json_schema": {"type": "object"}}, "grammar"),
     ({"prompt": "x", "grammar": "root ::= ("}, "grammar"),
 ], ids=["empty", "token out of vocabulary", "n_probs", "n_predict", "two formats",
