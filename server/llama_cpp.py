@@ -1,5 +1,5 @@
-"""llama.cpp's native completion endpoints, /completion and /infill, in its own request
-and response shapes: for clients written for llama.cpp's server (SillyTavern's and
+"""llama.cpp's native completion endpoints, /completion and /infill, and its /props, in
+its own request and response shapes: for clients written for llama.cpp's server (SillyTavern's and
 editors' llama.cpp providers, llama.vscode and llama.vim's autocomplete).
 
 A body is /completion's: `prompt` (text, or token ids) and its sampling fields, `n_probs`
@@ -143,6 +143,42 @@ class CompletionResponse(ResponseModel):
     stopping_word: str
     timings: Timings
     completion_probabilities: list[TokenProbabilities] | None = None
+
+
+class GenerationSettings(ResponseModel):
+    n_ctx: int
+
+
+class Modalities(ResponseModel):
+    vision: bool
+    audio: bool = False
+
+
+class Props(ResponseModel):
+    """What llama.cpp's GET /props says of its model, as its clients read it: the context
+    window (`default_generation_settings.n_ctx`), how many requests decode at once, the
+    chat template, whether it reads images."""
+
+    default_generation_settings: GenerationSettings
+    total_slots: int
+    model_path: str
+    chat_template: str
+    modalities: Modalities
+    build_info: str = "radix-mlx"
+
+
+@router.get("/props")
+async def props(request: Request, model: str | None = None) -> Props:
+    """The model's (`?model=`, else the server's first), loaded to answer."""
+    state = server_state(request)
+    async with state.models.use(model) as lease:
+        served = lease.model
+        tokenizer = served.tokenizer()
+        return Props(
+            default_generation_settings=GenerationSettings(n_ctx=lease.engine.token_limit),
+            total_slots=served.settings.max_batch_size, model_path=served.id,
+            chat_template=tokenizer.chat_template_text,
+            modalities=Modalities(vision=tokenizer.images is not None))
 
 
 RESPONSES: dict[int | str, dict[str, Any]] = {200: {

@@ -89,3 +89,12 @@ def test_a_bad_completion_is_a_400_naming_its_field(
     response = post(server, headers, "/completion", body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_props_says_the_context_window_and_slots(
+        server: ServerProcess, headers: dict, model_id: str) -> None:
+    props = httpx.get(f"{server.url}/props", headers=headers).json()
+    limit = post(server, headers, "/tokenize", {"model": model_id, "content": "x"}).json()
+    assert props["default_generation_settings"]["n_ctx"] == limit["max_model_len"]
+    assert props["total_slots"] >= 1 and props["model_path"] == model_id
+    assert "im_start" in props["chat_template"] and props["modalities"]["vision"] is False
