@@ -219,6 +219,13 @@ class RequestStream:
             return
         self._events.put(event)
 
+    def end_with(self, error: BaseException) -> None:
+        """End the stream here, with `error`, unless it has ended: for a caller that may
+        not wait for the engine (a drain's deadline past); what the engine says of the
+        request later is read by nobody. Called on the caller's loop."""
+        if not self._ended:
+            self.arrive(error)
+
     def cancel(self) -> None:
         """Ask the engine to end this request, unless it has ended (a list's job closes
         every stream it read: a message to the engine for each would be for nothing)."""

@@ -110,6 +110,12 @@ class Job:
         for stream in self._streams:
             stream.cancel()
 
+    def abandon(self) -> None:
+        """End every stream with the drain's error now, the engine's answer to `cancel`
+        not awaited (its step may never end). Idempotent."""
+        for stream in self._streams:
+            stream.end_with(shutting_down())
+
     def close(self) -> None:
         """Cancel, stop reading and let the model go: the route's last word. Idempotent."""
         self.cancel()

@@ -389,6 +389,9 @@ class ModelRegistry:
         for model in self.models:
             _cancel_load(model)
 
+    def abandon(self) -> None:
+        """The drain's: nothing waits on a cancelled load, whose waiters end at once."""
+
     async def _load(self, model: ServedModel) -> None:
         try:
             async with self._placing:

@@ -10,6 +10,10 @@ from server.http.errors import APIError
 
 # After the deadline's cancellations, how long responses get to end before we stop anyway.
 CANCEL_GRACE_SECONDS = 2.0
+# After the deadline's cancellations, how long a job's engine gets to end its work before
+# its responses end without the engine's word (a hung step, or steps of seconds on an
+# overloaded machine): within the grace above, so they end with their error event.
+ABANDON_SECONDS = 1.0
 # What a client the stopping server turns away waits before asking again: the service
 # manager starts the server again, or a router sends the retry to another replica.
 RESTART_RETRY_SECONDS = 5
@@ -22,19 +26,24 @@ def shutting_down() -> APIError:
                     headers={"Retry-After": str(RESTART_RETRY_SECONDS)})
 
 
-class Cancellable(Protocol):
-    def cancel(self) -> None: ...
+class DrainJob(Protocol):
+    def cancel(self) -> None:
+        """Stop the work: the responses waiting on it end once it has stopped."""
+
+    def abandon(self) -> None:
+        """End the responses waiting on the work now, whether it has stopped or not."""
 
 
 class Drain:
     """Once begun, new requests get 503 while in-flight ones run until they finish or the
     deadline passes, when their engine work (`jobs`) is cancelled, which ends their
-    responses (with an error) within a few engine steps."""
+    responses (with an error) within a few engine steps, or, where the engine does not
+    answer by `ABANDON_SECONDS` later, without it."""
 
     def __init__(self) -> None:
         self.draining = False
         self.inflight = 0
-        self.jobs: set[Cancellable] = set()
+        self.jobs: set[DrainJob] = set()
         self._deadline = 0.0
 
     def begin(self, timeout: float) -> None:
@@ -49,4 +58,7 @@ class Drain:
         if now > self._deadline:
             for job in list(self.jobs):
                 job.cancel()
+        if now > self._deadline + ABANDON_SECONDS:
+            for job in list(self.jobs):
+                job.abandon()
         return False

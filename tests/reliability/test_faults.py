@@ -6,9 +6,12 @@ reason, and a full queue answers 429 instead of dropping anyone."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -120,6 +123,39 @@ def test_a_step_that_never_ends_fails_the_engine_and_stops_the_server(
     assert server.log().rstrip().splitlines()[-1] == (
         "radix-mlx serve: the engine is stuck: no scheduler step finished in 2 s "
         "(step_timeout)")
+
+
+def test_a_drain_ends_a_stream_whose_engine_is_stuck_with_its_error_event(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """At the drain's deadline a stream's engine work is cancelled, and the stream ends
+    when the engine says so; an engine whose step does not end (a hung device, or steps
+    of seconds on an overloaded machine) said nothing, and the service manager's stop
+    cut the stream off without its error event. It now ends with it regardless, and the
+    server exits before the manager's kill (drain timeout + 5 s)."""
+    hang = fault_token(demo_model_dir)
+    server = start_server(demo_model_dir, tmp_path / "server.log", "--drain-timeout", "0.5",
+                          hang_token=hang)
+    events: list[str] = []
+    try:
+        # The first token is the hang token (the prompt's forward ends); the step that
+        # feeds it never does.
+        body = {"prompt": [5, 6, 7], "max_tokens": 8, "stream": True, "temperature": 0,
+                "logit_bias": {str(hang): 100}}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                          timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line.removeprefix("data:").strip())
+                    if len(events) == 1:
+                        signalled = time.monotonic()
+                        server.process.send_signal(signal.SIGTERM)
+        cut_after = time.monotonic() - signalled
+    finally:
+        server.stop()
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "shutting_down"
+    assert cut_after < 0.5 + 5
 
 
 async def test_a_failing_forward_fails_only_its_own_request(
