@@ -288,7 +288,8 @@ class Settings(BaseModel):
     max_body_bytes: PositiveInt = Field(4 * 1024 * 1024, description="largest request body")
     request_head_timeout: float = Field(
         30.0, gt=0, allow_inf_nan=False, description="seconds a connection has to send a "
-        "request's head (a client trickling one holds a connection and a file descriptor)")
+        "request's head, and the most its body may pause (a client trickling either holds a "
+        "connection and a file descriptor)")
     write_timeout: float = Field(
         60.0, gt=0, allow_inf_nan=False, description="seconds a response waits for its "
         "client to take any of its bytes before the connection is closed and its generation "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from uvicorn._types import ASGISendEvent
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -27,9 +28,11 @@ log = logging.getLogger("radix_mlx.server")
 class BoundedProtocol(HttpToolsProtocol):
     """Refuses (400, connection closed) a request whose head goes on past MAX_HEADER_BYTES,
     and closes (408) a connection whose head is not complete `head_timeout` seconds after
-    it opened or the head began: clients that trickle a head byte by byte (slowloris) held
-    their connections, and a file descriptor each, for as long as they liked, until the
-    server could accept no one.
+    it opened or the head began, or whose body sends nothing for `head_timeout` seconds:
+    clients that trickle a head byte by byte (slowloris), or send a head and part of a
+    body, held their connections, and a file descriptor each, for as long as they liked,
+    until the server could accept no one. A body is timed per read, as nginx's
+    client_body_timeout, so that a large one on a slow link still arrives.
 
     Counted in whole socket reads that leave a head unfinished, as h11 did: a head that
     ends within the read that brought it is measured by `BodyLimitMiddleware` instead.
@@ -46,16 +49,17 @@ class BoundedProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._head_bytes: int | None = 0  # None: the head is complete, the body follows
         self._head_timeout = head_timeout
-        self._head_timer: asyncio.TimerHandle | None = None
+        # Runs while the client owes a head or more of a body: they never overlap.
+        self._read_timer: asyncio.TimerHandle | None = None
         self._write_timeout = write_timeout
         self._write_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._await_head()
+        self._await_client(self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._head_arrived()
+        self._client_sent()
         self._written()
         super().connection_lost(exc)
 
@@ -80,31 +84,51 @@ class BoundedProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         self._head_bytes = 0
         super().on_message_begin()
-        self._await_head()
+        self._await_client(self._head_timed_out)
 
     def on_headers_complete(self) -> None:
         self._head_bytes = None
-        self._head_arrived()
+        self._await_client(self._body_timed_out)
         super().on_headers_complete()
         if self.scope.get("http_version") == "1.0" and self.cycle.scope is self.scope:
             _close_delimited(self.cycle)
 
+    def on_body(self, body: bytes) -> None:
+        self._await_client(self._body_timed_out)
+        super().on_body(body)
 
-    def _await_head(self) -> None:
-        self._head_arrived()
-        self._head_timer = self.loop.call_later(self._head_timeout, self._head_timed_out)
+    def on_message_complete(self) -> None:
+        self._client_sent()
+        super().on_message_complete()
 
-    def _head_arrived(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+    def _await_client(self, timed_out: Callable[[], None]) -> None:
+        self._client_sent()
+        self._read_timer = self.loop.call_later(self._head_timeout, timed_out)
+
+    def _client_sent(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
 
     def _head_timed_out(self) -> None:
-        self._head_timer = None
+        self._read_timer = None
         # A pipelined head behind a response still being sent is left to that response.
         if self.transport.is_closing() or (self.cycle and not self.cycle.response_complete):
             return
         self.transport.write(REQUEST_TIMEOUT)
+        self.transport.close()
+
+    def _body_timed_out(self) -> None:
+        self._read_timer = None
+        if self.flow.read_paused:  # the app has not taken what came: the wait is ours
+            self._await_client(self._body_timed_out)
+            return
+        # A response begun before its body was read (one that never reads it) goes on.
+        if self.transport.is_closing() or (self.cycle.response_started
+                                           and not self.cycle.response_complete):
+            return
+        if not self.cycle.response_started:
+            self.transport.write(REQUEST_TIMEOUT)
         self.transport.close()
 
     def _await_reader(self, waiting: int) -> None:

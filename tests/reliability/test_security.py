@@ -144,6 +144,26 @@ def test_a_connection_whose_head_never_ends_is_closed(hardened: ServerProcess,
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
 
 
+@pytest.mark.parametrize("framing", [b"Content-Length: 1000\r\n\r\n{\"messages\": [",
+                                     b"Transfer-Encoding: chunked\r\n\r\n10\r\n{\"messages\": ["],
+                         ids=["content-length", "chunked"])
+def test_a_connection_whose_body_stops_coming_is_closed(hardened: ServerProcess,
+                                                         framing: bytes) -> None:
+    """Slowloris past the head: a client that sends a whole head, then part of its body
+    and no more, held its connection and a file descriptor for as long as it liked. A
+    body may pause --request-head-timeout seconds between its reads."""
+    host, port = urlsplit(hardened.url).hostname, urlsplit(hardened.url).port
+    with socket.create_connection((host, port), timeout=HEAD_TIMEOUT + 30) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                     b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
+                     % API_KEY.encode() + framing)
+        answer = b""
+        while chunk := conn.recv(4096):  # until the server closes it
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert "Traceback" not in hardened.log()
+
+
 def test_a_stream_whose_client_stops_reading_is_cut_off(
         hardened: ServerProcess, demo_model_dir: Path) -> None:
     """A client that keeps its connection open and reads nothing: the engine decoded the
