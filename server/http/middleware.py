@@ -24,7 +24,8 @@ log = logging.getLogger("radix_mlx.server")
 # Paths worth their own metric label; anything else is "other" (bounded cardinality).
 ENDPOINTS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-    "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics",
+    "/v1/messages/count_tokens", "/v1/responses/input_tokens", "/v1/models", "/health",
+    "/metrics",
 })
 REQUEST_ID = re.compile(r"[\w.:-]{1,64}", re.ASCII)
 # Load balancers keep probing while we drain; everything else is refused.
@@ -82,8 +83,10 @@ class RequestMiddleware:
 
 
 def _endpoint(path: str) -> str:
+    if path in ENDPOINTS:
+        return path
     if path.startswith("/v1/models/"):
         return "/v1/models/{model}"
     if path.startswith("/v1/responses/"):
         return "/v1/responses/{response_id}"
-    return path if path in ENDPOINTS else "other"
+    return "other"

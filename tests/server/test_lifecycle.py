@@ -77,6 +77,18 @@ def test_health_metrics_and_access_log(server: ServerProcess, headers: dict[str,
     assert "prompt=3" in line and "completion=3" in line and "ttft_ms=" in line
 
 
+def test_counting_input_tokens_is_not_counted_as_reading_a_stored_response(
+        server: ServerProcess, headers: dict[str, str]) -> None:
+    """POST /v1/responses/input_tokens was labelled /v1/responses/{response_id}, with the
+    GETs and DELETEs of stored responses."""
+    response = httpx.post(f"{server.url}/v1/responses/input_tokens", headers=headers,
+                          json={"input": "Hello"}, timeout=30)
+    assert response.status_code == 200, response.text
+    text = httpx.get(f"{server.url}/metrics", headers=headers, timeout=10).text
+    assert 'radix_mlx_http_requests_total{endpoint="/v1/responses/input_tokens",status="200"}' \
+        in text
+
+
 def test_a_path_cannot_write_lines_into_the_access_log(
     server: ServerProcess, headers: dict[str, str]
 ) -> None:
