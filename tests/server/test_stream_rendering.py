@@ -76,6 +76,13 @@ def streamed_and_whole(reply: list) -> tuple:
     return streamed, message_response("msg_1", "model", False, result)
 
 
+def call_then_text(pieces: list[str]) -> list:
+    """A reply of one call, its arguments written in `pieces`, then text."""
+    return [ToolCallStarted(0, 0, "call_a", "get_weather"),
+            *(ToolCallArguments(0, 0, piece) for piece in pieces), TextDelta(0, "So."),
+            REPLY[-1]]
+
+
 def test_a_whole_message_has_the_streams_blocks_in_the_order_written() -> None:
     """Text a model writes after its calls comes after them, as its stream has it, not
     merged with the text before them."""
@@ -95,13 +102,36 @@ def test_a_calls_input_streamed_is_the_one_its_message_gives(pieces: list[str]) 
     """A model may write a call's arguments as something other than an object. Anthropic's
     `input` is one: the message puts such text under one key, and its stream must give the
     SDK the same input, not deltas its JSON reader refuses."""
-    reply = [ToolCallStarted(0, 0, "call_a", "get_weather"),
-             *(ToolCallArguments(0, 0, piece) for piece in pieces), TextDelta(0, "So."),
-             REPLY[-1]]
-    streamed, whole = streamed_and_whole(reply)
+    streamed, whole = streamed_and_whole(call_then_text(pieces))
     assert isinstance(whole.content[0].input, dict)
     assert streamed.content[0].input == whole.content[0].input
     assert streamed.content[1].text == "So."
+
+
+@pytest.mark.parametrize("pieces", [
+    ["{'city': ", "'Paris'}"], ['{"city": "Rome", "unit": ', "celsius}"],
+    ['{"city": "Rome"', ", }"],
+], ids=["python dict", "bare word", "trailing comma"])
+def test_an_object_that_stops_being_json_streams_as_far_as_it_is(pieces: list[str]) -> None:
+    """An object the model breaks partway (a small model's Python dict, a bare word) is
+    JSON only up to the break: the SDK's reader refused the stream's deltas past it
+    ("Unable to parse tool parameter JSON"), ending the stream, while the message put the
+    text under one key. Both read the object as far as it is JSON."""
+    streamed, whole = streamed_and_whole(call_then_text(pieces))
+    assert streamed.content[0].input == whole.content[0].input
+    assert whole.content[0].input == ({} if pieces[0].startswith("{'") else {"city": "Rome"})
+    assert streamed.content[1].text == "So."
+
+
+def test_a_long_string_argument_streams_whole_with_its_escapes() -> None:
+    """The stream reads a string's text piece by piece, not the object from its start at
+    every piece: escapes split across pieces, \\u ones and surrogate pairs included, still
+    go out whole."""
+    value = {"path": "a.py", "content": 'say "hi" \\ caf\u00e9 \U0001f30a \u0001\n' * 40}
+    text = json.dumps(value)
+    streamed, whole = streamed_and_whole(call_then_text(
+        [text[at:at + 3] for at in range(0, len(text), 3)]))
+    assert streamed.content[0].input == whole.content[0].input == value
 
 
 def test_responses_stream_is_one_item_per_kind_in_order() -> None:
