@@ -14,7 +14,8 @@ or an out-of-memory costs only that model's open requests:
   model that does not fit first unloads the least recently used idle model that is not
   pinned; a model with requests in flight is never unloaded; when nothing can be freed,
   the request gets a 503 with Retry-After;
-- an unpinned model unloads after its idle timeout. Its disk tier is its own folder, which
+- an unpinned model unloads after its idle timeout, or as long after its latest request
+  as that request's keep_alive (Ollama's) says. Its disk tier is its own folder, which
   its next load rebuilds the tree from, so an unload loses no cached prefix;
 - a model whose engine process died is reloaded by its next request.
 """
@@ -25,6 +26,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -98,9 +100,10 @@ class ServedModel:
         self.loading: asyncio.Task | None = None
         # Being unloaded to make room once its requests finish: new ones wait meanwhile.
         self.evicting = False
-        # Asked to unload while requests held it (Ollama's keep_alive 0): it unloads once
-        # they are done, as Ollama's does.
-        self.unload_when_idle = False
+        # How long its latest request asked it to stay loaded after it (Ollama's
+        # keep_alive, in seconds; inf: forever; 0: unload once its requests are done);
+        # None: its idle timeout. Each request sets it anew, as each sets Ollama's.
+        self.keep_alive: float | None = None
         self.last_error: str | None = None
         self.counters = ModelCounters()
         # A cache clear asked for while it was not loaded: done once its load ends.
@@ -201,8 +204,11 @@ class ServedModel:
         return self.last_error
 
     def idle_timeout(self) -> float | None:
-        if self.spec.pinned:
+        """Seconds after its last request that it unloads; None: never."""
+        if self.spec.pinned or self.keep_alive == math.inf:
             return None
+        if self.keep_alive is not None:
+            return self.keep_alive
         return self.spec.idle_timeout or self.settings.model_idle_timeout
 
     def check_ready(self) -> EngineClient:
@@ -323,9 +329,10 @@ class ModelRegistry:
                         raise self._still_loading(model)
                     continue
                 if model.state is ModelState.LOADED:
-                    # A request after a keep_alive 0 keeps it, as its keep_alive would
-                    # in Ollama's.
-                    model.unload_when_idle = False
+                    # A request without keep_alive (an Ollama route sets its own once it
+                    # holds the model) goes back to the idle timeout, as Ollama's goes back
+                    # to its default: a keep_alive 0 before no longer unloads it.
+                    model.keep_alive = None
                     return Lease(model)
                 if model.loading is None:
                     model.loading = asyncio.create_task(self._load(model))
@@ -507,7 +514,7 @@ class ModelRegistry:
             raise APIError(409, f"the model {model.id} has {model.inflight} requests in "
                            "flight", code="model_busy")
         _cancel_load(model)  # a load that still waits for room has no engine
-        model.unload_when_idle = False
+        model.keep_alive = None
         engine, model.engine = model.engine, None
         if engine is None:
             return
@@ -523,7 +530,7 @@ class ModelRegistry:
         except APIError as error:
             if error.code != "model_busy":
                 raise
-            model.unload_when_idle = True
+            model.keep_alive = 0.0
 
     async def clear_cache(self, model: ServedModel) -> int | None:
         """Drop `model`'s cached prefixes that no request is using, from memory and disk:
@@ -605,7 +612,7 @@ class ModelRegistry:
 
     async def _look_after(self, model: ServedModel, now: float) -> None:
         self._reap(model)
-        timeout = 0.0 if model.unload_when_idle else model.idle_timeout()
+        timeout = model.idle_timeout()
         if (timeout is not None and model.state is ModelState.LOADED
                 and model.loading is None and model.inflight == 0
                 and now - model.last_used > timeout):

@@ -7,9 +7,11 @@ last with `done: true` and the counts and durations (nanoseconds) of the whole r
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BeforeValidator, Field, field_validator
 
 from server.prefill.protocol import MAX_INPUTS
 from server.schema import (
@@ -54,8 +56,34 @@ class Options(RequestModel):
 # "json": any JSON value, as Ollama's JSON mode; an object: a JSON schema the reply follows.
 Format = Literal["", "json"] | dict[str, Any]
 Think = bool | Literal["low", "medium", "high"]
-# A duration ("5m", "1h"), or seconds; the server's own idle_timeout decides unloads here.
-KeepAlive = float | int | str
+# Go's duration units, in seconds: what Ollama's keep_alive strings are written in.
+DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0,
+                  "m": 60.0, "h": 3600.0}
+DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+
+
+def keep_alive_seconds(value: Any) -> float:
+    """How long a model stays loaded after a request, in seconds, as Ollama reads
+    keep_alive: a number of seconds or a Go duration ("5m", "1h30m"); negative: forever
+    (inf). A bare number in a string is seconds too, as OLLAMA_KEEP_ALIVE takes it."""
+    text = str(value).strip()  # a number's text is a number of seconds
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    try:
+        seconds = sign * float(body)
+    except ValueError:
+        parts = DURATION_PART.findall(body)
+        if not body or "".join(number + unit for number, unit in parts) != body:
+            raise ValueError(f"not a duration: {text[:40]!r} (say \"5m\", \"1h\" or "
+                             "a number of seconds)") from None
+        seconds = sign * sum(float(number) * DURATION_UNITS[unit] for number, unit in parts)
+    if math.isnan(seconds):
+        raise ValueError("not a duration: nan")
+    return math.inf if seconds < 0 else seconds
+
+
+# A request's keep_alive, in seconds (inf: forever).
+KeepAlive = Annotated[float, BeforeValidator(keep_alive_seconds)]
 
 
 class CallFunction(RequestModel):

@@ -4,7 +4,8 @@ engines and cache as the OpenAI and Anthropic routes.
 
 /api/chat and /api/generate (streamed as JSON lines unless `stream: false`; an empty
 chat or prompt loads the model, and with `keep_alive: 0` unloads it, as `ollama stop`
-asks, once its running requests are done), /api/embed and the older /api/embeddings,
+asks, once its running requests are done; any request's keep_alive is how long its model
+stays loaded after it, with several models), /api/embed and the older /api/embeddings,
 /api/tags (the configured models), /api/ps (the loaded ones), /api/show and
 /api/version. Pulling, pushing, creating,
 copying and deleting models are Ollama's model store's, which this server does not keep:
@@ -55,7 +56,6 @@ from server.ollama.protocol import (
     GenerateChunk,
     GenerateRequest,
     GenerationFields,
-    KeepAlive,
     ListedModel,
     ModelDetails,
     ModelList,
@@ -117,6 +117,7 @@ async def _reply(request: Request, body: GenerationFields, generation: Generatio
 
     async def respond(lease: Lease) -> Response:
         clock.ready()
+        _keep(lease.model, body.keep_alive)
         run = await start(request, state, lease, generation)
         reply = OllamaReply(state.models.name_for(lease.model, body.model), clock, chat)
         if body.stream:
@@ -152,14 +153,14 @@ async def _load_or_unload(request: Request, body: GenerationFields, chat: bool) 
     unload it."""
     models = server_state(request).models
     served = models.lookup(body.model)
-    if _zero(body.keep_alive):
+    if body.keep_alive == 0:
         if not models.on_demand or served.spec.pinned:
             kept = "pinned" if models.on_demand else "the one this server serves"
             raise APIError(409, f"the model {served.id} stays loaded: it is {kept}")
         await models.unload_once_idle(served)
         reason = "unload"
     else:
-        await _load(request, body.model)
+        await _load(request, body.model, body.keep_alive)
         reason = "load"
     fields: dict[str, Any] = {"model": models.name_for(served, body.model),
                               "created_at": created_at(), "done": True, "done_reason": reason}
@@ -168,11 +169,11 @@ async def _load_or_unload(request: Request, body: GenerationFields, chat: bool) 
     return model_response(done, exclude_none=True)
 
 
-def _zero(keep_alive: KeepAlive | None) -> bool:
-    """Is `keep_alive` zero ("0", 0, "0s", "0m", ...): unload now."""
-    if isinstance(keep_alive, int | float):
-        return keep_alive == 0
-    return keep_alive is not None and keep_alive.rstrip("hms").strip() in ("0", "0.0")
+def _keep(model: ServedModel, keep_alive: float | None) -> None:
+    """The model stays loaded `keep_alive` seconds after this request (inf: for good),
+    where the request says; else its idle timeout (`ModelRegistry.acquire` reset it)."""
+    if keep_alive is not None:
+        model.keep_alive = keep_alive
 
 
 # -- embeddings ---------------------------------------------------------------------------
@@ -184,13 +185,15 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     name = _served_name(request, body.model)
     inputs = body.input if isinstance(body.input, list) else [body.input] * bool(body.input)
     if not inputs:  # Ollama's way to load an embedding model
-        return model_response(EmbedResponse(model=await _load(request, name), embeddings=[],
+        return model_response(EmbedResponse(model=await _load(request, name, body.keep_alive),
+                                            embeddings=[],
                                             prompt_eval_count=0,
                                             total_duration=max(clock.elapsed(), 1)))
     embedded = await embed_texts(request, name, inputs, body.dimensions,
                                  -1 if body.truncate else None)
     if embedded is None:
         return Response(status_code=CLIENT_CLOSED)
+    _keep(server_state(request).models.lookup(name), body.keep_alive)
     name, vectors, prompt_tokens, _ = embedded
     return model_response(EmbedResponse(
         model=name, embeddings=vectors.tolist(), prompt_eval_count=prompt_tokens,
@@ -201,18 +204,20 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
 async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
     name = _served_name(request, body.model)
     if not body.prompt:
-        await _load(request, name)
+        await _load(request, name, body.keep_alive)
         return model_response(EmbeddingsResponse(embedding=[]))
     embedded = await embed_texts(request, name, [body.prompt], None, -1)
     if embedded is None:
         return Response(status_code=CLIENT_CLOSED)
+    _keep(server_state(request).models.lookup(name), body.keep_alive)
     return model_response(EmbeddingsResponse(embedding=embedded[1][0].tolist()))
 
 
-async def _load(request: Request, name: str) -> str:
+async def _load(request: Request, name: str, keep_alive: float | None) -> str:
     """Load the model `name` names, if it is not, and answer with its name."""
     models = server_state(request).models
     async with models.use(name) as lease:
+        _keep(lease.model, keep_alive)
         return models.name_for(lease.model, name)
 
 

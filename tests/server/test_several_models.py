@@ -769,3 +769,36 @@ def test_ollamas_ps_says_when_an_idle_model_unloads(demos: list[Path], tmp_path:
         assert done + 58 < expires < done + 61
     finally:
         server.stop()
+
+
+def test_ollamas_keep_alive_sets_how_long_the_model_stays(demos: list[Path],
+                                                          tmp_path: Path) -> None:
+    """A request's keep_alive is how long its model stays loaded after it, as Ollama's
+    (a duration, seconds, negative: forever), and /api/ps says so; a request without one
+    goes back to the configured timeout. It was taken and ignored."""
+    server = start_models(tmp_path, [{"id": "d", "source": str(demos[0])}])
+
+    def expires() -> float:
+        [running] = httpx.get(f"{server.url}/api/ps", headers=AUTH, timeout=10).json()["models"]
+        return datetime.fromisoformat(running["expires_at"]).timestamp()
+
+    def generate(**extra) -> httpx.Response:
+        return httpx.post(f"{server.url}/api/generate", headers=AUTH, timeout=120, json={
+            "model": "d", "prompt": "Hi", "stream": False, "options": {"num_predict": 2},
+            **extra})
+
+    try:
+        assert generate(keep_alive="1h").status_code == 200
+        assert time.time() + 3590 < expires() < time.time() + 3601
+        assert generate(keep_alive=-1).status_code == 200
+        assert datetime.fromtimestamp(expires()).year == 9999
+        assert generate(keep_alive=120).status_code == 200
+        assert time.time() + 110 < expires() < time.time() + 121
+        assert generate().status_code == 200  # the server's: no timeout
+        assert datetime.fromtimestamp(expires()).year == 9999
+        wrong = generate(keep_alive="soon")
+        assert wrong.status_code == 400 and "keep_alive" in wrong.json()["error"], wrong.text
+        assert generate(keep_alive="1.5s").status_code == 200
+        wait_until(lambda: states(server)["d"] == "unloaded", "unloaded after 1.5 s", 30)
+    finally:
+        server.stop()
