@@ -294,6 +294,9 @@ async def _start(http: Request, state: ServerState, lease: Lease, request: Gener
         # A middle also ends where the model goes on to another file of the project, or pads.
         request = replace(request, sampling=replace(request.sampling, stop_token_ids=(
             *request.sampling.stop_token_ids, *tokenizer.fill_in_middle.ends)))
+    if request.keep_tokens is not None:
+        prompts = [cut_middle(prompt, request.keep_tokens, lease.engine.token_limit)
+                   for prompt in prompts]
     vocab_size = tokenizer.vocab_size
     sampling = request.sampling
     check_token_ids(sampling.logit_bias, vocab_size, "logit_bias")
@@ -354,6 +357,21 @@ async def _start(http: Request, state: ServerState, lease: Lease, request: Gener
             next_turn = NextTurn(state, model, _as_rendered(model, request), prompts[0])
     return GenerationRun(request, job, decoders, sum(len(prompt.tokens) for prompt in prompts),
                          cached_tokens, context_bound, next_turn)
+
+
+def cut_middle(prompt: Prompt, keep: int, window: int) -> Prompt:
+    """`prompt`, if it leaves no room in the `window`, as Ollama's runner cuts it: its
+    first `keep` tokens (-1: all that fit) and its last ones, as many as leave half the
+    rest of the window to the reply. Images are not cut through: such a prompt stays as it
+    is (and too long)."""
+    tokens = prompt.tokens
+    if len(tokens) < window or prompt.images or window < 2:
+        return prompt
+    keep = window - 1 if keep < 0 else min(keep, window - 1)
+    tail = window - max((window - keep) // 2, 1) - keep
+    # Its message ends no longer mark the messages' ends, and a cut prompt is not sent
+    # again as it is: none.
+    return Prompt(tokens[:keep] + tokens[len(tokens) - tail:])
 
 
 def _max_tokens(request: GenerationRequest, settings: Settings, room: int) -> tuple[int, bool]:

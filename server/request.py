@@ -202,6 +202,10 @@ class GenerationRequest:
     # the context window: the agent APIs' semantics (Claude Code asks for 32000; Codex
     # sends no max_output_tokens, and OpenAI's default is the rest of the window).
     fit_context: bool = False
+    # A prompt too long for the context window keeps its first `keep_tokens` tokens (-1:
+    # as many as fit) and as many of its last as leave half the rest of the window to the
+    # reply, as Ollama's runner cuts it; None: it is a 400. One with images is not cut.
+    keep_tokens: int | None = None
     n: int = 1  # choices per prompt
     # None: no logprobs; k: each content token's logprob plus its k likeliest alternatives.
     logprobs: int | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -30,6 +30,7 @@ from server.events import (
 )
 from server.http.errors import APIError
 from server.images import MARKER
+from server.model_registry import Lease
 from server.ollama.protocol import (
     ChatChunk,
     ChatRequest,
@@ -46,6 +47,7 @@ from server.ollama.protocol import (
     Timings,
     TokenLogprob,
 )
+from server.pipeline import fits_context
 from server.prompts import assistant_prefill
 from server.request import (
     TEXT,
@@ -133,6 +135,43 @@ def _generation(body: GenerationFields, **prompt: Any) -> GenerationRequest:
         include_usage=True,
         chat_template_kwargs=_thinking(body.think),
     )
+
+
+async def truncated(lease: Lease, generation: GenerationRequest, options: Options | None
+                    ) -> GenerationRequest:
+    """A request whose prompt is over the context window, truncated as Ollama truncates
+    it: a chat without its oldest messages, as few as let it fit, its system messages
+    and its last message staying (their images with them); then what still does not
+    fit (a long last message, a prompt) cut in its middle (`GenerationRequest.keep_tokens`).
+    """
+    keep = (options or Options()).num_keep
+    messages = generation.messages
+    if len(messages) > 1:
+        async def fits(start: int) -> bool:
+            return await fits_context(lease, _from(generation, start))
+
+        low, high = 1, len(messages) - 1  # the first start that fits is in here, or none
+        if await fits(high):
+            while low < high:
+                middle = (low + high) // 2
+                if await fits(middle):
+                    high = middle
+                else:
+                    low = middle + 1
+        generation = _from(generation, high)
+    return replace(generation, keep_tokens=keep)
+
+
+def _from(generation: GenerationRequest, start: int) -> GenerationRequest:
+    """The chat from its message `start` on, with the system messages before it."""
+    messages, images, image = [], [], 0
+    for number, message in enumerate(generation.messages):
+        count = str(message.get("content") or "").count(MARKER)
+        if number >= start or message["role"] == "system":
+            messages.append(message)
+            images += generation.images[image:image + count]
+        image += count
+    return replace(generation, messages=tuple(messages), images=tuple(images))
 
 
 def output_format(value: Format | None) -> OutputFormat:

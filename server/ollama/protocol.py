@@ -43,6 +43,8 @@ class Options(RequestModel):
     # send 0 for unset: no cap, each of them.
     num_predict: int | None = Field(None, ge=-2)
     repeat_penalty: float | None = Field(None, ge=0.01, le=10)
+    # The prompt's first tokens a truncation keeps (-1: as many as fit), as Ollama's.
+    num_keep: int = Field(4, ge=-1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     stop: list[str] | None = None
@@ -123,6 +125,8 @@ class GenerationFields(RequestModel):
     options: Options | None = None
     stream: bool = True  # Ollama streams unless told not to
     keep_alive: KeepAlive | None = None
+    # A prompt over the context window is truncated, as Ollama's: false refuses it.
+    truncate: bool = True
     think: Think | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)

@@ -42,6 +42,7 @@ from server.ollama.adapter import (
     chat_request,
     created_at,
     generate_request,
+    truncated,
     whole,
 )
 from server.ollama.protocol import (
@@ -118,7 +119,11 @@ async def _reply(request: Request, body: GenerationFields, generation: Generatio
     async def respond(lease: Lease) -> Response:
         clock.ready()
         _keep(lease.model, body.keep_alive)
-        run = await start(request, state, lease, generation)
+
+        async def shorter() -> GenerationRequest:
+            return await truncated(lease, generation, body.options)
+
+        run = await start(request, state, lease, generation, shorter if body.truncate else None)
         reply = OllamaReply(state.models.name_for(lease.model, body.model), clock, chat)
         if body.stream:
             return JSONLinesSource(run, _lines(run, reply))
