@@ -67,6 +67,10 @@ from server.request import (
 # other APIs' data: URLs name it.
 IMAGE_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"),
                     (b"GIF8", "image/gif"), (b"RIFF", "image/webp"), (b"BM", "image/bmp"))
+# Ollama's sampling where a request's options and the model's own defaults (its table's
+# `sampling`, as a Modelfile's parameters) say nothing: its clients' users expect its
+# answers, not the whole vocabulary at temperature 1 (OpenAI's defaults).
+OLLAMA_TEMPERATURE, OLLAMA_TOP_K, OLLAMA_TOP_P = 0.8, 40, 0.9
 
 
 def chat_request(body: ChatRequest) -> GenerationRequest:
@@ -117,9 +121,10 @@ def _generation(body: GenerationFields, **prompt: Any) -> GenerationRequest:
         **prompt,
         output=output_format(body.format),
         sampling=SamplingKnobs(
-            temperature=1.0 if options.temperature is None else options.temperature,
-            top_p=1.0 if options.top_p is None else options.top_p,
-            top_k=options.top_k or 0,
+            temperature=OLLAMA_TEMPERATURE if options.temperature is None
+            else options.temperature,
+            top_p=OLLAMA_TOP_P if options.top_p is None else options.top_p,
+            top_k=OLLAMA_TOP_K if options.top_k is None else options.top_k,
             min_p=options.min_p or 0.0,
             seed=None if options.seed in (None, -1) else options.seed,
             repetition_penalty=options.repeat_penalty,

@@ -21,8 +21,15 @@ from server.events import (
     Usage,
 )
 from server.images import MARKER
-from server.ollama.adapter import Clock, OllamaReply, chat_request, image_url, whole
-from server.ollama.protocol import ChatRequest
+from server.ollama.adapter import (
+    Clock,
+    OllamaReply,
+    chat_request,
+    generate_request,
+    image_url,
+    whole,
+)
+from server.ollama.protocol import ChatRequest, GenerateRequest
 from tests.server.support import API_KEY, ServerProcess
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -286,6 +293,20 @@ def test_a_conversation_with_tool_calls_renders_as_chat_templates_take_it() -> N
     assert clock["tool_call_id"] == "call_1_1"
     assert chat_request(body) == request
     assert image_url("data:image/jpeg;base64,/9j/", "images.0") == "data:image/jpeg;base64,/9j/"
+
+
+def test_options_left_out_sample_as_ollamas_defaults_under_the_models_own() -> None:
+    """A request without options samples as Ollama's do (temperature 0.8, top_k 40, top_p
+    0.9), a model's own defaults (its table's `sampling`, as a Modelfile's parameters)
+    still taking their place; it sampled the whole vocabulary at temperature 1."""
+    request = generate_request(GenerateRequest.model_validate({"model": "m", "prompt": "Hi"}))
+    sampling = request.sampling
+    assert (sampling.temperature, sampling.top_k, sampling.top_p) == (0.8, 40, 0.9)
+    assert {"temperature", "top_k", "top_p"} <= request.unset_sampling
+    chosen = chat_request(ChatRequest.model_validate({
+        "model": "m", "messages": HI, "options": {"temperature": 0.2, "top_k": 0}}))
+    assert (chosen.sampling.temperature, chosen.sampling.top_k) == (0.2, 0)
+    assert "temperature" not in chosen.unset_sampling
 
 
 def test_tool_calls_come_whole_with_their_arguments_as_objects() -> None:
