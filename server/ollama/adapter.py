@@ -76,7 +76,8 @@ OLLAMA_TEMPERATURE, OLLAMA_TOP_K, OLLAMA_TOP_P = 0.8, 40, 0.9
 def chat_request(body: ChatRequest) -> GenerationRequest:
     messages: list[TemplateMessage] = []
     images: list[str] = []
-    calls: list[dict[str, Any]] = []  # the history's calls, which tool results answer
+    # The history's calls, which tool results answer, with the ids clients sent them with.
+    calls: list[tuple[str | None, dict[str, Any]]] = []
     for number, message in enumerate(body.messages):
         out, message_images = _template_message(message, number, calls)
         messages.append(out)
@@ -197,12 +198,14 @@ def _thinking(think: Think | None) -> dict[str, Any]:
     return {"enable_thinking": True, "reasoning_effort": think}
 
 
-def _template_message(message: Message, number: int, calls: list[dict[str, Any]]
+def _template_message(message: Message, number: int,
+                      calls: list[tuple[str | None, dict[str, Any]]]
                       ) -> tuple[TemplateMessage, list[str]]:
     """A message as chat templates take it, and its images as data: URLs (their markers
     open its text, where Ollama puts a message's images). A call in the history gets an
-    id of its place, so a conversation renders alike each time it is sent; a tool result
-    answers the latest call of its tool (or the latest call)."""
+    id of its place, so a conversation renders alike each time it is sent, whether or
+    not its client keeps ids; a tool result answers the call its tool_call_id names, else
+    the latest call of its tool (or the latest call)."""
     param = f"messages.{number}.images"
     images = [image_url(image, f"{param}.{i}") for i, image in enumerate(message.images or ())]
     out: TemplateMessage = {"role": message.role,
@@ -213,12 +216,14 @@ def _template_message(message: Message, number: int, calls: list[dict[str, Any]]
         out["tool_calls"] = [
             template_call(f"call_{number}_{i}", call.function.name, call.function.arguments)
             for i, call in enumerate(message.tool_calls)]
-        calls += out["tool_calls"]
+        calls += zip([call.id for call in message.tool_calls], out["tool_calls"], strict=True)
     if message.role == "tool":
-        answered = next((call for call in reversed(calls)
-                         if call["function"]["name"] == message.tool_name), None)
+        answered = next((call for sent, call in reversed(calls)
+                         if message.tool_call_id and sent == message.tool_call_id), None)
+        answered = answered or next((call for _, call in reversed(calls)
+                                     if call["function"]["name"] == message.tool_name), None)
         if answered is None and calls:
-            answered = calls[-1]
+            answered = calls[-1][1]
         if answered is not None:
             out["tool_call_id"] = answered["id"]
         if message.tool_name:
@@ -289,7 +294,8 @@ class OllamaReply:
 
     def __init__(self, model: str, clock: Clock, chat: bool) -> None:
         self.model, self.clock, self.chat = model, clock, chat
-        self._call: tuple[str, list[str]] | None = None  # the open call: name, arguments
+        # The open call: its id, name and arguments.
+        self._call: tuple[str, str, list[str]] | None = None
         self._calls = 0
         self._envelope: tuple[str, str, str] | None = None
 
@@ -323,11 +329,11 @@ class OllamaReply:
             return [self._chunk(thinking=event.text)] if event.text else []
         if isinstance(event, ToolCallStarted):
             done = self._close_call()
-            self._call = event.name, []
+            self._call = event.id, event.name, []
             return done
         if isinstance(event, ToolCallArguments):
             if self._call is not None:
-                self._call[1].append(event.fragment)
+                self._call[2].append(event.fragment)
             return []
         assert isinstance(event, ChoiceFinished)
         return [*self._close_call(),
@@ -336,10 +342,10 @@ class OllamaReply:
     def _close_call(self) -> list[ChatChunk | GenerateChunk]:
         if self._call is None:
             return []
-        name, fragments = self._call
+        call_id, name, fragments = self._call
         self._call = None
         arguments = template_arguments("".join(fragments) or "{}")
-        call = OutCall(function={"index": self._calls, "name": name,
+        call = OutCall(id=call_id, function={"index": self._calls, "name": name,
                                  "arguments": arguments if isinstance(arguments, dict) else {}})
         self._calls += 1
         return [self._chunk(tool_calls=[call])]

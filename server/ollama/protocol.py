@@ -94,6 +94,7 @@ class CallFunction(RequestModel):
 
 
 class ToolCall(RequestModel):
+    id: str | None = None  # the id this server gave it, which a result may name
     function: CallFunction
 
 
@@ -104,6 +105,7 @@ class Message(RequestModel):
     images: list[str] | None = None  # base64, as Ollama's clients send them
     tool_calls: list[ToolCall] | None = None
     tool_name: str | None = None  # the tool a "tool" message answers
+    tool_call_id: str | None = None  # the call it answers, by its id (newer clients)
 
 
 class FunctionDefinition(RequestModel):
@@ -239,7 +241,8 @@ class Version(ResponseModel):
 
 
 class OutCall(ResponseModel):
-    function: dict[str, Any]  # {"name", "arguments": object, "index"}
+    id: str
+    function: dict[str, Any]  # {"index", "name", "arguments": object}
 
 
 class OutMessage(ResponseModel):

@@ -292,6 +292,16 @@ def test_a_conversation_with_tool_calls_renders_as_chat_templates_take_it() -> N
     assert (weather["tool_call_id"], weather["name"]) == ("call_1_0", "weather")
     assert clock["tool_call_id"] == "call_1_1"
     assert chat_request(body) == request
+    # A result that names its call by the id Ollama gave it answers that call.
+    with_ids = ChatRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_p", "function": {"name": "weather", "arguments": {"city": "Paris"}}},
+            {"id": "call_r", "function": {"name": "weather", "arguments": {"city": "Rome"}}}]},
+        {"role": "tool", "tool_name": "weather", "tool_call_id": "call_p", "content": "Sun"},
+        {"role": "tool", "tool_name": "weather", "tool_call_id": "call_r", "content": "Rain"}]})
+    paris, rome = chat_request(with_ids).messages[2:]
+    assert (paris["tool_call_id"], rome["tool_call_id"]) == ("call_1_0", "call_1_1")
     assert image_url("data:image/jpeg;base64,/9j/", "images.0") == "data:image/jpeg;base64,/9j/"
 
 
@@ -324,6 +334,8 @@ def test_tool_calls_come_whole_with_their_arguments_as_objects() -> None:
     assert [o.message.tool_calls[0].function for o in objects[2:4]] == [
         {"index": 0, "name": "weather", "arguments": {"city": "Paris"}},
         {"index": 1, "name": "time", "arguments": {}}]
+    # Ollama's calls have ids now, which its clients send back as tool_call_id.
+    assert [o.message.tool_calls[0].id for o in objects[2:4]] == ["call_a", "call_b"]
     last = objects[-1]
     assert (last.done, last.done_reason, last.prompt_eval_count, last.eval_count) == (
         True, "stop", 20, 9)
