@@ -73,6 +73,8 @@ from server.request import GenerationRequest
 from server.state import ServerState, server_state
 
 Body = TypeVar("Body", ChatRequest, GenerateRequest)
+# A model's sampling defaults by the names of Ollama's parameters, where they differ.
+OLLAMA_PARAMETER = {"repetition_penalty": "repeat_penalty"}
 # 9999-12-31T23:59:59Z: a pinned model's expiry.
 NEVER = 253402300799
 
@@ -292,10 +294,15 @@ async def show(body: ShowRequest, request: Request) -> ShowResponse:
     width = _embedding_length(model, config)
     if width:
         info[f"{family}.embedding_length"] = width
-    sampling = model.spec.sampling.model_dump(exclude_none=True)
+    # As a Modelfile's parameters: its sampling defaults, and its context window, which
+    # clients (Continue) size their prompts by where a Modelfile sets num_ctx.
+    parameters = {OLLAMA_PARAMETER.get(key, key): value for key, value
+                  in model.spec.sampling.model_dump(exclude_none=True).items()}
+    if model.context_length:
+        parameters["num_ctx"] = model.context_length
     return ShowResponse(
         modelfile=f"FROM {model.spec.source or model.id}\n",
-        parameters="\n".join(f"{key} {value}" for key, value in sampling.items()),
+        parameters="\n".join(f"{key} {value}" for key, value in parameters.items()),
         template=_template(model, config), details=details,
         model_info=info, capabilities=_capabilities(model),
         modified_at=_stamp(state.started))

@@ -56,6 +56,9 @@ def test_clients_find_the_served_model_and_what_it_can_do(olla: ollama.Client,
     shown = olla.show(model_id)
     assert shown.capabilities == ["completion", "tools"]
     assert shown.modelinfo[f"{shown.details.family}.context_length"] > 0
+    # Its context window as a Modelfile's parameter, which Continue sizes its prompts by.
+    assert f"num_ctx {shown.modelinfo[f'{shown.details.family}.context_length']}" in (
+        shown.parameters or "").splitlines()
     assert shown.modelinfo[f"{shown.details.family}.embedding_length"] == len(
         olla.embed(model=model_id, input="x").embeddings[0])
     [running] = [model for model in olla.ps().models if model.model == model_id]

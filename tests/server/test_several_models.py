@@ -106,7 +106,8 @@ def pair(real_model_dir: Path, gemma_file: Path, demos: list[Path],
         {"id": "smol", "source": str(real_model_dir), "aliases": ["gpt-4o-mini"],
          "pinned": True},
         {"id": "gemma", "source": str(gemma_file), "gguf_dtype": "float32"},
-        {"id": "tiny", "source": str(demos[0]), "sampling.temperature": 0.0},
+        {"id": "tiny", "source": str(demos[0]), "sampling.temperature": 0.0,
+         "sampling.repetition_penalty": 1.0},
         {"id": "idle", "source": str(demos[1]), "idle_timeout": 1.0},
         {"id": "broken", "source": str(broken)},
     ], "--disk-cache-bytes", str(GIB), "--disk-cache-dir", str(directory / "kv"))
@@ -569,6 +570,8 @@ def test_ollama_clients_read_what_a_model_can_do_loaded_or_not(pair: ServerProce
     unloaded = show(pair, "tiny")
     assert (unloaded["capabilities"], unloaded["details"], unloaded["template"]) == (
         loaded["capabilities"], loaded["details"], loaded["template"])
+    # Its sampling defaults as Ollama names a Modelfile's parameters.
+    assert {"temperature 0.0", "repeat_penalty 1.0"} <= set(unloaded["parameters"].splitlines())
     # "huge" never fits its budget, so never loads: its directory says what it is.
     never = show(budget, "huge")
     assert never["capabilities"] == ["completion", "tools"]
