@@ -63,12 +63,14 @@ class LlamaRequest(RequestModel):
     # llama.cpp's -1 (/completion's default) and -2: until the model ends, or the context.
     n_predict: int = Field(-1, ge=-2)
     max_tokens: int | None = Field(None, ge=-2)  # its other name
-    temperature: float | None = None  # at or below 0: greedy, as llama.cpp's
+    temperature: float | None = Field(None, le=2)  # at or below 0: greedy, as llama.cpp's
     top_k: int | None = None  # at or below 0: off, as llama.cpp's
     top_p: float | None = Field(None, gt=0, le=1)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None  # -1: a random one
-    repeat_penalty: float | None = Field(None, gt=0)
+    seed: int | None = Field(None, ge=-1, lt=2**63)  # -1: a random one
+    # As Chat Completions' repetition_penalty: seen tokens' logits are divided by it, and
+    # a float32 zero made them infinite and the logprobs NaN.
+    repeat_penalty: float | None = Field(None, ge=0.01, le=10)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     stop: str | list[str] = Field(default_factory=list)
@@ -182,7 +184,8 @@ async def props(request: Request, model: str | None = None) -> Props:
 
 
 RESPONSES: dict[int | str, dict[str, Any]] = {200: {
-    "model": CompletionResponse, "content": event_stream(CompletionChunk, ErrorResponse)}}
+    "model": CompletionResponse,
+    "content": event_stream(CompletionChunk | CompletionResponse, ErrorResponse)}}
 
 
 @router.post("/completion", responses=RESPONSES)

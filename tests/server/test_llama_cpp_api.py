@@ -80,9 +80,11 @@ def test_llama_cpps_grammar_fields_bind_the_text(server: ServerProcess, headers:
     ({"prompt": [1, 10**6]}, "prompt"),
     ({"prompt": "x", "n_probs": 21}, "n_probs"),
     ({"prompt": "x", "n_predict": -3}, "n_predict"),
+    ({"prompt": "x", "n_probs": 1, "repeat_penalty": 5e-324}, "repeat_penalty"),
     ({"prompt": "x", "grammar": "root ::= x", "json_schema": {"type": "object"}}, "grammar"),
     ({"prompt": "x", "grammar": "root ::= ("}, "grammar"),
-], ids=["empty", "token out of vocabulary", "n_probs", "n_predict", "two formats",
+], ids=["empty", "token out of vocabulary", "n_probs", "n_predict",
+        "repeat_penalty a float32 zero", "two formats",
         "bad grammar"])
 def test_a_bad_completion_is_a_400_naming_its_field(
         server: ServerProcess, headers: dict, body: dict, param: str) -> None:
