@@ -17,7 +17,6 @@ true`, the counts and `timings`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,7 +25,8 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from engine.api import SamplingKnobs, TokenEvent, TokenLogprob
-from server.events import ChoiceFinished, TextDelta
+from server.clock import Clock
+from server.events import ChoiceFinished, ChoiceResult, Event, TextDelta, collect, fold
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
 from server.http.loading import respond_with_model
@@ -205,13 +205,13 @@ async def infill(body: InfillRequest, request: Request) -> Response:
 
 async def _answer(request: Request, body: LlamaRequest, generation: GenerationRequest
                   ) -> Response:
-    state = server_state(request)
+    state, clock = server_state(request), Clock()
 
     async def respond(lease: Lease) -> Response:
-        ready = time.monotonic()
+        clock.ready()
         run = await start(request, state, lease, generation)
         reply = LlamaReply(state.models.name_for(lease.model, body.model or lease.model.id),
-                           ready)
+                           clock)
         if body.stream:
             return GenerationEventSource(run, _events(run, reply))
         results = await to_the_end(request, run, _whole(run, reply))
@@ -263,31 +263,29 @@ class LlamaReply:
     """One answer's events as llama.cpp's objects, with its timings: the prompt's from
     the model being ready to the first token, the text's from there to the end."""
 
-    def __init__(self, model: str, ready: float) -> None:
-        self.model, self.ready = model, ready
-        self.first: float | None = None
+    def __init__(self, model: str, clock: Clock) -> None:
+        self.model, self.clock = model, clock
 
     def chunk(self, event: TextDelta, prompt_tokens: int) -> CompletionChunk:
-        """A streamed piece; it starts the text's clock, for a whole answer too."""
-        if self.first is None:
-            self.first = time.monotonic()
+        self.clock.token()
         return CompletionChunk(content=event.text, tokens_evaluated=prompt_tokens,
                                completion_probabilities=_probabilities(event.tokens))
 
-    def final(self, finished: ChoiceFinished, content: str,
-              tokens: list[TokenEvent]) -> CompletionResponse:
-        now = time.monotonic()
-        first = self.first or now
-        usage = finished.usage
-        matched = finished.matched_stop
+    def final(self, result: ChoiceResult, whole: bool) -> CompletionResponse:
+        """The last object: `result`'s counts and stop, and where it is the `whole` answer
+        (not a stream's last event) its text and probabilities."""
+        usage, matched = result.usage, result.matched_stop
+        durations = self.clock.durations()
         return CompletionResponse(
-            content=content, model=self.model, completion_probabilities=_probabilities(tokens), tokens_predicted=usage.completion_tokens,
+            content=result.text if whole else "", model=self.model,
+            tokens_predicted=usage.completion_tokens,
             tokens_evaluated=usage.prompt_tokens, tokens_cached=usage.cached_tokens,
-            stop_type=("limit" if finished.reason == "length"
+            stop_type=("limit" if result.finish_reason == "length"
                        else "word" if isinstance(matched, str) else "eos"),
             stopping_word=matched if isinstance(matched, str) else "",
-            timings=_timings(usage.prompt_tokens, (first - self.ready) * 1000,
-                             usage.completion_tokens, (now - first) * 1000))
+            timings=_timings(usage.prompt_tokens, durations.prompt / 1e6,
+                             usage.completion_tokens, durations.generation / 1e6),
+            completion_probabilities=_probabilities(result.tokens) if whole else None)
 
 
 def _timings(prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms: float
@@ -320,25 +318,27 @@ def _alternative(logprob: TokenLogprob) -> Alternative:
 
 
 async def _whole(run: GenerationRun, reply: LlamaReply) -> CompletionResponse:
-    text: list[str] = []
-    tokens: list[TokenEvent] = []
-    async for event in run.events():
+    [result] = await collect(_clocked(run.events(), reply.clock), 1)
+    return reply.final(result, whole=True)
+
+
+async def _clocked(events: AsyncIterator[Event], clock: Clock) -> AsyncIterator[Event]:
+    """`events`, the first token's time noted on `clock`."""
+    async for event in events:
         if isinstance(event, TextDelta):
-            reply.chunk(event, run.prompt_tokens)
-            text.append(event.text)
-            tokens += event.tokens
-        elif isinstance(event, ChoiceFinished):
-            return reply.final(event, "".join(text), tokens)
-    raise APIError(500, "the generation ended without finishing")
+            clock.token()
+        yield event
 
 
 async def _events(run: GenerationRun, reply: LlamaReply) -> AsyncIterator[str]:
+    finished = ChoiceResult()
     try:
         async for event in run.events():
             if isinstance(event, TextDelta) and (event.text or event.tokens):
                 yield reply.chunk(event, run.prompt_tokens).model_dump_json(exclude_none=True)
             elif isinstance(event, ChoiceFinished):
-                yield reply.final(event, "", []).model_dump_json(exclude_none=True)
+                fold(finished, event)
+                yield reply.final(finished, whole=False).model_dump_json(exclude_none=True)
     except APIError as error:
         # The status line went out already: the error is the stream's last event.
         yield error.body().model_dump_json()

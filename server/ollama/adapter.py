@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 from pydantic_core import to_json
 
 from engine.api import SamplingKnobs, TokenEvent
+from server.clock import Clock
 from server.events import (
     ChoiceFinished,
     Event,
@@ -253,35 +253,14 @@ def created_at() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-@dataclass
-class Clock:
-    """When a request began, its model was ready, and its first token came: Ollama's
-    durations (nanoseconds)."""
-
-    started: int = field(default_factory=time.monotonic_ns)
-    loaded: int | None = None
-    first: int | None = None
-
-    def ready(self) -> None:
-        self.loaded = time.monotonic_ns()
-
-    def elapsed(self) -> int:
-        return time.monotonic_ns() - self.started
-
-    def token(self) -> None:
-        if self.first is None:
-            self.first = time.monotonic_ns()
-
-    def timings(self, finished: ChoiceFinished) -> Timings:
-        now = time.monotonic_ns()
-        loaded = self.loaded or self.started
-        first = self.first or now
-        return Timings(
-            done_reason="length" if finished.reason == "length" else "stop",
-            total_duration=now - self.started, load_duration=loaded - self.started,
-            prompt_eval_count=finished.usage.prompt_tokens,
-            prompt_eval_duration=first - loaded,
-            eval_count=finished.usage.completion_tokens, eval_duration=now - first)
+def timings(clock: Clock, finished: ChoiceFinished) -> Timings:
+    """The last object's counts and durations."""
+    durations = clock.durations()
+    return Timings(
+        done_reason="length" if finished.reason == "length" else "stop",
+        total_duration=durations.total, load_duration=durations.load,
+        prompt_eval_count=finished.usage.prompt_tokens, prompt_eval_duration=durations.prompt,
+        eval_count=finished.usage.completion_tokens, eval_duration=durations.generation)
 
 
 # Stand-ins cut out of a real object's JSON to make the envelope of a text-only line.
@@ -337,7 +316,7 @@ class OllamaReply:
             return []
         assert isinstance(event, ChoiceFinished)
         return [*self._close_call(),
-                self._chunk(done=True, **self.clock.timings(event).model_dump())]
+                self._chunk(done=True, **timings(self.clock, event).model_dump())]
 
     def _close_call(self) -> list[ChatChunk | GenerateChunk]:
         if self._call is None:

@@ -28,6 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.embedding_config import hidden_size
+from server.clock import Clock
 from server.http.errors import APIError
 from server.http.json_body import AnyTypeJSONRoute
 from server.http.loading import respond_with_model
@@ -37,7 +38,6 @@ from server.http.streaming import CLIENT_CLOSED, JSONLinesSource, to_the_end
 from server.metrics import read_stats
 from server.model_registry import Lease, ModelState, ServedModel
 from server.ollama.adapter import (
-    Clock,
     OllamaReply,
     chat_request,
     created_at,

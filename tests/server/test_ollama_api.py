@@ -12,6 +12,7 @@ import ollama
 import openai
 import pytest
 
+from server.clock import Clock
 from server.events import (
     ChoiceFinished,
     ReasoningDelta,
@@ -22,7 +23,6 @@ from server.events import (
 )
 from server.images import MARKER
 from server.ollama.adapter import (
-    Clock,
     OllamaReply,
     chat_request,
     generate_request,
