@@ -12,7 +12,7 @@ the same prompt from its `input_extra`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # Each family's (prefix, suffix, middle) tokens.
@@ -64,21 +64,22 @@ class FillInMiddleTokens:
                                          self.pad) if token is not None)
 
 
-def find_tokens(vocabulary: Mapping[str, int]) -> FillInMiddleTokens | None:
-    """The model's fill-in-the-middle tokens, or None when its vocabulary has no family's
-    complete set (it was not trained to fill in the middle)."""
+def find_tokens(token_id: Callable[[str], int | None]) -> FillInMiddleTokens | None:
+    """The model's fill-in-the-middle tokens, `token_id` giving a token's id by its text
+    (None: not in the vocabulary), or None when the vocabulary has no family's complete
+    set (the model was not trained to fill in the middle)."""
     for names in MARKERS:
-        ids = [vocabulary.get(name) for name in names]
+        ids = [token_id(name) for name in names]
         if None not in ids:
             prefix, suffix, middle = ids
-            return FillInMiddleTokens(prefix, suffix, middle, _first(vocabulary, REPOSITORY),
-                                      _first(vocabulary, FILE_SEPARATOR), _first(vocabulary, PAD),
-                                      _first(vocabulary, END_OF_MIDDLE), names)
+            return FillInMiddleTokens(prefix, suffix, middle, _first(token_id, REPOSITORY),
+                                      _first(token_id, FILE_SEPARATOR), _first(token_id, PAD),
+                                      _first(token_id, END_OF_MIDDLE), names)
     return None
 
 
-def _first(vocabulary: Mapping[str, int], names: Sequence[str]) -> int | None:
-    return next((vocabulary[name] for name in names if name in vocabulary), None)
+def _first(token_id: Callable[[str], int | None], names: Sequence[str]) -> int | None:
+    return next((found for name in names if (found := token_id(name)) is not None), None)
 
 
 def infill_prompt(tokens: FillInMiddleTokens, encode: Callable[[str], list[int]],

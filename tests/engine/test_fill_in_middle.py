@@ -22,17 +22,17 @@ def encode(text: str) -> list[int]:
 @pytest.mark.parametrize("names", MARKERS, ids=[names[0] for names in MARKERS])
 def test_each_familys_tokens_are_found_by_their_text(names: tuple[str, str, str]) -> None:
     vocabulary = {"hello": 5, names[0]: 10, names[1]: 11, names[2]: 12}
-    assert find_tokens(vocabulary) == FillInMiddleTokens(10, 11, 12, names=names)
+    assert find_tokens(vocabulary.get) == FillInMiddleTokens(10, 11, 12, names=names)
 
 
 def test_a_vocabulary_without_a_whole_set_does_not_fill_in_the_middle() -> None:
     # SmolLM2's vocabulary has StarCoder's file separator and repository name, no prefix.
-    assert find_tokens({"<file_sep>": 3, "<repo_name>": 4, "<fim_prefix>": 5}) is None
+    assert find_tokens({"<file_sep>": 3, "<repo_name>": 4, "<fim_prefix>": 5}.get) is None
 
 
 def test_a_middle_ends_at_what_starts_another_file_or_pads() -> None:
     tokens = find_tokens({"<|fim_prefix|>": 1, "<|fim_suffix|>": 2, "<|fim_middle|>": 3,
-                          "<|fim_pad|>": 4, "<|repo_name|>": 5, "<|file_sep|>": 6})
+                          "<|fim_pad|>": 4, "<|repo_name|>": 5, "<|file_sep|>": 6}.get)
     assert tokens is not None and sorted(tokens.ends) == [4, 5, 6]
 
 
@@ -51,7 +51,8 @@ def test_without_a_file_separator_files_are_text_apart() -> None:
 
 
 def test_codellamas_middle_ends_at_its_own_token() -> None:
-    tokens = find_tokens({"▁<PRE>": 32007, "▁<SUF>": 32008, "▁<MID>": 32009, "▁<EOT>": 32010})
+    tokens = find_tokens({"▁<PRE>": 32007, "▁<SUF>": 32008, "▁<MID>": 32009,
+                          "▁<EOT>": 32010}.get)
     assert tokens is not None and tokens.ends == (32010,)
 
 
