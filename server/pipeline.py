@@ -11,9 +11,10 @@ generation in a `finally`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
+from typing import TypeVar
 
 from fastapi import Request
 
@@ -248,6 +249,26 @@ async def fits_context(lease: Lease, request: GenerationRequest) -> bool:
     """Does `request`'s prompt leave its model room for at least one token?"""
     prompts = await render(lease.model, request)
     return max(len(prompt.tokens) for prompt in prompts) < lease.engine.token_limit
+
+
+T = TypeVar("T")
+
+
+async def first_that_fits(lease: Lease, candidates: Sequence[T],
+                          request: Callable[[T], GenerationRequest]) -> T | None:
+    """The first of `candidates`, each shorter than the one before, whose `request` fits
+    its model's context (`fits_context`), or None when not even the last does: found by
+    bisection, as each try renders and tokenizes a whole prompt."""
+    if not candidates or not await fits_context(lease, request(candidates[-1])):
+        return None
+    low, high = 0, len(candidates) - 1  # the first that fits is in here
+    while low < high:
+        middle = (low + high) // 2
+        if await fits_context(lease, request(candidates[middle])):
+            high = middle
+        else:
+            low = middle + 1
+    return candidates[low]
 
 
 def _as_rendered(model: ServedModel, request: GenerationRequest) -> GenerationRequest:

@@ -47,7 +47,7 @@ from server.ollama.protocol import (
     Timings,
     TokenLogprob,
 )
-from server.pipeline import fits_context
+from server.pipeline import first_that_fits
 from server.prompts import assistant_prefill
 from server.request import (
     TEXT,
@@ -153,18 +153,9 @@ async def truncated(lease: Lease, generation: GenerationRequest, options: Option
     keep = (options or Options()).num_keep
     messages = generation.messages
     if len(messages) > 1:
-        async def fits(start: int) -> bool:
-            return await fits_context(lease, _from(generation, start))
-
-        low, high = 1, len(messages) - 1  # the first start that fits is in here, or none
-        if await fits(high):
-            while low < high:
-                middle = (low + high) // 2
-                if await fits(middle):
-                    high = middle
-                else:
-                    low = middle + 1
-        generation = _from(generation, high)
+        starts = range(1, len(messages))
+        start = await first_that_fits(lease, starts, lambda start: _from(generation, start))
+        generation = _from(generation, starts[-1] if start is None else start)
     return replace(generation, keep_tokens=keep)
 
 

@@ -41,7 +41,7 @@ from server.images import MARKER
 from server.model_registry import Lease
 from server.openai.formats import chat_logprobs
 from server.openai.protocol import ErrorResponse
-from server.pipeline import GenerationRun, fits_context, render, start
+from server.pipeline import GenerationRun, first_that_fits, render, start
 from server.request import (
     TEXT,
     AllowedTools,
@@ -550,20 +550,9 @@ async def _truncated(lease: Lease, body: ResponsesRequest,
     shorter = [conversation[:head] + conversation[start:] for start in users[1:]]
     shorter += [conversation[:head] + [conversation[task]] + conversation[start:]
                 for start in exchanges]
-
-    async def fits(messages: list[TemplateMessage]) -> bool:
-        return await fits_context(lease, generation_request(body, messages))
-
-    if not shorter or not await fits(shorter[-1]):
-        return conversation
-    low, high = 0, len(shorter) - 1  # the first of them that fits is in here
-    while low < high:
-        middle = (low + high) // 2
-        if await fits(shorter[middle]):
-            high = middle
-        else:
-            low = middle + 1
-    return shorter[low]
+    fitting = await first_that_fits(lease, shorter,
+                                    lambda messages: generation_request(body, messages))
+    return conversation if fitting is None else fitting
 
 
 async def _respond(request: Request, state: ServerState, body: ResponsesRequest,
