@@ -10,6 +10,7 @@ rely on it.
 import importlib
 import json
 import math
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -127,22 +128,23 @@ def demo_model_path(size: str = "tiny", seed: int = 0) -> Path:
 
 def build_demo_model(
     path: str | Path, size: str = "tiny", seed: int = 0, family: str = "llama",
-    fill_in_middle: bool = False,
+    fill_in_middle: Sequence[str] = (),
 ) -> Path:
-    """Write a complete model directory to `path`, replacing whatever was there; with
-    `fill_in_middle`, its vocabulary has Qwen2.5-Coder's fill-in-the-middle tokens."""
+    """Write a complete model directory to `path`, replacing whatever was there; its
+    vocabulary also has the `fill_in_middle` tokens (a code model's, such as
+    `FILL_IN_MIDDLE_TOKENS`, Qwen2.5-Coder's)."""
     path = Path(path)
     _build(path, size, seed, family, replace=True, fill_in_middle=fill_in_middle)
     return path
 
 
 def _build(path: Path, size: str, seed: int, family: str, replace: bool,
-           fill_in_middle: bool = False) -> None:
+           fill_in_middle: Sequence[str] = ()) -> None:
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {list(FAMILIES)}")
-    specials = SPECIAL_TOKENS + (FILL_IN_MIDDLE_TOKENS if fill_in_middle else [])
+    specials = [*SPECIAL_TOKENS, *fill_in_middle]
     publish_directory(
         path, lambda staging: _write_model(staging, size, seed, family, specials), replace)
 

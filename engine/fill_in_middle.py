@@ -8,6 +8,11 @@ them. Repository-level context (Qwen2.5-Coder's, arXiv 2409.12186) goes before t
 prefix: `<REPO> name` and one `<FILE_SEP> filename` + text per other file of the
 project, then a `<FILE_SEP>` line for the file being edited (llama.cpp's /infill builds
 the same prompt from its `input_extra`).
+
+Codestral learned the other order, suffix first, with no middle token: `[SUFFIX] suffix
+[PREFIX] prefix`, and the middle follows the prefix (mistral-common's `encode_fim`,
+Ollama's codestral template). Typing at the cursor only lengthens the prompt's end there,
+so the prefix cache keeps the whole prompt before the cursor from one keystroke to the next.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ MARKERS = (
     ("<PRE>", "<SUF>", "<MID>"),
     ("<|code_prefix|>", "<|code_suffix|>", "<|code_middle|>"),  # CodeGeeX4
 )
+# Codestral's (prefix, suffix) tokens, in the suffix-first order.
+SUFFIX_FIRST = ("[PREFIX]", "[SUFFIX]")
 REPOSITORY = ("<|repo_name|>", "<repo_name>", "<|fim_repo|>", "<reponame>", "<fim-repo>")
 FILE_SEPARATOR = ("<|file_sep|>", "<file_sep>", "<fim-sep>")
 PAD = ("<|fim_pad|>", "<fim_pad>", "<fim-pad>")
@@ -44,11 +51,11 @@ SUFFIX_TOKENS = INFILL_BATCH // 4 - 3
 
 @dataclass(frozen=True)
 class FillInMiddleTokens:
-    """A model's fill-in-the-middle token ids."""
+    """A model's fill-in-the-middle token ids (`middle` None: the suffix-first order)."""
 
     prefix: int
     suffix: int
-    middle: int
+    middle: int | None
     repository: int | None = None
     file_separator: int | None = None
     pad: int | None = None
@@ -56,12 +63,17 @@ class FillInMiddleTokens:
     names: tuple[str, ...] = ()  # the prefix, suffix and middle tokens' text
 
     @property
+    def suffix_first(self) -> bool:
+        return self.middle is None
+
+    @property
     def ends(self) -> tuple[int, ...]:
         """Tokens that end a middle besides the model's EOS: its own end of a middle, or,
-        for a model that goes on past its middle, the next file of the repository or a
-        pad."""
+        for a model that goes on past its middle, the next file of the repository, a pad,
+        or (suffix first, where nothing follows the middle) another gap's tokens."""
+        gap = (self.prefix, self.suffix) if self.suffix_first else ()
         return tuple(token for token in (self.end, self.repository, self.file_separator,
-                                         self.pad) if token is not None)
+                                         self.pad, *gap) if token is not None)
 
 
 def find_tokens(token_id: Callable[[str], int | None]) -> FillInMiddleTokens | None:
@@ -75,6 +87,9 @@ def find_tokens(token_id: Callable[[str], int | None]) -> FillInMiddleTokens | N
             return FillInMiddleTokens(prefix, suffix, middle, _first(token_id, REPOSITORY),
                                       _first(token_id, FILE_SEPARATOR), _first(token_id, PAD),
                                       _first(token_id, END_OF_MIDDLE), names)
+    prefix, suffix = (token_id(name) for name in SUFFIX_FIRST)
+    if prefix is not None and suffix is not None:
+        return FillInMiddleTokens(prefix, suffix, None, names=SUFFIX_FIRST)
     return None
 
 
@@ -91,7 +106,9 @@ def infill_prompt(tokens: FillInMiddleTokens, encode: Callable[[str], list[int]]
     a prompt (BOS). A model without a file separator gets the files' texts as they are,
     each after a blank line (llama.cpp separates them with a `--- snippet ---` line).
     With `fit`, a number of tokens, the prompt is cut to it as llama.cpp's /infill cuts
-    one (`INFILL_BATCH`)."""
+    one (`INFILL_BATCH`). Suffix first, the suffix is encoded as text that goes on from
+    before it (no word-start space a SentencePiece tokenizer puts before a text), as
+    mistral-common encodes it."""
     context: list[int] = []
     if files and tokens.repository is not None and tokens.file_separator is not None:
         context += [tokens.repository, *encode(PROJECT_NAME + "\n")]
@@ -103,9 +120,22 @@ def infill_prompt(tokens: FillInMiddleTokens, encode: Callable[[str], list[int]]
         context += encode(text)
     if files and tokens.file_separator is not None:
         context += [tokens.file_separator, *encode(EDITED_FILE_NAME + "\n")]
-    before, after = encode(prefix), encode(suffix)
+    before = encode(prefix)
+    after = _continuing(encode, suffix) if tokens.suffix_first else encode(suffix)
     if fit is not None:
         before, after = before[len(before) - min(len(before), PREFIX_TOKENS):], after[:SUFFIX_TOKENS]
-        room = max(0, fit - len(head) - len(before) - len(after) - 3)
+        controls = 2 if tokens.suffix_first else 3
+        room = max(0, fit - len(head) - len(before) - len(after) - controls)
         context = context[len(context) - min(len(context), room):]
+    if tokens.suffix_first:
+        return [*head, *context, tokens.suffix, *after, tokens.prefix, *before]
     return [*head, *context, tokens.prefix, *before, tokens.suffix, *after, tokens.middle]
+
+
+def _continuing(encode: Callable[[str], list[int]], text: str) -> list[int]:
+    """`text`'s tokens as the continuation of other text: encoded after a newline, whose
+    tokens are then dropped (a SentencePiece tokenizer's word-start space goes with them);
+    as it is encoded alone where the newline's tokens do not come out the same."""
+    anchor = encode("\n")
+    tokens = encode("\n" + text)
+    return tokens[len(anchor):] if tokens[:len(anchor)] == anchor else encode(text)

@@ -374,9 +374,12 @@ def _template(model: ServedModel, config: dict[str, Any]) -> str:
     tokens = model.fill_in_middle
     if tokens is None:
         return chat
-    prefix, suffix, middle = tokens.names
-    return (f"{{{{- if .Suffix }}}}{prefix}{{{{ .Prompt }}}}{suffix}{{{{ .Suffix }}}}{middle}"
-            f"{{{{- else }}}}{chat}{{{{- end }}}}")
+    prefix, suffix = tokens.names[:2]
+    if tokens.suffix_first:  # Ollama's codestral template
+        infill = f"{suffix}{{{{ .Suffix }}}}{prefix} {{{{ .Prompt }}}}"
+    else:
+        infill = f"{prefix}{{{{ .Prompt }}}}{suffix}{{{{ .Suffix }}}}{tokens.names[2]}"
+    return f"{{{{- if .Suffix }}}}{infill}{{{{- else }}}}{chat}{{{{- end }}}}"
 
 
 def _capabilities(model: ServedModel) -> list[str]:

@@ -7,6 +7,7 @@ import pytest
 from engine.fill_in_middle import (
     MARKERS,
     PREFIX_TOKENS,
+    SUFFIX_FIRST,
     SUFFIX_TOKENS,
     FillInMiddleTokens,
     find_tokens,
@@ -71,3 +72,32 @@ def test_a_fitted_prompt_keeps_the_code_nearest_the_gap_and_the_latest_files() -
     # Less room than the code itself: no files at all, the code as cut.
     assert infill_prompt(tokens, encode, prefix, suffix, [("u", "x")], fit=10) == [
         1, *encode("p" * PREFIX_TOKENS), 2, *encode("s" * SUFFIX_TOKENS), 3]
+
+
+def test_codestral_is_prompted_suffix_first() -> None:
+    """mistral-common's `encode_fim`: `[SUFFIX] suffix [PREFIX] prefix`, and the middle
+    follows the prefix; another gap's tokens end it. The project's files go first."""
+    tokens = find_tokens({"[INST]": 3, "[PREFIX]": 7, "[SUFFIX]": 8}.get)
+    assert tokens == FillInMiddleTokens(7, 8, None, names=SUFFIX_FIRST)
+    assert tokens.suffix_first and tokens.ends == (7, 8)
+    assert infill_prompt(tokens, encode, "ab", "c", [("u", "x")], head=[9]) == [
+        9, *encode("\n\nx"), 8, *encode("c"), 7, *encode("ab")]
+
+
+def test_a_suffix_first_suffix_goes_on_from_before_it() -> None:
+    """A SentencePiece tokenizer puts a word-start space (here 0) before a text; the
+    suffix is encoded without it, as mistral-common's `_encode_infilling` does."""
+    def sentencepiece(text: str) -> list[int]:
+        return [0, *encode(text)]
+
+    tokens = FillInMiddleTokens(7, 8, None)
+    assert infill_prompt(tokens, sentencepiece, "ab", "c") == [
+        8, *encode("c"), 7, 0, *encode("ab")]
+
+
+def test_a_fitted_suffix_first_prompt_fills_the_room() -> None:
+    tokens = FillInMiddleTokens(7, 8, None)
+    prompt = infill_prompt(tokens, encode, "p" * 100, "s" * 100, [("u", "x" * 5000)],
+                           fit=1000)
+    assert len(prompt) == 1000
+    assert prompt[-101:] == [7, *encode("p" * 100)]

@@ -15,7 +15,8 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from engine.demo_model import build_demo_model
+from engine.demo_model import FILL_IN_MIDDLE_TOKENS, build_demo_model
+from engine.fill_in_middle import SUFFIX_FIRST
 from tests.server.support import ServerProcess, start_server
 
 PREFIX = "def add(a, b):\n    "
@@ -24,18 +25,22 @@ EXTRA = [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}]
 MAX_TOKENS = 12
 
 
+def serve(model: Path, factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = start_server(model, factory.mktemp(f"{model.name}-log") / "server.log")
+    yield process
+    process.stop()
+
+
 @pytest.fixture(scope="module")
 def coder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_demo_model(tmp_path_factory.mktemp("coder") / "tiny-coder",
-                            fill_in_middle=True)
+                            fill_in_middle=FILL_IN_MIDDLE_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def coder(coder_dir: Path, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[ServerProcess]:
-    process = start_server(coder_dir, tmp_path_factory.mktemp("coder-log") / "server.log")
-    yield process
-    process.stop()
+    yield from serve(coder_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +187,42 @@ def test_a_suffix_with_what_it_cannot_follow_is_a_400(
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "suffix" and message in error["message"]
+
+
+@pytest.fixture(scope="module")
+def codestral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny demo model with Codestral's fill-in-the-middle tokens."""
+    return build_demo_model(tmp_path_factory.mktemp("codestral") / "tiny-codestral",
+                            fill_in_middle=SUFFIX_FIRST)
+
+
+@pytest.fixture(scope="module")
+def codestral(codestral_dir: Path, tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[ServerProcess]:
+    yield from serve(codestral_dir, tmp_path_factory)
+
+
+def test_codestral_fills_in_suffix_first_and_a_keystroke_reuses_the_whole_prompt(
+        codestral: ServerProcess, codestral_dir: Path) -> None:
+    """Codestral's order, `[SUFFIX] suffix [PREFIX] prefix`: typing at the cursor only
+    lengthens the prompt's end, so the next completion reuses all that came before."""
+    vocabulary = Tokenizer.from_file(str(codestral_dir / "tokenizer.json"))
+    prefix_token, suffix_token = map(vocabulary.token_to_id, SUFFIX_FIRST)
+    prompt = [suffix_token, *encode(vocabulary, SUFFIX), prefix_token,
+              *encode(vocabulary, PREFIX)]
+    client = openai.OpenAI(base_url=f"{codestral.url}/v1", api_key="none")
+
+    def middle(prefix: str) -> openai.types.Completion:
+        return client.completions.create(model="tiny-codestral", prompt=prefix,
+                                         suffix=SUFFIX, max_tokens=MAX_TOKENS, temperature=0)
+
+    first = middle(PREFIX)
+    expected = greedy(codestral, prompt, model="tiny-codestral",
+                      stop_token_ids=[prefix_token, suffix_token])
+    assert first.choices[0].text == expected["choices"][0]["text"]
+    assert first.usage.prompt_tokens == len(prompt)
+    typed = middle(PREFIX + "ret")
+    assert typed.usage.prompt_tokens_details.cached_tokens >= len(prompt) - 3
+    shown = httpx.post(f"{codestral.url}/api/show", json={"model": "tiny-codestral"}).json()
+    assert shown["template"].startswith(
+        "{{- if .Suffix }}[SUFFIX]{{ .Suffix }}[PREFIX] {{ .Prompt }}{{- else }}")
