@@ -1,4 +1,5 @@
-"""OpenAI's Chat Completions and legacy Completions requests as `GenerationRequest`s.
+"""OpenAI's Chat Completions and legacy Completions requests, and Mistral's fill in the
+middle, as `GenerationRequest`s.
 
 The schema lives in `server.openai.protocol`; this module only maps its fields onto the
 internal request (`server.request`), which the shared pipeline runs.
@@ -6,6 +7,7 @@ internal request (`server.request`), which the shared pipeline runs.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from engine.api import SamplingKnobs
@@ -23,6 +25,7 @@ from server.openai.protocol import (
     Content,
     CustomTool,
     CustomToolCall,
+    FimCompletionRequest,
     ImagePart,
     JsonObjectFormat,
     JsonSchemaFormat,
@@ -102,6 +105,21 @@ def completion_request(body: CompletionRequest) -> GenerationRequest:
         n=body.n,
         logprobs=body.logprobs,
         echo=body.echo,
+        stream=body.stream,
+        include_usage=_include_usage(body),
+    )
+
+
+def fim_request(body: FimCompletionRequest) -> GenerationRequest:
+    sampling = sampling_knobs(body)
+    return GenerationRequest(
+        prompts=(body.prompt,),
+        infill=Infill(body.suffix),
+        sampling=sampling if body.random_seed is None else replace(sampling,
+                                                                   seed=body.random_seed),
+        unset_sampling=unset_knobs(body),
+        max_tokens=body.max_tokens,
+        n=body.n,
         stream=body.stream,
         include_usage=_include_usage(body),
     )

@@ -302,3 +302,16 @@ class CompletionFormat(Format):
             ],
             openai_usage(usage),
         )
+
+
+class FimFormat(ChatFormat):
+    """Mistral's fill in the middle, answered in Chat Completions' shapes as Mistral
+    answers it: its finishing chunk's delta holds an empty `content`, as Mistral's does,
+    for clients that add up every chunk's `delta.content` (Continue's Mistral provider)."""
+
+    def chunk(self, event: Event) -> ChatCompletionChunk | None:
+        chunk = super().chunk(event)
+        if isinstance(event, ChoiceFinished) and chunk is not None:
+            delta = chunk.choices[0].delta
+            delta.content = delta.content or ""
+        return chunk

@@ -623,6 +623,25 @@ class CompletionRequest(StructuredOutputRequest):
         return self.prompt  # type: ignore[return-value]
 
 
+class FimCompletionRequest(SamplingRequest):
+    """Mistral's fill in the middle (POST /v1/fim/completions, Codestral's API), which
+    Continue's Mistral provider and the mistralai SDK's `fim.complete` send: the text
+    before the gap (`prompt`) and after it (`suffix`, none: the model continues the
+    prompt from within a gap at the end). Its seed is `random_seed`."""
+
+    prompt: str
+    suffix: str = ""
+    random_seed: int | None = Field(None, ge=0, lt=2**63)
+    min_tokens: int | None = Field(None, ge=0)
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _no_min_tokens(cls, value: int | None) -> int | None:
+        if value:
+            raise ValueError("min_tokens is not supported: send 0 or leave it out")
+        return value
+
+
 # -- responses -----------------------------------------------------------------------------
 
 

@@ -1,4 +1,5 @@
-"""OpenAI's /v1 endpoints: Chat Completions, Completions and Models."""
+"""OpenAI's /v1 endpoints: Chat Completions, Completions and Models; and Mistral's fill in
+the middle, which answers in Chat Completions' shapes."""
 
 from __future__ import annotations
 
@@ -18,8 +19,13 @@ from server.http.model_response import model_response
 from server.http.openapi import error_responses, event_stream
 from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, to_the_end
 from server.model_registry import Lease, ServedModel
-from server.openai.adapter import chat_request, completion_request, custom_tool_names
-from server.openai.formats import ChatFormat, CompletionFormat, Format
+from server.openai.adapter import (
+    chat_request,
+    completion_request,
+    custom_tool_names,
+    fim_request,
+)
+from server.openai.formats import ChatFormat, CompletionFormat, FimFormat, Format
 from server.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -27,6 +33,7 @@ from server.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    FimCompletionRequest,
     ModelCard,
     ModelList,
 )
@@ -94,6 +101,23 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         fmt = CompletionFormat(f"cmpl-{generation.request_id}", model,
                                body.logprobs is not None)
         return await _respond(request, generation, fmt)
+
+    return await respond_with_model(state.models, body.model, body.stream, respond,
+                                    _stream_error)
+
+
+@api.post("/fim/completions", responses={
+    200: {"model": ChatCompletionResponse, "content": _events(ChatCompletionChunk)}})
+async def create_fim_completion(body: FimCompletionRequest, request: Request) -> Response:
+    """Mistral's fill in the middle (Codestral's API): the model's own fill-in-the-middle
+    prompt (engine/fill_in_middle.py), as Completions' `suffix` makes it."""
+    state = server_state(request)
+
+    async def respond(lease: Lease) -> Response:
+        generation = await start(request, state, lease, fim_request(body))
+        model = state.models.name_for(lease.model, body.model)
+        return await _respond(request, generation,
+                              FimFormat(f"cmpl-{generation.request_id}", model, False))
 
     return await respond_with_model(state.models, body.model, body.stream, respond,
                                     _stream_error)

@@ -13,6 +13,7 @@ import httpx
 import ollama
 import openai
 import pytest
+from mistralai.client import Mistral
 from tokenizers import Tokenizer
 
 from engine.demo_model import FILL_IN_MIDDLE_TOKENS, build_demo_model
@@ -167,6 +168,9 @@ def test_a_model_without_fill_in_the_middle_tokens_refuses_a_suffix(
     infill = httpx.post(f"{server.url}/infill", headers=headers, json={
         "model": model_id, "input_prefix": PREFIX, "input_suffix": SUFFIX})
     assert infill.status_code == 400 and infill.json()["error"]["param"] == "input_suffix"
+    fim = httpx.post(f"{server.url}/v1/fim/completions", headers=headers, json={
+        "model": model_id, "prompt": PREFIX})
+    assert fim.status_code == 400 and "does not support insert" in fim.json()["error"]["message"]
     shown = httpx.post(f"{server.url}/api/show", headers=headers, json={"model": model_id})
     assert "insert" not in shown.json()["capabilities"]
     assert ".Suffix" not in shown.json()["template"]
@@ -226,3 +230,28 @@ def test_codestral_fills_in_suffix_first_and_a_keystroke_reuses_the_whole_prompt
     shown = httpx.post(f"{codestral.url}/api/show", json={"model": "tiny-codestral"}).json()
     assert shown["template"].startswith(
         "{{- if .Suffix }}[SUFFIX]{{ .Suffix }}[PREFIX] {{ .Prompt }}{{- else }}")
+
+
+def test_mistrals_fim_api_fills_in_the_same_middle(codestral: ServerProcess) -> None:
+    """Mistral's fill in the middle (/v1/fim/completions: Continue's Mistral provider, the
+    mistralai SDK) prompts the model as Completions' `suffix` does, answers in Chat
+    Completions' shapes, and its streamed deltas, each with content, add up to it."""
+    completions = openai.OpenAI(base_url=f"{codestral.url}/v1", api_key="none")
+    expected = completions.completions.create(
+        model="tiny-codestral", prompt=PREFIX, suffix=SUFFIX, max_tokens=MAX_TOKENS,
+        temperature=0)
+    client = Mistral(api_key="none", server_url=codestral.url)
+    fields = {"model": "tiny-codestral", "prompt": PREFIX, "suffix": SUFFIX,
+              "max_tokens": MAX_TOKENS, "temperature": 0}
+    whole = client.fim.complete(**fields)
+    assert whole.choices[0].message.content == expected.choices[0].text
+    assert whole.choices[0].finish_reason == expected.choices[0].finish_reason
+    assert whole.usage.prompt_tokens == expected.usage.prompt_tokens
+    deltas = [event.data.choices[0].delta.content for event in client.fim.stream(**fields)]
+    assert None not in deltas and "".join(deltas) == whole.choices[0].message.content
+    seeded = {**fields, "temperature": 1.0, "random_seed": 7}
+    assert (client.fim.complete(**seeded).choices[0].message.content
+            == client.fim.complete(**seeded).choices[0].message.content)
+    refused = httpx.post(f"{codestral.url}/v1/fim/completions",
+                         json={**fields, "min_tokens": 3})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_tokens"
