@@ -12,12 +12,15 @@ with the model's fill-in-the-middle tokens (engine/fill_in_middle.py) as the Ope
 Ollama APIs' `suffix` is, and cut as llama.cpp cuts it to leave the reply its room (the
 code at the gap first, then the files' latest tokens). The answer is /completion's object, or with `stream`, its
 `data:` events: partial ones with `content` as it comes, then the final one with `stop:
-true`, the counts and `timings`.
+true`, the counts and `timings`. Either ends early where llama.cpp's editor plugins ask
+it to (`n_indent`, `t_max_predict_ms`: `_within_limits`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -79,6 +82,10 @@ class LlamaRequest(RequestModel):
     json_schema: SchemaDocument | None = None
     grammar: GrammarText = None
     stream: bool = False
+    # Editors' autocomplete (llama.vscode, llama.vim): the reply ends at a line indented
+    # less than this, or at a newline once this many ms passed since its first token.
+    n_indent: int = 0
+    t_max_predict_ms: int = 0
 
     @property
     def repetition_penalty(self) -> float | None:
@@ -213,8 +220,8 @@ async def _answer(request: Request, body: LlamaRequest, generation: GenerationRe
         reply = LlamaReply(state.models.name_for(lease.model, body.model or lease.model.id),
                            clock)
         if body.stream:
-            return GenerationEventSource(run, _events(run, reply))
-        results = await to_the_end(request, run, _whole(run, reply))
+            return GenerationEventSource(run, _events(run, reply, body))
+        results = await to_the_end(request, run, _whole(run, reply, body))
         if results is None:
             return Response(status_code=CLIENT_CLOSED)
         return model_response(results, exclude_none=True)
@@ -317,9 +324,72 @@ def _alternative(logprob: TokenLogprob) -> Alternative:
                        logprob=logprob.logprob)
 
 
-async def _whole(run: GenerationRun, reply: LlamaReply) -> CompletionResponse:
-    [result] = await collect(_clocked(run.events(), reply.clock), 1)
+async def _whole(run: GenerationRun, reply: LlamaReply, body: LlamaRequest
+                 ) -> CompletionResponse:
+    [result] = await collect(_clocked(_within_limits(run, body), reply.clock), 1)
     return reply.final(result, whole=True)
+
+
+async def _within_limits(run: GenerationRun, body: LlamaRequest) -> AsyncIterator[Event]:
+    """`run`'s events, ended as llama.cpp ends a completion for an editor (a finish of
+    reason "length", its stop type "limit"; the caller then closes the generation): at a
+    line indented less than `n_indent` (`IndentLimit`), or at text with a newline once
+    `t_max_predict_ms` passed since the first token (that text kept)."""
+    events = run.events()
+    if body.n_indent <= 0 and body.t_max_predict_ms <= 0:
+        async for event in events:
+            yield event
+        return
+    indent = IndentLimit(body.n_indent)
+    text, first_token = "", None
+    async for event in events:
+        if not (isinstance(event, TextDelta) and event.text):
+            yield event
+            continue
+        first_token = first_token or time.monotonic()
+        start, text = len(text), text + event.text
+        if (cut := indent.cut(text)) is not None:
+            yield replace(event, text=text[start:cut])
+            break
+        yield event
+        if (body.t_max_predict_ms > 0 and "\n" in event.text
+                and (time.monotonic() - first_token) * 1e3 > body.t_max_predict_ms):
+            break
+    else:
+        return
+    await events.aclose()
+    yield ChoiceFinished(event.choice, "length", run.usage_so_far())
+
+
+class IndentLimit:
+    """llama.cpp's `n_indent`: a completion ends at the first character, a newline
+    included, of a line after its first that is indented by fewer than `n_indent` spaces
+    or tabs (the text cut before that character). Off at 0."""
+
+    def __init__(self, n_indent: int) -> None:
+        self.n_indent = n_indent
+        self._line: int | None = None  # where a line not judged yet starts
+        self._searched = 0  # where the search for the next line goes on from
+
+    def cut(self, text: str) -> int | None:
+        """Where `text`, the completion so far, ends; None: not (yet)."""
+        if self.n_indent <= 0:
+            return None
+        while True:
+            if self._line is None:
+                newline = text.find("\n", self._searched)
+                if newline < 0:
+                    self._searched = len(text)
+                    return None
+                self._line = newline + 1
+            first = self._line
+            while first < len(text) and text[first] in " \t":
+                first += 1
+            if first == len(text):
+                return None  # only indentation so far
+            if first - self._line < self.n_indent:
+                return first
+            self._line, self._searched = None, first
 
 
 async def _clocked(events: AsyncIterator[Event], clock: Clock) -> AsyncIterator[Event]:
@@ -330,10 +400,11 @@ async def _clocked(events: AsyncIterator[Event], clock: Clock) -> AsyncIterator[
         yield event
 
 
-async def _events(run: GenerationRun, reply: LlamaReply) -> AsyncIterator[str]:
+async def _events(run: GenerationRun, reply: LlamaReply, body: LlamaRequest
+                  ) -> AsyncIterator[str]:
     finished = ChoiceResult()
     try:
-        async for event in run.events():
+        async for event in _within_limits(run, body):
             if isinstance(event, TextDelta) and (event.text or event.tokens):
                 yield reply.chunk(event, run.prompt_tokens).model_dump_json(exclude_none=True)
             elif isinstance(event, ChoiceFinished):

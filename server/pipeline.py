@@ -218,6 +218,11 @@ class GenerationRun:
         reasoning = None if None in counts else sum(counts)
         return replace(self.job.usage(), reasoning_tokens=reasoning)
 
+    def usage_so_far(self) -> Usage:
+        """A one-choice reply's usage before its end, for a front end that ends the reply
+        itself (llama.cpp's limits on a completion's time and indentation)."""
+        return Usage(self.prompt_tokens, len(self._generated), self.cached_tokens)
+
     def close(self) -> None:
         """Cancel whatever still runs. Idempotent; every front end calls it in a finally."""
         self.job.close()

@@ -9,6 +9,7 @@ import json
 import httpx
 import pytest
 
+from server.llama_cpp import IndentLimit
 from tests.server.support import ServerProcess
 
 PROMPT = "The three primary colours are"
@@ -73,6 +74,60 @@ def test_llama_cpps_grammar_fields_bind_the_text(server: ServerProcess, headers:
     shaped = post(server, headers, "/completion", {
         "prompt": PROMPT, "temperature": 0, "n_predict": 64, "json_schema": schema}).json()
     assert isinstance(json.loads(shaped["content"])["n"], int)
+
+
+def gbnf_literal(text: str) -> str:
+    """A GBNF grammar whose only sentence is `text`."""
+    return "root ::= " + json.dumps(text)
+
+
+def streamed(server: ServerProcess, headers: dict, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{server.url}/completion", headers=headers, timeout=60,
+                      json={**body, "stream": True}) as stream:
+        return [json.loads(line.removeprefix("data: ")) for line in stream.iter_lines()
+                if line.startswith("data: ")]
+
+
+def test_an_editors_completion_ends_at_a_line_indented_less_than_n_indent(
+        server: ServerProcess, headers: dict) -> None:
+    """llama.vscode sends the cursor line's indentation: the completion ends before the
+    first character of a later line indented less, as llama.cpp cuts it."""
+    code = "if x:\n    a = 1\n    b = 2\nc = 3\n"
+    body = {"prompt": PROMPT, "temperature": 0, "n_predict": 64, "n_indent": 4,
+            "grammar": gbnf_literal(code)}
+    whole = post(server, headers, "/completion", body).json()
+    assert whole["content"] == "if x:\n    a = 1\n    b = 2\n"
+    assert whole["stop_type"] == "limit" and whole["tokens_predicted"] > 0
+    events = streamed(server, headers, body)
+    assert "".join(event["content"] for event in events) == whole["content"]
+    assert events[-1]["stop"] is True and events[-1]["stop_type"] == "limit"
+    assert post(server, headers, "/completion", {**body, "n_indent": 0}).json()[
+        "content"] == code
+
+
+@pytest.mark.parametrize(("text", "cut"), [
+    ("x\n  y\n  z", None),
+    ("x\n  y\n z", 7),
+    ("x\n\ty", 3),  # a tab is one character of indentation
+    ("x\n\n  y", 2),  # a blank line ends it, as llama.cpp's does
+    ("x\n ", None),  # only indentation so far: not known yet
+    (" x", None),  # the first line, the cursor's, is never judged
+])
+def test_the_indentation_limit_cuts_where_llama_cpp_does(text: str, cut: int | None) -> None:
+    assert IndentLimit(2).cut(text) == cut
+    fed = IndentLimit(2)  # the same, fed as a stream's deltas come
+    assert next((at for end in range(1, len(text) + 1)
+                 if (at := fed.cut(text[:end])) is not None), None) == cut
+
+
+def test_an_editors_completion_ends_at_a_newline_after_t_max_predict_ms(
+        server: ServerProcess, headers: dict) -> None:
+    lines = "a\n" * 30
+    body = {"prompt": PROMPT, "temperature": 0, "n_predict": 128, "t_max_predict_ms": 1,
+            "grammar": gbnf_literal(lines)}
+    cut = post(server, headers, "/completion", body).json()
+    assert cut["stop_type"] == "limit" and cut["content"].endswith("\n")
+    assert lines.startswith(cut["content"]) and len(cut["content"]) < len(lines)
 
 
 @pytest.mark.parametrize(("body", "param"), [
