@@ -403,6 +403,10 @@ class ThreadNotHeld(APIError):
         return body
 
 
+# The beta (anthropic-beta: interleaved-thinking-2025-05-14) under which thinking
+# continues between tool calls, its budget spanning them all.
+INTERLEAVED_THINKING = "interleaved-thinking"
+
 router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
                    route_class=JSONRoute)
 
@@ -412,6 +416,9 @@ router = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     if body.thread is not None:
         raise ThreadNotHeld()
+    if body.thinking_over_budget(INTERLEAVED_THINKING in request.headers.get("anthropic-beta", "")):
+        raise APIError(400, "`max_tokens` must be greater than `thinking.budget_tokens`",
+                       param="max_tokens")
     state = server_state(request)
 
     async def respond(lease: Lease) -> Response:

@@ -338,9 +338,17 @@ ToolChoice = Annotated[
 ]
 
 
+# Anthropic's least thinking budget.
+MIN_THINKING_BUDGET = 1024
+
+
 class ThinkingEnabled(RequestModel):
+    """Anthropic's bounds on the budget are checked (at least 1024, below max_tokens:
+    `MessagesRequest.thinking_over_budget`), so a request that Anthropic refuses is
+    refused here too; the budget itself does not bound the reasoning of a local model."""
+
     type: Literal["enabled"]
-    budget_tokens: int = Field(ge=1)
+    budget_tokens: int = Field(ge=MIN_THINKING_BUDGET)
 
 
 class ThinkingAdaptive(RequestModel):
@@ -436,6 +444,13 @@ class MessagesRequest(TokenCountRequest):
     # a thread is refused (the route's `ThreadNotHeld`) rather than ignored, which would
     # answer a tool result alone.
     thread: Any = None
+
+    def thinking_over_budget(self, interleaved: bool) -> bool:
+        """Whether the thinking budget is not below max_tokens, which Anthropic refuses
+        unless thinking is `interleaved` (its beta), where the budget is the whole turn's,
+        across tool calls."""
+        return (isinstance(self.thinking, ThinkingEnabled) and not interleaved
+                and self.thinking.budget_tokens >= self.max_tokens)
 
 
 # -- responses -----------------------------------------------------------------------------

@@ -263,6 +263,14 @@ def test_claude_code_shaped_agent_loop_is_served_from_cache(
     ({"max_tokens": 4, "messages": [{"role": "assistant", "content": [
         {"type": "thinking", "thinking": "hm", "signature": "s"}]}]},
      400, "invalid_request_error", "leaves nothing to reply to"),
+    # Anthropic's bounds on a thinking budget, in its words.
+    ({"max_tokens": 4096, "messages": [{"role": "user", "content": "x"}],
+      "thinking": {"type": "enabled", "budget_tokens": 1023}},
+     400, "invalid_request_error",
+     "thinking.budget_tokens: Input should be greater than or equal to 1024"),
+    ({"max_tokens": 1024, "messages": [{"role": "user", "content": "x"}],
+      "thinking": {"type": "enabled", "budget_tokens": 1024}},
+     400, "invalid_request_error", "`max_tokens` must be greater than `thinking.budget_tokens`"),
 ])
 def test_errors_are_anthropic_error_objects(
     claude: anthropic.Anthropic, model_id: str, body: dict, status: int, kind: str, words: str
@@ -275,6 +283,22 @@ def test_errors_are_anthropic_error_objects(
     assert words in error.body["error"]["message"]
     # The body names the request as its header does, as Anthropic's errors do.
     assert error.body["request_id"] == error.response.headers["request-id"]
+
+
+def test_a_thinking_budget_within_anthropics_bounds_is_taken(
+    claude: anthropic.Anthropic, model_id: str
+) -> None:
+    """A budget below max_tokens, thinking disabled, and (with interleaved thinking, where
+    the budget is the whole turn's) a budget over max_tokens are all answered."""
+    messages = [{"role": "user", "content": "Hi"}]
+    for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}):
+        message = claude.messages.create(model=model_id, max_tokens=1025, messages=messages,
+                                         thinking=thinking, stop_sequences=["a", "e", "o"])
+        assert message.type == "message"
+    interleaved = claude.beta.messages.create(
+        model=model_id, max_tokens=2, messages=messages, betas=["interleaved-thinking-2025-05-14"],
+        thinking={"type": "enabled", "budget_tokens": 2048})
+    assert interleaved.type == "message"
 
 
 @pytest.mark.parametrize("kind", sorted(DEFINED_TOOLS))
