@@ -95,6 +95,7 @@ from server.responses.protocol import (
     OutputTokensDetails,
     PartEvent,
     ReasoningItem,
+    ReasoningSettings,
     ReasoningText,
     ResponseError,
     ResponseEvent,
@@ -569,6 +570,10 @@ async def _respond(request: Request, state: ServerState, body: ResponsesRequest,
         max_output_tokens=body.max_output_tokens, temperature=body.temperature,
         top_p=body.top_p, store=body.store, metadata=body.metadata or {},
         prompt_cache_key=body.prompt_cache_key, user=body.user, top_logprobs=body.top_logprobs,
+        safety_identifier=body.safety_identifier, truncation=body.truncation or "disabled",
+        reasoning=ReasoningSettings(**body.reasoning.model_dump()) if body.reasoning else
+        ReasoningSettings(),
+        max_tool_calls=body.max_tool_calls,
     ))
     save = ((lambda: _save(state, builder.response, conversation, input_items(body)))
             if body.store else None)

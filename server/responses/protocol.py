@@ -393,6 +393,12 @@ class ResponsesRequest(RequestModel):
     store: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
+    safety_identifier: str | None = None
+    # One tier serves every request here; whichever is asked for, the response says
+    # "default", the tier that served it, as OpenAI's does.
+    service_tier: str | None = None
+    # Bounds calls of hosted tools, which nobody here runs: echoed, otherwise moot.
+    max_tool_calls: int | None = None
     # Codex sends one per conversation. A radix cache finds a shared prefix by itself,
     # so the key changes nothing here; it is echoed back as OpenAI does.
     prompt_cache_key: str | None = None
@@ -552,7 +558,17 @@ class IncompleteDetails(ResponseModel):
     reason: Literal["max_output_tokens"]
 
 
+class ReasoningSettings(ResponseModel):
+    """The reasoning settings a response echoes (OpenAI's nulls where none were asked)."""
+
+    effort: str | None = None
+    summary: str | None = None
+
+
 class Response(ResponseModel):
+    """A response, with the settings it was made with echoed as OpenAI's: what the
+    request left out as its default."""
+
     id: str
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=now)
@@ -574,7 +590,13 @@ class Response(ResponseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     prompt_cache_key: str | None = None
     user: str | None = None
+    safety_identifier: str | None = None
     top_logprobs: int | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
+    reasoning: ReasoningSettings = Field(default_factory=ReasoningSettings)
+    service_tier: Literal["default"] = "default"
+    background: bool = False
+    max_tool_calls: int | None = None
     usage: ResponseUsage | None = None
 
     @property

@@ -62,6 +62,30 @@ def test_response_shape_and_usage(client: openai.OpenAI, model_id: str) -> None:
         assert response.status == "completed"
 
 
+def test_the_response_echoes_the_requests_settings(client: openai.OpenAI, model_id: str) -> None:
+    """The settings a response was made with come back on it, as OpenAI's: those left
+    out as their defaults, in the stream's first event and the stored response too."""
+    plain = client.responses.create(model=model_id, input="Hi", max_output_tokens=16)
+    assert (plain.truncation, plain.service_tier, plain.background) == ("disabled", "default",
+                                                                        False)
+    assert plain.reasoning.effort is None and plain.reasoning.summary is None
+    assert plain.safety_identifier is None and plain.max_tool_calls is None
+    asked = {"truncation": "auto", "reasoning": {"effort": "low", "summary": "auto"},
+             "safety_identifier": "user-7", "service_tier": "flex", "max_tool_calls": 3,
+             "store": True}
+    response = client.responses.create(model=model_id, input="Hi", max_output_tokens=16,
+                                       **asked)
+    with client.responses.stream(model=model_id, input="Hi", max_output_tokens=16,
+                                 **asked) as stream:
+        created = next(iter(stream)).response
+    stored = client.responses.retrieve(response.id)
+    for echoed in (response, created, stored):
+        assert echoed.truncation == "auto" and echoed.safety_identifier == "user-7"
+        assert (echoed.reasoning.effort, echoed.reasoning.summary) == ("low", "auto")
+        assert echoed.max_tool_calls == 3
+        assert echoed.service_tier == "default"  # the tier that served it: there is one
+
+
 def test_stream_follows_the_documented_event_sequence(
     client: openai.OpenAI, model_id: str
 ) -> None:
