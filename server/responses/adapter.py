@@ -394,7 +394,13 @@ class ResponseBuilder:
                 CustomInputDoneEvent(item_id=item.id, output_index=self._index,
                                      input=item.input))]
         else:
-            events = [
+            # Logprobs still unsent, of tokens whose text an earlier delta carried (the
+            # engine puts the text of tokens ready together on the first): a delta of no
+            # text, so the deltas' logprobs are the done event's.
+            events = [self._number(TextDeltaEvent(
+                type="response.output_text.delta", item_id=item.id, output_index=self._index,
+                delta="", logprobs=self._unsent_logprobs))] if self._unsent_logprobs else []
+            events += [
                 self._number(TextDoneEvent(
                     type=f"response.{_part_kind(item)}.done", item_id=item.id,
                     output_index=self._index, text=item.content[0].text, **_logprobs(item))),
@@ -402,7 +408,7 @@ class ResponseBuilder:
             ]
         item.status = status
         self._item = None
-        self._unsent_logprobs = []  # the done event carried them
+        self._unsent_logprobs = []
         return [*events, self._number(ItemEvent(type="response.output_item.done",
                                                 output_index=self._index, item=item))]
 

@@ -185,11 +185,11 @@ def test_logprobs_are_the_chat_apis_whole_and_streamed(
     """include's message.output_text.logprobs (with top_logprobs alternatives) gives each
     answer token's logprob on its output_text part and its delta events, as Chat
     Completions gives them for the same conversation."""
-    asked = {"model": model_id, "input": "Say something.", "max_output_tokens": 6,
+    asked = {"model": model_id, "input": "Say something.", "max_output_tokens": 16,
              "temperature": 0, "top_logprobs": 2, "include": ["message.output_text.logprobs"]}
     chat = client.chat.completions.create(
         model=model_id, messages=[{"role": "user", "content": "Say something."}],
-        max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+        max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
     expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
     whole = client.responses.create(**asked)
     assert whole.top_logprobs == 2
