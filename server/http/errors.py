@@ -41,7 +41,8 @@ MAX_LISTED_PROBLEMS = 3
 # OpenAI's codes for the validation problems it gives a code of their own, by pydantic's
 # type for the problem (too_long: a list past its max_length); the rest are
 # invalid_request.
-VALIDATION_CODES = {"too_long": "array_above_max_length"}
+VALIDATION_CODES = {"too_long": "array_above_max_length",
+                    "integer_below_min_value": "integer_below_min_value"}
 # The methods a 405's Allow header may name.
 HTTP_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from engine.api import SpeculationMode
 from server.documents import ReadInText, document, text_of_data_url
@@ -220,6 +221,10 @@ class UnsupportedItem(RequestModel):
         raise ValueError(f"input items of type {self.type!r} are not supported")
 
 
+# The least max_output_tokens OpenAI takes: a smaller one is its 400, so a client that
+# works here works there.
+MIN_OUTPUT_TOKENS = 16
+
 # What `include` names for logprobs with the answer's text.
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -382,7 +387,7 @@ class ResponsesRequest(RequestModel):
     parallel_tool_calls: bool | None = None  # None: OpenAI's default (true for free choice)
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=MIN_OUTPUT_TOKENS)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
     # Each answer token's logprob comes with this many likeliest alternatives; asked for
@@ -438,6 +443,17 @@ class ResponsesRequest(RequestModel):
         if not self.input and not self.instructions and self.previous_response_id is None:
             raise ValueError("input is empty, and there are no instructions to answer")
         return self
+
+    @field_validator("max_output_tokens", mode="before")
+    @classmethod
+    def _at_least_the_least_output(cls, value: Any) -> Any:
+        """The bound's 400 with OpenAI's code and words (the field's `ge` declares it)."""
+        if type(value) is int and value < MIN_OUTPUT_TOKENS:
+            raise PydanticCustomError(  # OpenAI's code for it, and its words
+                "integer_below_min_value", "integer below minimum value. Expected a value "
+                ">= {least}, but got {value} instead.", {"least": MIN_OUTPUT_TOKENS,
+                                                           "value": value})
+        return value
 
     # Fields' validators rather than the model's, so a 400 names its field; tools is
     # validated before tool_choice.
@@ -583,7 +599,7 @@ class Response(ResponseModel):
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
-    max_output_tokens: int | None = None
+    max_output_tokens: int | None = Field(None, ge=MIN_OUTPUT_TOKENS)
     temperature: float | None = None
     top_p: float | None = None
     store: bool = True

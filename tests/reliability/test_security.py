@@ -63,7 +63,7 @@ def request_for(
     elif path == "/v1/completions":
         body["prompt"] = "Hello"
     elif path in ("/v1/responses", "/v1/responses/input_tokens"):
-        body |= {"input": "Hello", "max_output_tokens": 2}
+        body |= {"input": "Hello", "max_output_tokens": 16}
     elif path in ("/v1/embeddings", "/v1/classify"):
         body["input"] = ["Hello"]
     elif path == "/v1/rerank":
@@ -234,7 +234,7 @@ def test_every_v1_operation_serves_the_right_key(
     with httpx.Client(base_url=hardened.url, headers=AUTH, timeout=30) as http:
         stored = "resp_unknown"
         if "{response_id}" in path:  # a stored response to get or delete
-            stored = http.post("/v1/responses", json={"input": "Hello", "max_output_tokens": 1})
+            stored = http.post("/v1/responses", json={"input": "Hello", "max_output_tokens": 16})
             stored = stored.json()["id"]
         response = http.request(**request_for(method, path, demo_model_dir.name, stored))
     assert response.status_code == 200, response.text

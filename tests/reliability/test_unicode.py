@@ -50,7 +50,7 @@ BODIES: dict[str, dict[str, Any]] = {
             {"type": "function_call_output", "call_id": "call_1", "output": "Sunny."},
             {"role": "user", "content": "And in Lyon?"},
         ],
-        "tools": [{"type": "function", **TOOL["function"]}], "max_output_tokens": 2,
+        "tools": [{"type": "function", **TOOL["function"]}], "max_output_tokens": 16,
         "text": {"format": {"type": "text"}}, "store": False,
     },
     "/v1/messages": {

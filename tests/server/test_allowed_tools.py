@@ -188,7 +188,7 @@ def test_allowed_tools_the_request_cannot_have_are_a_400(
     body = {"model": model, "tool_choice": tool_choice, "max_tokens": 4}
     if path == "/v1/responses":
         body = {"model": model, "input": "hi", "tools": RESPONSES_TOOLS,
-                "tool_choice": tool_choice, "max_output_tokens": 4}
+                "tool_choice": tool_choice, "max_output_tokens": 16}
     else:
         body |= {"messages": [{"role": "user", "content": "hi"}], "tools": CHAT_TOOLS}
     response = httpx.post(f"{real_server.url}{path}", json=body, timeout=60,

@@ -65,6 +65,10 @@ CASES = [
      "array_above_max_length", "stop"),
     ("n = 0", "POST", CHAT, chat(n=0), 400, "invalid_request", "n"),
     ("max_tokens = 0", "POST", CHAT, chat(max_tokens=0), 400, "invalid_request", "max_tokens"),
+    # OpenAI's least max_output_tokens.
+    ("max_output_tokens = 15", "POST", RESPONSES,
+     {"json": {"input": "Hello", "max_output_tokens": 15}}, 400, "integer_below_min_value",
+     "max_output_tokens"),
     ("empty messages", "POST", CHAT, {"json": {"messages": []}}, 400, "invalid_request",
      "messages"),
     ("missing messages", "POST", CHAT, {"json": {"model": "x"}}, 400, "invalid_request",
@@ -126,7 +130,7 @@ CASES = [
     ("tool_choice without tools", "POST", CHAT, chat(tool_choice="required"), 400,
      "invalid_request", "tool_choice"),
     ("a response's tool_choice naming no tool", "POST", RESPONSES, {"json": {
-        "input": "Hello", "max_output_tokens": 2, "tools": [{"type": "function", "name": "f"}],
+        "input": "Hello", "max_output_tokens": 16, "tools": [{"type": "function", "name": "f"}],
         "tool_choice": {"type": "function", "name": "g"}}}, 400, "invalid_request",
      "tool_choice"),
     ("a response format's name with a space", "POST", RESPONSES, {"json": {
@@ -134,7 +138,7 @@ CASES = [
                                           "schema": {"type": "object"}}}}}, 400,
      "invalid_request", "text"),
     ("a response's two tools of one name", "POST", RESPONSES, {"json": {
-        "input": "Hello", "max_output_tokens": 2,
+        "input": "Hello", "max_output_tokens": 16,
         "tools": [{"type": "function", "name": "f"}] * 2}}, 400, "invalid_request", "tools"),
     ("deprecated functions", "POST", CHAT, chat(functions=[{"name": "f", "parameters": {}}]),
      400, "invalid_request", "functions"),
@@ -154,7 +158,7 @@ CASES = [
                 "required": ["n"]}}}}}), 400, "unsupported_schema", "response_format"),
     # A Responses tool's `strict` unsaid: its schema is normalized to strict mode first.
     ("a required entry that names nothing", "POST", "/v1/responses", {"json": {
-        "input": "Hello", "max_output_tokens": 2, "tools": [{
+        "input": "Hello", "max_output_tokens": 16, "tools": [{
             "type": "function", "name": "f", "parameters": {
                 "type": "object", "properties": {"a": {}}, "required": [{}]}}]}},
      400, "unsupported_schema", "tools"),
@@ -200,7 +204,7 @@ CASES = [
     ("129 tools", "POST", CHAT, chat(tools=FUNCTIONS), 400, "array_above_max_length",
      "tools"),
     ("129 tools in a response", "POST", RESPONSES,
-     {"json": {"input": "Hello", "max_output_tokens": 2, "tools": [
+     {"json": {"input": "Hello", "max_output_tokens": 16, "tools": [
         {"type": "function", **tool["function"]} for tool in FUNCTIONS]}},
      400, "array_above_max_length", "tools"),
     ("missing key", "POST", CHAT, {**chat(), "headers": {}}, 401, "invalid_api_key", None),

@@ -50,7 +50,7 @@ def test_codex_and_claude_code_shapes_chat(gemma: ServerProcess, gemma_dir: Path
              {"role": "developer", "content": "Answer in one word."},
              {"role": "user", "content": "<environment_context>cwd: /src</environment_context>"},
              {"role": "user", "content": "What is the capital of France?"}]
-    response = client.responses.create(model=model, input=codex, max_output_tokens=8,
+    response = client.responses.create(model=model, input=codex, max_output_tokens=16,
                                        **GREEDY)
     # A tiny model says what it says; the point is that the template took the chat.
     assert response.output_text.strip() and response.usage.input_tokens > 30

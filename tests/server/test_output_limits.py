@@ -58,7 +58,7 @@ def test_a_response_without_max_output_tokens_may_fill_the_context(
     """OpenAI's default: the rest of the context window (short of it here, to be quick)."""
     def count(repeats: int) -> int:
         response = client.responses.create(model=model_id, input="Go on. " * repeats + "?",
-                                           max_output_tokens=1)
+                                           max_output_tokens=16)
         return response.usage.input_tokens
 
     per_repeat = count(2) - count(1)

@@ -44,7 +44,7 @@ RESPONSE_ITEM = TypeAdapter(ResponseItem)
 
 def test_response_shape_and_usage(client: openai.OpenAI, model_id: str) -> None:
     response = client.responses.create(model=model_id, input="Say something.",
-                                       instructions="Be terse.", max_output_tokens=5)
+                                       instructions="Be terse.", max_output_tokens=16)
     assert response.object == "response" and response.id.startswith("resp_")
     assert response.model == model_id and response.instructions == "Be terse."
     [item] = response.output
@@ -55,7 +55,7 @@ def test_response_shape_and_usage(client: openai.OpenAI, model_id: str) -> None:
     usage = response.usage
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert 0 <= usage.input_tokens_details.cached_tokens < usage.input_tokens
-    if usage.output_tokens == 5:  # random weights rarely end on their own
+    if usage.output_tokens == 16:  # random weights rarely end on their own
         assert response.status == "incomplete"
         assert response.incomplete_details.reason == "max_output_tokens"
     else:
@@ -89,7 +89,7 @@ def test_the_response_echoes_the_requests_settings(client: openai.OpenAI, model_
 def test_stream_follows_the_documented_event_sequence(
     client: openai.OpenAI, model_id: str
 ) -> None:
-    options = {"model": model_id, "input": "Hello", "max_output_tokens": 6, "temperature": 0.0}
+    options = {"model": model_id, "input": "Hello", "max_output_tokens": 16, "temperature": 0.0}
     whole = client.responses.create(**options)
     events = list(client.responses.create(**options, stream=True))
     kinds = [event.type for event in events]
@@ -115,8 +115,8 @@ def test_previous_response_continues_the_stored_conversation(
     client: openai.OpenAI, model_id: str
 ) -> None:
     first = client.responses.create(model=model_id, input="Remember the word apple.",
-                                    max_output_tokens=4)
-    follow = client.responses.create(model=model_id, input="Which word?", max_output_tokens=4,
+                                    max_output_tokens=16)
+    follow = client.responses.create(model=model_id, input="Which word?", max_output_tokens=16,
                                      previous_response_id=first.id)
     assert follow.previous_response_id == first.id
     # The first exchange is the follow-up's prompt prefix, and came from the cache.
@@ -135,13 +135,13 @@ def test_input_tokens_are_counted_as_the_response_would_read_them(
     tools and a previous response's conversation included, counted without running it."""
     ask = {"model": model_id, "input": "Which shell?", "instructions": "Be terse.",
            "tools": TOOLS}
-    first = client.responses.create(**ask, max_output_tokens=4)
+    first = client.responses.create(**ask, max_output_tokens=16)
     count = client.responses.input_tokens.count(**ask)
     assert count.object == "response.input_tokens"
     assert count.input_tokens == first.usage.input_tokens
     follow = {**ask, "input": "And then?", "previous_response_id": first.id}
     counted = client.responses.input_tokens.count(**follow).input_tokens
-    assert counted == client.responses.create(**follow, max_output_tokens=4).usage.input_tokens
+    assert counted == client.responses.create(**follow, max_output_tokens=16).usage.input_tokens
     with pytest.raises(openai.NotFoundError):
         client.responses.input_tokens.count(**{**follow, "previous_response_id": "resp_x"})
     with pytest.raises(openai.BadRequestError):
@@ -155,7 +155,7 @@ def test_a_stream_closed_at_its_terminal_event_is_stored(
     after the stream's last write, which a closed stream never reaches (9 of 20 lost)."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
     for attempt in range(10):
-        body = {"model": model_id, "input": f"Hello {attempt}.", "max_output_tokens": 3,
+        body = {"model": model_id, "input": f"Hello {attempt}.", "max_output_tokens": 16,
                 "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/responses", json=body, headers=headers,
                           timeout=60) as stream:
@@ -208,10 +208,10 @@ def test_logprobs_are_the_chat_apis_whole_and_streamed(
 def test_input_may_be_left_out(client: openai.OpenAI, model_id: str) -> None:
     """`input` is optional in OpenAI's API, and the SDK leaves it out where the caller
     does: instructions alone are answered, and a stored response goes on as it stands."""
-    alone = client.responses.create(model=model_id, instructions="Say hi.", max_output_tokens=2)
+    alone = client.responses.create(model=model_id, instructions="Say hi.", max_output_tokens=16)
     assert alone.usage.input_tokens > 0 and alone.output_text
     more = client.responses.create(model=model_id, previous_response_id=alone.id,
-                                   max_output_tokens=2)
+                                   max_output_tokens=16)
     assert more.previous_response_id == alone.id and more.usage.input_tokens > 0
     assert client.responses.input_items.list(more.id).data == []
 
@@ -220,7 +220,7 @@ def test_a_refusal_sent_back_reads_as_its_text(client: openai.OpenAI, model_id: 
     """An earlier response's refusal part, replayed as input (the Agents SDK's
     to_input_list), is the assistant's text, as if it had been output_text."""
     def prompt_tokens(part: dict) -> int:
-        return client.responses.create(model=model_id, max_output_tokens=1, input=[
+        return client.responses.create(model=model_id, max_output_tokens=16, input=[
             {"role": "user", "content": "Tell me a secret."},
             {"type": "message", "role": "assistant", "content": [part]},
             {"role": "user", "content": "Why not?"}]).usage.input_tokens
@@ -248,7 +248,7 @@ def test_unknown_or_unstored_response_is_404(client: openai.OpenAI, model_id: st
         client.responses.create(model=model_id, input="x", previous_response_id="resp_nope")
     assert raised.value.code == "response_not_found"
     assert raised.value.param == "previous_response_id"
-    unstored = client.responses.create(model=model_id, input="x", max_output_tokens=1,
+    unstored = client.responses.create(model=model_id, input="x", max_output_tokens=16,
                                        store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
@@ -267,7 +267,7 @@ def test_a_stored_responses_input_items_are_listed_page_by_page(
         {"role": "user", "content": [{"type": "input_text", "text": "And now?"}]},
     ]
     response = client.responses.create(model=model_id, input=items, tools=TOOLS,
-                                       instructions="Be brief.", max_output_tokens=2)
+                                       instructions="Be brief.", max_output_tokens=16)
     listed = list(client.responses.input_items.list(response.id, order="asc"))
     assert [item.type for item in listed] == [
         "message", "function_call", "function_call_output", "message"]
@@ -280,7 +280,7 @@ def test_a_stored_responses_input_items_are_listed_page_by_page(
     assert newest_first.has_more and newest_first.last_id == listed[1].id
     rest = client.responses.input_items.list(response.id, limit=3, after=listed[1].id)
     assert [item.id for item in rest.data] == [listed[0].id] and not rest.has_more
-    follow_up = client.responses.create(model=model_id, input="Thanks.", max_output_tokens=1,
+    follow_up = client.responses.create(model=model_id, input="Thanks.", max_output_tokens=16,
                                         previous_response_id=response.id)
     (only,) = client.responses.input_items.list(follow_up.id).data
     assert only.type == "message" and only.content[0].text == "Thanks."
@@ -299,7 +299,7 @@ def test_listed_input_items_are_the_sdks_response_items(
         {"role": "assistant", "content": "fine"},
         {"role": "user", "content": [{"type": "input_text", "text": "b"}]},
     ]
-    response = client.responses.create(model=model_id, input=items, max_output_tokens=2)
+    response = client.responses.create(model=model_id, input=items, max_output_tokens=16)
     listed = httpx.get(f"{server.url}/v1/responses/{response.id}/input_items?order=asc",
                        headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
     parsed = [RESPONSE_ITEM.validate_python(item) for item in listed.json()["data"]]
@@ -316,7 +316,7 @@ def test_input_items_or_cancels_this_server_cannot_give_are_refused(
     with pytest.raises(openai.NotFoundError) as raised:
         client.responses.input_items.list("resp_nope")
     assert raised.value.code == "response_not_found"
-    response = client.responses.create(model=model_id, input="x", max_output_tokens=1)
+    response = client.responses.create(model=model_id, input="x", max_output_tokens=16)
     url = f"{server.url}/v1/responses/{response.id}/input_items"
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with pytest.raises(openai.BadRequestError, match="background"):
@@ -336,7 +336,7 @@ def test_item_references_read_as_the_stored_items_they_name(
     prompt is the one the items themselves give, and the listing shows them. An id no
     stored response has is a 404 naming the item."""
     first = client.responses.create(model=model_id, input="Remember the word apple.",
-                                    max_output_tokens=4)
+                                    max_output_tokens=16)
     (asked,) = client.responses.input_items.list(first.id).data
     (answer,) = first.output
     question = {"role": "user", "content": "Which word?"}
@@ -344,10 +344,10 @@ def test_item_references_read_as_the_stored_items_they_name(
             {"role": "assistant", "content": first.output_text}, question]
     # The type may be left out, as OpenAI's ItemReference has it optional.
     referenced = [{"type": "item_reference", "id": asked.id}, {"id": answer.id}, question]
-    plain = client.responses.create(model=model_id, input=sent, max_output_tokens=4,
+    plain = client.responses.create(model=model_id, input=sent, max_output_tokens=16,
                                     temperature=0)
     by_reference = client.responses.create(model=model_id, input=referenced,
-                                           max_output_tokens=4, temperature=0)
+                                           max_output_tokens=16, temperature=0)
     assert by_reference.usage.input_tokens == plain.usage.input_tokens
     assert by_reference.output_text == plain.output_text
     listed = client.responses.input_items.list(by_reference.id, order="asc").data
@@ -377,7 +377,7 @@ def test_function_call_items_round_trip(client: openai.OpenAI, model_id: str) ->
     custom = {"type": "custom", "name": "apply_patch", "description": "Edit files."}
     tools = [*TOOLS, {"type": "web_search"}, custom]
     response = client.responses.create(model=model_id, input=items, tools=tools,
-                                       max_output_tokens=3)
+                                       max_output_tokens=16)
     assert [tool.name for tool in response.tools] == ["shell", "apply_patch"]
     assert response.usage.input_tokens > 20
     patch = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
@@ -391,7 +391,7 @@ def test_function_call_items_round_trip(client: openai.OpenAI, model_id: str) ->
     assert (result["role"], result["content"], result["tool_call_id"]) == (
         "tool", "Done.", "call_2")
     listed = client.responses.create(model=model_id, input=items, tools=tools,
-                                     max_output_tokens=3)
+                                     max_output_tokens=16)
     assert listed.usage.input_tokens > response.usage.input_tokens
     kinds = [item.type for item in client.responses.input_items.list(listed.id, order="asc").data]
     assert kinds == ["message", "reasoning", "function_call", "function_call_output",
@@ -446,7 +446,7 @@ def test_an_output_without_call_id_is_matched_by_id_or_name_or_kept_plain(
             {"id": "call_1", "type": "function", "function": {"name": "x", "arguments": {}}}]}])
     assert by_id[-1]["tool_call_id"] == "call_1"
     response = client.responses.create(model=model_id, input=[user, call, goal, user],
-                                       tools=TOOLS, max_output_tokens=2)
+                                       tools=TOOLS, max_output_tokens=16)
     assert response.status in ("completed", "incomplete")
 
 
@@ -465,7 +465,7 @@ def test_codex_shaped_agent_loop_is_served_from_cache(
         stream = client.responses.create(
             model=model_id, instructions=instructions, input=items, tools=TOOLS,
             tool_choice="auto", parallel_tool_calls=False, store=False, stream=True,
-            prompt_cache_key=key, max_output_tokens=4, temperature=0.0,
+            prompt_cache_key=key, max_output_tokens=16, temperature=0.0,
         )
         final = [event for event in stream if event.type.startswith("response.")][-1].response
         assert final.prompt_cache_key == key
@@ -549,7 +549,7 @@ def test_bad_requests_are_openai_400s(
 def test_responses_endpoint_has_its_own_metric_label(
     client: openai.OpenAI, server: ServerProcess, model_id: str
 ) -> None:
-    client.responses.create(model=model_id, input="x", max_output_tokens=1)
+    client.responses.create(model=model_id, input="x", max_output_tokens=16)
     text = httpx.get(f"{server.url}/metrics", headers={"x-api-key": API_KEY}).text
     assert 'endpoint="/v1/responses",status="200"' in text
 
@@ -585,7 +585,7 @@ def test_forced_function_call_round_trip(client: openai.OpenAI, model_id: str) -
         model=model_id, previous_response_id=called.id, tools=[*TOOLS, WEATHER_TOOL],
         input=[{"type": "function_call_output", "call_id": call.call_id,
                 "output": "Sunny, 24 degrees."}],
-        max_output_tokens=4,
+        max_output_tokens=16,
     )
     assert [item.type for item in answer.output] == ["message"]
     assert answer.usage.input_tokens > called.usage.input_tokens + called.usage.output_tokens
@@ -643,7 +643,7 @@ def test_thinking_is_a_reasoning_item(thinking_server: ServerProcess) -> None:
     so the whole reply is one reasoning item, streamed as reasoning_text deltas."""
     client = openai.OpenAI(base_url=f"{thinking_server.url}/v1", api_key="-", max_retries=0)
     options = {"model": "tiny-thinking", "input": "Which city is the capital?",
-               "max_output_tokens": 5, "temperature": 0.0}
+               "max_output_tokens": 16, "temperature": 0.0}
     whole = client.responses.create(**options)
     [item] = whole.output
     assert item.type == "reasoning" and item.id.startswith("rs_") and whole.output_text == ""

@@ -36,7 +36,7 @@ LAST = [{"role": "user", "content": "and finally?"}]
 def respond(server: ServerProcess, messages: list[dict], truncation: str | None = None,
             **more) -> httpx.Response:
     body = {"instructions": INSTRUCTIONS, "input": messages,
-            "max_output_tokens": 2, "temperature": 0, **more}
+            "max_output_tokens": 16, "temperature": 0, **more}
     if truncation is not None:
         body["truncation"] = truncation
     return httpx.post(f"{server.url}/v1/responses", json=body, timeout=120)

@@ -34,7 +34,7 @@ from tests.vision.support import (
     webp_hiding_a_photocd,
 )
 
-MAX_TOKENS = 10
+MAX_TOKENS = 16  # the least max_output_tokens the Responses API takes, as OpenAI's
 MAX_PIXELS = 1_000_000
 
 
@@ -278,7 +278,7 @@ def test_an_image_in_an_assistant_message_is_a_400_in_each_api(vision_server, mo
             {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": url}}]},
             {"role": "user", "content": "And?"}]})
     responses = httpx.post(f"{vision_server.url}/v1/responses", timeout=30, json={
-        "model": model, "max_output_tokens": 4, "input": [
+        "model": model, "max_output_tokens": 16, "input": [
             {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": [{"type": "input_image", "image_url": url}]},
             {"role": "user", "content": "And?"}]})
@@ -430,7 +430,7 @@ def test_a_bad_image_is_a_400_in_each_apis_shape_and_the_server_goes_on(
     assert chat.json()["error"]["code"] == "invalid_image"
 
     responses = httpx.post(f"{vision_server.url}/v1/responses", timeout=30, json={
-        "model": model, "max_output_tokens": 4, "input": [{"role": "user", "content": [
+        "model": model, "max_output_tokens": 16, "input": [{"role": "user", "content": [
             {"type": "input_image", "image_url": url}]}]})
     assert responses.status_code == 400, responses.text
     assert responses.json()["error"]["code"] == "invalid_image"
