@@ -225,7 +225,9 @@ class Engine:
                 prefill_stall_floor=self.config.prefill_stall_floor_seconds,
                 max_tokens_in_flight=min(self.config.max_tokens_in_flight,
                                          self.memory.kv_tokens),
-                cache_bytes=self.memory.cache_bytes,
+                # A budget of less than a token is none: the tree then says a miss is
+                # its being off (RadixTree.explain_miss).
+                cache_bytes=self.memory.cache_bytes if self.memory.cached_tokens else 0,
             ), self.group, self.config.speculation, quantization, draft_model)
             self.wants_message_ends = not self._scheduler.kv.segments
             if self._warms_up():

@@ -8,8 +8,9 @@ that continues differently (`DIVERGED`: a volatile header, a date, a reordered t
 list), the branch was evicted from memory or from disk or cleared, its disk copy could not
 be read, the tokens are there but hold no state a request can start from (`NO_SNAPSHOT`,
 models whose caches are whole-state snapshots), another request is computing them
-(`IN_FLIGHT`), or they were cached in memory only when the model was last stopped
-(`RELOADED`). With a disk tier the record outlives the process, kept in its folder.
+(`IN_FLIGHT`), they were cached in memory only when the model was last stopped
+(`RELOADED`), or there is no cache to hold them (`CACHE_OFF`: a budget of no token and
+no disk tier). With a disk tier the record outlives the process, kept in its folder.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class MissReason(str, enum.Enum):
     NO_SNAPSHOT = "no_snapshot"
     IN_FLIGHT = "in_flight"
     RELOADED = "model_reloaded"
+    CACHE_OFF = "cache_off"
 
 
 @dataclass(frozen=True)

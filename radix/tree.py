@@ -157,6 +157,10 @@ class RadixTree(Reservations, Tiers, Accounting):
         tokens = tuple(tokens)
         if reused >= len(tokens):
             return None
+        if self.capacity_bytes == 0 and self.store is None:
+            # What it held went at once: a departure there says evicted, which is not
+            # why nothing is ever reused.
+            return Miss(reused, MissReason.CACHE_OFF)
         with self._mutex:
             node, depth, branch = self.root, 0, ()
             in_flight = snapshots = False  # what lies past `reused` on the path

@@ -648,9 +648,9 @@ class FimCompletionRequest(SamplingRequest):
 class CacheMissDetails(ResponseModel):
     """The first prompt token not reused from the cache (`position`), why (`reason`:
     not_seen, diverged, evicted_from_memory, evicted_from_disk, cleared,
-    disk_copy_unreadable, no_snapshot, in_flight, model_reloaded), the prompt's text
-    `before` and `after` it, and the text the `cached` branch holds there instead
-    (diverged)."""
+    disk_copy_unreadable, no_snapshot, in_flight, model_reloaded, cache_off), the
+    prompt's text `before` and `after` it, and the text the `cached` branch holds there
+    instead (diverged)."""
 
     position: int
     reason: str

@@ -77,3 +77,20 @@ def test_without_the_setting_usage_keeps_openais_shape(client, model_id):
         model=model_id, max_tokens=1, messages=[{"role": "user", "content": "Shape?"}])
     details = response.http_response.json()["usage"]["prompt_tokens_details"]
     assert list(details) == ["cached_tokens"]
+
+
+def test_without_a_prefix_cache_a_miss_says_the_cache_is_off(
+        demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A budget too small for one token (and no disk tier) keeps nothing: every prompt
+    misses at its first token because the cache is off, not because an earlier prompt
+    that began with the same token was evicted."""
+    log = tmp_path_factory.mktemp("cache-off") / "server.log"
+    server = start_server(demo_model_dir, log, "--api-key", API_KEY, "--cache-miss-details",
+                          "true", cache_bytes=1)
+    try:
+        reasons = [chat(server, SYSTEM + f" Unique {n}.", "Hello there.", f"off-{n}")
+                   .usage.prompt_tokens_details.cache_miss["reason"] for n in range(2)]
+        assert reasons == ["cache_off", "cache_off"]
+        assert "miss=cache_off@0" in server.access_line("off-1")
+    finally:
+        server.stop()
