@@ -18,6 +18,9 @@ from typing import Any
 import pydantic_core
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
+
+from server.http.streaming import CLIENT_CLOSED
 
 # jiter's words where a string's \uXXXX escape is a lone UTF-16 surrogate (\ud800-\udfff
 # not in a high-low pair): they say where its parser stopped, not what is wrong.
@@ -36,7 +39,14 @@ class JSONRequest(Request):
         if encoding not in ("", "identity"):
             raise HTTPException(415, f"the body is sent with Content-Encoding {encoding!r}: "
                                      "send it uncompressed")
-        return (await super().body()).removeprefix(codecs.BOM_UTF8) or b"{}"
+        try:
+            body = await super().body()
+        except ClientDisconnect:
+            # The client left mid-body: FastAPI would call it a body it could not parse
+            # (a 400 in the access log, the request blamed); nobody reads the answer.
+            raise HTTPException(CLIENT_CLOSED, "the client closed the connection before "
+                                               "its body was sent") from None
+        return body.removeprefix(codecs.BOM_UTF8) or b"{}"
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):

@@ -9,6 +9,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -162,6 +164,25 @@ def test_a_connection_whose_body_stops_coming_is_closed(hardened: ServerProcess,
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert "Traceback" not in hardened.log()
+
+
+@pytest.mark.parametrize("framing", [b"Content-Length: 1000\r\n\r\n{\"messages\": [",
+                                     b"Transfer-Encoding: chunked\r\n\r\n10\r\n{\"messages\": ["],
+                         ids=["content-length", "chunked"])
+def test_a_body_its_client_cut_off_is_logged_as_the_clients_leaving(
+        hardened: ServerProcess, framing: bytes) -> None:
+    """A client that closes its connection mid-body left: the operator reads nginx's 499
+    (client closed request) in the access log, not a 400 that blames the request."""
+    host, port = urlsplit(hardened.url).hostname, urlsplit(hardened.url).port
+    request_id = f"cut-off-{uuid.uuid4().hex[:8]}"
+    with socket.create_connection((host, port), timeout=30) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                     b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
+                     b"X-Request-Id: %s\r\n" % (API_KEY.encode(), request_id.encode())
+                     + framing)
+        time.sleep(0.5)  # the route is reading the body
+    line = hardened.access_line(request_id)
+    assert "POST /v1/chat/completions 499 " in line, line
 
 
 def test_a_stream_whose_client_stops_reading_is_cut_off(
