@@ -51,6 +51,7 @@ from server.anthropic.protocol import (
     ThinkingBlock,
     ThinkingContent,
     ThinkingDelta,
+    ThinkingDisabled,
     TokenCount,
     TokenCountRequest,
     Tool,
@@ -119,7 +120,7 @@ def generation_request(body: TokenCountRequest) -> GenerationRequest:
         output = JsonSchemaOutput("output", body.output_config.format.schema_, strict=True)
     template_kwargs = {}
     if body.thinking is not None:
-        template_kwargs["enable_thinking"] = body.thinking.type != "disabled"
+        template_kwargs["enable_thinking"] = not isinstance(body.thinking, ThinkingDisabled)
     request = GenerationRequest(
         messages=tuple(messages),
         images=tuple(url for message in body.messages for url in message.images),

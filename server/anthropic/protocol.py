@@ -356,7 +356,11 @@ class ThinkingAdaptive(RequestModel):
 
 
 class ThinkingDisabled(RequestModel):
-    type: Literal["disabled"]
+    """Thinking off. `between_tools` (the SDK's newest type) is off too: Anthropic's models
+    then return only their notes between tool calls as thinking blocks, and any text a
+    model here writes inside its thinking markers is returned as one anyway."""
+
+    type: Literal["disabled", "between_tools"]
 
 
 Thinking = Annotated[

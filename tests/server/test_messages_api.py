@@ -629,3 +629,18 @@ def test_an_empty_assistant_message_alone_is_a_400_when_counted_too(
         claude.messages.count_tokens(model=model_id,
                                      messages=[{"role": "assistant", "content": "  "}])
     assert "leaves nothing to reply to" in raised.value.body["error"]["message"]
+
+
+def test_thinking_between_tools_is_thinking_off(thinking_server: ServerProcess) -> None:
+    """Anthropic's `between_tools` (thinking off; the model's progress notes between tool
+    calls come back as thinking blocks) renders as `disabled` does: the SDK sends it, and
+    it was a 400."""
+    claude = anthropic.Anthropic(base_url=thinking_server.url, api_key="-", max_retries=0)
+    messages = [{"role": "user", "content": "Which city is the capital?"}]
+    counted = {kind: claude.messages.count_tokens(model="tiny-thinking", messages=messages,
+                                                  thinking={"type": kind}).input_tokens
+               for kind in ("between_tools", "disabled", "adaptive")}
+    assert counted["between_tools"] == counted["disabled"] != counted["adaptive"]
+    message = claude.messages.create(model="tiny-thinking", max_tokens=2, messages=messages,
+                                     thinking={"type": "between_tools"})
+    assert message.type == "message"
