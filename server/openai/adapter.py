@@ -71,7 +71,9 @@ def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         stream=body.stream,
         include_usage=_include_usage(body),
-        chat_template_kwargs=body.chat_template_kwargs or {},
+        chat_template_kwargs=({"reasoning_effort": body.reasoning_effort}
+                              if body.reasoning_effort else {})
+        | (body.chat_template_kwargs or {}),
         chat_end="continue" if body.continue_final_message
         else "reply" if body.add_generation_prompt else "as_is",
     )

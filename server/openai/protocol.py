@@ -484,6 +484,9 @@ class ChatCompletionRequest(StructuredOutputRequest):
     function_call: Any = None
     modalities: list[Literal["text"]] | None = None  # no audio out: a 400, not text alone
     chat_template_kwargs: dict[str, Any] | None = None
+    # The template variable gpt-oss's template reads (others ignore it): vLLM honours it
+    # for gpt-oss too. chat_template_kwargs' own reasoning_effort wins.
+    reasoning_effort: str | None = None
     # vLLM's: false ends the prompt after the final message instead of opening the reply;
     # continue_final_message (with add_generation_prompt false) makes the reply continue
     # the final message, an assistant prefill.

@@ -249,6 +249,9 @@ def generation_request(
         fit_context=True,
         stream=body.stream,
         include_usage=True,
+        # The template variable gpt-oss's template reads (others ignore it).
+        chat_template_kwargs={"reasoning_effort": body.reasoning.effort}
+        if body.reasoning and body.reasoning.effort else {},
     )
 
 

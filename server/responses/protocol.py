@@ -1,7 +1,7 @@
 """Pydantic models of OpenAI's Responses API (`/v1/responses`).
 
 Requests validate declaratively like the chat models: strict types, unknown fields
-ignored (Codex sends `include`, `reasoning`, `prompt_cache_key`, ...). `input_image` parts
+ignored (what OpenAI adds next must not fail a request). `input_image` parts
 with an `image_url` are read by vision models (server/images.py), `input_file` parts of
 text read in as text (server/documents.py); what no model here reads (PDFs, audio) is
 refused with a 400 that names it. Hosted tools (web search, file search, ...) are not

@@ -42,3 +42,42 @@ def test_a_missing_template_file_stops_the_start(tmp_path: Path) -> None:
         ["serve", "--config", "", "--chat-template", str(tmp_path / "none")])
     with pytest.raises(ConfigError, match="chat_template"):
         load_settings(args, environ={})
+
+
+def test_reasoning_effort_reaches_the_template(
+    demo_model_dir: Path, tmp_path: Path, model_id: str
+) -> None:
+    """OpenAI's reasoning effort (Chat Completions' reasoning_effort, the Responses API's
+    reasoning.effort) is the template variable gpt-oss's template reads, as Ollama's
+    think levels are; chat_template_kwargs, more particular, still wins."""
+    template = tmp_path / "template.jinja"
+    template.write_text("{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}"
+                        "\n{% endif %}" + TEMPLATE)
+    server = start_server(demo_model_dir, tmp_path / "server.log", "--chat-template",
+                          str(template))
+    tokenizer = load_tokenizer(demo_model_dir)
+
+    def chat(**fields) -> int:
+        body = {"model": model_id, "max_tokens": 1,
+                "messages": [{"role": "user", "content": "Hi"}], **fields}
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+        return reply.json()["usage"]["prompt_tokens"]
+
+    def response(**fields) -> int:
+        body = {"model": model_id, "input": "Hi", **fields}
+        counted = httpx.post(f"{server.url}/v1/responses/input_tokens", json=body, timeout=30)
+        return counted.json()["input_tokens"]
+
+    try:
+        counts = [chat(), chat(reasoning_effort="high"),
+                  chat(reasoning_effort="high",
+                       chat_template_kwargs={"reasoning_effort": "low, as the operator said"}),
+                  response(), response(reasoning={"effort": "high"})]
+    finally:
+        server.stop()
+    plain = len(tokenizer.encode("[user] Hi\n[assistant] ", special_tokens=False))
+    high = len(tokenizer.encode("Reasoning: high\n[user] Hi\n[assistant] ",
+                                special_tokens=False))
+    low = len(tokenizer.encode("Reasoning: low, as the operator said\n[user] Hi\n[assistant] ",
+                               special_tokens=False))
+    assert counts == [plain, high, low, plain, high]
