@@ -574,8 +574,9 @@ async def _respond(request: Request, state: ServerState, body: ResponsesRequest,
         tools=[echoed_tool(tool) for tool in body.function_tools + body.custom_tools],
         tool_choice=body.tool_choice or "auto",
         parallel_tool_calls=body.parallel_tool_calls is not False,
-        text=body.text.model_dump(by_alias=True, exclude_none=True) if body.text else
-        {"format": {"type": "text"}},
+        # What was sent, with plain text for a format left out, as OpenAI echoes it.
+        text={"format": {"type": "text"}}
+        | (body.text.model_dump(by_alias=True, exclude_none=True) if body.text else {}),
         max_output_tokens=body.max_output_tokens, temperature=body.temperature,
         top_p=body.top_p, store=body.store, metadata=body.metadata or {},
         prompt_cache_key=body.prompt_cache_key, user=body.user, top_logprobs=body.top_logprobs,

@@ -72,7 +72,7 @@ def test_the_response_echoes_the_requests_settings(client: openai.OpenAI, model_
     assert plain.safety_identifier is None and plain.max_tool_calls is None
     asked = {"truncation": "auto", "reasoning": {"effort": "low", "summary": "auto"},
              "safety_identifier": "user-7", "service_tier": "flex", "max_tool_calls": 3,
-             "store": True}
+             "store": True, "text": {"verbosity": "low"}}
     response = client.responses.create(model=model_id, input="Hi", max_output_tokens=16,
                                        **asked)
     with client.responses.stream(model=model_id, input="Hi", max_output_tokens=16,
@@ -84,6 +84,8 @@ def test_the_response_echoes_the_requests_settings(client: openai.OpenAI, model_
         assert (echoed.reasoning.effort, echoed.reasoning.summary) == ("low", "auto")
         assert echoed.max_tool_calls == 3
         assert echoed.service_tier == "default"  # the tier that served it: there is one
+        # The format left out is the default's, as the verbosity sent is.
+        assert echoed.text.format.type == "text" and echoed.text.verbosity == "low"
 
 
 def test_stream_follows_the_documented_event_sequence(
