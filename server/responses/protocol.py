@@ -407,6 +407,9 @@ class ResponsesRequest(RequestModel):
     # Codex sends one per conversation. A radix cache finds a shared prefix by itself,
     # so the key changes nothing here; it is echoed back as OpenAI does.
     prompt_cache_key: str | None = None
+    # How long OpenAI keeps a cached prefix; the radix cache keeps it while it has room.
+    # Echoed, as the key is.
+    prompt_cache_retention: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     # radix-mlx's: speculative decoding for this request (none: the server's mode).
     speculation: SpeculationMode | None = None
@@ -605,6 +608,7 @@ class Response(ResponseModel):
     store: bool = True
     metadata: dict[str, str] = Field(default_factory=dict)
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     user: str | None = None
     safety_identifier: str | None = None
     top_logprobs: int | None = None

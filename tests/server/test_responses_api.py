@@ -70,9 +70,10 @@ def test_the_response_echoes_the_requests_settings(client: openai.OpenAI, model_
                                                                         False)
     assert plain.reasoning.effort is None and plain.reasoning.summary is None
     assert plain.safety_identifier is None and plain.max_tool_calls is None
+    assert plain.prompt_cache_retention is None
     asked = {"truncation": "auto", "reasoning": {"effort": "low", "summary": "auto"},
              "safety_identifier": "user-7", "service_tier": "flex", "max_tool_calls": 3,
-             "store": True, "text": {"verbosity": "low"}}
+             "store": True, "text": {"verbosity": "low"}, "prompt_cache_retention": "24h"}
     response = client.responses.create(model=model_id, input="Hi", max_output_tokens=16,
                                        **asked)
     with client.responses.stream(model=model_id, input="Hi", max_output_tokens=16,
@@ -82,7 +83,7 @@ def test_the_response_echoes_the_requests_settings(client: openai.OpenAI, model_
     for echoed in (response, created, stored):
         assert echoed.truncation == "auto" and echoed.safety_identifier == "user-7"
         assert (echoed.reasoning.effort, echoed.reasoning.summary) == ("low", "auto")
-        assert echoed.max_tool_calls == 3
+        assert echoed.max_tool_calls == 3 and echoed.prompt_cache_retention == "24h"
         assert echoed.service_tier == "default"  # the tier that served it: there is one
         # The format left out is the default's, as the verbosity sent is.
         assert echoed.text.format.type == "text" and echoed.text.verbosity == "low"
