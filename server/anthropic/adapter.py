@@ -240,11 +240,12 @@ def stop_reason(
 
 
 def message_response(
-    message_id: str, model: str, context_bound: bool, result: ChoiceResult
+    message_id: str, model: str, context_bound: bool, result: ChoiceResult,
+    omit_thinking: bool = False,
 ) -> MessageResponse:
     content: list[ResponseContent] = []
     if result.reasoning:
-        content.append(ThinkingContent(thinking=result.reasoning))
+        content.append(ThinkingContent(thinking="" if omit_thinking else result.reasoning))
     # Text and calls in the order the model wrote them, as the stream's blocks are.
     written = 0
     for call in result.tool_calls:
@@ -282,8 +283,10 @@ class MessageStream:
     """Neutral events as Anthropic's stream events: one content block at a time, in
     order; a block closes when the next kind of content begins."""
 
-    def __init__(self, message_id: str, model: str, context_bound: bool) -> None:
+    def __init__(self, message_id: str, model: str, context_bound: bool,
+                 omit_thinking: bool = False) -> None:
         self.message_id, self.model, self.context_bound = message_id, model, context_bound
+        self.omit_thinking = omit_thinking  # a thinking block opens, and gets no deltas
         self._index = -1
         self._open: str | None = None  # "text", "thinking" or "tool_use"
         # The open call's arguments until they show whether they are an object: only an
@@ -309,6 +312,10 @@ class MessageStream:
             return self._delta("text", TextContent(text=""), TextDelta(text=event.text),
                                bool(event.text))
         if isinstance(event, ReasoningDelta):
+            if self.omit_thinking:
+                if not event.text or self._open == "thinking":
+                    return []
+                return self._close() + self._start("thinking", ThinkingContent(thinking=""))
             return self._delta("thinking", ThinkingContent(thinking=""),
                                ThinkingDelta(thinking=event.text), bool(event.text))
         if isinstance(event, ToolCallStarted):
@@ -427,8 +434,9 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         model = state.models.name_for(lease.model, body.model)
         message_id = f"msg_{uuid.uuid4().hex}"
         if body.stream:
-            stream = _stream(generation,
-                             MessageStream(message_id, model, generation.context_bound))
+            stream = _stream(generation, MessageStream(message_id, model,
+                                                       generation.context_bound,
+                                                       body.omit_thinking))
             # Anthropic pings while a long prompt is computed; so do we, as an event of
             # its own.
             return GenerationEventSource(generation, stream, ping=_ping)
@@ -438,7 +446,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         if results is None:
             return Response(status_code=CLIENT_CLOSED)
         return model_response(message_response(message_id, model, generation.context_bound,
-                                               results[0]))
+                                               results[0], body.omit_thinking))
 
     def error_event(error: APIError) -> NamedEvent:
         return _sse(error.anthropic_body(request_id_of(request.scope)))

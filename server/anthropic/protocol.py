@@ -349,10 +349,13 @@ class ThinkingEnabled(RequestModel):
 
     type: Literal["enabled"]
     budget_tokens: int = Field(ge=MIN_THINKING_BUDGET)
+    # "omitted": thinking blocks come without their text (`TokenCountRequest.omit_thinking`).
+    display: Literal["summarized", "omitted"] | None = None
 
 
 class ThinkingAdaptive(RequestModel):
     type: Literal["adaptive"]
+    display: Literal["summarized", "omitted"] | None = None
 
 
 class ThinkingDisabled(RequestModel):
@@ -398,6 +401,12 @@ class TokenCountRequest(RequestModel):
     # the tools the client counts on, so each is refused with a 400 that names it.
     mcp_servers: list[Any] | None = None
     container: Any = None
+
+    @property
+    def omit_thinking(self) -> bool:
+        """Whether thinking blocks leave out their text (display "omitted"), as Anthropic's
+        do where a client shows no reasoning: the blocks still come, empty."""
+        return getattr(self.thinking, "display", None) == "omitted"
 
     @model_validator(mode="after")
     def _refuse_server_side_features(self) -> TokenCountRequest:

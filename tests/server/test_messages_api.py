@@ -644,3 +644,24 @@ def test_thinking_between_tools_is_thinking_off(thinking_server: ServerProcess) 
     message = claude.messages.create(model="tiny-thinking", max_tokens=2, messages=messages,
                                      thinking={"type": "between_tools"})
     assert message.type == "message"
+
+
+def test_thinking_displayed_as_omitted_leaves_the_blocks_empty(
+        thinking_server: ServerProcess) -> None:
+    """display "omitted" asks for thinking blocks without their text (Anthropic redacts
+    it): the blocks come, empty, and a stream sends no thinking_delta; the thinking was
+    sent anyway."""
+    claude = anthropic.Anthropic(base_url=thinking_server.url, api_key="-", max_retries=0)
+    options = {"model": "tiny-thinking", "max_tokens": 1025, "extra_body": GREEDY,
+               "stop_sequences": ["a", "e", "o"],
+               "messages": [{"role": "user", "content": "Which city is the capital?"}]}
+    for thinking in ({"type": "enabled", "budget_tokens": 1024, "display": "omitted"},
+                     {"type": "adaptive", "display": "omitted"}):
+        whole = claude.messages.create(**options, thinking=thinking)
+        assert [(block.type, block.thinking) for block in whole.content] == [("thinking", "")]
+        with claude.messages.stream(**options, thinking=thinking) as stream:
+            kinds = [event.type for event in stream]
+            streamed = stream.get_final_message()
+        assert "thinking" not in kinds and streamed.content[0].thinking == ""
+        assert [block.type for block in streamed.content] == ["thinking"]
+        assert streamed.usage.output_tokens == whole.usage.output_tokens > 0
