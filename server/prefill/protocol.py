@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, AliasChoices, Field, model_validator
 
 from server.openai.protocol import PROMPT_SHAPES, ChatRequestMessage, TokenId, prompt_kind
 from server.schema import MAX_TOP_LOGPROBS, RequestModel, ResponseModel, shaped_union
@@ -84,7 +84,10 @@ RerankDocumentInput = shaped_union(
 class RerankRequest(RequestModel):
     model: str | None = None
     query: Annotated[str, Field(min_length=1)]
-    documents: Annotated[list[RerankDocumentInput], Field(min_length=1, max_length=MAX_INPUTS)]
+    # llama.cpp's /rerank also takes them as `texts` (TEI's name), as its clients send.
+    documents: Annotated[list[RerankDocumentInput],
+                         Field(min_length=1, max_length=MAX_INPUTS,
+                               validation_alias=AliasChoices("documents", "texts"))]
     top_n: Annotated[int, Field(ge=1)] | None = None
     return_documents: bool = True
     # What the causal judge is told relevance means (Qwen3-Reranker's "Instruct").

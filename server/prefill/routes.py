@@ -110,12 +110,15 @@ async def embed_texts(request: Request, name: str | None, inputs: list[str] | li
             cached)
 
 
-# Also where other servers' rerank clients look: llama.cpp, vLLM and Jina's at /rerank,
-# Cohere's v2 SDK at /v2/rerank (its request is a subset of ours).
+# Also where other servers' rerank clients look: llama.cpp, vLLM and Jina's at /rerank
+# (llama.cpp's at /reranking and /v1/reranking too), Cohere's v2 SDK at /v2/rerank (its
+# request is a subset of ours).
 rerank_aliases = APIRouter(responses=error_responses(ErrorResponse), route_class=JSONRoute)
 
 
 @rerank_aliases.post("/rerank", response_model=RerankResponse, include_in_schema=False)
+@rerank_aliases.post("/reranking", response_model=RerankResponse, include_in_schema=False)
+@rerank_aliases.post("/v1/reranking", response_model=RerankResponse, include_in_schema=False)
 @rerank_aliases.post("/v2/rerank", response_model=RerankResponse, include_in_schema=False)
 @router.post("/rerank", response_model=RerankResponse)
 async def rerank(body: RerankRequest, request: Request) -> Response:

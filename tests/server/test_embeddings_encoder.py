@@ -164,6 +164,19 @@ def test_rerank_by_cosine(encoder_server: ServerProcess, reference) -> None:
     assert results[0]["document"] == {"text": documents[expected[0]]}
 
 
+@pytest.mark.parametrize("path", ["/rerank", "/reranking", "/v1/reranking"])
+def test_rerank_takes_llama_cpps_texts_where_its_clients_post(encoder_server: ServerProcess,
+                                                             path: str) -> None:
+    """llama.cpp's /rerank takes `texts` for `documents` (TEI's name) and answers at
+    /reranking and /v1/reranking too: the same results as /v1/rerank."""
+    body = {"query": "a cat lying on a carpet", "top_n": 2}
+    expected = httpx.post(f"{encoder_server.url}/v1/rerank", timeout=60,
+                          json={**body, "documents": TEXTS}).json()["results"]
+    response = httpx.post(f"{encoder_server.url}{path}", timeout=60, json={**body, "texts": TEXTS})
+    assert response.status_code == 200, response.text
+    assert response.json()["results"] == expected
+
+
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"input": []}, "input", "empty"),
     ({"input": ""}, "input[0]", "empty"),
