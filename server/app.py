@@ -19,6 +19,7 @@ from server.http.head import HeadAsGet
 from server.http.hosts import ANY_HOST, LocalHostMiddleware, loopback
 from server.http.middleware import RequestMiddleware
 from server.llama_cpp import router as llama_cpp_api
+from server.llama_cpp_embedding import router as llama_cpp_embedding
 from server.model_registry import ModelRegistry
 from server.ollama.routes import router as ollama_api
 from server.openai.routes import api
@@ -63,6 +64,7 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
     app.include_router(ollama_api)
     app.include_router(tokenize_api)
     app.include_router(llama_cpp_api)
+    app.include_router(llama_cpp_embedding)
     app.include_router(prefill_api)
     app.include_router(rerank_aliases)
     app.include_router(admin)

@@ -73,7 +73,7 @@ JUDGE_INSTRUCTION = "Given a web search query, retrieve relevant passages that a
 
 @router.post("/embeddings", response_model=EmbeddingResponse)
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    inputs = _inputs(body.input, "input")
+    inputs = request_inputs(body.input, "input")
     embedded = await embed_texts(request, body.model, inputs, body.dimensions,
                                  body.truncate_prompt_tokens)
     if embedded is None:
@@ -159,7 +159,7 @@ async def _classify(request: Request, state: ServerState, served: ServedModel,
     tokenizer = served.tokenizer()
     if body.input is not None:
         param = "input"
-        inputs = _inputs(body.input, param)
+        inputs = request_inputs(body.input, param)
         params = _indexed(param, len(inputs))
         prompts = await asyncio.to_thread(_prompts, tokenizer, inputs, params)
     else:
@@ -207,7 +207,7 @@ def _usage(request: Request, prompt_tokens: int, cached_tokens: int) -> PrefillU
 
 # -- inputs ------------------------------------------------------------------------------
 
-def _inputs(value: str | list, param: str) -> list[str] | list[list[int]]:
+def request_inputs(value: str | list, param: str) -> list[str] | list[list[int]]:
     """A request's inputs as a list of texts or of token-id lists; none, an empty one, or
     more than MAX_INPUTS is a 400 that names the input."""
     if isinstance(value, str) or value and all(isinstance(item, int) for item in value):

@@ -177,6 +177,29 @@ def test_rerank_takes_llama_cpps_texts_where_its_clients_post(encoder_server: Se
     assert response.json()["results"] == expected
 
 
+def test_llama_cpps_embedding_endpoint(encoder_server: ServerProcess) -> None:
+    """llama.cpp's native /embedding: `content` for input, a bare list of {index,
+    embedding} with each vector nested as llama.cpp nests a pooled one, normalised as
+    `embd_normalize` says (2, euclidean, unless it says)."""
+    expected = np.array([item["embedding"] for item in embed(
+        encoder_server, input=TEXTS[:2]).json()["data"]])
+    url = f"{encoder_server.url}/embedding"
+    response = httpx.post(url, json={"content": TEXTS[:2]}, timeout=60)
+    assert response.status_code == 200, response.text
+    items = response.json()
+    assert [item["index"] for item in items] == [0, 1]
+    vectors = np.array([item["embedding"][0] for item in items])
+    assert np.allclose(vectors, expected, atol=1e-6)
+    taxicab = httpx.post(url, json={"content": TEXTS[0], "embd_normalize": 1}, timeout=60)
+    vector = np.array(taxicab.json()[0]["embedding"][0])
+    assert np.isclose(np.abs(vector).sum(), 1) and np.allclose(
+        vector / np.linalg.norm(vector), expected[0], atol=1e-6)
+    named_as_openai = httpx.post(url, json={"input": TEXTS[:2]}, timeout=60)
+    assert named_as_openai.json() == items
+    raw = httpx.post(url, json={"content": TEXTS[0], "embd_normalize": -1}, timeout=60)
+    assert raw.status_code == 400 and raw.json()["error"]["param"] == "embd_normalize"
+
+
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"input": []}, "input", "empty"),
     ({"input": ""}, "input[0]", "empty"),
