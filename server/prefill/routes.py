@@ -543,10 +543,15 @@ async def _judge_scores(request: Request, state: ServerState, model: ServedModel
                                   [(prompts[1:], Readout(token_ids=(yes, no)))])
     if readings is None:
         return None
-    scores = [1 / (1 + math.exp(r.last.token_logprobs[1] - r.last.token_logprobs[0]))
-              for r in readings[0]]
+    scores = [judge_score(*r.last.token_logprobs) for r in readings[0]]
     return (scores, sum(r.prompt_tokens for r in readings[0]),
             sum(r.cached_tokens for r in readings[0]))
+
+
+def judge_score(yes: float, no: float) -> float:
+    """The judge's P(yes) / (P(yes) + P(no)) from the two log-probabilities: the sigmoid of
+    their gap, in a form finite at any gap (1 / (1 + exp(no - yes)) overflows past ~709)."""
+    return 0.5 * (1.0 + math.tanh((yes - no) / 2))
 
 
 def _rerank_params(documents: Sequence[str]) -> list[str]:

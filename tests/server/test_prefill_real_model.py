@@ -18,7 +18,13 @@ from tokenizers import Tokenizer, processors
 
 from engine.tokenizer import trailing_specials
 from server.openai.protocol import PROMPT_SHAPES
-from server.prefill.routes import GROUP_TOKENS, JUDGE_INSTRUCTION, JUDGE_SYSTEM, _truncated
+from server.prefill.routes import (
+    GROUP_TOKENS,
+    JUDGE_INSTRUCTION,
+    JUDGE_SYSTEM,
+    _truncated,
+    judge_score,
+)
 from tests.server.support import API_KEY, ServerProcess, wait_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -180,6 +186,13 @@ def test_lists_whose_clients_leave_change_no_other_lists_answers(real_server: Se
     metrics = wait_idle(real_server)
     assert metrics["radix_mlx_running_requests"] == 0
     assert metrics["radix_mlx_tree_pinned_bytes"] == 0
+
+
+@pytest.mark.parametrize(("yes", "no", "score"), [
+    (-1.0, -1.0, 0.5), (0.0, -2000.0, 1.0), (-2000.0, 0.0, 0.0),
+    (math.log(0.3), math.log(0.1), 0.75)])
+def test_a_judges_score_is_finite_at_any_gap(yes: float, no: float, score: float) -> None:
+    assert judge_score(yes, no) == pytest.approx(score)
 
 
 def test_rerank_judge_equals_mlx_lm(real_server: ServerProcess, reference) -> None:
