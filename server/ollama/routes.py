@@ -120,6 +120,10 @@ async def _reply(request: Request, body: GenerationFields, generation: Generatio
 
     async def respond(lease: Lease) -> Response:
         clock.ready()
+        if body.think and "thinking" not in (lease.model.capabilities or []):
+            # Ollama's answer: thinking asked of a model that cannot is an error, not
+            # a reply that silently lacks it.
+            raise APIError(400, f'"{body.model}" does not support thinking')
         _keep(lease.model, body.keep_alive)
 
         async def shorter() -> GenerationRequest:

@@ -276,6 +276,18 @@ def test_thinking_comes_apart_from_the_answer(thinking_server: ServerProcess) ->
     assert reply.message.thinking and "<think>" not in reply.message.content
 
 
+@pytest.mark.parametrize("path", ["chat", "generate"])
+def test_thinking_asked_of_a_model_that_does_not_reason_is_ollamas_400(
+        server: ServerProcess, model_id: str, path: str) -> None:
+    """Ollama refuses `think` a model cannot honour rather than answer without it."""
+    body = {"model": model_id, "think": True, "stream": False,
+            "options": {"num_predict": 2}, **({"messages": HI} if path == "chat" else
+                                               {"prompt": "hi"})}
+    response = httpx.post(f"{server.url}/api/{path}", json=body, headers=AUTH, timeout=60)
+    assert (response.status_code, response.json()) == (
+        400, {"error": f'"{model_id}" does not support thinking'})
+
+
 def test_a_conversation_with_tool_calls_renders_as_chat_templates_take_it() -> None:
     """Ollama's calls have no ids: each gets one of its place, so a conversation sent again
     renders (and hits the cache) alike; a tool's result answers its tool's latest call."""
