@@ -169,7 +169,7 @@ class EmbedRequest(RequestModel):
     # None, "" or []: load the model, as Ollama does; as many texts as /v1/embeddings takes.
     input: EmbedInput = ""
     truncate: bool = True
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: int | None = None  # Ollama ignores one that is not positive
     options: Options | None = None
     keep_alive: KeepAlive | None = None
 

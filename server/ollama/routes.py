@@ -68,7 +68,7 @@ from server.ollama.protocol import (
     Version,
 )
 from server.pipeline import GenerationRun, start
-from server.prefill.routes import embed_texts
+from server.prefill.routes import embed_texts, normalised
 from server.request import GenerationRequest
 from server.state import ServerState, server_state
 
@@ -200,12 +200,15 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
                                             embeddings=[],
                                             prompt_eval_count=0,
                                             total_duration=max(clock.elapsed(), 1)))
-    embedded = await embed_texts(request, name, inputs, body.dimensions,
-                                 -1 if body.truncate else None)
+    embedded = await embed_texts(request, name, inputs, None, -1 if body.truncate else None)
     if embedded is None:
         return Response(status_code=CLIENT_CLOSED)
     _keep(server_state(request).models.lookup(name), body.keep_alive)
     name, vectors, prompt_tokens, _ = embedded
+    # Ollama cuts any model's vectors, trained for it or not, and ignores a size that is
+    # not under the model's own (OpenAI's endpoint refuses both).
+    if body.dimensions is not None and 0 < body.dimensions < vectors.shape[1]:
+        vectors = normalised(vectors[:, :body.dimensions])
     return model_response(EmbedResponse(
         model=name, embeddings=vectors.tolist(), prompt_eval_count=prompt_tokens,
         total_duration=max(clock.elapsed(), 1)))

@@ -413,7 +413,7 @@ async def _embed(request: Request, state: ServerState, model: ServedModel,
     if readings is None:
         return None
     vectors = np.array([reading.last.hidden for reading in readings[0]], np.float32)
-    return (_normalised(vectors), sum(r.prompt_tokens for r in readings[0]),
+    return (normalised(vectors), sum(r.prompt_tokens for r in readings[0]),
             sum(r.cached_tokens for r in readings[0]))
 
 
@@ -480,10 +480,10 @@ def _cut(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
     renormalised; the full vectors when not asked."""
     if dimensions is None or dimensions == vectors.shape[1]:
         return vectors
-    return _normalised(vectors[:, :dimensions])
+    return normalised(vectors[:, :dimensions])
 
 
-def _normalised(vectors: np.ndarray) -> np.ndarray:
+def normalised(vectors: np.ndarray) -> np.ndarray:
     return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
 
 
@@ -502,7 +502,7 @@ async def _cosine_scores(request: Request, state: ServerState, model: ServedMode
     if embedded is None:
         return None
     vectors, prompt_tokens, cached = embedded
-    vectors = _normalised(vectors)
+    vectors = normalised(vectors)
     return (vectors[1:] @ vectors[0]).tolist(), prompt_tokens, cached
 
 

@@ -8,6 +8,7 @@ import json
 
 import httpx
 import jsonschema
+import numpy as np
 import ollama
 import openai
 import pytest
@@ -161,6 +162,23 @@ def test_embed_gives_the_vectors_openais_embeddings_do(
     assert embedded.prompt_eval_count == theirs.usage.prompt_tokens
     assert olla.embeddings(model=model_id, prompt="hello there").embedding == pytest.approx(
         embedded.embeddings[0], abs=1e-6)
+
+
+def test_embed_dimensions_cut_any_model_s_vectors_and_renormalise_them(
+        olla: ollama.Client, server: ServerProcess, model_id: str) -> None:
+    """Ollama cuts each vector to `dimensions` and renormalises it, whatever the model
+    was trained for; a size not under the model's own gives the whole vectors."""
+    [whole] = olla.embed(model=model_id, input="hello there").embeddings
+
+    def embedded(dimensions: int) -> list[float]:
+        response = httpx.post(f"{server.url}/api/embed", headers=AUTH, timeout=60, json={
+            "model": model_id, "input": "hello there", "dimensions": dimensions})
+        assert response.status_code == 200, response.text
+        return response.json()["embeddings"][0]
+
+    prefix = np.asarray(whole[:4])
+    assert embedded(4) == pytest.approx(prefix / np.linalg.norm(prefix), abs=1e-5)
+    assert embedded(len(whole) + 1) == pytest.approx(whole, abs=1e-6)
 
 
 def test_an_empty_request_loads_the_model_and_the_only_one_is_not_unloaded(
