@@ -28,6 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.embedding_config import hidden_size
+from engine.weights_summary import WeightsSummary, human_number, summarize
 from server.clock import Clock
 from server.http.errors import APIError
 from server.http.json_body import AnyTypeJSONRoute
@@ -339,10 +340,18 @@ def _details(model: ServedModel) -> ModelDetails:
     family = str(config.get("model_type") or "")
     quantization = config.get("quantization") or {}
     source = str(model.spec.source or (model.engine.config.model if model.engine else ""))
+    bits = quantization.get("bits")
+    weights = _weights(model.model_dir, bits) if model.model_dir is not None else None
     return ModelDetails(
         format="gguf" if source.endswith(".gguf") else "safetensors", family=family,
-        families=[family] if family else [], parameter_size="",
-        quantization_level=f"Q{quantization['bits']}" if "bits" in quantization else "")
+        families=[family] if family else [],
+        parameter_size=human_number(weights.parameters) if weights else "",
+        quantization_level=f"Q{bits}" if bits else weights.dtype if weights else "")
+
+
+@functools.cache
+def _weights(directory: Path, bits: int | None) -> WeightsSummary | None:
+    return summarize(directory, bits)
 
 
 def _config(model: ServedModel) -> dict[str, Any]:

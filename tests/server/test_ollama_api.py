@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import base64
 import json
+from pathlib import Path
 
 import httpx
 import jsonschema
+import mlx.core as mx
 import numpy as np
 import ollama
 import openai
 import pytest
 
+from engine.weights_summary import human_number
 from server.clock import Clock
 from server.events import (
     ChoiceFinished,
@@ -47,8 +50,8 @@ def olla(server: ServerProcess) -> ollama.Client:
     return ollama.Client(host=server.url, headers=AUTH)
 
 
-def test_clients_find_the_served_model_and_what_it_can_do(olla: ollama.Client,
-                                                          model_id: str) -> None:
+def test_clients_find_the_served_model_and_what_it_can_do(
+        olla: ollama.Client, model_id: str, demo_model_dir: Path) -> None:
     version = olla._client.get("/api/version").json()["version"]
     assert tuple(map(int, version.split("."))) >= (0, 6)  # what clients check for
     listed = {model.model: model for model in olla.list().models}
@@ -56,6 +59,11 @@ def test_clients_find_the_served_model_and_what_it_can_do(olla: ollama.Client,
     assert len(listed[model_id].digest) == 64
     shown = olla.show(model_id)
     assert shown.capabilities == ["completion", "tools"]
+    # Its size and type as Ollama words them (format.HumanNumber, the file's dtype).
+    weights = mx.load(str(demo_model_dir / "model.safetensors"))
+    assert shown.details.parameter_size == human_number(sum(w.size for w in weights.values()))
+    assert shown.details.quantization_level == "F32"
+    assert listed[model_id].details.parameter_size == shown.details.parameter_size
     assert shown.modelinfo[f"{shown.details.family}.context_length"] > 0
     # Its context window as a Modelfile's parameter, which Continue sizes its prompts by.
     assert f"num_ctx {shown.modelinfo[f'{shown.details.family}.context_length']}" in (
@@ -390,3 +398,10 @@ def test_a_text_line_is_the_object_it_stands_for(chat: bool) -> None:
         assert line_object.pop("created_at").endswith("Z")
         dumped_object.pop("created_at")
         assert line_object == dumped_object
+
+
+@pytest.mark.parametrize(("count", "written"), [
+    (134_515_008, "134.52M"), (7_615_616_512, "7.6B"), (8_000_000_000, "8B"),
+    (2_000_000, "2M"), (336_192, "336K"), (999, "999")])
+def test_a_parameter_count_is_written_as_ollamas(count: int, written: str) -> None:
+    assert human_number(count) == written
