@@ -330,26 +330,28 @@ async def _whole(run: GenerationRun, reply: LlamaReply, body: LlamaRequest
     return reply.final(result, whole=True)
 
 
-async def _within_limits(run: GenerationRun, body: LlamaRequest) -> AsyncIterator[Event]:
-    """`run`'s events, ended as llama.cpp ends a completion for an editor (a finish of
-    reason "length", its stop type "limit"; the caller then closes the generation): at a
-    line indented less than `n_indent` (`IndentLimit`), or at text with a newline once
-    `t_max_predict_ms` passed since the first token (that text kept)."""
-    events = run.events()
+def _within_limits(run: GenerationRun, body: LlamaRequest) -> AsyncIterator[Event]:
+    """`run`'s events, ended as llama.cpp ends a completion for an editor (`_limited`)
+    where the request sets a limit."""
     if body.n_indent <= 0 and body.t_max_predict_ms <= 0:
-        async for event in events:
-            yield event
-        return
-    indent = IndentLimit(body.n_indent)
-    text, first_token = "", None
+        return run.events()
+    return _limited(run, body)
+
+
+async def _limited(run: GenerationRun, body: LlamaRequest) -> AsyncIterator[Event]:
+    """`run`'s events until a finish of reason "length" (its stop type "limit"; the
+    caller then closes the generation): at a line indented less than `n_indent`
+    (`IndentLimit`), or at text with a newline once `t_max_predict_ms` passed since the
+    first token (that text kept)."""
+    events = run.events()
+    indent, first_token = IndentLimit(body.n_indent), None
     async for event in events:
         if not (isinstance(event, TextDelta) and event.text):
             yield event
             continue
         first_token = first_token or time.monotonic()
-        start, text = len(text), text + event.text
-        if (cut := indent.cut(text)) is not None:
-            yield replace(event, text=text[start:cut])
+        if (kept := indent.feed(event.text)) is not None:
+            yield replace(event, text=event.text[:kept])
             break
         yield event
         if (body.t_max_predict_ms > 0 and "\n" in event.text
@@ -368,13 +370,22 @@ class IndentLimit:
 
     def __init__(self, n_indent: int) -> None:
         self.n_indent = n_indent
+        self._text = ""  # the completion so far
         self._line: int | None = None  # where a line not judged yet starts
         self._searched = 0  # where the search for the next line goes on from
 
-    def cut(self, text: str) -> int | None:
-        """Where `text`, the completion so far, ends; None: not (yet)."""
+    def feed(self, piece: str) -> int | None:
+        """How many characters of `piece`, the completion's next text, it keeps where it
+        ends in them; None: all, and it goes on."""
         if self.n_indent <= 0:
             return None
+        start = len(self._text)
+        self._text += piece
+        cut = self._cut()
+        return None if cut is None else cut - start
+
+    def _cut(self) -> int | None:
+        text = self._text
         while True:
             if self._line is None:
                 newline = text.find("\n", self._searched)

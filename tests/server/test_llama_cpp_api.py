@@ -114,10 +114,10 @@ def test_an_editors_completion_ends_at_a_line_indented_less_than_n_indent(
     (" x", None),  # the first line, the cursor's, is never judged
 ])
 def test_the_indentation_limit_cuts_where_llama_cpp_does(text: str, cut: int | None) -> None:
-    assert IndentLimit(2).cut(text) == cut
-    fed = IndentLimit(2)  # the same, fed as a stream's deltas come
-    assert next((at for end in range(1, len(text) + 1)
-                 if (at := fed.cut(text[:end])) is not None), None) == cut
+    assert IndentLimit(2).feed(text) == cut
+    fed = IndentLimit(2)  # the same, fed as a stream's deltas come, a character each
+    assert next((at + kept for at, character in enumerate(text)
+                 if (kept := fed.feed(character)) is not None), None) == cut
 
 
 def test_an_editors_completion_ends_at_a_newline_after_t_max_predict_ms(
