@@ -11,8 +11,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-# Safetensors' dtype names, as Ollama names a file's type.
-DTYPE_NAMES = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F64": "F64"}
+# Safetensors' float dtypes, whose names are Ollama's for a file's type.
+FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,8 @@ def summarize(directory: Path, bits: int | None = None) -> WeightsSummary | None
         if layer in quantized and dtype == "U32" and bits:
             count = count * 32 // bits
         parameters += count
-        if dtype in DTYPE_NAMES:
-            dtypes[DTYPE_NAMES[dtype]] += count
+        if dtype in FLOAT_DTYPES:
+            dtypes[dtype] += count
     return WeightsSummary(parameters, dtypes.most_common(1)[0][0] if dtypes else "")
 
 
