@@ -1,5 +1,7 @@
 """llama.cpp's native /embedding, in its own request and response shapes: for clients
-written for llama.cpp's server that embed through it rather than /v1/embeddings.
+written for llama.cpp's server that embed through it rather than /v1/embeddings. It
+answers at /embeddings too, as llama.cpp's does (the same handler there: its
+"non-OpenAI-compatible embeddings API"; only /v1/embeddings answers OpenAI's shape).
 
 The body's `content` (or `input`, as llama.cpp also takes it) is what /v1/embeddings'
 `input` is (a text, texts, token ids or lists of them); the answer is a bare list of
@@ -45,6 +47,7 @@ class LlamaEmbedding(ResponseModel):
 ITEMS = TypeAdapter(list[LlamaEmbedding])
 
 
+@router.post("/embeddings", response_model=list[LlamaEmbedding], include_in_schema=False)
 @router.post("/embedding", response_model=list[LlamaEmbedding])
 async def embedding(body: LlamaEmbeddingRequest, request: Request) -> Response:
     if body.embd_normalize < 0:

@@ -177,13 +177,15 @@ def test_rerank_takes_llama_cpps_texts_where_its_clients_post(encoder_server: Se
     assert response.json()["results"] == expected
 
 
-def test_llama_cpps_embedding_endpoint(encoder_server: ServerProcess) -> None:
-    """llama.cpp's native /embedding: `content` for input, a bare list of {index,
-    embedding} with each vector nested as llama.cpp nests a pooled one, normalised as
-    `embd_normalize` says (2, euclidean, unless it says)."""
+@pytest.mark.parametrize("path", ["/embedding", "/embeddings"])
+def test_llama_cpps_embedding_endpoint(encoder_server: ServerProcess, path: str) -> None:
+    """llama.cpp's native /embedding, also at /embeddings (its non-OpenAI embeddings, the
+    same handler): `content` for input, a bare list of {index, embedding} with each vector
+    nested as llama.cpp nests a pooled one, normalised as `embd_normalize` says (2,
+    euclidean, unless it says)."""
     expected = np.array([item["embedding"] for item in embed(
         encoder_server, input=TEXTS[:2]).json()["data"]])
-    url = f"{encoder_server.url}/embedding"
+    url = f"{encoder_server.url}{path}"
     response = httpx.post(url, json={"content": TEXTS[:2]}, timeout=60)
     assert response.status_code == 200, response.text
     items = response.json()
