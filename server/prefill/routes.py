@@ -82,7 +82,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     data = [Embedding(index=i, embedding=_encoded(vector, body.encoding_format))
             for i, vector in enumerate(vectors)]
     return model_response(EmbeddingResponse(data=data, model=model,
-                                            usage=_usage(request, prompt_tokens, cached)))
+                                            usage=usage(prompt_tokens, cached)))
 
 
 async def embed_texts(request: Request, name: str | None, inputs: list[str] | list[list[int]],
@@ -90,8 +90,9 @@ async def embed_texts(request: Request, name: str | None, inputs: list[str] | li
                       ) -> tuple[str, np.ndarray, int, int] | None:
     """Each input's embedding by the model `name` names (every API's embeddings): the
     name it answers with, the vectors (cut to `dimensions`), the prompt tokens embedded and
-    how many of them were cached; None if the client left. `truncate`: as
-    truncate_prompt_tokens (-1: the context window). An empty input is a 400 naming it."""
+    how many of them were cached, as the request's access-log line reports them; None if
+    the client left. `truncate`: as truncate_prompt_tokens (-1: the context window). An
+    empty input is a 400 naming it."""
     _check_not_empty(inputs, "input")
     state = server_state(request)
     async with state.models.use(name) as lease:
@@ -104,6 +105,7 @@ async def embed_texts(request: Request, name: str | None, inputs: list[str] | li
         if embedded is None:
             return None
         vectors, prompt_tokens, cached = embedded
+        _log_tokens(request, prompt_tokens, cached)
         if width is None:  # the model's config did not say: the vectors do
             _check_dimensions(dimensions, *_embedding_sizes(served, vectors.shape[1]))
     return (state.models.name_for(served, name), _cut(vectors, dimensions), prompt_tokens,
@@ -201,8 +203,12 @@ async def _classify(request: Request, state: ServerState, served: ServedModel,
 
 def _usage(request: Request, prompt_tokens: int, cached_tokens: int) -> PrefillUsage:
     """The response's usage, also what the request's access-log line reports."""
-    request.state.stats = RequestStats(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
+    _log_tokens(request, prompt_tokens, cached_tokens)
     return usage(prompt_tokens, cached_tokens)
+
+
+def _log_tokens(request: Request, prompt_tokens: int, cached_tokens: int) -> None:
+    request.state.stats = RequestStats(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
 
 
 # -- inputs ------------------------------------------------------------------------------

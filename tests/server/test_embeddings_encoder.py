@@ -124,12 +124,20 @@ def test_encoders_loaded_again_leave_no_threads_behind(minilm_dir: Path, referen
     assert psutil.Process().num_threads() == threads
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/embeddings", {"input": [[101, 7592, 102]]}),
+    ("/embedding", {"content": [[101, 7592, 102]]}),  # llama.cpp's
+    ("/api/embed", {"input": "hello"}),  # Ollama's ([CLS] hello [SEP])
+    ("/api/embeddings", {"prompt": "hello"}),
+])
 def test_the_access_log_counts_an_embedding_requests_tokens(
-        encoder_server: ServerProcess) -> None:
-    response = httpx.post(f"{encoder_server.url}/v1/embeddings", json={"input": [[101, 7592, 102]]},
-                          headers={"x-request-id": "embed-logged"}, timeout=60)
+        encoder_server: ServerProcess, minilm_dir: Path, path: str, body: dict) -> None:
+    """Every API's embeddings log the tokens they embedded, as /v1/embeddings does."""
+    request_id = f"embed-logged-{path.replace('/', '-')}"
+    response = httpx.post(f"{encoder_server.url}{path}", json={"model": minilm_dir.name, **body},
+                          headers={"x-request-id": request_id}, timeout=60)
     assert response.status_code == 200, response.text
-    assert "prompt=3 cached=0 " in encoder_server.access_line("embed-logged")
+    assert "prompt=3 cached=0 " in encoder_server.access_line(request_id)
 
 
 def test_base64_and_token_ids(encoder_server: ServerProcess, reference) -> None:
