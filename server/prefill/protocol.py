@@ -1,6 +1,7 @@
 """Pydantic models of the prefill-only endpoints: OpenAI's /v1/embeddings, the Cohere/Jina
-/v1/rerank that vLLM, llama.cpp and SGLang serve, and /v1/classify (a batch of prompts,
-the token at each one's last position and its logprobs)."""
+/v1/rerank that vLLM, llama.cpp and SGLang serve, vLLM's /v1/score (rerank's scores of
+given pairs, in their order), and /v1/classify (a batch of prompts, the token at each
+one's last position and its logprobs)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, AliasChoices, Field, model_validator
 
 from server.openai.protocol import PROMPT_SHAPES, ChatRequestMessage, TokenId, prompt_kind
-from server.schema import MAX_TOP_LOGPROBS, RequestModel, ResponseModel, shaped_union
+from server.schema import MAX_TOP_LOGPROBS, RequestModel, ResponseModel, now, shaped_union
 
 # Inputs one request may carry; more is a 400 rather than a queue of thousands.
 MAX_INPUTS = 2048
@@ -108,6 +109,41 @@ class RerankResponse(ResponseModel):
     id: str
     model: str
     results: list[RerankResult]
+    usage: PrefillUsage
+
+
+# vLLM's score inputs, a text or a list of texts (its multimodal content is not served).
+ScoreTexts = shaped_union(
+    lambda value: "text" if isinstance(value, str) else "texts" if isinstance(value, list)
+    else None, "a string or a list of strings", text=str, texts=list[str])
+
+
+class ScoreRequest(RequestModel):
+    """vLLM's: one query scored against each document, or each query against the document
+    at its index. The lists go by any of vLLM's names for them (text_1 and text_2 first,
+    then data_1 and data_2, queries and documents or items); errors name them queries and
+    documents."""
+
+    model: str | None = None
+    queries: ScoreTexts = Field(validation_alias=AliasChoices("queries", "text_1", "data_1"))
+    documents: ScoreTexts = Field(
+        validation_alias=AliasChoices("documents", "text_2", "items", "data_2"))
+    # Rerank's: what the causal judge is told relevance means.
+    instruction: str | None = None
+
+
+class ScoreData(ResponseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(ResponseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now)
+    model: str
+    data: list[ScoreData]
     usage: PrefillUsage
 
 

@@ -1,4 +1,5 @@
-"""The prefill-only endpoints: /v1/embeddings, /v1/rerank and /v1/classify.
+"""The prefill-only endpoints: /v1/embeddings, /v1/rerank (and vLLM's /v1/score, its
+scores of given pairs) and /v1/classify.
 
 On a causal model all three are prompts read at their last position (jobs.py):
 an embedding is the last hidden state (last-token pooling, L2-normalised, as
@@ -53,6 +54,9 @@ from server.prefill.protocol import (
     RerankRequest,
     RerankResponse,
     RerankResult,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
     document_text,
     usage,
 )
@@ -114,7 +118,7 @@ async def embed_texts(request: Request, name: str | None, inputs: list[str] | li
 
 # Also where other servers' rerank clients look: llama.cpp, vLLM and Jina's at /rerank
 # (llama.cpp's at /reranking and /v1/reranking too), Cohere's v2 SDK at /v2/rerank (its
-# request is a subset of ours).
+# request is a subset of ours); vLLM's score clients at /score.
 rerank_aliases = APIRouter(responses=error_responses(ErrorResponse), route_class=JSONRoute)
 
 
@@ -129,12 +133,8 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     _check_not_empty(texts, "documents")
     async with state.models.use(body.model) as lease:
         served = lease.model
-        if _is_cross_encoder(served):
-            scored = await _pair_scores(request, served, body.query, texts)
-        elif _is_encoder(served):
-            scored = await _cosine_scores(request, state, served, body.query, texts)
-        else:
-            scored = await _judge_scores(request, state, served, body, texts)
+        scored = await _scores(request, state, served, body.query, texts, body.instruction,
+                               _rerank_params(texts))
     model = state.models.name_for(served, body.model)
     if scored is None:
         return Response(status_code=CLIENT_CLOSED)
@@ -146,6 +146,43 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     response = RerankResponse(id=f"rerank-{request.state.request_id}", model=model,
                               results=results, usage=_usage(request, prompt_tokens, cached))
     return model_response(response, exclude_none=True)
+
+
+@rerank_aliases.post("/score", response_model=ScoreResponse, include_in_schema=False)
+@router.post("/score", response_model=ScoreResponse)
+async def score(body: ScoreRequest, request: Request) -> Response:
+    """Each (query, document) pair's score, as /rerank scores it, in the request's order.
+    The documents of one query are scored together, as a rerank's are: a causal judge
+    reads that query's prompt prefix once for all of them."""
+    queries, documents = (request_inputs(texts, param) for texts, param
+                          in ((body.queries, "queries"), (body.documents, "documents")))
+    if len(queries) not in (1, len(documents)):
+        raise APIError(400, f"{len(queries)} queries for {len(documents)} documents: send "
+                       "one query for all the documents, or one for each (1:1, 1:N or N:N)",
+                       code="invalid_request", param="documents")
+    # Each document's index under the first index of its query's text.
+    firsts: dict[str, int] = {}
+    by_query: dict[int, list[int]] = {}
+    for index, query in enumerate(queries if len(queries) > 1 else queries * len(documents)):
+        by_query.setdefault(firsts.setdefault(query, index), []).append(index)
+    state = server_state(request)
+    scores = [0.0] * len(documents)
+    prompt_tokens = cached = 0
+    async with state.models.use(body.model) as lease:
+        served = lease.model
+        for query, indices in by_query.items():
+            scored = await _scores(
+                request, state, served, queries[query], [documents[i] for i in indices],
+                body.instruction, [f"queries[{query}]", *(f"documents[{i}]" for i in indices)])
+            if scored is None:
+                return Response(status_code=CLIENT_CLOSED)
+            for index, value in zip(indices, scored[0], strict=True):
+                scores[index] = value
+            prompt_tokens, cached = prompt_tokens + scored[1], cached + scored[2]
+    return model_response(ScoreResponse(
+        id=f"score-{request.state.request_id}", model=state.models.name_for(served, body.model),
+        data=[ScoreData(index=i, score=value) for i, value in enumerate(scores)],
+        usage=_usage(request, prompt_tokens, cached)))
 
 
 @router.post("/classify", response_model=ClassifyResponse)
@@ -501,10 +538,24 @@ def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
 
 # -- rerank ------------------------------------------------------------------------------
 
+async def _scores(request: Request, state: ServerState, model: ServedModel, query: str,
+                  documents: list[str], instruction: str | None, params: list[str]
+                  ) -> tuple[list[float], int, int] | None:
+    """Each document's relevance to `query` by the model's kind of scorer, the prompt
+    tokens read and how many were cached; None if the client left. `params`: the fields of
+    the query and of each document, as a 400 names them."""
+    if _is_cross_encoder(model):
+        return await _pair_scores(request, model, query, documents)
+    if _is_encoder(model):
+        return await _cosine_scores(request, state, model, query, documents, params)
+    return await _judge_scores(request, state, model, query, documents, instruction, params)
+
+
 async def _cosine_scores(request: Request, state: ServerState, model: ServedModel, query: str,
-                         documents: list[str]) -> tuple[list[float], int, int] | None:
-    embedded = await _embed(request, state, model, [query, *documents],
-                            _rerank_params(documents), _kept_tokens(model, None))
+                         documents: list[str], params: list[str]
+                         ) -> tuple[list[float], int, int] | None:
+    embedded = await _embed(request, state, model, [query, *documents], params,
+                            _kept_tokens(model, None))
     if embedded is None:
         return None
     vectors, prompt_tokens, cached = embedded
@@ -523,8 +574,8 @@ async def _pair_scores(request: Request, model: ServedModel, query: str, documen
 
 
 async def _judge_scores(request: Request, state: ServerState, model: ServedModel,
-                        body: RerankRequest, documents: list[str]
-                        ) -> tuple[list[float], int, int] | None:
+                        query: str, documents: list[str], instruction: str | None,
+                        params: list[str]) -> tuple[list[float], int, int] | None:
     """P("yes") / (P("yes") + P("no")) after each judge prompt."""
     tokenizer = model.tokenizer()
     if not tokenizer.has_chat_template:
@@ -532,17 +583,15 @@ async def _judge_scores(request: Request, state: ServerState, model: ServedModel
                        "model judges documents through: rerank with a model that has one, "
                        "a cross-encoder or an embedding model", code="model_not_supported",
                        param="model")
-    instruction = body.instruction or JUDGE_INSTRUCTION
+    told = instruction or JUDGE_INSTRUCTION
     # The first prompt has no document: where it is over the context window, the query
     # (with the instruction) is to blame rather than every document.
-    prompts = await asyncio.to_thread(_judge_prompts, tokenizer, instruction, body.query,
-                                      ["", *documents])
-    params = _rerank_params(documents)
-    if body.instruction and len(prompts[0].tokens) > model.engine.context_length:
+    prompts = await asyncio.to_thread(_judge_prompts, tokenizer, told, query, ["", *documents])
+    if instruction and len(prompts[0].tokens) > model.engine.context_length:
         # Over with an empty query too: the instruction is to blame.
-        alone = await asyncio.to_thread(_judge_prompts, tokenizer, instruction, "", [""])
+        alone = await asyncio.to_thread(_judge_prompts, tokenizer, told, "", [""])
         if len(alone[0].tokens) > model.engine.context_length:
-            params[0] = "instruction"
+            params = ["instruction", *params[1:]]
     _check_lengths(model, [prompt.tokens for prompt in prompts], params)
     yes, no = (tokenizer.encode(word, special_tokens=False)[0] for word in ("yes", "no"))
     readings = await read_prompts(request, state, model,

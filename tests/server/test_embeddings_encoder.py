@@ -172,6 +172,15 @@ def test_rerank_by_cosine(encoder_server: ServerProcess, reference) -> None:
     assert results[0]["document"] == {"text": documents[expected[0]]}
 
 
+def test_vllms_score_by_cosine(encoder_server: ServerProcess, reference) -> None:
+    vectors = reference.encode(["a cat lying on a carpet", *TEXTS[:2]])
+    response = httpx.post(f"{encoder_server.url}/score", timeout=60, json={
+        "text_1": "a cat lying on a carpet", "text_2": TEXTS[:2]})
+    assert response.status_code == 200, response.text
+    scores = [item["score"] for item in response.json()["data"]]
+    assert np.abs(np.array(scores) - cosines(vectors[1:], vectors[:1])).max() < 1e-4
+
+
 @pytest.mark.parametrize("path", ["/rerank", "/reranking", "/v1/reranking"])
 def test_rerank_takes_llama_cpps_texts_where_its_clients_post(encoder_server: ServerProcess,
                                                              path: str) -> None:

@@ -240,6 +240,36 @@ def test_rerank_answers_where_other_clients_look(real_server: ServerProcess,
         assert abs(result["relevance_score"] - reference["relevance_score"]) < 1e-3
 
 
+@pytest.mark.parametrize("path", ["/score", "/v1/score"])
+def test_vllms_score_is_reranks_score_of_each_pair(real_server: ServerProcess,
+                                                   path: str) -> None:
+    """vLLM's score API: one query against each document (text_1, text_2, vLLM's first
+    names), or each query against its own document (queries, documents), scored as
+    /v1/rerank scores them and answered in the request's order, in vLLM's shape."""
+    query = "capital of France"
+    documents = ["Paris is in France.", "Bananas are yellow.", "Lyon is French."]
+    ranked = post(real_server, "/v1/rerank", {"query": query, "documents": documents})
+    expected = {r["index"]: r["relevance_score"] for r in ranked["results"]}
+    body = post(real_server, path, {"text_1": query, "text_2": documents},
+                request_id=f"score{path.replace('/', '-')}")
+    assert body["object"] == "list" and body["id"].startswith("score-")
+    assert isinstance(body["created"], int) and body["model"] == ranked["model"]
+    assert [item["index"] for item in body["data"]] == [0, 1, 2]
+    assert all(item["object"] == "score" for item in body["data"])
+    for item in body["data"]:
+        assert abs(item["score"] - expected[item["index"]]) < 1e-3
+    assert body["usage"]["prompt_tokens"] == ranked["usage"]["prompt_tokens"]
+    assert f"prompt={body['usage']['prompt_tokens']} " in real_server.access_line(
+        f"score{path.replace('/', '-')}")
+    other = "largest fruit"
+    alone = post(real_server, "/v1/rerank", {"query": other, "documents": documents[1:2]})
+    paired = post(real_server, path, {"queries": [query, other, query],
+                                      "documents": documents})
+    scores = [item["score"] for item in paired["data"]]
+    assert abs(scores[0] - expected[0]) < 1e-3 and abs(scores[2] - expected[2]) < 1e-3
+    assert abs(scores[1] - alone["results"][0]["relevance_score"]) < 1e-3
+
+
 def test_decoder_embeddings_share_their_instruction(real_server: ServerProcess,
                                                     reference) -> None:
     """Last-token pooling, L2-normalised, equal to the body's last hidden state; the
@@ -342,6 +372,8 @@ def test_a_bad_rerank_query_or_document_is_a_400_naming_it(
      "documents.1: must be a string or an object with a text field"),
     ("/v1/rerank", {"query": "q", "documents": ["a", {"title": "b"}]},
      "documents.1.text: Field required"),
+    ("/v1/score", {"text_1": "q", "text_2": {"content": []}},  # vLLM's multimodal
+     "text_2: must be a string or a list of strings"),
 ])
 def test_an_input_of_the_wrong_shape_gets_one_error_saying_what_it_must_be(
         real_server: ServerProcess, path: str, body: dict, message: str) -> None:
@@ -375,6 +407,11 @@ def test_an_input_of_the_wrong_shape_gets_one_error_saying_what_it_must_be(
     ("/v1/classify", {"messages": [[{"role": "user", "content": "word " * 8150}]],
                       "labels": [" word" * 40]}, "messages[0]"),
     ("/v1/rerank", {"query": "q", "documents": []}, None),
+    ("/v1/score", {"text_1": "q", "text_2": []}, "documents"),
+    ("/v1/score", {"queries": ["q", "r"], "documents": ["a", "b", "c"]}, "documents"),
+    ("/v1/score", {"queries": ["q", ""], "documents": ["a", "b"]}, "queries[1]"),
+    ("/v1/score", {"text_1": "q", "text_2": ["a", ""]}, "documents[1]"),
+    ("/v1/score", {"text_1": "word " * 9000, "text_2": ["a"]}, "queries[0]"),
     ("/v1/embeddings", {"input": [""]}, "input[0]"),
     ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
 ])

@@ -193,6 +193,23 @@ def test_rerank_returns_the_reference_scores_sorted(server: ServerProcess,
     assert body["usage"]["prompt_tokens"] == int(features["attention_mask"].sum())
 
 
+def test_vllms_score_is_the_reference_score_of_each_pair(server: ServerProcess,
+                                                         model_dir: Path) -> None:
+    """vLLM's /score on a cross-encoder: each pair's CrossEncoder.predict score, in the
+    request's order, for one query against every document or a query for each."""
+    response = httpx.post(f"{server.url}/score", json={"text_1": QUERY, "text_2": DOCUMENTS},
+                          timeout=60)
+    assert response.status_code == 200, response.text
+    scores = np.array([item["score"] for item in response.json()["data"]])
+    assert np.abs(scores - reference_scores(model_dir)).max() < 1e-4
+    pairs = [(QUERY, DOCUMENTS[0]), ("a rug", DOCUMENTS[1]), (QUERY, DOCUMENTS[2])]
+    response = httpx.post(f"{server.url}/v1/score", timeout=60, json={
+        "queries": [query for query, _ in pairs], "documents": [doc for _, doc in pairs]})
+    assert response.status_code == 200, response.text
+    scores = np.array([item["score"] for item in response.json()["data"]])
+    assert np.abs(scores - reference(model_dir).predict(pairs)).max() < 1e-4
+
+
 def test_rerank_without_documents_in_the_results(server: ServerProcess) -> None:
     response = rerank(server, query=QUERY, documents=DOCUMENTS[:2], return_documents=False)
     assert response.status_code == 200, response.text
