@@ -11,6 +11,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from server.admin import admin
 from server.anthropic.adapter import router as messages_api
+from server.cohere_embed import router as cohere_embed
 from server.config import Settings
 from server.http.auth import APIKeyMiddleware
 from server.http.body_limit import BodyLimitMiddleware
@@ -65,6 +66,7 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
     app.include_router(tokenize_api)
     app.include_router(llama_cpp_api)
     app.include_router(llama_cpp_embedding)
+    app.include_router(cohere_embed)
     app.include_router(prefill_api)
     app.include_router(rerank_aliases)
     app.include_router(admin)

@@ -83,7 +83,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     if embedded is None:
         return Response(status_code=CLIENT_CLOSED)
     model, vectors, prompt_tokens, cached = embedded
-    data = [Embedding(index=i, embedding=_encoded(vector, body.encoding_format))
+    data = [Embedding(index=i, embedding=encoded(vector, body.encoding_format))
             for i, vector in enumerate(vectors)]
     return model_response(EmbeddingResponse(data=data, model=model,
                                             usage=usage(prompt_tokens, cached)))
@@ -530,7 +530,7 @@ def normalised(vectors: np.ndarray) -> np.ndarray:
     return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
 
 
-def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
+def encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
     if encoding == "base64":
         return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
     return vector.tolist()

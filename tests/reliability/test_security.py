@@ -72,6 +72,8 @@ def request_for(
         body |= {"query": "Hello", "documents": ["Hi", "Bye"]}
     elif path == "/v1/score":
         body |= {"text_1": "Hello", "text_2": ["Hi", "Bye"]}
+    elif path == "/v1/embed":
+        body["texts"] = ["Hello"]
     elif path == "/v1/fim/completions":
         body |= {"prompt": "def f(", "suffix": "):"}
     url = path.replace("{model}", quote(model, safe=""))  # so "../x" stays a model name

@@ -219,6 +219,92 @@ def test_llama_cpps_embedding_endpoint(encoder_server: ServerProcess, path: str)
     assert raw.status_code == 400 and raw.json()["error"]["param"] == "embd_normalize"
 
 
+def cohere_embed(server: ServerProcess, version: int, **body) -> httpx.Response:
+    return httpx.post(f"{server.url}/v{version}/embed", json=body, timeout=60,
+                      headers={"x-request-id": f"cohere-{version}"})
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_cohere_embed_answers_cohere_shapes(encoder_server: ServerProcess,
+                                            version: int) -> None:
+    """Cohere's /v1/embed and /v2/embed: /v1/embeddings' vectors as a plain list
+    (embeddings_floats, v1 without embedding_types) or by type (embeddings_by_type), the
+    texts echoed and the tokens billed in meta; input_type taken."""
+    openai_shaped = embed(encoder_server, input=TEXTS[:2]).json()
+    expected = np.array([item["embedding"] for item in openai_shaped["data"]])
+    response = cohere_embed(encoder_server, version, texts=TEXTS[:2], model="model",
+                            input_type="search_document")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["id"] == f"cohere-{version}" and body["texts"] == TEXTS[:2]
+    assert body["meta"] == {"api_version": {"version": str(version)},
+                            "billed_units": {"input_tokens":
+                                             openai_shaped["usage"]["prompt_tokens"]}}
+    if version == 1:
+        assert body["response_type"] == "embeddings_floats"
+        vectors = body["embeddings"]
+    else:
+        assert body["response_type"] == "embeddings_by_type"
+        assert list(body["embeddings"]) == ["float"]
+        vectors = body["embeddings"]["float"]
+    assert np.allclose(vectors, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_cohere_embedding_types_base64_and_packed_bits(encoder_server: ServerProcess,
+                                                       version: int) -> None:
+    """base64 is the float32 vector's bytes; binary and ubinary Cohere's packed sign bits,
+    as sentence-transformers' quantize_embeddings packs them."""
+    from sentence_transformers.util.quantization import quantize_embeddings
+
+    types = ["float", "base64", "binary", "ubinary"]
+    response = cohere_embed(encoder_server, version, texts=TEXTS[:3], embedding_types=types,
+                            input_type="search_query")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["response_type"] == "embeddings_by_type"
+    assert sorted(body["embeddings"]) == sorted(types)
+    vectors = np.array(body["embeddings"]["float"], dtype=np.float32)
+    decoded = [np.frombuffer(base64.b64decode(text), dtype="<f4")
+               for text in body["embeddings"]["base64"]]
+    assert np.array_equal(np.array(decoded), vectors)
+    for kind in ("binary", "ubinary"):
+        assert np.array_equal(body["embeddings"][kind], quantize_embeddings(vectors, kind))
+
+
+def test_cohere_truncate_cuts_the_end_unless_told_none(encoder_server: ServerProcess) -> None:
+    """Cohere's default truncate, END, keeps an input's first tokens (v2's max_tokens of
+    them); NONE refuses an input over the window."""
+    cut = embed(encoder_server, input=[LONG, TEXTS[0]], truncate_prompt_tokens=-1).json()
+    response = cohere_embed(encoder_server, 2, texts=[LONG, TEXTS[0]])
+    assert response.status_code == 200, response.text
+    assert np.allclose(response.json()["embeddings"]["float"],
+                       [item["embedding"] for item in cut["data"]], atol=1e-6)
+    short = embed(encoder_server, input=LONG, truncate_prompt_tokens=12).json()
+    response = cohere_embed(encoder_server, 2, texts=[LONG], max_tokens=12)
+    assert np.allclose(response.json()["embeddings"]["float"][0],
+                       short["data"][0]["embedding"], atol=1e-6)
+    refused = cohere_embed(encoder_server, 1, texts=[LONG], truncate="NONE")
+    assert refused.status_code == 400 and "maximum context length" in refused.text
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"texts": ["a"], "embedding_types": ["int8"]}, "embedding_types"),
+    ({"texts": ["a"], "embedding_types": ["float", "uint8"]}, "embedding_types"),
+    ({"texts": ["a"], "truncate": "START"}, "truncate"),
+    ({"images": ["data:image/png;base64,AAAA"], "input_type": "image"}, "images"),
+    ({"inputs": [{"content": [{"type": "text", "text": "a"}]}]}, "inputs"),
+    ({"texts": []}, "texts"),
+    ({"texts": ["fine", ""]}, "texts[1]"),
+    ({"texts": ["a"], "output_dimension": 64}, "dimensions"),
+])
+def test_what_cohere_embed_does_not_serve_is_a_400_naming_it(
+        encoder_server: ServerProcess, body: dict, param: str) -> None:
+    response = cohere_embed(encoder_server, 2, **{"input_type": "search_document", **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"input": []}, "input", "empty"),
     ({"input": ""}, "input[0]", "empty"),
