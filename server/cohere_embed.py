@@ -32,7 +32,7 @@ from server.http.model_response import model_response
 from server.http.openapi import error_responses
 from server.http.streaming import CLIENT_CLOSED
 from server.openai.protocol import ErrorResponse
-from server.prefill.routes import embed_texts, encoded, request_inputs
+from server.prefill.routes import EmbedFields, embed_texts, encoded, request_inputs
 from server.schema import RequestModel, ResponseModel
 
 router = APIRouter(responses=error_responses(ErrorResponse), route_class=JSONRoute)
@@ -40,6 +40,9 @@ router = APIRouter(responses=error_responses(ErrorResponse), route_class=JSONRou
 InputType = Literal["search_document", "search_query", "classification", "clustering", "image"]
 EmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
 QUANTIZED = ("int8", "uint8")
+# Cohere's names, in its 400s; max_tokens has no value that means the whole window.
+FIELDS = EmbedFields(input="texts", dimensions="output_dimension", truncate="max_tokens",
+                     whole_window=None)
 
 
 class EmbedRequest(RequestModel):
@@ -106,8 +109,8 @@ async def embed_v2(body: EmbedRequest, request: Request) -> Response:
 async def _embed(body: EmbedRequest, request: Request, version: Literal["1", "2"]) -> Response:
     for param in ("images", "inputs"):
         if getattr(body, param):
-            raise APIError(400, f"this server embeds texts only: send them as texts, not "
-                           f"{param}", code="invalid_request", param=param)
+            raise APIError(400, f"{param} are not served: this server embeds texts only; "
+                           "send them as texts", code="invalid_request", param=param)
     types = body.embedding_types or (None if version == "1" else ["float"])
     quantized = [kind for kind in types or () if kind in QUANTIZED]
     if quantized:
@@ -120,7 +123,8 @@ async def _embed(body: EmbedRequest, request: Request, version: Literal["1", "2"
                        param="truncate")
     inputs = request_inputs(body.texts, "texts")
     cut = None if body.truncate == "NONE" else body.max_tokens or -1
-    embedded = await embed_texts(request, body.model, inputs, body.output_dimension, cut)
+    embedded = await embed_texts(request, body.model, inputs, body.output_dimension, cut,
+                                 FIELDS)
     if embedded is None:
         return Response(status_code=CLIENT_CLOSED)
     _, vectors, prompt_tokens, _ = embedded

@@ -23,7 +23,7 @@ from server.http.openapi import error_responses
 from server.http.streaming import CLIENT_CLOSED
 from server.openai.protocol import ErrorResponse
 from server.prefill.protocol import EmbeddingInput
-from server.prefill.routes import embed_texts, request_inputs
+from server.prefill.routes import EmbedFields, embed_texts, request_inputs
 from server.schema import RequestModel, ResponseModel
 
 router = APIRouter(responses=error_responses(ErrorResponse), route_class=JSONRoute)
@@ -55,7 +55,8 @@ async def embedding(body: LlamaEmbeddingRequest, request: Request) -> Response:
                        "(none) is not served; send 2 (euclidean, the default), 1 or 0",
                        code="invalid_request", param="embd_normalize")
     inputs = request_inputs(body.content, "content")
-    embedded = await embed_texts(request, body.model, inputs, None, None)
+    embedded = await embed_texts(request, body.model, inputs, None, None,
+                                 EmbedFields(input="content"))
     if embedded is None:
         return Response(status_code=CLIENT_CLOSED)
     vectors = _normalised(embedded[1], body.embd_normalize)

@@ -89,29 +89,44 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
                                             usage=usage(prompt_tokens, cached)))
 
 
+@dataclass(frozen=True)
+class EmbedFields:
+    """What an API's embeddings request calls embed_texts' arguments, as its 400s name
+    them: OpenAI's and vLLM's unless it says."""
+
+    input: str = "input"
+    dimensions: str = "dimensions"
+    truncate: str = "truncate_prompt_tokens"
+    # The value of `truncate` that asks for the whole context window, where one does.
+    whole_window: str | None = "-1"
+
+
 async def embed_texts(request: Request, name: str | None, inputs: list[str] | list[list[int]],
-                      dimensions: int | None, truncate: int | None
+                      dimensions: int | None, truncate: int | None,
+                      fields: EmbedFields = EmbedFields()
                       ) -> tuple[str, np.ndarray, int, int] | None:
     """Each input's embedding by the model `name` names (every API's embeddings): the
     name it answers with, the vectors (cut to `dimensions`), the prompt tokens embedded and
     how many of them were cached, as the request's access-log line reports them; None if
     the client left. `truncate`: as truncate_prompt_tokens (-1: the context window). An
     empty input is a 400 naming it."""
-    _check_not_empty(inputs, "input")
+    _check_not_empty(inputs, fields.input)
     state = server_state(request)
     async with state.models.use(name) as lease:
         served = lease.model
         width, sizes = _embedding_sizes(served)
         if width is not None:  # before minutes of work rather than after
-            _check_dimensions(dimensions, width, sizes)
-        embedded = await _embed(request, state, served, inputs, _indexed("input", len(inputs)),
-                                 _kept_tokens(served, truncate))
+            _check_dimensions(dimensions, width, sizes, fields.dimensions)
+        embedded = await _embed(request, state, served, inputs,
+                                _indexed(fields.input, len(inputs)),
+                                _kept_tokens(served, truncate, fields))
         if embedded is None:
             return None
         vectors, prompt_tokens, cached = embedded
         _log_tokens(request, prompt_tokens, cached)
         if width is None:  # the model's config did not say: the vectors do
-            _check_dimensions(dimensions, *_embedding_sizes(served, vectors.shape[1]))
+            _check_dimensions(dimensions, *_embedding_sizes(served, vectors.shape[1]),
+                              fields.dimensions)
     return (state.models.name_for(served, name), _cut(vectors, dimensions), prompt_tokens,
             cached)
 
@@ -460,7 +475,8 @@ async def _embed(request: Request, state: ServerState, model: ServedModel,
             sum(r.cached_tokens for r in readings[0]))
 
 
-def _kept_tokens(model: ServedModel, requested: int | None) -> int | None:
+def _kept_tokens(model: ServedModel, requested: int | None,
+                 fields: EmbedFields = EmbedFields()) -> int | None:
     """The most tokens an embedding input keeps: the request's truncate_prompt_tokens (-1:
     the model's context window; more than the window is a 400, as vLLM answers), else the
     window where the model's settings say truncate_embedding_inputs (TEI's
@@ -469,9 +485,10 @@ def _kept_tokens(model: ServedModel, requested: int | None) -> int | None:
     if requested is None:
         return limit if model.settings.truncate_embedding_inputs else None
     if requested > limit:
-        raise APIError(400, f"truncate_prompt_tokens is {requested}, more than this model's "
-                       f"maximum context length {limit}: send at most {limit}, or -1 for "
-                       "the maximum", code="invalid_request", param="truncate_prompt_tokens")
+        whole = f", or {fields.whole_window} for the maximum" if fields.whole_window else ""
+        raise APIError(400, f"{fields.truncate} is {requested}, more than this model's "
+                       f"maximum context length {limit}: send at most {limit}{whole}",
+                       code="invalid_request", param=fields.truncate)
     return limit if requested == -1 else requested
 
 
@@ -501,21 +518,21 @@ def _embedding_sizes(model: ServedModel, width: int | None = None
     return width, None if width is None else matryoshka_dimensions(config, width)
 
 
-def _check_dimensions(dimensions: int | None, width: int, sizes: Sequence[int] | None) -> None:
-    """A `dimensions` other than `width` is a 400 unless the model was trained to be cut
-    there (Matryoshka, `sizes`)."""
+def _check_dimensions(dimensions: int | None, width: int, sizes: Sequence[int] | None,
+                      param: str) -> None:
+    """A `dimensions` (the request's `param`) other than `width` is a 400 unless the model
+    was trained to be cut there (Matryoshka, `sizes`)."""
     if dimensions is None or dimensions == width:
         return
     if sizes is None:
         raise APIError(400, f"this model's embeddings have {width} dimensions, not "
                        f"{dimensions}, and it does not support Matryoshka truncation: send "
-                       f"dimensions {width} or none", code="invalid_request",
-                       param="dimensions")
+                       f"{param} {width} or none", code="invalid_request", param=param)
     if dimensions not in sizes:
         allowed = (f"between {sizes[0]} and {sizes[-1]}" if isinstance(sizes, range)
                    else f"one of {list(sizes)}")
-        raise APIError(400, f"dimensions must be {allowed} for this model",
-                       code="invalid_request", param="dimensions")
+        raise APIError(400, f"{param} must be {allowed} for this model",
+                       code="invalid_request", param=param)
 
 
 def _cut(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:

@@ -296,13 +296,26 @@ def test_cohere_truncate_cuts_the_end_unless_told_none(encoder_server: ServerPro
     ({"inputs": [{"content": [{"type": "text", "text": "a"}]}]}, "inputs"),
     ({"texts": []}, "texts"),
     ({"texts": ["fine", ""]}, "texts[1]"),
-    ({"texts": ["a"], "output_dimension": 64}, "dimensions"),
+    ({"texts": ["a"], "output_dimension": 64}, "output_dimension"),
+    ({"texts": ["a", LONG], "truncate": "NONE"}, "texts[1]"),
+    ({"texts": ["a"], "max_tokens": 257}, "max_tokens"),
 ])
 def test_what_cohere_embed_does_not_serve_is_a_400_naming_it(
         encoder_server: ServerProcess, body: dict, param: str) -> None:
+    """Each 400 names the field as Cohere's request spells it."""
     response = cohere_embed(encoder_server, 2, **{"input_type": "search_document", **body})
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == param
+    error = response.json()["error"]
+    assert error["param"] == param and param.split("[")[0] in error["message"]
+    assert "-1" not in error["message"]  # no way to ask for the whole window
+
+
+def test_llama_cpps_embedding_errors_name_its_content(encoder_server: ServerProcess) -> None:
+    response = httpx.post(f"{encoder_server.url}/embedding", timeout=60,
+                          json={"content": ["a", LONG]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "content[1]" and error["message"].startswith("content[1] has")
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [
