@@ -120,9 +120,9 @@ ScoreTexts = shaped_union(
 
 class ScoreRequest(RequestModel):
     """vLLM's: one query scored against each document, or each query against the document
-    at its index. The lists go by any of vLLM's names for them (text_1 and text_2 first,
-    then data_1 and data_2, queries and documents or items); errors name them queries and
-    documents."""
+    at its index. The lists go by any of vLLM's names for them (text_1 and text_2, its
+    first; data_1 and data_2; queries with documents or items); a list of the wrong shape is
+    named as sent, the 400s about its items (empty, too long) as queries and documents."""
 
     model: str | None = None
     queries: ScoreTexts = Field(validation_alias=AliasChoices("queries", "text_1", "data_1"))
