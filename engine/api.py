@@ -329,6 +329,9 @@ class SamplingKnobs:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # The first this many tokens are never a stop token nor end on a stop string (vLLM's
+    # `min_tokens`): stop tokens are barred from their draws.
+    min_tokens: int = 0
     speculation: SpeculationMode | None = None  # None: the server's mode
 
     @property

@@ -61,13 +61,14 @@ class Generation:
         self._tokenizer = tokenizer
         # A readout shows no text (a classify list makes 64 of these on the event loop).
         self.text = None if params.readout is not None else TextStream(
-            tokenizer, text_ids(prompt) if images else prompt, params.stop)
+            tokenizer, text_ids(prompt) if images else prompt, params.stop,
+            params.min_tokens)
         self.sampler = make_sampler(params, vocab_size)
-        self.penalties = make_penalties(params, len(prompt))
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= tokenizer.eos_token_ids
         self.stop_ids = frozenset(stop_ids)
+        self.penalties = make_penalties(params, len(prompt), self.stop_ids)
         # The tokens fed as this request's prompt: the prompt, or after a failed step or a
         # preemption the prompt plus what was generated before it.
         self.tokens = prompt

@@ -961,7 +961,8 @@ class Generator:
         masked distribution."""
         penalized = [(i, r.penalties, *r.penalties.seen(
                           r.tokens, None if fed is None else fed[i],
-                          None if r.images is None else r.images.model_ids))
+                          None if r.images is None else r.images.model_ids),
+                      r.penalties.barred(r.tokens, None if fed is None else fed[i]))
                      for i, r in enumerate(rows) if r.penalties is not None]
         if penalized:
             logits = penalize(logits, penalized)

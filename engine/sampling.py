@@ -119,15 +119,19 @@ class Penalties:
     mlx-lm's logits processors apply them, presence and frequency penalties as OpenAI
     defines them (over every token generated so far, the prompt not counted:
     `logit[t] -= frequency * count[t] + presence * (count[t] > 0)`; mlx-lm's own count the
-    last 20 tokens, prompt included). A batch's rows are penalized together (`penalize`),
-    from each row's context held on the host: applied one row at a time, each penalized
-    row of a step launched its own handful of operations."""
+    last 20 tokens, prompt included), and its stop tokens barred from its first
+    `min_tokens` draws (vLLM's `MinTokensLogitsProcessor`). A batch's rows are penalized
+    together (`penalize`), from each row's context held on the host: applied one row at a
+    time, each penalized row of a step launched its own handful of operations."""
 
-    def __init__(self, params: SamplingParams, prompt_length: int) -> None:
+    def __init__(self, params: SamplingParams, prompt_length: int,
+                 stop_ids: frozenset[int] = frozenset()) -> None:
         self.logit_bias = dict(params.logit_bias)
         self.repetition = params.repetition_penalty or None
         self.presence = params.presence_penalty
         self.frequency = params.frequency_penalty
+        self.min_tokens = params.min_tokens
+        self._stop_ids = sorted(stop_ids)
         self._prompt_length = prompt_length
         self._counts: Counter[int] = Counter()  # generated tokens in the context so far
         self._counted = prompt_length  # the context's length they were counted to
@@ -157,28 +161,39 @@ class Penalties:
             counts[fed] += 1
         return window, counts
 
+    def barred(self, context: Sequence[int], fed: int | None) -> list[int]:
+        """The tokens this draw may not give: the stop tokens while fewer than
+        `min_tokens` tokens were generated before it (`context` and `fed` as in `seen`)."""
+        generated = len(context) + (fed is not None) - self._prompt_length
+        return self._stop_ids if generated < self.min_tokens else []
 
-def make_penalties(params: SamplingParams, prompt_length: int) -> Penalties | None:
+
+def make_penalties(params: SamplingParams, prompt_length: int,
+                   stop_ids: frozenset[int] = frozenset()) -> Penalties | None:
     """The request's penalties; None where it asks for none (most requests)."""
     if not (params.logit_bias or params.repetition_penalty or params.presence_penalty
-            or params.frequency_penalty):
+            or params.frequency_penalty or (params.min_tokens and stop_ids)):
         return None
-    return Penalties(params, prompt_length)
+    return Penalties(params, prompt_length, stop_ids)
 
 
-def penalize(logits: mx.array, rows: Sequence[tuple[int, Penalties, list[int], dict[int, int]]]
+def penalize(logits: mx.array,
+             rows: Sequence[tuple[int, Penalties, list[int], dict[int, int], list[int]]]
              ) -> mx.array:
-    """`logits` [rows, vocabulary] with each listed row (its index, its penalties and what
-    `Penalties.seen` gives for it) biased, then repetition-penalized, then
-    presence- and frequency-penalized, in that order as mlx-lm's processors and OpenAI's
-    penalties would, each step one scatter over every row."""
+    """`logits` [rows, vocabulary] with each listed row (its index, its penalties, what
+    `Penalties.seen` gives for it and what `Penalties.barred` does) biased, then
+    repetition-penalized, then presence- and frequency-penalized, in that order as
+    mlx-lm's processors and OpenAI's penalties would, each step one scatter over every
+    row; then its barred tokens set to the lowest finite logit: below every token a
+    grammar allows, yet still drawn where a grammar allows nothing else (at -inf every
+    token would tie and the draw be token 0, whatever the grammar)."""
     logits = mx.array(logits)  # a handle of its own: the scatters below leave the caller's
-    bias = [(i, token, value) for i, penalties, _, _ in rows
+    bias = [(i, token, value) for i, penalties, _, _, _ in rows
             for token, value in penalties.logit_bias.items()]
     if bias:
         at, values = _positions(bias)
         logits = logits.at[at].add(mx.array(values))
-    repeated = [(i, token, penalties.repetition) for i, penalties, window, _ in rows
+    repeated = [(i, token, penalties.repetition) for i, penalties, window, _, _ in rows
                 if penalties.repetition for token in set(window)]
     if repeated:
         at, factors = _positions(repeated)
@@ -186,10 +201,14 @@ def penalize(logits: mx.array, rows: Sequence[tuple[int, Penalties, list[int], d
         selected = logits[at]
         logits[at] = mx.where(selected < 0, selected * factors, selected / factors)
     counted = [(i, token, penalties.frequency * count + penalties.presence)
-               for i, penalties, _, counts in rows for token, count in counts.items()]
+               for i, penalties, _, counts, _ in rows for token, count in counts.items()]
     if counted:
         at, amounts = _positions(counted)
         logits[at] = logits[at] - mx.array(amounts, logits.dtype)
+    barred = [(i, token) for i, _, _, _, tokens in rows for token in tokens]
+    if barred:
+        at = tuple(mx.array(axis) for axis in zip(*barred))
+        logits[at] = mx.finfo(logits.dtype).min
     return logits
 
 

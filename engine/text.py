@@ -123,7 +123,7 @@ class StopPrefix:
 
 class TextStream:
     def __init__(self, tokenizer: ModelTokenizer, prompt: Sequence[int],
-                 stop: Sequence[str]) -> None:
+                 stop: Sequence[str], min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._context = prompt[-CONTEXT_TOKENS:]
         # Made at the first token: a readout (a classify list's 64 requests) has none,
@@ -134,6 +134,9 @@ class TextStream:
         self._held = ""  # decoded, not yet emitted (a stop string may start in it)
         self.matched_stop: str | None = None
         self.shown = 0  # characters returned so far
+        # The first tokens' text is not searched for stop strings (`min_tokens`): shown
+        # at once, and a stop string is looked for in what comes after it.
+        self._unsearched = min_tokens
 
     def add(self, token: int) -> str:
         """Feed one token; return the text that is now safe to emit. When a stop string
@@ -145,6 +148,10 @@ class TextStream:
             self._decoder = (StreamDecoder(tokenizer, context) if tokenizer.fast is not None
                              else WindowDecoder(tokenizer, context))
         text = self._decoder.step(token)
+        if self._unsearched:
+            self._unsearched -= 1
+            self.shown += len(text)
+            return text
         self._held += text
         for start in self._starts:
             start.feed(text)

@@ -171,6 +171,7 @@ def sampling_knobs(body: SamplingRequest) -> SamplingKnobs:
         stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
         speculation=body.speculation,
     )
 

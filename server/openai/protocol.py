@@ -88,6 +88,7 @@ class SamplingRequest(RequestModel):
     repetition_penalty: float | None = Field(None, ge=0.01, le=10)
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
     # radix-mlx's: speculative decoding for this request (none: the server's mode).
     speculation: SpeculationMode | None = None
 
@@ -102,6 +103,14 @@ class SamplingRequest(RequestModel):
                                     ) -> StreamOptions | None:
         if value is not None and not info.data.get("stream"):
             raise ValueError("only allowed when stream is true")
+        return value
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens_within_max_tokens(cls, value: int, info: ValidationInfo) -> int:
+        limit = info.data.get("max_tokens")
+        if limit is not None and value > limit:
+            raise ValueError(f"must be at most max_tokens ({limit})")
         return value
 
 
@@ -493,6 +502,14 @@ class ChatCompletionRequest(StructuredOutputRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _room_for_min_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
+        least = info.data.get("min_tokens", 0)
+        if value is not None and value < least:
+            raise ValueError(f"must be at least min_tokens ({least})")
+        return value
+
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo
@@ -635,14 +652,6 @@ class FimCompletionRequest(SamplingRequest):
     prompt: str
     suffix: str = ""
     random_seed: int | None = Field(None, ge=0, lt=2**63)
-    min_tokens: int | None = Field(None, ge=0)
-
-    @field_validator("min_tokens")
-    @classmethod
-    def _no_min_tokens(cls, value: int | None) -> int | None:
-        if value:
-            raise ValueError("min_tokens is not supported: send 0 or leave it out")
-        return value
 
 
 # -- responses -----------------------------------------------------------------------------

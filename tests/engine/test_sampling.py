@@ -7,7 +7,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
 from engine.api import SamplingParams
-from engine.sampling import Penalties, Sampler, draw, penalize
+from engine.sampling import Penalties, Sampler, draw, make_penalties, penalize
 
 
 def test_a_batch_draws_each_row_as_its_sampler_alone_would():
@@ -44,7 +44,7 @@ def test_penalties_are_mlx_lms_processors_and_openais_penalties_on_every_row_at_
     rows = []
     for i, (ask, output) in enumerate(zip(asks, generated)):
         penalties = Penalties(SamplingParams(max_tokens=8, **ask), len(prompt))
-        rows.append((i, penalties, *penalties.seen(prompt + output[:-1], output[-1])))
+        rows.append((i, penalties, *penalties.seen(prompt + output[:-1], output[-1]), []))
     found = penalize(logits, rows)
     for i, (ask, output) in enumerate(zip(asks, generated)):
         expected = logits[i:i + 1]
@@ -56,3 +56,21 @@ def test_penalties_are_mlx_lms_processors_and_openais_penalties_on_every_row_at_
         expected = expected - (ask.get("frequency_penalty", 0.0) * counts
                                + ask.get("presence_penalty", 0.0) * (counts > 0))
         assert mx.allclose(found[i], expected[0], atol=1e-5), i
+
+
+def test_stop_tokens_are_barred_from_the_first_min_tokens_draws_alone():
+    """With `min_tokens` 3 a row's stop tokens are barred from its draws until it has
+    generated 3 tokens (vLLM's rule), at the lowest finite logit in the model's dtype:
+    below every other token, yet still the draw of a grammar that allows nothing else."""
+    prompt, stops = [3, 5, 7], frozenset({2, 9})
+    penalties = Penalties(SamplingParams(max_tokens=8, min_tokens=3), len(prompt), stops)
+    assert penalties.barred(prompt, None) == [2, 9]  # the first draw
+    assert penalties.barred(prompt + [4], 6) == [2, 9]  # the third
+    assert penalties.barred(prompt + [4, 6], 8) == []  # the fourth
+    assert make_penalties(SamplingParams(max_tokens=8, min_tokens=3), 3, frozenset()) is None
+    for dtype in (mx.float32, mx.float16, mx.bfloat16):
+        logits = mx.zeros((2, 12), dtype)
+        found = penalize(logits, [(1, penalties, [], {}, [2, 9])])
+        lowest = mx.finfo(dtype).min
+        assert found[1, 2].item() == found[1, 9].item() == lowest
+        assert mx.isfinite(found).all().item() and (found[0] == 0).all().item()

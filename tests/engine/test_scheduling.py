@@ -519,6 +519,25 @@ async def test_stop_token_id_ends_the_stream(engine):
     assert stopped.tokens == free.tokens[: free.tokens.index(stop_token)]
 
 
+async def test_min_tokens_keeps_stop_tokens_and_strings_from_ending_the_first_tokens(engine):
+    """vLLM's `min_tokens`: the first tokens are never a stop token (barred from their
+    draws) nor end on a stop string, which is looked for in the text after them."""
+    prompt = random_prompt(11, 16)
+    free = await complete(engine, prompt, 16, ignore_eos=True)
+    first = free.tokens[0]
+    barred = await complete(engine, prompt, 16, stop_token_ids=(first,), min_tokens=3,
+                            ignore_eos=True)
+    assert barred.tokens[0] != first and first not in barred.tokens[:3]
+    assert len(barred.tokens) >= 3
+    opening = engine.tokenizer.decode(free.tokens[:2], skip_special_tokens=True)
+    assert opening
+    stopped = await complete(engine, prompt, 16, stop=(opening,), ignore_eos=True)
+    assert (stopped.finish.reason, stopped.text) == ("stop", "")
+    shown = await complete(engine, prompt, 16, stop=(opening,), min_tokens=2, ignore_eos=True)
+    assert shown.tokens[:2] == free.tokens[:2] and shown.text.startswith(opening)
+    assert shown.text == free.text[:len(shown.text)]
+
+
 async def test_a_stop_token_releases_text_held_for_a_stop_string(engine):
     """Text held back in case it starts a stop string is still shown when a stop token,
     not a stop string, ends the stream."""

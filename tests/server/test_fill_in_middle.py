@@ -235,7 +235,8 @@ def test_codestral_fills_in_suffix_first_and_a_keystroke_reuses_the_whole_prompt
 def test_mistrals_fim_api_fills_in_the_same_middle(codestral: ServerProcess) -> None:
     """Mistral's fill in the middle (/v1/fim/completions: Continue's Mistral provider, the
     mistralai SDK) prompts the model as Completions' `suffix` does, answers in Chat
-    Completions' shapes, and its streamed deltas, each with content, add up to it."""
+    Completions' shapes, and its streamed deltas, each with content, add up to it;
+    `min_tokens` (vLLM's too) keeps the middle from ending before it."""
     completions = openai.OpenAI(base_url=f"{codestral.url}/v1", api_key="none")
     expected = completions.completions.create(
         model="tiny-codestral", prompt=PREFIX, suffix=SUFFIX, max_tokens=MAX_TOKENS,
@@ -252,6 +253,8 @@ def test_mistrals_fim_api_fills_in_the_same_middle(codestral: ServerProcess) -> 
     seeded = {**fields, "temperature": 1.0, "random_seed": 7}
     assert (client.fim.complete(**seeded).choices[0].message.content
             == client.fim.complete(**seeded).choices[0].message.content)
+    filled = client.fim.complete(**fields, min_tokens=MAX_TOKENS)
+    assert filled.usage.completion_tokens == MAX_TOKENS
     refused = httpx.post(f"{codestral.url}/v1/fim/completions",
-                         json={**fields, "min_tokens": 3})
+                         json={**fields, "min_tokens": MAX_TOKENS + 1})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_tokens"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import mlx_lm
+import openai
 import pytest
 
 from tests.server.support import API_KEY, ServerProcess
@@ -91,6 +92,24 @@ async def test_capital_of_france_is_paris_cold_cached_and_batched(
     assert batched[0]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     for answer, messages in zip(batched[1:], others):
         assert answer["choices"][0]["message"]["content"] == reference(messages)[0]
+
+
+def test_min_tokens_writes_past_the_end_of_a_real_answer(real_client, reference) -> None:
+    """vLLM's `min_tokens` (the OpenAI SDK sends it in `extra_body`): the answer that
+    ended at its end-of-turn token goes on, word for word the same before it, to at least
+    that many tokens; fewer than it allows is a 400 naming it."""
+    expected, expected_tokens = reference(QUESTION)
+    least = expected_tokens + 8
+    completion = real_client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=QUESTION, max_tokens=least + 8,
+        temperature=0, extra_body={"min_tokens": least})
+    assert completion.usage.completion_tokens >= least
+    assert completion.choices[0].message.content.startswith(expected)
+    with pytest.raises(openai.BadRequestError) as refused:
+        real_client.chat.completions.create(
+            model="SmolLM2-135M-Instruct.Q4_1", messages=QUESTION, max_completion_tokens=4,
+            extra_body={"min_tokens": 5})
+    assert refused.value.body["param"] == "max_completion_tokens"
 
 
 def test_a_stop_string_ends_a_real_answer(real_client) -> None:
