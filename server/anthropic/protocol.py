@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, model_serializer, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_serializer, model_validator
 
 from engine.api import SpeculationMode
 from server.anthropic.defined_tools import DEFINED_TOOLS
@@ -444,8 +444,7 @@ class MessagesRequest(TokenCountRequest):
     max_tokens: int = Field(ge=1)
     # Anthropic names no limit; every one is matched against each token's text, so a
     # request with 300,000 of them slowed everyone's streams to a third.
-    stop_sequences: Annotated[list[Annotated[str, Field(min_length=1)]],
-                              Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop_sequences: Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, ge=0, le=1)
@@ -457,6 +456,18 @@ class MessagesRequest(TokenCountRequest):
     # a thread is refused (the route's `ThreadNotHeld`) rather than ignored, which would
     # answer a tool result alone.
     thread: Any = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stop_sequences_have_text(cls, value: list[str] | None) -> list[str] | None:
+        """Anthropic refuses a stop sequence that is empty or only whitespace, in these
+        words; one of whitespace would stop a reply at its first space or newline."""
+        for stop in value or ():
+            if not stop:
+                raise ValueError("each stop sequence must be non-empty")
+            if stop.isspace():
+                raise ValueError("each stop sequence must contain non-whitespace")
+        return value
 
     def thinking_over_budget(self, interleaved: bool) -> bool:
         """Whether the thinking budget is not below max_tokens, which Anthropic refuses

@@ -67,7 +67,7 @@ BODIES: dict[str, dict[str, Any]] = {
         ],
         "tools": [{"name": "get_weather", "description": "Weather of a city.",
                    "input_schema": TOOL["function"]["parameters"]}],
-        "stop_sequences": ["\n\n"], "max_tokens": 2,
+        "stop_sequences": ["\n\nHuman:"], "max_tokens": 2,
     },
 }
 BODIES["/v1/messages/count_tokens"] = {

@@ -230,6 +230,13 @@ def test_claude_code_shaped_agent_loop_is_served_from_cache(
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
       "stop_sequences": [f"stop {i}" for i in range(65)]},
      400, "invalid_request_error", "stop_sequences"),
+    # A stop sequence of nothing but whitespace is refused, as an empty one is, in
+    # Anthropic's words.
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+      "stop_sequences": ["end", " \n\t"]},
+     400, "invalid_request_error", "stop_sequences: each stop sequence must contain non-whitespace"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "stop_sequences": [""]},
+     400, "invalid_request_error", "stop_sequences: each stop sequence must be non-empty"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
       "tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS},
      400, "invalid_request_error", "not a tool"),
