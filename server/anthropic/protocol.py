@@ -340,6 +340,8 @@ ToolChoice = Annotated[
 
 # Anthropic's least thinking budget.
 MIN_THINKING_BUDGET = 1024
+# The least top_p Anthropic takes with thinking on (its "Feature compatibility").
+MIN_THINKING_TOP_P = 0.95
 
 
 class ThinkingEnabled(RequestModel):
@@ -468,6 +470,24 @@ class MessagesRequest(TokenCountRequest):
             if stop.isspace():
                 raise ValueError("each stop sequence must contain non-whitespace")
         return value
+
+    @model_validator(mode="after")
+    def _sampling_fits_thinking(self) -> MessagesRequest:
+        """Anthropic's models think at their own sampling: with thinking on (enabled or
+        adaptive) a temperature other than 1, any top_k and a top_p below 0.95 are its
+        400s, in its words. Unset, a model here samples at its own defaults."""
+        if not isinstance(self.thinking, ThinkingEnabled | ThinkingAdaptive):
+            return self
+        if self.temperature is not None and self.temperature != 1:
+            raise ValueError("`temperature` may only be set to 1 when thinking is enabled "
+                             "or in adaptive mode")
+        if self.top_k is not None:
+            raise ValueError("`top_k` must be unset when thinking is enabled or in adaptive "
+                             "mode")
+        if self.top_p is not None and self.top_p < MIN_THINKING_TOP_P:
+            raise ValueError(f"`top_p` must be between {MIN_THINKING_TOP_P} and 1 when "
+                             "thinking is enabled or in adaptive mode")
+        return self
 
     def thinking_over_budget(self, interleaved: bool) -> bool:
         """Whether the thinking budget is not below max_tokens, which Anthropic refuses

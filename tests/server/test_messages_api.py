@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.demo_model import MAX_POSITION_EMBEDDINGS
 from server.anthropic.defined_tools import DEFINED_TOOLS
 from tests.server.support import API_KEY, ServerProcess, start_server
+from tests.server.thinking_model import build_thinking_model
 
 
 @pytest.fixture(scope="module")
@@ -306,6 +307,33 @@ def test_a_thinking_budget_within_anthropics_bounds_is_taken(
         model=model_id, max_tokens=2, messages=messages, betas=["interleaved-thinking-2025-05-14"],
         thinking={"type": "enabled", "budget_tokens": 2048})
     assert interleaved.type == "message"
+
+
+ADAPTIVE = {"type": "adaptive"}
+
+
+@pytest.mark.parametrize(("thinking", "sampling", "words"), [
+    ({"type": "enabled", "budget_tokens": 1024}, {"temperature": 0},
+     "`temperature` may only be set to 1 when thinking is enabled or in adaptive mode"),
+    (ADAPTIVE, {"temperature": 0.7}, "`temperature` may only be set to 1"),
+    (ADAPTIVE, {"top_k": 20}, "`top_k` must be unset when thinking is enabled"),
+    (ADAPTIVE, {"top_p": 0.9}, "`top_p` must be between 0.95 and 1 when thinking is enabled"),
+])
+def test_thinking_takes_only_the_sampling_anthropic_takes_with_it(
+    claude: anthropic.Anthropic, model_id: str, thinking: dict, sampling: dict, words: str
+) -> None:
+    """Thinking on, Anthropic's models sample their own way: a temperature other than 1,
+    any top_k and a top_p below 0.95 are its 400s. Within those, or thinking off, any is
+    answered."""
+    options = {"model": model_id, "max_tokens": 1025, "stop_sequences": ["a", "e", "o"],
+               "messages": [{"role": "user", "content": "Hi"}]}
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        claude.messages.create(**options, thinking=thinking, extra_body=sampling)
+    assert raised.value.body["error"]["type"] == "invalid_request_error"
+    assert words in raised.value.body["error"]["message"]
+    for taken in ({"thinking": thinking, "extra_body": {"temperature": 1, "top_p": 0.95}},
+                  {"thinking": {"type": "disabled"}, "extra_body": sampling}):
+        assert claude.messages.create(**options, **taken).type == "message"
 
 
 @pytest.mark.parametrize("kind", sorted(DEFINED_TOOLS))
@@ -653,14 +681,29 @@ def test_thinking_between_tools_is_thinking_off(thinking_server: ServerProcess) 
     assert message.type == "message"
 
 
+@pytest.fixture(scope="module")
+def greedy_thinking_server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                           ) -> Iterator[ServerProcess]:
+    """The thinking model, greedy by its own sampling defaults: with thinking on, a request
+    may not ask for a temperature other than 1 (Anthropic's rule)."""
+    directory = tmp_path_factory.mktemp("greedy-thinking")
+    model = build_thinking_model(demo_model_dir, directory / "tiny-thinking")
+    models = directory / "models.toml"
+    models.write_text(f'[[models]]\nid = "tiny-thinking"\nsource = {json.dumps(str(model))}\n'
+                      "sampling.temperature = 0.0\n")
+    process = start_server(None, directory / "server.log", "--models-file", str(models))
+    yield process
+    process.stop()
+
+
 def test_thinking_displayed_as_omitted_leaves_the_blocks_empty(
-        thinking_server: ServerProcess) -> None:
+        greedy_thinking_server: ServerProcess) -> None:
     """display "omitted" asks for thinking blocks without their text (Anthropic redacts
     it): the blocks come, empty, and a stream sends no thinking_delta; the thinking was
     sent anyway."""
-    claude = anthropic.Anthropic(base_url=thinking_server.url, api_key="-", max_retries=0)
-    options = {"model": "tiny-thinking", "max_tokens": 1025, "extra_body": GREEDY,
-               "stop_sequences": ["a", "e", "o"],
+    claude = anthropic.Anthropic(base_url=greedy_thinking_server.url, api_key="-",
+                                 max_retries=0)
+    options = {"model": "tiny-thinking", "max_tokens": 1025, "stop_sequences": ["a", "e", "o"],
                "messages": [{"role": "user", "content": "Which city is the capital?"}]}
     for thinking in ({"type": "enabled", "budget_tokens": 1024, "display": "omitted"},
                      {"type": "adaptive", "display": "omitted"}):
