@@ -23,6 +23,7 @@ from pydantic import (
     Tag,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 # The likeliest alternatives a token's logprob may come with, in every API (OpenAI's 20).
 MAX_TOP_LOGPROBS = 20
@@ -141,6 +142,36 @@ def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
 # schema that names no type (as clients often leave it out), or a list of types with
 # "object" in it, is taken as an object's.
 ObjectSchema = Annotated[dict[str, Any], AfterValidator(_object_schema)]
+
+
+# OpenAI's bounds on a request's metadata, in both of its APIs.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+
+
+def _bounded_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    """OpenAI's 400s, codes and words for metadata past its bounds, which a client that
+    works here would otherwise first meet on OpenAI."""
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise PydanticCustomError(
+            "object_above_max_properties", "too many properties. Expected an object with at "
+            "most {most} properties, but got an object with {count} properties instead.",
+            {"most": MAX_METADATA_PAIRS, "count": len(metadata)})
+    for key, value in metadata.items():
+        for what, text, most in (("the key", key, MAX_METADATA_KEY),
+                                 ("the value of", value, MAX_METADATA_VALUE)):
+            if len(text) > most:
+                raise PydanticCustomError(
+                    "string_above_max_length", "string too long ({what} '{key}'). Expected a "
+                    "string with maximum length {most}, but got a string with length {length} "
+                    "instead.", {"what": what, "key": key[:MAX_METADATA_KEY], "most": most,
+                                 "length": len(text)})
+    return metadata
+
+
+# Key-value pairs a client attaches to a request (OpenAI's `metadata`), strings only.
+Metadata = Annotated[dict[str, str], AfterValidator(_bounded_metadata)]
 
 
 def check_tool_names(names: list[str]) -> None:

@@ -42,7 +42,9 @@ MAX_LISTED_PROBLEMS = 3
 # type for the problem (too_long: a list past its max_length); the rest are
 # invalid_request.
 VALIDATION_CODES = {"too_long": "array_above_max_length",
-                    "integer_below_min_value": "integer_below_min_value"}
+                    "integer_below_min_value": "integer_below_min_value",
+                    "object_above_max_properties": "object_above_max_properties",
+                    "string_above_max_length": "string_above_max_length"}
 # The methods a 405's Allow header may name.
 HTTP_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 

@@ -28,6 +28,7 @@ from server.schema import (
     MAX_TOOLS,
     MAX_TOP_LOGPROBS,
     FormatName,
+    Metadata,
     ObjectSchema,
     RefusalPart,
     RequestModel,
@@ -492,6 +493,9 @@ class ChatCompletionRequest(StructuredOutputRequest):
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[Literal["text"]] | None = None  # no audio out: a 400, not text alone
+    # Nothing is stored here to attach it to: checked against OpenAI's bounds only, so a
+    # client that works here works on OpenAI.
+    metadata: Metadata | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # The template variable gpt-oss's template reads (others ignore it): vLLM honours it
     # for gpt-oss too. chat_template_kwargs' own reasoning_effort wins.

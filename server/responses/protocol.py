@@ -23,6 +23,7 @@ from server.schema import (
     MAX_TOOLS,
     MAX_TOP_LOGPROBS,
     FormatName,
+    Metadata,
     ObjectSchema,
     RefusalPart,
     RequestModel,
@@ -396,7 +397,7 @@ class ResponsesRequest(RequestModel):
     include: list[str] | None = None  # what else OpenAI returns; logprobs here
     stream: bool = False
     store: bool = True
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     safety_identifier: str | None = None
     # One tier serves every request here; whichever is asked for, the response says

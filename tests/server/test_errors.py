@@ -69,6 +69,17 @@ CASES = [
     ("max_output_tokens = 15", "POST", RESPONSES,
      {"json": {"input": "Hello", "max_output_tokens": 15}}, 400, "integer_below_min_value",
      "max_output_tokens"),
+    # OpenAI's bounds on metadata, in both of its APIs: 16 pairs, keys of 64 characters,
+    # values of 512, strings only.
+    *[(f"metadata: {what}", "POST", path, {"json": {**body, "metadata": metadata}}, 400, code,
+       "metadata")
+      for path, body in ((RESPONSES, {"input": "Hello", "max_output_tokens": 16}),
+                         (CHAT, chat()["json"]))
+      for what, metadata, code in (
+          ("17 pairs", {f"k{i}": "v" for i in range(17)}, "object_above_max_properties"),
+          ("a key of 65", {"k" * 65: "v"}, "string_above_max_length"),
+          ("a value of 513", {"k": "v" * 513}, "string_above_max_length"),
+          ("a number", {"k": 1}, "invalid_request"))],
     ("empty messages", "POST", CHAT, {"json": {"messages": []}}, 400, "invalid_request",
      "messages"),
     ("missing messages", "POST", CHAT, {"json": {"model": "x"}}, 400, "invalid_request",

@@ -73,7 +73,9 @@ def test_the_response_echoes_the_requests_settings(client: openai.OpenAI, model_
     assert plain.prompt_cache_retention is None
     asked = {"truncation": "auto", "reasoning": {"effort": "low", "summary": "auto"},
              "safety_identifier": "user-7", "service_tier": "flex", "max_tool_calls": 3,
-             "store": True, "text": {"verbosity": "low"}, "prompt_cache_retention": "24h"}
+             "store": True, "text": {"verbosity": "low"}, "prompt_cache_retention": "24h",
+             # Metadata at OpenAI's bounds: 16 pairs, keys of 64 characters, values of 512.
+             "metadata": {f"{i:02}".ljust(64, "k"): "v" * 512 for i in range(16)}}
     response = client.responses.create(model=model_id, input="Hi", max_output_tokens=16,
                                        **asked)
     with client.responses.stream(model=model_id, input="Hi", max_output_tokens=16,
@@ -85,6 +87,7 @@ def test_the_response_echoes_the_requests_settings(client: openai.OpenAI, model_
         assert (echoed.reasoning.effort, echoed.reasoning.summary) == ("low", "auto")
         assert echoed.max_tool_calls == 3 and echoed.prompt_cache_retention == "24h"
         assert echoed.service_tier == "default"  # the tier that served it: there is one
+        assert echoed.metadata == asked["metadata"]
         # The format left out is the default's, as the verbosity sent is.
         assert echoed.text.format.type == "text" and echoed.text.verbosity == "low"
 
