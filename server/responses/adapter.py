@@ -22,6 +22,7 @@ from pydantic import TypeAdapter
 
 from engine.api import SamplingKnobs
 from engine.json_schemas import strict_mode
+from server.config import SamplingDefaults
 from server.custom_tools import InputReader, custom_arguments, custom_function
 from server.events import (
     ChoiceFinished,
@@ -504,7 +505,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             error.param = RESPONSES_PARAMS.get(error.param, error.param)
             raise
         model = state.models.name_for(lease.model, body.model)
-        return await _respond(request, state, body, conversation, generation, model)
+        return await _respond(request, state, body, conversation, generation, model,
+                              lease.model.spec.sampling)
 
     return await respond_with_model(
         state.models, body.model, body.stream, respond,
@@ -565,9 +567,15 @@ async def _truncated(lease: Lease, body: ResponsesRequest,
     return conversation if fitting is None else fitting
 
 
+def _sampled_at(asked: float | None, default: float | None) -> float:
+    """A knob's value as a response echoes it, the one sampled at (as OpenAI's, which says
+    1.0 for one left out): the request's, else the model's default, else OpenAI's 1.0."""
+    return next(value for value in (asked, default, 1.0) if value is not None)
+
+
 async def _respond(request: Request, state: ServerState, body: ResponsesRequest,
                    conversation: list[TemplateMessage], generation: GenerationRun, model: str,
-                   ) -> Response:
+                   defaults: SamplingDefaults) -> Response:
     builder = ResponseBuilder(ResponseObject(
         id=_new_id("resp"), status="in_progress", model=model,
         instructions=body.instructions, previous_response_id=body.previous_response_id,
@@ -577,8 +585,9 @@ async def _respond(request: Request, state: ServerState, body: ResponsesRequest,
         # What was sent, with plain text for a format left out, as OpenAI echoes it.
         text={"format": {"type": "text"}}
         | (body.text.model_dump(by_alias=True, exclude_none=True) if body.text else {}),
-        max_output_tokens=body.max_output_tokens, temperature=body.temperature,
-        top_p=body.top_p, store=body.store, metadata=body.metadata or {},
+        max_output_tokens=body.max_output_tokens,
+        temperature=_sampled_at(body.temperature, defaults.temperature),
+        top_p=_sampled_at(body.top_p, defaults.top_p), store=body.store, metadata=body.metadata or {},
         prompt_cache_key=body.prompt_cache_key,
         prompt_cache_retention=body.prompt_cache_retention, user=body.user,
         top_logprobs=body.top_logprobs,

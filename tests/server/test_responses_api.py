@@ -71,11 +71,13 @@ def test_the_response_echoes_the_requests_settings(client: openai.OpenAI, model_
     assert plain.reasoning.effort is None and plain.reasoning.summary is None
     assert plain.safety_identifier is None and plain.max_tool_calls is None
     assert plain.prompt_cache_retention is None
+    assert (plain.temperature, plain.top_p) == (1.0, 1.0)  # OpenAI's defaults, sampled at
     asked = {"truncation": "auto", "reasoning": {"effort": "low", "summary": "auto"},
              "safety_identifier": "user-7", "service_tier": "flex", "max_tool_calls": 3,
              "store": True, "text": {"verbosity": "low"}, "prompt_cache_retention": "24h",
              # Metadata at OpenAI's bounds: 16 pairs, keys of 64 characters, values of 512.
-             "metadata": {f"{i:02}".ljust(64, "k"): "v" * 512 for i in range(16)}}
+             "metadata": {f"{i:02}".ljust(64, "k"): "v" * 512 for i in range(16)},
+             "temperature": 0.5, "top_p": 0.9}
     response = client.responses.create(model=model_id, input="Hi", max_output_tokens=16,
                                        **asked)
     with client.responses.stream(model=model_id, input="Hi", max_output_tokens=16,
@@ -88,6 +90,7 @@ def test_the_response_echoes_the_requests_settings(client: openai.OpenAI, model_
         assert echoed.max_tool_calls == 3 and echoed.prompt_cache_retention == "24h"
         assert echoed.service_tier == "default"  # the tier that served it: there is one
         assert echoed.metadata == asked["metadata"]
+        assert (echoed.temperature, echoed.top_p) == (0.5, 0.9)
         # The format left out is the default's, as the verbosity sent is.
         assert echoed.text.format.type == "text" and echoed.text.verbosity == "low"
 

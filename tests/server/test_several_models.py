@@ -214,6 +214,10 @@ def test_a_models_own_sampling_defaults_apply_where_a_request_sets_none(
     assert {text("tiny", seed=seed) for seed in (1, 2, 3)} == {greedy}
     assert len({text("idle", seed=seed) for seed in (1, 2, 3)}) > 1
     assert len({text("tiny", temperature=1.0, seed=seed) for seed in (1, 2, 3)}) > 1
+    # A response says what it was sampled at: the model's temperature, OpenAI's top_p.
+    response = httpx.post(f"{pair.url}/v1/responses", headers=AUTH, timeout=120, json={
+        "model": "tiny", "input": "Hi", "max_output_tokens": 16}).json()
+    assert (response["temperature"], response["top_p"]) == (0.0, 1.0)
 
 
 def real_server_model(server: ServerProcess) -> str:
