@@ -11,6 +11,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import Literal
 
 from pydantic_core import to_json
 
@@ -170,13 +171,20 @@ class ChatFormat(Format):
     chunk_type = ChatCompletionChunk
 
     def __init__(self, response_id: str, model: str, logprobs: bool,
-                 calls_only: bool = False, custom_tools: frozenset[str] = frozenset()) -> None:
+                 calls_only: bool = False, custom_tools: frozenset[str] = frozenset(),
+                 tier_asked: bool = False) -> None:
         """`calls_only`: the reply is tool calls the request forces, with no content.
         `custom_tools`: the names of the request's custom tools, whose calls are custom
-        calls with their input, not function calls with arguments."""
+        calls with their input, not function calls with arguments. `tier_asked`: the
+        request named a service tier, so the response says the one that served it."""
         super().__init__(response_id, model, logprobs)
         self.calls_only, self.custom_tools = calls_only, custom_tools
+        self.service_tier: Literal["default"] | None = "default" if tier_asked else None
         self._inputs: dict[int, tuple[int, InputReader]] = {}  # choice -> its open custom call
+
+    def _chunk(self, choices: list, usage: Usage | None = None) -> ChatCompletionChunk:
+        return super()._chunk(choices, usage).model_copy(
+            update={"service_tier": self.service_tier})
 
     def opening_chunks(self, choices: int) -> list[ChatCompletionChunk]:
         """OpenAI opens every choice with the role and empty content; a reply that can only
@@ -258,6 +266,7 @@ class ChatFormat(Format):
                 for i, result in enumerate(results)
             ],
             usage=openai_usage(usage),
+            service_tier=self.service_tier,
         )
 
 

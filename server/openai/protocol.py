@@ -505,6 +505,9 @@ class ChatCompletionRequest(StructuredOutputRequest):
     # the final message, an assistant prefill.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # One tier serves every request here: whichever is asked for, the response says
+    # "default", the tier that served it, as OpenAI's does where a request names one.
+    service_tier: str | None = None
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -805,6 +808,7 @@ class ChatCompletionResponse(ResponseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    service_tier: Literal["default"] | None = None
 
 
 class DeltaMessage(ResponseModel):
@@ -834,6 +838,7 @@ class ChatCompletionChunk(ResponseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    service_tier: Literal["default"] | None = None
 
 
 class CompletionChoice(ResponseModel):

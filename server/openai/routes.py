@@ -83,7 +83,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         model = state.models.name_for(lease.model, body.model)
         fmt = ChatFormat(f"chatcmpl-{generation.request_id}", model, body.logprobs,
                          calls_only=forces_call(generation.request),
-                         custom_tools=custom_tool_names(body))
+                         custom_tools=custom_tool_names(body),
+                         tier_asked=body.service_tier is not None)
         return await _respond(request, generation, fmt)
 
     return await respond_with_model(state.models, body.model, body.stream, respond,

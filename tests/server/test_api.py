@@ -104,6 +104,21 @@ def test_chat_stream_matches_non_stream(client: openai.OpenAI, model_id: str) ->
     assert [chunk.choices[0].finish_reason for chunk in body][-1] == "length"
 
 
+def test_a_service_tier_asked_for_is_answered_with_the_one_that_served(
+    client: openai.OpenAI, model_id: str
+) -> None:
+    """OpenAI's response names the tier that served a request that named one: "default"
+    here, the only one, in the whole response and every chunk; unasked, none is said."""
+    options = {"model": model_id, "messages": _messages(), "max_tokens": 2}
+    assert client.chat.completions.create(**options).service_tier is None
+    for asked in ("auto", "flex", "priority"):
+        assert client.chat.completions.create(**options, service_tier=asked).service_tier == (
+            "default")
+        chunks = list(client.chat.completions.create(
+            **options, service_tier=asked, stream=True, stream_options={"include_usage": True}))
+        assert {chunk.service_tier for chunk in chunks} == {"default"}
+
+
 def test_chat_stream_on_the_wire(server: ServerProcess, headers: dict[str, str],
                                  model_id: str) -> None:
     """The bytes OpenAI's SDKs parse: SSE headers, `data: JSON` events ended by a blank
