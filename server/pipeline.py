@@ -439,6 +439,7 @@ def _decoder(
         tools = ToolCallParser(
             choice, tool_format, [tool.template_form() for tool in request.offered_tools],
             parallel=request.parallel_tool_calls is not False, forced=forced_function(request),
+            id_prefix=request.call_id_prefix,
         )
     return ChoiceDecoder(choice, reasoning, tools, request.logprobs is not None, echo)
 

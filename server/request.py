@@ -186,6 +186,10 @@ class GenerationRequest:
     # None: not said, which is OpenAI's default, true: a reply may make several calls.
     # False: at most one (exactly one when a call is forced).
     parallel_tool_calls: bool | None = None
+    # How the ids this server gives tool calls begin, as the API's own do (Anthropic's
+    # "toolu_"). Given as the call is read, so the id a client sends back is the one the
+    # next turn's prefill rendered (a template may render it).
+    call_id_prefix: str = "call_"
     output: OutputFormat = TEXT
     # Temperature, top_p, stop, seed, penalties, ...: the pipeline makes each choice's
     # SamplingParams of them, with max_tokens and logprobs from the fields below.

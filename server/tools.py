@@ -31,8 +31,8 @@ JSON_CALL_HEAD = re.compile(
 JSON_CALL_NAME_OPEN = re.compile(r'\s*\{\s*"name"\s*:\s*"(?:[^"\\]|\\.)*\\?\Z')
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def new_call_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
 class ToolCallParser:
@@ -40,15 +40,15 @@ class ToolCallParser:
 
     def __init__(
         self, choice: int, tool_format: ToolCallFormat, tools: list[dict], parallel: bool = True,
-        forced: str | None = None,
+        forced: str | None = None, id_prefix: str = "call_",
     ) -> None:
         """`parallel` False: at most one call (OpenAI's parallel_tool_calls); any further
         call the model writes is dropped. `forced`: the function a forced call must be of
         (`server.structured.forced_function`), whose call, cut short before its name was
-        written, is still that call."""
+        written, is still that call. `id_prefix`: how the ids given to calls begin."""
         self.choice = choice
         self._format, self._tools, self._parallel = tool_format, tools, parallel
-        self._forced = forced
+        self._forced, self._id_prefix = forced, id_prefix
         self._buffer = ""  # text held back: maybe the start of a marker
         self._blank = ""  # blank text held back after a call: content only if text follows
         self._in_call = False
@@ -120,7 +120,7 @@ class ToolCallParser:
 
     def _forced_call(self) -> list[Event]:
         self.calls += 1
-        return [ToolCallStarted(self.choice, 0, new_call_id(), self._forced)]
+        return [ToolCallStarted(self.choice, 0, new_call_id(self._id_prefix), self._forced)]
 
     def _call_text(self, text: str) -> list[Event]:
         if self._dropping:
@@ -136,7 +136,7 @@ class ToolCallParser:
         except json.JSONDecodeError:
             return []
         self._arguments = _JsonValueEnd()
-        started = ToolCallStarted(self.choice, self.calls, new_call_id(), name)
+        started = ToolCallStarted(self.choice, self.calls, new_call_id(self._id_prefix), name)
         return [started, *self._stream_arguments(self._body[head.end():])]
 
     def _stream_arguments(self, text: str) -> list[Event]:
@@ -185,7 +185,7 @@ class ToolCallParser:
                 arguments = call.get("arguments", {})
                 if not isinstance(arguments, str):
                     arguments = json.dumps(arguments, ensure_ascii=False)
-                calls.append((str(call["name"]), arguments, call.get("id") or new_call_id()))
+                calls.append((str(call["name"]), arguments, call.get("id") or new_call_id(self._id_prefix)))
         except Exception as error:  # noqa: BLE001 - model output must never fail the request
             log.warning("unparseable tool call (%s: %s)", type(error).__name__, error)
             return None

@@ -102,6 +102,9 @@ from server.state import server_state
 
 # -- request ------------------------------------------------------------------------------
 
+# How Anthropic's tool_use ids begin (OpenAI's APIs keep "call_").
+TOOL_USE_ID_PREFIX = "toolu_"
+
 
 def generation_request(body: TokenCountRequest) -> GenerationRequest:
     messages: list[TemplateMessage] = []
@@ -127,6 +130,7 @@ def generation_request(body: TokenCountRequest) -> GenerationRequest:
         tools=tuple(_function(tool) for tool in body.tools or ()),
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=_parallel(body.tool_choice),
+        call_id_prefix=TOOL_USE_ID_PREFIX,
         output=output,
         chat_template_kwargs=template_kwargs,
         chat_end=chat_end,

@@ -17,9 +17,10 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.demo_model import MAX_POSITION_EMBEDDINGS
+from engine.demo_model import CHAT_TEMPLATE, MAX_POSITION_EMBEDDINGS
+from engine.loader import load_tokenizer
 from server.anthropic.defined_tools import DEFINED_TOOLS
-from tests.server.support import API_KEY, ServerProcess, start_server
+from tests.server.support import API_KEY, ServerProcess, start_server, wait_idle
 from tests.server.thinking_model import build_thinking_model
 
 
@@ -485,7 +486,7 @@ def test_tool_round_trip_tool_use_then_result_then_answer(
     )
     assert called.stop_reason == "tool_use"
     [use] = [block for block in called.content if block.type == "tool_use"]
-    assert use.name == "get_weather" and use.id
+    assert use.name == "get_weather" and use.id.startswith("toolu_")  # Anthropic's ids
     Weather.model_validate(use.input)
     messages += [
         {"role": "assistant", "content": [block.model_dump() for block in called.content]},
@@ -503,6 +504,52 @@ def test_tool_round_trip_tool_use_then_result_then_answer(
     assert prompt(answer.usage) > prompt(called.usage) + called.usage.output_tokens
 
 
+# The demo model's template with each call's id rendered, as some models' templates do:
+# a follow-up turn's prompt holds the id the client sends back.
+ID_TEMPLATE = CHAT_TEMPLATE.replace("""'<tool_call>\\n{"name": "' +""",
+                                    """'<tool_call>\\n{"id": "' + call.id + '", "name": "' +""")
+
+
+@pytest.fixture(scope="module")
+def id_template_server(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                       ) -> Iterator[ServerProcess]:
+    assert ID_TEMPLATE != CHAT_TEMPLATE
+    directory = tmp_path_factory.mktemp("call-ids")
+    template = directory / "template.jinja"
+    template.write_text(ID_TEMPLATE)
+    process = start_server(demo_model_dir, directory / "server.log", "--chat-template",
+                           str(template))
+    yield process
+    process.stop()
+
+
+def test_a_tool_use_id_comes_back_as_the_next_turn_was_prefilled(
+    id_template_server: ServerProcess, demo_model_dir: Path, model_id: str
+) -> None:
+    """A tool_use block's id is Anthropic's (toolu_...) from the moment the call is read:
+    where the template renders it, the turn that answers the call finds everything but
+    the result cached, the call with its id as the next turn's prefill rendered it."""
+    claude = anthropic.Anthropic(base_url=id_template_server.url, api_key="-", max_retries=0)
+    options = {"model": model_id, "max_tokens": ROOM, "tools": [WEATHER_TOOL],
+               "extra_body": GREEDY}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    called = claude.messages.create(**options, messages=messages,
+                                    tool_choice={"type": "tool", "name": "get_weather"})
+    [use] = [block for block in called.content if block.type == "tool_use"]
+    assert use.id.startswith("toolu_")
+    wait_idle(id_template_server)  # the next turn's prefill is done
+    result = "Sunny, 24 degrees."
+    messages += [
+        {"role": "assistant", "content": [block.model_dump() for block in called.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                      "content": result}]},
+    ]
+    answer = claude.messages.create(**options, messages=messages)
+    tokenizer = load_tokenizer(demo_model_dir)
+    # Uncached: the result, its turn's end and the reply's opening, not the call.
+    assert answer.usage.input_tokens <= len(tokenizer.encode(result)) + 8
+
+
 def test_any_tool_streams_as_input_json_deltas(claude: anthropic.Anthropic, model_id: str) -> None:
     with claude.messages.stream(
         model=model_id, max_tokens=ROOM, tools=[WEATHER_TOOL],
@@ -516,6 +563,9 @@ def test_any_tool_streams_as_input_json_deltas(claude: anthropic.Anthropic, mode
     assert len(fragments) > 1
     [use] = [block for block in message.content if block.type == "tool_use"]
     assert json.loads("".join(fragments)) == use.input
+    assert [event.content_block.id for event in events
+            if event.type == "content_block_start"] == [use.id]
+    assert use.id.startswith("toolu_")
     Weather.model_validate(use.input)
     assert message.stop_reason == "tool_use"
 
