@@ -58,6 +58,10 @@ class Proxy:
         tool = self.pick_tool(body)
         anthropic = path.startswith("/v1/messages")
         body["temperature"] = 0.0  # one run like the next: the tool result's size varies
+        if anthropic:
+            # Anthropic takes neither a temperature other than 1 nor a forced tool with
+            # thinking on (nor does the server, for the temperature).
+            body.pop("thinking", None)
         if tool is not None:
             body["tool_choice"] = (
                 {"type": "tool", "name": tool, "disable_parallel_tool_use": True} if anthropic
