@@ -489,6 +489,15 @@ class MessagesRequest(TokenCountRequest):
                              "thinking is enabled or in adaptive mode")
         return self
 
+    @model_validator(mode="after")
+    def _no_forced_tool_while_thinking(self) -> MessagesRequest:
+        """A forced call (tool_choice any or tool) with thinking on is Anthropic's 400, in
+        its words: the call would come before any thinking."""
+        thinking = isinstance(self.thinking, ThinkingEnabled | ThinkingAdaptive)
+        if thinking and isinstance(self.tool_choice, ToolChoiceAny | ToolChoiceTool):
+            raise ValueError("Thinking may not be enabled when tool_choice forces tool use.")
+        return self
+
     def thinking_over_budget(self, interleaved: bool) -> bool:
         """Whether the thinking budget is not below max_tokens, which Anthropic refuses
         unless thinking is `interleaved` (its beta), where the budget is the whole turn's,

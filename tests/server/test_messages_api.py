@@ -337,6 +337,24 @@ def test_thinking_takes_only_the_sampling_anthropic_takes_with_it(
         assert claude.messages.create(**options, **taken).type == "message"
 
 
+@pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": 1024}, ADAPTIVE])
+def test_thinking_takes_no_forced_tool(
+    claude: anthropic.Anthropic, model_id: str, thinking: dict
+) -> None:
+    """A forced call (tool_choice any or tool) with thinking on is Anthropic's 400; with
+    the choice left to the model, the request is answered."""
+    options = {"model": model_id, "max_tokens": 1025, "tools": TOOLS, "thinking": thinking,
+               "messages": [{"role": "user", "content": "Hi"}]}
+    for forced in ({"type": "any"}, {"type": "tool", "name": TOOLS[0]["name"]}):
+        with pytest.raises(anthropic.BadRequestError) as raised:
+            claude.messages.create(**options, tool_choice=forced)
+        assert raised.value.body["error"]["message"] == (
+            "Thinking may not be enabled when tool_choice forces tool use.")
+    answered = claude.messages.create(**options, tool_choice={"type": "auto"},
+                                      stop_sequences=["a", "e", "o"])
+    assert answered.type == "message"
+
+
 @pytest.mark.parametrize("kind", sorted(DEFINED_TOOLS))
 def test_anthropic_defined_tools_are_shown_as_their_documented_schema(
     claude: anthropic.Anthropic, model_id: str, kind: str
