@@ -28,6 +28,18 @@ from server.schema import (
 OLLAMA_VERSION = "0.12.0"
 
 
+def go_integer(value: Any) -> Any:
+    """An integer option as Ollama reads it: Go decodes JSON numbers as float64 and
+    api.Options.FromMap truncates one to an integer (128.0 is 128, 40.7 is 40). Anything
+    else is left for the strict int to take or refuse (true and "128" are 400s there too)."""
+    if isinstance(value, float) and math.isfinite(value):
+        return int(value)
+    return value
+
+
+GoInt = Annotated[int, BeforeValidator(go_integer)]
+
+
 class Options(RequestModel):
     """The runtime options that mean something here; the rest (num_ctx, num_gpu,
     num_thread, mirostat, ...) are the machine's to choose, and ignored as Ollama ignores
@@ -36,15 +48,15 @@ class Options(RequestModel):
     # No upper bound: Ollama has none (OpenAI's 2 is OpenAI's), and its users send more.
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, ge=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: GoInt | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=-1, lt=2**63)
+    seed: GoInt | None = Field(None, ge=-1, lt=2**63)
     # Ollama's -1 is "until the context is full", -2 "fill the context", and Go clients
     # send 0 for unset: no cap, each of them.
-    num_predict: int | None = Field(None, ge=-2)
+    num_predict: GoInt | None = Field(None, ge=-2)
     repeat_penalty: float | None = Field(None, ge=0.01, le=10)
     # The prompt's first tokens a truncation keeps (-1: as many as fit), as Ollama's.
-    num_keep: int = Field(4, ge=-1)
+    num_keep: GoInt = Field(4, ge=-1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     stop: list[str] | None = None

@@ -14,6 +14,7 @@ import numpy as np
 import ollama
 import openai
 import pytest
+from pydantic import ValidationError
 
 from engine.weights_summary import human_number
 from server.clock import Clock
@@ -358,6 +359,22 @@ def test_options_left_out_sample_as_ollamas_defaults_under_the_models_own() -> N
         "model": "m", "messages": HI, "options": {"temperature": 0.2, "top_k": 0}}))
     assert (chosen.sampling.temperature, chosen.sampling.top_k) == (0.2, 0)
     assert "temperature" not in chosen.unset_sampling
+
+
+def test_integer_options_sent_as_json_floats_are_taken_as_ollamas_go_takes_them() -> None:
+    """Ollama reads a request's options as Go reads JSON numbers, float64s, and makes
+    an integer option an integer by truncating one (api.Options.FromMap): 128.0 is 128,
+    40.7 is 40. They were 400s here."""
+    options = {"num_predict": 128.0, "top_k": 40.7, "seed": 7.0, "num_keep": 5.0}
+    request = generate_request(GenerateRequest.model_validate(
+        {"model": "m", "prompt": "Hi", "options": options}))
+    assert request.max_tokens == 128
+    assert (request.sampling.top_k, request.sampling.seed) == (40, 7)
+    assert GenerateRequest.model_validate(  # num_keep is read where a prompt is cut
+        {"model": "m", "options": options}).options.num_keep == 5
+    for wrong in ({"top_k": True}, {"num_predict": "128"}):
+        with pytest.raises(ValidationError):
+            GenerateRequest.model_validate({"model": "m", "options": wrong})
 
 
 def test_tool_calls_come_whole_with_their_arguments_as_objects() -> None:
