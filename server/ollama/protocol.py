@@ -69,7 +69,8 @@ class Options(RequestModel):
 
 # "json": any JSON value, as Ollama's JSON mode; an object: a JSON schema the reply follows.
 Format = Literal["", "json"] | dict[str, Any]
-Think = bool | Literal["low", "medium", "high"]
+# A level is the template's reasoning effort; "max" is Ollama's since 0.21.3.
+Think = bool | Literal["low", "medium", "high", "max"]
 # Go's duration units, in seconds: what Ollama's keep_alive strings are written in.
 DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0,
                   "m": 60.0, "h": 3600.0}

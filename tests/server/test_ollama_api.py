@@ -377,6 +377,17 @@ def test_integer_options_sent_as_json_floats_are_taken_as_ollamas_go_takes_them(
             GenerateRequest.model_validate({"model": "m", "options": wrong})
 
 
+@pytest.mark.parametrize("level", ["low", "medium", "high", "max"])
+def test_think_levels_are_ollamas_max_included(level: str) -> None:
+    """Ollama takes `think` as a boolean or a level, "max" among them since its 0.21.3
+    (api.ThinkValue); a level reaches the template as its reasoning effort. "max" was a
+    400 here."""
+    request = chat_request(ChatRequest.model_validate(
+        {"model": "m", "messages": HI, "think": level}))
+    assert request.chat_template_kwargs == {"enable_thinking": True,
+                                            "reasoning_effort": level}
+
+
 def test_tool_calls_come_whole_with_their_arguments_as_objects() -> None:
     """Ollama's calls are objects, sent once whole (its clients do not add up fragments),
     numbered; text and thinking stream as they come."""
