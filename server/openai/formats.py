@@ -122,6 +122,8 @@ class Format:
     def __init__(self, response_id: str, model: str, logprobs: bool) -> None:
         self.response_id, self.model, self.logprobs = response_id, model, logprobs
         self.created = now()
+        # Fields every chunk carries beside the common ones (a format's own).
+        self.chunk_fields: dict[str, object] = {}
         # (choice, excluded fields) -> the JSON of a text chunk before and after its text.
         self._text_envelopes: dict[tuple[int, frozenset[str]], tuple[str, str]] = {}
 
@@ -145,7 +147,7 @@ class Format:
     def _chunk(self, choices: list, usage: Usage | None = None):
         return self.chunk_type(
             id=self.response_id, created=self.created, model=self.model, choices=choices,
-            usage=usage,
+            usage=usage, **self.chunk_fields,
         )
 
     def usage_chunk(self, usage: NeutralUsage):
@@ -180,11 +182,8 @@ class ChatFormat(Format):
         super().__init__(response_id, model, logprobs)
         self.calls_only, self.custom_tools = calls_only, custom_tools
         self.service_tier: Literal["default"] | None = "default" if tier_asked else None
+        self.chunk_fields = {"service_tier": self.service_tier}
         self._inputs: dict[int, tuple[int, InputReader]] = {}  # choice -> its open custom call
-
-    def _chunk(self, choices: list, usage: Usage | None = None) -> ChatCompletionChunk:
-        return super()._chunk(choices, usage).model_copy(
-            update={"service_tier": self.service_tier})
 
     def opening_chunks(self, choices: int) -> list[ChatCompletionChunk]:
         """OpenAI opens every choice with the role and empty content; a reply that can only
