@@ -17,6 +17,16 @@ passed over each other, all starved, and went first one after another: 32 choice
 1,000 tokens in a 4-row batch kept an 8-token chat sent a second later waiting 27 s, for
 the last of them (tiny model, 2-core CPU); now 2.2 s, for the first free row.
 
+Rows are shared too: a client request that holds no row, and finds the batch (or its KV
+room) full, takes one from the request that holds the most, if that one holds at least
+two (`rows_to_free`): the newest of its decoding generations is preempted (its KV goes to
+the tree, and it comes back for it once a row is free). Waiting for a free row instead,
+a chat sent 5 s into an n=128, max_tokens=8000 request waited 70 s for the first of those
+choices to end (tiny model, 2-core CPU). A request is never left without a row this way,
+and one that holds a row never takes another's, so nothing is preempted back and forth:
+among requests of one row each, a newcomer waits its turn as in any queue. For the same
+reason only a request that holds no row can be starving.
+
 A request is counted at its prompt plus what it may add, but at most `output_reserve`
 tokens of its `max_tokens` ahead (SGLang clips its estimate the same way, at 4,096):
 a client that sets no limit (Ollama's, the Responses and Messages APIs') may add the
@@ -80,13 +90,12 @@ def admit(waiting: list[Generation], running: Collection[Generation],
         # is full at most steps, and 192 waiting 2,000-token prompts took 4-6 ms a step to
         # match on the 2-core CPU, host time every step of a loaded GPU server pays.
         return
-    window = limits.prefill_batch_size - sum(
-        not g.prompt_done and len(g.tokens) - g.hold.depth > SHORT_PROMPT_TOKENS
-        for g in running)
+    window = _window(limits, running)
     room = token_room(limits, running)
     cached = {g: cached_length(g) for g in waiting}
     served: set[str] = set()  # the requests that had a generation start this round
-    for generation in _order(waiting, running, cached):
+    starving = _starving(waiting, running)
+    for generation in _order(waiting, running, cached, starving):
         if rows <= 0:
             break
         short = len(generation.tokens) - cached[generation] <= SHORT_PROMPT_TOKENS
@@ -95,7 +104,7 @@ def admit(waiting: list[Generation], running: Collection[Generation],
         # A request bigger than the whole limit still runs, alone.
         reserved = tokens_reserved(generation, limits)
         if reserved > room and running:
-            if generation.passed_over >= MAX_PASSED_OVER:
+            if generation in starving:
                 break  # admit nobody past it, so the batch drains until it fits
             continue
         waiting.remove(generation)
@@ -109,6 +118,52 @@ def admit(waiting: list[Generation], running: Collection[Generation],
             # Served, a starving request's other choices no longer go first, one by one.
             generation.passed_over = (0 if generation.owner in served
                                       else generation.passed_over + 1)
+
+
+def rows_to_free(waiting: list[Generation], running: Collection[Generation],
+                 limits: SchedulerLimits, cached_length: Callable[[Generation], int]
+                 ) -> list[Generation]:
+    """The running generations to preempt so that the first client request in `waiting`
+    holding no row gets one (see above): from the request holding the most rows, its
+    newest decoding generations first, only while it keeps one, and only as many as the
+    newcomer needs; none where it would get a row anyway, or could not even then (the
+    prefill window full for its prompt, or too little room freed)."""
+    if any(g.suspect for g in (*waiting, *running)):
+        return []
+    holders = Counter(g.owner for g in running)
+    newcomer = next((g for g in waiting if not g.background and not holders[g.owner]), None)
+    if newcomer is None or max(holders.values(), default=0) < 2:
+        return []
+    rows = limits.max_batch_size - len(running)
+    room = token_room(limits, running)
+    needed = tokens_reserved(newcomer, limits)
+    if rows > 0 and needed <= room:
+        return []
+    short = len(newcomer.tokens) - cached_length(newcomer) <= SHORT_PROMPT_TOKENS
+    if not short and _window(limits, running) <= 0:
+        return []
+    donors = [g for g in running if not g.background and g.prompt_done
+              and g.params.readout is None]
+    chosen: list[Generation] = []
+    while rows <= 0 or needed > room:
+        owners = {g.owner for g in donors if holders[g.owner] >= 2}
+        if not owners:
+            return []
+        owner = max(owners, key=lambda o: (holders[o], o))
+        generation = [g for g in donors if g.owner == owner][-1]
+        donors.remove(generation)
+        chosen.append(generation)
+        holders[owner] -= 1
+        rows += 1
+        room += tokens_reserved(generation, limits)
+    return chosen
+
+
+def _window(limits: SchedulerLimits, running: Iterable[Generation]) -> int:
+    """How many more long prompts may be prefilled beside the running ones."""
+    return limits.prefill_batch_size - sum(
+        not g.prompt_done and len(g.tokens) - g.hold.depth > SHORT_PROMPT_TOKENS
+        for g in running)
 
 
 def token_room(limits: SchedulerLimits, running: Iterable[Generation]) -> int:
@@ -129,23 +184,31 @@ def tokens_held(generation: Generation) -> int:
     return len(generation.prompt) + len(generation.generated) + 1
 
 
-def _order(waiting: list[Generation], running: Iterable[Generation],
-           cached: dict[Generation, int]) -> list[Generation]:
-    """Starving requests (the oldest generation of each), then the rest in turns: each
+def _starving(waiting: list[Generation], running: Collection[Generation]
+              ) -> list[Generation]:
+    """The oldest waiting generation of each client request passed over for long that
+    holds no row (one that holds a row is being served)."""
+    holding = {g.owner for g in running}
+    starving: dict[str, Generation] = {}
+    for generation in waiting:
+        if (not generation.background and generation.passed_over >= MAX_PASSED_OVER
+                and generation.owner not in holding):
+            starving.setdefault(generation.owner, generation)
+    return list(starving.values())
+
+
+def _order(waiting: list[Generation], running: Collection[Generation],
+           cached: dict[Generation, int], first: list[Generation]) -> list[Generation]:
+    """`first` (the starving, see `_starving`), then the rest in turns: each
     request's k-th generation after the rows it holds, those of a turn by cached prefix;
     then background work (a chat's next turn, prefilled to be cached): its prefix is the
     longest of all (the chat and its reply), and it went first, ahead of the clients of
     other chats that ended with it. Background work passed over costs a guess, never an
     answer: it never goes first (the scheduler drops it once stale)."""
     clients = [g for g in waiting if not g.background]
-    starving: dict[str, Generation] = {}
-    for generation in clients:
-        if generation.passed_over >= MAX_PASSED_OVER:
-            starving.setdefault(generation.owner, generation)
-    first = list(starving.values())
     held = Counter(g.owner for g in (*running, *first))
     turn: dict[Generation, int] = {}
-    others = (g for g in clients if starving.get(g.owner) is not g)
+    others = (g for g in clients if g not in first)
     for generation in sorted(others, key=lambda g: -cached[g]):
         turn[generation] = held[generation.owner]
         held[generation.owner] += 1

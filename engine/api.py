@@ -128,7 +128,8 @@ class SchedulerCounters:
                                 name="engine_requests_failed")
     requests_preempted: int = stat("counter", "Times a running request left the batch, its "
                                    "KV cached, to wait for room: the batch's KV outgrew "
-                                   "the limit.", name="engine_requests_preempted")
+                                   "the limit, or a request holding no row needed one.",
+                                   name="engine_requests_preempted")
     constrained_requests: int = stat("counter", "Requests decoded under a grammar "
                                      "(structured output, forced tool calls).",
                                      name="engine_constrained_requests")

@@ -52,7 +52,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.admission import MAX_PASSED_OVER, SchedulerLimits, admit, token_room, tokens_held
+from engine.admission import (
+    MAX_PASSED_OVER,
+    SchedulerLimits,
+    admit,
+    rows_to_free,
+    token_room,
+    tokens_held,
+)
 from engine.api import (
     EngineNotReady,
     FinishReason,
@@ -479,6 +486,7 @@ class Scheduler:
             try:
                 self.kv.settle()  # what cancelled requests released, before the step
                 self._make_room()
+                self._share_rows()
                 self._score()
                 admit(self.waiting, self.running.values(), self.limits,
                       lambda g: self.tree.peek(g.cacheable), self._try_start)
@@ -1363,11 +1371,19 @@ class Scheduler:
             self.running.items(), key=lambda item: (not item[1].background, -item[0]))]
         for generation in newest_first[:-1]:
             over -= tokens_held(generation)
-            self._preempt(generation)
+            self._preempt(generation, f"the batch's KV outgrew "
+                                      f"{self.limits.max_tokens_in_flight} tokens")
             if over <= 0:
                 break
 
-    def _preempt(self, generation: Generation) -> None:
+    def _share_rows(self) -> None:
+        """Preempt what a client request holding no row needs of a request holding
+        several (admission.py, `rows_to_free`)."""
+        for generation in rows_to_free(self.waiting, self.running.values(), self.limits,
+                                       lambda g: self.tree.peek(g.cacheable)):
+            self._preempt(generation, "a request holding no row needed one")
+
+    def _preempt(self, generation: Generation, reason: str) -> None:
         """Take a running generation out of the batch and queue it again: its KV goes to
         the tree as an ending one's does, and admitted again it reads it back from there
         as a prompt of its tokens so far (a failed step's path, `_recover`), then goes on
@@ -1383,9 +1399,8 @@ class Scheduler:
         read = {uid: generation.hold.depth} if self._shares_on_release(generation) else {}
         self._release(generation, self.generator.remove([uid], read=read)[uid])
         del self.running[uid]
-        log.info("preempted %s at %d tokens: the batch's KV outgrew %d tokens", generation.id,
-                 len(generation.prompt) + len(generation.generated),
-                 self.limits.max_tokens_in_flight)
+        log.info("preempted %s at %d tokens: %s", generation.id,
+                 len(generation.prompt) + len(generation.generated), reason)
         self.counters.requests_preempted += 1
         generation.tokens = generation.prompt + generation.generated
         self.waiting.insert(0, generation)

@@ -1,12 +1,13 @@
 """Who starts next: the prefill window holds long prompts back, never short ones; a full
-batch admits nobody, without matching the queue against the tree."""
+batch admits nobody, without matching the queue against the tree; a request holding no
+row takes one from a request holding several."""
 
 from __future__ import annotations
 
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from engine.admission import SHORT_PROMPT_TOKENS, SchedulerLimits, admit
+from engine.admission import SHORT_PROMPT_TOKENS, SchedulerLimits, admit, rows_to_free
 from engine.api import Readout, SamplingParams
 from engine.generation import Generation
 from engine.tokenizer import ModelTokenizer
@@ -170,3 +171,78 @@ def test_a_starving_request_goes_first_as_one(tokenizer) -> None:
     waiting.append(small[1])
     admit(waiting, running, limits, lambda g: 0, start)
     assert running == [big[0], *small] and waiting == big[1:]
+
+
+def _decoding(generations: list[Generation]) -> list[Generation]:
+    for generation in generations:
+        generation.prompt_done = True
+    return generations
+
+
+def _chat(tokenizer, tree: RadixTree, name: str = "chat", length: int = 10) -> Generation:
+    return Generation(name, list(range(10, 10 + length)), SamplingParams(max_tokens=8),
+                      lambda event: None, tokenizer, tokenizer.vocab_size, tree)
+
+
+@pytest.mark.parametrize("limits", [_limits(rows=4), _limits(rows=64, tokens=4 * 1020 + 10)],
+                         ids=["rows", "tokens"])
+def test_a_request_holding_no_row_takes_one_from_the_request_holding_the_most(
+        tokenizer, limits) -> None:
+    """A request's choices that fill the batch's rows (or its tokens in flight) give the
+    newest of theirs up to a chat that holds none, and that chat, not the choice, gets
+    the place it frees, though the choices waiting were passed over for long."""
+    tree = RadixTree(1 << 20, free=lambda handle: None)
+    many = _choices(tokenizer, tree, "many", 8, 1000)
+    running, waiting = _decoding(many[:4]), many[4:]
+    for generation in waiting:
+        generation.passed_over = 100
+    chat = _chat(tokenizer, tree)
+    waiting.append(chat)
+    freed = rows_to_free(waiting, running, limits, lambda g: 0)
+    assert freed == [many[3]]
+    running.remove(many[3])
+    waiting.insert(0, many[3])  # as the scheduler queues a preempted generation again
+    admit(waiting, running, limits, lambda g: 0, lambda g: running.append(g) is None)
+    assert running == [*many[:3], chat]
+    # Now every request holds a row: nothing more is freed, for the choices either.
+    assert rows_to_free(waiting, running, limits, lambda g: 0) == []
+
+
+def test_requests_of_one_row_each_free_none_for_a_newcomer(tokenizer) -> None:
+    tree = RadixTree(1 << 20, free=lambda handle: None)
+    running = _decoding([_chat(tokenizer, tree, f"chat{i}") for i in range(4)])
+    waiting = [_chat(tokenizer, tree, "late")]
+    assert rows_to_free(waiting, running, _limits(rows=4), lambda g: 0) == []
+
+
+def test_no_row_is_freed_where_it_would_not_start_the_newcomer(tokenizer) -> None:
+    """Not while the prefill window is full for its long prompt (the row would go back to
+    the choice, to be freed again at the next step), nor where the request holding the
+    most could free rows, but not enough KV room, without giving up its last."""
+    tree = RadixTree(1 << 20, free=lambda handle: None)
+    prefilling = [Generation(f"long{i}", list(range(10, 310)), SamplingParams(max_tokens=8),
+                             lambda event: None, tokenizer, tokenizer.vocab_size, tree)
+                  for i in range(8)]
+    many = _decoding(_choices(tokenizer, tree, "many", 2, 1000))
+    long_chat = _chat(tokenizer, tree, "long chat", length=300)
+    assert rows_to_free([long_chat], [*prefilling, *many], _limits(rows=10),
+                        lambda g: 0) == []
+    assert rows_to_free([long_chat], [*prefilling, *many], _limits(rows=10),
+                        lambda g: 290) == [many[1]]  # mostly cached: a short prompt
+    big = Generation("big", list(range(10, 2010)), SamplingParams(max_tokens=100),
+                     lambda event: None, tokenizer, tokenizer.vocab_size, tree)
+    assert rows_to_free([big], many, _limits(rows=64, tokens=2 * 1020 + 1000),
+                        lambda g: 0) == []
+
+
+def test_a_guess_takes_no_row_and_a_prompt_still_prefilling_gives_none(tokenizer) -> None:
+    tree = RadixTree(1 << 20, free=lambda handle: None)
+    many = _choices(tokenizer, tree, "many", 3, 1000)
+    guess = SamplingParams(max_tokens=0, temperature=0.0, readout=Readout(cache_only=True))
+    next_turn = Generation("next-turn", list(range(10, 30)), guess, lambda event: None,
+                           tokenizer, tokenizer.vocab_size, tree)
+    _decoding(many)
+    assert rows_to_free([next_turn], many, _limits(rows=3), lambda g: 0) == []
+    many[2].prompt_done = False
+    waiting = [next_turn, _chat(tokenizer, tree)]
+    assert rows_to_free(waiting, many, _limits(rows=3), lambda g: 0) == [many[1]]

@@ -351,6 +351,40 @@ async def test_a_request_that_outgrows_its_reserve_is_preempted_and_answers_the_
         engine.shutdown()
 
 
+async def test_a_chat_takes_a_row_from_a_request_holding_every_row(llama_dir, reference):
+    """Three choices of one request hold both rows of the batch and the third waits; a
+    chat sent while they decode does not wait for one of them to end: the newest gives
+    its row up, the chat answers before any choice ends, and the choice comes back for
+    its KV in the tree and answers as greedy as alone."""
+    engine = start_engine(llama_dir, cache_bytes=1 << 30, max_batch_size=2)
+    try:
+        prompt = random_prompt(700, 24)
+        choices = engine.submit_all([prompt] * 3, _greedy(max_tokens=150, ignore_eos=True),
+                                    owner="many")
+        ended: list[str] = []
+
+        async def drain(stream, name: str) -> list[int]:
+            tokens = [event.token async for event in stream if isinstance(event, TokenEvent)]
+            ended.append(name)
+            return tokens
+
+        tasks = [asyncio.create_task(drain(stream, "choice")) for stream in choices]
+        while engine.stats().counters.generated_tokens < 8:
+            await asyncio.sleep(0.005)
+        chat = random_prompt(701, 16)
+        answer = await complete(engine, chat, 4)
+        ended.append("chat")
+        assert answer.tokens == reference.greedy(chat, 4)
+        expected = reference.greedy_ignoring_eos(prompt, 150)
+        assert await asyncio.gather(*tasks) == [expected] * 3
+        assert ended[0] == "chat"
+        stats = await settled(engine)
+        assert stats.counters.requests_preempted == 1
+        assert stats.tree.pinned_bytes == 0
+    finally:
+        engine.shutdown()
+
+
 async def test_queue_limit_counts_only_requests_not_yet_admitted(llama_dir):
     engine = start_engine(llama_dir, cache_bytes=1 << 30, max_batch_size=1, max_queue=2)
     try:
