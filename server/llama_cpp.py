@@ -31,7 +31,7 @@ from engine.api import SamplingKnobs, TokenEvent, TokenLogprob
 from server.clock import Clock
 from server.events import ChoiceFinished, ChoiceResult, Event, TextDelta, collect, fold
 from server.http.errors import APIError
-from server.http.json_body import JSONRoute
+from server.http.json_body import AnyTypeJSONRoute
 from server.http.loading import respond_with_model
 from server.http.model_response import model_response
 from server.http.openapi import error_responses, event_stream
@@ -51,7 +51,7 @@ from server.request import (
 from server.schema import MAX_TOP_LOGPROBS, RequestModel, ResponseModel
 from server.state import server_state
 
-router = APIRouter(responses=error_responses(ErrorResponse), route_class=JSONRoute)
+router = APIRouter(responses=error_responses(ErrorResponse), route_class=AnyTypeJSONRoute)
 
 
 class ExtraFile(RequestModel):

@@ -18,7 +18,7 @@ from fastapi.responses import Response
 from pydantic import AliasChoices, Field, TypeAdapter
 
 from server.http.errors import APIError
-from server.http.json_body import JSONRoute
+from server.http.json_body import AnyTypeJSONRoute
 from server.http.openapi import error_responses
 from server.http.streaming import CLIENT_CLOSED
 from server.openai.protocol import ErrorResponse
@@ -26,7 +26,7 @@ from server.prefill.protocol import EmbeddingInput
 from server.prefill.routes import EmbedFields, embed_texts, request_inputs
 from server.schema import RequestModel, ResponseModel
 
-router = APIRouter(responses=error_responses(ErrorResponse), route_class=JSONRoute)
+router = APIRouter(responses=error_responses(ErrorResponse), route_class=AnyTypeJSONRoute)
 
 
 class LlamaEmbeddingRequest(RequestModel):

@@ -16,7 +16,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 
-from server.http.json_body import JSONRoute
+from server.http.json_body import AnyTypeJSONRoute
 from server.http.openapi import error_responses
 from server.openai.adapter import content_images, function_tool, template_message
 from server.openai.protocol import AnyTool, ChatRequestMessage, ErrorResponse, TokenId
@@ -26,7 +26,7 @@ from server.request import GenerationRequest
 from server.schema import RequestModel, ResponseModel
 from server.state import server_state
 
-router = APIRouter(responses=error_responses(ErrorResponse), route_class=JSONRoute)
+router = APIRouter(responses=error_responses(ErrorResponse), route_class=AnyTypeJSONRoute)
 
 
 class TokenizeRequest(RequestModel):

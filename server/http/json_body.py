@@ -87,9 +87,12 @@ class JSONRoute(APIRoute):
 
 
 class AnyTypeJSONRoute(JSONRoute):
-    """Ollama's routes: a body is JSON whatever its Content-Type says, as Ollama's server
-    reads it. Its own documented examples (`curl .../api/generate -d '{...}'`) send curl's
-    default, application/x-www-form-urlencoded."""
+    """Ollama's and llama.cpp's native routes: a body is JSON whatever its Content-Type
+    says, as their servers read it (Ollama binds the body as JSON; llama.cpp parses
+    `req.body`, and raised cpp-httplib's limit on form bodies for it). Ollama's own
+    documented examples (`curl .../api/generate -d '{...}'`) send curl's default,
+    application/x-www-form-urlencoded, and so do scripts written against llama.cpp's
+    `/completion` without a header."""
 
     any_content_type = True
 

@@ -155,3 +155,25 @@ def test_props_says_the_context_window_and_slots(
     assert props["default_generation_settings"]["n_ctx"] == limit["max_model_len"]
     assert props["total_slots"] >= 1 and props["model_path"] == model_id
     assert "im_start" in props["chat_template"] and props["modalities"]["vision"] is False
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/completion", {"prompt": PROMPT, "n_predict": 2}),
+    ("/tokenize", {"content": PROMPT}),
+    ("/detokenize", {"tokens": [5, 6, 7]}),
+    ("/embedding", {"content": PROMPT}),
+])
+def test_a_body_is_json_whatever_its_content_type_says(
+        server: ServerProcess, headers: dict, path: str, body: dict) -> None:
+    """As llama.cpp's server reads it: `curl .../completion -d '{...}'` sends curl's
+    default type, and scripts written against llama.cpp leave the header out. A web page
+    on another origin posting the same (a form, or a no-cors fetch) is still refused."""
+    typed = {name: value for name, value in headers.items() if name.lower() != "content-type"}
+    as_form = {**typed, "Content-Type": "application/x-www-form-urlencoded"}
+    for sent_as in (as_form, typed):
+        answer = httpx.post(f"{server.url}{path}", content=json.dumps(body), headers=sent_as,
+                            timeout=60)
+        assert answer.status_code == 200, answer.text
+    refused = httpx.post(f"{server.url}{path}", content=json.dumps(body), timeout=60,
+                         headers={**as_form, "Origin": "https://evil.example"})
+    assert refused.status_code == 403
