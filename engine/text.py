@@ -134,9 +134,11 @@ class TextStream:
         self._held = ""  # decoded, not yet emitted (a stop string may start in it)
         self.matched_stop: str | None = None
         self.shown = 0  # characters returned so far
-        # The first tokens' text is not searched for stop strings (`min_tokens`): shown
-        # at once, and a stop string is looked for in what comes after it.
-        self._unsearched = min_tokens
+        # No stop string ends in the first `min_tokens` tokens' text, but one may begin
+        # there and end after it (vLLM's stop checker), so that text is held back as any
+        # other that may begin one; `_unsearched` is how much of `_held` it still is.
+        self._min_tokens = min_tokens
+        self._unsearched = 0
 
     def add(self, token: int) -> str:
         """Feed one token; return the text that is now safe to emit. When a stop string
@@ -148,11 +150,10 @@ class TextStream:
             self._decoder = (StreamDecoder(tokenizer, context) if tokenizer.fast is not None
                              else WindowDecoder(tokenizer, context))
         text = self._decoder.step(token)
-        if self._unsearched:
-            self._unsearched -= 1
-            self.shown += len(text)
-            return text
         self._held += text
+        if self._min_tokens:
+            self._min_tokens -= 1
+            self._unsearched = len(self._held)
         for start in self._starts:
             start.feed(text)
         return self._release(final=False)
@@ -174,11 +175,15 @@ class TextStream:
     def _release(self, final: bool) -> str:
         text = self._released(final)
         self.shown += len(text)
+        self._unsearched = max(self._unsearched - len(text), 0)
         return text
 
     def _released(self, final: bool) -> str:
         if self._stop:
-            hits = [(i, s) for s in self._stop if (i := self._held.find(s)) >= 0]
+            # A match ends after the unsearched text, so it starts no earlier than
+            # len(s) - 1 characters before that text's end.
+            hits = [(i, s) for s in self._stop
+                    if (i := self._held.find(s, max(self._unsearched - len(s) + 1, 0))) >= 0]
             if hits:
                 index, self.matched_stop = min(hits)
                 text, self._held = self._held[:index], ""

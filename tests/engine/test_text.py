@@ -30,9 +30,9 @@ def tokenizer(request, demo_model_dir) -> ModelTokenizer:
 
 
 def stream(tokenizer: ModelTokenizer, text: str, stop: tuple[str, ...] = (),
-           prompt: str = "Say it:") -> tuple[TextStream, list[str]]:
+           prompt: str = "Say it:", min_tokens: int = 0) -> tuple[TextStream, list[str]]:
     """A TextStream after `text`'s tokens, and what each token released."""
-    text_stream = TextStream(tokenizer, tokenizer.encode(prompt), stop)
+    text_stream = TextStream(tokenizer, tokenizer.encode(prompt), stop, min_tokens)
     chunks = [text_stream.add(token) for token in tokenizer.encode(text, special_tokens=False)]
     return text_stream, chunks
 
@@ -95,6 +95,22 @@ def test_a_stop_prefix_is_the_longest_start_of_the_stop_string_the_text_ends_wit
         text += piece
         assert prefix.feed(piece) == max(k for k in range(len(stop) + 1)
                                          if text.endswith(stop[:k]))
+
+
+def test_a_stop_string_begun_in_the_first_min_tokens_and_ended_after_them_matches(
+        tokenizer) -> None:
+    """vLLM's stop checker looks for a stop string in the text after the first
+    `min_tokens` tokens and the stop string's length less one before it: one that begins
+    in those tokens and ends after them stops the reply, one wholly inside them does not.
+    The text it begins with is held back as any text that may begin a stop string is."""
+    text = " hello world and more"
+    first = tokenizer.encode(" hello", special_tokens=False)
+    assert tokenizer.encode(text, special_tokens=False)[:len(first)] == first
+    text_stream, chunks = stream(tokenizer, text, stop=("lo wo",), min_tokens=len(first))
+    assert text_stream.matched_stop == "lo wo" and "".join(chunks) == " hel"
+    text_stream, chunks = stream(tokenizer, text, stop=("ello",), min_tokens=len(first))
+    assert text_stream.matched_stop is None
+    assert "".join(chunks) + text_stream.finish() == text
 
 
 def test_the_earliest_of_several_stop_strings_wins(tokenizer) -> None:
