@@ -404,6 +404,22 @@ class TokenCountRequest(RequestModel):
     mcp_servers: list[Any] | None = None
     container: Any = None
 
+    @field_validator("messages")
+    @classmethod
+    def _prefill_ends_in_text(cls, messages: list[AnthropicMessage]) -> list[AnthropicMessage]:
+        """A final assistant message (a prefill) whose text ends in whitespace is
+        Anthropic's 400, in its words: the reply would continue after a space or newline
+        the model's own tokens would have carried."""
+        last = messages[-1] if messages else None
+        if last is None or last.role != "assistant":
+            return messages
+        content = last.content
+        if not isinstance(content, str):
+            content = content[-1].text if content and isinstance(content[-1], TextBlock) else ""
+        if content[-1:].isspace():
+            raise ValueError("final assistant content cannot end with trailing whitespace")
+        return messages
+
     @property
     def omit_thinking(self) -> bool:
         """Whether thinking blocks leave out their text (display "omitted"), as Anthropic's

@@ -280,6 +280,16 @@ def test_claude_code_shaped_agent_loop_is_served_from_cache(
     ({"max_tokens": 1024, "messages": [{"role": "user", "content": "x"}],
       "thinking": {"type": "enabled", "budget_tokens": 1024}},
      400, "invalid_request_error", "`max_tokens` must be greater than `thinking.budget_tokens`"),
+    # A prefill (a final assistant message) that ends in whitespace, as a string or as its
+    # last text block: Anthropic's 400, in its words.
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"},
+                                    {"role": "assistant", "content": "The answer is "}]},
+     400, "invalid_request_error",
+     "messages: final assistant content cannot end with trailing whitespace"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}, {
+        "role": "assistant", "content": [{"type": "text", "text": "{\n"}]}]},
+     400, "invalid_request_error",
+     "messages: final assistant content cannot end with trailing whitespace"),
 ])
 def test_errors_are_anthropic_error_objects(
     claude: anthropic.Anthropic, model_id: str, body: dict, status: int, kind: str, words: str
@@ -730,7 +740,7 @@ def test_an_empty_assistant_message_alone_is_a_400_when_counted_too(
 ) -> None:
     with pytest.raises(anthropic.BadRequestError) as raised:
         claude.messages.count_tokens(model=model_id,
-                                     messages=[{"role": "assistant", "content": "  "}])
+                                     messages=[{"role": "assistant", "content": ""}])
     assert "leaves nothing to reply to" in raised.value.body["error"]["message"]
 
 
