@@ -23,7 +23,7 @@ from server.llama_cpp import router as llama_cpp_api
 from server.llama_cpp_embedding import router as llama_cpp_embedding
 from server.model_registry import ModelRegistry
 from server.ollama.routes import router as ollama_api
-from server.openai.routes import api
+from server.openai.routes import api, deepseek_beta
 from server.prefill.routes import rerank_aliases
 from server.prefill.routes import router as prefill_api
 from server.probes import probes
@@ -60,6 +60,7 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
     # The loads requests wait for are their engine work too: the deadline cancels them.
     state.drain.jobs.add(models)
     app.include_router(api)
+    app.include_router(deepseek_beta)
     app.include_router(responses_api)
     app.include_router(messages_api)
     app.include_router(ollama_api)

@@ -1,5 +1,6 @@
-"""OpenAI's /v1 endpoints: Chat Completions, Completions and Models; and Mistral's fill in
-the middle, which answers in Chat Completions' shapes."""
+"""OpenAI's /v1 endpoints: Chat Completions, Completions and Models; Mistral's fill in
+the middle, which answers in Chat Completions' shapes; and DeepSeek's, which is
+Completions with a suffix under its beta base URL."""
 
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ def _events(chunk: type[BaseModel]) -> dict[str, Any]:
 
 api = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
                 route_class=JSONRoute)
+# DeepSeek's beta base URL (https://api.deepseek.com/beta), where it serves fill in the
+# middle as Completions with a `suffix`: clients set up for it reach ours.
+deepseek_beta = APIRouter(prefix="/beta", responses=error_responses(ErrorResponse),
+                          route_class=JSONRoute)
 
 
 @api.get("/models")
@@ -91,6 +96,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                     _stream_error)
 
 
+@deepseek_beta.post("/completions", include_in_schema=False)
 @api.post("/completions", responses={
     200: {"model": CompletionResponse, "content": _events(CompletionResponse)}})
 async def create_completion(body: CompletionRequest, request: Request) -> Response:

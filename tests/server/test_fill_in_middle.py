@@ -258,3 +258,21 @@ def test_mistrals_fim_api_fills_in_the_same_middle(codestral: ServerProcess) -> 
     refused = httpx.post(f"{codestral.url}/v1/fim/completions",
                          json={**fields, "min_tokens": MAX_TOKENS + 1})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_tokens"
+
+
+def test_deepseeks_beta_fim_path_is_completions_with_a_suffix(coder: ServerProcess) -> None:
+    """DeepSeek serves fill in the middle as Completions with `suffix` under its beta base
+    URL (https://api.deepseek.com/beta, POST /completions): the openai SDK pointed at it
+    gets the same middle as from /v1/completions, whole and streamed."""
+    fields = {"model": "tiny-coder", "prompt": PREFIX, "suffix": SUFFIX,
+              "max_tokens": MAX_TOKENS, "temperature": 0}
+    expected = openai.OpenAI(base_url=f"{coder.url}/v1", api_key="none").completions.create(
+        **fields)
+    deepseek = openai.OpenAI(base_url=f"{coder.url}/beta", api_key="none")
+    middle = deepseek.completions.create(**fields)
+    assert middle.object == "text_completion"
+    assert middle.choices[0].text == expected.choices[0].text
+    assert middle.usage.prompt_tokens == expected.usage.prompt_tokens
+    streamed = "".join(chunk.choices[0].text for chunk in deepseek.completions.create(
+        **fields, stream=True) if chunk.choices)
+    assert streamed == expected.choices[0].text
