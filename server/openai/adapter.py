@@ -71,12 +71,20 @@ def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         stream=body.stream,
         include_usage=_include_usage(body),
-        chat_template_kwargs=({"reasoning_effort": body.reasoning_effort}
-                              if body.reasoning_effort else {})
+        chat_template_kwargs=effort_kwargs(body.reasoning_effort)
         | (body.chat_template_kwargs or {}),
         chat_end="continue" if body.continue_final_message
         else "reply" if body.add_generation_prompt else "as_is",
     )
+
+
+def effort_kwargs(effort: str | None) -> dict[str, Any]:
+    """A reasoning effort as the template variables vLLM gives it: `reasoning_effort` as
+    written (gpt-oss's template reads it), and `enable_thinking` (Qwen3's and Gemma's
+    read that), false for "none" and true for any other effort."""
+    if not effort:
+        return {}
+    return {"reasoning_effort": effort, "enable_thinking": effort != "none"}
 
 
 def custom_tool_names(body: ChatCompletionRequest) -> frozenset[str]:
