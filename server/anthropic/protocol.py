@@ -345,12 +345,13 @@ MIN_THINKING_TOP_P = 0.95
 
 
 class ThinkingEnabled(RequestModel):
-    """Anthropic's bounds on the budget are checked (at least 1024, below max_tokens:
+    """Anthropic's bounds on the budget are checked (at least 1024:
+    `TokenCountRequest._budget_at_least_the_least`; below max_tokens:
     `MessagesRequest.thinking_over_budget`), so a request that Anthropic refuses is
     refused here too; the budget itself does not bound the reasoning of a local model."""
 
     type: Literal["enabled"]
-    budget_tokens: int = Field(ge=MIN_THINKING_BUDGET)
+    budget_tokens: int
     # "omitted": thinking blocks come without their text (`TokenCountRequest.omit_thinking`).
     display: Literal["summarized", "omitted"] | None = None
 
@@ -434,6 +435,17 @@ class TokenCountRequest(RequestModel):
         if self.container is not None:
             raise ValueError("container: this server runs no code-execution container "
                              "(nor its skills); define client tools instead")
+        return self
+
+    @model_validator(mode="after")
+    def _budget_at_least_the_least(self) -> TokenCountRequest:
+        """A budget below 1024 is Anthropic's 400 in its words, its path naming the
+        thinking type (where ours leaves union tags out): gateways that raise a budget
+        too low for Anthropic match on them."""
+        if (isinstance(self.thinking, ThinkingEnabled)
+                and self.thinking.budget_tokens < MIN_THINKING_BUDGET):
+            raise ValueError("thinking.enabled.budget_tokens: Input should be greater than "
+                             f"or equal to {MIN_THINKING_BUDGET}")
         return self
 
     @model_validator(mode="after")

@@ -272,11 +272,12 @@ def test_claude_code_shaped_agent_loop_is_served_from_cache(
     ({"max_tokens": 4, "messages": [{"role": "assistant", "content": [
         {"type": "thinking", "thinking": "hm", "signature": "s"}]}]},
      400, "invalid_request_error", "leaves nothing to reply to"),
-    # Anthropic's bounds on a thinking budget, in its words.
+    # Anthropic's bounds on a thinking budget, in its words (its path names the thinking
+    # type, which gateways that raise a budget too low for Anthropic match on).
     ({"max_tokens": 4096, "messages": [{"role": "user", "content": "x"}],
       "thinking": {"type": "enabled", "budget_tokens": 1023}},
      400, "invalid_request_error",
-     "thinking.budget_tokens: Input should be greater than or equal to 1024"),
+     "thinking.enabled.budget_tokens: Input should be greater than or equal to 1024"),
     ({"max_tokens": 1024, "messages": [{"role": "user", "content": "x"}],
       "thinking": {"type": "enabled", "budget_tokens": 1024}},
      400, "invalid_request_error", "`max_tokens` must be greater than `thinking.budget_tokens`"),
