@@ -40,6 +40,7 @@ from server.http.openapi import error_responses, event_stream
 from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
 from server.images import MARKER
 from server.model_registry import Lease
+from server.openai.adapter import effort_kwargs
 from server.openai.formats import chat_logprobs
 from server.openai.protocol import ErrorResponse
 from server.pipeline import GenerationRun, first_that_fits, render, start
@@ -250,9 +251,7 @@ def generation_request(
         fit_context=True,
         stream=body.stream,
         include_usage=True,
-        # The template variable gpt-oss's template reads (others ignore it).
-        chat_template_kwargs={"reasoning_effort": body.reasoning.effort}
-        if body.reasoning and body.reasoning.effort else {},
+        chat_template_kwargs=effort_kwargs(body.reasoning.effort if body.reasoning else None),
     )
 
 

@@ -73,9 +73,7 @@ def test_reasoning_effort_reaches_the_template(
         return chat_prompt_tokens(server, model_id, **fields)
 
     def response(**fields) -> int:
-        body = {"model": model_id, "input": "Hi", **fields}
-        counted = httpx.post(f"{server.url}/v1/responses/input_tokens", json=body, timeout=30)
-        return counted.json()["input_tokens"]
+        return response_input_tokens(server, model_id, **fields)
 
     try:
         counts = [chat(), chat(reasoning_effort="high"),
@@ -99,7 +97,8 @@ def test_a_reasoning_effort_turns_thinking_on_or_off_as_vllm_does(
     harmony path knows only low, medium and high, its Jinja path takes any) and with it
     `enable_thinking`, false for "none" and true otherwise, unless chat_template_kwargs
     says: Qwen3's template then thinks or not as asked. (Unsaid, mlx-lm gives
-    enable_thinking as whether the model thinks.)"""
+    enable_thinking as whether the model thinks.) The Responses API's reasoning.effort
+    is the same effort."""
     server = serve_template(demo_model_dir, tmp_path, "{% if enable_thinking %}[think]"
                             "{% else %}[answer at once, without thinking]{% endif %}" + TEMPLATE)
     tokenizer = load_tokenizer(demo_model_dir)
@@ -107,10 +106,19 @@ def test_a_reasoning_effort_turns_thinking_on_or_off_as_vllm_does(
              {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}]
     try:
         counts = [chat_prompt_tokens(server, model_id, **fields) for fields in asked]
+        counts += [response_input_tokens(server, model_id, reasoning={"effort": effort})
+                   for effort in ("low", "none")]
     finally:
         server.stop()
 
     def length(text: str) -> int:
         return len(tokenizer.encode(text + "[user] Hi\n[assistant] ", special_tokens=False))
     think, off = length("[think]"), length("[answer at once, without thinking]")
-    assert counts == [think, off, think]
+    assert counts == [think, off, think, think, off]
+
+
+def response_input_tokens(server: ServerProcess, model_id: str, **fields: object) -> int:
+    """The input tokens of a Responses input of "Hi", with `fields`."""
+    body = {"model": model_id, "input": "Hi", **fields}
+    counted = httpx.post(f"{server.url}/v1/responses/input_tokens", json=body, timeout=30)
+    return counted.json()["input_tokens"]
