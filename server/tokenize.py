@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 
 from server.http.json_body import AnyTypeJSONRoute
 from server.http.openapi import error_responses
-from server.openai.adapter import content_images, function_tool, template_message
+from server.openai.adapter import chat_end, content_images, function_tool, template_message
 from server.openai.protocol import AnyTool, ChatRequestMessage, ErrorResponse, TokenId
 from server.pipeline import render
 from server.prompts import check_token_ids
@@ -138,5 +138,4 @@ def _chat(body: TokenizeRequest) -> GenerationRequest:
         images=tuple(url for message in messages for url in content_images(message.content)),
         tools=tuple(function_tool(tool) for tool in body.tools or ()),
         chat_template_kwargs=body.chat_template_kwargs or {},
-        chat_end="continue" if body.continue_final_message
-        else "reply" if body.add_generation_prompt else "as_is")
+        chat_end=chat_end(messages, body.add_generation_prompt, body.continue_final_message))

@@ -7,10 +7,12 @@ internal request (`server.request`), which the shared pipeline runs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 from engine.api import SamplingKnobs
+from engine.tokenizer import ChatEnd
 from server.custom_tools import custom_arguments, custom_function
 from server.images import MARKER
 from server.openai.protocol import (
@@ -73,9 +75,20 @@ def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
         include_usage=_include_usage(body),
         chat_template_kwargs=effort_kwargs(body.reasoning_effort)
         | (body.chat_template_kwargs or {}),
-        chat_end="continue" if body.continue_final_message
-        else "reply" if body.add_generation_prompt else "as_is",
+        chat_end=chat_end(body.messages, body.add_generation_prompt,
+                          body.continue_final_message),
     )
+
+
+def chat_end(messages: Sequence[ChatRequestMessage], add_generation_prompt: bool,
+             continue_final_message: bool) -> ChatEnd:
+    """How the prompt ends after the chat: the reply continues the final message where
+    the request says so (vLLM's continue_final_message, or the message marked as the
+    reply's start), opens after it, or nothing follows (add_generation_prompt false)."""
+    last = messages[-1] if messages else None
+    if continue_final_message or (isinstance(last, AssistantMessage) and last.starts_the_reply):
+        return "continue"
+    return "reply" if add_generation_prompt else "as_is"
 
 
 def effort_kwargs(effort: str | None) -> dict[str, Any]:

@@ -225,6 +225,14 @@ class AssistantMessage(RequestModel):
     # An earlier turn's thinking, as vLLM takes it back; templates decide whether to
     # render it (Qwen3's keeps only the current turn's).
     reasoning_content: str | None = None
+    # The final message as the start of the reply, which goes on from it: Mistral's and
+    # DeepSeek's `prefix`, Moonshot's `partial` (vLLM's continue_final_message).
+    prefix: bool = False
+    partial: bool = False
+
+    @property
+    def starts_the_reply(self) -> bool:
+        return self.prefix or self.partial
 
     @model_validator(mode="after")
     def _says_something(self) -> AssistantMessage:
@@ -567,6 +575,15 @@ class ChatCompletionRequest(StructuredOutputRequest):
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt to be false")
         return self
+
+    @field_validator("messages")
+    @classmethod
+    def _prefix_last(cls, messages: list[ChatRequestMessage]) -> list[ChatRequestMessage]:
+        if any(isinstance(message, AssistantMessage) and message.starts_the_reply
+               for message in messages[:-1]):
+            raise ValueError("only the final message may start the reply (prefix or "
+                             "partial: true)")
+        return messages
 
 
 # -- legacy completion requests ----------------------------------------------------------

@@ -50,7 +50,8 @@ def _events(chunk: type[BaseModel]) -> dict[str, Any]:
 api = APIRouter(prefix="/v1", responses=error_responses(ErrorResponse),
                 route_class=JSONRoute)
 # DeepSeek's beta base URL (https://api.deepseek.com/beta), where it serves fill in the
-# middle as Completions with a `suffix`: clients set up for it reach ours.
+# middle as Completions with a `suffix`, and chat prefix completion (a final assistant
+# message with `prefix: true`): clients set up for it reach ours.
 deepseek_beta = APIRouter(prefix="/beta", responses=error_responses(ErrorResponse),
                           route_class=JSONRoute)
 
@@ -78,6 +79,7 @@ def _model_card(state: ServerState, model: ServedModel, name: str) -> ModelCard:
                      state=model.state.value, pinned=model.spec.pinned)
 
 
+@deepseek_beta.post("/chat/completions", include_in_schema=False)
 @api.post("/chat/completions", responses={
     200: {"model": ChatCompletionResponse, "content": _events(ChatCompletionChunk)}})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:

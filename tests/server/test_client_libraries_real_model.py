@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx_lm
 import openai
 import pytest
+from mistralai.client import Mistral
 from pydantic import BaseModel
 
 from tests.server.support import API_KEY, ServerProcess
@@ -162,6 +163,40 @@ def test_openai_chat_honours_vllms_prefill_fields(real_server: ServerProcess,
     assert as_is["usage"]["prompt_tokens"] == len(closed)
     assert both.status_code == 400 and "add_generation_prompt" in both.text
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
+
+
+def test_a_final_message_marked_as_the_replys_start_is_continued(
+        real_server: ServerProcess, model: str, reference) -> None:
+    """DeepSeek's chat prefix completion (its beta base URL, `prefix: true`, through the
+    openai SDK), Mistral's `prefix` (through the mistralai SDK) and Moonshot's `partial`
+    continue the final assistant message, as vLLM's continue_final_message does; a
+    message so marked that is not the final one is a 400."""
+    prompt = reference.tokenizer.apply_chat_template(CAPITAL, continue_final_message=True)
+    expected = reference(prompt, PREFILL_TOKENS)
+
+    def marked(field: str, at: int = -1) -> list[dict]:
+        chat = [*CAPITAL, {"role": "user", "content": "Again."}] if at != -1 else CAPITAL
+        return [{**message, field: True} if index == at % len(chat) else message
+                for index, message in enumerate(chat)]
+
+    deepseek = openai.OpenAI(base_url=f"{real_server.url}/beta", api_key=API_KEY,
+                             max_retries=0)
+    reply = deepseek.chat.completions.create(model=model, messages=marked("prefix"),
+                                             max_tokens=PREFILL_TOKENS, temperature=0)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == len(prompt)
+    mistral = Mistral(api_key=API_KEY, server_url=real_server.url)
+    reply = mistral.chat.complete(model=model, messages=marked("prefix"),
+                                  max_tokens=PREFILL_TOKENS, temperature=0)
+    assert reply.choices[0].message.content == expected
+    moonshot = openai.OpenAI(base_url=f"{real_server.url}/v1", api_key=API_KEY, max_retries=0)
+    reply = moonshot.chat.completions.create(model=model, messages=marked("partial"),
+                                             max_tokens=PREFILL_TOKENS, temperature=0)
+    assert reply.choices[0].message.content == expected
+    with pytest.raises(openai.BadRequestError) as refused:
+        moonshot.chat.completions.create(model=model, messages=marked("prefix", at=1),
+                                         max_tokens=PREFILL_TOKENS)
+    assert refused.value.body["param"] == "messages"
 
 
 # -- echo with prompt logprobs -----------------------------------------------------------
