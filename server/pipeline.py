@@ -235,7 +235,7 @@ async def render(model: ServedModel, request: GenerationRequest) -> list[Prompt]
     tokenizer = model.tokenizer()
     if not request.is_chat:
         return await asyncio.to_thread(raw_prompts, tokenizer, request,
-                                       model.engine.token_limit)
+                                       request.token_limit(model.engine.token_limit))
     request = _as_rendered(model, request)
     # Rendering and tokenizing a long conversation takes milliseconds: off the event
     # loop, so streams in flight keep flowing meanwhile.
@@ -253,7 +253,8 @@ async def render(model: ServedModel, request: GenerationRequest) -> list[Prompt]
 async def fits_context(lease: Lease, request: GenerationRequest) -> bool:
     """Does `request`'s prompt leave its model room for at least one token?"""
     prompts = await render(lease.model, request)
-    return max(len(prompt.tokens) for prompt in prompts) < lease.engine.token_limit
+    return max(len(prompt.tokens) for prompt in prompts) < request.token_limit(
+        lease.engine.token_limit)
 
 
 T = TypeVar("T")
@@ -320,8 +321,9 @@ async def _start(http: Request, state: ServerState, lease: Lease, request: Gener
         # A middle also ends where the model goes on to another file of the project, or pads.
         request = replace(request, sampling=replace(request.sampling, stop_token_ids=(
             *request.sampling.stop_token_ids, *tokenizer.fill_in_middle.ends)))
+    window = request.token_limit(lease.engine.token_limit)
     if request.keep_tokens is not None:
-        prompts = [cut_middle(prompt, request.keep_tokens, lease.engine.token_limit)
+        prompts = [cut_middle(prompt, request.keep_tokens, window)
                    for prompt in prompts]
     vocab_size = tokenizer.vocab_size
     sampling = request.sampling
@@ -335,10 +337,10 @@ async def _start(http: Request, state: ServerState, lease: Lease, request: Gener
             f"{settings.max_queue}", code="invalid_request", param="n",
         )
     longest = max(len(prompt.tokens) for prompt in prompts)
-    room = lease.engine.token_limit - longest
+    room = window - longest
     if request.fit_context and room < 1:
         # Its max_tokens is only a cap, so the engine's refusal would count 1 for it.
-        raise PromptTooLong(longest, lease.engine.token_limit, param="messages")
+        raise PromptTooLong(longest, window, param="messages")
     max_tokens, context_bound = _max_tokens(request, settings, room)
     # Reasoning applies to chats only; raw prompts are continued as they are.
     markers = tokenizer.thinking if request.is_chat else None
@@ -354,7 +356,7 @@ async def _start(http: Request, state: ServerState, lease: Lease, request: Gener
     }
     # No answer is longer than the context window: nor need its prediction be.
     prediction = tuple((await asyncio.to_thread(
-        tokenizer.encode, request.prediction, special_tokens=False))[:lease.engine.token_limit]
+        tokenizer.encode, request.prediction, special_tokens=False))[:window]
         if request.prediction else ())
     cached_tokens = 0
     if request.usage_at_start:

@@ -162,7 +162,7 @@ def raw_prompts(tokenizer: ModelTokenizer, request: GenerationRequest, token_lim
                 ) -> list[Prompt]:
     """Legacy completions' prompts: text is encoded, token ids are taken as given (no
     message ends: they are no chat). An infill that fits (llama.cpp's) is cut to leave
-    its reply room in `token_limit`, the model's context."""
+    its reply room in `token_limit`, the request's context window."""
     prompts = request.prompts
     if request.infill is not None:
         fit = None

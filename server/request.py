@@ -210,6 +210,10 @@ class GenerationRequest:
     # as many as fit) and as many of its last as leave half the rest of the window to the
     # reply, as Ollama's runner cuts it; None: it is a 400. One with images is not cut.
     keep_tokens: int | None = None
+    # The request's own context window, within its model's (Ollama's num_ctx): its prompt
+    # is truncated or refused as over it, and its reply ends where it is full. None: the
+    # model's whole window.
+    context_window: int | None = None
     n: int = 1  # choices per prompt
     # None: no logprobs; k: each content token's logprob plus its k likeliest alternatives.
     logprobs: int | None = None
@@ -228,6 +232,12 @@ class GenerationRequest:
     # generation prompt), "continue" leaves the final message open and the reply continues
     # it (an assistant prefill), "as_is" ends after the final message's own end.
     chat_end: ChatEnd = "reply"
+
+    def token_limit(self, model_limit: int) -> int:
+        """The most prompt + reply tokens this request may have: its model's
+        `model_limit`, or fewer where its own context window says."""
+        return model_limit if self.context_window is None else min(model_limit,
+                                                                   self.context_window)
 
     @property
     def is_chat(self) -> bool:

@@ -71,6 +71,8 @@ IMAGE_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "imag
 # `sampling`, as a Modelfile's parameters) say nothing: its clients' users expect its
 # answers, not the whole vocabulary at temperature 1 (OpenAI's defaults).
 OLLAMA_TEMPERATURE, OLLAMA_TOP_K, OLLAMA_TOP_P = 0.8, 40, 0.9
+# The smallest context Ollama's scheduler loads a runner with, whatever num_ctx says.
+LEAST_NUM_CTX = 4
 
 
 def chat_request(body: ChatRequest) -> GenerationRequest:
@@ -136,6 +138,8 @@ def _generation(body: GenerationFields, **prompt: Any) -> GenerationRequest:
         unset_sampling=unset_knobs(options),
         max_tokens=limit if limit is not None and limit > 0 else None,
         fit_context=True,  # Ollama's num_predict is a cap; none fills the context
+        context_window=None if options.num_ctx is None
+        else max(options.num_ctx, LEAST_NUM_CTX),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         stream=body.stream,
         include_usage=True,
@@ -145,10 +149,11 @@ def _generation(body: GenerationFields, **prompt: Any) -> GenerationRequest:
 
 async def truncated(lease: Lease, generation: GenerationRequest, options: Options | None
                     ) -> GenerationRequest:
-    """A request whose prompt is over the context window, truncated as Ollama truncates
-    it: a chat without its oldest messages, as few as let it fit, its system messages
-    and its last message staying (their images with them); then what still does not
-    fit (a long last message, a prompt) cut in its middle (`GenerationRequest.keep_tokens`).
+    """A request whose prompt is over its context window (num_ctx, within the model's),
+    truncated as Ollama truncates it: a chat without its oldest messages, as few as let
+    it fit, its system messages and its last message staying (their images with them);
+    then what still does not fit (a long last message, a prompt) cut in its middle
+    (`GenerationRequest.keep_tokens`).
     """
     keep = (options or Options()).num_keep
     messages = generation.messages

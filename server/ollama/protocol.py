@@ -41,9 +41,9 @@ GoInt = Annotated[int, BeforeValidator(go_integer)]
 
 
 class Options(RequestModel):
-    """The runtime options that mean something here; the rest (num_ctx, num_gpu,
-    num_thread, mirostat, ...) are the machine's to choose, and ignored as Ollama ignores
-    an option a model's runner does not use."""
+    """The runtime options that mean something here; the rest (num_gpu, num_thread,
+    mirostat, ...) are the machine's to choose, and ignored as Ollama ignores an option a
+    model's runner does not use."""
 
     # No upper bound: Ollama has none (OpenAI's 2 is OpenAI's), and its users send more.
     temperature: float | None = Field(None, ge=0)
@@ -57,6 +57,9 @@ class Options(RequestModel):
     repeat_penalty: float | None = Field(None, ge=0.01, le=10)
     # The prompt's first tokens a truncation keeps (-1: as many as fit), as Ollama's.
     num_keep: GoInt = Field(4, ge=-1)
+    # The request's context window, prompt and reply (the model's where larger): Ollama
+    # loads its runner with it. No bound: Ollama's scheduler raises one under 4 to 4.
+    num_ctx: GoInt | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     stop: list[str] | None = None

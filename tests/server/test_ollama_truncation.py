@@ -2,8 +2,9 @@
 true unless said): a chat loses its oldest messages, its system messages and its last
 message staying; what still does not fit, and a prompt to /api/generate, keeps its first
 num_keep tokens and as many of its last as leave half the rest of the window to the
-reply, as Ollama's runner cuts it. `truncate: false` refuses it. On the tiny demo model
-with a 256-token window."""
+reply, as Ollama's runner cuts it. `truncate: false` refuses it. The window is the
+request's num_ctx where it is smaller than the model's. On the tiny demo model with a
+256-token window."""
 
 from __future__ import annotations
 
@@ -73,3 +74,47 @@ def test_a_prompt_over_the_window_is_cut_in_its_middle(short_server: ServerProce
                      chat(short_server, SYSTEM + [{"role": "user", "content": "word " * 400}])):
         assert answered.status_code == 200, answered.text
         assert answered.json()["prompt_eval_count"] == CUT
+
+
+# Ollama runs a request in a context of num_ctx tokens (the model's when more).
+NUM_CTX = 96
+
+
+def test_num_ctx_is_the_window_a_chat_is_truncated_to(short_server: ServerProcess) -> None:
+    small = {"temperature": 0, "num_predict": 2, "num_ctx": NUM_CTX}
+    answered = chat(short_server, SYSTEM + TURNS + LAST, options=small)
+    assert answered.status_code == 200, answered.text
+    # The first start whose messages fit num_ctx, not the model's window.
+    for start in range(len(TURNS) + 1):
+        alone = chat(short_server, SYSTEM + TURNS[start:] + LAST, truncate=False,
+                     options=small)
+        if alone.status_code == 200:
+            break
+    assert alone.json()["prompt_eval_count"] == answered.json()["prompt_eval_count"] < NUM_CTX
+    whole_window = chat(short_server, SYSTEM + TURNS + LAST)
+    assert answered.json()["prompt_eval_count"] < whole_window.json()["prompt_eval_count"]
+    refused = chat(short_server, SYSTEM + TURNS + LAST, truncate=False, options=small)
+    assert refused.status_code == 400
+    assert f"maximum context length is {NUM_CTX} tokens" in refused.json()["error"]
+
+
+def test_num_ctx_cuts_a_prompt_and_bounds_the_reply(short_server: ServerProcess) -> None:
+    cut = generate(short_server, "word " * 400,
+                   options={"temperature": 0, "num_predict": 2, "num_ctx": NUM_CTX})
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["prompt_eval_count"] == NUM_CTX - (NUM_CTX - 4) // 2
+    # No num_predict, -1 or one past the room: the reply ends where num_ctx is full.
+    prompt = "word " * 60
+    for limit in ({}, {"num_predict": -1}, {"num_predict": 200}):
+        replied = generate(short_server, prompt, raw=True,
+                           options={"temperature": 0, "num_ctx": NUM_CTX, **limit}).json()
+        assert replied["prompt_eval_count"] + replied["eval_count"] <= NUM_CTX, replied
+        assert replied["done_reason"] == "length"
+
+
+def test_a_num_ctx_past_the_models_is_the_models(short_server: ServerProcess) -> None:
+    big = chat(short_server, SYSTEM + TURNS + LAST,
+               options={"temperature": 0, "num_predict": 2, "num_ctx": 100_000})
+    assert big.status_code == 200, big.text
+    assert big.json()["prompt_eval_count"] == chat(
+        short_server, SYSTEM + TURNS + LAST).json()["prompt_eval_count"]
