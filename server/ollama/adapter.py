@@ -73,6 +73,8 @@ IMAGE_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "imag
 OLLAMA_TEMPERATURE, OLLAMA_TOP_K, OLLAMA_TOP_P = 0.8, 40, 0.9
 # The smallest context Ollama's scheduler loads a runner with, whatever num_ctx says.
 LEAST_NUM_CTX = 4
+# The tags Ollama knows a harmony template (gpt-oss's) by (its shouldUseHarmony).
+HARMONY_TAGS = ("<|start|>", "<|end|>")
 
 
 def chat_request(body: ChatRequest) -> GenerationRequest:
@@ -182,6 +184,16 @@ def output_format(value: Format | None) -> OutputFormat:
     if value == "json":
         return JsonObjectOutput()
     return JsonSchemaOutput("format", value, strict=True)
+
+
+def for_template(generation: GenerationRequest, template: str) -> GenerationRequest:
+    """`generation` for the model's chat `template`: a harmony one (gpt-oss's) reads a
+    reasoning effort of low, medium or high, so "max" is "high" to it, as Ollama maps it."""
+    if (generation.chat_template_kwargs.get("reasoning_effort") != "max"
+            or not all(tag in template for tag in HARMONY_TAGS)):
+        return generation
+    return replace(generation, chat_template_kwargs={**generation.chat_template_kwargs,
+                                                     "reasoning_effort": "high"})
 
 
 def _thinking(think: Think | None) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from server.ollama.adapter import (
     OllamaReply,
     chat_request,
     created_at,
+    for_template,
     generate_request,
     truncated,
     whole,
@@ -126,11 +127,12 @@ async def _reply(request: Request, body: GenerationFields, generation: Generatio
             # a reply that silently lacks it.
             raise APIError(400, f'"{body.model}" does not support thinking')
         _keep(lease.model, body.keep_alive)
+        served = for_template(generation, lease.model.tokenizer().chat_template_text)
 
         async def shorter() -> GenerationRequest:
-            return await truncated(lease, generation, body.options)
+            return await truncated(lease, served, body.options)
 
-        run = await start(request, state, lease, generation, shorter if body.truncate else None)
+        run = await start(request, state, lease, served, shorter if body.truncate else None)
         reply = OllamaReply(state.models.name_for(lease.model, body.model), clock, chat)
         if body.stream:
             return JSONLinesSource(run, _lines(run, reply))

@@ -16,6 +16,7 @@ import openai
 import pytest
 from pydantic import ValidationError
 
+from engine.loader import load_tokenizer
 from engine.weights_summary import human_number
 from server.clock import Clock
 from server.events import (
@@ -35,7 +36,8 @@ from server.ollama.adapter import (
     whole,
 )
 from server.ollama.protocol import ChatRequest, GenerateRequest
-from tests.server.support import API_KEY, ServerProcess
+from tests.server.support import API_KEY, ServerProcess, start_server
+from tests.server.thinking_model import build_thinking_model
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GREEDY = {"temperature": 0, "num_predict": 8}
@@ -301,6 +303,41 @@ def test_thinking_comes_apart_from_the_answer(thinking_server: ServerProcess) ->
     reply = olla.chat(model=model.model, messages=HI, think=True,
                       options={"num_predict": 40, "seed": 1})
     assert reply.message.thinking and "<think>" not in reply.message.content
+
+
+# A template of harmony's shape (gpt-oss's): its reasoning effort in a system turn.
+HARMONY = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort }}<|end|>"
+           "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}"
+           "<|end|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+def test_think_max_is_high_to_a_harmony_template(
+        demo_model_dir: Path, tmp_path: Path) -> None:
+    """gpt-oss's Reasoning line knows low, medium and high: Ollama asks a harmony
+    template (its tags) for "high" where `think` says "max" (routes.go), on /api/chat and
+    /api/generate alike; "max" reached the template as it was."""
+    model = build_thinking_model(demo_model_dir, tmp_path / "tiny-harmony")
+    template = tmp_path / "harmony.jinja"
+    template.write_text(HARMONY)
+    server = start_server(model, tmp_path / "server.log", "--chat-template", str(template))
+
+    def prompt_tokens(path: str, think: str) -> int:
+        body = {"model": model.name, "think": think, "stream": False,
+                "options": {"num_predict": 1}, **({"messages": HI} if path == "chat"
+                                                  else {"prompt": HI[0]["content"]})}
+        reply = httpx.post(f"{server.url}/api/{path}", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["prompt_eval_count"]
+
+    try:
+        counts = {(path, think): prompt_tokens(path, think) for path in ("chat", "generate")
+                  for think in ("high", "max")}
+    finally:
+        server.stop()
+    tokenizer = load_tokenizer(model, HARMONY)
+    high = len(tokenizer.chat_prompt(HI, variables={"reasoning_effort": "high"}))
+    assert high != len(tokenizer.chat_prompt(HI, variables={"reasoning_effort": "max"}))
+    assert set(counts.values()) == {high}
 
 
 @pytest.mark.parametrize("path", ["chat", "generate"])
