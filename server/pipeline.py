@@ -233,19 +233,20 @@ async def render(model: ServedModel, request: GenerationRequest) -> list[Prompt]
     lose the lines `volatile_system_lines` names (with its message ends when the engine
     snapshots there), or raw prompts."""
     tokenizer = model.tokenizer()
-    if not request.is_chat:
-        return await asyncio.to_thread(raw_prompts, tokenizer, request,
-                                       request.token_limit(model.engine.token_limit))
-    request = _as_rendered(model, request)
-    # Rendering and tokenizing a long conversation takes milliseconds: off the event
-    # loop, so streams in flight keep flowing meanwhile.
     images = []
     if request.images:
         if tokenizer.images is None:
             raise APIError(400, f"the model {model.id} does not read images",
-                           code="invalid_image", param="messages")
+                           code="invalid_image",
+                           param="messages" if request.is_chat else "images")
         images = await load_images(request.images, image_limits(model.settings),
                                    tokenizer.images.settings)
+    # Rendering and tokenizing a long conversation takes milliseconds: off the event
+    # loop, so streams in flight keep flowing meanwhile.
+    if not request.is_chat:
+        return await asyncio.to_thread(raw_prompts, tokenizer, request,
+                                       request.token_limit(model.engine.token_limit), images)
+    request = _as_rendered(model, request)
     return [await asyncio.to_thread(chat_prompt, tokenizer, request,
                                     model.engine.wants_message_ends, images)]
 

@@ -116,11 +116,17 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
         # A text chat runs as on the language model: an image token the user wrote as
         # text (a coding agent pasting a vision model's code) is one of its tokens.
         return Prompt(prompt, ends)
+    return _keyed(tokenizer.images, prompt, images, ends, "messages")
+
+
+def _keyed(image_tokens: ImageTokens, prompt: list[int], images: Sequence[ImageFile],
+           ends: tuple[int, ...], param: str) -> Prompt:
+    """`prompt` with its images' tokens keyed on their digests."""
     try:
-        keyed, placed = tokenizer.images.key(prompt, images)
+        keyed, placed = image_tokens.key(prompt, images)
     except ValueError as error:
-        raise APIError(400, f"the chat's image placeholders do not match its images: {error}",
-                       code="invalid_image", param="messages") from error
+        raise APIError(400, f"the prompt's image placeholders do not match its images: "
+                       f"{error}", code="invalid_image", param=param) from error
     return Prompt(keyed, ends, placed)
 
 
@@ -158,12 +164,20 @@ def _heads(messages: list[TemplateMessage]) -> list[list[TemplateMessage]]:
     return heads + [messages[:count] for count in range(first, len(messages) + 1)]
 
 
-def raw_prompts(tokenizer: ModelTokenizer, request: GenerationRequest, token_limit: int
-                ) -> list[Prompt]:
+def raw_prompts(tokenizer: ModelTokenizer, request: GenerationRequest, token_limit: int,
+                images: Sequence[ImageFile] = ()) -> list[Prompt]:
     """Legacy completions' prompts: text is encoded, token ids are taken as given (no
     message ends: they are no chat). An infill that fits (llama.cpp's) is cut to leave
-    its reply room in `token_limit`, the request's context window."""
+    its reply room in `token_limit`, the request's context window. `images`: the loaded
+    images of a one-text prompt (Ollama's raw one), placed where its markers are."""
     prompts = request.prompts
+    if images:
+        [text] = prompts
+        assert isinstance(text, str) and tokenizer.images is not None
+        placeholders = text.replace(MARKER, tokenizer.images.placeholder)
+        expanded = tokenizer.images.expand(placeholders,
+                                           _image_counts(tokenizer.images, images))
+        return [_keyed(tokenizer.images, tokenizer.encode(expanded), images, (), "prompt")]
     if request.infill is not None:
         fit = None
         if request.infill.fit:

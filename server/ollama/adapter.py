@@ -73,6 +73,8 @@ IMAGE_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "imag
 OLLAMA_TEMPERATURE, OLLAMA_TOP_K, OLLAMA_TOP_P = 0.8, 40, 0.9
 # The smallest context Ollama's scheduler loads a runner with, whatever num_ctx says.
 LEAST_NUM_CTX = 4
+# Where an image of a raw prompt goes (N: its index in `images`), as Ollama's runner reads it.
+IMAGE_TAG = "[img-{}]"
 # The tags Ollama knows a harmony template (gpt-oss's) by (its shouldUseHarmony).
 HARMONY_TAGS = ("<|start|>", "<|end|>")
 
@@ -101,11 +103,12 @@ def generate_request(body: GenerateRequest) -> GenerationRequest:
         if getattr(body, name):  # "" and [] say nothing
             raise APIError(400, f"{name} is not supported by this server", param=name)
     if body.raw:
-        if body.images or body.system:
-            raise APIError(400, "a raw prompt is the model's whole input: send images and "
-                           "system without raw", param="raw")
+        if body.system:
+            raise APIError(400, "raw mode does not support system: a raw prompt is the "
+                           "model's whole input", param="system")
         # Ollama's raw prompt is the whole input, a suffix's fill-in-the-middle included.
-        return _generation(body, prompts=(body.prompt,))
+        prompt, images = _raw_images(body.prompt, body.images or [])
+        return _generation(body, prompts=(prompt,), images=images)
     if body.suffix:
         # Ollama's insert: the model writes what goes between prompt and suffix; its
         # fill-in-the-middle templates leave the system prompt out.
@@ -117,6 +120,23 @@ def generate_request(body: GenerateRequest) -> GenerationRequest:
     messages = [{"role": "system", "content": body.system}] if body.system else []
     messages.append({"role": "user", "content": MARKER * len(images) + body.prompt})
     return _generation(body, messages=tuple(messages), images=tuple(images))
+
+
+def _raw_images(prompt: str, images: list[str]) -> tuple[str, tuple[str, ...]]:
+    """A raw prompt with its images where their tags are, as Ollama's runner places them:
+    the first [img-N] of each image (N: its index), and its images in the order the tags
+    come. An image without its tag is a 400: llama-server's count of markers makes it
+    one for Ollama."""
+    places = []
+    for index, image in enumerate(images):
+        tag = IMAGE_TAG.format(index)
+        if tag not in prompt:
+            raise APIError(400, f"images.{index}: a raw prompt places each image where its "
+                           f"tag is, and the prompt has no {tag}", param=f"images.{index}")
+        places.append((prompt.index(tag), tag, image_url(image, f"images.{index}")))
+    for _, tag, _ in places:
+        prompt = prompt.replace(tag, MARKER, 1)
+    return prompt, tuple(url for _, _, url in sorted(places))
 
 
 def _generation(body: GenerationFields, **prompt: Any) -> GenerationRequest:

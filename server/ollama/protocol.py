@@ -165,7 +165,9 @@ class GenerateRequest(GenerationFields):
     prompt: str = ""
     system: str | None = None
     images: list[str] | None = None
-    raw: bool = False  # the prompt as the model reads it: no chat template
+    # The prompt as the model reads it: no chat template; its images where its [img-N]
+    # tags are.
+    raw: bool = False
     # Refused by name where set: ignoring them would answer another request than the one
     # sent (a fill-in-the-middle, another template, an earlier reply's token context).
     suffix: str | None = None

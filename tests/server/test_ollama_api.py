@@ -256,6 +256,8 @@ def test_a_stream_left_early_ends_its_generation(server: ServerProcess, model_id
     # As many as /v1/embeddings takes: 200,000 held the engine 30 s, answered in 265 MB.
     ("/api/embed", {"input": ["x"] * 2049}, 400, "input: List should have at most 2048"),
     ("/api/generate", {"prompt": "x", "raw": True, "system": "s"}, 400, "a raw prompt"),
+    ("/api/generate", {"prompt": "[img-0]", "raw": True, "images": [PNG]}, 400,
+     "does not read images"),
     ("/api/chat", {"model": "no-such-model", "messages": HI}, 404, "no-such-model"),
     ("/api/show", {"model": None}, 400, "model is required"),
 ])

@@ -5,6 +5,7 @@ serving."""
 
 from __future__ import annotations
 
+import base64
 import http.server
 import io
 import json
@@ -468,3 +469,38 @@ def test_more_images_than_the_limit_are_a_400(vision_server, model):
     assert reply.status_code == 400
     assert "3 images exceed" in reply.json()["error"]["message"]
 
+
+
+def test_ollamas_raw_prompt_places_its_images_with_their_img_tags(
+        vision_server, model, tokenizer):
+    """Ollama's /api/generate with `raw` sends its images along, each where the prompt's
+    [img-N] tag (N: its index in `images`) is, as its runner places them; an image whose
+    tag the prompt lacks is a 400, as llama-server's count of markers makes it. The raw
+    prompt of a chat's text answers as the chat does. Raw with images was a 400."""
+    images = [base64.b64encode(png(seed)).decode() for seed in (4, 5)]
+    options = {"temperature": 0, "num_predict": 6}
+    chat = [{"role": "user", "content": f"{QUESTION} Then this one.", "images": images}]
+    chatted = httpx.post(f"{vision_server.url}/api/chat", timeout=60, json={
+        "model": model, "messages": chat, "stream": False, "options": options}).json()
+    # The chat's text as its template writes it, the images' placeholders as Ollama's
+    # tags, in the order the images come in the prompt (not that of `images`).
+    placeholder = tokenizer.images.placeholder
+    text = tokenizer._wrapper.apply_chat_template(
+        [{"role": "user", "content": f"{placeholder}{placeholder}{QUESTION} Then this one."}],
+        tokenize=False, add_generation_prompt=True)
+    bos = tokenizer.decode(tokenizer.encode("")) if tokenizer.encode("") else ""
+    text = text.removeprefix(bos).replace(placeholder, "[img-1]", 1).replace(
+        placeholder, "[img-0]", 1)
+
+    def generate(prompt: str, sent: list[str]) -> httpx.Response:
+        return httpx.post(f"{vision_server.url}/api/generate", timeout=60, json={
+            "model": model, "prompt": prompt, "raw": True, "images": sent, "stream": False,
+            "options": options})
+
+    raw = generate(text, images[::-1])
+    assert raw.status_code == 200, raw.text
+    assert raw.json()["response"] == chatted["message"]["content"]
+    assert raw.json()["prompt_eval_count"] == chatted["prompt_eval_count"]
+    untagged = generate(text.replace("[img-1]", ""), images)
+    assert untagged.status_code == 400
+    assert "[img-1]" in untagged.json()["error"]
