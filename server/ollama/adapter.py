@@ -84,7 +84,17 @@ def chat_request(body: ChatRequest) -> GenerationRequest:
     images: list[str] = []
     # The history's calls, which tool results answer, with the ids clients sent them with.
     calls: list[tuple[str | None, dict[str, Any]]] = []
+    # Continue sends a reply's thinking as a message of its own before the reply's: the
+    # assistant message after it gets it as its thinking (Ollama's templates skip a role
+    # they do not know; these show a turn's thinking where the model's own template does).
+    thinking = ""
     for number, message in enumerate(body.messages):
+        if message.role == "thinking":
+            thinking += message.content
+            continue
+        if thinking and message.role == "assistant" and not message.thinking:
+            message = message.model_copy(update={"thinking": thinking})
+        thinking = ""
         out, message_images = _template_message(message, number, calls)
         messages.append(out)
         images += message_images

@@ -115,7 +115,8 @@ class ToolCall(RequestModel):
 
 
 class Message(RequestModel):
-    role: Literal["system", "user", "assistant", "tool"]
+    # "thinking": a reply's thinking, as Continue sends it back (`chat_request`).
+    role: Literal["system", "user", "assistant", "tool", "thinking"]
     content: str = ""
     thinking: str | None = None
     images: list[str] | None = None  # base64, as Ollama's clients send them

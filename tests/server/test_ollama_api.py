@@ -307,6 +307,31 @@ def test_thinking_comes_apart_from_the_answer(thinking_server: ServerProcess) ->
     assert reply.message.thinking and "<think>" not in reply.message.content
 
 
+def test_continues_thinking_messages_are_the_next_assistant_messages_thinking(
+        thinking_server: ServerProcess) -> None:
+    """Continue sends a reply's thinking back as a message of its own, role "thinking",
+    before the assistant message (its Ollama provider passes its roles through): Ollama
+    takes any role; here it is that assistant message's thinking, which a template that
+    shows a turn's reasoning renders (and the prefix cache finds). It was a 400."""
+    olla = ollama.Client(host=thinking_server.url)
+    [model] = olla.list().models
+    # A reply to continue: its turn comes after the last user message, so its template
+    # shows its thinking.
+    turns = [{"role": "thinking", "content": "The user wants a greeting."},
+             {"role": "assistant", "content": "Hi"}]
+    folded = [{"role": "assistant", "content": "Hi", "thinking": turns[0]["content"]}]
+
+    def prompt_tokens(messages: list[dict]) -> int:
+        reply = httpx.post(f"{thinking_server.url}/api/chat", timeout=60, json={
+            "model": model.model, "messages": HI + messages, "stream": False,
+            "options": {"num_predict": 1}})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["prompt_eval_count"]
+
+    sent = prompt_tokens(turns)
+    assert sent == prompt_tokens(folded) > prompt_tokens(turns[1:])
+
+
 # A template of harmony's shape (gpt-oss's): its reasoning effort in a system turn.
 HARMONY = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort }}<|end|>"
            "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}"
