@@ -324,6 +324,9 @@ class SamplingKnobs:
     min_p: float = 0.0
     seed: int | None = None
     repetition_penalty: float | None = None
+    # How many of the context's last tokens a repetition penalty looks at (mlx-lm's
+    # repetition_context_size; -1: the whole context, 0: none, as Ollama's repeat_last_n).
+    repetition_context: int = 20
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)

@@ -110,13 +110,10 @@ def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
     return None if params.greedy else Sampler(params, vocab_size)
 
 
-# The context a repetition penalty looks at, as mlx-lm's (`repetition_context_size`).
-REPETITION_CONTEXT = 20
-
-
 class Penalties:
     """A request's logit bias and penalties: `logit_bias` and `repetition_penalty` as
-    mlx-lm's logits processors apply them, presence and frequency penalties as OpenAI
+    mlx-lm's logits processors apply them (over the context's last `repetition_context`
+    tokens), presence and frequency penalties as OpenAI
     defines them (over every token generated so far, the prompt not counted:
     `logit[t] -= frequency * count[t] + presence * (count[t] > 0)`; mlx-lm's own count the
     last 20 tokens, prompt included), and its stop tokens barred from its first
@@ -128,6 +125,10 @@ class Penalties:
                  stop_ids: frozenset[int] = frozenset()) -> None:
         self.logit_bias = dict(params.logit_bias)
         self.repetition = params.repetition_penalty or None
+        if params.repetition_context == 0:
+            self.repetition = None
+        # How many tokens it looks at; None: the whole context (-1).
+        self._window = params.repetition_context if params.repetition_context > 0 else None
         self.presence = params.presence_penalty
         self.frequency = params.frequency_penalty
         self.min_tokens = params.min_tokens
@@ -145,8 +146,10 @@ class Penalties:
         kept from call to call: each step counts only the context's new tokens."""
         window: list[int] = []
         if self.repetition:
-            window = [*context[-REPETITION_CONTEXT:], *([] if fed is None else [fed])]
-            window = window[-REPETITION_CONTEXT:]
+            size = self._window
+            window = list(context if size is None else context[-size:])
+            window += [] if fed is None else [fed]
+            window = window if size is None else window[-size:]
             if model_ids is not None:
                 window = model_ids(window)
         if not (self.presence or self.frequency):

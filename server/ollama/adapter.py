@@ -163,6 +163,7 @@ def _generation(body: GenerationFields, **prompt: Any) -> GenerationRequest:
             min_p=options.min_p or 0.0,
             seed=None if options.seed in (None, -1) else options.seed,
             repetition_penalty=options.repeat_penalty,
+            repetition_context=options.repeat_last_n,
             presence_penalty=options.presence_penalty,
             frequency_penalty=options.frequency_penalty,
             stop=tuple(options.stop or ()),

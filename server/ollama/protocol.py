@@ -38,6 +38,8 @@ def go_integer(value: Any) -> Any:
 
 
 GoInt = Annotated[int, BeforeValidator(go_integer)]
+# Ollama's repeat_last_n where a request says none (api.DefaultOptions).
+OLLAMA_REPEAT_LAST_N = 64
 
 
 class Options(RequestModel):
@@ -55,6 +57,9 @@ class Options(RequestModel):
     # send 0 for unset: no cap, each of them.
     num_predict: GoInt | None = Field(None, ge=-2)
     repeat_penalty: float | None = Field(None, ge=0.01, le=10)
+    # The last tokens repeat_penalty looks at (-1: the whole context, 0: none); llama.cpp's
+    # sampler, which Ollama hands it to, refuses one under -1.
+    repeat_last_n: GoInt = Field(OLLAMA_REPEAT_LAST_N, ge=-1)
     # The prompt's first tokens a truncation keeps (-1: as many as fit), as Ollama's.
     num_keep: GoInt = Field(4, ge=-1)
     # The request's context window, prompt and reply (the model's where larger): Ollama

@@ -74,3 +74,19 @@ def test_stop_tokens_are_barred_from_the_first_min_tokens_draws_alone():
         lowest = mx.finfo(dtype).min
         assert found[1, 2].item() == found[1, 9].item() == lowest
         assert mx.isfinite(found).all().item() and (found[0] == 0).all().item()
+
+
+def test_a_repetition_penalty_looks_at_as_many_tokens_as_its_context_says():
+    """`repetition_context`: the last that many tokens of the context (20 unless said, as
+    mlx-lm's); -1 the whole context and 0 none, as Ollama's repeat_last_n."""
+    context = list(range(100))
+
+    def seen(**ask) -> list[int]:
+        params = SamplingParams(max_tokens=8, repetition_penalty=1.3, **ask)
+        penalties = make_penalties(params, len(context))
+        return penalties.seen(context, 100)[0] if penalties.repetition else []
+
+    assert seen() == list(range(81, 101))
+    assert seen(repetition_context=64) == list(range(37, 101))
+    assert seen(repetition_context=-1) == list(range(101))
+    assert seen(repetition_context=0) == []

@@ -441,6 +441,21 @@ def test_integer_options_sent_as_json_floats_are_taken_as_ollamas_go_takes_them(
             GenerateRequest.model_validate({"model": "m", "options": wrong})
 
 
+@pytest.mark.parametrize(("options", "looked_at"), [
+    ({}, 64), ({"repeat_last_n": 128}, 128), ({"repeat_last_n": -1}, -1),
+    ({"repeat_last_n": 0}, 0)])
+def test_repeat_last_n_is_how_far_back_the_repeat_penalty_looks(
+        options: dict, looked_at: int) -> None:
+    """Ollama's repeat_penalty looks at the last repeat_last_n tokens (64 unless said, -1
+    the whole context, 0 none), as llama.cpp's sampler it hands both to; it was ignored,
+    and the penalty looked at 20."""
+    request = chat_request(ChatRequest.model_validate(
+        {"model": "m", "messages": HI, "options": {"repeat_penalty": 1.2, **options}}))
+    assert request.sampling.repetition_context == looked_at
+    with pytest.raises(ValidationError, match="repeat_last_n"):
+        ChatRequest.model_validate({"model": "m", "options": {"repeat_last_n": -2}})
+
+
 @pytest.mark.parametrize("level", ["low", "medium", "high", "max"])
 def test_think_levels_are_ollamas_max_included(level: str) -> None:
     """Ollama takes `think` as a boolean or a level, "max" among them since its 0.21.3
