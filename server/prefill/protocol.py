@@ -89,7 +89,8 @@ class RerankRequest(RequestModel):
     documents: Annotated[list[RerankDocumentInput],
                          Field(min_length=1, max_length=MAX_INPUTS,
                                validation_alias=AliasChoices("documents", "texts"))]
-    top_n: Annotated[int, Field(ge=1)] | None = None
+    # 0 is every document, as vLLM takes it (its default, so its clients send it).
+    top_n: Annotated[int, Field(ge=0)] | None = None
     return_documents: bool = True
     # What the causal judge is told relevance means (Qwen3-Reranker's "Instruct").
     instruction: str | None = None

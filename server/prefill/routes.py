@@ -154,7 +154,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     if scored is None:
         return Response(status_code=CLIENT_CLOSED)
     scores, prompt_tokens, cached = scored
-    order = sorted(range(len(texts)), key=lambda i: -scores[i])[:body.top_n]
+    order = sorted(range(len(texts)), key=lambda i: -scores[i])[:body.top_n or None]
     results = [RerankResult(index=i, relevance_score=scores[i],
                             document=RerankDocumentOut(text=texts[i])
                             if body.return_documents else None) for i in order]

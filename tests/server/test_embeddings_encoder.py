@@ -172,6 +172,15 @@ def test_rerank_by_cosine(encoder_server: ServerProcess, reference) -> None:
     assert results[0]["document"] == {"text": documents[expected[0]]}
 
 
+def test_rerank_top_n_0_is_every_document(encoder_server: ServerProcess) -> None:
+    """vLLM's rerank top_n defaults to 0, which returns them all: clients that send its
+    request as built (top_n 0 included) get every document, as from vLLM."""
+    response = httpx.post(f"{encoder_server.url}/v1/rerank", timeout=60, json={
+        "query": "a cat lying on a carpet", "documents": TEXTS, "top_n": 0})
+    assert response.status_code == 200, response.text
+    assert sorted(r["index"] for r in response.json()["results"]) == list(range(len(TEXTS)))
+
+
 def test_vllms_score_by_cosine(encoder_server: ServerProcess, reference) -> None:
     vectors = reference.encode(["a cat lying on a carpet", *TEXTS[:2]])
     response = httpx.post(f"{encoder_server.url}/score", timeout=60, json={

@@ -258,7 +258,7 @@ def test_a_router_can_probe_a_cross_encoder(server: ServerProcess) -> None:
     ({"query": QUERY, "documents": ["a", ""]}, "documents[1]", "documents[1] is empty"),
     ({"query": QUERY, "documents": [{"text": ""}]}, "documents[0]", "documents[0] is empty"),
     ({"query": QUERY, "documents": ["a"] * 10_000}, "documents", "at most 2048"),
-    ({"query": QUERY, "documents": ["a"], "top_n": 0}, "top_n", "top_n: "),
+    ({"query": QUERY, "documents": ["a"], "top_n": -1}, "top_n", "top_n: "),
 ])
 def test_bad_input_is_a_400_naming_the_field(server: ServerProcess, body: dict, param: str,
                                              words: str) -> None:
