@@ -1,13 +1,21 @@
 """Pydantic models of the prefill-only endpoints: OpenAI's /v1/embeddings, the Cohere/Jina
-/v1/rerank that vLLM, llama.cpp and SGLang serve, vLLM's /v1/score (rerank's scores of
-given pairs, in their order), and /v1/classify (a batch of prompts, the token at each
-one's last position and its logprobs)."""
+/v1/rerank that vLLM, llama.cpp and SGLang serve (and TEI's, as llama.cpp does), vLLM's
+/v1/score (rerank's scores of given pairs, in their order), and /v1/classify (a batch of
+prompts, the token at each one's last position and its logprobs)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, AliasChoices, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    RootModel,
+    model_validator,
+)
 
 from server.openai.protocol import PROMPT_SHAPES, ChatRequestMessage, TokenId, prompt_kind
 from server.schema import MAX_TOP_LOGPROBS, RequestModel, ResponseModel, now, shaped_union
@@ -83,9 +91,11 @@ RerankDocumentInput = shaped_union(
 
 
 class RerankRequest(RequestModel):
+    """Jina's and Cohere's request, or Hugging Face TEI's: a body with TEI's `texts` for
+    `documents` is TEI's and gets TEI's answer (`is_tei`), as llama.cpp tells them apart."""
+
     model: str | None = None
     query: Annotated[str, Field(min_length=1)]
-    # llama.cpp's /rerank also takes them as `texts` (TEI's name), as its clients send.
     documents: Annotated[list[RerankDocumentInput],
                          Field(min_length=1, max_length=MAX_INPUTS,
                                validation_alias=AliasChoices("documents", "texts"))]
@@ -94,6 +104,24 @@ class RerankRequest(RequestModel):
     return_documents: bool = True
     # What the causal judge is told relevance means (Qwen3-Reranker's "Instruct").
     instruction: str | None = None
+    # TEI's: each result's text; a cross-encoder's logit before its activation (a 400,
+    # routes.py). Its truncate needs nothing here: unsaid, it is the server's
+    # --truncate-embedding-inputs (TEI's --auto-truncate), which the scorers follow.
+    return_text: bool = False
+    raw_scores: bool = False
+    _tei: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_tei(cls, data: object, handler: ModelWrapValidatorHandler[RerankRequest]
+                  ) -> RerankRequest:
+        request = handler(data)
+        request._tei = isinstance(data, dict) and "texts" in data
+        return request
+
+    @property
+    def is_tei(self) -> bool:
+        return self._tei
 
 
 class RerankResult(ResponseModel):
@@ -111,6 +139,16 @@ class RerankResponse(ResponseModel):
     model: str
     results: list[RerankResult]
     usage: PrefillUsage
+
+
+class TeiRank(ResponseModel):
+    index: int
+    text: str | None = None
+    score: float
+
+
+class TeiRerankResponse(RootModel[list[TeiRank]]):
+    """TEI's answer: the ranks alone, by score."""
 
 
 # vLLM's score inputs, a text or a list of texts (its multimodal content is not served).

@@ -57,6 +57,8 @@ from server.prefill.protocol import (
     ScoreData,
     ScoreRequest,
     ScoreResponse,
+    TeiRank,
+    TeiRerankResponse,
     document_text,
     usage,
 )
@@ -131,18 +133,24 @@ async def embed_texts(request: Request, name: str | None, inputs: list[str] | li
             cached)
 
 
-# Also where other servers' rerank clients look: llama.cpp, vLLM and Jina's at /rerank
-# (llama.cpp's at /reranking and /v1/reranking too), Cohere's v2 SDK at /v2/rerank (its
-# request is a subset of ours); vLLM's score clients at /score.
+# Also where other servers' rerank clients look: llama.cpp, vLLM, Jina's and TEI's at
+# /rerank (llama.cpp's at /reranking and /v1/reranking too), Cohere's v2 SDK at /v2/rerank
+# (its request is a subset of ours); vLLM's score clients at /score.
 rerank_aliases = APIRouter(responses=error_responses(ErrorResponse), route_class=JSONRoute)
+RerankAnswer = RerankResponse | TeiRerankResponse
 
 
-@rerank_aliases.post("/rerank", response_model=RerankResponse, include_in_schema=False)
-@rerank_aliases.post("/reranking", response_model=RerankResponse, include_in_schema=False)
-@rerank_aliases.post("/v1/reranking", response_model=RerankResponse, include_in_schema=False)
+@rerank_aliases.post("/rerank", response_model=RerankAnswer, include_in_schema=False)
+@rerank_aliases.post("/reranking", response_model=RerankAnswer, include_in_schema=False)
+@rerank_aliases.post("/v1/reranking", response_model=RerankAnswer, include_in_schema=False)
 @rerank_aliases.post("/v2/rerank", response_model=RerankResponse, include_in_schema=False)
-@router.post("/rerank", response_model=RerankResponse)
+@router.post("/rerank", response_model=RerankAnswer)
 async def rerank(body: RerankRequest, request: Request) -> Response:
+    if body.raw_scores:
+        raise APIError(400, "raw_scores (a cross-encoder's logit before its activation) is "
+                       "not served: the scores are the model's relevance, as "
+                       "sentence-transformers gives them; send false", code="invalid_request",
+                       param="raw_scores")
     state = server_state(request)
     texts = [document_text(document) for document in body.documents]
     _check_not_empty(texts, "documents")
@@ -155,6 +163,11 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED)
     scores, prompt_tokens, cached = scored
     order = sorted(range(len(texts)), key=lambda i: -scores[i])[:body.top_n or None]
+    if body.is_tei:
+        _log_tokens(request, prompt_tokens, cached)
+        return model_response(TeiRerankResponse([
+            TeiRank(index=i, text=texts[i] if body.return_text else None, score=scores[i])
+            for i in order]), exclude_none=True)
     results = [RerankResult(index=i, relevance_score=scores[i],
                             document=RerankDocumentOut(text=texts[i])
                             if body.return_documents else None) for i in order]

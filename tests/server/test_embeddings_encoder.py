@@ -190,17 +190,34 @@ def test_vllms_score_by_cosine(encoder_server: ServerProcess, reference) -> None
     assert np.abs(np.array(scores) - cosines(vectors[1:], vectors[:1])).max() < 1e-4
 
 
-@pytest.mark.parametrize("path", ["/rerank", "/reranking", "/v1/reranking"])
-def test_rerank_takes_llama_cpps_texts_where_its_clients_post(encoder_server: ServerProcess,
-                                                             path: str) -> None:
-    """llama.cpp's /rerank takes `texts` for `documents` (TEI's name) and answers at
-    /reranking and /v1/reranking too: the same results as /v1/rerank."""
-    body = {"query": "a cat lying on a carpet", "top_n": 2}
+@pytest.mark.parametrize("path", ["/rerank", "/reranking", "/v1/reranking", "/v1/rerank"])
+def test_rerank_answers_teis_shape_to_teis_request(encoder_server: ServerProcess,
+                                                   path: str) -> None:
+    """A body with TEI's `texts` is TEI's request and gets TEI's answer, as llama.cpp tells
+    them apart on each of its rerank paths (TEI's own is /rerank): a bare list of {index,
+    score} by score, each with its text where `return_text` asks; the scores
+    /v1/rerank's Jina shape gives."""
+    body = {"query": "a cat lying on a carpet"}
     expected = httpx.post(f"{encoder_server.url}/v1/rerank", timeout=60,
                           json={**body, "documents": TEXTS}).json()["results"]
     response = httpx.post(f"{encoder_server.url}{path}", timeout=60, json={**body, "texts": TEXTS})
     assert response.status_code == 200, response.text
-    assert response.json()["results"] == expected
+    assert response.json() == [{"index": r["index"], "score": r["relevance_score"]}
+                               for r in expected]
+    texts = httpx.post(f"{encoder_server.url}{path}", timeout=60,
+                       json={**body, "texts": TEXTS, "return_text": True, "truncate": False,
+                             "truncation_direction": "right", "raw_scores": False}).json()
+    assert [(r["index"], r["text"]) for r in texts] == [(r["index"], TEXTS[r["index"]])
+                                                         for r in expected]
+
+
+def test_teis_raw_scores_are_a_400(encoder_server: ServerProcess) -> None:
+    """TEI's raw_scores asks for a cross-encoder's logit before its activation, which is
+    not computed here: a 400 naming it rather than the activated score."""
+    response = httpx.post(f"{encoder_server.url}/rerank", timeout=60, json={
+        "query": "a cat", "texts": TEXTS, "raw_scores": True})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "raw_scores"
 
 
 @pytest.mark.parametrize("path", ["/embedding", "/embeddings"])
