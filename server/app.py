@@ -29,6 +29,7 @@ from server.prefill.routes import router as prefill_api
 from server.probes import probes
 from server.responses.adapter import router as responses_api
 from server.state import ServerState
+from server.tei_embed import router as tei_embed
 from server.tokenize import router as tokenize_api
 from server.warm import prefill_warm_prompts
 from server.worker_info import worker_info
@@ -68,6 +69,7 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
     app.include_router(llama_cpp_api)
     app.include_router(llama_cpp_embedding)
     app.include_router(cohere_embed)
+    app.include_router(tei_embed)
     app.include_router(prefill_api)
     app.include_router(rerank_aliases)
     app.include_router(admin)

@@ -245,6 +245,44 @@ def test_llama_cpps_embedding_endpoint(encoder_server: ServerProcess, path: str)
     assert raw.status_code == 400 and raw.json()["error"]["param"] == "embd_normalize"
 
 
+def test_teis_embed_endpoint(encoder_server: ServerProcess) -> None:
+    """Hugging Face TEI's /embed: `inputs` (a text, texts, token ids or lists of them),
+    answered with a bare list of vectors, /v1/embeddings' ones; `normalize` (true unless
+    it says) L2-normalises them; `truncate` cuts an input over the window to its first
+    tokens, as truncate_prompt_tokens -1 does."""
+    expected = np.array([item["embedding"] for item in embed(
+        encoder_server, input=TEXTS[:2]).json()["data"]])
+    url = f"{encoder_server.url}/embed"
+    response = httpx.post(url, json={"inputs": TEXTS[:2]}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert np.allclose(response.json(), expected, atol=1e-6)
+    one = httpx.post(url, json={"inputs": TEXTS[0], "normalize": False}, timeout=60).json()
+    assert np.allclose(one, expected[:1], atol=1e-6)  # all-MiniLM-L6-v2 normalises itself
+    ids = httpx.post(url, json={"inputs": [101, 1037, 4937, 102]}, timeout=60).json()
+    assert np.allclose(ids, [item["embedding"] for item in embed(
+        encoder_server, input=[101, 1037, 4937, 102]).json()["data"]], atol=1e-6)
+    cut = embed(encoder_server, input=[LONG], truncate_prompt_tokens=-1).json()["data"]
+    truncated = httpx.post(url, json={"inputs": [LONG], "truncate": True,
+                                      "truncation_direction": "Right"}, timeout=60)
+    assert np.allclose(truncated.json(), [cut[0]["embedding"]], atol=1e-6)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"inputs": ["a", LONG], "truncate": False}, "inputs[1]"),
+    ({"inputs": ["a", LONG], "truncate": True, "truncation_direction": "left"},
+     "truncation_direction"),
+    ({"inputs": "a", "prompt_name": "query"}, "prompt_name"),
+    ({"inputs": []}, "inputs"),
+    ({"inputs": "a", "dimensions": 64}, "dimensions"),
+])
+def test_what_teis_embed_does_not_serve_is_a_400_naming_it(
+        encoder_server: ServerProcess, body: dict, param: str) -> None:
+    response = httpx.post(f"{encoder_server.url}/embed", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and param.split("[")[0] in error["message"], error
+
+
 def cohere_embed(server: ServerProcess, version: int, **body) -> httpx.Response:
     return httpx.post(f"{server.url}/v{version}/embed", json=body, timeout=60,
                       headers={"x-request-id": f"cohere-{version}"})
