@@ -234,6 +234,13 @@ class ServedModel:
                            code="model_not_supported", param="model")
         return engine.tokenizer
 
+    def text_tokenizer(self) -> ModelTokenizer:
+        """The tokenizer that counts and shows a text's tokens (/tokenize, /detokenize)
+        once the engine is ready: `tokenizer`'s, or an encoder's own, which has nothing to
+        chat with but tokenizes; 503 before."""
+        engine = self.check_ready()
+        return engine.tokenizer or engine.text_tokenizer
+
 
 class Lease:
     """A request's hold on a model: while any is held, the model is not unloaded."""

@@ -6,7 +6,8 @@ the model's template exactly as a request's prompt would be, so its count is the
 `prompt_tokens` that request reports. One body takes both servers' shapes: vLLM's
 `prompt` or `messages` (special tokens added by default, `return_token_strs`), or
 llama.cpp's `content` (none added unless `add_special`, `with_pieces`); the detokenized
-text is given under both servers' names.
+text is given under both servers' names. An encoder (an embedding model, a cross-encoder)
+tokenizes a text too, with its own tokenizer: clients count chunks against its window.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state = server_state(request)
     async with state.models.use(body.model) as lease:
         model = lease.model
-        tokenizer = model.tokenizer()
+        # An encoder's is loaded on its first use: off the loop.
+        tokenizer = await asyncio.to_thread(model.text_tokenizer)
         if body.messages is None:
             text = body.prompt if body.prompt is not None else body.content
             tokens = await asyncio.to_thread(tokenizer.encode, text,
@@ -114,7 +116,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state = server_state(request)
     async with state.models.use(body.model) as lease:
-        tokenizer = lease.model.tokenizer()
+        tokenizer = await asyncio.to_thread(lease.model.text_tokenizer)
         check_token_ids(body.tokens, tokenizer.vocab_size, "tokens")
         text = tokenizer.decode(body.tokens)
     return DetokenizeResponse(prompt=text, content=text)

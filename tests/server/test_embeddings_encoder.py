@@ -484,6 +484,32 @@ def test_an_encoder_does_not_chat_or_classify(encoder_server: ServerProcess) -> 
         assert response.json()["error"]["code"] == "model_not_supported"
 
 
+def test_an_encoder_tokenizes_and_detokenizes(encoder_server: ServerProcess,
+                                             minilm_dir: Path) -> None:
+    """Clients count a text's tokens against an embedding model's window with /tokenize
+    (vLLM's prompt, special tokens added; llama.cpp's content, none added): an encoder has
+    nothing to chat with, but has its tokenizer. A chat is still a 400."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(minilm_dir))
+    text = TEXTS[3]
+    response = httpx.post(f"{encoder_server.url}/tokenize", json={"prompt": text}, timeout=30)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["tokens"] == tokenizer(text)["input_ids"]
+    assert (body["count"], body["max_model_len"]) == (len(body["tokens"]), 256)
+    pieces = httpx.post(f"{encoder_server.url}/tokenize", timeout=30,
+                        json={"content": "The cat", "with_pieces": True}).json()["tokens"]
+    assert pieces == [{"id": 1996, "piece": "the"}, {"id": 4937, "piece": "cat"}]
+    detokenized = httpx.post(f"{encoder_server.url}/detokenize", timeout=30,
+                             json={"tokens": body["tokens"]})
+    assert detokenized.status_code == 200, detokenized.text
+    assert detokenized.json()["prompt"] == tokenizer.decode(body["tokens"])
+    chat = httpx.post(f"{encoder_server.url}/tokenize", timeout=30,
+                      json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400 and chat.json()["error"]["code"] == "model_not_supported"
+
+
 def test_a_router_can_register_and_probe_an_encoder(encoder_server: ServerProcess) -> None:
     """What sglang-router reads of a worker answers for an embedding model too: its
     name, that it does not generate, and a health check that runs its forward."""
