@@ -14,13 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 from mlx import nn
 
 from engine import cpu_math
 from engine.embedding_config import matryoshka_dimensions
+from engine.encoder_folder import json_file
 
 # The pooling modes sentence-transformers' Pooling config can switch on, in its order.
 POOLING_MODES = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens",
@@ -316,22 +316,6 @@ class SentenceEncoder:
         return pooled
 
 
-def is_sentence_encoder(path: Path) -> bool:
-    """Whether `path` is a sentence-transformers folder around a BERT-family encoder
-    (not a cross-encoder's, which sentence-transformers also saves with a modules.json)."""
-    config = path / "config.json"
-    if not (path / "modules.json").is_file() or not config.is_file():
-        return False
-    config = json.loads(config.read_text())
-    return config.get("model_type") == "bert" and not is_sequence_classifier(config)
-
-
-def is_sequence_classifier(config: dict) -> bool:
-    """Whether a config.json's model is a Hugging Face *ForSequenceClassification."""
-    return any(name.endswith("ForSequenceClassification")
-               for name in config.get("architectures") or ())
-
-
 def load_weights(path: Path) -> dict[str, mx.array]:
     """The folder's `model.safetensors`, less the position-id buffers old checkpoints
     carry; a folder with only PyTorch's pickle is refused by name (loading one runs code)."""
@@ -357,11 +341,6 @@ def max_input_tokens(path: Path, config: BertConfig) -> int:
         limit = min(positions, json_file(path / "tokenizer_config.json").get(
             "model_max_length", positions))
     return min(limit, config.positions)
-
-
-def json_file(path: Path) -> Any:
-    """A JSON file's value; {} where the folder has no such file."""
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def sentence_transformers_modules(path: Path, supported: set[str]) -> dict[str, dict]:

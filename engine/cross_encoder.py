@@ -21,15 +21,11 @@ from mlx import nn
 from engine.bert import (
     Bert,
     BertConfig,
-    json_file,
     load_weights,
     max_input_tokens,
     sentence_transformers_modules,
 )
-
-BERT_ARCHITECTURE = "BertForSequenceClassification"
-ROBERTA_ARCHITECTURES = ("XLMRobertaForSequenceClassification",
-                         "RobertaForSequenceClassification")
+from engine.encoder_folder import BERT_ARCHITECTURE, cross_encoder_architecture, json_file
 
 # The activations a folder may name, by the torch class sentence-transformers stores.
 ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
@@ -102,17 +98,6 @@ class CrossEncoder:
                  ) -> mx.array:
         """(batch,): each pair's relevance score."""
         return self.activation(self.model(ids, attention, token_types)[:, 0])
-
-
-def cross_encoder_architecture(path: Path) -> str | None:
-    """The sequence classifier a folder's config.json names, where this module serves it."""
-    names = json_file(path / "config.json").get("architectures") or ()
-    return next((name for name in names
-                 if name in (BERT_ARCHITECTURE, *ROBERTA_ARCHITECTURES)), None)
-
-
-def is_cross_encoder(path: Path) -> bool:
-    return cross_encoder_architecture(path) is not None
 
 
 def load_cross_encoder(path: Path) -> CrossEncoder:

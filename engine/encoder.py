@@ -39,8 +39,9 @@ from engine.api import (
     SamplingParams,
     SchedulerCounters,
 )
-from engine.bert import SentenceEncoder, is_sentence_encoder, load_sentence_encoder
-from engine.cross_encoder import CrossEncoder, is_cross_encoder, load_cross_encoder
+from engine.bert import SentenceEncoder, load_sentence_encoder
+from engine.cross_encoder import CrossEncoder, load_cross_encoder
+from engine.encoder_folder import is_cross_encoder, is_sentence_encoder
 from engine.loader import failed_load, load_tokenizer, model_id_for
 from engine.platform_info import apply_mlx_env_defaults, cpu_blas_threads
 from engine.tokenizer import ModelTokenizer, trailing_specials

@@ -28,6 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.embedding_config import hidden_size
+from engine.encoder_folder import is_cross_encoder, is_sentence_encoder
 from engine.weights_summary import WeightsSummary, human_number, summarize
 from server.clock import Clock
 from server.http.errors import APIError
@@ -401,11 +402,18 @@ def _template(model: ServedModel, config: dict[str, Any]) -> str:
 
 
 def _capabilities(model: ServedModel) -> list[str]:
-    """What Ollama's clients read to offer tools, images or thinking. Before a model's
-    first load, what its config says: a chat template (tools), a vision tower."""
+    """What Ollama's clients read to offer tools, images, thinking or embedding. Before a
+    model's first load, what its folder says, as ServedModel.capabilities says it once
+    loaded: an encoder's files (embedding; a cross-encoder, nothing), else a chat template
+    (tools), a vision tower."""
     known = model.capabilities
     if known is not None:
         return known
+    directory = model.model_dir
+    if directory is not None and is_cross_encoder(directory):
+        return []
+    if directory is not None and is_sentence_encoder(directory):
+        return ["embedding"]
     config = _config(model)
     if not (config.get("chat_template") or model.spec.chat_template):
         return ["completion"]

@@ -37,6 +37,21 @@ def model_variant(model_dir: Path, target: Path,
     return target
 
 
+def capabilities_before_first_load(model_dir: Path, directory: Path) -> list[str]:
+    """/api/show's capabilities of a copy of `model_dir` never loaded: the second of two
+    models a server in `directory` serves, each loaded on its first request."""
+    first, second = (model_variant(model_dir, directory / name, {})
+                     for name in ("first", "second"))
+    process = start_server(None, directory / "server.log", "--model", str(first),
+                           "--model", str(second))
+    try:
+        shown = httpx.post(f"{process.url}/api/show", json={"model": "second"}, timeout=30)
+        assert shown.status_code == 200, shown.text
+        return shown.json()["capabilities"]
+    finally:
+        process.stop()
+
+
 def read_metrics(url: str, api_key: str | None = None,
                  verify: ssl.SSLContext | bool = True) -> dict[str, float]:
     """A one-model server's series of /metrics, by name (unlabelled, or labelled by model

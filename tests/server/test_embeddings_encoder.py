@@ -21,7 +21,12 @@ import pytest
 
 from engine.api import EngineConfig, Lifecycle
 from engine.encoder import EncoderEngine
-from tests.server.support import ServerProcess, model_variant, start_server
+from tests.server.support import (
+    ServerProcess,
+    capabilities_before_first_load,
+    model_variant,
+    start_server,
+)
 
 TEXTS = [
     "The cat sits on the mat.",
@@ -508,6 +513,14 @@ def test_an_encoder_tokenizes_and_detokenizes(encoder_server: ServerProcess,
     chat = httpx.post(f"{encoder_server.url}/tokenize", timeout=30,
                       json={"messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 400 and chat.json()["error"]["code"] == "model_not_supported"
+
+
+def test_ollamas_clients_are_told_an_encoder_embeds_before_its_first_load(
+        minilm_dir: Path, tmp_path: Path) -> None:
+    """Of several models each loaded on its first request, one never loaded yet: its
+    folder says it is a sentence-transformers encoder, so /api/show's capabilities say
+    "embedding", as once it is loaded, not the causal default's "completion"."""
+    assert capabilities_before_first_load(minilm_dir, tmp_path) == ["embedding"]
 
 
 def test_a_router_can_register_and_probe_an_encoder(encoder_server: ServerProcess) -> None:

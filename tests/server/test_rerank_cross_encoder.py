@@ -21,7 +21,7 @@ from engine.api import EngineConfig, Lifecycle
 from engine.cross_encoder import load_cross_encoder
 from engine.demo_model import train_tokenizer
 from engine.encoder import EncoderEngine, is_encoder_model
-from tests.server.support import ServerProcess, start_server
+from tests.server.support import ServerProcess, capabilities_before_first_load, start_server
 
 QUERY = "where does the cat sleep"
 DOCUMENTS = [
@@ -239,6 +239,13 @@ def test_ollamas_clients_are_not_told_a_cross_encoder_embeds(server: ServerProce
     embedded = httpx.post(f"{server.url}/api/embed", json={"model": model, "input": "x"},
                           timeout=30)
     assert embedded.status_code == 400 and "cross-encoder" in embedded.json()["error"]
+
+
+def test_ollamas_clients_are_not_told_a_cross_encoder_embeds_before_its_first_load(
+        model_dir: Path, tmp_path: Path) -> None:
+    """Of several models each loaded on its first request, a cross-encoder never loaded
+    yet: its folder says what it is, so its capabilities are none, as once it is loaded."""
+    assert capabilities_before_first_load(model_dir, tmp_path) == []
 
 
 def test_a_router_can_probe_a_cross_encoder(server: ServerProcess) -> None:
