@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 from pydantic import (
     AfterValidator,
     AliasChoices,
+    ConfigDict,
     Field,
     ModelWrapValidatorHandler,
     PrivateAttr,
@@ -82,12 +83,17 @@ class EmbeddingResponse(ResponseModel):
 
 
 class RerankDocument(RequestModel):
-    text: str
+    """A document as an object: Jina's {text}, or Cohere v1's of any fields, which its
+    rank_fields may name to rank it by instead of its text; it comes back whole."""
+
+    model_config = ConfigDict(extra="allow")
+    text: str | None = None
 
 
 RerankDocumentInput = shaped_union(
     lambda value: "text" if isinstance(value, str) else "document" if isinstance(value, dict)
-    else None, "a string or an object with a text field", text=str, document=RerankDocument)
+    else None, "a string or an object (its text, or the fields rank_fields names)",
+    text=str, document=RerankDocument)
 
 
 class RerankRequest(RequestModel):
@@ -104,6 +110,8 @@ class RerankRequest(RequestModel):
     return_documents: bool = True
     # What the causal judge is told relevance means (Qwen3-Reranker's "Instruct").
     instruction: str | None = None
+    # Cohere v1's: the fields of object documents that rank them, in this order.
+    rank_fields: Annotated[list[str], Field(min_length=1)] | None = None
     # TEI's: each result's text; a cross-encoder's logit before its activation (a 400,
     # routes.py). Its truncate needs nothing here: unsaid, it is the server's
     # --truncate-embedding-inputs (TEI's --auto-truncate), which the scorers follow.
@@ -131,7 +139,10 @@ class RerankResult(ResponseModel):
 
 
 class RerankDocumentOut(ResponseModel):
-    text: str
+    """The document as sent: a string's text, or an object's every field."""
+
+    model_config = ConfigDict(extra="allow")
+    text: str | None = None
 
 
 class RerankResponse(ResponseModel):
@@ -232,5 +243,7 @@ def usage(prompt_tokens: int, cached_tokens: int) -> PrefillUsage:
                         prompt_tokens_details=PromptTokensOnly(cached_tokens=cached_tokens))
 
 
-def document_text(document: str | RerankDocument) -> str:
-    return document if isinstance(document, str) else document.text
+def document_fields(document: str | RerankDocument) -> dict[str, object]:
+    """A document's fields as sent: a string's as an object's text."""
+    return {"text": document} if isinstance(document, str) else document.model_dump(
+        exclude_unset=True)

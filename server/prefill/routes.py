@@ -50,6 +50,7 @@ from server.prefill.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     PrefillUsage,
+    RerankDocument,
     RerankDocumentOut,
     RerankRequest,
     RerankResponse,
@@ -59,7 +60,7 @@ from server.prefill.protocol import (
     ScoreResponse,
     TeiRank,
     TeiRerankResponse,
-    document_text,
+    document_fields,
     usage,
 )
 from server.prompts import chat_prompt, check_token_ids
@@ -152,7 +153,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
                        "sentence-transformers gives them; send false", code="invalid_request",
                        param="raw_scores")
     state = server_state(request)
-    texts = [document_text(document) for document in body.documents]
+    texts = _ranked_texts(body.documents, body.rank_fields)
     _check_not_empty(texts, "documents")
     async with state.models.use(body.model) as lease:
         served = lease.model
@@ -169,7 +170,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
             TeiRank(index=i, text=texts[i] if body.return_text else None, score=scores[i])
             for i in order]), exclude_none=True)
     results = [RerankResult(index=i, relevance_score=scores[i],
-                            document=RerankDocumentOut(text=texts[i])
+                            document=RerankDocumentOut(**document_fields(body.documents[i]))
                             if body.return_documents else None) for i in order]
     response = RerankResponse(id=f"rerank-{request.state.request_id}", model=model,
                               results=results, usage=_usage(request, prompt_tokens, cached))
@@ -637,6 +638,37 @@ def judge_score(yes: float, no: float) -> float:
     """The judge's P(yes) / (P(yes) + P(no)) from the two log-probabilities: the sigmoid of
     their gap, in a form finite at any gap (1 / (1 + exp(no - yes)) overflows past ~709)."""
     return 0.5 * (1.0 + math.tanh((yes - no) / 2))
+
+
+def _ranked_texts(documents: Sequence[str | RerankDocument], fields: Sequence[str] | None
+                  ) -> list[str]:
+    """What each document is ranked by: a string itself; an object its text, or with
+    Cohere v1's rank_fields those of its fields it has, in that order, as YAML's `key:
+    value` lines (how Cohere asks structured documents to be sent). One with none of them
+    is a 400 naming it, as is a ranked field that is not a string."""
+    texts = []
+    for index, document in enumerate(documents):
+        param = f"documents[{index}]"
+        if isinstance(document, str):
+            texts.append(document)
+            continue
+        if fields is None:
+            if document.text is None:
+                raise APIError(400, f"{param} has no text: send one, or rank_fields naming "
+                               "the fields to rank it by", code="invalid_request", param=param)
+            texts.append(document.text)
+            continue
+        values = document_fields(document)
+        named = [(field, values[field]) for field in fields if field in values]
+        if not named:
+            raise APIError(400, f"{param} has none of the rank_fields {list(fields)}",
+                           code="invalid_request", param=param)
+        for field, value in named:
+            if not isinstance(value, str):
+                raise APIError(400, f"{param}.{field} is ranked (rank_fields): it must be a "
+                               "string", code="invalid_request", param=f"{param}.{field}")
+        texts.append("\n".join(f"{field}: {value}" for field, value in named))
+    return texts
 
 
 def _rerank_params(documents: Sequence[str]) -> list[str]:

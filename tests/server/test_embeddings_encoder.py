@@ -186,6 +186,48 @@ def test_rerank_top_n_0_is_every_document(encoder_server: ServerProcess) -> None
     assert sorted(r["index"] for r in response.json()["results"]) == list(range(len(TEXTS)))
 
 
+def rerank_scores(server: ServerProcess, path: str = "/v1/rerank", **body) -> dict[int, float]:
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return {r["index"]: r["relevance_score"] for r in response.json()["results"]}
+
+
+def test_cohere_rank_fields_rank_objects_by_the_fields_named(
+        encoder_server: ServerProcess) -> None:
+    """Cohere v1's documents may be objects of any fields, ranked by the `rank_fields`
+    named, in their order, as YAML's `key: value` lines (how Cohere asks structured
+    documents to be sent); each comes back whole, every field as sent."""
+    query = "a cat lying on a carpet"
+    documents = [{"title": "Pets", "body": TEXTS[i], "id": i} for i in range(3)]
+    lines = [f"title: Pets\nbody: {TEXTS[i]}" for i in range(3)]
+    response = httpx.post(f"{encoder_server.url}/v1/rerank", timeout=60, json={
+        "query": query, "documents": documents, "rank_fields": ["title", "body"],
+        "return_documents": True})
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    expected = rerank_scores(encoder_server, query=query, documents=lines)
+    assert {r["index"]: r["relevance_score"] for r in results} == pytest.approx(expected)
+    assert [r["document"] for r in results] == [documents[r["index"]] for r in results]
+    # Without rank_fields, an object's text; other fields still come back.
+    plain = httpx.post(f"{encoder_server.url}/v1/rerank", timeout=60, json={
+        "query": query, "documents": [{"text": TEXTS[0], "id": 7}]}).json()["results"]
+    assert plain[0]["document"] == {"text": TEXTS[0], "id": 7}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"documents": [{"title": "Pets"}]}, "documents[0]"),
+    ({"documents": [{"text": "a"}, {"title": "Pets"}], "rank_fields": ["body"]},
+     "documents[0]"),
+    ({"documents": [{"title": 3}], "rank_fields": ["title"]}, "documents[0].title"),
+])
+def test_a_document_with_nothing_to_rank_is_a_400_naming_it(
+        encoder_server: ServerProcess, body: dict, param: str) -> None:
+    response = httpx.post(f"{encoder_server.url}/v1/rerank", timeout=60,
+                          json={"query": "a cat", **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
 def test_vllms_score_by_cosine(encoder_server: ServerProcess, reference) -> None:
     vectors = reference.encode(["a cat lying on a carpet", *TEXTS[:2]])
     response = httpx.post(f"{encoder_server.url}/score", timeout=60, json={

@@ -369,9 +369,10 @@ def test_a_bad_rerank_query_or_document_is_a_400_naming_it(
     ("/v1/classify", {"input": ["a", {"text": "b"}]},
      "input.1: must be a string or a list of token ids"),
     ("/v1/rerank", {"query": "q", "documents": ["a", 1]},
-     "documents.1: must be a string or an object with a text field"),
+     ("documents.1: must be a string or an object (its text, or the fields rank_fields "
+      "names)")),
     ("/v1/rerank", {"query": "q", "documents": ["a", {"title": "b"}]},
-     "documents.1.text: Field required"),
+     "documents[1] has no text: send one, or rank_fields naming the fields to rank it by"),
     ("/v1/score", {"text_1": "q", "text_2": {"content": []}},  # vLLM's multimodal
      "text_2: must be a string or a list of strings"),
 ])

@@ -28,7 +28,7 @@ def message_of(model: type[BaseModel], body: dict[str, Any]) -> tuple[str | None
 
 @pytest.mark.parametrize(("model", "body", "param", "message"), [
     (RerankRequest, {"query": "q", "documents": ["a", 5]}, "documents",
-     "documents.1: must be a string or an object with a text field"),
+     "documents.1: must be a string or an object (its text, or the fields rank_fields names)"),
     (MessagesRequest, {"model": "m", "max_tokens": 5, "messages": USER,
                        "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      "tools", "tools.0: 'web_search_20250305' tools are not supported"),
