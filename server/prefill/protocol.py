@@ -112,6 +112,9 @@ class RerankRequest(RequestModel):
     instruction: str | None = None
     # Cohere v1's: the fields of object documents that rank them, in this order.
     rank_fields: Annotated[list[str], Field(min_length=1)] | None = None
+    # Cohere v2's: each document ranked by its first tokens only. Unsaid, it is read whole
+    # (Cohere's default, 4096, is past most windows served here: those 400 a longer one).
+    max_tokens_per_doc: Annotated[int, Field(ge=1)] | None = None
     # TEI's: each result's text; a cross-encoder's logit before its activation (a 400,
     # routes.py). Its truncate needs nothing here: unsaid, it is the server's
     # --truncate-embedding-inputs (TEI's --auto-truncate), which the scorers follow.

@@ -157,6 +157,9 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     _check_not_empty(texts, "documents")
     async with state.models.use(body.model) as lease:
         served = lease.model
+        if body.max_tokens_per_doc is not None:
+            texts = await asyncio.to_thread(_documents_cut, served, texts,
+                                            body.max_tokens_per_doc)
         scored = await _scores(request, state, served, body.query, texts, body.instruction,
                                _rerank_params(texts))
     model = state.models.name_for(served, body.model)
@@ -669,6 +672,18 @@ def _ranked_texts(documents: Sequence[str | RerankDocument], fields: Sequence[st
                                "string", code="invalid_request", param=f"{param}.{field}")
         texts.append("\n".join(f"{field}: {value}" for field, value in named))
     return texts
+
+
+def _documents_cut(model: ServedModel, documents: list[str], most: int) -> list[str]:
+    """Each document cut to its first `most` tokens (Cohere v2's max_tokens_per_doc), as
+    the text they decode to: every scorer reads a document as text (a judge's inside its
+    prompt, a cross-encoder's paired with the query)."""
+    tokenizer = model.text_tokenizer()
+    cut = []
+    for document in documents:
+        tokens = tokenizer.encode(document, special_tokens=False)
+        cut.append(document if len(tokens) <= most else tokenizer.decode(tokens[:most]))
+    return cut
 
 
 def _rerank_params(documents: Sequence[str]) -> list[str]:

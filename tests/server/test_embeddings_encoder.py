@@ -228,6 +228,23 @@ def test_a_document_with_nothing_to_rank_is_a_400_naming_it(
     assert response.json()["error"]["param"] == param
 
 
+def test_cohere_max_tokens_per_doc_cuts_each_document(encoder_server: ServerProcess,
+                                                     minilm_dir: Path) -> None:
+    """Cohere v2's max_tokens_per_doc: each document ranked by its first tokens only."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(minilm_dir))
+    query, documents = "a cat lying on a carpet", TEXTS[:4]
+    cut = [tokenizer.decode(tokenizer(document, add_special_tokens=False)["input_ids"][:3])
+           for document in documents]
+    expected = rerank_scores(encoder_server, query=query, documents=cut)
+    ours = rerank_scores(encoder_server, "/v2/rerank", query=query, documents=documents,
+                         max_tokens_per_doc=3)
+    assert ours == pytest.approx(expected)
+    assert ours != pytest.approx(rerank_scores(encoder_server, query=query,
+                                               documents=documents))
+
+
 def test_vllms_score_by_cosine(encoder_server: ServerProcess, reference) -> None:
     vectors = reference.encode(["a cat lying on a carpet", *TEXTS[:2]])
     response = httpx.post(f"{encoder_server.url}/score", timeout=60, json={
