@@ -134,6 +134,11 @@ class RerankRequest(RequestModel):
     def is_tei(self) -> bool:
         return self._tei
 
+    @property
+    def documents_field(self) -> str:
+        """The documents' name in the request, as its 400s name them."""
+        return "texts" if self._tei else "documents"
+
 
 class RerankResult(ResponseModel):
     index: int

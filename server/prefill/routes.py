@@ -153,15 +153,16 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
                        "sentence-transformers gives them; send false", code="invalid_request",
                        param="raw_scores")
     state = server_state(request)
-    texts = _ranked_texts(body.documents, body.rank_fields)
-    _check_not_empty(texts, "documents")
+    field = body.documents_field
+    texts = _ranked_texts(body.documents, body.rank_fields, field)
+    _check_not_empty(texts, field)
     async with state.models.use(body.model) as lease:
         served = lease.model
         if body.max_tokens_per_doc is not None:
             texts = await asyncio.to_thread(_documents_cut, served, texts,
                                             body.max_tokens_per_doc)
         scored = await _scores(request, state, served, body.query, texts, body.instruction,
-                               _rerank_params(texts))
+                               _rerank_params(texts, field))
     model = state.models.name_for(served, body.model)
     if scored is None:
         return Response(status_code=CLIENT_CLOSED)
@@ -643,15 +644,16 @@ def judge_score(yes: float, no: float) -> float:
     return 0.5 * (1.0 + math.tanh((yes - no) / 2))
 
 
-def _ranked_texts(documents: Sequence[str | RerankDocument], fields: Sequence[str] | None
-                  ) -> list[str]:
+def _ranked_texts(documents: Sequence[str | RerankDocument], fields: Sequence[str] | None,
+                  name: str) -> list[str]:
     """What each document is ranked by: a string itself; an object its text, or with
     Cohere v1's rank_fields those of its fields it has, in that order, as YAML's `key:
     value` lines (how Cohere asks structured documents to be sent). One with none of them
-    is a 400 naming it, as is a ranked field that is not a string."""
+    is a 400 naming it (by the documents' `name`), as is a ranked field that is not a
+    string."""
     texts = []
     for index, document in enumerate(documents):
-        param = f"documents[{index}]"
+        param = f"{name}[{index}]"
         if isinstance(document, str):
             texts.append(document)
             continue
@@ -686,9 +688,9 @@ def _documents_cut(model: ServedModel, documents: list[str], most: int) -> list[
     return cut
 
 
-def _rerank_params(documents: Sequence[str]) -> list[str]:
-    """The fields of a rerank's query and documents, in that order."""
-    return ["query", *_indexed("documents", len(documents))]
+def _rerank_params(documents: Sequence[str], name: str) -> list[str]:
+    """The fields of a rerank's query and documents (named `name`), in that order."""
+    return ["query", *_indexed(name, len(documents))]
 
 
 def _judge_prompts(tokenizer: ModelTokenizer, instruction: str, query: str,

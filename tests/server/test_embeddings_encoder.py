@@ -486,12 +486,15 @@ def test_bad_input_is_a_400_naming_it(encoder_server: ServerProcess, body: dict,
 def test_a_bad_rerank_query_or_document_is_a_400_naming_it(
         encoder_server: ServerProcess, body: dict, param: str, words: str) -> None:
     """Named as the request names it, not by its place among the texts embedded together
-    (the query first, then the documents)."""
-    response = httpx.post(f"{encoder_server.url}/v1/rerank", json=body, timeout=60)
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == param and error["message"].startswith(f"{param} "), error
-    assert words in error["message"]
+    (the query first, then the documents); TEI's documents as its `texts`."""
+    for documents in ("documents", "texts"):
+        sent = {documents if key == "documents" else key: value for key, value in body.items()}
+        named = param.replace("documents", documents)
+        response = httpx.post(f"{encoder_server.url}/v1/rerank", json=sent, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == named and error["message"].startswith(f"{named} "), error
+        assert words in error["message"]
 
 
 def test_a_request_whose_client_left_stops_and_others_go_on(
