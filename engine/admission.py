@@ -128,8 +128,8 @@ def rows_to_free(waiting: list[Generation], running: Collection[Generation],
     newest decoding generations first, only while it keeps one, and only as many as the
     newcomer needs; none where it would get a row anyway, or could not even then (the
     prefill window full for its prompt, or too little room freed)."""
-    if any(g.suspect for g in (*waiting, *running)):
-        return []
+    if not waiting or any(g.suspect for g in (*waiting, *running)):
+        return []  # nobody waits (most steps), or suspects run alone
     holders = Counter(g.owner for g in running)
     newcomer = next((g for g in waiting if not g.background and not holders[g.owner]), None)
     if newcomer is None or max(holders.values(), default=0) < 2:
