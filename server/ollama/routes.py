@@ -15,21 +15,17 @@ those paths are a 404.
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
-import json
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.embedding_config import hidden_size
-from engine.encoder_folder import is_cross_encoder, is_sentence_encoder
-from engine.weights_summary import WeightsSummary, human_number, summarize
+from engine.weights_summary import human_number
 from server.clock import Clock
 from server.http.errors import APIError
 from server.http.json_body import AnyTypeJSONRoute
@@ -38,6 +34,7 @@ from server.http.model_response import model_response
 from server.http.openapi import error_responses
 from server.http.streaming import CLIENT_CLOSED, JSONLinesSource, to_the_end
 from server.metrics import read_stats
+from server.model_facts import capabilities, model_config, model_facts
 from server.model_registry import Lease, ModelState, ServedModel
 from server.ollama.adapter import (
     OllamaReply,
@@ -297,7 +294,7 @@ async def show(body: ShowRequest, request: Request) -> ShowResponse:
     if not name:
         raise APIError(400, "model is required", param="model")
     model = state.models.lookup(_served_name(request, name))
-    details, config = _details(model), _config(model)
+    details, config = _details(model), model_config(model)
     family = details.family or "model"
     info: dict[str, Any] = {"general.architecture": family}
     if model.context_length:
@@ -315,7 +312,7 @@ async def show(body: ShowRequest, request: Request) -> ShowResponse:
         modelfile=f"FROM {model.spec.source or model.id}\n",
         parameters="\n".join(f"{key} {value}" for key, value in parameters.items()),
         template=_template(model, config), details=details,
-        model_info=info, capabilities=_capabilities(model),
+        model_info=info, capabilities=capabilities(model),
         modified_at=_stamp(state.started))
 
 
@@ -339,42 +336,12 @@ def _listed(state: ServerState, model: ServedModel, name: str,
 
 
 def _details(model: ServedModel) -> ModelDetails:
-    config = _config(model)
-    family = str(config.get("model_type") or "")
-    quantization = config.get("quantization") or {}
-    source = str(model.spec.source or (model.engine.config.model if model.engine else ""))
-    bits = quantization.get("bits")
-    weights = _weights(model.model_dir, bits) if model.model_dir is not None else None
+    facts = model_facts(model)
     return ModelDetails(
-        format="gguf" if source.endswith(".gguf") else "safetensors", family=family,
-        families=[family] if family else [],
-        parameter_size=human_number(weights.parameters) if weights else "",
-        quantization_level=f"Q{bits}" if bits else weights.dtype if weights else "")
-
-
-@functools.cache
-def _weights(directory: Path, bits: int | None) -> WeightsSummary | None:
-    return summarize(directory, bits)
-
-
-def _config(model: ServedModel) -> dict[str, Any]:
-    """The model's config.json (and its tokenizer's chat template); {} where no directory
-    of it is known yet (a hub id or a GGUF file before its first load)."""
-    path = model.model_dir
-    return _read_config(path) if path is not None else {}
-
-
-@functools.cache
-def _read_config(directory: Path) -> dict[str, Any]:
-    config: dict[str, Any] = {}
-    for name in ("config.json", "tokenizer_config.json"):
-        try:
-            read = json.loads((directory / name).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(read, dict):
-            config = {**read, **config}
-    return config
+        format=facts.format, family=facts.family,
+        families=[facts.family] if facts.family else [],
+        parameter_size=human_number(facts.parameters) if facts.parameters is not None else "",
+        quantization_level=f"Q{facts.bits}" if facts.bits else facts.dtype)
 
 
 def _embedding_length(model: ServedModel, config: dict[str, Any]) -> int | None:
@@ -399,25 +366,6 @@ def _template(model: ServedModel, config: dict[str, Any]) -> str:
     else:
         infill = f"{prefix}{{{{ .Prompt }}}}{suffix}{{{{ .Suffix }}}}{tokens.names[2]}"
     return f"{{{{- if .Suffix }}}}{infill}{{{{- else }}}}{chat}{{{{- end }}}}"
-
-
-def _capabilities(model: ServedModel) -> list[str]:
-    """What Ollama's clients read to offer tools, images, thinking or embedding. Before a
-    model's first load, what its folder says, as ServedModel.capabilities says it once
-    loaded: an encoder's files (embedding; a cross-encoder, nothing), else a chat template
-    (tools), a vision tower."""
-    known = model.capabilities
-    if known is not None:
-        return known
-    directory = model.model_dir
-    if directory is not None and is_cross_encoder(directory):
-        return []
-    if directory is not None and is_sentence_encoder(directory):
-        return ["embedding"]
-    config = _config(model)
-    if not (config.get("chat_template") or model.spec.chat_template):
-        return ["completion"]
-    return ["completion", "tools", *(["vision"] if "vision_config" in config else [])]
 
 
 def _stamp(seconds: float) -> str:

@@ -1,0 +1,80 @@
+"""What a served model is, read off its files without loading it: its config, its
+format, family, size and quantization, and what it can do, which the APIs that
+describe models (Ollama's /api/tags and /api/show) word each their own way."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from engine.encoder_folder import is_cross_encoder, is_sentence_encoder
+from engine.weights_summary import WeightsSummary, summarize
+from server.model_registry import ServedModel
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    format: Literal["gguf", "safetensors"]  # what its source was; a GGUF is converted
+    family: str  # its config's model_type; "" where no config is known yet
+    parameters: int | None  # None where its weights' headers are not known yet
+    bits: int | None  # an MLX-quantized model's width
+    dtype: str  # its weights' main float dtype, "" where not known
+
+
+def model_facts(model: ServedModel) -> ModelFacts:
+    config = model_config(model)
+    quantization = config.get("quantization") or {}
+    source = str(model.spec.source or (model.engine.config.model if model.engine else ""))
+    bits = quantization.get("bits")
+    weights = _weights(model.model_dir, bits) if model.model_dir is not None else None
+    return ModelFacts(format="gguf" if source.endswith(".gguf") else "safetensors",
+                      family=str(config.get("model_type") or ""),
+                      parameters=weights.parameters if weights else None, bits=bits,
+                      dtype=weights.dtype if weights else "")
+
+
+@functools.cache
+def _weights(directory: Path, bits: int | None) -> WeightsSummary | None:
+    return summarize(directory, bits)
+
+
+def model_config(model: ServedModel) -> dict[str, Any]:
+    """The model's config.json (and its tokenizer's chat template); {} where no directory
+    of it is known yet (a hub id or a GGUF file before its first load)."""
+    path = model.model_dir
+    return _read_config(path) if path is not None else {}
+
+
+@functools.cache
+def _read_config(directory: Path) -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            read = json.loads((directory / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(read, dict):
+            config = {**read, **config}
+    return config
+
+
+def capabilities(model: ServedModel) -> list[str]:
+    """What clients read to offer tools, images, thinking or embedding, in Ollama's words
+    (`ServedModel.capabilities`). Before a model's first load, what its folder says, as
+    ServedModel.capabilities says it once loaded: an encoder's files (embedding; a
+    cross-encoder, nothing), else a chat template (tools), a vision tower."""
+    known = model.capabilities
+    if known is not None:
+        return known
+    directory = model.model_dir
+    if directory is not None and is_cross_encoder(directory):
+        return []
+    if directory is not None and is_sentence_encoder(directory):
+        return ["embedding"]
+    config = model_config(model)
+    if not (config.get("chat_template") or model.spec.chat_template):
+        return ["completion"]
+    return ["completion", "tools", *(["vision"] if "vision_config" in config else [])]
