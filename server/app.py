@@ -21,6 +21,7 @@ from server.http.hosts import ANY_HOST, LocalHostMiddleware, loopback
 from server.http.middleware import RequestMiddleware
 from server.llama_cpp import router as llama_cpp_api
 from server.llama_cpp_embedding import router as llama_cpp_embedding
+from server.lmstudio.routes import router as lmstudio_api
 from server.model_registry import ModelRegistry
 from server.ollama.routes import router as ollama_api
 from server.openai.routes import api, deepseek_beta
@@ -64,6 +65,7 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
     app.include_router(deepseek_beta)
     app.include_router(responses_api)
     app.include_router(messages_api)
+    app.include_router(lmstudio_api)
     app.include_router(ollama_api)
     app.include_router(tokenize_api)
     app.include_router(llama_cpp_api)

@@ -1,6 +1,6 @@
 """What a served model is, read off its files without loading it: its config, its
-format, family, size and quantization, and what it can do, which the APIs that
-describe models (Ollama's /api/tags and /api/show) word each their own way."""
+format, family, size and quantization, and what it can do. Ollama's /api/tags and
+/api/show and LM Studio's /api/v0/models word the same facts each their own way."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from server.model_registry import ServedModel
 
 @dataclass(frozen=True)
 class ModelFacts:
+    source: str  # its directory, file or hub id; "" where none is known yet
     format: Literal["gguf", "safetensors"]  # what its source was; a GGUF is converted
     family: str  # its config's model_type; "" where no config is known yet
     parameters: int | None  # None where its weights' headers are not known yet
@@ -30,7 +31,8 @@ def model_facts(model: ServedModel) -> ModelFacts:
     source = str(model.spec.source or (model.engine.config.model if model.engine else ""))
     bits = quantization.get("bits")
     weights = _weights(model.model_dir, bits) if model.model_dir is not None else None
-    return ModelFacts(format="gguf" if source.endswith(".gguf") else "safetensors",
+    return ModelFacts(source=source,
+                      format="gguf" if source.endswith(".gguf") else "safetensors",
                       family=str(config.get("model_type") or ""),
                       parameters=weights.parameters if weights else None, bits=bits,
                       dtype=weights.dtype if weights else "")

@@ -2,7 +2,8 @@
 
 Every error leaves in the shape of the API the request speaks: Anthropic's
 `{"type": "error", "error": {"type", "message"}, "request_id"}` under /v1/messages and
-to Anthropic's SDKs on shared paths, Ollama's `{"error": "..."}` under /api, OpenAI's
+to Anthropic's SDKs on shared paths, Ollama's `{"error": "..."}` under /api (but for
+LM Studio's /api/v0 and /api/v1, which speak OpenAI's), OpenAI's
 `{"error": {"message", "type", "param", "code"}}` everywhere else. That covers our own
 `APIError`s, FastAPI's validation errors (400 instead of FastAPI's 422, as OpenAI does),
 Starlette's routing errors (404/405) and, through the request middleware, unexpected
@@ -30,6 +31,8 @@ from server.openai.protocol import ErrorInfo, ErrorResponse
 
 ANTHROPIC_PATH = "/v1/messages"
 OLLAMA_PATH = "/api/"
+# LM Studio's own API, inside Ollama's prefix: its errors are OpenAI's error object.
+LMSTUDIO_PATHS = ("/api/v0/", "/api/v1/")
 
 # The keys the request's tagged unions choose their member by.
 TAG_KEYS = {"type", "role"}
@@ -87,7 +90,8 @@ class APIError(Exception):
         request in its body as well as in its header."""
         if speaks_anthropic(scope):
             body = self.anthropic_body(request_id_of(scope))
-        elif scope["path"].startswith(OLLAMA_PATH):
+        elif (scope["path"].startswith(OLLAMA_PATH)
+              and not scope["path"].startswith(LMSTUDIO_PATHS)):
             body = OllamaErrorResponse(error=self.message)
         else:
             body = self.body()

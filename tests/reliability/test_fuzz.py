@@ -15,6 +15,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from server.http.errors import LMSTUDIO_PATHS
 from tests.reliability.support import AUTH, app_schema, launch, stop
 from tests.server.support import ServerProcess
 
@@ -41,12 +42,12 @@ def map_body(context: schemathesis.HookContext, body: Any) -> Any:
 def api_error_object(ctx: schemathesis.CheckContext, response: schemathesis.Response,
                      case: schemathesis.Case) -> None:
     """Any /v1 status other than 200 carries OpenAI's {"error": {"message", "type", ...}},
-    any /api one Ollama's {"error": "..."}."""
+    as LM Studio's /api/v0 does, any other /api one Ollama's {"error": "..."}."""
     if response.status_code == 200:
         return
-    if case.path.startswith("/api/"):
+    if case.path.startswith("/api/") and not case.path.startswith(LMSTUDIO_PATHS):
         assert list(response.json()) == ["error"] and response.json()["error"]
-    elif case.path.startswith("/v1"):
+    elif case.path.startswith(("/v1", *LMSTUDIO_PATHS)):
         error = response.json()["error"]
         assert isinstance(error["message"], str) and error["message"]
         assert isinstance(error["type"], str) and error["type"]
