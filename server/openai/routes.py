@@ -4,7 +4,7 @@ Completions with a suffix under its beta base URL."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from server.events import ChoiceFinished, collect
+from server.events import ChoiceFinished, ChoiceResult, collect
 from server.http.errors import APIError
 from server.http.json_body import JSONRoute
 from server.http.loading import respond_with_model
@@ -41,6 +41,10 @@ from server.openai.protocol import (
 from server.pipeline import GenerationRun, start
 from server.state import ServerState, server_state
 from server.structured import forces_call
+
+# A front end that answers in OpenAI's objects with fields of its own (LM Studio's
+# stats): OpenAI's whole response, and the choices it was made of, as that front end's.
+Dress = Callable[[ChatCompletionResponse | CompletionResponse, list[ChoiceResult]], BaseModel]
 
 
 def _events(chunk: type[BaseModel]) -> dict[str, Any]:
@@ -83,6 +87,12 @@ def _model_card(state: ServerState, model: ServedModel, name: str) -> ModelCard:
 @api.post("/chat/completions", responses={
     200: {"model": ChatCompletionResponse, "content": _events(ChatCompletionChunk)}})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    return await chat_completion(body, request)
+
+
+async def chat_completion(body: ChatCompletionRequest, request: Request,
+                          dress: Dress | None = None) -> Response:
+    """Chat Completions; `dress`: a front end's own over the whole response."""
     state = server_state(request)
 
     async def respond(lease: Lease) -> Response:
@@ -92,7 +102,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                          calls_only=forces_call(generation.request),
                          custom_tools=custom_tool_names(body),
                          tier_asked=body.service_tier is not None)
-        return await _respond(request, generation, fmt)
+        return await _respond(request, generation, fmt, dress)
 
     return await respond_with_model(state.models, body.model, body.stream, respond,
                                     _stream_error)
@@ -102,6 +112,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 @api.post("/completions", responses={
     200: {"model": CompletionResponse, "content": _events(CompletionResponse)}})
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    return await completion(body, request)
+
+
+async def completion(body: CompletionRequest, request: Request,
+                     dress: Dress | None = None) -> Response:
+    """Completions; `dress`: a front end's own over the whole response."""
     state = server_state(request)
 
     async def respond(lease: Lease) -> Response:
@@ -109,7 +125,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         model = state.models.name_for(lease.model, body.model)
         fmt = CompletionFormat(f"cmpl-{generation.request_id}", model,
                                body.logprobs is not None)
-        return await _respond(request, generation, fmt)
+        return await _respond(request, generation, fmt, dress)
 
     return await respond_with_model(state.models, body.model, body.stream, respond,
                                     _stream_error)
@@ -137,7 +153,8 @@ def _stream_error(error: APIError) -> list[str]:
     return [error.body().model_dump_json(), "[DONE]"]
 
 
-async def _respond(request: Request, generation: GenerationRun, fmt: Format) -> Response:
+async def _respond(request: Request, generation: GenerationRun, fmt: Format,
+                   dress: Dress | None = None) -> Response:
     if generation.request.stream:
         return GenerationEventSource(generation, _sse(generation, fmt))
     results = await to_the_end(
@@ -145,7 +162,8 @@ async def _respond(request: Request, generation: GenerationRun, fmt: Format) -> 
     )
     if results is None:
         return Response(status_code=CLIENT_CLOSED)
-    return model_response(fmt.response(results, generation.usage()))
+    response = fmt.response(results, generation.usage())
+    return model_response(response if dress is None else dress(response, results))
 
 
 async def _sse(generation: GenerationRun, fmt: Format) -> AsyncIterator[str | list[str]]:

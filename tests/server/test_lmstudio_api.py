@@ -23,7 +23,7 @@ STATS = {"tokens_per_second", "time_to_first_token", "generation_time", "stop_re
 RHYMES = {"model": "tiny", "messages": [
     {"role": "system", "content": "Always answer in rhymes."},
     {"role": "user", "content": "Introduce yourself."}], "temperature": 0,
-    "max_tokens": 8, "stream": False}
+    "max_tokens": -1, "stream": False}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_every_model_is_listed_loaded_or_not_as_lm_studio_describes_it(
     # A GGUF source is LM Studio's gguf, whatever it is converted to as it loads.
     assert (models["smol"]["compatibility_type"], models["smol"]["state"]) == (
         "gguf", "not-loaded")
-    assert post(studio, "/v1/chat/completions", {**RHYMES, "max_tokens": 1}).is_success
+    assert post(studio, "/api/v0/chat/completions", {**RHYMES, "max_tokens": 1}).is_success
     tiny = get(studio, "/api/v0/models/tiny").json()
     assert tiny == get(studio, "/api/v0/models").json()["data"][0]
     assert tiny == {**models["tiny"], "state": "loaded"}
@@ -78,9 +78,83 @@ def test_every_model_is_listed_loaded_or_not_as_lm_studio_describes_it(
 
 def test_an_unknown_model_is_lm_studios_404(studio: ServerProcess) -> None:
     """LM Studio's errors are OpenAI's error object, though its API shares Ollama's /api."""
-    for response in (get(studio, "/api/v0/models/no-such-model"),):
+    for response in (get(studio, "/api/v0/models/no-such-model"),
+                     post(studio, "/api/v0/chat/completions",
+                          {**RHYMES, "model": "no-such-model"})):
         assert response.status_code == 404
         error = response.json()["error"]
         assert (error["type"], error["param"], error["code"]) == (
             "invalid_request_error", "model", "model_not_found")
         assert "no-such-model" in error["message"]
+
+
+def test_a_chat_is_openais_answer_with_lm_studios_stats(studio: ServerProcess) -> None:
+    answer = post(studio, "/api/v0/chat/completions", RHYMES).json()
+    assert answer["object"] == "chat.completion" and answer["model"] == "tiny"
+    openai = post(studio, "/v1/chat/completions", {**RHYMES, "max_tokens": None}).json()
+    assert answer["choices"] == openai["choices"] and answer["usage"] == openai["usage"]
+    stats = answer["stats"]
+    assert set(stats) == STATS and stats["stop_reason"] == "maxPredictedTokensReached"
+    assert 0 < stats["time_to_first_token"] and 0 < stats["generation_time"]
+    completion_tokens = answer["usage"]["completion_tokens"]
+    assert stats["tokens_per_second"] == pytest.approx(
+        completion_tokens / stats["generation_time"])
+    listed = get(studio, "/api/v0/models/tiny").json()
+    assert answer["model_info"] == {"arch": "llama", "quant": listed["quantization"],
+                                    "format": "mlx",
+                                    "context_length": listed["max_context_length"]}
+    assert answer["runtime"]["name"] == "radix-mlx"
+    assert answer["runtime"]["supported_formats"] == ["safetensors", "gguf"]
+
+
+def test_the_stop_reason_says_why_the_reply_ended(studio: ServerProcess) -> None:
+    def stop_reason(**extra) -> str:
+        body = {**RHYMES, "max_tokens": 6, **extra}
+        return post(studio, "/api/v0/chat/completions", body).json()["stats"]["stop_reason"]
+
+    text = post(studio, "/api/v0/chat/completions", {**RHYMES, "max_tokens": 6}).json()[
+        "choices"][0]["message"]["content"]
+    assert stop_reason() == "maxPredictedTokensReached"
+    assert stop_reason(stop=[text.split()[-1]]) == "stopStringFound"
+    tools = [{"type": "function", "function": {"name": "rhyme", "parameters": {
+        "type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}]
+    assert stop_reason(tools=tools, tool_choice="required", max_tokens=-1) == "toolCalls"
+
+
+def test_a_completion_is_openais_answer_with_lm_studios_stats(studio: ServerProcess) -> None:
+    example = {"model": "tiny", "prompt": "the meaning of life is", "temperature": 0.7,
+               "max_tokens": 10, "stream": False, "stop": "\n"}
+    answer = post(studio, "/api/v0/completions", example).json()
+    assert answer["object"] == "text_completion" and len(answer["choices"]) == 1
+    assert answer["usage"]["completion_tokens"] <= 10
+    assert set(answer["stats"]) == STATS
+    assert answer["stats"]["stop_reason"] in {"maxPredictedTokensReached", "stopStringFound"}
+    assert set(answer["model_info"]) == {"arch", "quant", "format", "context_length"}
+    unlimited = post(studio, "/api/v0/completions", {**example, "max_tokens": -1, "stop": []})
+    assert unlimited.json()["usage"]["completion_tokens"] > 10
+
+
+def test_embeddings_are_openais(studio: ServerProcess) -> None:
+    example = {"model": "tiny", "input": "Some text to embed"}
+    answer = post(studio, "/api/v0/embeddings", example).json()
+    openai = post(studio, "/v1/embeddings", example).json()
+    assert answer["data"] == openai["data"] and answer["model"] == "tiny"
+    assert answer["usage"]["prompt_tokens"] == openai["usage"]["prompt_tokens"]
+    assert answer["object"] == "list" and answer["data"][0]["object"] == "embedding"
+
+
+def test_a_stream_is_openais_chunks(studio: ServerProcess) -> None:
+    """LM Studio streams its chat as OpenAI's chunks, without its stats."""
+    body = {**RHYMES, "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{studio.url}/api/v0/chat/completions", json=body,
+                      headers=AUTH, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        data = [line.removeprefix("data: ") for line in response.iter_lines()
+                if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(chunk) for chunk in data[:-1]]
+    assert {chunk["object"] for chunk in chunks} == {"chat.completion.chunk"}
+    whole = post(studio, "/api/v0/chat/completions", {**body, "stream": False}).json()
+    assert "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks) == (
+        whole["choices"][0]["message"]["content"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
