@@ -22,6 +22,7 @@ from server.http.middleware import RequestMiddleware
 from server.llama_cpp import router as llama_cpp_api
 from server.llama_cpp_embedding import router as llama_cpp_embedding
 from server.lmstudio.routes import router as lmstudio_api
+from server.lmstudio.v1 import router as lmstudio_v1
 from server.model_registry import ModelRegistry
 from server.ollama.routes import router as ollama_api
 from server.openai.routes import api, deepseek_beta
@@ -66,6 +67,7 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
     app.include_router(responses_api)
     app.include_router(messages_api)
     app.include_router(lmstudio_api)
+    app.include_router(lmstudio_v1)
     app.include_router(ollama_api)
     app.include_router(tokenize_api)
     app.include_router(llama_cpp_api)

@@ -530,8 +530,12 @@ class ModelRegistry:
         log.info("model %s unloaded", model.id)
 
     async def unload_once_idle(self, model: ServedModel) -> None:
-        """Unload `model` now, or while requests hold it, once they are done (Ollama's
-        keep_alive 0; a request in between keeps it, `acquire`)."""
+        """A client's unload (Ollama's keep_alive 0, LM Studio's): `model` now, or while
+        requests hold it, once they are done (a request in between keeps it, `acquire`).
+        A model that stays loaded, pinned or a server's one, is a 409."""
+        if not self.on_demand or model.spec.pinned:
+            kept = "pinned" if self.on_demand else "the one this server serves"
+            raise APIError(409, f"the model {model.id} stays loaded: it is {kept}")
         try:
             await self.unload(model)
         except APIError as error:

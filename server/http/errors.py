@@ -2,8 +2,9 @@
 
 Every error leaves in the shape of the API the request speaks: Anthropic's
 `{"type": "error", "error": {"type", "message"}, "request_id"}` under /v1/messages and
-to Anthropic's SDKs on shared paths, Ollama's `{"error": "..."}` under /api (but for
-LM Studio's /api/v0 and /api/v1, which speak OpenAI's), OpenAI's
+to Anthropic's SDKs on shared paths, LM Studio's v1 `{"error": {"type", "message", "code",
+"param"}}` under /api/v1, Ollama's `{"error": "..."}` under the rest of /api but for LM
+Studio's v0 (/api/v0), which speaks OpenAI's, and OpenAI's
 `{"error": {"message", "type", "param", "code"}}` everywhere else. That covers our own
 `APIError`s, FastAPI's validation errors (400 instead of FastAPI's 422, as OpenAI does),
 Starlette's routing errors (404/405) and, through the request middleware, unexpected
@@ -26,13 +27,17 @@ from starlette.types import Scope
 from server.anthropic.protocol import ErrorInfo as AnthropicErrorInfo
 from server.anthropic.protocol import ErrorResponse as AnthropicErrorResponse
 from server.anthropic.protocol import error_type as anthropic_error_type
+from server.lmstudio.protocol import V1Error as LMStudioError
+from server.lmstudio.protocol import V1ErrorResponse as LMStudioErrorResponse
 from server.ollama.protocol import ErrorResponse as OllamaErrorResponse
 from server.openai.protocol import ErrorInfo, ErrorResponse
 
 ANTHROPIC_PATH = "/v1/messages"
 OLLAMA_PATH = "/api/"
-# LM Studio's own API, inside Ollama's prefix: its errors are OpenAI's error object.
-LMSTUDIO_PATHS = ("/api/v0/", "/api/v1/")
+# LM Studio's own API, inside Ollama's prefix: v0's errors are OpenAI's error object,
+# v1's its own.
+LMSTUDIO_V1_PATH = "/api/v1/"
+LMSTUDIO_PATHS = ("/api/v0/", LMSTUDIO_V1_PATH)
 
 # The keys the request's tagged unions choose their member by.
 TAG_KEYS = {"type", "role"}
@@ -85,13 +90,26 @@ class APIError(Exception):
             request_id=request_id,
         )
 
+    def lmstudio_body(self) -> LMStudioErrorResponse:
+        """LM Studio v1's error: its type of error, and this one's code and param."""
+        if self.code == "model_not_found":
+            kind = "model_not_found"
+        elif self.status < 500:
+            kind = "invalid_request"
+        else:
+            kind = "not_implemented" if self.status == 501 else "internal_error"
+        return LMStudioErrorResponse(error=LMStudioError(
+            type=kind, message=self.message, code=self.code, param=self.param))
+
     def response(self, scope: Scope) -> JSONResponse:
         """The error in the shape of the API the request speaks; Anthropic's names the
         request in its body as well as in its header."""
         if speaks_anthropic(scope):
             body = self.anthropic_body(request_id_of(scope))
-        elif (scope["path"].startswith(OLLAMA_PATH)
-              and not scope["path"].startswith(LMSTUDIO_PATHS)):
+        elif scope["path"].startswith(LMSTUDIO_V1_PATH):
+            body = self.lmstudio_body()
+        elif scope["path"].startswith(OLLAMA_PATH) and not scope["path"].startswith(
+                LMSTUDIO_PATHS):
             body = OllamaErrorResponse(error=self.message)
         else:
             body = self.body()

@@ -1,9 +1,9 @@
-"""LM Studio's own REST API (v0), as its docs (lmstudio.ai/docs/developer/rest/endpoints)
-define it: requests and responses.
+"""LM Studio's own REST API, as its docs define it (lmstudio.ai/docs/developer/rest):
+requests and responses.
 
-Its bodies are OpenAI's, with LM Studio's `max_tokens: -1` for "no limit"; its answers
+v0's bodies are OpenAI's, with LM Studio's `max_tokens: -1` for "no limit"; its answers
 are OpenAI's objects with `stats`, `model_info` and `runtime` beside them, and its
-errors OpenAI's error object.
+errors OpenAI's error object. v1's model management has shapes and errors of its own.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from server.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from server.schema import ResponseModel
+from server.schema import RequestModel, ResponseModel
 
 # Why a reply ended, in LM Studio's words (its SDK's LLMPredictionStopReason).
 StopReason = Literal["eosFound", "stopStringFound", "maxPredictedTokensReached", "toolCalls"]
@@ -89,3 +89,91 @@ class ChatCompletion(Extras, ChatCompletionResponse):
 
 class Completion(Extras, CompletionResponse):
     pass
+
+
+# -- v1 (LM Studio 0.4's management endpoints) ------------------------------------------
+
+
+class V1Error(ResponseModel):
+    type: Literal["invalid_request", "model_not_found", "not_implemented", "internal_error"]
+    message: str
+    code: str | None = None
+    param: str | None = None
+
+
+class V1ErrorResponse(ResponseModel):
+    error: V1Error
+
+
+class Quantization(ResponseModel):
+    name: str | None
+    bits_per_weight: int | None
+
+
+class InstanceConfig(ResponseModel):
+    context_length: int | None
+
+
+class Instance(ResponseModel):
+    id: str
+    config: InstanceConfig
+
+
+class Capabilities(ResponseModel):
+    vision: bool
+    trained_for_tool_use: bool
+
+
+class EmbeddingModel(ResponseModel):
+    type: Literal["embedding"] = "embedding"
+    publisher: str
+    key: str
+    display_name: str
+    quantization: Quantization | None
+    size_bytes: int
+    params_string: str | None
+    loaded_instances: list[Instance]
+    max_context_length: int | None
+    format: Literal["gguf", "mlx"] | None
+
+
+class LanguageModel(EmbeddingModel):
+    """An LLM's entry: an embedding model's, with what only an LLM has."""
+
+    type: Literal["llm"] = "llm"  # type: ignore[assignment]
+    architecture: str | None
+    capabilities: Capabilities
+    description: str | None = None
+
+
+class V1ModelList(ResponseModel):
+    models: list[LanguageModel | EmbeddingModel]
+
+
+class LoadRequest(RequestModel):
+    """LM Studio's load options beside `model` are its engines' (context length, batch
+    size, flash attention, experts, KV offload): ours are the server's configuration, so
+    they are ignored, and `echo_load_config` says what the model has."""
+
+    model: str
+    echo_load_config: bool = False
+
+
+class LoadConfig(ResponseModel):
+    context_length: int | None
+
+
+class Loaded(ResponseModel):
+    type: Literal["llm", "embedding"]
+    instance_id: str
+    load_time_seconds: float
+    status: Literal["loaded"] = "loaded"
+    load_config: LoadConfig | None = None
+
+
+class UnloadRequest(RequestModel):
+    instance_id: str
+
+
+class Unloaded(ResponseModel):
+    instance_id: str

@@ -13,7 +13,6 @@ chunks, as LM Studio streams them. Errors are OpenAI's error object, as LM Studi
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -23,6 +22,7 @@ from server.events import ChoiceResult
 from server.http.access_log import RequestStats
 from server.http.json_body import JSONRoute
 from server.http.openapi import error_responses
+from server.lmstudio.models import describe
 from server.lmstudio.protocol import (
     ChatCompletion,
     ChatRequest,
@@ -35,8 +35,7 @@ from server.lmstudio.protocol import (
     StopReason,
     TextRequest,
 )
-from server.model_facts import ModelFacts, capabilities, model_config, model_facts
-from server.model_registry import ModelState, ServedModel
+from server.model_registry import ServedModel
 from server.openai.protocol import ChatCompletionResponse, CompletionResponse, ErrorResponse
 from server.openai.routes import Dress, chat_completion, completion
 from server.prefill.protocol import EmbeddingResponse
@@ -69,48 +68,13 @@ async def get_model(model: str, request: Request) -> ModelEntry:
 
 
 def _entry(model: ServedModel, name: str) -> ModelEntry:
-    facts, can = model_facts(model), capabilities(model)
-    kind = ("embeddings" if "completion" not in can else "vlm" if "vision" in can
-            else "llm")
+    described = describe(model)
     return ModelEntry(
-        id=name, type=kind, publisher=_publisher(facts.source), arch=facts.family,
-        compatibility_type=_format(facts), quantization=_quantization(facts),
-        state="loaded" if model.state is ModelState.LOADED else "not-loaded",
-        max_context_length=_context_length(model),
-        capabilities=["tool_use"] if "tools" in can else [])
-
-
-def _publisher(source: str) -> str:
-    """Who published the model, as LM Studio names it by where its files are: a hub id's
-    owner, a Hugging Face cache's owner, else the folder above the model's (LM Studio
-    keeps publisher/model/, a GGUF file inside its model's folder)."""
-    path = Path(source).expanduser()
-    if not source or not path.exists():
-        owner, _, rest = source.partition("/")
-        return owner if rest else ""
-    cached = next((part for part in path.parts if part.startswith("models--")), None)
-    if cached is not None:
-        return cached.split("--")[1]
-    return (path.parent if path.is_dir() else path.parent.parent).name
-
-
-def _format(facts: ModelFacts) -> str:
-    return "gguf" if facts.format == "gguf" else "mlx"
-
-
-def _quantization(facts: ModelFacts) -> str:
-    """As LM Studio words it: an MLX model's bits ("4bit"); a GGUF's quantization as
-    Ollama's words it ("Q4"), which it is converted at; else its weights' dtype."""
-    if not facts.bits:
-        return facts.dtype
-    return f"Q{facts.bits}" if facts.format == "gguf" else f"{facts.bits}bit"
-
-
-def _context_length(model: ServedModel) -> int | None:
-    """Its context window; before its first load, what its config says it was trained
-    for."""
-    trained = model_config(model).get("max_position_embeddings")
-    return model.context_length or (trained if isinstance(trained, int) else None)
+        id=name, type=described.type, publisher=described.publisher, arch=described.arch,
+        compatibility_type=described.format, quantization=described.quantization,
+        state="loaded" if described.loaded else "not-loaded",
+        max_context_length=described.max_context_length,
+        capabilities=["tool_use"] if described.tool_use else [])
 
 
 # -- generation -----------------------------------------------------------------------------
@@ -141,10 +105,10 @@ def _extras(request: Request, name: str | None, results: list[ChoiceResult]
     """LM Studio's fields beside OpenAI's: the first choice's stats (LM Studio makes
     one), the model's info and this server's."""
     model = server_state(request).models.lookup(name)
-    facts = model_facts(model)
+    described = describe(model)
     return {"stats": _stats(request, results[0]),
-            "model_info": ModelInfo(arch=facts.family, quant=_quantization(facts),
-                                    format=_format(facts),
+            "model_info": ModelInfo(arch=described.arch, quant=described.quantization,
+                                    format=described.format,
                                     context_length=model.context_length),
             "runtime": Runtime(name="radix-mlx", version=server_version(),
                                supported_formats=SUPPORTED_FORMATS)}

@@ -166,9 +166,6 @@ async def _load_or_unload(request: Request, body: GenerationFields, chat: bool) 
     models = server_state(request).models
     served = models.lookup(body.model)
     if body.keep_alive == 0:
-        if not models.on_demand or served.spec.pinned:
-            kept = "pinned" if models.on_demand else "the one this server serves"
-            raise APIError(409, f"the model {served.id} stays loaded: it is {kept}")
         await models.unload_once_idle(served)
         reason = "unload"
     else:

@@ -158,3 +158,61 @@ def test_a_stream_is_openais_chunks(studio: ServerProcess) -> None:
     assert "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks) == (
         whole["choices"][0]["message"]["content"])
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# -- v1: LM Studio 0.4's model management ---------------------------------------------------
+
+
+def test_v1_lists_each_model_with_its_loaded_instance(studio: ServerProcess,
+                                                      demo_model_dir: Path) -> None:
+    models = {entry["key"]: entry for entry in get(studio, "/api/v1/models").json()["models"]}
+    assert set(models) == {"tiny", "spare", "smol"}
+    spare = models["spare"]
+    weights = sum(path.stat().st_size for path in demo_model_dir.glob("*.safetensors"))
+    assert spare == {
+        "type": "llm", "publisher": "publisher", "key": "spare", "display_name": "spare",
+        "quantization": {"name": "F32", "bits_per_weight": 32}, "size_bytes": weights,
+        "params_string": spare["params_string"], "loaded_instances": [],
+        "max_context_length": spare["max_context_length"], "format": "mlx",
+        "architecture": "llama",
+        "capabilities": {"vision": False, "trained_for_tool_use": True}, "description": None}
+    assert spare["params_string"] and spare["max_context_length"] > 0
+    smol = models["smol"]
+    assert (smol["format"], smol["size_bytes"]) == ("gguf", default_model_file().stat().st_size)
+
+
+def test_v1_loads_and_unloads_a_model(studio: ServerProcess) -> None:
+    def instances() -> list[dict]:
+        listed = get(studio, "/api/v1/models").json()["models"]
+        return next(entry for entry in listed if entry["key"] == "spare")["loaded_instances"]
+
+    loaded = post(studio, "/api/v1/models/load",
+                  {"model": "spare", "context_length": 16384, "flash_attention": True,
+                   "echo_load_config": True}).json()
+    context = get(studio, "/api/v0/models/spare").json()["max_context_length"]
+    assert loaded == {"type": "llm", "instance_id": "spare", "status": "loaded",
+                      "load_time_seconds": loaded["load_time_seconds"],
+                      "load_config": {"context_length": context}}
+    assert instances() == [{"id": "spare", "config": {"context_length": context}}]
+    assert "load_config" not in post(studio, "/api/v1/models/load", {"model": "spare"}).json()
+    assert post(studio, "/api/v1/models/unload", {"instance_id": "spare"}).json() == {
+        "instance_id": "spare"}
+    assert instances() == []
+    assert get(studio, "/api/v0/models/spare").json()["state"] == "not-loaded"
+
+
+def test_v1_errors_are_v1s(studio: ServerProcess, server: ServerProcess) -> None:
+    missing = post(studio, "/api/v1/models/unload", {"instance_id": "no-such-model"})
+    assert missing.status_code == 404
+    assert missing.json()["error"]["type"] == "model_not_found"
+    unnamed = post(studio, "/api/v1/models/load", {})
+    assert unnamed.status_code == 400
+    assert unnamed.json()["error"]["type"] == "invalid_request"
+    assert unnamed.json()["error"]["param"] == "model"
+    # The one model of a server of one stays loaded.
+    kept = post(server, "/api/v1/models/unload", {"instance_id": server_model(server)})
+    assert kept.status_code == 409 and kept.json()["error"]["type"] == "invalid_request"
+
+
+def server_model(server: ServerProcess) -> str:
+    return get(server, "/api/v1/models").json()["models"][0]["key"]

@@ -1,0 +1,80 @@
+"""What a model is (server/model_facts.py) in LM Studio's words, which its v0 and v1
+APIs both list: its type, publisher, format, quantization and context window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from server.model_facts import ModelFacts, capabilities, model_config, model_facts
+from server.model_registry import ModelState, ServedModel
+
+# A float dtype's bits per weight.
+DTYPE_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16}
+
+
+@dataclass(frozen=True)
+class Described:
+    type: Literal["llm", "vlm", "embeddings"]
+    publisher: str
+    arch: str  # "" where no config is known yet
+    format: Literal["mlx", "gguf"]
+    quantization: str  # "" where its weights are not known yet
+    bits_per_weight: int | None
+    loaded: bool
+    max_context_length: int | None  # None: never loaded, and its config names none
+    tool_use: bool
+    vision: bool
+    parameters: int | None
+    size_bytes: int  # its weights' files; 0 where none is known yet
+
+
+def describe(model: ServedModel) -> Described:
+    facts, can = model_facts(model), capabilities(model)
+    trained = model_config(model).get("max_position_embeddings")
+    return Described(
+        type="embeddings" if "completion" not in can else "vlm" if "vision" in can else "llm",
+        publisher=_publisher(facts.source), arch=facts.family,
+        format="gguf" if facts.format == "gguf" else "mlx",
+        quantization=_quantization(facts),
+        bits_per_weight=facts.bits or DTYPE_BITS.get(facts.dtype),
+        loaded=model.state is ModelState.LOADED,
+        # Before its first load, what its config says it was trained for.
+        max_context_length=model.context_length or (
+            trained if isinstance(trained, int) else None),
+        tool_use="tools" in can, vision="vision" in can, parameters=facts.parameters,
+        size_bytes=_size(model, facts))
+
+
+def _publisher(source: str) -> str:
+    """Who published the model, as LM Studio names it by where its files are: a hub id's
+    owner, a Hugging Face cache's owner, else the folder above the model's (LM Studio
+    keeps publisher/model/, a GGUF file inside its model's folder)."""
+    path = Path(source).expanduser()
+    if not source or not path.exists():
+        owner, _, rest = source.partition("/")
+        return owner if rest else ""
+    cached = next((part for part in path.parts if part.startswith("models--")), None)
+    if cached is not None:
+        return cached.split("--")[1]
+    return (path.parent if path.is_dir() else path.parent.parent).name
+
+
+def _quantization(facts: ModelFacts) -> str:
+    """An MLX model's bits ("4bit"), as LM Studio words them; a GGUF's quantization as
+    Ollama's words it ("Q4"), which it is converted at; else its weights' dtype."""
+    if not facts.bits:
+        return facts.dtype
+    return f"Q{facts.bits}" if facts.format == "gguf" else f"{facts.bits}bit"
+
+
+def _size(model: ServedModel, facts: ModelFacts) -> int:
+    """The bytes of its weights' files: a GGUF file's, else its directory's safetensors."""
+    source = Path(facts.source).expanduser()
+    if facts.format == "gguf" and source.is_file():
+        return source.stat().st_size
+    directory = model.model_dir
+    if directory is None:
+        return 0
+    return sum(path.stat().st_size for path in directory.glob("*.safetensors"))
