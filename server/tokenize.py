@@ -76,7 +76,9 @@ class TokenizeResponse(ResponseModel):
 
 class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[TokenId] = Field(default_factory=list)
+    # Required as vLLM's: a body without them (or none at all, which a route that reads
+    # any Content-Type takes as {}) is a mistake, not a request for "".
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(ResponseModel):

@@ -77,6 +77,7 @@ def test_a_piece_that_is_part_of_a_character_is_its_bytes_as_llama_cpp_gives_it(
     ("/tokenize", {"messages": CHAT, "continue_final_message": True},
      "continue_final_message needs add_generation_prompt to be false"),
     ("/tokenize", {"prompt": "a", "model": "no-such-model"}, "no-such-model"),
+    ("/detokenize", {}, "tokens: Field required"),
     ("/detokenize", {"tokens": [10**9]}, "out of range"),
     ("/detokenize", {"tokens": [-1]}, "tokens.0"),
 ])
