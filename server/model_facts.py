@@ -31,8 +31,11 @@ def model_facts(model: ServedModel) -> ModelFacts:
     source = str(model.spec.source or (model.engine.config.model if model.engine else ""))
     bits = quantization.get("bits")
     weights = _weights(model.model_dir, bits) if model.model_dir is not None else None
+    # A GGUF converted as it loaded says so in its directory's config (the default model's
+    # directory is that conversion): its format is still the GGUF's.
+    converted = "gguf" in config
     return ModelFacts(source=source,
-                      format="gguf" if source.endswith(".gguf") else "safetensors",
+                      format="gguf" if source.endswith(".gguf") or converted else "safetensors",
                       family=str(config.get("model_type") or ""),
                       parameters=weights.parameters if weights else None, bits=bits,
                       dtype=weights.dtype if weights else "")

@@ -35,7 +35,7 @@ def describe(model: ServedModel) -> Described:
     trained = model_config(model).get("max_position_embeddings")
     return Described(
         type="embeddings" if "completion" not in can else "vlm" if "vision" in can else "llm",
-        publisher=_publisher(facts.source), arch=facts.family,
+        publisher=_publisher(facts), arch=facts.family,
         format="gguf" if facts.format == "gguf" else "mlx",
         quantization=_quantization(facts),
         bits_per_weight=facts.bits or DTYPE_BITS.get(facts.dtype),
@@ -47,11 +47,15 @@ def describe(model: ServedModel) -> Described:
         size_bytes=_size(model, facts))
 
 
-def _publisher(source: str) -> str:
+def _publisher(facts: ModelFacts) -> str:
     """Who published the model, as LM Studio names it by where its files are: a hub id's
     owner, a Hugging Face cache's owner, else the folder above the model's (LM Studio
-    keeps publisher/model/, a GGUF file inside its model's folder)."""
+    keeps publisher/model/, a GGUF file inside its model's folder); nobody known for a
+    directory converted from a GGUF (the default model's), which says only its file."""
+    source = facts.source
     path = Path(source).expanduser()
+    if facts.format == "gguf" and path.is_dir():
+        return ""
     if not source or not path.exists():
         owner, _, rest = source.partition("/")
         return owner if rest else ""

@@ -216,3 +216,14 @@ def test_v1_errors_are_v1s(studio: ServerProcess, server: ServerProcess) -> None
 
 def server_model(server: ServerProcess) -> str:
     return get(server, "/api/v1/models").json()["models"][0]["key"]
+
+
+def test_the_default_model_is_the_gguf_it_was_converted_from(real_server: ServerProcess
+                                                             ) -> None:
+    """Served from the directory its GGUF was converted to as it loaded, the default model
+    is still LM Studio's gguf (and Ollama's), its publisher unknown: not the name of the
+    conversion's cache folder."""
+    listed = get(real_server, "/api/v0/models").json()["data"][0]
+    assert (listed["compatibility_type"], listed["publisher"]) == ("gguf", "")
+    tags = get(real_server, "/api/tags").json()["models"][0]
+    assert tags["details"]["format"] == "gguf"
