@@ -313,11 +313,18 @@ def _prompts(tokenizer: ModelTokenizer, inputs: Sequence[str | list[int]],
              params: Sequence[str]) -> list[Prompt]:
     """Texts are encoded as legacy completions' prompts are (together); token ids taken
     as given, a 400 naming the input (`params`, one an input) where one is out of the
-    vocabulary. Classify's inputs may mix the two."""
+    vocabulary, or where a text encodes to no tokens (control characters the tokenizer
+    drops): the engine has nothing to read. Classify's inputs may mix the two."""
     _check_token_id_inputs(inputs, tokenizer.vocab_size, params)
     texts = [item for item in inputs if isinstance(item, str)]
     encoded = iter(tokenizer.encode_batch(texts) if texts else ())
-    return [Prompt(next(encoded) if isinstance(item, str) else list(item)) for item in inputs]
+    prompts = [Prompt(next(encoded) if isinstance(item, str) else list(item))
+               for item in inputs]
+    for prompt, param in zip(prompts, params, strict=True):
+        if not prompt.tokens:
+            raise APIError(400, f"{param} encodes to no tokens", code="invalid_request",
+                           param=param)
+    return prompts
 
 
 def _check_token_id_inputs(inputs: Sequence[str | list[int]], vocab_size: int,

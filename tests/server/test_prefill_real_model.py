@@ -414,6 +414,9 @@ def test_an_input_of_the_wrong_shape_gets_one_error_saying_what_it_must_be(
     ("/v1/score", {"text_1": "q", "text_2": ["a", ""]}, "documents[1]"),
     ("/v1/score", {"text_1": "word " * 9000, "text_2": ["a"]}, "queries[0]"),
     ("/v1/embeddings", {"input": [""]}, "input[0]"),
+    # A control character SmolLM2's tokenizer reads as no token at all.
+    ("/v1/embeddings", {"input": ["a", "\x13"]}, "input[1]"),
+    ("/v1/classify", {"input": ["\x13"]}, "input[0]"),
     ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
 ])
 def test_bad_input_is_a_400(real_server: ServerProcess, path: str, body: dict,
@@ -425,3 +428,18 @@ def test_bad_input_is_a_400(real_server: ServerProcess, path: str, body: dict,
     if param is not None:
         assert error["param"] == param
     assert post(real_server, "/v1/classify", {"input": ["fine"]})["data"]
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/api/embed", {"input": ["a", "\x13"]}),
+    ("/embedding", {"content": "\x13"}),
+    ("/embed", {"inputs": "\x13"}),
+    ("/v1/embed", {"texts": ["\x13"], "input_type": "search_query"}),
+])
+def test_a_text_of_no_tokens_is_a_400_on_every_embedding_api(
+        real_server: ServerProcess, real_model_dir: Path, path: str, body: dict) -> None:
+    """Not empty, yet nothing to read: the engine refuses an empty prompt, which was a 500."""
+    response = httpx.post(f"{real_server.url}{path}", json={"model": real_model_dir.name, **body},
+                          headers=AUTH, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "encodes to no tokens" in response.text
