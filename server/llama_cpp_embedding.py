@@ -36,7 +36,8 @@ class LlamaEmbeddingRequest(RequestModel):
     # llama.cpp's: 2 euclidean (its default), 1 taxicab, 0 the largest value scaled to
     # int16's range, above 2 that p-norm; -1 (none) is a 400, as this server's vectors
     # come normalised already (the model's own pooling, or L2 after the last token).
-    embd_normalize: int = 2
+    # At most llama.cpp's int: a larger integer reached numpy as an object and was a 500.
+    embd_normalize: int = Field(2, le=2**31 - 1)
 
 
 class LlamaEmbedding(ResponseModel):
@@ -67,8 +68,12 @@ async def embedding(body: LlamaEmbeddingRequest, request: Request) -> Response:
 
 def _normalised(vectors: np.ndarray, norm: int) -> np.ndarray:
     """Each vector as llama.cpp's common_embd_normalize scales it."""
+    largest = np.abs(vectors).max(axis=1, keepdims=True)
     if norm == 0:
-        scale = np.abs(vectors).max(axis=1, keepdims=True) / 32760
-    else:
-        scale = np.linalg.norm(vectors, ord=norm, axis=1, keepdims=True)
-    return vectors / np.maximum(scale, 1e-12)
+        return vectors / np.maximum(largest / 32760, 1e-12)
+    # Each value over the row's largest before the power, in float64: |x|^p of a large p
+    # underflows to 0 otherwise (the vector came back huge); this way it nears its limit,
+    # the largest value.
+    ratios = np.abs(vectors.astype(np.float64)) / np.maximum(largest, 1e-12)
+    scale = largest * np.sum(ratios ** norm, axis=1, keepdims=True) ** (1 / norm)
+    return (vectors / np.maximum(scale, 1e-12)).astype(vectors.dtype)

@@ -417,6 +417,7 @@ def test_an_input_of_the_wrong_shape_gets_one_error_saying_what_it_must_be(
     # A control character SmolLM2's tokenizer reads as no token at all.
     ("/v1/embeddings", {"input": ["a", "\x13"]}, "input[1]"),
     ("/v1/classify", {"input": ["\x13"]}, "input[0]"),
+    ("/embedding", {"content": "a", "embd_normalize": 2**64}, "embd_normalize"),
     ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
 ])
 def test_bad_input_is_a_400(real_server: ServerProcess, path: str, body: dict,
@@ -443,3 +444,14 @@ def test_a_text_of_no_tokens_is_a_400_on_every_embedding_api(
                           headers=AUTH, timeout=60)
     assert response.status_code == 400, response.text
     assert "encodes to no tokens" in response.text
+
+
+@pytest.mark.parametrize("norm", [3, 1000, 2**31 - 1])
+def test_llama_cpps_p_norm_of_any_p_scales_the_vector_to_norm_one(
+        real_server: ServerProcess, norm: int) -> None:
+    """embd_normalize p > 2 is llama.cpp's p-norm; a large p is near the largest value (its
+    limit), where |x|^p in float32 underflowed to 0 and the vector came back huge."""
+    body = {"content": "The capital of France is", "embd_normalize": norm}
+    vector = np.array(post(real_server, "/embedding", body)[0]["embedding"][0], np.float64)
+    assert np.isclose(np.sum(np.abs(vector) ** norm) ** (1 / norm) if norm < 10 else
+                      np.abs(vector).max(), 1, rtol=1e-2)
