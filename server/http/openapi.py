@@ -54,3 +54,9 @@ def event_stream(events: Any, error: type, done: bool = False) -> dict[str, Any]
         data = {"anyOf": [{"const": "[DONE]"}, data]}
     event = {"type": "object", "required": ["data"], "properties": {"data": data}}
     return {"text/event-stream": {"schema": event}}
+
+
+def json_lines(lines: Any, error: type) -> dict[str, Any]:
+    """A stream of JSON lines (Ollama's): each line one of `lines`, or an `error` object
+    (a failure after the status line was sent)."""
+    return {"application/x-ndjson": {"schema": inline(lines | error)}}

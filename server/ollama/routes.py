@@ -31,7 +31,7 @@ from server.http.errors import APIError
 from server.http.json_body import AnyTypeJSONRoute
 from server.http.loading import respond_with_model
 from server.http.model_response import model_response
-from server.http.openapi import error_responses
+from server.http.openapi import error_responses, json_lines
 from server.http.streaming import CLIENT_CLOSED, JSONLinesSource, to_the_end
 from server.metrics import read_stats
 from server.model_facts import capabilities, model_config, model_facts
@@ -82,7 +82,13 @@ router = APIRouter(prefix="/api", responses=error_responses(ErrorResponse),
                    route_class=AnyTypeJSONRoute)
 
 
-@router.post("/chat")
+def _streamed(chunk: type) -> dict[int | str, dict[str, Any]]:
+    """A 200 of a whole answer (the last chunk, done) or, unless `stream` is false,
+    the chunks as JSON lines."""
+    return {200: {"model": chunk, "content": json_lines(chunk, ErrorResponse)}}
+
+
+@router.post("/chat", responses=_streamed(ChatChunk))
 async def chat(body: ChatRequest, request: Request) -> Response:
     body = _untagged(request, body)
     if not body.messages:
@@ -90,7 +96,7 @@ async def chat(body: ChatRequest, request: Request) -> Response:
     return await _reply(request, body, chat_request(body), chat=True)
 
 
-@router.post("/generate")
+@router.post("/generate", responses=_streamed(GenerateChunk))
 async def generate(body: GenerateRequest, request: Request) -> Response:
     body = _untagged(request, body)
     if not body.prompt and not body.images:
