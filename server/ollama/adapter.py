@@ -98,6 +98,9 @@ def chat_request(body: ChatRequest) -> GenerationRequest:
         out, message_images = _template_message(message, number, calls)
         messages.append(out)
         images += message_images
+    if not messages:  # the engine has no prompt to answer: it was a 500
+        raise APIError(400, "messages are only thinking messages, each the thinking of the "
+                       "assistant message after it: send the conversation to answer")
     # Ollama's templates leave a final assistant message open: the reply continues it. An
     # empty one is left out, unless it is all there is to render.
     prefilled, chat_end = assistant_prefill(messages)

@@ -258,6 +258,9 @@ def test_a_stream_left_early_ends_its_generation(server: ServerProcess, model_id
     ("/api/generate", {"prompt": "x", "raw": True, "system": "s"}, 400, "a raw prompt"),
     ("/api/generate", {"prompt": "[img-0]", "raw": True, "images": [PNG]}, 400,
      "does not read images"),
+    # Each one's thinking goes with the assistant message after it: nothing is left.
+    ("/api/chat", {"messages": [{"role": "thinking", "content": "x"}]}, 400,
+     "only thinking"),
     ("/api/chat", {"model": "no-such-model", "messages": HI}, 404, "no-such-model"),
     ("/api/show", {"model": None}, 400, "model is required"),
 ])
