@@ -30,7 +30,7 @@ from engine.tokenizer import ModelTokenizer
 from radix.prefix import common_prefix_length
 from server.events import ChoiceResult
 from server.http.errors import APIError
-from server.model_registry import Lease, ServedModel
+from server.model_registry import ServedModel
 from server.prompts import chat_prompt
 from server.request import GenerationRequest, TemplateMessage, template_arguments, template_call
 from server.state import ServerState
@@ -121,13 +121,15 @@ class NextTurn:
         task.add_done_callback(tasks.discard)
 
     async def _prefill(self, reply: ChoiceResult, generated: list[int]) -> None:
-        # Waiting holds no lease: a model whose only work is a guess is idle, and
-        # unloading it cancels the guess.
+        # A guess holds no lease, waiting or computing: it is not a client's use, so a
+        # model whose only work is a guess is idle (an unload, its idle timeout or another
+        # model's need for room cancels the guess) and its last use is its last request's.
+        # With a lease, a guess ending after another model's request made this model look
+        # more recently used than that one, and the wrong one was unloaded to make room.
         await asyncio.sleep(DELAY_SECONDS)
-        if self.model.engine is None:
+        engine = self.model.engine
+        if engine is None:
             return
-        lease = Lease(self.model)
-        engine = lease.engine
         try:
             images = [image.file for image in self.prompt.images]
             prompt = await asyncio.to_thread(
@@ -156,5 +158,3 @@ class NextTurn:
                       len(generated))
         except (APIError, EngineError, ValueError) as error:
             log.debug("next turn not prefilled: %s", error)
-        finally:
-            lease.release()
