@@ -101,8 +101,8 @@ class ServedModel:
         # Being unloaded to make room once its requests finish: new ones wait meanwhile.
         self.evicting = False
         # How long its latest request asked it to stay loaded after it (Ollama's
-        # keep_alive, in seconds; inf: forever; 0: unload once its requests are done);
-        # None: its idle timeout. Each request sets it anew, as each sets Ollama's.
+        # keep_alive, LM Studio's ttl, in seconds; inf: forever; 0: unload once its
+        # requests are done); None: its idle timeout. Each request sets it anew (`keep`).
         self.keep_alive: float | None = None
         self.last_error: str | None = None
         self.counters = ModelCounters()
@@ -202,6 +202,12 @@ class ServedModel:
         if self.engine is not None and self.engine.state is Lifecycle.FAILED:
             return self.engine.error
         return self.last_error
+
+    def keep(self, seconds: float | None) -> None:
+        """The model stays loaded `seconds` after this request (inf: for good), where the
+        request says; else its idle timeout (`ModelRegistry.acquire` reset it)."""
+        if seconds is not None:
+            self.keep_alive = seconds
 
     def idle_timeout(self) -> float | None:
         """Seconds after its last request that it unloads; None: never."""

@@ -29,6 +29,9 @@ from pydantic_core import PydanticCustomError
 MAX_TOP_LOGPROBS = 20
 # A response format's name, as OpenAI checks it in both of its APIs.
 FormatName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+# LM Studio's `ttl`, which its OpenAI-compatible requests carry: how many seconds the
+# model (one of several) stays loaded, idle, after the request; none: its idle timeout.
+IdleTtl = Annotated[int, Field(ge=0)]
 # The tools one request may offer in OpenAI's APIs (OpenAI's 128). Refused as they are
 # validated: thousands took seconds of rendering and tokenizing, every other stream
 # stalled meanwhile, only to be refused as too long.

@@ -130,7 +130,7 @@ async def _reply(request: Request, body: GenerationFields, generation: Generatio
             # Ollama's answer: thinking asked of a model that cannot is an error, not
             # a reply that silently lacks it.
             raise APIError(400, f'"{body.model}" does not support thinking')
-        _keep(lease.model, body.keep_alive)
+        lease.model.keep(body.keep_alive)
         served = for_template(generation, lease.model.tokenizer().chat_template_text)
 
         async def shorter() -> GenerationRequest:
@@ -184,13 +184,6 @@ async def _load_or_unload(request: Request, body: GenerationFields, chat: bool) 
     return model_response(done, exclude_none=True)
 
 
-def _keep(model: ServedModel, keep_alive: float | None) -> None:
-    """The model stays loaded `keep_alive` seconds after this request (inf: for good),
-    where the request says; else its idle timeout (`ModelRegistry.acquire` reset it)."""
-    if keep_alive is not None:
-        model.keep_alive = keep_alive
-
-
 # -- embeddings ---------------------------------------------------------------------------
 
 
@@ -207,7 +200,7 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     embedded = await embed_texts(request, name, inputs, None, -1 if body.truncate else None)
     if embedded is None:
         return Response(status_code=CLIENT_CLOSED)
-    _keep(server_state(request).models.lookup(name), body.keep_alive)
+    server_state(request).models.lookup(name).keep(body.keep_alive)
     name, vectors, prompt_tokens, _ = embedded
     # Ollama cuts any model's vectors, trained for it or not, and ignores a size that is
     # not under the model's own (OpenAI's endpoint refuses both).
@@ -227,7 +220,7 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
     embedded = await embed_texts(request, name, [body.prompt], None, -1)
     if embedded is None:
         return Response(status_code=CLIENT_CLOSED)
-    _keep(server_state(request).models.lookup(name), body.keep_alive)
+    server_state(request).models.lookup(name).keep(body.keep_alive)
     return model_response(EmbeddingsResponse(embedding=embedded[1][0].tolist()))
 
 
@@ -235,7 +228,7 @@ async def _load(request: Request, name: str, keep_alive: float | None) -> str:
     """Load the model `name` names, if it is not, and answer with its name."""
     models = server_state(request).models
     async with models.use(name) as lease:
-        _keep(lease.model, keep_alive)
+        lease.model.keep(keep_alive)
         return models.name_for(lease.model, name)
 
 

@@ -28,6 +28,7 @@ from server.schema import (
     MAX_TOOLS,
     MAX_TOP_LOGPROBS,
     FormatName,
+    IdleTtl,
     Metadata,
     ObjectSchema,
     RefusalPart,
@@ -458,6 +459,7 @@ class StructuredOutputRequest(SamplingRequest):
     grammar: GrammarText = None
     regex: GrammarText = None
     ebnf: GrammarText = None
+    ttl: IdleTtl | None = None
     structural_tag: Annotated[Any, AfterValidator(_no_structural_tag)] = None
 
     @field_validator(*FOREIGN_OUTPUT_FIELDS)

@@ -96,6 +96,7 @@ async def chat_completion(body: ChatCompletionRequest, request: Request,
     state = server_state(request)
 
     async def respond(lease: Lease) -> Response:
+        lease.model.keep(body.ttl)
         generation = await start(request, state, lease, chat_request(body))
         model = state.models.name_for(lease.model, body.model)
         fmt = ChatFormat(f"chatcmpl-{generation.request_id}", model, body.logprobs,
@@ -121,6 +122,7 @@ async def completion(body: CompletionRequest, request: Request,
     state = server_state(request)
 
     async def respond(lease: Lease) -> Response:
+        lease.model.keep(body.ttl)
         generation = await start(request, state, lease, completion_request(body))
         model = state.models.name_for(lease.model, body.model)
         fmt = CompletionFormat(f"cmpl-{generation.request_id}", model,

@@ -19,7 +19,14 @@ from pydantic import (
 )
 
 from server.openai.protocol import PROMPT_SHAPES, ChatRequestMessage, TokenId, prompt_kind
-from server.schema import MAX_TOP_LOGPROBS, RequestModel, ResponseModel, now, shaped_union
+from server.schema import (
+    MAX_TOP_LOGPROBS,
+    IdleTtl,
+    RequestModel,
+    ResponseModel,
+    now,
+    shaped_union,
+)
 
 # Inputs one request may carry; more is a 400 rather than a queue of thousands.
 MAX_INPUTS = 2048
@@ -57,6 +64,7 @@ class EmbeddingRequest(RequestModel):
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
     truncate_prompt_tokens: TruncatePromptTokens | None = None
+    ttl: IdleTtl | None = None
 
 
 class Embedding(ResponseModel):

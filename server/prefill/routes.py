@@ -85,6 +85,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
                                  body.truncate_prompt_tokens)
     if embedded is None:
         return Response(status_code=CLIENT_CLOSED)
+    server_state(request).models.lookup(body.model).keep(body.ttl)
     model, vectors, prompt_tokens, cached = embedded
     data = [Embedding(index=i, embedding=encoded(vector, body.encoding_format))
             for i, vector in enumerate(vectors)]

@@ -809,3 +809,29 @@ def test_ollamas_keep_alive_sets_how_long_the_model_stays(demos: list[Path],
         wait_until(lambda: states(server)["d"] == "unloaded", "unloaded after 1.5 s", 30)
     finally:
         server.stop()
+
+
+def test_lm_studios_ttl_sets_how_long_the_model_stays(pair: ServerProcess) -> None:
+    """LM Studio's clients send `ttl` (seconds) with an OpenAI request, on its /api/v0
+    routes or /v1, for how long the model stays loaded idle after it, as Ollama's
+    keep_alive; /api/ps says so, and a request without one goes back to the model's idle
+    timeout. It was taken and ignored."""
+    def expires() -> float:
+        running = httpx.get(f"{pair.url}/api/ps", headers=AUTH, timeout=10).json()["models"]
+        [tiny] = [entry for entry in running if entry["name"] == "tiny"]
+        return datetime.fromisoformat(tiny["expires_at"]).timestamp()
+
+    def send(path: str, **body) -> httpx.Response:
+        return httpx.post(f"{pair.url}{path}", headers=AUTH, timeout=120,
+                          json={"model": "tiny", "max_tokens": 2, **body})
+
+    assert send("/api/v0/chat/completions", messages=HI, ttl=120).status_code == 200
+    assert time.time() + 110 < expires() < time.time() + 121
+    assert send("/v1/embeddings", input="Hi", ttl=300).status_code == 200
+    assert time.time() + 290 < expires() < time.time() + 301
+    assert send("/v1/chat/completions", messages=HI).status_code == 200  # its own: none
+    assert datetime.fromtimestamp(expires()).year == 9999
+    wrong = send("/v1/completions", prompt="Hi", ttl=-1)
+    assert wrong.status_code == 400 and "ttl" in wrong.json()["error"]["message"], wrong.text
+    assert send("/v1/completions", prompt="Hi", ttl=1).status_code == 200
+    wait_until(lambda: states(pair)["tiny"] == "unloaded", "unloaded a second after", 30)
