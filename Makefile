@@ -78,10 +78,10 @@ replicas: $(STAMP)
 	$(BIN)/radix-mlx replicas --workers $(N) $(if $(MODEL),--model $(MODEL)) --host $(HOST) --port $(PORT)
 
 # Two test files at a time (pytest-xdist; a file's tests stay on one worker, with its
-# module's servers). On two cores the suite is CPU-bound (1.8 cores busy): 745-809 s with
-# two workers, 769 with three. Much of it is process starts: ~200 servers, engine processes
-# and bench children, each importing transformers (1.7 s of CPU; transformers 5 reads the
-# `__all__` of its ~3,300 model files at import).
+# module's servers). On two cores the suite is CPU-bound (1.8 cores busy): 636-660 s with
+# two workers on a 2-core Xeon (1,120 s of CPU: 540 in 149 servers, 350 in the two
+# workers, 140 in 66 engine processes). A process start costs ~2.3 s of CPU, ~1 s of it
+# importing transformers (transformers 5 reads the `__all__` of ~1,700 model files).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(CPU_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
