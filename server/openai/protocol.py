@@ -459,7 +459,6 @@ class StructuredOutputRequest(SamplingRequest):
     grammar: GrammarText = None
     regex: GrammarText = None
     ebnf: GrammarText = None
-    ttl: IdleTtl | None = None
     structural_tag: Annotated[Any, AfterValidator(_no_structural_tag)] = None
 
     @field_validator(*FOREIGN_OUTPUT_FIELDS)
@@ -498,6 +497,7 @@ class ChatCompletionRequest(StructuredOutputRequest):
     tools: list[AnyTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    ttl: IdleTtl | None = None
     # OpenAI's deprecated function calling: refused by name, where ignoring it served the
     # request as if no function were offered.
     functions: list[Any] | None = None
@@ -620,6 +620,7 @@ class CompletionRequest(StructuredOutputRequest):
     # prompt alone, scored, as lm-evaluation-harness asks for it.
     max_tokens: int | None = Field(LEGACY_MAX_TOKENS, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
+    ttl: IdleTtl | None = None
     # The prompt comes back before the completion, with its tokens' logprobs if logprobs
     # is set (the first token's is null).
     echo: bool = Field(False, validate_default=True)
