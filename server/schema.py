@@ -31,7 +31,8 @@ MAX_TOP_LOGPROBS = 20
 FormatName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 # LM Studio's `ttl`, which its OpenAI-compatible requests carry: how many seconds the
 # model (one of several) stays loaded, idle, after the request; none: its idle timeout.
-IdleTtl = Annotated[int, Field(ge=0)]
+# Bounded (68 years) because an unbounded int overflowed /api/ps' float clock into a 500.
+IdleTtl = Annotated[int, Field(ge=0, le=2**31 - 1)]
 # The tools one request may offer in OpenAI's APIs (OpenAI's 128). Refused as they are
 # validated: thousands took seconds of rendering and tokenizing, every other stream
 # stalled meanwhile, only to be refused as too long.

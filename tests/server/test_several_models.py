@@ -831,7 +831,10 @@ def test_lm_studios_ttl_sets_how_long_the_model_stays(pair: ServerProcess) -> No
     assert time.time() + 290 < expires() < time.time() + 301
     assert send("/v1/chat/completions", messages=HI).status_code == 200  # its own: none
     assert datetime.fromtimestamp(expires()).year == 9999
-    wrong = send("/v1/completions", prompt="Hi", ttl=-1)
-    assert wrong.status_code == 400 and "ttl" in wrong.json()["error"]["message"], wrong.text
+    for wrong in (send("/v1/completions", prompt="Hi", ttl=-1),
+                  send("/v1/embeddings", input="Hi", ttl=10**400)):
+        assert wrong.status_code == 400 and "ttl" in wrong.json()["error"]["message"], \
+            wrong.text
+    assert httpx.get(f"{pair.url}/api/ps", headers=AUTH, timeout=10).status_code == 200
     assert send("/v1/completions", prompt="Hi", ttl=1).status_code == 200
     wait_until(lambda: states(pair)["tiny"] == "unloaded", "unloaded a second after", 30)
