@@ -10,7 +10,8 @@ already). `truncate` true cuts an input over the context window to its first tok
 (TEI's truncation_direction right; left is a 400); false or unsaid, the server's
 --truncate-embedding-inputs decides (TEI's --auto-truncate, its default for an unsaid
 one), and a server that does not cut refuses it (a 400). `prompt_name`, a
-sentence-transformers prompt prepended, is a 400: put the prompt in the inputs.
+sentence-transformers prompt prepended, is a 400: put the prompt in the inputs. Errors
+are TEI's `{"error", "error_type"}` (server/http/errors.py).
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ from server.http.errors import APIError
 from server.http.json_body import JSONRoute
 from server.http.openapi import error_responses
 from server.http.streaming import CLIENT_CLOSED
-from server.openai.protocol import ErrorResponse
-from server.prefill.protocol import EmbeddingInput
+from server.prefill.protocol import EmbeddingInput, TeiErrorResponse
 from server.prefill.routes import EmbedFields, embed_texts, normalised, request_inputs
 from server.schema import RequestModel
 
-router = APIRouter(responses=error_responses(ErrorResponse), route_class=JSONRoute)
+router = APIRouter(responses=error_responses(TeiErrorResponse), route_class=JSONRoute)
 
 # TEI's names, in its 400s; its truncate is a bool, with no value for a number of tokens.
 FIELDS = EmbedFields(input="inputs", truncate="truncate", whole_window=None)
@@ -47,6 +47,9 @@ class TeiEmbedRequest(RequestModel):
     dimensions: Annotated[int, Field(ge=1)] | None = None
 
 
+# TEI also answers its base URL with its model's task: huggingface_hub's InferenceClient,
+# given the server's URL as its model, posts feature_extraction there.
+@router.post("/", response_model=list[list[float]], include_in_schema=False)
 @router.post("/embed", response_model=list[list[float]])
 async def embed(body: TeiEmbedRequest, request: Request) -> Response:
     if body.prompt_name is not None:

@@ -19,8 +19,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from server.http.body_limit import CLOSE
 from server.http.errors import APIError
 
-# "/" says only that a server is there; clients probe it before they authenticate.
+# "/" says only that a server is there; clients probe it before they authenticate. Only
+# probes are open: a POST to "/" is TEI's embed (server/tei_embed.py), an API call.
 OPEN_PATHS = frozenset({"/", "/health"})
+PROBE_METHODS = frozenset({"GET", "HEAD"})
 
 
 class APIKeyMiddleware:
@@ -29,8 +31,9 @@ class APIKeyMiddleware:
         self._key = key.get_secret_value().encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope["path"] not in OPEN_PATHS
-                and scope["method"] != "OPTIONS" and not self._authorized(scope)):
+        if (scope["type"] == "http" and scope["method"] != "OPTIONS"
+                and not (scope["path"] in OPEN_PATHS and scope["method"] in PROBE_METHODS)
+                and not self._authorized(scope)):
             await APIError(
                 401, "missing or invalid API key (send 'Authorization: Bearer <key>' or "
                 "'x-api-key: <key>')",

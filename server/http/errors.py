@@ -3,7 +3,7 @@
 Every error leaves in the shape of the API the request speaks: Anthropic's
 `{"type": "error", "error": {"type", "message"}, "request_id"}` under /v1/messages and
 to Anthropic's SDKs on shared paths, LM Studio's v1 `{"error": {"type", "message", "code",
-"param"}}` under /api/v1, Ollama's `{"error": "..."}` under the rest of /api but for LM
+"param"}}` under /api/v1, Hugging Face TEI's `{"error", "error_type"}` at /embed and /, Ollama's `{"error": "..."}` under the rest of /api but for LM
 Studio's v0 (/api/v0), which speaks OpenAI's, and OpenAI's
 `{"error": {"message", "type", "param", "code"}}` everywhere else. That covers our own
 `APIError`s, FastAPI's validation errors (400 instead of FastAPI's 422, as OpenAI does),
@@ -31,6 +31,7 @@ from server.lmstudio.protocol import V1Error as LMStudioError
 from server.lmstudio.protocol import V1ErrorResponse as LMStudioErrorResponse
 from server.ollama.protocol import ErrorResponse as OllamaErrorResponse
 from server.openai.protocol import ErrorInfo, ErrorResponse
+from server.prefill.protocol import TeiErrorResponse
 
 ANTHROPIC_PATH = "/v1/messages"
 OLLAMA_PATH = "/api/"
@@ -38,6 +39,9 @@ OLLAMA_PATH = "/api/"
 # v1's its own.
 LMSTUDIO_V1_PATH = "/api/v1/"
 LMSTUDIO_PATHS = ("/api/v0/", LMSTUDIO_V1_PATH)
+# Hugging Face TEI's /embed, which no other API shares, and its base URL, which it
+# answers as /embed (GET there is the probe, which does not fail).
+TEI_EMBED_PATHS = ("/embed", "/")
 
 # The keys the request's tagged unions choose their member by.
 TAG_KEYS = {"type", "role"}
@@ -101,6 +105,12 @@ class APIError(Exception):
         return LMStudioErrorResponse(error=LMStudioError(
             type=kind, message=self.message, code=self.code, param=self.param))
 
+    def tei_body(self) -> TeiErrorResponse:
+        """TEI's error, its kind by the status (TEI names no field: the message does)."""
+        kinds = {429: "Overloaded", 503: "Unhealthy"}
+        kind = kinds.get(self.status, "Backend" if self.status >= 500 else "Validation")
+        return TeiErrorResponse(error=self.message, error_type=kind)
+
     def response(self, scope: Scope) -> JSONResponse:
         """The error in the shape of the API the request speaks; Anthropic's names the
         request in its body as well as in its header."""
@@ -108,6 +118,8 @@ class APIError(Exception):
             body = self.anthropic_body(request_id_of(scope))
         elif scope["path"].startswith(LMSTUDIO_V1_PATH):
             body = self.lmstudio_body()
+        elif scope["path"] in TEI_EMBED_PATHS:
+            body = self.tei_body()
         elif scope["path"].startswith(OLLAMA_PATH) and not scope["path"].startswith(
                 LMSTUDIO_PATHS):
             body = OllamaErrorResponse(error=self.message)

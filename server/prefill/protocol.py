@@ -178,6 +178,13 @@ class TeiRerankResponse(RootModel[list[TeiRank]]):
     """TEI's answer: the ranks alone, by score."""
 
 
+class TeiErrorResponse(ResponseModel):
+    """TEI's error object: the message and its kind, which TEI's clients
+    (huggingface_hub's InferenceClient) read where OpenAI's clients read error.message."""
+    error: str
+    error_type: Literal["Validation", "Overloaded", "Unhealthy", "Backend"]
+
+
 # vLLM's score inputs, a text or a list of texts (its multimodal content is not served).
 ScoreTexts = shaped_union(
     lambda value: "text" if isinstance(value, str) else "texts" if isinstance(value, list)

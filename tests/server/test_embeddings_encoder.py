@@ -331,6 +331,24 @@ def test_teis_embed_endpoint(encoder_server: ServerProcess) -> None:
     assert np.allclose(truncated.json(), [cut[0]["embedding"]], atol=1e-6)
 
 
+def test_hugging_faces_inference_client_embeds_through_teis_endpoint(
+        encoder_server: ServerProcess) -> None:
+    """huggingface_hub's InferenceClient pointed at the server (LangChain's and
+    LlamaIndex's TEI embedders use it): the vectors, and an error's message as it words it."""
+    from huggingface_hub import InferenceClient
+    from huggingface_hub.errors import HfHubHTTPError
+
+    client = InferenceClient(model=encoder_server.url, timeout=60)
+    vectors = client.feature_extraction(TEXTS[0])
+    expected = embed(encoder_server, input=[TEXTS[0]]).json()["data"][0]["embedding"]
+    assert np.allclose(vectors, [expected], atol=1e-6)
+    with pytest.raises(HfHubHTTPError) as refused:
+        client.feature_extraction(LONG, truncate=False)
+    assert refused.value.response.status_code == 400
+    assert refused.value.server_message == (
+        "inputs[0] has 392 tokens; this model's maximum context length is 256")
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"inputs": ["a", LONG], "truncate": False}, "inputs[1]"),
     ({"inputs": ["a", LONG], "truncate": True, "truncation_direction": "left"},
@@ -341,10 +359,12 @@ def test_teis_embed_endpoint(encoder_server: ServerProcess) -> None:
 ])
 def test_what_teis_embed_does_not_serve_is_a_400_naming_it(
         encoder_server: ServerProcess, body: dict, param: str) -> None:
+    """In TEI's error shape, which has no field for the param: the message names it."""
     response = httpx.post(f"{encoder_server.url}/embed", json=body, timeout=60)
     assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == param and param.split("[")[0] in error["message"], error
+    error = response.json()
+    assert set(error) == {"error", "error_type"} and error["error_type"] == "Validation"
+    assert param in error["error"], error
 
 
 def cohere_embed(server: ServerProcess, version: int, **body) -> httpx.Response:

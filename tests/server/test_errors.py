@@ -344,6 +344,9 @@ def test_only_root_and_health_are_open_without_the_key(server: ServerProcess) ->
     assert httpx.head(f"{server.url}/", timeout=10).status_code == 200
     assert httpx.head(f"{server.url}/health", timeout=10).status_code == 200
     assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 401
+    # A POST to the base URL is TEI's embed, an API call like any other.
+    refused = httpx.post(f"{server.url}/", json={"inputs": "hello"}, timeout=10)
+    assert refused.status_code == 401 and refused.json()["error_type"] == "Validation"
     keyed = {"Authorization": f"Bearer {API_KEY}"}
     assert httpx.get(f"{server.url}/metrics", headers=keyed, timeout=10).status_code == 200
 
