@@ -412,7 +412,9 @@ def _max_tokens(request: GenerationRequest, settings: Settings, room: int) -> tu
         if request.max_tokens is not None:  # 0 too: an echo that only scores the prompt
             return request.max_tokens, False
         return max(1, min(settings.default_max_tokens, room)), False
-    limits = [limit for limit in (request.max_tokens, settings.max_output_tokens) if limit]
+    # 0 too: llama.cpp's n_predict 0 computes (and caches) the prompt and writes nothing.
+    limits = [limit for limit in (request.max_tokens, settings.max_output_tokens)
+              if limit is not None]
     if limits and min(limits) <= room:
         return min(limits), False
     return max(1, room), True

@@ -65,6 +65,20 @@ def test_llama_cpps_own_readings_of_its_fields(server: ServerProcess, headers: d
     assert to_the_end.status_code == 200 and to_the_end.json()["stop_type"] == "word"
 
 
+@pytest.mark.parametrize("limit", [{"n_predict": 0}, {"max_tokens": 0}])
+def test_n_predict_0_caches_the_prompt_and_writes_nothing(
+        server: ServerProcess, headers: dict, limit: dict) -> None:
+    """llama.cpp's documented reading: the prompt is evaluated into the cache and no token
+    is generated (0 used to be dropped as unset, so the text ran to the context's end)."""
+    prompt = f"{PROMPT} (warmed with {limit})"
+    warmed = post(server, headers, "/completion", {"prompt": prompt, **limit}).json()
+    assert (warmed["content"], warmed["tokens_predicted"]) == ("", 0)
+    assert warmed["stop_type"] == "limit"
+    # No earlier request had this prompt whole: its tokens are in the cache from this one.
+    again = post(server, headers, "/completion", {"prompt": prompt, "n_predict": 1}).json()
+    assert again["tokens_cached"] == warmed["tokens_evaluated"] - 1
+
+
 def test_llama_cpps_grammar_fields_bind_the_text(server: ServerProcess, headers: dict) -> None:
     choice = post(server, headers, "/completion", {
         "prompt": PROMPT, "temperature": 0, "n_predict": 16,
