@@ -49,7 +49,7 @@ class TeiEmbedRequest(RequestModel):
 
 # TEI also answers its base URL with its model's task: huggingface_hub's InferenceClient,
 # given the server's URL as its model, posts feature_extraction there.
-@router.post("/", response_model=list[list[float]], include_in_schema=False)
+@router.post("/", response_model=list[list[float]])
 @router.post("/embed", response_model=list[list[float]])
 async def embed(body: TeiEmbedRequest, request: Request) -> Response:
     if body.prompt_name is not None:
