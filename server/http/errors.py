@@ -3,8 +3,9 @@
 Every error leaves in the shape of the API the request speaks: Anthropic's
 `{"type": "error", "error": {"type", "message"}, "request_id"}` under /v1/messages and
 to Anthropic's SDKs on shared paths, LM Studio's v1 `{"error": {"type", "message", "code",
-"param"}}` under /api/v1, Hugging Face TEI's `{"error", "error_type"}` at /embed and /, Ollama's `{"error": "..."}` under the rest of /api but for LM
-Studio's v0 (/api/v0), which speaks OpenAI's, and OpenAI's
+"param"}}` under /api/v1, Hugging Face TEI's `{"error", "error_type"}` at /embed and /,
+Ollama's `{"error": "..."}` under the rest of /api but for LM Studio's v0 (/api/v0),
+which speaks OpenAI's, and OpenAI's
 `{"error": {"message", "type", "param", "code"}}` everywhere else. That covers our own
 `APIError`s, FastAPI's validation errors (400 instead of FastAPI's 422, as OpenAI does),
 Starlette's routing errors (404/405) and, through the request middleware, unexpected
