@@ -109,9 +109,9 @@ def round_view(results: dict, index: int) -> dict:
     baselines of that round (what a round did not measure is left out)."""
     view = dict(results)
     view["servers"] = {
-        name: {**entry, "workloads": {workload: rounds[index]
-                                      for workload, rounds in entry.get("rounds", {}).items()
-                                      if index < len(rounds)}}
+        name: {**entry, "rounds": {}, "workloads": {
+            workload: rounds[index] for workload, rounds in entry.get("rounds", {}).items()
+            if index < len(rounds)}}
         for name, entry in results["servers"].items()}
     view["raw_batch"] = {name: measured["rounds"][index]
                          for name, measured in results.get("raw_batch", {}).items()
@@ -142,6 +142,20 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+def comparable(results: dict, workload: str, peer: str) -> bool:
+    """Whether OURS and `peer` both ran `workload` with every request answered, in every
+    round. A failed request shortens a server's run (a peer whose generation thread died
+    answers the rest at once), so rates drawn from it would compare different work."""
+    def clean(name: str) -> bool:
+        entry = results["servers"].get(name, {})
+        if workload not in entry.get("workloads", {}):
+            return False
+        rounds = entry.get("rounds", {}).get(workload) or [entry["workloads"][workload]]
+        return not any(summary.get("errors") for summary in rounds)
+
+    return clean(OURS) and clean(peer)
+
+
 def targets(results: dict) -> list[dict]:
     """The issue's targets, evaluated on this run (reported, never asserted): on the
     medians over rounds, with each round's own value beside it when there were several."""
@@ -162,7 +176,7 @@ def target_values(results: dict) -> list[tuple]:
     theirs = results["servers"].get(THEIRS, {}).get("workloads", {})
 
     def both(workload: str, key: str) -> float | None:
-        if workload not in ours or workload not in theirs:
+        if not comparable(results, workload, THEIRS):
             return None
         return ratio(ours[workload].get(key), theirs[workload].get(key))
 
@@ -324,13 +338,13 @@ def tensor_parallel_rows(results: dict) -> list[dict]:
 
 
 def ratio_table(results: dict, peer: str = THEIRS) -> dict:
-    """OURS / `peer` for every workload both ran."""
+    """OURS / `peer` for every workload both ran without a failed request."""
     ours = results["servers"].get(OURS, {}).get("workloads", {})
     theirs = results["servers"].get(peer, {}).get("workloads", {})
     return {
         workload: {key: ratio(ours[workload].get(key), theirs[workload].get(key))
                    for key in RATIO_KEYS}
-        for workload in ours if workload in theirs
+        for workload in ours if comparable(results, workload, peer)
     }
 
 

@@ -16,7 +16,7 @@ from bench import prefill_endpoints, several_models, speculation
 from bench.__main__ import BenchModel, all_workloads, main, parse_args, server_env, server_specs
 from bench.client import Connection, StreamError
 from bench.medians import main as medians
-from bench.report import kv_quant_section, median_summary, replica_rows, targets, write
+from bench.report import kv_quant_section, median_summary, ratio_table, replica_rows, targets, write
 from bench.servers import RADIX, replicas, tensor_parallel
 from bench.workloads import QUICK, build_all, optimal_cached_tokens
 
@@ -218,6 +218,29 @@ def test_targets_are_medians_over_rounds_with_each_rounds_value() -> None:
     classify = by_name["classify sentences/s vs bare mlx_lm.batch_generate(max_tokens=1)"]
     assert classify["value"] == pytest.approx(1.5)  # 3.0 sentences/s against 2.0
     assert classify["rounds"] == pytest.approx([3.0, 0.5, 1.8])
+
+
+def test_a_workload_with_a_failed_request_gets_no_ratio_and_no_verdict() -> None:
+    """A peer whose generation thread died answers its other requests at once: its rate
+    then counts less work than ours, and a ratio against it would flatter us."""
+    def ran(output_tok_s: float, errors: int = 0) -> dict:
+        return {"requests": 8 - errors, "errors": errors, "output_tok_s": output_tok_s,
+                "ttft_p50": 1.0}
+
+    ours = {"shared_prefix": [ran(30.0), ran(30.0)], "multi_turn": [ran(30.0), ran(30.0)]}
+    theirs = {"shared_prefix": [ran(5.0, errors=8), ran(10.0)],
+              "multi_turn": [ran(10.0), ran(10.0)]}
+    results = {"rounds": 2, "servers": {"radix-mlx": {"rounds": ours},
+                                        "mlx-lm": {"rounds": theirs}}}
+    for entry in results["servers"].values():
+        entry["workloads"] = {w: median_summary(r) for w, r in entry["rounds"].items()}
+    assert set(ratio_table(results)) == {"multi_turn"}
+    by_name = {t["target"]: t for t in targets(results)}
+    shared = by_name["shared-prefix output tok/s vs mlx-lm"]
+    assert shared["value"] is None and shared["met"] is None
+    # Round by round, the clean round still has its ratio.
+    assert shared["rounds"] == [None, pytest.approx(3.0)]
+    assert by_name["multi-turn TTFT p50 vs mlx-lm"]["met"] is not None
 
 
 def test_kv_quant_is_reported_with_its_targets() -> None:
