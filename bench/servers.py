@@ -1,20 +1,22 @@
 """Starting, watching and stopping the servers under test.
 
 Each server runs in its own process group on a free 127.0.0.1 port, so stopping it takes
-every child with it; `running` guarantees the stop on every exit path. While it runs, a
-thread samples the RSS of its whole process tree every 100 ms.
+every child with it; `running` guarantees the stop on every exit path, and on Linux the
+kernel SIGTERMs the server if the benchmark is killed outright. While it runs, a thread
+samples the RSS of its whole process tree every 100 ms.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from server.launch.replicas import free_port, router_ready
 
 SAMPLE_SECONDS = 0.1
 STOP_SECONDS = 30.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,8 @@ def running(spec: ServerSpec, model: Path | None, env: dict[str, str], log_path:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True, cwd=cwd)
+                                   start_new_session=True, cwd=cwd,
+                                   preexec_fn=terminated_with_parent())  # noqa: PLW1509
     sampler = MemorySampler(process.pid)
     sampler.start()
     try:
@@ -229,6 +233,20 @@ def running(spec: ServerSpec, model: Path | None, env: dict[str, str], log_path:
     finally:
         sampler.stop()
         stop(process)
+
+
+def terminated_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` asking Linux to SIGTERM the child when this process dies. A server
+    runs in its own session, so when a `timeout` or the end of a GPU lease SIGKILLs the
+    benchmark, no `finally` stops it: an llama-server left so held 7 GB of an H100 and the
+    next run's mlx-lm 8B server ran out of memory. None elsewhere (macOS has no such call).
+    prctl is looked up here, before the fork, so the child takes no lock another thread
+    could hold: it only calls into libc (hence the lint's fork-with-threads warning is
+    waived where this is passed)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def stop(process: subprocess.Popen) -> None:

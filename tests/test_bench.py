@@ -6,11 +6,14 @@ tools and GGUF export test_bench_baselines.py."""
 
 import asyncio
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("psutil")
+psutil = pytest.importorskip("psutil")
 
 from bench import prefill_endpoints, several_models, speculation
 from bench.__main__ import BenchModel, all_workloads, main, parse_args, server_env, server_specs
@@ -340,6 +343,36 @@ def test_llama_cpp_runs_only_on_a_gguf_with_a_binary(demo_model_dir: Path) -> No
     assert "--llama-server" in skipped["llama-cpp"]
     with pytest.raises(SystemExit):
         parse_args(["--servers", "radix-mlx,llama.cpp"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_a_server_is_terminated_when_its_benchmark_is_killed_outright() -> None:
+    """A server runs in a session of its own; when the benchmark gets SIGKILL (a timeout,
+    a lease's end) and no `finally` runs, the kernel still stops the server."""
+    script = ("import subprocess, sys\n"
+              "from bench.servers import terminated_with_parent\n"
+              "server = subprocess.Popen(['sleep', '600'], start_new_session=True,\n"
+              "                          preexec_fn=terminated_with_parent())\n"
+              "print(server.pid, flush=True)\n"
+              "sys.stdin.read()\n")
+    bench = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[1])
+    server = psutil.Process(int(bench.stdout.readline()))
+    assert server.is_running() and server.status() != psutil.STATUS_ZOMBIE
+    bench.kill()
+    bench.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if server.status() == psutil.STATUS_ZOMBIE:  # dead, not yet reaped by init
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    else:
+        server.kill()
+        pytest.fail("the server outlived its benchmark")
 
 
 def test_llama_cpp_gets_its_own_ratio_table(tmp_path: Path) -> None:
