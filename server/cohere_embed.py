@@ -31,11 +31,11 @@ from server.http.json_body import JSONRoute
 from server.http.model_response import model_response
 from server.http.openapi import error_responses
 from server.http.streaming import CLIENT_CLOSED
-from server.openai.protocol import ErrorResponse
+from server.prefill.protocol import CohereErrorResponse
 from server.prefill.routes import EmbedFields, embed_texts, encoded, request_inputs
 from server.schema import RequestModel, ResponseModel
 
-router = APIRouter(responses=error_responses(ErrorResponse), route_class=JSONRoute)
+router = APIRouter(responses=error_responses(CohereErrorResponse), route_class=JSONRoute)
 
 InputType = Literal["search_document", "search_query", "classification", "clustering", "image"]
 EmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]

@@ -4,8 +4,8 @@ Every error leaves in the shape of the API the request speaks: Anthropic's
 `{"type": "error", "error": {"type", "message"}, "request_id"}` under /v1/messages and
 to Anthropic's SDKs on shared paths, LM Studio's v1 `{"error": {"type", "message", "code",
 "param"}}` under /api/v1, Hugging Face TEI's `{"error", "error_type"}` at /embed and /,
-Ollama's `{"error": "..."}` under the rest of /api but for LM Studio's v0 (/api/v0),
-which speaks OpenAI's, and OpenAI's
+Cohere's `{"id", "message"}` at /v1/embed and /v2/embed, Ollama's `{"error": "..."}` under
+the rest of /api but for LM Studio's v0 (/api/v0), which speaks OpenAI's, and OpenAI's
 `{"error": {"message", "type", "param", "code"}}` everywhere else. That covers our own
 `APIError`s, FastAPI's validation errors (400 instead of FastAPI's 422, as OpenAI does),
 Starlette's routing errors (404/405) and, through the request middleware, unexpected
@@ -32,7 +32,7 @@ from server.lmstudio.protocol import V1Error as LMStudioError
 from server.lmstudio.protocol import V1ErrorResponse as LMStudioErrorResponse
 from server.ollama.protocol import ErrorResponse as OllamaErrorResponse
 from server.openai.protocol import ErrorInfo, ErrorResponse
-from server.prefill.protocol import TeiErrorResponse
+from server.prefill.protocol import CohereErrorResponse, TeiErrorResponse
 
 ANTHROPIC_PATH = "/v1/messages"
 OLLAMA_PATH = "/api/"
@@ -43,6 +43,9 @@ LMSTUDIO_PATHS = ("/api/v0/", LMSTUDIO_V1_PATH)
 # Hugging Face TEI's /embed, which no other API shares, and its base URL, which it
 # answers as /embed (GET there is the probe, which does not fail).
 TEI_EMBED_PATHS = ("/embed", "/")
+# Cohere's embed API; its /v1/rerank and /v2/rerank are shared with llama.cpp's, vLLM's and
+# Jina's clients, which read OpenAI's error object.
+COHERE_EMBED_PATHS = ("/v1/embed", "/v2/embed")
 
 # The keys the request's tagged unions choose their member by.
 TAG_KEYS = {"type", "role"}
@@ -112,6 +115,9 @@ class APIError(Exception):
         kind = kinds.get(self.status, "Backend" if self.status >= 500 else "Validation")
         return TeiErrorResponse(error=self.message, error_type=kind)
 
+    def cohere_body(self, request_id: str | None = None) -> CohereErrorResponse:
+        return CohereErrorResponse(id=request_id, message=self.message)
+
     def response(self, scope: Scope) -> JSONResponse:
         """The error in the shape of the API the request speaks; Anthropic's names the
         request in its body as well as in its header."""
@@ -121,6 +127,8 @@ class APIError(Exception):
             body = self.lmstudio_body()
         elif scope["path"] in TEI_EMBED_PATHS:
             body = self.tei_body()
+        elif scope["path"] in COHERE_EMBED_PATHS:
+            body = self.cohere_body(request_id_of(scope))
         elif scope["path"].startswith(OLLAMA_PATH) and not scope["path"].startswith(
                 LMSTUDIO_PATHS):
             body = OllamaErrorResponse(error=self.message)

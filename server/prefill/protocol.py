@@ -178,6 +178,13 @@ class TeiRerankResponse(RootModel[list[TeiRank]]):
     """TEI's answer: the ranks alone, by score."""
 
 
+class CohereErrorResponse(ResponseModel):
+    """Cohere's error object: the request's id and the message, which Cohere's SDKs hand
+    their caller as the error's body."""
+    id: str | None = None
+    message: str
+
+
 class TeiErrorResponse(ResponseModel):
     """TEI's error object: the message and its kind, which TEI's clients
     (huggingface_hub's InferenceClient) read where OpenAI's clients read error.message."""

@@ -15,7 +15,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from server.http.errors import LMSTUDIO_PATHS
+from server.http.errors import COHERE_EMBED_PATHS, LMSTUDIO_PATHS
 from tests.reliability.support import AUTH, app_schema, launch, stop
 from tests.server.support import ServerProcess
 
@@ -42,11 +42,15 @@ def map_body(context: schemathesis.HookContext, body: Any) -> Any:
 def api_error_object(ctx: schemathesis.CheckContext, response: schemathesis.Response,
                      case: schemathesis.Case) -> None:
     """Any /v1 status other than 200 carries OpenAI's {"error": {"message", "type", ...}},
-    as LM Studio's /api/v0 does, any other /api one Ollama's {"error": "..."}."""
+    as LM Studio's /api/v0 does, any other /api one Ollama's {"error": "..."}, Cohere's
+    embed its {"id", "message"}."""
     if response.status_code == 200:
         return
     if case.path.startswith("/api/") and not case.path.startswith(LMSTUDIO_PATHS):
         assert list(response.json()) == ["error"] and response.json()["error"]
+    elif case.path in COHERE_EMBED_PATHS:
+        error = response.json()
+        assert set(error) == {"id", "message"} and error["message"]
     elif case.path.startswith(("/v1", *LMSTUDIO_PATHS)):
         error = response.json()["error"]
         assert isinstance(error["message"], str) and error["message"]

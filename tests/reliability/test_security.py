@@ -25,6 +25,7 @@ from engine.api import Lifecycle
 from engine.engine import Engine
 from server.app import create_app
 from server.config import Settings
+from server.http.errors import COHERE_EMBED_PATHS
 from server.launch.serve import OPEN_FILES, engine_config
 from server.model_registry import ModelRegistry
 from tests.reliability.support import (
@@ -115,7 +116,12 @@ def test_every_v1_operation_refuses_a_missing_or_wrong_key(
 
 
 def error_kind(path: str, response: httpx.Response) -> str:
-    """OpenAI's error code, or Anthropic's error type under /v1/messages."""
+    """OpenAI's error code, Anthropic's error type under /v1/messages; Cohere's error has
+    only its message, which says what was refused in the words OpenAI's code stands for."""
+    if path in COHERE_EMBED_PATHS:
+        message = response.json()["message"]
+        words = {"invalid API key": "invalid_api_key", "does not exist": "model_not_found"}
+        return next((kind for said, kind in words.items() if said in message), message)
     error = response.json()["error"]
     return error["type"] if path.startswith("/v1/messages") else error["code"]
 

@@ -450,12 +450,32 @@ def test_cohere_truncate_cuts_the_end_unless_told_none(encoder_server: ServerPro
 ])
 def test_what_cohere_embed_does_not_serve_is_a_400_naming_it(
         encoder_server: ServerProcess, body: dict, param: str) -> None:
-    """Each 400 names the field as Cohere's request spells it."""
+    """Each 400 is Cohere's error object, its message naming the field as Cohere's
+    request spells it."""
     response = cohere_embed(encoder_server, 2, **{"input_type": "search_document", **body})
     assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == param and param.split("[")[0] in error["message"]
+    error = response.json()
+    assert error == {"id": "cohere-2", "message": error["message"]}
+    assert param in error["message"]
     assert "-1" not in error["message"]  # no way to ask for the whole window
+
+
+def test_cohere_sdk_embeds_and_reads_the_errors_body(encoder_server: ServerProcess) -> None:
+    """Cohere's own client, pointed at the server: its embed gets /v1/embeddings' vectors,
+    and a request the server refuses raises the SDK's BadRequestError carrying Cohere's
+    error object."""
+    cohere = pytest.importorskip("cohere")
+    openai_shaped = embed(encoder_server, input=TEXTS[:2]).json()
+    expected = [item["embedding"] for item in openai_shaped["data"]]
+    client = cohere.ClientV2(api_key="unused", base_url=encoder_server.url)
+    reply = client.embed(model="model", texts=TEXTS[:2], input_type="search_document",
+                         embedding_types=["float"])
+    assert np.allclose(reply.embeddings.float_, expected, atol=1e-6)
+    with pytest.raises(cohere.errors.BadRequestError) as refused:
+        client.embed(model="model", texts=TEXTS[:1], input_type="search_document",
+                     embedding_types=["int8"])
+    assert set(refused.value.body) == {"id", "message"}
+    assert "embedding_types" in refused.value.body["message"]
 
 
 def test_llama_cpps_embedding_errors_name_its_content(encoder_server: ServerProcess) -> None:

@@ -347,6 +347,9 @@ def test_only_root_and_health_are_open_without_the_key(server: ServerProcess) ->
     # A POST to the base URL is TEI's embed, an API call like any other.
     refused = httpx.post(f"{server.url}/", json={"inputs": "hello"}, timeout=10)
     assert refused.status_code == 401 and refused.json()["error_type"] == "Validation"
+    # Cohere's embed refuses in Cohere's shape, which its SDK hands its caller.
+    refused = httpx.post(f"{server.url}/v2/embed", json={"texts": ["hello"]}, timeout=10)
+    assert refused.status_code == 401 and "API key" in refused.json()["message"]
     keyed = {"Authorization": f"Bearer {API_KEY}"}
     assert httpx.get(f"{server.url}/metrics", headers=keyed, timeout=10).status_code == 200
 
