@@ -21,6 +21,7 @@ from server.http.hosts import ANY_HOST, LocalHostMiddleware, loopback
 from server.http.middleware import RequestMiddleware
 from server.llama_cpp import router as llama_cpp_api
 from server.llama_cpp_embedding import router as llama_cpp_embedding
+from server.lmstudio.chat import router as lmstudio_chat
 from server.lmstudio.routes import router as lmstudio_api
 from server.lmstudio.v1 import router as lmstudio_v1
 from server.model_registry import ModelRegistry
@@ -68,6 +69,7 @@ def create_app(settings: Settings, models: ModelRegistry) -> FastAPI:
     app.include_router(messages_api)
     app.include_router(lmstudio_api)
     app.include_router(lmstudio_v1)
+    app.include_router(lmstudio_chat)
     app.include_router(ollama_api)
     app.include_router(tokenize_api)
     app.include_router(llama_cpp_api)

@@ -1,5 +1,5 @@
 """What the routes and middleware share: the models, settings, metrics, drain state and
-the response store."""
+the stores of conversations a follow-up continues."""
 
 from __future__ import annotations
 
@@ -24,12 +24,21 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     # Responses API responses stored for previous_response_id; closed by `serve`.
     responses: ResponseStore = field(init=False)
+    # LM Studio's /api/v1/chat conversations, for its previous_response_id: a store of
+    # their own (a file beside the Responses one), since a Responses API GET of one would
+    # find no Response in it.
+    chats: ResponseStore = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.models)
-        self.responses = open_store(
-            self.settings.response_store_path, self.settings.response_store_size
-        )
+        path, size = self.settings.response_store_path, self.settings.response_store_size
+        self.responses = open_store(path, size)
+        self.chats = open_store(None if path is None else
+                                path.with_name(f"{path.stem}-lmstudio-chats{path.suffix}"), size)
+
+    def close_stores(self) -> None:
+        self.responses.close()
+        self.chats.close()
 
 
 def server_state(request: Request) -> ServerState:

@@ -238,7 +238,7 @@ def _serve(settings: Settings, models: ModelRegistry, failed: Callable[[], bool]
         status = stop.code if isinstance(stop.code, int) else 1
     finally:
         models.shutdown()
-        app.state.server.responses.close()
+        app.state.server.close_stores()
     return status
 
 

@@ -3,14 +3,15 @@ requests and responses.
 
 v0's bodies are OpenAI's, with LM Studio's `max_tokens: -1` for "no limit"; its answers
 are OpenAI's objects with `stats`, `model_info` and `runtime` beside them, and its
-errors OpenAI's error object. v1's model management has shapes and errors of its own.
+errors OpenAI's error object. v1's chat and model management have shapes and errors of
+their own.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from server.openai.protocol import (
     ChatCompletionRequest,
@@ -177,3 +178,69 @@ class UnloadRequest(RequestModel):
 
 class Unloaded(ResponseModel):
     instance_id: str
+
+
+# -- v1 chat (POST /api/v1/chat) -------------------------------------------------------------
+
+
+class MessageInput(RequestModel):
+    type: Literal["message"]
+    content: str
+
+
+class ImageInput(RequestModel):
+    type: Literal["image"]
+    data_url: str
+
+
+InputItem = Annotated[MessageInput | ImageInput, Field(discriminator="type")]
+# "on": the model's own default effort; the levels as gpt-oss's templates read them.
+Reasoning = Literal["off", "low", "medium", "high", "on"]
+
+
+class V1ChatRequest(RequestModel):
+    """One user turn: `input` (text, or text and images in order), after the stored
+    conversation `previous_response_id` names. `integrations` (LM Studio's plugins and
+    MCP servers) run tools in LM Studio's process, which this server does not."""
+
+    model: str
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    system_prompt: str | None = None
+    integrations: list[Any] | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repeat_penalty: float | None = Field(None, gt=0)
+    max_output_tokens: int | None = Field(None, ge=1)
+    reasoning: Reasoning | None = None
+    context_length: int | None = Field(None, ge=1)
+    store: bool = True
+    previous_response_id: str | None = None
+
+    @property
+    def repetition_penalty(self) -> float | None:
+        """LM Studio's name for what the sampler calls a repetition penalty (1 is none)."""
+        return self.repeat_penalty
+
+
+class OutputText(ResponseModel):
+    type: Literal["message", "reasoning"]
+    content: str
+
+
+class ChatStats(ResponseModel):
+    input_tokens: int
+    total_output_tokens: int
+    reasoning_output_tokens: int
+    tokens_per_second: float
+    time_to_first_token_seconds: float
+
+
+class V1ChatResult(ResponseModel):
+    model_instance_id: str
+    output: list[OutputText]
+    stats: ChatStats
+    response_id: str | None = None  # none unless stored
+

@@ -115,17 +115,20 @@ def _extras(request: Request, name: str | None, results: list[ChoiceResult]
 
 
 def _stats(request: Request, result: ChoiceResult) -> Stats:
-    """The request's timings, as its job took them (what the access log reports): the
-    first token from the request's arrival, then the rest to the end, in seconds to the
-    millisecond, which the rate is of, as LM Studio's."""
     stats: RequestStats = request.state.stats
+    return Stats(**timings(request, stats.completion_tokens), stop_reason=_stop_reason(result))
+
+
+def timings(request: Request, completion_tokens: int) -> dict[str, float]:
+    """The request's timings so far, as its job took them (what the access log reports):
+    the first token from the request's arrival, then the rest to now, in seconds to the
+    millisecond, which the rate of `completion_tokens` is of, as LM Studio's."""
     end = time.perf_counter()
-    first = stats.first_token_at or end
+    first = request.state.stats.first_token_at or end
     generation = round(end - first, 3)
-    return Stats(
-        tokens_per_second=stats.completion_tokens / generation if generation else 0.0,
-        time_to_first_token=round(first - request.state.started_at, 3),
-        generation_time=generation, stop_reason=_stop_reason(result))
+    return {"tokens_per_second": completion_tokens / generation if generation else 0.0,
+            "time_to_first_token": round(first - request.state.started_at, 3),
+            "generation_time": generation}
 
 
 def _stop_reason(result: ChoiceResult) -> StopReason:

@@ -3,9 +3,9 @@ server's registry. GET /api/v1/models lists each configured model, loaded or not
 its loaded instance (one at most: a model here is loaded once); POST
 /api/v1/models/load loads one, as its first request would, and waits for it; POST
 /api/v1/models/unload unloads it, as Ollama's keep_alive 0 does (once its running
-requests are done; a pinned model, or a server's one, is a 409). Chat (/api/v1/chat) and
-downloads are not served. Errors are v1's `{"error": {"type", "message", "code",
-"param"}}`.
+requests are done; a pinned model, or a server's one, is a 409). Chat is
+`server.lmstudio.chat`'s; downloads are not served. Errors are v1's `{"error": {"type",
+"message", "code", "param"}}`.
 """
 
 from __future__ import annotations

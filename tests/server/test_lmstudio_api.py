@@ -217,6 +217,136 @@ def test_v1_errors_are_v1s(studio: ServerProcess, server: ServerProcess) -> None
     assert kept.status_code == 409 and kept.json()["error"]["type"] == "invalid_request"
 
 
+# The docs' example chat as v1's request: the system prompt and one turn of text.
+V1_RHYMES = {"model": "tiny", "system_prompt": "Always answer in rhymes.",
+             "input": "Introduce yourself.", "temperature": 0, "max_output_tokens": 8}
+
+
+def openais_reply(server: ServerProcess, messages: list[dict]) -> dict:
+    return post(server, "/v1/chat/completions", {
+        "model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 8}).json()
+
+
+def sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
+    """(event, data) of each named event of a stream."""
+    events, name = [], None
+    for line in response.text.splitlines():
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            events.append((name, json.loads(line.removeprefix("data: "))))
+    return events
+
+
+def test_v1_chat_is_the_models_reply_as_lm_studios_output_and_stats(
+        studio: ServerProcess) -> None:
+    """POST /api/v1/chat (lmstudio.ai/docs/developer/rest/chat): the same greedy reply as
+    /v1/chat/completions to the same conversation, as a message item, with its token
+    counts and timings, and the id it is stored under."""
+    messages = [{"role": "system", "content": V1_RHYMES["system_prompt"]},
+                {"role": "user", "content": V1_RHYMES["input"]}]
+    openai = openais_reply(studio, messages)
+    answer = post(studio, "/api/v1/chat", V1_RHYMES)
+    assert answer.status_code == 200, answer.text
+    result = answer.json()
+    assert set(result) == {"model_instance_id", "output", "stats", "response_id"}
+    assert result["model_instance_id"] == "tiny"
+    assert result["output"] == [{"type": "message",
+                                 "content": openai["choices"][0]["message"]["content"]}]
+    stats = result["stats"]
+    assert (stats["input_tokens"], stats["total_output_tokens"]) == (
+        openai["usage"]["prompt_tokens"], openai["usage"]["completion_tokens"])
+    assert stats["reasoning_output_tokens"] == 0
+    assert stats["time_to_first_token_seconds"] > 0 and stats["tokens_per_second"] > 0
+    assert result["response_id"].startswith("resp_")
+
+
+def test_v1_chat_continues_the_stored_chat_its_previous_response_id_names(
+        studio: ServerProcess) -> None:
+    """Stateful as LM Studio's: the next turn sends only itself, and is answered as the
+    whole conversation would be; store false keeps nothing; an unknown id is a 404."""
+    first = post(studio, "/api/v1/chat", V1_RHYMES).json()
+    follow_up = post(studio, "/api/v1/chat", {
+        "model": "tiny", "input": "Once more, shorter.", "temperature": 0,
+        "max_output_tokens": 8, "previous_response_id": first["response_id"]}).json()
+    openai = openais_reply(studio, [
+        {"role": "system", "content": V1_RHYMES["system_prompt"]},
+        {"role": "user", "content": V1_RHYMES["input"]},
+        {"role": "assistant", "content": first["output"][0]["content"]},
+        {"role": "user", "content": "Once more, shorter."}])
+    assert follow_up["output"][0]["content"] == openai["choices"][0]["message"]["content"]
+    assert follow_up["stats"]["input_tokens"] == openai["usage"]["prompt_tokens"]
+    assert follow_up["response_id"] not in (None, first["response_id"])
+    unstored = post(studio, "/api/v1/chat", {**V1_RHYMES, "store": False}).json()
+    assert "response_id" not in unstored
+    missing = post(studio, "/api/v1/chat", {**V1_RHYMES, "previous_response_id": "resp_x"})
+    assert missing.status_code == 404
+    assert missing.json()["error"]["param"] == "previous_response_id"
+
+
+def test_v1_chat_streams_lm_studios_events(studio: ServerProcess) -> None:
+    """stream: true is LM Studio's named events, chat.start first and chat.end last with
+    the whole result; the message's deltas make its content."""
+    whole = post(studio, "/api/v1/chat", {**V1_RHYMES, "store": False}).json()
+    streamed = post(studio, "/api/v1/chat", {**V1_RHYMES, "store": False, "stream": True})
+    assert streamed.status_code == 200
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(streamed)
+    assert all(name == data["type"] for name, data in events)
+    names = [name for name, _ in events]
+    deltas = names.count("message.delta")
+    assert deltas > 0 and names == [
+        "chat.start", "prompt_processing.start", "prompt_processing.end", "message.start",
+        *["message.delta"] * deltas, "message.end", "chat.end"]
+    assert events[0][1] == {"type": "chat.start", "model_instance_id": "tiny"}
+    result = events[-1][1]["result"]
+    assert result["output"] == whole["output"]
+    assert "".join(data["content"] for name, data in events if name == "message.delta") \
+        == whole["output"][0]["content"]
+    assert result["stats"]["total_output_tokens"] == whole["stats"]["total_output_tokens"]
+
+
+def test_v1_chat_gives_reasoning_its_own_item(thinking_server: ServerProcess) -> None:
+    """A thinking model's reasoning is a reasoning item (and its events), counted apart,
+    never inside the message; the stored turn keeps it, and the chat goes on from it."""
+    model = server_model(thinking_server)
+    body = {"model": model, "input": "Which city is the capital of France?",
+            "reasoning": "on", "temperature": 0, "max_output_tokens": 24}
+    result = post(thinking_server, "/api/v1/chat", body).json()
+    assert result["output"][0]["type"] == "reasoning" and result["output"][0]["content"]
+    assert all("<think>" not in item["content"] for item in result["output"])
+    assert 0 < result["stats"]["reasoning_output_tokens"] <= result["stats"][
+        "total_output_tokens"]
+    events = sse_events(post(thinking_server, "/api/v1/chat",
+                             {**body, "stream": True, "store": False}))
+    names = [name for name, _ in events]
+    assert names.index("reasoning.start") < names.index("reasoning.end")
+    assert "".join(data["content"] for name, data in events if name == "reasoning.delta") \
+        == result["output"][0]["content"]
+    follow_up = post(thinking_server, "/api/v1/chat", {
+        **body, "input": "And of Italy?", "previous_response_id": result["response_id"]})
+    assert follow_up.status_code == 200, follow_up.text
+    assert follow_up.json()["stats"]["input_tokens"] > result["stats"]["input_tokens"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"integrations": ["mcp/playwright"]}, "integrations"),
+    ({"reasoning": "high"}, "reasoning"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "image", "data_url": "https://example.com/a.png"}]},
+     "input[0].data_url"),
+    ({"input": [{"type": "video", "content": "a"}]}, "input"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_what_v1_chat_cannot_serve_is_a_400_in_v1s_shape(
+        studio: ServerProcess, body: dict, param: str) -> None:
+    response = post(studio, "/api/v1/chat", {**V1_RHYMES, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request" and error["message"]
+    assert error["param"].startswith(param), error
+
+
 def server_model(server: ServerProcess) -> str:
     return get(server, "/api/v1/models").json()["models"][0]["key"]
 
