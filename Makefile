@@ -82,9 +82,11 @@ replicas: $(STAMP)
 # two workers on a 2-core Xeon (1,120 s of CPU: 540 in 149 servers, 350 in the two
 # workers, 140 in 66 engine processes). A process start costs ~2.3 s of CPU, ~1 s of it
 # importing transformers (transformers 5 reads the `__all__` of ~1,700 model files).
+# A worker that crashes (a segfault in native code) fails the run at once: pytest-xdist
+# 3.8's replacement worker, under loadfile, left the run waiting forever at its end.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(CPU_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(CPU_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0
 
 # The tests that start no server process and run no model but the tiny demo one (a few
 # read the default model's tokenizer or convert it once): the radix tree, the engine's
