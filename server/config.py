@@ -351,10 +351,12 @@ class Settings(BaseModel):
         "dropped before templating, so a per-request line cannot defeat the prefix cache",
     )
     response_store_size: PositiveInt = Field(
-        1000, description="Responses API responses kept for previous_response_id; oldest go first"
+        1000, description="Responses API responses kept for previous_response_id, and as "
+        "many LM Studio /api/v1/chat conversations; oldest go first"
     )
     response_store_path: Path | None = Field(
-        None, description="SQLite file keeping stored responses across restarts; none: memory"
+        None, description="SQLite file keeping stored responses across restarts (LM Studio's "
+        "chats in a file beside it, <stem>-lmstudio-chats<suffix>); none: memory"
     )
     disk_cache_dir: Path | None = Field(
         None, description="directory of the prefix cache's disk tier; none: the user cache "
