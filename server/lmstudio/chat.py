@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -217,7 +217,10 @@ async def _consume(run: GenerationRun, reply: ChatReply) -> bool:
     return True
 
 
-async def _events(request: Request, run: GenerationRun, reply: ChatReply, saved: Any
+Save = Callable[[V1ChatResult], Awaitable[V1ChatResult]]
+
+
+async def _events(request: Request, run: GenerationRun, reply: ChatReply, saved: Save | None
                   ) -> AsyncIterator[list[NamedEvent]]:
     """Each list goes out in one write: what one generation event becomes."""
     yield reply.start()
