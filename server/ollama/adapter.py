@@ -174,13 +174,20 @@ def _generation(body: GenerationFields, **prompt: Any) -> GenerationRequest:
         unset_sampling=unset_knobs(options),
         max_tokens=limit if limit is not None and limit > 0 else None,
         fit_context=True,  # Ollama's num_predict is a cap; none fills the context
-        context_window=None if options.num_ctx is None
-        else max(options.num_ctx, LEAST_NUM_CTX),
+        context_window=context_window(options),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         stream=body.stream,
         include_usage=True,
         chat_template_kwargs=_thinking(body.think),
     )
+
+
+def context_window(options: Options | None) -> int | None:
+    """num_ctx as the request's own context window (None: the model's), at least the
+    smallest one Ollama's scheduler loads a runner with."""
+    if options is None or options.num_ctx is None:
+        return None
+    return max(options.num_ctx, LEAST_NUM_CTX)
 
 
 async def truncated(lease: Lease, generation: GenerationRequest, options: Options | None

@@ -39,6 +39,7 @@ from server.model_registry import Lease, ModelState, ServedModel
 from server.ollama.adapter import (
     OllamaReply,
     chat_request,
+    context_window,
     created_at,
     for_template,
     generate_request,
@@ -197,7 +198,10 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
                                             embeddings=[],
                                             prompt_eval_count=0,
                                             total_duration=max(clock.elapsed(), 1)))
-    embedded = await embed_texts(request, name, inputs, None, -1 if body.truncate else None)
+    # As Ollama's: inputs are cut to (or, without truncate, refused over) num_ctx, within
+    # the model's window.
+    embedded = await embed_texts(request, name, inputs, None, -1 if body.truncate else None,
+                                 window=context_window(body.options))
     if embedded is None:
         return Response(status_code=CLIENT_CLOSED)
     server_state(request).models.lookup(name).keep(body.keep_alive)

@@ -107,13 +107,14 @@ class EmbedFields:
 
 async def embed_texts(request: Request, name: str | None, inputs: list[str] | list[list[int]],
                       dimensions: int | None, truncate: int | None,
-                      fields: EmbedFields = EmbedFields()
+                      fields: EmbedFields = EmbedFields(), window: int | None = None
                       ) -> tuple[str, np.ndarray, int, int] | None:
     """Each input's embedding by the model `name` names (every API's embeddings): the
     name it answers with, the vectors (cut to `dimensions`), the prompt tokens embedded and
     how many of them were cached, as the request's access-log line reports them; None if
-    the client left. `truncate`: as truncate_prompt_tokens (-1: the context window). An
-    empty input is a 400 naming it."""
+    the client left. `truncate`: as truncate_prompt_tokens (-1: the context window).
+    `window`: the request's own context window, within the model's (Ollama's num_ctx).
+    An empty input is a 400 naming it."""
     _check_not_empty(inputs, fields.input)
     state = server_state(request)
     async with state.models.use(name) as lease:
@@ -123,7 +124,7 @@ async def embed_texts(request: Request, name: str | None, inputs: list[str] | li
             _check_dimensions(dimensions, width, sizes, fields.dimensions)
         embedded = await _embed(request, state, served, inputs,
                                 _indexed(fields.input, len(inputs)),
-                                _kept_tokens(served, truncate, fields))
+                                _kept_tokens(served, truncate, fields, window), window)
         if embedded is None:
             return None
         vectors, prompt_tokens, cached = embedded
@@ -348,15 +349,23 @@ def _chat_prompts(tokenizer: ModelTokenizer, chats: list[list]) -> list[Prompt]:
 
 
 def _check_lengths(model: ServedModel, prompts: Sequence[Sequence[int]],
-                   params: Sequence[str]) -> None:
-    """A prompt over the model's context window is a 400 naming the field it came from
-    (`params`, one a prompt)."""
-    limit = model.engine.context_length
+                   params: Sequence[str], window: int | None = None) -> None:
+    """A prompt over the model's context window (or the request's own `window`, where
+    narrower) is a 400 naming the field it came from (`params`, one a prompt)."""
+    limit = _window(model, window)
+    whose = "this model's maximum" if limit == model.engine.context_length else "the request's"
     for tokens, param in zip(prompts, params, strict=True):
         if len(tokens) > limit:
             raise APIError(
-                400, f"{param} has {len(tokens)} tokens; this model's maximum context "
-                f"length is {limit}", code="context_length_exceeded", param=param)
+                400, f"{param} has {len(tokens)} tokens; {whose} context length is {limit}",
+                code="context_length_exceeded", param=param)
+
+
+def _window(model: ServedModel, window: int | None) -> int:
+    """The most tokens an input may have: the model's context window, or the request's
+    own where it is narrower."""
+    limit = model.engine.context_length
+    return limit if window is None else min(limit, window)
 
 
 def _indexed(param: str, count: int) -> list[str]:
@@ -466,11 +475,12 @@ def _is_cross_encoder(model: ServedModel) -> bool:
 
 async def _embed(request: Request, state: ServerState, model: ServedModel,
                  inputs: list[str] | list[list[int]], params: Sequence[str],
-                 most: int | None) -> tuple[np.ndarray, int, int] | None:
+                 most: int | None, window: int | None = None
+                 ) -> tuple[np.ndarray, int, int] | None:
     """Each input's embedding (rows L2-normalised where the model's pipeline normalises),
     the prompt tokens embedded and how many of them were cached; None if the client left.
     Inputs are cut to their first `most` tokens (`_truncated`); with None, an input too long
-    is a 400 naming its field (`params`, one an input)."""
+    (for the request's `window` too) is a 400 naming its field (`params`, one an input)."""
     engine = model.engine
     if _is_cross_encoder(model):
         raise APIError(400, f"the model {model.id} is {engine.description}",
@@ -488,7 +498,7 @@ async def _embed(request: Request, state: ServerState, model: ServedModel,
         prompts = await asyncio.to_thread(_prompts, tokenizer, inputs, params)
         tokens, ending = [prompt.tokens for prompt in prompts], tokenizer.trailing_specials
     tokens = [_truncated(ids, most, ending if texts else 0) for ids in tokens]
-    _check_lengths(model, tokens, params)
+    _check_lengths(model, tokens, params, window)
     if _is_encoder(model):
         vectors = await unless_disconnected(request, asyncio.wrap_future(engine.embed(tokens)))
         return None if vectors is None else (vectors, sum(map(len, tokens)), 0)
@@ -502,12 +512,13 @@ async def _embed(request: Request, state: ServerState, model: ServedModel,
 
 
 def _kept_tokens(model: ServedModel, requested: int | None,
-                 fields: EmbedFields = EmbedFields()) -> int | None:
+                 fields: EmbedFields = EmbedFields(), window: int | None = None) -> int | None:
     """The most tokens an embedding input keeps: the request's truncate_prompt_tokens (-1:
-    the model's context window; more than the window is a 400, as vLLM answers), else the
-    window where the model's settings say truncate_embedding_inputs (TEI's
-    --auto-truncate); None: an input over the window is a 400, as OpenAI answers."""
-    limit = model.engine.context_length
+    the context window, the request's own `window` where narrower; more than that is a
+    400, as vLLM answers), else the window where the model's settings say
+    truncate_embedding_inputs (TEI's --auto-truncate); None: an input over the window is a
+    400, as OpenAI answers."""
+    limit = _window(model, window)
     if requested is None:
         return limit if model.settings.truncate_embedding_inputs else None
     if requested > limit:

@@ -192,6 +192,28 @@ def test_embed_dimensions_cut_any_model_s_vectors_and_renormalise_them(
     assert embedded(len(whole) + 1) == pytest.approx(whole, abs=1e-6)
 
 
+def test_embed_cuts_inputs_to_num_ctx_or_refuses_them_without_truncate(
+        server: ServerProcess, client: openai.OpenAI, model_id: str) -> None:
+    """Ollama's embed reads num_ctx as the input's window: truncate (its default) cuts an
+    input to its first num_ctx tokens, as /v1/embeddings' truncate_prompt_tokens does;
+    truncate false refuses it."""
+    text = "a sentence long enough to be cut at a few tokens of the model's"
+
+    def embed(**fields) -> httpx.Response:
+        return httpx.post(f"{server.url}/api/embed", headers=AUTH, timeout=60, json={
+            "model": model_id, "input": text, "options": {"num_ctx": 6}, **fields})
+
+    cut = embed()
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["prompt_eval_count"] == 6
+    theirs = client.embeddings.create(model=model_id, input=text,
+                                      extra_body={"truncate_prompt_tokens": 6})
+    assert cut.json()["embeddings"][0] == pytest.approx(theirs.data[0].embedding, abs=1e-6)
+    refused = embed(truncate=False)
+    assert refused.status_code == 400
+    assert "context length is 6" in refused.json()["error"]
+
+
 def test_an_empty_request_loads_the_model_and_the_only_one_is_not_unloaded(
         olla: ollama.Client, model_id: str) -> None:
     loaded = olla.generate(model=model_id, prompt="")
