@@ -52,6 +52,17 @@ def template_arguments(arguments: str) -> Any:
         return arguments
 
 
+def thinking_kwargs(think: bool | str | None) -> dict[str, Any]:
+    """Thinking asked for (True), turned off (False) or at an effort level (str), as the
+    template variables thinking models read (Qwen3's enable_thinking, gpt-oss's
+    reasoning_effort); None: the model's own default."""
+    if think is None:
+        return {}
+    if isinstance(think, bool):
+        return {"enable_thinking": think}
+    return {"enable_thinking": True, "reasoning_effort": think}
+
+
 def turn_text(pieces: Iterable[str]) -> str:
     """One chat message's text out of the pieces a front end sends it in (Anthropic's
     text blocks, a run of Responses' assistant message items): a line apart, so words at

@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.api import SamplingKnobs
-from server.events import ChoiceFinished, Event, ReasoningDelta, TextDelta
+from server.events import ChoiceFinished, Event, ReasoningDelta, TextDelta, Usage
 from server.http.errors import APIError, shown
 from server.http.json_body import JSONRoute
 from server.http.loading import respond_with_model
@@ -40,7 +40,6 @@ from server.lmstudio.protocol import (
     ChatStats,
     InputItem,
     OutputText,
-    Reasoning,
     V1ChatRequest,
     V1ChatResult,
     V1Error,
@@ -49,7 +48,13 @@ from server.lmstudio.protocol import (
 from server.lmstudio.routes import timings
 from server.model_registry import Lease
 from server.pipeline import GenerationRun, start
-from server.request import GenerationRequest, TemplateMessage, turn_text, unset_knobs
+from server.request import (
+    GenerationRequest,
+    TemplateMessage,
+    thinking_kwargs,
+    turn_text,
+    unset_knobs,
+)
 from server.responses.store import StoredResponse
 from server.state import ServerState, server_state
 
@@ -58,6 +63,8 @@ router = APIRouter(prefix="/api/v1", responses=error_responses(V1ErrorResponse),
 
 # The sampling fields of a v1 chat, by the sampler's names.
 KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# Reasoning turned off or on at the model's own effort; the other values are levels.
+SWITCHES = {"off": False, "on": True}
 
 
 @router.post("/chat", responses={200: {"model": V1ChatResult,
@@ -136,17 +143,8 @@ def _generation(body: V1ChatRequest, conversation: list[TemplateMessage], images
         # LM Studio's max_output_tokens is a cap; none writes until the model ends (or
         # the context does).
         fit_context=True, context_window=body.context_length, stream=body.stream,
-        include_usage=True, chat_template_kwargs=_reasoning(body.reasoning))
-
-
-def _reasoning(reasoning: Reasoning | None) -> dict[str, Any]:
-    """`reasoning` as the template variables thinking models read (Qwen3's
-    enable_thinking, gpt-oss's reasoning_effort); unsaid, the model's own default."""
-    if reasoning is None:
-        return {}
-    if reasoning in ("off", "on"):
-        return {"enable_thinking": reasoning == "on"}
-    return {"enable_thinking": True, "reasoning_effort": reasoning}
+        include_usage=True, chat_template_kwargs=thinking_kwargs(
+            SWITCHES.get(body.reasoning, body.reasoning)))
 
 
 class ChatReply:
@@ -198,15 +196,14 @@ class ChatReply:
         return [_event(f"{kind}.end")]
 
     def result(self, request: Request) -> V1ChatResult:
-        usage = self.finished.usage if self.finished is not None else None
-        output_tokens = usage.completion_tokens if usage else 0
-        timing = timings(request, output_tokens)
+        """The whole reply; cut short by an error, what was written (no counts)."""
+        usage = self.finished.usage if self.finished is not None else Usage()
+        timing = timings(request, usage.completion_tokens)
         return V1ChatResult(
             model_instance_id=self.model_instance_id, output=self.output,
             stats=ChatStats(
-                input_tokens=usage.prompt_tokens if usage else 0,
-                total_output_tokens=output_tokens,
-                reasoning_output_tokens=(usage.reasoning_tokens or 0) if usage else 0,
+                input_tokens=usage.prompt_tokens, total_output_tokens=usage.completion_tokens,
+                reasoning_output_tokens=usage.reasoning_tokens or 0,
                 tokens_per_second=timing["tokens_per_second"],
                 time_to_first_token_seconds=timing["time_to_first_token"]))
 
@@ -248,8 +245,8 @@ async def _save(state: ServerState, result: V1ChatResult,
         reply["reasoning_content"] = reasoning
     response_id = f"resp_{uuid.uuid4().hex}"
     result = result.model_copy(update={"response_id": response_id})
-    entry = StoredResponse({"result": result.model_dump(), "images": images},
-                           [*conversation, reply])
+    # A follow-up reads the conversation and its images; nothing reads a chat back by id.
+    entry = StoredResponse({"images": images}, [*conversation, reply])
     await asyncio.to_thread(state.chats.put, response_id, entry)
     return result
 

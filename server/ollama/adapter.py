@@ -43,7 +43,6 @@ from server.ollama.protocol import (
     Options,
     OutCall,
     OutMessage,
-    Think,
     Timings,
     TokenLogprob,
 )
@@ -60,6 +59,7 @@ from server.request import (
     TemplateMessage,
     template_arguments,
     template_call,
+    thinking_kwargs,
     unset_knobs,
 )
 
@@ -178,7 +178,7 @@ def _generation(body: GenerationFields, **prompt: Any) -> GenerationRequest:
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         stream=body.stream,
         include_usage=True,
-        chat_template_kwargs=_thinking(body.think),
+        chat_template_kwargs=thinking_kwargs(body.think),
     )
 
 
@@ -235,16 +235,6 @@ def for_template(generation: GenerationRequest, template: str) -> GenerationRequ
         return generation
     return replace(generation, chat_template_kwargs={**generation.chat_template_kwargs,
                                                      "reasoning_effort": "high"})
-
-
-def _thinking(think: Think | None) -> dict[str, Any]:
-    """`think` as the template variables thinking models read (Qwen3's enable_thinking,
-    gpt-oss's reasoning_effort); unsaid, the model's own default."""
-    if think is None:
-        return {}
-    if isinstance(think, bool):
-        return {"enable_thinking": think}
-    return {"enable_thinking": True, "reasoning_effort": think}
 
 
 def _template_message(message: Message, number: int,
