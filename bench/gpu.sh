@@ -41,6 +41,15 @@ if [ "${1:-}" = --vision ]; then vision=1; shift; fi
 out=${1:?usage: bench/gpu.sh [--scale-out | --vision] OUT [shape ...]}
 shift
 models=${BENCH_MODELS_DIR:-/tmp/bench-models}
+# With BENCH_KEEP_MODELS a later call reuses a shape's model and GGUF (the weights are
+# seeded, so they are the same): drawing and exporting an 8B takes minutes of a lease.
+# A file is reused only once its `.done` marker says it was written whole.
+made() { [ -n "${BENCH_KEEP_MODELS:-}" ] && [ -f "$1.done" ]; }
+draw_model() {
+  made "$models/$1" && return
+  python3 -m bench.models "$models/$1" --shape "$2" --dtype bfloat16 "${tokenizer[@]}"
+  touch "$models/$1.done"
+}
 if [ -n "$vision" ]; then
   mkdir -p "$out"
   if [ -n "${BENCH_QUICK:-}" ]; then
@@ -86,7 +95,7 @@ if [ -n "$scale_out" ]; then
   [ $# -gt 0 ] || shapes=(llama-8b)
   for s in "${shapes[@]}"; do
     name=$s$suffix
-    python3 -m bench.models "$models/$name" --shape "$s" --dtype bfloat16 "${tokenizer[@]}"
+    draw_model "$name" "$s"
     python3 -m bench --model "$models/$name" --out "$out/$name-scale-out" \
       "${scale_flags[@]}" --replicas-cuda-devices "$(seq -s, 0 $((gpus - 1)))" \
       --radix-mlx-args "--max-batch-size 64" "${sizes[@]}" --sp-groups 64 \
@@ -95,7 +104,7 @@ if [ -n "$scale_out" ]; then
       --lc-document-tokens 6000 --lc-questions 4 --lc-question-tokens 64 \
       --lc-output-tokens 32 --decode-output-tokens 128 --decode-repeats 2 \
       --bd-streams 64 --bd-prompt-tokens 64 --bd-output-tokens 128
-    [ -n "${BENCH_KEEP_MODELS:-}" ] || rm -rf "${models:?}/$name"
+    [ -n "${BENCH_KEEP_MODELS:-}" ] || rm -rf "${models:?}/$name" "${models:?}/$name.done"
   done
   exit
 fi
@@ -103,10 +112,13 @@ nvidia-smi > "$out/nvidia-smi.txt"
 for s in "${shapes[@]}"; do
   [ -n "$per_shape" ] || break
   name=$s$suffix
-  python3 -m bench.models "$models/$name" --shape "$s" --dtype bfloat16 "${tokenizer[@]}"
+  draw_model "$name" "$s"
   peer=()
   if [ -n "${BENCH_LLAMA_SERVER:-}" ]; then
-    python3 -m bench.gguf_export "$models/$name" "$models/$name.gguf" --dtype bfloat16
+    if ! made "$models/$name.gguf"; then
+      python3 -m bench.gguf_export "$models/$name" "$models/$name.gguf" --dtype bfloat16
+      touch "$models/$name.gguf.done"
+    fi
     peer=(--servers radix-mlx,mlx-lm,llama-cpp --llama-server "$BENCH_LLAMA_SERVER"
       --llama-cpp-gguf "$models/$name.gguf")
   fi
@@ -125,7 +137,8 @@ for s in "${shapes[@]}"; do
     python3 -m bench.decode_parity "$models/$name" --max-tokens 256 --repeats 9 \
       --out "$out/$name-decode-parity"
   fi
-  [ -n "${BENCH_KEEP_MODELS:-}" ] || rm -rf "${models:?}/$name" "${models:?}/$name.gguf"
+  [ -n "${BENCH_KEEP_MODELS:-}" ] || rm -rf "${models:?}/$name" "${models:?}/$name.done" \
+    "${models:?}/$name.gguf" "${models:?}/$name.gguf.done"
 done
 if grep -qx snapshot_models <<< "$(tr , '\n' <<< "$wanted")"; then
   python3 -m bench --workloads snapshot_models --out "$out" "${sizes[@]}"
