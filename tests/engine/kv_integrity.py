@@ -36,8 +36,10 @@ computation of the 600 before them: up to 10% of their values more than half a s
 from __future__ import annotations
 
 import functools
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,8 +85,7 @@ class FolderChecked:
 
 def check_tree_kv(engine: Engine, model: nn.Module) -> Checked:
     """Assert that every span the engine's tree holds is the KV of its tokens. Call it
-    while the engine is idle (it reads the tree's handles from this thread)."""
-    scheduler = engine._scheduler
+    while the engine is idle; its worker is held meanwhile (`worker_held`)."""
     # A request's stream ends before its KV goes to the tree (and its disk copy is
     # queued): a check straight after its Finish found a copy queued after the flush.
     deadline = time.monotonic() + 30
@@ -93,10 +94,39 @@ def check_tree_kv(engine: Engine, model: nn.Module) -> Checked:
         time.sleep(0.01)
     if engine.disk is not None:
         assert engine.disk.flush(30), "disk writes still queued"
-    # An idle engine's last step may still compute on MLX's stream (a cancelled prefill's
-    # logits): this thread's evaluations below detach the graph they share with it, which
-    # crashed MLX now and then (SIGSEGV in eval_impl).
-    mx.synchronize()
+    with worker_held(engine):
+        return _check_tree(engine, model)
+
+
+@contextmanager
+def worker_held(engine: Engine) -> Iterator[None]:
+    """The engine's worker held between two turns of its loop, where it has settled what
+    the last turn made and touches no MLX array, while this thread evaluates the tree's
+    handles. Its stats read idle before it settles a cancelled prefill's chunks (lazy
+    slices of that prefill's cache): a check in between evaluated the same graph from
+    two threads, and MLX crashed now and then (SIGSEGV in a forward here)."""
+    scheduler = engine._scheduler
+    arrived, release = threading.Event(), threading.Event()
+    take_inbox = scheduler._take_inbox
+
+    def held(block: bool) -> list:
+        arrived.set()
+        release.wait()
+        return take_inbox(block)
+
+    scheduler._take_inbox = held
+    try:
+        # An idle worker waits in the inbox up to half a second before its next turn.
+        assert arrived.wait(30), "the engine's worker never came round"
+        mx.synchronize()  # its last step's work, queued on MLX's stream
+        yield
+    finally:
+        del scheduler._take_inbox
+        release.set()
+
+
+def _check_tree(engine: Engine, model: nn.Module) -> Checked:
+    scheduler = engine._scheduler
     with scheduler.tree._mutex:
         held = {node: (node.tokens, node.path_tokens_locked(), node.handle, node.stored)
                 for node in tree_nodes(scheduler.tree.root)}
