@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -81,14 +82,17 @@ async def chat(body: V1ChatRequest, request: Request) -> Response:
                    *(message for message in history if message["role"] != "system")]
     conversation = [*history, {"role": "user", "content": turn}]
     images += turn_images
+    # A model loaded for this request says so, as LM Studio's events and stats do.
+    loading, asked = not state.models.is_ready(body.model), time.monotonic()
 
     async def respond(lease: Lease) -> Response:
+        load_seconds = round(time.monotonic() - asked, 3) if loading else None
         if body.reasoning not in (None, "off") and "thinking" not in (
                 lease.model.capabilities or []):
             raise APIError(400, f"model {shown(body.model)} does not reason: reasoning "
                            f"{body.reasoning!r} cannot be served", param="reasoning")
         run = await start(request, state, lease, _generation(body, conversation, images))
-        reply = ChatReply(state.models.name_for(lease.model, body.model))
+        reply = ChatReply(state.models.name_for(lease.model, body.model), load_seconds)
 
         async def saved(result: V1ChatResult) -> V1ChatResult:
             if not body.store:
@@ -149,17 +153,23 @@ def _generation(body: V1ChatRequest, conversation: list[TemplateMessage], images
 
 class ChatReply:
     """One reply's events as LM Studio's output items (each run of reasoning or of
-    message text one item) and, streamed, as its events."""
+    message text one item) and, streamed, as its events. `load_seconds`: how long the
+    request waited for its model to load (None: it was loaded)."""
 
-    def __init__(self, model_instance_id: str) -> None:
+    def __init__(self, model_instance_id: str, load_seconds: float | None) -> None:
         self.model_instance_id = model_instance_id
+        self.load_seconds = load_seconds
         self.output: list[OutputText] = []
         self.finished: ChoiceFinished | None = None
         self._prompt_done = False
         self._open: str | None = None  # the kind of the item being written
 
     def start(self) -> list[NamedEvent]:
-        return [_event("chat.start", model_instance_id=self.model_instance_id),
+        loaded = [] if self.load_seconds is None else [
+            _event("model_load.start", model_instance_id=self.model_instance_id),
+            _event("model_load.end", model_instance_id=self.model_instance_id,
+                   load_time_seconds=self.load_seconds)]
+        return [_event("chat.start", model_instance_id=self.model_instance_id), *loaded,
                 _event("prompt_processing.start")]
 
     def events(self, event: Event) -> list[NamedEvent]:
@@ -205,7 +215,8 @@ class ChatReply:
                 input_tokens=usage.prompt_tokens, total_output_tokens=usage.completion_tokens,
                 reasoning_output_tokens=usage.reasoning_tokens or 0,
                 tokens_per_second=timing["tokens_per_second"],
-                time_to_first_token_seconds=timing["time_to_first_token"]))
+                time_to_first_token_seconds=timing["time_to_first_token"],
+                model_load_time_seconds=self.load_seconds))
 
 
 async def _consume(run: GenerationRun, reply: ChatReply) -> bool:

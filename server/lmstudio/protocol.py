@@ -247,6 +247,7 @@ class ChatStats(ResponseModel):
     reasoning_output_tokens: int
     tokens_per_second: float
     time_to_first_token_seconds: float
+    model_load_time_seconds: float | None = None  # only where the request loaded it
 
 
 class V1ChatResult(ResponseModel):

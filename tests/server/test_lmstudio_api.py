@@ -306,6 +306,34 @@ def test_v1_chat_streams_lm_studios_events(studio: ServerProcess) -> None:
     assert result["stats"]["total_output_tokens"] == whole["stats"]["total_output_tokens"]
 
 
+def test_v1_chat_says_when_it_loaded_its_model(studio: ServerProcess) -> None:
+    """A chat whose model was not loaded says how long the load took: its stats'
+    model_load_time_seconds and, streamed, model_load.start and model_load.end between
+    chat.start and prompt processing. A chat on a loaded model has neither."""
+    body = {**V1_RHYMES, "model": "spare", "store": False}
+
+    def unload() -> None:
+        post(studio, "/api/v1/models/unload", {"instance_id": "spare"})
+
+    unload()
+    try:
+        whole = post(studio, "/api/v1/chat", body).json()
+        assert whole["stats"]["model_load_time_seconds"] > 0
+        unload()
+        events = sse_events(post(studio, "/api/v1/chat", {**body, "stream": True}))
+        assert [name for name, _ in events[:4]] == [
+            "chat.start", "model_load.start", "model_load.end", "prompt_processing.start"]
+        assert events[1][1] == {"type": "model_load.start", "model_instance_id": "spare"}
+        seconds = events[2][1]["load_time_seconds"]
+        assert seconds > 0 and events[2][1]["model_instance_id"] == "spare"
+        assert events[-1][1]["result"]["stats"]["model_load_time_seconds"] == seconds
+        loaded = sse_events(post(studio, "/api/v1/chat", {**body, "stream": True}))
+        assert not [name for name, _ in loaded if name.startswith("model_load")]
+        assert "model_load_time_seconds" not in loaded[-1][1]["result"]["stats"]
+    finally:
+        unload()
+
+
 def test_v1_chat_gives_reasoning_its_own_item(thinking_server: ServerProcess) -> None:
     """A thinking model's reasoning is a reasoning item (and its events), counted apart,
     never inside the message; the stored turn keeps it, and the chat goes on from it."""
