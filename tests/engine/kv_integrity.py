@@ -54,6 +54,7 @@ from engine.kv import CacheSnapshot, KVSegment, assemble
 from engine.kv_quant import KVQuantization
 from engine.mlx_lm_internals import RoundedWrites, clone_cache, kv_layout
 from engine.platform_info import apply_mlx_env_defaults
+from engine.scheduler import Cancel
 from tests.engine.support import idle
 
 # Float32 demo models: a correct node differs from a fresh forward by ~1e-5, a node
@@ -116,7 +117,9 @@ def worker_held(engine: Engine) -> Iterator[None]:
 
     scheduler._take_inbox = held
     try:
-        # An idle worker waits in the inbox up to half a second before its next turn.
+        # An idle worker waits on its inbox for up to half a second: a cancel of no
+        # request wakes it, and it comes round at once.
+        scheduler.post(Cancel("no-such-request"))
         assert arrived.wait(30), "the engine's worker never came round"
         mx.synchronize()  # its last step's work, queued on MLX's stream
         yield
