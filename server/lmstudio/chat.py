@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -24,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.api import SamplingKnobs
+from server.clock import Clock
 from server.events import ChoiceFinished, Event, ReasoningDelta, TextDelta, Usage
 from server.http.errors import APIError, shown
 from server.http.json_body import JSONRoute
@@ -83,10 +83,11 @@ async def chat(body: V1ChatRequest, request: Request) -> Response:
     conversation = [*history, {"role": "user", "content": turn}]
     images += turn_images
     # A model loaded for this request says so, as LM Studio's events and stats do.
-    loading, asked = not state.models.is_ready(body.model), time.monotonic()
+    loading, clock = not state.models.is_ready(body.model), Clock()
 
     async def respond(lease: Lease) -> Response:
-        load_seconds = round(time.monotonic() - asked, 3) if loading else None
+        clock.ready()
+        load_seconds = round(clock.durations().load / 1e9, 3) if loading else None
         if body.reasoning not in (None, "off") and "thinking" not in (
                 lease.model.capabilities or []):
             raise APIError(400, f"model {shown(body.model)} does not reason: reasoning "
