@@ -69,7 +69,6 @@ class SchedulerLimits:
     max_tokens_in_flight: int
     cache_bytes: int
     output_reserve: int = OUTPUT_RESERVE
-    burst_gather_seconds: float | None = None  # None: the device's default (scheduler.py)
 
 
 def admit(waiting: list[Generation], running: Collection[Generation],

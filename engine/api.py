@@ -85,10 +85,6 @@ class EngineConfig:
     # default (scheduler.py).
     prefill_stall_ratio: float | None = None
     prefill_stall_floor_seconds: float = 0.02
-    # How long an idle engine waits for the requests the server is still preparing for
-    # it, so that prompts sent together are computed together. None: the device's
-    # default (scheduler.py).
-    burst_gather_seconds: float | None = None
     max_tokens_in_flight: int = 131072
     max_queue: int = 256
     memory_limit_bytes: int | None = None  # None: the device's (engine/memory.py)
@@ -579,14 +575,6 @@ class EngineClient(Protocol):
         ...
 
     def cancel(self, request_id: str) -> None: ...
-
-    def note_incoming(self, change: int) -> None:
-        """One more (+1) or one fewer (-1) request being prepared for this engine (its
-        prompt rendered, tokenized, checked): an idle engine waits a moment for those
-        before it computes the prompts it has, so that requests sent together are
-        computed together. Every +1 is followed by a -1, after the request's submit or
-        its refusal."""
-        ...
 
     def clear_cache(self) -> Future[int]:
         """Drop every cached prefix no request pins, from both tiers; the memory bytes

@@ -303,9 +303,6 @@ class EncoderEngine:
     def cached_prefix(self, tokens: Sequence[int]) -> int:
         return 0  # no cache: nothing generates here
 
-    def note_incoming(self, change: int) -> None:
-        pass  # nothing generates here: no burst to wait for anything
-
     @property
     def waiting(self) -> int:
         return 0  # nothing generates here: `submit` is refused

@@ -56,7 +56,6 @@ from engine.scheduler import (
     GPU_PREFILL_CHUNK,
     Cancel,
     ClearCache,
-    Incoming,
     Scheduler,
     Stop,
     Submit,
@@ -224,7 +223,6 @@ class Engine:
                 prefill_chunk_tokens=self.config.prefill_chunk_tokens,
                 prefill_stall_ratio=self.config.prefill_stall_ratio,
                 prefill_stall_floor=self.config.prefill_stall_floor_seconds,
-                burst_gather_seconds=self.config.burst_gather_seconds,
                 max_tokens_in_flight=min(self.config.max_tokens_in_flight,
                                          self.memory.kv_tokens),
                 # A budget of less than a token is none: the tree then says a miss is
@@ -544,12 +542,6 @@ class Engine:
         self._waiting.leave(request_id)
         if self._scheduler is not None:
             self._scheduler.post(Cancel(request_id))
-
-    def note_incoming(self, change: int) -> None:
-        """As `EngineClient.note_incoming`. Safe from any thread."""
-        scheduler = self._scheduler
-        if scheduler is not None and scheduler.gather_seconds:
-            scheduler.post(Incoming(change))
 
     def clear_cache(self) -> Future:
         """Drop every cached prefix nothing is using, from memory and disk; the future

@@ -9,7 +9,7 @@ scheduler in separate processes, `serve` starts the real `Engine` in a child pro
 
 The wire is one duplex pipe of pickled messages:
 - server -> engine: ("submit", request ids, Prompts, SamplingParams, owner), ("cancel", request
-  id), ("incoming", +1 | -1), ("call", call id, "stats" | "clear_cache"), ("shutdown",);
+  id), ("call", call id, "stats" | "clear_cache"), ("shutdown",);
 - engine -> server: lists. The engine's thread only appends a request's events, as
   (request id, event) pairs, and sends them all at the next turn of its scheduler loop:
   one message per step, carrying every stream's events of that step, and a `Beat` at
@@ -205,8 +205,6 @@ def serve_engine(config: EngineConfig, conn: Connection,
                                  for request_id in request_ids])
             case ("cancel", request_id):
                 engine.cancel(request_id)
-            case ("incoming", change):
-                engine.note_incoming(change)
             case ("call", call_id, "stats"):
                 outbox.send([Reply(call_id, engine.stats())])
             case ("call", call_id, "cached_prefix", tokens):
@@ -366,9 +364,6 @@ class EngineProcess:
     def cancel(self, request_id: str) -> None:
         self._waiting.leave(request_id)  # its queue place is free now, as in Engine.cancel
         self._send(("cancel", request_id))
-
-    def note_incoming(self, change: int) -> None:
-        self._send(("incoming", change))
 
     def clear_cache(self) -> Future:
         if self.state is not Lifecycle.READY:

@@ -114,16 +114,6 @@ CPU_PREFILL_CHUNK = 512
 # 2-core CPU the same split saves a short chat 15-25 s behind a document.
 BURST_SPREAD = 8
 BURST_HOLD_SECONDS = 1.0
-# An idle engine waits up to this long for the requests the server is still rendering and
-# tokenizing for it (`Scheduler._gathering`), so that prompts sent together go in one
-# forward. On an H100 (Llama-8B shape, multi-turn) a turn's eight requests reached the
-# engine a few ms apart: the first one to three were computed alone (77-86 ms to their
-# first tokens) and the rest in a second forward behind them (200-235 ms), where a turn
-# computed whole took 145-151 ms. On the CPU a forward costs its tokens, not a fixed
-# cost: computing the first alone costs the rest nothing.
-GPU_BURST_GATHER_SECONDS = 0.05
-# How long an idle loop waits for its inbox before it turns anyway.
-IDLE_TURN_SECONDS = 0.5
 # A rebuild of the disk tier restores its files' copies on the engine's thread this long a
 # turn (`Scheduler._restore_some`): 2,456 files took 0.4 s to rebuild in all on the 2-core
 # CPU, headers read included, so a tier of 100k files would stall steps for seconds.
@@ -240,15 +230,6 @@ class Cancel:
 
 
 @dataclass(frozen=True)
-class Incoming:
-    """One more (+1) or one fewer (-1) request that the server is preparing for this
-    engine (rendering its prompt, tokenizing it): a burst waits for them a moment
-    (`Scheduler._gathering`)."""
-
-    change: int
-
-
-@dataclass(frozen=True)
 class ClearCache:
     """Drop every unpinned node from both tiers; `done` (rank 0's) gets the memory bytes
     freed."""
@@ -332,8 +313,8 @@ class HeldPrefix:
     depth: int
 
 
-Message = (Submit | SubmitAll | Wake | Compiled | Republish | Cancel | Incoming | ClearCache
-           | Stop | BringBack | Restore)
+Message = (Submit | SubmitAll | Wake | Compiled | Republish | Cancel | ClearCache | Stop
+           | BringBack | Restore)
 # What the scheduler's own tree callbacks post: every rank makes these itself.
 LOCAL_MESSAGES = (Wake, Republish)
 
@@ -408,14 +389,6 @@ class Scheduler:
         # Prompts that find the engine with nothing decoding are all prefilled before any
         # of them decodes (see `_step`).
         self.burst = False
-        # Under tensor parallelism every rank must start a burst at the same turn, which
-        # a wait timed by each rank's own clock would not give.
-        gather = limits.burst_gather_seconds
-        if gather is None:
-            gather = GPU_BURST_GATHER_SECONDS if gpu else 0.0
-        self.gather_seconds = gather if group is None else 0.0
-        self.incoming = 0  # requests the server is preparing for this engine (`Incoming`)
-        self._gather_until: float | None = None
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size)
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="radix-mlx-grammar")
         self._preparer = ThreadPoolExecutor(1, thread_name_prefix="radix-mlx-images")
@@ -490,10 +463,10 @@ class Scheduler:
                 return
             if idle:  # at rest within budget: a chain loaded over it, its request gone
                 self.tree.enforce_capacity()
-            rest = (idle and not until_idle and not self._bringing_back and
-                    (not self._restoring or self._restore_waits) and
-                    (not shared or self.group.leader))
-            messages = self._take_inbox(IDLE_TURN_SECONDS if rest else self._gathering())
+            messages = self._take_inbox(block=idle and not until_idle and
+                                        not self._bringing_back and
+                                        (not self._restoring or self._restore_waits) and
+                                        (not shared or self.group.leader))
             if shared:
                 # A busy group receives this turn's inputs at the next turn, so that the
                 # step between overlaps (RankGroup.announce); an idle one has no step,
@@ -515,9 +488,8 @@ class Scheduler:
                 self._make_room()
                 self._share_rows()
                 self._score()
-                if not self._gathering():
-                    admit(self.waiting, self.running.values(), self.limits,
-                          lambda g: self.tree.peek(g.cacheable), self._try_start)
+                admit(self.waiting, self.running.values(), self.limits,
+                      lambda g: self.tree.peek(g.cacheable), self._try_start)
                 self._drop_stale_background()
                 if self.running or self.reading:
                     self._step()
@@ -529,7 +501,7 @@ class Scheduler:
                 self._recover(error)
         with self._inbox_lock:
             self._inbox_closed = True
-            unread = self._take_inbox(0.0)
+            unread = self._take_inbox(block=False)
         for message in unread:
             self._answer_unread(message)
         self._compiler.shutdown(wait=False, cancel_futures=True)
@@ -562,29 +534,16 @@ class Scheduler:
             case Restore(_, done):  # the files stay for the next start
                 done.set_exception(EngineNotReady("the engine stopped"))
 
-    def _take_inbox(self, wait: float) -> list[Message]:
-        """Everything in the inbox, waiting up to `wait` seconds for a first."""
+    def _take_inbox(self, block: bool) -> list[Message]:
+        """Everything in the inbox; if `block`, waiting up to half a second for a first."""
         messages = []
         while True:
             try:
-                messages.append(self.inbox.get(timeout=wait) if wait > 0
+                messages.append(self.inbox.get(timeout=0.5) if block
                                 else self.inbox.get_nowait())
             except queue.Empty:
                 return messages
-            wait = 0.0
-
-    def _gathering(self) -> float:
-        """How much longer prompts that found the engine idle wait to start: while the
-        server is still preparing other requests for it, at most `gather_seconds` from
-        the first, so that requests sent together go in one forward (`_step`'s burst)
-        rather than the first alone and the rest behind it. 0: start now."""
-        if not self.gather_seconds or not self.waiting or self.running or self.reading:
-            self._gather_until = None
-            return 0.0
-        now = time.monotonic()
-        if self._gather_until is None:
-            self._gather_until = now + self.gather_seconds
-        return max(0.0, self._gather_until - now) if self.incoming else 0.0
+            block = False
 
     def _inputs(self, announcement: Announcement, inputs: list[Message]) -> list[Message]:
         """Rank 0's inputs of one turn on every rank: rank 0 keeps its own (`inputs`,
@@ -629,9 +588,6 @@ class Scheduler:
                 self._republish(generation)
             case Cancel(request_id) if request_id in self.generations:
                 self._cancel(self.generations[request_id])
-            case Incoming(change):
-                # Never below 0: a request's -1 may reach an engine its +1 found loading.
-                self.incoming = max(0, self.incoming + change)
             case Restore(copies, done):
                 self._restoring.append((self.tree.restoring(copies, RESTORE_PATIENCE), done))
             case BringBack(nodes, done):

@@ -237,15 +237,6 @@ class Settings(BaseModel):
         description="milliseconds per step that computing new prompts may always take "
         "while requests decode, however fast a decode step is",
     )
-    burst_gather_ms: float | None = Field(
-        None,
-        ge=0,
-        allow_inf_nan=False,
-        description="milliseconds an idle model waits, before computing the prompts it "
-        "has, for requests the server is still preparing for it (rendering, tokenizing), "
-        "so that requests sent together are computed in one forward; a lone request "
-        "never waits; none: 50 on a GPU, 0 on the CPU",
-    )
     max_tokens_in_flight: PositiveInt = Field(
         131072,
         description="prompt + max_tokens summed over running requests (at most 4,096 of "

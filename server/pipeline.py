@@ -298,10 +298,7 @@ async def start(http: Request, state: ServerState, lease: Lease, request: Genera
     """Render, tokenize, check and submit `request` to the model `lease` holds (the
     job releases it when the response ends); 4xx/5xx as `APIError`s. A prompt too long
     for the context window is a 400, or, where `shorter` is given, replaced by what it
-    makes (a truncated conversation): only a prompt that does not fit is rendered twice.
-    Meanwhile the engine counts it as incoming: requests sent together reach it some
-    milliseconds apart, as each is rendered in turn, and an idle engine waits for them."""
-    lease.engine.note_incoming(1)
+    makes (a truncated conversation): only a prompt that does not fit is rendered twice."""
     try:
         try:
             return await _start(http, state, lease, request)
@@ -312,8 +309,6 @@ async def start(http: Request, state: ServerState, lease: Lease, request: Genera
     except BaseException:
         lease.release()
         raise
-    finally:
-        lease.engine.note_incoming(-1)
 
 
 async def _start(http: Request, state: ServerState, lease: Lease, request: GenerationRequest

@@ -86,8 +86,6 @@ def engine_config(settings: Settings, model: str, memory_limit_bytes: int | None
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
         prefill_stall_ratio=settings.prefill_stall_ratio,
         prefill_stall_floor_seconds=settings.prefill_stall_floor_ms / 1000,
-        burst_gather_seconds=(None if settings.burst_gather_ms is None
-                              else settings.burst_gather_ms / 1000),
         max_tokens_in_flight=settings.max_tokens_in_flight,
         memory_limit_bytes=memory_limit_bytes or settings.memory_limit_bytes,
         memory_share=settings.memory_share,

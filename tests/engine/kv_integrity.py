@@ -110,10 +110,10 @@ def worker_held(engine: Engine) -> Iterator[None]:
     arrived, release = threading.Event(), threading.Event()
     take_inbox = scheduler._take_inbox
 
-    def held(wait: float) -> list:
+    def held(block: bool) -> list:
         arrived.set()
         release.wait()
-        return take_inbox(wait)
+        return take_inbox(block)
 
     scheduler._take_inbox = held
     try:

@@ -100,15 +100,6 @@ async def tokens_in_order(streams: list) -> tuple[list[int], list[list[int]]]:
     return order, outputs
 
 
-def assert_greedy_past_eos(reference: Reference, prompts: list[list[int]],
-                           outputs: list[list[int]]) -> None:
-    """Each output is the reference's greedy tokens of its prompt, up to the reference's
-    EOS, which ignore_eos ran past."""
-    for prompt, tokens in zip(prompts, outputs):
-        expected = reference.greedy(prompt, len(tokens))
-        assert tokens[:len(expected)] == expected
-
-
 async def test_prompts_arriving_together_are_all_prefilled_before_any_decodes(
         llama_dir, reference):
     # Three prompts of several chunks each reach an idle engine at once (a burst; handed
@@ -124,7 +115,9 @@ async def test_prompts_arriving_together_are_all_prefilled_before_any_decodes(
         firsts = [order.index(i) for i in range(3)]
         seconds = [order.index(i, first + 1) for i, first in enumerate(firsts)]
         assert max(firsts) < min(seconds)
-        assert_greedy_past_eos(reference, prompts, outputs)
+        for prompt, tokens in zip(prompts, outputs):
+            expected = reference.greedy(prompt, 3)  # up to its EOS, which ignore_eos runs past
+            assert tokens[:len(expected)] == expected
     finally:
         engine.shutdown()
 
@@ -150,7 +143,9 @@ async def test_a_short_prompt_does_not_wait_for_a_long_prompts_prefill(
         if decoding:
             busy.cancel()
         assert order == [1, 1, 1, 0, 0, 0]
-        assert_greedy_past_eos(reference, prompts, outputs)
+        for prompt, tokens in zip(prompts, outputs):
+            expected = reference.greedy(prompt, 3)  # up to its EOS, which ignore_eos runs past
+            assert tokens[:len(expected)] == expected
     finally:
         engine.shutdown()
 
@@ -167,54 +162,9 @@ async def test_a_burst_a_device_computes_in_a_moment_stays_whole(
         order, outputs = await tokens_in_order(
             engine.submit_all(prompts, _greedy(max_tokens=3, ignore_eos=True)))
         assert sorted(order[:2]) == [0, 1]
-        assert_greedy_past_eos(reference, prompts, outputs)
-    finally:
-        engine.shutdown()
-
-
-async def test_an_idle_engine_waits_for_a_request_still_being_prepared(llama_dir, reference):
-    # Two requests sent together reach the engine apart: the server is still preparing
-    # the second as the first arrives. The first waits for it (up to the gather time,
-    # here longer than the test), and both prompts are computed in one forward: their
-    # first tokens come from the same step.
-    engine = start_engine(llama_dir, burst_gather_seconds=600.0)
-    try:
-        prompts = [random_prompt(90, 40), random_prompt(91, 40)]
-        params = _greedy(max_tokens=3, ignore_eos=True)
-        engine.note_incoming(1)
-        engine.note_incoming(1)
-        first = engine.submit(prompts[0], params)
-        engine.note_incoming(-1)
-        await asyncio.sleep(0.5)
-        stats = engine.stats()
-        assert (stats.waiting, stats.running) == (1, 0)
-        second = engine.submit(prompts[1], params)
-        engine.note_incoming(-1)
-        async with asyncio.timeout(60):
-            order, outputs = await tokens_in_order([first, second])
-        assert sorted(order[:2]) == [0, 1]
-        assert_greedy_past_eos(reference, prompts, outputs)
-    finally:
-        engine.shutdown()
-
-
-@pytest.mark.parametrize("gather_seconds", [600.0, 0.2])
-async def test_the_wait_for_requests_being_prepared_ends(llama_dir, reference,
-                                                         gather_seconds: float):
-    # A lone request, announced and submitted, waits for nobody however long the engine
-    # would wait; one whose companion never comes (its preparation still running, slow
-    # or stuck) waits no longer than the gather time.
-    engine = start_engine(llama_dir, burst_gather_seconds=gather_seconds)
-    try:
-        prompt = random_prompt(92, 30)
-        engine.note_incoming(1)
-        if gather_seconds < 1:
-            engine.note_incoming(1)  # a companion that never comes
-        stream = engine.submit(prompt, _greedy(max_tokens=4))
-        engine.note_incoming(-1)
-        async with asyncio.timeout(60):
-            _, (tokens,) = await tokens_in_order([stream])
-        assert tokens == reference.greedy(prompt, 4)
+        for prompt, tokens in zip(prompts, outputs):
+            expected = reference.greedy(prompt, 3)  # up to its EOS, which ignore_eos runs past
+            assert tokens[:len(expected)] == expected
     finally:
         engine.shutdown()
 
