@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import time
 import types
+from collections.abc import Collection
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
@@ -112,12 +113,20 @@ def tool_choice_union(**objects: Any) -> Any:
 
 
 def _tool_choice_kind(value: Any, objects: dict[str, Any]) -> str | None:
-    """A mode, or an object by its type (a request's JSON, or its model, which a response
-    echoes)."""
-    if isinstance(value, str):
-        return "mode"
+    """A mode, or an object by its type."""
+    return "mode" if isinstance(value, str) else type_of(value, objects)
+
+
+def type_of(value: Any, kinds: Collection[str]) -> str | None:
+    """An object's `type` where it is one of `kinds`, for `shaped_union`: read from a
+    request's JSON, or from its model, which a response echoes."""
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if isinstance(kind, str) and kind in objects else None
+    return kind if isinstance(kind, str) and kind in kinds else None
+
+
+def str_or_list(value: Any) -> str | None:
+    """"str" or "list", for a `shaped_union` of a string and a list of parts."""
+    return "str" if isinstance(value, str) else "list" if isinstance(value, list) else None
 
 
 class RefusalPart(RequestModel):

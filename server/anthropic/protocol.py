@@ -25,6 +25,7 @@ from server.schema import (
     ResponseModel,
     check_tool_names,
     shaped_union,
+    str_or_list,
 )
 
 # The most stop_sequences one request may give (OpenAI's `stop` takes 4).
@@ -116,10 +117,6 @@ def _blocks(*members: type[RequestModel]) -> Any:
     )]]
 
 
-def _str_or_list(value: Any) -> str | None:
-    return "str" if isinstance(value, str) else "list" if isinstance(value, list) else None
-
-
 class PlainTextSource(RequestModel):
     type: Literal["text"]
     media_type: Literal["text/plain"] = "text/plain"
@@ -127,7 +124,7 @@ class PlainTextSource(RequestModel):
 
 
 DocumentContent = shaped_union(
-    _str_or_list, "a string or a list of text blocks", str=str, list=_blocks(TextBlock)
+    str_or_list, "a string or a list of text blocks", str=str, list=_blocks(TextBlock)
 )
 
 
@@ -190,7 +187,7 @@ class SearchResultBlock(Block):
 
 
 ToolResultContent = shaped_union(
-    _str_or_list, "a string or a list of text, image, document and search result blocks",
+    str_or_list, "a string or a list of text, image, document and search result blocks",
     str=str, list=_blocks(TextBlock, ImageBlock, DocumentBlock, SearchResultBlock)
 )
 
@@ -205,7 +202,7 @@ class ToolResultBlock(Block):
 ContentBlock = _blocks(TextBlock, ImageBlock, DocumentBlock, SearchResultBlock, ToolUseBlock,
                        ToolResultBlock, ThinkingBlock, RedactedThinkingBlock)
 Content = shaped_union(
-    _str_or_list, "a string or a list of content blocks", str=str, list=ContentBlock
+    str_or_list, "a string or a list of content blocks", str=str, list=ContentBlock
 )
 
 
@@ -250,7 +247,7 @@ class AnthropicMessage(RequestModel):
 
 
 System = shaped_union(
-    _str_or_list, "a string or a list of text blocks", str=str, list=_blocks(TextBlock)
+    str_or_list, "a string or a list of text blocks", str=str, list=_blocks(TextBlock)
 )
 
 

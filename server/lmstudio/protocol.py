@@ -19,7 +19,7 @@ from server.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from server.schema import RequestModel, ResponseModel, shaped_union
+from server.schema import RequestModel, ResponseModel, shaped_union, str_or_list, type_of
 
 # Why a reply ended, in LM Studio's words (its SDK's LLMPredictionStopReason).
 StopReason = Literal["eosFound", "stopStringFound", "maxPredictedTokensReached", "toolCalls"]
@@ -193,18 +193,11 @@ class ImageInput(RequestModel):
     data_url: str
 
 
-def _item_kind(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if kind in ("message", "image") else None
-
-
 # Validated by their shape (server.schema.shaped_union): a bad input gets one error.
-InputItem = shaped_union(_item_kind, 'a "message" or an "image" item',
-                         message=MessageInput, image=ImageInput)
-ChatInput = shaped_union(
-    lambda value: "text" if isinstance(value, str) else "items" if isinstance(value, list)
-    else None, "a string or a list of message and image items",
-    text=str, items=Annotated[list[InputItem], Field(min_length=1)])
+InputItem = shaped_union(lambda value: type_of(value, ("message", "image")),
+                         'a "message" or an "image" item', message=MessageInput, image=ImageInput)
+ChatInput = shaped_union(str_or_list, "a string or a list of message and image items",
+                         str=str, list=Annotated[list[InputItem], Field(min_length=1)])
 # "on": the model's own default effort; the levels as gpt-oss's templates read them.
 Reasoning = Literal["off", "low", "medium", "high", "on"]
 
