@@ -48,7 +48,9 @@ CUDA_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
 # turn over its cached chat took 90-95 ms with graphs and 62-68 ms launched plainly, and
 # multi-turn TTFT p50 fell from 0.24-0.26 s to 0.21 s (bench/experiments/cuda-graphs-prefill).
 # A decode step saves 0.5-0.9 ms with them, within the host's spread through the server
-# (bench/experiments/cuda-graphs-turns).
+# (bench/experiments/cuda-graphs-turns). On an H100's 1B shape, every chat workload but a
+# single stream ran 15-40% slower with them, and the single stream no faster
+# (bench/experiments/cuda-graphs-workloads).
 TF32_ENV = "MLX_ENABLE_TF32"
 # MLX's CUDA backend multiplies float32 matrices in TF32 (a 10-bit mantissa) unless told
 # not to. Where a model runs in float32 (our demo models; any an operator converts so),
