@@ -176,6 +176,12 @@ class FunctionCallOutputItem(RequestModel):
     name: str | None = None
     status: str | None = None
 
+    @model_validator(mode="after")
+    def _names_its_call(self) -> FunctionCallOutputItem:
+        if self.call_id is None and self.id is None and self.name is None:
+            raise ValueError("function_call_output needs the call_id of the call it answers")
+        return self
+
 
 class CustomToolCallItem(CallItem):
     """A call of a freeform `custom` tool: its input is the text the model wrote."""

@@ -538,6 +538,8 @@ SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
     # The path as the request spells it: no union tags ("tools.0.hosted.type").
     ({"input": "x", "tools": [{"name": "f", "parameters": {}}]}, "tools.0.type: Field required",
      "tools"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]},
+     "input.0: function_call_output needs the call_id of the call it answers", "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 3}]}]},
      "input.0.content.0.text: Input should be a valid string", "input"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s",
