@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,13 +274,25 @@ def _validate(grammar: str) -> None:
         raise UnsupportedSchema("no value satisfies it")
 
 
-# How llguidance names the keyword at fault in its errors.
-_KEYWORD_PATTERNS = (
-    (re.compile(r'Unimplemented keys: \["([^"]+)"'), None),
+def _length_bound(match: re.Match[str]) -> str:
+    """Which of a string's length bounds, compiled to a regex repetition {min,max}, is out
+    of the regex engine's range: the larger."""
+    least, most = match.group(1), match.group(2)
+    return "maxLength" if most and int(most) > int(least or 0) else "minLength"
+
+
+# How llguidance names the keyword at fault in its errors. Some keywords it compiles into
+# regular expressions first, and their errors read as the regex's: matched before a
+# `pattern`'s.
+_KEYWORD_PATTERNS: tuple[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]], ...] = (
+    (re.compile(r'Unimplemented keys: \["([^"]+)"'), lambda match: match.group(1)),
     (re.compile(r"Unknown format"), "format"),
     (re.compile(r"Invalid type"), "type"),
     (re.compile(r"oneOf"), "oneOf"),
     (re.compile(r"\$ref|\breference|Pointer", re.IGNORECASE), "$ref"),
+    (re.compile(r"\(\?s:\.\{(\d*),(\d*)\}\)"), _length_bound),
+    (re.compile(r"(?:integer|float) range: min=Some"), "minimum"),
+    (re.compile(r"(?:integer|float) range"), "maximum"),
     (re.compile(r"pattern|regex", re.IGNORECASE), "pattern"),
 )
 
@@ -288,7 +300,7 @@ _KEYWORD_PATTERNS = (
 def _keyword_in(message: str) -> str | None:
     for pattern, keyword in _KEYWORD_PATTERNS:
         if match := pattern.search(message):
-            return keyword or match.group(1)
+            return keyword if isinstance(keyword, str) else keyword(match)
     return None
 
 

@@ -40,6 +40,12 @@ WEATHER = FunctionTool("get_weather", {
     ({"type": "string", "pattern": "(("}, "pattern"),
     # The regex engine's "backreferences are not supported" is no `$ref`'s.
     ({"type": "string", "pattern": "^(a)\\1$"}, "pattern"),
+    # Bounds compiled into regular expressions, past the regex engine's range.
+    ({"type": "string", "maxLength": 10**12}, "maxLength"),
+    ({"type": "string", "minLength": 3, "maxLength": 10**12}, "maxLength"),
+    ({"type": "string", "minLength": 10**12}, "minLength"),
+    ({"type": "integer", "minimum": -1e30}, "minimum"),
+    ({"type": "number", "minimum": -1e300}, "minimum"),
 ])
 def test_strict_schema_the_engine_cannot_enforce_is_refused_naming_the_keyword(schema, keyword):
     with pytest.raises(UnsupportedSchema) as refused:
