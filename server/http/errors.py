@@ -16,6 +16,7 @@ server log.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -155,6 +156,18 @@ class PromptTooLong(APIError):
             type=anthropic_error_type(self.status),
             message=f"prompt is too long: {self.tokens} tokens > {self.limit} maximum"),
             request_id=request_id)
+
+
+@contextmanager
+def params_renamed(names: Mapping[str, str]) -> Iterator[None]:
+    """Within, an APIError's `param` is spelled as `names` says: the pipeline's refusals
+    name Chat Completions' parameters, which another API (Responses, LM Studio's chat)
+    calls otherwise."""
+    try:
+        yield
+    except APIError as error:
+        error.param = names.get(error.param, error.param)
+        raise
 
 
 def shown(text: str, most: int = 40) -> str:

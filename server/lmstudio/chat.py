@@ -25,7 +25,7 @@ from fastapi.responses import Response
 from engine.api import SamplingKnobs
 from server.clock import Clock
 from server.events import ChoiceFinished, Event, ReasoningDelta, TextDelta, Usage
-from server.http.errors import APIError, shown
+from server.http.errors import APIError, params_renamed, shown
 from server.http.json_body import JSONRoute
 from server.http.loading import respond_with_model
 from server.http.model_response import model_response
@@ -68,6 +68,10 @@ KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 SWITCHES = {"off": False, "on": True}
 
 
+# The pipeline's refusals name Chat Completions' parameters; these are v1 chat's.
+V1_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens"}
+
+
 @router.post("/chat", responses={200: {"model": V1ChatResult,
                                        "content": {"text/event-stream": {}}}})
 async def chat(body: V1ChatRequest, request: Request) -> Response:
@@ -92,7 +96,8 @@ async def chat(body: V1ChatRequest, request: Request) -> Response:
                 lease.model.capabilities or []):
             raise APIError(400, f"model {shown(body.model)} does not reason: reasoning "
                            f"{body.reasoning!r} cannot be served", param="reasoning")
-        run = await start(request, state, lease, _generation(body, conversation, images))
+        with params_renamed(V1_PARAMS):
+            run = await start(request, state, lease, _generation(body, conversation, images))
         reply = ChatReply(state.models.name_for(lease.model, body.model), load_seconds)
 
         async def saved(result: V1ChatResult) -> V1ChatResult:

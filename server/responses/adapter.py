@@ -32,7 +32,7 @@ from server.events import (
     ToolCallArguments,
     ToolCallStarted,
 )
-from server.http.errors import APIError
+from server.http.errors import APIError, params_renamed
 from server.http.json_body import JSONRoute
 from server.http.loading import respond_with_model
 from server.http.model_response import model_response
@@ -493,16 +493,13 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     body, conversation = await _conversation(state, body)
 
     async def respond(lease: Lease) -> Response:
-        try:
+        with params_renamed(RESPONSES_PARAMS):
             shorter = None
             if body.truncation == "auto":
                 async def shorter() -> GenerationRequest:
                     return generation_request(body, await _truncated(lease, body, conversation))
             generation = await start(request, state, lease,
                                      generation_request(body, conversation), shorter)
-        except APIError as error:
-            error.param = RESPONSES_PARAMS.get(error.param, error.param)
-            raise
         model = state.models.name_for(lease.model, body.model)
         return await _respond(request, state, body, conversation, generation, model,
                               lease.model.spec.sampling)

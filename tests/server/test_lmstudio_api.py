@@ -369,6 +369,8 @@ def test_v1_chat_gives_reasoning_its_own_item(thinking_server: ServerProcess) ->
     ({"input": [{"type": "video", "content": "a"}]}, "input"),
     ({"input": {"text": "a"}}, "input"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    # The pipeline's refusal, named as v1 names the field.
+    ({"input": "word " * 200, "context_length": 64}, "input"),
 ])
 def test_what_v1_chat_cannot_serve_is_a_400_in_v1s_shape(
         studio: ServerProcess, body: dict, param: str) -> None:
