@@ -17,7 +17,8 @@ or an out-of-memory costs only that model's open requests:
 - an unpinned model unloads after its idle timeout, or as long after its latest request
   as that request's keep_alive (Ollama's) says. Its disk tier is its own folder, which
   its next load rebuilds the tree from, so an unload loses no cached prefix;
-- a model whose engine process died is reloaded by its next request.
+- a model whose engine process died is reloaded by its next request; a pinned one at
+  once, and again, backing off, for as long as its loads fail.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ log = logging.getLogger("radix_mlx.server")
 
 # How often loads, idle timeouts and dead engine processes are looked at.
 WATCH_SECONDS = 0.25
+# A pinned model whose load failed (its engine died again as it reloaded after a crash, or
+# its files are broken) is loaded again by the watch, this long after the failure, doubling
+# with each failure in a row up to the last: no request need name it to bring it back, and
+# /health, which answers 503 while a pinned model is down, recovers by itself.
+PINNED_RETRY_SECONDS = (5.0, 300.0)
 # What a 503 for a model that cannot be placed now asks the client to wait.
 NO_ROOM_RETRY_SECONDS = 5
 RETRY_LATER = {"Retry-After": str(NO_ROOM_RETRY_SECONDS)}
@@ -105,6 +111,8 @@ class ServedModel:
         # requests are done); None: its idle timeout. Each request sets it anew (`keep`).
         self.keep_alive: float | None = None
         self.last_error: str | None = None
+        self.failed_loads = 0  # in a row
+        self.retry_at = 0.0  # pinned and failed: when the watch loads it again
         self.counters = ModelCounters()
         # A cache clear asked for while it was not loaded: done once its load ends.
         self.clear_on_load = False
@@ -433,6 +441,10 @@ class ModelRegistry:
                 await asyncio.sleep(WATCH_SECONDS / 2)
             if engine.state is Lifecycle.FAILED:
                 model.last_error = f"the model {model.id} failed to load: {engine.error}"
+                model.failed_loads += 1
+                first, most = PINNED_RETRY_SECONDS
+                model.retry_at = time.monotonic() + min(
+                    most, first * 2 ** (model.failed_loads - 1))
                 log.error("%s", model.last_error)
                 if model.engine is engine:
                     model.engine = None
@@ -444,6 +456,7 @@ class ModelRegistry:
                 await self._clear(engine)
             model.learn()
             model.last_error = None
+            model.failed_loads = 0
             model.counters.loads += 1
             model.counters.load_seconds += time.monotonic() - started
             model.last_used = time.monotonic()
@@ -629,6 +642,12 @@ class ModelRegistry:
 
     async def _look_after(self, model: ServedModel, now: float) -> None:
         self._reap(model)
+        if (model.spec.pinned and model.engine is None and model.loading is None
+                and not self.stopping and now >= model.retry_at):
+            log.error("pinned model %s is not loaded (%s): loading it again", model.id,
+                      model.last_error)
+            model.loading = asyncio.create_task(self._load(model))
+            model.loading.add_done_callback(_logged)
         timeout = model.idle_timeout()
         if (timeout is not None and model.state is ModelState.LOADED
                 and model.loading is None and model.inflight == 0

@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 
 from engine.api import Lifecycle
+import pytest
+
+from server import model_registry
 from server.config import ModelSpec, Settings
 from server.http.errors import APIError
-from server.model_registry import WATCH_SECONDS, ModelRegistry
+from server.model_registry import WATCH_SECONDS, ModelRegistry, ModelState
 
 
 class IdleEngine:
@@ -42,5 +45,54 @@ async def test_a_model_taken_as_it_unloads_does_not_end_the_watch() -> None:
         await asyncio.sleep(WATCH_SECONDS * 3)
         assert refused == ["a"]
         assert [model.engine for model in registry.models] == [None, None]
+    finally:
+        registry.stop_watching()
+
+
+class DeadEngine:
+    """An engine whose process died as it loaded (killed again, or broken files)."""
+
+    state = Lifecycle.FAILED
+    error = "the engine process died (killed by SIGKILL)"
+    served = False
+    disk = None
+
+    def shutdown(self) -> None:
+        pass
+
+
+class ReadyEngine(IdleEngine):
+    disk = None
+    context_length = 8192
+    model_path = None
+    tokenizer = None
+    is_cross_encoder = False
+
+
+async def test_a_pinned_model_whose_load_fails_is_loaded_again_until_it_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No request need name it: /health, 503 while a pinned model is down, recovers."""
+    monkeypatch.setattr(model_registry, "PINNED_RETRY_SECONDS",
+                        (WATCH_SECONDS, 4 * WATCH_SECONDS))
+    starts: list[str] = []
+
+    def start_engine(spec: ModelSpec, settings: Settings, share: int) -> object:
+        starts.append(spec.id)
+        return DeadEngine() if len(starts) <= 3 else ReadyEngine()
+
+    settings = Settings(models=[ModelSpec(id="a", source="/models/a", pinned=True),
+                                ModelSpec(id="b", source="/models/b")])
+    registry = ModelRegistry(settings, start_engine, 1 << 30)
+    pinned, other = registry.models
+    registry.start()
+    try:
+        for _ in range(200):
+            await asyncio.sleep(WATCH_SECONDS / 2)
+            if pinned.state is ModelState.LOADED:
+                break
+        assert pinned.state is ModelState.LOADED and pinned.last_error is None
+        assert starts == ["a"] * 4  # the unpinned model waits for a request
+        assert other.engine is None
     finally:
         registry.stop_watching()
