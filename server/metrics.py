@@ -121,7 +121,7 @@ def read_stats(served: tuple[ServedModel, EngineClient]
     except (TimeoutError, EngineNotReady) as error:
         # A hung engine process, or one that just died (dropped once the registry sees
         # it): the other models still report.
-        log.warning("model %s: no engine stats (%s)", model.id, error or "no answer in time")
+        log.warning("model %s: no engine stats (%s)", model.id, str(error) or "no answer in time")
         return model, None
 
 
