@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.api import Lifecycle
 import pytest
 
+from engine.api import Lifecycle
 from server import model_registry
 from server.config import ModelSpec, Settings
 from server.http.errors import APIError
