@@ -33,14 +33,16 @@ Respond = Callable[[Lease], Awaitable[Response]]
 async def respond_with_model(
     models: ModelRegistry, name: str | None, streaming: bool, respond: Respond,
     stream_error: Callable[[APIError], SSEvents], ping: Callable[[], SSEvent] | None = None,
+    opening: list[SSEvent] | None = None,
 ) -> Response:
     """`respond(lease)` once `name`'s model is loaded. `respond` hands the lease to the
     generation it starts (released when that ends); if it raises, the lease is released
-    here."""
+    here. `opening`: events a stream that waits for the load sends at once (LM Studio's
+    chat.start and model_load.start), which `respond`'s stream then leaves out."""
     if not streaming or models.is_ready(name):
         return await _responded(await models.acquire(name), respond)
     models.lookup(name)  # an unknown model is still a plain 404
-    return LoadingEventSource(models, name, respond, stream_error, ping)
+    return LoadingEventSource(models, name, respond, stream_error, ping, opening)
 
 
 async def _responded(lease: Lease, respond: Respond) -> Response:
@@ -60,6 +62,7 @@ class LoadingEventSource(Response):
     def __init__(
         self, models: ModelRegistry, name: str | None, respond: Respond,
         stream_error: Callable[[APIError], SSEvents], ping: Callable[[], SSEvent] | None,
+        opening: list[SSEvent] | None = None,
     ) -> None:
         self.status_code = 200
         self.background = None
@@ -67,10 +70,14 @@ class LoadingEventSource(Response):
         self._models, self._name, self._respond = models, name, respond
         self._stream_error = stream_error
         self._ping = comment_ping if ping is None else lambda: frame(ping())
+        self._opening = frame(opening) if opening else b""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
+        if self._opening:
+            await send({"type": "http.response.body", "body": self._opening,
+                        "more_body": True})
         pinger = asyncio.ensure_future(self._pings(send))
         waiting = asyncio.ensure_future(self._models.acquire(self._name))
         watcher = asyncio.ensure_future(disconnected(receive))

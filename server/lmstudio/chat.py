@@ -86,8 +86,11 @@ async def chat(body: V1ChatRequest, request: Request) -> Response:
                    *(message for message in history if message["role"] != "system")]
     conversation = [*history, {"role": "user", "content": turn}]
     images += turn_images
-    # A model loaded for this request says so, as LM Studio's events and stats do.
+    # A model loaded for this request says so, as LM Studio's events and stats do; a
+    # stream says it at once (`_announced`), and that the load ended once it has.
     loading, clock = not state.models.is_ready(body.model), Clock()
+    instance = state.models.name_for(state.models.lookup(body.model), body.model)
+    announced = _announced(instance) if loading and body.stream else None
 
     async def respond(lease: Lease) -> Response:
         clock.ready()
@@ -98,7 +101,7 @@ async def chat(body: V1ChatRequest, request: Request) -> Response:
                            f"{body.reasoning!r} cannot be served", param="reasoning")
         with params_renamed(V1_PARAMS):
             run = await start(request, state, lease, _generation(body, conversation, images))
-        reply = ChatReply(state.models.name_for(lease.model, body.model), load_seconds)
+        reply = ChatReply(instance, load_seconds, announced=announced is not None)
 
         async def saved(result: V1ChatResult) -> V1ChatResult:
             if not body.store:
@@ -112,7 +115,14 @@ async def chat(body: V1ChatRequest, request: Request) -> Response:
             return Response(status_code=CLIENT_CLOSED)
         return model_response(await saved(reply.result(request)), exclude_none=True)
 
-    return await respond_with_model(state.models, body.model, False, respond, _error_event)
+    return await respond_with_model(state.models, body.model, body.stream, respond,
+                                    _error_event, opening=announced)
+
+
+def _announced(instance: str) -> list[NamedEvent]:
+    """What a stream that waits for its model to load sends at once."""
+    return [_event("chat.start", model_instance_id=instance),
+            _event("model_load.start", model_instance_id=instance)]
 
 
 async def _stored(state: ServerState, response_id: str | None
@@ -162,21 +172,24 @@ class ChatReply:
     message text one item) and, streamed, as its events. `load_seconds`: how long the
     request waited for its model to load (None: it was loaded)."""
 
-    def __init__(self, model_instance_id: str, load_seconds: float | None) -> None:
+    def __init__(self, model_instance_id: str, load_seconds: float | None,
+                 announced: bool = False) -> None:
         self.model_instance_id = model_instance_id
         self.load_seconds = load_seconds
+        self.announced = announced  # chat.start and model_load.start went out already
         self.output: list[OutputText] = []
         self.finished: ChoiceFinished | None = None
         self._prompt_done = False
         self._open: str | None = None  # the kind of the item being written
 
     def start(self) -> list[NamedEvent]:
-        loaded = [] if self.load_seconds is None else [
-            _event("model_load.start", model_instance_id=self.model_instance_id),
-            _event("model_load.end", model_instance_id=self.model_instance_id,
-                   load_time_seconds=self.load_seconds)]
-        return [_event("chat.start", model_instance_id=self.model_instance_id), *loaded,
-                _event("prompt_processing.start")]
+        opening = [] if self.announced else _announced(self.model_instance_id)
+        if self.load_seconds is None:
+            opening = opening[:1]
+        else:
+            opening.append(_event("model_load.end", model_instance_id=self.model_instance_id,
+                                  load_time_seconds=self.load_seconds))
+        return [*opening, _event("prompt_processing.start")]
 
     def events(self, event: Event) -> list[NamedEvent]:
         if isinstance(event, ChoiceFinished):

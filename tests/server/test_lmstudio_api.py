@@ -337,6 +337,32 @@ def test_v1_chat_says_when_it_loaded_its_model(studio: ServerProcess) -> None:
         unload()
 
 
+def test_a_v1_chat_stream_says_its_model_is_loading_before_the_load_ends(
+        studio: ServerProcess) -> None:
+    """chat.start and model_load.start come at once, not with model_load.end: a client
+    shows the load as it happens, and no read timeout fires on a silent stream."""
+    post(studio, "/api/v1/models/unload", {"instance_id": "spare"})
+    body = {**V1_RHYMES, "model": "spare", "store": False, "stream": True}
+    names, loaded_at_start = [], None
+    try:
+        with httpx.stream("POST", f"{studio.url}/api/v1/chat", json=body, headers=AUTH,
+                          timeout=300) as response:
+            for line in response.iter_lines():
+                if not line.startswith("event: "):
+                    continue
+                names.append(line.removeprefix("event: "))
+                if names[-1] == "model_load.start":
+                    listed = get(studio, "/api/v1/models").json()["models"]
+                    loaded_at_start = next(entry for entry in listed
+                                           if entry["key"] == "spare")["loaded_instances"]
+        assert names[:4] == ["chat.start", "model_load.start", "model_load.end",
+                             "prompt_processing.start"]
+        assert names.count("chat.start") == names.count("model_load.start") == 1
+        assert names[-1] == "chat.end" and loaded_at_start == []
+    finally:
+        post(studio, "/api/v1/models/unload", {"instance_id": "spare"})
+
+
 def test_v1_chat_gives_reasoning_its_own_item(thinking_server: ServerProcess) -> None:
     """A thinking model's reasoning is a reasoning item (and its events), counted apart,
     never inside the message; the stored turn keeps it, and the chat goes on from it."""
