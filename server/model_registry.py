@@ -227,10 +227,15 @@ class ServedModel:
 
     def check_ready(self) -> EngineClient:
         """The engine, ready; 503 before, with Retry-After while it loads (none after a
-        failed load: waiting does not mend that)."""
+        failed load, nor for a model of several that nothing is loading: waiting does not
+        mend those)."""
         engine = self.engine
         if engine is None:
-            raise APIError(503, f"the model {self.id} is not loaded", code="model_not_ready",
+            if self.loading is None:
+                raise APIError(503, f"the model {self.id} is not loaded: a request for it, "
+                               f"or POST /admin/models/{self.id}/load, loads it",
+                               code="model_not_ready")
+            raise APIError(503, f"the model {self.id} is loading", code="model_not_ready",
                            headers=RETRY_LATER)
         if engine.state is Lifecycle.READY:
             return engine

@@ -527,6 +527,11 @@ def test_a_flush_clears_every_model_and_one_not_loaded_as_it_loads(pair: ServerP
     for model in ("smol", "tiny", "idle"):
         cached(model)
     wait_until(lambda: states(pair)["idle"] == "unloaded", "unloaded when idle")
+    # Its tiers cannot be read unloaded, and waiting would not load it: no Retry-After.
+    unread = httpx.get(f"{pair.url}/admin/cache", params={"model": "idle"}, headers=AUTH,
+                       timeout=60)
+    assert unread.status_code == 503 and "retry-after" not in unread.headers
+    assert "POST /admin/models/idle/load" in unread.json()["error"]["message"]
     flushed = httpx.post(f"{pair.url}/flush_cache", headers=AUTH, timeout=60).json()
     by_id = {model["id"]: model for model in flushed["models"]}
     assert set(by_id) == {"smol", "gemma", "tiny", "idle", "broken"}
