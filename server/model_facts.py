@@ -41,6 +41,19 @@ def model_facts(model: ServedModel) -> ModelFacts:
                       dtype=weights.dtype if weights else "")
 
 
+def weight_files_bytes(model: ServedModel, facts: ModelFacts) -> int:
+    """The bytes of its weights' files, loaded or not (Ollama's /api/tags `size`, LM
+    Studio's `size_bytes`): a GGUF file's, else its directory's safetensors; 0 where no
+    directory is known yet (a hub id never loaded)."""
+    source = Path(facts.source).expanduser()
+    if facts.format == "gguf" and source.is_file():
+        return source.stat().st_size
+    directory = model.model_dir
+    if directory is None:
+        return 0
+    return sum(path.stat().st_size for path in directory.glob("*.safetensors"))
+
+
 @functools.cache
 def _weights(directory: Path, bits: int | None) -> WeightsSummary | None:
     return summarize(directory, bits)

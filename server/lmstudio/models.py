@@ -7,7 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from server.model_facts import ModelFacts, capabilities, model_config, model_facts
+from server.model_facts import (
+    ModelFacts,
+    capabilities,
+    model_config,
+    model_facts,
+    weight_files_bytes,
+)
 from server.model_registry import ModelState, ServedModel
 
 # A float dtype's bits per weight.
@@ -44,7 +50,7 @@ def describe(model: ServedModel) -> Described:
         max_context_length=model.context_length or (
             trained if isinstance(trained, int) else None),
         tool_use="tools" in can, vision="vision" in can, parameters=facts.parameters,
-        size_bytes=_size(model, facts))
+        size_bytes=weight_files_bytes(model, facts))
 
 
 def _publisher(facts: ModelFacts) -> str:
@@ -71,14 +77,3 @@ def _quantization(facts: ModelFacts) -> str:
     if not facts.bits:
         return facts.dtype
     return f"Q{facts.bits}" if facts.format == "gguf" else f"{facts.bits}bit"
-
-
-def _size(model: ServedModel, facts: ModelFacts) -> int:
-    """The bytes of its weights' files: a GGUF file's, else its directory's safetensors."""
-    source = Path(facts.source).expanduser()
-    if facts.format == "gguf" and source.is_file():
-        return source.stat().st_size
-    directory = model.model_dir
-    if directory is None:
-        return 0
-    return sum(path.stat().st_size for path in directory.glob("*.safetensors"))

@@ -34,7 +34,7 @@ from server.http.model_response import model_response
 from server.http.openapi import error_responses, json_lines
 from server.http.streaming import CLIENT_CLOSED, JSONLinesSource, to_the_end
 from server.metrics import read_stats
-from server.model_facts import capabilities, model_config, model_facts
+from server.model_facts import capabilities, model_config, model_facts, weight_files_bytes
 from server.model_registry import Lease, ModelState, ServedModel
 from server.ollama.adapter import (
     OllamaReply,
@@ -262,9 +262,9 @@ async def version() -> Version:
 async def tags(request: Request) -> ModelList:
     """Every configured model under each of its names, loaded or not."""
     state = server_state(request)
-    sizes = await _sizes(state)
-    return ModelList(models=[_listed(state, model, name, sizes) for model in state.models.models
-                             for name in state.models.names_of(model)])
+    return ModelList(models=[
+        _listed(state, model, name, weight_files_bytes(model, model_facts(model)))
+        for model in state.models.models for name in state.models.names_of(model)])
 
 
 @router.get("/ps")
@@ -280,7 +280,7 @@ async def running(request: Request) -> RunningModels:
         # Busy, it stays at least the timeout from now, as Ollama's does.
         idle = time.monotonic() - model.last_used if model.inflight == 0 else 0.0
         expires = NEVER if timeout is None else time.time() - idle + timeout
-        entry = _listed(state, model, model.id, sizes)
+        entry = _listed(state, model, model.id, sizes.get(model, 0))
         listed.append(RunningModel(
             **entry.model_dump(), size_vram=entry.size, context_length=model.context_length or 0,
             expires_at=_stamp(min(expires, NEVER))))
@@ -317,7 +317,7 @@ async def show(body: ShowRequest, request: Request) -> ShowResponse:
 
 
 async def _sizes(state: ServerState) -> dict[ServedModel, int]:
-    """Each loaded model's weight bytes, read off the loop and all at once: a stopped or
+    """Each loaded model's weight bytes in memory (/api/ps' `size`), read off the loop and all at once: a stopped or
     stuck engine process (until step_timeout kills it) does not answer for its stats,
     and waited for on the loop, it stalled every stream of every model 5 s a listed name,
     then made the listing a 500. Such a model is listed with no size."""
@@ -327,9 +327,7 @@ async def _sizes(state: ServerState) -> dict[ServedModel, int]:
     return {model: stats.weight_bytes for model, stats in read if stats is not None}
 
 
-def _listed(state: ServerState, model: ServedModel, name: str,
-            sizes: dict[ServedModel, int]) -> ListedModel:
-    size = sizes.get(model, 0)
+def _listed(state: ServerState, model: ServedModel, name: str, size: int) -> ListedModel:
     digest = hashlib.sha256(f"{model.id}\0{model.spec.source}".encode()).hexdigest()
     return ListedModel(name=name, model=name, modified_at=_stamp(state.started), size=size,
                        digest=digest, details=_details(model))

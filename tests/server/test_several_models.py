@@ -561,8 +561,8 @@ def test_operators_load_and_unload_and_a_stream_waits_for_its_load(
     assert json.loads(events[0][len("data: "):])["model"] == "tiny"
 
 
-def test_ollama_clients_read_what_a_model_can_do_loaded_or_not(pair: ServerProcess,
-                                                              budget: ServerProcess) -> None:
+def test_ollama_clients_read_what_a_model_can_do_loaded_or_not(
+        pair: ServerProcess, budget: ServerProcess, gemma_file: Path) -> None:
     """Editors' Ollama providers read /api/show's capabilities before they offer tools: an
     idle model unloaded, or one never loaded, is still a chat model with tools."""
     def show(server: ServerProcess, model: str) -> dict:
@@ -586,6 +586,11 @@ def test_ollama_clients_read_what_a_model_can_do_loaded_or_not(pair: ServerProce
     assert never["capabilities"] == ["completion", "tools"]
     assert never["details"]["family"] == loaded["details"]["family"] != ""
     assert show(pair, "broken")["capabilities"] == ["completion"]  # no template
+    # /api/tags lists each with its files' bytes, loaded or not (Ollama's `size`).
+    tags = httpx.get(f"{pair.url}/api/tags", headers=AUTH, timeout=60).json()["models"]
+    sizes = {entry["name"]: entry["size"] for entry in tags}
+    assert sizes["tiny"] == sizes["idle"] > 0  # the same weights, unloaded
+    assert sizes["gemma"] == gemma_file.stat().st_size
 
 
 def test_a_burst_of_loads_and_unloads_leaves_the_model_loadable(pair: ServerProcess) -> None:
@@ -662,7 +667,8 @@ def test_a_stopped_engine_stalls_no_ollama_listing_nor_the_other_models(
         tags, running = (listing.result() for listing in listings)
     assert (tags.status_code, running.status_code) == (200, 200), tags.text
     sizes = {entry["name"]: entry["size"] for entry in tags.json()["models"]}
-    assert sizes["up"] > 0 and sizes["stopped"] == sizes["halted"] == 0
+    # Its files' bytes: a listing asks no engine.
+    assert sizes["up"] > 0 and sizes["stopped"] == sizes["halted"] == sizes["up"]
     assert {entry["name"] for entry in running.json()["models"]} == {"up", "stopped"}
 
 
