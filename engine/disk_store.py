@@ -33,7 +33,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -58,9 +57,6 @@ from radix import Node, RadixTree
 
 log = logging.getLogger("radix_mlx.disk")
 
-# The default budget: this share of the free space where the cache lives, at most the cap.
-DEFAULT_DISK_FRACTION = 0.25
-DEFAULT_DISK_CAP_BYTES = 64 * 2**30
 # A disk that stays full fails most writes: their error is logged this often at most.
 FAILURE_LOG_SECONDS = 60.0
 # In each model's folder: held by the process whose disk tier it is (`lock_folder`).
@@ -82,15 +78,6 @@ QUANTIZED_PARTS = ("keys", "key_scales", "key_biases", "values", "value_scales",
 _MX_TO_ST = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.int32: "I32",
              mx.uint32: "U32", mx.int64: "I64", mx.uint64: "U64", mx.int16: "I16",
              mx.uint16: "U16", mx.int8: "I8", mx.uint8: "U8", mx.bool_: "BOOL"}
-
-
-def default_disk_budget(directory: Path) -> int:
-    """A share of the free space on the cache's file system, capped."""
-    probe = directory
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    return int(min(free * DEFAULT_DISK_FRACTION, DEFAULT_DISK_CAP_BYTES))
 
 
 # The engine's own code that computes a forward pass's numbers where mlx-lm's would

@@ -41,9 +41,10 @@ from engine.api import (
     check_request,
 )
 from engine.constraints import json_object
-from engine.disk_store import DiskStore, default_disk_budget, model_fingerprint
+from engine.disk_store import DiskStore, model_fingerprint
 from engine.distributed import RankGroup, memory_domain, one_gpu_would_be_faster
 from engine.draft_model import DraftModel, DraftModelError
+from engine.files import default_disk_budget
 from engine.grammar_check import GRAMMAR_THREAD_STACK_BYTES
 from engine.kv_quant import KVQuantization, cached_bytes_per_token, kv_quantization
 from engine.loader import LoadedModel, failed_load, load_model, model_id_for

@@ -18,6 +18,21 @@ def cache_dir(kind: str) -> Path:
     return Path(platformdirs.user_cache_dir("radix-mlx")) / kind
 
 
+# The disk tier's default budget: this share of the free space where the cache lives, at
+# most the cap.
+DEFAULT_DISK_FRACTION = 0.25
+DEFAULT_DISK_CAP_BYTES = 64 * 2**30
+
+
+def default_disk_budget(directory: Path) -> int:
+    """A share of the free space on the cache's file system, capped."""
+    probe = directory
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    return int(min(free * DEFAULT_DISK_FRACTION, DEFAULT_DISK_CAP_BYTES))
+
+
 def publish_directory(path: Path, write: Callable[[Path], None], replace: bool) -> None:
     """Run `write` on a staging directory beside `path`, then rename it to `path`.
 

@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from engine.api import KV_BITS, KV_GROUP_SIZES, DraftSource, SpeculationMode
-from engine.files import cache_dir
+from engine.files import cache_dir, default_disk_budget
 
 ENV_PREFIX = "RADIX_MLX_"
 
@@ -364,7 +364,8 @@ class Settings(BaseModel):
     )
     disk_cache_bytes: NonNegativeInt | None = Field(
         None, description="byte budget of the disk tier (0 turns it off); none: a quarter of "
-        "the free space there, at most 64 GiB"
+        "the free space there, at most 64 GiB; several models share it in equal parts, "
+        "but for those that set their own"
     )
     kv_bits: int | None = Field(
         None, description="quantize the prefix cache's keys and values (memory and disk "
@@ -542,7 +543,18 @@ class Settings(BaseModel):
         if self.several_models:
             base = self.disk_cache_dir or default_disk_cache_dir()
             overrides["disk_cache_dir"] = base / "models" / model_folder(spec.id)
+            if spec.disk_cache_bytes is None and self.disk_cache_bytes != 0:
+                overrides["disk_cache_bytes"] = self._disk_share(base)
         return self.model_copy(update=overrides)
+
+    def _disk_share(self, base: Path) -> int:
+        """A model's part of the disk tier's budget where it sets none of its own: the
+        server's (given, or a quarter of the free space, at most 64 GiB) in equal parts
+        among such models. Each taking the whole default, five models could fill the
+        disk."""
+        sharing = sum(spec.disk_cache_bytes is None for spec in self.model_specs())
+        total = self.disk_cache_bytes or default_disk_budget(base)
+        return total // sharing
 
     @property
     def scheme(self) -> str:

@@ -206,6 +206,27 @@ def test_a_draft_model_is_a_draft_source_of_its_model() -> None:
     assert (b.sources, b.draft_model) == (("prompt", "tree"), "")
 
 
+def test_several_models_share_the_disk_tiers_budget(tmp_path: Path) -> None:
+    """Each model's disk tier is its own folder: each taking the whole budget, five models
+    could fill the disk. Those that set no budget of their own share the server's equally;
+    a model's own budget is its own."""
+    models = [{"id": "a", "source": "/m/a"}, {"id": "b", "source": "/m/b"},
+              {"id": "c", "source": "/m/c", "disk_cache_bytes": 7 * 2**30}]
+    given = Settings(models=models, disk_cache_bytes=10 * 2**30, disk_cache_dir=tmp_path)
+    assert [given.for_model(spec).disk_cache_bytes for spec in given.models] == [
+        5 * 2**30, 5 * 2**30, 7 * 2**30]
+    default = Settings(models=models, disk_cache_dir=tmp_path)
+    budget = config.default_disk_budget(tmp_path)
+    shares = [default.for_model(spec).disk_cache_bytes for spec in default.models]
+    assert shares[2] == 7 * 2**30
+    assert abs(shares[0] - budget // 2) < 2**20 and shares[0] == shares[1]  # free space moves
+    off = Settings(models=models, disk_cache_bytes=0, disk_cache_dir=tmp_path)
+    assert [off.for_model(spec).disk_cache_bytes for spec in off.models] == [0, 0, 7 * 2**30]
+    # One model the old way keeps the whole budget, as it always did.
+    assert Settings(disk_cache_bytes=10 * 2**30).for_model(
+        Settings().model_specs()[0]).disk_cache_bytes == 10 * 2**30
+
+
 @pytest.mark.parametrize(("options", "words"), [
     ({"served_model_names": ["b"]}, "served_model_names b name another model than a"),
     ({"unnamed_model_aliases": ["b"]}, "unnamed_model_aliases b name a model"),
