@@ -4,7 +4,6 @@ format, family, size and quantization, and what it can do. Ollama's /api/tags an
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 from dataclasses import dataclass
@@ -12,8 +11,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine.encoder_folder import is_cross_encoder, is_sentence_encoder
-from engine.gguf import GGUFError
-from engine.model_source import default_model_file
 from engine.weights_summary import WeightsSummary, summarize
 from server.model_registry import ServedModel
 
@@ -46,15 +43,9 @@ def model_facts(model: ServedModel) -> ModelFacts:
 
 def weight_files_bytes(model: ServedModel, facts: ModelFacts) -> int:
     """The bytes of its weights' files, loaded or not (Ollama's /api/tags `size`, LM
-    Studio's `size_bytes`): a GGUF file's (the default model's too, whose engine names
-    the directory it was converted to), else its directory's safetensors; 0 where no
+    Studio's `size_bytes`): a GGUF file's, else its directory's safetensors; 0 where no
     directory is known yet (a hub id never loaded)."""
     source = Path(facts.source).expanduser()
-    if facts.format == "gguf" and not source.is_file():
-        converted_from = (model_config(model).get("gguf") or {}).get("file")
-        with contextlib.suppress(GGUFError):  # the default model's package not installed
-            if converted_from == default_model_file().name:
-                source = default_model_file()
     if facts.format == "gguf" and source.is_file():
         return source.stat().st_size
     directory = model.model_dir
