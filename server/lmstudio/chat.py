@@ -183,13 +183,13 @@ class ChatReply:
         self._open: str | None = None  # the kind of the item being written
 
     def start(self) -> list[NamedEvent]:
-        opening = [] if self.announced else _announced(self.model_instance_id)
+        processing = _event("prompt_processing.start")
         if self.load_seconds is None:
-            opening = opening[:1]
-        else:
-            opening.append(_event("model_load.end", model_instance_id=self.model_instance_id,
-                                  load_time_seconds=self.load_seconds))
-        return [*opening, _event("prompt_processing.start")]
+            return [_event("chat.start", model_instance_id=self.model_instance_id), processing]
+        opening = [] if self.announced else _announced(self.model_instance_id)
+        loaded = _event("model_load.end", model_instance_id=self.model_instance_id,
+                        load_time_seconds=self.load_seconds)
+        return [*opening, loaded, processing]
 
     def events(self, event: Event) -> list[NamedEvent]:
         if isinstance(event, ChoiceFinished):
