@@ -262,9 +262,11 @@ async def version() -> Version:
 async def tags(request: Request) -> ModelList:
     """Every configured model under each of its names, loaded or not."""
     state = server_state(request)
-    return ModelList(models=[
-        _listed(state, model, name, weight_files_bytes(model, model_facts(model)))
-        for model in state.models.models for name in state.models.names_of(model)])
+    sizes = {model: weight_files_bytes(model, model_facts(model))
+             for model in state.models.models}
+    return ModelList(models=[_listed(state, model, name, sizes[model])
+                             for model in state.models.models
+                             for name in state.models.names_of(model)])
 
 
 @router.get("/ps")
@@ -317,10 +319,11 @@ async def show(body: ShowRequest, request: Request) -> ShowResponse:
 
 
 async def _sizes(state: ServerState) -> dict[ServedModel, int]:
-    """Each loaded model's weight bytes in memory (/api/ps' `size`), read off the loop and all at once: a stopped or
-    stuck engine process (until step_timeout kills it) does not answer for its stats,
-    and waited for on the loop, it stalled every stream of every model 5 s a listed name,
-    then made the listing a 500. Such a model is listed with no size."""
+    """Each loaded model's weight bytes in memory (/api/ps' `size`), read off the loop
+    and all at once: a stopped or stuck engine process (until step_timeout kills it) does
+    not answer for its stats, and waited for on the loop, it stalled every stream of every
+    model 5 s a listed name, then made the listing a 500. Such a model is listed with no
+    size."""
     loaded = [served for served in state.models.engines()
               if served[0].state is ModelState.LOADED]
     read = await asyncio.gather(*(asyncio.to_thread(read_stats, served) for served in loaded))
