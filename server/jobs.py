@@ -7,7 +7,6 @@ outlives the HTTP request that asked for it (client gone, error, or drain deadli
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from collections import Counter
@@ -31,7 +30,7 @@ from engine.streams import EventQueue
 from server.events import Usage
 from server.http.access_log import RequestStats
 from server.http.drain import Drain, shutting_down
-from server.http.errors import APIError
+from server.http.errors import APIError, ServerBusy
 from server.metrics import Metrics
 from server.model_registry import RETRY_LATER
 
@@ -88,10 +87,7 @@ class Job:
                            param=prompt_param) from error
         except QueueFull as error:
             self.close()
-            raise APIError(
-                429, f"the server is busy: {error}", code="rate_limit_exceeded",
-                headers={"Retry-After": str(max(1, math.ceil(error.retry_after)))},
-            ) from error
+            raise ServerBusy(f"the server is busy: {error}", error.retry_after) from error
         except Unsupported as error:
             self.close()
             raise APIError(400, str(error), code="model_not_supported") from error

@@ -15,6 +15,7 @@ server log.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -156,6 +157,24 @@ class PromptTooLong(APIError):
             type=anthropic_error_type(self.status),
             message=f"prompt is too long: {self.tokens} tokens > {self.limit} maximum"),
             request_id=request_id)
+
+
+class ServerBusy(APIError):
+    """The queue is full. OpenAI's API says so as 429 rate_limit_exceeded; Anthropic's
+    keeps 429 for an account's rate limit and says a busy service with 529
+    overloaded_error, which Claude Code shows and retries as "overloaded"."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(429, message, code="rate_limit_exceeded",
+                         headers={"Retry-After": str(max(1, math.ceil(retry_after)))})
+
+    def response(self, scope: Scope) -> JSONResponse:
+        if not speaks_anthropic(scope):
+            return super().response(scope)
+        body = AnthropicErrorResponse(
+            error=AnthropicErrorInfo(type="overloaded_error", message=self.message),
+            request_id=request_id_of(scope))
+        return JSONResponse(body.model_dump(), 529, headers=self.headers)
 
 
 @contextmanager

@@ -12,7 +12,7 @@ ERROR_DESCRIPTIONS: dict[int | str, str] = {
     401: "Missing or wrong API key.",
     404: "Unknown model (or stored response).",
     413: "Body over the server's max_body_bytes.",
-    429: "Queue full; retry after Retry-After seconds.",
+    429: "Queue full (/v1/messages: 529 overloaded_error); retry after Retry-After seconds.",
     500: "The engine failed this request; the message names the request id.",
     503: "The model is loading or failed to load, or the server is shutting down.",
     # Covers the rest (e.g. 405) and keeps FastAPI from declaring a 422 we never send.

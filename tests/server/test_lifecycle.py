@@ -140,9 +140,18 @@ def test_full_queue_gets_429_then_recovers(small_server: ServerProcess) -> None:
             if running:
                 assert next(lines[-1]).startswith("data:")
         refused = httpx.post(url, json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
+        # Anthropic's API says a busy service (not an account's rate limit) with 529.
+        model = httpx.get(f"{small_server.url}/v1/models").json()["data"][0]["id"]
+        overloaded = httpx.post(f"{small_server.url}/v1/messages", json={
+            "model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}],
+        }, timeout=30)
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(refused.headers["retry-after"]) >= 1
+    assert overloaded.status_code == 529, overloaded.text
+    assert overloaded.json()["error"]["type"] == "overloaded_error"
+    assert overloaded.json()["request_id"] == overloaded.headers["request-id"]
+    assert int(overloaded.headers["retry-after"]) >= 1
     wait_idle(small_server)
     ok = httpx.post(url, json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
     assert ok.status_code == 200, ok.text
