@@ -317,9 +317,13 @@ class ModelRegistry:
         unknown name is a 404, never a load of some path or repo."""
         if name is None or name in self.settings.unnamed_model_aliases:
             return self.default
-        for model in self.models:
-            if name in self.names_of(model):
-                return model
+        # Ollama names a model `name:tag`, `name` alone meaning `name:latest`, and its
+        # clients add the tag: a served name with `:latest` is that name.
+        untagged = name.removesuffix(":latest")
+        for wanted in (name, untagged):
+            for model in self.models:
+                if wanted in self.names_of(model):
+                    return model
         known = [served for model in self.models for served in self.names_of(model)]
         raise APIError(404, f"The model {shown(name, 200)} does not exist; this server serves "
                        f"{known}.",

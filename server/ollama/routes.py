@@ -19,7 +19,7 @@ import hashlib
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -73,7 +73,6 @@ from server.prefill.routes import embed_texts, normalised
 from server.request import GenerationRequest
 from server.state import ServerState, server_state
 
-Body = TypeVar("Body", ChatRequest, GenerateRequest)
 # A model's sampling defaults by the names of Ollama's parameters, where they differ.
 OLLAMA_PARAMETER = {"repetition_penalty": "repeat_penalty"}
 # 9999-12-31T23:59:59Z: a pinned model's expiry.
@@ -91,7 +90,6 @@ def _streamed(chunk: type) -> dict[int | str, dict[str, Any]]:
 
 @router.post("/chat", responses=_streamed(ChatChunk))
 async def chat(body: ChatRequest, request: Request) -> Response:
-    body = _untagged(request, body)
     if not body.messages:
         return await _load_or_unload(request, body, chat=True)
     return await _reply(request, body, chat_request(body), chat=True)
@@ -99,24 +97,9 @@ async def chat(body: ChatRequest, request: Request) -> Response:
 
 @router.post("/generate", responses=_streamed(GenerateChunk))
 async def generate(body: GenerateRequest, request: Request) -> Response:
-    body = _untagged(request, body)
     if not body.prompt and not body.images:
         return await _load_or_unload(request, body, chat=False)
     return await _reply(request, body, generate_request(body), chat=False)
-
-
-def _untagged(request: Request, body: Body) -> Body:
-    """Ollama names a model `name:tag`, `name` alone meaning `name:latest`, and its clients
-    add the tag: a served name with `:latest` is that name."""
-    name = _served_name(request, body.model)
-    return body if name == body.model else body.model_copy(update={"model": name})
-
-
-def _served_name(request: Request, name: str) -> str:
-    models = server_state(request).models
-    names = {known for model in models.models for known in models.names_of(model)}
-    untagged = name.removesuffix(":latest")
-    return untagged if name not in names and untagged in names else name
 
 
 async def _reply(request: Request, body: GenerationFields, generation: GenerationRequest,
@@ -191,7 +174,7 @@ async def _load_or_unload(request: Request, body: GenerationFields, chat: bool) 
 @router.post("/embed")
 async def embed(body: EmbedRequest, request: Request) -> Response:
     clock = Clock()
-    name = _served_name(request, body.model)
+    name = body.model
     inputs = body.input if isinstance(body.input, list) else [body.input] * bool(body.input)
     if not inputs:  # Ollama's way to load an embedding model
         return model_response(EmbedResponse(model=await _load(request, name, body.keep_alive),
@@ -217,7 +200,7 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
 
 @router.post("/embeddings")
 async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
-    name = _served_name(request, body.model)
+    name = body.model
     if not body.prompt:
         await _load(request, name, body.keep_alive)
         return model_response(EmbeddingsResponse(embedding=[]))
@@ -295,7 +278,7 @@ async def show(body: ShowRequest, request: Request) -> ShowResponse:
     name = body.model or body.name
     if not name:
         raise APIError(400, "model is required", param="model")
-    model = state.models.lookup(_served_name(request, name))
+    model = state.models.lookup(name)
     details, config = _details(model), model_config(model)
     family = details.family or "model"
     info: dict[str, Any] = {"general.architecture": family}

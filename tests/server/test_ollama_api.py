@@ -227,9 +227,13 @@ def test_an_empty_request_loads_the_model_and_the_only_one_is_not_unloaded(
     # Ollama's client leaves a prompt it was not given out of the body; so may an input.
     assert olla.embeddings(model=model_id).embedding == []
     assert olla._client.post("/api/embed", json={"model": model_id}).json()["embeddings"] == []
-    # Ollama's clients add its default tag to a name.
+    # Ollama's clients add its default tag to a name, and its replies echo the name sent.
     tagged = olla.generate(model=f"{model_id}:latest", prompt="")
-    assert (tagged.model, tagged.done_reason) == (model_id, "load")
+    assert (tagged.model, tagged.done_reason) == (f"{model_id}:latest", "load")
+    said = olla.chat(model=f"{model_id}:latest", messages=[{"role": "user", "content": "Hi"}],
+                     options={"num_predict": 2})
+    assert said.model == f"{model_id}:latest"
+    assert olla.embed(model=f"{model_id}:latest", input="Hi").model == f"{model_id}:latest"
     assert olla.show(f"{model_id}:latest").capabilities == olla.show(model_id).capabilities
     with pytest.raises(ollama.ResponseError) as kept:
         olla.generate(model=model_id, prompt="", keep_alive=0)
