@@ -15,15 +15,11 @@ from mlx_lm.utils import load_tokenizer as load_mlx_lm_tokenizer
 from engine.distributed import RankGroup, shard
 from engine.image_tokens import read_image_tokens
 from engine.mlx_lm_internals import use_engine_kernels
+from engine.model_config import config_int, context_length
 from engine.tokenizer import ModelTokenizer
 from engine.vision import Vision
 
 log = logging.getLogger("radix_mlx.engine")
-
-# Context window used when a model's config names none.
-DEFAULT_CONTEXT_LENGTH = 4096
-_CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length",
-                 "max_sequence_length", "context_length")
 
 
 def failed_load(error: Exception) -> str:
@@ -77,15 +73,14 @@ def load_model(path_or_repo: str, group: RankGroup | None = None,
         shard(model, config, group)
         mx.eval(model.parameters())
     weight_bytes = sum(v.nbytes for _, v in nn.utils.tree_flatten(model.parameters()))
-    vocab_size = _config_int(config, ("vocab_size",)) or len(tokenizer.vocab)
-    context_length = _config_int(config, _CONTEXT_KEYS) or DEFAULT_CONTEXT_LENGTH
+    vocab_size = config_int(config, ("vocab_size",)) or len(tokenizer.vocab)
     path = local if local.exists() else hf_repo_to_path(path_or_repo)
     model_tokenizer = _model_tokenizer(tokenizer, path)
     vision = None
     if model_tokenizer.images is not None and group is None:
         vision = Vision(path, model, model_tokenizer.images)
         weight_bytes += vision.weight_bytes
-    return LoadedModel(model, model_tokenizer, model_id_for(path_or_repo), context_length,
+    return LoadedModel(model, model_tokenizer, model_id_for(path_or_repo), context_length(config),
                        vocab_size, weight_bytes, path, vision)
 
 
@@ -106,13 +101,3 @@ def _template_config(chat_template: str | None) -> dict[str, Any] | None:
     """What transformers' tokenizer loader takes to replace the chat template (as mlx-lm's
     server does for its --chat-template)."""
     return None if chat_template is None else {"chat_template": chat_template}
-
-
-def _config_int(config: dict[str, Any], keys: tuple[str, ...]) -> int | None:
-    """The first positive integer under one of `keys`, at the top level or in the
-    `text_config` that multimodal configs nest the language model's settings in."""
-    for source in (config, config.get("text_config") or {}):
-        for key in keys:
-            if isinstance(source.get(key), int) and source[key] > 0:
-                return source[key]
-    return None

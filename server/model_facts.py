@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine.encoder_folder import is_cross_encoder, is_sentence_encoder
+from engine.model_config import context_length
 from engine.weights_summary import WeightsSummary, summarize
 from server.model_registry import ServedModel
 
@@ -96,3 +97,16 @@ def capabilities(model: ServedModel) -> list[str]:
     if not (config.get("chat_template") or model.spec.chat_template):
         return ["completion"]
     return ["completion", "tools", *(["vision"] if "vision_config" in config else [])]
+
+
+def context_window(model: ServedModel) -> int | None:
+    """Its context window (OpenAI's max_input_tokens, LM Studio's max_context_length):
+    its engine's once loaded; before, what its config and the operator's context_length
+    will make it, as the engine does. None where no config is known yet (a hub id never
+    loaded) and for an encoder, whose window its sentence-transformers files set."""
+    if model.context_length is not None:
+        return model.context_length
+    config = model_config(model)
+    if not config or "completion" not in capabilities(model):
+        return None
+    return context_length(config, model.settings.context_length)

@@ -10,7 +10,7 @@ from typing import Literal
 from server.model_facts import (
     ModelFacts,
     capabilities,
-    model_config,
+    context_window,
     model_facts,
     weight_files_bytes,
 )
@@ -29,7 +29,7 @@ class Described:
     quantization: str  # "" where its weights are not known yet
     bits_per_weight: int | None
     loaded: bool
-    max_context_length: int | None  # None: never loaded, and its config names none
+    max_context_length: int | None  # None: no config known yet (a hub id), or an encoder not loaded
     tool_use: bool
     vision: bool
     parameters: int | None
@@ -38,7 +38,6 @@ class Described:
 
 def describe(model: ServedModel) -> Described:
     facts, can = model_facts(model), capabilities(model)
-    trained = model_config(model).get("max_position_embeddings")
     return Described(
         type="embeddings" if "completion" not in can else "vlm" if "vision" in can else "llm",
         publisher=_publisher(facts), arch=facts.family,
@@ -46,9 +45,7 @@ def describe(model: ServedModel) -> Described:
         quantization=_quantization(facts),
         bits_per_weight=facts.bits or DTYPE_BITS.get(facts.dtype),
         loaded=model.state is ModelState.LOADED,
-        # Before its first load, what its config says it was trained for.
-        max_context_length=model.context_length or (
-            trained if isinstance(trained, int) else None),
+        max_context_length=context_window(model),
         tool_use="tools" in can, vision="vision" in can, parameters=facts.parameters,
         size_bytes=weight_files_bytes(model, facts))
 

@@ -47,7 +47,7 @@ class ModelEntry(ResponseModel):
     compatibility_type: Literal["mlx", "gguf"]
     quantization: str
     state: Literal["loaded", "not-loaded"]
-    max_context_length: int | None  # None: never loaded, and its config names none
+    max_context_length: int | None  # None: no config known yet (a hub id), or an encoder not loaded
     capabilities: list[Literal["tool_use"]]
 
 

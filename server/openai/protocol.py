@@ -892,7 +892,7 @@ class ModelCard(ResponseModel):
     display_name: str
     created_at: str  # RFC 3339
     lifecycle: Literal["active"] = "active"
-    max_input_tokens: int | None  # None: a model not loaded since the server started
+    max_input_tokens: int | None  # None: no config known yet (a hub id), or an encoder not loaded
     # radix-mlx's: whether the model is loaded now, and whether it always is.
     state: Literal["loaded", "loading", "unloaded"]
     pinned: bool

@@ -19,6 +19,7 @@ from server.http.loading import respond_with_model
 from server.http.model_response import model_response
 from server.http.openapi import error_responses, event_stream
 from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, to_the_end
+from server.model_facts import context_window
 from server.model_registry import Lease, ServedModel
 from server.openai.adapter import (
     chat_request,
@@ -79,7 +80,7 @@ async def get_model(model: str, request: Request) -> ModelCard:
 def _model_card(state: ServerState, model: ServedModel, name: str) -> ModelCard:
     created_at = datetime.fromtimestamp(state.started, UTC).isoformat().replace("+00:00", "Z")
     return ModelCard(id=name, created=state.started, root=model.id, display_name=name,
-                     created_at=created_at, max_input_tokens=model.context_length,
+                     created_at=created_at, max_input_tokens=context_window(model),
                      state=model.state.value, pinned=model.spec.pinned)
 
 

@@ -772,6 +772,31 @@ def test_an_unloaded_models_card_is_what_its_last_load_found(demos: list[Path],
         server.stop()
 
 
+def test_a_model_never_loaded_lists_the_window_its_load_will_give(demos: list[Path],
+                                                                   tmp_path: Path) -> None:
+    """Before a model's first load, /v1/models and LM Studio's listing give the context
+    window its config and its context_length will make it, the one it has once loaded (a
+    client sizing its prompts by the listing read null)."""
+    server = start_models(tmp_path, [{"id": "a", "source": str(demos[0])},
+                                     {"id": "b", "source": str(demos[1]), "context_length": 100}])
+
+    def windows() -> dict[str, tuple[int | None, int | None]]:
+        cards = httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=10).json()["data"]
+        studio = httpx.get(f"{server.url}/api/v0/models", headers=AUTH,
+                           timeout=10).json()["data"]
+        lengths = {model["id"]: model["max_context_length"] for model in studio}
+        return {card["id"]: (card["max_input_tokens"], lengths[card["id"]]) for card in cards}
+
+    try:
+        assert states(server)["b"] == "unloaded"
+        before = windows()
+        assert before == {"a": (before["a"][0], before["a"][0]), "b": (100, 100)}
+        assert chat(server, "a").status_code == 200 and chat(server, "b").status_code == 200
+        assert windows() == before
+    finally:
+        server.stop()
+
+
 def test_ollamas_ps_says_when_an_idle_model_unloads(demos: list[Path], tmp_path: Path) -> None:
     """/api/ps' expires_at is when the idle timeout unloads the model: its last request's
     end plus the timeout, not always the timeout from now (a model idle for most of its
