@@ -49,7 +49,7 @@ log = logging.getLogger("radix_mlx.engine")
 
 DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 # Bump when the output of `convert` changes, so cached conversions are redone.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 MAGIC = b"GGUF"
 GROUP_SIZE = 32  # llama.cpp's block size, and what mx.load gives its quantized types
 
@@ -481,8 +481,10 @@ def _write(gguf: GGUFFile, directory: Path, dtype: str) -> None:
     weights, quantization = convert_weights(gguf, dtype)
     if quantization is not None:
         config["quantization"] = quantization
-    config["gguf"] = {"file": gguf.path.name, "dtype": dtype,
-                      "converter_version": CONVERTER_VERSION}
+    # The file's own size is what clients list as the model's (Ollama's /api/tags): the
+    # conversion's (float32 on a CPU) can be several times it.
+    config["gguf"] = {"file": gguf.path.name, "bytes": gguf.path.stat().st_size,
+                      "dtype": dtype, "converter_version": CONVERTER_VERSION}
     mx.save_safetensors(str(directory / "model.safetensors"), weights,
                         metadata={"format": "mlx"})
     build_tokenizer(gguf).save(str(directory / "tokenizer.json"))

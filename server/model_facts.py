@@ -44,11 +44,15 @@ def model_facts(model: ServedModel) -> ModelFacts:
 
 def weight_files_bytes(model: ServedModel, facts: ModelFacts) -> int:
     """The bytes of its weights' files, loaded or not (Ollama's /api/tags `size`, LM
-    Studio's `size_bytes`): a GGUF file's, else its directory's safetensors; 0 where no
-    directory is known yet (a hub id never loaded)."""
+    Studio's `size_bytes`): a GGUF file's (named, or as its conversion recorded it: the
+    default model's), else its directory's safetensors; 0 where no directory is known yet
+    (a hub id never loaded)."""
     source = Path(facts.source).expanduser()
     if facts.format == "gguf" and source.is_file():
         return source.stat().st_size
+    converted = model_config(model).get("gguf")
+    if isinstance(converted, dict) and isinstance(converted.get("bytes"), int):
+        return converted["bytes"]
     directory = model.model_dir
     if directory is None:
         return 0

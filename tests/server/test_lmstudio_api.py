@@ -417,8 +417,13 @@ def test_the_default_model_is_the_gguf_it_was_converted_from(real_server: Server
                                                              ) -> None:
     """Served from the directory its GGUF was converted to as it loaded, the default model
     is still LM Studio's gguf (and Ollama's), its publisher unknown: not the name of the
-    conversion's cache folder."""
+    conversion's cache folder; and its size is the GGUF's, not the float32 conversion's
+    (5.5x it)."""
     listed = get(real_server, "/api/v0/models").json()["data"][0]
     assert (listed["compatibility_type"], listed["publisher"]) == ("gguf", "")
     tags = get(real_server, "/api/tags").json()["models"][0]
     assert tags["details"]["format"] == "gguf"
+    gguf_bytes = default_model_file().stat().st_size
+    assert tags["size"] == gguf_bytes
+    [studio] = get(real_server, "/api/v1/models").json()["models"]
+    assert studio["size_bytes"] == gguf_bytes
