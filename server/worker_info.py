@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from engine.api import EngineClient, EngineError, EngineStats, SamplingParams
 from server.admin import cleared, engine_stats
 from server.http.errors import APIError
-from server.http.json_body import JSONRoute, refuse_a_web_pages_post
+from server.http.json_body import JSONRoute
 from server.metrics import read_stats
 from server.model_registry import ServedModel
 from server.state import ServerState, server_state
@@ -151,7 +151,6 @@ async def get_load(request: Request) -> list[WorkerLoad]:
 async def flush_cache(request: Request) -> dict[str, Any]:
     """Drop the prefix cache that no request is using (requests keep what they hold), of
     every model: each one's memory freed and tiers, or that its next load clears it."""
-    refuse_a_web_pages_post(request)  # it reads no body, so nothing else would refuse it
     models = server_state(request).models
     flushed = [{"id": served.id, **await cleared(models, served)} for served in models.models]
     return {"cleared": True,

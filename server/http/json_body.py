@@ -78,8 +78,10 @@ class JSONRoute(APIRoute):
 
         async def with_json_request(request: Request) -> Response:
             scope = request.scope
+            # Also where no body is read (loading a model, flushing a cache): a page sends
+            # such a POST as easily as a form.
+            refuse_a_web_pages_post(request)
             if self.any_content_type:
-                refuse_a_web_pages_post(request)
                 scope = _labelled_json(scope)
             return await handler(JSONRequest(scope, request.receive))
 
@@ -98,12 +100,13 @@ class AnyTypeJSONRoute(JSONRoute):
 
 
 def refuse_a_web_pages_post(request: Request) -> None:
-    """A body of a type a web form or a no-cors fetch can send (no CORS preflight: a form
-    type, text/plain, or none at all) from a page on another origin: any site the user
-    visits could make a keyless local server act (generate, flush its cache). curl and
-    routers send no Origin; a page of an origin CORS allows sends JSON as JSON."""
+    """A POST with a body of a type a web form or a no-cors fetch can send (no CORS
+    preflight: a form type, text/plain, or none at all) from a page on another origin: any
+    site the user visits could make a keyless local server act (generate, load or unload a
+    model, flush its cache). curl and routers send no Origin; a page of an origin CORS
+    allows sends JSON as JSON. Other methods that act (DELETE, PUT) always ask CORS first."""
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if ("origin" in request.headers and request.method not in ("GET", "HEAD")
+    if ("origin" in request.headers and request.method == "POST"
             and media_type != "application/json"):
         raise HTTPException(403, f"a {media_type or 'untyped'} body from the web page at "
                                  f"{request.headers['origin']} is refused: send JSON as "

@@ -259,6 +259,18 @@ def test_ollamas_stop_of_a_busy_model_unloads_it_once_its_requests_are_done(
         time.sleep(0.1)
 
 
+@pytest.mark.parametrize("action", ["load", "unload"])
+def test_a_web_page_on_another_origin_cannot_load_or_unload_a_model(pair: ServerProcess,
+                                                                    action: str) -> None:
+    """These POSTs read no body, so a page makes a browser send them as easily as a form,
+    without asking CORS first: refused, as /flush_cache's are, and nothing changes."""
+    before = states(pair)
+    sent = httpx.post(f"{pair.url}/admin/models/tiny/{action}", timeout=60,
+                      headers={**AUTH, "Origin": "https://evil.example"})
+    assert sent.status_code == 403 and "evil.example" in sent.json()["error"]["message"]
+    assert states(pair) == before
+
+
 def test_a_killed_model_fails_its_requests_only_and_reloads(pair: ServerProcess) -> None:
     """One model's engine process dies mid-stream: that stream ends with an error, the
     other model answers meanwhile, and the next request loads the model again. The model
