@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
     AfterValidator,
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -64,6 +65,28 @@ class RequestModel(BaseModel):
             return {key: value for key, value in data.items()
                     if value is not None or key not in unset}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name_each(cls, data: Any) -> Any:
+        """A field that goes by several names (TEI's `texts` for `documents`, vLLM's
+        `text_1` for `queries`) sent under two of them is a 400, not one of the two
+        silently dropped."""
+        if isinstance(data, dict):
+            for names in _alias_choices(cls):
+                sent = [name for name in names if name in data]
+                if len(sent) > 1:
+                    raise ValueError(f"{' and '.join(map(repr, sent))} are one field's "
+                                     "names: send one of them")
+        return data
+
+
+@functools.cache
+def _alias_choices(model: type[BaseModel]) -> list[list[str]]:
+    """The names of each of `model`'s fields that has several."""
+    return [[choice for choice in field.validation_alias.choices if isinstance(choice, str)]
+            for field in model.model_fields.values()
+            if isinstance(field.validation_alias, AliasChoices)]
 
 
 @functools.cache

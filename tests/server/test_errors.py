@@ -199,6 +199,12 @@ CASES = [
      "invalid_request", "input"),
     ("embeddings input a bool", "POST", "/v1/embeddings", {"json": {"input": True}}, 400,
      "invalid_request", "input"),
+    # A field by two of its names: which one wins would be a guess.
+    ("rerank documents and texts", "POST", "/v1/rerank",
+     {"json": {"query": "cat", "documents": ["a"], "texts": ["b"]}}, 400, "invalid_request",
+     None),
+    ("score text_1 and queries", "POST", "/v1/score",
+     {"json": {"text_1": "a", "queries": "b", "text_2": "c"}}, 400, "invalid_request", None),
     ("unknown model", "POST", CHAT, chat(model="gpt-4o"), 404, "model_not_found", "model"),
     ("unknown model card", "GET", "/v1/models/gpt-4o", {}, 404, "model_not_found", "model"),
     ("unknown route", "GET", "/v1/engines", {}, 404, "not_found", None),
