@@ -131,8 +131,7 @@ class APIError(Exception):
             body = self.tei_body()
         elif scope["path"] in COHERE_EMBED_PATHS:
             body = self.cohere_body(request_id_of(scope))
-        elif scope["path"].startswith(OLLAMA_PATH) and not scope["path"].startswith(
-                LMSTUDIO_PATHS):
+        elif speaks_ollama(scope):
             body = OllamaErrorResponse(error=self.message)
         else:
             body = self.body()
@@ -162,19 +161,19 @@ class PromptTooLong(APIError):
 class ServerBusy(APIError):
     """The queue is full. OpenAI's API says so as 429 rate_limit_exceeded; Anthropic's
     keeps 429 for an account's rate limit and says a busy service with 529
-    overloaded_error, which Claude Code shows and retries as "overloaded"."""
+    overloaded_error, which Claude Code shows and retries as "overloaded"; Ollama's
+    server answers a full queue with 503 ("server busy")."""
 
     def __init__(self, message: str, retry_after: float) -> None:
         super().__init__(429, message, code="rate_limit_exceeded",
                          headers={"Retry-After": str(max(1, math.ceil(retry_after)))})
 
     def response(self, scope: Scope) -> JSONResponse:
-        if not speaks_anthropic(scope):
-            return super().response(scope)
-        body = AnthropicErrorResponse(
-            error=AnthropicErrorInfo(type="overloaded_error", message=self.message),
-            request_id=request_id_of(scope))
-        return JSONResponse(body.model_dump(), 529, headers=self.headers)
+        if speaks_anthropic(scope):
+            return APIError(529, self.message, headers=self.headers).response(scope)
+        if speaks_ollama(scope):
+            return APIError(503, self.message, headers=self.headers).response(scope)
+        return super().response(scope)
 
 
 @contextmanager
@@ -207,6 +206,12 @@ def speaks_anthropic(scope: Scope) -> bool:
     path = scope["path"]
     return (path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
             or any(name == b"anthropic-version" for name, _ in scope.get("headers", ())))
+
+
+def speaks_ollama(scope: Scope) -> bool:
+    """A request to Ollama's native API (/api/...; LM Studio's share the prefix)."""
+    path = scope["path"]
+    return path.startswith(OLLAMA_PATH) and not path.startswith(LMSTUDIO_PATHS)
 
 
 def error_type(status: int) -> str:

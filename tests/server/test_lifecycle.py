@@ -128,7 +128,7 @@ def small_server(
     process.stop()
 
 
-def test_full_queue_gets_429_then_recovers(small_server: ServerProcess) -> None:
+def test_a_full_queue_is_each_apis_busy_answer_then_recovers(small_server: ServerProcess) -> None:
     url = f"{small_server.url}/v1/completions"
     body = {"prompt": "Go on.", "stream": True, **LONG}
     # Line iterators are kept: dropping one would close its connection (and so cancel).
@@ -145,6 +145,10 @@ def test_full_queue_gets_429_then_recovers(small_server: ServerProcess) -> None:
         overloaded = httpx.post(f"{small_server.url}/v1/messages", json={
             "model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}],
         }, timeout=30)
+        # Ollama's server answers a full queue with 503, "server busy".
+        busy = httpx.post(f"{small_server.url}/api/generate", json={
+            "model": model, "prompt": "Hi", "stream": False, "options": {"num_predict": 1}},
+            timeout=30)
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(refused.headers["retry-after"]) >= 1
@@ -152,6 +156,8 @@ def test_full_queue_gets_429_then_recovers(small_server: ServerProcess) -> None:
     assert overloaded.json()["error"]["type"] == "overloaded_error"
     assert overloaded.json()["request_id"] == overloaded.headers["request-id"]
     assert int(overloaded.headers["retry-after"]) >= 1
+    assert busy.status_code == 503 and "busy" in busy.json()["error"], busy.text
+    assert int(busy.headers["retry-after"]) >= 1
     wait_idle(small_server)
     ok = httpx.post(url, json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
     assert ok.status_code == 200, ok.text
