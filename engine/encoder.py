@@ -17,6 +17,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -328,6 +329,7 @@ class EncoderEngine:
         rows = [work.job.inputs[row] for work, row in batch]
         types = [work.job.token_types[row] for work, row in batch
                  if work.job.token_types is not None]
+        started, cpu_started = time.perf_counter(), time.thread_time()
         try:
             outputs = self._forward(
                 padded(rows, width), padded([[1] * len(row) for row in rows], width),
@@ -342,6 +344,8 @@ class EncoderEngine:
             return
         self._counters.prefill_tokens += sum(map(len, rows))
         self._counters.steps += 1
+        self._counters.step_seconds += time.perf_counter() - started
+        self._counters.step_cpu_seconds += time.thread_time() - cpu_started
         for (work, row), output in zip(batch, outputs):
             work.outputs[row] = output
         for work in [work for work in turns if not work.left]:

@@ -582,6 +582,18 @@ def test_a_short_request_behind_a_long_one_waits_for_one_forward(
     assert after.status_code == 200, after.text
 
 
+def test_an_encoders_forwards_are_timed_in_the_metrics(encoder_server: ServerProcess) -> None:
+    """An operator reads how busy an encoder is from its step seconds, as a generator's:
+    they stayed 0 while its steps counted."""
+    embedded = httpx.post(f"{encoder_server.url}/v1/embeddings", timeout=60,
+                          json={"input": ["a word"] * 64})
+    assert embedded.status_code == 200, embedded.text
+    metrics = encoder_server.metrics()
+    assert metrics["radix_mlx_engine_steps_total"] > 0
+    assert metrics["radix_mlx_engine_step_seconds_total"] > 0
+    assert metrics["radix_mlx_engine_step_cpu_seconds_total"] > 0
+
+
 def test_an_encoder_does_not_chat_or_classify(encoder_server: ServerProcess) -> None:
     for path, body in [("/v1/chat/completions", {"messages": [{"role": "user",
                                                                "content": "hi"}]}),
