@@ -14,7 +14,10 @@ until they end, so the bytes of an unfinished head are counted here instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
+import sys
 from collections.abc import Callable
 
 from uvicorn._types import ASGISendEvent
@@ -56,6 +59,7 @@ class BoundedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        _hold_little_unsent(transport)
         self._await_client(self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -153,6 +157,25 @@ class BoundedProtocol(HttpToolsProtocol):
                     "(write_timeout): connection closed", request_id, self._write_timeout)
         self.transport.abort()
 
+
+def _hold_little_unsent(transport: asyncio.Transport) -> None:
+    """Have the kernel take no more of a response than NOT_SENT_BYTES past what the client
+    has room for. Otherwise its send buffer grows to megabytes (Linux: 4 MiB) under a
+    client that reads nothing, and at a stream's few KB a second the transport's own buffer,
+    which `write_timeout` watches, stays empty for many minutes while the request decodes
+    on. In-flight bytes still go by TCP's windows, so a fast client gets its bytes as
+    fast."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or NOT_SENT_LOWAT is None or sock.family not in (
+            socket.AF_INET, socket.AF_INET6):
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, NOT_SENT_LOWAT, NOT_SENT_BYTES)
+
+
+# TCP_NOTSENT_LOWAT: Linux's 25, Darwin's 0x201 (Python names only Linux's).
+NOT_SENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 0x201 if sys.platform == "darwin" else None)
+NOT_SENT_BYTES = 16 * 1024
 
 REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n"
                    b"connection: close\r\n\r\n")

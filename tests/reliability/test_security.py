@@ -232,6 +232,29 @@ def test_a_stream_whose_client_stops_reading_is_cut_off(
     assert completion < 16 * 6000
 
 
+def test_one_plain_stream_whose_client_stops_reading_is_cut_off(
+        hardened: ServerProcess, demo_model_dir: Path) -> None:
+    """One stream's few KB a second never filled the transport's buffer, which the write
+    timeout watches: the kernel took every byte into a send buffer that grows to MiBs,
+    and the request decoded to its max_tokens (8,000 tokens, 1.8 MB held). The kernel now
+    holds little past what the client has room for, so the timeout sees the stall."""
+    max_tokens = 4000  # about 1 MB of events: all of it fitted in the kernel's buffer
+    body = json.dumps({
+        "model": demo_model_dir.name, "prompt": "Hello", "stream": True,
+        "max_tokens": max_tokens, "ignore_eos": True}).encode()
+    host, port = urlsplit(hardened.url).hostname, urlsplit(hardened.url).port
+    with socket.socket() as conn:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        conn.connect((host, port))
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                     b"X-Request-Id: unread-one\r\nAuthorization: Bearer %s\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (API_KEY.encode(), len(body), body))
+        line = hardened.access_line("unread-one", timeout=300)
+    assert "request unread-one: its client took no bytes" in hardened.log()
+    assert int(line.split(" completion=")[1].split()[0]) < max_tokens
+
+
 @pytest.mark.skipif(not Path("/proc/self/limits").exists(), reason="reads /proc")
 def test_the_server_raises_its_open_files_limit(hardened: ServerProcess) -> None:
     """Each connection holds a descriptor: the soft limit a service manager gives (launchd:
