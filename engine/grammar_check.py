@@ -93,10 +93,13 @@ class GrammarChecker:
     def _started(self) -> subprocess.Popen:
         if self._process is None or self._process.poll() is not None:
             path = os.pathsep.join(filter(None, [SOURCE_ROOT, os.environ.get("PYTHONPATH")]))
+            # A session of its own: a terminal's Ctrl+C or close, which signals the
+            # server's process group, would kill it under a draining server's requests.
+            # It ends when its stdin closes, the server gone.
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "engine.grammar_check"], text=True,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                env={**os.environ, "PYTHONPATH": path})
+                env={**os.environ, "PYTHONPATH": path}, start_new_session=True)
         return self._process
 
     def _stop(self) -> None:

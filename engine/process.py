@@ -177,8 +177,10 @@ def serve_engine(config: EngineConfig, conn: Connection,
                  on_start: Callable[[], None] | None) -> None:
     """The child's main: load and run the engine, take the server's commands until it
     says "shutdown" or goes away. `on_start` (logging) runs first."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The server decides when its engines stop (a drain first); a terminal's Ctrl+C or
+    # close signals its whole process group.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     if on_start is not None:
         on_start()
     log.info("engine process: %s", describe_platform())

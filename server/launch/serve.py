@@ -4,13 +4,15 @@ at once), and uvicorn with a drain on SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import os
 import resource
 import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from functools import partial
 from types import FrameType
 
@@ -40,10 +42,12 @@ OPEN_FILES = 10240
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, except that the first SIGTERM/SIGINT drains instead of closing at once:
-    new requests get 503 (load balancers see /health go 503 too), in-flight ones get up to
-    `timeout` seconds, then whatever is left is cancelled and the process exits 0.
-    A second signal stops at once. So does `failed()` turning true (the one model failed)."""
+    """uvicorn, except that the first SIGTERM/SIGINT/SIGHUP drains instead of closing at
+    once: new requests get 503 (load balancers see /health go 503 too), in-flight ones get
+    up to `timeout` seconds, then whatever is left is cancelled and the process exits 0.
+    A second signal stops at once. So does `failed()` turning true (the one model failed).
+    SIGHUP (a closed terminal or ssh session; a logrotate hook) ended the process at once,
+    every stream cut mid-chunk with no log line."""
 
     def __init__(
         self, config: uvicorn.Config, drain: Drain, timeout: float,
@@ -51,6 +55,19 @@ class DrainingServer(uvicorn.Server):
     ) -> None:
         super().__init__(config)
         self._drain, self._timeout, self._failed = drain, timeout, failed
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            with super().capture_signals():
+                yield
+            return
+        hangup = signal.signal(signal.SIGHUP, self.handle_exit)
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            signal.signal(signal.SIGHUP, hangup)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recording the signal (as uvicorn does) keeps it from being re-raised after

@@ -212,6 +212,28 @@ async def test_sigterm_drains_then_exits_zero(
     assert returncode == 0, server.log()
 
 
+async def test_sighup_drains_as_sigterm_does(demo_model_dir: Path, tmp_path: Path) -> None:
+    """A closed terminal or ssh session sends SIGHUP, whose default ended the process at
+    once: a running stream was cut mid-chunk, with no error event and no log line."""
+    server = start_server(demo_model_dir, tmp_path / "server.log", "--drain-timeout", "30")
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            started = asyncio.Event()
+            stream = asyncio.create_task(_read_stream(
+                http, f"{server.url}/v1/completions",
+                {"prompt": "A", "stream": True, "max_tokens": 100, "ignore_eos": True}, started))
+            await asyncio.wait_for(started.wait(), 30)
+            server.process.send_signal(signal.SIGHUP)
+            events = await stream
+        returncode = server.process.wait(timeout=30)
+    finally:
+        server.stop()
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert "draining" in server.log()
+    assert returncode == 0, server.log()
+
+
 async def test_a_drain_cuts_agent_streams_with_their_own_error_events(
     demo_model_dir: Path, tmp_path: Path
 ) -> None:
