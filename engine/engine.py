@@ -64,6 +64,7 @@ from engine.scheduler import (
 )
 from engine.streams import LoopRelays, Relay, RequestStream, WaitingCount
 from engine.tokenizer import ModelTokenizer
+from engine.weights_digest import model_files_identity
 
 log = logging.getLogger("radix_mlx.engine")
 
@@ -197,6 +198,9 @@ class Engine:
                 # since).
                 self.config = replace(self.group.share(self.config), model=self.config.model)
             model = resolve_model(self.config.model or None, self.config.gguf_dtype)
+            # What the disk tier's fingerprint must find unchanged (a hub id's files are
+            # its cache's immutable blobs).
+            files = model_files_identity(Path(model)) if Path(model).is_dir() else None
             if Path(model).is_dir():  # named before the weights load (engine/process.py)
                 self.model_path = Path(model)
             loaded = load_model(model, self.group, self.config.chat_template)
@@ -233,7 +237,7 @@ class Engine:
             self.wants_message_ends = not self._scheduler.kv.segments
             if self._warms_up():
                 self._warm_up()
-            self._start_disk_tier(loaded)
+            self._start_disk_tier(loaded, files)
             # What is loaded by now lives as long as the process: frozen, a full collection
             # no longer walks it. On a 2-core CPU that walk took 150-190 ms (~380k objects:
             # the libraries, the tokenizer, the model), a pause every running stream felt.
@@ -371,10 +375,12 @@ class Engine:
             return share
         return self.group.smallest_share(memory_domain(), share)
 
-    def _start_disk_tier(self, loaded: LoadedModel) -> None:
+    def _start_disk_tier(self, loaded: LoadedModel,
+                         files: dict[str, list[int]] | None) -> None:
         """Attach the disk tier (after warm-up, so nothing of it is written) and rebuild
         the tree from it in the background, then bring back into memory what memory held
-        at the last stop (`DiskStore.rebuild`): the engine serves meanwhile."""
+        at the last stop (`DiskStore.rebuild`): the engine serves meanwhile. `files`: the
+        model's files' identities before it loaded, which its fingerprint must still find."""
         config = self.config
         if config.disk_cache_bytes == 0 or config.disk_cache_dir is None:
             return
@@ -393,6 +399,11 @@ class Engine:
         fingerprint = model_fingerprint(
             loaded.path, loaded.model, make_prompt_cache(loaded.model), directory,
             loaded.vision.code_version if loaded.vision is not None else None)
+        if files is not None and model_files_identity(loaded.path) != files:
+            log.error("disk cache off: the model's files in %s changed while it loaded, so "
+                      "which weights it holds is not known; restart it to cache again",
+                      loaded.path)
+            return
         low, high = DISK_QUEUE_BYTES
         queue_bytes = int(min(max(scheduler.tree.capacity_bytes * DISK_QUEUE_FRACTION, low),
                               high))

@@ -54,6 +54,15 @@ def weights_digest(files: Iterable[Path], memo_directory: Path) -> str:
     return digest.hexdigest()
 
 
+def model_files_identity(model_dir: Path) -> dict[str, list[int]]:
+    """The identity of each file a fingerprint reads (config.json and the safetensors),
+    by name. Taken before a model loads and again once its fingerprint is computed: equal,
+    the bytes hashed are the bytes loaded; a file replaced in between (an update landing
+    as a server starts) would name the new weights' folder for KV the old ones compute."""
+    paths = [model_dir / "config.json", *sorted(model_dir.glob("*.safetensors"))]
+    return {path.name: _identity(path) for path in paths if path.exists()}
+
+
 def file_digest(path: Path) -> str:
     """blake2b of each block of the file, then of the blocks' digests in order."""
     size = path.stat().st_size

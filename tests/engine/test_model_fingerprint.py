@@ -129,6 +129,44 @@ async def test_a_folder_of_weights_changed_in_place_goes_once_no_process_holds_i
         again.shutdown()
 
 
+async def test_weights_replaced_while_they_load_turn_the_disk_tier_off(
+        base_model, tuned_model, tmp_path, monkeypatch, caplog):
+    """An update that lands as a server starts (the new file renamed over the old one
+    after the weights were read, before their fingerprint hashed the files): the server
+    holds the old weights, and its KV, filed under the new weights' fingerprint, was read
+    by the next server of the new weights as its own (a wrong answer, cached 8 of 9
+    tokens). The tier is off instead, and the next start caches the new weights alone."""
+    model = tmp_path / "model"
+    shutil.copytree(base_model, model)
+
+    def load_then_update(*args, **kwargs):
+        loaded = load_model(*args, **kwargs)
+        staged = model / "model.safetensors.new"
+        shutil.copy(tuned_model / "model.safetensors", staged)
+        os.replace(staged, model / "model.safetensors")
+        return loaded
+
+    monkeypatch.setattr("engine.engine.load_model", load_then_update)
+    raced = start_engine(str(model), disk_cache_dir=str(tmp_path / "kv"),
+                         disk_cache_bytes=64 * MIB)
+    try:
+        assert raced.disk is None
+        assert "changed while it loaded" in caplog.text
+        done = await complete(raced, PROMPT, max_tokens=4)
+        assert done.tokens == Reference(str(base_model)).greedy(PROMPT, 4)
+    finally:
+        raced.shutdown()
+    monkeypatch.undo()
+    fresh = start_engine(str(model), disk_cache_dir=str(tmp_path / "kv"),
+                         disk_cache_bytes=64 * MIB)
+    try:
+        assert fresh.disk.rebuilt.wait(30) and fresh.stats().disk.restored_nodes == 0
+        done = await complete(fresh, PROMPT, max_tokens=8)
+        assert done.tokens == Reference(str(tuned_model)).greedy(PROMPT, 8)
+    finally:
+        fresh.shutdown()
+
+
 def test_a_weights_file_is_hashed_once_until_it_changes(tmp_path, monkeypatch):
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(bytes(3 * MIB))
