@@ -284,7 +284,8 @@ class Settings(BaseModel):
     # take next already wait in the engine when the step before ends; with two in the
     # engine it waited for the event loop to hand them over, and classify read ~15% fewer
     # sentences/s on an H200 (bench/experiments/classify-client).
-    max_queue: PositiveInt = Field(512, description="waiting requests before answering 429")
+    max_queue: PositiveInt = Field(512, description="waiting requests before answering busy "
+                                   "(429; Anthropic's API 529, Ollama's 503)")
     max_body_bytes: PositiveInt = Field(4 * 1024 * 1024, description="largest request body")
     request_head_timeout: float = Field(
         30.0, gt=0, allow_inf_nan=False, description="seconds a connection has to send a "
