@@ -168,12 +168,19 @@ class ServerBusy(APIError):
         super().__init__(429, message, code="rate_limit_exceeded",
                          headers={"Retry-After": str(max(1, math.ceil(retry_after)))})
 
+    def anthropic_body(self, request_id: str | None = None) -> AnthropicErrorResponse:
+        """Also a stream's error event, where the status line went out first (a load)."""
+        return AnthropicErrorResponse(
+            error=AnthropicErrorInfo(type="overloaded_error", message=self.message),
+            request_id=request_id)
+
     def response(self, scope: Scope) -> JSONResponse:
+        answer = super().response(scope)
         if speaks_anthropic(scope):
-            return APIError(529, self.message, headers=self.headers).response(scope)
-        if speaks_ollama(scope):
-            return APIError(503, self.message, headers=self.headers).response(scope)
-        return super().response(scope)
+            answer.status_code = 529
+        elif speaks_ollama(scope):
+            answer.status_code = 503
+        return answer
 
 
 @contextmanager

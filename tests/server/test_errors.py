@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server.http.errors import APIError
+from server.http.errors import APIError, ServerBusy
 from tests.server.support import API_KEY, ServerProcess
 
 CHAT = "/v1/chat/completions"
@@ -376,3 +376,22 @@ def test_errors_under_v1_messages_take_anthropics_shape(status: int, kind: str) 
     # Anthropic's SDKs name their API version in every request, to shared paths too.
     scope.update(path="/v1/models/nope", headers=[(b"anthropic-version", b"2023-06-01")])
     assert json.loads(error.response(scope).body)["error"]["type"] == kind
+
+
+def test_a_busy_server_is_each_apis_own_busy_answer() -> None:
+    """A full queue: OpenAI's 429, Anthropic's 529 overloaded_error (in a stream's error
+    event too, where the status line went out while the model loaded), Ollama's 503."""
+    busy = ServerBusy("the server is busy", 0.2)
+    scope: dict[str, Any] = {"path": "/v1/chat/completions", "state": {"request_id": "abc"}}
+    answers = {}
+    for path in ("/v1/chat/completions", "/v1/messages", "/api/chat"):
+        scope["path"] = path
+        response = busy.response(scope)
+        assert response.headers["retry-after"] == "1"
+        answers[path] = response.status_code, json.loads(response.body)
+    assert answers["/v1/chat/completions"][0] == 429
+    assert answers["/v1/chat/completions"][1]["error"]["code"] == "rate_limit_exceeded"
+    assert answers["/v1/messages"][0] == 529
+    assert answers["/v1/messages"][1]["error"]["type"] == "overloaded_error"
+    assert answers["/api/chat"] == (503, {"error": "the server is busy"})
+    assert busy.anthropic_body("abc").error.type == "overloaded_error"
