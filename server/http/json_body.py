@@ -108,7 +108,8 @@ def refuse_a_web_pages_post(request: Request) -> None:
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if ("origin" in request.headers and request.method == "POST"
             and media_type != "application/json"):
-        raise HTTPException(403, f"a {media_type or 'untyped'} body from the web page at "
+        body = f"a {media_type} body" if media_type else "a POST without a typed body"
+        raise HTTPException(403, f"{body} from the web page at "
                                  f"{request.headers['origin']} is refused: send JSON as "
                                  "application/json")
 
