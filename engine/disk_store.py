@@ -52,7 +52,7 @@ from engine.api import DiskStats
 from engine.kv import CacheSnapshot, KVSegment
 from engine.kv_quant import KVQuantization
 from engine.segment_file import PAGE_TOKENS, BadSegmentFile, PathState, SegmentHeader, Tensor
-from engine.weights_digest import weights_digest
+from engine.weights_digest import weights_digest, weights_files
 from radix import Node, RadixTree
 
 log = logging.getLogger("radix_mlx.disk")
@@ -107,7 +107,7 @@ def model_fingerprint(model_dir: Path, model: nn.Module, cache: list[Any],
     digest = hashlib.blake2b(segment_file.FORMAT.encode(), digest_size=16)
     config = model_dir / "config.json"
     digest.update(config.read_bytes() if config.exists() else b"")
-    digest.update(weights_digest(sorted(model_dir.glob("*.safetensors")),
+    digest.update(weights_digest(weights_files(model_dir),
                                  memo_directory).encode())
     dtypes = sorted({str(p.dtype) for _, p in tree_flatten(model.parameters())})
     layout = [type(c).__name__ for c in cache]

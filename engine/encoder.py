@@ -7,8 +7,9 @@ computation: there is no radix tree here and no scheduler, only batching. One wo
 thread owns every MLX call, as in `Engine`; it runs the requests in forwards of at most
 `BATCH_TOKENS` padded tokens (fewer on the CPU), each request's inputs shortest first
 (little padding), the requests taking turns a forward at a time; on the CPU, each
-forward's rows split over one stream per core (`cpu_streams`). It has `Engine`'s lifecycle surface (state, start, stats,
-shutdown...) so the server serves it unchanged; generating is refused (`CannotGenerate`).
+forward's rows split over one stream per core (`cpu_streams`). It has `Engine`'s lifecycle
+surface (state, start, stats, shutdown...) so the server serves it unchanged; generating
+is refused (`CannotGenerate`).
 """
 
 from __future__ import annotations

@@ -198,11 +198,12 @@ class Engine:
                 # since).
                 self.config = replace(self.group.share(self.config), model=self.config.model)
             model = resolve_model(self.config.model or None, self.config.gguf_dtype)
-            # What the disk tier's fingerprint must find unchanged (a hub id's files are
-            # its cache's immutable blobs).
-            files = model_files_identity(Path(model)) if Path(model).is_dir() else None
+            # A hub id's files are its cache's immutable blobs; a directory's may change,
+            # which the disk tier's fingerprint must not find they did.
+            files = None
             if Path(model).is_dir():  # named before the weights load (engine/process.py)
                 self.model_path = Path(model)
+                files = model_files_identity(self.model_path)
             loaded = load_model(model, self.group, self.config.chat_template)
             self._loaded = loaded
             self.model_id, self.tokenizer = loaded.model_id, loaded.tokenizer

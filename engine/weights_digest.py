@@ -54,12 +54,17 @@ def weights_digest(files: Iterable[Path], memo_directory: Path) -> str:
     return digest.hexdigest()
 
 
+def weights_files(model_dir: Path) -> list[Path]:
+    """A model directory's weights files, in the order its fingerprint hashes them."""
+    return sorted(model_dir.glob("*.safetensors"))
+
+
 def model_files_identity(model_dir: Path) -> dict[str, list[int]]:
     """The identity of each file a fingerprint reads (config.json and the safetensors),
     by name. Taken before a model loads and again once its fingerprint is computed: equal,
     the bytes hashed are the bytes loaded; a file replaced in between (an update landing
     as a server starts) would name the new weights' folder for KV the old ones compute."""
-    paths = [model_dir / "config.json", *sorted(model_dir.glob("*.safetensors"))]
+    paths = [model_dir / "config.json", *weights_files(model_dir)]
     return {path.name: _identity(path) for path in paths if path.exists()}
 
 

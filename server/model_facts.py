@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from engine.encoder_folder import is_cross_encoder, is_sentence_encoder
 from engine.model_config import context_length
+from engine.weights_digest import weights_files
 from engine.weights_summary import WeightsSummary, summarize
 from server.model_registry import ServedModel
 
@@ -56,7 +57,7 @@ def weight_files_bytes(model: ServedModel, facts: ModelFacts) -> int:
     directory = model.model_dir
     if directory is None:
         return 0
-    return sum(path.stat().st_size for path in directory.glob("*.safetensors"))
+    return sum(path.stat().st_size for path in weights_files(directory))
 
 
 @functools.cache
