@@ -42,6 +42,7 @@ class Drain:
 
     def __init__(self) -> None:
         self.draining = False
+        self.hurried = False
         self.inflight = 0
         self.jobs: set[DrainJob] = set()
         self._deadline = 0.0
@@ -49,6 +50,13 @@ class Drain:
     def begin(self, timeout: float) -> None:
         self.draining = True
         self._deadline = time.monotonic() + timeout
+
+    def hurry(self) -> None:
+        """End what is in flight now, as the deadline would (a second signal): each
+        response ends with its error event at the next poll, where a forced exit would cut
+        it mid-chunk with none (and log a traceback for each)."""
+        self.hurried = True
+        self._deadline = time.monotonic() - ABANDON_SECONDS
 
     def finished(self) -> bool:
         """Polled by the server loop after `begin`: True once it may stop."""

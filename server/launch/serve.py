@@ -45,9 +45,10 @@ class DrainingServer(uvicorn.Server):
     """uvicorn, except that the first SIGTERM/SIGINT/SIGHUP drains instead of closing at
     once: new requests get 503 (load balancers see /health go 503 too), in-flight ones get
     up to `timeout` seconds, then whatever is left is cancelled and the process exits 0.
-    A second signal stops at once. So does `failed()` turning true (the one model failed).
-    SIGHUP (a closed terminal or ssh session; a logrotate hook) ended the process at once,
-    every stream cut mid-chunk with no log line."""
+    A second signal ends what is in flight at once, each response with its error event,
+    and exits within a second; a third stops at once. So does `failed()` turning true (the
+    one model failed). SIGHUP (a closed terminal or ssh session; a logrotate hook) ended
+    the process at once, every stream cut mid-chunk with no log line."""
 
     def __init__(
         self, config: uvicorn.Config, drain: Drain, timeout: float,
@@ -72,8 +73,12 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recording the signal (as uvicorn does) keeps it from being re-raised after
         # shutdown, which would make a clean drain exit with "killed by SIGTERM".
-        if self._drain.draining:
+        if self._drain.hurried:
             self.should_exit = self.force_exit = True
+            return
+        if self._drain.draining:
+            log.info("second signal: ending %d requests in flight now", self._drain.inflight)
+            self._drain.hurry()
             return
         log.info("draining: refusing new requests, waiting up to %.0f s for %d in flight",
                  self._timeout, self._drain.inflight)

@@ -234,6 +234,35 @@ async def test_sighup_drains_as_sigterm_does(demo_model_dir: Path, tmp_path: Pat
     assert returncode == 0, server.log()
 
 
+async def test_a_second_signal_ends_streams_with_their_error_event_then_exits(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """A second Ctrl-C during a long drain forced uvicorn's exit: streams were cut
+    mid-chunk with no error event, and the log got a CancelledError traceback for each."""
+    server = start_server(demo_model_dir, tmp_path / "server.log", "--drain-timeout", "300")
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            started = asyncio.Event(), asyncio.Event()
+            streams = [asyncio.create_task(_read_stream(
+                http, f"{server.url}/v1/completions",
+                {"prompt": prompt, "stream": True, "max_tokens": 8000, "ignore_eos": True},
+                event)) for prompt, event in zip("AB", started, strict=True)]
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 30)
+            server.process.send_signal(signal.SIGINT)
+            await asyncio.sleep(0.5)
+            server.process.send_signal(signal.SIGINT)
+            events = await asyncio.wait_for(asyncio.gather(*streams), 30)
+        returncode = server.process.wait(timeout=30)
+    finally:
+        server.stop()
+    for stream in events:
+        assert stream[-1] == "[DONE]"
+        assert json.loads(stream[-2])["error"]["code"] == "shutting_down"
+    assert "second signal: ending 2 requests in flight now" in server.log()
+    assert "Traceback" not in server.log()
+    assert returncode == 0, server.log()
+
+
 async def test_a_drain_cuts_agent_streams_with_their_own_error_events(
     demo_model_dir: Path, tmp_path: Path
 ) -> None:
