@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.http.access_log import log_request
 from server.http.drain import shutting_down
 from server.http.errors import APIError
+from server.http.streaming import CLIENT_CLOSED
 from server.state import ServerState
 
 log = logging.getLogger("radix_mlx.server")
@@ -48,16 +49,18 @@ class RequestMiddleware:
             request_id = uuid.uuid4().hex
         scope.setdefault("state", {}).update(request_id=request_id, started_at=started_at)
         status = 500
-        response_started = False
+        response_started = response_ended = False
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status, response_started
+            nonlocal status, response_started, response_ended
             if message["type"] == "http.response.start":
                 status, response_started = message["status"], True
                 # OpenAI's SDKs read the first name, Anthropic's the second.
                 value = request_id.encode("latin-1")
                 message["headers"] = [*message.get("headers", []),
                                       (b"x-request-id", value), (b"request-id", value)]
+            elif not message.get("more_body", False):
+                response_ended = True
             await send(message)
 
         drain = self.state.drain
@@ -75,6 +78,11 @@ class RequestMiddleware:
                     500, f"internal server error (request id {request_id})",
                     code="internal_error",
                 ).response(scope)(scope, receive, send_with_id)
+        else:
+            if response_started and not response_ended:
+                # A stream whose client left before its end: logged and counted as the
+                # request without streaming is, not as the 200 its head said.
+                status = CLIENT_CLOSED
         finally:
             drain.inflight -= 1
             self.state.metrics.count_request(_endpoint(scope["path"]), status)

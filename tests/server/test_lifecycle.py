@@ -34,6 +34,8 @@ def test_disconnect_mid_stream_cancels_the_request(
     # The operator's line still says how big the request was.
     line = server.access_line("leaves-mid-stream")
     assert "prompt=5 " in line and "completion=0 " not in line
+    # ... and that it did not get to its end, as a request without streaming says.
+    assert " POST /v1/completions 499 " in line
 
 
 def test_disconnect_while_waiting_for_a_whole_response(
