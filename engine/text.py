@@ -121,6 +121,16 @@ class StopPrefix:
         return links[k]
 
 
+def _whole_characters(tokenizer: ModelTokenizer, context: Sequence[int]) -> list[int]:
+    """`context` less its last tokens while their text ends inside a character (a token
+    prompt cut to a budget): seeded with such a context, DecodeStream showed the context's
+    own text with the first token, and the window decoder lost the first character."""
+    context = list(context)
+    while context and tokenizer.decode(context, skip_special_tokens=True).endswith("\ufffd"):
+        context.pop()
+    return context
+
+
 class TextStream:
     def __init__(self, tokenizer: ModelTokenizer, prompt: Sequence[int],
                  stop: Sequence[str], min_tokens: int = 0) -> None:
@@ -146,7 +156,8 @@ class TextStream:
         if self.matched_stop is not None:
             return ""
         if self._decoder is None:
-            tokenizer, context = self._tokenizer, self._context
+            tokenizer = self._tokenizer
+            context = _whole_characters(tokenizer, self._context)
             self._decoder = (StreamDecoder(tokenizer, context) if tokenizer.fast is not None
                              else WindowDecoder(tokenizer, context))
         text = self._decoder.step(token)

@@ -57,6 +57,22 @@ def test_an_incomplete_character_at_the_end_shows_as_a_replacement(tokenizer) ->
     assert text_stream.finish() == "\ufffd"
 
 
+def test_a_prompt_that_ends_inside_a_character_shows_only_the_reply(tokenizer) -> None:
+    """A token prompt cut to a budget can end partway through a character. Seeded with
+    it, DecodeStream showed the prompt's own last words with the reply's first token, and
+    the window decoder lost the reply's first character."""
+    prompt = tokenizer.encode(f"Say {EMOJI}", special_tokens=False)[:-1]
+    text_stream = TextStream(tokenizer, prompt, ())
+    reply = tokenizer.encode(" ok, a reply", special_tokens=False)
+    text = "".join(text_stream.add(token) for token in reply) + text_stream.finish()
+    assert text == " ok, a reply"
+    # A reply that ends the prompt's character has only that character's last bytes.
+    text_stream = TextStream(tokenizer, prompt, ())
+    reply = tokenizer.encode(f"Say {EMOJI} ok", special_tokens=False)[len(prompt):]
+    text = "".join(text_stream.add(token) for token in reply) + text_stream.finish()
+    assert text == "\ufffd ok"
+
+
 def test_the_first_token_keeps_its_leading_space(tokenizer) -> None:
     _, chunks = stream(tokenizer, " hello world")
     assert chunks[0].startswith(" ") and "".join(chunks) == " hello world"
