@@ -48,7 +48,7 @@ from server.request import (
     OutputFormat,
     unset_knobs,
 )
-from server.schema import MAX_TOP_LOGPROBS, RequestModel, ResponseModel
+from server.schema import MAX_TOP_LOGPROBS, RequestModel, ResponseModel, StopStrings
 from server.state import server_state
 
 router = APIRouter(responses=error_responses(ErrorResponse), route_class=AnyTypeJSONRoute)
@@ -76,7 +76,7 @@ class LlamaRequest(RequestModel):
     repeat_penalty: float | None = Field(None, ge=0.01, le=10)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    stop: str | list[str] = Field(default_factory=list)
+    stop: str | StopStrings = Field(default_factory=list)
     ignore_eos: bool = False
     n_probs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     json_schema: SchemaDocument | None = None

@@ -39,6 +39,11 @@ IdleTtl = Annotated[int, Field(ge=0, le=2**31 - 1)]
 # validated: thousands took seconds of rendering and tokenizing, every other stream
 # stalled meanwhile, only to be refused as too long.
 MAX_TOOLS = 128
+# The most stop strings one request may give. OpenAI's `stop` takes 4, but Continue sends
+# its template's 9 with 3 of its own to any server but OpenAI's (vLLM, llama.cpp and
+# Ollama take any number), and Anthropic's stop_sequences take more.
+MAX_STOP_STRINGS = 64
+StopStrings = Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]
 
 
 def _nullable_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:

@@ -23,13 +23,11 @@ from server.schema import (
     ObjectSchema,
     RequestModel,
     ResponseModel,
+    StopStrings,
     check_tool_names,
     shaped_union,
     str_or_list,
 )
-
-# The most stop_sequences one request may give (OpenAI's `stop` takes 4).
-MAX_STOP_SEQUENCES = 64
 
 # -- request pieces ----------------------------------------------------------------------
 
@@ -471,7 +469,7 @@ class MessagesRequest(TokenCountRequest):
     max_tokens: int = Field(ge=1)
     # Anthropic names no limit; every one is matched against each token's text, so a
     # request with 300,000 of them slowed everyone's streams to a third.
-    stop_sequences: Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop_sequences: StopStrings | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, ge=0, le=1)

@@ -19,6 +19,7 @@ from server.schema import (
     ObjectSchema,
     RequestModel,
     ResponseModel,
+    StopStrings,
     check_tool_names,
     shaped_union,
 )
@@ -67,7 +68,7 @@ class Options(RequestModel):
     num_ctx: GoInt | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    stop: list[str] | None = None
+    stop: StopStrings | None = None
 
     @property
     def repetition_penalty(self) -> float | None:

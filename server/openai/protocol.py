@@ -25,6 +25,7 @@ from pydantic import (
 from engine.api import SpeculationMode
 from server.documents import ReadInText, document, text_of_data_url
 from server.schema import (
+    MAX_STOP_STRINGS,
     MAX_TOOLS,
     MAX_TOP_LOGPROBS,
     FormatName,
@@ -55,8 +56,8 @@ def _str_or_list(value: Any) -> str | None:
 
 
 Stop = shaped_union(
-    _str_or_list, "a string or a list of up to 4 strings",
-    str=StopString, list=Annotated[list[StopString], Field(max_length=4)],
+    _str_or_list, f"a string or a list of up to {MAX_STOP_STRINGS} strings",
+    str=StopString, list=Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)],
 )
 
 

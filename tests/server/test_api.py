@@ -332,6 +332,14 @@ def test_stop_string_ends_the_choice(client: openai.OpenAI, model_id: str) -> No
     stopped = client.completions.create(**options, max_tokens=24, stop=[stop]).choices[0]
     assert stopped.finish_reason == "stop"
     assert stopped.text == text[: text.index(stop)]
+    # Continue's autocomplete sends its template's stop strings and its own, 12 in all, to
+    # any server but OpenAI's; the one that matches still ends the choice.
+    continues = ["<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<|endoftext|>", "<file_sep>",
+                 "<repo_name>", "<|im_end|>", "\n\n\n", "/src/", "#- coding: utf-8", "```"]
+    stopped = client.completions.create(**options, max_tokens=24,
+                                        stop=[*continues, stop]).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[: text.index(stop)]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -61,7 +61,7 @@ CASES = [
      400, "invalid_request", "logit_bias"),
     ("logit_bias token out of vocab", "POST", CHAT, chat(logit_bias={"999999": 1}), 400,
      "invalid_request", "logit_bias"),
-    ("five stop strings", "POST", CHAT, chat(stop=list("abcde")), 400,
+    ("65 stop strings", "POST", CHAT, chat(stop=[f"s{i}" for i in range(65)]), 400,
      "array_above_max_length", "stop"),
     ("n = 0", "POST", CHAT, chat(n=0), 400, "invalid_request", "n"),
     ("max_tokens = 0", "POST", CHAT, chat(max_tokens=0), 400, "invalid_request", "max_tokens"),
