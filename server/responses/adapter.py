@@ -699,7 +699,13 @@ async def _referenced(state: ServerState, body: ResponsesRequest) -> ResponsesRe
 
 
 async def _stored(state: ServerState, response_id: str, param: str | None) -> StoredResponse:
+    """The stored response `response_id`: a 404 where the path names it, and OpenAI's 400
+    where a request's previous_response_id does (Codex's proxies resend the whole
+    conversation on that code)."""
     stored = await asyncio.to_thread(state.responses.get, response_id)
+    if stored is None and param == "previous_response_id":
+        raise APIError(400, f"Previous response with id '{response_id}' not found.",
+                       code="previous_response_not_found", param=param)
     if stored is None:
         raise APIError(404, f"Response with id '{response_id}' not found.",
                        code="response_not_found", param=param)

@@ -154,8 +154,9 @@ def test_input_tokens_are_counted_as_the_response_would_read_them(
     follow = {**ask, "input": "And then?", "previous_response_id": first.id}
     counted = client.responses.input_tokens.count(**follow).input_tokens
     assert counted == client.responses.create(**follow, max_output_tokens=16).usage.input_tokens
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as unknown:
         client.responses.input_tokens.count(**{**follow, "previous_response_id": "resp_x"})
+    assert unknown.value.code == "previous_response_not_found"
     with pytest.raises(openai.BadRequestError):
         client.responses.input_tokens.count(model=model_id, input=[{"type": "nope"}])
 
@@ -255,15 +256,21 @@ def test_a_messages_text_parts_are_a_line_apart_as_chat_completions_parts_are(
     assert responses.input_tokens == chat.usage.prompt_tokens == spelled.input_tokens
 
 
-def test_unknown_or_unstored_response_is_404(client: openai.OpenAI, model_id: str) -> None:
-    with pytest.raises(openai.NotFoundError) as raised:
-        client.responses.create(model=model_id, input="x", previous_response_id="resp_nope")
-    assert raised.value.code == "response_not_found"
-    assert raised.value.param == "previous_response_id"
+def test_unknown_or_unstored_response_is_404_and_an_unknown_previous_one_400(
+        client: openai.OpenAI, model_id: str) -> None:
+    """OpenAI's own codes: Codex's proxies resend the whole conversation on
+    previous_response_not_found."""
     unstored = client.responses.create(model=model_id, input="x", max_output_tokens=16,
                                        store=False)
-    with pytest.raises(openai.NotFoundError):
+    for previous in ("resp_nope", unstored.id):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.responses.create(model=model_id, input="x", previous_response_id=previous)
+        assert raised.value.code == "previous_response_not_found"
+        assert raised.value.param == "previous_response_id"
+        assert raised.value.body["message"] == f"Previous response with id '{previous}' not found."
+    with pytest.raises(openai.NotFoundError) as missing:
         client.responses.retrieve(unstored.id)
+    assert missing.value.code == "response_not_found"
 
 
 def test_a_stored_responses_input_items_are_listed_page_by_page(
