@@ -329,9 +329,10 @@ class Settings(BaseModel):
         allow_inf_nan=False,
         description="seconds running requests get to finish after SIGTERM before they are cut",
     )
-    default_max_tokens: PositiveInt = Field(
-        512, description="max_tokens of a Chat Completions or Completions request that sets "
-        "none (each running request reserves KV for prompt + max_tokens)"
+    default_max_tokens: PositiveInt | None = Field(
+        None, description="max_tokens of a Chat Completions request that sets none; none: "
+        "the reply may run to the end of the context window, as OpenAI's, Ollama's and LM "
+        "Studio's do (max_output_tokens still caps it)"
     )
     max_output_tokens: PositiveInt | None = Field(
         None, description="the most tokens a Responses, Messages or Ollama reply generates: "

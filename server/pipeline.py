@@ -407,11 +407,13 @@ def _max_tokens(request: GenerationRequest, settings: Settings, room: int) -> tu
     """(the most tokens each choice generates, whether `room`, what the context window
     leaves after the longest prompt, is what set it). A request's own limit is kept as it
     is, or as a cap (`fit_context`): lowered to the server's `max_output_tokens` and to the
-    room, which is also the default; else the default is `default_max_tokens`."""
+    room. Without one, a chat gets `default_max_tokens` where it is set; otherwise every
+    API's reply may run to the room, short of `max_output_tokens`."""
     if not request.fit_context:
         if request.max_tokens is not None:  # 0 too: an echo that only scores the prompt
             return request.max_tokens, False
-        return max(1, min(settings.default_max_tokens, room)), False
+        if settings.default_max_tokens is not None:
+            return max(1, min(settings.default_max_tokens, room)), False
     # 0 too: llama.cpp's n_predict 0 computes (and caches) the prompt and writes nothing.
     limits = [limit for limit in (request.max_tokens, settings.max_output_tokens)
               if limit is not None]

@@ -15,7 +15,7 @@ import pytest
 from engine.demo_model import MAX_POSITION_EMBEDDINGS
 from tests.server.support import ServerProcess, start_server
 
-CAP = 600  # above the Chat API's default of 512
+CAP = 600
 GREEDY = {"temperature": 0.0}
 WEATHER = {"type": "function", "name": "get_weather", "description": "The forecast.",
            "parameters": {"type": "object",
@@ -32,9 +32,12 @@ def capped(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     process.stop()
 
 
-def test_the_server_cap_bounds_responses_and_messages_not_the_512_default(
+def test_the_server_cap_bounds_every_apis_reply_without_a_limit_of_its_own(
     capped: ServerProcess, model_id: str
 ) -> None:
+    """Open WebUI and most chat front ends send no max_tokens: OpenAI's, Ollama's and LM
+    Studio's replies then run to the end of the context window, and so do ours, short of
+    the server's cap (a 512-token default cut long answers and code edits short)."""
     openai_client = openai.OpenAI(base_url=f"{capped.url}/v1", api_key="-", max_retries=0)
     for limit in ({}, {"max_output_tokens": 10 * CAP}):
         response = openai_client.responses.create(model=model_id, input="Go on.", **limit,
@@ -49,7 +52,8 @@ def test_the_server_cap_bounds_responses_and_messages_not_the_512_default(
     assert (message.stop_reason, message.usage.output_tokens) == ("max_tokens", CAP)
     chat = openai_client.chat.completions.create(
         model=model_id, messages=[{"role": "user", "content": "Go on."}], **GREEDY)
-    assert chat.usage.completion_tokens == 512  # default_max_tokens
+    assert chat.usage.completion_tokens == CAP
+    assert chat.choices[0].finish_reason == "length"
 
 
 def test_a_response_without_max_output_tokens_may_fill_the_context(
