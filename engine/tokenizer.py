@@ -20,6 +20,7 @@ from typing import Any, Literal
 from jinja2 import TemplateError
 
 from engine.api import TokenLogprob
+from engine.control_tokens import as_text, control_pattern
 from engine.fill_in_middle import FillInMiddleTokens, find_tokens
 from engine.image_tokens import ImageTokens
 from engine.token_cache import NotCacheable, SegmentCache, cut_tokens, special_ids
@@ -87,6 +88,9 @@ class ModelTokenizer:
         self._segments = _segment_cache(getattr(wrapper.encode, "__self__", None))
         self._special_ids = special_ids(self.fast) if self._segments is not None else None
         self.trailing_specials: int = 0 if self.fast is None else trailing_specials(self.fast)
+        # The control strings a message's text must not become tokens through.
+        self._control = (None if self.fast is None
+                         else control_pattern(self.fast, self.chat_template_text))
         self._token_pieces: dict[int, tuple[str, bytes]] = {}  # text and bytes, by id
 
     def token_logprob(self, token: int, logprob: float) -> TokenLogprob:
@@ -177,7 +181,10 @@ class ModelTokenizer:
         """The template's rendering as token ids. tokenize=True renders the text and
         encodes it without special tokens; that is done here when the text is encoded in
         cached segments, or a vision model's image placeholders are to be expanded first,
-        as its processor expands them."""
+        as its processor expands them. Control strings in a message the model did not
+        write are read as text (engine/control_tokens.py)."""
+        if self._control is not None:
+            messages = as_text(messages, self._control)
         if self.images is None and self._segments is None:
             return list(self._wrapper.apply_chat_template(
                 messages, **(variables or {}), tools=tools, tokenize=True, **options))

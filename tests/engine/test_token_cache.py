@@ -141,8 +141,10 @@ def test_a_tokenizer_whose_encoding_cannot_be_cut_is_not_cached(case: str) -> No
     tokenizer = ModelTokenizer(wrapper)
     for _ in ("cold", "warm"):
         assert tokenizer.encode(text, special_tokens=False) == plain
-        assert tokenizer.chat_prompt([{"role": "user", "content": text}], end="as_is") == \
-            wrapper.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
+        # The model's own message: its markers stay markers (engine/control_tokens.py).
+        reply = [{"role": "assistant", "content": text}]
+        assert tokenizer.chat_prompt(reply, end="as_is") == \
+            wrapper.apply_chat_template(reply, tokenize=True)
 
 
 # -- the bound and concurrent callers ----------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 from jinja2 import TemplateError
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from engine.control_tokens import as_text, control_pattern
 from engine.token_cache import SegmentCache, cut_tokens
 from engine.tokenizer import ModelTokenizer
 
@@ -125,19 +126,22 @@ def check_prompt_encoding(wrapper: TokenizerWrapper, seed: int) -> None:
 
 def check_chat_prompts(wrapper: TokenizerWrapper, seed: int) -> None:
     """chat_prompt is the template's tokenize=True rendering, with tools or not, at every
-    end, for random conversations whose contents hold the template's own markers."""
+    end, for random conversations whose contents hold the template's own markers (read as
+    text where a message the model did not write holds them: engine/control_tokens.py)."""
     tokenizer = ModelTokenizer(wrapper)
+    control = control_pattern(wrapper.backend_tokenizer, str(wrapper.chat_template))
     pieces = stress_pieces(wrapper, seed)
     rng = random.Random(seed)
     rendered = 0
     for _ in range(60):
         messages = random_conversation(rng, pieces)
         tools = TOOLS if rng.random() < 0.5 else None
+        read = messages if control is None else as_text(messages, control)
         for end, options in (("reply", {"add_generation_prompt": True}),
                              ("continue", {"continue_final_message": True}),
                              ("as_is", {})):
             cached = outcome(tokenizer.chat_prompt, messages, tools, end=end)
-            assert cached == outcome(wrapper.apply_chat_template, messages, tools=tools,
-                                     tokenize=True, **options), messages
+            assert cached == outcome(wrapper.apply_chat_template, read,
+                                     tools=tools, tokenize=True, **options), messages
             rendered += cached[0] == "ids"
     assert rendered > 100
