@@ -89,8 +89,8 @@ class ModelTokenizer:
         self._special_ids = special_ids(self.fast) if self._segments is not None else None
         self.trailing_specials: int = 0 if self.fast is None else trailing_specials(self.fast)
         # The control strings a message's text must not become tokens through.
-        self._control = (None if self.fast is None
-                         else control_pattern(self.fast, self.chat_template_text))
+        self._control = (None if self.fast is None else control_pattern(
+            self.fast, self.chat_template_text, "" if images is None else images.placeholder))
         self._token_pieces: dict[int, tuple[str, bytes]] = {}  # text and bytes, by id
 
     def token_logprob(self, token: int, logprob: float) -> TokenLogprob:
