@@ -51,6 +51,7 @@ from engine import segment_file
 from engine.api import DiskStats
 from engine.kv import CacheSnapshot, KVSegment
 from engine.kv_quant import KVQuantization
+from engine.platform_info import numeric_environment
 from engine.segment_file import PAGE_TOKENS, BadSegmentFile, PathState, SegmentHeader, Tensor
 from engine.weights_digest import weights_digest, weights_files
 from radix import Node, RadixTree
@@ -82,9 +83,9 @@ _MX_TO_ST = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.int32
 
 # The engine's own code that computes a forward pass's numbers where mlx-lm's would
 # (attention and SwiGLU off Metal, and their exp: mlx_lm_internals.use_engine_kernels;
-# M-RoPE's positions).
-FORWARD_CODE = ("engine.attention", "engine.cpu_math", "engine.mlx_lm_internals",
-                "engine.mrope")
+# M-RoPE's positions), rounds KV to `--kv-bits`, or feeds a vision model its images.
+FORWARD_CODE = ("engine.attention", "engine.cpu_math", "engine.kv_quant",
+                "engine.mlx_lm_internals", "engine.mrope", "engine.vision")
 
 
 def forward_code_digest() -> str:
@@ -102,8 +103,9 @@ def model_fingerprint(model_dir: Path, model: nn.Module, cache: list[Any],
     each weights file, hashed whole: see weights_digest.py), their dtypes, the cache
     layout, the MLX and mlx-lm that compute the KV and the engine's own code that does
     (`FORWARD_CODE`: an upgrade may change the math), for a vision model the code that
-    computes its images' features (`vision_code`: `Vision.code_version`), and this file
-    format."""
+    computes its images' features (`vision_code`: `Vision.code_version`), where it runs
+    (`numeric_environment`: a cache folder moved to another machine, or a BLAS or TF32
+    changed, computes other bits), and this file format."""
     digest = hashlib.blake2b(segment_file.FORMAT.encode(), digest_size=16)
     config = model_dir / "config.json"
     digest.update(config.read_bytes() if config.exists() else b"")
@@ -111,7 +113,8 @@ def model_fingerprint(model_dir: Path, model: nn.Module, cache: list[Any],
                                  memo_directory).encode())
     dtypes = sorted({str(p.dtype) for _, p in tree_flatten(model.parameters())})
     layout = [type(c).__name__ for c in cache]
-    versions = (mx.__version__, mlx_lm.__version__, forward_code_digest()) + (
+    versions = (mx.__version__, mlx_lm.__version__, forward_code_digest(),
+                numeric_environment()) + (
         (vision_code,) if vision_code else ())
     digest.update(repr((dtypes, layout, *versions)).encode())
     return digest.hexdigest()

@@ -158,18 +158,48 @@ def describe_platform() -> str:
     return f"mlx {mx.__version__}, device cpu, BLAS: {_blas_in_use()}"
 
 
+def numeric_environment() -> str:
+    """What, beside the code and the weights, decides the bits a forward computes: the
+    device (its model: other kernels), on the CPU the BLAS and the kernels it picked, on
+    CUDA whether float32 products run in TF32 and attention in cuDNN. KV one computed is
+    not another's to reuse (`model_fingerprint`). CUDA graphs launch the same kernels, so
+    they are left out."""
+    import mlx.core as mx
+
+    info = mx.device_info()
+    device = (str(mx.default_device()), info.get("architecture"), info.get("device_name"))
+    if mx.default_device() == mx.gpu:
+        if mx.metal.is_available():
+            return repr(device)
+        return repr((*device, *(f"{name}={os.environ.get(name, MLX_ENV_DEFAULTS[name])}"
+                                for name in (TF32_ENV, CUDNN_ATTENTION_ENV))))
+    return repr((*device, *_blas()))
+
+
 def _blas_in_use() -> str:
+    blas = _blas()
+    if blas[0] == "OpenBLAS":
+        return f"OpenBLAS ({blas[1]}, {blas[2]} kernels)"
+    if blas[0] == "bundled":
+        return ("MLX's bundled reference BLAS (slow: install libopenblas0-pthread, start "
+                "via radix-mlx)")
+    return blas[0]
+
+
+def _blas() -> tuple[str, ...]:
+    """The BLAS MLX calls on the CPU: ("OpenBLAS", its library, its kernels), ("bundled",)
+    (MLX's reference one), ("Accelerate",) or ("unknown",)."""
     if sys.platform == "darwin":
-        return "Accelerate"
+        return ("Accelerate",)
     try:
         mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()}
     except OSError:
-        return "unknown"
+        return ("unknown",)
     # numpy's scipy_openblas has prefixed symbols, so MLX never calls into it.
     openblas = sorted(p for p in mapped if "openblas" in p and "scipy_openblas" not in p)
     if openblas:
-        return f"OpenBLAS ({openblas[0]}, {_openblas_core(openblas[0])} kernels)"
-    return "MLX's bundled reference BLAS (slow: install libopenblas0-pthread, start via radix-mlx)"
+        return ("OpenBLAS", openblas[0], _openblas_core(openblas[0]))
+    return ("bundled",)
 
 
 def _openblas_core(library: str) -> str:

@@ -229,3 +229,13 @@ def test_the_fingerprint_names_the_engines_own_forward_code(base_model, tmp_path
     before = model_fingerprint(base_model, loaded.model, cache, tmp_path)
     monkeypatch.setattr(disk_store, "FORWARD_CODE", (*disk_store.FORWARD_CODE, "engine.text"))
     assert model_fingerprint(base_model, loaded.model, cache, tmp_path) != before
+
+
+def test_the_fingerprint_names_where_the_forward_runs(base_model, tmp_path, monkeypatch):
+    """Another BLAS, its other kernels, another device or TF32 compute other last bits: a
+    cache folder moved to another machine is not read as this one's KV."""
+    loaded = load_model(base_model)
+    cache = make_prompt_cache(loaded.model)
+    before = model_fingerprint(base_model, loaded.model, cache, tmp_path)
+    monkeypatch.setattr(disk_store, "numeric_environment", lambda: "('cpu', 'Haswell')")
+    assert model_fingerprint(base_model, loaded.model, cache, tmp_path) != before

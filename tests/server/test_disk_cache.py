@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from engine.demo_model import build_demo_model
+from engine.platform_info import openblas_core_type, openblas_library
 from tests.server.support import API_KEY, ServerProcess, start_server
 
 # A prompt long enough that its prefill matters; the demo model's context is 2048+.
@@ -240,6 +241,24 @@ def test_another_models_files_are_never_read(
     finally:
         server.stop()
     assert "written for another model" in server.log()
+
+
+def test_kv_that_other_blas_kernels_computed_is_not_read(
+        demo_model_dir: Path, warm_cache, tmp_path: Path) -> None:
+    """OpenBLAS's SSE3 kernels sum a float32 product in another order than the AVX ones
+    the folder's KV was computed with: a prompt sent again read that KV, and its logprobs
+    differed in the last bits from the server's own cold run (a sweep's repro). A folder
+    moved to another machine, or another BLAS, starts over."""
+    if openblas_library() is None or openblas_core_type() is None:
+        pytest.skip("the CPU's OpenBLAS runs one set of kernels here")
+    directory = copy_of(warm_cache, tmp_path)
+    server = start_server(demo_model_dir, tmp_path / "log", *disk_flags(directory),
+                          env={"OPENBLAS_CORETYPE": "Prescott"})
+    try:
+        assert rebuilt(server)["disk"]["restored_nodes"] == 0
+        assert complete(server, LONG_PROMPT)[2] == 0
+    finally:
+        server.stop()
 
 
 def test_budgets_hold_and_an_evicted_prefix_comes_back_from_disk(
