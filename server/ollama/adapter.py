@@ -385,7 +385,9 @@ def _logprobs(tokens: tuple[TokenEvent, ...]) -> list[Logprob] | None:
     """The answer tokens' logprobs, where the request asked for them (a token whose text
     is still held back comes with the text that shows it, or alone)."""
     listed = [Logprob(token=token.logprob.text, logprob=token.logprob.logprob,
-                      top_logprobs=[TokenLogprob(token=top.text, logprob=top.logprob)
+                      bytes=list(token.logprob.bytes),
+                      top_logprobs=[TokenLogprob(token=top.text, logprob=top.logprob,
+                                                 bytes=list(top.bytes))
                                     for top in token.top_logprobs] or None)
               for token in tokens if token.logprob is not None]
     return listed or None

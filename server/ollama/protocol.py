@@ -293,6 +293,7 @@ class Timings(ResponseModel):
 class TokenLogprob(ResponseModel):
     token: str
     logprob: float
+    bytes: list[int]  # the token's own bytes: part of a character where it holds only part
 
 
 class Logprob(TokenLogprob):

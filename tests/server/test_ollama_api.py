@@ -114,6 +114,13 @@ def test_logprobs_are_the_answer_tokens_streamed_or_whole_as_openais(
                                             temperature=0, logprobs=True, top_logprobs=2)
     assert [lp.logprob for lp in whole.logprobs] == pytest.approx(
         [lp.logprob for lp in theirs.choices[0].logprobs.content], abs=1e-4)
+    # Each token's own bytes, as Ollama gives them beside its text (OpenAI's too).
+    listed = olla._client.post("/api/chat", json={
+        "model": model_id, "messages": HI, "options": GREEDY, "logprobs": True,
+        "top_logprobs": 1, "stream": False}).json()["logprobs"]
+    assert [entry["bytes"] for entry in listed] == [
+        lp.bytes for lp in theirs.choices[0].logprobs.content]
+    assert all(entry["top_logprobs"][0]["bytes"] for entry in listed)
     assert olla.chat(model=model_id, messages=HI, options=GREEDY).logprobs is None
 
 
