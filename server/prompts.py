@@ -24,10 +24,12 @@ from server.request import GenerationRequest, Infill, TemplateMessage
 # apply_chat_template's own options, which chat_template_kwargs must not set: they are no
 # template variables, and would let a client swap in any template (a Jinja loop of 10^10
 # steps froze the event loop), ask for tensors (a 500) or pad its prompt to any length.
-# And `messages`, the name the template sees the conversation by (a 500 when set twice).
+# And `messages`, the name the template sees the conversation by (a 500 when set twice);
+# `conversation`, apply_chat_template's name for it, set twice answered with Python's
+# TypeError text.
 TEMPLATE_OPTIONS = frozenset(
     inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-) - {"self", "conversation", "kwargs"} | {"messages"}
+) - {"self", "kwargs"} | {"messages"}
 
 
 # How many of a chat's last messages end where the engine may snapshot a whole-state cache

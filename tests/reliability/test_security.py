@@ -393,6 +393,7 @@ CHAT_TEMPLATE_OPTIONS = {
     "tokenizer options": {"tokenizer_kwargs": {"add_special_tokens": 5}},
     "padding to any length": {"padding": "max_length", "max_length": 10**6},
     "the conversation itself": {"messages": 5},
+    "the conversation under apply_chat_template's own name": {"conversation": []},
 }
 
 
