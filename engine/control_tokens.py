@@ -34,7 +34,30 @@ def control_pattern(backend: Any, template: str, images: str = "") -> re.Pattern
                 and token.content not in images}
     if not contents:
         return None
-    return re.compile("|".join(map(re.escape, sorted(contents, key=len, reverse=True))))
+    return re.compile(_alternation(contents))
+
+
+def _alternation(strings: set[str]) -> str:
+    """A regex of any of `strings`, factored as a trie: a position is tried once per
+    character, not once per string. A plain alternation of Gemma 3's 6,249 control
+    strings took 0.2 s to search 70 kB of HTML, every '<' tried against each."""
+    trie: dict[str, dict] = {}
+    for string in strings:
+        node = trie
+        for char in string:
+            node = node.setdefault(char, {})
+        node[""] = {}
+
+    def pattern(node: dict[str, dict]) -> str:
+        branches = [re.escape(char) + pattern(child) for char, child in sorted(node.items())
+                    if char]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else f"(?:{'|'.join(branches)})"
+        # A string that ends here, and a longer one that goes on: the longer first.
+        return f"(?:{body})?" if "" in node else body
+
+    return pattern(trie)
 
 
 def _bracketed(content: str) -> bool:

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from mlx_lm.tokenizer_utils import load as load_wrapper
 
-from engine.control_tokens import BREAK, as_text, control_pattern
+from engine.control_tokens import BREAK, _alternation, as_text, control_pattern
 from engine.model_source import default_model_file
 from engine.tokenizer import ModelTokenizer
 from tests.engine.gguf_files import write_gguf_tokenizer
@@ -73,3 +74,13 @@ def test_a_message_without_markers_renders_as_the_template_renders_it(
                     {"role": "user", "content": "Write <div>, <|im and |im_end|>."}]
     assert tokenizer.chat_prompt(conversation) == list(tokenizer._wrapper.apply_chat_template(
         conversation, tokenize=True, add_generation_prompt=True))
+
+
+def test_the_pattern_matches_each_control_string_whole_and_the_longest_first() -> None:
+    """Factored as a trie (Gemma 3 has 6,249 control strings): still every string, and of
+    two that start alike the longer where both match."""
+    strings = {"<a>", "<a>\n", "<ab>", "<|x|>"} | {f"<unused{i}>" for i in range(300)}
+    pattern = re.compile(_alternation(strings))
+    assert all(pattern.fullmatch(string) for string in strings)
+    assert pattern.findall("<a>\nx<ab> <a> <unused29> <unused2999> <|x|") == [
+        "<a>\n", "<ab>", "<a>", "<unused29>"]
