@@ -22,16 +22,13 @@ from typing import Any
 BREAK = "\u200b"
 
 
-def control_pattern(backend: Any, template: str, images: str = "") -> re.Pattern[str] | None:
+def control_pattern(backend: Any, template: str) -> re.Pattern[str] | None:
     """A pattern of the control strings the Rust tokenizer `backend` matches as tokens: its
     special added tokens and those the chat `template` writes (Qwen's <think> and
     <tool_call> are not "special"), bracketed ones only, so no added word or run of spaces
-    (code models add those) is touched; not those in `images` (a vision model's image
-    placeholder, which the server writes into a message where its image goes). None when
-    there are none."""
+    (code models add those) is touched. None when there are none."""
     contents = {token.content for token in backend.get_added_tokens_decoder().values()
-                if (token.special or token.content in template) and _bracketed(token.content)
-                and token.content not in images}
+                if (token.special or token.content in template) and _bracketed(token.content)}
     if not contents:
         return None
     return re.compile(_alternation(contents))

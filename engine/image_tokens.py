@@ -61,6 +61,15 @@ FAMILIES = {
        for model_type in ("qwen2_vl", "qwen2_5_vl")},
 }
 
+# Where an image goes in a message's text: the front ends put one here per image, and the
+# rendered prompt's markers become the model's image tokens (`ImageTokens.expand`), so a
+# placeholder a client typed as text (engine/control_tokens.py breaks it) places no image.
+# A private-use character before the object replacement character: text pasted from a
+# rich-text editor holds the latter alone (where an attachment was), which, as the marker
+# once, placed an image there or refused a text chat with no image; no text holds the pair
+# by accident.
+MARKER = "\U000f0000\ufffc"
+
 # Files whose settings change the pixels a processor gives the vision tower.
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
@@ -88,13 +97,12 @@ class ImageTokens:
         return f"{self.before}{self.image * count}{self.after}"
 
     def expand(self, text: str, counts: Sequence[int]) -> str:
-        """`text` with its placeholders expanded, the i-th into `counts[i]` image tokens;
-        placeholders past `counts` stay as they are (`key` then finds too few images)."""
-        pieces = text.split(self.placeholder)
+        """`text` with its `MARKER`s expanded, the i-th into `counts[i]` image tokens;
+        markers past `counts` stay as they are (`key` then finds too few images)."""
+        pieces = text.split(MARKER)
         expanded = [pieces[0]]
         for index, piece in enumerate(pieces[1:]):
-            expanded.append(self.expansion(counts[index]) if index < len(counts)
-                            else self.placeholder)
+            expanded.append(self.expansion(counts[index]) if index < len(counts) else MARKER)
             expanded.append(piece)
         return "".join(expanded)
 

@@ -89,8 +89,8 @@ class ModelTokenizer:
         self._special_ids = special_ids(self.fast) if self._segments is not None else None
         self.trailing_specials: int = 0 if self.fast is None else trailing_specials(self.fast)
         # The control strings a message's text must not become tokens through.
-        self._control = (None if self.fast is None else control_pattern(
-            self.fast, self.chat_template_text, "" if images is None else images.placeholder))
+        self._control = (None if self.fast is None
+                         else control_pattern(self.fast, self.chat_template_text))
         self._token_pieces: dict[int, tuple[str, bytes]] = {}  # text and bytes, by id
 
     def token_logprob(self, token: int, logprob: float) -> TokenLogprob:
@@ -180,8 +180,8 @@ class ModelTokenizer:
                 **options: bool) -> list[int]:
         """The template's rendering as token ids. tokenize=True renders the text and
         encodes it without special tokens; that is done here when the text is encoded in
-        cached segments, or a vision model's image placeholders are to be expanded first,
-        as its processor expands them. Control strings in a message the model did not
+        cached segments, or a vision model's image markers (`image_tokens.MARKER`) are to
+        become its image tokens first, as its processor expands its placeholders. Control strings in a message the model did not
         write are read as text (engine/control_tokens.py)."""
         if self._control is not None:
             messages = as_text(messages, self._control)

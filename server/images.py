@@ -29,13 +29,6 @@ from engine.image_files import IMAGE_FORMATS, open_image, rgb_pixels
 from server.data_urls import decode_base64, split_data_url
 from server.http.errors import APIError
 
-# Where an image part was in a message's text: the front ends put one here per image, and
-# the prompt's builder swaps it for the model's own placeholder. A private-use character
-# before the object replacement character: text pasted from a rich-text editor holds the
-# latter alone (where an attachment was), which, as the marker once, placed an image there
-# or refused a text chat with no image; no text holds the pair by accident.
-MARKER = "\U000f0000\ufffc"
-
 # The most one image's fetch may take, from the request to its last byte.
 FETCH_TIMEOUT_SECONDS = 10.0
 

@@ -18,7 +18,6 @@ from engine.tokenizer import ChatEnd, ModelTokenizer
 from server import generic_tools as generic
 from server.conversation import SYSTEM_ROLES, knows_developer, normalize, renders_late_system
 from server.http.errors import APIError
-from server.images import MARKER
 from server.request import GenerationRequest, Infill, TemplateMessage
 
 # apply_chat_template's own options, which chat_template_kwargs must not set: they are no
@@ -95,9 +94,6 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
     if generic.template_ignores_tools(tokenizer):
         messages, tools = generic.rewrite(request.messages, tools), ()
     messages = normalize(messages, renders_late_system(tokenizer), knows_developer(tokenizer))
-    if tokenizer.images is not None:
-        messages = [_with_placeholders(message, tokenizer.images.placeholder)
-                    for message in messages]
     template_tools = [tool.template_form() for tool in tools] or None
     counts = _image_counts(tokenizer.images, images)
     try:
@@ -130,14 +126,6 @@ def _keyed(image_tokens: ImageTokens, prompt: list[int], images: Sequence[ImageF
         raise APIError(400, f"the prompt's image placeholders do not match its images: "
                        f"{error}", code="invalid_image", param=param) from error
     return Prompt(keyed, ends, placed)
-
-
-def _with_placeholders(message: TemplateMessage, placeholder: str) -> TemplateMessage:
-    """The message with each image's marker as the model's image placeholder."""
-    content = message.get("content")
-    if not isinstance(content, str) or MARKER not in content:
-        return message
-    return {**message, "content": content.replace(MARKER, placeholder)}
 
 
 def assistant_prefill(messages: list[TemplateMessage]) -> tuple[list[TemplateMessage], ChatEnd]:
@@ -176,9 +164,7 @@ def raw_prompts(tokenizer: ModelTokenizer, request: GenerationRequest, token_lim
     if images:
         [text] = prompts
         assert isinstance(text, str) and tokenizer.images is not None
-        placeholders = text.replace(MARKER, tokenizer.images.placeholder)
-        expanded = tokenizer.images.expand(placeholders,
-                                           _image_counts(tokenizer.images, images))
+        expanded = tokenizer.images.expand(text, _image_counts(tokenizer.images, images))
         return [_keyed(tokenizer.images, tokenizer.encode(expanded), images, (), "prompt")]
     if request.infill is not None:
         fit = None

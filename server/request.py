@@ -187,7 +187,7 @@ class GenerationRequest:
 
     messages: tuple[TemplateMessage, ...] = ()
     # The chat's images as URLs (data: or http(s)), in order; each one's place in its
-    # message's text is a `server.images.MARKER`.
+    # message's text is an `engine.image_tokens.MARKER`.
     images: tuple[str, ...] = ()
     prompts: tuple[str | tuple[int, ...], ...] = ()
     # Raw text prompts only: the model writes what goes between each prompt and a suffix.

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from pydantic_core import from_json
 
 from engine.api import SamplingKnobs
+from engine.image_tokens import MARKER
 from server.anthropic.defined_tools import DEFINED_TOOLS
 from server.anthropic.protocol import (
     AnthropicDefinedTool,
@@ -81,7 +82,6 @@ from server.http.loading import respond_with_model
 from server.http.model_response import model_response
 from server.http.openapi import error_responses, event_stream
 from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
-from server.images import MARKER
 from server.model_registry import Lease
 from server.partial_json import JsonStart, json_start
 from server.pipeline import GenerationRun, render, start

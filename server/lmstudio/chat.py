@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.api import SamplingKnobs
+from engine.image_tokens import MARKER
 from server.clock import Clock
 from server.events import ChoiceFinished, Event, ReasoningDelta, TextDelta, Usage
 from server.http.errors import APIError, params_renamed, shown
@@ -36,7 +37,6 @@ from server.http.streaming import (
     NamedEvent,
     to_the_end,
 )
-from server.images import MARKER
 from server.lmstudio.protocol import (
     ChatStats,
     InputItem,

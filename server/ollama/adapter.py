@@ -19,6 +19,7 @@ from typing import Any
 from pydantic_core import to_json
 
 from engine.api import SamplingKnobs, TokenEvent
+from engine.image_tokens import MARKER
 from server.clock import Clock
 from server.events import (
     ChoiceFinished,
@@ -29,7 +30,6 @@ from server.events import (
     ToolCallStarted,
 )
 from server.http.errors import APIError
-from server.images import MARKER
 from server.model_registry import Lease
 from server.ollama.protocol import (
     ChatChunk,

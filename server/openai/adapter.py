@@ -12,9 +12,9 @@ from dataclasses import replace
 from typing import Any
 
 from engine.api import SamplingKnobs
+from engine.image_tokens import MARKER
 from engine.tokenizer import ChatEnd
 from server.custom_tools import custom_arguments, custom_function
-from server.images import MARKER
 from server.openai.protocol import (
     FOREIGN_OUTPUT_FIELDS,
     AllowedToolsChoice,

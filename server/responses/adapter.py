@@ -21,6 +21,7 @@ from fastapi.responses import Response
 from pydantic import TypeAdapter
 
 from engine.api import SamplingKnobs
+from engine.image_tokens import MARKER
 from engine.json_schemas import strict_mode
 from server.config import SamplingDefaults
 from server.custom_tools import InputReader, custom_arguments, custom_function
@@ -38,7 +39,6 @@ from server.http.loading import respond_with_model
 from server.http.model_response import model_response
 from server.http.openapi import error_responses, event_stream
 from server.http.streaming import CLIENT_CLOSED, GenerationEventSource, NamedEvent, to_the_end
-from server.images import MARKER
 from server.model_registry import Lease
 from server.openai.adapter import effort_kwargs
 from server.openai.formats import chat_logprobs

@@ -17,8 +17,8 @@ from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator,
 from pydantic_core import PydanticCustomError
 
 from engine.api import SpeculationMode
+from engine.image_tokens import MARKER
 from server.documents import ReadInText, document, text_of_data_url
-from server.images import MARKER
 from server.schema import (
     MAX_TOOLS,
     MAX_TOP_LOGPROBS,

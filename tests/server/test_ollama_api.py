@@ -16,6 +16,7 @@ import openai
 import pytest
 from pydantic import ValidationError
 
+from engine.image_tokens import MARKER
 from engine.loader import load_tokenizer
 from engine.weights_summary import human_number
 from server.clock import Clock
@@ -27,7 +28,6 @@ from server.events import (
     ToolCallStarted,
     Usage,
 )
-from server.images import MARKER
 from server.ollama.adapter import (
     OllamaReply,
     chat_request,

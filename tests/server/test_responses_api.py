@@ -15,9 +15,9 @@ import pytest
 from openai.types.responses import ResponseInputMessageItem, ResponseItem, ResponseOutputMessage
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from engine.image_tokens import MARKER
 from server.anthropic.adapter import chat_messages
 from server.anthropic.protocol import AnthropicMessage
-from server.images import MARKER
 from server.responses.adapter import (
     IMAGES,
     assistant_message,

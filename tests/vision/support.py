@@ -12,6 +12,7 @@ import numpy as np
 from PIL import Image
 
 from engine.api import ImageFile, Prompt
+from engine.image_tokens import MARKER
 from engine.tokenizer import ModelTokenizer
 from server.images import checked_image
 
@@ -28,7 +29,7 @@ def png(seed: int, size: tuple[int, int] = (40, 48)) -> bytes:
 
 def image_prompt(tokenizer: ModelTokenizer, messages: list[dict], images: list[bytes],
                  message_ends: bool = False) -> Prompt:
-    """The prompt the server builds for `messages` (image placeholders in their text), with
+    """The prompt the server builds for `messages` (an image `MARKER` in their text), with
     where each message ends when asked (a snapshot model's)."""
     files = [image_file(tokenizer, data) for data in images]
     counts = [tokenizer.images.count(file.size) for file in files]
@@ -62,7 +63,7 @@ def data_url(data: bytes, media_type: str = "image/png") -> str:
 
 
 def user_turn(tokenizer: ModelTokenizer, text: str = QUESTION) -> dict:
-    return {"role": "user", "content": tokenizer.images.placeholder + text}
+    return {"role": "user", "content": MARKER + text}
 
 
 class VlmReference:

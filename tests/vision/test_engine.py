@@ -19,6 +19,7 @@ from engine.api import RequestFailed, SamplingParams, SpeculationConfig
 from engine.demo_vlm import build_demo_vlm
 from engine.engine import ENGINE_THREAD
 from engine.image_files import open_image
+from engine.image_tokens import MARKER
 from engine.loader import load_model
 from tests.engine.support import cancel_after, complete, settled, start_engine
 from tests.vision.support import VlmReference, image_prompt, png, prompt_text, user_turn
@@ -96,8 +97,8 @@ async def test_a_cold_image_prompt_decodes_and_processes_each_image_once_and_a_h
     monkeypatch.setattr(engine_vision, "open_image", counted_open)
     monkeypatch.setattr(vision, "image_processor", counted_processor)
     tokenizer = engine.tokenizer
-    turn = {"role": "user", "content": tokenizer.images.placeholder + "This one, and "
-            + tokenizer.images.placeholder + "that one?"}
+    turn = {"role": "user", "content": MARKER + "This one, and "
+            + MARKER + "that one?"}
     prompt = image_prompt(tokenizer, [turn], [png(21, size=(20, 64)), png(22)])
 
     cold = await complete(engine, prompt, 2, ignore_eos=True)
@@ -255,8 +256,8 @@ async def test_two_images_in_one_prompt_give_mlx_vlm_generates_tokens(vlm_dir, r
     engine = start_engine(str(vlm_dir), cache_bytes=1 << 28, prefill_chunk_tokens=5)
     try:
         tokenizer, images = engine.tokenizer, [png(19, size=(20, 64)), png(20)]
-        turn = {"role": "user", "content": tokenizer.images.placeholder + "This one, and "
-                + tokenizer.images.placeholder + "that one: which is brighter?"}
+        turn = {"role": "user", "content": MARKER + "This one, and "
+                + MARKER + "that one: which is brighter?"}
         prompt = image_prompt(tokenizer, [turn], images)
         cold = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)
         hit = await complete(engine, prompt, MAX_TOKENS, ignore_eos=True)

@@ -18,7 +18,7 @@ import openai
 import pytest
 from PIL import Image
 
-from engine.image_tokens import text_ids
+from engine.image_tokens import MARKER, text_ids
 from engine.loader import load_tokenizer
 from server.images import checked_image
 from server.openai.adapter import chat_request
@@ -67,7 +67,7 @@ def model(client) -> str:
 def chat_text(tokenizer) -> list[dict]:
     """The chat of an image then QUESTION, their parts a line apart as every API joins
     them."""
-    return [{"role": "user", "content": f"{tokenizer.images.placeholder}\n{QUESTION}"}]
+    return [{"role": "user", "content": f"{MARKER}\n{QUESTION}"}]
 
 
 def expected_answer(tokenizer, reference, image: bytes) -> str:
@@ -351,6 +351,27 @@ def test_image_tokens_written_as_text_in_a_text_chat_are_text(tokenizer, client,
     pasted = f"The processor writes {images.placeholder} then {images.image * 3}."
     reply = client.chat.completions.create(
         model=model, max_tokens=2, messages=[{"role": "user", "content": pasted}])
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_an_image_placeholder_typed_beside_an_image_places_no_image(
+        vision_server, tokenizer, client, model):
+    """The model's placeholder typed as text (a web page a tool fetched, a pasted
+    template) took the attached image's place: the text before the attachment decided
+    where the image went. It is text; the image goes where it was attached."""
+    images = tokenizer.images
+    typed = f"AAA {images.placeholder} BBB"
+    content = [{"type": "text", "text": typed},
+               {"type": "image_url", "image_url": {"url": data_url(png(3))}}]
+    tokens = [piece["id"] for piece in httpx.post(
+        f"{vision_server.url}/tokenize", timeout=30, json={
+            "model": model, "messages": [{"role": "user", "content": content}],
+            "with_pieces": True}).json()["tokens"]]
+    first_image = tokens.index(images.image_token_id)
+    assert "BBB" in tokenizer.decode(tokens[:first_image])  # the image after the text
+    assert tokens.count(images.image_token_id) == image_count(tokenizer, png(3))
+    reply = client.chat.completions.create(
+        model=model, max_tokens=2, messages=[{"role": "user", "content": content}])
     assert reply.choices[0].finish_reason == "length"
 
 
