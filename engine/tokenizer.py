@@ -20,7 +20,7 @@ from typing import Any, Literal
 from jinja2 import TemplateError
 
 from engine.api import TokenLogprob
-from engine.control_tokens import as_text, control_pattern
+from engine.control_tokens import ControlStrings
 from engine.fill_in_middle import FillInMiddleTokens, find_tokens
 from engine.image_tokens import ImageTokens
 from engine.token_cache import NotCacheable, SegmentCache, cut_tokens, special_ids
@@ -90,7 +90,7 @@ class ModelTokenizer:
         self.trailing_specials: int = 0 if self.fast is None else trailing_specials(self.fast)
         # The control strings a message's text must not become tokens through.
         self._control = (None if self.fast is None
-                         else control_pattern(self.fast, self.chat_template_text))
+                         else ControlStrings.of(self.fast, self.chat_template_text))
         self._token_pieces: dict[int, tuple[str, bytes]] = {}  # text and bytes, by id
 
     def token_logprob(self, token: int, logprob: float) -> TokenLogprob:
@@ -183,15 +183,16 @@ class ModelTokenizer:
         cached segments, or a vision model's image markers (`image_tokens.MARKER`) are to
         become its image tokens first, as its processor expands its placeholders. Control strings in a message the model did not
         write are read as text (engine/control_tokens.py)."""
-        if self._control is not None:
-            messages = as_text(messages, self._control)
-        if self.images is None and self._segments is None:
+        read = messages if self._control is None else self._control.as_text(messages)
+        if self.images is None and self._segments is None and read is messages:
             return list(self._wrapper.apply_chat_template(
                 messages, **(variables or {}), tools=tools, tokenize=True, **options))
         text = self._wrapper.apply_chat_template(
-            messages, **(variables or {}), tools=tools, tokenize=False, **options)
+            read, **(variables or {}), tools=tools, tokenize=False, **options)
         if self.images is not None:
             text = self.images.expand(text, image_counts)
+        if read is not messages and (ids := self._control.encode(text)) is not None:
+            return ids
         return self.encode(text, special_tokens=False)
 
     def shared_lengths(self, prompt: list[int], heads: Sequence[list[dict[str, Any]]],

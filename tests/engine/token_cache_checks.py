@@ -12,7 +12,7 @@ from typing import Any
 from jinja2 import TemplateError
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from engine.control_tokens import as_text, control_pattern
+from engine.control_tokens import ControlStrings
 from engine.token_cache import SegmentCache, cut_tokens
 from engine.tokenizer import ModelTokenizer
 
@@ -60,16 +60,20 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["city"]}}}]
 
 
-def random_conversation(rng: random.Random, pieces: Sequence[str]) -> list[dict[str, Any]]:
+def random_conversation(rng: random.Random, pieces: Sequence[str],
+                        client_text: Callable[[str], str] = str) -> list[dict[str, Any]]:
     """A system message or not (sometimes a long one, as agents send), then user and
     assistant turns alternating (Gemma's template requires it), ending with the user;
-    assistants call a tool now and then."""
+    assistants call a tool now and then. The system's and user's texts go through
+    `client_text`."""
     messages: list[dict[str, Any]] = []
     if rng.random() < 0.6:
-        messages.append({"role": "system", "content": random_text(rng, pieces, 200)})
+        messages.append({"role": "system",
+                         "content": client_text(random_text(rng, pieces, 200))})
     for turn in range(rng.randint(1, 4) * 2 - 1):
         if turn % 2 == 0:
-            messages.append({"role": "user", "content": random_text(rng, pieces, 40)})
+            messages.append({"role": "user",
+                             "content": client_text(random_text(rng, pieces, 40))})
             continue
         message: dict[str, Any] = {"role": "assistant", "content": random_text(rng, pieces, 40)}
         if rng.random() < 0.3:
@@ -126,22 +130,28 @@ def check_prompt_encoding(wrapper: TokenizerWrapper, seed: int) -> None:
 
 def check_chat_prompts(wrapper: TokenizerWrapper, seed: int) -> None:
     """chat_prompt is the template's tokenize=True rendering, with tools or not, at every
-    end, for random conversations whose contents hold the template's own markers (read as
-    text where a message the model did not write holds them: engine/control_tokens.py)."""
+    end, for random conversations whose contents hold the template's own markers: the
+    assistant's messages all of them, the system's and user's none of its control strings
+    (a client's are read as text: tests/engine/test_control_tokens.py)."""
     tokenizer = ModelTokenizer(wrapper)
-    control = control_pattern(wrapper.backend_tokenizer, str(wrapper.chat_template))
+    control = ControlStrings.of(wrapper.backend_tokenizer, str(wrapper.chat_template))
     pieces = stress_pieces(wrapper, seed)
+
+    def without_controls(text: str) -> str:
+        while control is not None and control.pattern.search(text):
+            text = control.pattern.sub("", text)  # which may join the rest into another
+        return text
+
     rng = random.Random(seed)
     rendered = 0
     for _ in range(60):
-        messages = random_conversation(rng, pieces)
+        messages = random_conversation(rng, pieces, without_controls)
         tools = TOOLS if rng.random() < 0.5 else None
-        read = messages if control is None else as_text(messages, control)
         for end, options in (("reply", {"add_generation_prompt": True}),
                              ("continue", {"continue_final_message": True}),
                              ("as_is", {})):
             cached = outcome(tokenizer.chat_prompt, messages, tools, end=end)
-            assert cached == outcome(wrapper.apply_chat_template, read,
+            assert cached == outcome(wrapper.apply_chat_template, messages,
                                      tools=tools, tokenize=True, **options), messages
             rendered += cached[0] == "ids"
     assert rendered > 100
