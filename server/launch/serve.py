@@ -86,6 +86,13 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain.draining and self._drain.finished():
+            if self._drain.hurried:
+                # What a second signal left in flight holds no job to end (a body still
+                # arriving, an embedding): its connection closes, and it ends as one whose
+                # client left, where uvicorn would wait its graceful timeout, then cancel
+                # it with a traceback.
+                for connection in list(self.server_state.connections):
+                    connection.transport.abort()
             self.should_exit = True
         # Answering 503 forever would hide the failure from a service manager.
         if self._failed():

@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import signal
+import socket
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -240,9 +241,16 @@ async def test_a_second_signal_ends_streams_with_their_error_event_then_exits(
     demo_model_dir: Path, tmp_path: Path
 ) -> None:
     """A second Ctrl-C during a long drain forced uvicorn's exit: streams were cut
-    mid-chunk with no error event, and the log got a CancelledError traceback for each."""
+    mid-chunk with no error event, and the log got a CancelledError traceback for each.
+    A request with no engine work to end (its body still arriving) is closed as one
+    whose client left, not cancelled with a traceback after uvicorn's timeout."""
     server = start_server(demo_model_dir, tmp_path / "server.log", "--drain-timeout", "300")
+    port = int(server.url.rsplit(":", 1)[1])
     try:
+        uploading = socket.create_connection(("127.0.0.1", port))
+        uploading.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: 1000\r\n"
+                          b"X-Request-Id: still-uploading\r\n\r\n{\"model\":")
         async with httpx.AsyncClient(timeout=60) as http:
             started = asyncio.Event(), asyncio.Event()
             streams = [asyncio.create_task(_read_stream(
@@ -260,7 +268,9 @@ async def test_a_second_signal_ends_streams_with_their_error_event_then_exits(
     for stream in events:
         assert stream[-1] == "[DONE]"
         assert json.loads(stream[-2])["error"]["code"] == "shutting_down"
-    assert "second signal: ending 2 requests in flight now" in server.log()
+    uploading.close()
+    assert "second signal: ending 3 requests in flight now" in server.log()
+    assert " 499 " in server.access_line("still-uploading")
     assert "Traceback" not in server.log()
     assert returncode == 0, server.log()
 
