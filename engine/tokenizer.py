@@ -180,9 +180,10 @@ class ModelTokenizer:
                 **options: bool) -> list[int]:
         """The template's rendering as token ids. tokenize=True renders the text and
         encodes it without special tokens; that is done here when the text is encoded in
-        cached segments, or a vision model's image markers (`image_tokens.MARKER`) are to
-        become its image tokens first, as its processor expands its placeholders. Control strings in a message the model did not
-        write are read as text (engine/control_tokens.py)."""
+        cached segments, a vision model's image markers (`image_tokens.MARKER`) are to
+        become its image tokens first (as its processor expands its placeholders), or a
+        message the model did not write holds a control string, read as text
+        (engine/control_tokens.py)."""
         read = messages if self._control is None else self._control.as_text(messages)
         if self.images is None and self._segments is None and read is messages:
             return list(self._wrapper.apply_chat_template(
