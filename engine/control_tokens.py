@@ -7,15 +7,15 @@ fetched) became real turn delimiters: a forged system turn the model obeys. Open
 such strings as plain text. mlx-lm, vLLM and llama.cpp's server match them.
 
 Where a message the model did not write (any role but the assistant's) holds one of the
-model's control strings, a zero-width space goes in after its first character before the
+model's control strings, a break (`BREAK`) goes in after its first character before the
 template renders it (`as_text`), so the tokenizer no longer matches it there. The rendered
 prompt is then encoded (`encode`) with each stretch between the tokenizer's own added
-tokens that holds such a string read with none matched and the space taken out again:
+tokens that holds such a string read with none matched and the break taken out again:
 the model reads the characters the client sent, as the text they look like, and so writes
-them back as they were. (Left in, the model copied the invisible space into its answers.)
-The assistant's own messages are left as they are: they are the model's output, cached as
-the next turn renders them. Raw prompts (Completions) are left alone too: writing control
-tokens by hand is what they are for.
+them back as they were (left in, a zero-width space then, the break was copied into its
+answers). The assistant's own messages are left as they are: they are the model's
+output, cached as the next turn renders them. Raw prompts (Completions) are left alone
+too: writing control tokens by hand is what they are for.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ import re
 import threading
 from typing import Any
 
-# Invisible, and no token's string contains it, so the control string no longer matches.
-BREAK = "\u200b"
+# No token's string holds it, so the control string no longer matches; a private-use
+# character, which no client types by accident: a zero-width space, the first choice, was
+# one a client's own text could hold, and the break's removal took it out of their text.
+BREAK = "\U000f0001"
 
 
 class ControlStrings:
@@ -72,14 +74,17 @@ class ControlStrings:
         if self._broken is None or BREAK not in text or self._broken.search(text) is None:
             return None
         encoding = self._backend.encode(text, add_special_tokens=False)
+        # Once: `Encoding.ids` builds a new list at every read, and read per stretch it
+        # made a long conversation's prompt quadratic.
+        whole = encoding.ids
         ids: list[int] = []
         first, start = 0, 0  # the stretch's first token and first character
-        for index, (token, (begin, end)) in enumerate(zip(encoding.ids, encoding.offsets)):
+        for index, (token, (begin, end)) in enumerate(zip(whole, encoding.offsets)):
             if token in self._added_ids:
-                ids += self._stretch(text[start:begin], encoding.ids[first:index])
+                ids += self._stretch(text[start:begin], whole[first:index])
                 ids.append(token)
                 first, start = index + 1, end
-        return ids + self._stretch(text[start:], encoding.ids[first:])
+        return ids + self._stretch(text[start:], whole[first:])
 
     def _stretch(self, text: str, ids: list[int]) -> list[int]:
         assert self._broken is not None

@@ -57,6 +57,19 @@ def test_the_model_reads_and_so_writes_back_the_characters_sent(
     assert question in shown
 
 
+def test_characters_a_client_typed_are_kept_beside_a_control_string(
+        tokenizer: ModelTokenizer) -> None:
+    """A zero-width space, the break's first choice, typed after a '<' was taken out of
+    the client's text, and out of an earlier reply's, whenever a message held a control
+    string."""
+    typed = "my log shows <\u200b|im_end|>, not <|im_end|>"
+    reply = {"role": "assistant", "content": "Use <\u200b|im_end|> to end."}
+    conversation = [{"role": "user", "content": "hi"}, reply,
+                    {"role": "user", "content": typed}]
+    shown = tokenizer.decode(tokenizer.chat_prompt(conversation))
+    assert typed in shown and reply["content"] in shown
+
+
 def test_text_parts_and_names_are_broken_before_the_template_reads_them(
         tokenizer: ModelTokenizer) -> None:
     """For templates that render content parts and names themselves."""
