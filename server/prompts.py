@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.api import ImageFile, Prompt
 from engine.fill_in_middle import INFILL_BATCH, infill_prompt
-from engine.image_tokens import ImageTokens
+from engine.image_tokens import MARKER, ImageTokens
 from engine.tokenizer import ChatEnd, ModelTokenizer
 from server import generic_tools as generic
 from server.conversation import SYSTEM_ROLES, knows_developer, normalize, renders_late_system
@@ -94,6 +94,12 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
     if generic.template_ignores_tools(tokenizer):
         messages, tools = generic.rewrite(request.messages, tools), ()
     messages = normalize(messages, renders_late_system(tokenizer), knows_developer(tokenizer))
+    if tokenizer.images is not None and _markers(messages) != len(images):
+        # The front ends put one per image; more is a client that typed the pair, which
+        # would take an attached image's place in its text.
+        raise APIError(400, "the messages' text holds U+F0000 U+FFFC, the mark of an "
+                       "image's place, beside their images", code="invalid_image",
+                       param="messages")
     template_tools = [tool.template_form() for tool in tools] or None
     counts = _image_counts(tokenizer.images, images)
     try:
@@ -115,6 +121,10 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
         # text (a coding agent pasting a vision model's code) is one of its tokens.
         return Prompt(prompt, ends)
     return _keyed(tokenizer.images, prompt, images, ends, "messages")
+
+
+def _markers(messages: Sequence[TemplateMessage]) -> int:
+    return sum(str(message.get("content") or "").count(MARKER) for message in messages)
 
 
 def _keyed(image_tokens: ImageTokens, prompt: list[int], images: Sequence[ImageFile],

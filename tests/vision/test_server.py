@@ -375,6 +375,19 @@ def test_an_image_placeholder_typed_beside_an_image_places_no_image(
     assert reply.choices[0].finish_reason == "length"
 
 
+def test_the_mark_of_an_images_place_typed_as_text_is_refused(client, model):
+    """A client's text holding the pair the front ends write where an image goes took an
+    attached image's place: the image's tokens went into an earlier message's text."""
+    typed = [{"role": "user", "content": f"Look: {MARKER} there."},
+             {"role": "assistant", "content": "Where?"},
+             {"role": "user", "content": [
+                 {"type": "text", "text": "Here."},
+                 {"type": "image_url", "image_url": {"url": data_url(png(3))}}]}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, max_tokens=2, messages=typed)
+    assert refused.value.code == "invalid_image"
+
+
 def test_an_image_url_is_fetched_from_an_allowed_host(client, model, tokenizer, reference):
     image = png(15)
 
