@@ -149,10 +149,8 @@ def describe_platform() -> str:
     if mx.default_device() == mx.gpu:
         if mx.metal.is_available():
             return f"mlx {mx.__version__}, device gpu (Metal)"
-        # What the engine will run with: it applies our defaults before its first forward.
-        cudnn, graphs, tf32 = (
-            "off" if os.environ.get(name, MLX_ENV_DEFAULTS[name]) == "0" else "on"
-            for name in (CUDNN_ATTENTION_ENV, CUDA_GRAPHS_ENV, TF32_ENV))
+        cudnn, graphs, tf32 = ("off" if _mlx_setting(name) == "0" else "on"
+                               for name in (CUDNN_ATTENTION_ENV, CUDA_GRAPHS_ENV, TF32_ENV))
         return (f"mlx {mx.__version__}, device gpu (CUDA), cuDNN attention {cudnn}, "
                 f"CUDA graphs {graphs}, TF32 {tf32}")
     return f"mlx {mx.__version__}, device cpu, BLAS: {_blas_in_use()}"
@@ -171,9 +169,15 @@ def numeric_environment() -> str:
     if mx.default_device() == mx.gpu:
         if mx.metal.is_available():
             return repr(device)
-        return repr((*device, *(f"{name}={os.environ.get(name, MLX_ENV_DEFAULTS[name])}"
+        return repr((*device, *(f"{name}={_mlx_setting(name)}"
                                 for name in (TF32_ENV, CUDNN_ATTENTION_ENV))))
     return repr((*device, *_blas()))
+
+
+def _mlx_setting(name: str) -> str:
+    """The value MLX runs with of one of `MLX_ENV_DEFAULTS`: the operator's, else ours (the
+    engine applies them before its first forward)."""
+    return os.environ.get(name, MLX_ENV_DEFAULTS[name])
 
 
 def _blas_in_use() -> str:

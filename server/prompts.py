@@ -94,7 +94,7 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
     if generic.template_ignores_tools(tokenizer):
         messages, tools = generic.rewrite(request.messages, tools), ()
     messages = normalize(messages, renders_late_system(tokenizer), knows_developer(tokenizer))
-    if tokenizer.images is not None and _markers(messages) != len(images):
+    if tokenizer.images is not None and sum(map(image_marks, messages)) != len(images):
         # The front ends put one per image; more is a client that typed the pair, which
         # would take an attached image's place in its text.
         raise APIError(400, "the messages' text holds U+F0000 U+FFFC, the mark of an "
@@ -123,8 +123,9 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
     return _keyed(tokenizer.images, prompt, images, ends, "messages")
 
 
-def _markers(messages: Sequence[TemplateMessage]) -> int:
-    return sum(str(message.get("content") or "").count(MARKER) for message in messages)
+def image_marks(message: TemplateMessage) -> int:
+    """How many images `message` places: the `MARKER`s in its text."""
+    return str(message.get("content") or "").count(MARKER)
 
 
 def _keyed(image_tokens: ImageTokens, prompt: list[int], images: Sequence[ImageFile],

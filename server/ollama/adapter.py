@@ -47,7 +47,7 @@ from server.ollama.protocol import (
     TokenLogprob,
 )
 from server.pipeline import first_that_fits
-from server.prompts import assistant_prefill
+from server.prompts import assistant_prefill, image_marks
 from server.request import (
     TEXT,
     FunctionTool,
@@ -211,7 +211,7 @@ def _from(generation: GenerationRequest, start: int) -> GenerationRequest:
     """The chat from its message `start` on, with the system messages before it."""
     messages, images, image = [], [], 0
     for number, message in enumerate(generation.messages):
-        count = str(message.get("content") or "").count(MARKER)
+        count = image_marks(message)
         if number >= start or message["role"] == "system":
             messages.append(message)
             images += generation.images[image:image + count]
