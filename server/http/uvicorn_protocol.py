@@ -20,7 +20,8 @@ import socket
 import sys
 from collections.abc import Callable
 
-from uvicorn._types import ASGISendEvent
+import httptools
+from uvicorn._types import ASGI3Application, ASGISendEvent
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from server.http.body_limit import MAX_HEADER_BYTES
@@ -46,11 +47,22 @@ class BoundedProtocol(HttpToolsProtocol):
     pile up unread in the request's stream (engine/streams.py): 30 streams whose clients
     never read held 107 MiB. The connection is aborted, not closed, because a close waits
     for the buffer to flush; the response then sees the disconnect and cancels its
-    generation (server/http/streaming.py)."""
+    generation (server/http/streaming.py).
+
+    Tells the request being answered that its client left even when pipelined requests
+    queue behind it: uvicorn tells only the last one parsed, so the first decoded on to its
+    max_tokens, holding its row, for a connection already gone.
+
+    Declines an offer to upgrade the connection (`Upgrade: h2c`, which curl --http2 and
+    Java's HttpClient send on http:// URLs) and answers the request over HTTP/1.1, as RFC
+    9110 lets a server: llhttp stops at the end of such a head, and uvicorn served the
+    request with an empty body."""
 
     def __init__(self, *args, head_timeout: float, write_timeout: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._head_bytes: int | None = 0  # None: the head is complete, the body follows
+        self._answering: RequestResponseCycle | None = None
+        self._declined_upgrade_body = 0  # body bytes still owed after a declined upgrade
         self._head_timeout = head_timeout
         # Runs while the client owes a head or more of a body: they never overlap.
         self._read_timer: asyncio.TimerHandle | None = None
@@ -65,7 +77,15 @@ class BoundedProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._client_sent()
         self._written()
+        answering = self._answering
+        if answering is not None and answering is not self.cycle and not answering.response_complete:
+            answering.disconnected = True
+            answering.message_event.set()
         super().connection_lost(exc)
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        self._answering = cycle
+        super()._start_asgi_task(cycle, app)
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -76,7 +96,24 @@ class BoundedProtocol(HttpToolsProtocol):
         super().resume_writing()
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
+        if self._declined_upgrade_body:
+            self._take_declined_upgrade_body(data)
+            return
+        # uvicorn's own, but for an upgrade offered to HTTP/2, which it read as a bodiless request.
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            message = "Invalid HTTP request received."
+            self.logger.warning(message)
+            self.send_400_response(message)
+            return
+        except httptools.HttpParserUpgrade as upgrade:
+            if self._should_upgrade():  # a websocket: uvicorn's, which the app refuses
+                self.handle_websocket_upgrade()
+            else:
+                self._decline_upgrade(data[upgrade.args[0]:])
+            return
         if self._head_bytes is None or self.transport.is_closing():
             return
         self._head_bytes += len(data)
@@ -104,6 +141,29 @@ class BoundedProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._client_sent()
         super().on_message_complete()
+
+    def _decline_upgrade(self, rest: bytes) -> None:
+        """Serve the request whose head offered an upgrade as a plain one: llhttp ended it
+        at its head, so its body (`rest`, then what follows) is handed over here, and the
+        connection closes after the answer, since its parser stays paused."""
+        headers = dict(self.headers)
+        if b"transfer-encoding" in headers:
+            self.send_400_response("An upgrade offer with a chunked body is not served.")
+            return
+        self.cycle.keep_alive = False
+        self._declined_upgrade_body = int(headers.get(b"content-length", b"0"))
+        if self._declined_upgrade_body:
+            self.cycle.more_body = True  # llhttp reported the message complete at its head
+            self._await_client(self._body_timed_out)
+            self._take_declined_upgrade_body(rest)
+
+    def _take_declined_upgrade_body(self, data: bytes) -> None:
+        body = data[:self._declined_upgrade_body]
+        self._declined_upgrade_body -= len(body)
+        if body:
+            self.on_body(body)
+        if not self._declined_upgrade_body:
+            self.on_message_complete()
 
     def _await_client(self, timed_out: Callable[[], None]) -> None:
         self._client_sent()

@@ -203,6 +203,53 @@ def test_a_body_its_client_cut_off_is_logged_as_the_clients_leaving(
     assert "POST /v1/chat/completions 499 " in line, line
 
 
+def test_a_stream_with_requests_pipelined_behind_it_ends_when_its_client_leaves(
+        hardened: ServerProcess, demo_model_dir: Path) -> None:
+    """A client that pipelined a second request behind a stream, then closed the
+    connection: uvicorn told only the queued request that its client had gone, and the
+    stream decoded on to its max_tokens for no one, holding its row."""
+    max_tokens = 4000
+    body = json.dumps({
+        "model": demo_model_dir.name, "prompt": "Hello", "stream": True,
+        "max_tokens": max_tokens, "ignore_eos": True}).encode()
+    host, port = urlsplit(hardened.url).hostname, urlsplit(hardened.url).port
+    with socket.create_connection((host, port), timeout=30) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                     b"X-Request-Id: pipelined-first\r\nAuthorization: Bearer %s\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
+                     % (API_KEY.encode(), len(body), body))
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+    line = hardened.access_line("pipelined-first", timeout=60)
+    assert "POST /v1/completions 499 " in line, line
+    assert int(line.split(" completion=")[1].split()[0]) < max_tokens
+
+
+def test_a_request_offering_an_upgrade_to_http2_is_answered_over_http11(
+        hardened: ServerProcess, demo_model_dir: Path) -> None:
+    """curl --http2 and Java's HttpClient offer `Upgrade: h2c` on http:// URLs: the
+    request was served without its body (a 400 for fields it had sent). The offer is
+    declined, as RFC 9110 allows, and the request answered whole."""
+    body = json.dumps({"model": demo_model_dir.name, "prompt": "Hello",
+                       "max_tokens": 2}).encode()
+    host, port = urlsplit(hardened.url).hostname, urlsplit(hardened.url).port
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+            b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
+            b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+            b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\nContent-Length: %d\r\n\r\n"
+            % (API_KEY.encode(), len(body)))
+    with socket.create_connection((host, port), timeout=30) as conn:
+        conn.sendall(head + body[:10])  # the rest of the body in a later read
+        time.sleep(0.2)
+        conn.sendall(body[10:])
+        answer = b""
+        while chunk := conn.recv(4096):  # the connection closes after the answer
+            answer += chunk
+    head_part, _, content = answer.partition(b"\r\n\r\n")
+    assert head_part.startswith(b"HTTP/1.1 200"), answer[:300]
+    assert json.loads(content)["usage"]["completion_tokens"] == 2
+
+
 def test_a_stream_whose_client_stops_reading_is_cut_off(
         hardened: ServerProcess, demo_model_dir: Path) -> None:
     """A client that keeps its connection open and reads nothing: the engine decoded the
