@@ -216,10 +216,7 @@ def _check_pipeline(backend: Any) -> None:
     for kind, allowed in (("normalizer", _PIECE_NORMALIZERS),
                           ("pre_tokenizer", _PIECE_PRE_TOKENIZERS),
                           ("post_processor", _SPECIAL_ONLY_PROCESSORS)):
-        component = getattr(backend, kind)
-        if component is None:
-            continue
-        for step in _steps(json.loads(component.__getstate__())):
+        for step in component_steps(getattr(backend, kind)):
             if step["type"] not in allowed:
                 raise NotCacheable(f"{kind} {step['type']}")
             if step["type"] == "Metaspace" and step.get("prepend_scheme") not in ("always",
@@ -227,12 +224,17 @@ def _check_pipeline(backend: Any) -> None:
                 raise NotCacheable(f"Metaspace with prepend_scheme {step.get('prepend_scheme')}")
 
 
+def component_steps(component: Any) -> list[dict[str, Any]]:
+    """The steps of a Rust tokenizer's component (its normalizer, pre-tokenizer,
+    post-processor or decoder), each its JSON, Sequences flattened; none for None."""
+    return [] if component is None else list(_steps(json.loads(component.__getstate__())))
+
+
 def _steps(state: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """A component's steps, its Sequences flattened."""
     if state["type"] != "Sequence":
         yield state
         return
-    for key in ("normalizers", "pretokenizers", "processors"):
+    for key in ("normalizers", "pretokenizers", "processors", "decoders"):
         for step in state.get(key, ()):
             yield from _steps(step)
 

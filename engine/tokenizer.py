@@ -8,7 +8,6 @@ wrapper or a Hugging Face tokenizer itself. It imports nothing from MLX or mlx-l
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -20,10 +19,16 @@ from typing import Any, Literal
 from jinja2 import TemplateError
 
 from engine.api import TokenLogprob
-from engine.control_tokens import ControlStrings
+from engine.control_tokens import BREAK, ControlStrings
 from engine.fill_in_middle import FillInMiddleTokens, find_tokens
 from engine.image_tokens import ImageTokens
-from engine.token_cache import NotCacheable, SegmentCache, cut_tokens, special_ids
+from engine.token_cache import (
+    NotCacheable,
+    SegmentCache,
+    component_steps,
+    cut_tokens,
+    special_ids,
+)
 from radix.prefix import common_prefix_length
 
 log = logging.getLogger("radix_mlx.engine")
@@ -56,6 +61,15 @@ class ThinkingMarkers:
     end: str
     start_tokens: tuple[int, ...]
     end_tokens: tuple[int, ...]
+
+
+class TooManyTokens(Exception):
+    """A text that holds more tokens than its request allows, known from its length alone,
+    without encoding it."""
+
+    def __init__(self, least: int) -> None:
+        super().__init__(f"at least {least} tokens")
+        self.least = least
 
 
 class ModelTokenizer:
@@ -137,6 +151,41 @@ class ModelTokenizer:
         """Each vocabulary piece's id, added tokens included."""
         return self._wrapper.get_vocab()
 
+    def check_length(self, text: str, most_tokens: int | None) -> None:
+        """Raise `TooManyTokens` if `text` holds more than `most_tokens` tokens by its length
+        alone: a 4 MB prompt was encoded whole, 16 s of a busy core, only to be told it
+        did not fit the context window."""
+        if most_tokens is None or self.most_chars_a_token is None:
+            return
+        least = (len(text) - text.count(BREAK)) // self.most_chars_a_token
+        if least > most_tokens:
+            raise TooManyTokens(least)
+
+    @cached_property
+    def most_chars_a_token(self) -> int | None:
+        """The most characters of text one token stands for, where a tokenizer's pieces
+        bound it: None but for byte-level BPE (each piece a run of the text's bytes, so of
+        at most as many characters) without a normalizer or pre-tokenizer that drops
+        characters; NFC composes at most three characters into one."""
+        if self.fast is None or not _byte_level(self.fast):
+            return None
+        normalizers = {step["type"] for step in component_steps(self.fast.normalizer)}
+        if not normalizers <= {"NFC"} or not all(
+                step["type"] in ("ByteLevel", "Digits")
+                or (step["type"] == "Split" and step.get("behavior") != "Removed")
+                for step in component_steps(self.fast.pre_tokenizer)):
+            return None
+        longest = max(map(len, map(self._piece_or_text_bytes, self.fast.get_vocab())),
+                      default=1)
+        return longest * (3 if normalizers else 1)
+
+    def _piece_or_text_bytes(self, piece: str) -> bytes:
+        """A vocabulary piece's bytes; an added token's (stored as its text) are its text's."""
+        try:
+            return self._piece_bytes(piece)
+        except KeyError:
+            return piece.encode("utf-8")
+
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `special_tokens` adds what the tokenizer adds to a whole
         prompt (e.g. BOS)."""
@@ -161,7 +210,8 @@ class ModelTokenizer:
     def chat_prompt(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
                     variables: dict[str, Any] | None = None,
-                    end: ChatEnd = "reply", image_counts: Sequence[int] = ()) -> list[int]:
+                    end: ChatEnd = "reply", image_counts: Sequence[int] = (),
+                    most_tokens: int | None = None) -> list[int]:
         """The prompt token ids for `messages`, through the model's chat template, ending
         where the assistant's reply starts (`end` "reply"), inside the final message so
         that the reply continues it ("continue": transformers' `continue_final_message`,
@@ -170,26 +220,29 @@ class ModelTokenizer:
         tokens of each image the messages place, in order (`ImageTokens.counts`).
 
         Raises jinja2's TemplateError or ValueError when the template rejects the
-        messages (say, roles that do not alternate)."""
-        return self._render(messages, tools, variables, image_counts,
+        messages (say, roles that do not alternate), `TooManyTokens` when the rendered
+        text is too long to hold at most `most_tokens` (`check_length`)."""
+        return self._render(messages, tools, variables, image_counts, most_tokens,
                             add_generation_prompt=end == "reply",
                             continue_final_message=end == "continue")
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                 variables: dict[str, Any] | None, image_counts: Sequence[int],
-                **options: bool) -> list[int]:
+                most_tokens: int | None = None, **options: bool) -> list[int]:
         """The template's rendering as token ids. tokenize=True renders the text and
         encodes it without special tokens; that is done here when the text is encoded in
         cached segments, a vision model's image markers (`image_tokens.MARKER`) are to
         become its image tokens first (as its processor expands its placeholders), or a
         message the model did not write holds a control string, read as text
-        (engine/control_tokens.py)."""
+        (engine/control_tokens.py), and where the text is checked against `most_tokens`
+        before it is encoded."""
         read = messages if self._control is None else self._control.as_text(messages)
         if self.images is None and self._segments is None and read is messages:
             return list(self._wrapper.apply_chat_template(
                 messages, **(variables or {}), tools=tools, tokenize=True, **options))
         text = self._wrapper.apply_chat_template(
             read, **(variables or {}), tools=tools, tokenize=False, **options)
+        self.check_length(text, most_tokens)
         if self.images is not None:
             text = self.images.expand(text, image_counts)
         if read is not messages and (ids := self._control.encode(text)) is not None:
@@ -244,16 +297,19 @@ def _segment_cache(tokenizer: Any) -> SegmentCache | None:
 def _piece_reader(fast: Any) -> Callable[[str], bytes] | None:
     """How a vocabulary piece maps to bytes, for the two decoders that store bytes in
     pieces: byte-level BPE (GPT-2, Llama 3, Qwen) and SentencePiece with byte fallback."""
-    if fast is None or fast.decoder is None:
+    if fast is None:
         return None
-    decoder = json.loads(fast.decoder.__getstate__())  # the decoder's own JSON
-    if decoder.get("type") == "ByteLevel":
+    if _byte_level(fast):
         byte_of = _gpt2_byte_decoder()
         return lambda piece: bytes(byte_of[char] for char in piece)
-    steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
-    if any(step.get("type") == "ByteFallback" for step in steps):
+    if any(step["type"] == "ByteFallback" for step in component_steps(fast.decoder)):
         return _sentencepiece_bytes
     return None
+
+
+def _byte_level(fast: Any) -> bool:
+    """Does the Rust tokenizer `fast` decode byte-level BPE (GPT-2, Llama 3, Qwen)?"""
+    return [step["type"] for step in component_steps(fast.decoder)] == ["ByteLevel"]
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -228,10 +228,13 @@ class GenerationRun:
         self.job.close()
 
 
-async def render(model: ServedModel, request: GenerationRequest) -> list[Prompt]:
+async def render(model: ServedModel, request: GenerationRequest, generated: bool = False
+                 ) -> list[Prompt]:
     """`request`'s prompts: a chat through the model's template, after its system messages
     lose the lines `volatile_system_lines` names (with its message ends when the engine
-    snapshots there), or raw prompts."""
+    snapshots there), or raw prompts. A prompt to be `generated` from, and not cut to fit
+    (`keep_tokens`), is refused (`PromptTooLong`) without being encoded where its text
+    alone shows it fills the context window."""
     tokenizer = model.tokenizer()
     images = []
     if request.images:
@@ -243,17 +246,22 @@ async def render(model: ServedModel, request: GenerationRequest) -> list[Prompt]
                                    tokenizer.images.settings)
     # Rendering and tokenizing a long conversation takes milliseconds: off the event
     # loop, so streams in flight keep flowing meanwhile.
+    window = request.token_limit(model.engine.token_limit)
+    most_tokens = window - 1 if generated and request.keep_tokens is None else None
     if not request.is_chat:
-        return await asyncio.to_thread(raw_prompts, tokenizer, request,
-                                       request.token_limit(model.engine.token_limit), images)
+        return await asyncio.to_thread(raw_prompts, tokenizer, request, window, images,
+                                       most_tokens)
     request = _as_rendered(model, request)
     return [await asyncio.to_thread(chat_prompt, tokenizer, request,
-                                    model.engine.wants_message_ends, images)]
+                                    model.engine.wants_message_ends, images, most_tokens)]
 
 
 async def fits_context(lease: Lease, request: GenerationRequest) -> bool:
     """Does `request`'s prompt leave its model room for at least one token?"""
-    prompts = await render(lease.model, request)
+    try:
+        prompts = await render(lease.model, request, generated=True)
+    except PromptTooLong:
+        return False
     return max(len(prompt.tokens) for prompt in prompts) < request.token_limit(
         lease.engine.token_limit)
 
@@ -317,7 +325,7 @@ async def _start(http: Request, state: ServerState, lease: Lease, request: Gener
     settings = model.settings
     tokenizer = model.tokenizer()
     tool_format = _tool_format(tokenizer, request)
-    prompts = await render(model, request)
+    prompts = await render(model, request, generated=True)
     if request.infill is not None:
         # A middle also ends where the model goes on to another file of the project, or pads.
         request = replace(request, sampling=replace(request.sampling, stop_token_ids=(

@@ -14,10 +14,10 @@ from transformers import PreTrainedTokenizerBase
 from engine.api import ImageFile, Prompt
 from engine.fill_in_middle import INFILL_BATCH, infill_prompt
 from engine.image_tokens import MARKER, ImageTokens
-from engine.tokenizer import ChatEnd, ModelTokenizer
+from engine.tokenizer import ChatEnd, ModelTokenizer, TooManyTokens
 from server import generic_tools as generic
 from server.conversation import SYSTEM_ROLES, knows_developer, normalize, renders_late_system
-from server.http.errors import APIError
+from server.http.errors import APIError, PromptTooLong
 from server.request import GenerationRequest, Infill, TemplateMessage
 
 # apply_chat_template's own options, which chat_template_kwargs must not set: they are no
@@ -63,14 +63,17 @@ def _image_counts(image_tokens: ImageTokens | None, images: Sequence[ImageFile]
 
 
 def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
-                message_ends: bool = False, images: Sequence[ImageFile] = ()) -> Prompt:
+                message_ends: bool = False, images: Sequence[ImageFile] = (),
+                most_tokens: int | None = None) -> Prompt:
     """The prompt through the model's chat template; for a template without a tool format,
     tools and tool turns are rewritten first (`server.generic_tools`), then runs of one
     role merged and late system messages fitted to the template (`server.conversation`).
     With `message_ends`
     (the engine snapshots there, `Engine.wants_message_ends`), where the system messages
     and the last few messages end: each costs another render (`_heads`). `images`: the
-    request's, loaded (`server.images`), each keyed in the prompt on its digest."""
+    request's, loaded (`server.images`), each keyed in the prompt on its digest. A prompt
+    whose text is too long to hold at most `most_tokens` is refused before it is encoded
+    (`ModelTokenizer.check_length`)."""
     if not tokenizer.has_chat_template:
         raise APIError(
             400, "this model has no chat template; use /v1/completions", code="invalid_request",
@@ -104,7 +107,9 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
     counts = _image_counts(tokenizer.images, images)
     try:
         prompt = tokenizer.chat_prompt(messages, template_tools, variables, request.chat_end,
-                                       counts)
+                                       counts, most_tokens)
+    except TooManyTokens as error:
+        raise _too_long(error, most_tokens, "messages") from error
     except (TemplateError, ValueError, TypeError) as error:
         # Templates reject what they cannot render (e.g. roles that do not alternate, or
         # a variable of a type the template cannot use).
@@ -166,12 +171,20 @@ def _heads(messages: list[TemplateMessage]) -> list[list[TemplateMessage]]:
 
 
 def raw_prompts(tokenizer: ModelTokenizer, request: GenerationRequest, token_limit: int,
-                images: Sequence[ImageFile] = ()) -> list[Prompt]:
+                images: Sequence[ImageFile] = (), most_tokens: int | None = None
+                ) -> list[Prompt]:
     """Legacy completions' prompts: text is encoded, token ids are taken as given (no
     message ends: they are no chat). An infill that fits (llama.cpp's) is cut to leave
     its reply room in `token_limit`, the request's context window. `images`: the loaded
-    images of a one-text prompt (Ollama's raw one), placed where its markers are."""
+    images of a one-text prompt (Ollama's raw one), placed where its markers are. A text
+    too long to hold at most `most_tokens` is refused before it is encoded."""
     prompts = request.prompts
+    try:
+        for prompt in prompts if request.infill is None else ():
+            if isinstance(prompt, str):
+                tokenizer.check_length(prompt, most_tokens)
+    except TooManyTokens as error:
+        raise _too_long(error, most_tokens, "prompt") from error
     if images:
         [text] = prompts
         assert isinstance(text, str) and tokenizer.images is not None
@@ -204,3 +217,7 @@ def _infill(tokenizer: ModelTokenizer, prefix: str, infill: Infill, fit: int | N
                        code="invalid_request", param=infill.param)
     return infill_prompt(tokens, partial(tokenizer.encode, special_tokens=False), prefix,
                          infill.suffix, infill.files, tokenizer.prompt_head, fit)
+
+
+def _too_long(error: TooManyTokens, most_tokens: int, param: str) -> PromptTooLong:
+    return PromptTooLong(error.least, most_tokens + 1, param=param, at_least=True)

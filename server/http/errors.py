@@ -144,11 +144,13 @@ class PromptTooLong(APIError):
     ("prompt is too long: N tokens > M maximum"), which Claude Code reads as the cue to
     compact its conversation."""
 
-    def __init__(self, tokens: int, limit: int, param: str | None = None) -> None:
+    def __init__(self, tokens: int, limit: int, param: str | None = None,
+                 at_least: bool = False) -> None:
+        """`at_least`: `tokens` is a bound, the prompt too long to be worth encoding."""
         super().__init__(
             400, f"This model's maximum context length is {limit} tokens. However, your "
-            f"prompt has {tokens} tokens, which leaves no room for a reply.",
-            code="context_length_exceeded", param=param)
+            f"prompt has {'at least ' if at_least else ''}{tokens} tokens, which leaves no "
+            f"room for a reply.", code="context_length_exceeded", param=param)
         self.tokens, self.limit = tokens, limit
 
     def anthropic_body(self, request_id: str | None = None) -> AnthropicErrorResponse:

@@ -4,12 +4,15 @@ server answers a normal request right after every case."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from engine.loader import load_tokenizer
 from server.http.errors import APIError, ServerBusy
 from tests.server.support import API_KEY, ServerProcess
 
@@ -300,6 +303,36 @@ def test_an_unknown_model_name_is_quoted_short(
         assert response.status_code == 404
         message = response.json()["error"]["message"]
         assert f"'{'m' * 200}...' does not exist" in message and len(message) < 400
+
+
+def test_a_prompt_far_past_the_window_is_too_long_before_it_is_encoded(
+    server: ServerProcess, headers: dict[str, str], demo_model_dir: Path, model_id: str
+) -> None:
+    """A text longer than the window's tokens could hold at the tokenizer's longest token
+    is refused by its length: 4 MB of prompt took 16 s of a busy core to encode, only to
+    be told it did not fit. Each API says so in its own words, with the bound it knows."""
+    window = httpx.post(f"{server.url}/tokenize", headers=headers, timeout=30,
+                        json={"prompt": "Hi"}).json()["max_model_len"]
+    longest = load_tokenizer(demo_model_dir).most_chars_a_token
+    text = "🦜 parrot " * (window * longest // 9 + 1)
+    least = len(text) // longest  # the bare text's: a chat's template adds to it
+    for path, body, param in (
+            (CHAT, {"messages": [{"role": "user", "content": text}]}, "messages"),
+            (COMPLETIONS, {"prompt": text}, "prompt")):
+        response = httpx.post(f"{server.url}{path}", headers=headers, timeout=60,
+                              json={**body, "max_tokens": 2})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", param)
+        said = re.search(r"your prompt has at least (\d+) tokens", error["message"])
+        assert said and int(said[1]) >= least, error
+        assert path == CHAT or int(said[1]) == least
+    response = httpx.post(f"{server.url}/v1/messages", headers=headers, timeout=60, json={
+        "model": model_id, "messages": [{"role": "user", "content": text}], "max_tokens": 2})
+    assert response.status_code == 400
+    said = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum",
+                        response.json()["error"]["message"])
+    assert said and int(said[1]) >= least and int(said[2]) == window, response.text
 
 
 def test_an_assistant_message_of_nothing_is_refused_in_the_apis_words(

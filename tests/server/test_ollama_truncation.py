@@ -68,12 +68,31 @@ def test_truncate_false_refuses_a_prompt_over_the_window(short_server: ServerPro
         assert "maximum context length" in refused.json()["error"]
 
 
-def test_a_prompt_over_the_window_is_cut_in_its_middle(short_server: ServerProcess) -> None:
-    for answered in (generate(short_server, "word " * 400),
-                     generate(short_server, "word " * 400, raw=True),
-                     chat(short_server, SYSTEM + [{"role": "user", "content": "word " * 400}])):
+# Past what the window's tokens could hold at the tokenizer's longest token: refused as
+# too long before it is encoded, where nothing cuts it.
+FAR_PAST = "word " * 20_000
+
+
+@pytest.mark.parametrize("words", ["word " * 400, FAR_PAST], ids=["over", "far past"])
+def test_a_prompt_over_the_window_is_cut_in_its_middle(short_server: ServerProcess,
+                                                       words: str) -> None:
+    for answered in (generate(short_server, words),
+                     generate(short_server, words, raw=True),
+                     chat(short_server, SYSTEM + [{"role": "user", "content": words}])):
         assert answered.status_code == 200, answered.text
         assert answered.json()["prompt_eval_count"] == CUT
+
+
+def test_a_chat_loses_an_old_message_too_long_to_encode(short_server: ServerProcess) -> None:
+    answered = chat(short_server, SYSTEM + [{"role": "user", "content": FAR_PAST},
+                                            *TURNS[-2:], *LAST])
+    assert answered.status_code == 200, answered.text
+    alone = chat(short_server, SYSTEM + TURNS[-2:] + LAST, truncate=False)
+    assert answered.json()["prompt_eval_count"] == alone.json()["prompt_eval_count"]
+    refused = chat(short_server, SYSTEM + [{"role": "user", "content": FAR_PAST}],
+                   truncate=False)
+    assert refused.status_code == 400
+    assert "prompt has at least " in refused.json()["error"]
 
 
 # Ollama runs a request in a context of num_ctx tokens (the model's when more).
