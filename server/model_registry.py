@@ -298,6 +298,8 @@ class ModelRegistry:
         if engine is not None:
             self.models[0].engine = engine
         self._placing = asyncio.Lock()  # one placement at a time: room is counted once
+        # The shares of engines told to stop whose processes have not exited: still held.
+        self._stopping_bytes = 0
         self._watcher: asyncio.Task | None = None
         self.stopping = False  # past the drain's deadline: no load goes on (`cancel`)
 
@@ -350,6 +352,7 @@ class ModelRegistry:
             return Lease(model)
         deadline = time.monotonic() + self.settings.load_timeout
         model.load_waiters += 1
+        waited = False
         try:
             while True:
                 self._reap(model)
@@ -361,11 +364,14 @@ class ModelRegistry:
                 if model.state is ModelState.LOADED:
                     # A request without keep_alive (an Ollama route sets its own once it
                     # holds the model) goes back to the idle timeout, as Ollama's goes back
-                    # to its default: a keep_alive 0 before no longer unloads it.
-                    model.keep_alive = None
+                    # to its default: a keep_alive 0 before no longer unloads it. One that
+                    # waited for the load leaves a stop sent meanwhile to be done after it.
+                    if not waited:
+                        model.keep_alive = None
                     return Lease(model)
                 if model.loading is None:
                     model.loading = asyncio.create_task(self._load(model))
+                waited = True
                 try:
                     await asyncio.wait_for(self._await_load(model, model.loading),
                                            max(0.0, deadline - time.monotonic()))
@@ -457,7 +463,7 @@ class ModelRegistry:
                 log.error("%s", model.last_error)
                 if model.engine is engine:
                     model.engine = None
-                await asyncio.to_thread(engine.shutdown)
+                await self._stop(model, engine)
                 raise APIError(503, model.last_error, code="model_load_failed",
                                headers=RETRY_LATER)
             while model.clear_on_load:  # asked again during the clear: again
@@ -493,9 +499,11 @@ class ModelRegistry:
         while (free := self.budget_bytes - self._placed_bytes()) < model.share_bytes:
             movable = self._movable(model)
             if not movable:
-                if not any(other.loading for other in self.models if other is not model):
+                if not self._stopping_bytes and not any(
+                        other.loading for other in self.models if other is not model):
                     raise self._no_room(model, free)
-                # Loading models hold the room; once loaded, they can make it.
+                # Loading models hold the room; once loaded, they can make it. Stopping
+                # engines give theirs back as their processes exit.
                 if time.monotonic() > deadline:
                     raise self._still_loading(model)
                 await asyncio.sleep(WATCH_SECONDS / 4)
@@ -539,23 +547,38 @@ class ModelRegistry:
             code="model_not_ready", headers=RETRY_LATER)
 
     def _placed_bytes(self) -> int:
-        return sum(model.share_bytes for model in self.models if model.engine is not None)
+        return self._stopping_bytes + sum(model.share_bytes for model in self.models
+                                          if model.engine is not None)
 
     async def unload(self, model: ServedModel) -> None:
         """Stop `model`'s engine (its disk tier is flushed; the next load restores it).
-        Refused (409) while requests hold it."""
+        Refused (409) while requests hold it or wait for its load under way: cancelling
+        that load failed them all with a 503."""
         await cancel_background(model)
         if model.inflight:
             raise APIError(409, f"the model {model.id} has {model.inflight} requests in "
                            "flight", code="model_busy")
+        if model.loading is not None and model.load_waiters:
+            raise APIError(409, f"the model {model.id} is loading for {model.load_waiters} "
+                           "requests", code="model_busy")
         _cancel_load(model)  # a load that still waits for room has no engine
         model.keep_alive = None
         engine, model.engine = model.engine, None
         if engine is None:
             return
         model.counters.unloads += 1
-        await asyncio.to_thread(engine.shutdown)
+        await self._stop(model, engine)
         log.info("model %s unloaded", model.id)
+
+    async def _stop(self, model: ServedModel, engine: EngineClient) -> None:
+        """Stop `engine`, `model`'s, its share of the budget held until it has: a process
+        still loading takes up to its stop timeout to end, and another model's load beside
+        it had both models' weights in memory."""
+        self._stopping_bytes += model.share_bytes
+        try:
+            await asyncio.to_thread(engine.shutdown)
+        finally:
+            self._stopping_bytes -= model.share_bytes
 
     async def unload_once_idle(self, model: ServedModel) -> None:
         """A client's unload (Ollama's keep_alive 0, LM Studio's): `model` now, or while

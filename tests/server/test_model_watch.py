@@ -4,6 +4,7 @@ goes wrong with one of them: a server left running for months relies on it."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -96,3 +97,40 @@ async def test_a_pinned_model_whose_load_fails_is_loaded_again_until_it_loads(
         assert other.engine is None
     finally:
         registry.stop_watching()
+
+
+class SlowToStopEngine(ReadyEngine):
+    """A loaded engine whose process takes until `stopped` is set to exit."""
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+
+    def shutdown(self) -> None:
+        self.stopped.wait(30)
+
+
+async def test_an_engine_still_stopping_holds_its_share_of_the_budget() -> None:
+    """A model unloaded while its process was still loading took as long as that load to
+    stop, and the next model's engine started beside it: with room for one, both models'
+    weights in memory."""
+    started: list[str] = []
+
+    def start_engine(spec: ModelSpec, settings: Settings, share: int) -> object:
+        started.append(spec.id)
+        return ReadyEngine()
+
+    settings = Settings(models=[ModelSpec(id=name, source=f"/models/{name}",
+                                          memory_bytes=1 << 30) for name in ("a", "b")],
+                        load_timeout=30)
+    registry = ModelRegistry(settings, start_engine, (1 << 30) + (1 << 29))
+    stopping = registry.models[0]
+    engine = stopping.engine = SlowToStopEngine()
+    unload = asyncio.create_task(registry.unload(stopping))
+    await asyncio.sleep(WATCH_SECONDS)
+    lease = asyncio.create_task(registry.acquire("b"))
+    await asyncio.sleep(WATCH_SECONDS * 2)
+    assert started == [] and not lease.done()  # no room while the process stops
+    engine.stopped.set()
+    await unload
+    (await lease).release()
+    assert started == ["b"]

@@ -445,6 +445,37 @@ def test_an_unload_cancels_a_load_that_waits_for_room(budget: ServerProcess) -> 
     assert sorted(m for m, state in states(budget).items() if state == "loaded") == loaded
 
 
+@pytest.fixture(scope="module")
+def slow(demos: list[Path], tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[ServerProcess]:
+    """A demo model whose loads are 3 s slower: time to act during one."""
+    server = start_models(tmp_path_factory.mktemp("slow"),
+                          [{"id": "s0", "source": str(demos[0])}], "--load-timeout", "60",
+                          entry=("tests.faults", "slow-load:3"))
+    yield server
+    assert server.stop() == 0
+
+
+def test_a_stop_while_requests_wait_for_the_load_lets_them_be_served(
+        slow: ServerProcess) -> None:
+    """`ollama stop`, LM Studio's unload or an operator's, while requests waited for the
+    model's load: the load was cancelled, and every one of them failed with a 503. The
+    operator's is a 409, as for a model in use; a client's unloads the model once they
+    are done."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(chat, slow, "s0")
+        time.sleep(1.0)
+        assert states(slow)["s0"] == "loading"
+        operator = httpx.post(f"{slow.url}/admin/models/s0/unload", headers=AUTH, timeout=60)
+        assert operator.status_code == 409
+        assert operator.json()["error"]["code"] == "model_busy"
+        stop = httpx.post(f"{slow.url}/api/generate", headers=AUTH, timeout=60,
+                          json={"model": "s0", "prompt": "", "keep_alive": 0})
+        assert stop.status_code == 200, stop.text
+        assert waiting.result().status_code == 200, waiting.result().text
+    wait_until(lambda: states(slow)["s0"] == "unloaded", "unloaded after its request")
+
+
 def test_the_drains_deadline_ends_the_requests_waiting_for_a_load(
         real_model_dir: Path, tmp_path: Path) -> None:
     """SIGTERM while requests wait for their model's load: at the drain's deadline the
