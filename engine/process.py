@@ -61,6 +61,7 @@ from engine.loader import load_tokenizer, model_id_for
 from engine.platform_info import describe_platform
 from engine.streams import LoopRelays, RequestStream, WaitingCount
 from engine.tokenizer import ModelTokenizer
+from engine.weights_digest import tokenizer_files_identity
 
 log = logging.getLogger("radix_mlx.engine")
 
@@ -248,11 +249,19 @@ def _report_lifecycle(engine: Engine, outbox: Outbox) -> None:
 
 # -- the server's side --------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=32)
 def server_tokenizer(model_path: str, chat_template: str | None) -> ModelTokenizer:
     """The server's tokenizer of a model directory, kept across the model's reloads: the
     prompt text it has tokenized (engine/token_cache.py) outlives an idle unload, so the
-    first request after the reload tokenizes only what is new."""
+    first request after the reload tokenizes only what is new. Kept while the directory's
+    files are the same: a folder updated in place and reloaded ran its new weights under
+    its old tokenizer and chat template."""
+    return _server_tokenizer(model_path, chat_template,
+                             tokenizer_files_identity(Path(model_path)))
+
+
+@functools.lru_cache(maxsize=32)
+def _server_tokenizer(model_path: str, chat_template: str | None,
+                      files: tuple[tuple[str, tuple[int, ...]], ...]) -> ModelTokenizer:
     return load_tokenizer(Path(model_path), chat_template)
 
 

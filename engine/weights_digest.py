@@ -31,6 +31,8 @@ MEMO_FILE = "weights-digests.json"
 BLOCK_BYTES = 64 << 20
 READ_BYTES = 4 << 20
 HASH_THREADS = min(8, os.cpu_count() or 1)
+# Files of a model directory that hold weights, not what its tokenizer reads.
+WEIGHTS_SUFFIXES = frozenset({".safetensors", ".gguf", ".bin", ".pt", ".pth", ".npz"})
 
 
 def weights_digest(files: Iterable[Path], memo_directory: Path) -> str:
@@ -40,7 +42,7 @@ def weights_digest(files: Iterable[Path], memo_directory: Path) -> str:
     digest = hashlib.blake2b(digest_size=16)
     changed = False
     for path in files:
-        name, identity = str(path.resolve()), _identity(path)
+        name, identity = str(path.resolve()), file_identity(path)
         known = memo.get(name)
         if known is None or known[0] != identity:
             started = time.perf_counter()
@@ -65,7 +67,14 @@ def model_files_identity(model_dir: Path) -> dict[str, list[int]]:
     the bytes hashed are the bytes loaded; a file replaced in between (an update landing
     as a server starts) would name the new weights' folder for KV the old ones compute."""
     paths = [model_dir / "config.json", *weights_files(model_dir)]
-    return {path.name: _identity(path) for path in paths if path.exists()}
+    return {path.name: file_identity(path) for path in paths if path.exists()}
+
+
+def tokenizer_files_identity(model_dir: Path) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The identity of every file of a model directory but its weights: its tokenizer,
+    chat template and end-of-sequence ids are read from them."""
+    return tuple((path.name, tuple(file_identity(path))) for path in sorted(model_dir.iterdir())
+                 if path.is_file() and path.suffix not in WEIGHTS_SUFFIXES)
 
 
 def file_digest(path: Path) -> str:
@@ -93,7 +102,8 @@ def _block_digest(fd: int, start: int, size: int) -> bytes:
     return digest.digest()
 
 
-def _identity(path: Path) -> list[int]:
+def file_identity(path: Path) -> list[int]:
+    """What changes when a file is replaced or written in place."""
     stat = path.stat()
     return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -164,6 +165,24 @@ def test_a_models_tokenizer_outlives_its_engine_process(demo_model_dir: Path) ->
     first = server_tokenizer(str(demo_model_dir), None)
     assert server_tokenizer(str(demo_model_dir), None) is first
     assert server_tokenizer(str(demo_model_dir), "{{ messages[0].content }}") is not first
+
+
+def test_a_model_folder_updated_in_place_is_read_again(demo_model_dir: Path,
+                                                       tmp_path: Path) -> None:
+    """A folder whose tokenizer or chat template changed in place (a new snapshot), then
+    reloaded by an idle unload, eviction or crash, ran its new weights under the server's
+    old tokenizer: the old template's prompts, or a vocabulary's old ids."""
+    folder = tmp_path / "model"
+    shutil.copytree(demo_model_dir, folder)
+    first = server_tokenizer(str(folder), None)
+    assert server_tokenizer(str(folder), None) is first
+    config = folder / "tokenizer_config.json"
+    settings = json.loads(config.read_text())
+    settings["chat_template"] = "{% for m in messages %}<{{ m.content }}>{% endfor %}"
+    config.write_text(json.dumps(settings))
+    updated = server_tokenizer(str(folder), None)
+    assert updated is not first
+    assert updated.decode(updated.chat_prompt([{"role": "user", "content": "Hi"}])) == "<Hi>"
 
 
 class LoadingEngine:
