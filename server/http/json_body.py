@@ -12,6 +12,7 @@ write one, and a body saved by them and sent with `curl -d @file` is otherwise v
 from __future__ import annotations
 
 import codecs
+import gc
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -50,14 +51,28 @@ class JSONRequest(Request):
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
+            body = await self.body()
             try:
-                self._json = pydantic_core.from_json(await self.body(), allow_inf_nan=False)
+                self._json = _parsed(body)
             except ValueError as error:
                 # FastAPI passes an HTTPException on as it is (our 400 invalid_request);
                 # any other error here would become its own vaguer 400.
                 raise HTTPException(
                     400, f"the body is not valid JSON text: {_described(error)}") from None
         return self._json
+
+
+def _parsed(body: bytes) -> Any:
+    """`body` parsed with the cyclic garbage collector paused: JSON holds no cycles, and
+    the collections its many containers set off made a 4 MB body of empty arrays take
+    0.71 s of the event loop instead of 0.22."""
+    if not gc.isenabled():
+        return pydantic_core.from_json(body, allow_inf_nan=False)
+    gc.disable()
+    try:
+        return pydantic_core.from_json(body, allow_inf_nan=False)
+    finally:
+        gc.enable()
 
 
 def _described(error: ValueError) -> str:
