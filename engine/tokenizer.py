@@ -63,13 +63,17 @@ class ThinkingMarkers:
     end_tokens: tuple[int, ...]
 
 
+# Characters of a text too long to encode that are encoded to estimate its tokens.
+SAMPLE_CHARS = 32_768
+
+
 class TooManyTokens(Exception):
     """A text that holds more tokens than its request allows, known from its length alone,
-    without encoding it."""
+    without encoding it: at least `least`, about `estimate` (from a sample encoded)."""
 
-    def __init__(self, least: int) -> None:
+    def __init__(self, least: int, estimate: int) -> None:
         super().__init__(f"at least {least} tokens")
-        self.least = least
+        self.least, self.estimate = least, estimate
 
 
 class ModelTokenizer:
@@ -159,7 +163,13 @@ class ModelTokenizer:
             return
         least = (len(text) - text.count(BREAK)) // self.most_chars_a_token
         if least > most_tokens:
-            raise TooManyTokens(least)
+            raise TooManyTokens(least, max(least, self._estimated_tokens(text)))
+
+    def _estimated_tokens(self, text: str) -> int:
+        """`text`'s tokens, from its first and last `SAMPLE_CHARS` characters encoded."""
+        half = SAMPLE_CHARS // 2
+        sample = text if len(text) <= SAMPLE_CHARS else text[:half] + text[-half:]
+        return round(len(self.encode(sample, special_tokens=False)) * len(text) / len(sample))
 
     @cached_property
     def most_chars_a_token(self) -> int | None:

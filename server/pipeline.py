@@ -27,7 +27,7 @@ from engine.api import (
     SamplingParams,
     TokenEvent,
 )
-from engine.tokenizer import ModelTokenizer, ThinkingMarkers, ToolCallFormat
+from engine.tokenizer import ModelTokenizer, ThinkingMarkers, ToolCallFormat, TooManyTokens
 from server import generic_tools
 from server.config import SamplingDefaults, Settings
 from server.events import (
@@ -247,13 +247,21 @@ async def render(model: ServedModel, request: GenerationRequest, generated: bool
     # Rendering and tokenizing a long conversation takes milliseconds: off the event
     # loop, so streams in flight keep flowing meanwhile.
     window = request.token_limit(model.engine.token_limit)
-    most_tokens = window - 1 if generated and request.keep_tokens is None else None
-    if not request.is_chat:
-        return await asyncio.to_thread(raw_prompts, tokenizer, request, window, images,
-                                       most_tokens)
-    request = _as_rendered(model, request)
-    return [await asyncio.to_thread(chat_prompt, tokenizer, request,
-                                    model.engine.wants_message_ends, images, most_tokens)]
+    # A reply needs a token of room; a prompt scored alone (echo, max_tokens 0) none.
+    room = 0 if request.max_tokens == 0 else 1
+    most_tokens = window - room if generated and request.keep_tokens is None else None
+    try:
+        if not request.is_chat:
+            return await asyncio.to_thread(raw_prompts, tokenizer, request, window, images,
+                                           most_tokens)
+        request = _as_rendered(model, request)
+        return [await asyncio.to_thread(chat_prompt, tokenizer, request,
+                                        model.engine.wants_message_ends, images, most_tokens)]
+    except TooManyTokens as error:
+        # Anthropic's refusal gives a count, which Claude Code reads to compact the chat
+        # by: the estimate's, close for any text, where the bound may be tenfold short.
+        raise PromptTooLong(error.estimate, window, least=error.least,
+                            param="messages" if request.is_chat else "prompt") from error
 
 
 async def fits_context(lease: Lease, request: GenerationRequest) -> bool:

@@ -14,10 +14,10 @@ from transformers import PreTrainedTokenizerBase
 from engine.api import ImageFile, Prompt
 from engine.fill_in_middle import INFILL_BATCH, infill_prompt
 from engine.image_tokens import MARKER, ImageTokens
-from engine.tokenizer import ChatEnd, ModelTokenizer, TooManyTokens
+from engine.tokenizer import ChatEnd, ModelTokenizer
 from server import generic_tools as generic
 from server.conversation import SYSTEM_ROLES, knows_developer, normalize, renders_late_system
-from server.http.errors import APIError, PromptTooLong
+from server.http.errors import APIError
 from server.request import GenerationRequest, Infill, TemplateMessage
 
 # apply_chat_template's own options, which chat_template_kwargs must not set: they are no
@@ -72,8 +72,8 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
     (the engine snapshots there, `Engine.wants_message_ends`), where the system messages
     and the last few messages end: each costs another render (`_heads`). `images`: the
     request's, loaded (`server.images`), each keyed in the prompt on its digest. A prompt
-    whose text is too long to hold at most `most_tokens` is refused before it is encoded
-    (`ModelTokenizer.check_length`)."""
+    whose text is too long to hold at most `most_tokens` raises `TooManyTokens` before it
+    is encoded (`ModelTokenizer.check_length`)."""
     if not tokenizer.has_chat_template:
         raise APIError(
             400, "this model has no chat template; use /v1/completions", code="invalid_request",
@@ -108,8 +108,6 @@ def chat_prompt(tokenizer: ModelTokenizer, request: GenerationRequest,
     try:
         prompt = tokenizer.chat_prompt(messages, template_tools, variables, request.chat_end,
                                        counts, most_tokens)
-    except TooManyTokens as error:
-        raise _too_long(error, most_tokens, "messages") from error
     except (TemplateError, ValueError, TypeError) as error:
         # Templates reject what they cannot render (e.g. roles that do not alternate, or
         # a variable of a type the template cannot use).
@@ -177,14 +175,11 @@ def raw_prompts(tokenizer: ModelTokenizer, request: GenerationRequest, token_lim
     message ends: they are no chat). An infill that fits (llama.cpp's) is cut to leave
     its reply room in `token_limit`, the request's context window. `images`: the loaded
     images of a one-text prompt (Ollama's raw one), placed where its markers are. A text
-    too long to hold at most `most_tokens` is refused before it is encoded."""
+    too long to hold at most `most_tokens` raises `TooManyTokens` before it is encoded."""
     prompts = request.prompts
-    try:
-        for prompt in prompts if request.infill is None else ():
-            if isinstance(prompt, str):
-                tokenizer.check_length(prompt, most_tokens)
-    except TooManyTokens as error:
-        raise _too_long(error, most_tokens, "prompt") from error
+    for prompt in prompts if request.infill is None else ():
+        if isinstance(prompt, str):
+            tokenizer.check_length(prompt, most_tokens)
     if images:
         [text] = prompts
         assert isinstance(text, str) and tokenizer.images is not None
@@ -218,6 +213,3 @@ def _infill(tokenizer: ModelTokenizer, prefix: str, infill: Infill, fit: int | N
     return infill_prompt(tokens, partial(tokenizer.encode, special_tokens=False), prefix,
                          infill.suffix, infill.files, tokenizer.prompt_head, fit)
 
-
-def _too_long(error: TooManyTokens, most_tokens: int, param: str) -> PromptTooLong:
-    return PromptTooLong(error.least, most_tokens + 1, param=param, at_least=True)

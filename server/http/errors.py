@@ -145,12 +145,14 @@ class PromptTooLong(APIError):
     compact its conversation."""
 
     def __init__(self, tokens: int, limit: int, param: str | None = None,
-                 at_least: bool = False) -> None:
-        """`at_least`: `tokens` is a bound, the prompt too long to be worth encoding."""
+                 least: int | None = None) -> None:
+        """`least`: the prompt, too long to be worth encoding, holds at least that many
+        tokens by its length, and about `tokens` by a sample of it encoded."""
+        counted = f"{tokens}" if least is None else f"at least {least} (about {tokens})"
         super().__init__(
             400, f"This model's maximum context length is {limit} tokens. However, your "
-            f"prompt has {'at least ' if at_least else ''}{tokens} tokens, which leaves no "
-            f"room for a reply.", code="context_length_exceeded", param=param)
+            f"prompt has {counted} tokens, which leaves no room for a reply.",
+            code="context_length_exceeded", param=param)
         self.tokens, self.limit = tokens, limit
 
     def anthropic_body(self, request_id: str | None = None) -> AnthropicErrorResponse:

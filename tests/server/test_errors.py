@@ -324,15 +324,43 @@ def test_a_prompt_far_past_the_window_is_too_long_before_it_is_encoded(
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert (error["code"], error["param"]) == ("context_length_exceeded", param)
-        said = re.search(r"your prompt has at least (\d+) tokens", error["message"])
+        said = re.search(r"your prompt has at least (\d+) \(about (\d+)\) tokens",
+                         error["message"])
         assert said and int(said[1]) >= least, error
         assert path == CHAT or int(said[1]) == least
-    response = httpx.post(f"{server.url}/v1/messages", headers=headers, timeout=60, json={
-        "model": model_id, "messages": [{"role": "user", "content": text}], "max_tokens": 2})
+    # Anthropic's words give one count, which Claude Code compacts by: the estimate's,
+    # where the bound is tenfold short.
+    chat = {"model": model_id, "messages": [{"role": "user", "content": text}]}
+    counted = httpx.post(f"{server.url}/v1/messages/count_tokens", headers=headers,
+                         timeout=120, json=chat).json()["input_tokens"]
+    response = httpx.post(f"{server.url}/v1/messages", headers=headers, timeout=60,
+                          json={**chat, "max_tokens": 2})
     assert response.status_code == 400
     said = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum",
                         response.json()["error"]["message"])
-    assert said and int(said[1]) >= least and int(said[2]) == window, response.text
+    assert said and int(said[2]) == window, response.text
+    assert abs(int(said[1]) - counted) < counted / 20, (said[1], counted)
+
+
+def test_a_prompt_scored_alone_may_fill_the_window_with_the_longest_tokens(
+    server: ServerProcess, headers: dict[str, str], demo_model_dir: Path
+) -> None:
+    """echo with max_tokens 0 scores a prompt and generates nothing: one of the window's
+    full length is served. Made of the tokenizer's longest tokens, its length alone says
+    it might not fit; it was refused as leaving no room for a reply."""
+    tokenizer = load_tokenizer(demo_model_dir)
+    window = httpx.post(f"{server.url}/tokenize", headers=headers, timeout=30,
+                        json={"prompt": "Hi"}).json()["max_model_len"]
+    longest = max(tokenizer.vocabulary().values(), key=lambda i: len(tokenizer.decode([i])))
+    text = tokenizer.decode([longest] * window)
+    assert len(tokenizer.encode(text, special_tokens=False)) == window
+    scored = httpx.post(f"{server.url}{COMPLETIONS}", headers=headers, timeout=300, json={
+        "prompt": text, "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert scored.status_code == 200, scored.text
+    assert len(scored.json()["choices"][0]["logprobs"]["tokens"]) == window
+    fuller = httpx.post(f"{server.url}{COMPLETIONS}", headers=headers, timeout=60, json={
+        "prompt": text, "max_tokens": 1})
+    assert fuller.status_code == 400
 
 
 def test_an_assistant_message_of_nothing_is_refused_in_the_apis_words(
