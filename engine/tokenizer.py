@@ -159,7 +159,9 @@ class ModelTokenizer:
         """Raise `TooManyTokens` if `text` holds more than `most_tokens` tokens by its length
         alone: a 4 MB prompt was encoded whole, 16 s of a busy core, only to be told it
         did not fit the context window."""
-        if most_tokens is None or self.most_chars_a_token is None:
+        # A token stands for a character or more: a text no longer than `most_tokens`
+        # fits, and most prompts need not look up the bound at all.
+        if most_tokens is None or len(text) <= most_tokens or self.most_chars_a_token is None:
             return
         least = (len(text) - text.count(BREAK)) // self.most_chars_a_token
         if least > most_tokens:
@@ -185,16 +187,9 @@ class ModelTokenizer:
                 or (step["type"] == "Split" and step.get("behavior") != "Removed")
                 for step in component_steps(self.fast.pre_tokenizer)):
             return None
-        longest = max(map(len, map(self._piece_or_text_bytes, self.fast.get_vocab())),
+        longest = max(map(len, map(self._token_bytes, self.fast.get_vocab().values())),
                       default=1)
         return longest * (3 if normalizers else 1)
-
-    def _piece_or_text_bytes(self, piece: str) -> bytes:
-        """A vocabulary piece's bytes; an added token's (stored as its text) are its text's."""
-        try:
-            return self._piece_bytes(piece)
-        except KeyError:
-            return piece.encode("utf-8")
 
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `special_tokens` adds what the tokenizer adds to a whole
